@@ -1,0 +1,122 @@
+"""The `mlxpaged` command: chat | serve | bench | models | pull."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import mlxpaged  # noqa: F401  (loads OpenBLAS before anything imports mlx)
+from mlxpaged.blas import blas_status
+from mlxpaged.models import ModelError
+
+NOT_YET = {"serve": "the OpenAI-compatible server"}
+
+
+def human_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from mlxpaged.model import default_dtype
+    from mlxpaged.models import list_models, models_dir
+
+    rows = list_models(default_dtype())
+    print(f"Models ({default_dtype()} store: {models_dir()})\n")
+    print(f"  {'NAME':<16} {'SOURCE':<10} {'LOCAL':<9} DESCRIPTION")
+    for row in rows:
+        name = row.name + (" *" if row.is_default else "")
+        local = human_bytes(row.size_bytes) if row.path else "no"
+        print(f"  {name:<16} {row.source:<10} {local:<9} {row.description}")
+    print("\n  * default model. `mlxpaged pull NAME` fetches a model; hub models need internet once.")
+    if args.verbose:
+        print_doctor()
+    return 0
+
+
+def print_doctor() -> None:
+    import mlx.core as mx
+
+    status = blas_status()
+    print(f"\nBLAS:    {status.name}" + (f" ({status.path})" if status.path else "") + f" - {status.detail}")
+    print(f"MLX:     {mx.__version__}, device {mx.default_device()}")
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    from mlxpaged.model import default_dtype, print_progress
+    from mlxpaged.models import provision, remove_partial_conversions, resolve
+
+    remove_partial_conversions()
+    ref = resolve(args.model)
+    path = provision(ref, default_dtype(), print_progress)
+    print(f"{ref.name}: ready at {path}")
+    return 0
+
+
+def cmd_not_yet(args: argparse.Namespace) -> int:
+    print(f"mlxpaged {args.command}: {NOT_YET[args.command]} is not implemented yet", file=sys.stderr)
+    return 2
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from mlxpaged_app.repl import run_repl
+
+    return run_repl(args.model, max_tokens=args.max_tokens, temperature=args.temperature)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from mlxpaged_app.bench import run_bench
+
+    return run_bench(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mlxpaged", description="Local LLM inference on MLX with a paged KV cache.")
+    parser.add_argument("--version", action="version", version=f"mlxpaged {mlxpaged.__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    chat = sub.add_parser("chat", help="chat with a model in the terminal")
+    chat.add_argument("--model", "-m", default=None, help="preset name, local path or Hugging Face repo id")
+    chat.add_argument("--max-tokens", type=int, default=512)
+    chat.add_argument("--temperature", type=float, default=0.7)
+    chat.set_defaults(func=cmd_chat)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP endpoint (not implemented yet)")
+    serve.set_defaults(func=cmd_not_yet)
+
+    bench = sub.add_parser("bench", help="benchmarks against mlx-lm")
+    bench.add_argument("what", choices=["decode"], help="decode: batch-1 decode tok/s, baseline path")
+    bench.add_argument("--model", "-m", default=None)
+    bench.add_argument("--tokens", type=int, default=128, help="tokens to generate per run")
+    bench.add_argument("--runs", type=int, default=3)
+    bench.set_defaults(func=cmd_bench)
+
+    models = sub.add_parser("models", help="list presets and local models")
+    models.add_argument("--verbose", "-v", action="store_true", help="also show BLAS and MLX device")
+    models.set_defaults(func=cmd_models)
+
+    pull = sub.add_parser("pull", help="download / convert a model into the local store")
+    pull.add_argument("model", nargs="?", default=None, help="preset, path or hub id (default: the default preset)")
+    pull.set_defaults(func=cmd_pull)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ModelError as exc:
+        print(f"mlxpaged: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
