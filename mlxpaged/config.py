@@ -1,0 +1,103 @@
+"""Settings for the paged KV cache, validated when built.
+
+Every check raises ValueError naming the field and the bad value; nothing here asserts.
+`parse_size` turns the CLI's "--kv-memory 2GB" into bytes.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+
+# Decimal units are powers of 1000 (as disks, macOS and mlx-lm's own --max-kv-size parser count);
+# binary units ("GiB", or "Gi") are powers of 1024. A bare number is bytes.
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 10**3, "kb": 10**3, "ki": 2**10, "kib": 2**10,
+    "m": 10**6, "mb": 10**6, "mi": 2**20, "mib": 2**20,
+    "g": 10**9, "gb": 10**9, "gi": 2**30, "gib": 2**30,
+    "t": 10**12, "tb": 10**12, "ti": 2**40, "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*$")
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes in a size such as "2GB", "512MiB", "1.5G", "4096" or an int.
+
+    "K/M/G/T" and "KB/MB/GB/TB" are decimal (1 GB = 10**9 bytes, like mlx-lm's size flags);
+    "KiB/MiB/GiB/TiB" (or "Ki/Mi/Gi/Ti") are binary (1 GiB = 2**30 bytes). Case does not
+    matter. Fractions of a byte are dropped ("1.5KiB" is 1536 bytes).
+    """
+    if isinstance(text, bool):
+        raise ValueError(f"size must be a number of bytes or a string like '2GB', got {text!r}")
+    if isinstance(text, int):
+        if text < 0:
+            raise ValueError(f"size must not be negative, got {text}")
+        return text
+    if not isinstance(text, str):
+        raise ValueError(f"size must be a number of bytes or a string like '2GB', got {text!r}")
+    match = _SIZE_RE.match(text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ValueError(f"cannot read {text!r} as a size; use bytes or a unit, e.g. '2GB', '512MiB', '1.5G'")
+    try:
+        number = Decimal(match.group(1))
+    except InvalidOperation as exc:  # the regex should make this unreachable
+        raise ValueError(f"cannot read {text!r} as a size") from exc
+    return int(number * _UNITS[unit])
+
+
+def _require_positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _require_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """How big the paged KV cache may be and how it is used.
+
+    Size it by at most one of `kv_memory` (bytes, e.g. parse_size("2GB")) or
+    `memory_fraction` (of the memory left for the cache after weights, activations and
+    the OS reserve; see mlxpaged.memory). Neither: a backend default. `max_tokens` caps
+    the cache at the context you need in total across sequences (--max-tokens).
+    `max_batch_tokens` bounds one model step (prefill chunks included) and so the
+    activation headroom; `max_num_seqs` bounds concurrent sequences. `wire=False`
+    (--no-wire) leaves the Metal wired limit alone.
+    """
+
+    block_size: int = 16
+    kv_memory: int | None = None
+    memory_fraction: float | None = None
+    max_tokens: int | None = None
+    max_batch_tokens: int = 2048
+    max_num_seqs: int = 16
+    wire: bool = True
+    enable_prefix_cache: bool = True
+
+    def __post_init__(self) -> None:
+        _require_positive_int("block_size", self.block_size)
+        _require_positive_int("max_batch_tokens", self.max_batch_tokens)
+        _require_positive_int("max_num_seqs", self.max_num_seqs)
+        if self.max_tokens is not None:
+            _require_positive_int("max_tokens", self.max_tokens)
+        if self.kv_memory is not None:
+            _require_positive_int("kv_memory (bytes)", self.kv_memory)
+        if self.memory_fraction is not None:
+            self._check_fraction(self.memory_fraction)
+        if self.kv_memory is not None and self.memory_fraction is not None:
+            raise ValueError(
+                f"set only one of kv_memory ({self.kv_memory} bytes) and memory_fraction "
+                f"({self.memory_fraction}): both size the KV cache")
+        _require_bool("wire", self.wire)
+        _require_bool("enable_prefix_cache", self.enable_prefix_cache)
+
+    @staticmethod
+    def _check_fraction(value: object) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
+            raise ValueError(f"memory_fraction must be a number in (0, 1], got {value!r}")

@@ -1,0 +1,431 @@
+"""Device memory facts, the KV cache sizing plan, and the Metal wired-limit context manager.
+
+How the plan is sized (all in bytes):
+
+    device limit   Metal: max_recommended_working_set_size (the GPU's ceiling; Apple already
+                   keeps 25-33% of RAM outside it). CPU: psutil's available memory (and the
+                   cgroup's, in a container).
+  - OS reserve     max(1 GiB, 10% of RAM). vLLM and mistral.rs default to 90% utilization,
+                   leaving 10% of the device; on unified memory that 10% is the OS's and
+                   other apps', and wired pages cannot be paged out for them.
+  - weights        the loaded model. On CPU, skipped when `weights_resident` (psutil's
+                   "available" was read after loading, so it no longer includes them).
+  - activations    max_batch_tokens x (hidden + vocab) x 4 B (float32 logits) x 2: the peak
+                   per-token activation of transformers' PagedAttentionMemoryHandler, doubled
+                   as its safety factor does (sampling makes a second vocab-sized array).
+  = left for KV    then: --kv-memory (must fit), --memory-fraction x left, or a default
+                   fraction of it (Metal 0.9, the slack MLX's buffer cache needs; CPU 0.5,
+                   because the pool is touched up front and a host with no swap OOM-kills).
+
+The block count is then capped by demand on every backend (mistral.rs's Metal rule: memory
+the cache can never use still competes with the OS): --max-tokens needs
+ceil(max_tokens / block_size) + max_num_seqs blocks (one partial block per sequence);
+without it, max_num_seqs x ceil(context / block_size). It must hold one sequence of the
+longest length asked for (min of --max-tokens and the model context), or the plan raises
+InsufficientMemoryError with the numbers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+from mlxpaged.config import CacheConfig
+
+OS_RESERVE_FLOOR = 2**30
+OS_RESERVE_FRACTION = 0.10
+ACTIVATION_DTYPE_BYTES = 4
+ACTIVATION_SAFETY_FACTOR = 2
+DEFAULT_KV_FRACTION = {"metal": 0.9, "cpu": 0.5}
+BACKENDS = ("metal", "cpu")
+
+
+class InsufficientMemoryError(Exception):
+    """The model and the cache asked for do not fit; the message says what to change."""
+
+    def __init__(self, message: str, *, needed_bytes: int, available_bytes: int) -> None:
+        super().__init__(message)
+        self.needed_bytes = needed_bytes
+        self.available_bytes = available_bytes
+
+
+def gb(n: int) -> str:
+    """Bytes as decimal gigabytes, the unit --kv-memory reads (1 GB = 10**9 bytes)."""
+    return f"{n / 1e9:.2f} GB"
+
+
+def _require_nonnegative_int(name: str, value: object, positive: bool = False) -> None:
+    low = 1 if positive else 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class DeviceFacts:
+    """What the device offers. Build it with detect(), or by hand in tests and planners."""
+
+    backend: str  # "metal" or "cpu"
+    total_bytes: int
+    available_bytes: int
+    max_recommended_working_set_size: int | None = None
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        _require_nonnegative_int("total_bytes", self.total_bytes, positive=True)
+        _require_nonnegative_int("available_bytes", self.available_bytes)
+        if self.backend == "metal":
+            _require_nonnegative_int("max_recommended_working_set_size",
+                                     self.max_recommended_working_set_size, positive=True)
+
+    @property
+    def limit_bytes(self) -> int:
+        """The ceiling the plan starts from: the working set on Metal, available memory on CPU."""
+        return self.max_recommended_working_set_size if self.backend == "metal" else self.available_bytes
+
+    @property
+    def limit_label(self) -> str:
+        return "Metal recommended working set" if self.backend == "metal" else "available host memory"
+
+    @classmethod
+    def detect(cls, mx_module=None, psutil_module=None, cgroup_dir: str = "/sys/fs/cgroup") -> DeviceFacts:
+        """Read this machine: mx.device_info() on Metal, psutil (and cgroup v2 limits) on CPU.
+        On Metal, available_bytes (psutil) is informational: the plan starts from the working set."""
+        if psutil_module is None:
+            import psutil as psutil_module
+        if mx_module is None:
+            import mlx.core as mx_module
+        info = mx_module.device_info()
+        vm = psutil_module.virtual_memory()
+        working_set = info.get("max_recommended_working_set_size")
+        name = str(info.get("device_name", ""))
+        if working_set is not None and mx_module.metal.is_available():
+            total = int(info.get("memory_size", vm.total))
+            return cls("metal", total, int(vm.available), int(working_set), name)
+        available = int(vm.available)
+        cgroup_free = _cgroup_available(Path(cgroup_dir))
+        if cgroup_free is not None:
+            available = min(available, cgroup_free)
+        return cls("cpu", int(vm.total), available, None, name)
+
+
+def _cgroup_available(root: Path) -> int | None:
+    """Bytes left under a cgroup v2 memory limit, or None when there is no limit."""
+    try:
+        limit = (root / "memory.max").read_text().strip()
+        if limit == "max":
+            return None
+        return max(int(limit) - int((root / "memory.current").read_text().strip()), 0)
+    except (OSError, ValueError):
+        return None
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """What one token costs in the KV cache. `sliding_windows` has one entry per layer:
+    None for full attention, else the window in tokens (such a layer keeps only recent blocks)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype_bytes: int
+    sliding_windows: tuple[int | None, ...] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "dtype_bytes"):
+            _require_nonnegative_int(name, getattr(self, name), positive=True)
+        if self.sliding_windows is None:
+            return
+        windows = tuple(self.sliding_windows)
+        object.__setattr__(self, "sliding_windows", windows)
+        if len(windows) != self.num_layers:
+            raise ValueError(f"sliding_windows has {len(windows)} entries for {self.num_layers} layers")
+        for window in windows:
+            if window is not None:
+                _require_nonnegative_int("a sliding window", window, positive=True)
+
+    @property
+    def layer_bytes_per_token(self) -> int:
+        return 2 * self.num_kv_heads * self.head_dim * self.dtype_bytes  # K and V
+
+    @property
+    def bytes_per_token(self) -> int:
+        """2 (K and V) x layers x kv_heads x head_dim x dtype bytes."""
+        return self.num_layers * self.layer_bytes_per_token
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """The model as the planner needs it."""
+
+    kv: KVShape
+    weight_bytes: int
+    hidden_size: int
+    vocab_size: int
+    context_length: int | None = None  # max_position_embeddings
+
+    def __post_init__(self) -> None:
+        _require_nonnegative_int("weight_bytes", self.weight_bytes)
+        _require_nonnegative_int("hidden_size", self.hidden_size, positive=True)
+        _require_nonnegative_int("vocab_size", self.vocab_size, positive=True)
+        if self.context_length is not None:
+            _require_nonnegative_int("context_length", self.context_length, positive=True)
+
+    @classmethod
+    def from_config(cls, config: dict, weight_bytes: int, kv_dtype_bytes: int) -> ModelFacts:
+        """From a Hugging Face style config.json dict. Sliding windows are read only from an
+        explicit `layer_types` list ("sliding_attention") with `sliding_window`."""
+        heads = _config_value(config, "num_attention_heads")
+        hidden = _config_value(config, "hidden_size")
+        layers = _config_value(config, "num_hidden_layers")
+        kv = KVShape(layers, config.get("num_key_value_heads") or heads,
+                     config.get("head_dim") or hidden // heads, kv_dtype_bytes, _config_windows(config))
+        return cls(kv, weight_bytes, hidden, _config_value(config, "vocab_size"),
+                   config.get("max_position_embeddings"))
+
+
+def _config_value(config: dict, key: str) -> int:
+    if key not in config:
+        raise ValueError(f"model config has no {key!r}; cannot size the KV cache")
+    return config[key]
+
+
+def _config_windows(config: dict) -> tuple[int | None, ...] | None:
+    types, window = config.get("layer_types"), config.get("sliding_window")
+    if not types or not window:
+        return None
+    return tuple(window if kind == "sliding_attention" else None for kind in types)
+
+
+def model_weight_bytes(model) -> int:
+    """Bytes of every parameter of an mlx.nn.Module (quantization scales included)."""
+    from mlx.utils import tree_flatten
+
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The sized cache. `layer_num_blocks[i]` is layer i's pool: num_blocks for full attention,
+    fewer for a sliding-window layer (its group needs its own block table to use that)."""
+
+    backend: str
+    num_blocks: int
+    block_size: int
+    token_capacity: int
+    bytes_per_token: int
+    block_bytes: int
+    kv_bytes: int
+    layer_num_blocks: tuple[int, ...]
+    breakdown: tuple[tuple[str, int], ...]  # device limit first; the rest add up to it
+    reason: str
+    wired_limit_bytes: int | None
+    wired_status: str
+
+    def describe(self) -> str:
+        """A multi-line summary for the CLI and the TUI."""
+        (limit_label, limit), *parts = self.breakdown
+        width = max(len(label) for label, _ in self.breakdown) + 4
+        lines = [f"KV cache plan ({self.backend})", f"  {limit_label:<{width}}{gb(limit):>10}"]
+        for label, size in parts:
+            sign = "=" if label == "left over" else "-"
+            lines.append(f"  {sign} {label:<{width - 2}}{gb(size):>10}")
+        lines.append(f"  {self.num_blocks:,} blocks x {self.block_size} tokens = {self.token_capacity:,} tokens; "
+                     f"{self.bytes_per_token:,} B/token, {self.block_bytes / 1e6:.2f} MB/block")
+        lines.append(f"  blocks: {self.reason}")
+        lines.append(f"  wired limit: {self.wired_status}")
+        return "\n".join(lines)
+
+
+def os_reserve_bytes(total_bytes: int) -> int:
+    return max(OS_RESERVE_FLOOR, int(total_bytes * OS_RESERVE_FRACTION))
+
+
+def activation_bytes(model: ModelFacts, max_batch_tokens: int) -> int:
+    per_token = (model.hidden_size + model.vocab_size) * ACTIVATION_DTYPE_BYTES
+    return max_batch_tokens * per_token * ACTIVATION_SAFETY_FACTOR
+
+
+def _window_caps(kv: KVShape, cache: CacheConfig) -> tuple[int | None, ...]:
+    """Per layer, the most blocks it can ever hold (None: as many as the pool). A sliding layer
+    keeps ceil(window / block_size) + 1 blocks per sequence, plus the chunk being prefilled
+    (at most max_batch_tokens over all sequences, as vLLM's SlidingWindowSpec counts it)."""
+    if kv.sliding_windows is None:
+        return (None,) * kv.num_layers
+    chunk = math.ceil(cache.max_batch_tokens / cache.block_size)
+    return tuple(None if w is None else cache.max_num_seqs * (math.ceil(w / cache.block_size) + 1) + chunk
+                 for w in kv.sliding_windows)
+
+
+def _layer_blocks(num_blocks: int, caps: Sequence[int | None]) -> tuple[int, ...]:
+    return tuple(num_blocks if cap is None else min(num_blocks, cap) for cap in caps)
+
+
+def _most_blocks_within(budget: int, caps: Sequence[int | None], layer_block_bytes: int) -> int:
+    """The largest block count whose pools fit in `budget` (pool size grows monotonically)."""
+    low, high = 0, budget // layer_block_bytes + max((c for c in caps if c is not None), default=0)
+    while low < high:
+        mid = (low + high + 1) // 2
+        if sum(_layer_blocks(mid, caps)) * layer_block_bytes <= budget:
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+def _demand(model: ModelFacts, cache: CacheConfig) -> tuple[int | None, str]:
+    """Blocks the cache could ever use, and why."""
+    if cache.max_tokens is not None:
+        blocks = math.ceil(cache.max_tokens / cache.block_size) + cache.max_num_seqs
+        return blocks, f"--max-tokens {cache.max_tokens:,}"
+    if model.context_length is not None:
+        blocks = cache.max_num_seqs * math.ceil(model.context_length / cache.block_size)
+        return blocks, f"model context {model.context_length:,} x {cache.max_num_seqs} sequences"
+    return None, ""
+
+
+def _longest_sequence(model: ModelFacts, cache: CacheConfig) -> int:
+    """Tokens of the longest single sequence the cache must hold."""
+    asked = [n for n in (cache.max_tokens, model.context_length) if n is not None]
+    return min(asked) if asked else cache.max_batch_tokens
+
+
+def _kv_budget(left: int, backend: str, cache: CacheConfig) -> tuple[int, str]:
+    if cache.kv_memory is not None:
+        if cache.kv_memory > left:
+            raise InsufficientMemoryError(
+                f"--kv-memory {gb(cache.kv_memory)} is more than the {gb(left)} left for the KV cache "
+                f"after weights, activations and the OS reserve; ask for at most {gb(left)}, "
+                "or lower --max-batch-tokens, or use a smaller model",
+                needed_bytes=cache.kv_memory, available_bytes=left)
+        return cache.kv_memory, f"limited by --kv-memory {gb(cache.kv_memory)}"
+    if cache.memory_fraction is not None:
+        return int(left * cache.memory_fraction), f"limited by --memory-fraction {cache.memory_fraction:g} of {gb(left)}"
+    fraction = DEFAULT_KV_FRACTION[backend]
+    return int(left * fraction), f"limited by memory (default {fraction:.0%} of the {gb(left)} left)"
+
+
+def _check_fixed_costs(limit: int, costs: list[tuple[str, int]], label: str) -> int:
+    """Memory left once the fixed costs are paid; raises when nothing is left."""
+    left = limit - sum(size for _, size in costs)
+    if left > 0:
+        return left
+    listed = " + ".join(f"{name} {gb(size)}" for name, size in costs)
+    raise InsufficientMemoryError(
+        f"{listed} = {gb(limit - left)} exceed the {label} of {gb(limit)}, leaving nothing for the KV cache; "
+        "use a smaller or more quantized model, or lower --max-batch-tokens",
+        needed_bytes=limit - left, available_bytes=limit)
+
+
+def _too_small(longest: int, need_bytes: int, budget: int, fits_tokens: int) -> InsufficientMemoryError:
+    shrink = f"use --max-tokens {fits_tokens:,} or less, " if fits_tokens > 0 else ""
+    return InsufficientMemoryError(
+        f"one {longest:,}-token sequence needs {gb(need_bytes)} of KV cache but only {gb(budget)} is available "
+        f"for it (room for {fits_tokens:,} tokens); {shrink}a larger --kv-memory or --memory-fraction if memory "
+        "allows, lower --max-batch-tokens, or a smaller model",
+        needed_bytes=need_bytes, available_bytes=budget)
+
+
+def _wired(device: DeviceFacts, cache: CacheConfig, weights_and_kv: int) -> tuple[int | None, str]:
+    if device.backend != "metal":
+        return None, "not applicable on CPU (MLX's CPU backend has no wired memory)"
+    if not cache.wire:
+        return None, "off (--no-wire)"
+    limit = min(weights_and_kv, device.max_recommended_working_set_size)
+    return limit, f"{gb(limit)} (weights + KV, at most the recommended working set)"
+
+
+def plan_memory(device: DeviceFacts, model: ModelFacts, cache: CacheConfig, *,
+                weights_resident: bool = False) -> MemoryPlan:
+    """Size the paged KV cache. See the module docstring for the rules.
+
+    weights_resident: the DeviceFacts were detected after the model was loaded, so on CPU
+    "available" already excludes the weights. On Metal the working set is a fixed ceiling
+    the weights always count against, so this flag changes nothing there.
+    """
+    skip_weights = weights_resident and device.backend == "cpu"
+    fixed = [("OS reserve", os_reserve_bytes(device.total_bytes)),
+             ("model weights", 0 if skip_weights else model.weight_bytes),
+             ("activations", activation_bytes(model, cache.max_batch_tokens))]
+    left = _check_fixed_costs(device.limit_bytes, fixed, device.limit_label)
+    budget, budget_reason = _kv_budget(left, device.backend, cache)
+    caps = _window_caps(model.kv, cache)
+    layer_block_bytes = model.kv.layer_bytes_per_token * cache.block_size
+    memory_blocks = _most_blocks_within(budget, caps, layer_block_bytes)
+    longest = _longest_sequence(model, cache)
+    need_blocks = math.ceil(longest / cache.block_size)
+    if memory_blocks < need_blocks:
+        need_bytes = sum(_layer_blocks(need_blocks, caps)) * layer_block_bytes
+        raise _too_small(longest, need_bytes, budget, memory_blocks * cache.block_size)
+    demand, demand_reason = _demand(model, cache)
+    if demand is not None and demand <= memory_blocks:
+        num_blocks, reason = demand, f"capped by {demand_reason} (memory allows {memory_blocks:,} blocks)"
+    else:
+        num_blocks, reason = memory_blocks, budget_reason
+        if demand is not None:
+            reason += f"; {demand_reason} would need {demand:,} blocks"
+    layer_blocks = _layer_blocks(num_blocks, caps)
+    kv_bytes = sum(layer_blocks) * layer_block_bytes
+    wired_bytes, wired_status = _wired(device, cache, model.weight_bytes + kv_bytes)
+    breakdown = _breakdown(device, model, cache, fixed, kv_bytes, left, skip_weights)
+    return MemoryPlan(device.backend, num_blocks, cache.block_size, num_blocks * cache.block_size,
+                      model.kv.bytes_per_token, model.kv.bytes_per_token * cache.block_size, kv_bytes,
+                      layer_blocks, breakdown, reason, wired_bytes, wired_status)
+
+
+def _breakdown(device: DeviceFacts, model: ModelFacts, cache: CacheConfig, fixed: list[tuple[str, int]],
+               kv_bytes: int, left: int, skip_weights: bool) -> tuple[tuple[str, int], ...]:
+    (_, reserve), (_, weights), (_, activations) = fixed
+    weights_label = (f"model weights ({gb(model.weight_bytes)}, already outside available)"
+                     if skip_weights else "model weights")
+    return (
+        (device.limit_label, device.limit_bytes),
+        (f"OS reserve ({OS_RESERVE_FRACTION:.0%} of {gb(device.total_bytes)} RAM, min 1 GiB)", reserve),
+        (weights_label, weights),
+        (f"activations ({cache.max_batch_tokens} tok x {model.hidden_size + model.vocab_size:,} x "
+         f"{ACTIVATION_DTYPE_BYTES} B x {ACTIVATION_SAFETY_FACTOR})", activations),
+        ("KV cache", kv_bytes),
+        ("left over", left - kv_bytes),
+    )
+
+
+@contextlib.contextmanager
+def wired_limit(target: MemoryPlan | int, enabled: bool = True, mx_module=None,
+                streams: Sequence | None = None) -> Iterator[int | None]:
+    """Wire `target` bytes (a plan's weights + KV, or a byte count) while the block runs.
+
+    Never above the device's max_recommended_working_set_size (mx.set_wired_limit raises
+    there). On exit, also by exception or Ctrl-C, it synchronizes MLX (the limit must not
+    change under an async eval, as mlx-lm's wired_limit does) and restores the previous
+    limit. A no-op, yielding None, when disabled, for a plan without a wired limit, or on a
+    device that reports no working set (the CPU backend). Yields the limit it set.
+    """
+    requested = target.wired_limit_bytes if isinstance(target, MemoryPlan) else target
+    if not enabled or requested is None:
+        yield None
+        return
+    if isinstance(requested, bool) or not isinstance(requested, int) or requested < 0:
+        raise ValueError(f"wired limit must be a byte count >= 0, got {requested!r}")
+    if mx_module is None:
+        import mlx.core as mx_module
+    working_set = mx_module.device_info().get("max_recommended_working_set_size")
+    if working_set is None:
+        yield None
+        return
+    limit = min(requested, int(working_set))
+    previous = mx_module.set_wired_limit(limit)
+    try:
+        yield limit
+    finally:
+        try:
+            if streams:
+                for stream in streams:
+                    mx_module.synchronize(stream)
+            else:
+                mx_module.synchronize()
+        finally:
+            mx_module.set_wired_limit(previous)
