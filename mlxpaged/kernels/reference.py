@@ -1,0 +1,133 @@
+"""Pure-MLX paged attention: the path on the CPU backend and the oracle for the Metal kernel.
+
+Pool layout (per layer): ``[num_blocks, num_kv_heads, block_size, head_dim]``; token ``t`` of a
+sequence lives at ``pool[table[t // block_size], :, t % block_size, :]``.
+
+Pages are gathered whole: the pool is viewed as ``[num_blocks * num_kv_heads, block_size * head_dim]``
+rows and one ``mx.take`` by ``table * num_kv_heads + head`` yields ``[B, num_kv_heads, tokens, D]``
+directly, with no transpose copy. Only the blocks that some query can see are gathered.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+def host_ints(values) -> list[int]:
+    """A host list of ints from an mx.array, numpy array or sequence (a leaf array costs no compute)."""
+    if isinstance(values, mx.array):
+        return [int(v) for v in values.tolist()]
+    return [int(v) for v in np.asarray(values).reshape(-1)]
+
+
+def as_table(block_tables) -> mx.array:
+    if isinstance(block_tables, mx.array):
+        return block_tables.astype(mx.int32) if block_tables.dtype != mx.int32 else block_tables
+    return mx.array(np.asarray(block_tables, dtype=np.int32))
+
+
+def gather_pages(pool: mx.array, tables: mx.array) -> mx.array:
+    """``pool`` [NB, KVH, BS, D], ``tables`` [B, nb] int32 -> [B, KVH, nb * BS, D]."""
+    num_blocks, kv_heads, block_size, head_dim = pool.shape
+    batch, nb = tables.shape
+    rows = pool.reshape(num_blocks * kv_heads, block_size * head_dim)
+    # Entries past a sequence's length may be padding: keep them in range (they are masked out).
+    safe = mx.clip(tables, 0, num_blocks - 1)
+    idx = safe[:, None, :] * kv_heads + mx.arange(kv_heads, dtype=mx.int32)[None, :, None]
+    return mx.take(rows, idx, axis=0).reshape(batch, kv_heads, nb * block_size, head_dim)
+
+
+def window_start(length: int, window: int | None) -> int:
+    """First key position a query at position ``length - 1`` may see."""
+    return max(0, length - window) if window else 0
+
+
+def _check_window(window: int | None) -> None:
+    if window is not None and window < 1:
+        raise ValueError(f"window must be a positive number of tokens or None, got {window}")
+
+
+def paged_attention_reference(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_tables,
+                              context_lens, scale: float, window: int | None = None) -> mx.array:
+    """Decode attention, one query token per sequence.
+
+    q [B, H, 1, D]; pools [NB, KVH, BS, D]; block_tables [B, max_blocks] int32;
+    context_lens [B] (tokens in the pool, the current token's K/V included). Returns [B, H, 1, D];
+    a sequence with context length 0 gets zeros.
+    """
+    _check_window(window)
+    batch, heads, qlen, head_dim = q.shape
+    block_size = k_pool.shape[2]
+    tables = as_table(block_tables)
+    lens = host_ints(context_lens)
+    if len(lens) != batch or tables.shape[0] != batch:
+        raise ValueError(f"batch mismatch: q has {batch} sequences, block_tables {tables.shape[0]}, "
+                         f"context_lens {len(lens)}")
+    capacity = tables.shape[1] * block_size
+    if lens and max(lens) > capacity:
+        raise ValueError(f"context length {max(lens)} exceeds the block table capacity {capacity} "
+                         f"({tables.shape[1]} blocks of {block_size})")
+    max_len = max(lens, default=0)
+    if max_len == 0:
+        return mx.zeros(q.shape, dtype=q.dtype)
+    starts = [window_start(n, window) if n else max_len for n in lens]
+    first_block = min(starts) // block_size
+    last_block = -(-max_len // block_size)
+    keys = gather_pages(k_pool, tables[:, first_block:last_block])
+    values = gather_pages(v_pool, tables[:, first_block:last_block])
+    mask = _decode_mask(lens, starts, first_block * block_size, last_block * block_size)
+    out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+    if min(lens) == 0:
+        out = mx.where(mx.array(np.asarray(lens) > 0)[:, None, None, None], out, mx.zeros((), q.dtype))
+    return out
+
+
+def _decode_mask(lens: list[int], starts: list[int], lo: int, hi: int) -> mx.array | None:
+    """[B, 1, 1, hi - lo] bool, or None when every sequence sees exactly the gathered span."""
+    if all(n == hi and s == lo for n, s in zip(lens, starts)):
+        return None
+    pos = np.arange(lo, hi)[None, :]
+    keep = (pos < np.asarray(lens)[:, None]) & (pos >= np.asarray(starts)[:, None])
+    return mx.array(keep[:, None, None, :])
+
+
+def paged_prefill_attention_reference(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_table,
+                                      prefix_len: int, chunk_len: int, scale: float,
+                                      window: int | None = None) -> mx.array:
+    """Attention for a chunk of ``chunk_len`` new tokens after ``prefix_len`` cached ones.
+
+    q [1, H, chunk_len, D]. The chunk's own K/V must already be written to the pool at positions
+    ``prefix_len .. prefix_len + chunk_len - 1`` of ``block_table`` ([n_blocks] int32). Query ``i``
+    (position ``prefix_len + i``) sees keys ``j <= prefix_len + i`` (and ``j > prefix_len + i - window``).
+    Returns [1, H, chunk_len, D].
+    """
+    # A Metal varlen prefill kernel (queries of several requests packed, pages read in place
+    # instead of gathered) would replace this on Apple GPUs; pure MLX is fast enough for now.
+    _check_window(window)
+    if q.shape[0] != 1 or q.shape[2] != chunk_len:
+        raise ValueError(f"q must be [1, heads, chunk_len={chunk_len}, D], got {tuple(q.shape)}")
+    if prefix_len < 0 or chunk_len < 0:
+        raise ValueError(f"prefix_len and chunk_len must be >= 0, got {prefix_len}, {chunk_len}")
+    if chunk_len == 0:
+        return mx.zeros(q.shape, dtype=q.dtype)
+    block_size = k_pool.shape[2]
+    table = as_table(block_table).reshape(1, -1)
+    total = prefix_len + chunk_len
+    if total > table.shape[1] * block_size:
+        raise ValueError(f"prefix {prefix_len} + chunk {chunk_len} tokens exceed the block table "
+                         f"capacity {table.shape[1] * block_size}")
+    first_key = max(0, prefix_len - window + 1) if window else 0
+    first_block, last_block = first_key // block_size, -(-total // block_size)
+    keys = gather_pages(k_pool, table[:, first_block:last_block])
+    values = gather_pages(v_pool, table[:, first_block:last_block])
+    lo = first_block * block_size
+    if window is None and lo == 0:
+        # Bottom-right aligned causal mask: exact when the keys end at the chunk's last token.
+        span = total - lo
+        if keys.shape[2] != span:
+            keys, values = keys[:, :, :span], values[:, :, :span]
+        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask="causal")
+    qpos = np.arange(prefix_len, total)[:, None]
+    kpos = np.arange(lo, last_block * block_size)[None, :]
+    keep = (kpos <= qpos) & (kpos > qpos - window if window else True)
+    return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mx.array(keep))
