@@ -1,0 +1,69 @@
+"""Tiny random mlx-lm models (float32, fixed seed) and a block allocator for paged-cache tests."""
+
+from __future__ import annotations
+
+import random
+
+import mlxpaged  # noqa: F401  (OpenBLAS before mlx)
+import mlx.core as mx
+from mlx.utils import tree_map
+from mlx_lm.models import gemma3_text, llama, qwen3
+
+_COMMON = dict(
+    hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+    rms_norm_eps=1e-5, vocab_size=256, head_dim=16, max_position_embeddings=512,
+)
+
+
+def _build(module, config: dict, seed: int):
+    mx.random.seed(seed)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    # Random init is small; scale weights up so attention is far from uniform and bugs show.
+    model.update(tree_map(lambda w: w * 3.0 if w.ndim == 2 else w, model.parameters()))
+    mx.eval(model.parameters())
+    return model
+
+
+def tiny_llama(num_layers: int = 3, seed: int = 0, **extra):
+    """Llama with GQA (4 heads, 2 kv heads); pass layer_types/sliding_window for a hybrid."""
+    config = dict(_COMMON, model_type="llama", num_hidden_layers=num_layers, tie_word_embeddings=True, **extra)
+    return _build(llama, config, seed)
+
+
+def tiny_hybrid_llama(seed: int = 0, window: int = 8):
+    """Llama with mixed layer_types: sliding, sliding, full, sliding."""
+    types = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
+    return tiny_llama(4, seed, layer_types=types, sliding_window=window)
+
+
+def tiny_qwen3(num_layers: int = 2, seed: int = 1):
+    config = dict(_COMMON, model_type="qwen3", num_hidden_layers=num_layers, tie_word_embeddings=False,
+                  rope_theta=10000.0)
+    return _build(qwen3, config, seed)
+
+
+def tiny_gemma3(num_layers: int = 6, window: int = 8, pattern: int = 3, seed: int = 2):
+    """gemma3_text: every `pattern`-th layer full attention, the others sliding `window`."""
+    config = dict(_COMMON, model_type="gemma3_text", num_hidden_layers=num_layers, sliding_window=window,
+                  sliding_window_pattern=pattern, query_pre_attn_scalar=16, rope_local_base_freq=10000.0,
+                  rope_theta=1000000.0)
+    return _build(gemma3_text, config, seed)
+
+
+def shuffled_blocks(num_blocks: int, seed: int = 0) -> list[int]:
+    """Free block ids in shuffled order, so tables come out non-contiguous."""
+    ids = list(range(num_blocks))
+    random.Random(seed).shuffle(ids)
+    return ids
+
+
+def grow_tables(kv_cache, tables: list[list[int]], free: list[int], num_tokens: int) -> None:
+    """Append blocks from `free` until each group's table covers `num_tokens` tokens."""
+    for group, table in zip(kv_cache.groups, tables):
+        while len(table) < group.blocks_needed(num_tokens, kv_cache.block_size):
+            table.append(free.pop())
+
+
+def random_tokens(n: int, seed: int = 0, vocab: int = 256) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(vocab) for _ in range(n)]
