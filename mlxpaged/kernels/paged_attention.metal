@@ -1,0 +1,172 @@
+// Paged-attention decode for mx.fast.metal_kernel (bodies only: MLX writes the signatures).
+// paged_attention.py splits this file at the "// ==== name ====" markers.
+//
+// Design (after MLX's sdpa_vector): one threadgroup per (sequence, KV head[, partition]) so
+// each K/V row is read once for all G query heads of its GQA group; NSG simdgroups stride over
+// tokens; each lane owns D/32 contiguous head-dim elements; dot products finish with simd_sum;
+// fp32 online softmax from a finite minimum; simdgroup partials merge in threadgroup memory.
+//
+// Pool layout [num_blocks, num_kv_heads, BS, D]; token t of a sequence lives at
+// pool[block_tables[seq, t / BS], kv_head, t % BS, :]. Only table entries below
+// ceil(length / BS) are read, so padding entries may hold anything.
+//
+// params (int32): [max_blocks, window (0 = full), partition_tokens, num_partitions,
+//                  num_kv_heads, num_heads]; scale (float32): [softmax scale].
+
+// ==== header ====
+// (no shared helpers: inputs with fewer than 8 elements are bound as `constant`, so all
+// buffer reads stay in the kernel bodies)
+
+// ==== paged_attention_decode ====
+// Template: T, D, BS, G, NSG. PA_PARTITIONED is defined by the wrapper (0: one pass writing
+// `out`; 1: pass one of two, writing unnormalised partial sums o_part / m_part / l_part).
+// Grid (NSG * 32, num_kv_heads, batch * num_partitions); threadgroup (NSG * 32, 1, 1).
+constexpr int EPL = D / 32;  // head-dim elements per lane
+threadgroup float tg_max[NSG * G];
+threadgroup float tg_sum[NSG * G];
+threadgroup float tg_out[NSG * D];
+const float min_score = -3.0e38f;
+const int max_blocks = params[0];
+const int window = params[1];
+const int num_partitions = params[3];
+const int num_kv_heads = params[4];
+const int num_heads = params[5];
+const int kv_head = int(threadgroup_position_in_grid.y);
+const int seq = int(threadgroup_position_in_grid.z) / num_partitions;
+const int part = int(threadgroup_position_in_grid.z) % num_partitions;
+const int sg = int(simdgroup_index_in_threadgroup);
+const int lane = int(thread_index_in_simdgroup);
+const int tid = sg * 32 + lane;
+
+// Tokens attended: the last `window` of the sequence (or all), never past the table.
+const int seq_len = context_lens[seq];
+const int length = metal::min(seq_len, max_blocks * BS);
+int first = (window > 0 && length > window) ? length - window : 0;
+int last = length;
+#if PA_PARTITIONED
+first += part * params[2];
+last = metal::min(last, first + params[2]);
+#endif
+
+float q[G * EPL];
+float o[G * EPL];
+float m[G];
+float l[G];
+for (int g = 0; g < G; g++) {
+  const int64_t q_row = (int64_t(seq) * num_heads + kv_head * G + g) * D + lane * EPL;
+  for (int i = 0; i < EPL; i++) {
+    q[g * EPL + i] = scale[0] * float(queries[q_row + i]);
+    o[g * EPL + i] = 0.0f;
+  }
+  m[g] = min_score;
+  l[g] = 0.0f;
+}
+
+// All lanes of a simdgroup share t, so every simd_sum below is reached by the whole simdgroup.
+for (int t = first + sg; t < last; t += NSG) {
+  const int block = block_tables[int64_t(seq) * max_blocks + t / BS];
+  const int64_t row = ((int64_t(block) * num_kv_heads + kv_head) * BS + t % BS) * D + lane * EPL;
+  float k[EPL];
+  float v[EPL];
+  for (int i = 0; i < EPL; i++) {
+    k[i] = float(k_pool[row + i]);
+    v[i] = float(v_pool[row + i]);
+  }
+  for (int g = 0; g < G; g++) {
+    float partial = 0.0f;
+    for (int i = 0; i < EPL; i++) {
+      partial += q[g * EPL + i] * k[i];
+    }
+    const float score = metal::simd_sum(partial);
+    const float new_max = metal::max(m[g], score);
+    const float rescale = metal::exp(m[g] - new_max);
+    const float p = metal::exp(score - new_max);
+    m[g] = new_max;
+    l[g] = l[g] * rescale + p;
+    for (int i = 0; i < EPL; i++) {
+      o[g * EPL + i] = o[g * EPL + i] * rescale + p * v[i];
+    }
+  }
+}
+
+// Merge the NSG simdgroup states: maxima and sums first, then one head at a time through
+// tg_out (the barrier after the reads lets the next head reuse it).
+if (lane == 0) {
+  for (int g = 0; g < G; g++) {
+    tg_max[sg * G + g] = m[g];
+    tg_sum[sg * G + g] = l[g];
+  }
+}
+threadgroup_barrier(mem_flags::mem_threadgroup);
+for (int g = 0; g < G; g++) {
+  float group_max = min_score;
+  for (int s = 0; s < NSG; s++) {
+    group_max = metal::max(group_max, float(tg_max[s * G + g]));
+  }
+  float total = 0.0f;
+  for (int s = 0; s < NSG; s++) {
+    total += tg_sum[s * G + g] * metal::exp(tg_max[s * G + g] - group_max);
+  }
+  const float mine = metal::exp(m[g] - group_max);
+  for (int i = 0; i < EPL; i++) {
+    tg_out[sg * D + lane * EPL + i] = o[g * EPL + i] * mine;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  const int64_t head_row = int64_t(seq) * num_heads + kv_head * G + g;
+  for (int d = tid; d < D; d += NSG * 32) {
+    float acc = 0.0f;
+    for (int s = 0; s < NSG; s++) {
+      acc += tg_out[s * D + d];
+    }
+#if PA_PARTITIONED
+    o_part[(head_row * num_partitions + part) * D + d] = acc;
+#else
+    out[head_row * D + d] = static_cast<T>(total > 0.0f ? acc / total : 0.0f);
+#endif
+  }
+#if PA_PARTITIONED
+  if (tid == 0) {
+    m_part[head_row * num_partitions + part] = group_max;
+    l_part[head_row * num_partitions + part] = total;
+  }
+#endif
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+}
+
+// ==== paged_attention_reduce ====
+// Pass two: one simdgroup merges a head's partitions. Template: T, D.
+// Grid (32, num_heads, batch); threadgroup (32, 1, 1).
+constexpr int EPL = D / 32;
+const float min_score = -3.0e38f;
+const int num_partitions = params[3];
+const int num_heads = params[5];
+const int head = int(threadgroup_position_in_grid.y);
+const int seq = int(threadgroup_position_in_grid.z);
+const int lane = int(thread_index_in_simdgroup);
+const int64_t head_row = int64_t(seq) * num_heads + head;
+const int64_t base = head_row * num_partitions;
+
+float group_max = min_score;
+for (int p = lane; p < num_partitions; p += 32) {
+  group_max = metal::max(group_max, float(m_part[base + p]));
+}
+group_max = metal::simd_max(group_max);
+float total = 0.0f;
+for (int p = lane; p < num_partitions; p += 32) {
+  total += l_part[base + p] * metal::exp(m_part[base + p] - group_max);
+}
+total = metal::simd_sum(total);
+
+float acc[EPL];
+for (int i = 0; i < EPL; i++) {
+  acc[i] = 0.0f;
+}
+for (int p = 0; p < num_partitions; p++) {
+  const float w = metal::exp(m_part[base + p] - group_max);
+  for (int i = 0; i < EPL; i++) {
+    acc[i] += w * o_part[(base + p) * D + lane * EPL + i];
+  }
+}
+for (int i = 0; i < EPL; i++) {
+  out[head_row * D + lane * EPL + i] = static_cast<T>(total > 0.0f ? acc[i] / total : 0.0f);
+}

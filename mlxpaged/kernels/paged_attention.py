@@ -1,0 +1,151 @@
+"""Python side of the Metal paged-attention decode kernel (source: paged_attention.metal).
+
+Kernels are built once per variant with ``mx.fast.metal_kernel`` and specialised by template
+on dtype, head dim, block size, GQA group size and simdgroup count. Any ``launcher`` with the
+call signature of a metal_kernel can run them (tests pass the Metal-on-CPU emulator).
+
+One pass or two: a one-pass dispatch has ``batch * num_kv_heads`` threadgroups. When that is
+too few to fill an Apple GPU (< ``TWO_PASS_MAX_GROUPS``) and a sequence can attend at least
+``TWO_PASS_MIN_TOKENS`` tokens, each sequence's span is split into ``PARTITION_TOKENS``-token
+partitions (vLLM's v2 partition size), computed in parallel, then merged by a reduce kernel.
+The span bound comes from the block table width (and the window), so choosing costs no sync.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+from pathlib import Path
+from typing import Callable
+
+import mlx.core as mx
+
+SOURCE_PATH = Path(__file__).with_name("paged_attention.metal")
+DTYPES = (mx.float16, mx.bfloat16, mx.float32)
+BLOCK_SIZES = (8, 16, 32)
+MAX_HEAD_DIM = 256
+MAX_QUERY_VALUES_PER_LANE = 64  # G * D / 32 registers each for q and o: bounds register use
+NUM_SIMDGROUPS = 8
+PARTITION_TOKENS = 512
+TWO_PASS_MIN_TOKENS = 2048
+TWO_PASS_MAX_GROUPS = 64
+
+Launcher = Callable[..., list]
+
+DECODE_INPUTS = ["queries", "k_pool", "v_pool", "block_tables", "context_lens", "params", "scale"]
+
+
+@lru_cache(maxsize=None)
+def source_sections() -> dict[str, str]:
+    """The .metal file split at its ``// ==== name ====`` markers."""
+    parts = re.split(r"^// ==== (\w+) ====\n", SOURCE_PATH.read_text(), flags=re.M)
+    return {name: body for name, body in zip(parts[1::2], parts[2::2])}
+
+
+@lru_cache(maxsize=None)
+def decode_kernel(partitioned: bool):
+    sections = source_sections()
+    flag = int(partitioned)
+    body = f"#define PA_PARTITIONED {flag}\n{sections['paged_attention_decode']}#undef PA_PARTITIONED\n"
+    outputs = ["o_part", "m_part", "l_part"] if partitioned else ["out"]
+    name = "paged_attention_partitioned" if partitioned else "paged_attention_decode"
+    return mx.fast.metal_kernel(name=name, input_names=DECODE_INPUTS, output_names=outputs, source=body,
+                                header=sections["header"])
+
+
+@lru_cache(maxsize=None)
+def reduce_kernel():
+    sections = source_sections()
+    return mx.fast.metal_kernel(name="paged_attention_reduce", input_names=["o_part", "m_part", "l_part", "params"],
+                                output_names=["out"], source=sections["paged_attention_reduce"],
+                                header=sections["header"])
+
+
+def unsupported_reason(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_tables, window=None) -> str | None:
+    """Why the kernel cannot take these shapes (None: it can); such calls use the reference path."""
+    if q.ndim != 4 or q.shape[2] != 1:
+        return f"decode needs q [B, heads, 1, D], got {tuple(q.shape)}"
+    if k_pool.ndim != 4 or k_pool.shape != v_pool.shape:
+        return f"K/V pools must share a [blocks, kv_heads, block_size, D] shape: {k_pool.shape}, {v_pool.shape}"
+    _, heads, _, head_dim = q.shape
+    _, kv_heads, block_size, pool_dim = k_pool.shape
+    if not (q.dtype == k_pool.dtype == v_pool.dtype and q.dtype in DTYPES):
+        return f"dtypes {q.dtype}/{k_pool.dtype}/{v_pool.dtype}: need one of float16, bfloat16, float32"
+    if head_dim != pool_dim or head_dim % 32 or not 32 <= head_dim <= MAX_HEAD_DIM:
+        return f"head dim {head_dim} (pool {pool_dim}): need a multiple of 32 up to {MAX_HEAD_DIM}"
+    if block_size not in BLOCK_SIZES:
+        return f"block size {block_size}: need one of {BLOCK_SIZES}"
+    if kv_heads == 0 or heads % kv_heads:
+        return f"{heads} query heads is not a multiple of {kv_heads} KV heads"
+    if heads // kv_heads * head_dim // 32 > MAX_QUERY_VALUES_PER_LANE:
+        return f"GQA group {heads // kv_heads} x head dim {head_dim} needs too many registers"
+    if window is not None and window < 1:
+        return f"window {window}"
+    return None
+
+
+def kernel_supports(q, k_pool, v_pool, block_tables, window=None) -> bool:
+    return unsupported_reason(q, k_pool, v_pool, block_tables, window) is None
+
+
+def attended_span(max_blocks: int, block_size: int, window: int | None) -> int:
+    """Upper bound on the tokens one query attends, known without reading context_lens."""
+    capacity = max_blocks * block_size
+    return capacity if window is None else min(capacity, window)
+
+
+def use_two_pass(batch: int, kv_heads: int, span: int) -> bool:
+    """The documented rule: few threadgroups and a long span -> partition the span."""
+    return batch * kv_heads < TWO_PASS_MAX_GROUPS and span >= TWO_PASS_MIN_TOKENS
+
+
+def _gpu_launch(kernel, **call) -> list:
+    return kernel(**call)
+
+
+def paged_attention_metal(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_tables: mx.array,
+                          context_lens: mx.array, scale: float, window: int | None = None, *,
+                          two_pass: bool | None = None, partition_tokens: int = PARTITION_TOKENS,
+                          num_simdgroups: int = NUM_SIMDGROUPS, launcher: Launcher | None = None) -> mx.array:
+    """Decode attention with the Metal kernel; same contract as ``attention.paged_attention``.
+
+    ``two_pass`` forces the variant (default: ``use_two_pass``); the two-pass variant splits the
+    attended span into ``partition_tokens``-token partitions.
+    """
+    reason = unsupported_reason(q, k_pool, v_pool, block_tables, window)
+    if reason:
+        raise ValueError(f"paged-attention kernel: unsupported call ({reason})")
+    batch, heads, _, head_dim = q.shape
+    _, kv_heads, block_size, _ = k_pool.shape
+    if batch == 0:
+        return mx.zeros(q.shape, q.dtype)
+    tables = block_tables.astype(mx.int32)
+    lens = mx.array(context_lens).astype(mx.int32)
+    max_blocks = tables.shape[1]
+    span = attended_span(max_blocks, block_size, window)
+    if two_pass is None:
+        two_pass = use_two_pass(batch, kv_heads, span)
+    if partition_tokens < 1:
+        raise ValueError(f"partition_tokens must be positive, got {partition_tokens}")
+    partitions = max(1, -(-span // partition_tokens)) if two_pass else 1
+    params = mx.array([max_blocks, window or 0, partition_tokens, partitions, kv_heads, heads], dtype=mx.int32)
+    inputs = [q.reshape(batch, heads, head_dim), k_pool, v_pool, tables, lens, params,
+              mx.array([scale], dtype=mx.float32)]
+    threads = num_simdgroups * 32
+    template = [("T", q.dtype), ("D", head_dim), ("BS", block_size), ("G", heads // kv_heads),
+                ("NSG", num_simdgroups)]
+    launch = launcher or _gpu_launch
+    if not two_pass:
+        (out,) = launch(decode_kernel(False), inputs=inputs, template=template, grid=(threads, kv_heads, batch),
+                        threadgroup=(threads, 1, 1), output_shapes=[(batch, heads, head_dim)],
+                        output_dtypes=[q.dtype])
+        return out.reshape(batch, heads, 1, head_dim)
+    part_shape = (batch, heads, partitions)
+    o_part, m_part, l_part = launch(
+        decode_kernel(True), inputs=inputs, template=template, grid=(threads, kv_heads, batch * partitions),
+        threadgroup=(threads, 1, 1), output_shapes=[part_shape + (head_dim,), part_shape, part_shape],
+        output_dtypes=[mx.float32] * 3)
+    (out,) = launch(reduce_kernel(), inputs=[o_part, m_part, l_part, params],
+                    template=[("T", q.dtype), ("D", head_dim)], grid=(32, heads, batch), threadgroup=(32, 1, 1),
+                    output_shapes=[(batch, heads, head_dim)], output_dtypes=[q.dtype])
+    return out.reshape(batch, heads, 1, head_dim)

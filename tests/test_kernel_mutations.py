@@ -1,0 +1,64 @@
+"""Deliberately broken copies of the real paged-attention kernel must fail the emulated tests."""
+
+import mlxpaged  # noqa: F401
+import pytest
+
+from mlxpaged.kernels import paged_attention as pa
+from tests.msl.harness import Emulator, MetalEmulationError
+from tests.msl.oracle import make_decode_case, max_error
+
+
+@pytest.fixture
+def mutate(monkeypatch):
+    """mutate(section, old, new): run the wrapper on a patched copy of paged_attention.metal."""
+    def apply(section: str, old: str, new: str) -> None:
+        sections = dict(pa.source_sections())
+        assert old in sections[section], f"mutation target not found: {old!r}"
+        sections[section] = sections[section].replace(old, new, 1)
+        monkeypatch.setattr(pa, "source_sections", lambda: sections)
+        pa.decode_kernel.cache_clear()
+        pa.reduce_kernel.cache_clear()
+
+    yield apply
+    pa.decode_kernel.cache_clear()
+    pa.reduce_kernel.cache_clear()
+
+
+def run_case(two_pass: bool = False, seed: int = 0):
+    case = make_decode_case(21, [0, 1, 15, 16, 17, 45], 4, 2, 64, 16, "float32")
+    out = pa.paged_attention_metal(*case.args(), launcher=Emulator(seed=seed), two_pass=two_pass, partition_tokens=24)
+    return max_error(out, case.expected()), case.tolerance
+
+
+def test_unmutated_kernel_passes(mutate):
+    mutate("paged_attention_decode", "const float min_score", "const float min_score")
+    error, tolerance = run_case()
+    assert error < tolerance
+
+
+MUTATIONS = [
+    # (section, old, new, expected failure, two_pass)
+    ("paged_attention_decode", "  threadgroup_barrier(mem_flags::mem_threadgroup);\n}\n", "}\n",
+     "race on 'tg_out'", False),
+    ("paged_attention_decode", "    const float score = metal::simd_sum(partial);",
+     "    const float score = lane < 16 ? metal::simd_sum(partial) : partial;", "only some lanes", False),
+    ("paged_attention_decode", "t < last; t += NSG", "t <= last; t += NSG", "out-of-bounds|not inside any buffer", False),
+    ("paged_attention_decode", "    l_part[head_row * num_partitions + part] = total;\n", "",
+     "wrong answer", True),
+    ("paged_attention_decode", "if (lane == 0) {\n  for (int g = 0; g < G; g++) {",
+     "if (lane == 0 && sg > 0) {\n  for (int g = 0; g < G; g++) {", "uninitialised threadgroup memory 'tg_max'", False),
+    ("paged_attention_reduce", "acc[i] / total", "acc[i] / (total + 1.0f)", "wrong answer", True),
+]
+
+
+@pytest.mark.parametrize("section,old,new,expected,two_pass", MUTATIONS,
+                         ids=["missing_barrier", "divergent_simd_sum", "off_by_one_token", "unwritten_partial_sum",
+                              "uninitialised_threadgroup", "bad_reduce"])
+def test_broken_kernel_is_caught(mutate, section, old, new, expected, two_pass):
+    mutate(section, old, new)
+    if expected == "wrong answer":
+        error, tolerance = run_case(two_pass)
+        assert error > tolerance
+        return
+    with pytest.raises(MetalEmulationError, match=expected):
+        run_case(two_pass)
