@@ -26,15 +26,25 @@ def as_table(block_tables) -> mx.array:
     return mx.array(np.asarray(block_tables, dtype=np.int32))
 
 
-def gather_pages(pool: mx.array, tables: mx.array) -> mx.array:
-    """``pool`` [NB, KVH, BS, D], ``tables`` [B, nb] int32 -> [B, KVH, nb * BS, D]."""
+def page_rows(tables: mx.array, pool_shape, clip: bool = True) -> mx.array:
+    """Row ids [B, KVH, nb] into the pool viewed as [NB * KVH, BS * D] rows (one row per page and head).
+
+    ``clip`` keeps padding entries (past a sequence's length, masked out later) inside the pool.
+    """
+    num_blocks, kv_heads = pool_shape[0], pool_shape[1]
+    if clip:
+        tables = mx.clip(tables, 0, num_blocks - 1)
+    return tables[:, None, :] * kv_heads + mx.arange(kv_heads, dtype=mx.int32)[None, :, None]
+
+
+def gather_pages(pool: mx.array, tables: mx.array, rows: mx.array | None = None) -> mx.array:
+    """``pool`` [NB, KVH, BS, D], ``tables`` [B, nb] int32 -> [B, KVH, nb * BS, D] (``rows`` from page_rows)."""
     num_blocks, kv_heads, block_size, head_dim = pool.shape
     batch, nb = tables.shape
-    rows = pool.reshape(num_blocks * kv_heads, block_size * head_dim)
-    # Entries past a sequence's length may be padding: keep them in range (they are masked out).
-    safe = mx.clip(tables, 0, num_blocks - 1)
-    idx = safe[:, None, :] * kv_heads + mx.arange(kv_heads, dtype=mx.int32)[None, :, None]
-    return mx.take(rows, idx, axis=0).reshape(batch, kv_heads, nb * block_size, head_dim)
+    if rows is None:
+        rows = page_rows(tables, pool.shape)
+    flat = pool.reshape(num_blocks * kv_heads, block_size * head_dim)
+    return mx.take(flat, rows, axis=0).reshape(batch, kv_heads, nb * block_size, head_dim)
 
 
 def window_start(length: int, window: int | None) -> int:
@@ -58,6 +68,8 @@ def paged_attention_reference(q: mx.array, k_pool: mx.array, v_pool: mx.array, b
     _check_window(window)
     batch, heads, qlen, head_dim = q.shape
     block_size = k_pool.shape[2]
+    if qlen != 1:
+        raise ValueError(f"decode takes one query token per sequence: q is {tuple(q.shape)}")
     tables = as_table(block_tables)
     lens = host_ints(context_lens)
     if len(lens) != batch or tables.shape[0] != batch:
@@ -73,10 +85,18 @@ def paged_attention_reference(q: mx.array, k_pool: mx.array, v_pool: mx.array, b
     starts = [window_start(n, window) if n else max_len for n in lens]
     first_block = min(starts) // block_size
     last_block = -(-max_len // block_size)
-    keys = gather_pages(k_pool, tables[:, first_block:last_block])
-    values = gather_pages(v_pool, tables[:, first_block:last_block])
+    span = tables[:, first_block:last_block]
+    # Table entries are only guaranteed valid below each sequence's own block count.
+    padded = any(-(-n // block_size) < last_block or s // block_size > first_block for n, s in zip(lens, starts))
+    rows = page_rows(span, k_pool.shape, clip=padded)
+    keys, values = gather_pages(k_pool, span, rows), gather_pages(v_pool, span, rows)
     mask = _decode_mask(lens, starts, first_block * block_size, last_block * block_size)
-    out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+    # One decode query per sequence: the G query heads of a KV head are G query rows under the
+    # same mask, so attend without GQA and K/V are read once per KV head, not once per query head.
+    kv_heads = k_pool.shape[1]
+    folded = q.reshape(batch, kv_heads, heads // kv_heads, head_dim)
+    out = mx.fast.scaled_dot_product_attention(folded, keys, values, scale=scale, mask=mask)
+    out = out.reshape(batch, heads, 1, head_dim)
     if min(lens) == 0:
         out = mx.where(mx.array(np.asarray(lens) > 0)[:, None, None, None], out, mx.zeros((), q.dtype))
     return out
@@ -118,8 +138,9 @@ def paged_prefill_attention_reference(q: mx.array, k_pool: mx.array, v_pool: mx.
                          f"capacity {table.shape[1] * block_size}")
     first_key = max(0, prefix_len - window + 1) if window else 0
     first_block, last_block = first_key // block_size, -(-total // block_size)
-    keys = gather_pages(k_pool, table[:, first_block:last_block])
-    values = gather_pages(v_pool, table[:, first_block:last_block])
+    span = table[:, first_block:last_block]
+    rows = page_rows(span, k_pool.shape, clip=False)  # every entry below ceil(total / BS) is valid
+    keys, values = gather_pages(k_pool, span, rows), gather_pages(v_pool, span, rows)
     lo = first_block * block_size
     if window is None and lo == 0:
         # Bottom-right aligned causal mask: exact when the keys end at the chunk's last token.

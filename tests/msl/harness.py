@@ -5,7 +5,8 @@
    source (kernel signature included) on fd 1, which we capture.
 2. Translate: threadgroup array declarations become checked arrays (metal_shim.h) and a small
    driver maps buffers and thread attributes onto the signature MLX wrote.
-3. Compile with g++ against metal_shim.h + runtime.cpp; binaries are cached by source hash.
+3. Compile with g++ against metal_shim.h and the runtime (scheduler.cpp, memory.cpp);
+   binaries are cached by source hash.
 4. Run as a subprocess: buffers behind guard pages, one fiber per GPU thread, strict checks.
    A failed check raises ``MetalEmulationError`` with the runtime's message.
 
@@ -187,28 +188,36 @@ def _run_compiler(args: list[str]) -> None:
         raise RuntimeError(f"g++ failed ({' '.join(args)}):\n{done.stderr[-4000:]}")
 
 
-def _runtime_object() -> Path:
-    shim = (HERE / "metal_shim.h").read_text()
-    runtime = (HERE / "runtime.cpp").read_text()
-    obj = cache_dir() / f"runtime-{_digest(shim, runtime, *CXXFLAGS)}.o"
-    if not obj.exists():
-        tmp = obj.with_suffix(f".{os.getpid()}.tmp.o")
-        _run_compiler([CXX, *CXXFLAGS, "-O2", "-I", str(HERE), "-c", str(HERE / "runtime.cpp"), "-o", str(tmp)])
-        os.replace(tmp, obj)
-    return obj
+RUNTIME_SOURCES = ("scheduler.cpp", "memory.cpp")
+RUNTIME_HEADERS = ("metal_shim.h", "runtime.h")
+
+
+def _runtime_objects() -> list[Path]:
+    """The emulator runtime, compiled once per version of its sources."""
+    headers = [(HERE / h).read_text() for h in RUNTIME_HEADERS]
+    objects = []
+    for name in RUNTIME_SOURCES:
+        obj = cache_dir() / f"{Path(name).stem}-{_digest((HERE / name).read_text(), *headers, *CXXFLAGS)}.o"
+        if not obj.exists():
+            tmp = obj.with_suffix(f".{os.getpid()}.tmp.o")
+            _run_compiler([CXX, *CXXFLAGS, "-O2", "-I", str(HERE), "-c", str(HERE / name), "-o", str(tmp)])
+            os.replace(tmp, obj)
+        objects.append(obj)
+    return objects
 
 
 def compile_kernel(src: KernelSource) -> Path:
     """Path of the emulator binary for this source (built once per source hash)."""
     unit = translation_unit(src)
-    runtime = _runtime_object()
+    runtime = _runtime_objects()
     shim = (HERE / "metal_shim.h").read_text()
-    binary = cache_dir() / f"kernel-{_digest(unit, shim, runtime.name, *CXXFLAGS)}"
+    binary = cache_dir() / f"kernel-{_digest(unit, shim, *(o.name for o in runtime), *CXXFLAGS)}"
     if binary.exists():
         return binary
     work = Path(tempfile.mkdtemp(prefix="msl-", dir=cache_dir()))
     (work / "kernel.cpp").write_text(unit)
-    _run_compiler([CXX, *CXXFLAGS, "-I", str(HERE), str(work / "kernel.cpp"), str(runtime), "-o", str(work / "run")])
+    _run_compiler([CXX, *CXXFLAGS, "-I", str(HERE), str(work / "kernel.cpp"), *map(str, runtime),
+                   "-o", str(work / "run")])
     os.replace(work / "run", binary)
     (work / "kernel.cpp").unlink()
     work.rmdir()

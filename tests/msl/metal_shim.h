@@ -1,7 +1,7 @@
 // A small Metal Shading Language shim: lets the exact source MLX generates for a
 // mx.fast.metal_kernel compile with g++ and run on the CPU, one fiber per GPU thread.
 // Address spaces are defined away; threadgroup arrays are rewritten (harness.py) into
-// checked arrays; simd_* ops and barriers are rendezvous points in runtime.cpp.
+// checked arrays; simd_* ops and barriers are rendezvous points in scheduler.cpp.
 #pragma once
 #include <cfloat>
 #include <cmath>
@@ -111,7 +111,7 @@ MSL_VEC_TYPES(bool, bool)
 enum class mem_flags : int { mem_none = 0, mem_device = 1, mem_threadgroup = 2, mem_texture = 4 };
 inline mem_flags operator|(mem_flags a, mem_flags b) { return mem_flags(int(a) | int(b)); }
 
-// ---- runtime interface (runtime.cpp) -----------------------------------------------
+// ---- runtime interface (scheduler.cpp, memory.cpp)--------------------------------------------
 namespace mslrt {
 struct Attrs {
   uint3 thread_position_in_grid, threadgroup_position_in_grid, thread_position_in_threadgroup;
