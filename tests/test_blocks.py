@@ -1,0 +1,593 @@
+"""Block pool: unit tests per method and a hypothesis state machine over random workloads.
+
+The state machine keeps a fake KV store (slot -> the token prefix whose KV the slot holds),
+so a false prefix hit, a write into a shared block or a missed copy-on-write shows up as a
+slot holding the wrong prefix, not just as a broken counter.
+"""
+
+import pytest
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from mlxpaged.blocks import (
+    BlockPool,
+    CopyOnWrite,
+    NoFreeBlocksError,
+    UnknownRequestError,
+    sha256_block_hash,
+)
+
+BS = 8
+
+
+def prompt(n_tokens, start=0):
+    return list(range(start, start + n_tokens))
+
+
+def computed_pool(pool, rid, tokens):
+    """Allocate and mark the whole prompt computed, as the engine does after prefill."""
+    alloc = pool.allocate(rid, tokens)
+    pool.mark_computed(rid, len(tokens))
+    return alloc
+
+
+# ---- construction -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bs", [8, 16, 32])
+def test_valid_block_sizes(bs):
+    pool = BlockPool(4, bs)
+    assert pool.block_size == bs and pool.num_free_blocks == 4
+
+
+def test_default_block_size_is_16():
+    assert BlockPool(1).block_size == 16
+
+
+@pytest.mark.parametrize("num_blocks, bs, needle", [(4, 12, "12"), (0, 16, "0"), (-3, 8, "-3")])
+def test_constructor_validation_names_the_numbers(num_blocks, bs, needle):
+    with pytest.raises(ValueError, match=needle):
+        BlockPool(num_blocks, bs)
+
+
+# ---- allocate / can_allocate ----------------------------------------------------------
+
+
+def test_allocate_fresh_prompt():
+    pool = BlockPool(8, BS)
+    alloc = pool.allocate("a", prompt(20))
+    assert alloc.num_cached_tokens == 0
+    assert len(alloc.block_table) == 3 == len(set(alloc.block_table))
+    assert pool.block_table("a") == alloc.block_table
+    assert pool.num_tokens("a") == 20 and pool.token_ids("a") == prompt(20)
+    assert pool.num_free_blocks == 5 and "a" in pool
+
+
+def test_allocate_reserves_new_slots():
+    pool = BlockPool(8, BS)
+    assert len(pool.allocate("a", prompt(8), num_new_slots=1).block_table) == 2
+    assert len(pool.allocate("b", prompt(7), num_new_slots=1).block_table) == 1
+    # The reserved slot is used by the next append without taking a block.
+    assert pool.append_slot("b", 99) == pool.block_table("b")[0] * BS + 7
+    assert pool.num_free_blocks == 5
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"token_ids": []}, "empty"),
+    ({"token_ids": [1], "num_new_slots": -1}, "-1"),
+])
+def test_allocate_validation(kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        BlockPool(4, BS).allocate("a", **kwargs)
+
+
+def test_allocate_duplicate_request_id():
+    pool = BlockPool(4, BS)
+    pool.allocate("a", [1])
+    with pytest.raises(ValueError, match="already"):
+        pool.allocate("a", [1])
+
+
+def test_allocate_exhausted_is_atomic_and_carries_numbers():
+    pool = BlockPool(4, BS)
+    computed_pool(pool, "a", prompt(17))  # 3 blocks, 2 of them cached when freed
+    pool.free("a")
+    before = (pool.block_state(), pool.stats())
+    assert not pool.can_allocate(prompt(17) + prompt(24, 100))
+    with pytest.raises(NoFreeBlocksError) as err:
+        pool.allocate("b", prompt(17) + prompt(24, 100))  # 2 hits + 4 new, 2 free besides hits
+    assert (err.value.needed, err.value.available, err.value.total) == (4, 2, 4)
+    assert "4" in str(err.value)
+    assert (pool.block_state(), pool.stats()) == before and "b" not in pool
+
+
+def test_can_allocate_counts_prefix_hits_and_evictable_blocks():
+    pool = BlockPool(4, BS)
+    computed_pool(pool, "a", prompt(24))
+    pool.allocate("x", [7])  # 4th block
+    assert pool.num_free_blocks == 0
+    # 24 tokens -> 2 full hits (the last block is recomputed) + 1 new: nothing free.
+    assert not pool.can_allocate(prompt(24))
+    pool.free("x")
+    assert pool.can_allocate(prompt(24))  # the hits are owned by "a", the new one is free
+    assert not pool.can_allocate(prompt(40))
+    pool.free("a")  # now all 3 of a's blocks are evictable, plus x's free block
+    assert pool.num_free_blocks == 4
+    assert pool.can_allocate(prompt(24) + prompt(8, 50))  # 2 hits + 2 new of 4
+    assert not pool.can_allocate(prompt(24) + prompt(17, 50))  # 2 hits + 3 new > 2 left
+
+
+# ---- prefix cache ---------------------------------------------------------------------
+
+
+def test_prefix_hit_shares_full_blocks_only_after_computed():
+    pool = BlockPool(16, BS)
+    pool.allocate("a", prompt(20))
+    assert pool.lookup_prefix(prompt(20)) == 0  # KV not written yet: no hit
+    pool.mark_computed("a", 10)
+    assert pool.lookup_prefix(prompt(20)) == 8
+    pool.mark_computed("a", 20)
+    alloc = pool.allocate("b", prompt(16) + [500, 501])
+    assert alloc.num_cached_tokens == 16
+    assert alloc.block_table[:2] == pool.block_table("a")[:2]
+    assert alloc.block_table[2] != pool.block_table("a")[2]
+    assert [pool.ref_count(b) for b in alloc.block_table] == [2, 2, 1]
+    assert pool.num_computed_tokens("b") == 16
+
+
+def test_fully_cached_prompt_recomputes_last_block():
+    pool = BlockPool(16, BS)
+    computed_pool(pool, "a", prompt(24))
+    alloc = pool.allocate("b", prompt(24))
+    assert alloc.num_cached_tokens == 16  # never the whole prompt
+    assert alloc.block_table[2] != pool.block_table("a")[2]
+    assert pool.allocate("c", prompt(17)).num_cached_tokens == 16
+    assert pool.allocate("d", prompt(16)).num_cached_tokens == 8
+
+
+def test_generated_tokens_become_cacheable():
+    pool = BlockPool(16, BS)
+    computed_pool(pool, "a", prompt(6))
+    for i, tok in enumerate([60, 61, 62, 63]):
+        pool.append_slot("a", tok)
+        pool.mark_computed("a", 7 + i)
+    assert pool.lookup_prefix(prompt(6) + [60, 61, 62]) == 8
+    assert pool.lookup_prefix(prompt(6) + [60, 99, 62]) == 0
+
+
+def test_prefix_cache_disabled():
+    pool = BlockPool(8, BS, enable_prefix_cache=False)
+    computed_pool(pool, "a", prompt(24))
+    assert pool.allocate("b", prompt(24)).num_cached_tokens == 0
+    pool.free("a")
+    assert set(pool.block_state()) == {"free", "owned"}
+    assert pool.stats().prefix_queries == 0
+
+
+def test_free_keeps_cached_blocks_findable_and_reusable():
+    pool = BlockPool(8, BS)
+    computed_pool(pool, "a", prompt(20))
+    table = pool.block_table("a")
+    pool.free("a")
+    assert pool.block_state()[table[0]] == "cached" and pool.block_state()[table[2]] == "free"
+    alloc = pool.allocate("b", prompt(20))
+    assert alloc.num_cached_tokens == 16 and alloc.block_table[:2] == table[:2]
+    assert pool.stats().num_cached_free == 0  # touching took them out of the free queue
+
+
+def test_hash_chains_parent_and_extra_key():
+    h0 = sha256_block_hash(None, (1, 2), None)
+    assert h0 == sha256_block_hash(None, (1, 2), None) and isinstance(h0, bytes)
+    assert h0 != sha256_block_hash(h0, (1, 2), None)
+    assert h0 != sha256_block_hash(None, (1, 2), "other-model")
+    assert h0 != sha256_block_hash(None, (12,), None)
+
+
+def test_extra_key_is_passed_to_hash_fn():
+    seen = []
+
+    def spy(parent, tokens, extra):
+        seen.append(extra)
+        return sha256_block_hash(parent, tokens, extra)
+
+    pool = BlockPool(4, BS, extra_key=("smollm2", "f32"), hash_fn=spy)
+    computed_pool(pool, "a", prompt(9))
+    assert seen and set(seen) == {("smollm2", "f32")}
+
+
+def test_forced_hash_collisions_never_share_wrong_blocks():
+    pool = BlockPool(32, BS, hash_fn=lambda parent, tokens, extra: 0)
+    a, b, c = [1] * BS, [2] * BS, [3] * BS
+    computed_pool(pool, "x", a + b + [0])
+    # Same hash everywhere; only blocks whose tokens and whole chain match may be shared.
+    assert pool.lookup_prefix(c + b + [0]) == 0  # b under a different parent
+    assert pool.lookup_prefix(b + [0]) == 0  # b at the root
+    assert pool.lookup_prefix(a + c + [0]) == 8
+    assert pool.lookup_prefix(a + b + [0]) == 16
+    computed_pool(pool, "y", c + b + [0])
+    assert pool.allocate("z", c + b + [5]).block_table[:2] == pool.block_table("y")[:2]
+    assert pool.allocate("w", a + b + [5]).block_table[:2] == pool.block_table("x")[:2]
+
+
+def test_duplicate_chains_stay_reachable_after_one_copy_is_evicted():
+    pool = BlockPool(6, BS)
+    pool.allocate("a", prompt(17))
+    pool.allocate("b", prompt(17))  # same prompt, nothing computed yet: no sharing
+    pool.mark_computed("a", 17)
+    pool.mark_computed("b", 17)
+    pool.free("a")
+    pool.free("b")  # queue (LRU first): a2 a1 a0 b2 b1 b0; a2, b2 are partial -> free list
+    pool.allocate("fill", prompt(32, 1000))  # 2 free + evicts a1, a0
+    assert pool.stats().evictions == 2
+    assert pool.lookup_prefix(prompt(17)) == 16  # b's copy of the chain still matches
+
+
+def test_reset_prefix_cache():
+    pool = BlockPool(8, BS)
+    computed_pool(pool, "a", prompt(17))
+    computed_pool(pool, "b", prompt(17, 100))
+    pool.free("a")
+    pool.reset_prefix_cache()
+    assert pool.lookup_prefix(prompt(17)) == 0 and pool.lookup_prefix(prompt(17, 100)) == 0
+    assert "cached" not in pool.block_state() and pool.num_free_blocks == 5
+    for i in range(7):  # b's second block fills up; it must not be registered as a root
+        pool.append_slot("b", 117 + i)
+        pool.mark_computed("b", 18 + i)
+    assert pool.lookup_prefix(pool.token_ids("b")[16:24] + [0]) == 0
+    assert pool.lookup_prefix(prompt(17, 100)) == 0
+    computed_pool(pool, "c", prompt(17))
+    assert pool.lookup_prefix(prompt(17)) == 16  # new requests cache again
+
+
+# ---- eviction order -------------------------------------------------------------------
+
+
+def test_eviction_is_lru_and_tail_before_head():
+    pool = BlockPool(6, BS)
+    computed_pool(pool, "old", prompt(24))  # 3 full blocks: chain o0 -> o1 -> o2
+    computed_pool(pool, "new", prompt(24, 100))  # n0 -> n1 -> n2
+    old, new = pool.block_table("old"), pool.block_table("new")
+    pool.free("old")
+    pool.free("new")
+    evicted = []
+    for i in range(6):
+        before = pool.block_state()
+        pool.allocate(f"f{i}", [9000 + i])
+        evicted += [b for b, s in enumerate(pool.block_state()) if s == "owned" != before[b]]
+    assert evicted == old[::-1] + new[::-1]
+    assert pool.stats().evictions == 6
+
+
+def test_prefix_hit_refreshes_lru_position():
+    pool = BlockPool(4, BS)
+    computed_pool(pool, "a", prompt(9))  # a0 cached, a1 partial
+    computed_pool(pool, "b", prompt(9, 100))
+    a0, b0 = pool.block_table("a")[0], pool.block_table("b")[0]
+    pool.free("a")
+    pool.free("b")
+    pool.allocate("hit", prompt(9))  # touches a0, so it becomes the most recently used
+    pool.free("hit")
+    pool.allocate("x", prompt(24, 500))  # 2 free + evicts 1 cached (b0, the LRU one)
+    assert pool.block_state()[a0] == "cached" and pool.block_state()[b0] == "owned"
+
+
+def test_uncached_free_blocks_are_used_before_evicting():
+    pool = BlockPool(3, BS)
+    computed_pool(pool, "a", prompt(16))
+    pool.free("a")
+    pool.allocate("b", [1])
+    assert pool.stats().evictions == 0 and pool.stats().num_cached_free == 2
+
+
+# ---- append_slot / slots_for / mark_computed --------------------------------------------
+
+
+def test_append_slot_slots_and_new_blocks():
+    pool = BlockPool(4, BS)
+    pool.allocate("a", prompt(7))
+    b0 = pool.block_table("a")[0]
+    assert pool.append_slot("a", 7) == b0 * BS + 7
+    slot = pool.append_slot("a", 8)
+    b1 = pool.block_table("a")[1]
+    assert slot == b1 * BS and pool.num_tokens("a") == 9
+    assert pool.slots_for("a", 6, 9) == [b0 * BS + 6, b0 * BS + 7, b1 * BS]
+    assert pool.slots_for("a", 3, 3) == []
+
+
+def test_append_slot_exhausted():
+    pool = BlockPool(1, BS)
+    pool.allocate("a", prompt(8))
+    with pytest.raises(NoFreeBlocksError) as err:
+        pool.append_slot("a", 1)
+    assert (err.value.needed, err.value.available, err.value.total) == (1, 0, 1)
+    assert pool.num_tokens("a") == 8
+
+
+@pytest.mark.parametrize("start, end", [(-1, 2), (2, 1), (0, 6)])
+def test_slots_for_range_errors(start, end):
+    pool = BlockPool(4, BS)
+    pool.allocate("a", prompt(5))
+    with pytest.raises(ValueError, match="outside"):
+        pool.slots_for("a", start, end)
+
+
+def test_mark_computed_validation():
+    pool = BlockPool(4, BS)
+    pool.allocate("a", prompt(5))
+    pool.mark_computed("a", 3)
+    for bad in (2, 6):
+        with pytest.raises(ValueError, match=str(bad)):
+            pool.mark_computed("a", bad)
+
+
+@pytest.mark.parametrize("call", [
+    lambda p: p.free("nope"), lambda p: p.block_table("nope"), lambda p: p.append_slot("nope", 1),
+    lambda p: p.fork("nope", "c"), lambda p: p.slots_for("nope", 0, 0),
+    lambda p: p.mark_computed("nope", 0), lambda p: p.num_tokens("nope"),
+])
+def test_unknown_request(call):
+    with pytest.raises(UnknownRequestError):
+        call(BlockPool(2, BS))
+
+
+# ---- fork -------------------------------------------------------------------------------
+
+
+def test_fork_partial_last_block_is_copied():
+    pool = BlockPool(8, BS)
+    computed_pool(pool, "p", prompt(11))
+    cow = pool.fork("p", "c")
+    p, c = pool.block_table("p"), pool.block_table("c")
+    assert c[0] == p[0] and c[1] != p[1]
+    assert cow == CopyOnWrite(src_block=p[1], dst_block=c[1], num_tokens=3)
+    assert pool.ref_count(p[0]) == 2 and pool.block_state()[p[0]] == "shared"
+    assert pool.token_ids("c") == prompt(11) and pool.num_computed_tokens("c") == 11
+    assert pool.append_slot("c", 1) == c[1] * BS + 3
+    assert pool.append_slot("p", 2) == p[1] * BS + 3
+
+
+def test_fork_full_last_block_is_shared_and_appends_get_new_blocks():
+    pool = BlockPool(8, BS)
+    computed_pool(pool, "p", prompt(16))
+    assert pool.fork("p", "c") is None
+    assert pool.block_table("c") == pool.block_table("p")
+    slot_p, slot_c = pool.append_slot("p", 1), pool.append_slot("c", 1)
+    assert slot_p // BS != slot_c // BS
+    assert slot_p // BS not in pool.block_table("c")[:2]
+
+
+def test_fork_uncomputed_full_block_is_not_shared():
+    pool = BlockPool(8, BS)
+    pool.allocate("p", prompt(16))
+    pool.mark_computed("p", 12)
+    cow = pool.fork("p", "c")
+    assert pool.block_table("c")[0] == pool.block_table("p")[0]
+    assert cow.num_tokens == 4 and cow.dst_block == pool.block_table("c")[1]
+
+
+def test_fork_errors_are_atomic():
+    pool = BlockPool(2, BS)
+    computed_pool(pool, "p", prompt(3))
+    pool.allocate("q", [1])
+    with pytest.raises(ValueError, match="already"):
+        pool.fork("p", "q")
+    before = pool.block_state()
+    with pytest.raises(NoFreeBlocksError):
+        pool.fork("p", "c")
+    assert pool.block_state() == before and "c" not in pool
+
+
+# ---- stats / block_state ------------------------------------------------------------------
+
+
+def test_stats_and_block_state():
+    pool = BlockPool(8, BS)
+    computed_pool(pool, "a", prompt(20))
+    pool.allocate("b", prompt(20))  # 16 of 20 tokens hit
+    pool.free("a")
+    s = pool.stats()
+    assert (s.num_blocks, s.num_owned, s.num_cached_free, s.num_free) == (8, 3, 0, 5)
+    assert (s.prefix_queries, s.query_tokens, s.hit_tokens) == (2, 40, 16)
+    assert s.hit_rate == pytest.approx(0.4) and s.evictions == 0
+    pool.free("b")
+    states = pool.block_state()
+    assert states.count("cached") == 2 and states.count("free") == 6
+    assert BlockPool(1).stats().hit_rate == 0.0
+
+
+# ---- state machine ------------------------------------------------------------------------
+
+
+def weak_hash(parent, tokens, extra):
+    return sum(tokens) % 3  # ignores the parent: collisions on almost every lookup
+
+
+class PoolMachine(RuleBasedStateMachine):
+    @initialize(num_blocks=st.integers(3, 24), bs=st.sampled_from([8, 16]),
+                strong=st.booleans())
+    def setup(self, num_blocks, bs, strong):
+        self.bs = bs
+        self.pool = BlockPool(num_blocks, bs, hash_fn=sha256_block_hash if strong else weak_hash)
+        self.kv = {}  # slot -> tuple of the tokens whose KV the slot holds (prefix through it)
+        self.next_id = 0
+
+    def live(self):
+        return sorted(self.pool._requests)
+
+    def prompts(self):
+        # Whole-block segments from a tiny set so that prefixes collide often.
+        segs = st.lists(st.sampled_from([(0,) * self.bs, (1,) * self.bs, (0, 1) * (self.bs // 2)]),
+                        min_size=1, max_size=3)
+        tail = st.lists(st.integers(0, 2), max_size=self.bs)
+        return st.tuples(segs, tail).map(lambda s: [t for seg in s[0] for t in seg] + s[1])
+
+    def new_id(self):
+        self.next_id += 1
+        return self.next_id
+
+    @rule(data=st.data(), extra=st.integers(0, 3), prefill=st.booleans())
+    def allocate(self, data, extra, prefill):
+        rid = self.try_allocate(data.draw(self.prompts()), extra)
+        if rid is not None and prefill:  # as the engine does when the prompt fits one chunk
+            self.compute_tokens(rid, self.pool.num_tokens(rid))
+
+    @rule(data=st.data())
+    def allocate_under_pressure(self, data):
+        # A unique prompt as large as the free space forces evictions of cached blocks.
+        n = data.draw(st.integers(1, max(1, self.pool.num_free_blocks * self.bs)))
+        self.try_allocate([1000 + self.next_id] * n, 0)
+
+    def try_allocate(self, tokens, extra):
+        rid, expected_hit = self.new_id(), self.pool.lookup_prefix(tokens)
+        predicted = self.pool.can_allocate(tokens, extra)
+        before = self.pool.block_state()
+        try:
+            alloc = self.pool.allocate(rid, tokens, extra)
+        except NoFreeBlocksError:
+            assert not predicted and self.pool.block_state() == before
+            event("allocate: no free blocks")
+            if self.live():  # preempt the oldest request, as the scheduler would
+                self.pool.free(self.live()[0])
+            return None
+        assert predicted and alloc.num_cached_tokens == expected_hit
+        event("allocate: prefix hit" if expected_hit else "allocate: miss")
+        assert alloc.num_cached_tokens < len(tokens) and alloc.num_cached_tokens % self.bs == 0
+        assert len(alloc.block_table) == self.pool.num_blocks_for(len(tokens) + extra)
+        return rid
+
+    @precondition(lambda self: self.pool._requests)
+    @rule(data=st.data(), amount=st.integers(1, 20))
+    def compute(self, data, amount):
+        self.compute_tokens(data.draw(st.sampled_from(self.live())), amount)
+
+    def compute_tokens(self, rid, amount):
+        """Write fake KV for the next `amount` uncomputed tokens, as the runner would."""
+        start, total = self.pool.num_computed_tokens(rid), self.pool.num_tokens(rid)
+        end, tokens = min(total, start + amount), self.pool.token_ids(rid)
+        for pos, slot in zip(range(start, end), self.pool.slots_for(rid, start, end)):
+            assert self.pool.ref_count(slot // self.bs) == 1, "write into a shared block"
+            self.kv[slot] = tuple(tokens[:pos + 1])
+        self.pool.mark_computed(rid, end)
+
+    @precondition(lambda self: self.pool._requests)
+    @rule(data=st.data(), token=st.integers(0, 2))
+    def append(self, data, token):
+        rid = data.draw(st.sampled_from(self.live()))
+        n = self.pool.num_tokens(rid)
+        try:
+            slot = self.pool.append_slot(rid, token)
+        except NoFreeBlocksError:
+            assert self.pool.num_free_blocks == 0 and self.pool.num_tokens(rid) == n
+            return
+        assert slot == self.pool.slots_for(rid, n, n + 1)[0]
+
+    @precondition(lambda self: self.pool._requests)
+    @rule(data=st.data())
+    def fork(self, data):
+        parent, child = data.draw(st.sampled_from(self.live())), self.new_id()
+        before = self.pool.block_state()
+        try:
+            cow = self.pool.fork(parent, child)
+        except NoFreeBlocksError:
+            assert self.pool.block_state() == before
+            return
+        event("fork: copy" if cow else "fork: no copy")
+        if cow is not None:
+            for off in range(cow.num_tokens):
+                self.kv[cow.dst_block * self.bs + off] = self.kv[cow.src_block * self.bs + off]
+        assert self.pool.token_ids(child) == self.pool.token_ids(parent)
+
+    @precondition(lambda self: self.pool._requests)
+    @rule(data=st.data())
+    def free(self, data):
+        self.pool.free(data.draw(st.sampled_from(self.live())))
+
+    @rule(data=st.data())
+    def lookup(self, data):
+        tokens = data.draw(self.prompts())
+        hit = self.pool.lookup_prefix(tokens)
+        assert hit < len(tokens) and hit % self.bs == 0
+        assert self.pool.can_allocate(tokens) == (
+            self.pool.num_blocks_for(len(tokens)) - hit // self.bs <= self.free_besides_hits(tokens))
+
+    def free_besides_hits(self, tokens):
+        hits = self.pool._match_prefix(tokens)
+        return self.pool.num_free_blocks - sum(1 for b in hits if b.ref_cnt == 0)
+
+    @rule()
+    def reset_prefix_cache(self):
+        if self.next_id % 7 == 0:  # rarely, or the cache would hardly ever be warm
+            self.pool.reset_prefix_cache()
+
+    @invariant()
+    def accounting(self):
+        pool, s = self.pool, self.pool.stats()
+        assert s.num_free + s.num_owned + s.num_cached_free == s.num_blocks
+        free = {b.block_id for b in pool._free}
+        cached = set(pool._evictable)
+        owned = {b for b in range(pool.num_blocks) if pool.ref_count(b) > 0}
+        assert not (free & owned) and not (free & cached) and not (cached & owned)
+        assert free | cached | owned == set(range(pool.num_blocks))
+        assert len(free) == len(pool._free) == s.num_free
+        states = pool.block_state()
+        assert states.count("cached") == s.num_cached_free
+        assert states.count("owned") + states.count("shared") == s.num_owned
+
+    @invariant()
+    def ref_counts_match_tables(self):
+        counts = [0] * self.pool.num_blocks
+        for rid in self.live():
+            table = self.pool.block_table(rid)
+            assert len(table) == len(set(table))
+            for b in table:
+                counts[b] += 1
+        assert counts == [self.pool.ref_count(b) for b in range(self.pool.num_blocks)]
+
+    @invariant()
+    def hashes_point_at_their_tokens(self):
+        pool, bs = self.pool, self.bs
+        in_map = set()
+        for h, blocks in pool._cached.items():
+            for block_id, block in blocks.items():
+                key = block.key
+                assert block.block_id == block_id and key.hash == h and len(key.tokens) == bs
+                parent_hash = None if key.parent is None else key.parent.hash
+                assert pool._hash_fn(parent_hash, key.tokens, pool.extra_key) == h
+                prefix = self.chain_tokens(key.parent)
+                for off in range(bs):
+                    assert self.kv[block_id * bs + off] == prefix + key.tokens[:off + 1]
+                in_map.add(block_id)
+        assert in_map == {b.block_id for b in pool._blocks if b.key is not None}
+
+    def chain_tokens(self, key):
+        out = ()
+        while key is not None:
+            out, key = key.tokens + out, key.parent
+        return out
+
+    @invariant()
+    def computed_kv_is_this_requests_and_writes_are_private(self):
+        pool = self.pool
+        for rid in self.live():
+            tokens, computed = pool.token_ids(rid), pool.num_computed_tokens(rid)
+            slots = pool.slots_for(rid, 0, len(tokens))
+            for pos in range(computed):
+                assert self.kv[slots[pos]] == tuple(tokens[:pos + 1]), "KV of another prefix"
+            for slot in slots[computed:]:
+                assert pool.ref_count(slot // self.bs) == 1, "pending write into a shared block"
+
+    def teardown(self):
+        if not hasattr(self, "pool"):
+            return
+        event(f"evictions > 0: {self.pool.stats().evictions > 0}")
+        for rid in self.live():
+            self.pool.free(rid)
+        s = self.pool.stats()
+        assert s.num_owned == 0 and self.pool.num_free_blocks == self.pool.num_blocks
+
+
+PoolMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=100, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+TestPoolMachine = PoolMachine.TestCase
