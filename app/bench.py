@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from argparse import Namespace
@@ -12,27 +13,125 @@ from mlxpaged.model import baseline_stream, chat_prompt, load_model
 DECODE_PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
 
 
+def time_mlx_lm(loaded, prompt: list[int], tokens: int) -> tuple[float, float]:
+    """(time to first token, decode tok/s) of mlx-lm's stream_generate, greedy, EOS ignored."""
+    start = time.perf_counter()
+    first = None
+    for n, last in enumerate(baseline_stream(loaded, prompt, max_tokens=tokens, ignore_eos=True), 1):
+        if first is None:
+            first = time.perf_counter()
+    return first - start, (n - 1) / (time.perf_counter() - first)
+
+
+def time_engine(engine, prompt: list[int], tokens: int) -> tuple[float, float]:
+    """(time to first token, decode tok/s) of the paged engine, batch 1, greedy, EOS ignored."""
+    from mlxpaged.sampling import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    start = time.perf_counter()
+    first, n = None, 0
+    for delta in engine.stream(prompt, params):
+        n += delta.token_id is not None
+        if first is None:
+            first = time.perf_counter()
+    return first - start, (n - 1) / (time.perf_counter() - first)
+
+
 def bench_decode(args: Namespace) -> int:
-    """Batch-1 prompt and decode tok/s of the baseline path (mlx-lm stream_generate)."""
-    loaded = load_model(args.model)
+    """Batch-1 decode tok/s: mlx-lm stream_generate vs the paged engine, alternating runs."""
+    from mlxpaged.engine import Engine
+
+    engine = Engine.from_pretrained(args.model, enable_prefix_cache=False)
+    loaded = engine.loaded
     prompt = chat_prompt(loaded.tokenizer, [{"role": "user", "content": DECODE_PROMPT}])
     print(f"model {loaded.name} ({loaded.dtype}), BLAS {blas_status().name}, "
-          f"prompt {len(prompt)} tokens, {args.tokens} new tokens, {args.runs} runs (+1 warm-up)")
-    prompt_tps, decode_tps = [], []
+          f"prompt {len(prompt)} tokens, {args.tokens} new tokens, {args.runs} runs each (+1 warm-up)")
+    ref, ours = [], []
     for run in range(args.runs + 1):
-        start = time.perf_counter()
-        for last in baseline_stream(loaded, prompt, max_tokens=args.tokens):
-            pass
-        if run:  # the first run warms up allocations and kernels
-            prompt_tps.append(last.prompt_tps)
-            decode_tps.append(last.generation_tps)
-            print(f"  run {run}: prompt {last.prompt_tps:7.1f} tok/s  decode {last.generation_tps:6.1f} tok/s "
-                  f"({last.generation_tokens} tokens, {time.perf_counter() - start:.1f} s)")
-    print(f"median: prompt {statistics.median(prompt_tps):.1f} tok/s, decode {statistics.median(decode_tps):.1f} tok/s")
+        r, o = time_mlx_lm(loaded, prompt, args.tokens), time_engine(engine, prompt, args.tokens)
+        if run:  # the first run warms up allocations
+            ref.append(r[1])
+            ours.append(o[1])
+            print(f"  run {run}: mlx-lm {r[1]:6.1f} tok/s   mlxpaged {o[1]:6.1f} tok/s")
+    engine.close()
+    mr, mo = statistics.median(ref), statistics.median(ours)
+    print(f"median decode: mlx-lm {mr:.1f} tok/s, mlxpaged {mo:.1f} tok/s, ratio {mo / mr:.2f}x")
     return 0
 
 
-BENCHES = {"decode": bench_decode}
+def kv_shape(model_name: str | None) -> tuple[int, int, int, int]:
+    """(layers, kv heads, head dim, dtype bytes) of a model, from its config only."""
+    from mlxpaged.model import default_dtype
+    from mlxpaged.models import provision, resolve
+
+    config = json.loads((provision(resolve(model_name), default_dtype()) / "config.json").read_text())
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    return config["num_hidden_layers"], config.get("num_key_value_heads", heads), head_dim, 4
+
+
+def mlx_lm_batch_cache_bytes(prompt_lens: list[int], new_tokens: int, heads: int, head_dim: int) -> int:
+    """Bytes one layer of mlx-lm's BatchKVCache holds for these requests (left-padded batch)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache
+
+    longest = max(prompt_lens)
+    cache = BatchKVCache(left_padding=[longest - n for n in prompt_lens])
+    batch = len(prompt_lens)
+    cache.update_and_fetch(mx.zeros((batch, heads, longest, head_dim)), mx.zeros((batch, heads, longest, head_dim)))
+    step = mx.zeros((batch, heads, 1, head_dim))
+    for _ in range(new_tokens):
+        cache.update_and_fetch(step, step)
+    return cache.nbytes
+
+
+def paged_blocks(prompts: list[list[int]], new_tokens: int, block_size: int, prefix_cache: bool) -> int:
+    """Blocks owned once every request has its prompt and `new_tokens` generated tokens."""
+    from mlxpaged.blocks import BlockPool
+
+    pool = BlockPool(num_blocks=100_000, block_size=block_size, enable_prefix_cache=prefix_cache)
+    for rid, prompt in enumerate(prompts):
+        pool.allocate(rid, prompt)
+        pool.mark_computed(rid, len(prompt))  # prefilled: full blocks become shareable
+        for t in range(new_tokens):
+            pool.append_slot(rid, 1 + t)
+    return pool.stats().num_owned
+
+
+def bench_memory(args: Namespace) -> int:
+    """KV bytes reserved for 16 ragged requests, paged vs mlx-lm's batch cache; prefix sharing."""
+    import random
+
+    layers, heads, head_dim, dtype_bytes = kv_shape(args.model)
+    per_token = 2 * layers * heads * head_dim * dtype_bytes
+    rng = random.Random(0)
+    lens = [rng.randint(32, 1024) for _ in range(16)]
+    new, block = 128, 16
+    needed = sum(n + new for n in lens) * per_token
+    paged = paged_blocks([[rng.randrange(50, 40000) for _ in range(n)] for n in lens], new, block, True)
+    paged_bytes = paged * block * per_token
+    batch_bytes = mlx_lm_batch_cache_bytes(lens, new, heads, head_dim) * layers
+    print(f"KV per token {per_token} B ({layers} layers x {heads} kv heads x {head_dim} x {dtype_bytes} B x K,V)")
+    print(f"16 ragged requests, prompts {min(lens)}-{max(lens)} tokens, {new} new tokens each:")
+    print(f"  tokens need            {mb(needed):>10}")
+    print(f"  paged (block {block})      {mb(paged_bytes):>10}  {paged_bytes / needed:.3f}x of need")
+    print(f"  mlx-lm BatchKVCache    {mb(batch_bytes):>10}  {batch_bytes / needed:.3f}x of need "
+          f"(measured nbytes of one layer x {layers})")
+    prefix = [rng.randrange(50, 40000) for _ in range(1024)]
+    shared = [prefix + [rng.randrange(50, 40000) for _ in range(rng.randint(20, 200))] for _ in range(8)]
+    cold = paged_blocks(shared, new, block, False) * block * per_token
+    warm = paged_blocks(shared, new, block, True) * block * per_token
+    print("8 requests sharing a 1,024-token prefix (+20-200 own tokens, 128 new):")
+    print(f"  without prefix cache   {mb(cold):>10}")
+    print(f"  with prefix cache      {mb(warm):>10}  saves {mb(cold - warm)} ({1 - warm / cold:.0%})")
+    return 0
+
+
+def mb(n: int) -> str:
+    return f"{n / 1e6:.1f} MB"
+
+
+BENCHES = {"decode": bench_decode, "memory": bench_memory}
 
 
 def run_bench(args: Namespace) -> int:

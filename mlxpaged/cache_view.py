@@ -207,6 +207,7 @@ class PagedCacheView:
         self._kv, self._layer, self._planner = kv_cache, layer, planner
         self._offsets = list(offsets)
         self._num_new = list(num_new) if num_new is not None else None
+        self._last_plan: _Plan | None = None
 
     @property
     def offset(self) -> int | mx.array:
@@ -253,7 +254,18 @@ class PagedCacheView:
             out = self._read(plan)
         self._offsets = [o + n for o, n in zip(plan.offsets, plan.num_new)]
         self._num_new = None
+        self._last_plan = plan
         return out
+
+    def decode_inputs(self) -> tuple[mx.array, mx.array, mx.array, mx.array] | None:
+        """(k_pool, v_pool, block_tables, context_lens) for `mlxpaged.attention.paged_attention`
+        after a pass of one new token per sequence on a full-attention layer; else None
+        (prefill, mixed batches and window layers attend through the gathered K/V)."""
+        plan = self._last_plan
+        if plan is None or plan.length != 1 or plan.split or self._planner.group.window is not None:
+            return None
+        lens = mx.array(plan.read_ends, dtype=mx.int32)
+        return self._kv.key_pool(self._layer), self._kv.value_pool(self._layer), plan.read_blocks, lens
 
     def _num_rows(self, batch: int, length: int) -> list[int]:
         if batch != len(self._offsets):

@@ -158,7 +158,7 @@ class PagedKVCache:
         shape = (num_blocks, num_kv_heads, block_size, head_dim)
         self.keys = [mx.zeros(shape, dtype) for _ in range(self.group_size)]
         self.values = [mx.zeros(shape, dtype) for _ in range(self.group_size)]
-        mx.eval(self.keys, self.values)
+        mx.eval(self._heads, self.keys, self.values)  # lazy arrays would bind to this thread's stream
 
     @property
     def supports_prefix_cache(self) -> bool:

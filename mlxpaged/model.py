@@ -6,6 +6,7 @@ checked against, token for token.
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,16 +30,11 @@ class LoadedModel:
     ref: ModelRef
     path: Path
     dtype: str
+    config: dict  # the model's config.json
 
     @property
     def name(self) -> str:
         return self.ref.name
-
-    @property
-    def config(self) -> dict:
-        import json
-
-        return json.loads((self.path / "config.json").read_text())
 
 
 def on_metal() -> bool:
@@ -58,7 +54,8 @@ def load_model(name: str | None = None, progress: Progress | None = None) -> Loa
     model, tokenizer = mlx_lm_load(str(path))
     if not on_metal() and _has_half_dense_weights(model):
         model.set_dtype(mx.float32)  # CPU backend: float32 is the fast dtype
-    return LoadedModel(model, tokenizer, ref, path, dtype)
+    config = json.loads((path / "config.json").read_text())
+    return LoadedModel(model, tokenizer, ref, path, dtype, config)
 
 
 def _has_half_dense_weights(model: nn.Module) -> bool:
@@ -73,10 +70,16 @@ def chat_prompt(tokenizer: TokenizerWrapper, messages: list[dict]) -> list[int]:
 
 
 def baseline_stream(loaded: LoadedModel, prompt: list[int] | str, max_tokens: int = 256,
-                    temperature: float = 0.0) -> Iterator:
+                    temperature: float = 0.0, ignore_eos: bool = False) -> Iterator:
     """mlx-lm's own streaming generation (no paged cache): yields GenerationResponse objects."""
     sampler = make_sampler(temp=temperature)
-    yield from stream_generate(loaded.model, loaded.tokenizer, prompt, max_tokens=max_tokens, sampler=sampler)
+    if not ignore_eos:
+        yield from stream_generate(loaded.model, loaded.tokenizer, prompt, max_tokens=max_tokens, sampler=sampler)
+        return
+    from mlx_lm.generate import generate_step
+
+    # stream_generate always stops at EOS; benchmarks need a fixed length.
+    yield from generate_step(mx.array(prompt), loaded.model, max_tokens=max_tokens, sampler=sampler)
 
 
 def print_progress(done: int, total: int, what: str) -> None:
@@ -86,3 +89,62 @@ def print_progress(done: int, total: int, what: str) -> None:
     end = "\n" if done >= total else ""
     sys.stderr.write(f"\r  {what:<20} [{'#' * filled}{'.' * (width - filled)}] {100 * done // max(total, 1):3d}%{end}")
     sys.stderr.flush()
+
+
+# --- Routing mlx-lm attention to the paged kernel -------------------------------------------
+# mlx-lm model modules import `scaled_dot_product_attention` from `mlx_lm.models.base` by
+# name, so each module's binding is replaced. The wrapper only acts on paged cache views;
+# every other cache (mlx-lm's own) goes to the original function untouched.
+
+_ORIGINAL_SDPA = None
+_ROUTED_MODULES: dict[str, object] = {}
+
+
+def _routed_sdpa(queries, keys, values, cache, scale, mask, sinks=None):
+    from mlxpaged.attention import paged_attention
+    from mlxpaged.cache_view import PagedCacheView
+
+    if isinstance(cache, PagedCacheView) and sinks is None:
+        decode = cache.decode_inputs()
+        if decode is not None:
+            k_pool, v_pool, tables, lens = decode
+            return paged_attention(queries, k_pool, v_pool, tables, lens, scale)
+    return _ORIGINAL_SDPA(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+
+def route_paged_attention() -> int:
+    """Point every loaded mlx-lm model module at the paged dispatcher; returns how many were patched.
+    Idempotent; call after loading a model (its module is imported lazily by mlx-lm)."""
+    global _ORIGINAL_SDPA
+    import mlx_lm.models.base as base
+
+    if _ORIGINAL_SDPA is None:
+        _ORIGINAL_SDPA = base.scaled_dot_product_attention
+    for name, module in list(sys.modules.items()):
+        if name.startswith("mlx_lm.models.") and getattr(module, "scaled_dot_product_attention", None) is _ORIGINAL_SDPA:
+            module.scaled_dot_product_attention = _routed_sdpa
+            _ROUTED_MODULES[name] = module
+    return len(_ROUTED_MODULES)
+
+
+def unroute_paged_attention() -> None:
+    """Restore mlx-lm's own attention in every module we patched."""
+    for module in _ROUTED_MODULES.values():
+        if getattr(module, "scaled_dot_product_attention", None) is _routed_sdpa:
+            module.scaled_dot_product_attention = _ORIGINAL_SDPA
+    _ROUTED_MODULES.clear()
+
+
+def check_paged_support(model: nn.Module) -> None:
+    """Recurrent / state-space layers keep no plain KV: refuse them with the model type named."""
+    from mlxpaged.cache_view import layer_windows
+
+    model_type = getattr(getattr(model, "args", None), "model_type", type(model).__module__.rsplit(".", 1)[-1])
+    try:
+        layer_windows(model)
+    except ValueError as exc:
+        raise UnsupportedModelError(f"model type {model_type!r} is not supported in paged mode: {exc}") from exc
+
+
+class UnsupportedModelError(Exception):
+    pass
