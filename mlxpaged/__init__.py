@@ -1,4 +1,9 @@
-"""mlxpaged: local LLM inference on MLX with a paged KV cache."""
+"""mlxpaged: local LLM inference on MLX with a paged KV cache.
+
+    from mlxpaged import Engine, SamplingParams
+    with Engine.from_pretrained() as engine:          # the embedded default model
+        print(engine.chat([{"role": "user", "content": "Hi!"}]).text)
+"""
 
 # Must run before anything imports mlx.core (see blas.py).
 from mlxpaged.blas import blas_status, load_fast_blas
@@ -6,4 +11,20 @@ from mlxpaged.blas import blas_status, load_fast_blas
 load_fast_blas()
 
 __version__ = "0.1.0"
-__all__ = ["blas_status", "__version__"]
+
+_LAZY = {
+    "Engine": "mlxpaged.engine", "Completion": "mlxpaged.engine", "StreamDelta": "mlxpaged.engine",
+    "RequestFailedError": "mlxpaged.engine", "EngineClosedError": "mlxpaged.engine",
+    "SamplingParams": "mlxpaged.sampling", "CacheConfig": "mlxpaged.config",
+    "RequestTooLongError": "mlxpaged.scheduler", "InsufficientMemoryError": "mlxpaged.memory",
+}
+__all__ = ["blas_status", "__version__", *_LAZY]
+
+
+def __getattr__(name: str):
+    # The engine pulls in mlx-lm and transformers; load them only when asked for.
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'mlxpaged' has no attribute {name!r}")

@@ -1,0 +1,419 @@
+"""Engine: continuous batching over the paged cache. One thread owns MLX.
+
+Callers on any thread (or asyncio task) submit requests; the engine thread runs the
+scheduler, the model and the samplers, and pushes events into each request's sink.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable, Iterator, Sequence
+
+import mlxpaged  # noqa: F401  (OpenBLAS before mlx)
+import mlx.core as mx
+
+from mlxpaged.blocks import BlockPool
+from mlxpaged.cache_view import layer_windows
+from mlxpaged.config import CacheConfig
+from mlxpaged.kv_cache import PagedKVCache
+from mlxpaged.memory import DeviceFacts, MemoryPlan, ModelFacts, model_weight_bytes, plan_memory, wired_limit
+from mlxpaged.model import LoadedModel, check_paged_support, load_model, route_paged_attention
+from mlxpaged.runner import Runner, StepInput
+from mlxpaged.sampling import SamplingParams, make_state, sample_batch
+from mlxpaged.scheduler import CACHE_CAPACITY, MODEL_CONTEXT, Request, RequestStatus, RequestTooLongError, Scheduler
+from mlxpaged.stopping import TextStream
+
+DEFAULT_CACHE_TOKENS = 32768  # cap by demand: a local app rarely needs more resident context
+
+_FINISH_STATUS = {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatus.FINISHED_LENGTH}
+
+
+class EngineClosedError(RuntimeError):
+    pass
+
+
+class RequestFailedError(RuntimeError):
+    """A request failed inside the engine (for example its logits processor raised)."""
+
+
+@dataclass
+class StreamDelta:
+    """One piece of a streamed reply. The last one has finish_reason set and the usage counts."""
+    request_id: str
+    text: str
+    token_id: int | None = None
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    finish_reason: str | None = None  # "stop", "length", "abort"
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass
+class Completion:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    prompt_tokens: int
+    cached_tokens: int
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    time_to_first_token: float | None = None
+
+
+@dataclass
+class _Tracked:
+    """Engine-thread state of one request."""
+    request: Request
+    params: SamplingParams
+    sampler: object
+    text: TextStream
+    sink: Callable[[object], None]
+    submitted: float = field(default_factory=time.perf_counter)
+    first_token: float | None = None
+
+
+class Engine:
+    def __init__(self, loaded: LoadedModel, cache_config: CacheConfig | None = None):
+        self.loaded = loaded
+        self.cache_config = cache_config or CacheConfig(max_tokens=DEFAULT_CACHE_TOKENS)
+        check_paged_support(loaded.model)
+        route_paged_attention()
+        self.plan = self._plan_memory()
+        self.kv = self._make_kv_cache()
+        self.pool = BlockPool(self.plan.num_blocks, self.cache_config.block_size,
+                              enable_prefix_cache=self.cache_config.enable_prefix_cache and self.kv.supports_prefix_cache,
+                              extra_key=str(loaded.path))
+        self.max_model_len = int(loaded.config.get("max_position_embeddings") or self.plan.token_capacity)
+        self.scheduler = Scheduler(self.pool, max_batch_tokens=self.cache_config.max_batch_tokens,
+                                   max_num_seqs=self.cache_config.max_num_seqs, max_model_len=self.max_model_len)
+        self.runner = Runner(loaded.model, self.kv)
+        self._commands: queue.Queue = queue.Queue()
+        self._tracked: dict[str, _Tracked] = {}
+        self._ids = itertools.count()
+        self._closed = False
+        self._stats = _StatsCounter()
+        self._thread = threading.Thread(target=self._run, name="mlxpaged-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_pretrained(cls, model: str | None = None, **settings) -> "Engine":
+        """A preset name, local path or hub id (None: the embedded default model); settings are CacheConfig fields."""
+        settings.setdefault("max_tokens", DEFAULT_CACHE_TOKENS)
+        config = CacheConfig(**settings)
+        return cls(load_model(model), config)
+
+    @property
+    def model(self):
+        return self.loaded.model
+
+    @property
+    def tokenizer(self):
+        return self.loaded.tokenizer
+
+    # --- setup ---------------------------------------------------------------------------------
+    def _plan_memory(self) -> MemoryPlan:
+        dtype_bytes = self._kv_dtype().size
+        facts = ModelFacts.from_config(self.loaded.config, model_weight_bytes(self.loaded.model), dtype_bytes)
+        return plan_memory(DeviceFacts.detect(), facts, self.cache_config, weights_resident=True)
+
+    def _kv_dtype(self) -> mx.Dtype:
+        return self.loaded.model.model.embed_tokens.weight.dtype if hasattr(self.loaded.model, "model") else mx.float32
+
+    def _make_kv_cache(self) -> PagedKVCache:
+        config = self.loaded.config
+        heads = config["num_attention_heads"]
+        return PagedKVCache(
+            num_layers=config["num_hidden_layers"], num_blocks=self.plan.num_blocks,
+            block_size=self.cache_config.block_size, num_kv_heads=config.get("num_key_value_heads", heads),
+            head_dim=config.get("head_dim") or config["hidden_size"] // heads, dtype=self._kv_dtype(),
+            layer_windows=layer_windows(self.loaded.model),
+        )
+
+    # --- public API ----------------------------------------------------------------------------
+    def submit(self, prompt: str | Sequence[int], params: SamplingParams | None,
+               sink: Callable[[object], None]) -> str:
+        """Queue a request; events (StreamDelta, or an exception) go to `sink` from the engine thread."""
+        if self._closed:
+            raise EngineClosedError("the engine is closed")
+        params = params or SamplingParams()
+        tokens = self._tokenize(prompt)
+        self._check_fits(len(tokens), params.max_tokens)
+        request_id = f"req-{next(self._ids)}"
+        self._commands.put(("add", request_id, tokens, params, sink))
+        return request_id
+
+    def generate(self, prompts: str | Sequence[int] | list,
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Completion]:
+        """Run prompts (text or token-id lists) concurrently; return their completions in order.
+        `params` is one SamplingParams for all prompts, or one per prompt."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"{len(per_prompt)} SamplingParams for {len(prompts)} prompts")
+        sinks = [queue.Queue() for _ in prompts]
+        ids = []
+        try:
+            for prompt, p, sink in zip(prompts, per_prompt, sinks):
+                ids.append(self.submit(prompt, p, sink.put))
+        except Exception:
+            for request_id in ids:  # a bad prompt in the list: the ones already queued are withdrawn
+                self.abort(request_id)
+            raise
+        return [_collect(rid, _drain(s)) for rid, s in zip(ids, sinks)]
+
+    def chat(self, messages: list[dict], params: SamplingParams | None = None) -> Completion:
+        return self.generate([self.chat_tokens(messages)], params)[0]
+
+    def chat_tokens(self, messages: list[dict]) -> list[int]:
+        from mlxpaged.model import chat_prompt
+
+        return chat_prompt(self.tokenizer, messages)
+
+    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Iterator[StreamDelta]:
+        """Yield deltas as tokens arrive. Closing the iterator early aborts the request."""
+        sink: queue.Queue = queue.Queue()
+        request_id = self.submit(prompt, params, sink.put)
+        finished = False
+        try:
+            for delta in _drain(sink):
+                finished = delta.finish_reason is not None
+                yield delta
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    async def astream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> AsyncIterator[StreamDelta]:
+        """Async version of stream(); cancelling the consuming task aborts the request."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        request_id = self.submit(prompt, params, lambda e: loop.call_soon_threadsafe(events.put_nowait, e))
+        finished = False
+        try:
+            while not finished:
+                event = await events.get()
+                if isinstance(event, BaseException):
+                    raise event
+                finished = event.finish_reason is not None
+                yield event
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; its blocks are freed at the start of the engine's next step."""
+        if not self._closed:
+            self._commands.put(("abort", request_id))
+
+    def stats(self) -> dict:
+        pool = self.pool.stats()
+        return {
+            "blocks_total": pool.num_blocks, "blocks_free": pool.num_free + pool.num_cached_free,
+            "blocks_used": pool.num_owned, "blocks_cached": pool.num_cached_free,
+            "prefix_hit_rate": pool.hit_rate, "prefix_hit_tokens": pool.hit_tokens,
+            "requests_running": self.scheduler.num_running, "requests_waiting": self.scheduler.num_waiting,
+            **self._stats.snapshot(), "memory_plan": self.plan,
+        }
+
+    def block_states(self) -> list[str]:
+        """Per block: "free", "owned", "shared" or "cached" (a snapshot; for the block map)."""
+        return list(self.pool.block_state())
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._commands.put(("close",))
+        self._thread.join(timeout=30)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- caller-side helpers ---------------------------------------------------------------------
+    def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+        tokens = [int(t) for t in prompt]
+        vocab = self.loaded.config.get("vocab_size")
+        bad = [t for t in tokens if t < 0 or (vocab and t >= vocab)]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        return tokens
+
+    def _check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
+        if prompt_tokens == 0:
+            raise ValueError("the prompt is empty")
+        if prompt_tokens + max_tokens > self.max_model_len:
+            raise RequestTooLongError(prompt_tokens, max_tokens, self.max_model_len, MODEL_CONTEXT)
+        if self.pool.num_blocks_for(prompt_tokens + max_tokens) > self.pool.num_blocks:
+            raise RequestTooLongError(prompt_tokens, max_tokens, self.scheduler.capacity_tokens, CACHE_CAPACITY)
+
+    # --- engine thread ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        stream = mx.new_stream(mx.default_device())  # MLX streams belong to the thread that made them
+        with mx.stream(stream), wired_limit(self.plan, enabled=self.cache_config.wire, streams=[stream]):
+            while True:
+                if not self._handle_commands(block=not self.scheduler.has_unfinished):
+                    break
+                if self.scheduler.has_unfinished:
+                    try:
+                        self._step()
+                    except Exception as exc:  # a failed step fails its requests, not the engine
+                        self._fail_all(exc)
+        self._fail_all(EngineClosedError("the engine was closed"))
+
+    def _handle_commands(self, block: bool) -> bool:
+        """Apply queued adds / aborts; False when the engine must stop."""
+        while True:
+            try:
+                command = self._commands.get(block=block, timeout=0.5 if block else None)
+            except queue.Empty:
+                return True
+            block = False
+            if command[0] == "close":
+                return False
+            if command[0] == "add":
+                self._add(*command[1:])
+            elif command[0] == "abort":
+                self._finish(command[1], RequestStatus.FINISHED_ABORTED, "abort")
+
+    def _add(self, request_id: str, tokens: list[int], params: SamplingParams, sink) -> None:
+        try:
+            request = Request(request_id, tokens, params.max_tokens)
+            self.scheduler.add_request(request)
+        except Exception as exc:
+            sink(exc)
+            return
+        eos = set(self.tokenizer.eos_token_ids)
+        self._tracked[request_id] = _Tracked(request, params, make_state(params, tokens),
+                                             TextStream(self.tokenizer, params, eos), sink)
+
+    def _step(self) -> None:
+        out = self.scheduler.schedule()
+        self._stats.preemptions += len(out.preempted)
+        if not out.chunks:
+            return
+        inputs = [StepInput(c.token_ids, c.start, [c.block_table], c.samples) for c in out.chunks]
+        logits = self.runner.step(inputs)
+        sampling = [c for c in out.chunks if c.samples]
+        results = sample_batch(logits, [self._tracked[c.request.request_id].sampler for c in sampling]) if sampling else []
+        for chunk, result in zip(sampling, results):
+            if result.error is not None:  # finished first, so on_step_done skips its chunk
+                self._fail(chunk.request.request_id, RequestFailedError(f"sampling failed: {result.error!r}"))
+        sampled = {c.request.request_id: r.token for c, r in zip(sampling, results) if r.error is None}
+        self.scheduler.on_step_done(out, sampled)
+        self._stats.add_tokens(len(sampled), sum(len(c.token_ids) for c in out.chunks))
+        for chunk, result in zip(sampling, results):
+            if result.error is None:
+                self._deliver(chunk.request.request_id, result)
+
+    def _deliver(self, request_id: str, result) -> None:
+        tracked = self._tracked.get(request_id)
+        if tracked is None:
+            return
+        if tracked.first_token is None:
+            tracked.first_token = time.perf_counter()
+            self._stats.add_ttft(tracked.first_token - tracked.submitted)
+        tracked.sampler.record(result.token)
+        delta = tracked.text.push(result.token)
+        event = StreamDelta(request_id, delta.text, result.token, result.logprob, result.top_logprobs,
+                            delta.finish_reason if delta.finished else None)
+        if delta.finished:
+            self._finish(request_id, _FINISH_STATUS[delta.finish_reason], delta.finish_reason, last=event)
+        else:
+            tracked.sink(event)
+
+    def _finish(self, request_id: str, status: RequestStatus, reason: str | None,
+                last: StreamDelta | None = None, notify: bool = True) -> None:
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is None:
+            return
+        self.scheduler.finish(request_id, status)  # frees the blocks now
+        if not notify:
+            return
+        request = tracked.request
+        event = last or StreamDelta(request_id, tracked.text.finish())
+        event.finish_reason = reason
+        event.prompt_tokens = len(request.prompt_token_ids)
+        event.cached_tokens = request.num_cached_tokens
+        event.completion_tokens = len(request.output_token_ids)
+        tracked.sink(event)
+
+    def _fail(self, request_id: str, exc: BaseException) -> None:
+        tracked = self._tracked.get(request_id)
+        if tracked is not None:
+            tracked.sink(exc)
+            self._finish(request_id, RequestStatus.FINISHED_ERROR, None, notify=False)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for request_id in list(self._tracked):
+            self._fail(request_id, exc if isinstance(exc, EngineClosedError)
+                       else RequestFailedError(f"engine step failed: {exc!r}"))
+
+
+class _StatsCounter:
+    """Throughput over the last few seconds, and time to first token; written by the engine thread."""
+
+    WINDOW = 10.0
+
+    def __init__(self):
+        self._events: list[tuple[float, int, int]] = []
+        self._ttfts: list[float] = []
+        self.generated_total = 0
+        self.preemptions = 0
+
+    def add_tokens(self, generated: int, processed: int) -> None:
+        now = time.perf_counter()
+        self.generated_total += generated
+        self._events.append((now, generated, processed))
+        while self._events and self._events[0][0] < now - self.WINDOW:
+            self._events.pop(0)
+
+    def add_ttft(self, seconds: float) -> None:
+        self._ttfts = (self._ttfts + [seconds])[-100:]
+
+    def snapshot(self) -> dict:
+        events = list(self._events)
+        span = max(events[-1][0] - events[0][0], 1e-9) if len(events) > 1 else None
+        return {
+            "generation_tokens_per_s": sum(e[1] for e in events[1:]) / span if span else 0.0,
+            "processed_tokens_per_s": sum(e[2] for e in events[1:]) / span if span else 0.0,
+            "generated_tokens_total": self.generated_total,
+            "preemptions": self.preemptions,
+            "last_time_to_first_token": self._ttfts[-1] if self._ttfts else None,
+        }
+
+
+def _drain(sink: queue.Queue) -> Iterator[StreamDelta]:
+    while True:
+        event = sink.get()
+        if isinstance(event, BaseException):
+            raise event
+        yield event
+        if event.finish_reason is not None:
+            return
+
+
+def _collect(request_id: str, deltas: Iterator[StreamDelta]) -> Completion:
+    text, tokens, logprobs, tops = [], [], [], []
+    last = None
+    for last in deltas:
+        text.append(last.text)
+        if last.token_id is not None:
+            tokens.append(last.token_id)
+            logprobs.append(last.logprob)
+            tops.append(last.top_logprobs)
+    return Completion(request_id, "".join(text), tokens, last.finish_reason, last.prompt_tokens, last.cached_tokens,
+                      logprobs if any(lp is not None for lp in logprobs) else None,
+                      tops if any(t is not None for t in tops) else None)

@@ -1,0 +1,182 @@
+"""The paged engine against mlx-lm's own generate_step, and against itself (batched, cached, preempted)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+import pytest
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+
+from mlxpaged.config import CacheConfig
+from mlxpaged.engine import Engine, RequestFailedError
+from mlxpaged.model import LoadedModel
+from mlxpaged.models import ModelRef
+from mlxpaged.sampling import SamplingParams
+from mlxpaged.scheduler import RequestTooLongError
+from tests.tiny_models import random_tokens, tiny_llama, tiny_qwen3
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+
+
+def reference_tokens(model, prompt: list[int], max_tokens: int) -> list[int]:
+    """mlx-lm's own greedy decode with its own KV cache."""
+    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens)]
+
+
+def tiny_engine(model, tokenizer, **cache) -> Engine:
+    """An engine over a tiny random model, sharing the real tokenizer (its ids < 256 are byte tokens)."""
+    config = {k: v for k, v in dataclasses.asdict(model.args).items() if v is not None}
+    loaded = LoadedModel(model, tokenizer, ModelRef("tiny", "path"), Path("tiny"), "float32", config)
+    return Engine(loaded, CacheConfig(**{"max_tokens": 2048, "block_size": 8, **cache}))
+
+
+def assert_pool_empty(engine: Engine) -> None:
+    deadline = time.monotonic() + 2.0
+    while engine.stats()["blocks_used"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.stats()["blocks_used"] == 0
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_loaded):
+    return default_loaded.tokenizer
+
+
+@pytest.fixture(scope="module")
+def engine(default_loaded):
+    with Engine(default_loaded, CacheConfig(max_tokens=8192)) as eng:
+        yield eng
+        assert_pool_empty(eng)
+
+
+@pytest.fixture(scope="module", params=["llama-gqa", "qwen3"])
+def tiny(request, tokenizer):
+    model = tiny_llama() if request.param == "llama-gqa" else tiny_qwen3()
+    with tiny_engine(model, tokenizer) as eng:
+        yield eng
+        assert_pool_empty(eng)
+
+
+PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
+
+
+@pytest.mark.slow
+def test_real_model_matches_mlx_lm_token_for_token(engine):
+    for text in PROMPTS:
+        prompt = engine.chat_tokens([{"role": "user", "content": text}])
+        got = engine.generate([prompt], GREEDY)[0]
+        assert got.token_ids == reference_tokens(engine.model, prompt, GREEDY.max_tokens), text
+    assert_pool_empty(engine)
+
+
+@pytest.mark.parametrize("length", [1, 7, 8, 9, 30])
+def test_tiny_models_match_mlx_lm(tiny, length):
+    prompt = random_tokens(length, seed=length)
+    got = tiny.generate([prompt], GREEDY)[0]
+    assert got.token_ids == reference_tokens(tiny.model, prompt, GREEDY.max_tokens)
+    assert got.finish_reason == "length" and got.prompt_tokens == length
+
+
+def test_concurrent_ragged_requests_equal_solo_runs(tokenizer):
+    # A small token budget forces chunked prefill to interleave with other requests' decode steps.
+    with tiny_engine(tiny_llama(), tokenizer, max_batch_tokens=24, max_num_seqs=8) as eng:
+        prompts = [random_tokens(n, seed=n) for n in (3, 17, 40, 5, 64, 12, 33, 9)]
+        solo = [eng.generate([p], GREEDY)[0].token_ids for p in prompts]
+        eng.pool.reset_prefix_cache()
+        batched = [c.token_ids for c in eng.generate(prompts, GREEDY)]
+        assert batched == solo
+        assert_pool_empty(eng)
+
+
+@pytest.mark.slow
+def test_prefix_cache_hit_equals_cold_output(engine):
+    messages = [{"role": "user", "content": "Tell me about the moon in two sentences."}]
+    cold = engine.chat(messages, GREEDY)
+    warm = engine.chat(messages, GREEDY)
+    assert warm.cached_tokens > 0 and warm.cached_tokens >= warm.prompt_tokens - 16
+    assert warm.token_ids == cold.token_ids
+    # A second turn re-prefills only the new turn.
+    turn2 = messages + [{"role": "assistant", "content": warm.text}, {"role": "user", "content": "And the sun?"}]
+    second = engine.chat(turn2, GREEDY)
+    assert second.cached_tokens >= len(engine.chat_tokens(messages)) - 16
+
+
+def test_preempted_request_resumes_with_identical_output(tokenizer):
+    model = tiny_llama()
+    prompts = [random_tokens(20, seed=s) for s in range(4)]
+    params = dataclasses.replace(GREEDY, max_tokens=40)
+    with tiny_engine(model, tokenizer) as roomy:
+        expected = [c.token_ids for c in roomy.generate(prompts, params)]
+    # 4 x 60 tokens need 32 blocks of 8; this pool has 8 + 4 = 12.
+    with tiny_engine(model, tokenizer, max_tokens=64, max_num_seqs=4) as tight:
+        got = [c.token_ids for c in tight.generate(prompts, params)]
+        assert tight.stats()["preemptions"] > 0
+        assert_pool_empty(tight)
+    assert got == expected
+
+
+def test_seeded_sampling_is_reproducible_alone_and_batched(tiny):
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=16, ignore_eos=True)
+    prompt = random_tokens(10, seed=99)
+    alone = tiny.generate([prompt], params)[0].token_ids
+    assert tiny.generate([prompt], params)[0].token_ids == alone
+    others = [random_tokens(n, seed=n) for n in (4, 25, 13)]
+    unseeded = dataclasses.replace(params, seed=None, temperature=1.3)
+    batched = tiny.generate([others[0], prompt, *others[1:]], [unseeded, params, unseeded, unseeded])
+    assert batched[1].token_ids == alone
+    other_seed = tiny.generate([prompt], dataclasses.replace(params, seed=4321))[0].token_ids
+    assert other_seed != alone  # the seed matters (16 tokens at temperature 0.9)
+
+
+def test_stop_string_across_tokens_max_tokens_and_eos(engine):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    full = engine.chat(messages, SamplingParams(temperature=0.0, max_tokens=30))
+    assert full.text == "The capital of France is Paris." and full.finish_reason == "stop"  # EOS
+    stopped = engine.chat(messages, SamplingParams(temperature=0.0, max_tokens=30, stop=["is Par"]))
+    assert stopped.text == "The capital of France " and stopped.finish_reason == "stop"
+    short = engine.chat(messages, SamplingParams(temperature=0.0, max_tokens=3))
+    assert short.finish_reason == "length" and len(short.token_ids) == 3
+
+
+def test_abort_mid_stream_frees_blocks(engine):
+    stream = engine.stream("Count from one to one hundred:", SamplingParams(temperature=0.0, max_tokens=200))
+    for _, delta in zip(range(3), stream):
+        assert delta.finish_reason is None
+    assert engine.stats()["blocks_used"] > 0
+    stream.close()  # closing the iterator aborts the request
+    assert_pool_empty(engine)
+
+
+def test_prompt_longer_than_cache_is_rejected_and_others_continue(tokenizer):
+    with tiny_engine(tiny_llama(), tokenizer, max_tokens=64, max_num_seqs=2) as eng:
+        running = eng.stream(random_tokens(10), GREEDY)
+        next(running)
+        with pytest.raises(RequestTooLongError, match="exceeds the KV cache capacity"):
+            eng.generate([random_tokens(200)], GREEDY)
+        rest = list(running)
+        assert rest[-1].finish_reason == "length"
+        assert_pool_empty(eng)
+
+
+def test_failing_logits_processor_fails_only_its_request(tiny):
+    def broken(tokens, logits):
+        raise RuntimeError("boom")
+
+    bad = dataclasses.replace(GREEDY, logits_processors=[broken])
+    good = tiny.stream(random_tokens(12), GREEDY)
+    failing = tiny.stream(random_tokens(8), bad)
+    with pytest.raises(RequestFailedError, match="boom"):
+        list(failing)
+    assert list(good)[-1].finish_reason == "length"
+    assert_pool_empty(tiny)
+
+
+def test_invalid_token_ids_and_empty_prompt(tiny):
+    with pytest.raises(ValueError, match="out of range"):
+        tiny.generate([[1, 2, 10**6]], GREEDY)
+    with pytest.raises(ValueError, match="empty"):
+        tiny.generate([[]], GREEDY)
