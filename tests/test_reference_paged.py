@@ -5,6 +5,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlxpaged.kernels import reference
 from mlxpaged.kernels.reference import paged_attention_reference, paged_prefill_attention_reference
 from tests.msl.oracle import (DTYPES, TOLERANCE, causal_oracle, make_decode_case, max_error, quantize,
                               shuffled_tables)
@@ -41,6 +42,13 @@ def test_decode_long_context(dtype, window):
     case = make_decode_case(2, [3001, 4096, 17], 8, 2, 128, 16, dtype, window)
     out = paged_attention_reference(*case.args(), window=window)
     assert max_error(out, case.expected()) < case.tolerance
+
+
+@pytest.mark.parametrize("fold_min_keys", [1, 1 << 30], ids=["folded_gqa", "plain_gqa"])
+def test_decode_both_sdpa_layouts(monkeypatch, fold_min_keys):
+    monkeypatch.setattr(reference, "FOLD_GQA_MIN_KEYS", fold_min_keys)
+    case = make_decode_case(7, [0, 3, 40, 64], 8, 2, 64, 16, "float32", window=30)
+    assert max_error(paged_attention_reference(*case.args(), window=30), case.expected()) < 1e-5
 
 
 def test_decode_equal_lengths_take_the_unmasked_path():
