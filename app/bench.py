@@ -131,7 +131,113 @@ def mb(n: int) -> str:
     return f"{n / 1e6:.1f} MB"
 
 
-BENCHES = {"decode": bench_decode, "memory": bench_memory}
+def random_prompts(count: int, low: int, high: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab) for _ in range(rng.randint(low, high))] for _ in range(count)]
+
+
+def run_mlx_lm_batch(model, prompts: list[list[int]], new_tokens: int) -> tuple[float, int]:
+    """(wall seconds, tokens generated) of mlx-lm's BatchGenerator, greedy, no stop tokens."""
+    from mlx_lm.generate import BatchGenerator
+
+    start = time.perf_counter()
+    gen = BatchGenerator(model, stop_tokens=[], max_tokens=new_tokens)
+    gen.insert(prompts, [new_tokens] * len(prompts))
+    generated = 0
+    while responses := gen.next_generated():
+        generated += len(responses)
+    gen.close()
+    return time.perf_counter() - start, generated
+
+
+def run_engine_batch(engine, prompts: list[list[int]], new_tokens: int) -> tuple[float, int]:
+    from mlxpaged.sampling import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    done = engine.generate(prompts, params)
+    return time.perf_counter() - start, sum(len(c.token_ids) for c in done)
+
+
+def bench_batch(args: Namespace) -> int:
+    """16 concurrent requests (prompts 256-512 tokens, 128 new each): mlxpaged vs mlx-lm batch_generate."""
+    import mlx.core as mx
+
+    from mlxpaged.engine import Engine
+
+    engine = Engine.from_pretrained(args.model, enable_prefix_cache=False, max_num_seqs=16)
+    prompts = random_prompts(16, 256, 512, engine.loaded.config["vocab_size"])
+    print(f"model {engine.loaded.name}, 16 requests, prompts {min(map(len, prompts))}-{max(map(len, prompts))} "
+          f"tokens, {args.tokens} new tokens each, BLAS {blas_status().name}")
+    rows = []
+    for name, run in (("mlx-lm batch", lambda: run_mlx_lm_batch(engine.model, prompts, args.tokens)),
+                      ("mlxpaged", lambda: run_engine_batch(engine, prompts, args.tokens))):
+        mx.reset_peak_memory()
+        wall, generated = run()
+        rows.append((name, wall, generated / wall, mx.get_peak_memory()))
+        print(f"  {name:<13} {wall:6.1f} s  {generated / wall:6.1f} tok/s aggregate  peak {mb(rows[-1][3])}")
+    engine.close()
+    print(f"ratio (mlxpaged / mlx-lm): throughput {rows[1][2] / rows[0][2]:.2f}x, "
+          f"wall {rows[0][1] / rows[1][1]:.2f}x faster, peak memory {rows[1][3] / rows[0][3]:.2f}x")
+    return 0
+
+
+PREFIX_QUESTIONS = ["Summarize the document in one sentence.", "What is the main topic?",
+                    "List two facts from the document."]
+
+
+def long_document(tokenizer, target_tokens: int) -> str:
+    sentences = [f"Section {i}: the harbour town of Vell{i % 7} keeps {i * 3} boats, a lighthouse, and a "
+                 f"market that opens at {6 + i % 5} in the morning." for i in range(400)]
+    text = ""
+    for sentence in sentences:
+        if len(tokenizer.encode(text + sentence)) > target_tokens:
+            break
+        text += sentence + " "
+    return text
+
+
+def time_to_first_token(engine, messages: list[dict]) -> tuple[float, int]:
+    from mlxpaged.sampling import SamplingParams
+
+    start = time.perf_counter()
+    for delta in engine.stream(engine.chat_tokens(messages), SamplingParams(temperature=0.0, max_tokens=8)):
+        first = time.perf_counter() - start
+        break
+    return first, len(engine.chat_tokens(messages))
+
+
+def bench_prefix(args: Namespace) -> int:
+    """Time to first token with a ~2,000-token system prompt: cold vs cached prefix."""
+    from mlxpaged.engine import Engine
+
+    engine = Engine.from_pretrained(args.model)
+    system = long_document(engine.tokenizer, 2000)
+    ask = lambda q: [{"role": "system", "content": system}, {"role": "user", "content": q}]  # noqa: E731
+    cold, warm = [], []
+    for question in PREFIX_QUESTIONS:
+        engine.pool.reset_prefix_cache()
+        cold.append(time_to_first_token(engine, ask(question)))
+        warm.append(time_to_first_token(engine, ask(question + " Be brief.")))
+        print(f"  prompt {cold[-1][1]} tokens: cold {cold[-1][0]:6.2f} s   cached prefix {warm[-1][0]:6.3f} s")
+    engine.close()
+    c, w = statistics.median(t for t, _ in cold), statistics.median(t for t, _ in warm)
+    print(f"median time to first token: cold {c:.2f} s, cached {w:.3f} s, {c / w:.0f}x faster")
+    return 0
+
+
+def bench_kernel(args: Namespace) -> int:
+    """Paged attention (reference path on CPU; kernel too on a Mac) vs contiguous SDPA, contexts 512-8192."""
+    from mlxpaged.kernels.bench import print_kernel_bench, run_kernel_bench
+
+    print_kernel_bench(run_kernel_bench([512, 1024, 2048, 4096, 8192], [1, 4, 16]))
+    return 0
+
+
+BENCHES = {"decode": bench_decode, "memory": bench_memory, "batch": bench_batch, "prefix": bench_prefix,
+           "kernel": bench_kernel}
 
 
 def run_bench(args: Namespace) -> int:

@@ -90,10 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=cmd_not_yet)
 
     bench = sub.add_parser("bench", help="benchmarks against mlx-lm")
-    bench.add_argument("what", choices=["decode", "memory"],
-                       help="decode: batch-1 decode tok/s of the baseline path; memory: KV bytes paged vs mlx-lm")
+    bench.add_argument("what", choices=["decode", "batch", "prefix", "memory", "kernel"],
+                       help="decode: batch-1 tok/s vs mlx-lm; batch: 16 concurrent requests vs mlx-lm "
+                            "batch_generate; prefix: time to first token, cached vs cold; memory: KV bytes "
+                            "paged vs mlx-lm; kernel: paged attention vs contiguous SDPA")
     bench.add_argument("--model", "-m", default=None)
-    bench.add_argument("--tokens", type=int, default=128, help="tokens to generate per run")
+    bench.add_argument("--tokens", type=int, default=128, help="tokens to generate per request")
     bench.add_argument("--runs", type=int, default=3)
     bench.set_defaults(func=cmd_bench)
 
