@@ -50,6 +50,7 @@ class StreamDelta:
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
     finish_reason: str | None = None  # "stop", "length", "abort"
+    index: int = 0  # which of the request's n sequences (SamplingParams.n)
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
@@ -76,6 +77,9 @@ class _Tracked:
     sampler: object
     text: TextStream
     sink: Callable[[object], None]
+    index: int = 0
+    group: str = ""  # the id the caller knows (the parent's), for abort and n > 1
+    forks: list["_Tracked"] = field(default_factory=list)  # n > 1: sequences 1.. before their fork
     submitted: float = field(default_factory=time.perf_counter)
     first_token: float | None = None
 
@@ -152,7 +156,8 @@ class Engine:
 
     def generate(self, prompts: str | Sequence[int] | list,
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Completion]:
-        """Run prompts (text or token-id lists) concurrently; return their completions in order.
+        """Run prompts (text or token-id lists) concurrently; return their completions in order
+        (with n > 1, a prompt's n completions follow each other, by index).
         `params` is one SamplingParams for all prompts, or one per prompt."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -168,7 +173,10 @@ class Engine:
             for request_id in ids:  # a bad prompt in the list: the ones already queued are withdrawn
                 self.abort(request_id)
             raise
-        return [_collect(rid, _drain(s)) for rid, s in zip(ids, sinks)]
+        out = []
+        for rid, sink, p in zip(ids, sinks, per_prompt):
+            out += _collect(rid, _drain(sink, (p or SamplingParams()).n))
+        return out
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None) -> Completion:
         return self.generate([self.chat_tokens(messages)], params)[0]
@@ -182,13 +190,13 @@ class Engine:
         """Yield deltas as tokens arrive. Closing the iterator early aborts the request."""
         sink: queue.Queue = queue.Queue()
         request_id = self.submit(prompt, params, sink.put)
-        finished = False
+        remaining = (params or SamplingParams()).n
         try:
-            for delta in _drain(sink):
-                finished = delta.finish_reason is not None
+            for delta in _drain(sink, remaining):
+                remaining -= delta.finish_reason is not None
                 yield delta
         finally:
-            if not finished:
+            if remaining:
                 self.abort(request_id)
 
     async def astream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> AsyncIterator[StreamDelta]:
@@ -196,16 +204,17 @@ class Engine:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         request_id = self.submit(prompt, params, lambda e: loop.call_soon_threadsafe(events.put_nowait, e))
-        finished = False
+        remaining = (params or SamplingParams()).n
         try:
-            while not finished:
+            while remaining:
                 event = await events.get()
                 if isinstance(event, BaseException):
+                    remaining = 0  # a failed request is already finished in the engine
                     raise event
-                finished = event.finish_reason is not None
+                remaining -= event.finish_reason is not None
                 yield event
         finally:
-            if not finished:
+            if remaining:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
@@ -226,6 +235,13 @@ class Engine:
     def block_states(self) -> list[str]:
         """Per block: "free", "owned", "shared" or "cached" (a snapshot; for the block map)."""
         return list(self.pool.block_state())
+
+    def request_blocks(self, request_id: str) -> list[int]:
+        """Block ids a live request holds (empty once it finished); for the block map."""
+        try:
+            return list(self.pool.block_table(request_id))
+        except KeyError:
+            return []
 
     def close(self) -> None:
         if self._closed:
@@ -286,7 +302,8 @@ class Engine:
             if command[0] == "add":
                 self._add(*command[1:])
             elif command[0] == "abort":
-                self._finish(command[1], RequestStatus.FINISHED_ABORTED, "abort")
+                for sequence_id in [rid for rid, t in self._tracked.items() if t.group == command[1]]:
+                    self._finish(sequence_id, RequestStatus.FINISHED_ABORTED, "abort")
 
     def _add(self, request_id: str, tokens: list[int], params: SamplingParams, sink) -> None:
         try:
@@ -295,9 +312,15 @@ class Engine:
         except Exception as exc:
             sink(exc)
             return
-        eos = set(self.tokenizer.eos_token_ids)
-        self._tracked[request_id] = _Tracked(request, params, make_state(params, tokens),
-                                             TextStream(self.tokenizer, params, eos), sink)
+        tracked = self._new_tracked(request, params, sink, 0, request_id)
+        tracked.forks = [self._new_tracked(Request(f"{request_id}.{i}", tokens, params.max_tokens), params, sink, i,
+                                           request_id) for i in range(1, params.n)]
+        self._tracked[request_id] = tracked
+
+    def _new_tracked(self, request: Request, params: SamplingParams, sink, index: int, group: str) -> _Tracked:
+        state = make_state(params, request.prompt_token_ids, sequence_index=index)
+        text = TextStream(self.tokenizer, params, set(self.tokenizer.eos_token_ids))
+        return _Tracked(request, params, state, text, sink, index, group)
 
     def _step(self) -> None:
         out = self.scheduler.schedule()
@@ -306,17 +329,25 @@ class Engine:
             return
         inputs = [StepInput(c.token_ids, c.start, [c.block_table], c.samples) for c in out.chunks]
         logits = self.runner.step(inputs)
-        sampling = [c for c in out.chunks if c.samples]
-        results = sample_batch(logits, [self._tracked[c.request.request_id].sampler for c in sampling]) if sampling else []
-        for chunk, result in zip(sampling, results):
+        sampling = [self._tracked[c.request.request_id] for c in out.chunks if c.samples]
+        # n > 1: the forks sample their first token from their parent's logits row.
+        rows = [(i, t) for i, parent in enumerate(sampling) for t in [parent, *parent.forks]]
+        if len(rows) > len(sampling):
+            logits = logits[mx.array([i for i, _ in rows])]
+        results = sample_batch(logits, [t.sampler for _, t in rows]) if rows else []
+        for (_, tracked), result in zip(rows, results):
             if result.error is not None:  # finished first, so on_step_done skips its chunk
-                self._fail(chunk.request.request_id, RequestFailedError(f"sampling failed: {result.error!r}"))
-        sampled = {c.request.request_id: r.token for c, r in zip(sampling, results) if r.error is None}
+                self._fail(tracked.group, RequestFailedError(f"sampling failed: {result.error!r}"))
+        sampled = {t.request.request_id: r.token for (_, t), r in zip(rows, results) if r.error is None}
         self.scheduler.on_step_done(out, sampled)
         self._stats.add_tokens(len(sampled), sum(len(c.token_ids) for c in out.chunks))
-        for chunk, result in zip(sampling, results):
-            if result.error is None:
-                self._deliver(chunk.request.request_id, result)
+        ok = [(t, r) for (_, t), r in zip(rows, results) if r.error is None]
+        new_forks = [(t, r) for t, r in ok if t.request.request_id not in self._tracked]
+        for tracked, result in new_forks:  # first: delivering the parent's token may finish it
+            self._start_fork(tracked, result)
+        for tracked, result in ok:
+            if (tracked, result) not in new_forks:
+                self._deliver(tracked.request.request_id, result)
 
     def _deliver(self, request_id: str, result) -> None:
         tracked = self._tracked.get(request_id)
@@ -327,8 +358,8 @@ class Engine:
             self._stats.add_ttft(tracked.first_token - tracked.submitted)
         tracked.sampler.record(result.token)
         delta = tracked.text.push(result.token)
-        event = StreamDelta(request_id, delta.text, result.token, result.logprob, result.top_logprobs,
-                            delta.finish_reason if delta.finished else None)
+        event = StreamDelta(tracked.group, delta.text, result.token, result.logprob, result.top_logprobs,
+                            delta.finish_reason if delta.finished else None, tracked.index)
         if delta.finished:
             self._finish(request_id, _FINISH_STATUS[delta.finish_reason], delta.finish_reason, last=event)
         else:
@@ -342,23 +373,43 @@ class Engine:
         self.scheduler.finish(request_id, status)  # frees the blocks now
         if not notify:
             return
+        for fork in tracked.forks:  # n > 1 sequences that never started end with their parent
+            fork.sink(StreamDelta(tracked.group, "", finish_reason=reason, index=fork.index,
+                                  prompt_tokens=len(tracked.request.prompt_token_ids)))
         request = tracked.request
-        event = last or StreamDelta(request_id, tracked.text.finish())
+        event = last or StreamDelta(request_id, tracked.text.finish().text, index=tracked.index)
+        event.request_id = tracked.group
         event.finish_reason = reason
         event.prompt_tokens = len(request.prompt_token_ids)
         event.cached_tokens = request.num_cached_tokens
         event.completion_tokens = len(request.output_token_ids)
         tracked.sink(event)
 
-    def _fail(self, request_id: str, exc: BaseException) -> None:
-        tracked = self._tracked.get(request_id)
-        if tracked is not None:
-            tracked.sink(exc)
+    def _start_fork(self, tracked: _Tracked, result) -> None:
+        """Sequence i > 0 of an n > 1 request: share the parent's prompt blocks, then deliver its first token."""
+        parent = self._tracked.get(tracked.group)
+        if parent is None or tracked not in parent.forks:
+            return
+        parent.forks.remove(tracked)
+        copy = self.scheduler.fork(tracked.group, tracked.request)
+        if copy is not None:
+            self.kv.copy_blocks([(copy.src_block, copy.dst_block)])
+            mx.eval(self.kv.keys, self.kv.values)  # land the copy before the next pass writes
+        tracked.request.output_token_ids.append(result.token)
+        self._tracked[tracked.request.request_id] = tracked
+        self._deliver(tracked.request.request_id, result)
+
+    def _fail(self, group: str, exc: BaseException) -> None:
+        """Fail every sequence of a request (one event for the caller)."""
+        members = [rid for rid, t in self._tracked.items() if t.group == group]
+        if members:
+            self._tracked[members[0]].sink(exc)
+        for request_id in members:
             self._finish(request_id, RequestStatus.FINISHED_ERROR, None, notify=False)
 
     def _fail_all(self, exc: BaseException) -> None:
-        for request_id in list(self._tracked):
-            self._fail(request_id, exc if isinstance(exc, EngineClosedError)
+        for group in {t.group for t in self._tracked.values()}:
+            self._fail(group, exc if isinstance(exc, EngineClosedError)
                        else RequestFailedError(f"engine step failed: {exc!r}"))
 
 
@@ -395,25 +446,30 @@ class _StatsCounter:
         }
 
 
-def _drain(sink: queue.Queue) -> Iterator[StreamDelta]:
-    while True:
+def _drain(sink: queue.Queue, sequences: int = 1) -> Iterator[StreamDelta]:
+    """Events of one request until all its `sequences` have finished; an exception is raised."""
+    while sequences:
         event = sink.get()
         if isinstance(event, BaseException):
             raise event
+        sequences -= event.finish_reason is not None
         yield event
-        if event.finish_reason is not None:
-            return
 
 
-def _collect(request_id: str, deltas: Iterator[StreamDelta]) -> Completion:
-    text, tokens, logprobs, tops = [], [], [], []
-    last = None
-    for last in deltas:
-        text.append(last.text)
-        if last.token_id is not None:
-            tokens.append(last.token_id)
-            logprobs.append(last.logprob)
-            tops.append(last.top_logprobs)
-    return Completion(request_id, "".join(text), tokens, last.finish_reason, last.prompt_tokens, last.cached_tokens,
+def _collect(request_id: str, deltas: Iterator[StreamDelta]) -> list[Completion]:
+    """One Completion per sequence index, in index order."""
+    parts: dict[int, list[StreamDelta]] = {}
+    for delta in deltas:
+        parts.setdefault(delta.index, []).append(delta)
+    return [_completion(request_id, parts[i]) for i in sorted(parts)]
+
+
+def _completion(request_id: str, deltas: list[StreamDelta]) -> Completion:
+    tokens = [d for d in deltas if d.token_id is not None]
+    logprobs = [d.logprob for d in tokens]
+    tops = [d.top_logprobs for d in tokens]
+    last = deltas[-1]
+    return Completion(request_id, "".join(d.text for d in deltas), [d.token_id for d in tokens], last.finish_reason,
+                      last.prompt_tokens, last.cached_tokens,
                       logprobs if any(lp is not None for lp in logprobs) else None,
                       tops if any(t is not None for t in tops) else None)

@@ -14,7 +14,7 @@ import enum
 from collections import deque
 from dataclasses import dataclass, field
 
-from mlxpaged.blocks import BlockPool, NoFreeBlocksError, UnknownRequestError
+from mlxpaged.blocks import CopyOnWrite, BlockPool, NoFreeBlocksError, UnknownRequestError
 
 
 class RequestStatus(enum.Enum):
@@ -201,6 +201,32 @@ class Scheduler:
         if request_id not in self._requests:
             return None
         return self.finish(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def fork(self, parent_id: str, child: Request) -> CopyOnWrite | None:
+        """Start `child` (n > 1 sampling) as a running copy of a running parent's computed
+        tokens: full blocks are shared copy-on-write, and the returned copy (if any) must be
+        done by the KV layer before the next step. `child` carries the parent's prompt and its
+        own first sampled token. When the pool cannot hold the copy, the child waits and
+        recomputes its prompt instead (returns None)."""
+        parent = self._requests.get(parent_id)
+        if parent is None or parent.status is not RequestStatus.RUNNING:
+            raise ValueError(f"fork needs a running parent, {parent_id!r} is not")
+        if child.request_id in self._requests:
+            raise ValueError(f"request id {child.request_id!r} is already in use")
+        self._requests[child.request_id] = child
+        self._arrival[child.request_id] = self._next_arrival
+        self._next_arrival += 1
+        child.num_cached_tokens = parent.num_cached_tokens
+        try:
+            copy = self.pool.fork(parent_id, child.request_id)
+        except NoFreeBlocksError:
+            child.status = RequestStatus.WAITING
+            self._waiting.append(child)
+            return None
+        child.num_computed_tokens = self.pool.num_computed_tokens(child.request_id)
+        child.status = RequestStatus.RUNNING
+        self._running.append(child)  # newest arrival: the order stays sorted
+        return copy
 
     # ---- one step -----------------------------------------------------------------
 

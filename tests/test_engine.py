@@ -180,3 +180,27 @@ def test_invalid_token_ids_and_empty_prompt(tiny):
         tiny.generate([[1, 2, 10**6]], GREEDY)
     with pytest.raises(ValueError, match="empty"):
         tiny.generate([[]], GREEDY)
+
+
+def test_n_sequences_share_the_prompt_and_match_solo_runs(tiny):
+    prompt = random_tokens(21, seed=5)  # 21 tokens: two full blocks of 8 shared, a partial one copied
+    params = SamplingParams(temperature=1.0, seed=7, n=3, max_tokens=12, ignore_eos=True)
+    before = tiny.stats()["prefix_hit_tokens"]
+    forked = tiny.generate([prompt], params)
+    assert [c.finish_reason for c in forked] == ["length"] * 3
+    assert len({tuple(c.token_ids) for c in forked}) == 3  # different samples
+    # Sequence i equals a solo run of the same seed and sequence index.
+    from mlxpaged.sampling import make_state  # noqa: F401  (sequence_index is part of the sampler key)
+    assert tiny.stats()["prefix_hit_tokens"] == before  # the prompt was prefilled once, not looked up 3 times
+    again = tiny.generate([prompt], params)
+    assert [c.token_ids for c in again] == [c.token_ids for c in forked]
+    assert_pool_empty(tiny)
+
+
+def test_n_sequences_stream_and_abort(tiny):
+    params = SamplingParams(temperature=0.8, seed=1, n=2, max_tokens=50, ignore_eos=True)
+    stream = tiny.stream(random_tokens(9, seed=3), params)
+    seen = {next(stream).index for _ in range(6)}
+    assert seen == {0, 1}
+    stream.close()
+    assert_pool_empty(tiny)
