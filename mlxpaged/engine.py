@@ -22,7 +22,7 @@ from mlxpaged.cache_view import layer_windows
 from mlxpaged.config import CacheConfig
 from mlxpaged.kv_cache import PagedKVCache
 from mlxpaged.memory import DeviceFacts, MemoryPlan, ModelFacts, model_weight_bytes, plan_memory, wired_limit
-from mlxpaged.model import LoadedModel, check_paged_support, load_model, route_paged_attention
+from mlxpaged.model import LoadedModel, UnsupportedModelError, check_paged_support, load_model, route_paged_attention
 from mlxpaged.runner import Runner, StepInput
 from mlxpaged.sampling import SamplingParams, make_state, sample_batch
 from mlxpaged.scheduler import CACHE_CAPACITY, MODEL_CONTEXT, Request, RequestStatus, RequestTooLongError, Scheduler
@@ -92,6 +92,13 @@ class Engine:
         route_paged_attention()
         self.plan = self._plan_memory()
         self.kv = self._make_kv_cache()
+        if len(self.kv.groups) > 1:
+            # The cache and the view page hybrid models correctly; the scheduler keeps one block
+            # table per request, so the engine cannot yet drive several layer groups.
+            windows = sorted({str(g.window) for g in self.kv.groups})
+            raise UnsupportedModelError(
+                f"{loaded.name}: models that mix sliding-window and full attention (layer windows {windows}) "
+                f"are not supported by the engine yet")
         self.pool = BlockPool(self.plan.num_blocks, self.cache_config.block_size,
                               enable_prefix_cache=self.cache_config.enable_prefix_cache and self.kv.supports_prefix_cache,
                               extra_key=str(loaded.path))
