@@ -158,6 +158,7 @@ class PagedKVCache:
         shape = (num_blocks, num_kv_heads, block_size, head_dim)
         self.keys = [mx.zeros(shape, dtype) for _ in range(self.group_size)]
         self.values = [mx.zeros(shape, dtype) for _ in range(self.group_size)]
+        self._last_slots: tuple[mx.array, mx.array, mx.array] | None = None
         mx.eval(self._heads, self.keys, self.values)  # lazy arrays would bind to this thread's stream
 
     @property
@@ -195,12 +196,18 @@ class PagedKVCache:
                 raise ValueError(f"{name} has shape {tuple(x.shape)}, expected {expected}")
             if x.dtype != self.dtype:
                 raise ValueError(f"{name} has dtype {x.dtype}, the pools hold {self.dtype}")
-        blocks = (slots // self.block_size)[:, None]
-        offsets = (slots % self.block_size)[:, None]
+        blocks, offsets = self._indices(slots)
         heads = self._heads[None, :]
         j = self._pool[layer]
         self.keys[j][(blocks, heads, offsets)] = k
         self.values[j][(blocks, heads, offsets)] = v
+
+    def _indices(self, slots: mx.array) -> tuple[mx.array, mx.array]:
+        """(block, offset) index columns of `slots`; every layer of a pass writes the same slots
+        array, so the last one is remembered (held, so its identity cannot be reused)."""
+        if self._last_slots is None or self._last_slots[0] is not slots:
+            self._last_slots = (slots, (slots // self.block_size)[:, None], (slots % self.block_size)[:, None])
+        return self._last_slots[1], self._last_slots[2]
 
     def gather_blocks(self, layer: int, block_ids: mx.array) -> tuple[mx.array, mx.array]:
         """Pages of `block_ids` `[B, n]` laid end to end: k, v `[B, kv_heads, n * block_size, head_dim]`."""

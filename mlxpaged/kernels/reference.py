@@ -71,30 +71,13 @@ def paged_attention_reference(q: mx.array, k_pool: mx.array, v_pool: mx.array, b
     """
     _check_window(window)
     batch, heads, qlen, head_dim = q.shape
-    block_size = k_pool.shape[2]
     if qlen != 1:
         raise ValueError(f"decode takes one query token per sequence: q is {tuple(q.shape)}")
-    tables = as_table(block_tables)
-    lens = host_ints(context_lens)
-    if len(lens) != batch or tables.shape[0] != batch:
-        raise ValueError(f"batch mismatch: q has {batch} sequences, block_tables {tables.shape[0]}, "
-                         f"context_lens {len(lens)}")
-    capacity = tables.shape[1] * block_size
-    if lens and max(lens) > capacity:
-        raise ValueError(f"context length {max(lens)} exceeds the block table capacity {capacity} "
-                         f"({tables.shape[1]} blocks of {block_size})")
-    max_len = max(lens, default=0)
-    if max_len == 0:
+    plan = _decode_plan(block_tables, context_lens, window, k_pool.shape, batch)
+    if plan is None:
         return mx.zeros(q.shape, dtype=q.dtype)
-    starts = [window_start(n, window) if n else max_len for n in lens]
-    first_block = min(starts) // block_size
-    last_block = -(-max_len // block_size)
-    span = tables[:, first_block:last_block]
-    # Table entries are only guaranteed valid below each sequence's own block count.
-    padded = any(-(-n // block_size) < last_block or s // block_size > first_block for n, s in zip(lens, starts))
-    rows = page_rows(span, k_pool.shape, clip=padded)
+    span, rows, mask, lens = plan
     keys, values = gather_pages(k_pool, span, rows), gather_pages(v_pool, span, rows)
-    mask = _decode_mask(lens, starts, first_block * block_size, last_block * block_size)
     kv_heads = k_pool.shape[1]
     if keys.shape[2] >= FOLD_GQA_MIN_KEYS:
         # One decode query per sequence: the G query heads of a KV head are G query rows under the
@@ -107,6 +90,50 @@ def paged_attention_reference(q: mx.array, k_pool: mx.array, v_pool: mx.array, b
     if min(lens) == 0:
         out = mx.where(mx.array(np.asarray(lens) > 0)[:, None, None, None], out, mx.zeros((), q.dtype))
     return out
+
+
+_last_plan: tuple | None = None
+
+
+def _decode_plan(block_tables, context_lens, window, pool_shape, batch):
+    """(span table, page rows, mask, lens) of a decode call, or None when every context is empty.
+    A model calls this once per layer with the same table and lengths arrays, so the last plan
+    is reused: matched by identity of the (immutable) mx.arrays, which the memo holds so their
+    ids cannot be recycled. Lists are never memoized (they can change in place)."""
+    global _last_plan
+    rest = (window, tuple(pool_shape), batch)
+    if (_last_plan is not None and _last_plan[0] is block_tables and _last_plan[1] is context_lens
+            and _last_plan[2] == rest):
+        return _last_plan[3]
+    plan = _build_decode_plan(block_tables, context_lens, window, pool_shape, batch)
+    if isinstance(block_tables, mx.array) and isinstance(context_lens, mx.array):
+        _last_plan = (block_tables, context_lens, rest, plan)
+    return plan
+
+
+def _build_decode_plan(block_tables, context_lens, window, pool_shape, batch):
+    block_size = pool_shape[2]
+    tables = as_table(block_tables)
+    lens = host_ints(context_lens)
+    if len(lens) != batch or tables.shape[0] != batch:
+        raise ValueError(f"batch mismatch: q has {batch} sequences, block_tables {tables.shape[0]}, "
+                         f"context_lens {len(lens)}")
+    capacity = tables.shape[1] * block_size
+    if lens and max(lens) > capacity:
+        raise ValueError(f"context length {max(lens)} exceeds the block table capacity {capacity} "
+                         f"({tables.shape[1]} blocks of {block_size})")
+    max_len = max(lens, default=0)
+    if max_len == 0:
+        return None
+    starts = [window_start(n, window) if n else max_len for n in lens]
+    first_block = min(starts) // block_size
+    last_block = -(-max_len // block_size)
+    span = tables[:, first_block:last_block]
+    # Table entries are only guaranteed valid below each sequence's own block count.
+    padded = any(-(-n // block_size) < last_block or s // block_size > first_block for n, s in zip(lens, starts))
+    rows = page_rows(span, pool_shape, clip=padded)
+    mask = _decode_mask(lens, starts, first_block * block_size, last_block * block_size)
+    return span, rows, mask, lens
 
 
 def _decode_mask(lens: list[int], starts: list[int], lo: int, hi: int) -> mx.array | None:
