@@ -9,7 +9,7 @@ import mlxpaged  # noqa: F401  (loads OpenBLAS before anything imports mlx)
 from mlxpaged.blas import blas_status
 from mlxpaged.models import ModelError
 
-NOT_YET = {"serve": "the OpenAI-compatible server"}
+NOT_YET: dict[str, str] = {}
 
 
 def human_bytes(n: int | None) -> str:
@@ -69,6 +69,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return run_repl(args.model, max_tokens=args.max_tokens, temperature=args.temperature)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from mlxpaged_app.openai_runner import run_serve
+
+    return run_serve(args)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from mlxpaged_app.bench import run_bench
 
@@ -86,8 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--temperature", type=float, default=0.7)
     chat.set_defaults(func=cmd_chat)
 
-    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP endpoint (not implemented yet)")
-    serve.set_defaults(func=cmd_not_yet)
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP endpoint on localhost")
+    from mlxpaged_app.openai_flags import add_serve_arguments
+
+    add_serve_arguments(serve)
+    serve.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", help="benchmarks against mlx-lm")
     bench.add_argument("what", choices=["decode", "batch", "prefix", "memory", "kernel"],

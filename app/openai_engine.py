@@ -1,0 +1,143 @@
+"""The HTTP layer's side of the engine: admission (a bounded queue), submission and event delivery.
+
+The engine thread pushes events into a sink; `Generation` hops them onto the event loop with
+`call_soon_threadsafe` and merges the events of every prompt of a request (a /v1/completions
+batch) into one stream of (choice index, StreamDelta). Whoever consumes it must call `abort()`
+in a `finally`: it withdraws every sequence that has not finished, so a client that leaves frees
+its blocks at the engine's next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from contextlib import contextmanager
+from functools import partial
+from typing import AsyncIterator, Iterator
+
+from mlxpaged.engine import EngineClosedError, StreamDelta
+from mlxpaged.sampling import SamplingParams
+from mlxpaged.scheduler import RequestTooLongError
+from mlxpaged_app.openai_errors import APIError, invalid_param, queue_full, unavailable
+from mlxpaged_app.openai_metrics import ServerMetrics
+
+
+class GenerationFailed(RuntimeError):
+    """The engine failed a request after accepting it (a server-side failure, not the client's)."""
+
+
+class Admission:
+    """At most `capacity` sequences in flight (the engine's batch plus a queue); beyond that, 429."""
+
+    def __init__(self, batch: int, queue: int) -> None:
+        self.batch, self.capacity, self.in_flight = batch, batch + queue, 0
+
+    def retry_after(self) -> int:
+        """Seconds until a slot is likely free: one per batch's worth of work ahead of the caller."""
+        return max(1, min(60, math.ceil(self.in_flight / self.batch)))
+
+    @contextmanager
+    def slot(self, units: int) -> Iterator[None]:
+        # An oversized request (n larger than the whole capacity) still runs when nothing else does.
+        if self.in_flight and self.in_flight + units > self.capacity:
+            raise queue_full(self.in_flight, self.capacity, self.retry_after())
+        self.in_flight += units
+        try:
+            yield
+        finally:
+            self.in_flight -= units
+
+
+def submit_error(exc: Exception, prompt_param: str) -> APIError:
+    """What a synchronous `engine.submit` failure means to the client."""
+    if isinstance(exc, RequestTooLongError):
+        return invalid_param(prompt_param, str(exc), "context_length_exceeded")
+    if isinstance(exc, EngineClosedError):
+        return unavailable("the server is shutting down")
+    return invalid_param(prompt_param, str(exc))
+
+
+class Generation:
+    """One API request's engine work: one engine request per prompt, each with `n` sequences."""
+
+    def __init__(self, engine, metrics: ServerMetrics, n: int, arrived: float) -> None:
+        self.engine, self.metrics, self.n, self.arrived = engine, metrics, n, arrived
+        self._loop = asyncio.get_running_loop()
+        self._events: asyncio.Queue = asyncio.Queue()
+        self._request_ids: list[str] = []
+        self._open: list[int] = []  # unfinished sequences per prompt
+        self._last_token: dict[int, float] = {}
+        self.first_token_at: float | None = None
+        self.prompt_tokens = self.cached_tokens = self.completion_tokens = 0
+
+    def submit(self, prompts: list[list[int]], params: SamplingParams, prompt_param: str) -> None:
+        """Queue every prompt, or none: a prompt the engine refuses withdraws the ones before it."""
+        try:
+            for i, tokens in enumerate(prompts):
+                self._request_ids.append(self.engine.submit(tokens, params, partial(self._sink, i)))
+                self._open.append(self.n)
+        except Exception as exc:
+            self.abort()
+            raise submit_error(exc, prompt_param) from None
+
+    def _sink(self, prompt_index: int, event: object) -> None:
+        """Runs on the engine thread."""
+        try:
+            self._loop.call_soon_threadsafe(self._events.put_nowait, (prompt_index, event))
+        except RuntimeError:  # the event loop is closed: the server is gone, nobody is listening
+            pass
+
+    @property
+    def finished(self) -> bool:
+        return not any(self._open)
+
+    async def deltas(self) -> AsyncIterator[tuple[int, StreamDelta]]:
+        """(choice index, delta) until every sequence has finished; GenerationFailed if the engine failed."""
+        while not self.finished:
+            prompt_index, event = await self._events.get()
+            if isinstance(event, BaseException):
+                self._open[prompt_index] = 0  # the engine already dropped this request
+                raise GenerationFailed(f"generation failed: {event}") from event
+            choice = prompt_index * self.n + event.index
+            self._observe(choice, event)
+            if event.finish_reason is not None:
+                self._close_sequence(prompt_index, event)
+            yield choice, event
+
+    def _observe(self, choice: int, delta: StreamDelta) -> None:
+        if delta.token_id is None:
+            return
+        now = time.perf_counter()
+        if self.first_token_at is None:
+            self.first_token_at = now
+            self.metrics.ttft.observe(now - self.arrived)
+        if choice in self._last_token:
+            self.metrics.token_latency.observe(now - self._last_token[choice])
+        self._last_token[choice] = now
+
+    def _close_sequence(self, prompt_index: int, delta: StreamDelta) -> None:
+        if self._open[prompt_index] == self.n:  # the prompt is counted once, however many samples share it
+            self.prompt_tokens += delta.prompt_tokens
+            self.cached_tokens += delta.cached_tokens
+        self._open[prompt_index] -= 1
+        self.completion_tokens += delta.completion_tokens
+        if self.finished:
+            self.metrics.count_usage(self.prompt_tokens, self.cached_tokens, self.completion_tokens)
+            self.metrics.e2e.observe(time.perf_counter() - self.arrived)
+
+    def abort(self, notify: bool = False) -> None:
+        """Withdraw whatever has not finished (idempotent; the engine ignores unknown ids).
+
+        notify=False: stop listening now (the consumer is gone). notify=True: keep listening, so
+        the engine's final "abort" deltas end the consumer's stream properly (shutdown drain)."""
+        for request_id, still_open in zip(self._request_ids, self._open):
+            if still_open:
+                self.engine.abort(request_id)
+        if not notify:
+            self._open = [0] * len(self._open)
+
+    def usage(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}

@@ -1,0 +1,78 @@
+"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` with the right status.
+
+Every failure a client can cause is raised as an `APIError` somewhere in the request path and
+turned into JSON here, so the server never answers 500 to a client mistake.
+"""
+
+from __future__ import annotations
+
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+INVALID_REQUEST = "invalid_request_error"
+
+
+class APIError(Exception):
+    """An error answered to the client as OpenAI does: status, message, type, param and code."""
+
+    def __init__(self, status: int, message: str, *, type: str = INVALID_REQUEST, param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type = status, message, type
+        self.param, self.code, self.headers = param, code, headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def invalid_param(param: str | None, message: str, code: str | None = None) -> APIError:
+    """400 for a parameter the client got wrong; `message` says which and why."""
+    return APIError(400, message, param=param, code=code or "invalid_value")
+
+
+def model_not_found(requested: str, served: list[str]) -> APIError:
+    return APIError(404, f"The model '{requested}' does not exist on this server; it serves: "
+                         f"{', '.join(served)}", param="model", code="model_not_found")
+
+
+def body_too_large(limit: int) -> APIError:
+    return APIError(413, f"request body exceeds the server's limit of {limit:,} bytes "
+                         "(set by `mlxpaged serve --max-body-size`)", code="request_too_large")
+
+
+def unauthorized(message: str) -> APIError:
+    return APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+def queue_full(in_flight: int, capacity: int, retry_after: int) -> APIError:
+    return APIError(429, f"the server is at capacity ({in_flight} requests in flight, limit {capacity}); "
+                         f"retry after {retry_after} s", type="rate_limit_exceeded", code="queue_full",
+                    headers={"Retry-After": str(retry_after)})
+
+
+def unavailable(message: str) -> APIError:
+    return APIError(503, message, type="service_unavailable", code="unavailable", headers={"Retry-After": "5"})
+
+
+def server_error(message: str) -> APIError:
+    return APIError(500, message, type="server_error", code="internal_error")
+
+
+async def handle_api_error(request: Request, exc: APIError) -> JSONResponse:
+    return exc.response()
+
+
+async def handle_http_exception(request: Request, exc: HTTPException) -> JSONResponse:
+    """Starlette's own 404 / 405 in the OpenAI shape instead of plain text."""
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    message = f"{request.method} {request.url.path}: {exc.detail}"
+    return APIError(exc.status_code, message, code=code, headers=dict(exc.headers or {})).response()
+
+
+async def handle_unexpected(request: Request, exc: Exception) -> JSONResponse:
+    """A bug, not a client mistake: 500 in the OpenAI shape (Starlette still logs the traceback)."""
+    return server_error(f"internal error while serving {request.url.path}: {type(exc).__name__}").response()

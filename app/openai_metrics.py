@@ -1,0 +1,118 @@
+"""`GET /metrics` in the Prometheus text format (version 0.0.4), written by hand: a few counters,
+three histograms and gauges read from `engine.stats()` at scrape time need no client library."""
+
+from __future__ import annotations
+
+import bisect
+import os
+from collections import Counter
+
+import psutil
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
+E2E_BUCKETS = (0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+PREFIX = "mlxpaged"
+
+
+class Histogram:
+    def __init__(self, name: str, help_text: str, buckets: tuple[float, ...]) -> None:
+        self.name, self.help, self.buckets = name, help_text, buckets
+        self.counts = [0] * (len(buckets) + 1)  # the last one is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.sum += value
+
+    def render(self) -> list[str]:
+        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
+        total = 0
+        for bound, count in zip((*self.buckets, float("inf")), self.counts):
+            total += count
+            label = "+Inf" if bound == float("inf") else repr(bound)
+            lines.append(f'{self.name}_bucket{{le="{label}"}} {total}')
+        lines += [f"{self.name}_sum {self.sum:.6f}", f"{self.name}_count {total}"]
+        return lines
+
+
+def _metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> list[str]:
+    """`samples` are (label set such as '{state="free"}' or '', value)."""
+    full = f"{PREFIX}_{name}"
+    return [f"# HELP {full} {help_text}", f"# TYPE {full} {kind}"] + [f"{full}{labels} {_number(value)}"
+                                                                     for labels, value in samples]
+
+
+def _number(value: float) -> str:
+    return str(value) if isinstance(value, int) else f"{value:.6g}"
+
+
+class ServerMetrics:
+    """What the HTTP layer observes; engine gauges are added at render time."""
+
+    def __init__(self) -> None:
+        self.requests: Counter = Counter()  # (route, status code) -> count
+        self.prompt_tokens = self.cached_tokens = self.generated_tokens = 0
+        self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds",
+                              "Request arrival to its first generated token.", TTFT_BUCKETS)
+        self.token_latency = Histogram(f"{PREFIX}_time_per_output_token_seconds",
+                                       "Time between consecutive tokens of one sequence.", TOKEN_BUCKETS)
+        self.e2e = Histogram(f"{PREFIX}_request_duration_seconds",
+                             "Request arrival to its last token.", E2E_BUCKETS)
+
+    def count_request(self, route: str, status: int) -> None:
+        self.requests[(route, status)] += 1
+
+    def count_usage(self, prompt: int, cached: int, generated: int) -> None:
+        self.prompt_tokens += prompt
+        self.cached_tokens += cached
+        self.generated_tokens += generated
+
+    def render(self, stats: dict, in_flight: int, capacity: int) -> str:
+        lines = _metric("requests_total", "counter", "HTTP requests by route and status code.",
+                        [(f'{{route="{route}",status="{status}"}}', n)
+                         for (route, status), n in sorted(self.requests.items())])
+        lines += _metric("prompt_tokens_total", "counter", "Prompt tokens of finished requests.",
+                         [("", self.prompt_tokens)])
+        lines += _metric("cached_prompt_tokens_total", "counter",
+                         "Prompt tokens served from the prefix cache.", [("", self.cached_tokens)])
+        lines += _metric("generation_tokens_total", "counter", "Generated tokens of finished requests.",
+                         [("", self.generated_tokens)])
+        lines += self.ttft.render() + self.token_latency.render() + self.e2e.render()
+        lines += _engine_gauges(stats, in_flight, capacity) + _memory_gauges(stats["memory_plan"])
+        return "\n".join(lines) + "\n"
+
+
+def _engine_gauges(stats: dict, in_flight: int, capacity: int) -> list[str]:
+    lines = _metric("requests_in_flight", "gauge", "Requests the HTTP layer has admitted and not finished.",
+                    [("", in_flight)])
+    lines += _metric("requests_capacity", "gauge", "Admission limit: engine batch plus queue; beyond it 429.",
+                     [("", capacity)])
+    lines += _metric("queue_depth", "gauge", "Engine requests waiting to be scheduled.",
+                     [("", stats["requests_waiting"])])
+    lines += _metric("requests_running", "gauge", "Engine requests being decoded or prefilled.",
+                     [("", stats["requests_running"])])
+    lines += _metric("kv_blocks", "gauge", "KV cache blocks by state (free includes cached).",
+                     [(f'{{state="{s}"}}', stats[f"blocks_{s}"]) for s in ("total", "free", "used", "cached")])
+    lines += _metric("prefix_cache_hit_rate", "gauge", "Fraction of looked-up prompt tokens found cached.",
+                     [("", stats["prefix_hit_rate"])])
+    lines += _metric("prefix_cache_hit_tokens_total", "counter", "Prompt tokens found in the prefix cache.",
+                     [("", stats["prefix_hit_tokens"])])
+    lines += _metric("preemptions_total", "counter", "Requests preempted for lack of blocks.",
+                     [("", stats["preemptions"])])
+    lines += _metric("generation_tokens_per_second", "gauge", "Engine decode throughput, last 10 s.",
+                     [("", stats["generation_tokens_per_s"])])
+    return lines
+
+
+def _memory_gauges(plan) -> list[str]:
+    (_, limit), *_ = plan.breakdown
+    samples = [('{kind="kv_cache"}', plan.kv_bytes), ('{kind="device_limit"}', limit),
+               ('{kind="process_resident"}', psutil.Process(os.getpid()).memory_info().rss)]
+    if plan.wired_limit_bytes is not None:
+        samples.append(('{kind="wired_limit"}', plan.wired_limit_bytes))
+    lines = _metric("memory_bytes", "gauge", "Memory: KV cache size, device limit, process RSS, wired limit.",
+                    samples)
+    return lines + _metric("kv_block_bytes", "gauge", "Bytes of one KV block (all layers).",
+                           [("", plan.block_bytes)])

@@ -1,0 +1,89 @@
+"""Server-sent events that end their engine request however the connection ends.
+
+Starlette's StreamingResponse notices a client that left only when it next writes, and never
+runs cleanup if the client leaves before the first chunk. `EventStream` watches for
+`http.disconnect` alongside the writes and calls `on_close` in a `finally`: after the last
+event, when the client goes away (the engine request is then aborted at its next step), and
+when the server cancels the task at shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator, Awaitable, Callable, TypeVar
+
+import anyio
+from starlette.types import Receive, Scope, Send
+
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The client closed the connection before its reply was ready."""
+
+
+async def wait_for_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:
+    """`await work`, or raise ClientGone (cancelling the work) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(wait_for_disconnect(receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        finished = task.done()
+        if not finished:
+            task.cancel()
+    if not finished:
+        raise ClientGone()
+    return task.result()
+
+
+class EventStream:
+    """An ASGI response streaming `events` (already framed bytes) as text/event-stream."""
+
+    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], None],
+                 headers: dict[str, str] | None = None) -> None:
+        self.events, self.on_close = events, on_close
+        self.headers = {"cache-control": "no-cache", "x-accel-buffering": "no", **(headers or {})}
+        self.status_code = 200
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+                group.start_soon(self._cancel_on_disconnect, receive, group.cancel_scope)
+                await self._send_all(send)
+                group.cancel_scope.cancel()
+        except OSError:  # the client went away during a write
+            pass
+        finally:
+            self.on_close()
+            await _close_quietly(self.events)
+
+    @staticmethod
+    async def _cancel_on_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:
+        await wait_for_disconnect(receive)
+        scope.cancel()
+
+    async def _send_all(self, send: Send) -> None:
+        headers = [(b"content-type", b"text/event-stream; charset=utf-8")]
+        headers += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in self.headers.items()]
+        await send({"type": "http.response.start", "status": self.status_code, "headers": headers})
+        async for chunk in self.events:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _close_quietly(events: AsyncIterator[bytes]) -> None:
+    close = getattr(events, "aclose", None)
+    if close is None:
+        return
+    with anyio.CancelScope(shield=True):
+        try:
+            await close()
+        except Exception:  # noqa: BLE001  (nothing to report to a client that is gone)
+            pass
