@@ -1,6 +1,7 @@
 """`mlxpaged bench server`: `mlxpaged serve` against `mlx_lm.server`, same model, same run.
 
-Both servers run as subprocesses on free loopback ports (nothing else is contacted). For each
+Both servers run as subprocesses on free loopback ports (nothing else is contacted), with the
+same OpenBLAS preload and malloc settings. For each
 concurrency level, C clients each stream one chat completion (distinct prompts, greedy, the same
 max_tokens) through the OpenAI HTTP API; C = 1 runs three requests one after another. Reported:
 aggregate generated tokens per second over the level's wall time, and time to first token
@@ -33,6 +34,9 @@ TOPICS = ["a lighthouse keeper", "a lost robot", "a desert caravan", "a deep-sea
           "a garden on Mars", "a polar expedition", "a street musician", "a haunted radio", "a paper airplane",
           "a sunken ship", "a volcano observatory", "a snow leopard", "a time-traveling cat", "a desert well",
           "a carnival at midnight"]
+# `python -m mlx_lm.server`, with the same fast BLAS loaded first (as `import mlxpaged` does for us):
+# without it MLX's CPU wheel uses a reference BLAS ~20x slower, which would not be a fair peer.
+MLX_LM_SERVER = "import mlxpaged, runpy; runpy.run_module('mlx_lm.server', run_name='__main__')"
 # The CPU backend re-faults large temporaries every step unless glibc keeps them (DESIGN.md).
 BENCH_ENV = {"MALLOC_MMAP_THRESHOLD_": "2000000000", "MALLOC_TRIM_THRESHOLD_": "4000000000"}
 
@@ -169,8 +173,9 @@ def run_server_bench(args: Namespace) -> int:
     path = provision(resolve(getattr(args, "model", None)), default_dtype())
     ours_port, ref_port = free_port(), free_port()
     ours_cmd = [sys.executable, "-m", "mlxpaged_app.cli", "serve", "--model", str(path), "--port", str(ours_port),
-                "--max-num-seqs", str(max(levels)), "--log-level", "warning", "--no-access-log"]
-    ref_cmd = [sys.executable, "-m", "mlx_lm.server", "--model", str(path), "--port", str(ref_port),
+                "--max-num-seqs", str(max(levels)), "--log-level", "warning", "--no-access-log",
+                *getattr(args, "serve_args", [])]  # e.g. ["--max-batch-tokens", "512"] to trade throughput for TTFT
+    ref_cmd = [sys.executable, "-c", MLX_LM_SERVER, "--model", str(path), "--port", str(ref_port),
                "--log-level", "WARNING", "--decode-concurrency", str(max(levels))]
     print(f"model {path.name}; levels {levels}; {max_tokens} max tokens per request; servers on 127.0.0.1; "
           f"load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
@@ -199,4 +204,6 @@ def _run_pair(servers: list, i: int, concurrency: int, max_tokens: int) -> list[
 
 
 if __name__ == "__main__":
-    sys.exit(run_server_bench(Namespace(model=None, tokens=int(sys.argv[1]) if len(sys.argv) > 1 else 64)))
+    # python -m mlxpaged_app.bench_server [TOKENS [extra `mlxpaged serve` flags...]]
+    sys.exit(run_server_bench(Namespace(model=None, tokens=int(sys.argv[1]) if len(sys.argv) > 1 else 64,
+                                        serve_args=sys.argv[2:])))
