@@ -64,9 +64,18 @@ def cmd_not_yet(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from mlxpaged_app.repl import run_repl
+    if args.plain:
+        from mlxpaged_app.repl import run_repl
 
-    return run_repl(args.model, max_tokens=args.max_tokens, temperature=args.temperature)
+        return run_repl(args.model, max_tokens=args.max_tokens, temperature=args.temperature)
+    from mlxpaged_app.tui import run_chat
+
+    try:
+        return run_chat(args.model, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                        seed=args.seed, system=args.system, resume=args.resume, cache_tokens=args.cache_tokens)
+    except ValueError as exc:  # bad sampling settings, before the app starts
+        print(f"mlxpaged chat: {exc}", file=sys.stderr)
+        return 2
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -86,10 +95,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"mlxpaged {mlxpaged.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    chat = sub.add_parser("chat", help="chat with a model in the terminal")
+    chat = sub.add_parser("chat", help="chat with a model in the terminal (a Textual app; F1 lists the keys)")
     chat.add_argument("--model", "-m", default=None, help="preset name, local path or Hugging Face repo id")
-    chat.add_argument("--max-tokens", type=int, default=512)
+    chat.add_argument("--max-tokens", type=int, default=512, help="tokens per reply")
     chat.add_argument("--temperature", type=float, default=0.7)
+    chat.add_argument("--top-p", type=float, default=1.0)
+    chat.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
+    chat.add_argument("--system", default="", help="system prompt (default: the model's own)")
+    chat.add_argument("--resume", action="store_true", help="reopen the last saved conversation")
+    chat.add_argument("--cache-tokens", type=int, default=32768, help="KV cache capacity in tokens")
+    chat.add_argument("--plain", action="store_true", help="the plain line-by-line REPL instead of the app")
     chat.set_defaults(func=cmd_chat)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP endpoint on localhost")

@@ -1,0 +1,45 @@
+"""The slice of `mlxpaged.Engine` the chat app uses, as a protocol: tests drive the app with a
+scripted fake engine, `mlxpaged chat` with the real one."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol, Sequence
+
+Progress = Callable[[int, int, str], None]  # (done, total, what), as load_model reports it
+
+
+class ChatEngine(Protocol):
+    loaded: Any  # .name: the model's display name
+    plan: Any  # MemoryPlan: .describe(), .num_blocks, .block_size, .kv_bytes, .token_capacity
+    max_model_len: int
+
+    def chat_tokens(self, messages: list[dict]) -> list[int]: ...
+
+    def submit(self, prompt: Sequence[int], params: Any, sink: Callable[[object], None]) -> str: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def stats(self) -> dict: ...
+
+    def block_states(self) -> list[str]: ...
+
+    def request_blocks(self, request_id: str) -> list[int]: ...
+
+    def close(self) -> None: ...
+
+
+EngineFactory = Callable[[str | None, Progress], ChatEngine]
+"""Builds an engine for a model name (None: the default model), reporting download progress."""
+
+
+def real_engine_factory(cache_tokens: int) -> EngineFactory:
+    """Engines over the real model store, with a KV cache capped at `cache_tokens` tokens."""
+
+    def build(name: str | None, progress: Progress) -> ChatEngine:
+        from mlxpaged.config import CacheConfig
+        from mlxpaged.engine import Engine
+        from mlxpaged.model import load_model
+
+        return Engine(load_model(name, progress=progress), CacheConfig(max_tokens=cache_tokens))
+
+    return build

@@ -1,0 +1,182 @@
+"""Sending, streaming, stopping, regenerating and editing replies (a mixin of ChatApp).
+
+A reply runs in a thread worker (`ReplyRun.run`); its events come back to the UI thread with
+`call_from_thread`. Every callback checks that its run is still the current one, so a reply
+abandoned by "new chat" or "open conversation" cannot write into the next conversation.
+"""
+
+from __future__ import annotations
+
+from textual import work
+from textual.worker import Worker, WorkerState
+
+from mlxpaged_app.tui.chat_input import ChatInput
+from mlxpaged_app.tui.chat_view import AssistantMessage, UserMessage
+from mlxpaged_app.tui.errors import error_text
+from mlxpaged_app.tui.generation import ReplyRun, ReplyStats
+
+
+class _UiListener:
+    """ReplyRun's listener: relays each event to the UI thread and waits for it to be shown."""
+
+    def __init__(self, app):
+        self.app = app
+
+    def _relay(self, run: ReplyRun, callback, *args) -> None:
+        try:
+            self.app.call_from_thread(callback, run, *args)
+        except RuntimeError:  # the app is shutting down: do not leave the request running
+            run.stop()
+
+    def reply_started(self, run):
+        self._relay(run, self.app.on_reply_started)
+
+    def reply_text(self, run, text):
+        self._relay(run, self.app.on_reply_text, text)
+
+    def reply_finished(self, run, stats):
+        self._relay(run, self.app.on_reply_finished, stats)
+
+    def reply_failed(self, run, error, rejected):
+        self._relay(run, self.app.on_reply_failed, error, rejected)
+
+
+class ReplyFlow:
+    def init_replies(self) -> None:
+        self.reply: ReplyRun | None = None
+        self.reply_view: AssistantMessage | None = None
+
+    @property
+    def reply_running(self) -> bool:
+        return self.reply is not None
+
+    @property
+    def current_request_id(self) -> str | None:
+        return self.reply.request_id if self.reply is not None else None
+
+    def busy(self, doing: str) -> bool:
+        """True (and say so) when `doing` must wait for the engine or the running reply."""
+        if self.reply is not None:
+            self.notify(f"A reply is being generated: press Esc to stop it before {doing}.", severity="warning")
+            return True
+        if self.engine is None or self.loading_model:
+            self.notify("No model is loaded yet (F4 picks one).", severity="warning")
+            return True
+        return False
+
+    # --- starting ----------------------------------------------------------------------------
+    async def on_chat_input_submitted(self, message: ChatInput.Submitted) -> None:
+        text = message.text.strip()
+        if not text or self.busy("sending another message"):
+            return
+        self.chat_input.clear()
+        self.conversation.add("user", text)
+        await self.chat_log.add(UserMessage(text))
+        await self.start_reply()
+
+    async def start_reply(self) -> None:
+        view = AssistantMessage(self.model_label)
+        await self.chat_log.add(view)
+        view.start()
+        run = ReplyRun(self.engine, self.conversation.chat_messages(), self.settings.sampling_params())
+        self.reply, self.reply_view = run, view
+        self.update_status("Generating… Esc stops.")
+        self._run_reply(run)
+
+    @work(thread=True, group="reply", exit_on_error=False)
+    def _run_reply(self, run: ReplyRun) -> None:
+        run.run(_UiListener(self))
+
+    # --- events from the worker (UI thread) ----------------------------------------------------
+    def on_reply_started(self, run: ReplyRun) -> None:
+        if run is self.reply:
+            self.refresh_engine_panel()
+
+    async def on_reply_text(self, run: ReplyRun, text: str) -> None:
+        if run is self.reply:
+            await self.reply_view.append(text)
+
+    async def on_reply_finished(self, run: ReplyRun, stats: ReplyStats) -> None:
+        if run is not self.reply:
+            return
+        view, self.reply, self.reply_view = self.reply_view, None, None
+        if stats.finish_reason == "abort" and not run.text.strip():
+            await view.remove()
+            self.notify("Stopped before the first token.")
+        else:
+            await view.finish(stats)
+            self.conversation.model = self.model_label
+            self.conversation.add("assistant", run.text, stats=stats.to_dict(), model=self.model_label,
+                                  stopped=stats.finish_reason == "abort")
+        self.save_conversation()
+        self.update_status()
+        self.refresh_engine_panel()
+
+    async def on_reply_failed(self, run: ReplyRun, error: BaseException, rejected: bool) -> None:
+        if run is not self.reply:
+            return
+        view, self.reply, self.reply_view = self.reply_view, None, None
+        await view.remove()
+        message = error_text(error)
+        if rejected and self.conversation.messages and self.conversation.messages[-1]["role"] == "user":
+            await self._return_last_message_to_input()
+            message += "\nYour message is back in the input: edit it, or start a new chat (Ctrl+N)."
+        else:
+            message += "\nCtrl+R tries again."
+        self.notify(message, title="The reply failed", severity="error", timeout=12)
+        self.update_status()
+
+    def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
+        """A bug in a worker becomes a notification, never a traceback that ends the app."""
+        if event.state == WorkerState.ERROR and event.worker.group == "reply":
+            self.notify(error_text(event.worker.error), title="The reply failed", severity="error")
+            self.reply, self.reply_view = None, None
+            self.update_status()
+
+    # --- stopping, regenerating, editing ----------------------------------------------------
+    def action_stop(self) -> None:
+        if self.reply is not None and not self.reply.stopping:
+            self.reply.stop()
+            self.update_status("Stopping…")
+
+    def abandon_reply(self) -> None:
+        """Stop the running reply and keep what it said so far (before leaving this conversation)."""
+        run, self.reply, self.reply_view = self.reply, None, None
+        if run is None:
+            return
+        run.stop()
+        if run.text.strip():
+            self.conversation.add("assistant", run.text, model=self.model_label, stopped=True)
+        self.save_conversation()
+
+    async def action_regenerate(self) -> None:
+        if self.busy("regenerating"):
+            return
+        messages = self.conversation.messages
+        if not messages:
+            self.notify("Nothing to regenerate yet.")
+            return
+        if messages[-1]["role"] == "assistant":
+            messages.pop()
+            await self.chat_log.remove_from(len(messages))
+        await self.start_reply()
+
+    async def action_edit_last(self) -> None:
+        if self.reply is not None:
+            self.notify("Press Esc to stop the reply first.", severity="warning")
+            return
+        if self.conversation.last_index("user") is None:
+            self.notify("No message to edit yet.")
+            return
+        await self._return_last_message_to_input()
+        self.save_conversation()
+
+    async def _return_last_message_to_input(self) -> None:
+        """Drop the last user message (and what followed it) and put its text in the input."""
+        index = self.conversation.last_index("user")
+        text = self.conversation.messages[index]["content"]
+        del self.conversation.messages[index:]
+        await self.chat_log.remove_from(index)
+        self.chat_input.text = text
+        self.chat_input.move_cursor(self.chat_input.document.end)
+        self.chat_input.focus()
