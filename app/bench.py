@@ -8,7 +8,7 @@ import time
 from argparse import Namespace
 
 from mlxpaged.blas import blas_status
-from mlxpaged.model import baseline_stream, chat_prompt, load_model
+from mlxpaged.model import baseline_stream, chat_prompt
 
 DECODE_PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
 
@@ -236,8 +236,15 @@ def bench_kernel(args: Namespace) -> int:
     return 0
 
 
+def bench_server(args: Namespace) -> int:
+    """mlxpaged serve vs mlx_lm.server: throughput and time to first token at 1, 8 and 32 clients."""
+    from mlxpaged_app.bench_server import run_server_bench
+
+    return run_server_bench(args)
+
+
 BENCHES = {"decode": bench_decode, "memory": bench_memory, "batch": bench_batch, "prefix": bench_prefix,
-           "kernel": bench_kernel}
+           "kernel": bench_kernel, "server": bench_server}
 
 
 def run_bench(args: Namespace) -> int:

@@ -285,16 +285,24 @@ class Engine:
     # --- engine thread ---------------------------------------------------------------------------
     def _run(self) -> None:
         stream = mx.new_stream(mx.default_device())  # MLX streams belong to the thread that made them
-        with mx.stream(stream), wired_limit(self.plan, enabled=self.cache_config.wire, streams=[stream]):
-            while True:
-                if not self._handle_commands(block=not self.scheduler.has_unfinished):
-                    break
-                if self.scheduler.has_unfinished:
-                    try:
-                        self._step()
-                    except Exception as exc:  # a failed step fails its requests, not the engine
-                        self._fail_all(exc)
-        self._fail_all(EngineClosedError("the engine was closed"))
+        try:
+            with mx.stream(stream), wired_limit(self.plan, enabled=self.cache_config.wire, streams=[stream]):
+                self._loop()
+            self._fail_all(EngineClosedError("the engine was closed"))
+        finally:
+            # MLX requires a thread to release its streams before it ends, or the process can
+            # abort at exit ("terminate called without an active exception").
+            mx.clear_streams()
+
+    def _loop(self) -> None:
+        while True:
+            if not self._handle_commands(block=not self.scheduler.has_unfinished):
+                return
+            if self.scheduler.has_unfinished:
+                try:
+                    self._step()
+                except Exception as exc:  # a failed step fails its requests, not the engine
+                    self._fail_all(exc)
 
     def _handle_commands(self, block: bool) -> bool:
         """Apply queued adds / aborts; False when the engine must stop."""

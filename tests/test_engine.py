@@ -189,8 +189,6 @@ def test_n_sequences_share_the_prompt_and_match_solo_runs(tiny):
     forked = tiny.generate([prompt], params)
     assert [c.finish_reason for c in forked] == ["length"] * 3
     assert len({tuple(c.token_ids) for c in forked}) == 3  # different samples
-    # Sequence i equals a solo run of the same seed and sequence index.
-    from mlxpaged.sampling import make_state  # noqa: F401  (sequence_index is part of the sampler key)
     assert tiny.stats()["prefix_hit_tokens"] == before  # the prompt was prefilled once, not looked up 3 times
     again = tiny.generate([prompt], params)
     assert [c.token_ids for c in again] == [c.token_ids for c in forked]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -60,8 +61,9 @@ def test_listing_shows_the_local_default_model():
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "MLXPAGED_API_KEY"}
     return subprocess.run([sys.executable, "-m", "mlxpaged_app.cli", *args], capture_output=True, text=True,
-                          timeout=300)
+                          timeout=300, env=env)
 
 
 def test_cli_models_and_pull():
@@ -75,5 +77,5 @@ def test_cli_errors_are_one_line_not_tracebacks():
     unknown = cli("pull", "no-such-model")
     assert unknown.returncode == 1 and "unknown model 'no-such-model'" in unknown.stderr
     assert "Traceback" not in unknown.stderr
-    serve = cli("serve")
-    assert serve.returncode == 2 and "not implemented yet" in serve.stderr
+    public = cli("serve", "--host", "0.0.0.0", "--port", "0")  # refused before loading anything
+    assert public.returncode == 1 and "--api-key" in public.stderr and "Traceback" not in public.stderr
