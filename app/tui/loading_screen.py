@@ -16,7 +16,7 @@ class LoadingScreen(ModalScreen[None]):
     def compose(self) -> ComposeResult:
         with Vertical(id="loading-dialog", classes="dialog"):
             yield Static(f"Loading {self.model}", classes="dialog-title")
-            yield Static("preparing…", id="loading-stage")
+            yield Static("loading the weights and sizing the KV cache…", id="loading-stage")
             yield ProgressBar(total=None, show_eta=False, id="loading-progress")
             yield Static("Downloads and conversions happen once; later loads take a few seconds.",
                          classes="dialog-hint")
