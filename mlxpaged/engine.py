@@ -21,6 +21,8 @@ from mlxpaged.blocks import BlockPool
 from mlxpaged.cache_view import layer_windows
 from mlxpaged.config import CacheConfig
 from mlxpaged.kv_cache import PagedKVCache
+from mlxpaged.metrics import StatsCounter
+from mlxpaged.results import Completion, StreamDelta, collect, drain  # noqa: F401  (re-exported)
 from mlxpaged.memory import DeviceFacts, MemoryPlan, ModelFacts, model_weight_bytes, plan_memory, wired_limit
 from mlxpaged.model import LoadedModel, UnsupportedModelError, check_paged_support, load_model, route_paged_attention
 from mlxpaged.runner import Runner, StepInput
@@ -39,34 +41,6 @@ class EngineClosedError(RuntimeError):
 
 class RequestFailedError(RuntimeError):
     """A request failed inside the engine (for example its logits processor raised)."""
-
-
-@dataclass
-class StreamDelta:
-    """One piece of a streamed reply. The last one has finish_reason set and the usage counts."""
-    request_id: str
-    text: str
-    token_id: int | None = None
-    logprob: float | None = None
-    top_logprobs: list[tuple[int, float]] | None = None
-    finish_reason: str | None = None  # "stop", "length", "abort"
-    index: int = 0  # which of the request's n sequences (SamplingParams.n)
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    completion_tokens: int = 0
-
-
-@dataclass
-class Completion:
-    request_id: str
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    prompt_tokens: int
-    cached_tokens: int
-    logprobs: list[float] | None = None
-    top_logprobs: list[list[tuple[int, float]]] | None = None
-    time_to_first_token: float | None = None
 
 
 @dataclass
@@ -110,7 +84,7 @@ class Engine:
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
         self._closed = False
-        self._stats = _StatsCounter()
+        self._stats = StatsCounter()
         self._thread = threading.Thread(target=self._run, name="mlxpaged-engine", daemon=True)
         self._thread.start()
 
@@ -182,7 +156,7 @@ class Engine:
             raise
         out = []
         for rid, sink, p in zip(ids, sinks, per_prompt):
-            out += _collect(rid, _drain(sink, (p or SamplingParams()).n))
+            out += collect(rid, drain(sink, (p or SamplingParams()).n))
         return out
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None) -> Completion:
@@ -199,7 +173,7 @@ class Engine:
         request_id = self.submit(prompt, params, sink.put)
         remaining = (params or SamplingParams()).n
         try:
-            for delta in _drain(sink, remaining):
+            for delta in drain(sink, remaining):
                 remaining -= delta.finish_reason is not None
                 yield delta
         finally:
@@ -426,65 +400,3 @@ class Engine:
         for group in {t.group for t in self._tracked.values()}:
             self._fail(group, exc if isinstance(exc, EngineClosedError)
                        else RequestFailedError(f"engine step failed: {exc!r}"))
-
-
-class _StatsCounter:
-    """Throughput over the last few seconds, and time to first token; written by the engine thread."""
-
-    WINDOW = 10.0
-
-    def __init__(self):
-        self._events: list[tuple[float, int, int]] = []
-        self._ttfts: list[float] = []
-        self.generated_total = 0
-        self.preemptions = 0
-
-    def add_tokens(self, generated: int, processed: int) -> None:
-        now = time.perf_counter()
-        self.generated_total += generated
-        self._events.append((now, generated, processed))
-        while self._events and self._events[0][0] < now - self.WINDOW:
-            self._events.pop(0)
-
-    def add_ttft(self, seconds: float) -> None:
-        self._ttfts = (self._ttfts + [seconds])[-100:]
-
-    def snapshot(self) -> dict:
-        events = list(self._events)
-        span = max(events[-1][0] - events[0][0], 1e-9) if len(events) > 1 else None
-        return {
-            "generation_tokens_per_s": sum(e[1] for e in events[1:]) / span if span else 0.0,
-            "processed_tokens_per_s": sum(e[2] for e in events[1:]) / span if span else 0.0,
-            "generated_tokens_total": self.generated_total,
-            "preemptions": self.preemptions,
-            "last_time_to_first_token": self._ttfts[-1] if self._ttfts else None,
-        }
-
-
-def _drain(sink: queue.Queue, sequences: int = 1) -> Iterator[StreamDelta]:
-    """Events of one request until all its `sequences` have finished; an exception is raised."""
-    while sequences:
-        event = sink.get()
-        if isinstance(event, BaseException):
-            raise event
-        sequences -= event.finish_reason is not None
-        yield event
-
-
-def _collect(request_id: str, deltas: Iterator[StreamDelta]) -> list[Completion]:
-    """One Completion per sequence index, in index order."""
-    parts: dict[int, list[StreamDelta]] = {}
-    for delta in deltas:
-        parts.setdefault(delta.index, []).append(delta)
-    return [_completion(request_id, parts[i]) for i in sorted(parts)]
-
-
-def _completion(request_id: str, deltas: list[StreamDelta]) -> Completion:
-    tokens = [d for d in deltas if d.token_id is not None]
-    logprobs = [d.logprob for d in tokens]
-    tops = [d.top_logprobs for d in tokens]
-    last = deltas[-1]
-    return Completion(request_id, "".join(d.text for d in deltas), [d.token_id for d in tokens], last.finish_reason,
-                      last.prompt_tokens, last.cached_tokens,
-                      logprobs if any(lp is not None for lp in logprobs) else None,
-                      tops if any(t is not None for t in tops) else None)

@@ -1,0 +1,64 @@
+"""What the engine hands back: streamed deltas and finished completions."""
+
+from __future__ import annotations
+
+import queue
+from dataclasses import dataclass
+from typing import Iterator
+
+
+@dataclass
+class StreamDelta:
+    """One piece of a streamed reply. The last one has finish_reason set and the usage counts."""
+    request_id: str
+    text: str
+    token_id: int | None = None
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    finish_reason: str | None = None  # "stop", "length", "abort"
+    index: int = 0  # which of the request's n sequences (SamplingParams.n)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass
+class Completion:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    prompt_tokens: int
+    cached_tokens: int
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    time_to_first_token: float | None = None
+
+
+def drain(sink: queue.Queue, sequences: int = 1) -> Iterator[StreamDelta]:
+    """Events of one request until all its `sequences` have finished; an exception is raised."""
+    while sequences:
+        event = sink.get()
+        if isinstance(event, BaseException):
+            raise event
+        sequences -= event.finish_reason is not None
+        yield event
+
+
+def collect(request_id: str, deltas: Iterator[StreamDelta]) -> list[Completion]:
+    """One Completion per sequence index, in index order."""
+    parts: dict[int, list[StreamDelta]] = {}
+    for delta in deltas:
+        parts.setdefault(delta.index, []).append(delta)
+    return [completion(request_id, parts[i]) for i in sorted(parts)]
+
+
+def completion(request_id: str, deltas: list[StreamDelta]) -> Completion:
+    tokens = [d for d in deltas if d.token_id is not None]
+    logprobs = [d.logprob for d in tokens]
+    tops = [d.top_logprobs for d in tokens]
+    last = deltas[-1]
+    return Completion(request_id, "".join(d.text for d in deltas), [d.token_id for d in tokens], last.finish_reason,
+                      last.prompt_tokens, last.cached_tokens,
+                      logprobs if any(lp is not None for lp in logprobs) else None,
+                      tops if any(t is not None for t in tops) else None)
