@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from textual.widgets import TextArea
+
 import asyncio
 import threading
 import time
@@ -150,6 +152,11 @@ class RecordingApp(ChatApp):
     def notify(self, message, **kwargs):
         self.notes.append((message, kwargs))
         super().notify(message, **kwargs)
+
+    def on_mount(self) -> None:
+        # A blinking cursor is drawn or not depending on timing: snapshots need it steady.
+        for area in self.query(TextArea):
+            area.cursor_blink = False
 
     def notes_text(self) -> str:
         return "\n".join(message for message, _ in self.notes)
