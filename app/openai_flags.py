@@ -35,7 +35,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     limits.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     limits.add_argument("--no-access-log", action="store_true", help="do not log every request")
     cache = parser.add_argument_group("KV cache and memory")
-    cache.add_argument("--max-tokens", type=int, default=None, help="cache capacity in tokens, across sequences")
+    cache.add_argument("--max-tokens", "--cache-tokens", dest="max_tokens", type=int, default=None,
+                       help="KV cache capacity in tokens, across sequences (--cache-tokens, as in `chat`)")
     cache.add_argument("--kv-memory", default=None, help="cache size in bytes or units, e.g. 2GB")
     cache.add_argument("--memory-fraction", type=float, default=None, help="share of free memory for the cache")
     cache.add_argument("--block-size", type=int, default=16)
