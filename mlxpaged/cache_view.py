@@ -41,6 +41,11 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 from mlxpaged.kv_cache import LayerGroup, PagedKVCache
 
 
+def _routable(plan: "_Plan | None", group: LayerGroup) -> bool:
+    """One new token per sequence on a full-attention layer: the paged decode kernel's case."""
+    return plan is not None and plan.length == 1 and not plan.split and group.window is None
+
+
 def layer_windows(model) -> list[int | None]:
     """Per layer, the sliding window mlx-lm's own cache gives it, or None (full attention)."""
     if not hasattr(model, "make_cache"):
@@ -75,8 +80,11 @@ def paged_views(
     block_tables: Sequence[Sequence[list[int]]],
     offsets: Sequence[int] | None = None,
     num_new: Sequence[int] | None = None,
+    routed: bool = False,
 ) -> list[PagedCacheView]:
     """Views for every layer; `block_tables[b][g]` is sequence b's table for group g.
+    `routed`: the model's attention goes through `decode_inputs` (mlxpaged.model routing), so
+    decode passes skip gathering K/V that nobody reads.
 
     `offsets[b]`: tokens already cached (default 0). `num_new[b]`: real tokens of row b
     in the next pass only (default: every row is full); later passes treat rows as full.
@@ -93,7 +101,7 @@ def paged_views(
         _GroupPlanner(kv_cache, g, [tables[g.index] for tables in block_tables]) for g in kv_cache.groups
     ]
     return [
-        PagedCacheView(kv_cache, layer, planners[kv_cache.group_of(layer).index], offsets, num_new)
+        PagedCacheView(kv_cache, layer, planners[kv_cache.group_of(layer).index], offsets, num_new, routed)
         for layer in range(kv_cache.num_layers)
     ]
 
@@ -114,6 +122,7 @@ class _Plan:
     bases: tuple[int, ...]  # position of the first gathered key per sequence
     length: int  # L, new tokens per row including padding
     page_tokens: int  # keys gathered from pages per sequence (n * block_size)
+    lens: mx.array  # read_ends as int32, one array per pass so per-layer consumers can memoize on it
 
 
 def _build_plan(
@@ -146,6 +155,7 @@ def _build_plan(
         bases=tuple(bases),
         length=length,
         page_tokens=0 if blocks is None else blocks.shape[1] * block_size,
+        lens=mx.array(read_ends, dtype=mx.int32),
     )
 
 
@@ -203,8 +213,10 @@ class PagedCacheView:
         planner: _GroupPlanner,
         offsets: Sequence[int],
         num_new: Sequence[int] | None = None,
+        routed: bool = False,
     ):
         self._kv, self._layer, self._planner = kv_cache, layer, planner
+        self._routed = routed
         self._offsets = list(offsets)
         self._num_new = list(num_new) if num_new is not None else None
         self._last_plan: _Plan | None = None
@@ -249,6 +261,9 @@ class PagedCacheView:
                 out = keys, values
             else:
                 out = mx.concatenate([old[0], keys], axis=2), mx.concatenate([old[1], values], axis=2)
+        elif self._routed and _routable(plan, self._planner.group):
+            self._write(plan, keys, values)
+            out = keys, values  # attention reads the pages itself (decode_inputs); nothing to gather
         else:
             self._write(plan, keys, values)
             out = self._read(plan)
@@ -262,10 +277,9 @@ class PagedCacheView:
         after a pass of one new token per sequence on a full-attention layer; else None
         (prefill, mixed batches and window layers attend through the gathered K/V)."""
         plan = self._last_plan
-        if plan is None or plan.length != 1 or plan.split or self._planner.group.window is not None:
+        if not _routable(plan, self._planner.group):
             return None
-        lens = mx.array(plan.read_ends, dtype=mx.int32)
-        return self._kv.key_pool(self._layer), self._kv.value_pool(self._layer), plan.read_blocks, lens
+        return self._kv.key_pool(self._layer), self._kv.value_pool(self._layer), plan.read_blocks, plan.lens
 
     def _num_rows(self, batch: int, length: int) -> list[int]:
         if batch != len(self._offsets):

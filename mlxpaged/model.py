@@ -127,6 +127,12 @@ def route_paged_attention() -> int:
     return len(_ROUTED_MODULES)
 
 
+def is_routed(model: nn.Module) -> bool:
+    """True when `model`'s attention layers call the paged dispatcher (their module was patched)."""
+    module = sys.modules.get(type(model).__module__)
+    return module is not None and getattr(module, "scaled_dot_product_attention", None) is _routed_sdpa
+
+
 def unroute_paged_attention() -> None:
     """Restore mlx-lm's own attention in every module we patched."""
     for module in _ROUTED_MODULES.values():

@@ -19,6 +19,7 @@ import mlx.nn as nn
 
 from mlxpaged.cache_view import paged_views
 from mlxpaged.kv_cache import PagedKVCache
+from mlxpaged.model import is_routed
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,8 @@ class Runner:
         length = max(len(x.token_ids) for x in batch)
         tokens = mx.array([list(x.token_ids) + [0] * (length - len(x.token_ids)) for x in batch], dtype=mx.int32)
         num_new = [len(x.token_ids) for x in batch]
-        views = paged_views(self.kv, [x.block_tables for x in batch], [x.start for x in batch], num_new)
+        views = paged_views(self.kv, [x.block_tables for x in batch], [x.start for x in batch], num_new,
+                            routed=is_routed(self.model))
         last = mx.array([n - 1 for n in num_new])
         if self.head is not None:
             hidden = self.model.model(tokens, cache=views)
