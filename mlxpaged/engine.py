@@ -110,7 +110,11 @@ class Engine:
         return plan_memory(DeviceFacts.detect(), facts, self.cache_config, weights_resident=True)
 
     def _kv_dtype(self) -> mx.Dtype:
-        return self.loaded.model.model.embed_tokens.weight.dtype if hasattr(self.loaded.model, "model") else mx.float32
+        """K/V have the activations' dtype; a quantized embedding's weight is uint32, so look one token up."""
+        inner = getattr(self.loaded.model, "model", None)
+        if inner is None or not hasattr(inner, "embed_tokens"):
+            return mx.float32
+        return inner.embed_tokens(mx.array([[0]])).dtype
 
     def _make_kv_cache(self) -> PagedKVCache:
         config = self.loaded.config

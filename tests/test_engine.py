@@ -210,3 +210,15 @@ def test_hybrid_models_are_refused_clearly(tokenizer):
 
     with pytest.raises(UnsupportedModelError, match="mix sliding-window and full attention"):
         tiny_engine(tiny_gemma3(), tokenizer)
+
+
+def test_quantized_model_gets_activation_dtype_pools_and_matches_mlx_lm(tokenizer):
+    import mlx.nn as nn
+
+    model = tiny_llama()
+    nn.quantize(model, group_size=32, bits=8)  # like the 4-bit/8-bit mlx-community presets
+    mx.eval(model.parameters())
+    with tiny_engine(model, tokenizer) as eng:
+        assert eng.kv.dtype == mx.float32  # not the quantized embedding's uint32
+        prompt = random_tokens(12)
+        assert eng.generate([prompt], GREEDY)[0].token_ids == reference_tokens(model, prompt, GREEDY.max_tokens)
