@@ -43,7 +43,7 @@ class RequestFailedError(RuntimeError):
     """A request failed inside the engine (for example its logits processor raised)."""
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: requests are unique objects
 class _Tracked:
     """Engine-thread state of one request."""
     request: Request
@@ -338,8 +338,9 @@ class Engine:
         new_forks = [(t, r) for t, r in ok if t.request.request_id not in self._tracked]
         for tracked, result in new_forks:  # first: delivering the parent's token may finish it
             self._start_fork(tracked, result)
+        started = {id(t) for t, _ in new_forks}  # their first token was delivered by _start_fork
         for tracked, result in ok:
-            if (tracked, result) not in new_forks:
+            if id(tracked) not in started:
                 self._deliver(tracked.request.request_id, result)
 
     def _deliver(self, request_id: str, result) -> None:
