@@ -75,6 +75,13 @@ class ModelLoading:
         self.sub_title = engine.loaded.name
         self.update_status()
         self.refresh_engine_panel()
+        # The loading screen is still being dismissed here; lay the main screen out again once it is
+        # back on top, or the engine panel stays unpainted until the next keystroke.
+        self.call_after_refresh(self._repaint_main_screen)
+
+    def _repaint_main_screen(self) -> None:
+        self.screen.refresh(layout=True)
+        self.refresh_engine_panel()
 
     def engine_failed(self, name: str | None, error: BaseException) -> None:
         self._close_loading_screen()
