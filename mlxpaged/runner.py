@@ -64,21 +64,23 @@ class Runner:
     def step(self, inputs: Sequence[StepInput]) -> mx.array | None:
         """Run the step; return float32 logits [S, V] of the inputs that sample, in order (evaluated)."""
         decode = [i for i, x in enumerate(inputs) if len(x.token_ids) == 1]
-        prefill = [i for i, x in enumerate(inputs) if len(x.token_ids) > 1]
-        rows: dict[int, mx.array] = {}
-        if decode:
-            rows.update(zip(decode, self._pass([inputs[i] for i in decode])))
-        for i in prefill:
-            rows.update(zip([i], self._pass([inputs[i]])))
-        wanted = [rows[i] for i, x in enumerate(inputs) if x.samples]
+        passes = [decode] if decode else []
+        passes += [[i] for i, x in enumerate(inputs) if len(x.token_ids) > 1]
+        results = [self._pass([inputs[i] for i in rows]) for rows in passes]
+        wanted = [i for i, x in enumerate(inputs) if x.samples]
         if not wanted:
             return None
-        logits = mx.stack(wanted).astype(mx.float32)
+        if len(passes) == 1 and passes[0] == wanted:  # the common all-decode step: no regathering
+            logits = results[0]
+        else:
+            where = {i: (p, r) for p, rows in enumerate(passes) for r, i in enumerate(rows)}
+            logits = mx.stack([results[where[i][0]][where[i][1]] for i in wanted])
+        logits = logits.astype(mx.float32)
         mx.eval(logits)
         return logits
 
-    def _pass(self, batch: list[StepInput]) -> list[mx.array]:
-        """One forward pass; evaluates the cache writes; returns each row's last-position logits (lazy)."""
+    def _pass(self, batch: list[StepInput]) -> mx.array:
+        """One forward pass; evaluates the cache writes; returns each row's last-position logits [B, V]."""
         length = max(len(x.token_ids) for x in batch)
         tokens = mx.array([list(x.token_ids) + [0] * (length - len(x.token_ids)) for x in batch], dtype=mx.int32)
         num_new = [len(x.token_ids) for x in batch]
@@ -87,10 +89,9 @@ class Runner:
         last = mx.array([n - 1 for n in num_new])
         if self.head is not None:
             hidden = self.model.model(tokens, cache=views)
-            picked = hidden[mx.arange(len(batch)), last]
-            logits = self.head(picked)
+            logits = self.head(hidden[mx.arange(len(batch)), last])
         else:
             logits = self.model(tokens, cache=views)[mx.arange(len(batch)), last]
         # Evaluate now: the next pass writes the same pools, and a pending read would pin them.
         mx.eval(logits, self.kv.keys, self.kv.values)
-        return [logits[i] for i in range(len(batch))]
+        return logits
