@@ -24,7 +24,8 @@ from mlxpaged.kv_cache import PagedKVCache
 from mlxpaged.metrics import StatsCounter
 from mlxpaged.results import Completion, StreamDelta, collect, drain  # noqa: F401  (re-exported)
 from mlxpaged.memory import DeviceFacts, MemoryPlan, ModelFacts, model_weight_bytes, plan_memory, wired_limit
-from mlxpaged.model import LoadedModel, UnsupportedModelError, check_paged_support, load_model, route_paged_attention
+from mlxpaged.model import (LoadedModel, UnsupportedModelError, chat_prompt, check_paged_support, load_model,
+                            route_paged_attention)
 from mlxpaged.runner import Runner, StepInput
 from mlxpaged.sampling import SamplingParams, make_state, sample_batch
 from mlxpaged.scheduler import CACHE_CAPACITY, MODEL_CONTEXT, Request, RequestStatus, RequestTooLongError, Scheduler
@@ -167,8 +168,6 @@ class Engine:
         return self.generate([self.chat_tokens(messages)], params)[0]
 
     def chat_tokens(self, messages: list[dict]) -> list[int]:
-        from mlxpaged.model import chat_prompt
-
         return chat_prompt(self.tokenizer, messages)
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Iterator[StreamDelta]:

@@ -20,6 +20,8 @@ from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load as mlx_lm_load
 
+from mlxpaged.attention import paged_attention
+from mlxpaged.cache_view import PagedCacheView, layer_windows
 from mlxpaged.models import ModelRef, Progress, provision, resolve
 
 
@@ -101,9 +103,6 @@ _ROUTED_MODULES: dict[str, object] = {}
 
 
 def _routed_sdpa(queries, keys, values, cache, scale, mask, sinks=None):
-    from mlxpaged.attention import paged_attention
-    from mlxpaged.cache_view import PagedCacheView
-
     if isinstance(cache, PagedCacheView) and sinks is None:
         decode = cache.decode_inputs()
         if decode is not None:
@@ -143,8 +142,6 @@ def unroute_paged_attention() -> None:
 
 def check_paged_support(model: nn.Module) -> None:
     """Recurrent / state-space layers keep no plain KV: refuse them with the model type named."""
-    from mlxpaged.cache_view import layer_windows
-
     model_type = getattr(getattr(model, "args", None), "model_type", type(model).__module__.rsplit(".", 1)[-1])
     try:
         layer_windows(model)
