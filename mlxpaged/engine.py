@@ -356,7 +356,7 @@ class Engine:
         if delta.finished:
             self._finish(request_id, _FINISH_STATUS[delta.finish_reason], delta.finish_reason, last=event)
         else:
-            tracked.sink(event)
+            self._emit(tracked, event)
 
     def _finish(self, request_id: str, status: RequestStatus, reason: str | None,
                 last: StreamDelta | None = None, notify: bool = True) -> None:
@@ -367,7 +367,7 @@ class Engine:
         if not notify:
             return
         for fork in tracked.forks:  # n > 1 sequences that never started end with their parent
-            fork.sink(StreamDelta(tracked.group, "", finish_reason=reason, index=fork.index,
+            self._emit(fork, StreamDelta(tracked.group, "", finish_reason=reason, index=fork.index,
                                   prompt_tokens=len(tracked.request.prompt_token_ids)))
         request = tracked.request
         event = last or StreamDelta(request_id, tracked.text.finish().text, index=tracked.index)
@@ -376,7 +376,15 @@ class Engine:
         event.prompt_tokens = len(request.prompt_token_ids)
         event.cached_tokens = request.num_cached_tokens
         event.completion_tokens = len(request.output_token_ids)
-        tracked.sink(event)
+        self._emit(tracked, event)
+
+    def _emit(self, tracked: _Tracked, event: object) -> None:
+        """Hand an event to the caller's sink. A sink that raises (its consumer is gone, e.g. a
+        closed event loop) gets its request aborted, never the engine step that served everyone."""
+        try:
+            tracked.sink(event)
+        except Exception:
+            self._commands.put(("abort", tracked.group))
 
     def _start_fork(self, tracked: _Tracked, result) -> None:
         """Sequence i > 0 of an n > 1 request: share the parent's prompt blocks, then deliver its first token."""
@@ -396,7 +404,7 @@ class Engine:
         """Fail every sequence of a request (one event for the caller)."""
         members = [rid for rid, t in self._tracked.items() if t.group == group]
         if members:
-            self._tracked[members[0]].sink(exc)
+            self._emit(self._tracked[members[0]], exc)
         for request_id in members:
             self._finish(request_id, RequestStatus.FINISHED_ERROR, None, notify=False)
 

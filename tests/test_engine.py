@@ -222,3 +222,14 @@ def test_quantized_model_gets_activation_dtype_pools_and_matches_mlx_lm(tokenize
         assert eng.kv.dtype == mx.float32  # not the quantized embedding's uint32
         prompt = random_tokens(12)
         assert eng.generate([prompt], GREEDY)[0].token_ids == reference_tokens(model, prompt, GREEDY.max_tokens)
+
+
+def test_a_sink_that_raises_aborts_only_its_request(tiny):
+    good = tiny.stream(random_tokens(12), GREEDY)
+
+    def broken_sink(event):
+        raise RuntimeError("event loop is closed")
+
+    tiny.submit(random_tokens(9), GREEDY, broken_sink)
+    assert list(good)[-1].finish_reason == "length"
+    assert_pool_empty(tiny)
