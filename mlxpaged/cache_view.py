@@ -220,13 +220,16 @@ class PagedCacheView:
         self._offsets = list(offsets)
         self._num_new = list(num_new) if num_new is not None else None
         self._last_plan: _Plan | None = None
+        self._offset_array: mx.array | None = None
 
     @property
     def offset(self) -> int | mx.array:
         """Tokens cached so far: an int for batch 1, else an `mx.array` [B]."""
         if len(self._offsets) == 1:
             return self._offsets[0]
-        return mx.array(self._offsets)
+        if self._offset_array is None:  # read twice per layer (q and k RoPE); reset when offsets move
+            self._offset_array = mx.array(self._offsets)
+        return self._offset_array
 
     @property
     def offsets(self) -> list[int]:
@@ -268,6 +271,7 @@ class PagedCacheView:
             self._write(plan, keys, values)
             out = self._read(plan)
         self._offsets = [o + n for o, n in zip(plan.offsets, plan.num_new)]
+        self._offset_array = None
         self._num_new = None
         self._last_plan = plan
         return out

@@ -158,7 +158,7 @@ class PagedKVCache:
         shape = (num_blocks, num_kv_heads, block_size, head_dim)
         self.keys = [mx.zeros(shape, dtype) for _ in range(self.group_size)]
         self.values = [mx.zeros(shape, dtype) for _ in range(self.group_size)]
-        self._last_slots: tuple[mx.array, mx.array, mx.array] | None = None
+        self._last_slots: tuple | None = None  # (slot mapping, slots, blocks, offsets)
         mx.eval(self._heads, self.keys, self.values)  # lazy arrays would bind to this thread's stream
 
     @property
@@ -189,25 +189,30 @@ class PagedKVCache:
         Slots given as an `mx.array` are not range-checked (hot path); repeated slots in
         one call leave an unspecified winner.
         """
-        slots = self._slot_array(slot_mapping)
+        slots, blocks, offsets = self._indices(slot_mapping)
         expected = (slots.size, self.num_kv_heads, self.head_dim)
         for name, x in (("k", k), ("v", v)):
             if tuple(x.shape) != expected:
                 raise ValueError(f"{name} has shape {tuple(x.shape)}, expected {expected}")
             if x.dtype != self.dtype:
                 raise ValueError(f"{name} has dtype {x.dtype}, the pools hold {self.dtype}")
-        blocks, offsets = self._indices(slots)
         heads = self._heads[None, :]
         j = self._pool[layer]
         self.keys[j][(blocks, heads, offsets)] = k
         self.values[j][(blocks, heads, offsets)] = v
 
-    def _indices(self, slots: mx.array) -> tuple[mx.array, mx.array]:
-        """(block, offset) index columns of `slots`; every layer of a pass writes the same slots
-        array, so the last one is remembered (held, so its identity cannot be reused)."""
-        if self._last_slots is None or self._last_slots[0] is not slots:
-            self._last_slots = (slots, (slots // self.block_size)[:, None], (slots % self.block_size)[:, None])
-        return self._last_slots[1], self._last_slots[2]
+    def _indices(self, slot_mapping: Sequence[int] | mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """(slots, block column, offset column). Every layer of a pass writes the same slot-mapping
+        array, so the last one's indices are reused: matched by identity of that (immutable, held)
+        mx.array; lists are converted every time, as they may change in place."""
+        last = self._last_slots
+        if last is not None and last[0] is slot_mapping:
+            return last[1:]
+        slots = self._slot_array(slot_mapping)
+        indices = (slots, (slots // self.block_size)[:, None], (slots % self.block_size)[:, None])
+        if isinstance(slot_mapping, mx.array):
+            self._last_slots = (slot_mapping, *indices)
+        return indices
 
     def gather_blocks(self, layer: int, block_ids: mx.array) -> tuple[mx.array, mx.array]:
         """Pages of `block_ids` `[B, n]` laid end to end: k, v `[B, kv_heads, n * block_size, head_dim]`."""
