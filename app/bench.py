@@ -60,14 +60,14 @@ def bench_decode(args: Namespace) -> int:
 
 
 def kv_shape(model_name: str | None) -> tuple[int, int, int, int]:
-    """(layers, kv heads, head dim, dtype bytes) of a model, from its config only."""
+    """(layers, kv heads, head dim, dtype bytes) of a model, from its config only (float32 KV)."""
+    from mlxpaged.memory import ModelFacts
     from mlxpaged.model import default_dtype
     from mlxpaged.models import provision, resolve
 
     config = json.loads((provision(resolve(model_name), default_dtype()) / "config.json").read_text())
-    heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    return config["num_hidden_layers"], config.get("num_key_value_heads", heads), head_dim, 4
+    kv = ModelFacts.from_config(config, weight_bytes=0, kv_dtype_bytes=4).kv
+    return kv.num_layers, kv.num_kv_heads, kv.head_dim, kv.dtype_bytes
 
 
 def mlx_lm_batch_cache_bytes(prompt_lens: list[int], new_tokens: int, heads: int, head_dim: int) -> int:

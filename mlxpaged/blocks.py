@@ -13,7 +13,8 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Callable, Hashable, Sequence
 
-VALID_BLOCK_SIZES = (8, 16, 32)
+from mlxpaged.config import VALID_BLOCK_SIZES
+
 
 # (parent hash or None, block token ids, extra key) -> hash
 HashFn = Callable[[object, tuple, object], Hashable]

@@ -10,6 +10,8 @@ import re
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 
+VALID_BLOCK_SIZES = (8, 16, 32)  # the paged-attention kernel's block sizes
+
 # Decimal units are powers of 1000 (as disks, macOS and mlx-lm's own --max-kv-size parser count);
 # binary units ("GiB", or "Gi") are powers of 1024. A bare number is bytes.
 _UNITS = {
@@ -82,8 +84,15 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         _require_positive_int("block_size", self.block_size)
+        if self.block_size not in VALID_BLOCK_SIZES:
+            raise ValueError(f"block_size must be one of {VALID_BLOCK_SIZES}, got {self.block_size}")
         _require_positive_int("max_batch_tokens", self.max_batch_tokens)
         _require_positive_int("max_num_seqs", self.max_num_seqs)
+        if self.max_batch_tokens < self.max_num_seqs:
+            # Otherwise some decoding sequences would get no token in a step (the scheduler's rule,
+            # checked here so a bad setting fails before the model and the pool are loaded).
+            raise ValueError(f"max_batch_tokens ({self.max_batch_tokens}) must be >= "
+                             f"max_num_seqs ({self.max_num_seqs})")
         if self.max_tokens is not None:
             _require_positive_int("max_tokens", self.max_tokens)
         if self.kv_memory is not None:

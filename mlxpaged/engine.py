@@ -7,6 +7,7 @@ scheduler, the model and the samplers, and pushes events into each request's sin
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import queue
 import threading
@@ -23,7 +24,7 @@ from mlxpaged.config import CacheConfig
 from mlxpaged.kv_cache import PagedKVCache
 from mlxpaged.metrics import StatsCounter
 from mlxpaged.results import Completion, StreamDelta, collect, drain  # noqa: F401  (re-exported)
-from mlxpaged.memory import DeviceFacts, MemoryPlan, ModelFacts, model_weight_bytes, plan_memory, wired_limit
+from mlxpaged.memory import DeviceFacts, ModelFacts, model_weight_bytes, plan_memory, wired_limit
 from mlxpaged.model import (LoadedModel, UnsupportedModelError, chat_prompt, check_paged_support, load_model,
                             route_paged_attention)
 from mlxpaged.runner import Runner, StepInput
@@ -65,8 +66,10 @@ class Engine:
         self.cache_config = cache_config or CacheConfig(max_tokens=DEFAULT_CACHE_TOKENS)
         check_paged_support(loaded.model)
         route_paged_attention()
-        self.plan = self._plan_memory()
-        self.kv = self._make_kv_cache()
+        kv_dtype = self._kv_dtype()
+        self.facts = self._model_facts(kv_dtype)
+        self.plan = plan_memory(DeviceFacts.detect(), self.facts, self.cache_config, weights_resident=True)
+        self.kv = self._make_kv_cache(kv_dtype)
         if len(self.kv.groups) > 1:
             # The cache and the view page hybrid models correctly; the scheduler keeps one block
             # table per request, so the engine cannot yet drive several layer groups.
@@ -105,10 +108,11 @@ class Engine:
         return self.loaded.tokenizer
 
     # --- setup ---------------------------------------------------------------------------------
-    def _plan_memory(self) -> MemoryPlan:
-        dtype_bytes = self._kv_dtype().size
-        facts = ModelFacts.from_config(self.loaded.config, model_weight_bytes(self.loaded.model), dtype_bytes)
-        return plan_memory(DeviceFacts.detect(), facts, self.cache_config, weights_resident=True)
+    def _model_facts(self, kv_dtype: mx.Dtype) -> ModelFacts:
+        """The one reading of the model's KV shape, for the plan and the pools alike. Window caps are
+        left out: PagedKVCache gives every layer a pool of num_blocks, whatever its window."""
+        facts = ModelFacts.from_config(self.loaded.config, model_weight_bytes(self.loaded.model), kv_dtype.size)
+        return dataclasses.replace(facts, kv=dataclasses.replace(facts.kv, sliding_windows=None))
 
     def _kv_dtype(self) -> mx.Dtype:
         """K/V have the activations' dtype; a quantized embedding's weight is uint32, so look one token up."""
@@ -117,15 +121,11 @@ class Engine:
             return mx.float32
         return inner.embed_tokens(mx.array([[0]])).dtype
 
-    def _make_kv_cache(self) -> PagedKVCache:
-        config = self.loaded.config
-        heads = config["num_attention_heads"]
-        return PagedKVCache(
-            num_layers=config["num_hidden_layers"], num_blocks=self.plan.num_blocks,
-            block_size=self.cache_config.block_size, num_kv_heads=config.get("num_key_value_heads", heads),
-            head_dim=config.get("head_dim") or config["hidden_size"] // heads, dtype=self._kv_dtype(),
-            layer_windows=layer_windows(self.loaded.model),
-        )
+    def _make_kv_cache(self, dtype: mx.Dtype) -> PagedKVCache:
+        kv = self.facts.kv
+        return PagedKVCache(num_layers=kv.num_layers, num_blocks=self.plan.num_blocks,
+                            block_size=self.cache_config.block_size, num_kv_heads=kv.num_kv_heads,
+                            head_dim=kv.head_dim, dtype=dtype, layer_windows=layer_windows(self.loaded.model))
 
     # --- public API ----------------------------------------------------------------------------
     def submit(self, prompt: str | Sequence[int], params: SamplingParams | None,

@@ -371,3 +371,10 @@ def test_wired_limit_off_and_cpu_are_no_ops():
 def test_wired_limit_with_real_mlx_on_this_host_does_nothing():
     with wired_limit(10**9) as limit:  # the CPU backend reports no working set
         assert limit is None
+
+
+def test_cache_config_rejects_what_the_pool_and_scheduler_would_reject_later():
+    with pytest.raises(ValueError, match="block_size must be one of"):
+        CacheConfig(block_size=64)
+    with pytest.raises(ValueError, match=r"max_batch_tokens \(8\) must be >= max_num_seqs \(16\)"):
+        CacheConfig(max_batch_tokens=8, max_num_seqs=16)
