@@ -43,10 +43,11 @@ class AssistantMessage(Vertical):
         self._stream = Markdown.get_stream(self.markdown)
 
     async def append(self, text: str) -> None:
+        if not self.text:  # the first text: "thinking…" becomes "generating…", once per reply
+            self.query_one(".reply-stats", Static).update(Text("generating… (Esc stops)", style="italic"))
         self.text += text
         if self._stream is not None:
             await self._stream.write(text)
-        self.query_one(".reply-stats", Static).update(Text("generating… (Esc stops)", style="italic"))
 
     async def finish(self, stats: ReplyStats | None, error: str | None = None) -> None:
         if self._stream is not None:
