@@ -7,6 +7,7 @@ import sys
 
 import mlxpaged  # noqa: F401  (loads OpenBLAS before anything imports mlx)
 from mlxpaged.blas import blas_status
+from mlxpaged.config import DEFAULT_CACHE_TOKENS
 from mlxpaged.models import ModelError
 
 NOT_YET: dict[str, str] = {}
@@ -103,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     chat.add_argument("--system", default="", help="system prompt (default: the model's own)")
     chat.add_argument("--resume", action="store_true", help="reopen the last saved conversation")
-    chat.add_argument("--cache-tokens", type=int, default=32768, help="KV cache capacity in tokens")
+    chat.add_argument("--cache-tokens", type=int, default=DEFAULT_CACHE_TOKENS, help="KV cache capacity in tokens")
     chat.add_argument("--plain", action="store_true", help="the plain line-by-line REPL instead of the app")
     chat.set_defaults(func=cmd_chat)
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 
 VALID_BLOCK_SIZES = (8, 16, 32)  # the paged-attention kernel's block sizes
+DEFAULT_CACHE_TOKENS = 32768  # cap by demand: a local app rarely needs more resident context
 
 # Decimal units are powers of 1000 (as disks, macOS and mlx-lm's own --max-kv-size parser count);
 # binary units ("GiB", or "Gi") are powers of 1024. A bare number is bytes.

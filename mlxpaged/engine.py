@@ -20,7 +20,7 @@ import mlx.core as mx
 
 from mlxpaged.blocks import BlockPool
 from mlxpaged.cache_view import layer_windows
-from mlxpaged.config import CacheConfig
+from mlxpaged.config import DEFAULT_CACHE_TOKENS, CacheConfig
 from mlxpaged.kv_cache import PagedKVCache
 from mlxpaged.metrics import StatsCounter
 from mlxpaged.results import Completion, StreamDelta, collect, drain  # noqa: F401  (re-exported)
@@ -32,7 +32,6 @@ from mlxpaged.sampling import SamplingParams, make_state, sample_batch
 from mlxpaged.scheduler import CACHE_CAPACITY, MODEL_CONTEXT, Request, RequestStatus, RequestTooLongError, Scheduler
 from mlxpaged.stopping import TextStream
 
-DEFAULT_CACHE_TOKENS = 32768  # cap by demand: a local app rarely needs more resident context
 
 _FINISH_STATUS = {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatus.FINISHED_LENGTH}
 

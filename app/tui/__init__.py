@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-DEFAULT_CACHE_TOKENS = 32768
+from mlxpaged.config import DEFAULT_CACHE_TOKENS
 
 
 def run_chat(model: str | None = None, *, max_tokens: int = 512, temperature: float = 0.7,
