@@ -7,8 +7,10 @@
 
 # Must run before anything imports mlx.core (see blas.py).
 from mlxpaged.blas import blas_status, load_fast_blas
+from mlxpaged.malloc import keep_freed_memory
 
 load_fast_blas()
+keep_freed_memory()
 
 __version__ = "0.1.0"
 

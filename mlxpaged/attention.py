@@ -1,7 +1,10 @@
-"""Paged attention entry point: the Metal kernel on Apple GPUs, the pure-MLX reference elsewhere.
+"""Paged attention entry point: the Metal kernel on Apple GPUs, the CPU path on MLX's CPU backend,
+the pure-MLX reference as the oracle and fallback.
 
-The engine calls only ``paged_attention`` (decode) and ``paged_prefill_attention`` (prefill and
-chunked prefill). Shapes:
+The engine's routed attention calls ``paged_attention`` for decode passes (one new token per
+sequence: the pages are read in place by the kernel) and ``sdpa`` for prefill and chunked prefill
+(over the K/V the cache view gathered). ``paged_prefill_attention`` is the same prefill computed
+straight from the pages, for tests and future kernels. Shapes:
 
 - K/V pools, per layer: ``[num_blocks, num_kv_heads, block_size, head_dim]``; token ``t`` of a
   sequence is at ``pool[table[t // block_size], :, t % block_size, :]``. A call reads the pools
@@ -11,9 +14,11 @@ chunked prefill). Shapes:
 - ``window``: ``None`` for full attention, else a query at position ``p`` sees keys ``p-window+1 .. p``.
 
 Backend choice: ``set_attention_backend`` / ``attention_backend(...)`` or the environment variable
-``MLXPAGED_ATTENTION`` = ``auto`` (default: kernel when MLX runs on a Metal GPU), ``kernel`` or
-``reference``. Forcing ``kernel`` without Metal raises; shapes the kernel does not support run on
-the reference path whatever the setting.
+``MLXPAGED_ATTENTION`` = ``auto`` (default: ``kernel`` when MLX runs on a Metal GPU, else ``cpu``),
+``kernel``, ``cpu`` (kernels/cpu_attention.py: pages read in place with ``mx.gather_mm`` and a
+cheaper softmax) or ``reference`` (gathered pages + ``mx.fast.scaled_dot_product_attention``).
+Forcing ``kernel`` without Metal raises; shapes a fast path does not support (kernel: see
+``kernel_supports``; cpu: pools that are not float32) run on the reference path.
 """
 
 from __future__ import annotations
@@ -24,10 +29,11 @@ from typing import Iterator
 
 import mlx.core as mx
 
+from mlxpaged.kernels.cpu_attention import attend, paged_attention_cpu
 from mlxpaged.kernels.reference import paged_attention_reference, paged_prefill_attention_reference
 
 ENV_VAR = "MLXPAGED_ATTENTION"
-BACKENDS = ("auto", "kernel", "reference")
+BACKENDS = ("auto", "kernel", "cpu", "reference")
 
 _override: str | None = None
 
@@ -61,10 +67,10 @@ def metal_available() -> bool:
 
 
 def resolved_backend() -> str:
-    """"kernel" or "reference": what ``paged_attention`` would use for supported shapes."""
+    """"kernel", "cpu" or "reference": what ``paged_attention`` would use for supported shapes."""
     name = _override or _check_backend(os.environ.get(ENV_VAR, "auto").strip().lower() or "auto")
     if name == "auto":
-        return "kernel" if metal_available() else "reference"
+        return "kernel" if metal_available() else "cpu"
     if name == "kernel" and not metal_available():
         raise RuntimeError(f"the Metal paged-attention kernel was forced ({ENV_VAR} or "
                            "set_attention_backend) but MLX has no Metal GPU here")
@@ -80,12 +86,23 @@ def paged_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_table
     tokens in the pool including the current one (0 gives a zero output).
     Returns [B, num_heads, 1, D] in q's dtype.
     """
-    if resolved_backend() == "kernel":
+    backend = resolved_backend()
+    if backend == "kernel":
         from mlxpaged.kernels.paged_attention import kernel_supports, paged_attention_metal
 
         if kernel_supports(q, k_pool, v_pool, block_tables, window):
             return paged_attention_metal(q, k_pool, v_pool, block_tables, context_lens, scale, window)
+    if backend == "cpu" and k_pool.dtype == mx.float32 and v_pool.dtype == mx.float32:
+        return paged_attention_cpu(q, k_pool, v_pool, block_tables, context_lens, scale, window)
     return paged_attention_reference(q, k_pool, v_pool, block_tables, context_lens, scale, window)
+
+
+def sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None) -> mx.array:
+    """Attention over contiguous K/V (prefill over the K/V a cache view gathered), with
+    ``mx.fast.scaled_dot_product_attention``'s contract; ``cpu_attention.attend`` on the cpu backend."""
+    if resolved_backend() == "cpu":
+        return attend(q, k, v, scale, mask)
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
 
 def paged_prefill_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_table,

@@ -20,7 +20,7 @@ from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load as mlx_lm_load
 
-from mlxpaged.attention import paged_attention
+from mlxpaged.attention import paged_attention, sdpa
 from mlxpaged.cache_view import PagedCacheView, layer_windows
 from mlxpaged.models import ModelRef, Progress, provision, resolve
 
@@ -108,6 +108,7 @@ def _routed_sdpa(queries, keys, values, cache, scale, mask, sinks=None):
         if decode is not None:
             k_pool, v_pool, tables, lens = decode
             return paged_attention(queries, k_pool, v_pool, tables, lens, scale)
+        return sdpa(queries, keys, values, scale, mask)  # prefill: the CPU's faster softmax too
     return _ORIGINAL_SDPA(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
 

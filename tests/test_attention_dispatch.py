@@ -8,10 +8,10 @@ from mlxpaged import attention
 from tests.msl.oracle import make_decode_case, max_error
 
 
-def test_auto_uses_reference_without_metal(monkeypatch):
+def test_auto_uses_the_cpu_path_without_metal(monkeypatch):
     monkeypatch.delenv(attention.ENV_VAR, raising=False)
     monkeypatch.setattr(attention, "metal_available", lambda: False)
-    assert attention.resolved_backend() == "reference"
+    assert attention.resolved_backend() == "cpu"
     case = make_decode_case(0, [9, 0, 20], 8, 2, 64, 8)
     out = attention.paged_attention(*case.args())
     assert max_error(out, case.expected()) < 1e-5
@@ -26,8 +26,10 @@ def test_environment_and_override(monkeypatch):
         attention.resolved_backend()
     with attention.attention_backend("reference"):
         assert attention.resolved_backend() == "reference"
+    monkeypatch.setenv(attention.ENV_VAR, "cpu")
+    assert attention.resolved_backend() == "cpu"
     monkeypatch.setenv(attention.ENV_VAR, "bogus")
-    with pytest.raises(ValueError, match="auto, kernel, reference"):
+    with pytest.raises(ValueError, match="auto, kernel, cpu, reference"):
         attention.resolved_backend()
     with pytest.raises(ValueError):
         attention.set_attention_backend("fast")

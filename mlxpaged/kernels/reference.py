@@ -10,6 +10,8 @@ directly, with no transpose copy. Only the blocks that some query can see are ga
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import mlx.core as mx
 import numpy as np
 
@@ -73,11 +75,11 @@ def paged_attention_reference(q: mx.array, k_pool: mx.array, v_pool: mx.array, b
     batch, heads, qlen, head_dim = q.shape
     if qlen != 1:
         raise ValueError(f"decode takes one query token per sequence: q is {tuple(q.shape)}")
-    plan = _decode_plan(block_tables, context_lens, window, k_pool.shape, batch)
+    plan = decode_plan(block_tables, context_lens, window, k_pool.shape, batch)
     if plan is None:
         return mx.zeros(q.shape, dtype=q.dtype)
-    span, rows, mask, lens = plan
-    keys, values = gather_pages(k_pool, span, rows), gather_pages(v_pool, span, rows)
+    mask, lens = plan.mask, plan.lens
+    keys, values = gather_pages(k_pool, plan.span, plan.rows), gather_pages(v_pool, plan.span, plan.rows)
     kv_heads = k_pool.shape[1]
     if keys.shape[2] >= FOLD_GQA_MIN_KEYS:
         # One decode query per sequence: the G query heads of a KV head are G query rows under the
@@ -87,16 +89,39 @@ def paged_attention_reference(q: mx.array, k_pool: mx.array, v_pool: mx.array, b
         out = out.reshape(batch, heads, 1, head_dim)
     else:
         out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
-    if min(lens) == 0:
-        out = mx.where(mx.array(np.asarray(lens) > 0)[:, None, None, None], out, mx.zeros((), q.dtype))
-    return out
+    return zero_empty(out, lens)
+
+
+def zero_empty(out: mx.array, lens: list[int]) -> mx.array:
+    """Zero the output of sequences with an empty context (their softmax saw only masked keys)."""
+    if min(lens) > 0:
+        return out
+    return mx.where(mx.array(np.asarray(lens) > 0)[:, None, None, None], out, mx.zeros((), out.dtype))
+
+
+@dataclass
+class DecodePlan:
+    """What every layer of one decode pass shares: the gathered span of each table, its page rows,
+    the length/window mask (None when every sequence sees the whole span) and the lengths."""
+
+    span: mx.array  # [B, nb] block ids
+    rows: mx.array  # [B, KVH, nb] rows of the pool viewed as [NB * KVH, BS * D]
+    mask: mx.array | None  # [B, 1, 1, nb * BS] bool
+    lens: list[int]
+    _extras: dict = field(default_factory=dict)  # per-consumer derived arrays, built once per pass
+
+    def derived(self, name: str, build):
+        """`build(self)` computed once per plan (so once per pass, not once per layer)."""
+        if name not in self._extras:
+            self._extras[name] = build(self)
+        return self._extras[name]
 
 
 _last_plan: tuple | None = None
 
 
-def _decode_plan(block_tables, context_lens, window, pool_shape, batch):
-    """(span table, page rows, mask, lens) of a decode call, or None when every context is empty.
+def decode_plan(block_tables, context_lens, window, pool_shape, batch) -> DecodePlan | None:
+    """The plan of a decode call, or None when every context is empty.
     A model calls this once per layer with the same table and lengths arrays, so the last plan
     is reused: matched by identity of the (immutable) mx.arrays, which the memo holds so their
     ids cannot be recycled. Lists are never memoized (they can change in place)."""
@@ -133,7 +158,7 @@ def _build_decode_plan(block_tables, context_lens, window, pool_shape, batch):
     padded = any(-(-n // block_size) < last_block or s // block_size > first_block for n, s in zip(lens, starts))
     rows = page_rows(span, pool_shape, clip=padded)
     mask = _decode_mask(lens, starts, first_block * block_size, last_block * block_size)
-    return span, rows, mask, lens
+    return DecodePlan(span, rows, mask, lens)
 
 
 def _decode_mask(lens: list[int], starts: list[int], lo: int, hi: int) -> mx.array | None:

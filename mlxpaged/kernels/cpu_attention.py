@@ -1,0 +1,157 @@
+"""Attention for MLX's CPU backend, where ``mx.fast.scaled_dot_product_attention`` is not a fused
+kernel but matmul + softmax, and the softmax's ``exp`` dominates.
+
+``attend`` is attention over contiguous K/V (prefill, over what the cache view gathered);
+``paged_attention_cpu`` is decode attention read from the page pools in place.
+
+Measured on the 2-core CPU backend (MLX 0.32): ``mx.exp`` runs at ~12 ns per element (scalar),
+while the matmuls of attention run through BLAS. For a 450-token causal prefill of one
+SmolLM2 layer (9 query / 3 KV heads, D 64) the scores matmul takes 1.4 ms and the softmax 22 ms.
+Three changes, each checked against a NumPy float64 reference in tests/test_cpu_attention.py:
+
+- ``exp`` of the shifted scores is computed as 2^n * p(f) (n = round(x log2 e), |f| <= 1/2,
+  p a degree-7 Taylor polynomial of 2^f, 2^n built from exponent bits): one fused, compiled
+  elementwise pass, ~4x faster than ``mx.exp``, relative error a few float32 ulps.
+- Normalisation is applied to the [rows, D] output instead of the [rows, keys] probabilities.
+- Causal queries are processed in blocks that each read only the keys they can see, so the
+  masked upper triangle is neither multiplied nor exponentiated (about half the work).
+
+GQA is folded: the G query heads of a KV head are G times more query rows against the same
+keys, so K and V are read once per KV head and the batched matmuls are larger.
+
+Decode does not gather pages: ``mx.gather_mm`` multiplies each (sequence, KV head) query rows
+with each of its pages where the page lies in the pool, for scores and again for the weighted
+values. Gathering B=16 sequences x 512 tokens copies 12 MB per layer first; without the copy
+decode attention takes 2.3 ms per layer instead of 4.1 (measured, block size 16).
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import mlx.core as mx
+
+from mlxpaged.kernels.reference import DecodePlan, decode_plan, zero_empty
+
+# Query rows per causal block: small enough to skip most of the masked triangle, large enough
+# that each block's matmuls stay efficient (measured: 64 beat 128 and 256 at 450 tokens).
+QUERY_BLOCK = 64
+
+_LOG2E = 1.4426950408889634
+_TAYLOR_2F = [math.log(2) ** k / math.factorial(k) for k in range(8)]  # 2^f = sum (f ln 2)^k / k!
+_MASKED = -1e30  # finite: a fully masked (padding) row gets finite garbage, not NaN
+
+
+@partial(mx.compile, shapeless=True)
+def _exp_parts(scores: mx.array, row_max: mx.array) -> tuple[mx.array, mx.array]:
+    """exp(scores - row_max) as (p, bits): p = 2^f as a polynomial and bits = the float32 bit
+    pattern of 2^n. ``mx.view`` cannot be compiled shapeless, so the caller multiplies."""
+    t = mx.maximum((scores - row_max) * _LOG2E, -127.0)
+    n = mx.round(t)
+    f = t - n
+    p = _TAYLOR_2F[7]
+    for c in reversed(_TAYLOR_2F[:7]):
+        p = p * f + c
+    # n = -127 gives the bit pattern of 0.0, so masked keys add exactly 0.
+    return p, (n.astype(mx.int32) + 127) << 23
+
+
+def shifted_exp(scores: mx.array, row_max: mx.array) -> mx.array:
+    """exp(scores - row_max) for float32 scores <= row_max (the softmax case)."""
+    p, bits = _exp_parts(scores, row_max)
+    return p * mx.view(bits, mx.float32)
+
+
+def attend(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None) -> mx.array:
+    """What ``mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)`` returns.
+
+    q [B, H, L, D]; k, v [B, KVH, K, D] with H a multiple of KVH; mask None, "causal"
+    (bottom-right aligned: query i sees keys <= K - L + i), a boolean array (True = attend)
+    or an additive array, broadcastable to [B, H, L, K]. Computed in float32, returned in q's dtype.
+    """
+    length, keys = q.shape[2], k.shape[2]
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"unknown mask {mask!r}")
+        if length > QUERY_BLOCK:
+            blocks = []
+            for i in range(0, length, QUERY_BLOCK):
+                j = min(length, i + QUERY_BLOCK)
+                end = keys - length + j  # the last key query j - 1 sees, plus one
+                blocks.append(_attend(q[:, :, i:j], k[:, :, :end], v[:, :, :end], scale, "causal"))
+            return mx.concatenate(blocks, axis=2)
+    return _attend(q, k, v, scale, mask)
+
+
+def _attend(q: mx.array, k: mx.array, v: mx.array, scale: float, mask) -> mx.array:
+    batch, heads, length, dim = q.shape
+    kv_heads, keys = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    f32 = mx.float32
+    rows = (q.astype(f32) * scale).reshape(batch, kv_heads, group * length, dim)
+    scores = (rows @ k.astype(f32).swapaxes(-1, -2)).reshape(batch, kv_heads, group, length, keys)
+    if mask is not None:
+        scores = _apply_mask(scores, mask, heads, length, keys)
+    probs = shifted_exp(scores, mx.max(scores, axis=-1, keepdims=True))
+    total = mx.sum(probs, axis=-1, keepdims=True)
+    out = probs.reshape(batch, kv_heads, group * length, keys) @ v.astype(f32)
+    out = out / total.reshape(batch, kv_heads, group * length, 1)
+    return out.reshape(batch, heads, length, v.shape[-1]).astype(q.dtype)
+
+
+def _apply_mask(scores: mx.array, mask, heads: int, length: int, keys: int) -> mx.array:
+    """scores [B, KVH, G, L, K] with the mask added. A boolean mask becomes additive before it is
+    broadcast over the heads: `mx.where` on the CPU is ~10x slower per element than an add."""
+    kv_heads, group = scores.shape[1], scores.shape[2]
+    if isinstance(mask, str):  # "causal", one block: query i sees keys <= keys - length + i
+        mask = mx.arange(length)[:, None] + (keys - length) >= mx.arange(keys)[None, :]
+    if mask.dtype == mx.bool_:
+        mask = mx.where(mask, mx.array(0.0, scores.dtype), mx.array(_MASKED, scores.dtype))
+    while mask.ndim < 4:
+        mask = mask[None]
+    if mask.shape[1] == heads and heads != 1:  # per-head masks follow the folded layout
+        mask = mask.reshape(mask.shape[0], kv_heads, group, *mask.shape[2:])
+    else:
+        mask = mask[:, :, None]
+    return scores + mask.astype(scores.dtype)
+
+
+def paged_attention_cpu(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_tables, context_lens,
+                        scale: float, window: int | None = None) -> mx.array:
+    """Decode attention, one query per sequence, read from float32 pools in place.
+    Same contract as ``reference.paged_attention_reference``."""
+    batch, heads, qlen, dim = q.shape
+    if qlen != 1:
+        raise ValueError(f"decode takes one query token per sequence: q is {tuple(q.shape)}")
+    if window is not None and window < 1:
+        raise ValueError(f"window must be a positive number of tokens or None, got {window}")
+    plan = decode_plan(block_tables, context_lens, window, k_pool.shape, batch)
+    if plan is None:
+        return mx.zeros(q.shape, dtype=q.dtype)
+    kv_heads, block_size = k_pool.shape[1], k_pool.shape[2]
+    group, pages = heads // kv_heads, plan.rows.shape[2]
+    page_ids, query_ids, page_mask = plan.derived("cpu", _page_inputs)
+    rows = (q.astype(mx.float32) * scale).reshape(batch * kv_heads, group, dim)
+    key_pages = k_pool.reshape(-1, block_size, dim).swapaxes(1, 2)  # a view: [NB * KVH, D, BS]
+    scores = mx.gather_mm(rows, key_pages, lhs_indices=query_ids, rhs_indices=page_ids)
+    scores = scores.reshape(batch, kv_heads, pages, group, block_size)
+    if page_mask is not None:
+        scores = scores + page_mask
+    row_max = mx.max(mx.max(scores, axis=-1, keepdims=True), axis=2, keepdims=True)
+    probs = shifted_exp(scores, row_max)
+    total = mx.sum(mx.sum(probs, axis=-1), axis=2)  # [B, KVH, G]
+    out = mx.gather_mm(probs.reshape(-1, group, block_size), v_pool.reshape(-1, block_size, dim),
+                       rhs_indices=page_ids)
+    out = mx.sum(out.reshape(batch, kv_heads, pages, group, dim), axis=2) / total[..., None]
+    return zero_empty(out.reshape(batch, heads, 1, dim).astype(q.dtype), plan.lens)
+
+
+def _page_inputs(plan: DecodePlan) -> tuple[mx.array, mx.array, mx.array | None]:
+    """(page row per (sequence, head, page), its query row, additive mask [B, 1, nb, 1, BS] or None)."""
+    batch, kv_heads, pages = plan.rows.shape
+    query_ids = mx.repeat(mx.arange(batch * kv_heads, dtype=mx.int32), pages)
+    mask = None
+    if plan.mask is not None:
+        mask = mx.where(plan.mask, mx.array(0.0), mx.array(_MASKED)).reshape(batch, 1, pages, 1, -1)
+    return plan.rows.reshape(-1), query_ids, mask
