@@ -225,6 +225,18 @@ class BlockPool:
         req.tokens.append(token_id)
         return block.block_id * self.block_size + pos % self.block_size
 
+    def reserve_slots(self, request_id: Hashable, num_tokens: int) -> list[int]:
+        """Make the table hold `num_tokens` tokens without appending any: a pipelined step writes
+        the KV of a token whose id is not known yet, and `append_slot` later fills the same slot.
+        Returns the table. Raises NoFreeBlocksError (nothing changed) when the pool is short."""
+        req = self._request(request_id)
+        needed = self.num_blocks_for(num_tokens) - len(req.blocks)
+        if needed > self.num_free_blocks:
+            raise NoFreeBlocksError(needed, self.num_free_blocks, self.num_blocks)
+        if needed > 0:
+            req.blocks += self._take(needed)
+        return [b.block_id for b in req.blocks]
+
     def mark_computed(self, request_id: Hashable, num_computed_tokens: int) -> None:
         """Record that the KV of the first `num_computed_tokens` tokens is written. Only
         then do full blocks enter the prefix cache: a hit on unwritten KV would be garbage."""

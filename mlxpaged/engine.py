@@ -28,8 +28,9 @@ from mlxpaged.memory import DeviceFacts, ModelFacts, model_weight_bytes, plan_me
 from mlxpaged.model import (LoadedModel, UnsupportedModelError, chat_prompt, check_paged_support, load_model,
                             route_paged_attention)
 from mlxpaged.runner import Runner, StepInput
-from mlxpaged.sampling import SamplingParams, make_state, sample_batch
-from mlxpaged.scheduler import CACHE_CAPACITY, MODEL_CONTEXT, Request, RequestStatus, RequestTooLongError, Scheduler
+from mlxpaged.sampling import LazySample, SamplingParams, make_state, sample_batch
+from mlxpaged.scheduler import (CACHE_CAPACITY, MODEL_CONTEXT, Request, RequestStatus, RequestTooLongError, Scheduler,
+                                SchedulerOutput)
 from mlxpaged.stopping import TextStream
 
 
@@ -57,6 +58,24 @@ class _Tracked:
     forks: list["_Tracked"] = field(default_factory=list)  # n > 1: sequences 1.. before their fork
     submitted: float = field(default_factory=time.perf_counter)
     first_token: float | None = None
+
+
+@dataclass
+class _Ahead:
+    """A decode pass queued before its step was scheduled (see Engine._look_ahead)."""
+    rows: list[tuple[str, int]]  # (request id, position) of each row
+    sample: LazySample
+
+    def covers(self, chunks: list) -> bool:
+        """True when the scheduled step is only decode rows this pass computed (a row whose
+        request finished meanwhile is simply not asked for)."""
+        known = set(self.rows)
+        return all(len(c.token_ids) == 1 and (c.request.request_id, c.start) in known for c in chunks)
+
+    def rows_of(self, chunks: list) -> list[int]:
+        """This pass's row of each chunk."""
+        index = {row: i for i, row in enumerate(self.rows)}
+        return [index[(c.request.request_id, c.start)] for c in chunks]
 
 
 class Engine:
@@ -88,6 +107,7 @@ class Engine:
         self._ids = itertools.count()
         self._closed = False
         self._stats = StatsCounter()
+        self._ahead: _Ahead | None = None  # the next step's decode pass, already queued
         self._thread = threading.Thread(target=self._run, name="mlxpaged-engine", daemon=True)
         self._thread.start()
 
@@ -278,6 +298,7 @@ class Engine:
                 try:
                     self._step()
                 except Exception as exc:  # a failed step fails its requests, not the engine
+                    self._ahead = None
                     self._fail_all(exc)
 
     def _handle_commands(self, block: bool) -> bool:
@@ -316,16 +337,68 @@ class Engine:
     def _step(self) -> None:
         out = self.scheduler.schedule()
         self._stats.preemptions += len(out.preempted)
+        ahead, self._ahead = self._ahead, None
         if not out.chunks:
             return
-        inputs = [StepInput(c.token_ids, c.start, [c.block_table], c.samples) for c in out.chunks]
-        logits = self.runner.step(inputs)
         sampling = [self._tracked[c.request.request_id] for c in out.chunks if c.samples]
         # n > 1: the forks sample their first token from their parent's logits row.
         rows = [(i, t) for i, parent in enumerate(sampling) for t in [parent, *parent.forks]]
+        if ahead is not None and ahead.covers(out.chunks):
+            # This step was computed while the last one ran: queue the next one, then read it.
+            rows_of = ahead.rows_of(out.chunks)
+            tokens = ahead.sample.tokens if rows_of == list(range(len(ahead.rows))) \
+                else ahead.sample.tokens[mx.array(rows_of)]
+            self._ahead = self._look_ahead(out.chunks, tokens, [t.sampler for t in sampling])
+            everything = ahead.sample.results()
+            results = [everything[i] for i in rows_of]
+        else:
+            results = self._compute(out, sampling, rows)
+        self._complete(out, rows, results)
+
+    def _compute(self, out: SchedulerOutput, sampling: list[_Tracked], rows: list) -> list:
+        """Run the step's passes and sample; pipeline the next decode pass when it is predictable."""
+        inputs = [StepInput(c.token_ids, c.start, [c.block_table], c.samples) for c in out.chunks]
+        logits = self.runner.step(inputs)
+        if not rows:
+            return []
         if len(rows) > len(sampling):
             logits = logits[mx.array([i for i, _ in rows])]
-        results = sample_batch(logits, [t.sampler for _, t in rows]) if rows else []
+        states = [t.sampler for _, t in rows]
+        if any(state.has_processors for state in states):
+            return sample_batch(logits, states)  # processors read the history: no pipelining
+        sample = LazySample(logits, states)
+        if len(rows) == len(sampling) == len(out.chunks):  # every chunk samples, no forks pending
+            self._ahead = self._look_ahead(out.chunks, sample.tokens, states)
+        return sample.results()
+
+    def _look_ahead(self, chunks: list, tokens: mx.array, states: list) -> _Ahead | None:
+        """Queue the next step's decode pass on this step's lazy tokens (mlx-lm's async_eval
+        pipelining): graph building and result handling then overlap the model's work. Only
+        when the next step is predictable: nothing waits, and each row continues with one
+        token. A guess that turns out wrong costs one pass; its page writes land in the rows'
+        reserved next slots, which the real step then writes again."""
+        if self.scheduler.num_waiting or not self._commands.empty():
+            return None
+        picked, inputs = [], []
+        for i, chunk in enumerate(chunks):
+            request = chunk.request
+            position = chunk.start + len(chunk.token_ids)
+            if len(request.output_token_ids) + 2 > request.max_tokens:
+                continue  # this step's token is its last
+            table = self.scheduler.reserve_slot(request, position)
+            if table is not None:
+                picked.append(i)
+                inputs.append(StepInput([0], position, [table], True))
+        if not picked:
+            return None
+        if len(picked) < len(chunks):
+            tokens = tokens[mx.array(picked)]
+        logits = self.runner.decode_ahead(inputs, tokens)
+        return _Ahead([(chunks[i].request.request_id, x.start) for i, x in zip(picked, inputs)],
+                      LazySample(logits, [states[i] for i in picked], ahead=1))
+
+    def _complete(self, out: SchedulerOutput, rows: list, results: list) -> None:
+        """Record the sampled tokens and hand them to their requests."""
         for (_, tracked), result in zip(rows, results):
             if result.error is not None:  # finished first, so on_step_done skips its chunk
                 self._fail(tracked.group, RequestFailedError(f"sampling failed: {result.error!r}"))

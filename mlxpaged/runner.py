@@ -62,7 +62,8 @@ class Runner:
         self.head = split_head(model)
 
     def step(self, inputs: Sequence[StepInput]) -> mx.array | None:
-        """Run the step; return float32 logits [S, V] of the inputs that sample, in order (evaluated)."""
+        """Queue the step; return float32 logits [S, V] of the inputs that sample, in order.
+        The passes run in the background (mx.async_eval): reading the logits waits for them."""
         decode = [i for i, x in enumerate(inputs) if len(x.token_ids) == 1]
         passes = [decode] if decode else []
         passes += [[i] for i, x in enumerate(inputs) if len(x.token_ids) > 1]
@@ -75,14 +76,22 @@ class Runner:
         else:
             where = {i: (p, r) for p, rows in enumerate(passes) for r, i in enumerate(rows)}
             logits = mx.stack([results[where[i][0]][where[i][1]] for i in wanted])
-        logits = logits.astype(mx.float32)
-        mx.eval(logits)
-        return logits
+        return logits.astype(mx.float32)
 
-    def _pass(self, batch: list[StepInput]) -> mx.array:
-        """One forward pass; evaluates the cache writes; returns each row's last-position logits [B, V]."""
+    def decode_ahead(self, inputs: Sequence[StepInput], tokens: mx.array) -> mx.array:
+        """A decode pass of one token per input whose ids are still being computed (`tokens` [B],
+        lazy; `token_ids` of the inputs are ignored): the engine builds the next step on them
+        while the current one runs. Returns lazy float32 logits [B, V]."""
+        return self._pass(list(inputs), tokens.astype(mx.int32).reshape(-1, 1)).astype(mx.float32)
+
+    def _pass(self, batch: list[StepInput], tokens: mx.array | None = None) -> mx.array:
+        """Queue one forward pass and its cache writes; returns each row's last-position logits [B, V].
+        Passes are queued in order on one stream, so a pass's page writes run after the previous
+        pass's reads are done and still update the pools in place."""
         length = max(len(x.token_ids) for x in batch)
-        tokens = mx.array([list(x.token_ids) + [0] * (length - len(x.token_ids)) for x in batch], dtype=mx.int32)
+        if tokens is None:
+            tokens = mx.array([list(x.token_ids) + [0] * (length - len(x.token_ids)) for x in batch],
+                              dtype=mx.int32)
         num_new = [len(x.token_ids) for x in batch]
         views = paged_views(self.kv, [x.block_tables for x in batch], [x.start for x in batch], num_new,
                             routed=is_routed(self.model))
@@ -92,6 +101,5 @@ class Runner:
             logits = self.head(hidden[mx.arange(len(batch)), last])
         else:
             logits = self.model(tokens, cache=views)[mx.arange(len(batch)), last]
-        # Evaluate now: the next pass writes the same pools, and a pending read would pin them.
-        mx.eval(logits, self.kv.keys, self.kv.values)
+        mx.async_eval(logits, self.kv.keys, self.kv.values)
         return logits

@@ -161,9 +161,10 @@ class SamplerState:
         return bool(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
                     or p.logits_processors)
 
-    def key_words(self) -> tuple[int, int]:
-        """The two uint32 words of this draw's key: a hash of (seed, sequence_index, index)."""
-        text = f"{self.seed}:{self.sequence_index}:{self.generation_index}".encode()
+    def key_words(self, ahead: int = 0) -> tuple[int, int]:
+        """The two uint32 words of this draw's key: a hash of (seed, sequence_index, index);
+        `ahead` draws for a token that many places after the next (a pipelined step)."""
+        text = f"{self.seed}:{self.sequence_index}:{self.generation_index + ahead}".encode()
         value = int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little")
         return value >> 32, value & 0xFFFFFFFF
 
@@ -276,7 +277,7 @@ def _filter_groups(logprobs: mx.array, states: list[SamplerState]) -> mx.array:
     return mx.concatenate(parts)[mx.array(inverse)]
 
 
-def _draw(logits: mx.array, states: list[SamplerState]) -> mx.array:
+def _draw(logits: mx.array, states: list[SamplerState], ahead: int) -> mx.array:
     """Inverse-CDF draw from softmax(filtered / T) with one uniform per row from that row's key.
 
     One exp pass per row: about half the cost of Gumbel-max (V random numbers and two logs) on
@@ -286,7 +287,7 @@ def _draw(logits: mx.array, states: list[SamplerState]) -> mx.array:
     shifted = _filter_groups(logits - mx.max(logits, axis=-1, keepdims=True), states)
     inv_temp = mx.array([1.0 / s.params.temperature for s in states], dtype=shifted.dtype)
     cdf = mx.cumsum(mx.exp(shifted * inv_temp[:, None]), axis=-1)
-    keys = mx.array([s.key_words() for s in states], dtype=mx.uint32)
+    keys = mx.array([s.key_words(ahead) for s in states], dtype=mx.uint32)
     uniform = mx.vmap(lambda key: mx.random.uniform(key=key))(keys)
     # 1 - u is in (0, 1], so the threshold is above 0 and at most the total: the first index
     # whose cdf reaches it has positive weight.
@@ -294,15 +295,15 @@ def _draw(logits: mx.array, states: list[SamplerState]) -> mx.array:
     return (cdf < threshold).sum(axis=-1).astype(mx.uint32)
 
 
-def _choose_tokens(processed: mx.array, states: list[SamplerState]) -> mx.array:
+def _choose_tokens(processed: mx.array, states: list[SamplerState], ahead: int = 0) -> mx.array:
     tokens = mx.argmax(processed, axis=-1)
     drawn = [i for i, state in enumerate(states) if not state.params.greedy]
     if not drawn:
         return tokens
     if len(drawn) == len(states):
-        return _draw(processed, states)
+        return _draw(processed, states, ahead)
     index = mx.array(drawn)
-    tokens[index] = _draw(processed[index], [states[i] for i in drawn]).astype(tokens.dtype)
+    tokens[index] = _draw(processed[index], [states[i] for i in drawn], ahead).astype(tokens.dtype)
     return tokens
 
 
@@ -395,3 +396,27 @@ def sample_batch(logits: mx.array, states: list[SamplerState]) -> list[SampleRes
         if rows is None or not _find_eval_failures(rows, states, errors):
             raise
     return _evaluate(logits, rows, states, errors)
+
+
+class LazySample:
+    """The tokens (and logprobs) of a batch as a lazy graph, for pipelining: the next model pass
+    is built on `tokens` while this one computes; `results()` reads them. Only for rows without
+    logits processors or penalties, which need the history up to the token being sampled.
+    `ahead`: how many tokens each row is ahead of its recorded history (seeded keys follow)."""
+
+    def __init__(self, logits: mx.array, states: list[SamplerState], ahead: int = 0):
+        if any(state.has_processors for state in states):
+            raise ValueError("rows with logits processors or penalties cannot be sampled lazily")
+        logits = logits.astype(mx.float32)
+        self.states = states
+        self.tokens = _choose_tokens(logits, states, ahead).astype(mx.int32)
+        self._asked = [i for i, state in enumerate(states) if state.params.logprobs]
+        self._extras = _logprob_graph(logits, self.tokens, states, self._asked)
+        mx.async_eval(self.tokens, *self._extras)
+
+    def results(self) -> list[SampleResult]:
+        """Wait for the tokens; one SampleResult per row."""
+        token_list = self.tokens.tolist()
+        lists = [extra.tolist() for extra in self._extras]
+        position = {row: j for j, row in enumerate(self._asked)}
+        return [_row_result(state, token_list[i], position.get(i), lists) for i, state in enumerate(self.states)]

@@ -228,6 +228,15 @@ class Scheduler:
         self._running.append(child)  # newest arrival: the order stays sorted
         return copy
 
+    def reserve_slot(self, request: Request, position: int) -> list[int] | None:
+        """The block table of a running request with room for `position` (the token after its
+        last one, sampled but not yet known: a pipelined step computes it early), or None when
+        the pool has no block for it (the next schedule() preempts as usual)."""
+        try:
+            return self.pool.reserve_slots(request.request_id, position + 1)
+        except NoFreeBlocksError:
+            return None
+
     # ---- one step -----------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:

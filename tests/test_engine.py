@@ -132,6 +132,50 @@ def test_seeded_sampling_is_reproducible_alone_and_batched(tiny):
     assert other_seed != alone  # the seed matters (16 tokens at temperature 0.9)
 
 
+def identity_processor(tokens, logits):
+    return logits
+
+
+def test_pipelined_steps_equal_unpipelined_ones(tiny, monkeypatch):
+    """Decode steps queued on the previous step's lazy tokens (Engine._look_ahead) produce what
+    fully synchronous steps produce; a logits processor, which reads the history, turns the
+    pipeline off, so it serves as the synchronous twin. Also checks the pipeline really ran."""
+    from mlxpaged import engine as engine_module
+
+    adopted = []
+    covers = engine_module._Ahead.covers
+    monkeypatch.setattr(engine_module._Ahead, "covers", lambda self, chunks: adopted.append(covers(self, chunks))
+                        or adopted[-1])
+    prompts = [random_tokens(n, seed=n) for n in (6, 21, 13)]
+    for params in (dataclasses.replace(GREEDY, max_tokens=24),
+                   SamplingParams(temperature=0.9, top_k=40, seed=7, max_tokens=24, ignore_eos=True, logprobs=True)):
+        sync = dataclasses.replace(params, logits_processors=[identity_processor])
+        want = [tiny.generate([p], sync)[0] for p in prompts]
+        assert not adopted  # the synchronous twin never pipelines
+        alone = [tiny.generate([p], params)[0] for p in prompts]
+        assert sum(adopted) >= 3 * (params.max_tokens - 2)
+        batched = tiny.generate(prompts, params)
+        for got in (alone, batched):
+            assert [c.token_ids for c in got] == [c.token_ids for c in want]
+            if params.logprobs:
+                for g, w in zip(got, want):
+                    assert g.logprobs == pytest.approx(w.logprobs, abs=1e-4)
+        adopted.clear()
+    assert_pool_empty(tiny)
+
+
+def test_a_request_arriving_mid_decode_discards_the_queued_step_safely(tiny):
+    prompts = [random_tokens(30, seed=1), random_tokens(9, seed=2)]
+    params = dataclasses.replace(GREEDY, max_tokens=30)
+    solo = [tiny.generate([p], params)[0].token_ids for p in prompts]
+    first = tiny.stream(prompts[0], params)
+    got = [next(first).token_id for _ in range(5)]  # the first request is decoding (pipelined)
+    second = tiny.generate([prompts[1]], params)[0].token_ids  # admitted mid-decode
+    got += [d.token_id for d in first if d.token_id is not None]
+    assert got == solo[0] and second == solo[1]
+    assert_pool_empty(tiny)
+
+
 def test_stop_string_across_tokens_max_tokens_and_eos(engine):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     full = engine.chat(messages, SamplingParams(temperature=0.0, max_tokens=30))
