@@ -220,9 +220,9 @@ class Engine:
         return list(self.pool.block_state())
 
     def request_blocks(self, request_id: str) -> list[int]:
-        """Block ids a live request holds (empty once it finished); for the block map."""
+        """Block ids a live request holds in all its tables (empty once it finished); for the block map."""
         try:
-            return list(self.pool.block_table(request_id))
+            return [b for table in self.pool.block_tables(request_id) for b in table]
         except KeyError:
             return []
 
@@ -318,7 +318,7 @@ class Engine:
         self._stats.preemptions += len(out.preempted)
         if not out.chunks:
             return
-        inputs = [StepInput(c.token_ids, c.start, [c.block_table], c.samples) for c in out.chunks]
+        inputs = [StepInput(c.token_ids, c.start, c.block_tables, c.samples) for c in out.chunks]
         logits = self.runner.step(inputs)
         sampling = [self._tracked[c.request.request_id] for c in out.chunks if c.samples]
         # n > 1: the forks sample their first token from their parent's logits row.
@@ -391,10 +391,10 @@ class Engine:
         if parent is None or tracked not in parent.forks:
             return
         parent.forks.remove(tracked)
-        copy = self.scheduler.fork(tracked.group, tracked.request)
-        if copy is not None:
-            self.kv.copy_blocks([(copy.src_block, copy.dst_block)])
-            mx.eval(self.kv.keys, self.kv.values)  # land the copy before the next pass writes
+        copies = self.scheduler.fork(tracked.group, tracked.request)
+        if copies:
+            self.kv.copy_blocks([(c.src_block, c.dst_block) for c in copies])
+            mx.eval(self.kv.keys, self.kv.values)  # land the copies before the next pass writes
         tracked.request.output_token_ids.append(result.token)
         self._tracked[tracked.request.request_id] = tracked
         self._deliver(tracked.request.request_id, result)
