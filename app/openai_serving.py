@@ -61,8 +61,9 @@ class ServerState:
 
     @property
     def context_limit(self) -> int:
-        """Prompt + reply tokens one sequence can hold: the model context, or the whole cache if smaller."""
-        return min(self.engine.max_model_len, self.engine.plan.token_capacity)
+        """Prompt + reply tokens one sequence can hold: the model context, or the cache's limit if smaller."""
+        capacity = self.engine.plan.token_capacity  # None: every layer slides, the cache fits any length
+        return self.engine.max_model_len if capacity is None else min(self.engine.max_model_len, capacity)
 
     def check_model(self, requested: str | None) -> None:
         if requested is not None and requested not in self.model_names:

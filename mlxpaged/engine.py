@@ -2,12 +2,15 @@
 
 Callers on any thread (or asyncio task) submit requests; the engine thread runs the
 scheduler, the model and the samplers, and pushes events into each request's sink.
+
+Models that mix sliding-window and full attention (gemma3, `layer_types`) run too: each
+request holds one block table per layer group, a window group's table being a ring of at
+most ceil(window / block_size) + 1 blocks, and their prefix cache is off (kv_cache.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import queue
 import threading
@@ -25,8 +28,7 @@ from mlxpaged.kv_cache import PagedKVCache
 from mlxpaged.metrics import StatsCounter
 from mlxpaged.results import Completion, StreamDelta, collect, drain  # noqa: F401  (re-exported)
 from mlxpaged.memory import DeviceFacts, ModelFacts, model_weight_bytes, plan_memory, wired_limit
-from mlxpaged.model import (LoadedModel, UnsupportedModelError, chat_prompt, check_paged_support, load_model,
-                            route_paged_attention)
+from mlxpaged.model import LoadedModel, chat_prompt, check_paged_support, load_model, route_paged_attention
 from mlxpaged.runner import Runner, StepInput
 from mlxpaged.sampling import LazySample, SamplingParams, make_state, sample_batch
 from mlxpaged.scheduler import (CACHE_CAPACITY, MODEL_CONTEXT, Request, RequestStatus, RequestTooLongError, Scheduler,
@@ -88,16 +90,11 @@ class Engine:
         self.facts = self._model_facts(kv_dtype)
         self.plan = plan_memory(DeviceFacts.detect(), self.facts, self.cache_config, weights_resident=True)
         self.kv = self._make_kv_cache(kv_dtype)
-        if len(self.kv.groups) > 1:
-            # The cache and the view page hybrid models correctly; the scheduler keeps one block
-            # table per request, so the engine cannot yet drive several layer groups.
-            windows = sorted({str(g.window) for g in self.kv.groups})
-            raise UnsupportedModelError(
-                f"{loaded.name}: models that mix sliding-window and full attention (layer windows {windows}) "
-                f"are not supported by the engine yet")
-        self.pool = BlockPool(self.plan.num_blocks, self.cache_config.block_size,
+        block_size = self.cache_config.block_size
+        self.pool = BlockPool(self.plan.num_blocks, block_size,
                               enable_prefix_cache=self.cache_config.enable_prefix_cache and self.kv.supports_prefix_cache,
-                              extra_key=str(loaded.path))
+                              extra_key=str(loaded.path),
+                              group_max_blocks=[g.max_blocks(block_size) for g in self.kv.groups])
         self.max_model_len = int(loaded.config.get("max_position_embeddings") or self.plan.token_capacity)
         self.scheduler = Scheduler(self.pool, max_batch_tokens=self.cache_config.max_batch_tokens,
                                    max_num_seqs=self.cache_config.max_num_seqs, max_model_len=self.max_model_len)
@@ -128,10 +125,10 @@ class Engine:
 
     # --- setup ---------------------------------------------------------------------------------
     def _model_facts(self, kv_dtype: mx.Dtype) -> ModelFacts:
-        """The one reading of the model's KV shape, for the plan and the pools alike. Window caps are
-        left out: PagedKVCache gives every layer a pool of num_blocks, whatever its window."""
-        facts = ModelFacts.from_config(self.loaded.config, model_weight_bytes(self.loaded.model), kv_dtype.size)
-        return dataclasses.replace(facts, kv=dataclasses.replace(facts.kv, sliding_windows=None))
+        """The one reading of the model's KV shape, for the plan and the pools alike; the windows are
+        those of mlx-lm's own caches (configs spell them several ways)."""
+        model = self.loaded.model
+        return ModelFacts.from_config(self.loaded.config, model_weight_bytes(model), kv_dtype.size, layer_windows(model))
 
     def _kv_dtype(self) -> mx.Dtype:
         """K/V have the activations' dtype; a quantized embedding's weight is uint32, so look one token up."""
@@ -144,7 +141,7 @@ class Engine:
         kv = self.facts.kv
         return PagedKVCache(num_layers=kv.num_layers, num_blocks=self.plan.num_blocks,
                             block_size=self.cache_config.block_size, num_kv_heads=kv.num_kv_heads,
-                            head_dim=kv.head_dim, dtype=dtype, layer_windows=layer_windows(self.loaded.model))
+                            head_dim=kv.head_dim, dtype=dtype, layer_windows=kv.layer_windows)
 
     # --- public API ----------------------------------------------------------------------------
     def submit(self, prompt: str | Sequence[int], params: SamplingParams | None,
@@ -240,9 +237,9 @@ class Engine:
         return list(self.pool.block_state())
 
     def request_blocks(self, request_id: str) -> list[int]:
-        """Block ids a live request holds (empty once it finished); for the block map."""
+        """Block ids a live request holds in all its tables (empty once it finished); for the block map."""
         try:
-            return list(self.pool.block_table(request_id))
+            return [b for table in self.pool.block_tables(request_id) for b in table]
         except KeyError:
             return []
 
@@ -357,7 +354,7 @@ class Engine:
 
     def _compute(self, out: SchedulerOutput, sampling: list[_Tracked], rows: list) -> list:
         """Run the step's passes and sample; pipeline the next decode pass when it is predictable."""
-        inputs = [StepInput(c.token_ids, c.start, [c.block_table], c.samples) for c in out.chunks]
+        inputs = [StepInput(c.token_ids, c.start, c.block_tables, c.samples) for c in out.chunks]
         logits = self.runner.step(inputs)
         if not rows:
             return []
@@ -385,10 +382,10 @@ class Engine:
             position = chunk.start + len(chunk.token_ids)
             if len(request.output_token_ids) + 2 > request.max_tokens:
                 continue  # this step's token is its last
-            table = self.scheduler.reserve_slot(request, position)
-            if table is not None:
+            tables = self.scheduler.reserve_next_slot(request)
+            if tables is not None:
                 picked.append(i)
-                inputs.append(StepInput([0], position, [table], True))
+                inputs.append(StepInput([0], position, tables, True))
         if not picked:
             return None
         if len(picked) < len(chunks):
@@ -464,10 +461,10 @@ class Engine:
         if parent is None or tracked not in parent.forks:
             return
         parent.forks.remove(tracked)
-        copy = self.scheduler.fork(tracked.group, tracked.request)
-        if copy is not None:
-            self.kv.copy_blocks([(copy.src_block, copy.dst_block)])
-            mx.eval(self.kv.keys, self.kv.values)  # land the copy before the next pass writes
+        copies = self.scheduler.fork(tracked.group, tracked.request)
+        if copies:
+            self.kv.copy_blocks([(c.src_block, c.dst_block) for c in copies])
+            mx.eval(self.kv.keys, self.kv.values)  # land the copies before the next pass writes
         tracked.request.output_token_ids.append(result.token)
         self._tracked[tracked.request.request_id] = tracked
         self._deliver(tracked.request.request_id, result)

@@ -28,7 +28,8 @@ all layers, i.e. one pool per layer.
 Sliding-window groups. A request's table for a window-W group holds at most
 ceil(W / block_size) + 1 blocks used as a ring: logical block b lives in
 `table[b % len_max]`, so once the table is full the next block reuses the
-oldest one, whose tokens have left the window. See `LayerGroup`.
+oldest one, whose tokens have left the window. See `LayerGroup`. The block pool
+(blocks.py) keeps every group's table, sized by `LayerGroup.max_blocks`.
 
 Prefix cache. Only full-attention groups can share blocks: their pages are
 append-only and a block's content is a pure function of the token prefix. Ring
@@ -125,11 +126,11 @@ def group_layers(layer_windows: Sequence[int | None]) -> tuple[LayerGroup, ...]:
 
 
 def block_bytes(
-    layer_windows: Sequence[int | None], block_size: int, num_kv_heads: int, head_dim: int, dtype: mx.Dtype
+    layer_windows: Sequence[int | None], block_size: int, num_kv_heads: int, head_dim: int, dtype_bytes: int
 ) -> int:
     """Bytes one block id stands for: keys and values of one page per layer of a group."""
     group_size = len(group_layers(layer_windows)[0].layers)
-    return 2 * group_size * num_kv_heads * block_size * head_dim * dtype.size
+    return 2 * group_size * num_kv_heads * block_size * head_dim * dtype_bytes
 
 
 class PagedKVCache:
@@ -168,7 +169,7 @@ class PagedKVCache:
 
     @property
     def bytes_per_block(self) -> int:
-        return block_bytes(self.layer_windows, self.block_size, self.num_kv_heads, self.head_dim, self.dtype)
+        return block_bytes(self.layer_windows, self.block_size, self.num_kv_heads, self.head_dim, self.dtype.size)
 
     @property
     def nbytes(self) -> int:

@@ -17,12 +17,18 @@ How the plan is sized (all in bytes):
                    fraction of it (Metal 0.9, the slack MLX's buffer cache needs; CPU 0.5,
                    because the pool is touched up front and a host with no swap OOM-kills).
 
+A block id stands for one page per layer of a layer group (kv_cache.py): every layer for a
+full-attention model, a group of them when sliding-window and full attention mix. A sequence
+of T tokens holds ceil(T / block_size) blocks per full-attention group and at most
+ceil(window / block_size) + 1 (its ring) per window group, as the block pool allocates them.
+
 The block count is then capped by demand on every backend (mistral.rs's Metal rule: memory
 the cache can never use still competes with the OS): --max-tokens needs
-ceil(max_tokens / block_size) + max_num_seqs blocks (one partial block per sequence);
-without it, max_num_seqs x ceil(context / block_size). It must hold one sequence of the
-longest length asked for (min of --max-tokens and the model context), or the plan raises
-InsufficientMemoryError with the numbers.
+ceil(max_tokens / block_size) + max_num_seqs blocks per group (one partial block per
+sequence; a window group never more than max_num_seqs rings); without it, max_num_seqs
+sequences of the model context. It must hold one sequence of the longest length asked for
+(min of --max-tokens and the model context), or the plan raises InsufficientMemoryError
+with the numbers.
 """
 
 from __future__ import annotations
@@ -33,7 +39,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
+from mlxpaged.blocks import sequence_capacity, table_lengths
 from mlxpaged.config import CacheConfig
+from mlxpaged.kv_cache import block_bytes, group_layers
 
 OS_RESERVE_FLOOR = 2**30
 OS_RESERVE_FRACTION = 0.10
@@ -127,7 +135,8 @@ def _cgroup_available(root: Path) -> int | None:
 @dataclass(frozen=True)
 class KVShape:
     """What one token costs in the KV cache. `sliding_windows` has one entry per layer:
-    None for full attention, else the window in tokens (such a layer keeps only recent blocks)."""
+    None for full attention, else the window in tokens (such a layer keeps only recent blocks);
+    None for all: no layer slides."""
 
     num_layers: int
     num_kv_heads: int
@@ -157,6 +166,10 @@ class KVShape:
         """2 (K and V) x layers x kv_heads x head_dim x dtype bytes."""
         return self.num_layers * self.layer_bytes_per_token
 
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        return self.sliding_windows or (None,) * self.num_layers
+
 
 @dataclass(frozen=True)
 class ModelFacts:
@@ -176,14 +189,15 @@ class ModelFacts:
             _require_nonnegative_int("context_length", self.context_length, positive=True)
 
     @classmethod
-    def from_config(cls, config: dict, weight_bytes: int, kv_dtype_bytes: int) -> ModelFacts:
-        """From a Hugging Face style config.json dict. Sliding windows are read only from an
-        explicit `layer_types` list ("sliding_attention") with `sliding_window`."""
+    def from_config(cls, config: dict, weight_bytes: int, kv_dtype_bytes: int,
+                    sliding_windows: Sequence[int | None] | None = None) -> ModelFacts:
+        """From a Hugging Face style config.json dict; the per-layer windows come from the loaded
+        model (`cache_view.layer_windows`), since configs spell them several ways."""
         heads = _config_value(config, "num_attention_heads")
         hidden = _config_value(config, "hidden_size")
         layers = _config_value(config, "num_hidden_layers")
         kv = KVShape(layers, config.get("num_key_value_heads") or heads,
-                     config.get("head_dim") or hidden // heads, kv_dtype_bytes, _config_windows(config))
+                     config.get("head_dim") or hidden // heads, kv_dtype_bytes, sliding_windows)
         return cls(kv, weight_bytes, hidden, _config_value(config, "vocab_size"),
                    config.get("max_position_embeddings"))
 
@@ -192,13 +206,6 @@ def _config_value(config: dict, key: str) -> int:
     if key not in config:
         raise ValueError(f"model config has no {key!r}; cannot size the KV cache")
     return config[key]
-
-
-def _config_windows(config: dict) -> tuple[int | None, ...] | None:
-    types, window = config.get("layer_types"), config.get("sliding_window")
-    if not types or not window:
-        return None
-    return tuple(window if kind == "sliding_attention" else None for kind in types)
 
 
 def model_weight_bytes(model) -> int:
@@ -210,17 +217,17 @@ def model_weight_bytes(model) -> int:
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    """The sized cache. `layer_num_blocks[i]` is layer i's pool: num_blocks for full attention,
-    fewer for a sliding-window layer (its group needs its own block table to use that)."""
+    """The sized cache: `num_blocks` block ids of `block_bytes` each (one page per layer of a
+    layer group). `token_capacity` is the longest sequence it holds (None: any length, when
+    every layer slides); `bytes_per_token` what a token costs while all its layers hold it."""
 
     backend: str
     num_blocks: int
     block_size: int
-    token_capacity: int
+    token_capacity: int | None
     bytes_per_token: int
     block_bytes: int
     kv_bytes: int
-    layer_num_blocks: tuple[int, ...]
     breakdown: tuple[tuple[str, int], ...]  # device limit first; the rest add up to it
     reason: str
     wired_limit_bytes: int | None
@@ -234,7 +241,8 @@ class MemoryPlan:
         for label, size in parts:
             sign = "=" if label == "left over" else "-"
             lines.append(f"  {sign} {label:<{width - 2}}{gb(size):>10}")
-        lines.append(f"  {self.num_blocks:,} blocks x {self.block_size} tokens = {self.token_capacity:,} tokens; "
+        capacity = "any length" if self.token_capacity is None else f"{self.token_capacity:,} tokens"
+        lines.append(f"  {self.num_blocks:,} blocks x {self.block_size} tokens, one sequence up to {capacity}; "
                      f"{self.bytes_per_token:,} B/token, {self.block_bytes / 1e6:.2f} MB/block")
         lines.append(f"  blocks: {self.reason}")
         lines.append(f"  wired limit: {self.wired_status}")
@@ -250,41 +258,16 @@ def activation_bytes(model: ModelFacts, max_batch_tokens: int) -> int:
     return max_batch_tokens * per_token * ACTIVATION_SAFETY_FACTOR
 
 
-def _window_caps(kv: KVShape, cache: CacheConfig) -> tuple[int | None, ...]:
-    """Per layer, the most blocks it can ever hold (None: as many as the pool). A sliding layer
-    keeps ceil(window / block_size) + 1 blocks per sequence, plus the chunk being prefilled
-    (at most max_batch_tokens over all sequences, as vLLM's SlidingWindowSpec counts it)."""
-    if kv.sliding_windows is None:
-        return (None,) * kv.num_layers
-    chunk = math.ceil(cache.max_batch_tokens / cache.block_size)
-    return tuple(None if w is None else cache.max_num_seqs * (math.ceil(w / cache.block_size) + 1) + chunk
-                 for w in kv.sliding_windows)
-
-
-def _layer_blocks(num_blocks: int, caps: Sequence[int | None]) -> tuple[int, ...]:
-    return tuple(num_blocks if cap is None else min(num_blocks, cap) for cap in caps)
-
-
-def _most_blocks_within(budget: int, caps: Sequence[int | None], layer_block_bytes: int) -> int:
-    """The largest block count whose pools fit in `budget` (pool size grows monotonically)."""
-    low, high = 0, budget // layer_block_bytes + max((c for c in caps if c is not None), default=0)
-    while low < high:
-        mid = (low + high + 1) // 2
-        if sum(_layer_blocks(mid, caps)) * layer_block_bytes <= budget:
-            low = mid
-        else:
-            high = mid - 1
-    return low
-
-
-def _demand(model: ModelFacts, cache: CacheConfig) -> tuple[int | None, str]:
+def _demand(model: ModelFacts, cache: CacheConfig, caps: Sequence[int | None]) -> tuple[int | None, str]:
     """Blocks the cache could ever use, and why."""
+    seqs = cache.max_num_seqs
     if cache.max_tokens is not None:
-        blocks = math.ceil(cache.max_tokens / cache.block_size) + cache.max_num_seqs
+        per_group = math.ceil(cache.max_tokens / cache.block_size) + seqs
+        blocks = sum(per_group if cap is None else min(per_group, seqs * cap) for cap in caps)
         return blocks, f"--max-tokens {cache.max_tokens:,}"
     if model.context_length is not None:
-        blocks = cache.max_num_seqs * math.ceil(model.context_length / cache.block_size)
-        return blocks, f"model context {model.context_length:,} x {cache.max_num_seqs} sequences"
+        blocks = seqs * sum(table_lengths(model.context_length, cache.block_size, caps))
+        return blocks, f"model context {model.context_length:,} x {seqs} sequences"
     return None, ""
 
 
@@ -353,28 +336,28 @@ def plan_memory(device: DeviceFacts, model: ModelFacts, cache: CacheConfig, *,
              ("activations", activation_bytes(model, cache.max_batch_tokens))]
     left = _check_fixed_costs(device.limit_bytes, fixed, device.limit_label)
     budget, budget_reason = _kv_budget(left, device.backend, cache)
-    caps = _window_caps(model.kv, cache)
-    layer_block_bytes = model.kv.layer_bytes_per_token * cache.block_size
-    memory_blocks = _most_blocks_within(budget, caps, layer_block_bytes)
+    kv = model.kv
+    caps = [g.max_blocks(cache.block_size) for g in group_layers(kv.layer_windows)]  # as the pool takes them
+    block = block_bytes(kv.layer_windows, cache.block_size, kv.num_kv_heads, kv.head_dim, kv.dtype_bytes)
+    memory_blocks = budget // block
     longest = _longest_sequence(model, cache)
-    need_blocks = math.ceil(longest / cache.block_size)
+    need_blocks = sum(table_lengths(longest, cache.block_size, caps))
     if memory_blocks < need_blocks:
-        need_bytes = sum(_layer_blocks(need_blocks, caps)) * layer_block_bytes
-        raise _too_small(longest, need_bytes, budget, memory_blocks * cache.block_size)
-    demand, demand_reason = _demand(model, cache)
+        fits = sequence_capacity(memory_blocks, cache.block_size, caps)  # an int: `longest` does not fit
+        raise _too_small(longest, need_blocks * block, budget, fits)
+    demand, demand_reason = _demand(model, cache, caps)
     if demand is not None and demand <= memory_blocks:
         num_blocks, reason = demand, f"capped by {demand_reason} (memory allows {memory_blocks:,} blocks)"
     else:
         num_blocks, reason = memory_blocks, budget_reason
         if demand is not None:
             reason += f"; {demand_reason} would need {demand:,} blocks"
-    layer_blocks = _layer_blocks(num_blocks, caps)
-    kv_bytes = sum(layer_blocks) * layer_block_bytes
+    kv_bytes = num_blocks * block
     wired_bytes, wired_status = _wired(device, cache, model.weight_bytes + kv_bytes)
     breakdown = _breakdown(device, model, cache, fixed, kv_bytes, left, skip_weights)
-    return MemoryPlan(device.backend, num_blocks, cache.block_size, num_blocks * cache.block_size,
-                      model.kv.bytes_per_token, model.kv.bytes_per_token * cache.block_size, kv_bytes,
-                      layer_blocks, breakdown, reason, wired_bytes, wired_status)
+    return MemoryPlan(device.backend, num_blocks, cache.block_size,
+                      sequence_capacity(num_blocks, cache.block_size, caps), kv.bytes_per_token, block, kv_bytes,
+                      breakdown, reason, wired_bytes, wired_status)
 
 
 def _breakdown(device: DeviceFacts, model: ModelFacts, cache: CacheConfig, fixed: list[tuple[str, int]],

@@ -5,6 +5,9 @@ Plain Python (no MLX), modelled on vLLM v1's scheduler. Each step spends at most
 prefills, then new admissions in FIFO order. When the block pool runs dry the newest
 running request is preempted by recompute: its blocks are freed and it later re-prefills
 prompt + generated tokens (cheaply, if its blocks are still in the prefix cache).
+
+A request holds one block table per layer group (see blocks.py); the pool sizes and grows
+all of them, so admission, preemption and capacity here count every group's blocks.
 """
 
 from __future__ import annotations
@@ -72,8 +75,7 @@ class ScheduledChunk:
     request: Request
     start: int  # == request.num_computed_tokens at schedule time
     token_ids: list[int]  # all_token_ids[start:start + n], fed to the model this step
-    slot_mapping: list[int]  # physical KV slots of those positions
-    block_table: list[int]
+    block_tables: list[list[int]]  # one per layer group; the KV layer maps positions to slots
     samples: bool  # the chunk reaches the last known token: sample from its last position
 
 
@@ -148,8 +150,9 @@ class Scheduler:
         return list(self._running)
 
     @property
-    def capacity_tokens(self) -> int:
-        return self.pool.num_blocks * self.pool.block_size
+    def capacity_tokens(self) -> int | None:
+        """The longest sequence the pool can hold (None: any length)."""
+        return self.pool.capacity_tokens
 
     # ---- request lifecycle --------------------------------------------------------
 
@@ -202,12 +205,12 @@ class Scheduler:
             return None
         return self.finish(request_id, RequestStatus.FINISHED_ABORTED)
 
-    def fork(self, parent_id: str, child: Request) -> CopyOnWrite | None:
+    def fork(self, parent_id: str, child: Request) -> list[CopyOnWrite]:
         """Start `child` (n > 1 sampling) as a running copy of a running parent's computed
-        tokens: full blocks are shared copy-on-write, and the returned copy (if any) must be
-        done by the KV layer before the next step. `child` carries the parent's prompt and its
-        own first sampled token. When the pool cannot hold the copy, the child waits and
-        recomputes its prompt instead (returns None)."""
+        tokens: full blocks are shared copy-on-write, and the returned copies (partial blocks,
+        sliding-window rings) must be done by the KV layer before the next step. `child` carries
+        the parent's prompt and its own first sampled token. When the pool cannot hold the
+        copy, the child waits and recomputes its prompt instead (returns no copies)."""
         parent = self._requests.get(parent_id)
         if parent is None or parent.status is not RequestStatus.RUNNING:
             raise ValueError(f"fork needs a running parent, {parent_id!r} is not")
@@ -218,22 +221,22 @@ class Scheduler:
         self._next_arrival += 1
         child.num_cached_tokens = parent.num_cached_tokens
         try:
-            copy = self.pool.fork(parent_id, child.request_id)
+            copies = self.pool.fork(parent_id, child.request_id)
         except NoFreeBlocksError:
             child.status = RequestStatus.WAITING
             self._waiting.append(child)
-            return None
+            return []
         child.num_computed_tokens = self.pool.num_computed_tokens(child.request_id)
         child.status = RequestStatus.RUNNING
         self._running.append(child)  # newest arrival: the order stays sorted
-        return copy
+        return copies
 
-    def reserve_slot(self, request: Request, position: int) -> list[int] | None:
-        """The block table of a running request with room for `position` (the token after its
-        last one, sampled but not yet known: a pipelined step computes it early), or None when
-        the pool has no block for it (the next schedule() preempts as usual)."""
+    def reserve_next_slot(self, request: Request) -> list[list[int]] | None:
+        """The block tables of a running request with room for the token after its last one
+        (sampled but not known yet: a pipelined step computes it early), or None when the pool
+        has no block for it (the next schedule() preempts as usual)."""
         try:
-            return self.pool.reserve_slots(request.request_id, position + 1)
+            return self.pool.reserve_next_slot(request.request_id)
         except NoFreeBlocksError:
             return None
 
@@ -341,7 +344,5 @@ class Scheduler:
     def _chunk(self, request: Request, budget: int) -> ScheduledChunk:
         start = request.num_computed_tokens
         end = min(request.num_tokens, start + budget)
-        rid = request.request_id
         return ScheduledChunk(request, start, request.token_ids_between(start, end),
-                              self.pool.slots_for(rid, start, end), self.pool.block_table(rid),
-                              samples=end == request.num_tokens)
+                              self.pool.block_tables(request.request_id), samples=end == request.num_tokens)

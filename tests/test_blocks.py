@@ -15,7 +15,9 @@ from mlxpaged.blocks import (
     CopyOnWrite,
     NoFreeBlocksError,
     UnknownRequestError,
+    sequence_capacity,
     sha256_block_hash,
+    table_lengths,
 )
 
 BS = 8
@@ -58,18 +60,19 @@ def test_allocate_fresh_prompt():
     pool = BlockPool(8, BS)
     alloc = pool.allocate("a", prompt(20))
     assert alloc.num_cached_tokens == 0
-    assert len(alloc.block_table) == 3 == len(set(alloc.block_table))
-    assert pool.block_table("a") == alloc.block_table
+    assert len(alloc.block_tables[0]) == 3 == len(set(alloc.block_tables[0]))
+    assert pool.block_tables("a") == alloc.block_tables
     assert pool.num_tokens("a") == 20 and pool.token_ids("a") == prompt(20)
     assert pool.num_free_blocks == 5 and "a" in pool
 
 
 def test_allocate_reserves_new_slots():
     pool = BlockPool(8, BS)
-    assert len(pool.allocate("a", prompt(8), num_new_slots=1).block_table) == 2
-    assert len(pool.allocate("b", prompt(7), num_new_slots=1).block_table) == 1
+    assert len(pool.allocate("a", prompt(8), num_new_slots=1).block_tables[0]) == 2
+    assert len(pool.allocate("b", prompt(7), num_new_slots=1).block_tables[0]) == 1
     # The reserved slot is used by the next append without taking a block.
-    assert pool.append_slot("b", 99) == pool.block_table("b")[0] * BS + 7
+    pool.append_slot("b", 99)
+    assert pool.slots_for("b", 7, 8) == [pool.block_tables("b")[0][0] * BS + 7]
     assert pool.num_free_blocks == 5
 
 
@@ -130,9 +133,9 @@ def test_prefix_hit_shares_full_blocks_only_after_computed():
     pool.mark_computed("a", 20)
     alloc = pool.allocate("b", prompt(16) + [500, 501])
     assert alloc.num_cached_tokens == 16
-    assert alloc.block_table[:2] == pool.block_table("a")[:2]
-    assert alloc.block_table[2] != pool.block_table("a")[2]
-    assert [pool.ref_count(b) for b in alloc.block_table] == [2, 2, 1]
+    assert alloc.block_tables[0][:2] == pool.block_tables("a")[0][:2]
+    assert alloc.block_tables[0][2] != pool.block_tables("a")[0][2]
+    assert [pool.ref_count(b) for b in alloc.block_tables[0]] == [2, 2, 1]
     assert pool.num_computed_tokens("b") == 16
 
 
@@ -141,7 +144,7 @@ def test_fully_cached_prompt_recomputes_last_block():
     computed_pool(pool, "a", prompt(24))
     alloc = pool.allocate("b", prompt(24))
     assert alloc.num_cached_tokens == 16  # never the whole prompt
-    assert alloc.block_table[2] != pool.block_table("a")[2]
+    assert alloc.block_tables[0][2] != pool.block_tables("a")[0][2]
     assert pool.allocate("c", prompt(17)).num_cached_tokens == 16
     assert pool.allocate("d", prompt(16)).num_cached_tokens == 8
 
@@ -168,11 +171,11 @@ def test_prefix_cache_disabled():
 def test_free_keeps_cached_blocks_findable_and_reusable():
     pool = BlockPool(8, BS)
     computed_pool(pool, "a", prompt(20))
-    table = pool.block_table("a")
+    table = pool.block_tables("a")[0]
     pool.free("a")
     assert pool.block_state()[table[0]] == "cached" and pool.block_state()[table[2]] == "free"
     alloc = pool.allocate("b", prompt(20))
-    assert alloc.num_cached_tokens == 16 and alloc.block_table[:2] == table[:2]
+    assert alloc.num_cached_tokens == 16 and alloc.block_tables[0][:2] == table[:2]
     assert pool.stats().num_cached_free == 0  # touching took them out of the free queue
 
 
@@ -206,8 +209,8 @@ def test_forced_hash_collisions_never_share_wrong_blocks():
     assert pool.lookup_prefix(a + c + [0]) == 8
     assert pool.lookup_prefix(a + b + [0]) == 16
     computed_pool(pool, "y", c + b + [0])
-    assert pool.allocate("z", c + b + [5]).block_table[:2] == pool.block_table("y")[:2]
-    assert pool.allocate("w", a + b + [5]).block_table[:2] == pool.block_table("x")[:2]
+    assert pool.allocate("z", c + b + [5]).block_tables[0][:2] == pool.block_tables("y")[0][:2]
+    assert pool.allocate("w", a + b + [5]).block_tables[0][:2] == pool.block_tables("x")[0][:2]
 
 
 def test_duplicate_chains_stay_reachable_after_one_copy_is_evicted():
@@ -247,7 +250,7 @@ def test_eviction_is_lru_and_tail_before_head():
     pool = BlockPool(6, BS)
     computed_pool(pool, "old", prompt(24))  # 3 full blocks: chain o0 -> o1 -> o2
     computed_pool(pool, "new", prompt(24, 100))  # n0 -> n1 -> n2
-    old, new = pool.block_table("old"), pool.block_table("new")
+    old, new = pool.block_tables("old")[0], pool.block_tables("new")[0]
     pool.free("old")
     pool.free("new")
     evicted = []
@@ -263,7 +266,7 @@ def test_prefix_hit_refreshes_lru_position():
     pool = BlockPool(4, BS)
     computed_pool(pool, "a", prompt(9))  # a0 cached, a1 partial
     computed_pool(pool, "b", prompt(9, 100))
-    a0, b0 = pool.block_table("a")[0], pool.block_table("b")[0]
+    a0, b0 = pool.block_tables("a")[0][0], pool.block_tables("b")[0][0]
     pool.free("a")
     pool.free("b")
     pool.allocate("hit", prompt(9))  # touches a0, so it becomes the most recently used
@@ -286,11 +289,12 @@ def test_uncached_free_blocks_are_used_before_evicting():
 def test_append_slot_slots_and_new_blocks():
     pool = BlockPool(4, BS)
     pool.allocate("a", prompt(7))
-    b0 = pool.block_table("a")[0]
-    assert pool.append_slot("a", 7) == b0 * BS + 7
-    slot = pool.append_slot("a", 8)
-    b1 = pool.block_table("a")[1]
-    assert slot == b1 * BS and pool.num_tokens("a") == 9
+    (b0,) = pool.block_tables("a")[0]
+    pool.append_slot("a", 7)
+    assert pool.block_tables("a")[0] == [b0] and pool.num_free_blocks == 3
+    pool.append_slot("a", 8)
+    b1 = pool.block_tables("a")[0][1]
+    assert pool.num_tokens("a") == 9
     assert pool.slots_for("a", 6, 9) == [b0 * BS + 6, b0 * BS + 7, b1 * BS]
     assert pool.slots_for("a", 3, 3) == []
 
@@ -322,7 +326,7 @@ def test_mark_computed_validation():
 
 
 @pytest.mark.parametrize("call", [
-    lambda p: p.free("nope"), lambda p: p.block_table("nope"), lambda p: p.append_slot("nope", 1),
+    lambda p: p.free("nope"), lambda p: p.block_tables("nope")[0], lambda p: p.append_slot("nope", 1),
     lambda p: p.fork("nope", "c"), lambda p: p.slots_for("nope", 0, 0),
     lambda p: p.mark_computed("nope", 0), lambda p: p.num_tokens("nope"),
 ])
@@ -337,33 +341,36 @@ def test_unknown_request(call):
 def test_fork_partial_last_block_is_copied():
     pool = BlockPool(8, BS)
     computed_pool(pool, "p", prompt(11))
-    cow = pool.fork("p", "c")
-    p, c = pool.block_table("p"), pool.block_table("c")
+    copies = pool.fork("p", "c")
+    p, c = pool.block_tables("p")[0], pool.block_tables("c")[0]
     assert c[0] == p[0] and c[1] != p[1]
-    assert cow == CopyOnWrite(src_block=p[1], dst_block=c[1], num_tokens=3)
+    assert copies == [CopyOnWrite(src_block=p[1], dst_block=c[1], num_tokens=3)]
     assert pool.ref_count(p[0]) == 2 and pool.block_state()[p[0]] == "shared"
     assert pool.token_ids("c") == prompt(11) and pool.num_computed_tokens("c") == 11
-    assert pool.append_slot("c", 1) == c[1] * BS + 3
-    assert pool.append_slot("p", 2) == p[1] * BS + 3
+    pool.append_slot("c", 1)
+    pool.append_slot("p", 2)
+    assert pool.slots_for("c", 11, 12) == [c[1] * BS + 3] and pool.slots_for("p", 11, 12) == [p[1] * BS + 3]
 
 
 def test_fork_full_last_block_is_shared_and_appends_get_new_blocks():
     pool = BlockPool(8, BS)
     computed_pool(pool, "p", prompt(16))
-    assert pool.fork("p", "c") is None
-    assert pool.block_table("c") == pool.block_table("p")
-    slot_p, slot_c = pool.append_slot("p", 1), pool.append_slot("c", 1)
+    assert pool.fork("p", "c") == []
+    assert pool.block_tables("c") == pool.block_tables("p")
+    pool.append_slot("p", 1)
+    pool.append_slot("c", 1)
+    (slot_p,), (slot_c,) = pool.slots_for("p", 16, 17), pool.slots_for("c", 16, 17)
     assert slot_p // BS != slot_c // BS
-    assert slot_p // BS not in pool.block_table("c")[:2]
+    assert slot_p // BS not in pool.block_tables("c")[0][:2]
 
 
 def test_fork_uncomputed_full_block_is_not_shared():
     pool = BlockPool(8, BS)
     pool.allocate("p", prompt(16))
     pool.mark_computed("p", 12)
-    cow = pool.fork("p", "c")
-    assert pool.block_table("c")[0] == pool.block_table("p")[0]
-    assert cow.num_tokens == 4 and cow.dst_block == pool.block_table("c")[1]
+    (cow,) = pool.fork("p", "c")
+    assert pool.block_tables("c")[0][0] == pool.block_tables("p")[0][0]
+    assert cow.num_tokens == 4 and cow.dst_block == pool.block_tables("c")[0][1]
 
 
 def test_fork_errors_are_atomic():
@@ -376,6 +383,79 @@ def test_fork_errors_are_atomic():
     with pytest.raises(NoFreeBlocksError):
         pool.fork("p", "c")
     assert pool.block_state() == before and "c" not in pool
+
+
+# ---- layer groups: one table per group, window groups as rings ----------------------------
+
+
+def test_hybrid_tables_grow_and_rings_wrap():
+    pool = BlockPool(16, BS, enable_prefix_cache=False, group_max_blocks=(None, 2))
+    alloc = pool.allocate("a", prompt(20))
+    assert [len(t) for t in alloc.block_tables] == [3, 2] and pool.num_free_blocks == 11
+    full, ring = alloc.block_tables
+    assert not set(full) & set(ring)  # one block-id space
+    for tok in range(20, 41):
+        pool.append_slot("a", tok)
+    assert [len(t) for t in pool.block_tables("a")] == [6, 2] and pool.num_free_blocks == 8
+    assert pool.block_tables("a")[1] == ring  # no new blocks: the ring is reused
+    # Logical block b of the ring lives in ring[b % 2]: position 40 (block 5) in ring[1].
+    assert pool.slots_for("a", 40, 41, group=1) == [ring[1] * BS]
+    assert pool.slots_for("a", 16, 17, group=1) == pool.slots_for("a", 0, 1, group=1) == [ring[0] * BS]
+    pool.free("a")
+    assert pool.num_free_blocks == 16
+
+
+def test_hybrid_append_needing_blocks_in_several_tables_is_atomic():
+    pool = BlockPool(4, BS, enable_prefix_cache=False, group_max_blocks=(None, 3))
+    pool.allocate("a", prompt(8))  # one block per table
+    pool.allocate("x", [1, 2, 3])  # the other two
+    with pytest.raises(NoFreeBlocksError) as err:
+        pool.append_slot("a", 9)  # both of a's tables end at token 8
+    assert (err.value.needed, err.value.available) == (2, 0)
+    assert pool.num_tokens("a") == 8 and [len(t) for t in pool.block_tables("a")] == [1, 1]
+    pool.free("x")
+    pool.append_slot("a", 9)
+    assert [len(t) for t in pool.block_tables("a")] == [2, 2] and pool.num_free_blocks == 0
+
+
+def test_hybrid_fork_shares_full_blocks_and_copies_rings():
+    pool = BlockPool(32, BS, enable_prefix_cache=False, group_max_blocks=(2, None))
+    computed_pool(pool, "p", prompt(27))  # 3 full blocks + 3 tokens; the ring of 2 has wrapped
+    copies = pool.fork("p", "c")
+    (p_ring, p_full), (c_ring, c_full) = pool.block_tables("p"), pool.block_tables("c")
+    assert c_full[:3] == p_full[:3] and c_full[3] != p_full[3]
+    assert not set(c_ring) & set(p_ring)
+    assert copies == [CopyOnWrite(p_ring[0], c_ring[0], BS), CopyOnWrite(p_ring[1], c_ring[1], BS),
+                      CopyOnWrite(p_full[3], c_full[3], 3)]
+    assert pool.ref_count(p_full[0]) == 2 and all(pool.ref_count(b) == 1 for b in p_ring + c_ring)
+    short = BlockPool(8, BS, enable_prefix_cache=False, group_max_blocks=(3, None))
+    computed_pool(short, "p", prompt(5))  # one ring block holds KV: one copy
+    assert len([c for c in short.fork("p", "c") if c.num_tokens == BS]) == 1
+
+
+def test_prefix_cache_needs_a_single_full_table():
+    with pytest.raises(ValueError, match="prefix cache needs one full-attention table"):
+        BlockPool(8, BS, group_max_blocks=(None, 2))
+    with pytest.raises(ValueError, match="prefix cache"):
+        BlockPool(8, BS, group_max_blocks=(2,))
+    for bad in [(), (0,), (None, 1.5), (True,)]:
+        with pytest.raises(ValueError, match="group_max_blocks"):
+            BlockPool(8, BS, enable_prefix_cache=False, group_max_blocks=bad)
+
+
+@pytest.mark.parametrize("num_blocks, groups, capacity", [
+    (10, (None,), 80),  # the dense case: every block holds block_size tokens of the sequence
+    (10, (None, 2), 64),  # n + min(n, 2) <= 10: n = 8
+    (5, (None, 3), 16),  # n + min(n, 3) <= 5: n = 2, before the ring is full
+    (10, (3, None, 2), 40),  # n + 5 <= 10
+    (5, (3, 2), None),  # rings only, and they fit: any length
+    (4, (3, 2), 16),  # rings only, too few blocks for both: 2 + 2 <= 4
+])
+def test_capacity_is_the_longest_sequence_that_fits(num_blocks, groups, capacity):
+    assert sequence_capacity(num_blocks, BS, groups) == capacity
+    if capacity is not None:
+        assert sum(table_lengths(capacity, BS, groups)) <= num_blocks
+        assert sum(table_lengths(capacity + 1, BS, groups)) > num_blocks
 
 
 # ---- stats / block_state ------------------------------------------------------------------
@@ -403,12 +483,18 @@ def weak_hash(parent, tokens, extra):
     return sum(tokens) % 3  # ignores the parent: collisions on almost every lookup
 
 
+# Per layer group, None (full attention) or a ring size: dense, and hybrids with small rings
+# that wrap after two or three blocks.
+GROUP_LAYOUTS = [(None,), (None, 2), (3, None, 3), (2,)]
+
+
 class PoolMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(3, 24), bs=st.sampled_from([8, 16]),
-                strong=st.booleans())
-    def setup(self, num_blocks, bs, strong):
+                strong=st.booleans(), groups=st.sampled_from(GROUP_LAYOUTS))
+    def setup(self, num_blocks, bs, strong, groups):
         self.bs = bs
-        self.pool = BlockPool(num_blocks, bs, hash_fn=sha256_block_hash if strong else weak_hash)
+        self.pool = BlockPool(num_blocks, bs, enable_prefix_cache=groups == (None,),
+                              hash_fn=sha256_block_hash if strong else weak_hash, group_max_blocks=groups)
         self.kv = {}  # slot -> tuple of the tokens whose KV the slot holds (prefix through it)
         self.next_id = 0
 
@@ -453,7 +539,7 @@ class PoolMachine(RuleBasedStateMachine):
         assert predicted and alloc.num_cached_tokens == expected_hit
         event("allocate: prefix hit" if expected_hit else "allocate: miss")
         assert alloc.num_cached_tokens < len(tokens) and alloc.num_cached_tokens % self.bs == 0
-        assert len(alloc.block_table) == self.pool.num_blocks_for(len(tokens) + extra)
+        assert sum(map(len, alloc.block_tables)) == self.pool.num_blocks_for(len(tokens) + extra)
         return rid
 
     @precondition(lambda self: self.pool._requests)
@@ -465,22 +551,26 @@ class PoolMachine(RuleBasedStateMachine):
         """Write fake KV for the next `amount` uncomputed tokens, as the runner would."""
         start, total = self.pool.num_computed_tokens(rid), self.pool.num_tokens(rid)
         end, tokens = min(total, start + amount), self.pool.token_ids(rid)
-        for pos, slot in zip(range(start, end), self.pool.slots_for(rid, start, end)):
-            assert self.pool.ref_count(slot // self.bs) == 1, "write into a shared block"
-            self.kv[slot] = tuple(tokens[:pos + 1])
+        for group in range(len(self.pool.group_max_blocks)):
+            for pos, slot in zip(range(start, end), self.pool.slots_for(rid, start, end, group)):
+                assert self.pool.ref_count(slot // self.bs) == 1, "write into a shared block"
+                self.kv[slot] = tuple(tokens[:pos + 1])
         self.pool.mark_computed(rid, end)
 
     @precondition(lambda self: self.pool._requests)
     @rule(data=st.data(), token=st.integers(0, 2))
     def append(self, data, token):
         rid = data.draw(st.sampled_from(self.live()))
-        n = self.pool.num_tokens(rid)
+        n, tables = self.pool.num_tokens(rid), self.pool.block_tables(rid)
         try:
-            slot = self.pool.append_slot(rid, token)
+            self.pool.append_slot(rid, token)
         except NoFreeBlocksError:
-            assert self.pool.num_free_blocks == 0 and self.pool.num_tokens(rid) == n
+            assert self.pool.num_free_blocks < len(tables)  # at most one new block per table
+            assert self.pool.num_tokens(rid) == n and self.pool.block_tables(rid) == tables
             return
-        assert slot == self.pool.slots_for(rid, n, n + 1)[0]
+        assert self.pool.num_tokens(rid) == n + 1
+        grown = [len(new) - len(old) for old, new in zip(tables, self.pool.block_tables(rid))]
+        assert set(grown) <= {0, 1} and (n % self.bs == 0 or not any(grown))
 
     @precondition(lambda self: self.pool._requests)
     @rule(data=st.data())
@@ -488,14 +578,19 @@ class PoolMachine(RuleBasedStateMachine):
         parent, child = data.draw(st.sampled_from(self.live())), self.new_id()
         before = self.pool.block_state()
         try:
-            cow = self.pool.fork(parent, child)
+            copies = self.pool.fork(parent, child)
         except NoFreeBlocksError:
             assert self.pool.block_state() == before
             return
-        event("fork: copy" if cow else "fork: no copy")
-        if cow is not None:
+        event(f"fork: {min(len(copies), 2)} copies")
+        for cow in copies:  # as the KV layer does; a slot never written holds garbage after
+            assert self.pool.ref_count(cow.dst_block) == 1
             for off in range(cow.num_tokens):
-                self.kv[cow.dst_block * self.bs + off] = self.kv[cow.src_block * self.bs + off]
+                src, dst = cow.src_block * self.bs + off, cow.dst_block * self.bs + off
+                if src in self.kv:
+                    self.kv[dst] = self.kv[src]
+                else:
+                    self.kv.pop(dst, None)
         assert self.pool.token_ids(child) == self.pool.token_ids(parent)
 
     @precondition(lambda self: self.pool._requests)
@@ -538,11 +633,21 @@ class PoolMachine(RuleBasedStateMachine):
     def ref_counts_match_tables(self):
         counts = [0] * self.pool.num_blocks
         for rid in self.live():
-            table = self.pool.block_table(rid)
-            assert len(table) == len(set(table))
-            for b in table:
+            blocks = [b for table in self.pool.block_tables(rid) for b in table]
+            assert len(blocks) == len(set(blocks))
+            for b in blocks:
                 counts[b] += 1
         assert counts == [self.pool.ref_count(b) for b in range(self.pool.num_blocks)]
+
+    @invariant()
+    def tables_cover_tokens_and_rings_stay_bounded(self):
+        pool = self.pool
+        for rid in self.live():
+            need = table_lengths(pool.num_tokens(rid), self.bs, pool.group_max_blocks)
+            for table, n, cap in zip(pool.block_tables(rid), need, pool.group_max_blocks):
+                assert n <= len(table) and (cap is None or len(table) <= cap)
+                if cap is not None:
+                    assert all(pool.ref_count(b) == 1 for b in table), "a shared ring block"
 
     @invariant()
     def hashes_point_at_their_tokens(self):
@@ -568,14 +673,18 @@ class PoolMachine(RuleBasedStateMachine):
 
     @invariant()
     def computed_kv_is_this_requests_and_writes_are_private(self):
-        pool = self.pool
+        pool, bs = self.pool, self.bs
         for rid in self.live():
             tokens, computed = pool.token_ids(rid), pool.num_computed_tokens(rid)
-            slots = pool.slots_for(rid, 0, len(tokens))
-            for pos in range(computed):
-                assert self.kv[slots[pos]] == tuple(tokens[:pos + 1]), "KV of another prefix"
-            for slot in slots[computed:]:
-                assert pool.ref_count(slot // self.bs) == 1, "pending write into a shared block"
+            for group, table in enumerate(pool.block_tables(rid)):
+                slots = pool.slots_for(rid, 0, len(tokens), group)
+                # A ring holds the positions of its last len(table) logical blocks; a growing
+                # table holds them all.
+                first = max(0, ((len(tokens) - 1) // bs - len(table) + 1) * bs)
+                for pos in range(first, computed):
+                    assert self.kv[slots[pos]] == tuple(tokens[:pos + 1]), "KV of another prefix"
+                for slot in slots[computed:]:
+                    assert pool.ref_count(slot // bs) == 1, "pending write into a shared block"
 
     def teardown(self):
         if not hasattr(self, "pool"):
@@ -591,3 +700,26 @@ PoolMachine.TestCase.settings = settings(
     max_examples=150, stateful_step_count=100, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 TestPoolMachine = PoolMachine.TestCase
+
+
+def test_reserve_next_slot_is_the_slot_append_slot_fills():
+    """A pipelined step writes the next token's KV before its id is known: the reserved slot must
+    be the one append_slot gives that token later, and no block may be taken twice."""
+    pool = BlockPool(7, BS, enable_prefix_cache=False, group_max_blocks=(None, 2))
+    pool.allocate("a", prompt(2 * BS))  # both tables exactly full
+    tables = pool.reserve_next_slot("a")
+    assert [len(t) for t in tables] == [3, 2]  # the full table grew, the full ring wraps
+    assert pool.num_tokens("a") == 2 * BS and pool.num_free_blocks == 2
+    assert pool.reserve_next_slot("a") == tables  # idempotent until the token is appended
+    pool.append_slot("a", 7)
+    assert pool.block_tables("a") == tables and pool.num_free_blocks == 2
+    assert pool.slots_for("a", 2 * BS, 2 * BS + 1) == [tables[0][2] * BS]
+    pool.allocate("x", prompt(BS))  # one block per table: the pool is now empty
+    for tok in range(BS - 1):
+        pool.append_slot("a", tok)
+    with pytest.raises(NoFreeBlocksError):
+        pool.reserve_next_slot("a")  # position 3 * BS needs a fourth block in the full table
+    assert pool.block_tables("a") == tables and pool.num_tokens("a") == 3 * BS
+    pool.free("a")
+    pool.free("x")
+    assert pool.num_free_blocks == 7

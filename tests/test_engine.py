@@ -248,14 +248,6 @@ def test_n_sequences_stream_and_abort(tiny):
     assert_pool_empty(tiny)
 
 
-def test_hybrid_models_are_refused_clearly(tokenizer):
-    from mlxpaged.model import UnsupportedModelError
-    from tests.tiny_models import tiny_gemma3
-
-    with pytest.raises(UnsupportedModelError, match="mix sliding-window and full attention"):
-        tiny_engine(tiny_gemma3(), tokenizer)
-
-
 def test_quantized_model_gets_activation_dtype_pools_and_matches_mlx_lm(tokenizer):
     import mlx.nn as nn
 

@@ -168,7 +168,7 @@ def test_hybrid_cache_shares_pools_across_groups():
     assert kv.group_size == 2 and len(kv.keys) == 2 and not kv.supports_prefix_cache
     assert kv.key_pool(2) is kv.key_pool(0) and kv.key_pool(5) is kv.key_pool(1)
     assert kv.bytes_per_block == 2 * 2 * H * BS * D * 4
-    assert block_bytes([None] * 6, BS, H, D, mx.float32) == 3 * kv.bytes_per_block
+    assert block_bytes([None] * 6, BS, H, D, mx.float32.size) == 3 * kv.bytes_per_block
 
 
 def test_window_group_is_a_ring_of_ceil_window_over_block_plus_one():

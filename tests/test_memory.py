@@ -111,8 +111,7 @@ def test_model_facts_from_config():
     config = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
               "hidden_size": 576, "vocab_size": 49152, "max_position_embeddings": 8192}
     assert ModelFacts.from_config(config, 538_000_000, 4) == SMOL
-    hybrid = dict(config, layer_types=["sliding_attention", "full_attention"] * 15, sliding_window=512)
-    assert ModelFacts.from_config(hybrid, 1, 4).kv.sliding_windows == (512, None) * 15
+    assert ModelFacts.from_config(config, 1, 4, (512, None) * 15).kv.sliding_windows == (512, None) * 15
     with pytest.raises(ValueError, match="vocab_size"):
         ModelFacts.from_config({k: v for k, v in config.items() if k != "vocab_size"}, 1, 4)
 
@@ -229,24 +228,50 @@ def test_error_when_one_sequence_cannot_fit():
 
 # --- sliding windows --------------------------------------------------------------------
 
-def test_sliding_window_layers_hold_fewer_blocks():
-    windows = (512, None) * 15  # half the layers slide over 512 tokens
+def test_hybrid_blocks_hold_one_layer_group_and_rings_stay_small():
+    windows = (512, None) * 15  # half the layers slide over 512 tokens: two groups of 15 layers
     model = ModelFacts(KVShape(30, 3, 64, 4, windows), 538_000_000, 576, 49152, 8192)
-    cache = CacheConfig(max_num_seqs=4)
-    plan = plan_memory(MAC_64, model, cache)
-    cap = 4 * (512 // 16 + 1) + 2048 // 16  # 260 blocks per sliding layer
-    assert plan.num_blocks == 4 * 8192 // 16 == 2048
-    assert plan.layer_num_blocks == (cap, 2048) * 15
-    assert plan.kv_bytes == 15 * (cap + 2048) * 16 * 2 * 3 * 64 * 4
-    assert plan.kv_bytes < plan.num_blocks * plan.block_bytes
+    plan = plan_memory(MAC_64, model, CacheConfig(max_num_seqs=4))
+    ring = 512 // 16 + 1  # 33 blocks per sequence in the window group
+    assert plan.block_bytes == 15 * 2 * 3 * 16 * 64 * 4 == 368_640  # kv_cache.block_bytes: one group
+    assert plan.num_blocks == 4 * (8192 // 16 + ring) == 2180  # 4 sequences of the whole context
+    assert plan.kv_bytes == 2180 * 368_640
+    assert plan.token_capacity == (2180 - ring) * 16 == 34_352  # one sequence: n + min(n, 33) blocks
+    assert "one sequence up to 34,352 tokens" in plan.describe()
     assert_adds_up(plan)
-    # On a tight budget the saved memory buys full-attention blocks.
+    # On a tight budget the saved memory buys full-attention context.
     budget = CacheConfig(kv_memory=400_000_000, max_num_seqs=4)
     dense = plan_memory(MAC_64, SMOL, budget)
     hybrid = plan_memory(MAC_64, model, budget)
-    assert dense.num_blocks == 400_000_000 // 737_280 == 542
-    assert hybrid.num_blocks == (400_000_000 // 24_576 - 15 * cap) // 15 == 825
-    assert hybrid.kv_bytes <= 400_000_000
+    assert (dense.num_blocks, dense.token_capacity) == (400_000_000 // 737_280, 542 * 16) == (542, 8672)
+    assert hybrid.num_blocks == 400_000_000 // 368_640 == 1085
+    assert hybrid.token_capacity == (1085 - ring) * 16 == 16_832
+
+
+def test_gemma3_1b_max_tokens_cap_counts_rings_per_sequence():
+    # Gemma-3-1B: 26 layers, 22 sliding over 512 tokens and 4 full; 1 KV head of 256, bfloat16.
+    windows = tuple(None if (i + 1) % 6 == 0 else 512 for i in range(26))
+    gemma = ModelFacts(KVShape(26, 1, 256, 2, windows), 2_000_000_000, 1152, 262144, 32768)
+    plan = plan_memory(MAC_16, gemma, CacheConfig(max_tokens=32768))
+    assert plan.block_bytes == 2 * 2 * 256 * 16 * 2 == 32_768  # gcd(22, 4) = 2 layers per block id
+    per_group = 32768 // 16 + 16  # 2 full groups, as for a dense model
+    assert plan.num_blocks == 2 * per_group + 11 * 16 * 33 == 9936  # 11 window groups: 16 rings each
+    assert plan.kv_bytes == 9936 * 32_768 == 325_582_848  # vs 879 MB with every layer paged in full
+    assert plan.token_capacity == (9936 - 11 * 33) // 2 * 16 == 76_576
+    assert plan.reason.startswith("capped by --max-tokens 32,768")
+    assert_adds_up(plan)
+
+
+def test_hybrid_too_small_names_the_tokens_that_fit():
+    windows = (512, None) * 15
+    model = ModelFacts(KVShape(30, 3, 64, 4, windows), 538_000_000, 576, 49152, 8192)
+    with pytest.raises(InsufficientMemoryError) as info:
+        plan_memory(MAC_64, model, CacheConfig(kv_memory=100_000_000, max_tokens=32768))
+    need = (8192 // 16 + 33) * 368_640
+    assert (info.value.needed_bytes, info.value.available_bytes) == (need, 100_000_000)
+    fits = (100_000_000 // 368_640 - 33) * 16  # 271 blocks, 33 of them the ring
+    assert f"--max-tokens {fits:,} or less" in str(info.value)
+    plan_memory(MAC_64, model, CacheConfig(kv_memory=100_000_000, max_tokens=fits))  # and that fits
 
 
 # --- this Linux host --------------------------------------------------------------------

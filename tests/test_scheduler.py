@@ -1,10 +1,11 @@
 """Scheduler over the real BlockPool, driven by a fake deterministic model.
 
-The fake model keeps a KV store (slot -> token) written through each chunk's slot mapping
-and reads the sequence back through the block table before sampling, so a wrong slot, a
-wrong block table or a false prefix hit changes the output, not just a counter. Its next
-token is a hash of the whole sequence, so "identical output after preemption" is a strong
-check: any lost, repeated or extra token changes everything after it.
+The fake model keeps a KV store (slot -> token) written through each chunk's block tables
+(a sliding-window group's table as a ring, as kv_cache.LayerGroup maps it) and reads the
+sequence back through them before sampling, so a wrong block table, a ring reused too early
+or a false prefix hit changes the output, not just a counter. Its next token is a hash of the
+whole sequence, so "identical output after preemption" is a strong check: any lost, repeated
+or extra token changes everything after it.
 """
 
 import zlib
@@ -43,9 +44,18 @@ def solo_output(prompt, max_tokens, eos=None) -> list[int]:
     return out
 
 
-def make(num_blocks=64, *, budget=64, seqs=4, max_len=512, prefix_cache=True):
-    pool = BlockPool(num_blocks, BS, enable_prefix_cache=prefix_cache)
+HYBRID = (3, None, 2)  # window groups whose rings (3 and 2 blocks) hold windows of 16 and 8 tokens
+
+
+def make(num_blocks=64, *, budget=64, seqs=4, max_len=512, prefix_cache=True, groups=(None,)):
+    pool = BlockPool(num_blocks, BS, enable_prefix_cache=prefix_cache, group_max_blocks=groups)
     return pool, Scheduler(pool, max_batch_tokens=budget, max_num_seqs=seqs, max_model_len=max_len)
+
+
+def slot(table, cap, pos) -> int:
+    """Where the KV layer puts position `pos`: a ring of `cap` blocks wraps (LayerGroup.physical_block)."""
+    logical = pos // BS
+    return table[logical if cap is None else logical % cap] * BS + pos % BS
 
 
 def req(rid, prompt, max_tokens=8) -> Request:
@@ -61,16 +71,21 @@ class FakeEngine:
         self.finished: dict[str, object] = {}
 
     def run_chunks(self, out: SchedulerOutput) -> dict[str, int]:
+        caps = self.pool.group_max_blocks
         for c in out.chunks:  # every chunk writes its KV before any attends, as in a real step
-            for slot, tok in zip(c.slot_mapping, c.token_ids, strict=True):
-                self.kv[slot] = tok
+            for table, cap in zip(c.block_tables, caps, strict=True):
+                for pos, tok in enumerate(c.token_ids, c.start):
+                    self.kv[slot(table, cap, pos)] = tok
         sampled = {}
         for c in out.chunks:
             end = c.start + len(c.token_ids)
-            seen = [self.kv[c.block_table[p // BS] * BS + p % BS] for p in range(end)]
-            assert seen == c.request.all_token_ids[:end]
+            expected = c.request.all_token_ids[:end]
+            for table, cap in zip(c.block_tables, caps):
+                # The last position attends to everything (full attention) or to its window.
+                first = 0 if cap is None else max(0, end - (cap - 1) * BS)
+                assert [self.kv[slot(table, cap, p)] for p in range(first, end)] == expected[first:]
             if c.samples:
-                sampled[c.request.request_id] = next_token(seen)
+                sampled[c.request.request_id] = next_token(expected)
         return sampled
 
     def step(self) -> SchedulerOutput:
@@ -172,7 +187,7 @@ def test_chunk_fields_and_sampling_flag():
     out = s.schedule()
     (c,) = out.chunks
     assert (c.start, c.token_ids, c.samples) == (0, list(range(100, 106)), False)
-    assert c.slot_mapping == pool.slots_for("a", 0, 6) and c.block_table == pool.block_table("a")
+    assert c.block_tables == pool.block_tables("a")
     assert out.num_batch_tokens == 6
     s.on_step_done(out, {})  # nothing sampled from a partial prefill
     s2 = s.schedule()
@@ -410,6 +425,79 @@ def test_stale_output_and_unfinished_length_are_errors():
         s.schedule()
 
 
+# ---- hybrid models: one table per layer group ---------------------------------------
+
+
+def test_hybrid_rings_stop_growing_and_wrap():
+    pool, s = make(groups=HYBRID, prefix_cache=False, budget=16)
+    eng = FakeEngine(s)
+    s.add_request(req("a", range(30), 30))  # prefilled in chunks, then decoded far past both windows
+    lengths = []
+    while s.has_unfinished:
+        eng.step()
+        if "a" in pool:
+            lengths.append([len(t) for t in pool.block_tables("a")])
+            n = pool.num_tokens("a")
+            assert pool.stats().num_owned == -(-n // BS) + min(-(-n // BS), 3) + min(-(-n // BS), 2)
+    assert lengths[0] == [3, 4, 2] and lengths[-1] == [3, 8, 2]  # 59 tokens: rings stayed put
+    assert eng.finished["a"].output_token_ids == solo_output(range(30), 30)
+    assert pool.stats().num_owned == 0
+
+
+def test_hybrid_preemption_frees_every_table_and_resumes_identically():
+    pool, s = make(num_blocks=16, groups=HYBRID, prefix_cache=False, budget=8)
+    eng = FakeEngine(s)
+    prompts = {"old": range(20), "new": range(100, 120)}  # 3 + 3 + 2 blocks each: the pool is full
+    for rid, prompt in prompts.items():
+        s.add_request(req(rid, prompt, 20))
+    preempted = []
+    while s.has_unfinished:
+        out = eng.step()
+        preempted += [r.request_id for r in out.preempted]
+        for r in out.preempted:
+            assert r.request_id not in pool
+    assert preempted and set(preempted) == {"new"}
+    for rid, prompt in prompts.items():
+        assert eng.finished[rid].output_token_ids == solo_output(prompt, 20)
+    assert pool.stats().num_owned == 0
+
+
+def test_too_long_for_hybrid_cache():
+    pool, s = make(num_blocks=10, groups=HYBRID, prefix_cache=False)
+    # n blocks of tokens need n + min(n, 3) + min(n, 2) blocks: 5 fit in 10 (40 tokens), 6 do not.
+    assert s.capacity_tokens == 40 and pool.num_blocks_for(40) == 10 and pool.num_blocks_for(41) == 11
+    with pytest.raises(RequestTooLongError, match="41 tokens exceeds the KV cache capacity of 40") as e:
+        s.add_request(req("a", range(38), 3))
+    assert e.value.limit == 40
+    s.add_request(req("b", range(38), 2))
+
+
+@pytest.mark.parametrize("groups", [(None,), HYBRID])
+def test_fork_shares_full_blocks_copies_rings_and_matches_solo(groups):
+    pool, s = make(groups=groups, prefix_cache=False)
+    eng = FakeEngine(s)
+    prompt = range(200, 229)  # 29 tokens: 3 full blocks and a partial one; rings of 3 and 2 wrapped
+    s.add_request(req("p", prompt, 6))
+    eng.step()
+    child = req("c", prompt, 6)
+    copies = s.fork("p", child)
+    for cow in copies:  # what the engine's KV layer does
+        for off in range(cow.num_tokens):
+            if cow.src_block * BS + off in eng.kv:
+                eng.kv[cow.dst_block * BS + off] = eng.kv[cow.src_block * BS + off]
+    child.output_token_ids.append(s.get("p").output_token_ids[0])  # its own first sample
+    parent_tables, child_tables = pool.block_tables("p"), pool.block_tables("c")
+    for ptable, ctable, cap in zip(parent_tables, child_tables, groups):
+        if cap is None:
+            assert ctable[:3] == ptable[:3] and ctable[3] != ptable[3]  # full blocks shared
+        else:
+            assert not set(ctable) & set(ptable)  # a ring is never shared
+    assert len(copies) == 1 + sum(cap for cap in groups if cap is not None)
+    eng.run()
+    assert eng.finished["c"].output_token_ids == eng.finished["p"].output_token_ids == solo_output(prompt, 6)
+    assert pool.stats().num_owned == 0
+
+
 # ---- random workloads ---------------------------------------------------------------
 
 PREFIXES = [list(range(300, 316)), list(range(400, 409)), []]
@@ -427,8 +515,10 @@ def workloads(draw):
         reqs.append(dict(rid=f"r{i}", prompt=prefix + tail, max_tokens=draw(st.integers(1, 24)),
                          arrive=draw(st.integers(0, 30)),
                          abort=draw(st.one_of(st.none(), st.integers(0, 60)))))
-    return dict(num_blocks=num_blocks, seqs=seqs, budget=budget, max_len=48,
-                prefix_cache=draw(st.booleans()), eos=draw(st.sampled_from([None, EOS])), reqs=reqs)
+    groups = draw(st.sampled_from([(None,), (None,), HYBRID]))
+    return dict(num_blocks=num_blocks + (4 if groups == HYBRID else 0), seqs=seqs, budget=budget, max_len=48,
+                prefix_cache=groups == (None,) and draw(st.booleans()), groups=groups,
+                eos=draw(st.sampled_from([None, EOS])), reqs=reqs)
 
 
 def check_step(s: Scheduler, pool: BlockPool, out: SchedulerOutput, arrival: dict) -> None:
@@ -441,13 +531,13 @@ def check_step(s: Scheduler, pool: BlockPool, out: SchedulerOutput, arrival: dic
     for r in out.preempted:
         assert r.status is RequestStatus.WAITING and r.request_id not in pool
         assert all(c.request is not r for c in out.chunks)  # not re-admitted in its step
-    tables = [pool.block_table(r.request_id) for r in s.running]
+    tables = [t for r in s.running for t in pool.block_tables(r.request_id)]
     assert pool.stats().num_owned == len({b for t in tables for b in t})
     assert all(r.request_id not in pool for r in s.waiting)
 
 
 PREEMPT_THEN_FITS = dict(  # a victim that shares a cached block would fit again at once
-    num_blocks=4, seqs=2, budget=4, max_len=48, prefix_cache=True, eos=None, reqs=[
+    num_blocks=4, seqs=2, budget=4, max_len=48, prefix_cache=True, groups=(None,), eos=None, reqs=[
         dict(rid="r0", prompt=PREFIXES[1] + [1] * 4, max_tokens=5, arrive=1, abort=None),
         dict(rid="r1", prompt=PREFIXES[0], max_tokens=1, arrive=0, abort=None),
         dict(rid="r2", prompt=PREFIXES[1] + [1] * 4, max_tokens=6, arrive=0, abort=None)])
@@ -458,7 +548,7 @@ PREEMPT_THEN_FITS = dict(  # a victim that shares a cached block would fit again
 @given(workloads())
 def test_random_workloads(w):
     pool, s = make(w["num_blocks"], budget=w["budget"], seqs=w["seqs"], max_len=w["max_len"],
-                   prefix_cache=w["prefix_cache"])
+                   prefix_cache=w["prefix_cache"], groups=w["groups"])
     eng = FakeEngine(s, eos=w["eos"])
     arrival, admitted, accepted = {}, [], {}
     for step in range(2000):
@@ -467,9 +557,9 @@ def test_random_workloads(w):
             try:
                 s.add_request(req(spec["rid"], spec["prompt"], spec["max_tokens"]))
             except RequestTooLongError:
-                assert n > w["max_len"] or n > w["num_blocks"] * BS
+                assert n > w["max_len"] or pool.num_blocks_for(n) > w["num_blocks"]
                 continue
-            assert n <= w["max_len"] and n <= w["num_blocks"] * BS
+            assert n <= w["max_len"] and pool.num_blocks_for(n) <= w["num_blocks"]
             arrival[spec["rid"]], accepted[spec["rid"]] = len(arrival), spec
         for spec in (x for x in accepted.values() if x["abort"] == step):
             if (r := s.abort(spec["rid"])) is not None:

@@ -300,6 +300,15 @@ async def test_default_max_tokens_is_clipped_to_the_context():
 
 
 @pytest.mark.asyncio
+async def test_context_limit_is_the_model_context_when_the_cache_fits_any_length():
+    engine = FakeEngine()
+    engine.plan.token_capacity = None  # every layer slides over a window: the cache never runs out
+    async with client_for(engine) as client:
+        r = await client.get("/v1/models")
+    assert r.json()["data"][0]["max_model_len"] == 8192
+
+
+@pytest.mark.asyncio
 async def test_metrics_text_format():
     async with client_for(FakeEngine()) as client:
         await client.post("/v1/chat/completions", json=CHAT)
