@@ -29,7 +29,7 @@ from mlxpaged.metrics import StatsCounter
 from mlxpaged.results import Completion, StreamDelta, collect, drain  # noqa: F401  (re-exported)
 from mlxpaged.memory import DeviceFacts, ModelFacts, model_weight_bytes, plan_memory, wired_limit
 from mlxpaged.model import LoadedModel, chat_prompt, check_paged_support, load_model, route_paged_attention
-from mlxpaged.runner import Runner, StepInput
+from mlxpaged.runner import Lookahead, Runner, StepInput
 from mlxpaged.sampling import LazySample, SamplingParams, make_state, sample_batch
 from mlxpaged.scheduler import (CACHE_CAPACITY, MODEL_CONTEXT, Request, RequestStatus, RequestTooLongError, Scheduler,
                                 SchedulerOutput)
@@ -62,24 +62,6 @@ class _Tracked:
     first_token: float | None = None
 
 
-@dataclass
-class _Ahead:
-    """A decode pass queued before its step was scheduled (see Engine._look_ahead)."""
-    rows: list[tuple[str, int]]  # (request id, position) of each row
-    sample: LazySample
-
-    def covers(self, chunks: list) -> bool:
-        """True when the scheduled step is only decode rows this pass computed (a row whose
-        request finished meanwhile is simply not asked for)."""
-        known = set(self.rows)
-        return all(len(c.token_ids) == 1 and (c.request.request_id, c.start) in known for c in chunks)
-
-    def rows_of(self, chunks: list) -> list[int]:
-        """This pass's row of each chunk."""
-        index = {row: i for i, row in enumerate(self.rows)}
-        return [index[(c.request.request_id, c.start)] for c in chunks]
-
-
 class Engine:
     def __init__(self, loaded: LoadedModel, cache_config: CacheConfig | None = None):
         self.loaded = loaded
@@ -104,7 +86,7 @@ class Engine:
         self._ids = itertools.count()
         self._closed = False
         self._stats = StatsCounter()
-        self._ahead: _Ahead | None = None  # the next step's decode pass, already queued
+        self._ahead: Lookahead | None = None  # the next step's decode pass, already queued
         self._thread = threading.Thread(target=self._run, name="mlxpaged-engine", daemon=True)
         self._thread.start()
 
@@ -368,7 +350,7 @@ class Engine:
             self._ahead = self._look_ahead(out.chunks, sample.tokens, states)
         return sample.results()
 
-    def _look_ahead(self, chunks: list, tokens: mx.array, states: list) -> _Ahead | None:
+    def _look_ahead(self, chunks: list, tokens: mx.array, states: list) -> Lookahead | None:
         """Queue the next step's decode pass on this step's lazy tokens (mlx-lm's async_eval
         pipelining): graph building and result handling then overlap the model's work. Only
         when the next step is predictable: nothing waits, and each row continues with one
@@ -391,7 +373,7 @@ class Engine:
         if len(picked) < len(chunks):
             tokens = tokens[mx.array(picked)]
         logits = self.runner.decode_ahead(inputs, tokens)
-        return _Ahead([(chunks[i].request.request_id, x.start) for i, x in zip(picked, inputs)],
+        return Lookahead([(chunks[i].request.request_id, x.start) for i, x in zip(picked, inputs)],
                       LazySample(logits, [states[i] for i in picked], ahead=1))
 
     def _complete(self, out: SchedulerOutput, rows: list, results: list) -> None:

@@ -20,6 +20,7 @@ import mlx.nn as nn
 from mlxpaged.cache_view import paged_views
 from mlxpaged.kv_cache import PagedKVCache
 from mlxpaged.model import is_routed
+from mlxpaged.sampling import LazySample
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,25 @@ def split_head(model: nn.Module) -> Callable[[mx.array], mx.array] | None:
     except Exception:  # an unusual model signature: use the full forward pass
         return None
     return head if mx.allclose(full, split, atol=1e-5, rtol=1e-5).item() else None
+
+
+@dataclass
+class Lookahead:
+    """A decode pass queued on the previous step's lazy tokens before its own step was scheduled
+    (Engine._look_ahead); the engine adopts it when the schedule asks for these rows."""
+    rows: list[tuple[str, int]]  # (request id, position) of each row
+    sample: LazySample
+
+    def covers(self, chunks: list) -> bool:
+        """True when the scheduled step is only decode rows this pass computed (a row whose
+        request finished meanwhile is simply not asked for)."""
+        known = set(self.rows)
+        return all(len(c.token_ids) == 1 and (c.request.request_id, c.start) in known for c in chunks)
+
+    def rows_of(self, chunks: list) -> list[int]:
+        """This pass's row of each chunk."""
+        index = {row: i for i, row in enumerate(self.rows)}
+        return [index[(c.request.request_id, c.start)] for c in chunks]
 
 
 class Runner:

@@ -140,12 +140,11 @@ def test_pipelined_steps_equal_unpipelined_ones(tiny, monkeypatch):
     """Decode steps queued on the previous step's lazy tokens (Engine._look_ahead) produce what
     fully synchronous steps produce; a logits processor, which reads the history, turns the
     pipeline off, so it serves as the synchronous twin. Also checks the pipeline really ran."""
-    from mlxpaged import engine as engine_module
+    from mlxpaged.runner import Lookahead
 
     adopted = []
-    covers = engine_module._Ahead.covers
-    monkeypatch.setattr(engine_module._Ahead, "covers", lambda self, chunks: adopted.append(covers(self, chunks))
-                        or adopted[-1])
+    covers = Lookahead.covers
+    monkeypatch.setattr(Lookahead, "covers", lambda self, chunks: adopted.append(covers(self, chunks)) or adopted[-1])
     prompts = [random_tokens(n, seed=n) for n in (6, 21, 13)]
     for params in (dataclasses.replace(GREEDY, max_tokens=24),
                    SamplingParams(temperature=0.9, top_k=40, seed=7, max_tokens=24, ignore_eos=True, logprobs=True)):
