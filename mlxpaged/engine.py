@@ -346,16 +346,21 @@ class Engine:
         if any(state.has_processors for state in states):
             return sample_batch(logits, states)  # processors read the history: no pipelining
         sample = LazySample(logits, states)
-        if len(rows) == len(sampling) == len(out.chunks):  # every chunk samples, no forks pending
+        # Only steady decoding is pipelined: every chunk samples, no forks are pending, and no
+        # request gets its first token here (queuing the next pass first would delay that token
+        # by a step, and time to first token is what a user waits on).
+        if len(rows) == len(sampling) == len(out.chunks) and all(c.request.output_token_ids for c in out.chunks):
             self._ahead = self._look_ahead(out.chunks, sample.tokens, states)
         return sample.results()
 
     def _look_ahead(self, chunks: list, tokens: mx.array, states: list) -> Lookahead | None:
         """Queue the next step's decode pass on this step's lazy tokens (mlx-lm's async_eval
-        pipelining): graph building and result handling then overlap the model's work. Only
-        when the next step is predictable: nothing waits, and each row continues with one
-        token. A guess that turns out wrong costs one pass; its page writes land in the rows'
-        reserved next slots, which the real step then writes again."""
+        pipelining), so building it overlaps this step's computation and reading, delivering and
+        scheduling overlap the next one's. (On MLX's CPU backend async_eval returns only when
+        about ten tasks are left, so the overlap is the tail of each pass.) Only when the next
+        step is predictable: nothing waits, and each row continues with one token. A guess that
+        turns out wrong costs one pass; its page writes land in the rows' reserved next slots,
+        which the real step then writes again."""
         if self.scheduler.num_waiting or not self._commands.empty():
             return None
         picked, inputs = [], []
