@@ -132,6 +132,35 @@ def test_seeded_sampling_is_reproducible_alone_and_batched(tiny):
     assert other_seed != alone  # the seed matters (16 tokens at temperature 0.9)
 
 
+def test_short_prompts_share_prefill_passes_and_equal_solo_runs(tokenizer, monkeypatch):
+    from mlxpaged import runner as runner_module
+
+    shared = []
+    grouping = runner_module.prefill_passes
+    monkeypatch.setattr(runner_module, "prefill_passes",
+                        lambda inputs: shared.extend(p for p in grouping(inputs) if len(p) > 1) or grouping(inputs))
+    with tiny_engine(tiny_llama(), tokenizer, max_num_seqs=8) as eng:
+        prompts = [random_tokens(n, seed=n) for n in (30, 33, 35, 31, 40, 9, 10, 300)]
+        solo = [eng.generate([p], GREEDY)[0].token_ids for p in prompts]
+        assert not shared
+        eng.pool.reset_prefix_cache()
+        assert [c.token_ids for c in eng.generate(prompts, GREEDY)] == solo
+        assert shared  # some prompts did share a pass
+        assert_pool_empty(eng)
+
+
+def test_prefill_passes_group_similar_short_chunks():
+    from mlxpaged.runner import StepInput, prefill_passes
+
+    def chunk(n, start=0):
+        return StepInput(list(range(n)), start, [[0]], True)
+
+    inputs = [chunk(1), chunk(40), chunk(200), chunk(38), chunk(10), chunk(45), chunk(8), chunk(30, start=240), chunk(1)]
+    # Decode rows (1 token) are not prefill; 10 and 8 pad to 10 (x1.11); 38, 40, 45 pad to 45 (x1.09);
+    # 200 next to them would pad x3.2; the chunk ending at 270 runs alone.
+    assert prefill_passes(inputs) == [[6, 4], [3, 1, 5], [2], [7]]
+
+
 def identity_processor(tokens, logits):
     return logits
 
