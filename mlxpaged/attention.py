@@ -82,8 +82,9 @@ def paged_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_table
     """Decode: one query token per sequence over its pages.
 
     q [B, num_heads, 1, D]; block_tables [B, max_blocks] int32 (entries past a sequence's blocks
-    are ignored; keep the table no wider than the longest sequence needs); context_lens [B] int32,
-    tokens in the pool including the current one (0 gives a zero output).
+    are ignored; keep the table no wider than the longest sequence needs); context_lens [B] int32
+    (an mx.array, or a tuple of ints), tokens in the pool including the current one (0 gives a
+    zero output).
     Returns [B, num_heads, 1, D] in q's dtype.
     """
     backend = resolved_backend()

@@ -118,11 +118,10 @@ class _Plan:
     offsets: tuple[int, ...]
     num_new: tuple[int, ...]
     key_starts: tuple[int, ...]
-    read_ends: tuple[int, ...]
+    read_ends: tuple[int, ...]  # one tuple per pass: per-layer consumers memoize on it
     bases: tuple[int, ...]  # position of the first gathered key per sequence
     length: int  # L, new tokens per row including padding
     page_tokens: int  # keys gathered from pages per sequence (n * block_size)
-    lens: mx.array  # read_ends as int32, one array per pass so per-layer consumers can memoize on it
 
 
 def _build_plan(
@@ -155,7 +154,6 @@ def _build_plan(
         bases=tuple(bases),
         length=length,
         page_tokens=0 if blocks is None else blocks.shape[1] * block_size,
-        lens=mx.array(read_ends, dtype=mx.int32),
     )
 
 
@@ -283,7 +281,7 @@ class PagedCacheView:
         plan = self._last_plan
         if not _routable(plan, self._planner.group):
             return None
-        return self._kv.key_pool(self._layer), self._kv.value_pool(self._layer), plan.read_blocks, plan.lens
+        return self._kv.key_pool(self._layer), self._kv.value_pool(self._layer), plan.read_blocks, plan.read_ends
 
     def _num_rows(self, batch: int, length: int) -> list[int]:
         if batch != len(self._offsets):

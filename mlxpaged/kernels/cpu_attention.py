@@ -132,7 +132,8 @@ def paged_attention_cpu(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_t
     kv_heads, block_size = k_pool.shape[1], k_pool.shape[2]
     group, pages = heads // kv_heads, plan.rows.shape[2]
     page_ids, query_ids, page_mask = plan.derived("cpu", _page_inputs)
-    rows = (q.astype(mx.float32) * scale).reshape(batch * kv_heads, group, dim)
+    rows = (q.astype(mx.float32) if q.dtype != mx.float32 else q) * scale
+    rows = rows.reshape(batch * kv_heads, group, dim)
     key_pages = k_pool.reshape(-1, block_size, dim).swapaxes(1, 2)  # a view: [NB * KVH, D, BS]
     scores = mx.gather_mm(rows, key_pages, lhs_indices=query_ids, rhs_indices=page_ids)
     scores = scores.reshape(batch, kv_heads, pages, group, block_size)
@@ -144,7 +145,8 @@ def paged_attention_cpu(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_t
     out = mx.gather_mm(probs.reshape(-1, group, block_size), v_pool.reshape(-1, block_size, dim),
                        rhs_indices=page_ids)
     out = mx.sum(out.reshape(batch, kv_heads, pages, group, dim), axis=2) / total[..., None]
-    return zero_empty(out.reshape(batch, heads, 1, dim).astype(q.dtype), plan.lens)
+    out = out.reshape(batch, heads, 1, dim)
+    return zero_empty(out if q.dtype == mx.float32 else out.astype(q.dtype), plan.lens)
 
 
 def _page_inputs(plan: DecodePlan) -> tuple[mx.array, mx.array, mx.array | None]:

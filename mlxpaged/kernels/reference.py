@@ -124,14 +124,15 @@ def decode_plan(block_tables, context_lens, window, pool_shape, batch) -> Decode
     """The plan of a decode call, or None when every context is empty.
     A model calls this once per layer with the same table and lengths arrays, so the last plan
     is reused: matched by identity of the (immutable) mx.arrays, which the memo holds so their
-    ids cannot be recycled. Lists are never memoized (they can change in place)."""
+    ids cannot be recycled. Lists are never memoized (they can change in place); lengths may be a
+    tuple of ints, which needs no device round trip."""
     global _last_plan
     rest = (window, tuple(pool_shape), batch)
     if (_last_plan is not None and _last_plan[0] is block_tables and _last_plan[1] is context_lens
             and _last_plan[2] == rest):
         return _last_plan[3]
     plan = _build_decode_plan(block_tables, context_lens, window, pool_shape, batch)
-    if isinstance(block_tables, mx.array) and isinstance(context_lens, mx.array):
+    if isinstance(block_tables, mx.array) and isinstance(context_lens, (mx.array, tuple)):
         _last_plan = (block_tables, context_lens, rest, plan)
     return plan
 
