@@ -11,6 +11,22 @@ from tests.msl.oracle import attend as oracle_attend
 from tests.msl.oracle import causal_oracle, make_decode_case, max_error, quantize
 
 
+@pytest.fixture(autouse=True)
+def always_gather_mm(monkeypatch):
+    """Small test cases would otherwise take the reference path (GATHER_MM_MIN_KEYS)."""
+    monkeypatch.setattr(cpu_attention, "GATHER_MM_MIN_KEYS", 0)
+
+
+def test_small_decode_calls_take_the_reference_path(monkeypatch):
+    def gather_mm_inputs(plan):
+        raise AssertionError("the gather_mm path was taken")
+
+    monkeypatch.setattr(cpu_attention, "GATHER_MM_MIN_KEYS", 1024)
+    monkeypatch.setattr(cpu_attention, "_page_inputs", gather_mm_inputs)
+    case = make_decode_case(8, [40, 23], 8, 2, 64, 8)  # 2 sequences x 40 keys
+    assert max_error(paged_attention_cpu(*case.args()), case.expected()) < 1e-5
+
+
 def test_shifted_exp_matches_exp_to_float32_precision():
     x = np.concatenate([np.linspace(-87.0, 0.0, 200_001), [-1e-8, -0.5, -1.5]])
     got = np.array(shifted_exp(mx.array(x.astype(np.float32)), mx.array(0.0)), dtype=np.float64)
