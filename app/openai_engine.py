@@ -55,6 +55,8 @@ def submit_error(exc: Exception, prompt_param: str) -> APIError:
         return invalid_param(prompt_param, str(exc), "context_length_exceeded")
     if isinstance(exc, EngineClosedError):
         return unavailable("the server is shutting down")
+    if str(exc).startswith("logit_bias"):  # a token id past the vocabulary (only the engine knows it)
+        return invalid_param("logit_bias", str(exc))
     return invalid_param(prompt_param, str(exc))
 
 

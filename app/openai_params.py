@@ -95,8 +95,14 @@ def check_completion_supported(request: CompletionRequest) -> None:
 
 
 def _check_logit_bias(bias: dict | None) -> None:
-    if bias:
-        raise invalid_param("logit_bias", "logit_bias is not supported by this server yet", "unsupported_parameter")
+    """OpenAI sends token ids as JSON object keys, i.e. strings of digits."""
+    for key in bias or {}:
+        if not (isinstance(key, str) and key.isdigit()):
+            raise invalid_param("logit_bias", f"logit_bias keys must be token ids (strings of digits), got {key!r}")
+
+
+def _logit_bias(bias: dict | None) -> dict[int, float]:
+    return {int(key): value for key, value in (bias or {}).items()}
 
 
 def resolve_max_tokens(requested: int | None, prompt_tokens: int, limit: int, default: int) -> int:
@@ -125,7 +131,8 @@ def sampling_params(request, *, max_tokens: int, logprobs: bool, top_logprobs: i
                   top_k=0 if r.top_k in (None, -1) else r.top_k,  # vLLM spells "off" -1
                   min_p=r.min_p or 0.0, repetition_penalty=1.0 if r.repetition_penalty is None else r.repetition_penalty,
                   presence_penalty=r.presence_penalty or 0.0, frequency_penalty=r.frequency_penalty or 0.0,
-                  seed=r.seed, stop=[] if r.stop is None else r.stop, ignore_eos=bool(r.ignore_eos))
+                  seed=r.seed, stop=[] if r.stop is None else r.stop, ignore_eos=bool(r.ignore_eos),
+                  logit_bias=_logit_bias(r.logit_bias))
     try:
         return SamplingParams(**fields)
     except ValueError as exc:

@@ -133,6 +133,7 @@ class Engine:
             raise EngineClosedError("the engine is closed")
         params = params or SamplingParams()
         tokens = self._tokenize(prompt)
+        self._check_token_ids("logit_bias token ids", params.logit_bias)
         self._check_fits(len(tokens), params.max_tokens)
         request_id = f"req-{next(self._ids)}"
         self._commands.put(("add", request_id, tokens, params, sink))
@@ -243,11 +244,14 @@ class Engine:
         if isinstance(prompt, str):
             return list(self.tokenizer.encode(prompt, add_special_tokens=False))
         tokens = [int(t) for t in prompt]
+        self._check_token_ids("prompt token ids", tokens)
+        return tokens
+
+    def _check_token_ids(self, what: str, tokens) -> None:
         vocab = self.loaded.config.get("vocab_size")
         bad = [t for t in tokens if t < 0 or (vocab and t >= vocab)]
         if bad:
-            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
-        return tokens
+            raise ValueError(f"{what} out of range [0, {vocab}): {bad[:5]}")
 
     def _check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
         if prompt_tokens == 0:

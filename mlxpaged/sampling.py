@@ -38,6 +38,7 @@ GREEDY_TEMPERATURE = 1e-5
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
 MAX_N = 128
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range
 
 
 def _range_text(low: float, high: float, low_open: bool) -> str:
@@ -81,6 +82,15 @@ def _token_id_list(name: str, value: object) -> list[int]:
     return list(value)
 
 
+def _logit_bias(value: object) -> dict[int, float]:
+    if not isinstance(value, dict):
+        raise ValueError(f"logit_bias must be a dict of token id -> bias, got {value!r}")
+    for token, bias in value.items():
+        _require_number("logit_bias token ids", token, 0, math.inf, integer=True)
+        _require_number(f"logit_bias[{token}]", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+    return {int(token): float(bias) for token, bias in value.items()}
+
+
 @dataclass
 class SamplingParams:
     """How one request samples and when it stops. Checked on construction (ValueError)."""
@@ -101,6 +111,7 @@ class SamplingParams:
     top_logprobs: int = 0
     n: int = 1
     logits_processors: list[LogitsProcessor] = field(default_factory=list)
+    logit_bias: dict[int, float] = field(default_factory=dict)  # added to the logits before sampling
 
     def __post_init__(self) -> None:
         _require_number("max_tokens", self.max_tokens, 1, math.inf, integer=True)
@@ -121,6 +132,7 @@ class SamplingParams:
         if self.top_logprobs and not self.logprobs:
             raise ValueError(f"top_logprobs={self.top_logprobs} needs logprobs=True (as in OpenAI's API)")
         _require_number("n", self.n, 1, MAX_N, integer=True)
+        self.logit_bias = _logit_bias(self.logit_bias)
         self._check_processors()
 
     def _check_processors(self) -> None:
@@ -295,7 +307,21 @@ def _draw(logits: mx.array, states: list[SamplerState], ahead: int) -> mx.array:
     return (cdf < threshold).sum(axis=-1).astype(mx.uint32)
 
 
+def _add_bias(logits: mx.array, states: list[SamplerState]) -> mx.array:
+    """The rows' logit_bias added (OpenAI semantics: before filtering and sampling; the reported
+    logprobs stay the model's own)."""
+    entries = [(row, token, bias) for row, state in enumerate(states) for token, bias in state.params.logit_bias.items()]
+    if not entries:
+        return logits
+    rows, tokens, biases = zip(*entries)
+    bad = [t for t in tokens if t >= logits.shape[-1]]
+    if bad:
+        raise ValueError(f"logit_bias token ids {bad[:5]} are outside the vocabulary of {logits.shape[-1]}")
+    return logits.at[mx.array(rows), mx.array(tokens)].add(mx.array(biases, dtype=logits.dtype))
+
+
 def _choose_tokens(processed: mx.array, states: list[SamplerState], ahead: int = 0) -> mx.array:
+    processed = _add_bias(processed, states)
     tokens = mx.argmax(processed, axis=-1)
     drawn = [i for i, state in enumerate(states) if not state.params.greedy]
     if not drawn:

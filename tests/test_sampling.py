@@ -39,6 +39,8 @@ BAD = [
     ("stop_token_ids", [-1]), ("stop_token_ids", "5"), ("stop_token_ids", [1.0]),
     ("ignore_eos", 1), ("logprobs", "yes"), ("top_logprobs", 21), ("top_logprobs", -1),
     ("n", 0), ("n", 129), ("logits_processors", [1]), ("logits_processors", "f"),
+    ("logit_bias", {5: 101.0}), ("logit_bias", {5: float("nan")}), ("logit_bias", {-1: 1.0}),
+    ("logit_bias", {"5": 1.0}), ("logit_bias", [5]),
 ]
 
 
@@ -89,6 +91,25 @@ def test_greedy_is_argmax_for_every_row():
     assert tokens == list(np.argmax(logits, axis=-1))
     half = sample_batch(mx.array(logits).astype(mx.bfloat16), states)  # other dtypes are cast
     assert all(isinstance(r.token, int) for r in half)
+
+
+def test_logit_bias_moves_the_choice_but_not_the_reported_logprobs():
+    from mlxpaged.sampling import LazySample
+
+    logits = np.random.default_rng(7).normal(size=(3, VOCAB)).astype(np.float32)
+    top = np.argmax(logits, axis=-1)
+    params = [SamplingParams(temperature=0, logprobs=True, logit_bias={int(top[0]): -100.0}),
+              SamplingParams(temperature=0, logprobs=True, logit_bias={17: 100.0, 18: 99.0}),
+              SamplingParams(temperature=0, logprobs=True)]
+    second = int(np.argsort(logits[0])[-2])
+    for sample in (lambda states: sample_batch(mx.array(logits), states),
+                   lambda states: LazySample(mx.array(logits), states).results()):
+        results = sample([make_state(p, [1]) for p in params])
+        assert [r.token for r in results] == [second, 17, int(top[2])]
+        assert results[1].logprob == pytest.approx(log_softmax(logits[1])[17], abs=1e-5)  # the model's own
+    drawn = sample_batch(mx.array(logits[:1]), [make_state(SamplingParams(temperature=1.0, seed=3,
+                                                                          logit_bias={5: 100.0}), [1])])
+    assert drawn[0].token == 5  # +100 dominates any draw
 
 
 def test_top_k_1_is_greedy_whatever_the_seed():

@@ -181,6 +181,19 @@ def test_logprobs(client):
     assert content[0].top_logprobs[0].token == content[0].token  # greedy picks the most likely
 
 
+PARIS, COMMA = 7042, 28  # " Paris" and "," in SmolLM2's vocabulary
+
+
+def test_logit_bias_bans_and_forces_tokens(client):
+    def complete(**fields):
+        return client.completions.create(model="smollm2-135m", prompt="The capital of France is", temperature=0,
+                                         **fields).choices[0].text
+
+    assert complete(max_tokens=1) == "Paris"  # mlx-lm's detokenizer drops the first token's space
+    assert complete(max_tokens=1, logit_bias={str(PARIS): -100}) not in ("Paris", "")
+    assert complete(max_tokens=3, logit_bias={str(COMMA): 100}) == ",,,"
+
+
 # --- bad input: the documented status and error shape, then a normal request ------------------------
 
 CHAT = "/v1/chat/completions"
@@ -231,6 +244,7 @@ BAD_INPUTS = [  # (id, path, body as dict or raw bytes, headers or None for the 
     ("stream-string", CHAT, chat(stream="yes"), None, 400, "stream"),
     ("stream-options-type", CHAT, chat(stream=True, stream_options="usage"), None, 400, "stream_options"),
     ("tools", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), None, 400, "tools"),
+    ("logit-bias-past-vocab", CHAT, chat(logit_bias={str(10**9): 5}), None, 400, "logit_bias"),
     ("unknown-model", CHAT, chat(model="gpt-9"), None, 404, "model"),
     ("prompt-over-the-cache", COMPLETIONS, {"prompt": "hello " * 5000}, None, 400, "prompt"),
     ("oversized-body", CHAT, chat(messages=[{"role": "user", "content": "x" * 100_000}]), None, 413, None),

@@ -267,6 +267,8 @@ async def test_body_limit_declared_and_streamed():
     ({**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      "messages[0].content[0]"),
     ({**CHAT, "tools": [{"type": "function"}]}, "tools"),
+    ({**CHAT, "logit_bias": {"abc": 1}}, "logit_bias"),
+    ({**CHAT, "logit_bias": {"5": 150}}, "logit_bias"),
     ({"prompt": "x", "suffix": "y"}, "suffix"),
     ({"prompt": ""}, "prompt"),
     ({"prompt": "x" * 9000}, "prompt"),
