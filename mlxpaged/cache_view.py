@@ -114,6 +114,7 @@ class _Plan:
     split: bool  # old window read before the write, new keys attended as given
     write_slots: mx.array  # [T]
     write_rows: mx.array | None  # [T] rows of the flattened [B * L] new tokens; None: all, in order
+    write_run: tuple[int, int] | None  # (block, offset): one sequence's new tokens fill one run of one block
     read_blocks: mx.array | None  # [B, n] blocks in position order; None: nothing to read
     offsets: tuple[int, ...]
     num_new: tuple[int, ...]
@@ -146,6 +147,7 @@ def _build_plan(
         split=split,
         write_slots=mx.array(slots, dtype=mx.int32),
         write_rows=None if rows == list(range(len(tables) * length)) else mx.array(rows, dtype=mx.int32),
+        write_run=_single_run(slots, len(tables) * length, block_size) if len(tables) == 1 else None,
         read_blocks=blocks,
         offsets=tuple(offsets),
         num_new=tuple(num_new),
@@ -155,6 +157,14 @@ def _build_plan(
         length=length,
         page_tokens=0 if blocks is None else blocks.shape[1] * block_size,
     )
+
+
+def _single_run(slots: list[int], num_new: int, block_size: int) -> tuple[int, int] | None:
+    """(block, offset) when all `num_new` new tokens go, in order, to consecutive slots of one block."""
+    if len(slots) != num_new or slots != list(range(slots[0], slots[0] + num_new)) \
+            or slots[0] // block_size != slots[-1] // block_size:
+        return None
+    return slots[0] // block_size, slots[0] % block_size
 
 
 def _write_slots(group, tables, offsets, ends, length, block_size) -> tuple[list[int], list[int]]:
@@ -293,6 +303,9 @@ class PagedCacheView:
         return self._num_new
 
     def _write(self, plan: _Plan, keys: mx.array, values: mx.array) -> None:
+        if plan.write_run is not None:  # e.g. batch-1 decode: a slice update, as mlx-lm's KVCache does
+            self._kv.write_run(self._layer, *plan.write_run, keys, values)
+            return
         batch, heads, length, dim = keys.shape
         k = keys.transpose(0, 2, 1, 3).reshape(batch * length, heads, dim)
         v = values.transpose(0, 2, 1, 3).reshape(batch * length, heads, values.shape[-1])

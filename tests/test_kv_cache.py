@@ -113,6 +113,28 @@ def peak_growth(fn) -> int:
     return mx.get_peak_memory() - base
 
 
+def test_write_run_equals_the_indexed_write_and_checks_its_range():
+    run, indexed = small_cache(), small_cache()
+    k, v = rand(1, H, 3, D, seed=3), rand(1, H, 3, D, seed=4)
+    run.write_run(1, 5, 4, k, v)  # slots 5*BS+4 .. 5*BS+6
+    indexed.write(1, [5 * BS + 4, 5 * BS + 5, 5 * BS + 6], k[0].transpose(1, 0, 2), v[0].transpose(1, 0, 2))
+    for a, b in ((run.key_pool(1), indexed.key_pool(1)), (run.value_pool(1), indexed.value_pool(1))):
+        np.testing.assert_array_equal(np.array(a), np.array(b))
+    with pytest.raises(ValueError, match="outside the pool"):
+        run.write_run(0, 5, 6, k, v)  # 6 + 3 > BS
+    with pytest.raises(ValueError, match="outside the pool"):
+        run.write_run(0, 16, 0, k, v)
+
+
+def test_single_runs_are_recognised():
+    from mlxpaged.cache_view import _single_run
+
+    assert _single_run([42], 1, BS) == (5, 2)
+    assert _single_run([40, 41, 42], 3, BS) == (5, 0)
+    assert _single_run([46, 47, 48], 3, BS) is None  # crosses into block 6
+    assert _single_run([40, 42], 2, BS) is None and _single_run([41], 2, BS) is None
+
+
 def test_write_and_copy_are_in_place():
     kv = PagedKVCache(1, 16384, 16, 4, 64, mx.float32)  # 64 MiB per pool
     pool_id, pool_bytes = id(kv.keys[0]), kv.keys[0].nbytes
@@ -120,6 +142,10 @@ def test_write_and_copy_are_in_place():
     grow = peak_growth(lambda: (kv.write(0, [5, 700, 90000], k, k), mx.eval(kv.keys, kv.values)))
     assert id(kv.keys[0]) == pool_id
     assert grow < pool_bytes // 16, f"write allocated {grow} bytes: the pool was copied"
+    one = k[:1].transpose(1, 0, 2)[None]  # [1, kv_heads, 1, head_dim]
+    grow = peak_growth(lambda: (kv.write_run(0, 9, 3, one, one), mx.eval(kv.keys, kv.values)))
+    assert id(kv.keys[0]) == pool_id
+    assert grow < pool_bytes // 16, f"write_run allocated {grow} bytes: the pool was copied"
     grow = peak_growth(lambda: (kv.copy_blocks([(0, 100), (43, 7)]), mx.eval(kv.keys, kv.values)))
     assert grow < pool_bytes // 16, f"copy_blocks allocated {grow} bytes: a pool was copied"
 
