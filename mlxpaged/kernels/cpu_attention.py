@@ -10,8 +10,8 @@ SmolLM2 layer (9 query / 3 KV heads, D 64) the scores matmul takes 1.4 ms and th
 Three changes, each checked against a NumPy float64 reference in tests/test_cpu_attention.py:
 
 - ``exp`` of the shifted scores is computed as 2^n * p(f) (n = round(x log2 e), |f| <= 1/2,
-  p a degree-7 Taylor polynomial of 2^f, 2^n built from exponent bits): one fused, compiled
-  elementwise pass, ~4x faster than ``mx.exp``, relative error a few float32 ulps.
+  p a degree-7 Taylor polynomial of 2^f, 2^n built from exponent bits): a compiled elementwise
+  pass and one multiply, ~4x faster than ``mx.exp``, relative error a few float32 ulps.
 - Normalisation is applied to the [rows, D] output instead of the [rows, keys] probabilities.
 - Causal queries are processed in blocks that each read only the keys they can see, so the
   masked upper triangle is neither multiplied nor exponentiated (about half the work).
