@@ -264,10 +264,8 @@ class BlockPool:
         a full ring, which wraps. Raises NoFreeBlocksError (token not appended) when the pool
         cannot supply the blocks."""
         req = self._request(request_id)
-        pos = len(req.tokens)
-        logical = pos // self.block_size
-        if pos % self.block_size == 0:
-            self._grow(req, logical)
+        self._make_room(req)
+        logical = len(req.tokens) // self.block_size
         for table in req.tables:
             # A growing table covers `logical`; a ring shorter than its limit does too, so
             # `% len` is the ring's `% max_blocks` wherever it matters.
@@ -281,9 +279,7 @@ class BlockPool:
         the KV of a token whose id is not known yet, and `append_slot` then fills the same slot.
         Returns the tables. Raises NoFreeBlocksError (nothing changed) when the pool is short."""
         req = self._request(request_id)
-        pos = len(req.tokens)
-        if pos % self.block_size == 0:
-            self._grow(req, pos // self.block_size)
+        self._make_room(req)
         return [[b.block_id for b in table] for table in req.tables]
 
     def mark_computed(self, request_id: Hashable, num_computed_tokens: int) -> None:
@@ -383,6 +379,12 @@ class BlockPool:
             hits.append(block)
             parent = block.key
         return hits
+
+    def _make_room(self, req: _Request) -> None:
+        """Tables that end where the next token starts a block get that block (atomic)."""
+        pos = len(req.tokens)
+        if pos % self.block_size == 0:
+            self._grow(req, pos // self.block_size)
 
     def _grow(self, req: _Request, logical: int) -> None:
         """Give every table that ends before logical block `logical` one more block (a ring

@@ -62,6 +62,11 @@ class _Tracked:
     first_token: float | None = None
 
 
+def _rows(values: mx.array, rows: list[int]) -> mx.array:
+    """`values[rows]`, without a gather when `rows` is every row in order."""
+    return values if rows == list(range(values.shape[0])) else values[mx.array(rows)]
+
+
 class Engine:
     def __init__(self, loaded: LoadedModel, cache_config: CacheConfig | None = None):
         self.loaded = loaded
@@ -329,8 +334,7 @@ class Engine:
         if ahead is not None and ahead.covers(out.chunks):
             # This step was computed while the last one ran: queue the next one, then read it.
             rows_of = ahead.rows_of(out.chunks)
-            tokens = ahead.sample.tokens if rows_of == list(range(len(ahead.rows))) \
-                else ahead.sample.tokens[mx.array(rows_of)]
+            tokens = _rows(ahead.sample.tokens, rows_of)
             self._ahead = self._look_ahead(out.chunks, tokens, [t.sampler for t in sampling])
             everything = ahead.sample.results()
             results = [everything[i] for i in rows_of]
@@ -379,9 +383,7 @@ class Engine:
                 inputs.append(StepInput([0], position, tables, True))
         if not picked:
             return None
-        if len(picked) < len(chunks):
-            tokens = tokens[mx.array(picked)]
-        logits = self.runner.decode_ahead(inputs, tokens)
+        logits = self.runner.decode_ahead(inputs, _rows(tokens, picked))
         return Lookahead([(chunks[i].request.request_id, x.start) for i, x in zip(picked, inputs)],
                       LazySample(logits, [states[i] for i in picked], ahead=1))
 

@@ -70,20 +70,19 @@ SHARED_PREFILL_PADDING = 1.25
 
 def prefill_passes(inputs: Sequence[StepInput]) -> list[list[int]]:
     """The prefill chunks (inputs of more than one token) grouped into passes, as input indices."""
-    alone, groups = [], []
+    alone, groups, totals = [], [], []
     chunks = [i for i, x in enumerate(inputs) if len(x.token_ids) > 1]
     for i in sorted(chunks, key=lambda i: len(inputs[i].token_ids)):
         x = inputs[i]
-        if x.start + len(x.token_ids) > SHARED_PREFILL_MAX_END:
-            alone.append([i])
-            continue
-        group = groups[-1] if groups else None
         width = len(x.token_ids)  # the longest so far: sorted by length
-        if group and width * (len(group) + 1) <= SHARED_PREFILL_PADDING * (
-                width + sum(len(inputs[j].token_ids) for j in group)):
-            group.append(i)
+        if x.start + width > SHARED_PREFILL_MAX_END:
+            alone.append([i])
+        elif groups and width * (len(groups[-1]) + 1) <= SHARED_PREFILL_PADDING * (totals[-1] + width):
+            groups[-1].append(i)
+            totals[-1] += width
         else:
             groups.append([i])
+            totals.append(width)
     return groups + alone
 
 

@@ -377,6 +377,12 @@ def _evaluate(logits: mx.array, rows: list[mx.array] | None, states: list[Sample
     for i, peak in zip(custom, peaks.tolist()):
         if not math.isfinite(peak):
             errors[i] = ValueError(f"logits processors left no finite logit (the largest is {peak})")
+    return _read_rows(tokens, extras, asked, states, errors)
+
+
+def _read_rows(tokens: mx.array, extras: list[mx.array], asked: list[int], states: list[SamplerState],
+               errors: dict[int, Exception]) -> list[SampleResult]:
+    """One SampleResult per row from the (evaluated or pending) token and logprob arrays."""
     token_list = tokens.tolist()
     lists = [extra.tolist() for extra in extras]
     position = {row: j for j, row in enumerate(asked)}
@@ -442,7 +448,4 @@ class LazySample:
 
     def results(self) -> list[SampleResult]:
         """Wait for the tokens; one SampleResult per row."""
-        token_list = self.tokens.tolist()
-        lists = [extra.tolist() for extra in self._extras]
-        position = {row: j for j, row in enumerate(self._asked)}
-        return [_row_result(state, token_list[i], position.get(i), lists) for i, state in enumerate(self.states)]
+        return _read_rows(self.tokens, self._extras, self._asked, self.states, {})
