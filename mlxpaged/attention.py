@@ -29,8 +29,8 @@ from typing import Iterator
 
 import mlx.core as mx
 
-from mlxpaged.kernels.cpu_attention import attend, paged_attention_cpu
-from mlxpaged.kernels.reference import paged_attention_reference, paged_prefill_attention_reference
+from mlxpaged.kernels.cpu_attention import attend, decode_attention_cpu, paged_attention_cpu
+from mlxpaged.kernels.reference import attend_pages, paged_attention_reference, paged_prefill_attention_reference
 
 ENV_VAR = "MLXPAGED_ATTENTION"
 BACKENDS = ("auto", "kernel", "cpu", "reference")
@@ -118,3 +118,13 @@ def paged_prefill_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, blo
     """
     return paged_prefill_attention_reference(q, k_pool, v_pool, block_table, prefix_len, chunk_len,
                                              scale, window)
+
+
+def decode_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, rows: mx.array, mask: mx.array,
+                     scale: float) -> mx.array:
+    """Decode attention from array inputs only, for compiled passes (no host lengths): ``rows``
+    [B, KVH, nb] page rows (``reference.page_rows``), ``mask`` [B, 1, 1, nb * BS] bool (key in the
+    sequence; every sequence has at least one). Same result as ``paged_attention``."""
+    if resolved_backend() == "cpu" and k_pool.dtype == mx.float32 and v_pool.dtype == mx.float32:
+        return decode_attention_cpu(q, k_pool, v_pool, rows, mask, scale)
+    return attend_pages(q, k_pool, v_pool, rows, mask, scale)

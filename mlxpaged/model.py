@@ -22,6 +22,7 @@ from mlx_lm.utils import load as mlx_lm_load
 
 from mlxpaged.attention import paged_attention, sdpa
 from mlxpaged.cache_view import PagedCacheView, layer_windows
+from mlxpaged.decode_pass import DecodeView
 from mlxpaged.models import ModelRef, Progress, provision, resolve
 
 
@@ -103,6 +104,8 @@ _ROUTED_MODULES: dict[str, object] = {}
 
 
 def _routed_sdpa(queries, keys, values, cache, scale, mask, sinks=None):
+    if isinstance(cache, DecodeView) and sinks is None:  # inside a compiled decode pass
+        return cache.attend(queries, scale)
     if isinstance(cache, PagedCacheView) and sinks is None:
         decode = cache.decode_inputs()
         if decode is not None:

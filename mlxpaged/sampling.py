@@ -434,9 +434,10 @@ class LazySample:
     """The tokens (and logprobs) of a batch as a lazy graph, for pipelining: the next model pass
     is built on `tokens` while this one computes; `results()` reads them. Only for rows without
     logits processors or penalties, which need the history up to the token being sampled.
-    `ahead`: how many tokens each row is ahead of its recorded history (seeded keys follow)."""
+    `ahead`: how many tokens each row is ahead of its recorded history (seeded keys follow).
+    `launch=False` leaves the graph unqueued: the caller passes `arrays` to its own async_eval."""
 
-    def __init__(self, logits: mx.array, states: list[SamplerState], ahead: int = 0):
+    def __init__(self, logits: mx.array, states: list[SamplerState], ahead: int = 0, launch: bool = True):
         if any(state.has_processors for state in states):
             raise ValueError("rows with logits processors or penalties cannot be sampled lazily")
         logits = logits.astype(mx.float32)
@@ -444,7 +445,9 @@ class LazySample:
         self.tokens = _choose_tokens(logits, states, ahead).astype(mx.int32)
         self._asked = [i for i, state in enumerate(states) if state.params.logprobs]
         self._extras = _logprob_graph(logits, self.tokens, states, self._asked)
-        mx.async_eval(self.tokens, *self._extras)
+        self.arrays = [self.tokens, *self._extras]
+        if launch:
+            mx.async_eval(*self.arrays)
 
     def results(self) -> list[SampleResult]:
         """Wait for the tokens; one SampleResult per row."""

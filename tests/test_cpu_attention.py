@@ -18,11 +18,11 @@ def always_gather_mm(monkeypatch):
 
 
 def test_small_decode_calls_take_the_reference_path(monkeypatch):
-    def gather_mm_inputs(plan):
+    def gather_mm_inputs(rows, mask):
         raise AssertionError("the gather_mm path was taken")
 
     monkeypatch.setattr(cpu_attention, "GATHER_MM_MIN_KEYS", 1024)
-    monkeypatch.setattr(cpu_attention, "_page_inputs", gather_mm_inputs)
+    monkeypatch.setattr(cpu_attention, "_page_arrays", gather_mm_inputs)
     case = make_decode_case(8, [40, 23], 8, 2, 64, 8)  # 2 sequences x 40 keys
     assert max_error(paged_attention_cpu(*case.args()), case.expected()) < 1e-5
 
@@ -121,11 +121,11 @@ def test_paged_decode_equal_lengths_padded_tables_and_empty_contexts():
 def test_paged_decode_reads_the_pages_it_is_given(monkeypatch):
     """Planted bug: shifting every page id by one must be caught by the oracle comparison."""
     case = make_decode_case(6, [40, 23], 8, 2, 64, 8, spare_blocks=4)
-    build = cpu_attention._page_inputs
+    build = cpu_attention._page_arrays
 
-    def shifted(plan):
-        pages, queries, mask = build(plan)
+    def shifted(rows, mask):
+        pages, queries, mask = build(rows, mask)
         return (pages + case.k_pool.shape[1]) % (case.k_pool.shape[0] * case.k_pool.shape[1]), queries, mask
 
-    monkeypatch.setattr(cpu_attention, "_page_inputs", shifted)
+    monkeypatch.setattr(cpu_attention, "_page_arrays", shifted)
     assert max_error(paged_attention_cpu(*case.args()), case.expected()) > 1e-2

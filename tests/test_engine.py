@@ -168,21 +168,27 @@ def identity_processor(tokens, logits):
 def test_pipelined_steps_equal_unpipelined_ones(tiny, monkeypatch):
     """Decode steps queued on the previous step's lazy tokens (Engine._look_ahead) produce what
     fully synchronous steps produce; a logits processor, which reads the history, turns the
-    pipeline off, so it serves as the synchronous twin. Also checks the pipeline really ran."""
+    pipeline off, so it serves as the synchronous twin. Also checks the pipeline really ran:
+    batched, and alone with compiled passes off (a compiled batch-1 pass is not pipelined)."""
     from mlxpaged.runner import Lookahead
 
     adopted = []
     covers = Lookahead.covers
     monkeypatch.setattr(Lookahead, "covers", lambda self, chunks: adopted.append(covers(self, chunks)) or adopted[-1])
     prompts = [random_tokens(n, seed=n) for n in (6, 21, 13)]
+    compiled = tiny.runner.decoder
     for params in (dataclasses.replace(GREEDY, max_tokens=24),
                    SamplingParams(temperature=0.9, top_k=40, seed=7, max_tokens=24, ignore_eos=True, logprobs=True)):
         sync = dataclasses.replace(params, logits_processors=[identity_processor])
         want = [tiny.generate([p], sync)[0] for p in prompts]
         assert not adopted  # the synchronous twin never pipelines
+        monkeypatch.setattr(tiny.runner, "decoder", None)
         alone = [tiny.generate([p], params)[0] for p in prompts]
+        monkeypatch.setattr(tiny.runner, "decoder", compiled)
         assert sum(adopted) >= 3 * (params.max_tokens - 2)
+        adopted.clear()
         batched = tiny.generate(prompts, params)
+        assert sum(adopted) >= params.max_tokens - 2
         for got in (alone, batched):
             assert [c.token_ids for c in got] == [c.token_ids for c in want]
             if params.logprobs:

@@ -32,7 +32,8 @@ from functools import partial
 
 import mlx.core as mx
 
-from mlxpaged.kernels.reference import DecodePlan, decode_plan, paged_attention_reference, zero_empty
+from mlxpaged.kernels.reference import (attend_pages, decode_plan, paged_attention_reference,
+                                        zero_empty)
 
 # Decode calls over fewer (sequence x key) pairs than this take the reference path (gathered pages
 # + mx.fast SDPA): the copy is small there and its graph has fewer nodes to build and run. Batch-1
@@ -134,11 +135,29 @@ def paged_attention_cpu(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_t
     plan = decode_plan(block_tables, context_lens, window, k_pool.shape, batch)
     if plan is None:
         return mx.zeros(q.shape, dtype=q.dtype)
-    kv_heads, block_size = k_pool.shape[1], k_pool.shape[2]
-    group, pages = heads // kv_heads, plan.rows.shape[2]
-    if batch * pages * block_size < GATHER_MM_MIN_KEYS:
+    if batch * plan.rows.shape[2] * k_pool.shape[2] < GATHER_MM_MIN_KEYS:
         return paged_attention_reference(q, k_pool, v_pool, block_tables, context_lens, scale, window)
-    page_ids, query_ids, page_mask = plan.derived("cpu", _page_inputs)
+    page_ids, query_ids, page_mask = plan.derived("cpu", lambda p: _page_arrays(p.rows, p.mask))
+    out = _gather_mm_attention(q, k_pool, v_pool, page_ids, query_ids, page_mask, scale)
+    return zero_empty(out, plan.lens)
+
+
+def decode_attention_cpu(q: mx.array, k_pool: mx.array, v_pool: mx.array, rows: mx.array, mask: mx.array,
+                         scale: float) -> mx.array:
+    """Decode attention from array inputs only (compiled passes): ``rows`` [B, KVH, nb] page rows,
+    ``mask`` [B, 1, 1, nb * BS] bool, at least one key per sequence. Float32 pools."""
+    batch, kv_heads, pages = rows.shape
+    if batch * pages * k_pool.shape[2] < GATHER_MM_MIN_KEYS:
+        return attend_pages(q, k_pool, v_pool, rows, mask, scale)
+    page_ids, query_ids, page_mask = _page_arrays(rows, mask)
+    return _gather_mm_attention(q, k_pool, v_pool, page_ids, query_ids, page_mask, scale)
+
+
+def _gather_mm_attention(q, k_pool, v_pool, page_ids, query_ids, page_mask, scale) -> mx.array:
+    """Scores and weighted values page by page with ``mx.gather_mm``, reading the pools in place."""
+    batch, heads, _, dim = q.shape
+    kv_heads, block_size = k_pool.shape[1], k_pool.shape[2]
+    group, pages = heads // kv_heads, page_ids.shape[0] // (batch * kv_heads)
     rows = (q.astype(mx.float32) if q.dtype != mx.float32 else q) * scale
     rows = rows.reshape(batch * kv_heads, group, dim)
     key_pages = k_pool.reshape(-1, block_size, dim).swapaxes(1, 2)  # a view: [NB * KVH, D, BS]
@@ -153,14 +172,13 @@ def paged_attention_cpu(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_t
                        rhs_indices=page_ids)
     out = mx.sum(out.reshape(batch, kv_heads, pages, group, dim), axis=2) / total[..., None]
     out = out.reshape(batch, heads, 1, dim)
-    return zero_empty(out if q.dtype == mx.float32 else out.astype(q.dtype), plan.lens)
+    return out if q.dtype == mx.float32 else out.astype(q.dtype)
 
 
-def _page_inputs(plan: DecodePlan) -> tuple[mx.array, mx.array, mx.array | None]:
+def _page_arrays(rows: mx.array, mask: mx.array | None) -> tuple[mx.array, mx.array, mx.array | None]:
     """(page row per (sequence, head, page), its query row, additive mask [B, 1, nb, 1, BS] or None)."""
-    batch, kv_heads, pages = plan.rows.shape
+    batch, kv_heads, pages = rows.shape
     query_ids = mx.repeat(mx.arange(batch * kv_heads, dtype=mx.int32), pages)
-    mask = None
-    if plan.mask is not None:
-        mask = mx.where(plan.mask, mx.array(0.0), mx.array(_MASKED)).reshape(batch, 1, pages, 1, -1)
-    return plan.rows.reshape(-1), query_ids, mask
+    if mask is not None:
+        mask = mx.where(mask, mx.array(0.0), mx.array(_MASKED)).reshape(batch, 1, pages, 1, -1)
+    return rows.reshape(-1), query_ids, mask

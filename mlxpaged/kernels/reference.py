@@ -43,12 +43,10 @@ def page_rows(tables: mx.array, pool_shape, clip: bool = True) -> mx.array:
     return tables[:, None, :] * kv_heads + mx.arange(kv_heads, dtype=mx.int32)[None, :, None]
 
 
-def gather_pages(pool: mx.array, tables: mx.array, rows: mx.array | None = None) -> mx.array:
-    """``pool`` [NB, KVH, BS, D], ``tables`` [B, nb] int32 -> [B, KVH, nb * BS, D] (``rows`` from page_rows)."""
+def gather_pages(pool: mx.array, rows: mx.array) -> mx.array:
+    """``pool`` [NB, KVH, BS, D], ``rows`` [B, KVH, nb] from ``page_rows`` -> [B, KVH, nb * BS, D]."""
     num_blocks, kv_heads, block_size, head_dim = pool.shape
-    batch, nb = tables.shape
-    if rows is None:
-        rows = page_rows(tables, pool.shape)
+    batch, _, nb = rows.shape
     flat = pool.reshape(num_blocks * kv_heads, block_size * head_dim)
     return mx.take(flat, rows, axis=0).reshape(batch, kv_heads, nb * block_size, head_dim)
 
@@ -78,18 +76,23 @@ def paged_attention_reference(q: mx.array, k_pool: mx.array, v_pool: mx.array, b
     plan = decode_plan(block_tables, context_lens, window, k_pool.shape, batch)
     if plan is None:
         return mx.zeros(q.shape, dtype=q.dtype)
-    mask, lens = plan.mask, plan.lens
-    keys, values = gather_pages(k_pool, plan.span, plan.rows), gather_pages(v_pool, plan.span, plan.rows)
+    return zero_empty(attend_pages(q, k_pool, v_pool, plan.rows, plan.mask, scale), plan.lens)
+
+
+def attend_pages(q: mx.array, k_pool: mx.array, v_pool: mx.array, rows: mx.array, mask: mx.array | None,
+                 scale: float) -> mx.array:
+    """Decode attention over gathered pages: ``rows`` [B, KVH, nb] from ``page_rows``, ``mask``
+    [B, 1, 1, nb * BS] bool or None. Array inputs only, so compiled passes use it too."""
+    batch, heads, _, head_dim = q.shape
     kv_heads = k_pool.shape[1]
+    keys, values = gather_pages(k_pool, rows), gather_pages(v_pool, rows)
     if keys.shape[2] >= FOLD_GQA_MIN_KEYS:
         # One decode query per sequence: the G query heads of a KV head are G query rows under the
         # same mask, so attend without GQA and K/V are read once per KV head, not once per query head.
         folded = q.reshape(batch, kv_heads, heads // kv_heads, head_dim)
         out = mx.fast.scaled_dot_product_attention(folded, keys, values, scale=scale, mask=mask)
-        out = out.reshape(batch, heads, 1, head_dim)
-    else:
-        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
-    return zero_empty(out, lens)
+        return out.reshape(batch, heads, 1, head_dim)
+    return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
 
 
 def zero_empty(out: mx.array, lens: list[int]) -> mx.array:
@@ -200,7 +203,7 @@ def paged_prefill_attention_reference(q: mx.array, k_pool: mx.array, v_pool: mx.
     first_block, last_block = first_key // block_size, -(-total // block_size)
     span = table[:, first_block:last_block]
     rows = page_rows(span, k_pool.shape, clip=False)  # every entry below ceil(total / BS) is valid
-    keys, values = gather_pages(k_pool, span, rows), gather_pages(v_pool, span, rows)
+    keys, values = gather_pages(k_pool, rows), gather_pages(v_pool, rows)
     lo = first_block * block_size
     if window is None and lo == 0:
         # Bottom-right aligned causal mask: exact when the keys end at the chunk's last token.
