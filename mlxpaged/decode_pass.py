@@ -117,6 +117,16 @@ class CompiledDecode:
         self.kv.keys[:], self.kv.values[:] = keys, values  # drop the old pools: the writes stay in place
         return logits
 
+    def warm_up(self) -> None:
+        """Run one pass on throwaway pools: MLX compiles the fused kernels of a new graph once per
+        machine (about 6 s here, cached on disk), which would otherwise stall a user's second token."""
+        kv = self.kv
+        shape = (MIN_PAGES, kv.num_kv_heads, kv.block_size, kv.head_dim)
+        pools = [[mx.zeros(shape, kv.dtype) for _ in kv.keys] for _ in range(2)]
+        table = mx.arange(MIN_PAGES, dtype=mx.int32)[None]
+        logits, _, _ = self._forward(mx.zeros((1, 1), mx.int32), mx.zeros((1,), mx.int32), table, *pools)
+        mx.eval(logits)
+
     def _trace(self, tokens, starts, tables, keys, values):
         state = _PassState(starts, tables, list(keys), list(values))
         views = [DecodeView(state, layer) for layer in range(len(keys))]

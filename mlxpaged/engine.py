@@ -15,6 +15,7 @@ import itertools
 import queue
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Iterator, Sequence
 
@@ -271,12 +272,24 @@ class Engine:
         stream = mx.new_stream(mx.default_device())  # MLX streams belong to the thread that made them
         try:
             with mx.stream(stream), wired_limit(self.plan, enabled=self.cache_config.wire, streams=[stream]):
+                self._warm_up()
                 self._loop()
             self._fail_all(EngineClosedError("the engine was closed"))
         finally:
             # MLX requires a thread to release its streams before it ends, or the process can
             # abort at exit ("terminate called without an active exception").
             mx.clear_streams()
+
+    def _warm_up(self) -> None:
+        """Compile the decode pass before serving (requests submitted meanwhile wait in the queue);
+        a model whose attention cannot be traced decodes eagerly instead."""
+        if self.runner.decoder is None:
+            return
+        try:
+            self.runner.decoder.warm_up()
+        except Exception as exc:
+            warnings.warn(f"compiled decode is off for this model ({exc!r}); decoding eagerly", RuntimeWarning)
+            self.runner.decoder = None
 
     def _loop(self) -> None:
         while True:

@@ -8,7 +8,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxpaged import decode_pass
 from mlxpaged.attention import attention_backend, decode_attention
 from mlxpaged.decode_pass import MIN_PAGES, CompiledDecode, page_bucket
 from mlxpaged.engine import Engine
@@ -170,3 +169,17 @@ def test_decode_writes_update_the_pools_in_place(tiny, monkeypatch, compiled):
     tiny.generate(prompts[:1], dataclasses.replace(GREEDY, max_tokens=30))
     tiny.generate(prompts, dataclasses.replace(GREEDY, max_tokens=30))
     assert len(seen) >= 58 and all(addresses == first for addresses in seen)
+
+
+def test_a_model_whose_pass_cannot_be_compiled_decodes_eagerly(tokenizer, monkeypatch):
+    def fails(self):
+        raise TypeError("cannot trace this attention")
+
+    monkeypatch.setattr(CompiledDecode, "warm_up", fails)
+    model = tiny_llama()
+    prompt = random_tokens(12, seed=5)
+    with pytest.warns(RuntimeWarning, match="compiled decode is off"):
+        with tiny_engine(model, tokenizer) as engine:
+            got = engine.generate([prompt], GREEDY)[0].token_ids
+            assert engine.runner.decoder is None
+    assert got == reference_tokens(model, prompt, GREEDY.max_tokens)

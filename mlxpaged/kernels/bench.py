@@ -93,28 +93,31 @@ def run_kernel_bench(contexts: Sequence[int] = DEFAULT_CONTEXTS, batches: Sequen
                      progress: Callable[[KernelBenchRow], None] | None = None) -> list[KernelBenchRow]:
     """Time every (context, batch) cell; ``progress`` sees each row as it completes."""
     rng = np.random.default_rng(0)
-    scale = shape.head_dim ** -0.5
-    use_kernel = bool(mx.metal.is_available()) and mx.default_device().type == mx.gpu
     rows = []
     for context in contexts:
         for batch in batches:
-            q, keys, values, k_pool, v_pool, tables, lens = _inputs(context, batch, shape, rng)
-            fns = {"contiguous": lambda: mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale),
-                   "reference": lambda: paged_attention_reference(q, k_pool, v_pool, tables, lens, scale)}
-            if use_kernel:
-                from mlxpaged.kernels.paged_attention import paged_attention_metal
-
-                fns["kernel"] = lambda: paged_attention_metal(q, k_pool, v_pool, tables, lens, scale)
-            else:
-                fns["cpu"] = lambda: paged_attention_cpu(q, k_pool, v_pool, tables, lens, scale)
-            ms = time_interleaved(fns, min_seconds)
-            fast = "kernel" if use_kernel else "cpu"
-            row = KernelBenchRow(context, batch, ms["contiguous"], ms["reference"], ms[fast], fast)
-            rows.append(row)
+            rows.append(_bench_cell(context, batch, shape, rng, min_seconds))
             if progress:
-                progress(row)
-            del q, keys, values, k_pool, v_pool
+                progress(rows[-1])
     return rows
+
+
+def _bench_cell(context: int, batch: int, shape: BenchShape, rng, min_seconds: float) -> KernelBenchRow:
+    """One cell; its arrays are freed on return, before the next size is allocated."""
+    scale = shape.head_dim ** -0.5
+    use_kernel = bool(mx.metal.is_available()) and mx.default_device().type == mx.gpu
+    q, keys, values, k_pool, v_pool, tables, lens = _inputs(context, batch, shape, rng)
+    fns = {"contiguous": lambda: mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale),
+           "reference": lambda: paged_attention_reference(q, k_pool, v_pool, tables, lens, scale)}
+    if use_kernel:
+        from mlxpaged.kernels.paged_attention import paged_attention_metal
+
+        fns["kernel"] = lambda: paged_attention_metal(q, k_pool, v_pool, tables, lens, scale)
+    else:
+        fns["cpu"] = lambda: paged_attention_cpu(q, k_pool, v_pool, tables, lens, scale)
+    ms = time_interleaved(fns, min_seconds)
+    fast = "kernel" if use_kernel else "cpu"
+    return KernelBenchRow(context, batch, ms["contiguous"], ms["reference"], ms[fast], fast)
 
 
 def format_kernel_bench(rows: Sequence[KernelBenchRow], shape: BenchShape = BenchShape()) -> str:
