@@ -1,12 +1,13 @@
 """The decode pass (one new token per sequence) as one `mx.compile`d graph.
 
-On MLX's CPU backend a small model's decode step is dominated less by its matmuls than by the
-hundreds of small ops around them (RMSNorm, RoPE and SDPA expand into several ops each there):
-SmolLM2-135M's 30 attention blocks at batch 1 take 16.5 ms eager and 10.6 ms compiled. mlx-lm
-does not compile its decode, as its cache is sliced with Python ints. A paged pass can be
-compiled: positions, write slots and page rows are arrays, so the graph depends only on the
+mlx-lm does not compile its decode step, as its cache is sliced with Python ints. A paged pass can
+be compiled: positions, write slots and page rows are arrays, so the graph depends only on the
 batch size and the number of pages read, which is rounded up to a bucket (at most ~25% padding,
-masked out) so a growing context retraces about four times per doubling (~40 ms each).
+masked out) so a growing context retraces about four times per doubling (~40 ms each). Compiled,
+MLX fuses the elementwise ops that RMSNorm, RoPE and SDPA expand into on the CPU backend, and a
+call replaces Python graph building. Batch-1 step of SmolLM2-135M at 130 tokens (in one process,
+8 alternating rounds): 48.0 ms to evaluate and 2.8 ms to build, against 51.0 and 3.5 ms for
+mlx-lm's own step (the matmuls, most of the step, are the same OpenBLAS calls either way).
 
 The pools go in as arguments and come back as results; the cache swaps in the results before
 the pass is evaluated, so nothing else holds the old pools and the writes stay in place.
@@ -45,7 +46,7 @@ class _PassState:
     """The traced inputs of one pass, shared by every layer's view; derived once per pass."""
 
     def __init__(self, starts: mx.array, tables: mx.array, keys: list[mx.array], values: list[mx.array]):
-        num_blocks, heads, size, _ = keys[0].shape
+        _, heads, size, _ = keys[0].shape
         batch, width = tables.shape
         self.positions = starts  # [B] position of each new token (the RoPE offset)
         blocks = mx.take_along_axis(tables, (starts // size)[:, None], axis=1)  # [B, 1]

@@ -89,8 +89,8 @@ def prefill_passes(inputs: Sequence[StepInput]) -> list[list[int]]:
 
 # Decode passes of up to this many sequences run compiled (decode_pass.py). Each batch size is a
 # graph of its own per page bucket, traced on first use (40-150 ms): worth it at batch 1 (the
-# chat case), not where batches change size every few steps. Measured per step on SmolLM2-135M:
-# B=1 48 vs 51 ms (mlx-lm's own step), B=4 74 vs 83 ms, B=16 120 vs 125 ms compiled vs eager.
+# chat case), not where batches change size every few steps. Measured per step on SmolLM2-135M,
+# compiled vs eager: B=4 74 vs 83 ms, B=16 120 vs 125 ms (B=1: 48 ms vs mlx-lm's own 51 ms).
 COMPILED_DECODE_MAX_BATCH = 1
 
 
@@ -151,8 +151,9 @@ class Runner:
     def launch(self, *arrays: mx.array) -> None:
         """Start computing `arrays` and the pools' pending writes. A pass's page writes stay in
         place only if nothing else still reads those pools when they are queued, so a pass built
-        ahead is launched only after the pass before it has been read (measured: launching it
-        while that pass ran copied pools, 55 -> 150 ms per step with 6 GB of pools)."""
+        ahead is launched only after the pass before it has been read (measured on compiled
+        passes: launching one while the pass before ran copied pools, 55 -> 115-175 ms per step
+        with 6 GB of pools)."""
         mx.async_eval(*arrays, self.kv.keys, self.kv.values)
 
     def _pass(self, batch: list[StepInput], tokens: mx.array | None = None, launch: bool = True) -> mx.array:

@@ -16,23 +16,11 @@ from mlxpaged.kernels.reference import page_rows
 from mlxpaged.sampling import SamplingParams
 from tests.msl.oracle import make_decode_case, max_error
 from tests.test_engine import GREEDY, assert_pool_empty, reference_tokens, tiny_engine
-from tests.tiny_models import random_tokens, tiny_llama, tiny_qwen3
+from tests.test_engine import tiny, tokenizer  # noqa: F401  (the fixtures, shared)
+from tests.tiny_models import random_tokens, tiny_llama
 
 SEEDED = SamplingParams(temperature=0.9, top_k=40, seed=3, max_tokens=40, ignore_eos=True, logprobs=True,
                         top_logprobs=2)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(default_loaded):
-    return default_loaded.tokenizer
-
-
-@pytest.fixture(scope="module", params=["llama-gqa", "qwen3"])
-def tiny(request, tokenizer):
-    model = tiny_llama() if request.param == "llama-gqa" else tiny_qwen3()
-    with tiny_engine(model, tokenizer) as eng:
-        yield eng
-        assert_pool_empty(eng)
 
 
 def count_passes(monkeypatch) -> list[int]:
