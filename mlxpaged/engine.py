@@ -1,7 +1,8 @@
 """Engine: continuous batching over the paged cache. One thread owns MLX.
 
 Callers on any thread (or asyncio task) submit requests; the engine thread runs the
-scheduler, the model and the samplers, and pushes events into each request's sink.
+scheduler, the model and the samplers, and pushes events into each request's sink
+(live_requests.py: what happens to a request after each step).
 
 Models that mix sliding-window and full attention (gemma3, `layer_types`) run too: each
 request holds one block table per layer group, a window group's table being a ring of at
@@ -14,9 +15,7 @@ import asyncio
 import itertools
 import queue
 import threading
-import time
 import warnings
-from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Iterator, Sequence
 
 import mlxpaged  # noqa: F401  (OpenBLAS before mlx)
@@ -26,41 +25,15 @@ from mlxpaged.blocks import BlockPool
 from mlxpaged.cache_view import layer_windows
 from mlxpaged.config import DEFAULT_CACHE_TOKENS, CacheConfig
 from mlxpaged.kv_cache import PagedKVCache
+from mlxpaged.live_requests import EngineClosedError, LiveRequests, RequestFailedError, Tracked  # noqa: F401  (re-exported)
 from mlxpaged.metrics import StatsCounter
 from mlxpaged.results import Completion, StreamDelta, collect, drain  # noqa: F401  (re-exported)
 from mlxpaged.memory import DeviceFacts, ModelFacts, model_weight_bytes, plan_memory, wired_limit
 from mlxpaged.model import LoadedModel, chat_prompt, check_paged_support, load_model, route_paged_attention
 from mlxpaged.runner import Lookahead, Runner, StepInput
-from mlxpaged.sampling import LazySample, SamplingParams, make_state, sample_batch
-from mlxpaged.scheduler import (CACHE_CAPACITY, MODEL_CONTEXT, Request, RequestStatus, RequestTooLongError, Scheduler,
+from mlxpaged.sampling import LazySample, SamplingParams, sample_batch
+from mlxpaged.scheduler import (CACHE_CAPACITY, MODEL_CONTEXT, Request, RequestTooLongError, Scheduler,
                                 SchedulerOutput)
-from mlxpaged.stopping import TextStream
-
-
-_FINISH_STATUS = {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatus.FINISHED_LENGTH}
-
-
-class EngineClosedError(RuntimeError):
-    pass
-
-
-class RequestFailedError(RuntimeError):
-    """A request failed inside the engine (for example its logits processor raised)."""
-
-
-@dataclass(eq=False)  # compared by identity: requests are unique objects
-class _Tracked:
-    """Engine-thread state of one request."""
-    request: Request
-    params: SamplingParams
-    sampler: object
-    text: TextStream
-    sink: Callable[[object], None]
-    index: int = 0
-    group: str = ""  # the id the caller knows (the parent's), for abort and n > 1
-    forks: list["_Tracked"] = field(default_factory=list)  # n > 1: sequences 1.. before their fork
-    submitted: float = field(default_factory=time.perf_counter)
-    first_token: float | None = None
 
 
 def _rows(values: mx.array, rows: list[int]) -> mx.array:
@@ -88,10 +61,11 @@ class Engine:
                                    max_num_seqs=self.cache_config.max_num_seqs, max_model_len=self.max_model_len)
         self.runner = Runner(loaded.model, self.kv)
         self._commands: queue.Queue = queue.Queue()
-        self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
         self._closed = False
         self._stats = StatsCounter()
+        self.live = LiveRequests(self.scheduler, self.kv, loaded.tokenizer, self._stats,
+                                 abort=lambda group: self._commands.put(("abort", group)))
         self._ahead: Lookahead | None = None  # the next step's decode pass, already queued
         self._thread = threading.Thread(target=self._run, name="mlxpaged-engine", daemon=True)
         self._thread.start()
@@ -274,7 +248,7 @@ class Engine:
             with mx.stream(stream), wired_limit(self.plan, enabled=self.cache_config.wire, streams=[stream]):
                 self._warm_up()
                 self._loop()
-            self._fail_all(EngineClosedError("the engine was closed"))
+            self.live.fail_all(EngineClosedError("the engine was closed"))
         finally:
             # MLX requires a thread to release its streams before it ends, or the process can
             # abort at exit ("terminate called without an active exception").
@@ -300,7 +274,7 @@ class Engine:
                     self._step()
                 except Exception as exc:  # a failed step fails its requests, not the engine
                     self._ahead = None
-                    self._fail_all(exc)
+                    self.live.fail_all(exc)
 
     def _handle_commands(self, block: bool) -> bool:
         """Apply queued adds / aborts; False when the engine must stop."""
@@ -315,8 +289,7 @@ class Engine:
             if command[0] == "add":
                 self._add(*command[1:])
             elif command[0] == "abort":
-                for sequence_id in [rid for rid, t in self._tracked.items() if t.group == command[1]]:
-                    self._finish(sequence_id, RequestStatus.FINISHED_ABORTED, "abort")
+                self.live.abort(command[1])
 
     def _add(self, request_id: str, tokens: list[int], params: SamplingParams, sink) -> None:
         try:
@@ -325,15 +298,7 @@ class Engine:
         except Exception as exc:
             sink(exc)
             return
-        tracked = self._new_tracked(request, params, sink, 0, request_id)
-        tracked.forks = [self._new_tracked(Request(f"{request_id}.{i}", tokens, params.max_tokens), params, sink, i,
-                                           request_id) for i in range(1, params.n)]
-        self._tracked[request_id] = tracked
-
-    def _new_tracked(self, request: Request, params: SamplingParams, sink, index: int, group: str) -> _Tracked:
-        state = make_state(params, request.prompt_token_ids, sequence_index=index)
-        text = TextStream(self.tokenizer, params, set(self.tokenizer.eos_token_ids))
-        return _Tracked(request, params, state, text, sink, index, group)
+        self.live.add(request, params, sink)
 
     def _step(self) -> None:
         out = self.scheduler.schedule()
@@ -341,7 +306,7 @@ class Engine:
         ahead, self._ahead = self._ahead, None
         if not out.chunks:
             return
-        sampling = [self._tracked[c.request.request_id] for c in out.chunks if c.samples]
+        sampling = [self.live[c.request.request_id] for c in out.chunks if c.samples]
         # n > 1: the forks sample their first token from their parent's logits row.
         rows = [(i, t) for i, parent in enumerate(sampling) for t in [parent, *parent.forks]]
         if ahead is not None and ahead.covers(out.chunks):
@@ -354,9 +319,9 @@ class Engine:
             results = [everything[i] for i in rows_of]
         else:
             results = self._compute(out, sampling, rows)
-        self._complete(out, rows, results)
+        self.live.complete(out, rows, results)
 
-    def _compute(self, out: SchedulerOutput, sampling: list[_Tracked], rows: list) -> list:
+    def _compute(self, out: SchedulerOutput, sampling: list[Tracked], rows: list) -> list:
         """Run the step's passes and sample; pipeline the next decode pass when it is predictable."""
         inputs = [StepInput(c.token_ids, c.start, c.block_tables, c.samples) for c in out.chunks]
         logits = self.runner.step(inputs)
@@ -411,91 +376,3 @@ class Engine:
         logits = self.runner.decode_ahead(inputs, _rows(tokens, picked))
         return Lookahead([(chunks[i].request.request_id, x.start) for i, x in zip(picked, inputs)],
                       LazySample(logits, [states[i] for i in picked], ahead=1, launch=False))
-
-    def _complete(self, out: SchedulerOutput, rows: list, results: list) -> None:
-        """Record the sampled tokens and hand them to their requests."""
-        for (_, tracked), result in zip(rows, results):
-            if result.error is not None:  # finished first, so on_step_done skips its chunk
-                self._fail(tracked.group, RequestFailedError(f"sampling failed: {result.error!r}"))
-        sampled = {t.request.request_id: r.token for (_, t), r in zip(rows, results) if r.error is None}
-        self.scheduler.on_step_done(out, sampled)
-        self._stats.add_tokens(len(sampled), sum(len(c.token_ids) for c in out.chunks))
-        ok = [(t, r) for (_, t), r in zip(rows, results) if r.error is None]
-        new_forks = [(t, r) for t, r in ok if t.request.request_id not in self._tracked]
-        for tracked, result in new_forks:  # first: delivering the parent's token may finish it
-            self._start_fork(tracked, result)
-        started = {id(t) for t, _ in new_forks}  # their first token was delivered by _start_fork
-        for tracked, result in ok:
-            if id(tracked) not in started:
-                self._deliver(tracked.request.request_id, result)
-
-    def _deliver(self, request_id: str, result) -> None:
-        tracked = self._tracked.get(request_id)
-        if tracked is None:
-            return
-        if tracked.first_token is None:
-            tracked.first_token = time.perf_counter()
-            self._stats.add_ttft(tracked.first_token - tracked.submitted)
-        tracked.sampler.record(result.token)
-        delta = tracked.text.push(result.token)
-        event = StreamDelta(tracked.group, delta.text, result.token, result.logprob, result.top_logprobs,
-                            delta.finish_reason if delta.finished else None, tracked.index)
-        if delta.finished:
-            self._finish(request_id, _FINISH_STATUS[delta.finish_reason], delta.finish_reason, last=event)
-        else:
-            self._emit(tracked, event)
-
-    def _finish(self, request_id: str, status: RequestStatus, reason: str | None,
-                last: StreamDelta | None = None, notify: bool = True) -> None:
-        tracked = self._tracked.pop(request_id, None)
-        if tracked is None:
-            return
-        self.scheduler.finish(request_id, status)  # frees the blocks now
-        if not notify:
-            return
-        for fork in tracked.forks:  # n > 1 sequences that never started end with their parent
-            self._emit(fork, StreamDelta(tracked.group, "", finish_reason=reason, index=fork.index,
-                                  prompt_tokens=len(tracked.request.prompt_token_ids)))
-        request = tracked.request
-        event = last or StreamDelta(request_id, tracked.text.finish().text, index=tracked.index)
-        event.request_id = tracked.group
-        event.finish_reason = reason
-        event.prompt_tokens = len(request.prompt_token_ids)
-        event.cached_tokens = request.num_cached_tokens
-        event.completion_tokens = len(request.output_token_ids)
-        self._emit(tracked, event)
-
-    def _emit(self, tracked: _Tracked, event: object) -> None:
-        """Hand an event to the caller's sink. A sink that raises (its consumer is gone, e.g. a
-        closed event loop) gets its request aborted, never the engine step that served everyone."""
-        try:
-            tracked.sink(event)
-        except Exception:
-            self._commands.put(("abort", tracked.group))
-
-    def _start_fork(self, tracked: _Tracked, result) -> None:
-        """Sequence i > 0 of an n > 1 request: share the parent's prompt blocks, then deliver its first token."""
-        parent = self._tracked.get(tracked.group)
-        if parent is None or tracked not in parent.forks:
-            return
-        parent.forks.remove(tracked)
-        copies = self.scheduler.fork(tracked.group, tracked.request)
-        if copies:
-            self.kv.copy_blocks([(c.src_block, c.dst_block) for c in copies])
-            mx.eval(self.kv.keys, self.kv.values)  # land the copies before the next pass writes
-        tracked.request.output_token_ids.append(result.token)
-        self._tracked[tracked.request.request_id] = tracked
-        self._deliver(tracked.request.request_id, result)
-
-    def _fail(self, group: str, exc: BaseException) -> None:
-        """Fail every sequence of a request (one event for the caller)."""
-        members = [rid for rid, t in self._tracked.items() if t.group == group]
-        if members:
-            self._emit(self._tracked[members[0]], exc)
-        for request_id in members:
-            self._finish(request_id, RequestStatus.FINISHED_ERROR, None, notify=False)
-
-    def _fail_all(self, exc: BaseException) -> None:
-        for group in {t.group for t in self._tracked.values()}:
-            self._fail(group, exc if isinstance(exc, EngineClosedError)
-                       else RequestFailedError(f"engine step failed: {exc!r}"))
