@@ -44,8 +44,10 @@ class CompletionEndpoint:
         return body.max_tokens
 
     def params(self, body: CompletionRequest, max_tokens: int) -> SamplingParams:
-        return sampling_params(body, max_tokens=max_tokens, logprobs=self.logprobs,
-                               top_logprobs=body.logprobs or 0, logprobs_name="logprobs")
+        params = sampling_params(body, max_tokens=max_tokens, logprobs=self.logprobs,
+                                 top_logprobs=body.logprobs or 0, logprobs_name="logprobs")
+        params.trim_leading_space = False  # a completion continues the prompt's text exactly
+        return params
 
     def _echo(self, choice: int) -> str:
         return self.echo[choice // self.n] if self.echo else ""

@@ -112,6 +112,9 @@ class SamplingParams:
     n: int = 1
     logits_processors: list[LogitsProcessor] = field(default_factory=list)
     logit_bias: dict[int, float] = field(default_factory=dict)  # added to the logits before sampling
+    # Detokenizing: mlx-lm drops the space before the first generated word (chat replies); raw
+    # completions keep it, as OpenAI's and vLLM's do ("The capital of France is" -> " Paris").
+    trim_leading_space: bool = True
 
     def __post_init__(self) -> None:
         _require_number("max_tokens", self.max_tokens, 1, math.inf, integer=True)
@@ -127,6 +130,7 @@ class SamplingParams:
         self.stop = _stop_list(self.stop)
         self.stop_token_ids = _token_id_list("stop_token_ids", self.stop_token_ids)
         _require_bool("ignore_eos", self.ignore_eos)
+        _require_bool("trim_leading_space", self.trim_leading_space)
         _require_bool("logprobs", self.logprobs)
         _require_number("top_logprobs", self.top_logprobs, 0, MAX_TOP_LOGPROBS, integer=True)
         if self.top_logprobs and not self.logprobs:

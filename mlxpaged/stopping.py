@@ -46,6 +46,14 @@ def _held_back_length(text: str, stops: list[str], longest: int) -> int:
     return 0
 
 
+def _keep_leading_space(detokenizer) -> None:
+    """Turn off the first-word space trimming of mlx-lm's BPE and SentencePiece detokenizers."""
+    if hasattr(detokenizer, "trim_space"):  # SPMStreamingDetokenizer
+        detokenizer.trim_space = False
+    elif hasattr(detokenizer, "_maybe_trim_space"):  # BPEStreamingDetokenizer
+        detokenizer._maybe_trim_space = lambda text: text
+
+
 class TextStream:
     """Text of one sequence, token by token. Build one per sequence (each gets its own detokenizer)."""
 
@@ -56,6 +64,8 @@ class TextStream:
             raise ValueError("tokenizer must be an mlx-lm TokenizerWrapper (it has no .detokenizer)")
         # TokenizerWrapper.detokenizer returns a fresh, reset copy on every access.
         self._detokenizer = tokenizer.detokenizer
+        if not params.trim_leading_space:
+            _keep_leading_space(self._detokenizer)
         self._stops = list(params.stop)
         self._longest_stop = max((len(stop) for stop in self._stops), default=0)
         eos = set() if params.ignore_eos else {int(token) for token in eos_token_ids}

@@ -182,3 +182,33 @@ def test_bad_arguments(tokenizer):
         TextStream(tokenizer, {"stop": "x"}, {EOS})
     with pytest.raises(ValueError, match="TokenizerWrapper"):
         TextStream(object(), SamplingParams(), {EOS})
+
+
+def test_completions_keep_the_first_words_space_chat_replies_drop_it(tokenizer):
+    tokens = encode(tokenizer, " Paris.")
+    assert run(tokenizer, tokens)[0].text == "Paris."
+    assert run(tokenizer, tokens, trim_leading_space=False)[0].text == " Paris."
+
+
+def test_a_sentencepiece_detokenizer_keeps_the_space_too():
+    from mlx_lm.tokenizer_utils import SPMStreamingDetokenizer
+
+    class Vocab:  # the two calls SPMStreamingDetokenizer makes
+        pieces = ["\u2581Paris", "."]
+
+        def __len__(self):
+            return len(self.pieces)
+
+        def convert_ids_to_tokens(self, ids):
+            return [self.pieces[i] for i in ids]
+
+    class Wrapper:
+        @property
+        def detokenizer(self):
+            return SPMStreamingDetokenizer(Vocab())
+
+    for trim, text in ((True, "Paris."), (False, " Paris.")):
+        stream = TextStream(Wrapper(), SamplingParams(trim_leading_space=trim), [])
+        for token in (0, 1):
+            stream.push(token)
+        assert stream.finish() is not None and stream.text == text
