@@ -77,6 +77,11 @@ def resolved_backend() -> str:
     return name
 
 
+def _float32(k_pool: mx.array, v_pool: mx.array) -> bool:
+    """The CPU path's pools: float32, the CPU backend's fast dtype (others take the reference)."""
+    return k_pool.dtype == mx.float32 and v_pool.dtype == mx.float32
+
+
 def paged_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_tables: mx.array,
                     context_lens: mx.array, scale: float, window: int | None = None) -> mx.array:
     """Decode: one query token per sequence over its pages.
@@ -93,7 +98,7 @@ def paged_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_table
 
         if kernel_supports(q, k_pool, v_pool, block_tables, window):
             return paged_attention_metal(q, k_pool, v_pool, block_tables, context_lens, scale, window)
-    if backend == "cpu" and k_pool.dtype == mx.float32 and v_pool.dtype == mx.float32:
+    if backend == "cpu" and _float32(k_pool, v_pool):
         return paged_attention_cpu(q, k_pool, v_pool, block_tables, context_lens, scale, window)
     return paged_attention_reference(q, k_pool, v_pool, block_tables, context_lens, scale, window)
 
@@ -125,6 +130,6 @@ def decode_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, rows: mx.a
     """Decode attention from array inputs only, for compiled passes (no host lengths): ``rows``
     [B, KVH, nb] page rows (``reference.page_rows``), ``mask`` [B, 1, 1, nb * BS] bool (key in the
     sequence; every sequence has at least one). Same result as ``paged_attention``."""
-    if resolved_backend() == "cpu" and k_pool.dtype == mx.float32 and v_pool.dtype == mx.float32:
+    if resolved_backend() == "cpu" and _float32(k_pool, v_pool):
         return decode_attention_cpu(q, k_pool, v_pool, rows, mask, scale)
     return attend_pages(q, k_pool, v_pool, rows, mask, scale)
