@@ -1,5 +1,6 @@
 """`GET /metrics` in the Prometheus text format (version 0.0.4), written by hand: a few counters,
-three histograms and gauges read from `engine.stats()` at scrape time need no client library."""
+three histograms and gauges read from `engine.stats()` at scrape time (the attention path among them)
+need no client library."""
 
 from __future__ import annotations
 
@@ -44,6 +45,11 @@ def _metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float
                                                                      for labels, value in samples]
 
 
+def _label(value: str) -> str:
+    """A label value, escaped as the text format requires."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
 def _number(value: float) -> str:
     return str(value) if isinstance(value, int) else f"{value:.6g}"
 
@@ -81,6 +87,7 @@ class ServerMetrics:
                          [("", self.generated_tokens)])
         lines += self.ttft.render() + self.token_latency.render() + self.e2e.render()
         lines += _engine_gauges(stats, in_flight, capacity) + _memory_gauges(stats["memory_plan"])
+        lines += _attention_gauges(stats["attention"])
         return "\n".join(lines) + "\n"
 
 
@@ -116,3 +123,16 @@ def _memory_gauges(plan) -> list[str]:
                     samples)
     return lines + _metric("kv_block_bytes", "gauge", "Bytes of one KV block (all layers).",
                            [("", plan.block_bytes)])
+
+
+def _attention_gauges(status: dict) -> list[str]:
+    """Which decode attention path is in use and why (mlxpaged.attention.attention_status)."""
+    lines = _metric("attention_path", "gauge", "Decode attention path in use (value 1), with the reason.",
+                    [(f'{{path="{_label(status["path"])}",reason="{_label(status["reason"])}"}}', 1)])
+    checks = [(f'{{variant="{_label(c.variant.describe())}",reason="{_label(c.reason or "")}"}}', int(c.ok))
+              for c in status["variants"]]
+    if not checks:
+        return lines
+    return lines + _metric("kernel_self_check_passed", "gauge",
+                           "Metal kernel self-check per variant: 1 passed (kernel used), 0 failed (reference used).",
+                           checks)

@@ -17,25 +17,39 @@ Backend choice: ``set_attention_backend`` / ``attention_backend(...)`` or the en
 ``MLXPAGED_ATTENTION`` = ``auto`` (default: ``kernel`` when MLX runs on a Metal GPU, else ``cpu``),
 ``kernel``, ``cpu`` (kernels/cpu_attention.py: pages read in place with ``mx.gather_mm`` and a
 cheaper softmax) or ``reference`` (gathered pages + ``mx.fast.scaled_dot_product_attention``).
-Forcing ``kernel`` without Metal raises; shapes a fast path does not support (kernel: see
-``kernel_supports``; cpu: pools that are not float32) run on the reference path.
+Forcing ``kernel`` without Metal raises unless a kernel launcher is installed
+(``set_kernel_launcher``: tests run the kernel through the CPU harness); shapes a fast path does not
+support (kernel: see ``kernel_supports``; cpu: pools that are not float32) run on the reference path.
+
+Kernel self-check: before the kernel's first use, each variant a model needs is run once on a small
+case against the reference (kernels/self_check.py; the engine calls ``prepare_attention``). A variant
+that fails to compile, raises or gives wrong numbers is attended by the reference path instead, with
+one RuntimeWarning; ``attention_status`` says which path is in use and why.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 import mlx.core as mx
 
 from mlxpaged.kernels.cpu_attention import attend, decode_attention_cpu, paged_attention_cpu
+from mlxpaged.kernels import paged_attention as pa
 from mlxpaged.kernels.reference import attend_pages, paged_attention_reference, paged_prefill_attention_reference
+from mlxpaged.kernels.self_check import KernelVariant, VariantCheck, check_variant, variants_for
 
 ENV_VAR = "MLXPAGED_ATTENTION"
 BACKENDS = ("auto", "kernel", "cpu", "reference")
 
 _override: str | None = None
+_launcher: Callable | None = None  # runs the kernel; None: the Metal GPU
+_decisions: dict[KernelVariant, VariantCheck] = {}  # checked for the current launcher: kernel if ok, else reference
+_warned: set[KernelVariant] = set()
+_model_kv: tuple[str, str | None] | None = None  # (dtype name, why the kernel cannot take it) of the prepared model
+DTYPE_NAMES = {mx.float16: "float16", mx.bfloat16: "bfloat16", mx.float32: "float32"}
 
 
 def _check_backend(name: str) -> str:
@@ -62,16 +76,42 @@ def attention_backend(name: str) -> Iterator[None]:
         _override = previous
 
 
+def set_kernel_launcher(launcher: Callable | None) -> None:
+    """Run the kernel through ``launcher`` (``launcher(kernel, **call) -> outputs``, e.g. the CPU
+    harness's ``Emulator``), which lets ``kernel`` be forced without Metal; None: the Metal GPU.
+    Variants are checked again for a new launcher."""
+    global _launcher
+    _launcher = launcher
+    _decisions.clear()
+    _warned.clear()
+
+
+@contextmanager
+def kernel_launcher(launcher: Callable | None) -> Iterator[None]:
+    """Temporarily run the kernel through ``launcher`` (tests)."""
+    previous = _launcher
+    set_kernel_launcher(launcher)
+    try:
+        yield
+    finally:
+        set_kernel_launcher(previous)
+
+
 def metal_available() -> bool:
     return bool(mx.metal.is_available()) and mx.default_device().type == mx.gpu
 
 
+def _requested() -> str:
+    """The backend asked for: the override, else the environment variable, else "auto"."""
+    return _override or _check_backend(os.environ.get(ENV_VAR, "auto").strip().lower() or "auto")
+
+
 def resolved_backend() -> str:
     """"kernel", "cpu" or "reference": what ``paged_attention`` would use for supported shapes."""
-    name = _override or _check_backend(os.environ.get(ENV_VAR, "auto").strip().lower() or "auto")
+    name = _requested()
     if name == "auto":
         return "kernel" if metal_available() else "cpu"
-    if name == "kernel" and not metal_available():
+    if name == "kernel" and not metal_available() and _launcher is None:
         raise RuntimeError(f"the Metal paged-attention kernel was forced ({ENV_VAR} or "
                            "set_attention_backend) but MLX has no Metal GPU here")
     return name
@@ -94,10 +134,12 @@ def paged_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_table
     """
     backend = resolved_backend()
     if backend == "kernel":
-        from mlxpaged.kernels.paged_attention import kernel_supports, paged_attention_metal
-
-        if kernel_supports(q, k_pool, v_pool, block_tables, window):
-            return paged_attention_metal(q, k_pool, v_pool, block_tables, context_lens, scale, window)
+        if pa.kernel_supports(q, k_pool, v_pool, block_tables, window):
+            two_pass = pa.use_two_pass(q.shape[0], k_pool.shape[1],
+                                       pa.attended_span(block_tables.shape[1], k_pool.shape[2], window))
+            if _kernel_passed(_variant(q, k_pool, two_pass)):
+                return pa.paged_attention_metal(q, k_pool, v_pool, block_tables, context_lens, scale, window,
+                                                two_pass=two_pass, launcher=_launcher)
     if backend == "cpu" and _float32(k_pool, v_pool):
         return paged_attention_cpu(q, k_pool, v_pool, block_tables, context_lens, scale, window)
     return paged_attention_reference(q, k_pool, v_pool, block_tables, context_lens, scale, window)
@@ -133,3 +175,84 @@ def decode_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, rows: mx.a
     if resolved_backend() == "cpu" and _float32(k_pool, v_pool):
         return decode_attention_cpu(q, k_pool, v_pool, rows, mask, scale)
     return attend_pages(q, k_pool, v_pool, rows, mask, scale)
+
+
+# --- kernel self-check: which variants the kernel attends, and why -------------------------------
+
+def _variant(q: mx.array, k_pool: mx.array, two_pass: bool) -> KernelVariant:
+    heads, kv_heads = q.shape[1], k_pool.shape[1]
+    return KernelVariant(DTYPE_NAMES[q.dtype], q.shape[3], k_pool.shape[2], heads // kv_heads, two_pass)
+
+
+def _kernel_passed(variant: KernelVariant) -> bool:
+    """The hot path's lookup; a variant no engine prepared is checked here, once, on first use."""
+    check = _decisions.get(variant)
+    return (check or _check_variants([variant])[0]).ok
+
+
+def _check_variants(variants: list[KernelVariant]) -> list[VariantCheck]:
+    """Check (or look up) each variant; one RuntimeWarning names the failures not reported yet."""
+    checks = [check_variant(variant, _launcher) for variant in variants]
+    _decisions.update((check.variant, check) for check in checks)
+    new = [check for check in checks if not check.ok and check.variant not in _warned]
+    if new:
+        _warned.update(check.variant for check in new)
+        warnings.warn(fallback_warning(new), RuntimeWarning, stacklevel=4)
+    return checks
+
+
+def fallback_warning(failed: list[VariantCheck]) -> str:
+    what = "; ".join(f"{check.variant.describe()} ({check.reason})" for check in failed)
+    return (f"the Metal paged-attention kernel failed its self-check for {what}: the pure-MLX reference "
+            f"path attends for {'it' if len(failed) == 1 else 'them'} instead (correct, slower). "
+            f"Please report this with the output of `mlxpaged doctor`.")
+
+
+def prepare_attention(dtype: mx.Dtype, head_dim: int, block_size: int, num_heads: int, num_kv_heads: int) -> dict:
+    """Called once per engine before its first decode: on the kernel path, self-check the variants
+    this model needs (cached per process). Returns ``attention_status()``."""
+    global _model_kv
+    q = mx.zeros((1, num_heads, 1, head_dim), dtype)
+    pool = mx.zeros((1, num_kv_heads, block_size, head_dim), dtype)
+    unsupported = pa.unsupported_reason(q, pool, pool, mx.zeros((1, 1), mx.int32))
+    _model_kv = (DTYPE_NAMES.get(dtype, str(dtype)), unsupported)
+    if resolved_backend() == "kernel" and unsupported is None:
+        _check_variants(variants_for(dtype=DTYPE_NAMES[dtype], head_dim=head_dim, block_size=block_size,
+                                     num_heads=num_heads, num_kv_heads=num_kv_heads))
+    return attention_status()
+
+
+def attention_status() -> dict:
+    """{"path": "kernel" | "cpu" | "reference" | "kernel (with reference fallback)", "reason": str,
+    "variants": [VariantCheck, ...]}: the decode attention in use now (for the prepared model) and why."""
+    backend = resolved_backend()
+    forced = _requested() != "auto"
+    variants = list(_decisions.values()) if backend == "kernel" else []
+    if backend == "reference":
+        return _status("reference", f"forced ({ENV_VAR} or set_attention_backend)", variants)
+    if backend == "cpu":
+        why = "forced" if forced else "MLX has no Metal GPU here"
+        if _model_kv is not None and _model_kv[0] != "float32":
+            return _status("reference", f"{why}; the CPU path takes float32 K/V, this model's are {_model_kv[0]}",
+                           variants)
+        return _status("cpu", f"{why}: pages read in place on MLX's CPU backend", variants)
+    if _model_kv is not None and _model_kv[1] is not None:
+        return _status("reference", f"the Metal kernel cannot take this model: {_model_kv[1]}", variants)
+    return _kernel_status(variants)
+
+
+def _kernel_status(variants: list[VariantCheck]) -> dict:
+    where = "the Metal GPU" if _launcher is None else f"launcher {type(_launcher).__name__}"
+    failed = [check for check in variants if not check.ok]
+    if not variants:
+        return _status("kernel", f"on {where}; each variant is self-checked before its first use", variants)
+    if not failed:
+        names = ", ".join(check.variant.describe() for check in variants)
+        return _status("kernel", f"self-check passed on {where} for {names}", variants)
+    what = "; ".join(f"{check.variant.describe()}: {check.reason}" for check in failed)
+    path = "reference" if len(failed) == len(variants) else "kernel (with reference fallback)"
+    return _status(path, f"self-check failed on {where} for {what}; the reference path attends for those", variants)
+
+
+def _status(path: str, reason: str, variants: list[VariantCheck]) -> dict:
+    return {"path": path, "reason": reason, "variants": variants}

@@ -21,6 +21,7 @@ from typing import AsyncIterator, Callable, Iterator, Sequence
 import mlxpaged  # noqa: F401  (OpenBLAS before mlx)
 import mlx.core as mx
 
+from mlxpaged.attention import attention_status, prepare_attention
 from mlxpaged.blocks import BlockPool
 from mlxpaged.cache_view import layer_windows
 from mlxpaged.config import DEFAULT_CACHE_TOKENS, CacheConfig
@@ -51,6 +52,9 @@ class Engine:
         self.facts = self._model_facts(kv_dtype)
         self.plan = plan_memory(DeviceFacts.detect(), self.facts, self.cache_config, weights_resident=True)
         self.kv = self._make_kv_cache(kv_dtype)
+        # Before the first decode: a Metal kernel variant that fails its self-check is replaced by the reference.
+        prepare_attention(kv_dtype, self.facts.kv.head_dim, self.cache_config.block_size,
+                          loaded.config["num_attention_heads"], self.facts.kv.num_kv_heads)
         block_size = self.cache_config.block_size
         self.pool = BlockPool(self.plan.num_blocks, block_size,
                               enable_prefix_cache=self.cache_config.enable_prefix_cache and self.kv.supports_prefix_cache,
@@ -193,6 +197,7 @@ class Engine:
             "prefix_hit_rate": pool.hit_rate, "prefix_hit_tokens": pool.hit_tokens,
             "requests_running": self.scheduler.num_running, "requests_waiting": self.scheduler.num_waiting,
             **self._stats.snapshot(), "memory_plan": self.plan,
+            "attention": attention_status(),  # {"path", "reason", "variants"}: see mlxpaged.attention
         }
 
     def block_states(self) -> list[str]:

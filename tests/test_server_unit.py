@@ -17,11 +17,18 @@ import httpx
 import pytest
 
 from mlxpaged.engine import RequestFailedError, StreamDelta
+from mlxpaged.kernels.self_check import KernelVariant, VariantCheck
 from mlxpaged.scheduler import RequestTooLongError
 from mlxpaged_app.openai_flags import ServeError, check_bind, is_loopback
 from mlxpaged_app.openai_serving import ServerConfig
 from mlxpaged_app.openai_sse import ClientGone, EventStream, unless_disconnected
 from mlxpaged_app.server import create_app
+
+FAKE_ATTENTION = {"path": "kernel (with reference fallback)", "reason": 'self-check failed: "x"',
+                  "variants": [VariantCheck(KernelVariant("float16", 64, 16, 3, False), True, None, 0.01),
+                               VariantCheck(KernelVariant("float16", 64, 16, 3, True), False,
+                                            "mismatch: max error 0.31 > tolerance 0.004", 0.02)]}
+
 
 class FakeTokenizer:
     """One token per byte (ids = byte + 10), so prompt lengths are easy to predict."""
@@ -116,7 +123,8 @@ class FakeEngine:
     def stats(self) -> dict:
         return {"blocks_total": 10, "blocks_free": 10, "blocks_used": 0, "blocks_cached": 2,
                 "prefix_hit_rate": 0.5, "prefix_hit_tokens": 3, "requests_running": 0, "requests_waiting": 0,
-                "generation_tokens_per_s": 1.0, "preemptions": 0, "memory_plan": self.plan}
+                "generation_tokens_per_s": 1.0, "preemptions": 0, "memory_plan": self.plan,
+                "attention": FAKE_ATTENTION}
 
 
 def client_for(engine: FakeEngine, **config) -> httpx.AsyncClient:
@@ -321,6 +329,10 @@ async def test_metrics_text_format():
     assert 'mlxpaged_time_to_first_token_seconds_bucket{le="+Inf"} 1' in text
     assert 'mlxpaged_kv_blocks{state="free"} 10' in text and "mlxpaged_prefix_cache_hit_rate 0.5" in text
     assert 'mlxpaged_memory_bytes{kind="kv_cache"} 1048576' in text
+    assert ('mlxpaged_attention_path{path="kernel (with reference fallback)",reason="self-check failed: \\"x\\""} 1'
+            in text)
+    assert ('mlxpaged_kernel_self_check_passed{variant="float16 D=64 BS=16 G=3 two-pass",'
+            'reason="mismatch: max error 0.31 > tolerance 0.004"} 0') in text
     for line in text.splitlines():  # every sample line is "name{labels} number"
         if not line.startswith("#"):
             float(line.rsplit(" ", 1)[1])

@@ -1,0 +1,155 @@
+"""Kernel self-check: run each Metal kernel variant a model needs once on a small random case and
+compare it with the pure-MLX reference, so a kernel that does not compile or gives wrong numbers on
+this GPU is replaced by the reference (mlxpaged.attention) instead of reaching a user's chat.
+
+A variant is one compiled specialisation: dtype, head dim, block size and GQA group are template
+parameters, one-pass and two-pass are different kernels. The number of KV heads and the lengths are
+runtime values, so a small case (3 sequences, 2 KV heads, at most 4 blocks each) exercises the same
+code as a long chat. Results are cached per process per (variant, launcher).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import mlx.core as mx
+import numpy as np
+
+from mlxpaged.kernels import paged_attention as pa
+from mlxpaged.kernels.reference import paged_attention_reference
+
+# Largest |kernel - reference| / (1 + |reference|) accepted: about 8 units in the last place of the
+# output dtype (measured through the CPU harness: float32 3e-7, float16 5e-4, bfloat16 4e-3).
+TOLERANCE = {"float32": 1e-4, "float16": 4e-3, "bfloat16": 3e-2}
+# What MLX (Metal) and the CPU harness (g++) say when a kernel source does not compile.
+COMPILE_ERROR_MARKERS = ("Unable to build metal library", "g++ failed")
+CHECK_KV_HEADS = 2
+REASON_CHARS = 300
+
+
+@dataclass(frozen=True)
+class KernelVariant:
+    dtype: str  # "float16" | "bfloat16" | "float32"
+    head_dim: int
+    block_size: int
+    gqa: int  # query heads per KV head
+    two_pass: bool
+
+    def describe(self) -> str:
+        return (f"{self.dtype} D={self.head_dim} BS={self.block_size} G={self.gqa} "
+                f"{'two-pass' if self.two_pass else 'one-pass'}")
+
+
+@dataclass(frozen=True)
+class VariantCheck:
+    variant: KernelVariant
+    ok: bool
+    reason: str | None  # None when ok; "compile error: ...", "exception: ..." or "mismatch: ..."
+    seconds: float
+
+
+def variants_for(*, dtype: str, head_dim: int, block_size: int, num_heads: int,
+                 num_kv_heads: int) -> list[KernelVariant]:
+    """The one-pass and two-pass variants of one model's decode attention."""
+    if dtype not in TOLERANCE:
+        raise ValueError(f"kernel dtype must be one of {', '.join(TOLERANCE)}, got {dtype!r}")
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads is not a multiple of {num_kv_heads} KV heads")
+    group = num_heads // num_kv_heads
+    return [KernelVariant(dtype, head_dim, block_size, group, two_pass) for two_pass in (False, True)]
+
+
+def unsupported_reason(variant: KernelVariant) -> str | None:
+    """Why the kernel has no such variant (None: it has); the wrapper's own shape rules."""
+    dtype = getattr(mx, variant.dtype)
+    q = mx.zeros((1, variant.gqa, 1, variant.head_dim), dtype)
+    pool = mx.zeros((1, 1, variant.block_size, variant.head_dim), dtype)
+    return pa.unsupported_reason(q, pool, pool, mx.zeros((1, 1), mx.int32))
+
+
+_results: dict[tuple[KernelVariant, int], VariantCheck] = {}
+_launchers: dict[int, object] = {}  # holds each launcher so its id stays unique while cached
+
+
+def check_variant(variant: KernelVariant, launcher: Callable | None = None) -> VariantCheck:
+    """Run ``variant`` once on a small random case against the reference path (cached per process).
+    ``launcher`` None runs on the Metal GPU; tests and ``mlxpaged doctor`` pass the CPU harness."""
+    key = (variant, id(launcher))
+    if key not in _results:
+        _launchers[id(launcher)] = launcher
+        _results[key] = _run_check(variant, launcher)
+    return _results[key]
+
+
+def clear_checks() -> None:
+    """Forget every cached result (tests that change the kernel source)."""
+    _results.clear()
+    _launchers.clear()
+
+
+def _run_check(variant: KernelVariant, launcher: Callable | None) -> VariantCheck:
+    start = time.perf_counter()
+    try:
+        reason = _compare(variant, launcher)
+    except Exception as exc:  # a kernel that fails in any way is not used; the reason says how
+        reason = failure_reason(exc)
+    return VariantCheck(variant, reason is None, reason, time.perf_counter() - start)
+
+
+def failure_reason(exc: Exception) -> str:
+    """"compile error: <the compiler's first error line>" or "exception: <type>: <message>"."""
+    text = str(exc)
+    if any(marker in text for marker in COMPILE_ERROR_MARKERS):
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        errors = [line for line in lines if "error:" in line] or lines[-1:]
+        return f"compile error: {errors[0][:REASON_CHARS]}"
+    first = text.strip().splitlines()[0] if text.strip() else ""
+    return f"exception: {type(exc).__name__}: {first[:REASON_CHARS]}"
+
+
+def _compare(variant: KernelVariant, launcher: Callable | None) -> str | None:
+    """None when the kernel matches the reference within the dtype's tolerance, else why not."""
+    unsupported = unsupported_reason(variant)
+    if unsupported:
+        raise ValueError(f"no such kernel variant: {unsupported}")
+    args = _random_case(variant)
+    partition = variant.block_size * 3 // 2  # partition edges inside blocks as well as on them
+    got = pa.paged_attention_metal(*args, two_pass=variant.two_pass, partition_tokens=partition,
+                                   launcher=launcher)
+    want = paged_attention_reference(*args)
+    got, want = got.astype(mx.float32), want.astype(mx.float32)
+    error = mx.max(mx.abs(got - want) / (1.0 + mx.abs(want))).item()
+    tolerance = TOLERANCE[variant.dtype]
+    if not np.isfinite(error):
+        return "mismatch: non-finite values in the kernel's output"
+    if error > tolerance:
+        return f"mismatch: max error {error:.3g} > tolerance {tolerance:g}"
+    return None
+
+
+def _random_case(variant: KernelVariant) -> tuple:
+    """(q, k_pool, v_pool, block_tables, context_lens, scale): 3 sequences over a shuffled pool.
+    Lengths 1, BS + 1 and 3 BS + 5 cover a partial block, a block edge and several partitions; the
+    tables' padding points at a block of other data, so reading past a length shows as a mismatch."""
+    bs, dim = variant.block_size, variant.head_dim
+    rng = np.random.default_rng(0)
+    lens = [1, bs + 1, 3 * bs + 5]
+    needed = [-(-n // bs) for n in lens]
+    num_blocks = sum(needed) + 1
+    ids = rng.permutation(num_blocks)
+    tables = np.full((len(lens), max(needed)), ids[-1], dtype=np.int32)
+    at = 0
+    for row, n in enumerate(needed):
+        tables[row, :n] = ids[at:at + n]
+        at += n
+    dtype = getattr(mx, variant.dtype)
+
+    def normal(*shape):
+        return mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
+
+    q = normal(len(lens), variant.gqa * CHECK_KV_HEADS, 1, dim)
+    k_pool = normal(num_blocks, CHECK_KV_HEADS, bs, dim)
+    v_pool = normal(num_blocks, CHECK_KV_HEADS, bs, dim)
+    return q, k_pool, v_pool, mx.array(tables), mx.array(lens, dtype=mx.int32), dim ** -0.5
