@@ -8,6 +8,7 @@ The library provides the facts; this module only asks and formats.
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import json
 import os
@@ -28,6 +29,7 @@ STATUSES = (OK, WARN, FAIL)
 HARNESS = Path(mlxpaged.__file__).resolve().parent.parent / "tests" / "msl" / "harness.py"
 LOAD_PROMPT = "What is the capital of France?"
 LOAD_TOKENS = 24
+ON_GPU, ON_HARNESS = "Metal GPU", "CPU harness"
 
 
 @dataclass(frozen=True)
@@ -116,8 +118,8 @@ def attention_path(backend: str) -> tuple[str, str]:
 def check_kernel(model: ModelOnDisk | None) -> Check:
     """The Metal kernel checked against the reference for the default model's variants: on the
     GPU on a Mac, on the CPU harness elsewhere."""
-    try:
-        from mlxpaged.kernels import self_check
+    try:  # through sys.modules, so tests can stand in for it
+        self_check = importlib.import_module("mlxpaged.kernels.self_check")
     except ImportError as exc:
         return Check(WARN, "kernel", f"kernel self-check unavailable ({exc})")
     if model is None or model.config is None:
@@ -144,8 +146,9 @@ def summarize_kernel(results: list, where: str) -> Check:
         names = ", ".join(r.variant.describe() for r in results)
         return Check(OK, "kernel", f"{where}: {len(results)} variants match the reference ({names}; {seconds:.1f} s)")
     reasons = "; ".join(f"{r.variant.describe()}: {r.reason}" for r in failed)
+    effect = "the engine uses" if where == ON_GPU else "on a Mac the engine would use"
     return Check(FAIL, "kernel", f"{where}: {len(failed)} of {len(results)} variants fail ({reasons}); "
-                                 "the engine uses the reference path for them")
+                                 f"{effect} the reference path for them")
 
 
 class KernelNotCheckable(Exception):
@@ -161,7 +164,7 @@ def kernel_launcher():
     from mlxpaged.attention import metal_available
 
     if metal_available():
-        return None, "Metal GPU"
+        return None, ON_GPU
     if not HARNESS.exists():
         raise KernelNotCheckable(f"no Metal GPU, and the CPU harness is not at {HARNESS} "
                                  "(it ships with the source checkout only)")
@@ -171,7 +174,7 @@ def kernel_launcher():
                                  "the kernel with it: apt-get install g++)")
     if _emulator is None:
         _emulator = _load_harness().Emulator()
-    return _emulator, "CPU harness"
+    return _emulator, ON_HARNESS
 
 
 def _load_harness():
@@ -262,21 +265,28 @@ def check_kv_plan(model: ModelOnDisk | None) -> Check:
 
 def check_load() -> Check:
     """Load the default model, build an Engine, time one short greedy chat reply (batch 1)."""
+    from mlxpaged.attention import resolved_backend
     from mlxpaged.engine import Engine
+    from mlxpaged.memory import InsufficientMemoryError
     from mlxpaged.model import load_model
+    from mlxpaged.models import ModelError
     from mlxpaged.sampling import SamplingParams
 
     start = time.perf_counter()
-    loaded = load_model()
-    with Engine(loaded, default_cache_config()) as engine:
+    try:
+        loaded = load_model()
+        engine = Engine(loaded, default_cache_config())
+    except (ModelError, InsufficientMemoryError) as exc:  # the user's to fix: the message says how
+        return Check(FAIL, "load", str(exc))
+    with engine:
         ready = time.perf_counter()
         prompt = engine.chat_tokens([{"role": "user", "content": LOAD_PROMPT}])
         arrivals, text = [], ""
         for delta in engine.stream(prompt, SamplingParams(temperature=0.0, max_tokens=LOAD_TOKENS)):
             arrivals += [time.perf_counter()] if delta.token_id is not None else []
             text += delta.text
-    from mlxpaged.attention import resolved_backend
-
+    if not arrivals:
+        return Check(FAIL, "load", f"{loaded.name} loaded, but generated no token for {LOAD_PROMPT!r}")
     path, _ = attention_path(resolved_backend())
     first, last = arrivals[0] - ready, arrivals[-1] - arrivals[0]
     decode = f"{(len(arrivals) - 1) / last:.1f} tok/s" if last > 0 else "n/a"
@@ -312,8 +322,11 @@ def kv_dtype(model: ModelOnDisk) -> str:
 def model_facts(model: ModelOnDisk):
     from mlxpaged.memory import ModelFacts
 
-    size = {"float32": 4, "float16": 2, "bfloat16": 2}[kv_dtype(model)]
-    return ModelFacts.from_config(model.config, model.weight_bytes, size)
+    sizes = {"float32": 4, "float16": 2, "bfloat16": 2}
+    dtype = kv_dtype(model)
+    if dtype not in sizes:
+        raise ValueError(f"{model.path}/config.json: torch_dtype {dtype!r} is not one of {', '.join(sizes)}")
+    return ModelFacts.from_config(model.config, model.weight_bytes, sizes[dtype])
 
 
 # ---- running and reporting ----------------------------------------------------------------------
