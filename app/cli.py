@@ -1,4 +1,4 @@
-"""The `mlxpaged` command: chat | serve | bench | models | pull."""
+"""The `mlxpaged` command: chat | serve | bench | models | pull | doctor."""
 
 from __future__ import annotations
 
@@ -91,6 +91,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(args)
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from mlxpaged_app.doctor import cmd_doctor as run_doctor
+
+    return run_doctor(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlxpaged", description="Local LLM inference on MLX with a paged KV cache.")
     parser.add_argument("--version", action="version", version=f"mlxpaged {mlxpaged.__version__}")
@@ -132,6 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
     pull = sub.add_parser("pull", help="download / convert a model into the local store")
     pull.add_argument("model", nargs="?", default=None, help="preset, path or hub id (default: the default preset)")
     pull.set_defaults(func=cmd_pull)
+
+    doctor = sub.add_parser("doctor", help="check this machine and the default model; paste the output into bug reports")
+    doctor.add_argument("--load", action="store_true", help="also load the default model and time a short generation")
+    doctor.add_argument("--json", action="store_true", help="print the checks as JSON")
+    doctor.set_defaults(func=cmd_doctor)
     return parser
 
 

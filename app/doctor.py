@@ -1,0 +1,385 @@
+"""`mlxpaged doctor`: the facts a bug report needs, one line each, marked OK / WARN / FAIL.
+
+Nothing here loads weights: the default model's facts come from its config.json and the sizes of
+its weight files. `--load` also loads it, builds an Engine and times one short greedy generation.
+The library provides the facts; this module only asks and formats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import mlxpaged
+from mlxpaged.blas import blas_status
+from mlxpaged.config import DEFAULT_CACHE_TOKENS, CacheConfig
+
+OK, WARN, FAIL = "OK", "WARN", "FAIL"
+STATUSES = (OK, WARN, FAIL)
+HARNESS = Path(mlxpaged.__file__).resolve().parent.parent / "tests" / "msl" / "harness.py"
+LOAD_PROMPT = "What is the capital of France?"
+LOAD_TOKENS = 24
+ON_GPU, ON_HARNESS = "Metal GPU", "CPU harness"
+
+
+@dataclass(frozen=True)
+class Check:
+    status: str  # OK, WARN or FAIL
+    label: str
+    detail: str
+
+    def __post_init__(self) -> None:
+        if self.status not in STATUSES:
+            raise ValueError(f"status must be one of {STATUSES}, got {self.status!r}")
+
+
+@dataclass(frozen=True)
+class ModelOnDisk:
+    """The default model as the store holds it, read without opening a weight file."""
+
+    name: str
+    dtype: str  # the store's dtype: float32 on MLX's CPU backend, float16 on Metal
+    path: Path | None  # None: not provisioned yet
+    config: dict | None
+    weight_bytes: int
+
+
+def default_cache_config() -> CacheConfig:
+    """What `mlxpaged chat` and `Engine.from_pretrained()` use when given no cache settings."""
+    return CacheConfig(max_tokens=DEFAULT_CACHE_TOKENS)
+
+
+def gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+# ---- the checks: each returns one Check ------------------------------------------------------
+
+def check_platform() -> Check:
+    mac = platform.mac_ver()[0]
+    system = f"macOS {mac}" if mac else f"{platform.system()} {platform.release()}"
+    return Check(OK, "platform", f"{system} {platform.machine()}")
+
+
+def check_python() -> Check:
+    return Check(OK, "python", f"{platform.python_version()} ({sys.executable})")
+
+
+def check_mlx() -> Check:
+    import mlx.core as mx
+
+    detail = f"mlx {mx.__version__}, device {mx.default_device()}"
+    name = mx.device_info().get("device_name")
+    detail += f" ({name})" if name else ""
+    if sys.platform == "darwin" and not mx.metal.is_available():
+        return Check(WARN, "mlx", detail + "; Metal is not available, so MLX runs on the CPU (slow)")
+    return Check(OK, "mlx", detail)
+
+
+def check_blas() -> Check:
+    status = blas_status()
+    where = f" ({status.path})" if status.path else ""
+    return Check(OK if status.fast else WARN, "blas", f"{status.name}{where}: {status.detail}")
+
+
+def check_attention() -> Check:
+    """The path the engine takes now and why (attention_status, once the self-check is merged)."""
+    from mlxpaged import attention
+
+    try:
+        backend = attention.resolved_backend()
+    except RuntimeError as exc:  # the kernel forced on a machine without Metal
+        return Check(FAIL, "attention", str(exc))
+    path, reason = attention_path(backend)
+    return Check(WARN if "fallback" in path else OK, "attention", f"{path}: {reason}")
+
+
+def attention_path(backend: str) -> tuple[str, str]:
+    """(path, why): attention_status() once the kernel self-check is merged, else the backend setting."""
+    from mlxpaged import attention
+
+    status_of = getattr(attention, "attention_status", None)
+    if status_of is None:
+        return backend, f"{attention.ENV_VAR}={os.environ.get(attention.ENV_VAR, 'auto')}"
+    status = status_of()
+    return status["path"], status["reason"]
+
+
+def check_kernel(model: ModelOnDisk | None) -> Check:
+    """The Metal kernel checked against the reference for the default model's variants: on the
+    GPU on a Mac, on the CPU harness elsewhere."""
+    try:  # through sys.modules, so tests can stand in for it
+        self_check = importlib.import_module("mlxpaged.kernels.self_check")
+    except ImportError as exc:
+        return Check(WARN, "kernel", f"kernel self-check unavailable ({exc})")
+    if model is None or model.config is None:
+        return Check(WARN, "kernel", "not checked: the default model is not provisioned (its shapes pick the variants)")
+    try:
+        launcher, where = kernel_launcher()
+    except KernelNotCheckable as exc:
+        return Check(WARN, "kernel", f"not checked: {exc}")
+    facts = model_facts(model)
+    heads = model.config["num_attention_heads"]
+    variants = self_check.variants_for(dtype=kv_dtype(model), head_dim=facts.kv.head_dim,
+                                       block_size=default_cache_config().block_size, num_heads=heads,
+                                       num_kv_heads=facts.kv.num_kv_heads)
+    return summarize_kernel([self_check.check_variant(v, launcher) for v in variants], where)
+
+
+def summarize_kernel(results: list, where: str) -> Check:
+    """One line for a list of VariantCheck: OK when every variant matches the reference."""
+    if not results:
+        return Check(WARN, "kernel", f"{where}: no kernel variant applies to the default model")
+    seconds = sum(r.seconds for r in results)
+    failed = [r for r in results if not r.ok]
+    if not failed:
+        names = ", ".join(r.variant.describe() for r in results)
+        return Check(OK, "kernel", f"{where}: {len(results)} variants match the reference ({names}; {seconds:.1f} s)")
+    reasons = "; ".join(f"{r.variant.describe()}: {r.reason}" for r in failed)
+    effect = "the engine uses" if where == ON_GPU else "on a Mac the engine would use"
+    return Check(FAIL, "kernel", f"{where}: {len(failed)} of {len(results)} variants fail ({reasons}); "
+                                 f"{effect} the reference path for them")
+
+
+class KernelNotCheckable(Exception):
+    """The kernel cannot be run here; the message says what is missing."""
+
+
+_emulator = None  # one launcher per process: check_variant caches by launcher identity
+
+
+def kernel_launcher():
+    """(launcher, where): None on a Metal GPU, else the source checkout's CPU harness."""
+    global _emulator
+    from mlxpaged.attention import metal_available
+
+    if metal_available():
+        return None, ON_GPU
+    if not HARNESS.exists():
+        raise KernelNotCheckable(f"no Metal GPU, and the CPU harness is not at {HARNESS} "
+                                 "(it ships with the source checkout only)")
+    compiler = os.environ.get("CXX", "g++")
+    if shutil.which(compiler) is None:
+        raise KernelNotCheckable(f"no Metal GPU, and {compiler} is not installed (the CPU harness compiles "
+                                 "the kernel with it: apt-get install g++)")
+    if _emulator is None:
+        _emulator = _load_harness().Emulator()
+    return _emulator, ON_HARNESS
+
+
+def _load_harness():
+    """tests/msl/harness.py as a module, whether or not the checkout's tests/ is importable."""
+    if "tests.msl.harness" in sys.modules:
+        return sys.modules["tests.msl.harness"]
+    name = "mlxpaged_msl_harness"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, HARNESS)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # its dataclasses look their module up here
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def check_memory() -> Check:
+    from mlxpaged.memory import DeviceFacts
+
+    device = DeviceFacts.detect()
+    return Check(OK, "memory", f"RAM {gb(device.total_bytes)}, available {gb(device.available_bytes)}"
+                               f" ({device.backend} backend)")
+
+
+def check_wired() -> Check:
+    """The recommended working set and the wired limit MLX holds now (set_wired_limit returns it)."""
+    import mlx.core as mx
+
+    working_set = mx.device_info().get("max_recommended_working_set_size")
+    current = mx.set_wired_limit(0)
+    mx.set_wired_limit(current)
+    if working_set is None:
+        return Check(OK, "wired memory", f"no recommended working set (CPU backend); MLX wired limit {current}")
+    detail = f"recommended working set {gb(working_set)}, MLX wired limit {gb(current)}"
+    sysctl = _iogpu_wired_limit_mb()
+    return Check(OK, "wired memory", detail + (f", sysctl iogpu.wired_limit_mb={sysctl}" if sysctl else ""))
+
+
+def _iogpu_wired_limit_mb() -> str | None:
+    """macOS's system-wide GPU wiring limit (0: the default); users raise it with sudo sysctl."""
+    import subprocess
+
+    try:
+        done = subprocess.run(["sysctl", "-n", "iogpu.wired_limit_mb"], capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def check_store() -> Check:
+    from mlxpaged.models import models_dir
+
+    store = models_dir()
+    if not store.exists():
+        return Check(WARN, "model store", f"{store} does not exist yet (`mlxpaged pull` creates it)")
+    if not os.access(store, os.W_OK):
+        return Check(WARN, "model store", f"{store} is not writable: models cannot be pulled or converted")
+    return Check(OK, "model store", str(store))
+
+
+def check_default_model(model: ModelOnDisk | None, error: str | None) -> Check:
+    if model is None:
+        return Check(FAIL, "default model", error or "unknown error")
+    if model.path is None:
+        return Check(WARN, "default model", f"{model.name} ({model.dtype}) is not provisioned yet: "
+                                            "`mlxpaged pull` fetches it (the first chat would too)")
+    if model.weight_bytes == 0:
+        return Check(FAIL, "default model", f"{model.name}: no *.safetensors weight files in {model.path}")
+    arch = model.config.get("model_type", "?")
+    return Check(OK, "default model", f"{model.name} at {model.path}: {arch}, {model.dtype}, "
+                                      f"weights {gb(model.weight_bytes)} on disk")
+
+
+def check_kv_plan(model: ModelOnDisk | None) -> Check:
+    """The plan the default settings would make, from the model's facts without its weights."""
+    from mlxpaged.memory import DeviceFacts, InsufficientMemoryError, plan_memory
+
+    if model is None or model.config is None:
+        return Check(WARN, "KV plan", "not planned: the default model is not provisioned")
+    cache = default_cache_config()
+    try:
+        plan = plan_memory(DeviceFacts.detect(), model_facts(model), cache)
+    except InsufficientMemoryError as exc:
+        return Check(FAIL, "KV plan", str(exc))
+    capacity = "any length" if plan.token_capacity is None else f"{plan.token_capacity:,} tokens"
+    return Check(OK, "KV plan", f"{plan.num_blocks:,} blocks x {plan.block_size} tokens = {gb(plan.kv_bytes)} "
+                                f"({plan.backend}), one sequence up to {capacity}; {plan.reason}")
+
+
+def check_load() -> Check:
+    """Load the default model, build an Engine, time one short greedy chat reply (batch 1)."""
+    from mlxpaged.attention import resolved_backend
+    from mlxpaged.engine import Engine
+    from mlxpaged.memory import InsufficientMemoryError
+    from mlxpaged.model import load_model
+    from mlxpaged.models import ModelError
+    from mlxpaged.sampling import SamplingParams
+
+    start = time.perf_counter()
+    try:
+        loaded = load_model()
+        engine = Engine(loaded, default_cache_config())
+    except (ModelError, InsufficientMemoryError) as exc:  # the user's to fix: the message says how
+        return Check(FAIL, "load", str(exc))
+    with engine:
+        ready = time.perf_counter()
+        prompt = engine.chat_tokens([{"role": "user", "content": LOAD_PROMPT}])
+        arrivals, text = [], ""
+        for delta in engine.stream(prompt, SamplingParams(temperature=0.0, max_tokens=LOAD_TOKENS)):
+            arrivals += [time.perf_counter()] if delta.token_id is not None else []
+            text += delta.text
+    if not arrivals:
+        return Check(FAIL, "load", f"{loaded.name} loaded, but generated no token for {LOAD_PROMPT!r}")
+    path, _ = attention_path(resolved_backend())
+    first, last = arrivals[0] - ready, arrivals[-1] - arrivals[0]
+    decode = f"{(len(arrivals) - 1) / last:.1f} tok/s" if last > 0 else "n/a"
+    return Check(OK, "load", f"{loaded.name} loaded and engine built in {ready - start:.1f} s; {len(prompt)}-token "
+                             f"prompt, first token in {first:.2f} s, decode {decode} over {len(arrivals)} tokens "
+                             f"(greedy, attention {path}): {text.strip()!r}")
+
+
+# ---- the default model's facts, without its weights --------------------------------------------
+
+def find_default_model() -> ModelOnDisk:
+    """Resolve the default preset and read its config.json and weight file sizes, if it is local."""
+    from mlxpaged.model import default_dtype
+    from mlxpaged.models import local_path, resolve
+
+    ref, dtype = resolve(None), default_dtype()
+    path = local_path(ref, dtype)
+    if path is None:
+        return ModelOnDisk(ref.name, dtype, None, None, 0)
+    config = json.loads((path / "config.json").read_text())
+    weights = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    return ModelOnDisk(ref.name, dtype, path, config, weights)
+
+
+def kv_dtype(model: ModelOnDisk) -> str:
+    """The dtype K/V will have: float32 on the CPU backend (the loader converts half weights),
+    else the checkpoint's."""
+    if model.dtype == "float32":
+        return "float32"
+    return model.config.get("torch_dtype") or model.dtype
+
+
+def model_facts(model: ModelOnDisk):
+    from mlxpaged.memory import ModelFacts
+
+    sizes = {"float32": 4, "float16": 2, "bfloat16": 2}
+    dtype = kv_dtype(model)
+    if dtype not in sizes:
+        raise ValueError(f"{model.path}/config.json: torch_dtype {dtype!r} is not one of {', '.join(sizes)}")
+    return ModelFacts.from_config(model.config, model.weight_bytes, sizes[dtype])
+
+
+# ---- running and reporting ----------------------------------------------------------------------
+
+def guarded(label: str, check: Callable[[], Check]) -> Check:
+    """Run one check; an unexpected exception is that line's FAIL, never a traceback."""
+    try:
+        return check()
+    except Exception as exc:  # a bug report tool must always print its report
+        return Check(FAIL, label, f"unexpected error: {type(exc).__name__}: {exc}")
+
+
+def run_checks(load: bool = False) -> list[Check]:
+    model, error = None, None
+    try:
+        model = find_default_model()
+    except Exception as exc:  # bad presets file, unreadable config.json: reported on the model's line
+        error = f"{type(exc).__name__}: {exc}"
+    checks = [
+        ("platform", check_platform), ("python", check_python), ("mlx", check_mlx), ("blas", check_blas),
+        ("attention", check_attention), ("kernel", lambda: check_kernel(model)), ("memory", check_memory),
+        ("wired memory", check_wired), ("model store", check_store),
+        ("default model", lambda: check_default_model(model, error)), ("KV plan", lambda: check_kv_plan(model)),
+    ]
+    if load:
+        checks.append(("load", check_load))
+    return [guarded(label, check) for label, check in checks]
+
+
+def summary(checks: list[Check]) -> str:
+    counts = {status: sum(c.status == status for c in checks) for status in STATUSES}
+    line = ", ".join(f"{counts[s]} {s}" for s in STATUSES)
+    failed = [c.label for c in checks if c.status == FAIL]
+    return line + (f" - failed: {', '.join(failed)}" if failed else "")
+
+
+def format_table(checks: list[Check]) -> str:
+    width = max(len(c.label) for c in checks)
+    rows = [f"{c.status:<4}  {c.label:<{width}}  {c.detail}" for c in checks]
+    return "\n".join([f"mlxpaged {mlxpaged.__version__} doctor", "", *rows, "", summary(checks)])
+
+
+def to_json(checks: list[Check]) -> str:
+    return json.dumps({"mlxpaged": mlxpaged.__version__, "checks": [asdict(c) for c in checks],
+                       "summary": summary(checks)}, indent=2)
+
+
+def exit_status(checks: list[Check]) -> int:
+    """1 when any line FAILs; warnings alone exit 0."""
+    return 1 if any(c.status == FAIL for c in checks) else 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    checks = run_checks(load=args.load)
+    print(to_json(checks) if args.json else format_table(checks))
+    return exit_status(checks)
