@@ -41,6 +41,7 @@ from typing import Iterator, Sequence
 
 from mlxpaged.blocks import sequence_capacity, table_lengths
 from mlxpaged.config import CacheConfig
+from mlxpaged.errors import MlxpagedError
 from mlxpaged.kv_cache import block_bytes, group_layers
 
 OS_RESERVE_FLOOR = 2**30
@@ -51,18 +52,31 @@ DEFAULT_KV_FRACTION = {"metal": 0.9, "cpu": 0.5}
 BACKENDS = ("metal", "cpu")
 
 
-class InsufficientMemoryError(Exception):
-    """The model and the cache asked for do not fit; the message says what to change."""
+class InsufficientMemoryError(MlxpagedError):
+    """The model and the cache asked for do not fit; the message says what to change, and
+    `param` is the setting the user chose the size with (kv_memory, memory_fraction, max_tokens),
+    or None when no setting can make the model fit."""
 
-    def __init__(self, message: str, *, needed_bytes: int, available_bytes: int) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, *, needed_bytes: int, available_bytes: int, param: str | None = None) -> None:
+        super().__init__(message, param=param)
         self.needed_bytes = needed_bytes
         self.available_bytes = available_bytes
 
 
 def gb(n: int) -> str:
-    """Bytes as decimal gigabytes, the unit --kv-memory reads (1 GB = 10**9 bytes)."""
-    return f"{n / 1e9:.2f} GB"
+    """Bytes as decimal gigabytes, the unit --kv-memory reads (1 GB = 10**9 bytes); below
+    10 MB in MB or KB, so a tiny size reads as itself rather than 0.00 GB."""
+    for unit, scale in (("GB", 10**9), ("MB", 10**6)):
+        if n >= scale // 100:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n / 1e3:.2f} KB"
+
+
+def size_at_least(n: int) -> str:
+    """`n` bytes as a size setting ("0.38GB"), rounded up so that asking for it is enough."""
+    unit = gb(n).split()[1]
+    scale = {"GB": 10**9, "MB": 10**6, "KB": 10**3}[unit]
+    return f"{math.ceil(n * 100 / scale) / 100:.2f}{unit}"
 
 
 def _require_nonnegative_int(name: str, value: object, positive: bool = False) -> None:
@@ -281,10 +295,10 @@ def _kv_budget(left: int, backend: str, cache: CacheConfig) -> tuple[int, str]:
     if cache.kv_memory is not None:
         if cache.kv_memory > left:
             raise InsufficientMemoryError(
-                f"--kv-memory {gb(cache.kv_memory)} is more than the {gb(left)} left for the KV cache "
+                f"{{kv_memory:{gb(cache.kv_memory)}}} is more than the {gb(left)} left for the KV cache "
                 f"after weights, activations and the OS reserve; ask for at most {gb(left)}, "
-                "or lower --max-batch-tokens, or use a smaller model",
-                needed_bytes=cache.kv_memory, available_bytes=left)
+                "or lower {max_batch_tokens}, or use a smaller model",
+                needed_bytes=cache.kv_memory, available_bytes=left, param="kv_memory")
         return cache.kv_memory, f"limited by --kv-memory {gb(cache.kv_memory)}"
     if cache.memory_fraction is not None:
         return int(left * cache.memory_fraction), f"limited by --memory-fraction {cache.memory_fraction:g} of {gb(left)}"
@@ -300,17 +314,24 @@ def _check_fixed_costs(limit: int, costs: list[tuple[str, int]], label: str) -> 
     listed = " + ".join(f"{name} {gb(size)}" for name, size in costs)
     raise InsufficientMemoryError(
         f"{listed} = {gb(limit - left)} exceed the {label} of {gb(limit)}, leaving nothing for the KV cache; "
-        "use a smaller or more quantized model, or lower --max-batch-tokens",
+        "use a smaller or more quantized model, or lower {max_batch_tokens}",
         needed_bytes=limit - left, available_bytes=limit)
 
 
-def _too_small(longest: int, need_bytes: int, budget: int, fits_tokens: int) -> InsufficientMemoryError:
-    shrink = f"use --max-tokens {fits_tokens:,} or less, " if fits_tokens > 0 else ""
+def _too_small(longest: int, need_bytes: int, budget: int, fits_tokens: int,
+               cache: CacheConfig) -> InsufficientMemoryError:
+    """One sequence does not fit the budget; the advice follows the setting that sized it."""
+    shrink = f"{{max_tokens:{fits_tokens}}} or less" if fits_tokens > 0 else None
+    if cache.kv_memory is not None:
+        param, advice = "kv_memory", f"use {{kv_memory:{size_at_least(need_bytes)}}} or more" + (f", or {shrink}" if shrink else "")
+    else:
+        param = "memory_fraction" if cache.memory_fraction is not None else "max_tokens"
+        advice = (f"use {shrink}, " if shrink else "") + ("a larger {kv_memory} or {memory_fraction} if memory "
+                                                          "allows, lower {max_batch_tokens}, or a smaller model")
     return InsufficientMemoryError(
         f"one {longest:,}-token sequence needs {gb(need_bytes)} of KV cache but only {gb(budget)} is available "
-        f"for it (room for {fits_tokens:,} tokens); {shrink}a larger --kv-memory or --memory-fraction if memory "
-        "allows, lower --max-batch-tokens, or a smaller model",
-        needed_bytes=need_bytes, available_bytes=budget)
+        f"for it (room for {fits_tokens:,} tokens); {advice}",
+        needed_bytes=need_bytes, available_bytes=budget, param=param)
 
 
 def _wired(device: DeviceFacts, cache: CacheConfig, weights_and_kv: int) -> tuple[int | None, str]:
@@ -344,7 +365,7 @@ def plan_memory(device: DeviceFacts, model: ModelFacts, cache: CacheConfig, *,
     need_blocks = sum(table_lengths(longest, cache.block_size, caps))
     if memory_blocks < need_blocks:
         fits = sequence_capacity(memory_blocks, cache.block_size, caps)  # an int: `longest` does not fit
-        raise _too_small(longest, need_blocks * block, budget, fits)
+        raise _too_small(longest, need_blocks * block, budget, fits, cache)
     demand, demand_reason = _demand(model, cache, caps)
     if demand is not None and demand <= memory_blocks:
         num_blocks, reason = demand, f"capped by {demand_reason} (memory allows {memory_blocks:,} blocks)"
