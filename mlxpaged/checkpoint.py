@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mlxpaged.errors import MlxpagedError
-from mlxpaged.memory import ModelFacts
+from mlxpaged.model_facts import ModelFacts
 
 # safetensors dtype names (the format's spec) -> bytes per element.
 DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2,

@@ -43,6 +43,7 @@ from mlxpaged.blocks import sequence_capacity, table_lengths
 from mlxpaged.config import CacheConfig
 from mlxpaged.errors import MlxpagedError
 from mlxpaged.kv_cache import block_bytes, group_layers
+from mlxpaged.model_facts import KVShape, ModelFacts, model_weight_bytes, require_int  # noqa: F401  (re-exported)
 
 OS_RESERVE_FLOOR = 2**30
 OS_RESERVE_FRACTION = 0.10
@@ -79,12 +80,6 @@ def size_at_least(n: int) -> str:
     return f"{math.ceil(n * 100 / scale) / 100:.2f}{unit}"
 
 
-def _require_nonnegative_int(name: str, value: object, positive: bool = False) -> None:
-    low = 1 if positive else 0
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-
-
 @dataclass(frozen=True)
 class DeviceFacts:
     """What the device offers. Build it with detect(), or by hand in tests and planners."""
@@ -98,10 +93,10 @@ class DeviceFacts:
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
-        _require_nonnegative_int("total_bytes", self.total_bytes, positive=True)
-        _require_nonnegative_int("available_bytes", self.available_bytes)
+        require_int("total_bytes", self.total_bytes, positive=True)
+        require_int("available_bytes", self.available_bytes)
         if self.backend == "metal":
-            _require_nonnegative_int("max_recommended_working_set_size",
+            require_int("max_recommended_working_set_size",
                                      self.max_recommended_working_set_size, positive=True)
 
     @property
@@ -144,89 +139,6 @@ def _cgroup_available(root: Path) -> int | None:
         return max(int(limit) - int((root / "memory.current").read_text().strip()), 0)
     except (OSError, ValueError):
         return None
-
-
-@dataclass(frozen=True)
-class KVShape:
-    """What one token costs in the KV cache. `sliding_windows` has one entry per layer:
-    None for full attention, else the window in tokens (such a layer keeps only recent blocks);
-    None for all: no layer slides."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype_bytes: int
-    sliding_windows: tuple[int | None, ...] | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("num_layers", "num_kv_heads", "head_dim", "dtype_bytes"):
-            _require_nonnegative_int(name, getattr(self, name), positive=True)
-        if self.sliding_windows is None:
-            return
-        windows = tuple(self.sliding_windows)
-        object.__setattr__(self, "sliding_windows", windows)
-        if len(windows) != self.num_layers:
-            raise ValueError(f"sliding_windows has {len(windows)} entries for {self.num_layers} layers")
-        for window in windows:
-            if window is not None:
-                _require_nonnegative_int("a sliding window", window, positive=True)
-
-    @property
-    def layer_bytes_per_token(self) -> int:
-        return 2 * self.num_kv_heads * self.head_dim * self.dtype_bytes  # K and V
-
-    @property
-    def bytes_per_token(self) -> int:
-        """2 (K and V) x layers x kv_heads x head_dim x dtype bytes."""
-        return self.num_layers * self.layer_bytes_per_token
-
-    @property
-    def layer_windows(self) -> tuple[int | None, ...]:
-        return self.sliding_windows or (None,) * self.num_layers
-
-
-@dataclass(frozen=True)
-class ModelFacts:
-    """The model as the planner needs it."""
-
-    kv: KVShape
-    weight_bytes: int
-    hidden_size: int
-    vocab_size: int
-    context_length: int | None = None  # max_position_embeddings
-
-    def __post_init__(self) -> None:
-        _require_nonnegative_int("weight_bytes", self.weight_bytes)
-        _require_nonnegative_int("hidden_size", self.hidden_size, positive=True)
-        _require_nonnegative_int("vocab_size", self.vocab_size, positive=True)
-        if self.context_length is not None:
-            _require_nonnegative_int("context_length", self.context_length, positive=True)
-
-    @classmethod
-    def from_config(cls, config: dict, weight_bytes: int, kv_dtype_bytes: int,
-                    sliding_windows: Sequence[int | None] | None = None) -> ModelFacts:
-        """From a Hugging Face style config.json dict; the per-layer windows come from the loaded
-        model (`cache_view.layer_windows`), since configs spell them several ways."""
-        heads = _config_value(config, "num_attention_heads")
-        hidden = _config_value(config, "hidden_size")
-        layers = _config_value(config, "num_hidden_layers")
-        kv = KVShape(layers, config.get("num_key_value_heads") or heads,
-                     config.get("head_dim") or hidden // heads, kv_dtype_bytes, sliding_windows)
-        return cls(kv, weight_bytes, hidden, _config_value(config, "vocab_size"),
-                   config.get("max_position_embeddings"))
-
-
-def _config_value(config: dict, key: str) -> int:
-    if key not in config:
-        raise ValueError(f"model config has no {key!r}; cannot size the KV cache")
-    return config[key]
-
-
-def model_weight_bytes(model) -> int:
-    """Bytes of every parameter of an mlx.nn.Module (quantization scales included)."""
-    from mlx.utils import tree_flatten
-
-    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
 
 
 @dataclass(frozen=True)

@@ -86,6 +86,17 @@ def test_cache_config_defaults_and_validation():
     assert CacheConfig(memory_fraction=1).memory_fraction == 1
 
 
+@pytest.mark.parametrize("size, expected", [("2GB", 2 * 10**9), ("512MiB", 512 * 2**20), (4096, 4096), ("1.5 G", 1_500_000_000)])
+def test_cache_config_takes_sizes_as_the_cli_does(size, expected):
+    assert CacheConfig(kv_memory=size).kv_memory == expected == parse_size(size)
+
+
+@pytest.mark.parametrize("size", ["2 parsecs", "0", 0, -1, 2.5, True, "GB"])
+def test_cache_config_rejects_what_is_not_a_size(size):
+    with pytest.raises(ValueError, match=f"kv_memory={size!r} (is not a size|must be more than 0 bytes)"):
+        CacheConfig(kv_memory=size)
+
+
 # --- shapes and facts -------------------------------------------------------------------
 
 def test_bytes_per_token():
