@@ -218,6 +218,22 @@ def test_refused_before_any_weight_is_read(which, tmp_path, default_dir, request
     assert info.value.param == "memory_fraction"
 
 
+def test_hub_repo_id_is_planned_once_its_files_are_local(tmp_path, default_dir, monkeypatch):
+    """A hub id found in the Hugging Face cache (as after a download) is planned from its files."""
+    import huggingface_hub.constants
+
+    snapshot = tmp_path / "models--tiny-org--tiny-llama" / "snapshots" / "0123abcd"
+    save_tiny(snapshot, tiny_llama(), default_dir)
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    assert locate_model("tiny-org/tiny-llama")[1] == snapshot
+    with pytest.raises(InsufficientMemoryError, match="only 1.00 KB is available"):
+        Engine.from_pretrained("tiny-org/tiny-llama", kv_memory="1KB")
+    with Engine.from_pretrained("tiny-org/tiny-llama", max_tokens=256) as engine:
+        assert engine.loaded.path == snapshot and engine.facts == facts_before_load(snapshot, "cpu")
+
+
 def test_cli_refuses_with_one_line_naming_the_flag(tmp_path, default_dir):
     path = save_tiny(tmp_path, tiny_llama(), default_dir)
     mlxpaged_cli = Path(sys.executable).with_name("mlxpaged")
