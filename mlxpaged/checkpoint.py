@@ -28,7 +28,7 @@ DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2
                "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 HALF = frozenset({"F16", "BF16"})
 FLOATING = frozenset({"F16", "BF16", "F32", "F64"})  # what nn.Module.set_dtype casts
-MAX_HEADER_BYTES = 100 * 2**20  # the safetensors library's own limit
+MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
 
 
 class CheckpointError(MlxpagedError):
@@ -75,8 +75,12 @@ def weight_files(model_dir: Path) -> list[Path]:
     """The files mlx-lm loads: the shards model.safetensors.index.json names, else model*.safetensors."""
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [model_dir / name for name in names]
+        shards = [model_dir / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+        missing = [path.name for path in shards if not path.exists()]
+        if missing:  # an interrupted download
+            raise CheckpointError(f"{index} names {len(shards)} weight files but {len(missing)} are missing "
+                                  f"from {model_dir}: {', '.join(missing)}")
+        return shards
     files = sorted(model_dir.glob("model*.safetensors"))
     if not files:
         raise CheckpointError(f"no model*.safetensors in {model_dir}; it is not an MLX model directory")

@@ -96,8 +96,7 @@ class DeviceFacts:
         require_int("total_bytes", self.total_bytes, positive=True)
         require_int("available_bytes", self.available_bytes)
         if self.backend == "metal":
-            require_int("max_recommended_working_set_size",
-                                     self.max_recommended_working_set_size, positive=True)
+            require_int("max_recommended_working_set_size", self.max_recommended_working_set_size, positive=True)
 
     @property
     def limit_bytes(self) -> int:

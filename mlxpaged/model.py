@@ -83,11 +83,18 @@ def unweighted_model(model_dir: Path) -> nn.Module:
 
 def activation_dtype(model: nn.Module) -> mx.Dtype:
     """The dtype of the model's activations, hence of its K/V: look one token up in the embedding
-    (a quantized embedding's weight is uint32); float32 for a model without `model.embed_tokens`."""
+    (a quantized embedding's weight is uint32). Without `model.embed_tokens`: the floating dtype
+    holding the most parameter bytes, as checkpoint.kv_dtype_bytes reads it from the files."""
     inner = getattr(model, "model", None)
-    if inner is None or not hasattr(inner, "embed_tokens"):
-        return mx.float32
-    return inner.embed_tokens(mx.array([[0]])).dtype
+    if inner is not None and hasattr(inner, "embed_tokens"):
+        return inner.embed_tokens(mx.array([[0]])).dtype
+    from mlx.utils import tree_flatten
+
+    by_dtype: dict[mx.Dtype, int] = {}
+    for _, value in tree_flatten(model.parameters()):
+        if mx.issubdtype(value.dtype, mx.floating):
+            by_dtype[value.dtype] = by_dtype.get(value.dtype, 0) + value.nbytes
+    return max(by_dtype, key=by_dtype.get) if by_dtype else mx.float32
 
 
 def _has_half_dense_weights(model: nn.Module) -> bool:

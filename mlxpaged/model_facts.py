@@ -76,8 +76,8 @@ class ModelFacts:
     @classmethod
     def from_config(cls, config: dict, weight_bytes: int, kv_dtype_bytes: int,
                     sliding_windows: Sequence[int | None] | None = None) -> ModelFacts:
-        """From a Hugging Face style config.json dict; the per-layer windows come from the loaded
-        model (`cache_view.layer_windows`), since configs spell them several ways."""
+        """From a Hugging Face style config.json dict; the per-layer windows come from mlx-lm's model
+        (`cache_view.layer_windows`, loaded or unweighted), since configs spell them several ways."""
         heads = _config_value(config, "num_attention_heads")
         hidden = _config_value(config, "hidden_size")
         layers = _config_value(config, "num_hidden_layers")

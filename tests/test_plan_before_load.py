@@ -99,6 +99,24 @@ def test_sharded_checkpoint_counts_every_shard(tmp_path, default_dir, monkeypatc
     assert facts_before_load(path, "cpu") == loaded_facts(path, "cpu")
 
 
+def test_missing_shard_is_named(tmp_path, default_dir, monkeypatch):
+    monkeypatch.setattr(mlx_lm.utils, "make_shards", lambda weights, *a: [dict(list(weights.items())[:3]),
+                                                                          dict(list(weights.items())[3:])])
+    path = save_tiny(tmp_path, tiny_llama(), default_dir)
+    (path / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="names 2 weight files but 1 are missing .*: model-00002-of-00002"):
+        facts_before_load(path, "cpu")
+
+
+def test_activation_dtype_without_embed_tokens_is_the_weights():
+    """The loaded model's rule (model.activation_dtype) for models with no `model.embed_tokens`
+    is the files' rule (checkpoint.kv_dtype_bytes): the floating dtype with the most bytes."""
+    model = nn.Sequential(nn.Embedding(64, 32), nn.Linear(32, 32), nn.RMSNorm(32))
+    model.set_dtype(mx.bfloat16)
+    model.layers[2].update({"weight": mx.ones(32)})  # a float32 norm, as checkpoints keep them
+    assert activation_dtype(model) == mx.bfloat16
+
+
 def test_unreadable_headers_are_refused_with_the_numbers(tmp_path):
     short = tmp_path / "model.safetensors"
     short.write_bytes(struct.pack("<Q", 10_000) + b"{}")
