@@ -25,7 +25,8 @@ from mlxpaged.cache_view import layer_windows
 from mlxpaged.checkpoint import CheckpointError, checkpoint_tensors, facts_before_load, read_safetensors_header
 from mlxpaged.config import CacheConfig, parse_size
 from mlxpaged.engine import Engine
-from mlxpaged.memory import DeviceFacts, InsufficientMemoryError, ModelFacts, model_weight_bytes, plan_memory
+from mlxpaged.memory import (DeviceFacts, InsufficientMemoryError, ModelFacts, activation_bytes, model_weight_bytes,
+                             plan_memory)
 from mlxpaged.model import activation_dtype, load_local, locate_model
 from mlxpaged.models import ModelRef
 from tests.tiny_models import tiny_hybrid_llama, tiny_llama
@@ -88,11 +89,13 @@ def test_dtype_rules_differ_by_backend(tmp_path, default_dir):
     assert cpu.weight_bytes == 2 * metal.weight_bytes
 
 
-def test_sharded_checkpoint_counts_every_shard(tmp_path, default_dir, monkeypatch):
-    def two_shards(weights: dict, *args) -> list[dict]:
-        items = list(weights.items())
-        return [dict(items[: len(items) // 2]), dict(items[len(items) // 2:])]
+def two_shards(weights: dict, *args) -> list[dict]:
+    """mlx-lm's make_shards, splitting a tiny model in two as it splits big ones."""
+    items = list(weights.items())
+    return [dict(items[: len(items) // 2]), dict(items[len(items) // 2:])]
 
+
+def test_sharded_checkpoint_counts_every_shard(tmp_path, default_dir, monkeypatch):
     monkeypatch.setattr(mlx_lm.utils, "make_shards", two_shards)
     path = save_tiny(tmp_path, tiny_llama(), default_dir)
     assert len(list(path.glob("model-0000*-of-00002.safetensors"))) == 2
@@ -100,8 +103,7 @@ def test_sharded_checkpoint_counts_every_shard(tmp_path, default_dir, monkeypatc
 
 
 def test_missing_shard_is_named(tmp_path, default_dir, monkeypatch):
-    monkeypatch.setattr(mlx_lm.utils, "make_shards", lambda weights, *a: [dict(list(weights.items())[:3]),
-                                                                          dict(list(weights.items())[3:])])
+    monkeypatch.setattr(mlx_lm.utils, "make_shards", two_shards)
     path = save_tiny(tmp_path, tiny_llama(), default_dir)
     (path / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(CheckpointError, match="names 2 weight files but 1 are missing .*: model-00002-of-00002"):
@@ -133,8 +135,8 @@ def plans_before_and_after(path: Path, monkeypatch, spare: int, **settings):
     after loading on that device (whose available memory then no longer includes the weights)."""
     config = CacheConfig(**settings)
     facts = facts_before_load(path, "cpu")
-    activations = settings.get("max_batch_tokens", 2048) * (facts.hidden_size + facts.vocab_size) * 8
-    before = DeviceFacts("cpu", 8 * GiB, GiB + facts.weight_bytes + activations + spare)
+    fixed = GiB + facts.weight_bytes + activation_bytes(facts, config.max_batch_tokens)  # OS reserve of 8 GiB: 1 GiB
+    before = DeviceFacts("cpu", 8 * GiB, fixed + spare)
     after = DeviceFacts("cpu", 8 * GiB, before.available_bytes - facts.weight_bytes)
     devices = iter([before, after])  # from_pretrained detects before loading, the engine after
     monkeypatch.setattr(DeviceFacts, "detect", classmethod(lambda cls, *a, **k: next(devices)))
