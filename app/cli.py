@@ -8,7 +8,8 @@ import sys
 import mlxpaged  # noqa: F401  (loads OpenBLAS before anything imports mlx)
 from mlxpaged.blas import blas_status
 from mlxpaged.config import DEFAULT_CACHE_TOKENS
-from mlxpaged.models import ModelError
+from mlxpaged.errors import MlxpagedError, user_message
+from mlxpaged_app.tui.errors import CHAT_FLAGS
 
 NOT_YET: dict[str, str] = {}
 
@@ -75,7 +76,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         return run_chat(args.model, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                         seed=args.seed, system=args.system, resume=args.resume, cache_tokens=args.cache_tokens)
     except ValueError as exc:  # bad sampling settings, before the app starts
-        print(f"mlxpaged chat: {exc}", file=sys.stderr)
+        print(f"mlxpaged chat: {user_message(exc, 'cli', CHAT_FLAGS)}", file=sys.stderr)
         return 2
 
 
@@ -150,8 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ModelError as exc:
-        print(f"mlxpaged: {exc}", file=sys.stderr)
+    except MlxpagedError as exc:  # a bad model name, too little memory...: one line, no traceback
+        print(f"mlxpaged: {exc.render('cli', CHAT_FLAGS if args.command == 'chat' else None)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)

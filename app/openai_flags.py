@@ -64,16 +64,14 @@ def check_bind(host: str, api_key: str | None, allow_no_key: bool) -> None:
 
 
 def cache_settings(args: argparse.Namespace) -> dict:
-    from mlxpaged.config import parse_size
-
+    """CacheConfig fields from the flags; sizes stay text ("2GB"): CacheConfig reads them and its errors
+    name the setting, which the runner renders as its flag (mlxpaged.errors)."""
     settings = dict(block_size=args.block_size, max_batch_tokens=args.max_batch_tokens,
                     max_num_seqs=args.max_num_seqs, wire=not args.no_wire,
                     enable_prefix_cache=not args.no_prefix_cache)
-    for name in ("max_tokens", "memory_fraction"):
+    for name in ("max_tokens", "memory_fraction", "kv_memory"):
         if getattr(args, name) is not None:
             settings[name] = getattr(args, name)
-    if args.kv_memory is not None:
-        settings["kv_memory"] = parse_size(args.kv_memory)
     return settings
 
 
@@ -87,6 +85,6 @@ def server_config(args: argparse.Namespace):
                              f"got {getattr(args, name)}")
     if args.drain_timeout < 0:
         raise ServeError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
-    return ServerConfig(api_key=args.api_key, max_body_size=parse_size(args.max_body_size),
+    return ServerConfig(api_key=args.api_key, max_body_size=parse_size(args.max_body_size, param="max_body_size"),
                         max_queue=args.max_queue, default_max_tokens=args.default_max_tokens,
                         cors_origins=tuple(args.cors_origin))

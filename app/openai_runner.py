@@ -19,6 +19,7 @@ import threading
 
 import uvicorn
 
+from mlxpaged.errors import MlxpagedError, user_message
 from mlxpaged_app.openai_flags import ServeError, cache_settings, check_bind, server_config
 
 ABORT_GRACE = 10.0  # at most this long between aborting in-flight requests and cancelling their tasks
@@ -63,7 +64,7 @@ def run_serve(args: argparse.Namespace) -> int:
         config = server_config(args)
         sock = bind_socket(args.host, args.port)
     except (ServeError, ValueError) as exc:
-        print(f"mlxpaged serve: {exc}", file=sys.stderr)
+        print(f"mlxpaged serve: {user_message(exc, 'cli')}", file=sys.stderr)
         return 1
     main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _interrupt) if main else None  # until uvicorn takes over
@@ -79,13 +80,10 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def _load_and_serve(args: argparse.Namespace, config, sock: socket.socket) -> int:
-    from mlxpaged.memory import InsufficientMemoryError
-    from mlxpaged.model import UnsupportedModelError
-
     try:
         engine = load_engine(args)
-    except (ValueError, InsufficientMemoryError, UnsupportedModelError) as exc:  # settings, memory, model
-        print(f"mlxpaged serve: {exc}", file=sys.stderr)
+    except (ValueError, MlxpagedError) as exc:  # settings, memory, model: one line naming the flag
+        print(f"mlxpaged serve: {user_message(exc, 'cli')}", file=sys.stderr)
         return 1
     try:
         warm_up(engine)

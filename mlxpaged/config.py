@@ -1,14 +1,17 @@
 """Settings for the paged KV cache, validated when built.
 
-Every check raises ValueError naming the field and the bad value; nothing here asserts.
-`parse_size` turns the CLI's "--kv-memory 2GB" into bytes.
+Every check raises ConfigError (a ValueError) naming the setting and the bad value, for the
+interface the user called (mlxpaged.errors); nothing here asserts.
+`parse_size` turns "2GB" (the CLI's --kv-memory, CacheConfig's kv_memory) into bytes.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
+
+from mlxpaged.errors import ConfigError
 
 VALID_BLOCK_SIZES = (8, 16, 32)  # the paged-attention kernel's block sizes
 DEFAULT_CACHE_TOKENS = 32768  # cap by demand: a local app rarely needs more resident context
@@ -25,57 +28,53 @@ _UNITS = {
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*$")
 
 
-def parse_size(text: str | int) -> int:
+def parse_size(text: str | int, param: str | None = None) -> int:
     """Bytes in a size such as "2GB", "512MiB", "1.5G", "4096" or an int.
 
     "K/M/G/T" and "KB/MB/GB/TB" are decimal (1 GB = 10**9 bytes, like mlx-lm's size flags);
     "KiB/MiB/GiB/TiB" (or "Ki/Mi/Gi/Ti") are binary (1 GiB = 2**30 bytes). Case does not
-    matter. Fractions of a byte are dropped ("1.5KiB" is 1536 bytes).
+    matter. Fractions of a byte are dropped ("1.5KiB" is 1536 bytes). `param` names the setting
+    in the error (ConfigError, a ValueError).
     """
-    if isinstance(text, bool):
-        raise ValueError(f"size must be a number of bytes or a string like '2GB', got {text!r}")
+    subject = f"{{{param}:{text!r}}}" if param else repr(text)
+    if isinstance(text, bool) or not isinstance(text, (int, str)):
+        raise ConfigError(f"{subject} is not a size: give a number of bytes or a string like '2GB'", param=param)
     if isinstance(text, int):
         if text < 0:
-            raise ValueError(f"size must not be negative, got {text}")
+            raise ConfigError(f"{subject} is not a size: it must not be negative", param=param)
         return text
-    if not isinstance(text, str):
-        raise ValueError(f"size must be a number of bytes or a string like '2GB', got {text!r}")
     match = _SIZE_RE.match(text)
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
-        raise ValueError(f"cannot read {text!r} as a size; use bytes or a unit, e.g. '2GB', '512MiB', '1.5G'")
-    try:
-        number = Decimal(match.group(1))
-    except InvalidOperation as exc:  # the regex should make this unreachable
-        raise ValueError(f"cannot read {text!r} as a size") from exc
-    return int(number * _UNITS[unit])
+        raise ConfigError(f"{subject} is not a size: use bytes or a unit, e.g. '2GB', '512MiB', '1.5G'", param=param)
+    return int(Decimal(match.group(1)) * _UNITS[unit])  # the regex admits only valid decimals
 
 
 def _require_positive_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        raise ConfigError(f"{{{name}:{value!r}}} must be a positive integer", param=name)
 
 
 def _require_bool(name: str, value: object) -> None:
     if not isinstance(value, bool):
-        raise ValueError(f"{name} must be True or False, got {value!r}")
+        raise ConfigError(f"{{{name}:{value!r}}} must be True or False", param=name)
 
 
 @dataclass(frozen=True)
 class CacheConfig:
     """How big the paged KV cache may be and how it is used.
 
-    Size it by at most one of `kv_memory` (bytes, e.g. parse_size("2GB")) or
-    `memory_fraction` (of the memory left for the cache after weights, activations and
-    the OS reserve; see mlxpaged.memory). Neither: a backend default. `max_tokens` caps
-    the cache at the context you need in total across sequences (--max-tokens).
+    Size it by at most one of `kv_memory` (bytes, or a size as the CLI takes it: "2GB",
+    "512MiB"; stored as bytes) or `memory_fraction` (of the memory left for the cache after
+    weights, activations and the OS reserve; see mlxpaged.memory). Neither: a backend default.
+    `max_tokens` caps the cache at the context you need in total across sequences.
     `max_batch_tokens` bounds one model step (prefill chunks included) and so the
     activation headroom; `max_num_seqs` bounds concurrent sequences. `wire=False`
-    (--no-wire) leaves the Metal wired limit alone.
+    leaves the Metal wired limit alone. Bad values raise ConfigError (a ValueError).
     """
 
     block_size: int = 16
-    kv_memory: int | None = None
+    kv_memory: int | str | None = None
     memory_fraction: float | None = None
     max_tokens: int | None = None
     max_batch_tokens: int = 2048
@@ -86,28 +85,35 @@ class CacheConfig:
     def __post_init__(self) -> None:
         _require_positive_int("block_size", self.block_size)
         if self.block_size not in VALID_BLOCK_SIZES:
-            raise ValueError(f"block_size must be one of {VALID_BLOCK_SIZES}, got {self.block_size}")
+            raise ConfigError(f"{{block_size:{self.block_size}}} must be one of {VALID_BLOCK_SIZES}",
+                              param="block_size")
         _require_positive_int("max_batch_tokens", self.max_batch_tokens)
         _require_positive_int("max_num_seqs", self.max_num_seqs)
         if self.max_batch_tokens < self.max_num_seqs:
             # Otherwise some decoding sequences would get no token in a step (the scheduler's rule,
             # checked here so a bad setting fails before the model and the pool are loaded).
-            raise ValueError(f"max_batch_tokens ({self.max_batch_tokens}) must be >= "
-                             f"max_num_seqs ({self.max_num_seqs})")
+            raise ConfigError(f"{{max_batch_tokens:{self.max_batch_tokens}}} must be >= "
+                              f"{{max_num_seqs:{self.max_num_seqs}}}", param="max_batch_tokens")
         if self.max_tokens is not None:
             _require_positive_int("max_tokens", self.max_tokens)
         if self.kv_memory is not None:
-            _require_positive_int("kv_memory (bytes)", self.kv_memory)
+            self._set_kv_memory(self.kv_memory)
         if self.memory_fraction is not None:
             self._check_fraction(self.memory_fraction)
         if self.kv_memory is not None and self.memory_fraction is not None:
-            raise ValueError(
-                f"set only one of kv_memory ({self.kv_memory} bytes) and memory_fraction "
-                f"({self.memory_fraction}): both size the KV cache")
+            raise ConfigError(
+                f"set only one of {{kv_memory}} ({self.kv_memory:,} bytes) and {{memory_fraction}} "
+                f"({self.memory_fraction}): both size the KV cache", param="kv_memory")
         _require_bool("wire", self.wire)
         _require_bool("enable_prefix_cache", self.enable_prefix_cache)
+
+    def _set_kv_memory(self, value: int | str) -> None:
+        size = parse_size(value, param="kv_memory")
+        if size == 0:
+            raise ConfigError(f"{{kv_memory:{value!r}}} must be more than 0 bytes", param="kv_memory")
+        object.__setattr__(self, "kv_memory", size)  # frozen: bytes from here on
 
     @staticmethod
     def _check_fraction(value: object) -> None:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
-            raise ValueError(f"memory_fraction must be a number in (0, 1], got {value!r}")
+            raise ConfigError(f"{{memory_fraction:{value!r}}} must be a number in (0, 1]", param="memory_fraction")

@@ -30,7 +30,10 @@ from mlxpaged.live_requests import EngineClosedError, LiveRequests, RequestFaile
 from mlxpaged.metrics import StatsCounter
 from mlxpaged.results import Completion, StreamDelta, collect, drain  # noqa: F401  (re-exported)
 from mlxpaged.memory import DeviceFacts, ModelFacts, model_weight_bytes, plan_memory, wired_limit
-from mlxpaged.model import LoadedModel, chat_prompt, check_paged_support, load_model, route_paged_attention
+from mlxpaged.checkpoint import facts_before_load
+from mlxpaged.model import (LoadedModel, activation_dtype, chat_prompt, check_paged_support, load_local, locate_model,
+                            route_paged_attention)
+from mlxpaged.models import Progress
 from mlxpaged.runner import Lookahead, Runner, StepInput
 from mlxpaged.sampling import LazySample, SamplingParams, sample_batch
 from mlxpaged.scheduler import (CACHE_CAPACITY, MODEL_CONTEXT, Request, RequestTooLongError, Scheduler,
@@ -48,7 +51,7 @@ class Engine:
         self.cache_config = cache_config or CacheConfig(max_tokens=DEFAULT_CACHE_TOKENS)
         check_paged_support(loaded.model)
         route_paged_attention()
-        kv_dtype = self._kv_dtype()
+        kv_dtype = activation_dtype(loaded.model)  # K/V have the activations' dtype
         self.facts = self._model_facts(kv_dtype)
         self.plan = plan_memory(DeviceFacts.detect(), self.facts, self.cache_config, weights_resident=True)
         self.kv = self._make_kv_cache(kv_dtype)
@@ -75,11 +78,16 @@ class Engine:
         self._thread.start()
 
     @classmethod
-    def from_pretrained(cls, model: str | None = None, **settings) -> "Engine":
-        """A preset name, local path or hub id (None: the embedded default model); settings are CacheConfig fields."""
+    def from_pretrained(cls, model: str | None = None, progress: Progress | None = None, **settings) -> "Engine":
+        """A preset name, local path or hub id (None: the embedded default model); settings are CacheConfig
+        fields (kv_memory="2GB" too). A cache that cannot fit raises InsufficientMemoryError before any
+        weight is read (once the model's files are local: a hub model is downloaded first)."""
         settings.setdefault("max_tokens", DEFAULT_CACHE_TOKENS)
         config = CacheConfig(**settings)
-        return cls(load_model(model), config)
+        ref, path = locate_model(model, progress)
+        device = DeviceFacts.detect()
+        plan_memory(device, facts_before_load(path, device.backend), config)
+        return cls(load_local(ref, path), config)
 
     @property
     def model(self):
@@ -95,13 +103,6 @@ class Engine:
         those of mlx-lm's own caches (configs spell them several ways)."""
         model = self.loaded.model
         return ModelFacts.from_config(self.loaded.config, model_weight_bytes(model), kv_dtype.size, layer_windows(model))
-
-    def _kv_dtype(self) -> mx.Dtype:
-        """K/V have the activations' dtype; a quantized embedding's weight is uint32, so look one token up."""
-        inner = getattr(self.loaded.model, "model", None)
-        if inner is None or not hasattr(inner, "embed_tokens"):
-            return mx.float32
-        return inner.embed_tokens(mx.array([[0]])).dtype
 
     def _make_kv_cache(self, dtype: mx.Dtype) -> PagedKVCache:
         kv = self.facts.kv

@@ -41,7 +41,9 @@ from typing import Iterator, Sequence
 
 from mlxpaged.blocks import sequence_capacity, table_lengths
 from mlxpaged.config import CacheConfig
+from mlxpaged.errors import MlxpagedError
 from mlxpaged.kv_cache import block_bytes, group_layers
+from mlxpaged.model_facts import KVShape, ModelFacts, model_weight_bytes, require_int  # noqa: F401  (re-exported)
 
 OS_RESERVE_FLOOR = 2**30
 OS_RESERVE_FRACTION = 0.10
@@ -51,24 +53,31 @@ DEFAULT_KV_FRACTION = {"metal": 0.9, "cpu": 0.5}
 BACKENDS = ("metal", "cpu")
 
 
-class InsufficientMemoryError(Exception):
-    """The model and the cache asked for do not fit; the message says what to change."""
+class InsufficientMemoryError(MlxpagedError):
+    """The model and the cache asked for do not fit; the message says what to change, and
+    `param` is the setting the user chose the size with (kv_memory, memory_fraction, max_tokens),
+    or None when no setting can make the model fit."""
 
-    def __init__(self, message: str, *, needed_bytes: int, available_bytes: int) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, *, needed_bytes: int, available_bytes: int, param: str | None = None) -> None:
+        super().__init__(message, param=param)
         self.needed_bytes = needed_bytes
         self.available_bytes = available_bytes
 
 
 def gb(n: int) -> str:
-    """Bytes as decimal gigabytes, the unit --kv-memory reads (1 GB = 10**9 bytes)."""
-    return f"{n / 1e9:.2f} GB"
+    """Bytes as decimal gigabytes, the unit --kv-memory reads (1 GB = 10**9 bytes); below
+    10 MB in MB or KB, so a tiny size reads as itself rather than 0.00 GB."""
+    for unit, scale in (("GB", 10**9), ("MB", 10**6)):
+        if n >= scale // 100:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n / 1e3:.2f} KB"
 
 
-def _require_nonnegative_int(name: str, value: object, positive: bool = False) -> None:
-    low = 1 if positive else 0
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+def size_at_least(n: int) -> str:
+    """`n` bytes as a size setting ("0.38GB"), rounded up so that asking for it is enough."""
+    unit = gb(n).split()[1]
+    scale = {"GB": 10**9, "MB": 10**6, "KB": 10**3}[unit]
+    return f"{math.ceil(n * 100 / scale) / 100:.2f}{unit}"
 
 
 @dataclass(frozen=True)
@@ -84,11 +93,10 @@ class DeviceFacts:
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
-        _require_nonnegative_int("total_bytes", self.total_bytes, positive=True)
-        _require_nonnegative_int("available_bytes", self.available_bytes)
+        require_int("total_bytes", self.total_bytes, positive=True)
+        require_int("available_bytes", self.available_bytes)
         if self.backend == "metal":
-            _require_nonnegative_int("max_recommended_working_set_size",
-                                     self.max_recommended_working_set_size, positive=True)
+            require_int("max_recommended_working_set_size", self.max_recommended_working_set_size, positive=True)
 
     @property
     def limit_bytes(self) -> int:
@@ -130,89 +138,6 @@ def _cgroup_available(root: Path) -> int | None:
         return max(int(limit) - int((root / "memory.current").read_text().strip()), 0)
     except (OSError, ValueError):
         return None
-
-
-@dataclass(frozen=True)
-class KVShape:
-    """What one token costs in the KV cache. `sliding_windows` has one entry per layer:
-    None for full attention, else the window in tokens (such a layer keeps only recent blocks);
-    None for all: no layer slides."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype_bytes: int
-    sliding_windows: tuple[int | None, ...] | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("num_layers", "num_kv_heads", "head_dim", "dtype_bytes"):
-            _require_nonnegative_int(name, getattr(self, name), positive=True)
-        if self.sliding_windows is None:
-            return
-        windows = tuple(self.sliding_windows)
-        object.__setattr__(self, "sliding_windows", windows)
-        if len(windows) != self.num_layers:
-            raise ValueError(f"sliding_windows has {len(windows)} entries for {self.num_layers} layers")
-        for window in windows:
-            if window is not None:
-                _require_nonnegative_int("a sliding window", window, positive=True)
-
-    @property
-    def layer_bytes_per_token(self) -> int:
-        return 2 * self.num_kv_heads * self.head_dim * self.dtype_bytes  # K and V
-
-    @property
-    def bytes_per_token(self) -> int:
-        """2 (K and V) x layers x kv_heads x head_dim x dtype bytes."""
-        return self.num_layers * self.layer_bytes_per_token
-
-    @property
-    def layer_windows(self) -> tuple[int | None, ...]:
-        return self.sliding_windows or (None,) * self.num_layers
-
-
-@dataclass(frozen=True)
-class ModelFacts:
-    """The model as the planner needs it."""
-
-    kv: KVShape
-    weight_bytes: int
-    hidden_size: int
-    vocab_size: int
-    context_length: int | None = None  # max_position_embeddings
-
-    def __post_init__(self) -> None:
-        _require_nonnegative_int("weight_bytes", self.weight_bytes)
-        _require_nonnegative_int("hidden_size", self.hidden_size, positive=True)
-        _require_nonnegative_int("vocab_size", self.vocab_size, positive=True)
-        if self.context_length is not None:
-            _require_nonnegative_int("context_length", self.context_length, positive=True)
-
-    @classmethod
-    def from_config(cls, config: dict, weight_bytes: int, kv_dtype_bytes: int,
-                    sliding_windows: Sequence[int | None] | None = None) -> ModelFacts:
-        """From a Hugging Face style config.json dict; the per-layer windows come from the loaded
-        model (`cache_view.layer_windows`), since configs spell them several ways."""
-        heads = _config_value(config, "num_attention_heads")
-        hidden = _config_value(config, "hidden_size")
-        layers = _config_value(config, "num_hidden_layers")
-        kv = KVShape(layers, config.get("num_key_value_heads") or heads,
-                     config.get("head_dim") or hidden // heads, kv_dtype_bytes, sliding_windows)
-        return cls(kv, weight_bytes, hidden, _config_value(config, "vocab_size"),
-                   config.get("max_position_embeddings"))
-
-
-def _config_value(config: dict, key: str) -> int:
-    if key not in config:
-        raise ValueError(f"model config has no {key!r}; cannot size the KV cache")
-    return config[key]
-
-
-def model_weight_bytes(model) -> int:
-    """Bytes of every parameter of an mlx.nn.Module (quantization scales included)."""
-    from mlx.utils import tree_flatten
-
-    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
 
 
 @dataclass(frozen=True)
@@ -281,10 +206,10 @@ def _kv_budget(left: int, backend: str, cache: CacheConfig) -> tuple[int, str]:
     if cache.kv_memory is not None:
         if cache.kv_memory > left:
             raise InsufficientMemoryError(
-                f"--kv-memory {gb(cache.kv_memory)} is more than the {gb(left)} left for the KV cache "
+                f"{{kv_memory:{gb(cache.kv_memory)}}} is more than the {gb(left)} left for the KV cache "
                 f"after weights, activations and the OS reserve; ask for at most {gb(left)}, "
-                "or lower --max-batch-tokens, or use a smaller model",
-                needed_bytes=cache.kv_memory, available_bytes=left)
+                "or lower {max_batch_tokens}, or use a smaller model",
+                needed_bytes=cache.kv_memory, available_bytes=left, param="kv_memory")
         return cache.kv_memory, f"limited by --kv-memory {gb(cache.kv_memory)}"
     if cache.memory_fraction is not None:
         return int(left * cache.memory_fraction), f"limited by --memory-fraction {cache.memory_fraction:g} of {gb(left)}"
@@ -300,17 +225,24 @@ def _check_fixed_costs(limit: int, costs: list[tuple[str, int]], label: str) -> 
     listed = " + ".join(f"{name} {gb(size)}" for name, size in costs)
     raise InsufficientMemoryError(
         f"{listed} = {gb(limit - left)} exceed the {label} of {gb(limit)}, leaving nothing for the KV cache; "
-        "use a smaller or more quantized model, or lower --max-batch-tokens",
+        "use a smaller or more quantized model, or lower {max_batch_tokens}",
         needed_bytes=limit - left, available_bytes=limit)
 
 
-def _too_small(longest: int, need_bytes: int, budget: int, fits_tokens: int) -> InsufficientMemoryError:
-    shrink = f"use --max-tokens {fits_tokens:,} or less, " if fits_tokens > 0 else ""
+def _too_small(longest: int, need_bytes: int, budget: int, fits_tokens: int,
+               cache: CacheConfig) -> InsufficientMemoryError:
+    """One sequence does not fit the budget; the advice follows the setting that sized it."""
+    shrink = f"{{max_tokens:{fits_tokens}}} or less" if fits_tokens > 0 else None
+    if cache.kv_memory is not None:
+        param, advice = "kv_memory", f"use {{kv_memory:{size_at_least(need_bytes)}}} or more" + (f", or {shrink}" if shrink else "")
+    else:
+        param = "memory_fraction" if cache.memory_fraction is not None else "max_tokens"
+        advice = (f"use {shrink}, " if shrink else "") + ("a larger {kv_memory} or {memory_fraction} if memory "
+                                                          "allows, lower {max_batch_tokens}, or a smaller model")
     return InsufficientMemoryError(
         f"one {longest:,}-token sequence needs {gb(need_bytes)} of KV cache but only {gb(budget)} is available "
-        f"for it (room for {fits_tokens:,} tokens); {shrink}a larger --kv-memory or --memory-fraction if memory "
-        "allows, lower --max-batch-tokens, or a smaller model",
-        needed_bytes=need_bytes, available_bytes=budget)
+        f"for it (room for {fits_tokens:,} tokens); {advice}",
+        needed_bytes=need_bytes, available_bytes=budget, param=param)
 
 
 def _wired(device: DeviceFacts, cache: CacheConfig, weights_and_kv: int) -> tuple[int | None, str]:
@@ -344,7 +276,7 @@ def plan_memory(device: DeviceFacts, model: ModelFacts, cache: CacheConfig, *,
     need_blocks = sum(table_lengths(longest, cache.block_size, caps))
     if memory_blocks < need_blocks:
         fits = sequence_capacity(memory_blocks, cache.block_size, caps)  # an int: `longest` does not fit
-        raise _too_small(longest, need_blocks * block, budget, fits)
+        raise _too_small(longest, need_blocks * block, budget, fits, cache)
     demand, demand_reason = _demand(model, cache, caps)
     if demand is not None and demand <= memory_blocks:
         num_blocks, reason = demand, f"capped by {demand_reason} (memory allows {memory_blocks:,} blocks)"

@@ -23,6 +23,7 @@ from mlx_lm.utils import load as mlx_lm_load
 from mlxpaged.attention import paged_attention, sdpa
 from mlxpaged.cache_view import PagedCacheView, layer_windows
 from mlxpaged.decode_pass import DecodeView
+from mlxpaged.errors import MlxpagedError
 from mlxpaged.models import ModelRef, Progress, provision, resolve
 
 
@@ -49,16 +50,51 @@ def default_dtype() -> str:
     return "float16" if on_metal() else "float32"
 
 
+def locate_model(name: str | None = None, progress: Progress | None = None) -> tuple[ModelRef, Path]:
+    """Resolve and provision (download, convert) a model without loading it; None: the default model."""
+    ref = resolve(name)
+    return ref, provision(ref, default_dtype(), progress)
+
+
 def load_model(name: str | None = None, progress: Progress | None = None) -> LoadedModel:
     """Resolve, provision if needed, and load a model; None loads the embedded default model."""
-    ref = resolve(name)
-    dtype = default_dtype()
-    path = provision(ref, dtype, progress)
+    return load_local(*locate_model(name, progress))
+
+
+def load_local(ref: ModelRef, path: Path, backend: str | None = None) -> LoadedModel:
+    """Load a provisioned model; `backend` ("cpu" or "metal", default: this machine's) picks the dtypes."""
+    backend = backend or ("metal" if on_metal() else "cpu")
     model, tokenizer = mlx_lm_load(str(path))
-    if not on_metal() and _has_half_dense_weights(model):
-        model.set_dtype(mx.float32)  # CPU backend: float32 is the fast dtype
+    if backend == "cpu" and _has_half_dense_weights(model):
+        model.set_dtype(mx.float32)  # CPU backend: float32 is the fast dtype (checkpoint.as_loaded counts this)
     config = json.loads((path / "config.json").read_text())
-    return LoadedModel(model, tokenizer, ref, path, dtype, config)
+    return LoadedModel(model, tokenizer, ref, path, default_dtype(), config)
+
+
+def unweighted_model(model_dir: Path) -> nn.Module:
+    """mlx-lm's model for `model_dir`'s config.json, never given weights: its parameters are lazy
+    (random init, never evaluated), so building it costs no memory. For reading shapes and caches."""
+    from mlx_lm.utils import _get_classes, load_config  # load_model's own class lookup
+
+    config = load_config(model_dir)
+    model_class, args_class = _get_classes(config)
+    return model_class(args_class.from_dict(config))
+
+
+def activation_dtype(model: nn.Module) -> mx.Dtype:
+    """The dtype of the model's activations, hence of its K/V: look one token up in the embedding
+    (a quantized embedding's weight is uint32). Without `model.embed_tokens`: the floating dtype
+    holding the most parameter bytes, as checkpoint.kv_dtype_bytes reads it from the files."""
+    inner = getattr(model, "model", None)
+    if inner is not None and hasattr(inner, "embed_tokens"):
+        return inner.embed_tokens(mx.array([[0]])).dtype
+    from mlx.utils import tree_flatten
+
+    by_dtype: dict[mx.Dtype, int] = {}
+    for _, value in tree_flatten(model.parameters()):
+        if mx.issubdtype(value.dtype, mx.floating):
+            by_dtype[value.dtype] = by_dtype.get(value.dtype, 0) + value.nbytes
+    return max(by_dtype, key=by_dtype.get) if by_dtype else mx.float32
 
 
 def _has_half_dense_weights(model: nn.Module) -> bool:
@@ -153,5 +189,6 @@ def check_paged_support(model: nn.Module) -> None:
         raise UnsupportedModelError(f"model type {model_type!r} is not supported in paged mode: {exc}") from exc
 
 
-class UnsupportedModelError(Exception):
-    pass
+class UnsupportedModelError(MlxpagedError):
+    def __init__(self, message: str) -> None:
+        super().__init__(message, param="model")

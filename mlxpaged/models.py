@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from mlxpaged.errors import MlxpagedError
+
 Progress = Callable[[int, int, str], None]
 
 MODELS_DIR_ENV = "MLXPAGED_MODELS_DIR"
@@ -30,8 +32,11 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _CHUNK = 1 << 20
 
 
-class ModelError(Exception):
-    """Base class for errors a user can cause by naming a model."""
+class ModelError(MlxpagedError):
+    """Base class for errors a user can cause by naming a model (the `model` setting)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, param="model")
 
 
 class UnknownModelError(ModelError):
@@ -161,7 +166,7 @@ def _hub_download(repo: str) -> Path:
     except Exception as exc:  # huggingface_hub raises many types: offline, 404, gated, timeouts
         raise ModelUnavailableError(
             f"cannot download {repo!r} from Hugging Face ({type(exc).__name__}): no network, or the repo "
-            f"does not exist. The embedded default model works offline: --model smollm2-135m"
+            f"does not exist. The embedded default model works offline: {{model:smollm2-135m}}"
         ) from exc
 
 

@@ -86,6 +86,17 @@ def test_cache_config_defaults_and_validation():
     assert CacheConfig(memory_fraction=1).memory_fraction == 1
 
 
+@pytest.mark.parametrize("size, expected", [("2GB", 2 * 10**9), ("512MiB", 512 * 2**20), (4096, 4096), ("1.5 G", 1_500_000_000)])
+def test_cache_config_takes_sizes_as_the_cli_does(size, expected):
+    assert CacheConfig(kv_memory=size).kv_memory == expected == parse_size(size)
+
+
+@pytest.mark.parametrize("size", ["2 parsecs", "0", 0, -1, 2.5, True, "GB"])
+def test_cache_config_rejects_what_is_not_a_size(size):
+    with pytest.raises(ValueError, match=f"kv_memory={size!r} (is not a size|must be more than 0 bytes)"):
+        CacheConfig(kv_memory=size)
+
+
 # --- shapes and facts -------------------------------------------------------------------
 
 def test_bytes_per_token():
@@ -155,8 +166,10 @@ def test_8gb_mac_llama3_8b_does_not_fit():
     with pytest.raises(InsufficientMemoryError) as info:
         plan_memory(MAC_8, LLAMA3_8B_4BIT, CacheConfig())
     message = str(info.value)
-    for figure in ("1.07 GB", "4.52 GB", "2.17 GB", "7.76 GB", "5.73 GB", "smaller", "--max-batch-tokens"):
+    for figure in ("1.07 GB", "4.52 GB", "2.17 GB", "7.76 GB", "5.73 GB", "smaller", "lower max_batch_tokens="):
         assert figure in message
+    assert "lower --max-batch-tokens" in info.value.render("cli")
+    assert info.value.param is None  # no setting makes the weights fit
     assert info.value.needed_bytes == GiB + 4_520_000_000 + LLAMA_ACTIVATIONS
     assert info.value.available_bytes == 5_726_633_984
 
@@ -211,8 +224,10 @@ def test_kv_memory_and_fraction():
     left = 48 * GiB - 6_871_947_673 - 16_060_522_496 - LLAMA_ACTIVATIONS
     plan = plan_memory(MAC_64, LLAMA3_8B, CacheConfig(memory_fraction=0.25))
     assert plan.num_blocks == int(left * 0.25) // 2_097_152
-    with pytest.raises(InsufficientMemoryError, match="--kv-memory 100.00 GB is more than the 26.44 GB left"):
+    with pytest.raises(InsufficientMemoryError, match="kv_memory=100.00 GB is more than the 26.44 GB left") as info:
         plan_memory(MAC_64, LLAMA3_8B, CacheConfig(kv_memory=100 * 10**9))
+    assert info.value.render("cli").startswith("--kv-memory 100.00 GB is more than the 26.44 GB left")
+    assert info.value.param == "kv_memory"
 
 
 def test_error_when_one_sequence_cannot_fit():
@@ -221,7 +236,9 @@ def test_error_when_one_sequence_cannot_fit():
     message = str(info.value)
     # The longest sequence is the model's 8192-token context (less than --max-tokens).
     assert "one 8,192-token sequence needs 1.07 GB of KV cache but only 0.10 GB" in message
-    assert "--max-tokens 752 or less" in message  # 47 whole blocks of 16
+    assert "use kv_memory=1.08GB or more, or max_tokens=752 or less" in message  # 47 whole blocks of 16
+    assert "use --kv-memory 1.08GB or more, or --max-tokens 752 or less" in info.value.render("cli")
+    assert info.value.param == "kv_memory"
     assert (info.value.needed_bytes, info.value.available_bytes) == (8192 * 131_072, 100_000_000)
     plan_memory(MAC_64, LLAMA3_8B, CacheConfig(kv_memory=100_000_000, max_tokens=752))  # and that fits
 
@@ -270,7 +287,8 @@ def test_hybrid_too_small_names_the_tokens_that_fit():
     need = (8192 // 16 + 33) * 368_640
     assert (info.value.needed_bytes, info.value.available_bytes) == (need, 100_000_000)
     fits = (100_000_000 // 368_640 - 33) * 16  # 271 blocks, 33 of them the ring
-    assert f"--max-tokens {fits:,} or less" in str(info.value)
+    assert f"max_tokens={fits} or less" in str(info.value)
+    assert f"--max-tokens {fits} or less" in info.value.render("cli")
     plan_memory(MAC_64, model, CacheConfig(kv_memory=100_000_000, max_tokens=fits))  # and that fits
 
 
@@ -399,7 +417,8 @@ def test_wired_limit_with_real_mlx_on_this_host_does_nothing():
 
 
 def test_cache_config_rejects_what_the_pool_and_scheduler_would_reject_later():
-    with pytest.raises(ValueError, match="block_size must be one of"):
+    with pytest.raises(ValueError, match="block_size=64 must be one of"):
         CacheConfig(block_size=64)
-    with pytest.raises(ValueError, match=r"max_batch_tokens \(8\) must be >= max_num_seqs \(16\)"):
+    with pytest.raises(ValueError, match="max_batch_tokens=8 must be >= max_num_seqs=16") as info:
         CacheConfig(max_batch_tokens=8, max_num_seqs=16)
+    assert info.value.render("cli") == "--max-batch-tokens 8 must be >= --max-num-seqs 16"

@@ -36,10 +36,8 @@ def real_engine_factory(cache_tokens: int) -> EngineFactory:
     """Engines over the real model store, with a KV cache capped at `cache_tokens` tokens."""
 
     def build(name: str | None, progress: Progress) -> ChatEngine:
-        from mlxpaged.config import CacheConfig
         from mlxpaged.engine import Engine
-        from mlxpaged.model import load_model
 
-        return Engine(load_model(name, progress=progress), CacheConfig(max_tokens=cache_tokens))
+        return Engine.from_pretrained(name, progress, max_tokens=cache_tokens)  # refuses before loading weights
 
     return build

@@ -1,0 +1,63 @@
+"""Errors a user can cause, worded for the interface they called.
+
+A message names the settings to change as placeholders: `{kv_memory}` (the setting) or
+`{kv_memory:2.00 GB}` (the setting with a value). `render` writes them as the Python API spells
+them (`kv_memory=`, `kv_memory=2.00 GB`) or as the command line does (`--kv-memory`,
+`--kv-memory 2.00 GB`), so front ends print `render("cli")` instead of rewriting message strings.
+`str(error)` is the Python rendering: the library's callers are Python callers.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Mapping
+
+INTERFACES = ("python", "cli")
+_PLACEHOLDER = re.compile(r"\{([a-z][a-z0-9_]*)(?::([^{}]*))?\}")
+
+
+def cli_flag(param: str, flags: Mapping[str, str] | None = None) -> str:
+    """`max_batch_tokens` -> `--max-batch-tokens`, unless `flags` spells it otherwise (chat's --cache-tokens)."""
+    return (flags or {}).get(param) or "--" + param.replace("_", "-")
+
+
+def render_param(param: str, interface: str, value: str | None = None,
+                 flags: Mapping[str, str] | None = None) -> str:
+    """A setting as `interface` spells it: python `kv_memory=` / `kv_memory=2GB`, cli `--kv-memory` / `--kv-memory 2GB`."""
+    if interface == "python":
+        return f"{param}=" if value is None else f"{param}={value}"
+    if interface == "cli":
+        flag = cli_flag(param, flags)
+        return flag if value is None else f"{flag} {value}"
+    raise ValueError(f"interface must be one of {INTERFACES}, got {interface!r}")
+
+
+class MlxpagedError(Exception):
+    """An error the user can fix; `param` is the setting to change first (its Python name), or None."""
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.template = message
+        self.param = param
+
+    @property
+    def params(self) -> tuple[str, ...]:
+        """Every setting the message names, in order."""
+        return tuple(dict.fromkeys(m.group(1) for m in _PLACEHOLDER.finditer(self.template)))
+
+    def render(self, interface: str = "python", flags: Mapping[str, str] | None = None) -> str:
+        return _PLACEHOLDER.sub(lambda m: render_param(m.group(1), interface, m.group(2), flags), self.template)
+
+    def __str__(self) -> str:
+        return self.render("python")
+
+
+class ConfigError(MlxpagedError, ValueError):
+    """A setting with a bad value (still a ValueError, as settings errors always were)."""
+
+
+def user_message(error: BaseException, interface: str, flags: Mapping[str, str] | None = None) -> str:
+    """The text to show for `error` in `interface`: rendered for it when it is an MlxpagedError."""
+    if isinstance(error, MlxpagedError):
+        return error.render(interface, flags)
+    return str(error)
