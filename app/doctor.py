@@ -312,21 +312,19 @@ def find_default_model() -> ModelOnDisk:
 
 
 def kv_dtype(model: ModelOnDisk) -> str:
-    """The dtype K/V will have: float32 on the CPU backend (the loader converts half weights),
-    else the checkpoint's."""
-    if model.dtype == "float32":
-        return "float32"
-    return model.config.get("torch_dtype") or model.dtype
+    """The dtype K/V will have, read from the weight headers as the engine reads it before loading."""
+    from mlxpaged.checkpoint import kv_dtype_before_load
+    from mlxpaged.memory import DeviceFacts
+
+    return kv_dtype_before_load(model.path, DeviceFacts.detect().backend)
 
 
 def model_facts(model: ModelOnDisk):
-    from mlxpaged.memory import ModelFacts
+    """The facts the engine plans with before loading (mlxpaged.checkpoint): one reading, not two."""
+    from mlxpaged.checkpoint import facts_before_load
+    from mlxpaged.memory import DeviceFacts
 
-    sizes = {"float32": 4, "float16": 2, "bfloat16": 2}
-    dtype = kv_dtype(model)
-    if dtype not in sizes:
-        raise ValueError(f"{model.path}/config.json: torch_dtype {dtype!r} is not one of {', '.join(sizes)}")
-    return ModelFacts.from_config(model.config, model.weight_bytes, sizes[dtype])
+    return facts_before_load(model.path, DeviceFacts.detect().backend)
 
 
 # ---- running and reporting ----------------------------------------------------------------------

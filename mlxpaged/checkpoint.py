@@ -98,14 +98,26 @@ def as_loaded(tensors: list[TensorHeader], backend: str) -> list[TensorHeader]:
     return tensors
 
 
-def kv_dtype_bytes(loaded: list[TensorHeader]) -> int:
-    """Bytes per K/V element: the activations' dtype, that of the floating tensors holding the most
-    bytes (the dense weights, or a quantized model's scales); float32 if none is floating."""
+KV_DTYPE_NAMES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64"}
+
+
+def kv_dtype(loaded: list[TensorHeader]) -> str:
+    """The K/V dtype (safetensors name): the activations' dtype, that of the floating tensors holding
+    the most bytes (the dense weights, or a quantized model's scales); F32 if none is floating."""
     by_dtype = Counter()
     for t in loaded:
         if t.dtype in FLOATING:
             by_dtype[t.dtype] += t.nbytes
-    return DTYPE_BYTES[by_dtype.most_common(1)[0][0]] if by_dtype else 4
+    return by_dtype.most_common(1)[0][0] if by_dtype else "F32"
+
+
+def kv_dtype_bytes(loaded: list[TensorHeader]) -> int:
+    return DTYPE_BYTES[kv_dtype(loaded)]
+
+
+def kv_dtype_before_load(model_dir: Path, backend: str) -> str:
+    """The K/V dtype's MLX name ("float32", "float16", ...) once the model is loaded on `backend`."""
+    return KV_DTYPE_NAMES[kv_dtype(as_loaded(checkpoint_tensors(model_dir), backend))]
 
 
 def facts_before_load(model_dir: Path, backend: str) -> ModelFacts:
