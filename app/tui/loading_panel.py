@@ -10,7 +10,7 @@ from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import ProgressBar, Static
 
-HINT = "Type away: Enter sends, and the message is answered once the model is ready."
+HINT = "Downloads and conversions happen once; later loads take a few seconds."
 
 
 class LoadingPanel(Vertical):
@@ -24,7 +24,7 @@ class LoadingPanel(Vertical):
 
     def start(self, model: str | None) -> None:
         self.query_one("#loading-title", Static).update(f"Loading {model or 'the default model'}")
-        self.show_stage("loading the weights and sizing the KV cache (downloads and conversions happen once)…")
+        self.show_stage("loading the weights and sizing the KV cache…")
         self.display = True
 
     def show_progress(self, done: int, total: int, what: str) -> None:
