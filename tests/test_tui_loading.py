@@ -130,3 +130,30 @@ async def test_a_new_chat_drops_the_waiting_question_from_the_queue(tmp_path):
         await pilot.pause()
         assert factory.engines[None].submitted == [] and app.conversation.messages == []
         assert app.store.load(waiting.id).messages == [{"role": "user", "content": "never mind"}]
+
+
+async def test_a_failed_switch_answers_the_waiting_question_with_the_old_model(tmp_path):
+    old = FakeEngine("fake-model")
+    factory = FakeFactory(errors={"other-model": UnknownModelError("unknown model 'other-model'")},
+                          gate=threading.Event())
+    app = make_app(tmp_path, old, factory)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("f4")
+        await pilot.pause()
+        await pilot.press("down", "enter")
+        await wait_for(pilot, lambda: app.loading_model)
+        await send(pilot, "anyone?")
+        factory.gate.set()
+        await wait_for(pilot, lambda: len(app.conversation.messages) == 2 and app.reply is None)
+        assert "Still chatting with fake-model" in app.notes_text() and len(old.submitted) == 1
+        assert app.conversation.messages[-1]["model"] == "fake-model"
+
+
+async def test_edit_last_keeps_the_draft_being_typed(tmp_path):
+    app = make_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await send(pilot, "first")
+        await wait_for(pilot, lambda: app.reply is None and len(app.conversation.messages) == 2)
+        await pilot.press(*keys("draft"), "ctrl+l")
+        await pilot.pause()
+        assert app.chat_input.text == "first\ndraft" and app.conversation.messages == []

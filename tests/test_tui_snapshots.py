@@ -1,6 +1,7 @@
 """Snapshot tests (pytest-textual-snapshot) of the chat app: main screen, engine panel with the
-live block map, help screen, the loading panel with text typed meanwhile. Update with `pytest tests/test_tui_snapshots.py --snapshot-update`
-and look at the SVGs in tests/__snapshots__/test_tui_snapshots/ before committing them."""
+live block map, help screen, loading panel with text typed meanwhile. Update with
+`pytest tests/test_tui_snapshots.py --snapshot-update` and look at the SVGs in
+tests/__snapshots__/test_tui_snapshots/ before committing them."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The terminal between `mlxpaged chat` starting and the app taking the terminal over (~3 s of imports).
+"""The terminal between `mlxpaged chat` starting and the app taking the terminal over (2-3 s of imports).
 
 In line mode the terminal turns Enter into a line feed, which the app reads as Ctrl+J (a new line), so
 a question typed and sent at launch would sit in the box unsent. Reading Enter as a carriage return
