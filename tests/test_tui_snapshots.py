@@ -1,14 +1,15 @@
 """Snapshot tests (pytest-textual-snapshot) of the chat app: main screen, engine panel with the
-live block map, help screen. Update with `pytest tests/test_tui_snapshots.py --snapshot-update`
-and look at the SVGs in tests/__snapshots__/test_tui_snapshots/ before committing them."""
+live block map, help screen, loading panel with text typed meanwhile. Update with
+`pytest tests/test_tui_snapshots.py --snapshot-update` and look at the SVGs in
+tests/__snapshots__/test_tui_snapshots/ before committing them."""
 
 from __future__ import annotations
 
 import threading
 
 from mlxpaged_app.tui.generation import ReplyStats
-from mlxpaged_app.tui.store import Conversation
-from tests.test_tui_support import SIZE, FakeEngine, make_app, send, wait_for
+from mlxpaged_app.tui.store import Conversation, ConversationStore
+from tests.test_tui_support import FIXED_MEMORY, SIZE, FakeEngine, FakeFactory, RecordingApp, make_app, send, wait_for
 
 ANSWER = """Paris is the capital of **France**. A few facts:
 
@@ -60,3 +61,23 @@ def test_engine_panel_with_block_map(snap_compare, tmp_path):
 def test_help_screen(snap_compare, tmp_path):
     app = make_app(tmp_path, FakeEngine())
     assert snap_compare(app, terminal_size=SIZE, press=["f1"])
+
+
+class GatedLoadApp(RecordingApp):
+    """Holds the model load open for the snapshot; opening the gate on exit lets the load thread end."""
+
+    def exit(self, *args, **kwargs) -> None:
+        self.engine_factory.gate.set()
+        super().exit(*args, **kwargs)
+
+
+def test_loading_panel_leaves_the_message_box_usable(snap_compare, tmp_path):
+    factory = FakeFactory(gate=threading.Event())
+    app = GatedLoadApp(factory, store=ConversationStore(tmp_path / "chats"), memory_probe=lambda _engine: FIXED_MEMORY)
+
+    async def type_while_loading(pilot):
+        await wait_for(pilot, lambda: "converting" in str(app.query_one("#loading-stage").render()))
+        await pilot.press(*"hello")
+        await pilot.pause()
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=type_while_loading)

@@ -127,14 +127,18 @@ class FakeEngine:
 
 @dataclass
 class FakeFactory:
-    """An EngineFactory that hands out FakeEngines (or raises `errors[name]`) and records calls."""
+    """An EngineFactory that hands out FakeEngines (or raises `errors[name]`) and records calls;
+    with a `gate`, each load waits for it after reporting progress (a model still loading)."""
     engines: dict = field(default_factory=dict)
     errors: dict = field(default_factory=dict)
     calls: list = field(default_factory=list)
+    gate: threading.Event | None = None
 
     def __call__(self, name, progress):
         self.calls.append(name)
         progress(1, 2, "converting")
+        if self.gate is not None and not self.gate.wait(timeout=10):
+            raise TimeoutError("the test never opened the load gate")
         if name in self.errors:
             raise self.errors[name]
         engine = self.engines.get(name) or FakeEngine(name or "fake-model")

@@ -12,6 +12,13 @@ def run_chat(model: str | None = None, *, max_tokens: int = 512, temperature: fl
              cache_tokens: int = DEFAULT_CACHE_TOKENS) -> int:
     """Run the chat app until the user quits; returns the exit code.
     Raises ValueError for bad sampling settings before the app starts."""
+    from mlxpaged_app.tui.terminal import enter_stays_enter
+
+    with enter_stays_enter():  # before the slow imports: keys typed meanwhile reach the app as typed
+        return _run_app(model, max_tokens, temperature, top_p, seed, system, resume, cache_tokens)
+
+
+def _run_app(model, max_tokens, temperature, top_p, seed, system, resume, cache_tokens) -> int:
     from mlxpaged_app.tui.app import ChatApp
     from mlxpaged_app.tui.protocol import real_engine_factory
     from mlxpaged_app.tui.settings import ChatSettings

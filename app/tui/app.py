@@ -16,6 +16,7 @@ from mlxpaged_app.tui.help_screen import HelpScreen
 from mlxpaged_app.tui.history_screen import HistoryScreen
 from mlxpaged_app.tui.keys import APP_BINDINGS
 from mlxpaged_app.tui.loading import ModelLoading
+from mlxpaged_app.tui.loading_panel import LoadingPanel
 from mlxpaged_app.tui.memory_use import MemoryProbe, probe_memory
 from mlxpaged_app.tui.model_picker import ModelLister, ModelPickerScreen, list_model_choices
 from mlxpaged_app.tui.protocol import ChatEngine, EngineFactory
@@ -55,6 +56,7 @@ class ChatApp(ModelLoading, ReplyFlow, App[int]):
         with Horizontal(id="body"):
             with Vertical(id="chat-column"):
                 yield ChatLog(id="chat-log")
+                yield LoadingPanel(id="loading-panel")
                 yield Static(id="status")
                 yield ChatInput(id="prompt")
             yield EnginePanel(id="engine-panel")
@@ -65,6 +67,7 @@ class ChatApp(ModelLoading, ReplyFlow, App[int]):
         main = self.screen
         self.chat_log, self.chat_input = main.query_one(ChatLog), main.query_one(ChatInput)
         self.engine_panel, self.status_line = main.query_one(EnginePanel), main.query_one("#status", Static)
+        self.loading_panel = main.query_one(LoadingPanel)
         if self.show_engine_panel is None:
             self.show_engine_panel = self.size.width >= PANEL_MIN_WIDTH
         self.engine_panel.display = self.show_engine_panel
@@ -74,7 +77,7 @@ class ChatApp(ModelLoading, ReplyFlow, App[int]):
         if self.engine is None:
             self.load_model(self.model_name)
         else:
-            self.engine_ready(self.engine)
+            await self.engine_ready(self.engine)
 
     def on_unmount(self) -> None:
         if self.reply is not None:  # let the reply's worker thread end with the app
@@ -91,7 +94,10 @@ class ChatApp(ModelLoading, ReplyFlow, App[int]):
 
     def update_status(self, text: str | None = None) -> None:
         if text is None:
-            if self.engine is None:
+            if self.loading_model:
+                text = ("Loading the model… your message is sent once the model is ready." if self.waiting_question
+                        else "Loading the model… type away: Enter sends once the model is ready.")
+            elif self.engine is None:
                 text = "No model loaded: F4 picks one."
             else:
                 text = f"Ready · {self.settings.describe()}"
@@ -151,6 +157,7 @@ class ChatApp(ModelLoading, ReplyFlow, App[int]):
             self.notify("Press Esc to stop the reply before switching model.", severity="warning")
             return
         if self.loading_model:
+            self.notify("A model is loading: pick another once it is ready.", severity="warning")
             return
         self.push_screen(ModelPickerScreen(self.model_lister, self.model_label), self.switch_model)
 

@@ -3,6 +3,7 @@
 A reply runs in a thread worker (`ReplyRun.run`); its events come back to the UI thread with
 `call_from_thread`. Every callback checks that its run is still the current one, so a reply
 abandoned by "new chat" or "open conversation" cannot write into the next conversation.
+A message sent while the model loads waits in its conversation and is answered once an engine is ready.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from mlxpaged_app.tui.chat_input import ChatInput
 from mlxpaged_app.tui.chat_view import AssistantMessage, UserMessage
 from mlxpaged_app.tui.errors import error_text
 from mlxpaged_app.tui.generation import ReplyRun, ReplyStats
+from mlxpaged_app.tui.store import Conversation
 
 
 class _UiListener:
@@ -45,6 +47,13 @@ class ReplyFlow:
     def init_replies(self) -> None:
         self.reply: ReplyRun | None = None
         self.reply_view: AssistantMessage | None = None
+        self.waiting_in: Conversation | None = None  # whose last message waits for the model to load
+
+    @property
+    def waiting_question(self) -> bool:
+        """A message sent while the model loads, in the conversation on screen, not yet answered."""
+        c = self.waiting_in
+        return c is not None and c is self.conversation and bool(c.messages) and c.messages[-1]["role"] == "user"
 
     @property
     def reply_running(self) -> bool:
@@ -59,7 +68,10 @@ class ReplyFlow:
         if self.reply is not None:
             self.notify(f"A reply is being generated: press Esc to stop it before {doing}.", severity="warning")
             return True
-        if self.engine is None or self.loading_model:
+        if self.loading_model:
+            self.notify(f"The model is still loading: try {doing} again once it is ready.", severity="warning")
+            return True
+        if self.engine is None:
             self.notify("No model is loaded yet (F4 picks one).", severity="warning")
             return True
         return False
@@ -67,12 +79,36 @@ class ReplyFlow:
     # --- starting ----------------------------------------------------------------------------
     async def on_chat_input_submitted(self, message: ChatInput.Submitted) -> None:
         text = message.text.strip()
-        if not text or self.busy("sending another message"):
+        if not text:
+            return
+        if self.loading_model:
+            await self._hold_until_loaded(text)
+            return
+        if self.busy("sending another message"):
             return
         self.chat_input.clear()
         self.conversation.add("user", text)
         await self.chat_log.add(UserMessage(text))
         await self.start_reply()
+
+    async def _hold_until_loaded(self, text: str) -> None:
+        """Show and save the message now; answer_waiting_question sends it when an engine is ready."""
+        if self.waiting_question:  # one at a time, as when a reply runs: this text stays in the box
+            self.notify("Your last message waits for the model; send this one once it is answered.",
+                        severity="warning")
+            return
+        self.chat_input.clear()
+        self.conversation.add("user", text)
+        await self.chat_log.add(UserMessage(text))
+        self.waiting_in = self.conversation
+        self.save_conversation()
+        self.update_status()
+
+    async def answer_waiting_question(self) -> None:
+        """Called once an engine is ready (loaded, or kept after a failed switch)."""
+        waiting, self.waiting_in = self.waiting_question, None
+        if waiting and self.reply is None:
+            await self.start_reply()
 
     async def start_reply(self) -> None:
         view = AssistantMessage(self.model_label)
@@ -142,6 +178,7 @@ class ReplyFlow:
     def abandon_reply(self) -> None:
         """Stop the running reply and keep what it said so far (before leaving this conversation)."""
         run, self.reply, self.reply_view = self.reply, None, None
+        self.waiting_in = None
         if run is None:
             return
         run.stop()
@@ -172,11 +209,13 @@ class ReplyFlow:
         self.save_conversation()
 
     async def _return_last_message_to_input(self) -> None:
-        """Drop the last user message (and what followed it) and put its text in the input."""
+        """Drop the last user message (and what followed it) and put its text in the input, above
+        whatever is being typed there."""
         index = self.conversation.last_index("user")
         text = self.conversation.messages[index]["content"]
         del self.conversation.messages[index:]
         await self.chat_log.remove_from(index)
-        self.chat_input.text = text
+        draft = self.chat_input.text.strip()
+        self.chat_input.text = f"{text}\n{draft}" if draft else text
         self.chat_input.move_cursor(self.chat_input.document.end)
         self.chat_input.focus()

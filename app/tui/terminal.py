@@ -1,0 +1,41 @@
+"""The terminal between `mlxpaged chat` starting and the app taking the terminal over (2-3 s of imports).
+
+In line mode the terminal turns Enter into a line feed, which the app reads as Ctrl+J (a new line), so
+a question typed and sent at launch would sit in the box unsent. Reading Enter as a carriage return
+from the start, as the app will, keeps it an Enter; the text typed stays echoed and editable meanwhile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from typing import IO, Iterator
+
+try:
+    import termios
+except ImportError:  # no POSIX terminal here: nothing to adjust
+    termios = None
+
+CR_TRANSLATIONS = ("ICRNL", "INLCR", "IGNCR")  # the input flags Textual's driver clears on start
+
+
+@contextlib.contextmanager
+def enter_stays_enter(stream: IO | None = None) -> Iterator[None]:
+    """Clear the CR/LF input translations now; restore the terminal's own settings on the way out
+    (the app restores the ones it found, i.e. ours)."""
+    stream = sys.stdin if stream is None else stream
+    try:
+        fd = stream.fileno()
+        before = termios.tcgetattr(fd)
+    except (AttributeError, OSError, ValueError) + ((termios.error,) if termios else ()):
+        yield  # not a terminal: piped, captured by a test, or no termios on this platform
+        return
+    attrs = list(before)
+    for name in CR_TRANSLATIONS:
+        attrs[0] &= ~getattr(termios, name)
+    termios.tcsetattr(fd, termios.TCSANOW, attrs)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(termios.error, OSError):
+            termios.tcsetattr(fd, termios.TCSANOW, before)

@@ -1,0 +1,54 @@
+"""enter_stays_enter: Enter typed before the app takes the terminal reaches it as Enter (CR), not
+Ctrl+J (LF), and the terminal's own settings come back afterwards. Driven through a real pty."""
+
+from __future__ import annotations
+
+import io
+import os
+import termios
+import tty
+
+import pytest
+
+from mlxpaged_app.tui.terminal import enter_stays_enter
+
+
+@pytest.fixture
+def pty_pair():
+    main_fd, terminal_fd = os.openpty()
+    yield main_fd, terminal_fd
+    os.close(main_fd)
+    os.close(terminal_fd)
+
+
+def typed_then_read_as_the_app_does(main_fd: int, terminal_fd: int, keys: bytes) -> bytes:
+    """Type `keys` while the terminal is in line mode, then switch it as Textual does and read."""
+    os.write(main_fd, keys)
+    tty.setraw(terminal_fd, termios.TCSANOW)  # raw mode keeps what line mode had buffered
+    return os.read(terminal_fd, 1024)
+
+
+def test_line_mode_turns_enter_into_ctrl_j(pty_pair):
+    """The failure being fixed: without the adjustment Enter arrives as LF."""
+    main_fd, terminal_fd = pty_pair
+    assert typed_then_read_as_the_app_does(main_fd, terminal_fd, b"hi?\r") == b"hi?\n"
+
+
+def test_enter_typed_at_launch_stays_enter(pty_pair):
+    main_fd, terminal_fd = pty_pair
+    with open(terminal_fd, closefd=False) as stream, enter_stays_enter(stream):
+        assert typed_then_read_as_the_app_does(main_fd, terminal_fd, b"hi?\r") == b"hi?\r"
+
+
+def test_the_terminal_settings_come_back(pty_pair):
+    _, terminal_fd = pty_pair
+    before = termios.tcgetattr(terminal_fd)
+    with open(terminal_fd, closefd=False) as stream, enter_stays_enter(stream):
+        assert not termios.tcgetattr(terminal_fd)[0] & termios.ICRNL
+        assert termios.tcgetattr(terminal_fd)[3] & termios.ICANON  # still line mode: typing stays editable
+    assert termios.tcgetattr(terminal_fd) == before
+
+
+def test_not_a_terminal_is_left_alone():
+    with enter_stays_enter(io.StringIO("piped")):  # no fileno: nothing to adjust, no error
+        pass
