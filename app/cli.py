@@ -80,7 +80,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from mlxpaged_app.openai_runner import run_serve
+    from mlxpaged_app.server.launcher import run_serve
 
     return run_serve(args)
 
@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=cmd_chat)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP endpoint on localhost")
-    from mlxpaged_app.openai_flags import add_serve_arguments
+    from mlxpaged_app.server.flags import add_serve_arguments
 
     add_serve_arguments(serve)
     serve.set_defaults(func=cmd_serve)

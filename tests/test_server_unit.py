@@ -18,10 +18,10 @@ import pytest
 
 from mlxpaged.engine import RequestFailedError, StreamDelta
 from mlxpaged.scheduler import RequestTooLongError
-from mlxpaged_app.openai_flags import ServeError, check_bind, is_loopback
-from mlxpaged_app.openai_serving import ServerConfig
-from mlxpaged_app.openai_sse import ClientGone, EventStream, unless_disconnected
-from mlxpaged_app.server import create_app
+from mlxpaged_app.server.flags import ServeError, check_bind, is_loopback
+from mlxpaged_app.server.serving import ServerConfig
+from mlxpaged_app.server.sse import ClientGone, EventStream, unless_disconnected
+from mlxpaged_app.server.api_server import create_app
 
 class FakeTokenizer:
     """One token per byte (ids = byte + 10), so prompt lengths are easy to predict."""

@@ -19,8 +19,8 @@ from typing import AsyncIterator, Iterator
 from mlxpaged.engine import EngineClosedError, StreamDelta
 from mlxpaged.sampling import SamplingParams
 from mlxpaged.scheduler import RequestTooLongError
-from mlxpaged_app.openai_errors import APIError, invalid_param, queue_full, unavailable
-from mlxpaged_app.openai_metrics import ServerMetrics
+from mlxpaged_app.server.errors import APIError, invalid_param, queue_full, unavailable
+from mlxpaged_app.server.metrics import ServerMetrics
 
 
 class GenerationFailed(RuntimeError):

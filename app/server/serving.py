@@ -17,13 +17,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from mlxpaged.sampling import MAX_N
-from mlxpaged_app.openai_engine import Admission, Generation, GenerationFailed
-from mlxpaged_app.openai_errors import model_not_found, server_error, unavailable
-from mlxpaged_app.openai_format import DONE, ChoiceText, Envelope, TokenText, new_id, sse
-from mlxpaged_app.openai_metrics import ServerMetrics
-from mlxpaged_app.openai_params import resolve_max_tokens
-from mlxpaged_app.openai_schemas import parse_request, read_body
-from mlxpaged_app.openai_sse import ClientGone, EventStream, unless_disconnected
+from mlxpaged_app.server.engine_client import Admission, Generation, GenerationFailed
+from mlxpaged_app.server.errors import model_not_found, server_error, unavailable
+from mlxpaged_app.server.formatting import DONE, ChoiceText, Envelope, TokenText, new_id, sse
+from mlxpaged_app.server.metrics import ServerMetrics
+from mlxpaged_app.server.params import resolve_max_tokens
+from mlxpaged_app.server.protocol import parse_request, read_body
+from mlxpaged_app.server.sse import ClientGone, EventStream, unless_disconnected
 
 CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, the metrics count it
 

@@ -241,7 +241,7 @@ def bench_kernel(args: Namespace) -> int:
 
 def bench_server(args: Namespace) -> int:
     """mlxpaged serve vs mlx_lm.server: throughput and time to first token at 1, 8 and 32 clients."""
-    from mlxpaged_app.bench_server import run_server_bench
+    from mlxpaged_app.bench.server import run_server_bench
 
     return run_server_bench(args)
 

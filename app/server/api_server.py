@@ -28,12 +28,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from mlxpaged_app.openai_chat import ChatEndpoint
-from mlxpaged_app.openai_completions import CompletionEndpoint
-from mlxpaged_app.openai_errors import (APIError, handle_api_error, handle_http_exception, handle_unexpected,
+from mlxpaged_app.server.serving_chat import ChatEndpoint
+from mlxpaged_app.server.serving_completion import CompletionEndpoint
+from mlxpaged_app.server.errors import (APIError, handle_api_error, handle_http_exception, handle_unexpected,
                                         model_not_found, unauthorized)
-from mlxpaged_app.openai_metrics import CONTENT_TYPE
-from mlxpaged_app.openai_serving import ServerConfig, ServerState, serve_generation
+from mlxpaged_app.server.metrics import CONTENT_TYPE
+from mlxpaged_app.server.serving import ServerConfig, ServerState, serve_generation
 
 __all__ = ["ServerConfig", "ServerState", "create_app"]
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import re
 
 from mlxpaged.sampling import SamplingParams
-from mlxpaged_app.openai_errors import invalid_param
-from mlxpaged_app.openai_schemas import ChatRequest, CompletionRequest
+from mlxpaged_app.server.errors import invalid_param
+from mlxpaged_app.server.protocol import ChatRequest, CompletionRequest
 
 MAX_PROMPTS = 64  # prompts in one /v1/completions batch
 _FIELD = re.compile(r"^([a-z_]+)")

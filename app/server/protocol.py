@@ -14,7 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.requests import Request
 
-from mlxpaged_app.openai_errors import APIError, body_too_large, invalid_param
+from mlxpaged_app.server.errors import APIError, body_too_large, invalid_param
 
 _TAG = re.compile(r"^[a-z_][a-z0-9_]*$")  # field names; pydantic's union tags ("list[str]", "Message") are not
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
