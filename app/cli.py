@@ -11,9 +11,6 @@ from mlxpaged.config import DEFAULT_CACHE_TOKENS
 from mlxpaged.errors import MlxpagedError, user_message
 from mlxpaged_app.tui.errors import CHAT_FLAGS
 
-NOT_YET: dict[str, str] = {}
-
-
 def human_bytes(n: int | None) -> str:
     if n is None:
         return "-"
@@ -60,16 +57,9 @@ def cmd_pull(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_not_yet(args: argparse.Namespace) -> int:
-    print(f"mlxpaged {args.command}: {NOT_YET[args.command]} is not implemented yet", file=sys.stderr)
-    return 2
-
-
 def cmd_chat(args: argparse.Namespace) -> int:
     if args.plain:
-        from mlxpaged_app.repl import run_repl
-
-        return run_repl(args.model, max_tokens=args.max_tokens, temperature=args.temperature)
+        return cmd_plain_chat(args)
     from mlxpaged_app.tui import run_chat
 
     try:
@@ -80,8 +70,29 @@ def cmd_chat(args: argparse.Namespace) -> int:
         return 2
 
 
+def cmd_plain_chat(args: argparse.Namespace) -> int:
+    from mlxpaged.memory import InsufficientMemoryError
+    from mlxpaged.model import UnsupportedModelError
+    from mlxpaged_app.repl import run_plain_chat
+    from mlxpaged_app.tui.settings import ChatSettings
+
+    if args.resume:
+        print("mlxpaged chat: --resume reopens a conversation of the chat app; --plain keeps none", file=sys.stderr)
+        return 2
+    try:
+        settings = ChatSettings(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
+                                seed=args.seed)
+        return run_plain_chat(args.model, settings, args.system, args.cache_tokens)
+    except ValueError as exc:  # bad sampling or cache settings, before the first turn
+        print(f"mlxpaged chat: {exc}", file=sys.stderr)
+        return 2
+    except (InsufficientMemoryError, UnsupportedModelError) as exc:
+        print(f"mlxpaged chat: {exc}", file=sys.stderr)
+        return 1
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
-    from mlxpaged_app.openai_runner import run_serve
+    from mlxpaged_app.server.launcher import run_serve
 
     return run_serve(args)
 
@@ -112,11 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default="", help="system prompt (default: the model's own)")
     chat.add_argument("--resume", action="store_true", help="reopen the last saved conversation")
     chat.add_argument("--cache-tokens", type=int, default=DEFAULT_CACHE_TOKENS, help="KV cache capacity in tokens")
-    chat.add_argument("--plain", action="store_true", help="the plain line-by-line REPL instead of the app")
+    chat.add_argument("--plain", action="store_true",
+                      help="a plain line-mode chat instead of the app (for pipes and ssh; replies on stdout)")
     chat.set_defaults(func=cmd_chat)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP endpoint on localhost")
-    from mlxpaged_app.openai_flags import add_serve_arguments
+    from mlxpaged_app.server.flags import add_serve_arguments
 
     add_serve_arguments(serve)
     serve.set_defaults(func=cmd_serve)

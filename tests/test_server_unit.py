@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -19,10 +21,10 @@ import pytest
 from mlxpaged.engine import RequestFailedError, StreamDelta
 from mlxpaged.kernels.self_check import KernelVariant, VariantCheck
 from mlxpaged.scheduler import RequestTooLongError
-from mlxpaged_app.openai_flags import ServeError, check_bind, is_loopback
-from mlxpaged_app.openai_serving import ServerConfig
-from mlxpaged_app.openai_sse import ClientGone, EventStream, unless_disconnected
-from mlxpaged_app.server import create_app
+from mlxpaged_app.server.api_server import create_app
+from mlxpaged_app.server.flags import ServeError, check_bind, is_loopback
+from mlxpaged_app.server.sse import ClientGone, EventStream, unless_disconnected
+from mlxpaged_app.server.state import ServerConfig
 
 FAKE_ATTENTION = {"path": "kernel (with reference fallback)", "reason": 'self-check failed: "x"',
                   "variants": [VariantCheck(KernelVariant("float16", 64, 16, 3, False), True, None, 0.01),
@@ -105,13 +107,14 @@ class FakeEngine:
             if self.fail:
                 run.sink(RequestFailedError("engine step failed: boom"))
                 return
+            aborted = run.aborted.is_set()  # read once: an abort landing mid-step must still end every sequence
             for index in range(p.n):
-                last = step == p.max_tokens - 1 or run.aborted.is_set()
-                reason = ("abort" if run.aborted.is_set() else "length") if last else None
+                last = step == p.max_tokens - 1 or aborted
+                reason = ("abort" if aborted else "length") if last else None
                 run.sink(StreamDelta(request_id, f"w{step} ", 100 + step, -0.5 if p.logprobs else None,
                                      [(100 + step, -0.5)] * p.top_logprobs if p.logprobs else None, reason, index,
                                      prompt_tokens if last else 0, 3 if last else 0, step + 1 if last else 0))
-            if run.aborted.is_set():
+            if aborted:
                 return
             time.sleep(self.step)
 
@@ -424,6 +427,15 @@ def test_bind_checks():
     check_bind("0.0.0.0", None, True)
     with pytest.raises(ServeError, match="--api-key"):
         check_bind("0.0.0.0", None, False)
+
+
+def test_the_cli_reads_serve_flags_without_loading_the_http_stack():
+    """`mlxpaged --help` and every other command build the serve parser: it must stay light."""
+    code = ("import sys, mlxpaged_app.server.flags; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'starlette', 'uvicorn', 'pydantic', 'mlx'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
 
 
 @pytest.mark.asyncio

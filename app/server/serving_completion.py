@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from mlxpaged.engine import StreamDelta
 from mlxpaged.sampling import SamplingParams
-from mlxpaged_app.openai_format import ChoiceText, Envelope, TokenText, completion_logprobs, delta_logprobs
-from mlxpaged_app.openai_params import check_completion_supported, completion_prompts, sampling_params
-from mlxpaged_app.openai_schemas import CompletionRequest
+from mlxpaged_app.server.formatting import ChoiceText, Envelope, TokenText, completion_logprobs, delta_logprobs
+from mlxpaged_app.server.params import check_completion_supported, sampling_params
+from mlxpaged_app.server.prompts import completion_prompts
+from mlxpaged_app.server.protocol import CompletionRequest
 
 
 class CompletionEndpoint:

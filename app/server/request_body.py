@@ -1,75 +1,18 @@
-"""Request bodies of the OpenAI API: read, decode, parse and type-check, or a 400 naming the field.
-
-Types are checked strictly (a string is not a number, `true` is not 1, 1.5 is not an integer);
-ranges are checked by `SamplingParams` (see openai_params). Unknown fields are ignored, as
-OpenAI-compatible servers do, so newer clients keep working.
-"""
+"""A request body from the wire to a typed request: read under a size limit, decode UTF-8 and JSON,
+validate against a pydantic schema (protocol.py), or raise a 400 naming the offending field."""
 
 from __future__ import annotations
 
 import json
 import re
-from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
-from mlxpaged_app.openai_errors import APIError, body_too_large, invalid_param
+from mlxpaged_app.server.errors import APIError, body_too_large, invalid_param
 
 _TAG = re.compile(r"^[a-z_][a-z0-9_]*$")  # field names; pydantic's union tags ("list[str]", "Message") are not
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-
-class StreamOptions(_Strict):
-    include_usage: bool = False
-
-
-class Message(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Any = None  # a string or a list of text parts: checked in openai_params with better messages
-    name: str | None = None
-
-
-class _GenerationFields(_Strict):
-    """Fields both endpoints share. None means "not sent": the server's default applies."""
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    seed: int | None = None
-    stop: Any = None  # a string or a list of strings: SamplingParams says which when it is neither
-    n: int | None = None
-    stream: bool | None = None
-    stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None
-    ignore_eos: bool | None = None  # vLLM's extension; handy for benchmarks
-
-
-class ChatRequest(_GenerationFields):
-    messages: list[Message]
-    max_completion_tokens: int | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
-    tools: list | None = None
-    tool_choice: Any = None
-    response_format: dict | None = None
-
-
-class CompletionRequest(_GenerationFields):
-    prompt: Any  # a string, a list of strings, a list of token ids, or a list of such lists
-    logprobs: int | None = None  # the legacy API: how many top alternatives per token
-    echo: bool | None = None
-    suffix: str | None = None
-    best_of: int | None = None
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -137,7 +80,7 @@ def validation_error(exc: ValidationError) -> APIError:
     return invalid_param(param, f"invalid '{param}': {first['msg']}{got}", "invalid_type")
 
 
-def parse_request(raw: bytes, model: type[_Strict]):
+def parse_request(raw: bytes, model: type[BaseModel]):
     """Decode and type-check one request body into `model`, or raise a 400 APIError."""
     data = decode_json(raw)
     try:

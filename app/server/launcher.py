@@ -20,7 +20,7 @@ import threading
 import uvicorn
 
 from mlxpaged.errors import MlxpagedError, user_message
-from mlxpaged_app.openai_flags import ServeError, cache_settings, check_bind, server_config
+from mlxpaged_app.server.flags import ServeError, cache_settings, check_bind, server_config
 
 ABORT_GRACE = 10.0  # at most this long between aborting in-flight requests and cancelling their tasks
 
@@ -95,7 +95,7 @@ def _load_and_serve(args: argparse.Namespace, config, sock: socket.socket) -> in
 
 
 def serve_until_signal(engine, config, sock: socket.socket, args: argparse.Namespace) -> None:
-    from mlxpaged_app.server import create_app
+    from mlxpaged_app.server.api_server import create_app
 
     app = create_app(engine, config)
     uv_config = uvicorn.Config(app, lifespan="off", log_level=args.log_level, access_log=not args.no_access_log,

@@ -204,6 +204,6 @@ def _run_pair(servers: list, i: int, concurrency: int, max_tokens: int) -> list[
 
 
 if __name__ == "__main__":
-    # python -m mlxpaged_app.bench_server [TOKENS [extra `mlxpaged serve` flags...]]
+    # python -m mlxpaged_app.bench.server [TOKENS [extra `mlxpaged serve` flags...]]
     sys.exit(run_server_bench(Namespace(model=None, tokens=int(sys.argv[1]) if len(sys.argv) > 1 else 64,
                                         serve_args=sys.argv[2:])))

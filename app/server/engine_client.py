@@ -1,4 +1,4 @@
-"""The HTTP layer's side of the engine: admission (a bounded queue), submission and event delivery.
+"""The HTTP layer's client of the engine: submission, and event delivery onto the event loop.
 
 The engine thread pushes events into a sink; `Generation` hops them onto the event loop with
 `call_soon_threadsafe` and merges the events of every prompt of a request (a /v1/completions
@@ -10,43 +10,19 @@ its blocks at the engine's next step.
 from __future__ import annotations
 
 import asyncio
-import math
 import time
-from contextlib import contextmanager
 from functools import partial
-from typing import AsyncIterator, Iterator
+from typing import AsyncIterator
 
 from mlxpaged.engine import EngineClosedError, StreamDelta
 from mlxpaged.sampling import SamplingParams
 from mlxpaged.scheduler import RequestTooLongError
-from mlxpaged_app.openai_errors import APIError, invalid_param, queue_full, unavailable
-from mlxpaged_app.openai_metrics import ServerMetrics
+from mlxpaged_app.server.errors import APIError, invalid_param, unavailable
+from mlxpaged_app.server.metrics import ServerMetrics
 
 
 class GenerationFailed(RuntimeError):
     """The engine failed a request after accepting it (a server-side failure, not the client's)."""
-
-
-class Admission:
-    """At most `capacity` sequences in flight (the engine's batch plus a queue); beyond that, 429."""
-
-    def __init__(self, batch: int, queue: int) -> None:
-        self.batch, self.capacity, self.in_flight = batch, batch + queue, 0
-
-    def retry_after(self) -> int:
-        """Seconds until a slot is likely free: one per batch's worth of work ahead of the caller."""
-        return max(1, min(60, math.ceil(self.in_flight / self.batch)))
-
-    @contextmanager
-    def slot(self, units: int) -> Iterator[None]:
-        # An oversized request (n larger than the whole capacity) still runs when nothing else does.
-        if self.in_flight and self.in_flight + units > self.capacity:
-            raise queue_full(self.in_flight, self.capacity, self.retry_after())
-        self.in_flight += units
-        try:
-            yield
-        finally:
-            self.in_flight -= units
 
 
 def submit_error(exc: Exception, prompt_param: str) -> APIError:

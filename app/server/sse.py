@@ -1,4 +1,5 @@
-"""Server-sent events that end their engine request however the connection ends.
+"""Server-sent events: their framing, and a response that ends its engine request however the
+connection ends.
 
 Starlette's StreamingResponse notices a client that left only when it next writes, and never
 runs cleanup if the client leaves before the first chunk. `EventStream` watches for
@@ -10,12 +11,22 @@ when the server cancels the task at shutdown.
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import AsyncIterator, Awaitable, Callable, TypeVar
 
 import anyio
 from starlette.types import Receive, Scope, Send
 
 T = TypeVar("T")
+
+
+def data_event(payload: dict | str) -> bytes:
+    """One `data:` event: a JSON payload (compact) or a literal such as "[DONE]"."""
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+DONE = data_event("[DONE]")  # OpenAI's end-of-stream marker
 
 
 class ClientGone(Exception):

@@ -1,9 +1,8 @@
-"""Response bodies: envelopes, per-choice accumulation, logprobs in the chat and the legacy shapes,
-and server-sent-event framing."""
+"""OpenAI response bodies: envelopes, per-choice accumulation, and logprobs in the chat and the
+legacy shapes."""
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -13,14 +12,6 @@ from mlxpaged.engine import StreamDelta
 
 def new_id(prefix: str) -> str:
     return f"{prefix}{uuid.uuid4().hex}"
-
-
-def sse(payload: dict | str) -> bytes:
-    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
-    return f"data: {data}\n\n".encode()
-
-
-DONE = sse("[DONE]")
 
 
 class TokenText:

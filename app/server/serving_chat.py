@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from mlxpaged.engine import StreamDelta
 from mlxpaged.sampling import SamplingParams
-from mlxpaged_app.openai_errors import invalid_param
-from mlxpaged_app.openai_format import ChoiceText, Envelope, TokenText, chat_logprobs, delta_logprobs
-from mlxpaged_app.openai_params import chat_messages, check_chat_supported, sampling_params
-from mlxpaged_app.openai_schemas import ChatRequest
+from mlxpaged_app.server.errors import invalid_param
+from mlxpaged_app.server.formatting import ChoiceText, Envelope, TokenText, chat_logprobs, delta_logprobs
+from mlxpaged_app.server.params import check_chat_supported, sampling_params
+from mlxpaged_app.server.prompts import chat_messages
+from mlxpaged_app.server.protocol import ChatRequest
 
 
 class ChatEndpoint:

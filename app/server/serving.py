@@ -1,80 +1,62 @@
 """What both generation endpoints do: read and check the request, take a queue slot, tokenize off
 the event loop, submit, then stream events or collect the whole reply.
 
-An endpoint (openai_chat.ChatEndpoint, openai_completions.CompletionEndpoint) supplies the parts
-that differ: its schema, prompt handling and response shapes.
+A `GenerationEndpoint` supplies the parts that differ: its schema, prompt handling and response shapes.
 """
 
 from __future__ import annotations
 
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Protocol
 
 import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from mlxpaged.sampling import MAX_N
-from mlxpaged_app.openai_engine import Admission, Generation, GenerationFailed
-from mlxpaged_app.openai_errors import model_not_found, server_error, unavailable
-from mlxpaged_app.openai_format import DONE, ChoiceText, Envelope, TokenText, new_id, sse
-from mlxpaged_app.openai_metrics import ServerMetrics
-from mlxpaged_app.openai_params import resolve_max_tokens
-from mlxpaged_app.openai_schemas import parse_request, read_body
-from mlxpaged_app.openai_sse import ClientGone, EventStream, unless_disconnected
+from mlxpaged.engine import StreamDelta
+from mlxpaged.sampling import MAX_N, SamplingParams
+from mlxpaged_app.server.engine_client import Generation, GenerationFailed
+from mlxpaged_app.server.errors import server_error
+from mlxpaged_app.server.formatting import ChoiceText, Envelope, TokenText, new_id
+from mlxpaged_app.server.params import resolve_max_tokens
+from mlxpaged_app.server.request_body import parse_request, read_body
+from mlxpaged_app.server.sse import DONE, ClientGone, EventStream, data_event, unless_disconnected
+from mlxpaged_app.server.state import ServerState
 
 CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, the metrics count it
 
 
-@dataclass(frozen=True)
-class ServerConfig:
-    """HTTP-side settings (the engine has its own CacheConfig)."""
-    api_key: str | None = None
-    max_body_size: int = 4_000_000
-    max_queue: int = 64
-    default_max_tokens: int = 1024
-    cors_origins: tuple[str, ...] = ()
-    model_aliases: tuple[str, ...] = field(default_factory=tuple)
+class GenerationEndpoint(Protocol):
+    """The parts of one generation API that differ (serving_chat.ChatEndpoint,
+    serving_completion.CompletionEndpoint); one instance serves one request."""
+    schema: type  # the pydantic request model (protocol.py)
+    chunk_object: str  # the `object` of a streamed chunk, e.g. "chat.completion.chunk"
+    prompt_param: str  # the API parameter an unusable prompt is blamed on
+    id_prefix: str
+
+    def __init__(self, engine, token_text: TokenText) -> None: ...
+
+    def validate(self, body) -> list:
+        """Checks the parts the schema cannot; returns one source (messages, text, ids) per prompt."""
+
+    def tokenize(self, sources: list) -> list[list[int]]:
+        """Runs in a worker thread."""
+
+    def requested_max_tokens(self, body) -> int | None: ...
+
+    def params(self, body, max_tokens: int) -> SamplingParams: ...
+
+    def response(self, envelope: Envelope, choices: list[ChoiceText], usage: dict) -> dict: ...
+
+    def stream_start(self, envelope: Envelope, count: int) -> list[dict]: ...
+
+    def stream_chunk(self, envelope: Envelope, choice: int, delta: StreamDelta) -> dict | None:
+        """None: nothing to send for this delta yet."""
 
 
-class ServerState:
-    """Everything a route needs, built once per app around one Engine."""
-
-    def __init__(self, engine, config: ServerConfig) -> None:
-        self.engine, self.config = engine, config
-        self.metrics = ServerMetrics()
-        self.admission = Admission(engine.cache_config.max_num_seqs, config.max_queue)
-        self.token_text = TokenText(engine.tokenizer)
-        self.model_id = engine.loaded.name
-        path = getattr(engine.loaded, "path", None)
-        self.model_names = {self.model_id, *config.model_aliases, *((str(path), path.name) if path else ())}
-        self.created = int(time.time())
-        self.draining = False
-        self.active: set[Generation] = set()  # for abort_all at the end of a shutdown's drain
-
-    def abort_all(self) -> None:
-        """Withdraw every in-flight generation: each ends now with finish_reason "abort"."""
-        for generation in list(self.active):
-            generation.abort(notify=True)
-
-    @property
-    def context_limit(self) -> int:
-        """Prompt + reply tokens one sequence can hold: the model context, or the cache's limit if smaller."""
-        capacity = self.engine.plan.token_capacity  # None: every layer slides, the cache fits any length
-        return self.engine.max_model_len if capacity is None else min(self.engine.max_model_len, capacity)
-
-    def check_model(self, requested: str | None) -> None:
-        if requested is not None and requested not in self.model_names:
-            raise model_not_found(requested, [self.model_id])
-
-    def check_accepting(self) -> None:
-        if self.draining:
-            raise unavailable("the server is shutting down and takes no new requests")
-
-
-async def serve_generation(request: Request, state: ServerState, endpoint_class) -> Response:
+async def serve_generation(request: Request, state: ServerState,
+                           endpoint_class: type[GenerationEndpoint]) -> Response:
     arrived = time.perf_counter()
     state.check_accepting()
     body = parse_request(await read_body(request, state.config.max_body_size), endpoint_class.schema)
@@ -114,7 +96,7 @@ def _sane_n(n: int | None) -> int:
     return 1 if n is None else max(1, min(n, MAX_N))
 
 
-async def _start(state: ServerState, endpoint, body, sources: list, arrived: float) -> Generation:
+async def _start(state: ServerState, endpoint: GenerationEndpoint, body, sources: list, arrived: float) -> Generation:
     prompts = await anyio.to_thread.run_sync(endpoint.tokenize, sources)
     longest = max(len(p) for p in prompts)
     max_tokens = resolve_max_tokens(endpoint.requested_max_tokens(body), longest, state.context_limit,
@@ -132,18 +114,18 @@ async def _collect(generation: Generation, count: int) -> list[ChoiceText]:
     return choices
 
 
-async def _events(endpoint, generation: Generation, envelope: Envelope, count: int,
+async def _events(endpoint: GenerationEndpoint, generation: Generation, envelope: Envelope, count: int,
                   include_usage: bool) -> AsyncIterator[bytes]:
     for chunk in endpoint.stream_start(envelope, count):
-        yield sse(chunk)
+        yield data_event(chunk)
     try:
         async for choice, delta in generation.deltas():
             chunk = endpoint.stream_chunk(envelope, choice, delta)
             if chunk is not None:
-                yield sse(chunk)
+                yield data_event(chunk)
     except GenerationFailed as exc:  # headers are sent: report in-band, as OpenAI does
-        yield sse(server_error(str(exc)).body())
+        yield data_event(server_error(str(exc)).body())
     else:
         if include_usage:
-            yield sse(envelope.body(endpoint.chunk_object, [], usage=generation.usage()))
+            yield data_event(envelope.body(endpoint.chunk_object, [], usage=generation.usage()))
     yield DONE

@@ -1,0 +1,26 @@
+"""`mlxpaged bench`: measured, never asserted. Prints medians and ratios; one module per benchmark."""
+
+from __future__ import annotations
+
+from argparse import Namespace
+
+from mlxpaged_app.bench.batch import bench_batch
+from mlxpaged_app.bench.decode import bench_decode
+from mlxpaged_app.bench.kernel import bench_kernel
+from mlxpaged_app.bench.memory import bench_memory
+from mlxpaged_app.bench.prefix import bench_prefix
+
+
+def bench_server(args: Namespace) -> int:
+    """Imported when run: bench/server.py is also `python -m mlxpaged_app.bench.server`."""
+    from mlxpaged_app.bench.server import run_server_bench
+
+    return run_server_bench(args)
+
+
+BENCHES = {"decode": bench_decode, "memory": bench_memory, "batch": bench_batch, "prefix": bench_prefix,
+           "kernel": bench_kernel, "server": bench_server}
+
+
+def run_bench(args: Namespace) -> int:
+    return BENCHES[args.what](args)

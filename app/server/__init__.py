@@ -1,0 +1,13 @@
+"""`mlxpaged serve`: the OpenAI-compatible HTTP server (installed as mlxpaged_app.server).
+
+Module names follow vLLM's entrypoints/openai. The process: flags (CLI flags and their checks),
+launcher (bind, load, warm up, uvicorn, graceful stop). The app: api_server (routes, create_app),
+middleware (CORS, API key, status counts), state (ServerConfig, ServerState), errors (OpenAI-shaped),
+metrics (Prometheus). A request: request_body (read, decode, validate) against protocol (pydantic
+schemas), prompts and params (to prompt sources and SamplingParams), serving (the flow every
+generation API shares) with serving_chat / serving_completion (what differs), admission (429
+beyond a bounded queue), engine_client (submission, engine events onto the event loop),
+formatting (response bodies), sse (event framing, streams that end their engine request).
+
+Kept import-free: the CLI imports `flags` to build its parser without loading Starlette.
+"""

@@ -1,0 +1,96 @@
+"""The ASGI app of `mlxpaged serve`: routes, middleware and error handlers over one `Engine`.
+
+Why Starlette (on uvicorn) rather than FastAPI: what FastAPI adds is automatic body parsing,
+422 validation errors and OpenAPI docs, and this API needs all three done differently — bodies
+read under a size limit and decoded with our own UTF-8 / JSON errors, every error in OpenAI's
+shape with status 400 and the offending `param`, and no extra public routes. Starlette gives the
+routing, middleware and streaming that FastAPI itself is built on, with nothing to override;
+pydantic (already a FastAPI dependency) still types the request bodies (protocol.py).
+
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{id}], GET /health,
+GET /metrics. The package's other modules are listed in its __init__.
+"""
+
+from __future__ import annotations
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from mlxpaged_app.server.errors import (APIError, handle_api_error, handle_http_exception, handle_unexpected,
+                                        model_not_found)
+from mlxpaged_app.server.metrics import CONTENT_TYPE
+from mlxpaged_app.server.middleware import middleware_stack
+from mlxpaged_app.server.serving import serve_generation
+from mlxpaged_app.server.serving_chat import ChatEndpoint
+from mlxpaged_app.server.serving_completion import CompletionEndpoint
+from mlxpaged_app.server.state import ServerConfig, ServerState
+
+__all__ = ["ServerConfig", "ServerState", "create_app"]
+
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+async def chat_completions(request: Request) -> Response:
+    return await serve_generation(request, _state(request), ChatEndpoint)
+
+
+async def completions(request: Request) -> Response:
+    return await serve_generation(request, _state(request), CompletionEndpoint)
+
+
+def _model_card(state: ServerState) -> dict:
+    return {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "mlxpaged",
+            "max_model_len": state.context_limit}
+
+
+async def list_models(request: Request) -> Response:
+    return JSONResponse({"object": "list", "data": [_model_card(_state(request))]})
+
+
+async def get_model(request: Request) -> Response:
+    state = _state(request)
+    model_id = request.path_params["model_id"]
+    if model_id not in state.model_names:
+        raise model_not_found(model_id, [state.model_id])
+    return JSONResponse(_model_card(state))
+
+
+async def health(request: Request) -> Response:
+    """200 while the server takes requests; 503 once it is draining for shutdown."""
+    state = _state(request)
+    stats = state.engine.stats()
+    body = {"status": "draining" if state.draining else "ok", "model": state.model_id,
+            "requests_in_flight": state.admission.in_flight, "requests_running": stats["requests_running"],
+            "requests_waiting": stats["requests_waiting"], "blocks_used": stats["blocks_used"],
+            "blocks_free": stats["blocks_free"], "blocks_total": stats["blocks_total"]}
+    return JSONResponse(body, status_code=503 if state.draining else 200)
+
+
+async def metrics(request: Request) -> Response:
+    state = _state(request)
+    text = state.metrics.render(state.engine.stats(), state.admission.in_flight, state.admission.capacity)
+    return Response(text, media_type=CONTENT_TYPE)
+
+
+def create_app(engine, config: ServerConfig | None = None) -> Starlette:
+    """The ASGI app over a loaded `Engine`; the caller owns the engine (and closes it)."""
+    state = ServerState(engine, config or ServerConfig())
+    routes = [
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/models", list_models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", get_model, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+    handlers = {APIError: handle_api_error, HTTPException: handle_http_exception, Exception: handle_unexpected}
+    app = Starlette(routes=routes, middleware=middleware_stack(state, ROUTES), exception_handlers=handlers)
+    app.state.server = state
+    return app

@@ -1,0 +1,72 @@
+"""The ASGI middleware around the routes: CORS, counting responses for /metrics, and the API key."""
+
+from __future__ import annotations
+
+import hmac
+
+from starlette.datastructures import Headers
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from mlxpaged_app.server.errors import unauthorized
+from mlxpaged_app.server.state import ServerState
+
+
+class APIKeyMiddleware:
+    """Every /v1 route needs `Authorization: Bearer <key>` when a key is set."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app, self.key = app, api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+            problem = self._problem(Headers(scope=scope).get("authorization"))
+            if problem is not None:
+                await unauthorized(problem).response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def _problem(self, header: str | None) -> str | None:
+        if not header:
+            return "missing API key: send the header 'Authorization: Bearer <key>'"
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            return "malformed Authorization header: expected 'Bearer <key>'"
+        if not hmac.compare_digest(token.strip().encode(), self.key):
+            return "incorrect API key"
+        return None
+
+
+class StatusCountMiddleware:
+    """Counts responses by route and status for /metrics (unknown paths pooled as "other")."""
+
+    def __init__(self, app: ASGIApp, state: ServerState, routes: tuple[str, ...]) -> None:
+        self.app, self.state, self.routes = app, state, routes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        route = next((r for r in self.routes if path == r or path.startswith(r + "/")), "other")
+
+        async def counting_send(message) -> None:
+            if message["type"] == "http.response.start":
+                self.state.metrics.count_request(route, message["status"])
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
+def middleware_stack(state: ServerState, routes: tuple[str, ...]) -> list[Middleware]:
+    """Outermost first: CORS (if origins are set), status counting over `routes`, the API key (if set)."""
+    stack = []
+    if state.config.cors_origins:  # none unless asked for: browsers on other origins get no access
+        stack.append(Middleware(CORSMiddleware, allow_origins=list(state.config.cors_origins),
+                                allow_methods=["GET", "POST", "OPTIONS"],
+                                allow_headers=["Authorization", "Content-Type"]))
+    stack.append(Middleware(StatusCountMiddleware, state=state, routes=routes))
+    if state.config.api_key:
+        stack.append(Middleware(APIKeyMiddleware, api_key=state.config.api_key))
+    return stack

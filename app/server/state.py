@@ -1,0 +1,58 @@
+"""What every route shares: the HTTP-side settings and the state built once per app around one Engine."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from mlxpaged_app.server.admission import Admission
+from mlxpaged_app.server.engine_client import Generation
+from mlxpaged_app.server.errors import model_not_found, unavailable
+from mlxpaged_app.server.formatting import TokenText
+from mlxpaged_app.server.metrics import ServerMetrics
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """HTTP-side settings (the engine has its own CacheConfig)."""
+    api_key: str | None = None
+    max_body_size: int = 4_000_000
+    max_queue: int = 64
+    default_max_tokens: int = 1024
+    cors_origins: tuple[str, ...] = ()
+    model_aliases: tuple[str, ...] = field(default_factory=tuple)
+
+
+class ServerState:
+    """Everything a route needs, built once per app around one Engine."""
+
+    def __init__(self, engine, config: ServerConfig) -> None:
+        self.engine, self.config = engine, config
+        self.metrics = ServerMetrics()
+        self.admission = Admission(engine.cache_config.max_num_seqs, config.max_queue)
+        self.token_text = TokenText(engine.tokenizer)
+        self.model_id = engine.loaded.name
+        path = getattr(engine.loaded, "path", None)
+        self.model_names = {self.model_id, *config.model_aliases, *((str(path), path.name) if path else ())}
+        self.created = int(time.time())
+        self.draining = False
+        self.active: set[Generation] = set()  # for abort_all at the end of a shutdown's drain
+
+    def abort_all(self) -> None:
+        """Withdraw every in-flight generation: each ends now with finish_reason "abort"."""
+        for generation in list(self.active):
+            generation.abort(notify=True)
+
+    @property
+    def context_limit(self) -> int:
+        """Prompt + reply tokens one sequence can hold: the model context, or the cache's limit if smaller."""
+        capacity = self.engine.plan.token_capacity  # None: every layer slides, the cache fits any length
+        return self.engine.max_model_len if capacity is None else min(self.engine.max_model_len, capacity)
+
+    def check_model(self, requested: str | None) -> None:
+        if requested is not None and requested not in self.model_names:
+            raise model_not_found(requested, [self.model_id])
+
+    def check_accepting(self) -> None:
+        if self.draining:
+            raise unavailable("the server is shutting down and takes no new requests")
