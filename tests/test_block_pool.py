@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from mlxpaged import blocks
 from mlxpaged.block_pool import BlockPool, KVCacheBlock, NoFreeBlocksError
 from mlxpaged.specs import FullAttentionSpec, LayerGroup, SlidingWindowSpec
-from tests.test_blocks import computed_pool, pool_of, prompt
+from tests.kv_sequences import computed_pool, pool_of, prompt
 
 BS = 8
 

@@ -22,7 +22,7 @@ from mlxpaged.scheduler import (
     Scheduler,
     SchedulerOutput,
 )
-from tests.test_blocks import manager_for
+from tests.kv_sequences import manager_for
 
 BS = 8
 FINISHED_STOPPED, FINISHED_LENGTH = RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH
