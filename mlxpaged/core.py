@@ -18,9 +18,9 @@ from mlxpaged.config import CacheConfig
 from mlxpaged.kv_cache import PagedKVCache
 from mlxpaged.kv_cache_manager import KVCacheManager
 from mlxpaged.metrics import StatsCounter
-from mlxpaged.output_processor import OutputProcessor, runner_rows, split_results
+from mlxpaged.output_processor import OutputProcessor, Rows, split_results
 from mlxpaged.request import Request
-from mlxpaged.runner import Runner
+from mlxpaged.runner import Runner, SamplingRows
 from mlxpaged.sampling import SamplingParams
 from mlxpaged.scheduler import Scheduler
 
@@ -71,7 +71,7 @@ class EngineCore:
             self.runner.drop_look_ahead()
             return
         rows = self.outputs.sampling_rows(out)
-        results = self.runner.execute(out.chunks, runner_rows(rows), planner=self)  # 2. execute
+        results = self.runner.execute(out.chunks, _sampler_rows(rows), planner=self)  # 2. execute
         sampled, failed = split_results(rows, results)
         self.scheduler.update_from_output(out, sampled, failed)  # 3. update
         self.outputs.process(out, rows, results)  # 4. process outputs
@@ -84,11 +84,17 @@ class EngineCore:
     # ---- the runner's NextStepPlanner: what it may pipeline ----------------------------------
 
     def predictable(self) -> bool:
-        return not self.scheduler.num_waiting and not self._has_commands()
+        return not (self.scheduler.num_waiting or self.outputs.pending_aborts or self._has_commands())
 
     def reserve_next_slot(self, request: Request) -> list[list[int]] | None:
         return self.scheduler.reserve_next_slot(request)
 
-    def _fork(self, parent_id: str, child: Request) -> None:
+    def _fork(self, parent_id: str, child: Request, first_token: int) -> None:
         """Start an n > 1 sequence: the scheduler shares the parent's blocks, the runner copies the rest."""
-        self.runner.copy_blocks(self.scheduler.fork(parent_id, child))
+        self.runner.copy_blocks(self.scheduler.fork(parent_id, child, first_token))
+
+
+def _sampler_rows(rows: Rows) -> SamplingRows:
+    """What the runner needs of the rows: their sampler states (a chunk's own sequence comes first)."""
+    firsts = [t.sampler for k, (i, t) in enumerate(rows) if k == 0 or rows[k - 1][0] != i]
+    return SamplingRows(firsts, [(i, t.sampler) for i, t in rows])

@@ -97,6 +97,8 @@ class KVCacheManager:
         self.extra_key = extra_key
         self.hash_fn = hash_fn
         self._chains: dict[Hashable, _CachedChain] = {}
+        # The longest sequence the pool can hold (None: any length).
+        self.capacity_tokens = sequence_capacity(pool.num_blocks, self.block_size, self.group_max_blocks)
 
     # ---- queries ------------------------------------------------------------------
 
@@ -111,11 +113,6 @@ class KVCacheManager:
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
-
-    @property
-    def capacity_tokens(self) -> int | None:
-        """The longest sequence the pool can hold (None: any length)."""
-        return sequence_capacity(self.pool.num_blocks, self.block_size, self.group_max_blocks)
 
     def num_blocks_for(self, num_tokens: int) -> int:
         """Blocks one sequence of `num_tokens` tokens holds over all its tables."""

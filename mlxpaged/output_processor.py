@@ -1,6 +1,7 @@
 """The engine step's last stage, "process outputs": the live requests' samplers, detokenizers and
 sinks, and what happens to them after a step (tokens delivered, requests finished, n > 1 sequences
-forked, failures). No MLX: a fork's block copies are the runner's, reached through `fork`."""
+forked, failures). It makes no MLX calls: a fork's block copies are the runner's, reached through
+`fork`."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ from typing import Callable
 from mlxpaged.metrics import StatsCounter
 from mlxpaged.request import Request, RequestStatus
 from mlxpaged.results import StreamDelta
-from mlxpaged.runner import SamplingRows
 from mlxpaged.sampling import SampleResult, SamplingParams, make_state
 from mlxpaged.scheduler import Scheduler, SchedulerOutput
 from mlxpaged.stopping import TextStream
@@ -45,12 +45,6 @@ class Tracked:
 Rows = list[tuple[int, Tracked]]  # each row to sample: (index among the sampling chunks, sequence)
 
 
-def runner_rows(rows: Rows) -> SamplingRows:
-    """What the runner needs of the rows: the sampler states (a chunk's own sequence comes first)."""
-    firsts = [t.sampler for k, (i, t) in enumerate(rows) if k == 0 or rows[k - 1][0] != i]
-    return SamplingRows(firsts, [(i, t.sampler) for i, t in rows])
-
-
 def split_results(rows: Rows, results: list[SampleResult]) -> tuple[dict[str, int], set[str]]:
     """(sampled token by sequence id, ids of the sequences whose sampling failed)."""
     sampled = {t.request.request_id: r.token for (_, t), r in zip(rows, results) if r.error is None}
@@ -60,11 +54,11 @@ def split_results(rows: Rows, results: list[SampleResult]) -> tuple[dict[str, in
 
 class OutputProcessor:
     """The requests the engine serves, by sequence id. A sink that raises gets its request aborted
-    through `pending_aborts`, applied before the next step; `fork(parent_id, child)` starts an
-    n > 1 sequence (scheduler fork and block copies)."""
+    through `pending_aborts`, applied before the next step; `fork(parent_id, child, first_token)`
+    starts an n > 1 sequence (scheduler fork and block copies)."""
 
     def __init__(self, scheduler: Scheduler, tokenizer, stats: StatsCounter,
-                 fork: Callable[[str, Request], None]):
+                 fork: Callable[[str, Request, int], None]):
         self.scheduler, self.tokenizer, self.stats = scheduler, tokenizer, stats
         self._fork = fork
         self._tracked: dict[str, Tracked] = {}
@@ -161,8 +155,7 @@ class OutputProcessor:
         if parent is None or tracked not in parent.forks:
             return
         parent.forks.remove(tracked)
-        self._fork(tracked.group, tracked.request)
-        tracked.request.output_token_ids.append(result.token)  # its first token, from the parent's row
+        self._fork(tracked.group, tracked.request, result.token)
         self._tracked[tracked.request.request_id] = tracked
         self._deliver(tracked.request.request_id, result)
 

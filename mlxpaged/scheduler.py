@@ -161,12 +161,13 @@ class Scheduler:
             return None
         return self.finish(request_id, RequestStatus.FINISHED_ABORTED)
 
-    def fork(self, parent_id: str, child: Request) -> list[CopyOnWrite]:
+    def fork(self, parent_id: str, child: Request, first_token: int) -> list[CopyOnWrite]:
         """Start `child` (n > 1 sampling) as a running copy of a running parent's computed
         tokens: full blocks are shared copy-on-write, and the returned copies (partial blocks,
         sliding-window rings) must be done by the KV layer before the next step. `child` carries
-        the parent's prompt and its own first sampled token. When the pool cannot hold the
-        copy, the child waits and recomputes its prompt instead (returns no copies)."""
+        the parent's prompt; `first_token` is its own first sample (from the parent's logits).
+        When the pool cannot hold the copy, the child waits and recomputes its prompt instead
+        (returns no copies)."""
         parent = self._requests.get(parent_id)
         if parent is None or parent.status is not RequestStatus.RUNNING:
             raise ValueError(f"fork needs a running parent, {parent_id!r} is not")
@@ -179,12 +180,14 @@ class Scheduler:
         try:
             copies = self.kv_manager.fork(parent, child)
         except NoFreeBlocksError:
+            copies = []
             child.status = RequestStatus.WAITING
             self._waiting.append(child)
-            return []
-        child.num_computed_tokens = parent.num_computed_tokens
-        child.status = RequestStatus.RUNNING
-        self._running.append(child)  # newest arrival: the order stays sorted
+        else:
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.status = RequestStatus.RUNNING
+            self._running.append(child)  # newest arrival: the order stays sorted
+        child.output_token_ids.append(first_token)
         return copies
 
     def reserve_next_slot(self, request: Request) -> list[list[int]] | None:

@@ -486,12 +486,12 @@ def test_fork_shares_full_blocks_copies_rings_and_matches_solo(groups):
     s.add_request(req("p", prompt, 6))
     eng.step()
     child = req("c", prompt, 6)
-    copies = s.fork("p", child)
+    copies = s.fork("p", child, s.get("p").output_token_ids[0])  # its own first sample
     for cow in copies:  # what the engine's KV layer does
         for off in range(cow.num_tokens):
             if cow.src_block * BS + off in eng.kv:
                 eng.kv[cow.dst_block * BS + off] = eng.kv[cow.src_block * BS + off]
-    child.output_token_ids.append(s.get("p").output_token_ids[0])  # its own first sample
+    assert child.output_token_ids == s.get("p").output_token_ids and child.num_computed_tokens == 29
     parent_tables, child_tables = pool.block_tables("p"), pool.block_tables("c")
     for ptable, ctable, cap in zip(parent_tables, child_tables, groups):
         if cap is None:
