@@ -1,8 +1,8 @@
 """Engine: continuous batching over the paged cache. One thread owns MLX.
 
-Callers on any thread (or asyncio task) submit requests; the engine thread runs the
-scheduler, the model and the samplers, and pushes events into each request's sink
-(live_requests.py: what happens to a request after each step).
+Callers on any thread (or asyncio task) submit requests; the engine thread applies them and
+runs the core's steps (core.py: schedule -> execute -> update -> process), which push events
+into each request's sink.
 
 Models that mix sliding-window and full attention (gemma3, `layer_types`) run too: each
 request holds one block table per layer group, a window group's table being a ring of at
@@ -22,11 +22,11 @@ import mlxpaged  # noqa: F401  (OpenBLAS before mlx)
 import mlx.core as mx
 
 from mlxpaged.attention import attention_status, prepare_attention
-from mlxpaged.blocks import BlockPool
 from mlxpaged.cache_view import layer_windows
 from mlxpaged.config import DEFAULT_CACHE_TOKENS, CacheConfig
+from mlxpaged.core import EngineCore
 from mlxpaged.kv_cache import PagedKVCache
-from mlxpaged.live_requests import EngineClosedError, LiveRequests, RequestFailedError, Tracked  # noqa: F401  (re-exported)
+from mlxpaged.output_processor import EngineClosedError, RequestFailedError, Tracked  # noqa: F401  (re-exported)
 from mlxpaged.metrics import StatsCounter
 from mlxpaged.results import Completion, StreamDelta, collect, drain  # noqa: F401  (re-exported)
 from mlxpaged.memory import DeviceFacts, ModelFacts, model_weight_bytes, plan_memory, wired_limit
@@ -34,15 +34,8 @@ from mlxpaged.checkpoint import facts_before_load
 from mlxpaged.model import (LoadedModel, activation_dtype, chat_prompt, check_paged_support, load_local, locate_model,
                             route_paged_attention)
 from mlxpaged.models import Progress
-from mlxpaged.runner import Lookahead, Runner, StepInput
-from mlxpaged.sampling import LazySample, SamplingParams, sample_batch
-from mlxpaged.scheduler import (CACHE_CAPACITY, MODEL_CONTEXT, Request, RequestTooLongError, Scheduler,
-                                SchedulerOutput)
-
-
-def _rows(values: mx.array, rows: list[int]) -> mx.array:
-    """`values[rows]`, without a gather when `rows` is every row in order."""
-    return values if rows == list(range(values.shape[0])) else values[mx.array(rows)]
+from mlxpaged.sampling import SamplingParams
+from mlxpaged.scheduler import CACHE_CAPACITY, MODEL_CONTEXT, RequestTooLongError
 
 
 class Engine:
@@ -58,22 +51,17 @@ class Engine:
         # Before the first decode: a Metal kernel variant that fails its self-check is replaced by the reference.
         prepare_attention(kv_dtype, self.facts.kv.head_dim, self.cache_config.block_size,
                           loaded.config["num_attention_heads"], self.facts.kv.num_kv_heads)
-        block_size = self.cache_config.block_size
-        self.pool = BlockPool(self.plan.num_blocks, block_size,
-                              enable_prefix_cache=self.cache_config.enable_prefix_cache and self.kv.supports_prefix_cache,
-                              extra_key=str(loaded.path),
-                              group_max_blocks=[g.max_blocks(block_size) for g in self.kv.groups])
         self.max_model_len = int(loaded.config.get("max_position_embeddings") or self.plan.token_capacity)
-        self.scheduler = Scheduler(self.pool, max_batch_tokens=self.cache_config.max_batch_tokens,
-                                   max_num_seqs=self.cache_config.max_num_seqs, max_model_len=self.max_model_len)
-        self.runner = Runner(loaded.model, self.kv)
         self._commands: queue.Queue = queue.Queue()
         self._ids = itertools.count()
         self._closed = False
         self._stats = StatsCounter()
-        self.live = LiveRequests(self.scheduler, self.kv, loaded.tokenizer, self._stats,
-                                 abort=lambda group: self._commands.put(("abort", group)))
-        self._ahead: Lookahead | None = None  # the next step's decode pass, already queued
+        self.core = EngineCore.create(loaded.model, loaded.tokenizer, self.kv, self.cache_config,
+                                      max_model_len=self.max_model_len, extra_key=str(loaded.path), stats=self._stats,
+                                      has_commands=lambda: not self._commands.empty())
+        self.scheduler, self.runner = self.core.scheduler, self.core.runner
+        self.kv_manager = self.scheduler.kv_manager
+        self.pool = self.kv_manager.pool  # the block pool: stats, block states, prefix-cache reset
         self._thread = threading.Thread(target=self._run, name="mlxpaged-engine", daemon=True)
         self._thread.start()
 
@@ -208,7 +196,7 @@ class Engine:
     def request_blocks(self, request_id: str) -> list[int]:
         """Block ids a live request holds in all its tables (empty once it finished); for the block map."""
         try:
-            return [b for table in self.pool.block_tables(request_id) for b in table]
+            return [b for table in self.kv_manager.block_tables(request_id) for b in table]
         except KeyError:
             return []
 
@@ -244,7 +232,7 @@ class Engine:
             raise ValueError("the prompt is empty")
         if prompt_tokens + max_tokens > self.max_model_len:
             raise RequestTooLongError(prompt_tokens, max_tokens, self.max_model_len, MODEL_CONTEXT)
-        if self.pool.num_blocks_for(prompt_tokens + max_tokens) > self.pool.num_blocks:
+        if self.kv_manager.num_blocks_for(prompt_tokens + max_tokens) > self.kv_manager.num_blocks:
             raise RequestTooLongError(prompt_tokens, max_tokens, self.scheduler.capacity_tokens, CACHE_CAPACITY)
 
     # --- engine thread ---------------------------------------------------------------------------
@@ -254,7 +242,7 @@ class Engine:
             with mx.stream(stream), wired_limit(self.plan, enabled=self.cache_config.wire, streams=[stream]):
                 self._warm_up()
                 self._loop()
-            self.live.fail_all(EngineClosedError("the engine was closed"))
+            self.core.fail_all(EngineClosedError("the engine was closed"))
         finally:
             # MLX requires a thread to release its streams before it ends, or the process can
             # abort at exit ("terminate called without an active exception").
@@ -273,14 +261,13 @@ class Engine:
 
     def _loop(self) -> None:
         while True:
-            if not self._handle_commands(block=not self.scheduler.has_unfinished):
+            if not self._handle_commands(block=not self.core.has_unfinished):
                 return
-            if self.scheduler.has_unfinished:
+            if self.core.has_unfinished:
                 try:
-                    self._step()
+                    self.core.step()
                 except Exception as exc:  # a failed step fails its requests, not the engine
-                    self._ahead = None
-                    self.live.fail_all(exc)
+                    self.core.fail_all(exc)
 
     def _handle_commands(self, block: bool) -> bool:
         """Apply queued adds / aborts; False when the engine must stop."""
@@ -295,90 +282,10 @@ class Engine:
             if command[0] == "add":
                 self._add(*command[1:])
             elif command[0] == "abort":
-                self.live.abort(command[1])
+                self.core.abort(command[1])
 
     def _add(self, request_id: str, tokens: list[int], params: SamplingParams, sink) -> None:
         try:
-            request = Request(request_id, tokens, params.max_tokens)
-            self.scheduler.add_request(request)
+            self.core.add_request(request_id, tokens, params, sink)
         except Exception as exc:
             sink(exc)
-            return
-        self.live.add(request, params, sink)
-
-    def _step(self) -> None:
-        out = self.scheduler.schedule()
-        self._stats.preemptions += len(out.preempted)
-        ahead, self._ahead = self._ahead, None
-        if not out.chunks:
-            return
-        sampling = [self.live[c.request.request_id] for c in out.chunks if c.samples]
-        # n > 1: the forks sample their first token from their parent's logits row.
-        rows = [(i, t) for i, parent in enumerate(sampling) for t in [parent, *parent.forks]]
-        if ahead is not None and ahead.covers(out.chunks):
-            # This step was computed while the last one ran: queue the next one, then read it.
-            rows_of = ahead.rows_of(out.chunks)
-            tokens = _rows(ahead.sample.tokens, rows_of)
-            self._ahead = self._look_ahead(out.chunks, tokens, [t.sampler for t in sampling])
-            everything = ahead.sample.results()
-            self._launch_ahead()
-            results = [everything[i] for i in rows_of]
-        else:
-            results = self._compute(out, sampling, rows)
-        self.live.complete(out, rows, results)
-
-    def _compute(self, out: SchedulerOutput, sampling: list[Tracked], rows: list) -> list:
-        """Run the step's passes and sample; pipeline the next decode pass when it is predictable."""
-        inputs = [StepInput(c.token_ids, c.start, c.block_tables, c.samples) for c in out.chunks]
-        logits = self.runner.step(inputs)
-        if not rows:
-            return []
-        if len(rows) > len(sampling):
-            logits = logits[mx.array([i for i, _ in rows])]
-        states = [t.sampler for _, t in rows]
-        if any(state.has_processors for state in states):
-            return sample_batch(logits, states)  # processors read the history: no pipelining
-        sample = LazySample(logits, states)
-        # Only steady decoding is pipelined: every chunk samples, no forks are pending, and no
-        # request gets its first token here (queuing the next pass first would delay that token
-        # by a step, and time to first token is what a user waits on).
-        if len(rows) == len(sampling) == len(out.chunks) and all(c.request.output_token_ids for c in out.chunks):
-            self._ahead = self._look_ahead(out.chunks, sample.tokens, states)
-        results = sample.results()
-        self._launch_ahead()
-        return results
-
-    def _launch_ahead(self) -> None:
-        """Start the pass built ahead, now that the one before it has been read (runner.launch)."""
-        if self._ahead is not None:
-            self.runner.launch(*self._ahead.sample.arrays)
-
-    def _look_ahead(self, chunks: list, tokens: mx.array, states: list) -> Lookahead | None:
-        """Build the next step's decode pass on this step's lazy tokens (mlx-lm's async_eval
-        pipelining): building it overlaps this step's computation, and once this step is read it
-        is launched (`_launch_ahead`), so delivering and scheduling overlap it. Only when the next
-        step is predictable: nothing waits, and each row continues with one token. A guess that
-        turns out wrong costs one pass; its page writes land in the rows' reserved next slots,
-        which the real step then writes again."""
-        if self.scheduler.num_waiting or not self._commands.empty():
-            return None
-        if self.runner.compiles(len(chunks)):
-            # A compiled pass is cheap to build, and building it during the last one's tail
-            # slowed that tail (2 cores): batch-1 decode, synchronous 19.6 / 20.3 / 19.1 tok/s,
-            # pipelined 19.0 / 19.4 / 18.4 (3 alternating A/B runs).
-            return None
-        picked, inputs = [], []
-        for i, chunk in enumerate(chunks):
-            request = chunk.request
-            position = chunk.start + len(chunk.token_ids)
-            if len(request.output_token_ids) + 2 > request.max_tokens:
-                continue  # this step's token is its last
-            tables = self.scheduler.reserve_next_slot(request)
-            if tables is not None:
-                picked.append(i)
-                inputs.append(StepInput([0], position, tables, True))
-        if not picked:
-            return None
-        logits = self.runner.decode_ahead(inputs, _rows(tokens, picked))
-        return Lookahead([(chunks[i].request.request_id, x.start) for i, x in zip(picked, inputs)],
-                      LazySample(logits, [states[i] for i in picked], ahead=1, launch=False))

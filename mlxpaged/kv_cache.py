@@ -1,4 +1,4 @@
-"""Paged KV memory: page pools, slot writes, block gathers, layer groups.
+"""Paged KV memory: page pools, slot writes, block gathers.
 
 Layout. Every pool is one MLX array `[num_blocks, kv_heads, block_size, head_dim]`
 in the model's KV dtype, one for keys and one for values. A (block, head) page is
@@ -15,21 +15,18 @@ buffer) and the reshaped view feeding a take lives only until the take is
 evaluated. Callers must evaluate a step's outputs before the next step's writes
 (an unevaluated read of a pool pins it), or each write copies the whole pool.
 
-Layer groups. Layers are grouped as the transformers continuous-batching cache
-did (transformers 4.5x `group_layers_by_attn_type`): layers of one attention type
-(full, or sliding with a given window) are cut, in order, into groups of
-`gcd(count per type)` layers. All groups have the same size G, so one block id
-means "G pages, one per layer of a group" whatever the group's type: the block
-ids of all groups come from one shared space, and the cache holds only G key
-pools and G value pools (pool j serves the j-th layer of every group). Each
-request has one block table per group. A full-attention model is one group of
-all layers, i.e. one pool per layer.
+Layer groups (specs.py, plain Python): layers of one attention type are cut into
+groups of equal size G, so one block id means "G pages, one per layer of a group"
+whatever the group's type: the block ids of all groups come from one shared space,
+and the cache holds only G key pools and G value pools (pool j serves the j-th layer
+of every group). Each request has one block table per group. A full-attention model
+is one group of all layers, i.e. one pool per layer.
 
 Sliding-window groups. A request's table for a window-W group holds at most
 ceil(W / block_size) + 1 blocks used as a ring: logical block b lives in
 `table[b % len_max]`, so once the table is full the next block reuses the
-oldest one, whose tokens have left the window. See `LayerGroup`. The block pool
-(blocks.py) keeps every group's table, sized by `LayerGroup.max_blocks`.
+oldest one, whose tokens have left the window. See `LayerGroup`. The cache manager
+(kv_cache_manager.py) keeps every group's table, sized by the group's spec.
 
 Prefix cache. Only full-attention groups can share blocks: their pages are
 append-only and a block's content is a pure function of the token prefix. Ring
@@ -43,94 +40,11 @@ copy-on-write and preemption stay correct for them.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import Sequence
 
 import mlx.core as mx
 
-
-@dataclass(frozen=True)
-class LayerGroup:
-    """Layers sharing one block table per request: same attention type, fixed size."""
-
-    index: int
-    layers: tuple[int, ...]
-    window: int | None  # None: full attention
-
-    def max_blocks(self, block_size: int) -> int | None:
-        """Blocks a request's table holds at most (None: unbounded, full attention)."""
-        if self.window is None:
-            return None
-        return -(-self.window // block_size) + 1
-
-    def ring_tokens(self, block_size: int) -> int | None:
-        """Tokens a window ring holds (None for full attention)."""
-        blocks = self.max_blocks(block_size)
-        return None if blocks is None else blocks * block_size
-
-    def blocks_needed(self, num_tokens: int, block_size: int) -> int:
-        """Table length needed once `num_tokens` tokens have been written."""
-        blocks = -(-num_tokens // block_size)
-        limit = self.max_blocks(block_size)
-        return blocks if limit is None else min(blocks, limit)
-
-    def key_start(self, offset: int) -> int:
-        """First position a query at `offset` attends to."""
-        return 0 if self.window is None else max(0, offset - self.window + 1)
-
-    def stored_start(self, start: int, end: int, block_size: int) -> int:
-        """First of the new positions [start, end) that must be written to pages."""
-        ring = self.ring_tokens(block_size)
-        return start if ring is None else max(start, end - ring)
-
-    def physical_block(self, table: Sequence[int], logical: int, block_size: int) -> int:
-        limit = self.max_blocks(block_size)
-        return table[logical if limit is None else logical % limit]
-
-    def slots(self, table: Sequence[int], start: int, end: int, block_size: int) -> list[int]:
-        """Physical slots of positions [start, end)."""
-        return [
-            self.physical_block(table, p // block_size, block_size) * block_size + p % block_size
-            for p in range(start, end)
-        ]
-
-    def check_table(self, table: Sequence[int], num_tokens: int, block_size: int) -> None:
-        need = self.blocks_needed(num_tokens, block_size)
-        if len(table) < need:
-            raise ValueError(
-                f"group {self.index}: block table has {len(table)} blocks, "
-                f"{num_tokens} tokens need {need} (block_size {block_size})"
-            )
-        limit = self.max_blocks(block_size)
-        if limit is not None and len(table) > limit:
-            raise ValueError(
-                f"group {self.index}: sliding window {self.window} uses at most {limit} "
-                f"blocks per request, the table has {len(table)}"
-            )
-
-
-def group_layers(layer_windows: Sequence[int | None]) -> tuple[LayerGroup, ...]:
-    """Cut layers into equal-size groups of one attention type (window), in layer order."""
-    by_type: dict[int | None, list[int]] = {}
-    for layer, window in enumerate(layer_windows):
-        by_type.setdefault(window, []).append(layer)
-    if not by_type:
-        raise ValueError("a model needs at least one layer")
-    size = math.gcd(*(len(layers) for layers in by_type.values()))
-    groups = []
-    for window, layers in by_type.items():
-        for i in range(0, len(layers), size):
-            groups.append(LayerGroup(len(groups), tuple(layers[i : i + size]), window))
-    return tuple(groups)
-
-
-def block_bytes(
-    layer_windows: Sequence[int | None], block_size: int, num_kv_heads: int, head_dim: int, dtype_bytes: int
-) -> int:
-    """Bytes one block id stands for: keys and values of one page per layer of a group."""
-    group_size = len(group_layers(layer_windows)[0].layers)
-    return 2 * group_size * num_kv_heads * block_size * head_dim * dtype_bytes
+from mlxpaged.specs import LayerGroup, block_bytes, group_layers  # noqa: F401  (re-exported: the facts live in specs.py)
 
 
 class PagedKVCache:

@@ -17,7 +17,7 @@ How the plan is sized (all in bytes):
                    fraction of it (Metal 0.9, the slack MLX's buffer cache needs; CPU 0.5,
                    because the pool is touched up front and a host with no swap OOM-kills).
 
-A block id stands for one page per layer of a layer group (kv_cache.py): every layer for a
+A block id stands for one page per layer of a layer group (specs.py): every layer for a
 full-attention model, a group of them when sliding-window and full attention mix. A sequence
 of T tokens holds ceil(T / block_size) blocks per full-attention group and at most
 ceil(window / block_size) + 1 (its ring) per window group, as the block pool allocates them.
@@ -42,7 +42,7 @@ from typing import Iterator, Sequence
 from mlxpaged.blocks import sequence_capacity, table_lengths
 from mlxpaged.config import CacheConfig
 from mlxpaged.errors import MlxpagedError
-from mlxpaged.kv_cache import block_bytes, group_layers
+from mlxpaged.specs import block_bytes, group_layers
 from mlxpaged.model_facts import KVShape, ModelFacts, model_weight_bytes, require_int  # noqa: F401  (re-exported)
 
 OS_RESERVE_FLOOR = 2**30

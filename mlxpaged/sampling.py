@@ -15,8 +15,10 @@ Definitions (what the engine and the HTTP layer report):
   where c[j] counts j among the *generated* tokens only (as vLLM; the prompt is not counted).
 - Randomness: a row's draw at generation index i uses a key hashed from (seed, sequence_index, i)
   alone, so a seeded request samples the same tokens alone, batched, or rebuilt after preemption
-  (`make_state(params, prompt, output_token_ids=done)`; for an unseeded request rebuild with
-  `dataclasses.replace(params, seed=state.seed)`, or simply keep the state object).
+  (`make_state(params, request)` on a request that already has output; for an unseeded request
+  rebuild with `dataclasses.replace(params, seed=state.seed)`, or simply keep the state object).
+- History: a state reads its sequence's tokens through the request that owns them (request.py);
+  it keeps no copy, so the tokens the scheduler appends are the history the next draw sees.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import hashlib
 import math
 import secrets
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Protocol
 
 import mlx.core as mx
 from mlx_lm.sample_utils import (apply_min_p, apply_top_k, apply_top_p, make_frequency_penalty,
@@ -152,20 +154,31 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE
 
 
+class TokenSequence(Protocol):
+    """What a sampler state reads its history from: a `Request` (request.py)."""
+
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+
 @dataclass
 class SamplerState:
-    """One sequence's sampling history and RNG identity. Holds no MLX or cache resources."""
+    """One sequence's sampling settings and RNG identity; its history is read through `sequence`.
+    Holds no MLX or cache resources."""
 
     params: SamplingParams
     seed: int  # params.seed, or drawn at creation for unseeded requests
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
+    sequence: TokenSequence
     sequence_index: int = 0  # which of the request's n samples this is
     _prompt_array: mx.array | None = field(default=None, repr=False)
 
-    def record(self, token: int) -> None:
-        """Append the token the engine accepted for this sequence."""
-        self.output_token_ids.append(int(token))
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.sequence.prompt_token_ids
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.sequence.output_token_ids
 
     @property
     def generation_index(self) -> int:
@@ -195,16 +208,16 @@ class SamplerState:
         return mx.array(self.output_token_ids, dtype=mx.int32)
 
 
-def make_state(params: SamplingParams, prompt_token_ids: Sequence[int],
-               output_token_ids: Sequence[int] = (), *, sequence_index: int = 0) -> SamplerState:
-    """A sequence's sampler state; pass `output_token_ids` to rebuild one mid-generation."""
+def make_state(params: SamplingParams, sequence: TokenSequence, *, sequence_index: int = 0) -> SamplerState:
+    """A sequence's sampler state, reading its tokens through `sequence` (a Request); one that
+    already has output tokens resumes mid-generation."""
     if not isinstance(params, SamplingParams):
         raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
     _require_number("sequence_index", sequence_index, 0, MAX_N - 1, integer=True)
-    prompt = _token_id_list("prompt_token_ids", list(prompt_token_ids))
-    output = _token_id_list("output_token_ids", list(output_token_ids))
+    _token_id_list("prompt_token_ids", sequence.prompt_token_ids)
+    _token_id_list("output_token_ids", sequence.output_token_ids)
     seed = params.seed if params.seed is not None else secrets.randbits(64)
-    return SamplerState(params, seed, prompt, output, sequence_index)
+    return SamplerState(params, seed, sequence, sequence_index)
 
 
 @dataclass(frozen=True)
@@ -412,7 +425,7 @@ def _find_eval_failures(rows: list[mx.array], states: list[SamplerState],
 def sample_batch(logits: mx.array, states: list[SamplerState]) -> list[SampleResult]:
     """Sample one token per row of `logits` [B, V] for `states` (one per row), in one evaluation.
 
-    Does not record the tokens: the engine calls `state.record(token)` for the ones it keeps.
+    Does not record the tokens: the scheduler appends the ones it keeps to their requests.
     A row whose processors raise gets `SampleResult(error=...)`; the other rows are unaffected.
     """
     if not isinstance(logits, mx.array) or logits.ndim != 2:

@@ -6,68 +6,24 @@ prefills, then new admissions in FIFO order. When the block pool runs dry the ne
 running request is preempted by recompute: its blocks are freed and it later re-prefills
 prompt + generated tokens (cheaply, if its blocks are still in the prefix cache).
 
-A request holds one block table per layer group (see blocks.py); the pool sizes and grows
-all of them, so admission, preemption and capacity here count every group's blocks.
+A request holds one block table per layer group (see kv_cache_manager.py); the manager sizes
+and grows all of them, so admission, preemption and capacity here count every group's blocks.
+The scheduler is the one writer of a `Request` (request.py): its computed count and tokens.
 """
 
 from __future__ import annotations
 
 import bisect
-import enum
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Collection
 
-from mlxpaged.blocks import CopyOnWrite, BlockPool, NoFreeBlocksError, UnknownRequestError
+from mlxpaged.block_pool import NoFreeBlocksError
+from mlxpaged.kv_cache_manager import CopyOnWrite, KVCacheManager, UnknownRequestError
+from mlxpaged.request import Request, RequestStatus
 
-
-class RequestStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED_STOPPED = "finished_stopped"
-    FINISHED_LENGTH = "finished_length"
-    FINISHED_ABORTED = "finished_aborted"
-    FINISHED_ERROR = "finished_error"
-
-    @property
-    def is_finished(self) -> bool:
-        return self in _FINISHED
-
-
-_FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                       RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR})
-
-
-@dataclass(eq=False)
-class Request:
-    request_id: str
-    prompt_token_ids: list[int]
-    max_tokens: int
-    output_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0  # tokens whose KV is written in the cache
-    num_cached_tokens: int = 0  # prompt tokens the prefix cache served at first admission
-    status: RequestStatus = RequestStatus.WAITING
-    num_preemptions: int = 0
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status.is_finished
-
-    def token_ids_between(self, start: int, end: int) -> list[int]:
-        """all_token_ids[start:end] without copying the whole sequence."""
-        n_prompt = len(self.prompt_token_ids)
-        if end <= n_prompt:
-            return self.prompt_token_ids[start:end]
-        if start >= n_prompt:
-            return self.output_token_ids[start - n_prompt:end - n_prompt]
-        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n_prompt]
+__all__ = ["Request", "RequestStatus", "Scheduler", "SchedulerOutput", "ScheduledChunk", "RequestTooLongError",
+           "MODEL_CONTEXT", "CACHE_CAPACITY"]
 
 
 @dataclass
@@ -103,7 +59,7 @@ CACHE_CAPACITY = "KV cache capacity"
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, *, max_batch_tokens: int, max_num_seqs: int,
+    def __init__(self, kv_manager: KVCacheManager, *, max_batch_tokens: int, max_num_seqs: int,
                  max_model_len: int):
         for name, value in (("max_batch_tokens", max_batch_tokens),
                             ("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len)):
@@ -113,7 +69,7 @@ class Scheduler:
             # Otherwise some decoding requests would be skipped every step.
             raise ValueError(f"max_batch_tokens ({max_batch_tokens}) must be >= "
                              f"max_num_seqs ({max_num_seqs})")
-        self.pool = pool
+        self.kv_manager = kv_manager
         self.max_batch_tokens = max_batch_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -152,7 +108,7 @@ class Scheduler:
     @property
     def capacity_tokens(self) -> int | None:
         """The longest sequence the pool can hold (None: any length)."""
-        return self.pool.capacity_tokens
+        return self.kv_manager.capacity_tokens
 
     # ---- request lifecycle --------------------------------------------------------
 
@@ -180,7 +136,7 @@ class Scheduler:
             raise ValueError(f"request {rid!r}: max_tokens must be >= 1, got {max_tokens}")
         if n_prompt + max_tokens > self.max_model_len:
             raise RequestTooLongError(n_prompt, max_tokens, self.max_model_len, MODEL_CONTEXT)
-        if self.pool.num_blocks_for(n_prompt + max_tokens) > self.pool.num_blocks:
+        if self.kv_manager.num_blocks_for(n_prompt + max_tokens) > self.kv_manager.num_blocks:
             raise RequestTooLongError(n_prompt, max_tokens, self.capacity_tokens, CACHE_CAPACITY)
 
     def finish(self, request_id: str, status: RequestStatus) -> Request:
@@ -193,7 +149,7 @@ class Scheduler:
         del self._arrival[request_id]
         if request.status is RequestStatus.RUNNING:
             self._running.remove(request)
-            self.pool.free(request_id)
+            self.kv_manager.free(request_id)
         else:
             self._waiting.remove(request)
         request.status = status
@@ -205,12 +161,13 @@ class Scheduler:
             return None
         return self.finish(request_id, RequestStatus.FINISHED_ABORTED)
 
-    def fork(self, parent_id: str, child: Request) -> list[CopyOnWrite]:
+    def fork(self, parent_id: str, child: Request, first_token: int) -> list[CopyOnWrite]:
         """Start `child` (n > 1 sampling) as a running copy of a running parent's computed
         tokens: full blocks are shared copy-on-write, and the returned copies (partial blocks,
         sliding-window rings) must be done by the KV layer before the next step. `child` carries
-        the parent's prompt and its own first sampled token. When the pool cannot hold the
-        copy, the child waits and recomputes its prompt instead (returns no copies)."""
+        the parent's prompt; `first_token` is its own first sample (from the parent's logits).
+        When the pool cannot hold the copy, the child waits and recomputes its prompt instead
+        (returns no copies)."""
         parent = self._requests.get(parent_id)
         if parent is None or parent.status is not RequestStatus.RUNNING:
             raise ValueError(f"fork needs a running parent, {parent_id!r} is not")
@@ -221,14 +178,16 @@ class Scheduler:
         self._next_arrival += 1
         child.num_cached_tokens = parent.num_cached_tokens
         try:
-            copies = self.pool.fork(parent_id, child.request_id)
+            copies = self.kv_manager.fork(parent, child)
         except NoFreeBlocksError:
+            copies = []
             child.status = RequestStatus.WAITING
             self._waiting.append(child)
-            return []
-        child.num_computed_tokens = self.pool.num_computed_tokens(child.request_id)
-        child.status = RequestStatus.RUNNING
-        self._running.append(child)  # newest arrival: the order stays sorted
+        else:
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.status = RequestStatus.RUNNING
+            self._running.append(child)  # newest arrival: the order stays sorted
+        child.output_token_ids.append(first_token)
         return copies
 
     def reserve_next_slot(self, request: Request) -> list[list[int]] | None:
@@ -236,7 +195,7 @@ class Scheduler:
         (sampled but not known yet: a pipelined step computes it early), or None when the pool
         has no block for it (the next schedule() preempts as usual)."""
         try:
-            return self.pool.reserve_next_slot(request.request_id)
+            return self.kv_manager.allocate_slots(request, request.num_tokens + 1)
         except NoFreeBlocksError:
             return None
 
@@ -261,10 +220,12 @@ class Scheduler:
             budget -= len(chunks[-1].token_ids)
         return SchedulerOutput(chunks, preempted, self.max_batch_tokens - budget)
 
-    def on_step_done(self, output: SchedulerOutput, sampled: dict[str, int]) -> None:
-        """Record the step's KV as computed and append the sampled tokens. Chunks of
-        requests finished since schedule() are skipped; extra keys in `sampled` are ignored."""
-        live = [c for c in output.chunks if not c.request.is_finished]
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int],
+                           failed: Collection[str] = ()) -> None:
+        """Record the step's KV as computed and append the sampled tokens. Chunks of requests
+        finished since schedule(), or whose sampling `failed` (the caller finishes those), are
+        skipped; extra keys in `sampled` are ignored."""
+        live = [c for c in output.chunks if not c.request.is_finished and c.request.request_id not in failed]
         for chunk in live:
             request = chunk.request
             if request.status is not RequestStatus.RUNNING \
@@ -278,7 +239,7 @@ class Scheduler:
         for chunk in live:
             request = chunk.request
             request.num_computed_tokens += len(chunk.token_ids)
-            self.pool.mark_computed(request.request_id, request.num_computed_tokens)
+            self.kv_manager.cache_blocks(request)
             if chunk.samples:
                 request.output_token_ids.append(sampled[request.request_id])
 
@@ -297,12 +258,10 @@ class Scheduler:
         preempting the newest running request whenever the pool is dry."""
         preempted: list[Request] = []
         for request in list(self._running):
-            rid = request.request_id
-            while request.status is RequestStatus.RUNNING \
-                    and self.pool.num_tokens(rid) < request.num_tokens:
-                position = self.pool.num_tokens(rid)
+            while request.status is RequestStatus.RUNNING:
                 try:
-                    self.pool.append_slot(rid, request.token_ids_between(position, position + 1)[0])
+                    self.kv_manager.allocate_slots(request)
+                    break
                 except NoFreeBlocksError:
                     victim = self._running[-1]  # newest; may be `request` itself
                     self._preempt(victim)
@@ -311,7 +270,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self._running.remove(request)
-        self.pool.free(request.request_id)
+        self.kv_manager.free(request.request_id)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -324,16 +283,15 @@ class Scheduler:
         if not self._waiting or len(self._running) >= self.max_num_seqs:
             return None
         request = self._waiting[0]
-        tokens = request.all_token_ids
-        if not self.pool.can_allocate(tokens):
+        if not self.kv_manager.can_allocate(request):
             if not self._running:
                 raise RuntimeError(
-                    f"request {request.request_id!r} ({len(tokens)} tokens) does not fit an "
-                    f"idle pool with {self.pool.num_free_blocks} of {self.pool.num_blocks} "
+                    f"request {request.request_id!r} ({request.num_tokens} tokens) does not fit an "
+                    f"idle pool with {self.kv_manager.num_free_blocks} of {self.kv_manager.num_blocks} "
                     f"blocks free: blocks are held outside the scheduler")
             return None
         self._waiting.popleft()
-        allocation = self.pool.allocate(request.request_id, tokens)
+        allocation = self.kv_manager.allocate(request)
         if request.num_preemptions == 0:
             request.num_cached_tokens = allocation.num_cached_tokens
         request.num_computed_tokens = allocation.num_cached_tokens
@@ -345,4 +303,4 @@ class Scheduler:
         start = request.num_computed_tokens
         end = min(request.num_tokens, start + budget)
         return ScheduledChunk(request, start, request.token_ids_between(start, end),
-                              self.pool.block_tables(request.request_id), samples=end == request.num_tokens)
+                              self.kv_manager.block_tables(request.request_id), samples=end == request.num_tokens)

@@ -1,37 +1,16 @@
-"""Block pool: unit tests per method and a hypothesis state machine over random workloads.
+"""Cache manager over the block pool: unit tests per method (state machine: test_blocks_machine.py).
 
-The state machine keeps a fake KV store (slot -> the token prefix whose KV the slot holds),
-so a false prefix hit, a write into a shared block or a missed copy-on-write shows up as a
-slot holding the wrong prefix, not just as a broken counter.
+`Sequences` (tests/kv_sequences.py) plays the scheduler's part: it owns each sequence's Request (its
+tokens and computed count) and calls the manager as the scheduler does.
 """
 
 import pytest
-from hypothesis import HealthCheck, event, settings
-from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from mlxpaged.blocks import (
-    BlockPool,
-    CopyOnWrite,
-    NoFreeBlocksError,
-    UnknownRequestError,
-    sequence_capacity,
-    sha256_block_hash,
-    table_lengths,
-)
-
-BS = 8
-
-
-def prompt(n_tokens, start=0):
-    return list(range(start, start + n_tokens))
-
-
-def computed_pool(pool, rid, tokens):
-    """Allocate and mark the whole prompt computed, as the engine does after prefill."""
-    alloc = pool.allocate(rid, tokens)
-    pool.mark_computed(rid, len(tokens))
-    return alloc
+from mlxpaged import blocks
+from mlxpaged.block_pool import BlockPool, NoFreeBlocksError, sha256_block_hash
+from mlxpaged.kv_cache_manager import CopyOnWrite, KVCacheManager, UnknownRequestError
+from mlxpaged.specs import FullAttentionSpec, SlidingWindowSpec, sequence_capacity, table_lengths
+from tests.kv_sequences import BS, computed_pool, manager_for, pool_of, prompt  # noqa: F401  (shared)
 
 
 # ---- construction -------------------------------------------------------------------
@@ -39,25 +18,25 @@ def computed_pool(pool, rid, tokens):
 
 @pytest.mark.parametrize("bs", [8, 16, 32])
 def test_valid_block_sizes(bs):
-    pool = BlockPool(4, bs)
+    pool = pool_of(4, bs)
     assert pool.block_size == bs and pool.num_free_blocks == 4
 
 
 def test_default_block_size_is_16():
-    assert BlockPool(1).block_size == 16
+    assert blocks.BlockPool(1).manager.block_size == 16
 
 
 @pytest.mark.parametrize("num_blocks, bs, needle", [(4, 12, "12"), (0, 16, "0"), (-3, 8, "-3")])
 def test_constructor_validation_names_the_numbers(num_blocks, bs, needle):
     with pytest.raises(ValueError, match=needle):
-        BlockPool(num_blocks, bs)
+        pool_of(num_blocks, bs)
 
 
 # ---- allocate / can_allocate ----------------------------------------------------------
 
 
 def test_allocate_fresh_prompt():
-    pool = BlockPool(8, BS)
+    pool = pool_of(8, BS)
     alloc = pool.allocate("a", prompt(20))
     assert alloc.num_cached_tokens == 0
     assert len(alloc.block_tables[0]) == 3 == len(set(alloc.block_tables[0]))
@@ -67,7 +46,7 @@ def test_allocate_fresh_prompt():
 
 
 def test_allocate_reserves_new_slots():
-    pool = BlockPool(8, BS)
+    pool = pool_of(8, BS)
     assert len(pool.allocate("a", prompt(8), num_new_slots=1).block_tables[0]) == 2
     assert len(pool.allocate("b", prompt(7), num_new_slots=1).block_tables[0]) == 1
     # The reserved slot is used by the next append without taking a block.
@@ -82,18 +61,18 @@ def test_allocate_reserves_new_slots():
 ])
 def test_allocate_validation(kwargs, needle):
     with pytest.raises(ValueError, match=needle):
-        BlockPool(4, BS).allocate("a", **kwargs)
+        pool_of(4, BS).allocate("a", **kwargs)
 
 
 def test_allocate_duplicate_request_id():
-    pool = BlockPool(4, BS)
+    pool = pool_of(4, BS)
     pool.allocate("a", [1])
     with pytest.raises(ValueError, match="already"):
         pool.allocate("a", [1])
 
 
 def test_allocate_exhausted_is_atomic_and_carries_numbers():
-    pool = BlockPool(4, BS)
+    pool = pool_of(4, BS)
     computed_pool(pool, "a", prompt(17))  # 3 blocks, 2 of them cached when freed
     pool.free("a")
     before = (pool.block_state(), pool.stats())
@@ -106,7 +85,7 @@ def test_allocate_exhausted_is_atomic_and_carries_numbers():
 
 
 def test_can_allocate_counts_prefix_hits_and_evictable_blocks():
-    pool = BlockPool(4, BS)
+    pool = pool_of(4, BS)
     computed_pool(pool, "a", prompt(24))
     pool.allocate("x", [7])  # 4th block
     assert pool.num_free_blocks == 0
@@ -125,7 +104,7 @@ def test_can_allocate_counts_prefix_hits_and_evictable_blocks():
 
 
 def test_prefix_hit_shares_full_blocks_only_after_computed():
-    pool = BlockPool(16, BS)
+    pool = pool_of(16, BS)
     pool.allocate("a", prompt(20))
     assert pool.lookup_prefix(prompt(20)) == 0  # KV not written yet: no hit
     pool.mark_computed("a", 10)
@@ -140,7 +119,7 @@ def test_prefix_hit_shares_full_blocks_only_after_computed():
 
 
 def test_fully_cached_prompt_recomputes_last_block():
-    pool = BlockPool(16, BS)
+    pool = pool_of(16, BS)
     computed_pool(pool, "a", prompt(24))
     alloc = pool.allocate("b", prompt(24))
     assert alloc.num_cached_tokens == 16  # never the whole prompt
@@ -150,7 +129,7 @@ def test_fully_cached_prompt_recomputes_last_block():
 
 
 def test_generated_tokens_become_cacheable():
-    pool = BlockPool(16, BS)
+    pool = pool_of(16, BS)
     computed_pool(pool, "a", prompt(6))
     for i, tok in enumerate([60, 61, 62, 63]):
         pool.append_slot("a", tok)
@@ -160,7 +139,7 @@ def test_generated_tokens_become_cacheable():
 
 
 def test_prefix_cache_disabled():
-    pool = BlockPool(8, BS, enable_prefix_cache=False)
+    pool = pool_of(8, BS, enable_prefix_cache=False)
     computed_pool(pool, "a", prompt(24))
     assert pool.allocate("b", prompt(24)).num_cached_tokens == 0
     pool.free("a")
@@ -169,7 +148,7 @@ def test_prefix_cache_disabled():
 
 
 def test_free_keeps_cached_blocks_findable_and_reusable():
-    pool = BlockPool(8, BS)
+    pool = pool_of(8, BS)
     computed_pool(pool, "a", prompt(20))
     table = pool.block_tables("a")[0]
     pool.free("a")
@@ -194,16 +173,19 @@ def test_extra_key_is_passed_to_hash_fn():
         seen.append(extra)
         return sha256_block_hash(parent, tokens, extra)
 
-    pool = BlockPool(4, BS, extra_key=("smollm2", "f32"), hash_fn=spy)
+    pool = pool_of(4, BS, extra_key=("smollm2", "f32"), hash_fn=spy)
     computed_pool(pool, "a", prompt(9))
     assert seen and set(seen) == {("smollm2", "f32")}
 
 
-def test_forced_hash_collisions_never_share_wrong_blocks():
-    pool = BlockPool(32, BS, hash_fn=lambda parent, tokens, extra: 0)
+def test_a_block_is_found_by_its_chained_hash_alone():
+    """vLLM v1's scheme: the hash names the whole prefix, and nothing else is compared."""
     a, b, c = [1] * BS, [2] * BS, [3] * BS
+    collide = pool_of(8, BS, hash_fn=lambda parent, tokens, extra: 0)
+    computed_pool(collide, "x", a + b + [0])
+    assert collide.lookup_prefix(c + c + [0]) == 16  # so a colliding hash function would be wrong
+    pool = pool_of(32, BS)
     computed_pool(pool, "x", a + b + [0])
-    # Same hash everywhere; only blocks whose tokens and whole chain match may be shared.
     assert pool.lookup_prefix(c + b + [0]) == 0  # b under a different parent
     assert pool.lookup_prefix(b + [0]) == 0  # b at the root
     assert pool.lookup_prefix(a + c + [0]) == 8
@@ -214,7 +196,7 @@ def test_forced_hash_collisions_never_share_wrong_blocks():
 
 
 def test_duplicate_chains_stay_reachable_after_one_copy_is_evicted():
-    pool = BlockPool(6, BS)
+    pool = pool_of(6, BS)
     pool.allocate("a", prompt(17))
     pool.allocate("b", prompt(17))  # same prompt, nothing computed yet: no sharing
     pool.mark_computed("a", 17)
@@ -227,7 +209,7 @@ def test_duplicate_chains_stay_reachable_after_one_copy_is_evicted():
 
 
 def test_reset_prefix_cache():
-    pool = BlockPool(8, BS)
+    pool = pool_of(8, BS)
     computed_pool(pool, "a", prompt(17))
     computed_pool(pool, "b", prompt(17, 100))
     pool.free("a")
@@ -247,7 +229,7 @@ def test_reset_prefix_cache():
 
 
 def test_eviction_is_lru_and_tail_before_head():
-    pool = BlockPool(6, BS)
+    pool = pool_of(6, BS)
     computed_pool(pool, "old", prompt(24))  # 3 full blocks: chain o0 -> o1 -> o2
     computed_pool(pool, "new", prompt(24, 100))  # n0 -> n1 -> n2
     old, new = pool.block_tables("old")[0], pool.block_tables("new")[0]
@@ -263,7 +245,7 @@ def test_eviction_is_lru_and_tail_before_head():
 
 
 def test_prefix_hit_refreshes_lru_position():
-    pool = BlockPool(4, BS)
+    pool = pool_of(4, BS)
     computed_pool(pool, "a", prompt(9))  # a0 cached, a1 partial
     computed_pool(pool, "b", prompt(9, 100))
     a0, b0 = pool.block_tables("a")[0][0], pool.block_tables("b")[0][0]
@@ -276,7 +258,7 @@ def test_prefix_hit_refreshes_lru_position():
 
 
 def test_uncached_free_blocks_are_used_before_evicting():
-    pool = BlockPool(3, BS)
+    pool = pool_of(3, BS)
     computed_pool(pool, "a", prompt(16))
     pool.free("a")
     pool.allocate("b", [1])
@@ -287,7 +269,7 @@ def test_uncached_free_blocks_are_used_before_evicting():
 
 
 def test_append_slot_slots_and_new_blocks():
-    pool = BlockPool(4, BS)
+    pool = pool_of(4, BS)
     pool.allocate("a", prompt(7))
     (b0,) = pool.block_tables("a")[0]
     pool.append_slot("a", 7)
@@ -300,7 +282,7 @@ def test_append_slot_slots_and_new_blocks():
 
 
 def test_append_slot_exhausted():
-    pool = BlockPool(1, BS)
+    pool = pool_of(1, BS)
     pool.allocate("a", prompt(8))
     with pytest.raises(NoFreeBlocksError) as err:
         pool.append_slot("a", 1)
@@ -310,36 +292,37 @@ def test_append_slot_exhausted():
 
 @pytest.mark.parametrize("start, end", [(-1, 2), (2, 1), (0, 6)])
 def test_slots_for_range_errors(start, end):
-    pool = BlockPool(4, BS)
+    pool = pool_of(4, BS)
     pool.allocate("a", prompt(5))
     with pytest.raises(ValueError, match="outside"):
         pool.slots_for("a", start, end)
 
 
 def test_mark_computed_validation():
-    pool = BlockPool(4, BS)
-    pool.allocate("a", prompt(5))
-    pool.mark_computed("a", 3)
-    for bad in (2, 6):
-        with pytest.raises(ValueError, match=str(bad)):
+    pool = pool_of(4, BS)
+    pool.allocate("a", prompt(17))
+    pool.mark_computed("a", 9)  # one full block cached: the computed count cannot fall below it
+    for bad in (7, 18):
+        with pytest.raises(ValueError, match=f"{bad} computed tokens must be within 8..17"):
             pool.mark_computed("a", bad)
+    assert pool.num_computed_tokens("a") == 9
 
 
 @pytest.mark.parametrize("call", [
     lambda p: p.free("nope"), lambda p: p.block_tables("nope")[0], lambda p: p.append_slot("nope", 1),
     lambda p: p.fork("nope", "c"), lambda p: p.slots_for("nope", 0, 0),
-    lambda p: p.mark_computed("nope", 0), lambda p: p.num_tokens("nope"),
+    lambda p: p.mark_computed("nope", 0), lambda p: p.reserve_next_slot("nope"),
 ])
 def test_unknown_request(call):
     with pytest.raises(UnknownRequestError):
-        call(BlockPool(2, BS))
+        call(pool_of(2, BS))
 
 
 # ---- fork -------------------------------------------------------------------------------
 
 
 def test_fork_partial_last_block_is_copied():
-    pool = BlockPool(8, BS)
+    pool = pool_of(8, BS)
     computed_pool(pool, "p", prompt(11))
     copies = pool.fork("p", "c")
     p, c = pool.block_tables("p")[0], pool.block_tables("c")[0]
@@ -353,7 +336,7 @@ def test_fork_partial_last_block_is_copied():
 
 
 def test_fork_full_last_block_is_shared_and_appends_get_new_blocks():
-    pool = BlockPool(8, BS)
+    pool = pool_of(8, BS)
     computed_pool(pool, "p", prompt(16))
     assert pool.fork("p", "c") == []
     assert pool.block_tables("c") == pool.block_tables("p")
@@ -365,7 +348,7 @@ def test_fork_full_last_block_is_shared_and_appends_get_new_blocks():
 
 
 def test_fork_uncomputed_full_block_is_not_shared():
-    pool = BlockPool(8, BS)
+    pool = pool_of(8, BS)
     pool.allocate("p", prompt(16))
     pool.mark_computed("p", 12)
     (cow,) = pool.fork("p", "c")
@@ -374,7 +357,7 @@ def test_fork_uncomputed_full_block_is_not_shared():
 
 
 def test_fork_errors_are_atomic():
-    pool = BlockPool(2, BS)
+    pool = pool_of(2, BS)
     computed_pool(pool, "p", prompt(3))
     pool.allocate("q", [1])
     with pytest.raises(ValueError, match="already"):
@@ -389,7 +372,7 @@ def test_fork_errors_are_atomic():
 
 
 def test_hybrid_tables_grow_and_rings_wrap():
-    pool = BlockPool(16, BS, enable_prefix_cache=False, group_max_blocks=(None, 2))
+    pool = pool_of(16, BS, enable_prefix_cache=False, group_max_blocks=(None, 2))
     alloc = pool.allocate("a", prompt(20))
     assert [len(t) for t in alloc.block_tables] == [3, 2] and pool.num_free_blocks == 11
     full, ring = alloc.block_tables
@@ -406,7 +389,7 @@ def test_hybrid_tables_grow_and_rings_wrap():
 
 
 def test_hybrid_append_needing_blocks_in_several_tables_is_atomic():
-    pool = BlockPool(4, BS, enable_prefix_cache=False, group_max_blocks=(None, 3))
+    pool = pool_of(4, BS, enable_prefix_cache=False, group_max_blocks=(None, 3))
     pool.allocate("a", prompt(8))  # one block per table
     pool.allocate("x", [1, 2, 3])  # the other two
     with pytest.raises(NoFreeBlocksError) as err:
@@ -419,7 +402,7 @@ def test_hybrid_append_needing_blocks_in_several_tables_is_atomic():
 
 
 def test_hybrid_fork_shares_full_blocks_and_copies_rings():
-    pool = BlockPool(32, BS, enable_prefix_cache=False, group_max_blocks=(2, None))
+    pool = pool_of(32, BS, enable_prefix_cache=False, group_max_blocks=(2, None))
     computed_pool(pool, "p", prompt(27))  # 3 full blocks + 3 tokens; the ring of 2 has wrapped
     copies = pool.fork("p", "c")
     (p_ring, p_full), (c_ring, c_full) = pool.block_tables("p"), pool.block_tables("c")
@@ -428,19 +411,23 @@ def test_hybrid_fork_shares_full_blocks_and_copies_rings():
     assert copies == [CopyOnWrite(p_ring[0], c_ring[0], BS), CopyOnWrite(p_ring[1], c_ring[1], BS),
                       CopyOnWrite(p_full[3], c_full[3], 3)]
     assert pool.ref_count(p_full[0]) == 2 and all(pool.ref_count(b) == 1 for b in p_ring + c_ring)
-    short = BlockPool(8, BS, enable_prefix_cache=False, group_max_blocks=(3, None))
+    short = pool_of(8, BS, enable_prefix_cache=False, group_max_blocks=(3, None))
     computed_pool(short, "p", prompt(5))  # one ring block holds KV: one copy
     assert len([c for c in short.fork("p", "c") if c.num_tokens == BS]) == 1
 
 
 def test_prefix_cache_needs_a_single_full_table():
     with pytest.raises(ValueError, match="prefix cache needs one full-attention table"):
-        BlockPool(8, BS, group_max_blocks=(None, 2))
+        pool_of(8, BS, group_max_blocks=(None, 2))
     with pytest.raises(ValueError, match="prefix cache"):
-        BlockPool(8, BS, group_max_blocks=(2,))
-    for bad in [(), (0,), (None, 1.5), (True,)]:
-        with pytest.raises(ValueError, match="group_max_blocks"):
-            BlockPool(8, BS, enable_prefix_cache=False, group_max_blocks=bad)
+        pool_of(8, BS, group_max_blocks=(2,))
+    with pytest.raises(ValueError, match="at least one layer group spec"):
+        KVCacheManager(BlockPool(8), [], enable_prefix_cache=False)
+    with pytest.raises(ValueError, match=r"the same for every group, got \[8, 16\]"):
+        KVCacheManager(BlockPool(8), [FullAttentionSpec(8), FullAttentionSpec(16)], enable_prefix_cache=False)
+    for bad in [dict(window=0), dict(window=1.5), dict(window=True), dict(block_size=-8)]:
+        with pytest.raises(ValueError, match="positive integers"):
+            SlidingWindowSpec(**{"block_size": BS, "window": 8, **bad})
 
 
 @pytest.mark.parametrize("num_blocks, groups, capacity", [
@@ -462,7 +449,7 @@ def test_capacity_is_the_longest_sequence_that_fits(num_blocks, groups, capacity
 
 
 def test_stats_and_block_state():
-    pool = BlockPool(8, BS)
+    pool = pool_of(8, BS)
     computed_pool(pool, "a", prompt(20))
     pool.allocate("b", prompt(20))  # 16 of 20 tokens hit
     pool.free("a")
@@ -473,239 +460,13 @@ def test_stats_and_block_state():
     pool.free("b")
     states = pool.block_state()
     assert states.count("cached") == 2 and states.count("free") == 6
-    assert BlockPool(1).stats().hit_rate == 0.0
-
-
-# ---- state machine ------------------------------------------------------------------------
-
-
-def weak_hash(parent, tokens, extra):
-    return sum(tokens) % 3  # ignores the parent: collisions on almost every lookup
-
-
-# Per layer group, None (full attention) or a ring size: dense, and hybrids with small rings
-# that wrap after two or three blocks.
-GROUP_LAYOUTS = [(None,), (None, 2), (3, None, 3), (2,)]
-
-
-class PoolMachine(RuleBasedStateMachine):
-    @initialize(num_blocks=st.integers(3, 24), bs=st.sampled_from([8, 16]),
-                strong=st.booleans(), groups=st.sampled_from(GROUP_LAYOUTS))
-    def setup(self, num_blocks, bs, strong, groups):
-        self.bs = bs
-        self.pool = BlockPool(num_blocks, bs, enable_prefix_cache=groups == (None,),
-                              hash_fn=sha256_block_hash if strong else weak_hash, group_max_blocks=groups)
-        self.kv = {}  # slot -> tuple of the tokens whose KV the slot holds (prefix through it)
-        self.next_id = 0
-
-    def live(self):
-        return sorted(self.pool._requests)
-
-    def prompts(self):
-        # Whole-block segments from a tiny set so that prefixes collide often.
-        segs = st.lists(st.sampled_from([(0,) * self.bs, (1,) * self.bs, (0, 1) * (self.bs // 2)]),
-                        min_size=1, max_size=3)
-        tail = st.lists(st.integers(0, 2), max_size=self.bs)
-        return st.tuples(segs, tail).map(lambda s: [t for seg in s[0] for t in seg] + s[1])
-
-    def new_id(self):
-        self.next_id += 1
-        return self.next_id
-
-    @rule(data=st.data(), extra=st.integers(0, 3), prefill=st.booleans())
-    def allocate(self, data, extra, prefill):
-        rid = self.try_allocate(data.draw(self.prompts()), extra)
-        if rid is not None and prefill:  # as the engine does when the prompt fits one chunk
-            self.compute_tokens(rid, self.pool.num_tokens(rid))
-
-    @rule(data=st.data())
-    def allocate_under_pressure(self, data):
-        # A unique prompt as large as the free space forces evictions of cached blocks.
-        n = data.draw(st.integers(1, max(1, self.pool.num_free_blocks * self.bs)))
-        self.try_allocate([1000 + self.next_id] * n, 0)
-
-    def try_allocate(self, tokens, extra):
-        rid, expected_hit = self.new_id(), self.pool.lookup_prefix(tokens)
-        predicted = self.pool.can_allocate(tokens, extra)
-        before = self.pool.block_state()
-        try:
-            alloc = self.pool.allocate(rid, tokens, extra)
-        except NoFreeBlocksError:
-            assert not predicted and self.pool.block_state() == before
-            event("allocate: no free blocks")
-            if self.live():  # preempt the oldest request, as the scheduler would
-                self.pool.free(self.live()[0])
-            return None
-        assert predicted and alloc.num_cached_tokens == expected_hit
-        event("allocate: prefix hit" if expected_hit else "allocate: miss")
-        assert alloc.num_cached_tokens < len(tokens) and alloc.num_cached_tokens % self.bs == 0
-        assert sum(map(len, alloc.block_tables)) == self.pool.num_blocks_for(len(tokens) + extra)
-        return rid
-
-    @precondition(lambda self: self.pool._requests)
-    @rule(data=st.data(), amount=st.integers(1, 20))
-    def compute(self, data, amount):
-        self.compute_tokens(data.draw(st.sampled_from(self.live())), amount)
-
-    def compute_tokens(self, rid, amount):
-        """Write fake KV for the next `amount` uncomputed tokens, as the runner would."""
-        start, total = self.pool.num_computed_tokens(rid), self.pool.num_tokens(rid)
-        end, tokens = min(total, start + amount), self.pool.token_ids(rid)
-        for group in range(len(self.pool.group_max_blocks)):
-            for pos, slot in zip(range(start, end), self.pool.slots_for(rid, start, end, group)):
-                assert self.pool.ref_count(slot // self.bs) == 1, "write into a shared block"
-                self.kv[slot] = tuple(tokens[:pos + 1])
-        self.pool.mark_computed(rid, end)
-
-    @precondition(lambda self: self.pool._requests)
-    @rule(data=st.data(), token=st.integers(0, 2))
-    def append(self, data, token):
-        rid = data.draw(st.sampled_from(self.live()))
-        n, tables = self.pool.num_tokens(rid), self.pool.block_tables(rid)
-        try:
-            self.pool.append_slot(rid, token)
-        except NoFreeBlocksError:
-            assert self.pool.num_free_blocks < len(tables)  # at most one new block per table
-            assert self.pool.num_tokens(rid) == n and self.pool.block_tables(rid) == tables
-            return
-        assert self.pool.num_tokens(rid) == n + 1
-        grown = [len(new) - len(old) for old, new in zip(tables, self.pool.block_tables(rid))]
-        assert set(grown) <= {0, 1} and (n % self.bs == 0 or not any(grown))
-
-    @precondition(lambda self: self.pool._requests)
-    @rule(data=st.data())
-    def fork(self, data):
-        parent, child = data.draw(st.sampled_from(self.live())), self.new_id()
-        before = self.pool.block_state()
-        try:
-            copies = self.pool.fork(parent, child)
-        except NoFreeBlocksError:
-            assert self.pool.block_state() == before
-            return
-        event(f"fork: {min(len(copies), 2)} copies")
-        for cow in copies:  # as the KV layer does; a slot never written holds garbage after
-            assert self.pool.ref_count(cow.dst_block) == 1
-            for off in range(cow.num_tokens):
-                src, dst = cow.src_block * self.bs + off, cow.dst_block * self.bs + off
-                if src in self.kv:
-                    self.kv[dst] = self.kv[src]
-                else:
-                    self.kv.pop(dst, None)
-        assert self.pool.token_ids(child) == self.pool.token_ids(parent)
-
-    @precondition(lambda self: self.pool._requests)
-    @rule(data=st.data())
-    def free(self, data):
-        self.pool.free(data.draw(st.sampled_from(self.live())))
-
-    @rule(data=st.data())
-    def lookup(self, data):
-        tokens = data.draw(self.prompts())
-        hit = self.pool.lookup_prefix(tokens)
-        assert hit < len(tokens) and hit % self.bs == 0
-        assert self.pool.can_allocate(tokens) == (
-            self.pool.num_blocks_for(len(tokens)) - hit // self.bs <= self.free_besides_hits(tokens))
-
-    def free_besides_hits(self, tokens):
-        hits = self.pool._match_prefix(tokens)
-        return self.pool.num_free_blocks - sum(1 for b in hits if b.ref_cnt == 0)
-
-    @rule()
-    def reset_prefix_cache(self):
-        if self.next_id % 7 == 0:  # rarely, or the cache would hardly ever be warm
-            self.pool.reset_prefix_cache()
-
-    @invariant()
-    def accounting(self):
-        pool, s = self.pool, self.pool.stats()
-        assert s.num_free + s.num_owned + s.num_cached_free == s.num_blocks
-        free = {b.block_id for b in pool._free}
-        cached = set(pool._evictable)
-        owned = {b for b in range(pool.num_blocks) if pool.ref_count(b) > 0}
-        assert not (free & owned) and not (free & cached) and not (cached & owned)
-        assert free | cached | owned == set(range(pool.num_blocks))
-        assert len(free) == len(pool._free) == s.num_free
-        states = pool.block_state()
-        assert states.count("cached") == s.num_cached_free
-        assert states.count("owned") + states.count("shared") == s.num_owned
-
-    @invariant()
-    def ref_counts_match_tables(self):
-        counts = [0] * self.pool.num_blocks
-        for rid in self.live():
-            blocks = [b for table in self.pool.block_tables(rid) for b in table]
-            assert len(blocks) == len(set(blocks))
-            for b in blocks:
-                counts[b] += 1
-        assert counts == [self.pool.ref_count(b) for b in range(self.pool.num_blocks)]
-
-    @invariant()
-    def tables_cover_tokens_and_rings_stay_bounded(self):
-        pool = self.pool
-        for rid in self.live():
-            need = table_lengths(pool.num_tokens(rid), self.bs, pool.group_max_blocks)
-            for table, n, cap in zip(pool.block_tables(rid), need, pool.group_max_blocks):
-                assert n <= len(table) and (cap is None or len(table) <= cap)
-                if cap is not None:
-                    assert all(pool.ref_count(b) == 1 for b in table), "a shared ring block"
-
-    @invariant()
-    def hashes_point_at_their_tokens(self):
-        pool, bs = self.pool, self.bs
-        in_map = set()
-        for h, blocks in pool._cached.items():
-            for block_id, block in blocks.items():
-                key = block.key
-                assert block.block_id == block_id and key.hash == h and len(key.tokens) == bs
-                parent_hash = None if key.parent is None else key.parent.hash
-                assert pool._hash_fn(parent_hash, key.tokens, pool.extra_key) == h
-                prefix = self.chain_tokens(key.parent)
-                for off in range(bs):
-                    assert self.kv[block_id * bs + off] == prefix + key.tokens[:off + 1]
-                in_map.add(block_id)
-        assert in_map == {b.block_id for b in pool._blocks if b.key is not None}
-
-    def chain_tokens(self, key):
-        out = ()
-        while key is not None:
-            out, key = key.tokens + out, key.parent
-        return out
-
-    @invariant()
-    def computed_kv_is_this_requests_and_writes_are_private(self):
-        pool, bs = self.pool, self.bs
-        for rid in self.live():
-            tokens, computed = pool.token_ids(rid), pool.num_computed_tokens(rid)
-            for group, table in enumerate(pool.block_tables(rid)):
-                slots = pool.slots_for(rid, 0, len(tokens), group)
-                # A ring holds the positions of its last len(table) logical blocks; a growing
-                # table holds them all.
-                first = max(0, ((len(tokens) - 1) // bs - len(table) + 1) * bs)
-                for pos in range(first, computed):
-                    assert self.kv[slots[pos]] == tuple(tokens[:pos + 1]), "KV of another prefix"
-                for slot in slots[computed:]:
-                    assert pool.ref_count(slot // bs) == 1, "pending write into a shared block"
-
-    def teardown(self):
-        if not hasattr(self, "pool"):
-            return
-        event(f"evictions > 0: {self.pool.stats().evictions > 0}")
-        for rid in self.live():
-            self.pool.free(rid)
-        s = self.pool.stats()
-        assert s.num_owned == 0 and self.pool.num_free_blocks == self.pool.num_blocks
-
-
-PoolMachine.TestCase.settings = settings(
-    max_examples=150, stateful_step_count=100, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
-TestPoolMachine = PoolMachine.TestCase
+    assert pool_of(1).stats().hit_rate == 0.0
 
 
 def test_reserve_next_slot_is_the_slot_append_slot_fills():
     """A pipelined step writes the next token's KV before its id is known: the reserved slot must
     be the one append_slot gives that token later, and no block may be taken twice."""
-    pool = BlockPool(7, BS, enable_prefix_cache=False, group_max_blocks=(None, 2))
+    pool = pool_of(7, BS, enable_prefix_cache=False, group_max_blocks=(None, 2))
     pool.allocate("a", prompt(2 * BS))  # both tables exactly full
     tables = pool.reserve_next_slot("a")
     assert [len(t) for t in tables] == [3, 2]  # the full table grew, the full ring wraps

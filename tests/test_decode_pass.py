@@ -13,7 +13,7 @@ from mlxpaged.decode_pass import MIN_PAGES, CompiledDecode, page_bucket
 from mlxpaged.engine import Engine
 from mlxpaged.kernels import cpu_attention
 from mlxpaged.kernels.reference import page_rows
-from mlxpaged.live_requests import LiveRequests
+from mlxpaged.output_processor import OutputProcessor
 from mlxpaged.sampling import SamplingParams
 from tests.msl.oracle import make_decode_case, max_error
 from tests.test_engine import GREEDY, assert_pool_empty, assert_same_completions, reference_tokens, tiny_engine
@@ -144,13 +144,13 @@ def test_decode_writes_update_the_pools_in_place(tiny, monkeypatch, compiled):
     first = [buffer_address(p) for p in pools]
     del pools
     seen = []
-    complete = LiveRequests.complete
+    process = OutputProcessor.process
 
     def recorded(self, *args):
-        complete(self, *args)
-        seen.append([buffer_address(p) for p in (self.kv.keys[0], self.kv.values[-1])])
+        process(self, *args)
+        seen.append([buffer_address(p) for p in (tiny.kv.keys[0], tiny.kv.values[-1])])
 
-    monkeypatch.setattr(LiveRequests, "complete", recorded)
+    monkeypatch.setattr(OutputProcessor, "process", recorded)
     prompts = [random_tokens(n, seed=n) for n in (9, 30)]
     tiny.generate(prompts[:1], dataclasses.replace(GREEDY, max_tokens=30))
     tiny.generate(prompts, dataclasses.replace(GREEDY, max_tokens=30))

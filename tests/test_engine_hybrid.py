@@ -39,7 +39,7 @@ def hybrid(request):
 def engine(hybrid, tokenizer):
     model, settings = hybrid
     with tiny_engine(model, tokenizer, **settings) as eng:
-        assert len(eng.kv.groups) > 1 and not eng.pool.enable_prefix_cache
+        assert len(eng.kv.groups) > 1 and not eng.kv_manager.enable_prefix_cache
         yield eng
         assert_pool_empty(eng)
 
@@ -95,7 +95,7 @@ def test_hybrid_abort_frees_every_table(engine):
     request_id = next(stream).request_id
     held = engine.request_blocks(request_id)  # every group's table: the prompt's and more
     assert len(held) == len(set(held))
-    assert engine.pool.num_blocks_for(50) <= len(held) <= engine.pool.num_blocks_for(450)
+    assert engine.kv_manager.num_blocks_for(50) <= len(held) <= engine.kv_manager.num_blocks_for(450)
     assert engine.stats()["blocks_used"] >= len(held) and engine.block_states().count("owned") > 0
     stream.close()  # aborts the request
     assert_pool_empty(engine)
@@ -106,10 +106,10 @@ def test_hybrid_too_long_request_is_rejected_with_the_ring_aware_capacity(hybrid
     model, settings = hybrid
     with tiny_engine(model, tokenizer, max_tokens=64, max_num_seqs=2, **settings) as eng:
         capacity = eng.scheduler.capacity_tokens
-        bs = eng.pool.block_size
+        bs = eng.kv_manager.block_size
         assert capacity == eng.plan.token_capacity and capacity % bs == 0
-        assert eng.pool.num_blocks_for(capacity) <= eng.pool.num_blocks < eng.pool.num_blocks_for(capacity + 1)
-        assert capacity > eng.pool.num_blocks * bs // len(eng.kv.groups)  # rings stop at their size
+        assert eng.kv_manager.num_blocks_for(capacity) <= eng.kv_manager.num_blocks < eng.kv_manager.num_blocks_for(capacity + 1)
+        assert capacity > eng.kv_manager.num_blocks * bs // len(eng.kv.groups)  # rings stop at their size
         with pytest.raises(RequestTooLongError, match=f"exceeds the KV cache capacity of {capacity} tokens"):
             eng.generate([random_tokens(capacity - 19)], GREEDY)  # + 20 new tokens: one too many
         done = eng.generate([random_tokens(capacity - 20)], GREEDY)[0]

@@ -10,9 +10,15 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlxpaged.request import Request
 from mlxpaged.sampling import SampleResult, SamplingParams, make_state, sample_batch
 
 VOCAB = 2000
+
+
+def history(prompt: list[int], output: list[int] = ()) -> Request:
+    """The request a sampler state reads its tokens from."""
+    return Request("r", list(prompt), max_tokens=1 << 20, output_token_ids=list(output))
 
 
 def row_logits(step: int, scale: float = 1.0) -> np.ndarray:
@@ -71,10 +77,10 @@ def test_defaults_and_normalisation():
 
 def test_make_state_and_sample_batch_check_their_arguments():
     with pytest.raises(ValueError, match="params"):
-        make_state({"temperature": 0}, [1])
+        make_state({"temperature": 0}, history([1]))
     with pytest.raises(ValueError, match="prompt_token_ids"):
-        make_state(SamplingParams(), [1, -2])
-    states = [make_state(SamplingParams(), [1])]
+        make_state(SamplingParams(), history([1, -2]))
+    states = [make_state(SamplingParams(), history([1]))]
     with pytest.raises(ValueError, match="logits"):
         sample_batch(mx.zeros((VOCAB,)), states)
     with pytest.raises(ValueError, match="logits has 2 rows"):
@@ -86,7 +92,7 @@ def test_make_state_and_sample_batch_check_their_arguments():
 
 def test_greedy_is_argmax_for_every_row():
     logits = np.random.default_rng(0).normal(size=(6, VOCAB)).astype(np.float32)
-    states = [make_state(SamplingParams(temperature=t), [1]) for t in (0, 0, 1e-6, 0, 0, 0)]
+    states = [make_state(SamplingParams(temperature=t), history([1])) for t in (0, 0, 1e-6, 0, 0, 0)]
     tokens = [r.token for r in sample_batch(mx.array(logits), states)]
     assert tokens == list(np.argmax(logits, axis=-1))
     half = sample_batch(mx.array(logits).astype(mx.bfloat16), states)  # other dtypes are cast
@@ -104,23 +110,23 @@ def test_logit_bias_moves_the_choice_but_not_the_reported_logprobs():
     second = int(np.argsort(logits[0])[-2])
     for sample in (lambda states: sample_batch(mx.array(logits), states),
                    lambda states: LazySample(mx.array(logits), states).results()):
-        results = sample([make_state(p, [1]) for p in params])
+        results = sample([make_state(p, history([1])) for p in params])
         assert [r.token for r in results] == [second, 17, int(top[2])]
         assert results[1].logprob == pytest.approx(log_softmax(logits[1])[17], abs=1e-5)  # the model's own
     drawn = sample_batch(mx.array(logits[:1]), [make_state(SamplingParams(temperature=1.0, seed=3,
-                                                                          logit_bias={5: 100.0}), [1])])
+                                                                          logit_bias={5: 100.0}), history([1]))])
     assert drawn[0].token == 5  # +100 dominates any draw
 
 
 def test_top_k_1_is_greedy_whatever_the_seed():
     logits = np.random.default_rng(1).normal(size=(8, VOCAB)).astype(np.float32)
-    states = [make_state(SamplingParams(top_k=1, temperature=1.5, seed=s), [1]) for s in range(8)]
+    states = [make_state(SamplingParams(top_k=1, temperature=1.5, seed=s), history([1])) for s in range(8)]
     assert [r.token for r in sample_batch(mx.array(logits), states)] == list(np.argmax(logits, axis=-1))
 
 
 def frequencies(params: dict, probs: list[float], draws: int = 4000) -> np.ndarray:
     logits = mx.array(np.tile(np.log(np.array(probs, dtype=np.float32)), (draws, 1)))
-    states = [make_state(SamplingParams(seed=s, **params), []) for s in range(draws)]
+    states = [make_state(SamplingParams(seed=s, **params), history([])) for s in range(draws)]
     tokens = [r.token for r in sample_batch(logits, states)]
     return np.bincount(tokens, minlength=len(probs)) / draws
 
@@ -138,9 +144,9 @@ def test_draws_follow_the_distribution_and_filters():
 def test_temperature_to_zero_tends_to_argmax():
     logits = mx.array([[0.0, 1.0, 5.0, 2.0, 4.5]] * 200)
     for temperature in (0.05, 0.01):
-        states = [make_state(SamplingParams(temperature=temperature, seed=s), []) for s in range(200)]
+        states = [make_state(SamplingParams(temperature=temperature, seed=s), history([])) for s in range(200)]
         assert {r.token for r in sample_batch(logits, states)} == {2}
-    states = [make_state(SamplingParams(temperature=1.0, seed=s), []) for s in range(200)]
+    states = [make_state(SamplingParams(temperature=1.0, seed=s), history([])) for s in range(200)]
     assert len({r.token for r in sample_batch(logits, states)}) > 2
 
 
@@ -163,34 +169,34 @@ def generate(state, steps: int, batch_with: list | None = None, position: int = 
         batch = others[:position] + [state] + others[position:]
         results = sample_batch(mx.array(np.stack(rows)), batch)
         for other, result in zip(batch, results):
-            other.record(result.token)
+            other.sequence.output_token_ids.append(result.token)  # as the scheduler does
         tokens.append(results[position].token)
     return tokens
 
 
 def test_seeded_tokens_are_the_same_alone_batched_and_after_preemption():
-    alone = generate(make_state(TRACKED, [3, 4, 5]), 24)
-    others = [make_state(p, [9, 9]) for p in OTHERS]
-    batched = generate(make_state(TRACKED, [3, 4, 5]), 24, batch_with=others, position=2)
+    alone = generate(make_state(TRACKED, history([3, 4, 5])), 24)
+    others = [make_state(p, history([9, 9])) for p in OTHERS]
+    batched = generate(make_state(TRACKED, history([3, 4, 5])), 24, batch_with=others, position=2)
     assert batched == alone
-    rebuilt = make_state(TRACKED, [3, 4, 5], output_token_ids=alone[:12])  # preempted after 12
+    rebuilt = make_state(TRACKED, history([3, 4, 5], alone[:12]))  # preempted after 12
     assert alone[:12] + generate(rebuilt, 12, batch_with=others[:2], position=1) == alone
     assert alone != [int(np.argmax(row_logits(i))) for i in range(24)]  # it really sampled
 
 
 def test_seeds_sequences_and_unseeded_requests_differ():
     def first_tokens(params, **kwargs):
-        return generate(make_state(params, [1], **kwargs), 12)
+        return generate(make_state(params, history([1]), **kwargs), 12)
 
     assert first_tokens(TRACKED) != first_tokens(dataclasses.replace(TRACKED, seed=1235))
     assert first_tokens(TRACKED) != first_tokens(TRACKED, sequence_index=1)  # n > 1 samples differ
     unseeded = dataclasses.replace(TRACKED, seed=None)
-    first, second = make_state(unseeded, [1]), make_state(unseeded, [1])
+    first, second = make_state(unseeded, history([1])), make_state(unseeded, history([1]))
     assert first.seed != second.seed
     # An unseeded request resumes identically when rebuilt with the seed it drew.
-    reference = generate(make_state(dataclasses.replace(unseeded, seed=first.seed), [1]), 10)
+    reference = generate(make_state(dataclasses.replace(unseeded, seed=first.seed), history([1])), 10)
     assert generate(first, 5) + generate(
-        make_state(dataclasses.replace(unseeded, seed=first.seed), [1], first.output_token_ids), 5) == reference
+        make_state(dataclasses.replace(unseeded, seed=first.seed), history([1], first.output_token_ids)), 5) == reference
 
 
 # --- penalties and processors ---------------------------------------------------------------
@@ -207,7 +213,7 @@ def processed(**params) -> tuple[list[float], list[int], int]:
         seen.append((tokens.tolist(), logits[0].tolist()))
         return logits
 
-    state = make_state(SamplingParams(temperature=0, logits_processors=[capture], **params), PROMPT, OUTPUT)
+    state = make_state(SamplingParams(temperature=0, logits_processors=[capture], **params), history(PROMPT, OUTPUT))
     batch = mx.array([LOGITS])
     (result,) = sample_batch(batch, [state])
     assert batch[0].tolist() == LOGITS  # the batch itself is never modified
@@ -238,7 +244,7 @@ def test_penalties_decide_the_greedy_token():
 
 
 def test_presence_and_frequency_ignore_the_prompt():
-    state = make_state(SamplingParams(temperature=0, presence_penalty=2.0, frequency_penalty=2.0), [3, 3, 3])
+    state = make_state(SamplingParams(temperature=0, presence_penalty=2.0, frequency_penalty=2.0), history([3, 3, 3]))
     assert sample_batch(mx.array([LOGITS]), [state])[0].token == 3
 
 
@@ -247,11 +253,11 @@ def test_a_failing_processor_fails_only_its_row():
         raise RuntimeError("boom")
 
     logits = np.random.default_rng(2).normal(size=(4, VOCAB)).astype(np.float32)
-    states = [make_state(SamplingParams(temperature=0), [1]),
-              make_state(SamplingParams(temperature=0, logits_processors=[boom]), [1]),
-              make_state(SamplingParams(temperature=0, logits_processors=[lambda t, x: x[0]]), [1]),
-              make_state(SamplingParams(temperature=0, logprobs=True, repetition_penalty=1.1), [1]),
-              make_state(SamplingParams(logits_processors=[lambda t, x: x - mx.inf]), [1])]
+    states = [make_state(SamplingParams(temperature=0), history([1])),
+              make_state(SamplingParams(temperature=0, logits_processors=[boom]), history([1])),
+              make_state(SamplingParams(temperature=0, logits_processors=[lambda t, x: x[0]]), history([1])),
+              make_state(SamplingParams(temperature=0, logprobs=True, repetition_penalty=1.1), history([1])),
+              make_state(SamplingParams(logits_processors=[lambda t, x: x - mx.inf]), history([1]))]
     logits = np.concatenate([logits, logits[:1]])
     results = sample_batch(mx.array(logits), states)
     assert isinstance(results[1].error, RuntimeError) and results[1].token is None
@@ -278,8 +284,8 @@ def test_a_processor_failing_at_evaluation_fails_only_its_row(monkeypatch):
 
     monkeypatch.setattr(mx, "eval", flaky_eval)
     logits = np.random.default_rng(3).normal(size=(2, VOCAB)).astype(np.float32)
-    states = [make_state(SamplingParams(temperature=0, logits_processors=[lazy_boom]), [1]),
-              make_state(SamplingParams(temperature=0, presence_penalty=1.0), [1])]
+    states = [make_state(SamplingParams(temperature=0, logits_processors=[lazy_boom]), history([1])),
+              make_state(SamplingParams(temperature=0, presence_penalty=1.0), history([1]))]
     first, second = sample_batch(mx.array(logits), states)
     assert str(first.error) == "lazy boom"
     assert second == SampleResult(int(np.argmax(logits[1])))
@@ -290,10 +296,10 @@ def test_a_processor_failing_at_evaluation_fails_only_its_row(monkeypatch):
 def test_logprobs_are_the_raw_log_softmax_and_top_logprobs_are_sorted():
     logits = np.random.default_rng(4).normal(size=(4, VOCAB)).astype(np.float32) * 3
     states = [make_state(SamplingParams(logprobs=True, top_logprobs=5, temperature=0.7,
-                                        repetition_penalty=1.5, seed=1), [int(np.argmax(logits[0]))]),
-              make_state(SamplingParams(temperature=0), [1]),
-              make_state(SamplingParams(logprobs=True, temperature=0), [1]),
-              make_state(SamplingParams(logprobs=True, top_logprobs=20, temperature=0), [1])]
+                                        repetition_penalty=1.5, seed=1), history([int(np.argmax(logits[0]))])),
+              make_state(SamplingParams(temperature=0), history([1])),
+              make_state(SamplingParams(logprobs=True, temperature=0), history([1])),
+              make_state(SamplingParams(logprobs=True, top_logprobs=20, temperature=0), history([1]))]
     results = sample_batch(mx.array(logits), states)
     reference = log_softmax(logits)
     for row in (0, 2, 3):

@@ -1,7 +1,7 @@
-"""Scheduler over the real BlockPool, driven by a fake deterministic model.
+"""Scheduler over the real KVCacheManager and BlockPool, driven by a fake deterministic model.
 
 The fake model keeps a KV store (slot -> token) written through each chunk's block tables
-(a sliding-window group's table as a ring, as kv_cache.LayerGroup maps it) and reads the
+(a sliding-window group's table as a ring, as specs.LayerGroup maps it) and reads the
 sequence back through them before sampling, so a wrong block table, a ring reused too early
 or a false prefix hit changes the output, not just a counter. Its next token is a hash of the
 whole sequence, so "identical output after preemption" is a strong check: any lost, repeated
@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from mlxpaged.blocks import BlockPool, UnknownRequestError
+from mlxpaged.kv_cache_manager import KVCacheManager, UnknownRequestError
 from mlxpaged.scheduler import (
     Request,
     RequestStatus,
@@ -22,6 +22,7 @@ from mlxpaged.scheduler import (
     Scheduler,
     SchedulerOutput,
 )
+from tests.kv_sequences import manager_for
 
 BS = 8
 FINISHED_STOPPED, FINISHED_LENGTH = RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH
@@ -48,8 +49,13 @@ HYBRID = (3, None, 2)  # window groups whose rings (3 and 2 blocks) hold windows
 
 
 def make(num_blocks=64, *, budget=64, seqs=4, max_len=512, prefix_cache=True, groups=(None,)):
-    pool = BlockPool(num_blocks, BS, enable_prefix_cache=prefix_cache, group_max_blocks=groups)
+    pool = manager_for(num_blocks, BS, groups, prefix_cache=prefix_cache)
     return pool, Scheduler(pool, max_batch_tokens=budget, max_num_seqs=seqs, max_model_len=max_len)
+
+
+def slotted(r: Request) -> int:
+    """Tokens with slots in a request's tables: the prompt from admission, then each computed token."""
+    return max(len(r.prompt_token_ids), r.num_computed_tokens)
 
 
 def slot(table, cap, pos) -> int:
@@ -66,7 +72,7 @@ class FakeEngine:
     """Runs the fake model over each SchedulerOutput and finishes requests on EOS/length."""
 
     def __init__(self, scheduler: Scheduler, eos=None):
-        self.sched, self.pool, self.eos = scheduler, scheduler.pool, eos
+        self.sched, self.pool, self.eos = scheduler, scheduler.kv_manager, eos
         self.kv: dict[int, int] = {}
         self.finished: dict[str, object] = {}
 
@@ -90,7 +96,7 @@ class FakeEngine:
 
     def step(self) -> SchedulerOutput:
         out = self.sched.schedule()
-        self.sched.on_step_done(out, self.run_chunks(out))
+        self.sched.update_from_output(out, self.run_chunks(out))
         for c in out.chunks:
             if c.samples and not c.request.is_finished:
                 self._maybe_finish(c.request)
@@ -126,7 +132,7 @@ def chunk_of(out, rid):
 ])
 def test_init_rejects_bad_limits(kwargs, word):
     with pytest.raises(ValueError, match=word):
-        Scheduler(BlockPool(4, BS), **kwargs)
+        Scheduler(manager_for(4, BS), **kwargs)
 
 
 def test_too_long_for_model_context():
@@ -174,7 +180,7 @@ def test_admission_under_small_pool():
     assert [c.request.request_id for c in out.chunks] == ["a", "b"]
     assert s.num_running == 2 and s.num_waiting == 1 and pool.num_free_blocks == 0
     assert s.get("c").status is RequestStatus.WAITING and "c" not in pool
-    s.on_step_done(out, {"a": 1, "b": 2})
+    s.update_from_output(out, {"a": 1, "b": 2})
     s.finish("a", RequestStatus.FINISHED_STOPPED)
     out = s.schedule()
     assert [c.request.request_id for c in out.chunks] == ["b", "c"]
@@ -189,17 +195,17 @@ def test_chunk_fields_and_sampling_flag():
     assert (c.start, c.token_ids, c.samples) == (0, list(range(100, 106)), False)
     assert c.block_tables == pool.block_tables("a")
     assert out.num_batch_tokens == 6
-    s.on_step_done(out, {})  # nothing sampled from a partial prefill
+    s.update_from_output(out, {})  # nothing sampled from a partial prefill
     s2 = s.schedule()
     (c,) = s2.chunks
     assert (c.start, c.token_ids, c.samples) == (6, list(range(106, 110)), True)
     with pytest.raises(ValueError, match="no sampled token for request 'a'"):
-        s.on_step_done(s2, {})
+        s.update_from_output(s2, {})
     assert s.get("a").num_computed_tokens == 6  # the failed call changed nothing
-    s.on_step_done(s2, {"a": 7})
+    s.update_from_output(s2, {"a": 7})
     assert s.get("a").output_token_ids == [7] and s.get("a").num_computed_tokens == 10
     (c,) = s.schedule().chunks
-    assert (c.start, c.token_ids, c.samples) == (10, [7], True) and pool.num_tokens("a") == 11
+    assert (c.start, c.token_ids, c.samples) == (10, [7], True) and len(pool.slots_for(s.get("a"), 0, 11)) == 11
 
 
 def test_chunked_prefill_does_not_stall_decode():
@@ -408,7 +414,7 @@ def test_abort_between_schedule_and_step_done():
     out = s.schedule()
     sampled = eng.run_chunks(out)
     s.abort("a")
-    s.on_step_done(out, sampled)  # a's chunk is skipped, its sampled token ignored
+    s.update_from_output(out, sampled)  # a's chunk is skipped, its sampled token ignored
     assert s.get("b").output_token_ids == [sampled["b"]]
     eng.run()
     assert pool.stats().num_owned == 0
@@ -418,9 +424,9 @@ def test_stale_output_and_unfinished_length_are_errors():
     _, s = make()
     s.add_request(req("a", range(5), 1))
     out = s.schedule()
-    s.on_step_done(out, {"a": 3})
+    s.update_from_output(out, {"a": 3})
     with pytest.raises(RuntimeError, match="stale output"):
-        s.on_step_done(out, {"a": 3})
+        s.update_from_output(out, {"a": 3})
     with pytest.raises(RuntimeError, match=r"1 output tokens \(max_tokens 1\): finish\(\) it"):
         s.schedule()
 
@@ -437,7 +443,7 @@ def test_hybrid_rings_stop_growing_and_wrap():
         eng.step()
         if "a" in pool:
             lengths.append([len(t) for t in pool.block_tables("a")])
-            n = pool.num_tokens("a")
+            n = slotted(s.get("a"))
             assert pool.stats().num_owned == -(-n // BS) + min(-(-n // BS), 3) + min(-(-n // BS), 2)
     assert lengths[0] == [3, 4, 2] and lengths[-1] == [3, 8, 2]  # 59 tokens: rings stayed put
     assert eng.finished["a"].output_token_ids == solo_output(range(30), 30)
@@ -480,12 +486,12 @@ def test_fork_shares_full_blocks_copies_rings_and_matches_solo(groups):
     s.add_request(req("p", prompt, 6))
     eng.step()
     child = req("c", prompt, 6)
-    copies = s.fork("p", child)
+    copies = s.fork("p", child, s.get("p").output_token_ids[0])  # its own first sample
     for cow in copies:  # what the engine's KV layer does
         for off in range(cow.num_tokens):
             if cow.src_block * BS + off in eng.kv:
                 eng.kv[cow.dst_block * BS + off] = eng.kv[cow.src_block * BS + off]
-    child.output_token_ids.append(s.get("p").output_token_ids[0])  # its own first sample
+    assert child.output_token_ids == s.get("p").output_token_ids and child.num_computed_tokens == 29
     parent_tables, child_tables = pool.block_tables("p"), pool.block_tables("c")
     for ptable, ctable, cap in zip(parent_tables, child_tables, groups):
         if cap is None:
@@ -521,7 +527,7 @@ def workloads(draw):
                 eos=draw(st.sampled_from([None, EOS])), reqs=reqs)
 
 
-def check_step(s: Scheduler, pool: BlockPool, out: SchedulerOutput, arrival: dict) -> None:
+def check_step(s: Scheduler, pool: KVCacheManager, out: SchedulerOutput, arrival: dict) -> None:
     assert out.num_batch_tokens == sum(len(c.token_ids) for c in out.chunks) <= s.max_batch_tokens
     assert s.num_running <= s.max_num_seqs
     assert len({id(c.request) for c in out.chunks}) == len(out.chunks)

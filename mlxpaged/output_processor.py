@@ -1,5 +1,7 @@
-"""The engine thread's live requests: their samplers, detokenizers and sinks, and what happens to
-them after a step (tokens delivered, requests finished, n > 1 sequences forked, failures)."""
+"""The engine step's last stage, "process outputs": the live requests' samplers, detokenizers and
+sinks, and what happens to them after a step (tokens delivered, requests finished, n > 1 sequences
+forked, failures). It makes no MLX calls: a fork's block copies are the runner's, reached through
+`fork`."""
 
 from __future__ import annotations
 
@@ -7,13 +9,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-import mlx.core as mx
-
-from mlxpaged.kv_cache import PagedKVCache
 from mlxpaged.metrics import StatsCounter
+from mlxpaged.request import Request, RequestStatus
 from mlxpaged.results import StreamDelta
-from mlxpaged.sampling import SamplingParams, make_state
-from mlxpaged.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
+from mlxpaged.sampling import SampleResult, SamplingParams, make_state
+from mlxpaged.scheduler import Scheduler, SchedulerOutput
 from mlxpaged.stopping import TextStream
 
 _FINISH_STATUS = {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatus.FINISHED_LENGTH}
@@ -42,15 +42,27 @@ class Tracked:
     first_token: float | None = None
 
 
-class LiveRequests:
-    """The requests the engine thread serves, by sequence id. `abort(group)` is how a sink that
-    raises gets its request aborted (queued for the engine's next command pass)."""
+Rows = list[tuple[int, Tracked]]  # each row to sample: (index among the sampling chunks, sequence)
 
-    def __init__(self, scheduler: Scheduler, kv: PagedKVCache, tokenizer, stats: StatsCounter,
-                 abort: Callable[[str], None]):
-        self.scheduler, self.kv, self.tokenizer, self.stats = scheduler, kv, tokenizer, stats
-        self._abort = abort
+
+def split_results(rows: Rows, results: list[SampleResult]) -> tuple[dict[str, int], set[str]]:
+    """(sampled token by sequence id, ids of the sequences whose sampling failed)."""
+    sampled = {t.request.request_id: r.token for (_, t), r in zip(rows, results) if r.error is None}
+    failed = {t.request.request_id for (_, t), r in zip(rows, results) if r.error is not None}
+    return sampled, failed
+
+
+class OutputProcessor:
+    """The requests the engine serves, by sequence id. A sink that raises gets its request aborted
+    through `pending_aborts`, applied before the next step; `fork(parent_id, child, first_token)`
+    starts an n > 1 sequence (scheduler fork and block copies)."""
+
+    def __init__(self, scheduler: Scheduler, tokenizer, stats: StatsCounter,
+                 fork: Callable[[str, Request, int], None]):
+        self.scheduler, self.tokenizer, self.stats = scheduler, tokenizer, stats
+        self._fork = fork
         self._tracked: dict[str, Tracked] = {}
+        self.pending_aborts: list[str] = []
 
     def __getitem__(self, sequence_id: str) -> Tracked:
         return self._tracked[sequence_id]
@@ -64,7 +76,7 @@ class LiveRequests:
         self._tracked[request.request_id] = tracked
 
     def _new(self, request: Request, params: SamplingParams, sink, index: int, group: str) -> Tracked:
-        state = make_state(params, request.prompt_token_ids, sequence_index=index)
+        state = make_state(params, request, sequence_index=index)
         text = TextStream(self.tokenizer, params, set(self.tokenizer.eos_token_ids))
         return Tracked(request, params, state, text, sink, index, group)
 
@@ -72,15 +84,20 @@ class LiveRequests:
         for sequence_id in [rid for rid, t in self._tracked.items() if t.group == group]:
             self.finish(sequence_id, RequestStatus.FINISHED_ABORTED, "abort")
 
-    def complete(self, out: SchedulerOutput, rows: list, results: list) -> None:
-        """Record a step's sampled tokens and hand them to their requests."""
+    def sampling_rows(self, out: SchedulerOutput) -> Rows:
+        """The step's rows to sample: each sampling chunk's sequence, then its forks still waiting
+        for the parent's prompt (n > 1: they sample their first token from the parent's logits)."""
+        sampling = [self._tracked[c.request.request_id] for c in out.chunks if c.samples]
+        return [(i, t) for i, parent in enumerate(sampling) for t in [parent, *parent.forks]]
+
+    def process(self, out: SchedulerOutput, rows: Rows, results: list[SampleResult]) -> None:
+        """Hand a step's samples (already recorded by the scheduler) to their requests: fail the
+        ones whose sampling failed, start forks, deliver tokens and finish what stops."""
         for (_, tracked), result in zip(rows, results):
-            if result.error is not None:  # finished first, so on_step_done skips its chunk
+            if result.error is not None:  # the scheduler skipped its chunk
                 self.fail(tracked.group, RequestFailedError(f"sampling failed: {result.error!r}"))
-        sampled = {t.request.request_id: r.token for (_, t), r in zip(rows, results) if r.error is None}
-        self.scheduler.on_step_done(out, sampled)
-        self.stats.add_tokens(len(sampled), sum(len(c.token_ids) for c in out.chunks))
         ok = [(t, r) for (_, t), r in zip(rows, results) if r.error is None]
+        self.stats.add_tokens(len(ok), sum(len(c.token_ids) for c in out.chunks))
         new_forks = [(t, r) for t, r in ok if t.request.request_id not in self._tracked]
         for tracked, result in new_forks:  # first: delivering the parent's token may finish it
             self._start_fork(tracked, result)
@@ -96,7 +113,6 @@ class LiveRequests:
         if tracked.first_token is None:
             tracked.first_token = time.perf_counter()
             self.stats.add_ttft(tracked.first_token - tracked.submitted)
-        tracked.sampler.record(result.token)
         delta = tracked.text.push(result.token)
         event = StreamDelta(tracked.group, delta.text, result.token, result.logprob, result.top_logprobs,
                             delta.finish_reason if delta.finished else None, tracked.index)
@@ -131,7 +147,7 @@ class LiveRequests:
         try:
             tracked.sink(event)
         except Exception:
-            self._abort(tracked.group)
+            self.pending_aborts.append(tracked.group)
 
     def _start_fork(self, tracked: Tracked, result) -> None:
         """Sequence i > 0 of an n > 1 request: share the parent's prompt blocks, then deliver its first token."""
@@ -139,11 +155,7 @@ class LiveRequests:
         if parent is None or tracked not in parent.forks:
             return
         parent.forks.remove(tracked)
-        copies = self.scheduler.fork(tracked.group, tracked.request)
-        if copies:
-            self.kv.copy_blocks([(c.src_block, c.dst_block) for c in copies])
-            mx.eval(self.kv.keys, self.kv.values)  # land the copies before the next pass writes
-        tracked.request.output_token_ids.append(result.token)
+        self._fork(tracked.group, tracked.request, result.token)
         self._tracked[tracked.request.request_id] = tracked
         self._deliver(tracked.request.request_id, result)
 
