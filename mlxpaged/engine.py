@@ -62,7 +62,9 @@ class Engine:
         self.scheduler = Scheduler(self.pool, max_batch_tokens=self.cache_config.max_batch_tokens,
                                    max_num_seqs=self.cache_config.max_num_seqs, max_model_len=self.max_model_len)
         self.runner = Runner(loaded.model, self.kv)
-        self._commands: queue.Queue = queue.Queue()
+        # SimpleQueue (C, reentrant): its put cannot deadlock when a Ctrl-C or a finalizer (engine_thread.py)
+        # lands inside another put, as queue.Queue's Python-level lock can.
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._ids = itertools.count()
         self._closed = False
         self._stats = StatsCounter()
@@ -131,7 +133,7 @@ class Engine:
         per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"{len(per_prompt)} SamplingParams for {len(prompts)} prompts")
-        sinks = [queue.Queue() for _ in prompts]
+        sinks = [queue.SimpleQueue() for _ in prompts]
         ids = []
         try:
             for prompt, p, sink in zip(prompts, per_prompt, sinks):
@@ -153,7 +155,7 @@ class Engine:
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Iterator[StreamDelta]:
         """Yield deltas as tokens arrive. Closing the iterator early aborts the request."""
-        sink: queue.Queue = queue.Queue()
+        sink: queue.SimpleQueue = queue.SimpleQueue()
         request_id = self.submit(prompt, params, sink.put)
         remaining = (params or SamplingParams()).n
         try:

@@ -20,7 +20,7 @@ from mlxpaged import shutdown
 IDLE_WAIT_S = 0.5  # how long an idle engine thread waits for a command before looking again
 
 
-def start(engine, commands: queue.Queue) -> threading.Thread:
+def start(engine, commands: queue.SimpleQueue) -> threading.Thread:
     """Start `engine`'s thread, reading `commands`; close it when it is collected or at exit."""
     ref = weakref.ref(engine)
     thread = threading.Thread(target=_serve, name="mlxpaged-engine", daemon=True,
@@ -31,7 +31,7 @@ def start(engine, commands: queue.Queue) -> threading.Thread:
     return thread
 
 
-def _serve(ref: weakref.ref, commands: queue.Queue, live, plan, wire: bool) -> None:
+def _serve(ref: weakref.ref, commands: queue.SimpleQueue, live, plan, wire: bool) -> None:
     stream = mx.new_stream(mx.default_device())  # MLX streams belong to the thread that made them
     try:
         with mx.stream(stream), wired_limit(plan, enabled=wire, streams=[stream]):
@@ -50,7 +50,7 @@ def _serve(ref: weakref.ref, commands: queue.Queue, live, plan, wire: bool) -> N
         mx.clear_streams()
 
 
-def _turn(ref: weakref.ref, commands: queue.Queue) -> bool:
+def _turn(ref: weakref.ref, commands: queue.SimpleQueue) -> bool:
     """One pass of the engine loop; False when the engine must stop. While idle it waits for a
     command holding no reference to the engine, so that dropping the engine can collect it."""
     engine = ref()
@@ -68,7 +68,7 @@ def _turn(ref: weakref.ref, commands: queue.Queue) -> bool:
     return engine._work()
 
 
-def _fail_queued(commands: queue.Queue, exc: EngineClosedError) -> None:
+def _fail_queued(commands: queue.SimpleQueue, exc: EngineClosedError) -> None:
     """Requests submitted but not yet admitted when the engine stopped: their callers must not wait forever."""
     while True:
         try:

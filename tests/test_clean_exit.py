@@ -27,7 +27,8 @@ from tests.tiny_models import random_tokens, tiny_llama
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNS = 5
-CRASH_MARKS = ("terminate called", "Segmentation fault", "Fatal Python error", "Aborted")
+pytestmark = pytest.mark.usefixtures("tokenizer")  # provisions the default model before any script runs
+CRASH_MARKS = ("terminate called", "Segmentation fault", "Fatal Python error")
 
 PRELUDE = textwrap.dedent("""
     import sys, threading, time
@@ -51,6 +52,16 @@ PRELUDE = textwrap.dedent("""
         next(stream), next(stream)
         return stream
 """)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """The default model's tokenizer, provisioned here once: the scripts must not all fetch it at once."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+    from mlxpaged.model import default_dtype
+    from mlxpaged.models import provision, resolve
+
+    return load_tokenizer(provision(resolve(None), default_dtype()))
 
 
 @contextmanager
@@ -181,23 +192,14 @@ def test_real_model_exit_mid_chat_keeps_its_status():
         next(stream)
         print("busy", flush=True)
         sys.exit(3)
-    """, status=3)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from mlx_lm.tokenizer_utils import load as load_tokenizer
-    from mlxpaged.model import default_dtype
-    from mlxpaged.models import provision, resolve
-
-    return load_tokenizer(provision(resolve(None), default_dtype()))
+    """, status=3, runs=3)  # 3, not 5: each loads 538 MB (~4 s of CPU); the tiny-model tests run 5
 
 
 def test_engine_dropped_mid_generation_is_collected_and_its_thread_ends(tokenizer):
     from tests.test_engine import tiny_engine
 
     eng = tiny_engine(tiny_llama(), tokenizer)
-    events: queue.Queue = queue.Queue()
+    events: queue.SimpleQueue = queue.SimpleQueue()
     eng.submit(random_tokens(12), SamplingParams(max_tokens=480, ignore_eos=True), events.put)
     events.get(timeout=30)
     thread = eng._thread
@@ -212,8 +214,8 @@ def test_engine_dropped_mid_generation_is_collected_and_its_thread_ends(tokenize
 
 
 def test_requests_still_in_the_command_queue_fail_instead_of_waiting_forever():
-    commands: queue.Queue = queue.Queue()
-    sinks = [queue.Queue(), queue.Queue()]
+    commands: queue.SimpleQueue = queue.SimpleQueue()
+    sinks = [queue.SimpleQueue(), queue.SimpleQueue()]
     commands.put(("add", "req-0", [1, 2], SamplingParams(), sinks[0].put))
     commands.put(("abort", "req-0"))
     commands.put(("add", "req-1", [3], SamplingParams(), sinks[1].put))
