@@ -21,6 +21,7 @@ from typing import AsyncIterator, Callable, Iterator, Sequence
 import mlxpaged  # noqa: F401  (OpenBLAS before mlx)
 import mlx.core as mx
 
+from mlxpaged import engine_thread
 from mlxpaged.attention import attention_status, prepare_attention
 from mlxpaged.cache_view import layer_windows
 from mlxpaged.config import DEFAULT_CACHE_TOKENS, CacheConfig
@@ -29,13 +30,14 @@ from mlxpaged.kv_cache import PagedKVCache
 from mlxpaged.output_processor import EngineClosedError, RequestFailedError, Tracked  # noqa: F401  (re-exported)
 from mlxpaged.metrics import StatsCounter
 from mlxpaged.results import Completion, StreamDelta, collect, drain  # noqa: F401  (re-exported)
-from mlxpaged.memory import DeviceFacts, ModelFacts, model_weight_bytes, plan_memory, wired_limit
+from mlxpaged.memory import DeviceFacts, ModelFacts, model_weight_bytes, plan_memory
 from mlxpaged.checkpoint import facts_before_load
 from mlxpaged.model import (LoadedModel, activation_dtype, chat_prompt, check_paged_support, load_local, locate_model,
                             route_paged_attention)
 from mlxpaged.models import Progress
 from mlxpaged.sampling import SamplingParams
 from mlxpaged.scheduler import CACHE_CAPACITY, MODEL_CONTEXT, RequestTooLongError
+from mlxpaged.shutdown import STEP_TIMEOUT_S
 
 
 class Engine:
@@ -52,18 +54,20 @@ class Engine:
         prepare_attention(kv_dtype, self.facts.kv.head_dim, self.cache_config.block_size,
                           loaded.config["num_attention_heads"], self.facts.kv.num_kv_heads)
         self.max_model_len = int(loaded.config.get("max_position_embeddings") or self.plan.token_capacity)
-        self._commands: queue.Queue = queue.Queue()
+        # SimpleQueue (C, reentrant): its put cannot deadlock when a Ctrl-C or a finalizer (engine_thread.py)
+        # lands inside another put, as queue.Queue's Python-level lock can.
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._ids = itertools.count()
         self._closed = False
         self._stats = StatsCounter()
+        commands = self._commands  # the core must not hold the engine: its thread holds it weakly (engine_thread.py)
         self.core = EngineCore.create(loaded.model, loaded.tokenizer, self.kv, self.cache_config,
                                       max_model_len=self.max_model_len, extra_key=str(loaded.path), stats=self._stats,
-                                      has_commands=lambda: not self._commands.empty())
+                                      has_commands=lambda: not commands.empty())
         self.scheduler, self.runner = self.core.scheduler, self.core.runner
         self.kv_manager = self.scheduler.kv_manager
         self.pool = self.kv_manager.pool  # the block pool: stats, block states, prefix-cache reset
-        self._thread = threading.Thread(target=self._run, name="mlxpaged-engine", daemon=True)
-        self._thread.start()
+        self._thread = engine_thread.start(self, commands)
 
     @classmethod
     def from_pretrained(cls, model: str | None = None, progress: Progress | None = None, **settings) -> "Engine":
@@ -200,12 +204,24 @@ class Engine:
         except KeyError:
             return []
 
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._commands.put(("close",))
-        self._thread.join(timeout=30)
+    def close(self, timeout: float = STEP_TIMEOUT_S) -> None:
+        """Stop at the next step boundary and wait (at most `timeout` s) for the engine thread to end:
+        unfinished requests fail with EngineClosedError, the thread releases its MLX streams and
+        restores the wired limit. Open engines are closed this way at interpreter exit too."""
+        self.begin_close()
+        if threading.current_thread() is not self._thread:  # e.g. from a sink: cannot wait for itself
+            self._thread.join(timeout)
+
+    def begin_close(self) -> None:
+        """Ask the engine to stop at its next step boundary, without waiting (close() waits)."""
+        if not self._closed:
+            self._closed = True
+            self._commands.put(("close",))
+
+    @property
+    def running(self) -> bool:
+        """True until the engine thread has ended."""
+        return self._thread.is_alive()
 
     def __enter__(self) -> "Engine":
         return self
@@ -235,19 +251,7 @@ class Engine:
         if self.kv_manager.num_blocks_for(prompt_tokens + max_tokens) > self.kv_manager.num_blocks:
             raise RequestTooLongError(prompt_tokens, max_tokens, self.scheduler.capacity_tokens, CACHE_CAPACITY)
 
-    # --- engine thread ---------------------------------------------------------------------------
-    def _run(self) -> None:
-        stream = mx.new_stream(mx.default_device())  # MLX streams belong to the thread that made them
-        try:
-            with mx.stream(stream), wired_limit(self.plan, enabled=self.cache_config.wire, streams=[stream]):
-                self._warm_up()
-                self._loop()
-            self.core.fail_all(EngineClosedError("the engine was closed"))
-        finally:
-            # MLX requires a thread to release its streams before it ends, or the process can
-            # abort at exit ("terminate called without an active exception").
-            mx.clear_streams()
-
+    # --- engine thread (driven by engine_thread.py) ------------------------------------------------
     def _warm_up(self) -> None:
         """Compile the decode pass before serving (requests submitted meanwhile wait in the queue);
         a model whose attention cannot be traced decodes eagerly instead."""
@@ -259,30 +263,36 @@ class Engine:
             warnings.warn(f"compiled decode is off for this model ({exc!r}); decoding eagerly", RuntimeWarning)
             self.runner.decoder = None
 
-    def _loop(self) -> None:
-        while True:
-            if not self._handle_commands(block=not self.core.has_unfinished):
-                return
-            if self.core.has_unfinished:
-                try:
-                    self.core.step()
-                except Exception as exc:  # a failed step fails its requests, not the engine
-                    self.core.fail_all(exc)
+    def _work(self) -> bool:
+        """Apply the queued commands, then run one step if a request is unfinished; False to stop."""
+        if not self._handle_commands():
+            return False
+        if self.core.has_unfinished:
+            try:
+                self.core.step()
+            except Exception as exc:  # a failed step fails its requests, not the engine
+                self.core.fail_all(exc)
+        return True
 
-    def _handle_commands(self, block: bool) -> bool:
-        """Apply queued adds / aborts; False when the engine must stop."""
+    def _handle_commands(self) -> bool:
+        """Apply queued adds / aborts without waiting; False when the engine must stop."""
         while True:
             try:
-                command = self._commands.get(block=block, timeout=0.5 if block else None)
+                command = self._commands.get_nowait()
             except queue.Empty:
                 return True
-            block = False
-            if command[0] == "close":
+            if not self._apply(command):
                 return False
-            if command[0] == "add":
-                self._add(*command[1:])
-            elif command[0] == "abort":
-                self.core.abort(command[1])
+
+    def _apply(self, command: tuple) -> bool:
+        """Apply one command; False for "close"."""
+        if command[0] == "close":
+            return False
+        if command[0] == "add":
+            self._add(*command[1:])
+        elif command[0] == "abort":
+            self.core.abort(command[1])
+        return True
 
     def _add(self, request_id: str, tokens: list[int], params: SamplingParams, sink) -> None:
         try:
