@@ -122,7 +122,7 @@ def test_exit_with_requests_running_and_queued_on_three_engines():
             first.submit(random_tokens(12, seed), LONG, events.put)
         events.get(timeout=60)
         stream = half_read(second)
-        first.submit(random_tokens(12, 9), LONG, events.put)  # still in the command queue
+        first.submit(random_tokens(12, 9), LONG, events.put)  # most likely still in the command queue
         print("busy", first.stats()["requests_waiting"], flush=True)
     """, status=0)
 
