@@ -9,7 +9,7 @@ import pytest
 from textual import events
 
 from mlxpaged.models import UnknownModelError
-from mlxpaged_app.tui.chat_view import AssistantMessage, UserMessage
+from mlxpaged_app.tui.widgets.chat_view import AssistantMessage, UserMessage
 from tests.test_tui_support import SIZE, FakeEngine, FakeFactory, RecordingApp, make_app, send, wait_for
 
 pytestmark = pytest.mark.asyncio

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from mlxpaged_app.tui.blockmap import classify, group, group_size
+from mlxpaged_app.tui.widgets.block_map import classify, group, group_size
 from mlxpaged_app.tui.generation import ReplyRun, ReplyStats
 from mlxpaged_app.tui.settings import ChatSettings
 from mlxpaged_app.tui.store import Conversation, ConversationStore

@@ -11,11 +11,11 @@ from __future__ import annotations
 from textual import work
 from textual.worker import Worker, WorkerState
 
-from mlxpaged_app.tui.chat_input import ChatInput
-from mlxpaged_app.tui.chat_view import AssistantMessage, UserMessage
 from mlxpaged_app.tui.errors import error_text
 from mlxpaged_app.tui.generation import ReplyRun, ReplyStats
 from mlxpaged_app.tui.store import Conversation
+from mlxpaged_app.tui.widgets.chat_input import ChatInput
+from mlxpaged_app.tui.widgets.chat_view import AssistantMessage, UserMessage
 
 
 class _UiListener:
