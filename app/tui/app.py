@@ -1,5 +1,6 @@
 """ChatApp: the `mlxpaged chat` Textual app. Layout, key actions and conversation state;
-replies run through `replies.ReplyFlow`, model loading through `loading.ModelLoading`."""
+replies run through `replies.ReplyFlow`, model loading through `loading.ModelLoading` (their
+workers post the Messages of messages.py)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ from mlxpaged_app.tui.widgets.engine_panel import EnginePanel
 from mlxpaged_app.tui.widgets.loading_panel import LoadingPanel
 
 PANEL_MIN_WIDTH = 100  # below this many columns the engine panel starts hidden (F2 shows it)
+# The engine panel samples the engine on a timer: its block states, cache counters, rates and memory
+# change on the engine's own thread with no event to wait on. Replies never wait for this timer.
 PANEL_REFRESH_S = 0.25
 
 
