@@ -7,9 +7,10 @@ import threading
 
 import pytest
 from textual import events
+from textual.widgets import ProgressBar, Static
 
 from mlxpaged.models import UnknownModelError
-from mlxpaged_app.tui.chat_view import AssistantMessage, UserMessage
+from mlxpaged_app.tui.widgets.chat_view import AssistantMessage, UserMessage
 from tests.test_tui_support import SIZE, FakeEngine, FakeFactory, RecordingApp, make_app, send, wait_for
 
 pytestmark = pytest.mark.asyncio
@@ -157,3 +158,16 @@ async def test_edit_last_keeps_the_draft_being_typed(tmp_path):
         await pilot.press(*keys("draft"), "ctrl+l")
         await pilot.pause()
         assert app.chat_input.text == "first\ndraft" and app.conversation.messages == []
+
+
+async def test_the_loaders_progress_reaches_the_loading_panel(tmp_path):
+    factory = gated_factory()  # reports (1, 2, "converting"), then waits for the gate
+    app = make_app(tmp_path, factory=factory)
+    async with app.run_test(size=SIZE) as pilot:
+        bar = app.loading_panel.query_one(ProgressBar)
+        await wait_for(pilot, lambda: bar.total == 2)
+        stage = app.loading_panel.query_one("#loading-stage", Static)
+        assert bar.progress == 1 and str(stage.render()) == "converting" and app.loading_panel.display
+        factory.gate.set()
+        await wait_for(pilot, lambda: app.engine is not None)
+        assert not app.loading_panel.display and app.sub_title == "fake-model"

@@ -12,12 +12,12 @@ from rich.console import Console
 from mlxpaged.engine import RequestFailedError
 from mlxpaged.models import UnknownModelError
 from mlxpaged.scheduler import MODEL_CONTEXT, RequestTooLongError
-from mlxpaged_app.tui.blockmap import BlockMap
-from mlxpaged_app.tui.chat_view import AssistantMessage, UserMessage
-from mlxpaged_app.tui.engine_panel import EnginePanel
-from mlxpaged_app.tui.help_screen import HelpScreen, help_table
 from mlxpaged_app.tui.keys import APP_BINDINGS, key_label
-from mlxpaged_app.tui.settings_screen import SettingsScreen
+from mlxpaged_app.tui.screens.help_screen import HelpScreen, help_table
+from mlxpaged_app.tui.screens.settings_screen import SettingsScreen
+from mlxpaged_app.tui.widgets.block_map import BlockMap
+from mlxpaged_app.tui.widgets.chat_view import AssistantMessage, UserMessage
+from mlxpaged_app.tui.widgets.engine_panel import EnginePanel
 from tests.test_tui_support import SIZE, FakeEngine, FakeFactory, make_app, send, send_and_wait, wait_for
 
 pytestmark = pytest.mark.asyncio

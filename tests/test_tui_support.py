@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from mlxpaged.engine import StreamDelta
 from mlxpaged_app.tui.app import ChatApp
 from mlxpaged_app.tui.memory_use import MemoryUse
-from mlxpaged_app.tui.model_picker import ModelChoice
+from mlxpaged_app.tui.screens.model_picker import ModelChoice
 from mlxpaged_app.tui.settings import ChatSettings
 from mlxpaged_app.tui.store import ConversationStore
 

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
-from mlxpaged_app.tui.blockmap import classify, group, group_size
+from mlxpaged_app.tui import generation
+from mlxpaged_app.tui.app import ChatApp
 from mlxpaged_app.tui.generation import ReplyRun, ReplyStats
+from mlxpaged_app.tui.messages import (LoadFailed, LoadProgress, ModelLoaded, ReplyDelta, ReplyFailed,
+                                       ReplyFinished, ReplyStarted)
 from mlxpaged_app.tui.settings import ChatSettings
 from mlxpaged_app.tui.store import Conversation, ConversationStore
+from mlxpaged_app.tui.widgets.block_map import classify, group, group_size
 from tests.test_tui_support import FakeEngine
 
 
@@ -25,48 +30,93 @@ def test_grouping_keeps_the_busiest_block_visible():
 
 
 class Recorder:
-    def __init__(self):
-        self.events, self.done = [], threading.Event()
+    """Stands in for the app's post_message: keeps each Message a run posts, says whether it was delivered."""
 
-    def reply_started(self, run):
-        self.events.append(("started", run.request_id))
+    def __init__(self, delivered: bool = True):
+        self.messages, self.delivered = [], delivered
 
-    def reply_text(self, run, text):
-        self.events.append(("text", text))
+    def __call__(self, message) -> bool:
+        self.messages.append(message)
+        return self.delivered
 
-    def reply_finished(self, run, stats):
-        self.events.append(("finished", stats))
-        self.done.set()
 
-    def reply_failed(self, run, error, rejected):
-        self.events.append(("failed", error, rejected))
-        self.done.set()
+class UnconfirmedAbortEngine(FakeEngine):
+    """Takes the abort but never sends the final event (an engine that has hung)."""
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+
+def reply_run(engine, post, messages=({"role": "user", "content": "hi"},)) -> ReplyRun:
+    return ReplyRun(engine, list(messages), ChatSettings().sampling_params(), post)
 
 
 def test_reply_run_streams_then_reports_usage():
-    engine, listener = FakeEngine(), Recorder()
-    run = ReplyRun(engine, [{"role": "user", "content": "hi"}], ChatSettings().sampling_params())
-    run.run(listener)
-    assert run.text == "Hello **world**!" and listener.events[0] == ("started", "fake-0")
-    stats = listener.events[-1][1]
+    engine, posted = FakeEngine(), Recorder()
+    run = reply_run(engine, posted)
+    run.run()
+    first, *deltas, last = posted.messages
+    assert isinstance(first, ReplyStarted) and first.run is run and run.request_id == "fake-0"
+    assert all(isinstance(m, ReplyDelta) for m in deltas) and isinstance(last, ReplyFinished)
+    assert "".join(m.text for m in deltas) == run.text == "Hello **world**!"
+    stats = last.stats
     assert (stats.prompt_tokens, stats.completion_tokens, stats.finish_reason) == (2, 3, "stop")
     assert stats.time_to_first_token is not None
 
 
 def test_reply_run_stop_before_submit_aborts_right_after():
-    engine, listener = FakeEngine(), Recorder()
+    engine, posted = FakeEngine(), Recorder()
     engine.gate = threading.Event()
-    run = ReplyRun(engine, [{"role": "user", "content": "hi"}], ChatSettings().sampling_params())
+    run = reply_run(engine, posted)
     run.stop()
-    run.run(listener)
-    assert engine.aborted == ["fake-0"] and listener.events[-1][1].finish_reason == "abort"
+    run.run()
+    assert engine.aborted == ["fake-0"] and posted.messages[-1].stats.finish_reason == "abort"
 
 
 def test_reply_run_reports_a_rejected_request():
-    engine, listener = FakeEngine(), Recorder()
+    engine, posted = FakeEngine(), Recorder()
     engine.submit_error = ValueError("the prompt is empty")
-    ReplyRun(engine, [], ChatSettings().sampling_params()).run(listener)
-    assert listener.events == [("failed", engine.submit_error, True)]
+    reply_run(engine, posted, messages=()).run()
+    assert [(type(m), m.error, m.rejected) for m in posted.messages] == [(ReplyFailed, engine.submit_error, True)]
+
+
+def test_a_run_nobody_reads_any_more_aborts_its_request():
+    engine, posted = FakeEngine(), Recorder(delivered=False)
+    engine.gate = threading.Event()  # without the abort, the stream would hang after its first piece
+    run = reply_run(engine, posted)
+    worker = threading.Thread(target=run.run, daemon=True)
+    worker.start()
+    worker.join(timeout=10)
+    engine.gate.set()
+    assert not worker.is_alive(), "the run kept streaming to nobody"
+    assert engine.aborted == ["fake-0"] and run.stopping
+    assert posted.messages[-1].stats.finish_reason == "abort"
+
+
+def test_a_stop_the_engine_never_confirms_ends_the_reply_after_the_grace(monkeypatch):
+    monkeypatch.setattr(generation, "STOP_GRACE_S", 0.3)
+    engine, posted = UnconfirmedAbortEngine(), Recorder()
+    engine.gate = threading.Event()
+    run = reply_run(engine, posted)
+    worker = threading.Thread(target=run.run, daemon=True)
+    worker.start()
+    deadline = time.monotonic() + 10
+    while run.text != "Hello" and time.monotonic() < deadline:  # the drain now blocks on the queue
+        time.sleep(0.01)
+    stopped = time.perf_counter()
+    run.stop()
+    worker.join(timeout=10)
+    waited = time.perf_counter() - stopped
+    engine.gate.set()  # let the fake's stream thread end
+    assert not worker.is_alive(), "stop() did not wake the drain"
+    assert engine.aborted == ["fake-0"] and posted.messages[-1].stats.finish_reason == "abort"
+    assert 0.3 <= waited < 5, waited
+
+
+def test_every_message_a_worker_posts_has_a_handler_on_the_app():
+    """Textual drops a message nobody handles without a word: a misnamed handler would lose it."""
+    for message in (ReplyStarted, ReplyDelta, ReplyFinished, ReplyFailed, LoadProgress, ModelLoaded, LoadFailed):
+        assert callable(getattr(ChatApp, message.handler_name, None)), message.handler_name
 
 
 def test_stats_line():

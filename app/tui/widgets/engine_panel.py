@@ -10,7 +10,7 @@ from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.widgets import Static
 
-from mlxpaged_app.tui.blockmap import BlockMap, legend
+from mlxpaged_app.tui.widgets.block_map import BlockMap, legend
 from mlxpaged_app.tui.memory_use import MemoryUse, gb
 
 
