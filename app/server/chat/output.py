@@ -60,7 +60,7 @@ class OutputParser:
         """One piece of text in one state; a change of state from "tool" closes that tool block."""
         events: list[ChatEvent] = []
         if previous == "tool" and state != "tool":
-            events += self._close_block()
+            events += self._close_block(ended=True)
         if state == "tool":
             if self._scanner is None:
                 self._scanner = CallScanner(self._format, self._tool_dicts)
@@ -82,21 +82,22 @@ class OutputParser:
                 events.append(ToolCallEnd(self._calls - 1, value))
         return events
 
-    def _close_block(self) -> list[ChatEvent]:
+    def _close_block(self, ended: bool) -> list[ChatEvent]:
+        """At the end marker (ended) or at the end of the reply inside a block."""
         scanner, self._scanner = self._scanner, None
         if scanner is None:
             return []
         scanned, unparsed = scanner.close()
         events = self._call_events(scanned)
         if unparsed is not None:  # not a call after all: give the text back, markers included
-            events.append(TextDelta(self._format.start + unparsed + self._format.end))
+            events.append(TextDelta(self._format.start + unparsed + (self._format.end if ended else "")))
         return events
 
     def _finish(self, delta: StreamDelta) -> list[ChatEvent]:
         self._state, rest, state = TextStateMachine.flush(self._state)
         events = self._segment(state, rest, None) if rest else []
         if state == "tool" or self._scanner is not None:
-            events += self._close_block()
+            events += self._close_block(ended=False)
         reason = delta.finish_reason
         if reason == "stop" and self._ended:
             reason = "tool_calls"
