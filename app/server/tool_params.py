@@ -14,6 +14,7 @@ MAX_TOOLS = 128  # OpenAI's own limit
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+CHOICES = "'none', 'auto', 'required' or {\"type\": \"function\", \"function\": {\"name\": ...}}"
 
 
 def tool_specs(tools: object) -> tuple[ToolSpec, ...]:
@@ -65,8 +66,7 @@ def tool_choice(value: object, tools: tuple[ToolSpec, ...]) -> ToolChoice:
         return "auto" if tools else "none"
     if isinstance(value, str):
         if value not in ("none", "auto", "required"):
-            raise invalid_param("tool_choice", f"tool_choice must be 'none', 'auto', 'required' or "
-                                               f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, got {value!r}")
+            raise invalid_param("tool_choice", f"tool_choice must be {CHOICES}, got {value!r}")
         choice: ToolChoice = value
     else:
         choice = _named(value)
@@ -81,8 +81,7 @@ def tool_choice(value: object, tools: tuple[ToolSpec, ...]) -> ToolChoice:
 def _named(value: object) -> NamedTool:
     function = value.get("function") if isinstance(value, dict) and value.get("type") == "function" else None
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-        raise invalid_param("tool_choice", "tool_choice must be 'none', 'auto', 'required' or "
-                                           f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, got {str(value)[:60]}")
+        raise invalid_param("tool_choice", f"tool_choice must be {CHOICES}, got {str(value)[:60]}")
     return NamedTool(function["name"])
 
 
