@@ -243,7 +243,7 @@ BAD_INPUTS = [  # (id, path, body as dict or raw bytes, headers or None for the 
     ("seed-string", CHAT, chat(seed="abc"), None, 400, "seed"),
     ("stream-string", CHAT, chat(stream="yes"), None, 400, "stream"),
     ("stream-options-type", CHAT, chat(stream=True, stream_options="usage"), None, 400, "stream_options"),
-    ("tools", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), None, 400, "tools"),
+    ("tool-without-function", CHAT, chat(tools=[{"type": "function"}]), None, 400, "tools[0].function"),
     ("logit-bias-past-vocab", CHAT, chat(logit_bias={str(10**9): 5}), None, 400, "logit_bias"),
     ("unknown-model", CHAT, chat(model="gpt-9"), None, 404, "model"),
     ("prompt-over-the-cache", COMPLETIONS, {"prompt": "hello " * 5000}, None, 400, "prompt"),

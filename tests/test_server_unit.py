@@ -41,6 +41,12 @@ class FakeTokenizer:
     def decode(self, ids: list[int]) -> str:
         return bytes(max(0, i - 10) for i in ids).decode(errors="replace")
 
+    def apply_chat_template(self, messages: list[dict], tools=None, add_generation_prompt=True, tokenize=True,
+                            **kwargs) -> list[int]:
+        if any(m["content"] == "template-error" for m in messages):
+            raise RuntimeError("Conversation roles must alternate")
+        return self.encode("".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>")
+
 
 @dataclass
 class FakePlan:
@@ -277,7 +283,7 @@ async def test_body_limit_declared_and_streamed():
     ({**CHAT, "messages": [{"role": "user", "content": "template-error"}]}, "messages"),
     ({**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      "messages[0].content[0]"),
-    ({**CHAT, "tools": [{"type": "function"}]}, "tools"),
+    ({**CHAT, "tools": [{"type": "function"}]}, "tools[0].function"),
     ({**CHAT, "logit_bias": {"abc": 1}}, "logit_bias"),
     ({**CHAT, "logit_bias": {"5": 150}}, "logit_bias"),
     ({"prompt": "x", "suffix": "y"}, "suffix"),
