@@ -38,7 +38,7 @@ def say(text: str) -> None:
 
 
 def load_engine(args: argparse.Namespace):
-    from mlxpaged.engine import Engine
+    from mlxpaged.engine.engine import Engine
 
     say(f"mlxpaged serve: loading {args.model or 'the default model'}...")
     engine = Engine.from_pretrained(args.model, **cache_settings(args))
@@ -48,7 +48,7 @@ def load_engine(args: argparse.Namespace):
 
 def warm_up(engine) -> None:
     """The first step allocates and compiles; pay for it before saying "ready"."""
-    from mlxpaged.sampling import SamplingParams
+    from mlxpaged.runner.sampling import SamplingParams
 
     engine.generate("Hello", SamplingParams(max_tokens=2, temperature=0.0))
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 
-from mlxpaged.sampling import SamplingParams
+from mlxpaged.runner.sampling import SamplingParams
 from mlxpaged_app.server.errors import invalid_param
 from mlxpaged_app.server.protocol import ChatRequest, CompletionRequest
 

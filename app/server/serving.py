@@ -16,8 +16,8 @@ import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from mlxpaged.engine import StreamDelta
-from mlxpaged.sampling import MAX_N, SamplingParams
+from mlxpaged.engine.engine import StreamDelta
+from mlxpaged.runner.sampling import MAX_N, SamplingParams
 from mlxpaged_app.server.engine_client import Generation, GenerationFailed
 from mlxpaged_app.server.errors import server_error
 from mlxpaged_app.server.formatting import ChoiceText, Envelope, TokenText, new_id

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from mlxpaged.sampling import SamplingParams
+from mlxpaged.runner.sampling import SamplingParams
 
 
 @dataclass(frozen=True)

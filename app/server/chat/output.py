@@ -11,7 +11,7 @@ from typing import Callable
 
 from mlx_lm.generate import TextStateMachine
 
-from mlxpaged.engine import StreamDelta
+from mlxpaged.engine.engine import StreamDelta
 from mlxpaged_app.server.chat.spec import (ChatEvent, Finish, ReasoningDelta, TextDelta, TokenLogprobs, ToolCallArgs,
                                            ToolCallEnd, ToolCallStart)
 from mlxpaged_app.server.chat.tool_formats import ToolFormat

@@ -26,8 +26,8 @@ ModelLister = Callable[[], list[ModelChoice]]
 
 
 def list_model_choices() -> list[ModelChoice]:
-    from mlxpaged.model import default_dtype
-    from mlxpaged.models import list_models
+    from mlxpaged.loading.loader import default_dtype
+    from mlxpaged.loading.model_store import list_models
 
     return [ModelChoice(r.name, r.description, r.size_bytes if r.path else None, r.is_default)
             for r in list_models(default_dtype())]
