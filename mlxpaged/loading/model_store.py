@@ -27,7 +27,7 @@ from mlxpaged.errors import MlxpagedError
 Progress = Callable[[int, int, str], None]
 
 MODELS_DIR_ENV = "MLXPAGED_MODELS_DIR"
-_CHECKOUT_MODELS = Path(__file__).resolve().parent.parent / "models"
+_CHECKOUT_MODELS = Path(__file__).resolve().parents[2] / "models"  # mlxpaged/loading/ -> the checkout
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _CHUNK = 1 << 20
 
