@@ -9,7 +9,6 @@ import mlxpaged  # noqa: F401  (loads OpenBLAS before anything imports mlx)
 from mlxpaged.platform.blas import blas_status
 from mlxpaged.config import DEFAULT_CACHE_TOKENS
 from mlxpaged.errors import MlxpagedError, user_message
-from mlxpaged_app.tui.errors import CHAT_FLAGS
 
 def human_bytes(n: int | None) -> str:
     if n is None:
@@ -47,7 +46,8 @@ def print_doctor() -> None:
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
-    from mlxpaged.loading.loader import default_dtype, print_progress
+    from mlxpaged.loading.loader import default_dtype
+    from mlxpaged.loading.progress import print_progress
     from mlxpaged.loading.model_store import provision, remove_partial_conversions, resolve
 
     remove_partial_conversions()
@@ -66,7 +66,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         return run_chat(args.model, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                         seed=args.seed, system=args.system, resume=args.resume, cache_tokens=args.cache_tokens)
     except ValueError as exc:  # bad sampling settings, before the app starts
-        print(f"mlxpaged chat: {user_message(exc, 'cli', CHAT_FLAGS)}", file=sys.stderr)
+        print(f"mlxpaged chat: {user_message(exc, 'cli')}", file=sys.stderr)
         return 2
 
 
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except MlxpagedError as exc:  # a bad model name, too little memory...: one line, no traceback
-        print(f"mlxpaged: {exc.render('cli', CHAT_FLAGS if args.command == 'chat' else None)}", file=sys.stderr)
+        print(f"mlxpaged: {exc.render('cli')}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)

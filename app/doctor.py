@@ -56,7 +56,7 @@ class ModelOnDisk:
 
 def default_cache_config() -> CacheConfig:
     """What `mlxpaged chat` and `Engine.from_pretrained()` use when given no cache settings."""
-    return CacheConfig(max_tokens=DEFAULT_CACHE_TOKENS)
+    return CacheConfig(cache_tokens=DEFAULT_CACHE_TOKENS)
 
 
 def gb(n: int) -> str:

@@ -14,7 +14,8 @@ from typing import TextIO
 from mlxpaged.platform.blas import blas_status
 from mlxpaged.config import CacheConfig
 from mlxpaged.engine.engine import Engine, RequestFailedError
-from mlxpaged.loading.loader import load_model, print_progress
+from mlxpaged.loading.loader import load_model
+from mlxpaged.loading.progress import print_progress
 from mlxpaged_app.tui.generation import ReplyStats
 from mlxpaged_app.tui.settings import ChatSettings
 
@@ -28,7 +29,7 @@ def say(text: str) -> None:
 def run_plain_chat(model: str | None, settings: ChatSettings, system: str, cache_tokens: int) -> int:
     """Chat until EOF or /exit (exit code 0)."""
     say(f"Loading {model or 'the default model'}...")
-    with Engine(load_model(model, progress=print_progress), CacheConfig(max_tokens=cache_tokens)) as engine:
+    with Engine(load_model(model, progress=print_progress), CacheConfig(cache_tokens=cache_tokens)) as engine:
         blas = blas_status()
         say(f"mlxpaged chat - {engine.loaded.name} ({engine.loaded.dtype}, BLAS: {blas.name}); {settings.describe()}")
         if not blas.fast:

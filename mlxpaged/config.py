@@ -67,7 +67,8 @@ class CacheConfig:
     Size it by at most one of `kv_memory` (bytes, or a size as the CLI takes it: "2GB",
     "512MiB"; stored as bytes) or `memory_fraction` (of the memory left for the cache after
     weights, activations and the OS reserve; see mlxpaged.platform.memory). Neither: a backend default.
-    `max_tokens` caps the cache at the context you need in total across sequences.
+    `cache_tokens` caps the cache at the context you need in total across sequences (a reply's
+    length is SamplingParams.max_tokens).
     `max_batch_tokens` bounds one model step (prefill chunks included) and so the
     activation headroom; `max_num_seqs` bounds concurrent sequences. `wire=False`
     leaves the Metal wired limit alone. Bad values raise ConfigError (a ValueError).
@@ -76,7 +77,7 @@ class CacheConfig:
     block_size: int = 16
     kv_memory: int | str | None = None
     memory_fraction: float | None = None
-    max_tokens: int | None = None
+    cache_tokens: int | None = None
     max_batch_tokens: int = 2048
     max_num_seqs: int = 16
     wire: bool = True
@@ -94,8 +95,8 @@ class CacheConfig:
             # checked here so a bad setting fails before the model and the pool are loaded).
             raise ConfigError(f"{{max_batch_tokens:{self.max_batch_tokens}}} must be >= "
                               f"{{max_num_seqs:{self.max_num_seqs}}}", param="max_batch_tokens")
-        if self.max_tokens is not None:
-            _require_positive_int("max_tokens", self.max_tokens)
+        if self.cache_tokens is not None:
+            _require_positive_int("cache_tokens", self.cache_tokens)
         if self.kv_memory is not None:
             self._set_kv_memory(self.kv_memory)
         if self.memory_fraction is not None:

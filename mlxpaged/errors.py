@@ -61,3 +61,67 @@ def user_message(error: BaseException, interface: str, flags: Mapping[str, str] 
     if isinstance(error, MlxpagedError):
         return error.render(interface, flags)
     return str(error)
+
+
+# ---- the errors themselves, by where users meet them -----------------------------------------------
+
+class ModelError(MlxpagedError):
+    """Base class for errors a user can cause by naming a model (the `model` setting)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, param="model")
+
+
+class UnknownModelError(ModelError):
+    """Not a preset, a local model directory or a hub repo id."""
+
+
+class ModelUnavailableError(ModelError):
+    """The model exists but cannot be fetched (no network, download failed)."""
+
+
+class ModelIntegrityError(ModelError):
+    """A downloaded file does not match its checksum."""
+
+
+class UnsupportedModelError(ModelError):
+    """A model the paged engine cannot run; refused when it is loaded, never mid-request."""
+
+
+class CheckpointError(MlxpagedError):
+    """A model directory whose weight files cannot be read as safetensors."""
+
+
+class ConversionError(MlxpagedError):
+    """The GGUF file cannot be read or is not a model we can convert."""
+
+
+class InsufficientMemoryError(MlxpagedError):
+    """The model and the cache asked for do not fit; the message says what to change, and
+    `param` is the setting the user chose the size with (kv_memory, memory_fraction, cache_tokens),
+    or None when no setting can make the model fit."""
+
+    def __init__(self, message: str, *, needed_bytes: int, available_bytes: int, param: str | None = None) -> None:
+        super().__init__(message, param=param)
+        self.needed_bytes = needed_bytes
+        self.available_bytes = available_bytes
+
+
+class RequestTooLongError(MlxpagedError, ValueError):
+    """prompt + max_tokens exceeds the model context or the whole KV cache."""
+
+    def __init__(self, prompt_tokens: int, max_tokens: int, limit: int, limit_name: str):
+        super().__init__(
+            f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
+            f"{prompt_tokens + max_tokens} tokens exceeds the {limit_name} of {limit} tokens; "
+            f"shorten the prompt or lower max_tokens", param="max_tokens")
+        self.prompt_tokens, self.max_tokens = prompt_tokens, max_tokens
+        self.limit, self.limit_name = limit, limit_name
+
+
+class EngineClosedError(MlxpagedError, RuntimeError):
+    """The engine was closed (or is closing): no new requests, unfinished ones end with this."""
+
+
+class RequestFailedError(MlxpagedError, RuntimeError):
+    """A request failed inside the engine (for example its logits processor raised); the others go on."""

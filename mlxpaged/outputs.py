@@ -32,7 +32,6 @@ class Completion:
     cached_tokens: int
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
-    time_to_first_token: float | None = None
 
 
 def drain(sink: queue.Queue, sequences: int = 1) -> Iterator[StreamDelta]:

@@ -35,7 +35,7 @@ def test_messages_render_every_setting_they_name():
 
 def test_user_message_leaves_other_errors_alone():
     assert user_message(RuntimeError("{kv_memory} as written"), "cli") == "{kv_memory} as written"
-    assert user_message(ConfigError("{max_tokens:0} is bad", param="max_tokens"), "cli") == "--max-tokens 0 is bad"
+    assert user_message(ConfigError("{cache_tokens:0} is bad", param="cache_tokens"), "cli") == "--cache-tokens 0 is bad"
 
 
 def test_error_classes_keep_their_homes_and_bases():
@@ -54,6 +54,6 @@ def test_cache_config_errors_name_the_setting():
 
 
 def test_chat_app_shows_its_own_flags():
-    error = InsufficientMemoryError("use {max_tokens:752} or less", needed_bytes=2, available_bytes=1)
+    error = InsufficientMemoryError("use {cache_tokens:752} or less", needed_bytes=2, available_bytes=1)
     assert error_text(error) == "use --cache-tokens 752 or less"
     assert error_text(UnknownModelError("unknown model 'x'")) == "unknown model 'x'"

@@ -17,6 +17,7 @@ from typing import AsyncIterator
 from mlxpaged.engine.engine import EngineClosedError, StreamDelta
 from mlxpaged.runner.sampling import SamplingParams
 from mlxpaged.engine.scheduler import RequestTooLongError
+from mlxpaged.errors import ConfigError
 from mlxpaged_app.server.errors import APIError, invalid_param, unavailable
 from mlxpaged_app.server.metrics import ServerMetrics
 
@@ -31,7 +32,7 @@ def submit_error(exc: Exception, prompt_param: str) -> APIError:
         return invalid_param(prompt_param, str(exc), "context_length_exceeded")
     if isinstance(exc, EngineClosedError):
         return unavailable("the server is shutting down")
-    if str(exc).startswith("logit_bias"):  # a token id past the vocabulary (only the engine knows it)
+    if isinstance(exc, ConfigError) and exc.param == "logit_bias":  # a token id past the vocabulary
         return invalid_param("logit_bias", str(exc))
     return invalid_param(prompt_param, str(exc))
 

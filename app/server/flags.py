@@ -35,8 +35,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     limits.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     limits.add_argument("--no-access-log", action="store_true", help="do not log every request")
     cache = parser.add_argument_group("KV cache and memory")
-    cache.add_argument("--max-tokens", "--cache-tokens", dest="max_tokens", type=int, default=None,
-                       help="KV cache capacity in tokens, across sequences (--cache-tokens, as in `chat`)")
+    cache.add_argument("--cache-tokens", type=int, default=None,
+                       help="KV cache capacity in tokens, across sequences (a reply's length: --default-max-tokens)")
     cache.add_argument("--kv-memory", default=None, help="cache size in bytes or units, e.g. 2GB")
     cache.add_argument("--memory-fraction", type=float, default=None, help="share of free memory for the cache")
     cache.add_argument("--block-size", type=int, default=16)
@@ -69,7 +69,7 @@ def cache_settings(args: argparse.Namespace) -> dict:
     settings = dict(block_size=args.block_size, max_batch_tokens=args.max_batch_tokens,
                     max_num_seqs=args.max_num_seqs, wire=not args.no_wire,
                     enable_prefix_cache=not args.no_prefix_cache)
-    for name in ("max_tokens", "memory_fraction", "kv_memory"):
+    for name in ("cache_tokens", "memory_fraction", "kv_memory"):
         if getattr(args, name) is not None:
             settings[name] = getattr(args, name)
     return settings

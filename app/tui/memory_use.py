@@ -19,13 +19,7 @@ MemoryProbe = Callable[[Any], MemoryUse]
 
 
 def probe_memory(engine: Any) -> MemoryUse:
-    """Ask the engine when it can tell (`memory_usage()`), else measure the host ourselves."""
-    report = getattr(engine, "memory_usage", None)
-    if callable(report):
-        try:
-            return MemoryUse(**report())
-        except Exception:
-            pass
+    """The host's memory and MLX's own counters (the engine reports its plan, not its use)."""
     return MemoryUse(*_host(), *_metal())
 
 

@@ -38,6 +38,6 @@ def real_engine_factory(cache_tokens: int) -> EngineFactory:
     def build(name: str | None, progress: Progress) -> ChatEngine:
         from mlxpaged.engine.engine import Engine
 
-        return Engine.from_pretrained(name, progress, max_tokens=cache_tokens)  # refuses before loading weights
+        return Engine.from_pretrained(name, progress, cache_tokens=cache_tokens)  # refuses before loading weights
 
     return build

@@ -18,7 +18,6 @@ import threading
 import warnings
 from typing import AsyncIterator, Callable, Iterator, Sequence
 
-import mlxpaged  # noqa: F401  (OpenBLAS before mlx)
 import mlx.core as mx
 
 from mlxpaged.engine import engine_thread
@@ -27,14 +26,15 @@ from mlxpaged.cache.cache_view import layer_windows
 from mlxpaged.config import DEFAULT_CACHE_TOKENS, CacheConfig
 from mlxpaged.engine.core import EngineCore
 from mlxpaged.cache.kv_cache import PagedKVCache
-from mlxpaged.engine.output_processor import EngineClosedError, RequestFailedError, Tracked  # noqa: F401  (re-exported)
+from mlxpaged.errors import ConfigError, EngineClosedError, RequestFailedError  # noqa: F401  (re-exported)
 from mlxpaged.engine.metrics import StatsCounter
 from mlxpaged.outputs import Completion, StreamDelta, collect, drain  # noqa: F401  (re-exported)
 from mlxpaged.platform.memory import DeviceFacts, ModelFacts, model_weight_bytes, plan_memory
 from mlxpaged.loading.checkpoint import facts_before_load
-from mlxpaged.loading.loader import (LoadedModel, activation_dtype, chat_prompt, check_paged_support, load_local, locate_model,
-                            route_paged_attention)
-from mlxpaged.loading.model_store import Progress
+from mlxpaged.loading.loader import (LoadedModel, activation_dtype, chat_prompt, check_paged_support, load_local,
+                                     locate_model)
+from mlxpaged.loading.progress import Progress
+from mlxpaged.runner.routing import route_paged_attention
 from mlxpaged.runner.sampling import SamplingParams
 from mlxpaged.engine.scheduler import CACHE_CAPACITY, MODEL_CONTEXT, RequestTooLongError
 from mlxpaged.engine.shutdown import STEP_TIMEOUT_S
@@ -43,7 +43,7 @@ from mlxpaged.engine.shutdown import STEP_TIMEOUT_S
 class Engine:
     def __init__(self, loaded: LoadedModel, cache_config: CacheConfig | None = None):
         self.loaded = loaded
-        self.cache_config = cache_config or CacheConfig(max_tokens=DEFAULT_CACHE_TOKENS)
+        self.cache_config = cache_config or CacheConfig(cache_tokens=DEFAULT_CACHE_TOKENS)
         check_paged_support(loaded.model)
         route_paged_attention()
         kv_dtype = activation_dtype(loaded.model)  # K/V have the activations' dtype
@@ -74,7 +74,7 @@ class Engine:
         """A preset name, local path or hub id (None: the embedded default model); settings are CacheConfig
         fields (kv_memory="2GB" too). A cache that cannot fit raises InsufficientMemoryError before any
         weight is read (once the model's files are local: a hub model is downloaded first)."""
-        settings.setdefault("max_tokens", DEFAULT_CACHE_TOKENS)
+        settings.setdefault("cache_tokens", DEFAULT_CACHE_TOKENS)
         config = CacheConfig(**settings)
         ref, path = locate_model(model, progress)
         device = DeviceFacts.detect()
@@ -110,7 +110,7 @@ class Engine:
             raise EngineClosedError("the engine is closed")
         params = params or SamplingParams()
         tokens = self._tokenize(prompt)
-        self._check_token_ids("logit_bias token ids", params.logit_bias)
+        self._check_token_ids("logit_bias", params.logit_bias)
         self._check_fits(len(tokens), params.max_tokens)
         request_id = f"req-{next(self._ids)}"
         self._commands.put(("add", request_id, tokens, params, sink))
@@ -234,14 +234,14 @@ class Engine:
         if isinstance(prompt, str):
             return list(self.tokenizer.encode(prompt, add_special_tokens=False))
         tokens = [int(t) for t in prompt]
-        self._check_token_ids("prompt token ids", tokens)
+        self._check_token_ids("prompt", tokens)
         return tokens
 
-    def _check_token_ids(self, what: str, tokens) -> None:
+    def _check_token_ids(self, param: str, tokens) -> None:
         vocab = self.loaded.config.get("vocab_size")
         bad = [t for t in tokens if t < 0 or (vocab and t >= vocab)]
         if bad:
-            raise ValueError(f"{what} out of range [0, {vocab}): {bad[:5]}")
+            raise ConfigError(f"{param} token ids out of range [0, {vocab}): {bad[:5]}", param=param)
 
     def _check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
         if prompt_tokens == 0:

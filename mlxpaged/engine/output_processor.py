@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from mlxpaged.engine.metrics import StatsCounter
+from mlxpaged.errors import EngineClosedError, RequestFailedError  # noqa: F401  (re-exported)
 from mlxpaged.engine.request import Request, RequestStatus
 from mlxpaged.outputs import StreamDelta
 from mlxpaged.runner.sampling import SampleResult, SamplingParams, make_state
@@ -17,14 +18,6 @@ from mlxpaged.engine.scheduler import Scheduler, SchedulerOutput
 from mlxpaged.engine.text_stream import TextStream
 
 _FINISH_STATUS = {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatus.FINISHED_LENGTH}
-
-
-class EngineClosedError(RuntimeError):
-    pass
-
-
-class RequestFailedError(RuntimeError):
-    """A request failed inside the engine (for example its logits processor raised)."""
 
 
 @dataclass(eq=False)  # compared by identity: requests are unique objects

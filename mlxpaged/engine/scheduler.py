@@ -21,6 +21,7 @@ from typing import Collection
 from mlxpaged.cache.block_pool import NoFreeBlocksError
 from mlxpaged.cache.kv_cache_manager import CopyOnWrite, KVCacheManager, UnknownRequestError
 from mlxpaged.engine.request import Request, RequestStatus
+from mlxpaged.errors import RequestTooLongError  # noqa: F401  (re-exported)
 
 __all__ = ["Request", "RequestStatus", "Scheduler", "SchedulerOutput", "ScheduledChunk", "RequestTooLongError",
            "MODEL_CONTEXT", "CACHE_CAPACITY"]
@@ -40,18 +41,6 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk]  # decode chunks first, then prefill chunks
     preempted: list[Request]  # preempted in this schedule(): drop their runtime state
     num_batch_tokens: int
-
-
-class RequestTooLongError(ValueError):
-    """prompt + max_tokens exceeds the model context or the whole KV cache."""
-
-    def __init__(self, prompt_tokens: int, max_tokens: int, limit: int, limit_name: str):
-        super().__init__(
-            f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
-            f"{prompt_tokens + max_tokens} tokens exceeds the {limit_name} of {limit} tokens; "
-            f"shorten the prompt or lower max_tokens")
-        self.prompt_tokens, self.max_tokens = prompt_tokens, max_tokens
-        self.limit, self.limit_name = limit, limit_name
 
 
 MODEL_CONTEXT = "model context"

@@ -20,7 +20,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlxpaged.errors import MlxpagedError
+from mlxpaged.errors import CheckpointError
 from mlxpaged.platform.model_facts import ModelFacts
 
 # safetensors dtype names (the format's spec) -> bytes per element.
@@ -29,10 +29,6 @@ DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2
 HALF = frozenset({"F16", "BF16"})
 FLOATING = frozenset({"F16", "BF16", "F32", "F64"})  # what nn.Module.set_dtype casts
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
-
-
-class CheckpointError(MlxpagedError):
-    """A model directory whose weight files cannot be read as safetensors."""
 
 
 @dataclass(frozen=True)

@@ -17,12 +17,13 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Callable
 
 import mlx.core as mx
 import numpy as np
 
-Progress = Callable[[int, int, str], None]
+from mlxpaged.loading.progress import Progress
+from mlxpaged.errors import ConversionError  # noqa: F401  (re-exported)
+
 
 GGUF_GROUP_SIZE = 32
 TOKEN_TYPE_CONTROL = 3  # llama.cpp's gguf.TokenType.CONTROL
@@ -38,10 +39,6 @@ _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
-
-
-class ConversionError(Exception):
-    """The GGUF file cannot be read or is not a model we can convert."""
 
 
 def _scalar(meta: dict, key: str):

@@ -7,12 +7,10 @@ checked against, token for token.
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-import mlxpaged  # noqa: F401  (OpenBLAS before mlx)
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm import stream_generate
@@ -20,11 +18,10 @@ from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load as mlx_lm_load
 
-from mlxpaged.kernels.attention import paged_attention, sdpa
-from mlxpaged.cache.cache_view import PagedCacheView, layer_windows
-from mlxpaged.runner.decode_pass import DecodeView
-from mlxpaged.errors import MlxpagedError
-from mlxpaged.loading.model_store import ModelRef, Progress, provision, resolve
+from mlxpaged.cache.cache_view import layer_windows
+from mlxpaged.errors import UnsupportedModelError  # noqa: F401  (re-exported)
+from mlxpaged.loading.model_store import ModelRef, provision, resolve
+from mlxpaged.loading.progress import Progress
 
 
 @dataclass
@@ -121,65 +118,6 @@ def baseline_stream(loaded: LoadedModel, prompt: list[int] | str, max_tokens: in
     yield from generate_step(mx.array(prompt), loaded.model, max_tokens=max_tokens, sampler=sampler)
 
 
-def print_progress(done: int, total: int, what: str) -> None:
-    """A one-line progress bar on stderr, for downloads and conversion."""
-    width = 30
-    filled = width * done // max(total, 1)
-    end = "\n" if done >= total else ""
-    sys.stderr.write(f"\r  {what:<20} [{'#' * filled}{'.' * (width - filled)}] {100 * done // max(total, 1):3d}%{end}")
-    sys.stderr.flush()
-
-
-# --- Routing mlx-lm attention to the paged kernel -------------------------------------------
-# mlx-lm model modules import `scaled_dot_product_attention` from `mlx_lm.models.base` by
-# name, so each module's binding is replaced. The wrapper only acts on paged cache views;
-# every other cache (mlx-lm's own) goes to the original function untouched.
-
-_ORIGINAL_SDPA = None
-_ROUTED_MODULES: dict[str, object] = {}
-
-
-def _routed_sdpa(queries, keys, values, cache, scale, mask, sinks=None):
-    if isinstance(cache, DecodeView) and sinks is None:  # inside a compiled decode pass
-        return cache.attend(queries, scale)
-    if isinstance(cache, PagedCacheView) and sinks is None:
-        decode = cache.decode_inputs()
-        if decode is not None:
-            k_pool, v_pool, tables, lens = decode
-            return paged_attention(queries, k_pool, v_pool, tables, lens, scale)
-        return sdpa(queries, keys, values, scale, mask)  # prefill: the CPU's faster softmax too
-    return _ORIGINAL_SDPA(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
-
-
-def route_paged_attention() -> int:
-    """Point every loaded mlx-lm model module at the paged dispatcher; returns how many were patched.
-    Idempotent; call after loading a model (its module is imported lazily by mlx-lm)."""
-    global _ORIGINAL_SDPA
-    import mlx_lm.models.base as base
-
-    if _ORIGINAL_SDPA is None:
-        _ORIGINAL_SDPA = base.scaled_dot_product_attention
-    for name, module in list(sys.modules.items()):
-        if name.startswith("mlx_lm.models.") and getattr(module, "scaled_dot_product_attention", None) is _ORIGINAL_SDPA:
-            module.scaled_dot_product_attention = _routed_sdpa
-            _ROUTED_MODULES[name] = module
-    return len(_ROUTED_MODULES)
-
-
-def is_routed(model: nn.Module) -> bool:
-    """True when `model`'s attention layers call the paged dispatcher (their module was patched)."""
-    module = sys.modules.get(type(model).__module__)
-    return module is not None and getattr(module, "scaled_dot_product_attention", None) is _routed_sdpa
-
-
-def unroute_paged_attention() -> None:
-    """Restore mlx-lm's own attention in every module we patched."""
-    for module in _ROUTED_MODULES.values():
-        if getattr(module, "scaled_dot_product_attention", None) is _routed_sdpa:
-            module.scaled_dot_product_attention = _ORIGINAL_SDPA
-    _ROUTED_MODULES.clear()
-
-
 def check_paged_support(model: nn.Module) -> None:
     """Recurrent / state-space layers keep no plain KV: refuse them with the model type named."""
     model_type = getattr(getattr(model, "args", None), "model_type", type(model).__module__.rsplit(".", 1)[-1])
@@ -188,7 +126,3 @@ def check_paged_support(model: nn.Module) -> None:
     except ValueError as exc:
         raise UnsupportedModelError(f"model type {model_type!r} is not supported in paged mode: {exc}") from exc
 
-
-class UnsupportedModelError(MlxpagedError):
-    def __init__(self, message: str) -> None:
-        super().__init__(message, param="model")

@@ -20,35 +20,16 @@ import tomllib
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
-from mlxpaged.errors import MlxpagedError
+from mlxpaged.loading.progress import Progress
+from mlxpaged.errors import (ModelError, ModelIntegrityError, ModelUnavailableError,  # noqa: F401  (re-exported)
+                             UnknownModelError)
 
-Progress = Callable[[int, int, str], None]
 
 MODELS_DIR_ENV = "MLXPAGED_MODELS_DIR"
 _CHECKOUT_MODELS = Path(__file__).resolve().parents[2] / "models"  # mlxpaged/loading/ -> the checkout
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _CHUNK = 1 << 20
-
-
-class ModelError(MlxpagedError):
-    """Base class for errors a user can cause by naming a model (the `model` setting)."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message, param="model")
-
-
-class UnknownModelError(ModelError):
-    pass
-
-
-class ModelUnavailableError(ModelError):
-    """The model exists but cannot be fetched (no network, download failed)."""
-
-
-class ModelIntegrityError(ModelError):
-    pass
 
 
 @dataclass(frozen=True)

@@ -23,11 +23,11 @@ of T tokens holds ceil(T / block_size) blocks per full-attention group and at mo
 ceil(window / block_size) + 1 (its ring) per window group, as the block pool allocates them.
 
 The block count is then capped by demand on every backend (mistral.rs's Metal rule: memory
-the cache can never use still competes with the OS): --max-tokens needs
-ceil(max_tokens / block_size) + max_num_seqs blocks per group (one partial block per
+the cache can never use still competes with the OS): --cache-tokens needs
+ceil(cache_tokens / block_size) + max_num_seqs blocks per group (one partial block per
 sequence; a window group never more than max_num_seqs rings); without it, max_num_seqs
 sequences of the model context. It must hold one sequence of the longest length asked for
-(min of --max-tokens and the model context), or the plan raises InsufficientMemoryError
+(min of --cache-tokens and the model context), or the plan raises InsufficientMemoryError
 with the numbers.
 """
 
@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from mlxpaged.config import CacheConfig
-from mlxpaged.errors import MlxpagedError
+from mlxpaged.errors import InsufficientMemoryError  # noqa: F401  (re-exported)
 from mlxpaged.cache.specs import block_bytes, group_layers, sequence_capacity, table_lengths
 from mlxpaged.platform.model_facts import KVShape, ModelFacts, model_weight_bytes, require_int  # noqa: F401  (re-exported)
 
@@ -50,17 +50,6 @@ ACTIVATION_DTYPE_BYTES = 4
 ACTIVATION_SAFETY_FACTOR = 2
 DEFAULT_KV_FRACTION = {"metal": 0.9, "cpu": 0.5}
 BACKENDS = ("metal", "cpu")
-
-
-class InsufficientMemoryError(MlxpagedError):
-    """The model and the cache asked for do not fit; the message says what to change, and
-    `param` is the setting the user chose the size with (kv_memory, memory_fraction, max_tokens),
-    or None when no setting can make the model fit."""
-
-    def __init__(self, message: str, *, needed_bytes: int, available_bytes: int, param: str | None = None) -> None:
-        super().__init__(message, param=param)
-        self.needed_bytes = needed_bytes
-        self.available_bytes = available_bytes
 
 
 def gb(n: int) -> str:
@@ -185,10 +174,10 @@ def activation_bytes(model: ModelFacts, max_batch_tokens: int) -> int:
 def _demand(model: ModelFacts, cache: CacheConfig, caps: Sequence[int | None]) -> tuple[int | None, str]:
     """Blocks the cache could ever use, and why."""
     seqs = cache.max_num_seqs
-    if cache.max_tokens is not None:
-        per_group = math.ceil(cache.max_tokens / cache.block_size) + seqs
+    if cache.cache_tokens is not None:
+        per_group = math.ceil(cache.cache_tokens / cache.block_size) + seqs
         blocks = sum(per_group if cap is None else min(per_group, seqs * cap) for cap in caps)
-        return blocks, f"--max-tokens {cache.max_tokens:,}"
+        return blocks, f"--cache-tokens {cache.cache_tokens:,}"
     if model.context_length is not None:
         blocks = seqs * sum(table_lengths(model.context_length, cache.block_size, caps))
         return blocks, f"model context {model.context_length:,} x {seqs} sequences"
@@ -197,7 +186,7 @@ def _demand(model: ModelFacts, cache: CacheConfig, caps: Sequence[int | None]) -
 
 def _longest_sequence(model: ModelFacts, cache: CacheConfig) -> int:
     """Tokens of the longest single sequence the cache must hold."""
-    asked = [n for n in (cache.max_tokens, model.context_length) if n is not None]
+    asked = [n for n in (cache.cache_tokens, model.context_length) if n is not None]
     return min(asked) if asked else cache.max_batch_tokens
 
 
@@ -231,11 +220,11 @@ def _check_fixed_costs(limit: int, costs: list[tuple[str, int]], label: str) -> 
 def _too_small(longest: int, need_bytes: int, budget: int, fits_tokens: int,
                cache: CacheConfig) -> InsufficientMemoryError:
     """One sequence does not fit the budget; the advice follows the setting that sized it."""
-    shrink = f"{{max_tokens:{fits_tokens}}} or less" if fits_tokens > 0 else None
+    shrink = f"{{cache_tokens:{fits_tokens}}} or less" if fits_tokens > 0 else None
     if cache.kv_memory is not None:
         param, advice = "kv_memory", f"use {{kv_memory:{size_at_least(need_bytes)}}} or more" + (f", or {shrink}" if shrink else "")
     else:
-        param = "memory_fraction" if cache.memory_fraction is not None else "max_tokens"
+        param = "memory_fraction" if cache.memory_fraction is not None else "cache_tokens"
         advice = (f"use {shrink}, " if shrink else "") + ("a larger {kv_memory} or {memory_fraction} if memory "
                                                           "allows, lower {max_batch_tokens}, or a smaller model")
     return InsufficientMemoryError(

@@ -26,7 +26,7 @@ import mlx.nn as nn
 from mlxpaged.cache.cache_view import paged_views
 from mlxpaged.runner.decode_pass import CompiledDecode
 from mlxpaged.cache.kv_cache import PagedKVCache
-from mlxpaged.loading.loader import is_routed
+from mlxpaged.runner.routing import is_routed
 from mlxpaged.runner.sampling import LazySample, SampleResult, SamplerState, sample_batch
 
 

@@ -99,7 +99,7 @@ def test_piped_question_gets_the_engines_answer_and_eof_exits_0(default_loaded):
     done = subprocess.run(command, input=f"{FRANCE}\n{long_line}\n", capture_output=True, text=True,
                           timeout=300, env=env)
     assert done.returncode == 0, done.stderr
-    with Engine(default_loaded, CacheConfig(max_tokens=512)) as engine:
+    with Engine(default_loaded, CacheConfig(cache_tokens=512)) as engine:
         expected = engine.chat([{"role": "user", "content": FRANCE}], SamplingParams(temperature=0.0, max_tokens=20))
     assert "Paris" in expected.text
     assert done.stdout == expected.text + "\n"

@@ -9,7 +9,7 @@ import pytest
 from mlxpaged.config import CacheConfig
 from mlxpaged.engine.core import EngineCore
 from mlxpaged.cache.kv_cache import PagedKVCache
-from mlxpaged.loading.loader import route_paged_attention
+from mlxpaged.runner.routing import route_paged_attention
 from mlxpaged.outputs import StreamDelta
 from mlxpaged.runner.model_runner import Lookahead
 from tests.engine.test_engine import GREEDY, reference_tokens, tokenizer  # noqa: F401  (the fixture, shared)

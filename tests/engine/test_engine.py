@@ -55,7 +55,7 @@ def tokenizer(default_loaded):
 
 @pytest.fixture(scope="module")
 def engine(default_loaded):
-    with Engine(default_loaded, CacheConfig(max_tokens=8192)) as eng:
+    with Engine(default_loaded, CacheConfig(cache_tokens=8192)) as eng:
         yield eng
         assert_pool_empty(eng)
 

@@ -66,7 +66,7 @@ def test_hybrid_preempted_request_resumes_with_identical_output(hybrid, engine, 
     prompts = [random_tokens(20, seed=s) for s in range(4)]
     expected = [c.token_ids for c in engine.generate(prompts, LONG)]
     model, settings = hybrid
-    # 4 x 60 tokens need more full-attention blocks than --max-tokens 64 leaves beside the rings.
+    # 4 x 60 tokens need more full-attention blocks than --cache-tokens 64 leaves beside the rings.
     with tiny_engine(model, tokenizer, max_tokens=64, max_num_seqs=4, **settings) as tight:
         got = [c.token_ids for c in tight.generate(prompts, LONG)]
         assert tight.stats()["preemptions"] > 0

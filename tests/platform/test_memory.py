@@ -74,11 +74,11 @@ def test_parse_size_rejects(text):
 def test_cache_config_defaults_and_validation():
     config = CacheConfig()
     assert (config.block_size, config.max_batch_tokens, config.max_num_seqs) == (16, 2048, 16)
-    assert config.kv_memory is None and config.memory_fraction is None and config.max_tokens is None
+    assert config.kv_memory is None and config.memory_fraction is None and config.cache_tokens is None
     assert config.wire and config.enable_prefix_cache
     with pytest.raises(ValueError, match="only one of kv_memory"):
         CacheConfig(kv_memory=2 * 10**9, memory_fraction=0.5)
-    for bad in [dict(block_size=0), dict(block_size=True), dict(max_tokens=-1), dict(max_batch_tokens=1.5),
+    for bad in [dict(block_size=0), dict(block_size=True), dict(cache_tokens=-1), dict(max_batch_tokens=1.5),
                 dict(max_num_seqs=0), dict(kv_memory=0), dict(memory_fraction=0.0),
                 dict(memory_fraction=1.5), dict(memory_fraction=float("nan")), dict(wire="no")]:
         with pytest.raises(ValueError):
@@ -136,14 +136,14 @@ def test_model_weight_bytes():
 # --- plans on Macs ----------------------------------------------------------------------
 
 def test_16gb_mac_smollm2_capped_by_max_tokens():
-    plan = plan_memory(MAC_16, SMOL, CacheConfig(max_tokens=32768))
+    plan = plan_memory(MAC_16, SMOL, CacheConfig(cache_tokens=32768))
     left = 11_453_251_584 - 1_717_986_918 - 538_000_000 - SMOL_ACTIVATIONS
     assert left == 8_382_521_114
     assert int(left * 0.9) // 737_280 == 10_232  # what memory alone would allow
     assert plan.num_blocks == 32768 // 16 + 16 == 2064
     assert (plan.token_capacity, plan.bytes_per_token, plan.block_bytes) == (33_024, 46_080, 737_280)
     assert plan.kv_bytes == 2064 * 737_280 == 1_521_745_920
-    assert plan.reason == "capped by --max-tokens 32,768 (memory allows 10,232 blocks)"
+    assert plan.reason == "capped by --cache-tokens 32,768 (memory allows 10,232 blocks)"
     assert plan.wired_limit_bytes == 538_000_000 + 1_521_745_920
     assert plan.breakdown[-1] == ("left over", left - 1_521_745_920)
     assert_adds_up(plan)
@@ -176,7 +176,7 @@ def test_8gb_mac_llama3_8b_does_not_fit():
 
 def test_16gb_mac_bf16_llama3_8b_does_not_fit():
     with pytest.raises(InsufficientMemoryError, match="16.06 GB .* exceed the Metal recommended working set of 11.45 GB"):
-        plan_memory(MAC_16, LLAMA3_8B, CacheConfig(max_tokens=4096))
+        plan_memory(MAC_16, LLAMA3_8B, CacheConfig(cache_tokens=4096))
 
 
 def test_64gb_mac_llama3_8b_capped_by_context():
@@ -191,11 +191,11 @@ def test_64gb_mac_llama3_8b_capped_by_context():
 
 
 def test_192gb_mac_llama3_8b_limited_by_memory_below_max_tokens():
-    plan = plan_memory(MAC_192, LLAMA3_8B, CacheConfig(max_tokens=1_000_000))
+    plan = plan_memory(MAC_192, LLAMA3_8B, CacheConfig(cache_tokens=1_000_000))
     left = 144 * GiB - 20_615_843_020 - 16_060_522_496 - LLAMA_ACTIVATIONS
     assert plan.num_blocks == int(left * 0.9) // 2_097_152 == 49_684
     assert plan.token_capacity == 794_944
-    assert "--max-tokens 1,000,000 would need 62,516 blocks" in plan.reason
+    assert "--cache-tokens 1,000,000 would need 62,516 blocks" in plan.reason
     assert_adds_up(plan)
 
 
@@ -211,9 +211,9 @@ def test_wired_limit_never_above_working_set():
 # --- the demand cap and the errors ------------------------------------------------------
 
 def test_max_tokens_cap_is_one_partial_block_per_sequence():
-    plan = plan_memory(MAC_64, SMOL, CacheConfig(max_tokens=1000, max_num_seqs=4))
+    plan = plan_memory(MAC_64, SMOL, CacheConfig(cache_tokens=1000, max_num_seqs=4))
     assert plan.num_blocks == math.ceil(1000 / 16) + 4 == 67
-    plan = plan_memory(MAC_64, SMOL, CacheConfig(max_tokens=1024, max_num_seqs=1, block_size=32))
+    plan = plan_memory(MAC_64, SMOL, CacheConfig(cache_tokens=1024, max_num_seqs=1, block_size=32))
     assert plan.num_blocks == 33
 
 
@@ -232,15 +232,15 @@ def test_kv_memory_and_fraction():
 
 def test_error_when_one_sequence_cannot_fit():
     with pytest.raises(InsufficientMemoryError) as info:
-        plan_memory(MAC_64, LLAMA3_8B, CacheConfig(kv_memory=100_000_000, max_tokens=32768))
+        plan_memory(MAC_64, LLAMA3_8B, CacheConfig(kv_memory=100_000_000, cache_tokens=32768))
     message = str(info.value)
-    # The longest sequence is the model's 8192-token context (less than --max-tokens).
+    # The longest sequence is the model's 8192-token context (less than --cache-tokens).
     assert "one 8,192-token sequence needs 1.07 GB of KV cache but only 0.10 GB" in message
-    assert "use kv_memory=1.08GB or more, or max_tokens=752 or less" in message  # 47 whole blocks of 16
-    assert "use --kv-memory 1.08GB or more, or --max-tokens 752 or less" in info.value.render("cli")
+    assert "use kv_memory=1.08GB or more, or cache_tokens=752 or less" in message  # 47 whole blocks of 16
+    assert "use --kv-memory 1.08GB or more, or --cache-tokens 752 or less" in info.value.render("cli")
     assert info.value.param == "kv_memory"
     assert (info.value.needed_bytes, info.value.available_bytes) == (8192 * 131_072, 100_000_000)
-    plan_memory(MAC_64, LLAMA3_8B, CacheConfig(kv_memory=100_000_000, max_tokens=752))  # and that fits
+    plan_memory(MAC_64, LLAMA3_8B, CacheConfig(kv_memory=100_000_000, cache_tokens=752))  # and that fits
 
 
 # --- sliding windows --------------------------------------------------------------------
@@ -269,13 +269,13 @@ def test_gemma3_1b_max_tokens_cap_counts_rings_per_sequence():
     # Gemma-3-1B: 26 layers, 22 sliding over 512 tokens and 4 full; 1 KV head of 256, bfloat16.
     windows = tuple(None if (i + 1) % 6 == 0 else 512 for i in range(26))
     gemma = ModelFacts(KVShape(26, 1, 256, 2, windows), 2_000_000_000, 1152, 262144, 32768)
-    plan = plan_memory(MAC_16, gemma, CacheConfig(max_tokens=32768))
+    plan = plan_memory(MAC_16, gemma, CacheConfig(cache_tokens=32768))
     assert plan.block_bytes == 2 * 2 * 256 * 16 * 2 == 32_768  # gcd(22, 4) = 2 layers per block id
     per_group = 32768 // 16 + 16  # 2 full groups, as for a dense model
     assert plan.num_blocks == 2 * per_group + 11 * 16 * 33 == 9936  # 11 window groups: 16 rings each
     assert plan.kv_bytes == 9936 * 32_768 == 325_582_848  # vs 879 MB with every layer paged in full
     assert plan.token_capacity == (9936 - 11 * 33) // 2 * 16 == 76_576
-    assert plan.reason.startswith("capped by --max-tokens 32,768")
+    assert plan.reason.startswith("capped by --cache-tokens 32,768")
     assert_adds_up(plan)
 
 
@@ -283,13 +283,13 @@ def test_hybrid_too_small_names_the_tokens_that_fit():
     windows = (512, None) * 15
     model = ModelFacts(KVShape(30, 3, 64, 4, windows), 538_000_000, 576, 49152, 8192)
     with pytest.raises(InsufficientMemoryError) as info:
-        plan_memory(MAC_64, model, CacheConfig(kv_memory=100_000_000, max_tokens=32768))
+        plan_memory(MAC_64, model, CacheConfig(kv_memory=100_000_000, cache_tokens=32768))
     need = (8192 // 16 + 33) * 368_640
     assert (info.value.needed_bytes, info.value.available_bytes) == (need, 100_000_000)
     fits = (100_000_000 // 368_640 - 33) * 16  # 271 blocks, 33 of them the ring
-    assert f"max_tokens={fits} or less" in str(info.value)
-    assert f"--max-tokens {fits} or less" in info.value.render("cli")
-    plan_memory(MAC_64, model, CacheConfig(kv_memory=100_000_000, max_tokens=fits))  # and that fits
+    assert f"cache_tokens={fits} or less" in str(info.value)
+    assert f"--cache-tokens {fits} or less" in info.value.render("cli")
+    plan_memory(MAC_64, model, CacheConfig(kv_memory=100_000_000, cache_tokens=fits))  # and that fits
 
 
 # --- this Linux host --------------------------------------------------------------------
@@ -314,7 +314,7 @@ def test_linux_host_detected():
     facts = DeviceFacts.detect()
     assert facts.backend == "cpu" and facts.max_recommended_working_set_size is None
     assert 0 < facts.available_bytes <= facts.total_bytes
-    plan = plan_memory(facts, SMOL, CacheConfig(max_tokens=4096), weights_resident=True)
+    plan = plan_memory(facts, SMOL, CacheConfig(cache_tokens=4096), weights_resident=True)
     assert plan.num_blocks == 4096 // 16 + 16
     assert_adds_up(plan)
 
@@ -363,7 +363,7 @@ class FakeMx:
 
 
 def test_wired_limit_sets_and_restores():
-    plan = plan_memory(MAC_16, SMOL, CacheConfig(max_tokens=32768))
+    plan = plan_memory(MAC_16, SMOL, CacheConfig(cache_tokens=32768))
     mx = FakeMx(current=123)
     with wired_limit(plan, mx_module=mx) as limit:
         assert limit == mx.limit == 2_059_745_920

@@ -104,7 +104,7 @@ def test_compiled_passes_match_mlx_lm_on_the_real_model(default_loaded, monkeypa
     from mlxpaged.loading.loader import chat_prompt
 
     calls = count_passes(monkeypatch)
-    with Engine(default_loaded, CacheConfig(max_tokens=4096)) as engine:
+    with Engine(default_loaded, CacheConfig(cache_tokens=4096)) as engine:
         for text in ("Name three colours.", "Count from one to twenty in words."):
             prompt = chat_prompt(engine.tokenizer, [{"role": "user", "content": text}])
             got = engine.generate([prompt], dataclasses.replace(GREEDY, max_tokens=150))[0].token_ids

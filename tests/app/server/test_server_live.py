@@ -49,7 +49,7 @@ class Server:
 
 
 def start_server(log: Path, *extra: str, timeout: float = 180.0) -> Server:
-    command = [sys.executable, "-m", "mlxpaged_app.cli", "serve", "--port", "0", "--max-tokens", "4096",
+    command = [sys.executable, "-m", "mlxpaged_app.cli", "serve", "--port", "0", "--cache-tokens", "4096",
                "--default-max-tokens", "64", "--log-level", "warning", "--no-access-log", *extra]
     with open(log, "wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)

@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.asyncio]
 
 
 async def test_second_turn_reports_cached_prompt_tokens(default_loaded, tmp_path):
-    engine = Engine(default_loaded, CacheConfig(max_tokens=2048))
+    engine = Engine(default_loaded, CacheConfig(cache_tokens=2048))
     app = make_app(tmp_path, engine, settings=ChatSettings(temperature=0.0, max_tokens=8))
     try:
         async with app.run_test(size=SIZE) as pilot:
@@ -39,7 +39,7 @@ async def test_typing_at_once_keeps_every_key_and_the_question_is_answered(defau
 
     def factory(name, progress):
         gate.wait(timeout=60)
-        engines.append(Engine(default_loaded, CacheConfig(max_tokens=2048)))
+        engines.append(Engine(default_loaded, CacheConfig(cache_tokens=2048)))
         return engines[-1]
 
     app = make_app(tmp_path, factory=factory, settings=ChatSettings(temperature=0.0, max_tokens=8))
