@@ -12,6 +12,7 @@ most ceil(window / block_size) + 1 blocks, and their prefix cache is off (kv_cac
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import queue
 import threading
@@ -25,6 +26,7 @@ from mlxpaged.attention import attention_status, prepare_attention
 from mlxpaged.blocks import BlockPool
 from mlxpaged.cache_view import layer_windows
 from mlxpaged.config import DEFAULT_CACHE_TOKENS, CacheConfig
+from mlxpaged.generation_defaults import GenerationDefaults, load_defaults
 from mlxpaged.kv_cache import PagedKVCache
 from mlxpaged.live_requests import EngineClosedError, LiveRequests, RequestFailedError, Tracked  # noqa: F401  (re-exported)
 from mlxpaged.metrics import StatsCounter
@@ -92,6 +94,16 @@ class Engine:
     @property
     def model(self):
         return self.loaded.model
+
+    @functools.cached_property
+    def generation_defaults(self) -> GenerationDefaults:
+        """The model's recommended sampling (its generation_config.json, gaps filled from its preset), read once."""
+        return load_defaults(self.loaded.path, self.loaded.ref.preset)
+
+    def default_sampling_params(self, **overrides) -> SamplingParams:
+        """SamplingParams with the model's recommended settings, `overrides` winning over them. Plain
+        `SamplingParams()` keeps the API's own defaults (temperature 1.0, top_p 1.0) whatever the model."""
+        return SamplingParams(**self.generation_defaults.sampling_kwargs(overrides))
 
     @property
     def tokenizer(self):

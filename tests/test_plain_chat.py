@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from mlxpaged.engine import StreamDelta
+from mlxpaged.generation_defaults import NO_DEFAULTS
 from mlxpaged.scheduler import RequestTooLongError
 from mlxpaged_app.cli import main
 from mlxpaged_app.repl import PlainChat
@@ -27,6 +28,7 @@ class FakeEngine:
 
     def __init__(self, refuse: tuple[str, ...] = ()) -> None:
         self.refuse, self.conversations, self.params = refuse, [], []
+        self.generation_defaults = NO_DEFAULTS
 
     def chat_tokens(self, messages: list[dict]) -> list[dict]:
         self.conversations.append(messages)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from mlxpaged.engine import StreamDelta
+from mlxpaged.generation_defaults import GenerationDefaults
 from mlxpaged.sampling import SamplingParams
 from mlxpaged_app.server.errors import invalid_param
 from mlxpaged_app.server.formatting import ChoiceText, Envelope, TokenText, chat_logprobs, delta_logprobs
@@ -40,9 +41,9 @@ class ChatEndpoint:
     def requested_max_tokens(body: ChatRequest) -> int | None:
         return body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
 
-    def params(self, body: ChatRequest, max_tokens: int) -> SamplingParams:
+    def params(self, body: ChatRequest, max_tokens: int, defaults: GenerationDefaults) -> SamplingParams:
         return sampling_params(body, max_tokens=max_tokens, logprobs=bool(body.logprobs),
-                               top_logprobs=0 if body.top_logprobs is None else body.top_logprobs)
+                               top_logprobs=0 if body.top_logprobs is None else body.top_logprobs, defaults=defaults)
 
     def response(self, envelope: Envelope, choices: list[ChoiceText], usage: dict) -> dict:
         return envelope.body("chat.completion", [self._choice(i, c) for i, c in enumerate(choices)], usage=usage)
