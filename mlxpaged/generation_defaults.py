@@ -67,7 +67,7 @@ def parse_generation_config(data: object, where: str) -> dict:
         try:
             SamplingParams(**{name: value})
         except ValueError as exc:  # its message starts with the field's name: show the file's key
-            raise GenerationConfigError(f"{where}: {key}: {str(exc).replace(name, key, 1)}") from None
+            raise GenerationConfigError(f"{where}: {str(exc).replace(name, key, 1)}") from None
         values[name] = value
     return values
 
@@ -98,5 +98,5 @@ def load_defaults(model_dir: Path | None, preset: Preset | None = None) -> Gener
         from_preset = parse_generation_config(preset.generation, f"presets.toml [presets.{preset.name!r}.generation]")
     file_values = from_file or {}
     filled = {k: v for k, v in from_preset.items() if k not in file_values}
-    sources = [GENERATION_CONFIG] * bool(file_values) + [f"preset {preset.name}"] * bool(filled)
+    sources = ([GENERATION_CONFIG] if file_values else []) + ([f"preset {preset.name}"] if filled else [])
     return GenerationDefaults({**file_values, **filled}, " + ".join(sources) or "none")
