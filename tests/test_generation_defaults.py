@@ -27,6 +27,7 @@ from mlxpaged_app.doctor import FAIL, OK, ModelOnDisk, check_sampling_defaults
 from mlxpaged_app.repl import PlainChat
 from mlxpaged_app.server.api_server import create_app
 from mlxpaged_app.server.launcher import with_sampling_defaults
+from mlxpaged_app.server.params import sampling_kwargs
 from mlxpaged_app.server.state import ServerConfig
 from mlxpaged_app.tui.settings import ChatSettings
 from tests.test_server_unit import CHAT, FakeEngine, client_for
@@ -173,6 +174,13 @@ async def test_precedence_request_then_model_then_api(path, body):
     async with client_for(engine) as client:
         await client.post(path, json=body)
         assert sampled(engine) == (1.0, 1.0, 0, 1024)  # no model defaults: the API's
+
+
+def test_the_merge_takes_any_request_shape():
+    """Other APIs (the chat pipeline's SamplingRequest, Anthropic's) pass objects whose None fields were not sent."""
+    sent = SimpleNamespace(temperature=0.5, top_p=None, top_k=-1)  # no min_p / repetition_penalty at all
+    assert sampling_kwargs(MODEL, sent) == {"temperature": 0.5, "top_p": 0.9, "top_k": 0}
+    assert sampling_kwargs(NO_DEFAULTS, SimpleNamespace()) == {}
 
 
 @pytest.mark.asyncio

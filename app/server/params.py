@@ -61,13 +61,14 @@ def resolve_max_tokens(requested: int | None, prompt_tokens: int, limit: int, de
 MODEL_DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")  # what the model may default
 
 
-def sampling_kwargs(defaults: GenerationDefaults, request: BaseModel,
-                    names: Iterable[str] = MODEL_DEFAULTED) -> dict:
-    """The defaults merge every API uses: each of `names` the client actually sent (pydantic's
-    model_fields_set; null counts as not sent), else the model's default; neither: left out, so
-    SamplingParams' own default applies. max_tokens is the caller's (resolve_max_tokens clips it)."""
+def sampling_kwargs(defaults: GenerationDefaults, request: object, names: Iterable[str] = MODEL_DEFAULTED) -> dict:
+    """The defaults merge every API uses: each of `names` the client actually sent, else the model's default;
+    neither: left out, so SamplingParams' own default applies. `request` is a pydantic model (what it was sent
+    with: model_fields_set) or any object whose None fields were not sent; null counts as not sent.
+    max_tokens is left to the caller (resolve_max_tokens clips it to the context)."""
+    fields_set = request.model_fields_set if isinstance(request, BaseModel) else None
     sent = {name: getattr(request, name) for name in names
-            if name in request.model_fields_set and getattr(request, name) is not None}
+            if (fields_set is None or name in fields_set) and getattr(request, name, None) is not None}
     if sent.get("top_k") == -1:
         sent["top_k"] = 0  # vLLM spells "off" -1
     merged = defaults.sampling_kwargs(sent)
