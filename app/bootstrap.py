@@ -11,7 +11,7 @@ virtualenv in .venv, the package (editable, with test extras for `test`), the
 embedded default model, then the command. Re-running skips what is already done.
 """
 
-# No syntax newer than Python 3.7 (tests/test_bootstrap.py runs it there): the oldest python3
+# No syntax newer than Python 3.7 (tests/app/test_bootstrap.py runs it there): the oldest python3
 # a Mac ships must reach the version check and be refused in one line, not a traceback.
 from __future__ import annotations
 

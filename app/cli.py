@@ -6,7 +6,7 @@ import argparse
 import sys
 
 import mlxpaged  # noqa: F401  (loads OpenBLAS before anything imports mlx)
-from mlxpaged.blas import blas_status
+from mlxpaged.platform.blas import blas_status
 from mlxpaged.config import DEFAULT_CACHE_TOKENS
 from mlxpaged.errors import MlxpagedError, user_message
 from mlxpaged_app.tui.errors import CHAT_FLAGS
@@ -22,8 +22,8 @@ def human_bytes(n: int | None) -> str:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from mlxpaged.model import default_dtype
-    from mlxpaged.models import list_models, models_dir
+    from mlxpaged.loading.loader import default_dtype
+    from mlxpaged.loading.model_store import list_models, models_dir
 
     rows = list_models(default_dtype())
     print(f"Models ({default_dtype()} store: {models_dir()})\n")
@@ -47,8 +47,8 @@ def print_doctor() -> None:
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
-    from mlxpaged.model import default_dtype, print_progress
-    from mlxpaged.models import provision, remove_partial_conversions, resolve
+    from mlxpaged.loading.loader import default_dtype, print_progress
+    from mlxpaged.loading.model_store import provision, remove_partial_conversions, resolve
 
     remove_partial_conversions()
     ref = resolve(args.model)
@@ -71,8 +71,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_plain_chat(args: argparse.Namespace) -> int:
-    from mlxpaged.memory import InsufficientMemoryError
-    from mlxpaged.model import UnsupportedModelError
+    from mlxpaged.platform.memory import InsufficientMemoryError
+    from mlxpaged.loading.loader import UnsupportedModelError
     from mlxpaged_app.repl import run_plain_chat
     from mlxpaged_app.tui.settings import ChatSettings
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 import mlxpaged
-from mlxpaged.blas import blas_status
+from mlxpaged.platform.blas import blas_status
 from mlxpaged.config import DEFAULT_CACHE_TOKENS, CacheConfig
 
 OK, WARN, FAIL = "OK", "WARN", "FAIL"
@@ -94,7 +94,7 @@ def check_blas() -> Check:
 
 def check_attention() -> Check:
     """The path the engine takes now and why (attention_status, once the self-check is merged)."""
-    from mlxpaged import attention
+    from mlxpaged.kernels import attention
 
     try:
         backend = attention.resolved_backend()
@@ -106,7 +106,7 @@ def check_attention() -> Check:
 
 def attention_path(backend: str) -> tuple[str, str]:
     """(path, why): attention_status() once the kernel self-check is merged, else the backend setting."""
-    from mlxpaged import attention
+    from mlxpaged.kernels import attention
 
     status_of = getattr(attention, "attention_status", None)
     if status_of is None:
@@ -161,7 +161,7 @@ _emulator = None  # one launcher per process: check_variant caches by launcher i
 def kernel_launcher():
     """(launcher, where): None on a Metal GPU, else the source checkout's CPU harness."""
     global _emulator
-    from mlxpaged.attention import metal_available
+    from mlxpaged.kernels.attention import metal_available
 
     if metal_available():
         return None, ON_GPU
@@ -191,7 +191,7 @@ def _load_harness():
 
 
 def check_memory() -> Check:
-    from mlxpaged.memory import DeviceFacts
+    from mlxpaged.platform.memory import DeviceFacts
 
     device = DeviceFacts.detect()
     return Check(OK, "memory", f"RAM {gb(device.total_bytes)}, available {gb(device.available_bytes)}"
@@ -224,7 +224,7 @@ def _iogpu_wired_limit_mb() -> str | None:
 
 
 def check_store() -> Check:
-    from mlxpaged.models import models_dir
+    from mlxpaged.loading.model_store import models_dir
 
     store = models_dir()
     if not store.exists():
@@ -248,8 +248,8 @@ def check_default_model(model: ModelOnDisk | None, error: str | None) -> Check:
 
 
 def check_sampling_defaults(model: ModelOnDisk | None) -> Check:
-    """What chat and serve sample with when temperature / top_p are left unset (mlxpaged.generation_defaults)."""
-    from mlxpaged.generation_defaults import GenerationConfigError, load_defaults
+    """What chat and serve sample with when temperature / top_p are left unset (mlxpaged.loading.generation_defaults)."""
+    from mlxpaged.loading.generation_defaults import GenerationConfigError, load_defaults
     from mlxpaged.models import resolve
 
     if model is None:
@@ -263,7 +263,7 @@ def check_sampling_defaults(model: ModelOnDisk | None) -> Check:
 
 def check_kv_plan(model: ModelOnDisk | None) -> Check:
     """The plan the default settings would make, from the model's facts without its weights."""
-    from mlxpaged.memory import DeviceFacts, InsufficientMemoryError, plan_memory
+    from mlxpaged.platform.memory import DeviceFacts, InsufficientMemoryError, plan_memory
 
     if model is None or model.config is None:
         return Check(WARN, "KV plan", "not planned: the default model is not provisioned")
@@ -279,12 +279,12 @@ def check_kv_plan(model: ModelOnDisk | None) -> Check:
 
 def check_load() -> Check:
     """Load the default model, build an Engine, time one short greedy chat reply (batch 1)."""
-    from mlxpaged.attention import resolved_backend
-    from mlxpaged.engine import Engine
-    from mlxpaged.memory import InsufficientMemoryError
-    from mlxpaged.model import load_model
-    from mlxpaged.models import ModelError
-    from mlxpaged.sampling import SamplingParams
+    from mlxpaged.kernels.attention import resolved_backend
+    from mlxpaged.engine.engine import Engine
+    from mlxpaged.platform.memory import InsufficientMemoryError
+    from mlxpaged.loading.loader import load_model
+    from mlxpaged.loading.model_store import ModelError
+    from mlxpaged.runner.sampling import SamplingParams
 
     start = time.perf_counter()
     try:
@@ -313,8 +313,8 @@ def check_load() -> Check:
 
 def find_default_model() -> ModelOnDisk:
     """Resolve the default preset and read its config.json and weight file sizes, if it is local."""
-    from mlxpaged.model import default_dtype
-    from mlxpaged.models import local_path, resolve
+    from mlxpaged.loading.loader import default_dtype
+    from mlxpaged.loading.model_store import local_path, resolve
 
     ref, dtype = resolve(None), default_dtype()
     path = local_path(ref, dtype)
@@ -327,16 +327,16 @@ def find_default_model() -> ModelOnDisk:
 
 def kv_dtype(model: ModelOnDisk) -> str:
     """The dtype K/V will have, read from the weight headers as the engine reads it before loading."""
-    from mlxpaged.checkpoint import kv_dtype_before_load
-    from mlxpaged.memory import DeviceFacts
+    from mlxpaged.loading.checkpoint import kv_dtype_before_load
+    from mlxpaged.platform.memory import DeviceFacts
 
     return kv_dtype_before_load(model.path, DeviceFacts.detect().backend)
 
 
 def model_facts(model: ModelOnDisk):
-    """The facts the engine plans with before loading (mlxpaged.checkpoint): one reading, not two."""
-    from mlxpaged.checkpoint import facts_before_load
-    from mlxpaged.memory import DeviceFacts
+    """The facts the engine plans with before loading (mlxpaged.loading.checkpoint): one reading, not two."""
+    from mlxpaged.loading.checkpoint import facts_before_load
+    from mlxpaged.platform.memory import DeviceFacts
 
     return facts_before_load(model.path, DeviceFacts.detect().backend)
 

@@ -12,10 +12,10 @@ import sys
 import time
 from typing import TextIO
 
-from mlxpaged.blas import blas_status
+from mlxpaged.platform.blas import blas_status
 from mlxpaged.config import CacheConfig
-from mlxpaged.engine import Engine, RequestFailedError
-from mlxpaged.model import load_model, print_progress
+from mlxpaged.engine.engine import Engine, RequestFailedError
+from mlxpaged.loading.loader import load_model, print_progress
 from mlxpaged_app.tui.generation import ReplyStats
 from mlxpaged_app.tui.settings import ChatSettings
 

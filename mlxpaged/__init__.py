@@ -6,8 +6,8 @@
 """
 
 # Must run before anything imports mlx.core (see blas.py).
-from mlxpaged.blas import blas_status, load_fast_blas
-from mlxpaged.malloc import keep_freed_memory
+from mlxpaged.platform.blas import blas_status, load_fast_blas
+from mlxpaged.platform.malloc import keep_freed_memory
 
 load_fast_blas()
 keep_freed_memory()
@@ -15,10 +15,10 @@ keep_freed_memory()
 __version__ = "0.1.0"
 
 _LAZY = {
-    "Engine": "mlxpaged.engine", "Completion": "mlxpaged.engine", "StreamDelta": "mlxpaged.engine",
-    "RequestFailedError": "mlxpaged.engine", "EngineClosedError": "mlxpaged.engine",
-    "SamplingParams": "mlxpaged.sampling", "CacheConfig": "mlxpaged.config",
-    "RequestTooLongError": "mlxpaged.scheduler", "InsufficientMemoryError": "mlxpaged.memory",
+    "Engine": "mlxpaged.engine.engine", "Completion": "mlxpaged.engine.engine", "StreamDelta": "mlxpaged.engine.engine",
+    "RequestFailedError": "mlxpaged.engine.engine", "EngineClosedError": "mlxpaged.engine.engine",
+    "SamplingParams": "mlxpaged.runner.sampling", "CacheConfig": "mlxpaged.config",
+    "RequestTooLongError": "mlxpaged.engine.scheduler", "InsufficientMemoryError": "mlxpaged.platform.memory",
 }
 __all__ = ["blas_status", "__version__", *_LAZY]
 

@@ -66,7 +66,7 @@ class CacheConfig:
 
     Size it by at most one of `kv_memory` (bytes, or a size as the CLI takes it: "2GB",
     "512MiB"; stored as bytes) or `memory_fraction` (of the memory left for the cache after
-    weights, activations and the OS reserve; see mlxpaged.memory). Neither: a backend default.
+    weights, activations and the OS reserve; see mlxpaged.platform.memory). Neither: a backend default.
     `max_tokens` caps the cache at the context you need in total across sequences.
     `max_batch_tokens` bounds one model step (prefill chunks included) and so the
     activation headroom; `max_num_seqs` bounds concurrent sequences. `wire=False`

@@ -9,7 +9,7 @@ import pytest
 @pytest.fixture(scope="session")
 def default_loaded():
     """The embedded default model (SmolLM2-135M-Instruct) as a LoadedModel, provisioned if needed."""
-    from mlxpaged.model import load_model
+    from mlxpaged.loading.loader import load_model
 
     return load_model()
 

@@ -7,8 +7,8 @@ import pytest
 import mlxpaged
 from mlxpaged.config import CacheConfig
 from mlxpaged.errors import ConfigError, MlxpagedError, render_param, user_message
-from mlxpaged.memory import InsufficientMemoryError
-from mlxpaged.models import UnknownModelError
+from mlxpaged.platform.memory import InsufficientMemoryError
+from mlxpaged.loading.model_store import UnknownModelError
 from mlxpaged_app.tui.errors import error_text
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from argparse import Namespace
 
-from mlxpaged.blas import blas_status
+from mlxpaged.platform.blas import blas_status
 from mlxpaged_app.bench.memory import mb
 
 
@@ -31,7 +31,7 @@ def run_mlx_lm_batch(model, prompts: list[list[int]], new_tokens: int) -> tuple[
 
 
 def run_engine_batch(engine, prompts: list[list[int]], new_tokens: int) -> tuple[float, int]:
-    from mlxpaged.sampling import SamplingParams
+    from mlxpaged.runner.sampling import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     start = time.perf_counter()
@@ -43,7 +43,7 @@ def bench_batch(args: Namespace) -> int:
     """16 concurrent requests (prompts 256-512 tokens, 128 new each): mlxpaged vs mlx-lm batch_generate."""
     import mlx.core as mx
 
-    from mlxpaged.engine import Engine
+    from mlxpaged.engine.engine import Engine
 
     engine = Engine.from_pretrained(args.model, enable_prefix_cache=False, max_num_seqs=16)
     prompts = random_prompts(16, 256, 512, engine.loaded.config["vocab_size"])

@@ -6,8 +6,8 @@ import statistics
 import time
 from argparse import Namespace
 
-from mlxpaged.blas import blas_status
-from mlxpaged.model import baseline_stream, chat_prompt
+from mlxpaged.platform.blas import blas_status
+from mlxpaged.loading.loader import baseline_stream, chat_prompt
 
 
 DECODE_PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
@@ -25,7 +25,7 @@ def time_mlx_lm(loaded, prompt: list[int], tokens: int) -> tuple[float, float]:
 
 def time_engine(engine, prompt: list[int], tokens: int) -> tuple[float, float]:
     """(time to first token, decode tok/s) of the paged engine, batch 1, greedy, EOS ignored."""
-    from mlxpaged.sampling import SamplingParams
+    from mlxpaged.runner.sampling import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     start = time.perf_counter()
@@ -39,7 +39,7 @@ def time_engine(engine, prompt: list[int], tokens: int) -> tuple[float, float]:
 
 def bench_decode(args: Namespace) -> int:
     """Batch-1 decode tok/s: mlx-lm stream_generate vs the paged engine, alternating runs."""
-    from mlxpaged.engine import Engine
+    from mlxpaged.engine.engine import Engine
 
     engine = Engine.from_pretrained(args.model, enable_prefix_cache=False)
     loaded = engine.loaded

@@ -8,9 +8,9 @@ from argparse import Namespace
 
 def kv_shape(model_name: str | None) -> tuple[int, int, int, int]:
     """(layers, kv heads, head dim, dtype bytes) of a model, from its config only (float32 KV)."""
-    from mlxpaged.memory import ModelFacts
-    from mlxpaged.model import default_dtype
-    from mlxpaged.models import provision, resolve
+    from mlxpaged.platform.memory import ModelFacts
+    from mlxpaged.loading.loader import default_dtype
+    from mlxpaged.loading.model_store import provision, resolve
 
     config = json.loads((provision(resolve(model_name), default_dtype()) / "config.json").read_text())
     kv = ModelFacts.from_config(config, weight_bytes=0, kv_dtype_bytes=4).kv
@@ -34,15 +34,21 @@ def mlx_lm_batch_cache_bytes(prompt_lens: list[int], new_tokens: int, heads: int
 
 def paged_blocks(prompts: list[list[int]], new_tokens: int, block_size: int, prefix_cache: bool) -> int:
     """Blocks owned once every request has its prompt and `new_tokens` generated tokens."""
-    from mlxpaged.blocks import BlockPool
+    from mlxpaged.cache.block_pool import BlockPool
+    from mlxpaged.cache.kv_cache_manager import KVCacheManager
+    from mlxpaged.cache.specs import FullAttentionSpec
+    from mlxpaged.engine.request import Request
 
-    pool = BlockPool(num_blocks=100_000, block_size=block_size, enable_prefix_cache=prefix_cache)
+    manager = KVCacheManager(BlockPool(100_000), [FullAttentionSpec(block_size)], enable_prefix_cache=prefix_cache)
     for rid, prompt in enumerate(prompts):
-        pool.allocate(rid, prompt)
-        pool.mark_computed(rid, len(prompt))  # prefilled: full blocks become shareable
+        request = Request(str(rid), list(prompt), max_tokens=new_tokens + 1)
+        request.num_computed_tokens = manager.allocate(request).num_cached_tokens
+        request.num_computed_tokens = len(prompt)  # prefilled: full blocks become shareable
+        manager.cache_blocks(request)
         for t in range(new_tokens):
-            pool.append_slot(rid, 1 + t)
-    return pool.stats().num_owned
+            request.output_token_ids.append(1 + t)
+            manager.allocate_slots(request)
+    return manager.stats().num_owned
 
 
 def bench_memory(args: Namespace) -> int:

@@ -23,7 +23,7 @@ def long_document(tokenizer, target_tokens: int) -> str:
 
 
 def time_to_first_token(engine, messages: list[dict]) -> tuple[float, int]:
-    from mlxpaged.sampling import SamplingParams
+    from mlxpaged.runner.sampling import SamplingParams
 
     start = time.perf_counter()
     for delta in engine.stream(engine.chat_tokens(messages), SamplingParams(temperature=0.0, max_tokens=8)):
@@ -34,7 +34,7 @@ def time_to_first_token(engine, messages: list[dict]) -> tuple[float, int]:
 
 def bench_prefix(args: Namespace) -> int:
     """Time to first token with a ~2,000-token system prompt: cold vs cached prefix."""
-    from mlxpaged.engine import Engine
+    from mlxpaged.engine.engine import Engine
 
     engine = Engine.from_pretrained(args.model)
     system = long_document(engine.tokenizer, 2000)

@@ -165,8 +165,8 @@ def print_results(results: list[Level], max_tokens: int) -> None:
 
 
 def run_server_bench(args: Namespace) -> int:
-    from mlxpaged.model import default_dtype
-    from mlxpaged.models import provision, resolve
+    from mlxpaged.loading.loader import default_dtype
+    from mlxpaged.loading.model_store import provision, resolve
 
     levels = tuple(getattr(args, "concurrency", None) or LEVELS)
     max_tokens = getattr(args, "tokens", None) or 64

@@ -4,8 +4,9 @@ Module names follow vLLM's entrypoints/openai. The process: flags (CLI flags and
 launcher (bind, load, warm up, uvicorn, graceful stop). The app: api_server (routes, create_app),
 middleware (CORS, API key, status counts), state (ServerConfig, ServerState), errors (OpenAI-shaped),
 metrics (Prometheus). A request: request_body (read, decode, validate) against protocol (pydantic
-schemas), prompts and params (to prompt sources and SamplingParams), serving (the flow every
-generation API shares) with serving_chat / serving_completion (what differs), admission (429
+schemas), prompts, params and tool_params (to prompt sources, SamplingParams, tools and output formats),
+serving (the flow every generation API shares, and /v1/completions with serving_completion), chat/ (the
+pipeline every chat-shaped API runs on) with serving_chat (the OpenAI chat adapter), admission (429
 beyond a bounded queue), engine_client (submission, engine events onto the event loop),
 formatting (response bodies), sse (event framing, streams that end their engine request).
 

@@ -24,7 +24,7 @@ from mlxpaged_app.server.errors import (APIError, handle_api_error, handle_http_
 from mlxpaged_app.server.metrics import CONTENT_TYPE
 from mlxpaged_app.server.middleware import middleware_stack
 from mlxpaged_app.server.serving import serve_generation
-from mlxpaged_app.server.serving_chat import ChatEndpoint
+from mlxpaged_app.server.serving_chat import serve_chat
 from mlxpaged_app.server.serving_completion import CompletionEndpoint
 from mlxpaged_app.server.state import ServerConfig, ServerState
 
@@ -38,7 +38,7 @@ def _state(request: Request) -> ServerState:
 
 
 async def chat_completions(request: Request) -> Response:
-    return await serve_generation(request, _state(request), ChatEndpoint)
+    return await serve_chat(request, _state(request))
 
 
 async def completions(request: Request) -> Response:

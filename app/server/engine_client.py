@@ -14,9 +14,9 @@ import time
 from functools import partial
 from typing import AsyncIterator
 
-from mlxpaged.engine import EngineClosedError, StreamDelta
-from mlxpaged.sampling import SamplingParams
-from mlxpaged.scheduler import RequestTooLongError
+from mlxpaged.engine.engine import EngineClosedError, StreamDelta
+from mlxpaged.runner.sampling import SamplingParams
+from mlxpaged.engine.scheduler import RequestTooLongError
 from mlxpaged_app.server.errors import APIError, invalid_param, unavailable
 from mlxpaged_app.server.metrics import ServerMetrics
 

@@ -7,7 +7,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from mlxpaged.engine import StreamDelta
+from mlxpaged.engine.engine import StreamDelta
 
 
 def new_id(prefix: str) -> str:

@@ -39,7 +39,7 @@ def say(text: str) -> None:
 
 
 def load_engine(args: argparse.Namespace):
-    from mlxpaged.engine import Engine
+    from mlxpaged.engine.engine import Engine
 
     say(f"mlxpaged serve: loading {args.model or 'the default model'}...")
     engine = Engine.from_pretrained(args.model, **cache_settings(args))
@@ -49,7 +49,7 @@ def load_engine(args: argparse.Namespace):
 
 def with_sampling_defaults(config, engine, mode: str):
     """`config` with the defaults requests get (--generation-config): the model's, read once here, or none."""
-    from mlxpaged.generation_defaults import GenerationDefaults
+    from mlxpaged.loading.generation_defaults import GenerationDefaults
 
     defaults = engine.generation_defaults if mode == "auto" else GenerationDefaults({}, "--generation-config none")
     say(f"mlxpaged serve: sampling defaults: {defaults.describe()}")
@@ -58,7 +58,7 @@ def with_sampling_defaults(config, engine, mode: str):
 
 def warm_up(engine) -> None:
     """The first step allocates and compiles; pay for it before saying "ready"."""
-    from mlxpaged.sampling import SamplingParams
+    from mlxpaged.runner.sampling import SamplingParams
 
     engine.generate("Hello", SamplingParams(max_tokens=2, temperature=0.0))
 

@@ -126,7 +126,7 @@ def _memory_gauges(plan) -> list[str]:
 
 
 def _attention_gauges(status: dict) -> list[str]:
-    """Which decode attention path is in use and why (mlxpaged.attention.attention_status)."""
+    """Which decode attention path is in use and why (mlxpaged.kernels.attention.attention_status)."""
     lines = _metric("attention_path", "gauge", "Decode attention path in use (value 1), with the reason.",
                     [(f'{{path="{_label(status["path"])}",reason="{_label(status["reason"])}"}}', 1)])
     checks = [(f'{{variant="{_label(c.variant.describe())}",reason="{_label(c.reason or "")}"}}', int(c.ok))

@@ -9,8 +9,8 @@ from typing import Iterable
 
 from pydantic import BaseModel
 
-from mlxpaged.generation_defaults import NO_DEFAULTS, GenerationDefaults
-from mlxpaged.sampling import SamplingParams
+from mlxpaged.runner.sampling import SamplingParams
+from mlxpaged.loading.generation_defaults import NO_DEFAULTS, GenerationDefaults
 from mlxpaged_app.server.errors import invalid_param
 from mlxpaged_app.server.protocol import ChatRequest, CompletionRequest
 
@@ -18,13 +18,7 @@ _FIELD = re.compile(r"^([a-z_]+)")
 
 
 def check_chat_supported(request: ChatRequest) -> None:
-    if request.tools:
-        raise invalid_param("tools", "tool calling is not supported by this server; send the request "
-                                     "without 'tools'", "unsupported_parameter")
-    kind = (request.response_format or {}).get("type", "text")
-    if kind != "text":
-        raise invalid_param("response_format", f"response_format type {kind!r} is not supported; only 'text'",
-                            "unsupported_parameter")
+    """Tools, response_format and reasoning are checked where they are translated (tool_params.py)."""
     _check_logit_bias(request.logit_bias)
 
 

@@ -1,7 +1,9 @@
-"""From a typed request to the engine's prompt sources: chat messages as {role, content} dicts for
-the chat template, and completion prompts as text or token-id lists; a 400 names what is unusable."""
+"""From a typed request to the engine's prompt sources: chat messages as the dicts chat templates take
+(chat/spec.py), and completion prompts as text or token-id lists; a 400 names what is unusable."""
 
 from __future__ import annotations
+
+import json
 
 from mlxpaged_app.server.errors import invalid_param
 from mlxpaged_app.server.protocol import ChatRequest, CompletionRequest
@@ -37,11 +39,74 @@ def _message_text(message, where: str) -> str:
 
 
 def chat_messages(request: ChatRequest) -> list[dict]:
-    """Plain {role, content} dicts for the model's chat template."""
+    """The conversation for the chat template: {role, content} dicts, assistant `tool_calls` with their
+    arguments as dicts, tool results with the name of the call they answer."""
     if not request.messages:
         raise invalid_param("messages", "'messages' must hold at least one message")
-    return [{"role": _CHAT_ROLES.get(m.role, m.role), "content": _message_text(m, f"messages[{i}].content")}
-            for i, m in enumerate(request.messages)]
+    out: list[dict] = []
+    call_names: dict[str, str] = {}  # tool_call id -> function name, from the assistant turns so far
+    for i, m in enumerate(request.messages):
+        where = f"messages[{i}]"
+        if m.role == "tool":
+            out.append(_tool_result(m, where, call_names))
+            continue
+        message = {"role": _CHAT_ROLES.get(m.role, m.role), "content": _message_text(m, f"{where}.content")}
+        if m.tool_calls is not None:
+            if m.role != "assistant":
+                raise invalid_param(f"{where}.tool_calls", f"{where}.tool_calls: only assistant messages "
+                                                           f"carry tool calls, this one has role {m.role!r}")
+            message["tool_calls"] = _tool_calls(m.tool_calls, f"{where}.tool_calls", call_names)
+        reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+        if reasoning and m.role == "assistant":
+            message["reasoning_content"] = reasoning
+        out.append(message)
+    return out
+
+
+def _tool_result(message, where: str, call_names: dict[str, str]) -> dict:
+    if message.tool_call_id is None:
+        raise invalid_param(f"{where}.tool_call_id", f"{where}.tool_call_id is required for role 'tool': "
+                                                     "it names the tool call this message answers")
+    name = call_names.get(message.tool_call_id, message.name)
+    if name is None:
+        known = ", ".join(call_names) or "none"
+        raise invalid_param(f"{where}.tool_call_id", f"{where}.tool_call_id {message.tool_call_id!r} answers no "
+                                                     f"earlier assistant tool call (calls so far: {known})")
+    return {"role": "tool", "tool_call_id": message.tool_call_id, "name": name,
+            "content": _message_text(message, f"{where}.content")}
+
+
+def _tool_calls(value: object, where: str, call_names: dict[str, str]) -> list[dict]:
+    if not isinstance(value, list) or not value:
+        raise invalid_param(where, f"{where} must be a non-empty list of tool calls")
+    calls = []
+    for j, call in enumerate(value):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise invalid_param(f"{where}[{j}].function", f"{where}[{j}] must be "
+                                '{"id": ..., "type": "function", "function": {"name": ..., "arguments": "<JSON>"}}')
+        call_id = call.get("id") if isinstance(call.get("id"), str) else f"call_{len(call_names)}"
+        call_names[call_id] = function["name"]
+        calls.append({"id": call_id, "type": "function",
+                      "function": {"name": function["name"],
+                                   "arguments": _arguments(function.get("arguments"), f"{where}[{j}].function")}})
+    return calls
+
+
+def _arguments(value: object, where: str) -> dict:
+    """OpenAI sends arguments as a JSON string; templates want the object."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value) if value.strip() else {}
+        except json.JSONDecodeError as exc:
+            raise invalid_param(f"{where}.arguments", f"{where}.arguments is not valid JSON ({exc.msg} at "
+                                                      f"column {exc.colno}): {value[:60]!r}") from None
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise invalid_param(f"{where}.arguments", f"{where}.arguments must be a JSON object, got "
+                                                  f"{type(value).__name__}")
+    return value
 
 
 def _is_token_list(value: object) -> bool:

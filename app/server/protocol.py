@@ -21,9 +21,13 @@ class StreamOptions(_Strict):
 
 
 class Message(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Any = None  # a string or a list of text parts: checked in prompts.py with better messages
     name: str | None = None
+    tool_calls: Any = None  # assistant turns: checked in prompts.py (arguments are JSON strings)
+    tool_call_id: str | None = None  # tool turns: the call this result answers
+    reasoning_content: str | None = None  # an earlier reply's reasoning (mlx-lm and vLLM name it `reasoning`)
+    reasoning: str | None = None
 
 
 class _GenerationFields(_Strict):
@@ -51,9 +55,14 @@ class ChatRequest(_GenerationFields):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: list | None = None
+    tools: Any = None  # tools, tool_choice, response_format: checked in tool_params.py, naming the field
     tool_choice: Any = None
-    response_format: dict | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: Any = None
+    reasoning_effort: str | None = None
+    reasoning: dict | None = None  # {"effort": ...}, the Responses API's spelling, accepted here too
+    enable_thinking: bool | None = None  # vLLM / mlx-lm's extension, passed to the chat template
+    chat_template_kwargs: dict | None = None
 
 
 class CompletionRequest(_GenerationFields):

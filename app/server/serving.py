@@ -1,5 +1,7 @@
-"""What both generation endpoints do: read and check the request, take a queue slot, tokenize off
-the event loop, submit, then stream events or collect the whole reply.
+"""The flow every generation API shares: take queue slots and start (`launch`), and wait for a whole reply
+unless the client leaves (`reply_or_gone`); and /v1/completions over them: read and check the request,
+tokenize off the event loop, submit, then stream events or collect the whole reply. Chat-shaped APIs run
+through chat/pipeline.py on the same two pieces.
 
 A `GenerationEndpoint` supplies the parts that differ: its schema, prompt handling and response shapes.
 """
@@ -8,15 +10,15 @@ from __future__ import annotations
 
 import time
 from contextlib import ExitStack
-from typing import AsyncIterator, Protocol
+from typing import AsyncIterator, Awaitable, Callable, Protocol, TypeVar
 
 import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from mlxpaged.engine import StreamDelta
-from mlxpaged.generation_defaults import GenerationDefaults
-from mlxpaged.sampling import MAX_N, SamplingParams
+from mlxpaged.engine.engine import StreamDelta
+from mlxpaged.runner.sampling import MAX_N, SamplingParams
+from mlxpaged.loading.generation_defaults import GenerationDefaults
 from mlxpaged_app.server.engine_client import Generation, GenerationFailed
 from mlxpaged_app.server.errors import server_error
 from mlxpaged_app.server.formatting import ChoiceText, Envelope, TokenText, new_id
@@ -25,12 +27,13 @@ from mlxpaged_app.server.request_body import parse_request, read_body
 from mlxpaged_app.server.sse import DONE, ClientGone, EventStream, data_event, unless_disconnected
 from mlxpaged_app.server.state import ServerState
 
+T = TypeVar("T")
 CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, the metrics count it
 
 
 class GenerationEndpoint(Protocol):
-    """The parts of one generation API that differ (serving_chat.ChatEndpoint,
-    serving_completion.CompletionEndpoint); one instance serves one request."""
+    """The parts of a prompt-in, text-out API (serving_completion.CompletionEndpoint); one instance serves
+    one request."""
     schema: type  # the pydantic request model (protocol.py)
     chunk_object: str  # the `object` of a streamed chunk, e.g. "chat.completion.chunk"
     prompt_param: str  # the API parameter an unusable prompt is blamed on
@@ -65,17 +68,8 @@ async def serve_generation(request: Request, state: ServerState,
     state.check_model(body.model)
     endpoint = endpoint_class(state.engine, state.token_text)
     sources = endpoint.validate(body)
-    count = len(sources) * _sane_n(body.n)
-    cleanup = ExitStack()
-    cleanup.enter_context(state.admission.slot(count))
-    try:
-        generation = await _start(state, endpoint, body, sources, arrived)
-    except BaseException:
-        cleanup.close()
-        raise
-    state.active.add(generation)
-    cleanup.callback(state.active.discard, generation)
-    cleanup.callback(generation.abort)  # runs first: whatever has not finished is withdrawn
+    count = len(sources) * sane_n(body.n)
+    generation, cleanup = await launch(state, count, lambda: _start(state, endpoint, body, sources, arrived))
     envelope = Envelope(new_id(endpoint.id_prefix), state.model_id)
     headers = {"x-request-id": envelope.id}
     if body.stream:
@@ -83,17 +77,40 @@ async def serve_generation(request: Request, state: ServerState,
         events = _events(endpoint, generation, envelope, count, usage)
         return EventStream(events, on_close=cleanup.close, headers=headers)
     try:
-        choices = await unless_disconnected(request.receive, _collect(generation, count))
+        choices = await reply_or_gone(request, _collect(generation, count), cleanup)
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED)
+    return JSONResponse(endpoint.response(envelope, choices, generation.usage()), headers=headers)
+
+
+async def launch(state: ServerState, count: int,
+                 start: Callable[[], Awaitable[Generation]]) -> tuple[Generation, ExitStack]:
+    """Take `count` queue slots, then `start()`; the ExitStack returned withdraws whatever has not finished
+    and frees the slots: every API closes it once its reply is done (or its client is gone)."""
+    cleanup = ExitStack()
+    cleanup.enter_context(state.admission.slot(count))
+    try:
+        generation = await start()
+    except BaseException:
+        cleanup.close()
+        raise
+    state.active.add(generation)
+    cleanup.callback(state.active.discard, generation)
+    cleanup.callback(generation.abort)  # runs first: whatever has not finished is withdrawn
+    return generation, cleanup
+
+
+async def reply_or_gone(request: Request, work: Awaitable[T], cleanup: ExitStack) -> T:
+    """A whole (non-streamed) reply: ClientGone if the client left first, 500 if the engine failed."""
+    try:
+        return await unless_disconnected(request.receive, work)
     except GenerationFailed as exc:
         raise server_error(str(exc)) from exc
     finally:
         cleanup.close()
-    return JSONResponse(endpoint.response(envelope, choices, generation.usage()), headers=headers)
 
 
-def _sane_n(n: int | None) -> int:
+def sane_n(n: int | None) -> int:
     """For counting queue slots only; SamplingParams rejects an n out of range with a 400 later."""
     return 1 if n is None else max(1, min(n, MAX_N))
 

@@ -1,70 +1,142 @@
-"""`POST /v1/chat/completions`: messages through the model's chat template, replies as
-`chat.completion` bodies or `chat.completion.chunk` events."""
+"""`POST /v1/chat/completions`: the OpenAI chat adapter over the chat pipeline (chat/). It translates the
+request into a ChatRequestSpec and the run's events into `chat.completion` bodies or `chat.completion.chunk`
+events: text, `reasoning_content` (and mlx-lm's `reasoning` alias), and tool calls streamed as OpenAI's client
+assembles them (index, id, type and name once, then argument pieces as they are generated)."""
 
 from __future__ import annotations
 
-from mlxpaged.engine import StreamDelta
-from mlxpaged.generation_defaults import GenerationDefaults
-from mlxpaged.sampling import SamplingParams
-from mlxpaged_app.server.errors import invalid_param
-from mlxpaged_app.server.formatting import ChoiceText, Envelope, TokenText, chat_logprobs, delta_logprobs
-from mlxpaged_app.server.params import check_chat_supported, sampling_params
+import time
+from typing import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from mlxpaged_app.server.chat.pipeline import ChatRun, ChoiceResult, start_chat
+from mlxpaged_app.server.chat.spec import (ChatEvent, ChatRequestSpec, Finish, ReasoningDelta, SamplingRequest,
+                                           TextDelta, TokenLogprobs, ToolCallArgs, ToolCallStart)
+from mlxpaged_app.server.engine_client import GenerationFailed
+from mlxpaged_app.server.errors import server_error
+from mlxpaged_app.server.formatting import Envelope, TokenText, chat_logprobs, new_id
+from mlxpaged_app.server.params import check_chat_supported
 from mlxpaged_app.server.prompts import chat_messages
 from mlxpaged_app.server.protocol import ChatRequest
+from mlxpaged_app.server.request_body import parse_request, read_body
+from mlxpaged_app.server.serving import CLIENT_CLOSED, reply_or_gone
+from mlxpaged_app.server.sse import DONE, ClientGone, EventStream, data_event
+from mlxpaged_app.server.state import ServerState
+from mlxpaged_app.server.tool_params import (check_combination, output_format, reasoning_spec, tool_choice,
+                                             tool_specs)
+
+CHUNK = "chat.completion.chunk"
 
 
-class ChatEndpoint:
-    schema = ChatRequest
-    chunk_object = "chat.completion.chunk"
-    prompt_param = "messages"
-    id_prefix = "chatcmpl-"
+def chat_spec(body: ChatRequest) -> ChatRequestSpec:
+    """The internal request; every 400 names the OpenAI field at fault."""
+    check_chat_supported(body)
+    tools = tool_specs(body.tools)
+    choice = tool_choice(body.tool_choice, tools)
+    output = output_format(body.response_format)
+    check_combination(body, output, choice)
+    sampling = SamplingRequest(
+        temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
+        repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty, seed=body.seed, stop=body.stop, n=body.n,
+        ignore_eos=body.ignore_eos, logit_bias=body.logit_bias, max_completion_tokens=body.max_completion_tokens)
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    return ChatRequestSpec(chat_messages(body), tools, choice,
+                           True if body.parallel_tool_calls is None else body.parallel_tool_calls, output,
+                           sampling, max_tokens, bool(body.logprobs),
+                           0 if body.top_logprobs is None else body.top_logprobs, reasoning_spec(body),
+                           bool(body.stream), "openai")
 
-    def __init__(self, engine, token_text: TokenText) -> None:
-        self.engine, self.token_text = engine, token_text
-        self.logprobs = False
 
-    def validate(self, body: ChatRequest) -> list[list[dict]]:
-        """One prompt: the conversation, as {role, content} dicts."""
-        check_chat_supported(body)
-        self.logprobs = bool(body.logprobs)
-        return [chat_messages(body)]
+async def serve_chat(request: Request, state: ServerState) -> Response:
+    arrived = time.perf_counter()
+    state.check_accepting()
+    body = parse_request(await read_body(request, state.config.max_body_size), ChatRequest)
+    state.check_model(body.model)
+    spec = chat_spec(body)
+    run, cleanup = await start_chat(state, spec, arrived)
+    envelope = Envelope(new_id("chatcmpl-"), state.model_id)
+    shapes = ChatShapes(envelope, state.token_text, spec.logprobs)
+    headers = {"x-request-id": envelope.id}
+    if spec.stream:
+        usage = bool(body.stream_options and body.stream_options.include_usage)
+        return EventStream(_stream(run, shapes, usage), on_close=cleanup.close, headers=headers)
+    try:
+        choices = await reply_or_gone(request, run.collect(), cleanup)
+    except ClientGone:
+        return Response(status_code=CLIENT_CLOSED)
+    return JSONResponse(shapes.response(choices, run.usage()), headers=headers)
 
-    def tokenize(self, sources: list[list[dict]]) -> list[list[int]]:
-        """Runs in a worker thread. A template that refuses the conversation is the client's 400."""
-        try:
-            return [self.engine.chat_tokens(messages) for messages in sources]
-        except Exception as exc:  # jinja's TemplateError, or a template's raise_exception(...)
-            raise invalid_param("messages", f"the model's chat template cannot render these messages: "
-                                            f"{type(exc).__name__}: {exc}") from None
 
-    @staticmethod
-    def requested_max_tokens(body: ChatRequest) -> int | None:
-        return body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+async def _stream(run: ChatRun, shapes: "ChatShapes", include_usage: bool) -> AsyncIterator[bytes]:
+    for index in range(run.spec.n):  # OpenAI opens each choice with a chunk that carries only the role
+        yield data_event(shapes.chunk(index, {"role": "assistant", "content": ""}))
+    try:
+        async for index, events in run.events():
+            for chunk in shapes.chunks(index, events):
+                yield data_event(chunk)
+    except GenerationFailed as exc:  # headers are sent: report in-band, as OpenAI does
+        yield data_event(server_error(str(exc)).body())
+    else:
+        if include_usage:
+            yield data_event(shapes.envelope.body(CHUNK, [], usage=run.usage()))
+    yield DONE
 
-    def params(self, body: ChatRequest, max_tokens: int, defaults: GenerationDefaults) -> SamplingParams:
-        return sampling_params(body, max_tokens=max_tokens, logprobs=bool(body.logprobs),
-                               top_logprobs=0 if body.top_logprobs is None else body.top_logprobs, defaults=defaults)
 
-    def response(self, envelope: Envelope, choices: list[ChoiceText], usage: dict) -> dict:
-        return envelope.body("chat.completion", [self._choice(i, c) for i, c in enumerate(choices)], usage=usage)
+class ChatShapes:
+    """OpenAI's chat bodies and chunks for one response."""
 
-    def _choice(self, index: int, choice: ChoiceText) -> dict:
+    def __init__(self, envelope: Envelope, token_text: TokenText, logprobs: bool) -> None:
+        self.envelope, self.token_text, self.logprobs = envelope, token_text, logprobs
+
+    def response(self, choices: list[ChoiceResult], usage: dict) -> dict:
+        return self.envelope.body("chat.completion", [self._choice(i, c) for i, c in enumerate(choices)],
+                                  usage=usage)
+
+    def _choice(self, index: int, choice: ChoiceResult) -> dict:
+        message: dict = {"role": "assistant", "content": choice.text if choice.text or not choice.tool_calls
+                         else None}
+        if choice.reasoning:
+            message["reasoning_content"] = message["reasoning"] = choice.reasoning
+        if choice.tool_calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function",
+                                      "function": {"name": c.name, "arguments": c.arguments_text}}
+                                     for c in choice.tool_calls]
         logprobs = chat_logprobs(self.token_text, choice.logprobs) if self.logprobs else None
-        return {"index": index, "message": {"role": "assistant", "content": choice.text},
-                "logprobs": logprobs, "finish_reason": choice.finish_reason}
+        finish = choice.finish.reason if choice.finish else None
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
 
-    def stream_start(self, envelope: Envelope, count: int) -> list[dict]:
-        """OpenAI opens each choice with a chunk that carries only the role."""
-        return [self._chunk(envelope, i, {"role": "assistant", "content": ""}, None, None) for i in range(count)]
+    def chunks(self, index: int, events: list[ChatEvent]) -> list[dict]:
+        """One chunk per event that shows; the delta's logprobs ride on the first (or on an empty delta)."""
+        entries = [e for event in events if isinstance(event, TokenLogprobs) for e in event.entries]
+        logprobs = chat_logprobs(self.token_text, entries) if self.logprobs and entries else None
+        out = []
+        for event in events:
+            delta = _delta(event)
+            if delta is not None:
+                finish = event.reason if isinstance(event, Finish) else None
+                out.append(self.chunk(index, delta, logprobs if not out else None, finish))
+        if logprobs and not out:
+            out.append(self.chunk(index, {}, logprobs))
+        return out
 
-    def stream_chunk(self, envelope: Envelope, choice: int, delta: StreamDelta) -> dict | None:
-        logprobs = chat_logprobs(self.token_text, delta_logprobs(delta)) if self.logprobs else None
-        if not delta.text and delta.finish_reason is None and not (logprobs and logprobs["content"]):
-            return None  # text held back (a possible stop string, or half a UTF-8 character)
-        content = {"content": delta.text} if delta.text else {}
-        return self._chunk(envelope, choice, content, logprobs, delta.finish_reason)
-
-    @staticmethod
-    def _chunk(envelope: Envelope, index: int, delta: dict, logprobs: dict | None, finish: str | None) -> dict:
+    def chunk(self, index: int, delta: dict, logprobs: dict | None = None, finish: str | None = None) -> dict:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        return envelope.body("chat.completion.chunk", [choice])
+        return self.envelope.body(CHUNK, [choice])
+
+
+def _delta(event: ChatEvent) -> dict | None:
+    if isinstance(event, TextDelta):
+        return {"content": event.text}
+    if isinstance(event, ReasoningDelta):
+        return {"reasoning_content": event.text, "reasoning": event.text}
+    if isinstance(event, ToolCallStart):
+        return {"tool_calls": [{"index": event.index, "id": event.id, "type": "function",
+                                "function": {"name": event.name, "arguments": ""}}]}
+    if isinstance(event, ToolCallArgs):
+        return {"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]}
+    if isinstance(event, Finish):
+        return {}
+    return None  # ToolCallEnd (the arguments are all out already), TokenLogprobs (ride on a chunk)

@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-from mlxpaged.engine import StreamDelta
-from mlxpaged.generation_defaults import GenerationDefaults
-from mlxpaged.sampling import SamplingParams
+from mlxpaged.engine.engine import StreamDelta
+from mlxpaged.runner.sampling import SamplingParams
+from mlxpaged.loading.generation_defaults import GenerationDefaults
 from mlxpaged_app.server.formatting import ChoiceText, Envelope, TokenText, completion_logprobs, delta_logprobs
 from mlxpaged_app.server.params import check_completion_supported, sampling_params
 from mlxpaged_app.server.prompts import completion_prompts

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from mlxpaged.generation_defaults import NO_DEFAULTS, GenerationDefaults
+from mlxpaged.loading.generation_defaults import NO_DEFAULTS, GenerationDefaults
 from mlxpaged_app.server.admission import Admission
 from mlxpaged_app.server.engine_client import Generation
 from mlxpaged_app.server.errors import model_not_found, unavailable

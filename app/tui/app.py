@@ -1,5 +1,6 @@
 """ChatApp: the `mlxpaged chat` Textual app. Layout, key actions and conversation state;
-replies run through `replies.ReplyFlow`, model loading through `loading.ModelLoading`."""
+replies run through `replies.ReplyFlow`, model loading through `loading.ModelLoading` (their
+workers post the Messages of messages.py)."""
 
 from __future__ import annotations
 
@@ -9,25 +10,27 @@ from textual.app import App, ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Footer, Header, Static
 
-from mlxpaged.generation_defaults import NO_DEFAULTS, GenerationDefaults
-from mlxpaged_app.tui.chat_input import ChatInput
-from mlxpaged_app.tui.chat_view import ChatLog
-from mlxpaged_app.tui.engine_panel import EnginePanel
-from mlxpaged_app.tui.help_screen import HelpScreen
-from mlxpaged_app.tui.history_screen import HistoryScreen
+from mlxpaged.loading.generation_defaults import NO_DEFAULTS, GenerationDefaults
 from mlxpaged_app.tui.keys import APP_BINDINGS
 from mlxpaged_app.tui.loading import ModelLoading
-from mlxpaged_app.tui.loading_panel import LoadingPanel
 from mlxpaged_app.tui.memory_use import MemoryProbe, probe_memory
-from mlxpaged_app.tui.model_picker import ModelLister, ModelPickerScreen, list_model_choices
 from mlxpaged_app.tui.protocol import ChatEngine, EngineFactory
 from mlxpaged_app.tui.replies import ReplyFlow
+from mlxpaged_app.tui.screens.help_screen import HelpScreen
+from mlxpaged_app.tui.screens.history_screen import HistoryScreen
+from mlxpaged_app.tui.screens.model_picker import ModelLister, ModelPickerScreen, list_model_choices
+from mlxpaged_app.tui.screens.settings_screen import SettingsScreen
+from mlxpaged_app.tui.screens.system_prompt_screen import SystemPromptScreen
 from mlxpaged_app.tui.settings import ChatSettings
-from mlxpaged_app.tui.settings_screen import SettingsScreen
 from mlxpaged_app.tui.store import Conversation, ConversationStore
-from mlxpaged_app.tui.system_prompt_screen import SystemPromptScreen
+from mlxpaged_app.tui.widgets.chat_input import ChatInput
+from mlxpaged_app.tui.widgets.chat_view import ChatLog
+from mlxpaged_app.tui.widgets.engine_panel import EnginePanel
+from mlxpaged_app.tui.widgets.loading_panel import LoadingPanel
 
 PANEL_MIN_WIDTH = 100  # below this many columns the engine panel starts hidden (F2 shows it)
+# The engine panel samples the engine on a timer: its block states, cache counters, rates and memory
+# change on the engine's own thread with no event to wait on. Replies never wait for this timer.
 PANEL_REFRESH_S = 0.25
 
 

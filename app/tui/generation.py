@@ -1,6 +1,6 @@
-"""One assistant reply: submit it to the engine and drain its events on a worker thread.
-
-Plain Python (no Textual): the app hands in a listener whose methods forward to the UI thread.
+"""One assistant reply: submit it to the engine and drain its events on a worker thread, posting
+each step to the app as a Textual Message (messages.py). No polling: the drain blocks on the
+engine's event queue, and `stop` wakes it to start the grace period.
 """
 
 from __future__ import annotations
@@ -9,10 +9,16 @@ import queue
 import threading
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol
+from typing import Any, Callable
+
+from textual.message import Message
+
+from mlxpaged_app.tui.messages import ReplyDelta, ReplyFailed, ReplyFinished, ReplyStarted
 
 STOP_GRACE_S = 3.0  # after an abort, how long to wait for the engine's final event
-POLL_S = 0.1
+_WAKE = object()  # queued by stop(): wakes a drain blocked on the queue so it starts the grace period
+
+Post = Callable[[Message], bool]  # post_message: False when nobody will read the message
 
 
 @dataclass
@@ -48,21 +54,11 @@ class ReplyStats:
         return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
 
 
-class ReplyListener(Protocol):
-    """Called on the worker thread; implementations forward to the UI thread."""
-
-    def reply_started(self, run: "ReplyRun") -> None: ...
-
-    def reply_text(self, run: "ReplyRun", text: str) -> None: ...
-
-    def reply_finished(self, run: "ReplyRun", stats: ReplyStats) -> None: ...
-
-    def reply_failed(self, run: "ReplyRun", error: BaseException, rejected: bool) -> None: ...
-
-
 class ReplyRun:
-    def __init__(self, engine: Any, messages: list[dict], params: Any):
-        self.engine, self.messages, self.params = engine, messages, params
+    """`post` delivers this run's Messages to the app (its thread-safe post_message)."""
+
+    def __init__(self, engine: Any, messages: list[dict], params: Any, post: Post):
+        self.engine, self.messages, self.params, self._post = engine, messages, params, post
         self.request_id: str | None = None
         self.prompt_tokens: int | None = None
         self.text = ""
@@ -80,66 +76,82 @@ class ReplyRun:
             return
         self._stopped_at = time.perf_counter()
         self._stop.set()
+        self._events.put(_WAKE)
         if self.request_id is not None:
             self.engine.abort(self.request_id)
 
-    def run(self, listener: ReplyListener) -> None:
-        """The worker thread's body."""
+    def run(self) -> None:
+        """The worker thread's body: posts ReplyStarted, ReplyDelta..., then ReplyFinished or ReplyFailed."""
         started = time.perf_counter()
         try:
             prompt = self.engine.chat_tokens(self.messages)
             self.prompt_tokens = len(prompt)
             self.request_id = self.engine.submit(prompt, self.params, self._events.put)
         except Exception as exc:  # too long, bad settings, engine closed: the UI says why
-            listener.reply_failed(self, exc, rejected=True)
+            self._send(ReplyFailed(self, exc, rejected=True))
             return
         if self._stop.is_set():  # Esc arrived while we were submitting
             self.engine.abort(self.request_id)
-        listener.reply_started(self)
-        self._drain(listener, started)
+        self._send(ReplyStarted(self))
+        self._drain(started)
 
-    def _drain(self, listener: ReplyListener, started: float) -> None:
+    def _send(self, message: Message) -> None:
+        if not self._post(message):  # the app has gone: do not leave the request running
+            self.stop()
+
+    def _drain(self, started: float) -> None:
         first_token = None
         while True:
             events = self._next_events()
             if events is None:  # stopped, and the engine never confirmed: end the reply ourselves
-                listener.reply_finished(self, ReplyStats(self.prompt_tokens or 0, finish_reason="abort"))
+                self._send(ReplyFinished(self, ReplyStats(self.prompt_tokens or 0, finish_reason="abort")))
                 return
             pieces, final = [], None
             for event in events:
                 if isinstance(event, BaseException):
-                    self._flush(listener, pieces)
-                    listener.reply_failed(self, event, rejected=False)
+                    self._flush(pieces)
+                    self._send(ReplyFailed(self, event, rejected=False))
                     return
                 if first_token is None and event.token_id is not None:
                     first_token = time.perf_counter()
                 pieces.append(event.text)
                 final = event if event.finish_reason is not None else final
-            self._flush(listener, pieces)
+            self._flush(pieces)
             if final is not None:
-                listener.reply_finished(self, _stats(final, started, first_token, time.perf_counter()))
+                self._send(ReplyFinished(self, _stats(final, started, first_token, time.perf_counter())))
                 return
 
-    def _flush(self, listener: ReplyListener, pieces: list[str]) -> None:
+    def _flush(self, pieces: list[str]) -> None:
         text = "".join(pieces)
         if text:
             self.text += text
-            listener.reply_text(self, text)
+            self._send(ReplyDelta(self, text))
 
     def _next_events(self) -> list | None:
-        """Every event already queued (at least one), so a slow UI gets tokens in batches."""
+        """Every event already queued (at least one), as one batch; None once stopped and the
+        engine has not confirmed within STOP_GRACE_S."""
+        events: list = []
+        while not events:
+            try:
+                first = self._events.get(timeout=self._grace_left())
+            except queue.Empty:
+                return None
+            events = [event for event in [first, *self._queued()] if event is not _WAKE]
+        return events
+
+    def _queued(self) -> list:
+        queued = []
         while True:
             try:
-                events = [self._events.get(timeout=POLL_S)]
-                break
+                queued.append(self._events.get_nowait())
             except queue.Empty:
-                if self._stopped_at is not None and time.perf_counter() - self._stopped_at > STOP_GRACE_S:
-                    return None
-        while True:
-            try:
-                events.append(self._events.get_nowait())
-            except queue.Empty:
-                return events
+                return queued
+
+    def _grace_left(self) -> float | None:
+        """None (wait as long as the reply takes) until stopped; then what is left of the grace."""
+        if self._stopped_at is None:
+            return None
+        return max(0.0, self._stopped_at + STOP_GRACE_S - time.perf_counter())
 
 
 def _stats(final: Any, started: float, first_token: float | None, ended: float) -> ReplyStats:

@@ -37,7 +37,7 @@ def real_engine_factory(cache_tokens: int) -> EngineFactory:
     """Engines over the real model store, with a KV cache capped at `cache_tokens` tokens."""
 
     def build(name: str | None, progress: Progress) -> ChatEngine:
-        from mlxpaged.engine import Engine
+        from mlxpaged.engine.engine import Engine
 
         engine = Engine.from_pretrained(name, progress, max_tokens=cache_tokens)  # refuses before loading weights
         try:

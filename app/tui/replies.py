@@ -1,46 +1,25 @@
 """Sending, streaming, stopping, regenerating and editing replies (a mixin of ChatApp).
 
-A reply runs in a thread worker (`ReplyRun.run`); its events come back to the UI thread with
-`call_from_thread`. Every callback checks that its run is still the current one, so a reply
-abandoned by "new chat" or "open conversation" cannot write into the next conversation.
+A reply runs in a thread worker (`ReplyRun.run`), which posts ReplyStarted, ReplyDelta and
+ReplyFinished / ReplyFailed Messages; the `on_reply_...` handlers below take them on the UI thread.
+Every handler checks that its run is still the current one, so a reply abandoned by "new chat" or
+"open conversation" cannot write into the next conversation.
 A message sent while the model loads waits in its conversation and is answered once an engine is ready.
 """
 
 from __future__ import annotations
 
+from functools import partial
+
 from textual import work
 from textual.worker import Worker, WorkerState
 
-from mlxpaged_app.tui.chat_input import ChatInput
-from mlxpaged_app.tui.chat_view import AssistantMessage, UserMessage
 from mlxpaged_app.tui.errors import error_text
-from mlxpaged_app.tui.generation import ReplyRun, ReplyStats
+from mlxpaged_app.tui.generation import ReplyRun
+from mlxpaged_app.tui.messages import ReplyDelta, ReplyFailed, ReplyFinished, ReplyStarted, post_from_thread
 from mlxpaged_app.tui.store import Conversation
-
-
-class _UiListener:
-    """ReplyRun's listener: relays each event to the UI thread and waits for it to be shown."""
-
-    def __init__(self, app):
-        self.app = app
-
-    def _relay(self, run: ReplyRun, callback, *args) -> None:
-        try:
-            self.app.call_from_thread(callback, run, *args)
-        except RuntimeError:  # the app is shutting down: do not leave the request running
-            run.stop()
-
-    def reply_started(self, run):
-        self._relay(run, self.app.on_reply_started)
-
-    def reply_text(self, run, text):
-        self._relay(run, self.app.on_reply_text, text)
-
-    def reply_finished(self, run, stats):
-        self._relay(run, self.app.on_reply_finished, stats)
-
-    def reply_failed(self, run, error, rejected):
-        self._relay(run, self.app.on_reply_failed, error, rejected)
+from mlxpaged_app.tui.widgets.chat_input import ChatInput
+from mlxpaged_app.tui.widgets.chat_view import AssistantMessage, UserMessage
 
 
 class ReplyFlow:
@@ -114,25 +93,27 @@ class ReplyFlow:
         view = AssistantMessage(self.model_label)
         await self.chat_log.add(view)
         view.start()
-        run = ReplyRun(self.engine, self.conversation.chat_messages(), self.settings.sampling_params(self.model_defaults))
+        params = self.settings.sampling_params(self.model_defaults)
+        run = ReplyRun(self.engine, self.conversation.chat_messages(), params, partial(post_from_thread, self))
         self.reply, self.reply_view = run, view
         self.update_status("Generating… Esc stops.")
         self._run_reply(run)
 
     @work(thread=True, group="reply", exit_on_error=False)
     def _run_reply(self, run: ReplyRun) -> None:
-        run.run(_UiListener(self))
+        run.run()
 
-    # --- events from the worker (UI thread) ----------------------------------------------------
-    def on_reply_started(self, run: ReplyRun) -> None:
-        if run is self.reply:
+    # --- messages from the worker (UI thread) --------------------------------------------------
+    def on_reply_started(self, message: ReplyStarted) -> None:
+        if message.run is self.reply:
             self.refresh_engine_panel()
 
-    async def on_reply_text(self, run: ReplyRun, text: str) -> None:
-        if run is self.reply:
-            await self.reply_view.append(text)
+    async def on_reply_delta(self, message: ReplyDelta) -> None:
+        if message.run is self.reply:
+            await self.reply_view.append(message.text)
 
-    async def on_reply_finished(self, run: ReplyRun, stats: ReplyStats) -> None:
+    async def on_reply_finished(self, message: ReplyFinished) -> None:
+        run, stats = message.run, message.stats
         if run is not self.reply:
             return
         view, self.reply, self.reply_view = self.reply_view, None, None
@@ -148,18 +129,18 @@ class ReplyFlow:
         self.update_status()
         self.refresh_engine_panel()
 
-    async def on_reply_failed(self, run: ReplyRun, error: BaseException, rejected: bool) -> None:
-        if run is not self.reply:
+    async def on_reply_failed(self, message: ReplyFailed) -> None:
+        if message.run is not self.reply:
             return
         view, self.reply, self.reply_view = self.reply_view, None, None
         await view.remove()
-        message = error_text(error)
-        if rejected and self.conversation.messages and self.conversation.messages[-1]["role"] == "user":
+        text = error_text(message.error)
+        if message.rejected and self.conversation.messages and self.conversation.messages[-1]["role"] == "user":
             await self._return_last_message_to_input()
-            message += "\nYour message is back in the input: edit it, or start a new chat (Ctrl+N)."
+            text += "\nYour message is back in the input: edit it, or start a new chat (Ctrl+N)."
         else:
-            message += "\nCtrl+R tries again."
-        self.notify(message, title="The reply failed", severity="error", timeout=12)
+            text += "\nCtrl+R tries again."
+        self.notify(text, title="The reply failed", severity="error", timeout=12)
         self.update_status()
 
     def on_worker_state_changed(self, event: Worker.StateChanged) -> None:

@@ -1,15 +1,15 @@
 """Sampling settings of the chat app and their translation into SamplingParams.
 
 temperature / top_p left as None follow the model's recommended values (its generation_config.json,
-mlxpaged.generation_defaults), else SamplingParams' own defaults; a value the user gives wins.
+mlxpaged.loading.generation_defaults), else SamplingParams' own defaults; a value the user gives wins.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from mlxpaged.generation_defaults import NO_DEFAULTS, GenerationDefaults
-from mlxpaged.sampling import SamplingParams
+from mlxpaged.runner.sampling import SamplingParams
+from mlxpaged.loading.generation_defaults import NO_DEFAULTS, GenerationDefaults
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,8 @@ class ChatSettings:
         params = self.sampling_params(defaults)
         seed = "random" if self.seed is None else str(self.seed)
         return (f"temperature {params.temperature:g}{self._origin('temperature', defaults)} · "
-                f"top_p {params.top_p:g}{self._origin('top_p', defaults)} · max {self.max_tokens} tokens · seed {seed}")
+                f"top_p {params.top_p:g}{self._origin('top_p', defaults)} · "
+                f"max {self.max_tokens} tokens · seed {seed}")
 
     def _origin(self, name: str, defaults: GenerationDefaults) -> str:
         return " (model)" if getattr(self, name) is None and name in defaults.values else ""

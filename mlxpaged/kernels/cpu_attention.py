@@ -7,7 +7,7 @@ kernel but matmul + softmax, and the softmax's ``exp`` dominates.
 Measured on the 2-core CPU backend (MLX 0.32): ``mx.exp`` runs at ~12 ns per element (scalar),
 while the matmuls of attention run through BLAS. For a 450-token causal prefill of one
 SmolLM2 layer (9 query / 3 KV heads, D 64) the scores matmul takes 1.4 ms and the softmax 22 ms.
-Three changes, each checked against a NumPy float64 reference in tests/test_cpu_attention.py:
+Three changes, each checked against a NumPy float64 reference in tests/kernels/test_cpu_attention.py:
 
 - ``exp`` of the shifted scores is computed as 2^n * p(f) (n = round(x log2 e), |f| <= 1/2,
   p a degree-7 Taylor polynomial of 2^f, 2^n built from exponent bits): a compiled elementwise

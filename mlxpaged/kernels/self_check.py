@@ -1,6 +1,6 @@
 """Kernel self-check: run each Metal kernel variant a model needs once on a small random case and
 compare it with the pure-MLX reference, so a kernel that does not compile or gives wrong numbers on
-this GPU is replaced by the reference (mlxpaged.attention) instead of reaching a user's chat.
+this GPU is replaced by the reference (mlxpaged.kernels.attention) instead of reaching a user's chat.
 
 A variant is one compiled specialisation: dtype, head dim, block size and GQA group are template
 parameters, one-pass and two-pass are different kernels. The number of KV heads and the lengths are

@@ -1,0 +1,133 @@
+"""A chat request's run, for every API: queue slots, the prompt and grammar (off the event loop), submission,
+then events per choice (streamed) or whole choices (collected). An adapter only shapes what comes out."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import anyio
+
+from mlxpaged.runner.sampling import SamplingParams
+from mlxpaged_app.server.chat.output import OutputParser
+from mlxpaged_app.server.chat.render import reasoning_open, render_prompt
+from mlxpaged_app.server.chat.spec import (ChatEvent, ChatRequestSpec, Finish, ReasoningDelta, TextDelta,
+                                           TokenLogprobs, ToolCallArgs, ToolCallEnd, ToolCallStart)
+from mlxpaged_app.server.chat.structure import compile_constraint, grammar_for
+from mlxpaged_app.server.chat.tool_formats import ToolFormat, tool_format
+from mlxpaged_app.server.engine_client import Generation
+from mlxpaged_app.server.params import resolve_max_tokens, sampling_params
+from mlxpaged_app.server.serving import launch, sane_n
+from mlxpaged_app.server.state import ServerState
+
+CALL_ID_PREFIX = {"openai": "call_", "responses": "call_", "anthropic": "toolu_"}
+
+
+@dataclass
+class Prepared:
+    """What the worker thread works out before submission."""
+    prompt: list[int]
+    constraint: object | None  # mlxpaged.constraints.Constraint
+    reasoning_open: bool
+    format: ToolFormat
+
+
+def prepare(engine, spec: ChatRequestSpec) -> Prepared:
+    """Runs in a worker thread: template rendering and a grammar's first compile take real time."""
+    tokenizer = engine.tokenizer
+    fmt = tool_format(tokenizer)
+    prompt = render_prompt(tokenizer, spec)
+    grammar = grammar_for(spec, fmt, thinking=bool(getattr(tokenizer, "has_thinking", False)))
+    return Prepared(prompt, compile_constraint(engine, grammar), reasoning_open(tokenizer, prompt), fmt)
+
+
+@dataclass
+class CallResult:
+    id: str
+    name: str
+    arguments_text: str = ""
+    arguments: dict | None = None  # None until the call ended
+
+
+@dataclass
+class ChoiceResult:
+    """One choice, folded from its events (what a non-streamed reply shows)."""
+    text: str = ""
+    reasoning: str = ""
+    tool_calls: list[CallResult] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    finish: Finish | None = None
+
+    def add(self, event: ChatEvent) -> None:
+        if isinstance(event, TextDelta):
+            self.text += event.text
+        elif isinstance(event, ReasoningDelta):
+            self.reasoning += event.text
+        elif isinstance(event, ToolCallStart):
+            self.tool_calls.append(CallResult(event.id, event.name))
+        elif isinstance(event, ToolCallArgs):
+            self.tool_calls[event.index].arguments_text += event.text
+        elif isinstance(event, ToolCallEnd):
+            self.tool_calls[event.index].arguments = event.arguments
+        elif isinstance(event, TokenLogprobs):
+            self.logprobs += event.entries
+        elif isinstance(event, Finish):
+            self.finish = event
+
+
+class ChatRun:
+    def __init__(self, spec: ChatRequestSpec, generation: Generation, prepared: Prepared, tokenizer) -> None:
+        self.spec, self.generation = spec, generation
+        think = (tokenizer.think_start, tokenizer.think_end) if getattr(tokenizer, "has_thinking", False) else None
+        prefix = CALL_ID_PREFIX[spec.api]
+        self.parsers = [OutputParser(think=think, tools=prepared.format if spec.parses_tools else None,
+                                     tool_dicts=[t.as_template_tool() for t in spec.tools],
+                                     new_call_id=lambda: f"{prefix}{uuid.uuid4().hex[:24]}",
+                                     reasoning_open=prepared.reasoning_open, logprobs=spec.logprobs)
+                        for _ in range(spec.n)]
+
+    async def events(self) -> AsyncIterator[tuple[int, list[ChatEvent]]]:
+        """(choice, the events one engine delta completed); GenerationFailed if the engine failed."""
+        async for choice, delta in self.generation.deltas():
+            yield choice, self.parsers[choice].feed(delta)
+
+    async def collect(self) -> list[ChoiceResult]:
+        results = [ChoiceResult() for _ in self.parsers]
+        async for choice, events in self.events():
+            for event in events:
+                results[choice].add(event)
+        return results
+
+    def usage(self) -> dict:
+        return self.generation.usage()
+
+
+def _params(state: ServerState, spec: ChatRequestSpec, prepared: Prepared) -> SamplingParams:
+    max_tokens = resolve_max_tokens(spec.max_tokens, len(prepared.prompt), state.context_limit,
+                                    state.default_max_tokens)
+    params = sampling_params(spec.sampling, max_tokens=max_tokens, logprobs=spec.logprobs,
+                             top_logprobs=spec.top_logprobs, defaults=state.config.sampling_defaults)
+    if prepared.constraint is not None:
+        params = dataclasses.replace(params, constraint=prepared.constraint)
+    return params
+
+
+async def start_chat(state: ServerState, spec: ChatRequestSpec, arrived: float | None = None
+                     ) -> tuple[ChatRun, ExitStack]:
+    """Submit the request; close the ExitStack when the reply is done (it withdraws what has not finished)."""
+    arrived = time.perf_counter() if arrived is None else arrived
+    prepared: list[Prepared] = []
+
+    async def start() -> Generation:
+        prepared.append(await anyio.to_thread.run_sync(prepare, state.engine, spec))
+        params = _params(state, spec, prepared[0])
+        generation = Generation(state.engine, state.metrics, params.n, arrived)
+        generation.submit([prepared[0].prompt], params, "messages")
+        return generation
+
+    generation, cleanup = await launch(state, sane_n(spec.sampling.n), start)
+    return ChatRun(spec, generation, prepared[0], state.engine.tokenizer), cleanup

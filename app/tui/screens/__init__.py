@@ -1,0 +1,1 @@
+"""The chat app's screens: every Screen and ModalScreen it pushes (help, history, settings, ...)."""

@@ -1,0 +1,83 @@
+"""F4: switch model: presets and local models, or any name / path / hub id typed in."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical
+from textual.screen import ModalScreen
+from textual.widgets import Input, OptionList, Static
+from textual.widgets.option_list import Option
+
+
+@dataclass(frozen=True)
+class ModelChoice:
+    name: str
+    description: str
+    local_bytes: int | None  # None: not downloaded / converted yet
+    is_default: bool = False
+
+
+ModelLister = Callable[[], list[ModelChoice]]
+
+
+def list_model_choices() -> list[ModelChoice]:
+    from mlxpaged.loading.loader import default_dtype
+    from mlxpaged.loading.model_store import list_models
+
+    return [ModelChoice(r.name, r.description, r.size_bytes if r.path else None, r.is_default)
+            for r in list_models(default_dtype())]
+
+
+def _label(choice: ModelChoice, current: str | None) -> Text:
+    text = Text(f"{choice.name:<18}", style="bold" if choice.name == current else "")
+    where = f"{choice.local_bytes / 1e6:,.0f} MB" if choice.local_bytes is not None else "download"
+    text.append(f"{where:>10}  ", style="green" if choice.local_bytes is not None else "yellow")
+    text.append(choice.description, style="dim")
+    if choice.name == current:
+        text.append("  (loaded)", style="italic")
+    return text
+
+
+class ModelPickerScreen(ModalScreen[str | None]):
+    BINDINGS = [Binding("escape", "cancel", "Cancel")]
+
+    def __init__(self, lister: ModelLister, current: str | None):
+        super().__init__()
+        self.lister, self.current = lister, current
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="model-dialog", classes="dialog"):
+            yield Static("Switch model", classes="dialog-title")
+            yield OptionList(id="model-list")
+            yield Input(placeholder="…or type a preset, a model directory or a Hugging Face repo id",
+                        id="model-name", compact=True)
+            yield Static("Enter loads the model; Esc cancels. Models marked download need internet once.",
+                         classes="dialog-hint")
+
+    def on_mount(self) -> None:
+        options = self.query_one(OptionList)
+        try:
+            choices = self.lister()
+        except Exception as exc:  # a broken presets file must not take the app down
+            self.query_one(".dialog-hint", Static).update(f"cannot list models: {exc}")
+            choices = []
+        options.add_options([Option(_label(c, self.current), id=c.name) for c in choices])
+        names = [c.name for c in choices]
+        if names:
+            options.highlighted = names.index(self.current) if self.current in names else 0
+        options.focus()
+
+    def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
+        self.dismiss(event.option.id)
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        if event.value.strip():
+            self.dismiss(event.value.strip())
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)

@@ -1,0 +1,350 @@
+"""The per-layer cache an unmodified mlx-lm model attends through, backed by page pools.
+
+mlx-lm attention layers do `rope(x, offset=cache.offset)`, then
+`keys, values = cache.update_and_fetch(keys, values)`, then SDPA with a mask the
+model got once per attention type from `cache.make_mask(N, window_size=...)`
+(`mlx_lm.models.base.create_attention_mask`). `PagedCacheView` implements those
+with the same semantics as mlx-lm's `KVCache` / `RotatingKVCache` (offsets advance
+inside `update_and_fetch`), so `model(tokens, cache=views)` runs on paged memory
+with the reference attention path: new K/V go into pages through the slot mapping,
+and the K/V returned for attention are gathered back from the pages.
+
+Batches. Batch 1: `offset` is an int and masks are mlx-lm's own (None, "causal" or
+an array). Ragged batch B > 1: feed tokens right-padded to `[B, L]`, with
+`offsets[b]` tokens already cached and `num_new[b] <= L` real tokens per row;
+`offset` is then an `mx.array` of shape [B] (mlx-lm's batched RoPE), padding tokens
+are neither written nor attended, and `make_mask` returns a boolean
+`[B, 1, L, K]` array. Logits of sequence b are at row `num_new[b] - 1`; padding
+rows hold finite garbage.
+
+Sliding-window layers read the positions [offset - window + 1, end) from their
+ring of ceil(window / block_size) + 1 blocks. A chunk too long for the ring to
+hold both the old window and the new tokens (more than about block_size + 1 new
+tokens) takes the transformers route: the old window is read from pages first
+(and evaluated, so the write stays in place), the new keys are attended as given,
+and only the tail that stays in the window is written.
+
+Block tables are plain lists, one per sequence per layer group
+(`block_tables[b][group.index]`), fully allocated for this pass before the model
+runs; the views keep references, so an engine may append blocks between passes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import mlx.core as mx
+from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+from mlxpaged.cache.kv_cache import LayerGroup, PagedKVCache
+
+
+def _routable(plan: "_Plan | None", group: LayerGroup) -> bool:
+    """One new token per sequence on a full-attention layer: the paged decode kernel's case."""
+    return plan is not None and plan.length == 1 and not plan.split and group.window is None
+
+
+def layer_windows(model) -> list[int | None]:
+    """Per layer, the sliding window mlx-lm's own cache gives it, or None (full attention)."""
+    if not hasattr(model, "make_cache"):
+        return [None] * len(model.layers)
+    windows: list[int | None] = []
+    for layer, cache in enumerate(model.make_cache()):
+        if type(cache) is KVCache:
+            windows.append(None)
+        elif type(cache) is RotatingKVCache and cache.keep == 0:
+            windows.append(cache.max_size)
+        else:
+            raise ValueError(f"layer {layer}: mlx-lm cache {type(cache).__name__} has no paged equivalent")
+    return windows
+
+
+def make_paged_cache(
+    model,
+    kv_cache: PagedKVCache,
+    block_tables: Sequence[Sequence[list[int]]],
+    offsets: Sequence[int] | None = None,
+    num_new: Sequence[int] | None = None,
+) -> list[PagedCacheView]:
+    """The per-layer cache list for `model(tokens, cache=...)`, after checking the model fits the pools."""
+    windows = tuple(layer_windows(model))
+    if windows != kv_cache.layer_windows:
+        raise ValueError(f"model layer windows {windows} differ from the cache's {kv_cache.layer_windows}")
+    return paged_views(kv_cache, block_tables, offsets, num_new)
+
+
+def paged_views(
+    kv_cache: PagedKVCache,
+    block_tables: Sequence[Sequence[list[int]]],
+    offsets: Sequence[int] | None = None,
+    num_new: Sequence[int] | None = None,
+    routed: bool = False,
+) -> list[PagedCacheView]:
+    """Views for every layer; `block_tables[b][g]` is sequence b's table for group g.
+    `routed`: the model's attention goes through `decode_inputs` (mlxpaged.loading.loader routing), so
+    decode passes skip gathering K/V that nobody reads.
+
+    `offsets[b]`: tokens already cached (default 0). `num_new[b]`: real tokens of row b
+    in the next pass only (default: every row is full); later passes treat rows as full.
+    """
+    batch = len(block_tables)
+    offsets = list(offsets) if offsets is not None else [0] * batch
+    if batch < 1 or len(offsets) != batch or any(o < 0 for o in offsets):
+        raise ValueError(f"{batch} block tables need as many non-negative offsets, got {offsets}")
+    if any(len(tables) != len(kv_cache.groups) for tables in block_tables):
+        raise ValueError(f"each sequence needs {len(kv_cache.groups)} block tables, one per layer group")
+    if num_new is not None and (len(num_new) != batch or any(n < 1 for n in num_new)):
+        raise ValueError(f"num_new {list(num_new)} must hold {batch} counts of at least 1")
+    planners = [
+        _GroupPlanner(kv_cache, g, [tables[g.index] for tables in block_tables]) for g in kv_cache.groups
+    ]
+    return [
+        PagedCacheView(kv_cache, layer, planners[kv_cache.group_of(layer).index], offsets, num_new, routed)
+        for layer in range(kv_cache.num_layers)
+    ]
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Where one group's layers write and read in one pass; shared by the group's views."""
+
+    exact: bool  # batch 1, full rows: keys are returned as exactly positions [key_start, end)
+    split: bool  # old window read before the write, new keys attended as given
+    write_slots: mx.array  # [T]
+    write_rows: mx.array | None  # [T] rows of the flattened [B * L] new tokens; None: all, in order
+    write_run: tuple[int, int] | None  # (block, offset): one sequence's new tokens fill one run of one block
+    read_blocks: mx.array | None  # [B, n] blocks in position order; None: nothing to read
+    offsets: tuple[int, ...]
+    num_new: tuple[int, ...]
+    key_starts: tuple[int, ...]
+    read_ends: tuple[int, ...]  # one tuple per pass: per-layer consumers memoize on it
+    bases: tuple[int, ...]  # position of the first gathered key per sequence
+    length: int  # L, new tokens per row including padding
+    page_tokens: int  # keys gathered from pages per sequence (n * block_size)
+
+
+def _build_plan(
+    group: LayerGroup,
+    tables: list[list[int]],
+    offsets: Sequence[int],
+    num_new: Sequence[int],
+    length: int,
+    block_size: int,
+) -> _Plan:
+    ends = [o + n for o, n in zip(offsets, num_new)]
+    for table, end in zip(tables, ends):
+        group.check_table(table, end, block_size)
+    starts = [group.key_start(o) for o in offsets]
+    ring = group.ring_tokens(block_size)
+    split = ring is not None and any(e - s > ring for s, e in zip(starts, ends))
+    read_ends = list(offsets) if split else ends
+    slots, rows = _write_slots(group, tables, offsets, ends, length, block_size)
+    blocks, bases = _read_blocks(group, tables, starts, read_ends, block_size)
+    return _Plan(
+        exact=len(tables) == 1 and num_new[0] == length,
+        split=split,
+        write_slots=mx.array(slots, dtype=mx.int32),
+        write_rows=None if rows == list(range(len(tables) * length)) else mx.array(rows, dtype=mx.int32),
+        write_run=_single_run(slots, len(tables) * length, block_size) if len(tables) == 1 else None,
+        read_blocks=blocks,
+        offsets=tuple(offsets),
+        num_new=tuple(num_new),
+        key_starts=tuple(starts),
+        read_ends=tuple(read_ends),
+        bases=tuple(bases),
+        length=length,
+        page_tokens=0 if blocks is None else blocks.shape[1] * block_size,
+    )
+
+
+def _single_run(slots: list[int], num_new: int, block_size: int) -> tuple[int, int] | None:
+    """(block, offset) when all `num_new` new tokens go, in order, to consecutive slots of one block."""
+    if len(slots) != num_new or slots != list(range(slots[0], slots[0] + num_new)) \
+            or slots[0] // block_size != slots[-1] // block_size:
+        return None
+    return slots[0] // block_size, slots[0] % block_size
+
+
+def _write_slots(group, tables, offsets, ends, length, block_size) -> tuple[list[int], list[int]]:
+    """Slots of the new tokens that must be stored, and their rows in the flattened batch."""
+    slots: list[int] = []
+    rows: list[int] = []
+    for b, (table, start, end) in enumerate(zip(tables, offsets, ends)):
+        first = group.stored_start(start, end, block_size)
+        slots += group.slots(table, first, end, block_size)
+        rows += range(b * length + first - start, b * length + end - start)
+    return slots, rows
+
+
+def _read_blocks(group, tables, starts, ends, block_size) -> tuple[mx.array | None, list[int]]:
+    """Blocks covering positions [start, end) per sequence, padded to one width."""
+    firsts = [s // block_size for s in starts]
+    counts = [-(-e // block_size) - f if e > s else 0 for s, e, f in zip(starts, ends, firsts)]
+    bases = [f * block_size for f in firsts]
+    width = max(counts)
+    if width == 0:
+        return None, bases
+    matrix = []
+    for table, first, count in zip(tables, firsts, counts):
+        row = [group.physical_block(table, first + i, block_size) for i in range(count)]
+        # Padding entries are masked out; any valid block keeps the gather in range.
+        matrix.append(row + [row[-1] if row else table[0]] * (width - count))
+    return mx.array(matrix, dtype=mx.int32), bases
+
+
+class _GroupPlanner:
+    """Builds each pass's plan once for all views of a layer group."""
+
+    def __init__(self, kv_cache: PagedKVCache, group: LayerGroup, tables: list[list[int]]):
+        self.kv_cache, self.group, self.tables = kv_cache, group, tables
+        self._key: tuple | None = None
+        self._plan: _Plan | None = None
+
+    def plan(self, offsets: Sequence[int], num_new: Sequence[int], length: int) -> _Plan:
+        key = (tuple(offsets), tuple(num_new), length, tuple(len(t) for t in self.tables))
+        if key != self._key or self._plan is None:
+            block_size = self.kv_cache.block_size
+            self._plan = _build_plan(self.group, self.tables, offsets, num_new, length, block_size)
+            self._key = key
+        return self._plan
+
+
+class PagedCacheView:
+    """One layer's cache for a batch of sequences, as an mlx-lm attention layer uses it."""
+
+    def __init__(
+        self,
+        kv_cache: PagedKVCache,
+        layer: int,
+        planner: _GroupPlanner,
+        offsets: Sequence[int],
+        num_new: Sequence[int] | None = None,
+        routed: bool = False,
+    ):
+        self._kv, self._layer, self._planner = kv_cache, layer, planner
+        self._routed = routed
+        self._offsets = list(offsets)
+        self._num_new = list(num_new) if num_new is not None else None
+        self._last_plan: _Plan | None = None
+        self._offset_array: mx.array | None = None
+
+    @property
+    def offset(self) -> int | mx.array:
+        """Tokens cached so far: an int for batch 1, else an `mx.array` [B]."""
+        if len(self._offsets) == 1:
+            return self._offsets[0]
+        if self._offset_array is None:  # read twice per layer (q and k RoPE); reset when offsets move
+            self._offset_array = mx.array(self._offsets)
+        return self._offset_array
+
+    @property
+    def offsets(self) -> list[int]:
+        return list(self._offsets)
+
+    @property
+    def state(self) -> tuple[mx.array, mx.array]:
+        """The layer's pools, so `mx.eval(view.state)` lands pending writes (mlx-lm's generate does this)."""
+        return self._kv.key_pool(self._layer), self._kv.value_pool(self._layer)
+
+    def is_trimmable(self) -> bool:
+        return False
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        """Mask for the next pass of N tokens per row, matching the keys `update_and_fetch` will return."""
+        plan = self._planner.plan(self._offsets, self._num_rows(len(self._offsets), N), N)
+        window = window_size if window_size is not None else self._planner.group.window
+        if plan.exact:
+            return _exact_mask(N, plan.offsets[0] - plan.key_starts[0], window, return_array)
+        return _ragged_mask(plan, window)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Write the new K/V `[B, kv_heads, L, head_dim]` into pages; return the K/V to attend."""
+        batch, _, length, _ = keys.shape
+        plan = self._planner.plan(self._offsets, self._num_rows(batch, length), length)
+        if plan.split:
+            old = self._read(plan)
+            if old is not None:
+                mx.eval(old)  # a pending read would pin the pool and make the write copy it
+            self._write(plan, keys, values)
+            if old is None:
+                out = keys, values
+            else:
+                out = mx.concatenate([old[0], keys], axis=2), mx.concatenate([old[1], values], axis=2)
+        elif self._routed and _routable(plan, self._planner.group):
+            self._write(plan, keys, values)
+            out = keys, values  # attention reads the pages itself (decode_inputs); nothing to gather
+        else:
+            self._write(plan, keys, values)
+            out = self._read(plan)
+        self._offsets = [o + n for o, n in zip(plan.offsets, plan.num_new)]
+        self._offset_array = None
+        self._num_new = None
+        self._last_plan = plan
+        return out
+
+    def decode_inputs(self) -> tuple[mx.array, mx.array, mx.array, mx.array] | None:
+        """(k_pool, v_pool, block_tables, context_lens) for `mlxpaged.kernels.attention.paged_attention`
+        after a pass of one new token per sequence on a full-attention layer; else None
+        (prefill, mixed batches and window layers attend through the gathered K/V)."""
+        plan = self._last_plan
+        if not _routable(plan, self._planner.group):
+            return None
+        return self._kv.key_pool(self._layer), self._kv.value_pool(self._layer), plan.read_blocks, plan.read_ends
+
+    def _num_rows(self, batch: int, length: int) -> list[int]:
+        if batch != len(self._offsets):
+            raise ValueError(f"batch of {batch} rows for a view of {len(self._offsets)} sequences")
+        if self._num_new is None:
+            return [length] * batch
+        if len(self._num_new) != batch or not all(1 <= n <= length for n in self._num_new):
+            raise ValueError(f"num_new {self._num_new} must hold {batch} counts in [1, {length}]")
+        return self._num_new
+
+    def _write(self, plan: _Plan, keys: mx.array, values: mx.array) -> None:
+        if plan.write_run is not None:  # e.g. batch-1 decode: a slice update, as mlx-lm's KVCache does
+            self._kv.write_run(self._layer, *plan.write_run, keys, values)
+            return
+        batch, heads, length, dim = keys.shape
+        k = keys.transpose(0, 2, 1, 3).reshape(batch * length, heads, dim)
+        v = values.transpose(0, 2, 1, 3).reshape(batch * length, heads, values.shape[-1])
+        if plan.write_rows is not None:
+            k = mx.take(k, plan.write_rows, axis=0)
+            v = mx.take(v, plan.write_rows, axis=0)
+        self._kv.write(self._layer, plan.write_slots, k, v)
+
+    def _read(self, plan: _Plan) -> tuple[mx.array, mx.array] | None:
+        if plan.read_blocks is None:
+            return None
+        k, v = self._kv.gather_blocks(self._layer, plan.read_blocks)
+        if plan.exact:
+            lo, hi = plan.key_starts[0] - plan.bases[0], plan.read_ends[0] - plan.bases[0]
+            k, v = k[..., lo:hi, :], v[..., lo:hi, :]
+        return k, v
+
+
+def _exact_mask(N: int, old: int, window: int | None, return_array: bool):
+    """mlx-lm's mask for N queries after `old` cached keys (KVCache / RotatingKVCache semantics)."""
+    if window is not None and old + N > window:
+        return create_causal_mask(N, old, window_size=window)
+    if N == 1:
+        return None
+    return create_causal_mask(N, old) if return_array else "causal"
+
+
+def _ragged_mask(plan: _Plan, window: int | None) -> mx.array:
+    """Boolean [B, 1, L, K]: key valid, not after the query, inside the window."""
+    offsets, num_new = mx.array(plan.offsets), mx.array(plan.num_new)
+    kpos = mx.array(plan.bases)[:, None] + mx.arange(plan.page_tokens)[None]
+    valid = (kpos >= mx.array(plan.key_starts)[:, None]) & (kpos < mx.array(plan.read_ends)[:, None])
+    rows = mx.arange(plan.length)[None]
+    if plan.split:
+        kpos = mx.concatenate([kpos, offsets[:, None] + rows], axis=1)
+        valid = mx.concatenate([valid, rows < num_new[:, None]], axis=1)
+    # Padding rows copy the last real row's mask, so they never see an empty row (NaN).
+    qpos = offsets[:, None] + mx.minimum(rows, num_new[:, None] - 1)
+    mask = valid[:, None, :] & (kpos[:, None, :] <= qpos[:, :, None])
+    if window is not None:
+        mask = mask & (kpos[:, None, :] > qpos[:, :, None] - window)
+    return mask[:, None]

@@ -1,0 +1,210 @@
+"""Paged KV memory: page pools, slot writes, block gathers.
+
+Layout. Every pool is one MLX array `[num_blocks, kv_heads, block_size, head_dim]`
+in the model's KV dtype, one for keys and one for values. A (block, head) page is
+a contiguous `[block_size, head_dim]` tile, so a kernel thread group reading one head
+of one block reads one contiguous run, and a write of one token is `kv_heads` rows
+of `head_dim` contiguous elements. A physical slot is `block * block_size + offset`.
+
+Writes are in-place indexed assignment with index arrays only
+(`pool[(blocks[:, None], heads[None, :], offsets[:, None])] = rows`; MLX 0.32
+raises when index arrays are mixed with `:`). MLX updates the pool in place only
+while no other reference to the pool's buffer is alive: this module keeps no slice
+or view of a pool; it reads pools only through `mx.take` (whose result is a fresh
+buffer) and the reshaped view feeding a take lives only until the take is
+evaluated. Callers must evaluate a step's outputs before the next step's writes
+(an unevaluated read of a pool pins it), or each write copies the whole pool.
+
+Layer groups (specs.py, plain Python): layers of one attention type are cut into
+groups of equal size G, so one block id means "G pages, one per layer of a group"
+whatever the group's type: the block ids of all groups come from one shared space,
+and the cache holds only G key pools and G value pools (pool j serves the j-th layer
+of every group). Each request has one block table per group. A full-attention model
+is one group of all layers, i.e. one pool per layer.
+
+Sliding-window groups. A request's table for a window-W group holds at most
+ceil(W / block_size) + 1 blocks used as a ring: logical block b lives in
+`table[b % len_max]`, so once the table is full the next block reuses the
+oldest one, whose tokens have left the window. See `LayerGroup`. The cache manager
+(kv_cache_manager.py) keeps every group's table, sized by the group's spec.
+
+Prefix cache. Only full-attention groups can share blocks: their pages are
+append-only and a block's content is a pure function of the token prefix. Ring
+blocks are overwritten as the window slides, so they can never be shared or
+cached. Decision (as transformers does; vLLM's hybrid allocator instead keeps
+the last window's blocks cached per group, which we do not): the prefix cache is
+on only when every group is full attention (`PagedKVCache.supports_prefix_cache`);
+hybrid models run with it off and prefill every prompt in full. Paging,
+copy-on-write and preemption stay correct for them.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import mlx.core as mx
+
+from mlxpaged.cache.specs import LayerGroup, block_bytes, group_layers  # noqa: F401  (re-exported: the facts live in specs.py)
+
+
+class PagedKVCache:
+    """Key and value page pools for every layer of a model, indexed by block id."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: mx.Dtype = mx.float32,
+        layer_windows: Sequence[int | None] | None = None,
+    ):
+        windows = tuple(layer_windows) if layer_windows is not None else (None,) * num_layers
+        _check_sizes(num_layers, num_blocks, block_size, num_kv_heads, head_dim, windows)
+        self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
+        self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
+        self.layer_windows = windows
+        self.groups = group_layers(windows)
+        self.group_size = len(self.groups[0].layers)
+        self._group = {layer: g for g in self.groups for layer in g.layers}
+        self._pool = {layer: j for g in self.groups for j, layer in enumerate(g.layers)}
+        self._heads = mx.arange(num_kv_heads)
+        shape = (num_blocks, num_kv_heads, block_size, head_dim)
+        self.keys = [mx.zeros(shape, dtype) for _ in range(self.group_size)]
+        self.values = [mx.zeros(shape, dtype) for _ in range(self.group_size)]
+        self._last_slots: tuple | None = None  # (slot mapping, slots, blocks, offsets)
+        mx.eval(self._heads, self.keys, self.values)  # lazy arrays would bind to this thread's stream
+
+    @property
+    def supports_prefix_cache(self) -> bool:
+        """Blocks may be shared or cached by prefix only if no group is a sliding window."""
+        return all(g.window is None for g in self.groups)
+
+    @property
+    def bytes_per_block(self) -> int:
+        return block_bytes(self.layer_windows, self.block_size, self.num_kv_heads, self.head_dim, self.dtype.size)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.keys) + sum(p.nbytes for p in self.values)
+
+    def group_of(self, layer: int) -> LayerGroup:
+        return self._group[layer]
+
+    def key_pool(self, layer: int) -> mx.array:
+        return self.keys[self._pool[layer]]
+
+    def value_pool(self, layer: int) -> mx.array:
+        return self.values[self._pool[layer]]
+
+    def write(self, layer: int, slot_mapping: Sequence[int] | mx.array, k: mx.array, v: mx.array) -> None:
+        """Write k, v `[num_tokens, kv_heads, head_dim]` into their slots, in place.
+
+        Slots given as an `mx.array` are not range-checked (hot path); repeated slots in
+        one call leave an unspecified winner.
+        """
+        slots, blocks, offsets = self._indices(slot_mapping)
+        expected = (slots.size, self.num_kv_heads, self.head_dim)
+        for name, x in (("k", k), ("v", v)):
+            if tuple(x.shape) != expected:
+                raise ValueError(f"{name} has shape {tuple(x.shape)}, expected {expected}")
+            if x.dtype != self.dtype:
+                raise ValueError(f"{name} has dtype {x.dtype}, the pools hold {self.dtype}")
+        heads = self._heads[None, :]
+        j = self._pool[layer]
+        self.keys[j][(blocks, heads, offsets)] = k
+        self.values[j][(blocks, heads, offsets)] = v
+
+    def write_run(self, layer: int, block: int, offset: int, k: mx.array, v: mx.array) -> None:
+        """Write k, v `[1, kv_heads, n, head_dim]` to slots offset..offset + n - 1 of `block`, in place
+        (a slice update: fewer graph nodes than the indexed write, for the common single-run case)."""
+        n = k.shape[2]
+        if not (0 <= block < self.num_blocks and 0 <= offset and offset + n <= self.block_size):
+            raise ValueError(f"run of {n} tokens at block {block}, offset {offset} is outside the pool")
+        j = self._pool[layer]
+        self.keys[j][block:block + 1, :, offset:offset + n, :] = k
+        self.values[j][block:block + 1, :, offset:offset + n, :] = v
+
+    def _indices(self, slot_mapping: Sequence[int] | mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """(slots, block column, offset column). Every layer of a pass writes the same slot-mapping
+        array, so the last one's indices are reused: matched by identity of that (immutable, held)
+        mx.array; lists are converted every time, as they may change in place."""
+        last = self._last_slots
+        if last is not None and last[0] is slot_mapping:
+            return last[1:]
+        slots = self._slot_array(slot_mapping)
+        indices = (slots, (slots // self.block_size)[:, None], (slots % self.block_size)[:, None])
+        if isinstance(slot_mapping, mx.array):
+            self._last_slots = (slot_mapping, *indices)
+        return indices
+
+    def gather_blocks(self, layer: int, block_ids: mx.array) -> tuple[mx.array, mx.array]:
+        """Pages of `block_ids` `[B, n]` laid end to end: k, v `[B, kv_heads, n * block_size, head_dim]`."""
+        batch, n = block_ids.shape
+        heads, size, dim = self.num_kv_heads, self.block_size, self.head_dim
+        j = self._pool[layer]
+        # One take of whole (block, head) pages lands as [B, heads, n, size * dim]: no transpose copy.
+        # The reshaped pool is a view, alive only until the take is evaluated.
+        rows = block_ids[:, None, :] * heads + self._heads[None, :, None]
+        shape = (batch, heads, n * size, dim)
+        k = mx.take(self.keys[j].reshape(-1, size * dim), rows, axis=0).reshape(shape)
+        v = mx.take(self.values[j].reshape(-1, size * dim), rows, axis=0).reshape(shape)
+        return k, v
+
+    def gather(self, layer: int, block_table: Sequence[int], length: int) -> tuple[mx.array, mx.array]:
+        """First `length` tokens of a linear block table: k, v `[kv_heads, length, head_dim]`."""
+        need = -(-length // self.block_size)
+        if length < 1 or need > len(block_table):
+            raise ValueError(f"{length} tokens need {need} blocks, the table has {len(block_table)}")
+        k, v = self.gather_blocks(layer, mx.array([list(block_table[:need])], dtype=mx.int32))
+        return k[0, :, :length], v[0, :, :length]
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy every layer's pages of block `src` onto block `dst` (copy-on-write)."""
+        if not pairs:
+            return
+        src = [s for s, _ in pairs]
+        dst = [d for _, d in pairs]
+        self._check_blocks(src + dst)
+        if len(set(dst)) != len(dst) or set(src) & set(dst):
+            raise ValueError(f"copy_blocks targets must be distinct and not sources: {list(pairs)}")
+        src_ids, dst_ids = mx.array(src, dtype=mx.int32), mx.array(dst, dtype=mx.int32)
+        rows = [mx.take(p, src_ids, axis=0) for p in self.keys + self.values]
+        # Materialize the copies first: a pending take would pin the pools and the
+        # writes below would copy whole pools instead of updating them in place.
+        mx.eval(rows)
+        for pool, r in zip(self.keys + self.values, rows):
+            pool[dst_ids] = r
+
+    def _slot_array(self, slot_mapping: Sequence[int] | mx.array) -> mx.array:
+        if isinstance(slot_mapping, mx.array):
+            return slot_mapping.astype(mx.int32).reshape(-1)
+        slots = list(slot_mapping)
+        limit = self.num_blocks * self.block_size
+        bad = [s for s in slots if not 0 <= s < limit]
+        if bad:
+            raise ValueError(f"slots {bad[:5]} out of range [0, {limit})")
+        return mx.array(slots, dtype=mx.int32)
+
+    def _check_blocks(self, blocks: Sequence[int]) -> None:
+        bad = [b for b in blocks if not 0 <= b < self.num_blocks]
+        if bad:
+            raise ValueError(f"block ids {bad[:5]} out of range [0, {self.num_blocks})")
+
+
+def _check_sizes(
+    num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, windows: tuple
+) -> None:
+    sizes = dict(
+        num_layers=num_layers, num_blocks=num_blocks, block_size=block_size,
+        num_kv_heads=num_kv_heads, head_dim=head_dim,
+    )
+    bad = {name: value for name, value in sizes.items() if not isinstance(value, int) or value < 1}
+    if bad:
+        raise ValueError(f"sizes must be positive integers: {bad}")
+    if len(windows) != num_layers:
+        raise ValueError(f"layer_windows has {len(windows)} entries for {num_layers} layers")
+    bad_windows = [w for w in windows if w is not None and (not isinstance(w, int) or w < 1)]
+    if bad_windows:
+        raise ValueError(f"sliding windows must be positive integers or None: {bad_windows}")

@@ -1,0 +1,302 @@
+"""Per-request block tables over the block pool: allocation with prefix-cache hits, growth, forks
+(copy-on-write), caching of computed blocks, freeing. Plain Python (no MLX), modelled on vLLM v1's
+KVCacheManager with one `SingleTypeManager` per layer group's spec (specs.py).
+
+A request's tokens and computed count are read from the `Request` (request.py), never copied here.
+Only the tables and the hashes of the request's cached leading blocks (the chain to extend) are
+kept, by request id.
+
+The prefix cache needs a single full-attention table: ring blocks of a sliding window are
+overwritten as it slides, so they can never be shared (hybrid models run with the cache off, as
+kv_cache.py explains); forks copy rings instead of sharing them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Hashable, Sequence
+
+from mlxpaged.cache.block_pool import (BlockPool, BlockPoolStats, HashFn, KVCacheBlock, NoFreeBlocksError,
+                                 sha256_block_hash)
+from mlxpaged.config import VALID_BLOCK_SIZES
+from mlxpaged.engine.request import Request
+from mlxpaged.cache.specs import FullAttentionSpec, KVCacheSpec, sequence_capacity
+
+
+class UnknownRequestError(KeyError):
+    """No block table exists for this request id."""
+
+
+@dataclass
+class Allocation:
+    block_tables: list[list[int]]  # one per layer group
+    num_cached_tokens: int
+
+
+@dataclass(frozen=True)
+class CopyOnWrite:
+    """The KV layer must copy the first `num_tokens` slots of src_block into dst_block."""
+
+    src_block: int
+    dst_block: int
+    num_tokens: int
+
+
+class SingleTypeManager:
+    """One layer group's tables, by request id (vLLM's SingleTypeKVCacheManager)."""
+
+    def __init__(self, spec: KVCacheSpec):
+        self.spec = spec
+        self.tables: dict[Hashable, list[KVCacheBlock]] = {}
+
+    def num_new_blocks(self, request_id: Hashable, num_tokens: int) -> int:
+        """Blocks the table still lacks to hold `num_tokens` tokens."""
+        return max(0, self.spec.blocks_needed(num_tokens) - len(self.tables[request_id]))
+
+    def block_at(self, request_id: Hashable, position: int) -> KVCacheBlock:
+        table = self.tables[request_id]
+        return table[self.spec.table_index(position // self.spec.block_size, len(table))]
+
+    def fork(self, parent: list[KVCacheBlock], fresh: list[KVCacheBlock],
+             num_computed: int) -> tuple[list[KVCacheBlock], list[CopyOnWrite]]:
+        """The child's table (shared leading blocks, then `fresh`) and the copies it needs first."""
+        bs = self.spec.block_size
+        if self.spec.max_blocks is None:
+            shared = parent[:self.spec.shareable_blocks(num_computed)]
+            copies = []
+            if num_computed % bs and fresh:  # the partly computed block
+                copies.append(CopyOnWrite(parent[len(shared)].block_id, fresh[0].block_id, num_computed % bs))
+            return shared + fresh, copies
+        written = min(-(-num_computed // bs), len(fresh))  # ring blocks holding computed KV
+        return fresh, [CopyOnWrite(s.block_id, d.block_id, bs) for s, d in zip(parent[:written], fresh)]
+
+
+@dataclass
+class _CachedChain:
+    block_hashes: list[Hashable]  # of the request's leading blocks in the prefix cache
+    epoch: int  # the pool's cache epoch when the chain began
+
+
+class KVCacheManager:
+    def __init__(self, pool: BlockPool, specs: Sequence[KVCacheSpec], *, enable_prefix_cache: bool = True,
+                 extra_key: object = None, hash_fn: HashFn = sha256_block_hash):
+        specs = tuple(specs)
+        if not specs:
+            raise ValueError("a KV cache manager needs at least one layer group spec, got none")
+        sizes = {s.block_size for s in specs}
+        if len(sizes) != 1 or not sizes <= set(VALID_BLOCK_SIZES):
+            raise ValueError(f"block_size must be one of {VALID_BLOCK_SIZES}, the same for every group, "
+                             f"got {sorted(sizes)}")
+        if enable_prefix_cache and specs != (FullAttentionSpec(specs[0].block_size),):
+            raise ValueError(f"the prefix cache needs one full-attention table per request, got group_max_blocks "
+                             f"{tuple(s.max_blocks for s in specs)}")
+        self.pool = pool
+        self.block_size = specs[0].block_size
+        self.managers = [SingleTypeManager(s) for s in specs]
+        self.enable_prefix_cache = enable_prefix_cache
+        self.extra_key = extra_key
+        self.hash_fn = hash_fn
+        self._chains: dict[Hashable, _CachedChain] = {}
+        # The longest sequence the pool can hold (None: any length).
+        self.capacity_tokens = sequence_capacity(pool.num_blocks, self.block_size, self.group_max_blocks)
+
+    # ---- queries ------------------------------------------------------------------
+
+    @property
+    def group_max_blocks(self) -> tuple[int | None, ...]:
+        return tuple(m.spec.max_blocks for m in self.managers)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        """Blocks one sequence of `num_tokens` tokens holds over all its tables."""
+        return sum(m.spec.blocks_needed(num_tokens) for m in self.managers)
+
+    def __contains__(self, request_id: Hashable) -> bool:
+        return request_id in self._chains
+
+    def block_tables(self, request_id: Hashable) -> list[list[int]]:
+        """The request's block ids, one table per layer group."""
+        self._check_known(request_id)
+        return [[b.block_id for b in m.tables[request_id]] for m in self.managers]
+
+    def ref_count(self, block_id: int) -> int:
+        return self.pool.ref_count(block_id)
+
+    def stats(self) -> BlockPoolStats:
+        return self.pool.stats()
+
+    def block_state(self) -> list[str]:
+        return self.pool.block_state()
+
+    def slots_for(self, request: Request, start: int, end: int, group: int = 0) -> list[int]:
+        """Physical slots (block * block_size + offset) of positions [start, end) in one group's
+        table. In a ring, later positions reuse the slots of those a window earlier."""
+        self._check_known(request.request_id)
+        manager = self.managers[group]
+        if not 0 <= start <= end <= request.num_tokens or manager.num_new_blocks(request.request_id, end):
+            raise ValueError(f"slot range [{start}, {end}) outside the {request.num_tokens} tokens of "
+                             f"request {request.request_id!r} that have slots")
+        bs = self.block_size
+        return [manager.block_at(request.request_id, p).block_id * bs + p % bs for p in range(start, end)]
+
+    def lookup_prefix(self, token_ids: Sequence[int]) -> int:
+        """Tokens allocate() would take from the cache now; no side effects, no stats."""
+        return len(self._match_prefix(list(token_ids))[0]) * self.block_size
+
+    def can_allocate(self, request: Request, num_new_slots: int | None = None) -> bool:
+        tokens = request.all_token_ids
+        hits = self._match_prefix(tokens)[0]
+        needed = self.num_blocks_for(len(tokens) + (num_new_slots or 0)) - len(hits)
+        return needed <= self._available_besides(hits)
+
+    # ---- request lifecycle --------------------------------------------------------
+
+    def allocate(self, request: Request, num_new_slots: int | None = None) -> Allocation:
+        """Give a new request tables for its tokens (plus `num_new_slots` reserved slots), sharing
+        the longest cached prefix of full blocks. Atomic: on NoFreeBlocksError nothing changed."""
+        rid, tokens = request.request_id, request.all_token_ids
+        extra = 0 if num_new_slots is None else num_new_slots
+        if rid in self._chains:
+            raise ValueError(f"request {rid!r} already has blocks")
+        if not tokens:
+            raise ValueError("cannot allocate an empty prompt: the model needs a token to run")
+        if extra < 0:
+            raise ValueError(f"num_new_slots must be >= 0, got {extra}")
+        hits, hashes = self._match_prefix(tokens)  # only with the prefix cache: then one table
+        fresh = [m.spec.blocks_needed(len(tokens) + extra) for m in self.managers]
+        fresh[0] -= len(hits)
+        available = self._available_besides(hits)
+        if sum(fresh) > available:
+            raise NoFreeBlocksError(sum(fresh), available, self.pool.num_blocks)
+        self.pool.touch(hits)
+        tables = _split(self.pool.get_new_blocks(sum(fresh)), fresh)
+        tables[0] = hits + tables[0]
+        for manager, table in zip(self.managers, tables):
+            manager.tables[rid] = table
+        cached = len(hits) * self.block_size
+        if self.enable_prefix_cache:
+            self.pool.record_prefix_query(len(tokens), cached)
+        self._chains[rid] = _CachedChain(hashes, self.pool.cache_epoch)
+        return Allocation([[b.block_id for b in t] for t in tables], cached)
+
+    def allocate_slots(self, request: Request, num_tokens: int | None = None) -> list[list[int]]:
+        """Grow the tables to hold `num_tokens` tokens (default: all of the request's; one more is
+        room for a token not sampled yet, which a pipelined step writes early). A full table takes
+        a block every block_size tokens, a full ring wraps. Returns the tables. Atomic: on
+        NoFreeBlocksError nothing changed."""
+        rid = request.request_id
+        self._check_known(rid)
+        n = request.num_tokens if num_tokens is None else num_tokens
+        grow = [m.num_new_blocks(rid, n) for m in self.managers]
+        for manager, blocks in zip(self.managers, _split(self.pool.get_new_blocks(sum(grow)), grow)):
+            manager.tables[rid] += blocks
+        for manager in self.managers:
+            block = manager.block_at(rid, n - 1)
+            if block.ref_cnt != 1:  # only computed full blocks are shared, so this is a manager bug
+                raise RuntimeError(f"position {n - 1} of {rid!r} would be written into block "
+                                   f"{block.block_id}, which has ref count {block.ref_cnt}")
+        return self.block_tables(rid)
+
+    def cache_blocks(self, request: Request) -> None:
+        """Enter the request's full computed blocks into the prefix cache (the scheduler calls this
+        after advancing `request.num_computed_tokens`). Only computed blocks: a hit on unwritten KV
+        would be garbage."""
+        rid, computed = request.request_id, request.num_computed_tokens
+        chain = self._chain(rid)
+        bs = self.block_size
+        if not len(chain.block_hashes) * bs <= computed <= request.num_tokens \
+                or any(m.num_new_blocks(rid, computed) for m in self.managers):
+            raise ValueError(f"request {rid!r}: {computed} computed tokens must be within "
+                             f"{len(chain.block_hashes) * bs}..{request.num_tokens} and have slots")
+        if not self.enable_prefix_cache or chain.epoch != self.pool.cache_epoch:
+            return
+        table = self.managers[0].tables[rid]
+        for i in range(len(chain.block_hashes), computed // bs):
+            parent = chain.block_hashes[-1] if chain.block_hashes else None
+            block_hash = self.hash_fn(parent, tuple(request.token_ids_between(i * bs, (i + 1) * bs)),
+                                      self.extra_key)
+            if table[i].block_hash is None:
+                self.pool.cache_full_block(table[i], block_hash)
+            chain.block_hashes.append(block_hash)
+
+    def fork(self, parent: Request, child: Request) -> list[CopyOnWrite]:
+        """Give `child` a copy of the parent's computed sequence and return the copies the KV layer
+        must do first. Computed full blocks of a full-attention table are shared and the rest are
+        fresh, so neither side ever writes into a shared block; a partly computed block is copied.
+        A ring is copied whole (at most ceil(window / block_size) + 1 blocks), far cheaper than
+        having the child recompute its prompt. Atomic: on NoFreeBlocksError nothing changed."""
+        pid, cid, computed = parent.request_id, child.request_id, parent.num_computed_tokens
+        chain = self._chain(pid)
+        if cid in self._chains:
+            raise ValueError(f"request {cid!r} already has blocks")
+        if child.token_ids_between(0, computed) != parent.token_ids_between(0, computed):
+            raise ValueError(f"request {cid!r} does not start with the {computed} computed tokens of {pid!r}")
+        shared = [min(m.spec.shareable_blocks(computed), len(m.tables[pid])) for m in self.managers]
+        fresh = [len(m.tables[pid]) - n for m, n in zip(self.managers, shared)]
+        taken = self.pool.get_new_blocks(sum(fresh))
+        copies: list[CopyOnWrite] = []
+        for manager, n, blocks in zip(self.managers, shared, _split(taken, fresh)):
+            self.pool.touch(manager.tables[pid][:n])
+            manager.tables[cid], more = manager.fork(manager.tables[pid], blocks, computed)
+            copies += more
+        n_hashed = min(len(chain.block_hashes), shared[0])
+        self._chains[cid] = _CachedChain(chain.block_hashes[:n_hashed], chain.epoch)
+        return copies
+
+    def free(self, request_id: Hashable) -> None:
+        """Release a request's blocks. Tail blocks are queued first so that a chain is evicted tail
+        before head (its head is the part other prompts most likely share)."""
+        self._check_known(request_id)
+        del self._chains[request_id]
+        tables = [m.tables.pop(request_id) for m in self.managers]
+        self.pool.free_blocks([b for table in tables for b in reversed(table)])
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block; running requests keep theirs but stop caching new ones."""
+        self.pool.reset_prefix_cache()
+
+    # ---- internals ----------------------------------------------------------------
+
+    def _check_known(self, request_id: Hashable) -> None:
+        if request_id not in self._chains:
+            raise UnknownRequestError(request_id)
+
+    def _chain(self, request_id: Hashable) -> _CachedChain:
+        self._check_known(request_id)
+        return self._chains[request_id]
+
+    def _available_besides(self, hits: list[KVCacheBlock]) -> int:
+        # Touching an evictable hit takes it out of the free pool without allocating it.
+        return self.pool.num_free_blocks - sum(1 for b in hits if b.ref_cnt == 0)
+
+    def _match_prefix(self, tokens: list[int]) -> tuple[list[KVCacheBlock], list[Hashable]]:
+        """Longest chain of cached full blocks for `tokens` and their hashes, never covering the
+        last token (the model must run at least one position to produce logits)."""
+        if not self.enable_prefix_cache:
+            return [], []
+        bs, hits, hashes = self.block_size, [], []
+        for i in range((len(tokens) - 1) // bs):
+            block_hash = self.hash_fn(hashes[-1] if hashes else None, tuple(tokens[i * bs:(i + 1) * bs]),
+                                      self.extra_key)
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+            hashes.append(block_hash)
+        return hits, hashes
+
+
+def _split(blocks: list[KVCacheBlock], counts: Sequence[int]) -> list[list[KVCacheBlock]]:
+    """`blocks` cut into consecutive runs of `counts[i]` blocks."""
+    tables, start = [], 0
+    for n in counts:
+        tables.append(blocks[start:start + n])
+        start += n
+    return tables

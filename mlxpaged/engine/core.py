@@ -1,0 +1,100 @@
+"""The engine core: one step of continuous batching, as nano-vllm's LLMEngine.step() reads.
+
+    schedule -> execute -> update -> process
+
+The scheduler picks this step's chunks (and preempts when the pool is dry); the runner runs them
+and samples (and pipelines the next decode pass); the scheduler records the computed KV and the
+sampled tokens in their requests; the output processor hands tokens to callers and finishes,
+forks or fails requests. No thread here: `Engine` (engine.py) owns the thread and the command
+queue and calls `step()`; tests drive it directly.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from mlxpaged.cache.block_pool import BlockPool
+from mlxpaged.config import CacheConfig
+from mlxpaged.cache.kv_cache import PagedKVCache
+from mlxpaged.cache.kv_cache_manager import KVCacheManager
+from mlxpaged.engine.metrics import StatsCounter
+from mlxpaged.engine.output_processor import OutputProcessor, Rows, split_results
+from mlxpaged.engine.request import Request
+from mlxpaged.runner.model_runner import Runner, SamplingRows
+from mlxpaged.runner.sampling import SamplingParams
+from mlxpaged.engine.scheduler import Scheduler
+
+
+class EngineCore:
+    """`has_commands`: whether callers queued anything since the step began (a request may arrive,
+    so the next step is not predictable and nothing is pipelined)."""
+
+    def __init__(self, scheduler: Scheduler, runner: Runner, tokenizer, stats: StatsCounter | None = None,
+                 has_commands: Callable[[], bool] = lambda: False):
+        self.scheduler, self.runner = scheduler, runner
+        self.stats = stats or StatsCounter()
+        self.outputs = OutputProcessor(scheduler, tokenizer, self.stats, fork=self._fork)
+        self._has_commands = has_commands
+
+    @classmethod
+    def create(cls, model, tokenizer, kv: PagedKVCache, config: CacheConfig, *, max_model_len: int,
+               extra_key: object = None, **kwargs) -> "EngineCore":
+        """A core over `kv`'s blocks: block pool, cache manager (one spec per layer group), scheduler, runner."""
+        specs = [group.spec(kv.block_size) for group in kv.groups]
+        manager = KVCacheManager(BlockPool(kv.num_blocks), specs, extra_key=extra_key,
+                                 enable_prefix_cache=config.enable_prefix_cache and kv.supports_prefix_cache)
+        scheduler = Scheduler(manager, max_batch_tokens=config.max_batch_tokens, max_num_seqs=config.max_num_seqs,
+                              max_model_len=max_model_len)
+        return cls(scheduler, Runner(model, kv), tokenizer, **kwargs)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams, sink) -> None:
+        """Queue a request; its events (StreamDelta, or an exception) go to `sink`. Raises on bad input."""
+        request = Request(request_id, token_ids, params.max_tokens)
+        self.scheduler.add_request(request)
+        self.outputs.add(request, params, sink)
+
+    def abort(self, request_id: str) -> None:
+        """Stop every sequence of a request now and free its blocks (unknown ids are ignored)."""
+        self.outputs.abort(request_id)
+
+    def step(self) -> None:
+        """One engine step over every unfinished request."""
+        while self.outputs.pending_aborts:  # requests whose sink raised during the last step
+            self.abort(self.outputs.pending_aborts.pop(0))
+        out = self.scheduler.schedule()  # 1. schedule
+        self.stats.preemptions += len(out.preempted)
+        if not out.chunks:
+            self.runner.drop_look_ahead()
+            return
+        rows = self.outputs.sampling_rows(out)
+        results = self.runner.execute(out.chunks, _sampler_rows(rows), planner=self)  # 2. execute
+        sampled, failed = split_results(rows, results)
+        self.scheduler.update_from_output(out, sampled, failed)  # 3. update
+        self.outputs.process(out, rows, results)  # 4. process outputs
+
+    def fail_all(self, exc: BaseException) -> None:
+        """A step raised: fail every request (not the engine), and forget the pipelined pass."""
+        self.runner.drop_look_ahead()
+        self.outputs.fail_all(exc)
+
+    # ---- the runner's NextStepPlanner: what it may pipeline ----------------------------------
+
+    def predictable(self) -> bool:
+        return not (self.scheduler.num_waiting or self.outputs.pending_aborts or self._has_commands())
+
+    def reserve_next_slot(self, request: Request) -> list[list[int]] | None:
+        return self.scheduler.reserve_next_slot(request)
+
+    def _fork(self, parent_id: str, child: Request, first_token: int) -> None:
+        """Start an n > 1 sequence: the scheduler shares the parent's blocks, the runner copies the rest."""
+        self.runner.copy_blocks(self.scheduler.fork(parent_id, child, first_token))
+
+
+def _sampler_rows(rows: Rows) -> SamplingRows:
+    """What the runner needs of the rows: their sampler states (a chunk's own sequence comes first)."""
+    firsts = [t.sampler for k, (i, t) in enumerate(rows) if k == 0 or rows[k - 1][0] != i]
+    return SamplingRows(firsts, [(i, t.sampler) for i, t in rows])

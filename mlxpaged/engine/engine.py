@@ -1,0 +1,313 @@
+"""Engine: continuous batching over the paged cache. One thread owns MLX.
+
+Callers on any thread (or asyncio task) submit requests; the engine thread applies them and
+runs the core's steps (core.py: schedule -> execute -> update -> process), which push events
+into each request's sink.
+
+Models that mix sliding-window and full attention (gemma3, `layer_types`) run too: each
+request holds one block table per layer group, a window group's table being a ring of at
+most ceil(window / block_size) + 1 blocks, and their prefix cache is off (kv_cache.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import itertools
+import queue
+import threading
+import warnings
+from typing import AsyncIterator, Callable, Iterator, Sequence
+
+import mlxpaged  # noqa: F401  (OpenBLAS before mlx)
+import mlx.core as mx
+
+from mlxpaged.engine import engine_thread
+from mlxpaged.kernels.attention import attention_status, prepare_attention
+from mlxpaged.cache.cache_view import layer_windows
+from mlxpaged.config import DEFAULT_CACHE_TOKENS, CacheConfig
+from mlxpaged.engine.core import EngineCore
+from mlxpaged.cache.kv_cache import PagedKVCache
+from mlxpaged.engine.output_processor import EngineClosedError, RequestFailedError, Tracked  # noqa: F401  (re-exported)
+from mlxpaged.engine.metrics import StatsCounter
+from mlxpaged.outputs import Completion, StreamDelta, collect, drain  # noqa: F401  (re-exported)
+from mlxpaged.platform.memory import DeviceFacts, ModelFacts, model_weight_bytes, plan_memory
+from mlxpaged.loading.checkpoint import facts_before_load
+from mlxpaged.loading.loader import (LoadedModel, activation_dtype, chat_prompt, check_paged_support, load_local, locate_model,
+                            route_paged_attention)
+from mlxpaged.loading.generation_defaults import GenerationDefaults, load_defaults
+from mlxpaged.loading.model_store import Progress
+from mlxpaged.runner.sampling import SamplingParams
+from mlxpaged.engine.scheduler import CACHE_CAPACITY, MODEL_CONTEXT, RequestTooLongError
+from mlxpaged.engine.shutdown import STEP_TIMEOUT_S
+
+
+class Engine:
+    def __init__(self, loaded: LoadedModel, cache_config: CacheConfig | None = None):
+        self.loaded = loaded
+        self.cache_config = cache_config or CacheConfig(max_tokens=DEFAULT_CACHE_TOKENS)
+        check_paged_support(loaded.model)
+        route_paged_attention()
+        kv_dtype = activation_dtype(loaded.model)  # K/V have the activations' dtype
+        self.facts = self._model_facts(kv_dtype)
+        self.plan = plan_memory(DeviceFacts.detect(), self.facts, self.cache_config, weights_resident=True)
+        self.kv = self._make_kv_cache(kv_dtype)
+        # Before the first decode: a Metal kernel variant that fails its self-check is replaced by the reference.
+        prepare_attention(kv_dtype, self.facts.kv.head_dim, self.cache_config.block_size,
+                          loaded.config["num_attention_heads"], self.facts.kv.num_kv_heads)
+        self.max_model_len = int(loaded.config.get("max_position_embeddings") or self.plan.token_capacity)
+        # SimpleQueue (C, reentrant): its put cannot deadlock when a Ctrl-C or a finalizer (engine_thread.py)
+        # lands inside another put, as queue.Queue's Python-level lock can.
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._ids = itertools.count()
+        self._closed = False
+        self._stats = StatsCounter()
+        commands = self._commands  # the core must not hold the engine: its thread holds it weakly (engine_thread.py)
+        self.core = EngineCore.create(loaded.model, loaded.tokenizer, self.kv, self.cache_config,
+                                      max_model_len=self.max_model_len, extra_key=str(loaded.path), stats=self._stats,
+                                      has_commands=lambda: not commands.empty())
+        self.scheduler, self.runner = self.core.scheduler, self.core.runner
+        self.kv_manager = self.scheduler.kv_manager
+        self.pool = self.kv_manager.pool  # the block pool: stats, block states, prefix-cache reset
+        self._thread = engine_thread.start(self, commands)
+
+    @classmethod
+    def from_pretrained(cls, model: str | None = None, progress: Progress | None = None, **settings) -> "Engine":
+        """A preset name, local path or hub id (None: the embedded default model); settings are CacheConfig
+        fields (kv_memory="2GB" too). A cache that cannot fit raises InsufficientMemoryError before any
+        weight is read (once the model's files are local: a hub model is downloaded first)."""
+        settings.setdefault("max_tokens", DEFAULT_CACHE_TOKENS)
+        config = CacheConfig(**settings)
+        ref, path = locate_model(model, progress)
+        device = DeviceFacts.detect()
+        plan_memory(device, facts_before_load(path, device.backend), config)
+        return cls(load_local(ref, path), config)
+
+    @property
+    def model(self):
+        return self.loaded.model
+
+    @functools.cached_property
+    def generation_defaults(self) -> GenerationDefaults:
+        """The model's recommended sampling (its generation_config.json, gaps filled from its preset), read once."""
+        return load_defaults(self.loaded.path, self.loaded.ref.preset)
+
+    def default_sampling_params(self, **overrides) -> SamplingParams:
+        """SamplingParams with the model's recommended settings, `overrides` winning over them. Plain
+        `SamplingParams()` keeps the API's own defaults (temperature 1.0, top_p 1.0) whatever the model."""
+        return SamplingParams(**self.generation_defaults.sampling_kwargs(overrides))
+
+    @property
+    def tokenizer(self):
+        return self.loaded.tokenizer
+
+    # --- setup ---------------------------------------------------------------------------------
+    def _model_facts(self, kv_dtype: mx.Dtype) -> ModelFacts:
+        """The one reading of the model's KV shape, for the plan and the pools alike; the windows are
+        those of mlx-lm's own caches (configs spell them several ways)."""
+        model = self.loaded.model
+        return ModelFacts.from_config(self.loaded.config, model_weight_bytes(model), kv_dtype.size, layer_windows(model))
+
+    def _make_kv_cache(self, dtype: mx.Dtype) -> PagedKVCache:
+        kv = self.facts.kv
+        return PagedKVCache(num_layers=kv.num_layers, num_blocks=self.plan.num_blocks,
+                            block_size=self.cache_config.block_size, num_kv_heads=kv.num_kv_heads,
+                            head_dim=kv.head_dim, dtype=dtype, layer_windows=kv.layer_windows)
+
+    # --- public API ----------------------------------------------------------------------------
+    def submit(self, prompt: str | Sequence[int], params: SamplingParams | None,
+               sink: Callable[[object], None]) -> str:
+        """Queue a request; events (StreamDelta, or an exception) go to `sink` from the engine thread."""
+        if self._closed:
+            raise EngineClosedError("the engine is closed")
+        params = params or SamplingParams()
+        tokens = self._tokenize(prompt)
+        self._check_token_ids("logit_bias token ids", params.logit_bias)
+        self._check_fits(len(tokens), params.max_tokens)
+        request_id = f"req-{next(self._ids)}"
+        self._commands.put(("add", request_id, tokens, params, sink))
+        return request_id
+
+    def generate(self, prompts: str | Sequence[int] | list,
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Completion]:
+        """Run prompts (text or token-id lists) concurrently; return their completions in order
+        (with n > 1, a prompt's n completions follow each other, by index).
+        `params` is one SamplingParams for all prompts, or one per prompt."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"{len(per_prompt)} SamplingParams for {len(prompts)} prompts")
+        sinks = [queue.Queue() for _ in prompts]
+        ids = []
+        try:
+            for prompt, p, sink in zip(prompts, per_prompt, sinks):
+                ids.append(self.submit(prompt, p, sink.put))
+        except Exception:
+            for request_id in ids:  # a bad prompt in the list: the ones already queued are withdrawn
+                self.abort(request_id)
+            raise
+        out = []
+        for rid, sink, p in zip(ids, sinks, per_prompt):
+            out += collect(rid, drain(sink, (p or SamplingParams()).n))
+        return out
+
+    def chat(self, messages: list[dict], params: SamplingParams | None = None) -> Completion:
+        return self.generate([self.chat_tokens(messages)], params)[0]
+
+    def chat_tokens(self, messages: list[dict]) -> list[int]:
+        return chat_prompt(self.tokenizer, messages)
+
+    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Iterator[StreamDelta]:
+        """Yield deltas as tokens arrive. Closing the iterator early aborts the request."""
+        sink: queue.Queue = queue.Queue()
+        request_id = self.submit(prompt, params, sink.put)
+        remaining = (params or SamplingParams()).n
+        try:
+            for delta in drain(sink, remaining):
+                remaining -= delta.finish_reason is not None
+                yield delta
+        finally:
+            if remaining:
+                self.abort(request_id)
+
+    async def astream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> AsyncIterator[StreamDelta]:
+        """Async version of stream(); cancelling the consuming task aborts the request."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        request_id = self.submit(prompt, params, lambda e: loop.call_soon_threadsafe(events.put_nowait, e))
+        remaining = (params or SamplingParams()).n
+        try:
+            while remaining:
+                event = await events.get()
+                if isinstance(event, BaseException):
+                    remaining = 0  # a failed request is already finished in the engine
+                    raise event
+                remaining -= event.finish_reason is not None
+                yield event
+        finally:
+            if remaining:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; its blocks are freed at the start of the engine's next step."""
+        if not self._closed:
+            self._commands.put(("abort", request_id))
+
+    def stats(self) -> dict:
+        pool = self.pool.stats()
+        return {
+            "blocks_total": pool.num_blocks, "blocks_free": pool.num_free + pool.num_cached_free,
+            "blocks_used": pool.num_owned, "blocks_cached": pool.num_cached_free,
+            "prefix_hit_rate": pool.hit_rate, "prefix_hit_tokens": pool.hit_tokens,
+            "requests_running": self.scheduler.num_running, "requests_waiting": self.scheduler.num_waiting,
+            **self._stats.snapshot(), "memory_plan": self.plan,
+            "attention": attention_status(),  # {"path", "reason", "variants"}: see mlxpaged.kernels.attention
+        }
+
+    def block_states(self) -> list[str]:
+        """Per block: "free", "owned", "shared" or "cached" (a snapshot; for the block map)."""
+        return list(self.pool.block_state())
+
+    def request_blocks(self, request_id: str) -> list[int]:
+        """Block ids a live request holds in all its tables (empty once it finished); for the block map."""
+        try:
+            return [b for table in self.kv_manager.block_tables(request_id) for b in table]
+        except KeyError:
+            return []
+
+    def close(self, timeout: float = STEP_TIMEOUT_S) -> None:
+        """Stop at the next step boundary and wait (at most `timeout` s) for the engine thread to end:
+        unfinished requests fail with EngineClosedError, the thread releases its MLX streams and
+        restores the wired limit. Open engines are closed this way at interpreter exit too."""
+        self.begin_close()
+        if threading.current_thread() is not self._thread:  # e.g. from a sink: cannot wait for itself
+            self._thread.join(timeout)
+
+    def begin_close(self) -> None:
+        """Ask the engine to stop at its next step boundary, without waiting (close() waits)."""
+        if not self._closed:
+            self._closed = True
+            self._commands.put(("close",))
+
+    @property
+    def running(self) -> bool:
+        """True until the engine thread has ended."""
+        return self._thread.is_alive()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- caller-side helpers ---------------------------------------------------------------------
+    def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+        tokens = [int(t) for t in prompt]
+        self._check_token_ids("prompt token ids", tokens)
+        return tokens
+
+    def _check_token_ids(self, what: str, tokens) -> None:
+        vocab = self.loaded.config.get("vocab_size")
+        bad = [t for t in tokens if t < 0 or (vocab and t >= vocab)]
+        if bad:
+            raise ValueError(f"{what} out of range [0, {vocab}): {bad[:5]}")
+
+    def _check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
+        if prompt_tokens == 0:
+            raise ValueError("the prompt is empty")
+        if prompt_tokens + max_tokens > self.max_model_len:
+            raise RequestTooLongError(prompt_tokens, max_tokens, self.max_model_len, MODEL_CONTEXT)
+        if self.kv_manager.num_blocks_for(prompt_tokens + max_tokens) > self.kv_manager.num_blocks:
+            raise RequestTooLongError(prompt_tokens, max_tokens, self.scheduler.capacity_tokens, CACHE_CAPACITY)
+
+    # --- engine thread (driven by engine_thread.py) ------------------------------------------------
+    def _warm_up(self) -> None:
+        """Compile the decode pass before serving (requests submitted meanwhile wait in the queue);
+        a model whose attention cannot be traced decodes eagerly instead."""
+        if self.runner.decoder is None:
+            return
+        try:
+            self.runner.decoder.warm_up()
+        except Exception as exc:
+            warnings.warn(f"compiled decode is off for this model ({exc!r}); decoding eagerly", RuntimeWarning)
+            self.runner.decoder = None
+
+    def _work(self) -> bool:
+        """Apply the queued commands, then run one step if a request is unfinished; False to stop."""
+        if not self._handle_commands():
+            return False
+        if self.core.has_unfinished:
+            try:
+                self.core.step()
+            except Exception as exc:  # a failed step fails its requests, not the engine
+                self.core.fail_all(exc)
+        return True
+
+    def _handle_commands(self) -> bool:
+        """Apply queued adds / aborts without waiting; False when the engine must stop."""
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+            if not self._apply(command):
+                return False
+
+    def _apply(self, command: tuple) -> bool:
+        """Apply one command; False for "close"."""
+        if command[0] == "close":
+            return False
+        if command[0] == "add":
+            self._add(*command[1:])
+        elif command[0] == "abort":
+            self.core.abort(command[1])
+        return True
+
+    def _add(self, request_id: str, tokens: list[int], params: SamplingParams, sink) -> None:
+        try:
+            self.core.add_request(request_id, tokens, params, sink)
+        except Exception as exc:
+            sink(exc)

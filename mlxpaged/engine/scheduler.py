@@ -1,0 +1,306 @@
+"""Continuous-batching scheduler: waiting/running queues, chunked prefill, preemption.
+
+Plain Python (no MLX), modelled on vLLM v1's scheduler. Each step spends at most
+`max_batch_tokens` tokens: one per decoding request first, then chunks of unfinished
+prefills, then new admissions in FIFO order. When the block pool runs dry the newest
+running request is preempted by recompute: its blocks are freed and it later re-prefills
+prompt + generated tokens (cheaply, if its blocks are still in the prefix cache).
+
+A request holds one block table per layer group (see kv_cache_manager.py); the manager sizes
+and grows all of them, so admission, preemption and capacity here count every group's blocks.
+The scheduler is the one writer of a `Request` (request.py): its computed count and tokens.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass
+from typing import Collection
+
+from mlxpaged.cache.block_pool import NoFreeBlocksError
+from mlxpaged.cache.kv_cache_manager import CopyOnWrite, KVCacheManager, UnknownRequestError
+from mlxpaged.engine.request import Request, RequestStatus
+
+__all__ = ["Request", "RequestStatus", "Scheduler", "SchedulerOutput", "ScheduledChunk", "RequestTooLongError",
+           "MODEL_CONTEXT", "CACHE_CAPACITY"]
+
+
+@dataclass
+class ScheduledChunk:
+    request: Request
+    start: int  # == request.num_computed_tokens at schedule time
+    token_ids: list[int]  # all_token_ids[start:start + n], fed to the model this step
+    block_tables: list[list[int]]  # one per layer group; the KV layer maps positions to slots
+    samples: bool  # the chunk reaches the last known token: sample from its last position
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk]  # decode chunks first, then prefill chunks
+    preempted: list[Request]  # preempted in this schedule(): drop their runtime state
+    num_batch_tokens: int
+
+
+class RequestTooLongError(ValueError):
+    """prompt + max_tokens exceeds the model context or the whole KV cache."""
+
+    def __init__(self, prompt_tokens: int, max_tokens: int, limit: int, limit_name: str):
+        super().__init__(
+            f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
+            f"{prompt_tokens + max_tokens} tokens exceeds the {limit_name} of {limit} tokens; "
+            f"shorten the prompt or lower max_tokens")
+        self.prompt_tokens, self.max_tokens = prompt_tokens, max_tokens
+        self.limit, self.limit_name = limit, limit_name
+
+
+MODEL_CONTEXT = "model context"
+CACHE_CAPACITY = "KV cache capacity"
+
+
+class Scheduler:
+    def __init__(self, kv_manager: KVCacheManager, *, max_batch_tokens: int, max_num_seqs: int,
+                 max_model_len: int):
+        for name, value in (("max_batch_tokens", max_batch_tokens),
+                            ("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if max_batch_tokens < max_num_seqs:
+            # Otherwise some decoding requests would be skipped every step.
+            raise ValueError(f"max_batch_tokens ({max_batch_tokens}) must be >= "
+                             f"max_num_seqs ({max_num_seqs})")
+        self.kv_manager = kv_manager
+        self.max_batch_tokens = max_batch_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self._waiting: deque[Request] = deque()
+        self._running: list[Request] = []  # sorted by arrival, oldest first
+        self._requests: dict[str, Request] = {}  # every unfinished request
+        self._arrival: dict[str, int] = {}
+        self._next_arrival = 0
+
+    # ---- queries ------------------------------------------------------------------
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def get(self, request_id: str) -> Request | None:
+        """The unfinished request with this id, or None."""
+        return self._requests.get(request_id)
+
+    @property
+    def waiting(self) -> list[Request]:
+        return list(self._waiting)
+
+    @property
+    def running(self) -> list[Request]:
+        return list(self._running)
+
+    @property
+    def capacity_tokens(self) -> int | None:
+        """The longest sequence the pool can hold (None: any length)."""
+        return self.kv_manager.capacity_tokens
+
+    # ---- request lifecycle --------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Validate and queue at the back of the waiting queue."""
+        self._validate(request)
+        self._requests[request.request_id] = request
+        self._arrival[request.request_id] = self._next_arrival
+        self._next_arrival += 1
+        self._waiting.append(request)
+
+    def _validate(self, request: Request) -> None:
+        rid, max_tokens = request.request_id, request.max_tokens
+        n_prompt = len(request.prompt_token_ids)
+        if rid in self._requests:
+            raise ValueError(f"request id {rid!r} is already in use by an unfinished request")
+        if request.status is not RequestStatus.WAITING or request.output_token_ids \
+                or request.num_computed_tokens:
+            raise ValueError(f"request {rid!r} must be new (WAITING, no output, nothing "
+                             f"computed), got status {request.status.name}")
+        if n_prompt == 0:
+            raise ValueError(f"request {rid!r} has an empty prompt: the model needs at least "
+                             f"1 token")
+        if max_tokens < 1:
+            raise ValueError(f"request {rid!r}: max_tokens must be >= 1, got {max_tokens}")
+        if n_prompt + max_tokens > self.max_model_len:
+            raise RequestTooLongError(n_prompt, max_tokens, self.max_model_len, MODEL_CONTEXT)
+        if self.kv_manager.num_blocks_for(n_prompt + max_tokens) > self.kv_manager.num_blocks:
+            raise RequestTooLongError(n_prompt, max_tokens, self.capacity_tokens, CACHE_CAPACITY)
+
+    def finish(self, request_id: str, status: RequestStatus) -> Request:
+        """End a waiting or running request and free its blocks at once."""
+        if not status.is_finished:
+            raise ValueError(f"finish() needs a FINISHED_* status, got {status.name}")
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            raise UnknownRequestError(request_id)
+        del self._arrival[request_id]
+        if request.status is RequestStatus.RUNNING:
+            self._running.remove(request)
+            self.kv_manager.free(request_id)
+        else:
+            self._waiting.remove(request)
+        request.status = status
+        return request
+
+    def abort(self, request_id: str) -> Request | None:
+        """finish(..., FINISHED_ABORTED); None if the id is unknown or already finished."""
+        if request_id not in self._requests:
+            return None
+        return self.finish(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def fork(self, parent_id: str, child: Request, first_token: int) -> list[CopyOnWrite]:
+        """Start `child` (n > 1 sampling) as a running copy of a running parent's computed
+        tokens: full blocks are shared copy-on-write, and the returned copies (partial blocks,
+        sliding-window rings) must be done by the KV layer before the next step. `child` carries
+        the parent's prompt; `first_token` is its own first sample (from the parent's logits).
+        When the pool cannot hold the copy, the child waits and recomputes its prompt instead
+        (returns no copies)."""
+        parent = self._requests.get(parent_id)
+        if parent is None or parent.status is not RequestStatus.RUNNING:
+            raise ValueError(f"fork needs a running parent, {parent_id!r} is not")
+        if child.request_id in self._requests:
+            raise ValueError(f"request id {child.request_id!r} is already in use")
+        self._requests[child.request_id] = child
+        self._arrival[child.request_id] = self._next_arrival
+        self._next_arrival += 1
+        child.num_cached_tokens = parent.num_cached_tokens
+        try:
+            copies = self.kv_manager.fork(parent, child)
+        except NoFreeBlocksError:
+            copies = []
+            child.status = RequestStatus.WAITING
+            self._waiting.append(child)
+        else:
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.status = RequestStatus.RUNNING
+            self._running.append(child)  # newest arrival: the order stays sorted
+        child.output_token_ids.append(first_token)
+        return copies
+
+    def reserve_next_slot(self, request: Request) -> list[list[int]] | None:
+        """The block tables of a running request with room for the token after its last one
+        (sampled but not known yet: a pipelined step computes it early), or None when the pool
+        has no block for it (the next schedule() preempts as usual)."""
+        try:
+            return self.kv_manager.allocate_slots(request, request.num_tokens + 1)
+        except NoFreeBlocksError:
+            return None
+
+    # ---- one step -----------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's chunks within the token budget."""
+        self._check_not_over_length()
+        preempted = self._append_pending_slots()
+        budget = self.max_batch_tokens
+        decodes = [r for r in self._running if r.num_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in self._running if r.num_tokens - r.num_computed_tokens > 1]
+        chunks: list[ScheduledChunk] = []
+        for request in decodes + prefills:
+            if budget == 0:
+                break
+            chunks.append(self._chunk(request, budget))
+            budget -= len(chunks[-1].token_ids)
+        # As in vLLM: a step that had to preempt admits nothing, or it would thrash.
+        while not preempted and budget > 0 and (request := self._admit_next()) is not None:
+            chunks.append(self._chunk(request, budget))
+            budget -= len(chunks[-1].token_ids)
+        return SchedulerOutput(chunks, preempted, self.max_batch_tokens - budget)
+
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int],
+                           failed: Collection[str] = ()) -> None:
+        """Record the step's KV as computed and append the sampled tokens. Chunks of requests
+        finished since schedule(), or whose sampling `failed` (the caller finishes those), are
+        skipped; extra keys in `sampled` are ignored."""
+        live = [c for c in output.chunks if not c.request.is_finished and c.request.request_id not in failed]
+        for chunk in live:
+            request = chunk.request
+            if request.status is not RequestStatus.RUNNING \
+                    or chunk.start != request.num_computed_tokens:
+                raise RuntimeError(
+                    f"stale output for request {request.request_id!r}: chunk starts at "
+                    f"{chunk.start}, request has {request.num_computed_tokens} computed "
+                    f"tokens and status {request.status.name}")
+            if chunk.samples and request.request_id not in sampled:
+                raise ValueError(f"no sampled token for request {request.request_id!r}")
+        for chunk in live:
+            request = chunk.request
+            request.num_computed_tokens += len(chunk.token_ids)
+            self.kv_manager.cache_blocks(request)
+            if chunk.samples:
+                request.output_token_ids.append(sampled[request.request_id])
+
+    # ---- internals ----------------------------------------------------------------
+
+    def _check_not_over_length(self) -> None:
+        for request in self._running:
+            if len(request.output_token_ids) >= request.max_tokens:
+                raise RuntimeError(
+                    f"request {request.request_id!r} has {len(request.output_token_ids)} "
+                    f"output tokens (max_tokens {request.max_tokens}): finish() it before "
+                    f"the next schedule()")
+
+    def _append_pending_slots(self) -> list[Request]:
+        """Give each running request a slot for its last sampled token, oldest first,
+        preempting the newest running request whenever the pool is dry."""
+        preempted: list[Request] = []
+        for request in list(self._running):
+            while request.status is RequestStatus.RUNNING:
+                try:
+                    self.kv_manager.allocate_slots(request)
+                    break
+                except NoFreeBlocksError:
+                    victim = self._running[-1]  # newest; may be `request` itself
+                    self._preempt(victim)
+                    preempted.append(victim)
+        return preempted
+
+    def _preempt(self, request: Request) -> None:
+        self._running.remove(request)
+        self.kv_manager.free(request.request_id)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        # Newest preempted first, each pushed to the front: the queue stays in arrival order.
+        self._waiting.appendleft(request)
+
+    def _admit_next(self) -> Request | None:
+        """Move the head of the waiting queue to running if it fits, else None: the first
+        request that does not fit blocks the rest (FIFO, no overtaking)."""
+        if not self._waiting or len(self._running) >= self.max_num_seqs:
+            return None
+        request = self._waiting[0]
+        if not self.kv_manager.can_allocate(request):
+            if not self._running:
+                raise RuntimeError(
+                    f"request {request.request_id!r} ({request.num_tokens} tokens) does not fit an "
+                    f"idle pool with {self.kv_manager.num_free_blocks} of {self.kv_manager.num_blocks} "
+                    f"blocks free: blocks are held outside the scheduler")
+            return None
+        self._waiting.popleft()
+        allocation = self.kv_manager.allocate(request)
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = allocation.num_cached_tokens
+        request.num_computed_tokens = allocation.num_cached_tokens
+        request.status = RequestStatus.RUNNING
+        bisect.insort(self._running, request, key=lambda r: self._arrival[r.request_id])
+        return request
+
+    def _chunk(self, request: Request, budget: int) -> ScheduledChunk:
+        start = request.num_computed_tokens
+        end = min(request.num_tokens, start + budget)
+        return ScheduledChunk(request, start, request.token_ids_between(start, end),
+                              self.kv_manager.block_tables(request.request_id), samples=end == request.num_tokens)

@@ -1,0 +1,133 @@
+"""What a model directory tells the memory plan before any weight is read.
+
+Tensor sizes come from the safetensors headers (8-byte little-endian length, then a JSON map of
+name -> dtype, shape, data_offsets): reading them reads no weights. The KV shape comes from
+config.json as the loaded model reads it, and the per-layer windows from mlx-lm's own model class
+built without weights (its parameters are lazy and never evaluated), so the plan made here is the
+plan the engine makes after loading (tests/loading/test_plan_before_load.py holds them equal).
+
+Weights as loaded: on MLX's CPU backend the loader casts every floating tensor to float32 when any
+is half precision (mlxpaged.loading.loader.load_model), so they count 4 bytes there; on Metal they keep the
+checkpoint's dtypes. Tensors mlx-lm's `sanitize` drops (a tied lm_head, rotary tables in some Hugging
+Face checkpoints) still count, so for such checkpoints the figure is an upper bound.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from mlxpaged.errors import MlxpagedError
+from mlxpaged.platform.model_facts import ModelFacts
+
+# safetensors dtype names (the format's spec) -> bytes per element.
+DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2,
+               "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+HALF = frozenset({"F16", "BF16"})
+FLOATING = frozenset({"F16", "BF16", "F32", "F64"})  # what nn.Module.set_dtype casts
+MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
+
+
+class CheckpointError(MlxpagedError):
+    """A model directory whose weight files cannot be read as safetensors."""
+
+
+@dataclass(frozen=True)
+class TensorHeader:
+    name: str
+    dtype: str  # a safetensors dtype name: "F32", "BF16", "U32", ...
+    num_elements: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_elements * DTYPE_BYTES[self.dtype]
+
+
+def read_safetensors_header(path: Path) -> list[TensorHeader]:
+    """The tensors one .safetensors file holds, from its header alone."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        length = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else None
+        if length is None or length > min(size - 8, MAX_HEADER_BYTES):
+            raise CheckpointError(f"{path} is not a safetensors file: header length {length} for a {size:,}-byte file")
+        try:
+            header = json.loads(f.read(length))
+        except ValueError as exc:
+            raise CheckpointError(f"{path} has an unreadable safetensors header: {exc}") from exc
+    tensors = []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        if entry.get("dtype") not in DTYPE_BYTES:
+            raise CheckpointError(f"{path}: tensor {name!r} has unknown dtype {entry.get('dtype')!r}")
+        count = 1
+        for dim in entry["shape"]:
+            count *= dim
+        tensors.append(TensorHeader(name, entry["dtype"], count))
+    return tensors
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    """The files mlx-lm loads: the shards model.safetensors.index.json names, else model*.safetensors."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        shards = [model_dir / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+        missing = [path.name for path in shards if not path.exists()]
+        if missing:  # an interrupted download
+            raise CheckpointError(f"{index} names {len(shards)} weight files but {len(missing)} are missing "
+                                  f"from {model_dir}: {', '.join(missing)}")
+        return shards
+    files = sorted(model_dir.glob("model*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no model*.safetensors in {model_dir}; it is not an MLX model directory")
+    return files
+
+
+def checkpoint_tensors(model_dir: Path) -> list[TensorHeader]:
+    return [t for path in weight_files(model_dir) for t in read_safetensors_header(path)]
+
+
+def as_loaded(tensors: list[TensorHeader], backend: str) -> list[TensorHeader]:
+    """The tensors with the dtypes they have once loaded on `backend` (see the module docstring)."""
+    if backend == "cpu" and any(t.dtype in HALF for t in tensors):
+        return [TensorHeader(t.name, "F32", t.num_elements) if t.dtype in FLOATING else t for t in tensors]
+    return tensors
+
+
+KV_DTYPE_NAMES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64"}
+
+
+def kv_dtype(loaded: list[TensorHeader]) -> str:
+    """The K/V dtype (safetensors name): the activations' dtype, that of the floating tensors holding
+    the most bytes (the dense weights, or a quantized model's scales); F32 if none is floating."""
+    by_dtype = Counter()
+    for t in loaded:
+        if t.dtype in FLOATING:
+            by_dtype[t.dtype] += t.nbytes
+    return by_dtype.most_common(1)[0][0] if by_dtype else "F32"
+
+
+def kv_dtype_bytes(loaded: list[TensorHeader]) -> int:
+    return DTYPE_BYTES[kv_dtype(loaded)]
+
+
+def kv_dtype_before_load(model_dir: Path, backend: str) -> str:
+    """The K/V dtype's MLX name ("float32", "float16", ...) once the model is loaded on `backend`."""
+    return KV_DTYPE_NAMES[kv_dtype(as_loaded(checkpoint_tensors(model_dir), backend))]
+
+
+def facts_before_load(model_dir: Path, backend: str) -> ModelFacts:
+    """The ModelFacts the engine will read from the loaded model, from headers and config.json alone.
+    Raises UnsupportedModelError for models with no paged equivalent, before any weight is read."""
+    from mlxpaged.cache.cache_view import layer_windows
+    from mlxpaged.loading.loader import check_paged_support, unweighted_model
+
+    config = json.loads((model_dir / "config.json").read_text())
+    loaded = as_loaded(checkpoint_tensors(model_dir), backend)
+    skeleton = unweighted_model(model_dir)
+    check_paged_support(skeleton)
+    return ModelFacts.from_config(config, sum(t.nbytes for t in loaded), kv_dtype_bytes(loaded), layer_windows(skeleton))

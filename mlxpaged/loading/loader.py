@@ -1,0 +1,194 @@
+"""Load models through mlx-lm, and the plain (non-paged) generate path.
+
+The baseline path is mlx-lm's own `stream_generate`: it is what the paged engine is
+checked against, token for token.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import mlxpaged  # noqa: F401  (OpenBLAS before mlx)
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm import stream_generate
+from mlx_lm.sample_utils import make_sampler
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+from mlx_lm.utils import load as mlx_lm_load
+
+from mlxpaged.kernels.attention import paged_attention, sdpa
+from mlxpaged.cache.cache_view import PagedCacheView, layer_windows
+from mlxpaged.runner.decode_pass import DecodeView
+from mlxpaged.errors import MlxpagedError
+from mlxpaged.loading.model_store import ModelRef, Progress, provision, resolve
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    tokenizer: TokenizerWrapper
+    ref: ModelRef
+    path: Path
+    dtype: str
+    config: dict  # the model's config.json
+
+    @property
+    def name(self) -> str:
+        return self.ref.name
+
+
+def on_metal() -> bool:
+    return mx.metal.is_available()
+
+
+def default_dtype() -> str:
+    """float32 on MLX's CPU backend (half precision matmuls are 3-40x slower there); float16 on Metal."""
+    return "float16" if on_metal() else "float32"
+
+
+def locate_model(name: str | None = None, progress: Progress | None = None) -> tuple[ModelRef, Path]:
+    """Resolve and provision (download, convert) a model without loading it; None: the default model."""
+    ref = resolve(name)
+    return ref, provision(ref, default_dtype(), progress)
+
+
+def load_model(name: str | None = None, progress: Progress | None = None) -> LoadedModel:
+    """Resolve, provision if needed, and load a model; None loads the embedded default model."""
+    return load_local(*locate_model(name, progress))
+
+
+def load_local(ref: ModelRef, path: Path, backend: str | None = None) -> LoadedModel:
+    """Load a provisioned model; `backend` ("cpu" or "metal", default: this machine's) picks the dtypes."""
+    backend = backend or ("metal" if on_metal() else "cpu")
+    model, tokenizer = mlx_lm_load(str(path))
+    if backend == "cpu" and _has_half_dense_weights(model):
+        model.set_dtype(mx.float32)  # CPU backend: float32 is the fast dtype (checkpoint.as_loaded counts this)
+    config = json.loads((path / "config.json").read_text())
+    return LoadedModel(model, tokenizer, ref, path, default_dtype(), config)
+
+
+def unweighted_model(model_dir: Path) -> nn.Module:
+    """mlx-lm's model for `model_dir`'s config.json, never given weights: its parameters are lazy
+    (random init, never evaluated), so building it costs no memory. For reading shapes and caches."""
+    from mlx_lm.utils import _get_classes, load_config  # load_model's own class lookup
+
+    config = load_config(model_dir)
+    model_class, args_class = _get_classes(config)
+    return model_class(args_class.from_dict(config))
+
+
+def activation_dtype(model: nn.Module) -> mx.Dtype:
+    """The dtype of the model's activations, hence of its K/V: look one token up in the embedding
+    (a quantized embedding's weight is uint32). Without `model.embed_tokens`: the floating dtype
+    holding the most parameter bytes, as checkpoint.kv_dtype_bytes reads it from the files."""
+    inner = getattr(model, "model", None)
+    if inner is not None and hasattr(inner, "embed_tokens"):
+        return inner.embed_tokens(mx.array([[0]])).dtype
+    from mlx.utils import tree_flatten
+
+    by_dtype: dict[mx.Dtype, int] = {}
+    for _, value in tree_flatten(model.parameters()):
+        if mx.issubdtype(value.dtype, mx.floating):
+            by_dtype[value.dtype] = by_dtype.get(value.dtype, 0) + value.nbytes
+    return max(by_dtype, key=by_dtype.get) if by_dtype else mx.float32
+
+
+def _has_half_dense_weights(model: nn.Module) -> bool:
+    from mlx.utils import tree_flatten
+
+    return any(v.dtype in (mx.float16, mx.bfloat16) for _, v in tree_flatten(model.parameters()))
+
+
+def chat_prompt(tokenizer: TokenizerWrapper, messages: list[dict]) -> list[int]:
+    """Token ids of `messages` rendered with the model's chat template, ready for the reply."""
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+
+
+def baseline_stream(loaded: LoadedModel, prompt: list[int] | str, max_tokens: int = 256,
+                    temperature: float = 0.0, ignore_eos: bool = False) -> Iterator:
+    """mlx-lm's own streaming generation (no paged cache): yields GenerationResponse objects."""
+    sampler = make_sampler(temp=temperature)
+    if not ignore_eos:
+        yield from stream_generate(loaded.model, loaded.tokenizer, prompt, max_tokens=max_tokens, sampler=sampler)
+        return
+    from mlx_lm.generate import generate_step
+
+    # stream_generate always stops at EOS; benchmarks need a fixed length.
+    yield from generate_step(mx.array(prompt), loaded.model, max_tokens=max_tokens, sampler=sampler)
+
+
+def print_progress(done: int, total: int, what: str) -> None:
+    """A one-line progress bar on stderr, for downloads and conversion."""
+    width = 30
+    filled = width * done // max(total, 1)
+    end = "\n" if done >= total else ""
+    sys.stderr.write(f"\r  {what:<20} [{'#' * filled}{'.' * (width - filled)}] {100 * done // max(total, 1):3d}%{end}")
+    sys.stderr.flush()
+
+
+# --- Routing mlx-lm attention to the paged kernel -------------------------------------------
+# mlx-lm model modules import `scaled_dot_product_attention` from `mlx_lm.models.base` by
+# name, so each module's binding is replaced. The wrapper only acts on paged cache views;
+# every other cache (mlx-lm's own) goes to the original function untouched.
+
+_ORIGINAL_SDPA = None
+_ROUTED_MODULES: dict[str, object] = {}
+
+
+def _routed_sdpa(queries, keys, values, cache, scale, mask, sinks=None):
+    if isinstance(cache, DecodeView) and sinks is None:  # inside a compiled decode pass
+        return cache.attend(queries, scale)
+    if isinstance(cache, PagedCacheView) and sinks is None:
+        decode = cache.decode_inputs()
+        if decode is not None:
+            k_pool, v_pool, tables, lens = decode
+            return paged_attention(queries, k_pool, v_pool, tables, lens, scale)
+        return sdpa(queries, keys, values, scale, mask)  # prefill: the CPU's faster softmax too
+    return _ORIGINAL_SDPA(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+
+def route_paged_attention() -> int:
+    """Point every loaded mlx-lm model module at the paged dispatcher; returns how many were patched.
+    Idempotent; call after loading a model (its module is imported lazily by mlx-lm)."""
+    global _ORIGINAL_SDPA
+    import mlx_lm.models.base as base
+
+    if _ORIGINAL_SDPA is None:
+        _ORIGINAL_SDPA = base.scaled_dot_product_attention
+    for name, module in list(sys.modules.items()):
+        if name.startswith("mlx_lm.models.") and getattr(module, "scaled_dot_product_attention", None) is _ORIGINAL_SDPA:
+            module.scaled_dot_product_attention = _routed_sdpa
+            _ROUTED_MODULES[name] = module
+    return len(_ROUTED_MODULES)
+
+
+def is_routed(model: nn.Module) -> bool:
+    """True when `model`'s attention layers call the paged dispatcher (their module was patched)."""
+    module = sys.modules.get(type(model).__module__)
+    return module is not None and getattr(module, "scaled_dot_product_attention", None) is _routed_sdpa
+
+
+def unroute_paged_attention() -> None:
+    """Restore mlx-lm's own attention in every module we patched."""
+    for module in _ROUTED_MODULES.values():
+        if getattr(module, "scaled_dot_product_attention", None) is _routed_sdpa:
+            module.scaled_dot_product_attention = _ORIGINAL_SDPA
+    _ROUTED_MODULES.clear()
+
+
+def check_paged_support(model: nn.Module) -> None:
+    """Recurrent / state-space layers keep no plain KV: refuse them with the model type named."""
+    model_type = getattr(getattr(model, "args", None), "model_type", type(model).__module__.rsplit(".", 1)[-1])
+    try:
+        layer_windows(model)
+    except ValueError as exc:
+        raise UnsupportedModelError(f"model type {model_type!r} is not supported in paged mode: {exc}") from exc
+
+
+class UnsupportedModelError(MlxpagedError):
+    def __init__(self, message: str) -> None:
+        super().__init__(message, param="model")

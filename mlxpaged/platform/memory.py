@@ -1,0 +1,345 @@
+"""Device memory facts, the KV cache sizing plan, and the Metal wired-limit context manager.
+
+How the plan is sized (all in bytes):
+
+    device limit   Metal: max_recommended_working_set_size (the GPU's ceiling; Apple already
+                   keeps 25-33% of RAM outside it). CPU: psutil's available memory (and the
+                   cgroup's, in a container).
+  - OS reserve     max(1 GiB, 10% of RAM). vLLM and mistral.rs default to 90% utilization,
+                   leaving 10% of the device; on unified memory that 10% is the OS's and
+                   other apps', and wired pages cannot be paged out for them.
+  - weights        the loaded model. On CPU, skipped when `weights_resident` (psutil's
+                   "available" was read after loading, so it no longer includes them).
+  - activations    max_batch_tokens x (hidden + vocab) x 4 B (float32 logits) x 2: the peak
+                   per-token activation of transformers' PagedAttentionMemoryHandler, doubled
+                   as its safety factor does (sampling makes a second vocab-sized array).
+  = left for KV    then: --kv-memory (must fit), --memory-fraction x left, or a default
+                   fraction of it (Metal 0.9, the slack MLX's buffer cache needs; CPU 0.5,
+                   because the pool is touched up front and a host with no swap OOM-kills).
+
+A block id stands for one page per layer of a layer group (specs.py): every layer for a
+full-attention model, a group of them when sliding-window and full attention mix. A sequence
+of T tokens holds ceil(T / block_size) blocks per full-attention group and at most
+ceil(window / block_size) + 1 (its ring) per window group, as the block pool allocates them.
+
+The block count is then capped by demand on every backend (mistral.rs's Metal rule: memory
+the cache can never use still competes with the OS): --max-tokens needs
+ceil(max_tokens / block_size) + max_num_seqs blocks per group (one partial block per
+sequence; a window group never more than max_num_seqs rings); without it, max_num_seqs
+sequences of the model context. It must hold one sequence of the longest length asked for
+(min of --max-tokens and the model context), or the plan raises InsufficientMemoryError
+with the numbers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+from mlxpaged.config import CacheConfig
+from mlxpaged.errors import MlxpagedError
+from mlxpaged.cache.specs import block_bytes, group_layers, sequence_capacity, table_lengths
+from mlxpaged.platform.model_facts import KVShape, ModelFacts, model_weight_bytes, require_int  # noqa: F401  (re-exported)
+
+OS_RESERVE_FLOOR = 2**30
+OS_RESERVE_FRACTION = 0.10
+ACTIVATION_DTYPE_BYTES = 4
+ACTIVATION_SAFETY_FACTOR = 2
+DEFAULT_KV_FRACTION = {"metal": 0.9, "cpu": 0.5}
+BACKENDS = ("metal", "cpu")
+
+
+class InsufficientMemoryError(MlxpagedError):
+    """The model and the cache asked for do not fit; the message says what to change, and
+    `param` is the setting the user chose the size with (kv_memory, memory_fraction, max_tokens),
+    or None when no setting can make the model fit."""
+
+    def __init__(self, message: str, *, needed_bytes: int, available_bytes: int, param: str | None = None) -> None:
+        super().__init__(message, param=param)
+        self.needed_bytes = needed_bytes
+        self.available_bytes = available_bytes
+
+
+def gb(n: int) -> str:
+    """Bytes as decimal gigabytes, the unit --kv-memory reads (1 GB = 10**9 bytes); below
+    10 MB in MB or KB, so a tiny size reads as itself rather than 0.00 GB."""
+    for unit, scale in (("GB", 10**9), ("MB", 10**6)):
+        if n >= scale // 100:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n / 1e3:.2f} KB"
+
+
+def size_at_least(n: int) -> str:
+    """`n` bytes as a size setting ("0.38GB"), rounded up so that asking for it is enough."""
+    unit = gb(n).split()[1]
+    scale = {"GB": 10**9, "MB": 10**6, "KB": 10**3}[unit]
+    return f"{math.ceil(n * 100 / scale) / 100:.2f}{unit}"
+
+
+@dataclass(frozen=True)
+class DeviceFacts:
+    """What the device offers. Build it with detect(), or by hand in tests and planners."""
+
+    backend: str  # "metal" or "cpu"
+    total_bytes: int
+    available_bytes: int
+    max_recommended_working_set_size: int | None = None
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        require_int("total_bytes", self.total_bytes, positive=True)
+        require_int("available_bytes", self.available_bytes)
+        if self.backend == "metal":
+            require_int("max_recommended_working_set_size", self.max_recommended_working_set_size, positive=True)
+
+    @property
+    def limit_bytes(self) -> int:
+        """The ceiling the plan starts from: the working set on Metal, available memory on CPU."""
+        return self.max_recommended_working_set_size if self.backend == "metal" else self.available_bytes
+
+    @property
+    def limit_label(self) -> str:
+        return "Metal recommended working set" if self.backend == "metal" else "available host memory"
+
+    @classmethod
+    def detect(cls, mx_module=None, psutil_module=None, cgroup_dir: str = "/sys/fs/cgroup") -> DeviceFacts:
+        """Read this machine: mx.device_info() on Metal, psutil (and cgroup v2 limits) on CPU.
+        On Metal, available_bytes (psutil) is informational: the plan starts from the working set."""
+        if psutil_module is None:
+            import psutil as psutil_module
+        if mx_module is None:
+            import mlx.core as mx_module
+        info = mx_module.device_info()
+        vm = psutil_module.virtual_memory()
+        working_set = info.get("max_recommended_working_set_size")
+        name = str(info.get("device_name", ""))
+        if working_set is not None and mx_module.metal.is_available():
+            total = int(info.get("memory_size", vm.total))
+            return cls("metal", total, int(vm.available), int(working_set), name)
+        available = int(vm.available)
+        cgroup_free = _cgroup_available(Path(cgroup_dir))
+        if cgroup_free is not None:
+            available = min(available, cgroup_free)
+        return cls("cpu", int(vm.total), available, None, name)
+
+
+def _cgroup_available(root: Path) -> int | None:
+    """Bytes left under a cgroup v2 memory limit, or None when there is no limit."""
+    try:
+        limit = (root / "memory.max").read_text().strip()
+        if limit == "max":
+            return None
+        return max(int(limit) - int((root / "memory.current").read_text().strip()), 0)
+    except (OSError, ValueError):
+        return None
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The sized cache: `num_blocks` block ids of `block_bytes` each (one page per layer of a
+    layer group). `token_capacity` is the longest sequence it holds (None: any length, when
+    every layer slides); `bytes_per_token` what a token costs while all its layers hold it."""
+
+    backend: str
+    num_blocks: int
+    block_size: int
+    token_capacity: int | None
+    bytes_per_token: int
+    block_bytes: int
+    kv_bytes: int
+    breakdown: tuple[tuple[str, int], ...]  # device limit first; the rest add up to it
+    reason: str
+    wired_limit_bytes: int | None
+    wired_status: str
+
+    def describe(self) -> str:
+        """A multi-line summary for the CLI and the TUI."""
+        (limit_label, limit), *parts = self.breakdown
+        width = max(len(label) for label, _ in self.breakdown) + 4
+        lines = [f"KV cache plan ({self.backend})", f"  {limit_label:<{width}}{gb(limit):>10}"]
+        for label, size in parts:
+            sign = "=" if label == "left over" else "-"
+            lines.append(f"  {sign} {label:<{width - 2}}{gb(size):>10}")
+        capacity = "any length" if self.token_capacity is None else f"{self.token_capacity:,} tokens"
+        lines.append(f"  {self.num_blocks:,} blocks x {self.block_size} tokens, one sequence up to {capacity}; "
+                     f"{self.bytes_per_token:,} B/token, {self.block_bytes / 1e6:.2f} MB/block")
+        lines.append(f"  blocks: {self.reason}")
+        lines.append(f"  wired limit: {self.wired_status}")
+        return "\n".join(lines)
+
+
+def os_reserve_bytes(total_bytes: int) -> int:
+    return max(OS_RESERVE_FLOOR, int(total_bytes * OS_RESERVE_FRACTION))
+
+
+def activation_bytes(model: ModelFacts, max_batch_tokens: int) -> int:
+    per_token = (model.hidden_size + model.vocab_size) * ACTIVATION_DTYPE_BYTES
+    return max_batch_tokens * per_token * ACTIVATION_SAFETY_FACTOR
+
+
+def _demand(model: ModelFacts, cache: CacheConfig, caps: Sequence[int | None]) -> tuple[int | None, str]:
+    """Blocks the cache could ever use, and why."""
+    seqs = cache.max_num_seqs
+    if cache.max_tokens is not None:
+        per_group = math.ceil(cache.max_tokens / cache.block_size) + seqs
+        blocks = sum(per_group if cap is None else min(per_group, seqs * cap) for cap in caps)
+        return blocks, f"--max-tokens {cache.max_tokens:,}"
+    if model.context_length is not None:
+        blocks = seqs * sum(table_lengths(model.context_length, cache.block_size, caps))
+        return blocks, f"model context {model.context_length:,} x {seqs} sequences"
+    return None, ""
+
+
+def _longest_sequence(model: ModelFacts, cache: CacheConfig) -> int:
+    """Tokens of the longest single sequence the cache must hold."""
+    asked = [n for n in (cache.max_tokens, model.context_length) if n is not None]
+    return min(asked) if asked else cache.max_batch_tokens
+
+
+def _kv_budget(left: int, backend: str, cache: CacheConfig) -> tuple[int, str]:
+    if cache.kv_memory is not None:
+        if cache.kv_memory > left:
+            raise InsufficientMemoryError(
+                f"{{kv_memory:{gb(cache.kv_memory)}}} is more than the {gb(left)} left for the KV cache "
+                f"after weights, activations and the OS reserve; ask for at most {gb(left)}, "
+                "or lower {max_batch_tokens}, or use a smaller model",
+                needed_bytes=cache.kv_memory, available_bytes=left, param="kv_memory")
+        return cache.kv_memory, f"limited by --kv-memory {gb(cache.kv_memory)}"
+    if cache.memory_fraction is not None:
+        return int(left * cache.memory_fraction), f"limited by --memory-fraction {cache.memory_fraction:g} of {gb(left)}"
+    fraction = DEFAULT_KV_FRACTION[backend]
+    return int(left * fraction), f"limited by memory (default {fraction:.0%} of the {gb(left)} left)"
+
+
+def _check_fixed_costs(limit: int, costs: list[tuple[str, int]], label: str) -> int:
+    """Memory left once the fixed costs are paid; raises when nothing is left."""
+    left = limit - sum(size for _, size in costs)
+    if left > 0:
+        return left
+    listed = " + ".join(f"{name} {gb(size)}" for name, size in costs)
+    raise InsufficientMemoryError(
+        f"{listed} = {gb(limit - left)} exceed the {label} of {gb(limit)}, leaving nothing for the KV cache; "
+        "use a smaller or more quantized model, or lower {max_batch_tokens}",
+        needed_bytes=limit - left, available_bytes=limit)
+
+
+def _too_small(longest: int, need_bytes: int, budget: int, fits_tokens: int,
+               cache: CacheConfig) -> InsufficientMemoryError:
+    """One sequence does not fit the budget; the advice follows the setting that sized it."""
+    shrink = f"{{max_tokens:{fits_tokens}}} or less" if fits_tokens > 0 else None
+    if cache.kv_memory is not None:
+        param, advice = "kv_memory", f"use {{kv_memory:{size_at_least(need_bytes)}}} or more" + (f", or {shrink}" if shrink else "")
+    else:
+        param = "memory_fraction" if cache.memory_fraction is not None else "max_tokens"
+        advice = (f"use {shrink}, " if shrink else "") + ("a larger {kv_memory} or {memory_fraction} if memory "
+                                                          "allows, lower {max_batch_tokens}, or a smaller model")
+    return InsufficientMemoryError(
+        f"one {longest:,}-token sequence needs {gb(need_bytes)} of KV cache but only {gb(budget)} is available "
+        f"for it (room for {fits_tokens:,} tokens); {advice}",
+        needed_bytes=need_bytes, available_bytes=budget, param=param)
+
+
+def _wired(device: DeviceFacts, cache: CacheConfig, weights_and_kv: int) -> tuple[int | None, str]:
+    if device.backend != "metal":
+        return None, "not applicable on CPU (MLX's CPU backend has no wired memory)"
+    if not cache.wire:
+        return None, "off (--no-wire)"
+    limit = min(weights_and_kv, device.max_recommended_working_set_size)
+    return limit, f"{gb(limit)} (weights + KV, at most the recommended working set)"
+
+
+def plan_memory(device: DeviceFacts, model: ModelFacts, cache: CacheConfig, *,
+                weights_resident: bool = False) -> MemoryPlan:
+    """Size the paged KV cache. See the module docstring for the rules.
+
+    weights_resident: the DeviceFacts were detected after the model was loaded, so on CPU
+    "available" already excludes the weights. On Metal the working set is a fixed ceiling
+    the weights always count against, so this flag changes nothing there.
+    """
+    skip_weights = weights_resident and device.backend == "cpu"
+    fixed = [("OS reserve", os_reserve_bytes(device.total_bytes)),
+             ("model weights", 0 if skip_weights else model.weight_bytes),
+             ("activations", activation_bytes(model, cache.max_batch_tokens))]
+    left = _check_fixed_costs(device.limit_bytes, fixed, device.limit_label)
+    budget, budget_reason = _kv_budget(left, device.backend, cache)
+    kv = model.kv
+    caps = [g.max_blocks(cache.block_size) for g in group_layers(kv.layer_windows)]  # as the pool takes them
+    block = block_bytes(kv.layer_windows, cache.block_size, kv.num_kv_heads, kv.head_dim, kv.dtype_bytes)
+    memory_blocks = budget // block
+    longest = _longest_sequence(model, cache)
+    need_blocks = sum(table_lengths(longest, cache.block_size, caps))
+    if memory_blocks < need_blocks:
+        fits = sequence_capacity(memory_blocks, cache.block_size, caps)  # an int: `longest` does not fit
+        raise _too_small(longest, need_blocks * block, budget, fits, cache)
+    demand, demand_reason = _demand(model, cache, caps)
+    if demand is not None and demand <= memory_blocks:
+        num_blocks, reason = demand, f"capped by {demand_reason} (memory allows {memory_blocks:,} blocks)"
+    else:
+        num_blocks, reason = memory_blocks, budget_reason
+        if demand is not None:
+            reason += f"; {demand_reason} would need {demand:,} blocks"
+    kv_bytes = num_blocks * block
+    wired_bytes, wired_status = _wired(device, cache, model.weight_bytes + kv_bytes)
+    breakdown = _breakdown(device, model, cache, fixed, kv_bytes, left, skip_weights)
+    return MemoryPlan(device.backend, num_blocks, cache.block_size,
+                      sequence_capacity(num_blocks, cache.block_size, caps), kv.bytes_per_token, block, kv_bytes,
+                      breakdown, reason, wired_bytes, wired_status)
+
+
+def _breakdown(device: DeviceFacts, model: ModelFacts, cache: CacheConfig, fixed: list[tuple[str, int]],
+               kv_bytes: int, left: int, skip_weights: bool) -> tuple[tuple[str, int], ...]:
+    (_, reserve), (_, weights), (_, activations) = fixed
+    weights_label = (f"model weights ({gb(model.weight_bytes)}, already outside available)"
+                     if skip_weights else "model weights")
+    return (
+        (device.limit_label, device.limit_bytes),
+        (f"OS reserve ({OS_RESERVE_FRACTION:.0%} of {gb(device.total_bytes)} RAM, min 1 GiB)", reserve),
+        (weights_label, weights),
+        (f"activations ({cache.max_batch_tokens} tok x {model.hidden_size + model.vocab_size:,} x "
+         f"{ACTIVATION_DTYPE_BYTES} B x {ACTIVATION_SAFETY_FACTOR})", activations),
+        ("KV cache", kv_bytes),
+        ("left over", left - kv_bytes),
+    )
+
+
+@contextlib.contextmanager
+def wired_limit(target: MemoryPlan | int, enabled: bool = True, mx_module=None,
+                streams: Sequence | None = None) -> Iterator[int | None]:
+    """Wire `target` bytes (a plan's weights + KV, or a byte count) while the block runs.
+
+    Never above the device's max_recommended_working_set_size (mx.set_wired_limit raises
+    there). On exit, also by exception or Ctrl-C, it synchronizes MLX (the limit must not
+    change under an async eval, as mlx-lm's wired_limit does) and restores the previous
+    limit. A no-op, yielding None, when disabled, for a plan without a wired limit, or on a
+    device that reports no working set (the CPU backend). Yields the limit it set.
+    """
+    requested = target.wired_limit_bytes if isinstance(target, MemoryPlan) else target
+    if not enabled or requested is None:
+        yield None
+        return
+    if isinstance(requested, bool) or not isinstance(requested, int) or requested < 0:
+        raise ValueError(f"wired limit must be a byte count >= 0, got {requested!r}")
+    if mx_module is None:
+        import mlx.core as mx_module
+    working_set = mx_module.device_info().get("max_recommended_working_set_size")
+    if working_set is None:
+        yield None
+        return
+    limit = min(requested, int(working_set))
+    previous = mx_module.set_wired_limit(limit)
+    try:
+        yield limit
+    finally:
+        try:
+            if streams:
+                for stream in streams:
+                    mx_module.synchronize(stream)
+            else:
+                mx_module.synchronize()
+        finally:
+            mx_module.set_wired_limit(previous)

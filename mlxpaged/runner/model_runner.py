@@ -1,0 +1,289 @@
+"""One model step over a ragged batch on the paged cache.
+
+A step's decode tokens run as one batched pass of one token per sequence; prefill chunks
+run in passes of their own. Padding a 512-token chunk and 15 one-token decode rows into
+one [16, 512] batch would compute 8,192 positions for 527 real ones, so the runner
+alternates within the step instead (measured choice, see the engine notes). Short prefill
+chunks of similar length share a right-padded pass (32 chat prompts of 30-50 tokens: one
+pass 3.3-3.8 s, one pass each 4.8-5.1 s); long ones run alone, where causal attention
+skips its masked half.
+
+Only the positions that sample go through the LM head: on a 49k vocabulary the head
+of a 512-token chunk would otherwise cost as much as several layers.
+
+`execute` is the engine step's "execute" stage: the passes, sampling, the look-ahead pipeline
+(`Lookahead`) and, through `copy_blocks`, the copy-on-write block copies of n > 1 forks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlxpaged.cache.cache_view import paged_views
+from mlxpaged.runner.decode_pass import CompiledDecode
+from mlxpaged.cache.kv_cache import PagedKVCache
+from mlxpaged.loading.loader import is_routed
+from mlxpaged.runner.sampling import LazySample, SampleResult, SamplerState, sample_batch
+
+
+@dataclass(frozen=True)
+class StepInput:
+    """One sequence's part of a step: `token_ids` fed at positions start.. (block tables per layer group)."""
+    token_ids: Sequence[int]
+    start: int
+    block_tables: Sequence[list[int]]
+    samples: bool
+
+
+def split_head(model: nn.Module) -> Callable[[mx.array], mx.array] | None:
+    """`hidden -> logits` when the model is `model.model` followed by a plain LM head, else None.
+
+    Checked numerically once on a short probe, so models that post-process logits
+    (soft-capping, scaling) fall back to the full forward pass instead of being wrong.
+    """
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(model, "make_cache"):
+        return None
+    if getattr(model, "lm_head", None) is not None:
+        head = model.lm_head
+    elif hasattr(inner, "embed_tokens"):
+        head = inner.embed_tokens.as_linear
+    else:
+        return None
+    probe = mx.array([[1, 2, 3]])
+    try:
+        full = model(probe, cache=model.make_cache())
+        split = head(inner(probe, cache=model.make_cache()))
+    except Exception:  # an unusual model signature: use the full forward pass
+        return None
+    return head if mx.allclose(full, split, atol=1e-5, rtol=1e-5).item() else None
+
+
+# Prefill chunks that end within this many tokens may share a pass, if padding them to the
+# longest adds at most a quarter. A shared pass attends through a ragged mask, without the causal
+# blocks that halve a long chunk's attention: `bench batch`'s prefill (16 prompts of 273-468
+# tokens) took 22.9 s in shared passes and 17.7 s alone, so only short chunks share, where a
+# pass's fixed cost dominates (32 chat prompts at once: time to first token 3.2 s -> 1.2 s).
+SHARED_PREFILL_MAX_END = 256
+SHARED_PREFILL_PADDING = 1.25
+
+
+def prefill_passes(inputs: Sequence[StepInput]) -> list[list[int]]:
+    """The prefill chunks (inputs of more than one token) grouped into passes, as input indices."""
+    alone, groups, totals = [], [], []
+    chunks = [i for i, x in enumerate(inputs) if len(x.token_ids) > 1]
+    for i in sorted(chunks, key=lambda i: len(inputs[i].token_ids)):
+        x = inputs[i]
+        width = len(x.token_ids)  # the longest so far: sorted by length
+        if x.start + width > SHARED_PREFILL_MAX_END:
+            alone.append([i])
+        elif groups and width * (len(groups[-1]) + 1) <= SHARED_PREFILL_PADDING * (totals[-1] + width):
+            groups[-1].append(i)
+            totals[-1] += width
+        else:
+            groups.append([i])
+            totals.append(width)
+    return groups + alone
+
+
+# Decode passes of up to this many sequences run compiled (decode_pass.py). Each batch size is a
+# graph of its own per page bucket, traced on first use (40-150 ms): worth it at batch 1 (the
+# chat case), not where batches change size every few steps. Measured per step on SmolLM2-135M,
+# compiled vs eager: B=4 74 vs 83 ms, B=16 120 vs 125 ms (B=1: 48 ms vs mlx-lm's own 51 ms).
+COMPILED_DECODE_MAX_BATCH = 1
+
+
+def _rows(values: mx.array, rows: list[int]) -> mx.array:
+    """`values[rows]`, without a gather when `rows` is every row in order."""
+    return values if rows == list(range(values.shape[0])) else values[mx.array(rows)]
+
+
+@dataclass(frozen=True)
+class SamplingRows:
+    """Who samples this step: the sampler state of each chunk that samples, in order, and each row
+    to sample as (index among those chunks, state); an n > 1 request's forks sample extra rows
+    from their parent's logits."""
+    chunk_states: list[SamplerState]
+    rows: list[tuple[int, SamplerState]]
+
+    @property
+    def has_forks(self) -> bool:
+        return len(self.rows) > len(self.chunk_states)
+
+
+class NextStepPlanner(Protocol):
+    """The scheduler's side of pipelining (EngineCore implements it)."""
+
+    def predictable(self) -> bool:
+        """True when the next step will be this step's rows again (nothing waits to be admitted)."""
+
+    def reserve_next_slot(self, request) -> list[list[int]] | None:
+        """The request's tables with room for the token after its last one, or None."""
+
+
+@dataclass
+class Lookahead:
+    """A decode pass queued on the previous step's lazy tokens before its own step was scheduled
+    (Runner._look_ahead); the runner adopts it when the schedule asks for these rows."""
+    rows: list[tuple[str, int]]  # (request id, position) of each row
+    sample: LazySample
+
+    def covers(self, chunks: list) -> bool:
+        """True when the scheduled step is only decode rows this pass computed (a row whose
+        request finished meanwhile is simply not asked for)."""
+        known = set(self.rows)
+        return all(len(c.token_ids) == 1 and (c.request.request_id, c.start) in known for c in chunks)
+
+    def rows_of(self, chunks: list) -> list[int]:
+        """This pass's row of each chunk."""
+        index = {row: i for i, row in enumerate(self.rows)}
+        return [index[(c.request.request_id, c.start)] for c in chunks]
+
+
+class Runner:
+    def __init__(self, model: nn.Module, kv_cache: PagedKVCache):
+        self.model = model
+        self.kv = kv_cache
+        self.head = split_head(model)
+        compiled = is_routed(model) and CompiledDecode.supports(kv_cache)
+        self.decoder = CompiledDecode(model, kv_cache, self.head) if compiled else None
+        self._ahead: Lookahead | None = None  # the next step's decode pass, already queued
+
+    def execute(self, chunks: list, sampling: SamplingRows, planner: NextStepPlanner) -> list[SampleResult]:
+        """Run a scheduled step (ScheduledChunks) and sample it: one result per sampling row. A
+        step the previous one already queued (`_look_ahead`) is adopted instead of recomputed."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None or not ahead.covers(chunks):
+            return self._compute(chunks, sampling, planner)
+        # This step was computed while the last one ran: queue the next one, then read it.
+        rows_of = ahead.rows_of(chunks)
+        self._ahead = self._look_ahead(chunks, _rows(ahead.sample.tokens, rows_of), sampling.chunk_states, planner)
+        everything = ahead.sample.results()
+        self._launch_ahead()
+        return [everything[i] for i in rows_of]
+
+    def drop_look_ahead(self) -> None:
+        """Forget the queued pass (a failed step, or a step with nothing scheduled)."""
+        self._ahead = None
+
+    def copy_blocks(self, copies: Sequence) -> None:
+        """Do a fork's copy-on-write copies (CopyOnWrite) and land them before the next pass writes."""
+        if copies:
+            self.kv.copy_blocks([(c.src_block, c.dst_block) for c in copies])
+            mx.eval(self.kv.keys, self.kv.values)
+
+    def _compute(self, chunks: list, sampling: SamplingRows, planner: NextStepPlanner) -> list[SampleResult]:
+        """Run the step's passes and sample; pipeline the next decode pass when it is predictable."""
+        logits = self.step([StepInput(c.token_ids, c.start, c.block_tables, c.samples) for c in chunks])
+        if not sampling.rows:
+            return []
+        if sampling.has_forks:
+            logits = logits[mx.array([i for i, _ in sampling.rows])]
+        states = [state for _, state in sampling.rows]
+        if any(state.has_processors for state in states):
+            return sample_batch(logits, states)  # processors read the history: no pipelining
+        sample = LazySample(logits, states)
+        # Only steady decoding is pipelined: every chunk samples, no forks are pending, and no
+        # request gets its first token here (queuing the next pass first would delay that token
+        # by a step, and time to first token is what a user waits on).
+        if not sampling.has_forks and len(states) == len(chunks) and all(c.request.output_token_ids for c in chunks):
+            self._ahead = self._look_ahead(chunks, sample.tokens, states, planner)
+        results = sample.results()
+        self._launch_ahead()
+        return results
+
+    def _launch_ahead(self) -> None:
+        """Start the pass built ahead, now that the one before it has been read (`launch`)."""
+        if self._ahead is not None:
+            self.launch(*self._ahead.sample.arrays)
+
+    def _look_ahead(self, chunks: list, tokens: mx.array, states: list, planner: NextStepPlanner) -> Lookahead | None:
+        """Build the next step's decode pass on this step's lazy tokens (mlx-lm's async_eval
+        pipelining): building it overlaps this step's computation, and once this step is read it
+        is launched (`_launch_ahead`), so delivering and scheduling overlap it. Only when the next
+        step is predictable: nothing waits, and each row continues with one token. A guess that
+        turns out wrong costs one pass; its page writes land in the rows' reserved next slots,
+        which the real step then writes again."""
+        if not planner.predictable():
+            return None
+        if self.compiles(len(chunks)):
+            # A compiled pass is cheap to build, and building it during the last one's tail
+            # slowed that tail (2 cores): batch-1 decode, synchronous 19.6 / 20.3 / 19.1 tok/s,
+            # pipelined 19.0 / 19.4 / 18.4 (3 alternating A/B runs).
+            return None
+        picked, inputs = [], []
+        for i, chunk in enumerate(chunks):
+            request = chunk.request
+            if len(request.output_token_ids) + 2 > request.max_tokens:
+                continue  # this step's token is its last
+            tables = planner.reserve_next_slot(request)
+            if tables is not None:
+                picked.append(i)
+                inputs.append(StepInput([0], chunk.start + len(chunk.token_ids), tables, True))
+        if not picked:
+            return None
+        logits = self.decode_ahead(inputs, _rows(tokens, picked))
+        return Lookahead([(chunks[i].request.request_id, x.start) for i, x in zip(picked, inputs)],
+                         LazySample(logits, [states[i] for i in picked], ahead=1, launch=False))
+
+    def step(self, inputs: Sequence[StepInput]) -> mx.array | None:
+        """Queue the step; return float32 logits [S, V] of the inputs that sample, in order.
+        The passes run in the background (mx.async_eval): reading the logits waits for them."""
+        decode = [i for i, x in enumerate(inputs) if len(x.token_ids) == 1]
+        passes = ([decode] if decode else []) + prefill_passes(inputs)
+        results = [self._pass([inputs[i] for i in rows]) for rows in passes]
+        wanted = [i for i, x in enumerate(inputs) if x.samples]
+        if not wanted:
+            return None
+        if len(passes) == 1 and passes[0] == wanted:  # the common all-decode step: no regathering
+            logits = results[0]
+        else:
+            where = {i: (p, r) for p, rows in enumerate(passes) for r, i in enumerate(rows)}
+            logits = mx.stack([results[where[i][0]][where[i][1]] for i in wanted])
+        return logits.astype(mx.float32)
+
+    def compiles(self, batch: int) -> bool:
+        """True when a decode pass of `batch` sequences runs compiled (decode_pass.py)."""
+        return self.decoder is not None and batch <= COMPILED_DECODE_MAX_BATCH
+
+    def decode_ahead(self, inputs: Sequence[StepInput], tokens: mx.array) -> mx.array:
+        """A decode pass of one token per input whose ids are still being computed (`tokens` [B],
+        lazy; `token_ids` of the inputs are ignored): the engine builds the next step on them
+        while the current one runs. Returns lazy float32 logits [B, V]; nothing runs until
+        `launch`, which must wait until the current pass is done (see `launch`)."""
+        return self._pass(list(inputs), tokens.astype(mx.int32).reshape(-1, 1), launch=False).astype(mx.float32)
+
+    def launch(self, *arrays: mx.array) -> None:
+        """Start computing `arrays` and the pools' pending writes. A pass's page writes stay in
+        place only if nothing else still reads those pools when they are queued, so a pass built
+        ahead is launched only after the pass before it has been read (measured on compiled
+        passes: launching one while the pass before ran copied pools, 55 -> 115-175 ms per step
+        with 6 GB of pools)."""
+        mx.async_eval(*arrays, self.kv.keys, self.kv.values)
+
+    def _pass(self, batch: list[StepInput], tokens: mx.array | None = None, launch: bool = True) -> mx.array:
+        """Build one forward pass and its cache writes, and launch it unless told not to; returns
+        each row's last-position logits [B, V]. Passes run in order on one stream."""
+        length = max(len(x.token_ids) for x in batch)
+        if tokens is None:
+            tokens = mx.array([list(x.token_ids) + [0] * (length - len(x.token_ids)) for x in batch],
+                              dtype=mx.int32)
+        if length == 1 and self.compiles(len(batch)):
+            logits = self.decoder([x.start for x in batch], [x.block_tables[0] for x in batch], tokens)
+        else:
+            num_new = [len(x.token_ids) for x in batch]
+            views = paged_views(self.kv, [x.block_tables for x in batch], [x.start for x in batch], num_new,
+                                routed=is_routed(self.model))
+            last = mx.array([n - 1 for n in num_new])
+            if self.head is not None:
+                hidden = self.model.model(tokens, cache=views)
+                logits = self.head(hidden[mx.arange(len(batch)), last])
+            else:
+                logits = self.model(tokens, cache=views)[mx.arange(len(batch)), last]
+        if launch:
+            self.launch(logits)
+        return logits

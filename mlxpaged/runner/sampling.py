@@ -1,0 +1,471 @@
+"""Per-request sampling: SamplingParams, SamplerState and the batched sampler the runner calls.
+
+One `sample_batch(logits [B, V], states)` per engine step builds every row into one graph and
+evaluates it once. The pieces come from mlx-lm: its repetition / presence / frequency penalty
+processors, its top-p / min-p / top-k filters (in `make_sampler`'s order, on the untempered
+log-probabilities), and user processors with its `processor(tokens, logits)` signature.
+
+Definitions (what the engine and the HTTP layer report):
+- logprobs are log_softmax of the *raw* model logits, before penalties, processors, temperature
+  and filters: vLLM's default `logprobs_mode="raw_logprobs"`. They describe the model, not the
+  sampler, so they do not change with temperature (a masked token can still show up in them).
+- repetition_penalty (HF / vLLM / mlx-lm's sign-aware rule: positive logits divided, negative
+  ones multiplied) covers prompt and generated tokens, with no window, as HF and vLLM do.
+- presence / frequency penalties follow OpenAI: logit[j] -= presence * (c[j] > 0) + frequency * c[j]
+  where c[j] counts j among the *generated* tokens only (as vLLM; the prompt is not counted).
+- Randomness: a row's draw at generation index i uses a key hashed from (seed, sequence_index, i)
+  alone, so a seeded request samples the same tokens alone, batched, or rebuilt after preemption
+  (`make_state(params, request)` on a request that already has output; for an unseeded request
+  rebuild with `dataclasses.replace(params, seed=state.seed)`, or simply keep the state object).
+- History: a state reads its sequence's tokens through the request that owns them (request.py);
+  it keeps no copy, so the tokens the scheduler appends are the history the next draw sees.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import secrets
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import mlx.core as mx
+from mlx_lm.sample_utils import (apply_min_p, apply_top_k, apply_top_p, make_frequency_penalty,
+                                 make_presence_penalty, make_repetition_penalty)
+
+LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
+
+# Temperatures below this sample greedily, as vLLM does: 1/T would overflow float32 logits.
+GREEDY_TEMPERATURE = 1e-5
+MAX_STOP_STRINGS = 16
+MAX_TOP_LOGPROBS = 20
+MAX_N = 128
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range
+
+
+def _range_text(low: float, high: float, low_open: bool) -> str:
+    return f"{'(' if low_open else '['}{low}, {high}{')' if high == math.inf else ']'}"
+
+
+def _require_number(name: str, value: object, low: float, high: float, *,
+                    low_open: bool = False, integer: bool = False) -> None:
+    kinds = (int,) if integer else (int, float)
+    allowed = _range_text(low, high, low_open)
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        raise ValueError(f"{name} must be {'an integer' if integer else 'a number'} in {allowed}, "
+                         f"got {value!r}")
+    too_low = value <= low if low_open else value < low
+    if too_low or value > high or (not integer and not math.isfinite(value)):
+        raise ValueError(f"{name} must be in {allowed}, got {value!r}")
+
+
+def _require_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
+def _stop_list(value: object) -> list[str]:
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, (list, tuple)):
+        raise ValueError(f"stop must be a string or a list of strings, got {value!r}")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise ValueError(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(stops)}")
+    for stop in stops:
+        if not isinstance(stop, str) or not stop:
+            raise ValueError(f"stop entries must be non-empty strings, got {stop!r}")
+    return list(stops)
+
+
+def _token_id_list(name: str, value: object) -> list[int]:
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{name} must be a list of token ids, got {value!r}")
+    for token in value:
+        _require_number(f"{name} entries", token, 0, math.inf, integer=True)
+    return list(value)
+
+
+def _logit_bias(value: object) -> dict[int, float]:
+    if not isinstance(value, dict):
+        raise ValueError(f"logit_bias must be a dict of token id -> bias, got {value!r}")
+    for token, bias in value.items():
+        _require_number("logit_bias token ids", token, 0, math.inf, integer=True)
+        _require_number(f"logit_bias[{token}]", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+    return {int(token): float(bias) for token, bias in value.items()}
+
+
+@dataclass
+class SamplingParams:
+    """How one request samples and when it stops. Checked on construction (ValueError)."""
+
+    max_tokens: int = 256
+    temperature: float = 1.0  # 0 (or below GREEDY_TEMPERATURE) is greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 is off; k >= vocabulary size is off too
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+    n: int = 1
+    logits_processors: list[LogitsProcessor] = field(default_factory=list)
+    logit_bias: dict[int, float] = field(default_factory=dict)  # added to the logits before sampling
+    # Detokenizing: mlx-lm drops the space before the first generated word (chat replies); raw
+    # completions keep it, as OpenAI's and vLLM's do ("The capital of France is" -> " Paris").
+    trim_leading_space: bool = True
+
+    def __post_init__(self) -> None:
+        _require_number("max_tokens", self.max_tokens, 1, math.inf, integer=True)
+        _require_number("temperature", self.temperature, 0.0, math.inf)
+        _require_number("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        _require_number("top_k", self.top_k, 0, math.inf, integer=True)
+        _require_number("min_p", self.min_p, 0.0, 1.0)
+        _require_number("repetition_penalty", self.repetition_penalty, 0.0, math.inf, low_open=True)
+        _require_number("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _require_number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        self.stop = _stop_list(self.stop)
+        self.stop_token_ids = _token_id_list("stop_token_ids", self.stop_token_ids)
+        _require_bool("ignore_eos", self.ignore_eos)
+        _require_bool("trim_leading_space", self.trim_leading_space)
+        _require_bool("logprobs", self.logprobs)
+        _require_number("top_logprobs", self.top_logprobs, 0, MAX_TOP_LOGPROBS, integer=True)
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError(f"top_logprobs={self.top_logprobs} needs logprobs=True (as in OpenAI's API)")
+        _require_number("n", self.n, 1, MAX_N, integer=True)
+        self.logit_bias = _logit_bias(self.logit_bias)
+        self._check_processors()
+
+    def _check_processors(self) -> None:
+        if not isinstance(self.logits_processors, (list, tuple)):
+            raise ValueError(f"logits_processors must be a list of callables, got {self.logits_processors!r}")
+        for processor in self.logits_processors:
+            if not callable(processor):
+                raise ValueError(f"logits_processors entries must be callable, got {processor!r}")
+        self.logits_processors = list(self.logits_processors)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
+
+class TokenSequence(Protocol):
+    """What a sampler state reads its history from: a `Request` (request.py)."""
+
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+
+@dataclass
+class SamplerState:
+    """One sequence's sampling settings and RNG identity; its history is read through `sequence`.
+    Holds no MLX or cache resources."""
+
+    params: SamplingParams
+    seed: int  # params.seed, or drawn at creation for unseeded requests
+    sequence: TokenSequence
+    sequence_index: int = 0  # which of the request's n samples this is
+    _prompt_array: mx.array | None = field(default=None, repr=False)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.sequence.prompt_token_ids
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.sequence.output_token_ids
+
+    @property
+    def generation_index(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def has_processors(self) -> bool:
+        p = self.params
+        return bool(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+                    or p.logits_processors)
+
+    def key_words(self, ahead: int = 0) -> tuple[int, int]:
+        """The two uint32 words of this draw's key: a hash of (seed, sequence_index, index);
+        `ahead` draws for a token that many places after the next (a pipelined step)."""
+        text = f"{self.seed}:{self.sequence_index}:{self.generation_index + ahead}".encode()
+        value = int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little")
+        return value >> 32, value & 0xFFFFFFFF
+
+    def all_tokens(self) -> mx.array:
+        if self._prompt_array is None:
+            self._prompt_array = mx.array(self.prompt_token_ids, dtype=mx.int32)
+        if not self.output_token_ids:
+            return self._prompt_array
+        return mx.concatenate([self._prompt_array, self.output_tokens()])
+
+    def output_tokens(self) -> mx.array:
+        return mx.array(self.output_token_ids, dtype=mx.int32)
+
+
+def make_state(params: SamplingParams, sequence: TokenSequence, *, sequence_index: int = 0) -> SamplerState:
+    """A sequence's sampler state, reading its tokens through `sequence` (a Request); one that
+    already has output tokens resumes mid-generation."""
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+    _require_number("sequence_index", sequence_index, 0, MAX_N - 1, integer=True)
+    _token_id_list("prompt_token_ids", sequence.prompt_token_ids)
+    _token_id_list("output_token_ids", sequence.output_token_ids)
+    seed = params.seed if params.seed is not None else secrets.randbits(64)
+    return SamplerState(params, seed, sequence, sequence_index)
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    """One row's outcome: a token (with logprobs if asked), or the error its processors raised."""
+
+    token: int | None = None
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    error: Exception | None = None
+
+
+def _process_row(state: SamplerState, row: mx.array) -> mx.array:
+    """mlx-lm's penalty processors, then the user's, on one [1, V] row (a copy, never the batch)."""
+    p = state.params
+    if p.repetition_penalty != 1.0:
+        seen = state.all_tokens()
+        if seen.size:
+            row = make_repetition_penalty(p.repetition_penalty, seen.size)(seen, row)
+    if state.output_token_ids and (p.presence_penalty or p.frequency_penalty):
+        generated = state.output_tokens()
+        if p.presence_penalty:
+            row = make_presence_penalty(p.presence_penalty, generated.size)(generated, row)
+        if p.frequency_penalty:
+            row = make_frequency_penalty(p.frequency_penalty, generated.size)(generated, row)
+    if p.logits_processors:
+        tokens = state.all_tokens()
+        for processor in p.logits_processors:
+            row = processor(tokens, row)
+    return row
+
+
+def _processed_rows(logits: mx.array, states: list[SamplerState],
+                    errors: dict[int, Exception]) -> list[mx.array] | None:
+    """Per-row processed logits, or None when no row has processors (the batch is used as is)."""
+    if not any(state.has_processors for state in states):
+        return None
+    rows = []
+    for i, state in enumerate(states):
+        row = logits[i : i + 1]
+        if state.has_processors and i not in errors:
+            try:
+                row = _process_row(state, row)
+                if not isinstance(row, mx.array) or row.shape != (1, logits.shape[-1]):
+                    raise ValueError(f"a logits processor returned {getattr(row, 'shape', row)!r}, "
+                                     f"expected an mx.array shaped (1, {logits.shape[-1]})")
+            except Exception as exc:  # user code: fail this request only
+                errors[i] = exc
+                row = logits[i : i + 1]
+        rows.append(row)
+    return rows
+
+
+def _filter_key(params: SamplingParams, vocab: int) -> tuple:
+    """(top_p, min_p, top_k), each None when it would keep every token."""
+    return (params.top_p if params.top_p < 1.0 else None,
+            params.min_p if params.min_p > 0.0 else None,
+            params.top_k if 0 < params.top_k < vocab else None)
+
+
+def _apply_filters(logprobs: mx.array, key: tuple) -> mx.array:
+    top_p, min_p, top_k = key  # mlx-lm's make_sampler order
+    if top_p is not None:
+        logprobs = apply_top_p(logprobs, top_p)
+    if min_p is not None:
+        logprobs = apply_min_p(logprobs, min_p)
+    if top_k is not None:
+        logprobs = apply_top_k(logprobs, top_k)
+    return logprobs
+
+
+def _filter_groups(logprobs: mx.array, states: list[SamplerState]) -> mx.array:
+    """Apply each row's filters; rows sharing settings go through mlx-lm's filters together."""
+    groups: dict[tuple, list[int]] = {}
+    for i, state in enumerate(states):
+        groups.setdefault(_filter_key(state.params, logprobs.shape[-1]), []).append(i)
+    if len(groups) == 1:
+        return _apply_filters(logprobs, next(iter(groups)))
+    parts, order = [], []
+    for key, rows in groups.items():
+        parts.append(_apply_filters(logprobs[mx.array(rows)], key))
+        order.extend(rows)
+    inverse = [0] * len(order)
+    for position, row in enumerate(order):
+        inverse[row] = position
+    return mx.concatenate(parts)[mx.array(inverse)]
+
+
+def _draw(logits: mx.array, states: list[SamplerState], ahead: int) -> mx.array:
+    """Inverse-CDF draw from softmax(filtered / T) with one uniform per row from that row's key.
+
+    One exp pass per row: about half the cost of Gumbel-max (V random numbers and two logs) on
+    the CPU backend. The filters see log-probabilities up to a per-row constant (the row's max is
+    subtracted, not its logsumexp): top-p renormalises, min-p is relative, top-k is by rank.
+    """
+    shifted = _filter_groups(logits - mx.max(logits, axis=-1, keepdims=True), states)
+    inv_temp = mx.array([1.0 / s.params.temperature for s in states], dtype=shifted.dtype)
+    cdf = mx.cumsum(mx.exp(shifted * inv_temp[:, None]), axis=-1)
+    keys = mx.array([s.key_words(ahead) for s in states], dtype=mx.uint32)
+    uniform = mx.vmap(lambda key: mx.random.uniform(key=key))(keys)
+    # 1 - u is in (0, 1], so the threshold is above 0 and at most the total: the first index
+    # whose cdf reaches it has positive weight.
+    threshold = (1.0 - uniform)[:, None] * cdf[:, -1:]
+    return (cdf < threshold).sum(axis=-1).astype(mx.uint32)
+
+
+def _add_bias(logits: mx.array, states: list[SamplerState]) -> mx.array:
+    """The rows' logit_bias added (OpenAI semantics: before filtering and sampling; the reported
+    logprobs stay the model's own)."""
+    entries = [(row, token, bias) for row, state in enumerate(states) for token, bias in state.params.logit_bias.items()]
+    if not entries:
+        return logits
+    rows, tokens, biases = zip(*entries)
+    bad = [t for t in tokens if t >= logits.shape[-1]]
+    if bad:
+        raise ValueError(f"logit_bias token ids {bad[:5]} are outside the vocabulary of {logits.shape[-1]}")
+    return logits.at[mx.array(rows), mx.array(tokens)].add(mx.array(biases, dtype=logits.dtype))
+
+
+def _choose_tokens(processed: mx.array, states: list[SamplerState], ahead: int = 0) -> mx.array:
+    processed = _add_bias(processed, states)
+    tokens = mx.argmax(processed, axis=-1)
+    drawn = [i for i, state in enumerate(states) if not state.params.greedy]
+    if not drawn:
+        return tokens
+    if len(drawn) == len(states):
+        return _draw(processed, states, ahead)
+    index = mx.array(drawn)
+    tokens[index] = _draw(processed[index], [states[i] for i in drawn], ahead).astype(tokens.dtype)
+    return tokens
+
+
+def _logprob_graph(logits: mx.array, tokens: mx.array, states: list[SamplerState],
+                   rows: list[int]) -> list[mx.array]:
+    """[chosen] or [chosen, top ids, top values] of the raw log-softmax of `rows`; [] if none."""
+    if not rows:
+        return []
+    if len(rows) < logits.shape[0]:
+        index = mx.array(rows)
+        logits, tokens = logits[index], tokens[index]
+    raw = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    chosen = mx.take_along_axis(raw, tokens[:, None].astype(mx.int32), axis=-1)[:, 0]
+    k = min(max(states[i].params.top_logprobs for i in rows), raw.shape[-1])
+    if k == 0:
+        return [chosen]
+    top_ids = mx.argpartition(-raw, kth=k - 1, axis=-1)[:, :k]
+    return [chosen, top_ids, mx.take_along_axis(raw, top_ids, axis=-1)]
+
+
+def _row_result(state: SamplerState, token: int, position: int | None, lists: list[list]) -> SampleResult:
+    """`position` is the row's index among the rows that asked for logprobs (None: not asked)."""
+    if position is None:
+        return SampleResult(token)
+    pairs = []
+    if len(lists) == 3 and state.params.top_logprobs:
+        pairs = sorted(zip(lists[1][position], lists[2][position]), key=lambda pair: (-pair[1], pair[0]))
+        pairs = [(int(t), float(v)) for t, v in pairs[: state.params.top_logprobs]]
+    return SampleResult(token, float(lists[0][position]), pairs)
+
+
+def _evaluate(logits: mx.array, rows: list[mx.array] | None, states: list[SamplerState],
+              errors: dict[int, Exception]) -> list[SampleResult]:
+    if rows is not None:
+        for i in errors:
+            rows[i] = logits[i : i + 1]
+    processed = logits if rows is None else mx.concatenate(rows)
+    tokens = _choose_tokens(processed, states)
+    asked = [i for i, state in enumerate(states) if state.params.logprobs and i not in errors]
+    extras = _logprob_graph(logits, tokens, states, asked)
+    # A user processor may mask every token (a grammar at a dead end): fail that row, not sample 0.
+    custom = [i for i, state in enumerate(states) if state.params.logits_processors and i not in errors]
+    peaks = mx.max(processed[mx.array(custom)], axis=-1) if custom else mx.array([])
+    mx.eval(tokens, peaks, *extras)
+    for i, peak in zip(custom, peaks.tolist()):
+        if not math.isfinite(peak):
+            errors[i] = ValueError(f"logits processors left no finite logit (the largest is {peak})")
+    return _read_rows(tokens, extras, asked, states, errors)
+
+
+def _read_rows(tokens: mx.array, extras: list[mx.array], asked: list[int], states: list[SamplerState],
+               errors: dict[int, Exception]) -> list[SampleResult]:
+    """One SampleResult per row from the (evaluated or pending) token and logprob arrays."""
+    token_list = tokens.tolist()
+    lists = [extra.tolist() for extra in extras]
+    position = {row: j for j, row in enumerate(asked)}
+    return [SampleResult(error=errors[i]) if i in errors
+            else _row_result(state, token_list[i], position.get(i), lists)
+            for i, state in enumerate(states)]
+
+
+def _find_eval_failures(rows: list[mx.array], states: list[SamplerState],
+                        errors: dict[int, Exception]) -> bool:
+    """Evaluate processed rows one by one; record the ones whose graph fails. True if any did."""
+    found = False
+    for i, (row, state) in enumerate(zip(rows, states)):
+        if state.has_processors and i not in errors:
+            try:
+                mx.eval(row)
+            except Exception as exc:  # user code failing lazily, inside MLX
+                errors[i] = exc
+                found = True
+    return found
+
+
+def sample_batch(logits: mx.array, states: list[SamplerState]) -> list[SampleResult]:
+    """Sample one token per row of `logits` [B, V] for `states` (one per row), in one evaluation.
+
+    Does not record the tokens: the scheduler appends the ones it keeps to their requests.
+    A row whose processors raise gets `SampleResult(error=...)`; the other rows are unaffected.
+    """
+    if not isinstance(logits, mx.array) or logits.ndim != 2:
+        raise ValueError(f"logits must be an mx.array shaped [batch, vocab], got "
+                         f"{getattr(logits, 'shape', type(logits).__name__)}")
+    if logits.shape[0] != len(states):
+        raise ValueError(f"logits has {logits.shape[0]} rows but states has {len(states)} entries")
+    if not states:
+        return []
+    if logits.dtype != mx.float32:
+        logits = logits.astype(mx.float32)
+    errors: dict[int, Exception] = {}
+    rows = _processed_rows(logits, states, errors)
+    try:
+        return _evaluate(logits, rows, states, errors)
+    except Exception:
+        if rows is None or not _find_eval_failures(rows, states, errors):
+            raise
+    return _evaluate(logits, rows, states, errors)
+
+
+class LazySample:
+    """The tokens (and logprobs) of a batch as a lazy graph, for pipelining: the next model pass
+    is built on `tokens` while this one computes; `results()` reads them. Only for rows without
+    logits processors or penalties, which need the history up to the token being sampled.
+    `ahead`: how many tokens each row is ahead of its recorded history (seeded keys follow).
+    `launch=False` leaves the graph unqueued: the caller passes `arrays` to its own async_eval."""
+
+    def __init__(self, logits: mx.array, states: list[SamplerState], ahead: int = 0, launch: bool = True):
+        if any(state.has_processors for state in states):
+            raise ValueError("rows with logits processors or penalties cannot be sampled lazily")
+        logits = logits.astype(mx.float32)
+        self.states = states
+        self.tokens = _choose_tokens(logits, states, ahead).astype(mx.int32)
+        self._asked = [i for i, state in enumerate(states) if state.params.logprobs]
+        self._extras = _logprob_graph(logits, self.tokens, states, self._asked)
+        self.arrays = [self.tokens, *self._extras]
+        if launch:
+            mx.async_eval(*self.arrays)
+
+    def results(self) -> list[SampleResult]:
+        """Wait for the tokens; one SampleResult per row."""
+        return _read_rows(self.tokens, self._extras, self._asked, self.states, {})

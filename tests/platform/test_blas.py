@@ -1,0 +1,64 @@
+"""The fast BLAS is what MLX's matmuls actually call after the README setup (Linux)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="OpenBLAS preloading is Linux-only")
+
+MATMUL = "import mlx.core as mx; a = mx.ones((64, 64)); mx.eval(a @ a)"
+
+
+def run_python(code: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=120)
+
+
+@linux_only
+def test_openblas_is_installed():
+    from mlxpaged.platform.blas import HINT, find_openblas
+
+    assert find_openblas() is not None, f"no system OpenBLAS; the README setup installs it ({HINT})"
+
+
+@linux_only
+def test_mlx_sgemm_binds_to_openblas():
+    # The dynamic linker reports which library satisfies libmlx's cblas_sgemm.
+    result = run_python(f"import mlxpaged; {MATMUL}", LD_DEBUG="bindings")
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = [ln for ln in result.stderr.splitlines() if "libmlx" in ln and "`cblas_sgemm'" in ln]
+    assert lines, "libmlx never bound cblas_sgemm"
+    assert all("libopenblas" in ln for ln in lines), lines
+
+
+@linux_only
+def test_without_preload_mlx_uses_its_bundled_blas():
+    # The control: the check above can tell the two apart.
+    result = run_python(MATMUL, LD_DEBUG="bindings")
+    lines = [ln for ln in result.stderr.splitlines() if "libmlx" in ln and "`cblas_sgemm'" in ln]
+    assert lines and not any("libopenblas" in ln for ln in lines), lines
+
+
+@linux_only
+def test_importing_mlx_first_warns_once():
+    code = ("import warnings, mlx.core\n"
+            "with warnings.catch_warnings(record=True) as w:\n"
+            "    warnings.simplefilter('always')\n"
+            "    import mlxpaged\n"
+            "    mlxpaged.load_fast_blas()\n"
+            "print(len(w), mlxpaged.blas_status().name)\n")
+    result = run_python(code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["1", "mlx-bundled", "(openblas", "loaded", "too", "late)"]
+
+
+def test_status_is_reported_by_the_cli():
+    result = subprocess.run([sys.executable, "-m", "mlxpaged_app.cli", "models", "--verbose"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    expected = "accelerate" if sys.platform == "darwin" else "openblas"
+    assert f"BLAS:    {expected}" in result.stdout
