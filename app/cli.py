@@ -117,8 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="chat with a model in the terminal (a Textual app; F1 lists the keys)")
     chat.add_argument("--model", "-m", default=None, help="preset name, local path or Hugging Face repo id")
     chat.add_argument("--max-tokens", type=int, default=512, help="tokens per reply")
-    chat.add_argument("--temperature", type=float, default=0.7)
-    chat.add_argument("--top-p", type=float, default=1.0)
+    chat.add_argument("--temperature", type=float, default=None,
+                      help="default: the model's recommended value (its generation_config.json), else 1.0")
+    chat.add_argument("--top-p", type=float, default=None, help="default: the model's, else 1.0")
     chat.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     chat.add_argument("--system", default="", help="system prompt (default: the model's own)")
     chat.add_argument("--resume", action="store_true", help="reopen the last saved conversation")

@@ -247,6 +247,20 @@ def check_default_model(model: ModelOnDisk | None, error: str | None) -> Check:
                                       f"weights {gb(model.weight_bytes)} on disk")
 
 
+def check_sampling_defaults(model: ModelOnDisk | None) -> Check:
+    """What chat and serve sample with when temperature / top_p are left unset (mlxpaged.loading.generation_defaults)."""
+    from mlxpaged.loading.generation_defaults import GenerationConfigError, load_defaults
+    from mlxpaged.models import resolve
+
+    if model is None:
+        return Check(WARN, "sampling defaults", "not read: the default model could not be resolved")
+    try:
+        defaults = load_defaults(model.path, resolve(model.name).preset)
+    except GenerationConfigError as exc:
+        return Check(FAIL, "sampling defaults", str(exc))
+    return Check(OK, "sampling defaults", defaults.describe())
+
+
 def check_kv_plan(model: ModelOnDisk | None) -> Check:
     """The plan the default settings would make, from the model's facts without its weights."""
     from mlxpaged.platform.memory import DeviceFacts, InsufficientMemoryError, plan_memory
@@ -347,7 +361,8 @@ def run_checks(load: bool = False) -> list[Check]:
         ("platform", check_platform), ("python", check_python), ("mlx", check_mlx), ("blas", check_blas),
         ("attention", check_attention), ("kernel", lambda: check_kernel(model)), ("memory", check_memory),
         ("wired memory", check_wired), ("model store", check_store),
-        ("default model", lambda: check_default_model(model, error)), ("KV plan", lambda: check_kv_plan(model)),
+        ("default model", lambda: check_default_model(model, error)),
+        ("sampling defaults", lambda: check_sampling_defaults(model)), ("KV plan", lambda: check_kv_plan(model)),
     ]
     if load:
         checks.append(("load", check_load))

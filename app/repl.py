@@ -2,7 +2,8 @@
 
 Each input line is a user turn and its reply streams to stdout; loading, the banner, per-reply
 stats and errors go to stderr, so `echo "question" | mlxpaged chat --plain` prints only the answer.
-Sampling settings are the chat app's (ChatSettings); a blank system prompt leaves the model's own.
+Sampling settings are the chat app's (ChatSettings: unset temperature / top_p are the model's); a blank
+system prompt leaves the model's own.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ def run_plain_chat(model: str | None, settings: ChatSettings, system: str, cache
     say(f"Loading {model or 'the default model'}...")
     with Engine(load_model(model, progress=print_progress), CacheConfig(cache_tokens=cache_tokens)) as engine:
         blas = blas_status()
-        say(f"mlxpaged chat - {engine.loaded.name} ({engine.loaded.dtype}, BLAS: {blas.name}); {settings.describe()}")
+        say(f"mlxpaged chat - {engine.loaded.name} ({engine.loaded.dtype}, BLAS: {blas.name}); "
+            f"{settings.describe(engine.generation_defaults)}")
         if not blas.fast:
             say(f"hint: {blas.detail}")
         interactive = sys.stdin.isatty()
@@ -45,7 +47,7 @@ class PlainChat:
     """The conversation and its loop: read a line, stream the reply, keep both turns."""
 
     def __init__(self, engine, settings: ChatSettings, system: str) -> None:
-        self.engine, self.params = engine, settings.sampling_params()
+        self.engine, self.params = engine, settings.sampling_params(engine.generation_defaults)
         self.system = [{"role": "system", "content": system}] if system.strip() else []  # as the chat app does
         self.turns: list[dict] = []
 

@@ -96,6 +96,10 @@ class ConversionError(MlxpagedError):
     """The GGUF file cannot be read or is not a model we can convert."""
 
 
+class GenerationConfigError(MlxpagedError, ValueError):
+    """A generation_config.json (or a preset's generation table) holds a value SamplingParams refuses."""
+
+
 class InsufficientMemoryError(MlxpagedError):
     """The model and the cache asked for do not fit; the message says what to change, and
     `param` is the setting the user chose the size with (kv_memory, memory_fraction, cache_tokens),

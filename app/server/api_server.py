@@ -46,8 +46,12 @@ async def completions(request: Request) -> Response:
 
 
 def _model_card(state: ServerState) -> dict:
+    """OpenAI's model object, plus what this server applies to requests that leave sampling fields unset."""
+    defaults = state.config.sampling_defaults
     return {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "mlxpaged",
-            "max_model_len": state.context_limit}
+            "max_model_len": state.context_limit,
+            "mlxpaged": {"sampling_defaults": defaults.values, "source": defaults.source,
+                         "default_max_tokens": state.default_max_tokens}}
 
 
 async def list_models(request: Request) -> Response:

@@ -28,8 +28,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     limits = parser.add_argument_group("requests")
     limits.add_argument("--max-queue", type=int, default=64,
                         help="requests that may wait beyond the running batch; more get 429 (default: 64)")
-    limits.add_argument("--default-max-tokens", type=int, default=1024,
-                        help="reply length when a request sets none (default: 1024, clipped to the context)")
+    limits.add_argument("--default-max-tokens", type=int, default=None,
+                        help="reply length when a request sets none (default: the model's max_new_tokens, else "
+                             "1024; clipped to the context)")
+    limits.add_argument("--generation-config", choices=["auto", "none"], default="auto",
+                        help="auto: fields a request leaves unset (temperature, top_p, top_k, min_p, "
+                             "repetition_penalty, max tokens) take the model's generation_config.json values; "
+                             "none: the plain API defaults (temperature 1.0, top_p 1.0). Default: auto")
     limits.add_argument("--drain-timeout", type=float, default=10.0,
                         help="seconds in-flight requests get to finish at shutdown (default: 10)")
     limits.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -80,7 +85,7 @@ def server_config(args: argparse.Namespace):
     from mlxpaged_app.server.state import ServerConfig
 
     for name in ("max_queue", "default_max_tokens"):
-        if getattr(args, name) < (0 if name == "max_queue" else 1):
+        if getattr(args, name) is not None and getattr(args, name) < (0 if name == "max_queue" else 1):
             raise ServeError(f"--{name.replace('_', '-')} must be >= {0 if name == 'max_queue' else 1}, "
                              f"got {getattr(args, name)}")
     if args.drain_timeout < 0:

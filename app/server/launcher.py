@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import signal
 import socket
 import sys
@@ -44,6 +45,15 @@ def load_engine(args: argparse.Namespace):
     engine = Engine.from_pretrained(args.model, **cache_settings(args))
     say(engine.plan.describe())
     return engine
+
+
+def with_sampling_defaults(config, engine, mode: str):
+    """`config` with the defaults requests get (--generation-config): the model's, read once here, or none."""
+    from mlxpaged.loading.generation_defaults import GenerationDefaults
+
+    defaults = engine.generation_defaults if mode == "auto" else GenerationDefaults({}, "--generation-config none")
+    say(f"mlxpaged serve: sampling defaults: {defaults.describe()}")
+    return dataclasses.replace(config, sampling_defaults=defaults)
 
 
 def warm_up(engine) -> None:
@@ -84,6 +94,12 @@ def _load_and_serve(args: argparse.Namespace, config, sock: socket.socket) -> in
         engine = load_engine(args)
     except (ValueError, MlxpagedError) as exc:  # settings, memory, model: one line naming the flag
         print(f"mlxpaged serve: {user_message(exc, 'cli')}", file=sys.stderr)
+        return 1
+    try:
+        config = with_sampling_defaults(config, engine, args.generation_config)
+    except (ValueError, MlxpagedError) as exc:  # a generation_config.json with bad values: named, with the file
+        engine.close()
+        print(f"mlxpaged serve: {user_message(exc, 'cli')}; --generation-config none ignores it", file=sys.stderr)
         return 1
     try:
         warm_up(engine)

@@ -1,12 +1,16 @@
 """From a typed request to the engine's SamplingParams: the checks on what this server supports, the
-max_tokens default, and SamplingParams itself (whose ValueError, naming the field, becomes a 400
-naming the API parameter)."""
+max_tokens default, the model's sampling defaults, and SamplingParams itself (whose ValueError, naming
+the field, becomes a 400 naming the API parameter)."""
 
 from __future__ import annotations
 
 import re
+from typing import Iterable
+
+from pydantic import BaseModel
 
 from mlxpaged.runner.sampling import SamplingParams
+from mlxpaged.loading.generation_defaults import NO_DEFAULTS, GenerationDefaults
 from mlxpaged_app.server.errors import invalid_param
 from mlxpaged_app.server.protocol import ChatRequest, CompletionRequest
 
@@ -48,6 +52,24 @@ def resolve_max_tokens(requested: int | None, prompt_tokens: int, limit: int, de
     return max(1, min(default, limit - prompt_tokens))
 
 
+MODEL_DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")  # what the model may default
+
+
+def sampling_kwargs(defaults: GenerationDefaults, request: object, names: Iterable[str] = MODEL_DEFAULTED) -> dict:
+    """The defaults merge every API uses: each of `names` the client actually sent, else the model's default;
+    neither: left out, so SamplingParams' own default applies. `request` is a pydantic model (what it was sent
+    with: model_fields_set) or any object whose None fields were not sent; null counts as not sent.
+    max_tokens is left to the caller (resolve_max_tokens clips it to the context)."""
+    fields_set = request.model_fields_set if isinstance(request, BaseModel) else None
+    sent = {name: getattr(request, name) for name in names
+            if (fields_set is None or name in fields_set) and getattr(request, name, None) is not None}
+    if sent.get("top_k") == -1:
+        sent["top_k"] = 0  # vLLM spells "off" -1
+    merged = defaults.sampling_kwargs(sent)
+    merged.pop("max_tokens", None)
+    return merged
+
+
 def _api_names(request, logprobs_name: str) -> dict[str, str]:
     names = {"max_tokens": "max_tokens", "top_logprobs": "top_logprobs", "logprobs": "logprobs"}
     if getattr(request, "max_completion_tokens", None) is not None:
@@ -58,17 +80,14 @@ def _api_names(request, logprobs_name: str) -> dict[str, str]:
 
 
 def sampling_params(request, *, max_tokens: int, logprobs: bool, top_logprobs: int,
-                    logprobs_name: str = "top_logprobs") -> SamplingParams:
-    """SamplingParams for the request; a range error names the API parameter that caused it."""
+                    logprobs_name: str = "top_logprobs", defaults: GenerationDefaults = NO_DEFAULTS) -> SamplingParams:
+    """SamplingParams for the request, unset fields from the model's `defaults`; a range error names the
+    API parameter that caused it."""
     r = request
     fields = dict(max_tokens=max_tokens, logprobs=logprobs, top_logprobs=top_logprobs, n=1 if r.n is None else r.n,
-                  temperature=1.0 if r.temperature is None else r.temperature,
-                  top_p=1.0 if r.top_p is None else r.top_p,
-                  top_k=0 if r.top_k in (None, -1) else r.top_k,  # vLLM spells "off" -1
-                  min_p=r.min_p or 0.0, repetition_penalty=1.0 if r.repetition_penalty is None else r.repetition_penalty,
                   presence_penalty=r.presence_penalty or 0.0, frequency_penalty=r.frequency_penalty or 0.0,
                   seed=r.seed, stop=[] if r.stop is None else r.stop, ignore_eos=bool(r.ignore_eos),
-                  logit_bias=_logit_bias(r.logit_bias))
+                  logit_bias=_logit_bias(r.logit_bias), **sampling_kwargs(defaults, r))
     try:
         return SamplingParams(**fields)
     except ValueError as exc:

@@ -18,6 +18,7 @@ from starlette.responses import JSONResponse, Response
 
 from mlxpaged.engine.engine import StreamDelta
 from mlxpaged.runner.sampling import MAX_N, SamplingParams
+from mlxpaged.loading.generation_defaults import GenerationDefaults
 from mlxpaged_app.server.engine_client import Generation, GenerationFailed
 from mlxpaged_app.server.errors import server_error
 from mlxpaged_app.server.formatting import ChoiceText, Envelope, TokenText, new_id
@@ -48,7 +49,8 @@ class GenerationEndpoint(Protocol):
 
     def requested_max_tokens(self, body) -> int | None: ...
 
-    def params(self, body, max_tokens: int) -> SamplingParams: ...
+    def params(self, body, max_tokens: int, defaults: GenerationDefaults) -> SamplingParams:
+        """`defaults`: the model's, for the sampling fields the request leaves unset (params.sampling_kwargs)."""
 
     def response(self, envelope: Envelope, choices: list[ChoiceText], usage: dict) -> dict: ...
 
@@ -117,8 +119,8 @@ async def _start(state: ServerState, endpoint: GenerationEndpoint, body, sources
     prompts = await anyio.to_thread.run_sync(endpoint.tokenize, sources)
     longest = max(len(p) for p in prompts)
     max_tokens = resolve_max_tokens(endpoint.requested_max_tokens(body), longest, state.context_limit,
-                                    state.config.default_max_tokens)
-    params = endpoint.params(body, max_tokens)
+                                    state.default_max_tokens)
+    params = endpoint.params(body, max_tokens, state.config.sampling_defaults)
     generation = Generation(state.engine, state.metrics, params.n, arrived)
     generation.submit(prompts, params, endpoint.prompt_param)
     return generation

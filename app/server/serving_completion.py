@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from mlxpaged.engine.engine import StreamDelta
 from mlxpaged.runner.sampling import SamplingParams
+from mlxpaged.loading.generation_defaults import GenerationDefaults
 from mlxpaged_app.server.formatting import ChoiceText, Envelope, TokenText, completion_logprobs, delta_logprobs
 from mlxpaged_app.server.params import check_completion_supported, sampling_params
 from mlxpaged_app.server.prompts import completion_prompts
@@ -44,9 +45,9 @@ class CompletionEndpoint:
     def requested_max_tokens(body: CompletionRequest) -> int | None:
         return body.max_tokens
 
-    def params(self, body: CompletionRequest, max_tokens: int) -> SamplingParams:
+    def params(self, body: CompletionRequest, max_tokens: int, defaults: GenerationDefaults) -> SamplingParams:
         params = sampling_params(body, max_tokens=max_tokens, logprobs=self.logprobs,
-                                 top_logprobs=body.logprobs or 0, logprobs_name="logprobs")
+                                 top_logprobs=body.logprobs or 0, logprobs_name="logprobs", defaults=defaults)
         params.trim_leading_space = False  # a completion continues the prompt's text exactly
         return params
 

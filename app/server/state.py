@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from mlxpaged.loading.generation_defaults import NO_DEFAULTS, GenerationDefaults
 from mlxpaged_app.server.admission import Admission
 from mlxpaged_app.server.engine_client import Generation
 from mlxpaged_app.server.errors import model_not_found, unavailable
@@ -18,9 +19,15 @@ class ServerConfig:
     api_key: str | None = None
     max_body_size: int = 4_000_000
     max_queue: int = 64
-    default_max_tokens: int = 1024
+    default_max_tokens: int | None = None  # None: the model's max_new_tokens, else API_DEFAULT_MAX_TOKENS
     cors_origins: tuple[str, ...] = ()
     model_aliases: tuple[str, ...] = field(default_factory=tuple)
+    # What requests get for the sampling fields they leave unset; `mlxpaged serve` fills it from the model
+    # (--generation-config auto). NO_DEFAULTS: the plain API defaults (temperature 1.0, top_p 1.0).
+    sampling_defaults: GenerationDefaults = NO_DEFAULTS
+
+
+API_DEFAULT_MAX_TOKENS = 1024
 
 
 class ServerState:
@@ -48,6 +55,14 @@ class ServerState:
         """Prompt + reply tokens one sequence can hold: the model context, or the cache's limit if smaller."""
         capacity = self.engine.plan.token_capacity  # None: every layer slides, the cache fits any length
         return self.engine.max_model_len if capacity is None else min(self.engine.max_model_len, capacity)
+
+    @property
+    def default_max_tokens(self) -> int:
+        """The reply length when a request sets none (before clipping to the context): --default-max-tokens,
+        else the model's max_new_tokens, else API_DEFAULT_MAX_TOKENS."""
+        if self.config.default_max_tokens is not None:
+            return self.config.default_max_tokens
+        return self.config.sampling_defaults.values.get("max_tokens", API_DEFAULT_MAX_TOKENS)
 
     def check_model(self, requested: str | None) -> None:
         if requested is not None and requested not in self.model_names:

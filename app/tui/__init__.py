@@ -7,10 +7,10 @@ import sys
 from mlxpaged.config import DEFAULT_CACHE_TOKENS
 
 
-def run_chat(model: str | None = None, *, max_tokens: int = 512, temperature: float = 0.7,
-             top_p: float = 1.0, seed: int | None = None, system: str = "", resume: bool = False,
+def run_chat(model: str | None = None, *, max_tokens: int = 512, temperature: float | None = None,
+             top_p: float | None = None, seed: int | None = None, system: str = "", resume: bool = False,
              cache_tokens: int = DEFAULT_CACHE_TOKENS) -> int:
-    """Run the chat app until the user quits; returns the exit code.
+    """Run the chat app until the user quits; returns the exit code. temperature / top_p None: the model's.
     Raises ValueError for bad sampling settings before the app starts."""
     from mlxpaged_app.tui.terminal import enter_stays_enter
 

@@ -10,6 +10,7 @@ from textual.app import App, ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Footer, Header, Static
 
+from mlxpaged.loading.generation_defaults import NO_DEFAULTS, GenerationDefaults
 from mlxpaged_app.tui.keys import APP_BINDINGS
 from mlxpaged_app.tui.loading import ModelLoading
 from mlxpaged_app.tui.memory_use import MemoryProbe, probe_memory
@@ -103,7 +104,7 @@ class ChatApp(ModelLoading, ReplyFlow, App[int]):
             elif self.engine is None:
                 text = "No model loaded: F4 picks one."
             else:
-                text = f"Ready · {self.settings.describe()}"
+                text = f"Ready · {self.settings.describe(self.engine.generation_defaults)}"
         self.status_line.update(text)
 
     def refresh_engine_panel(self) -> None:
@@ -136,12 +137,17 @@ class ChatApp(ModelLoading, ReplyFlow, App[int]):
         self.refresh_engine_panel()
 
     def action_settings(self) -> None:
-        self.push_screen(SettingsScreen(self.settings), self.apply_settings)
+        self.push_screen(SettingsScreen(self.settings, self.model_defaults), self.apply_settings)
+
+    @property
+    def model_defaults(self) -> GenerationDefaults:
+        """The loaded model's sampling defaults: what unset temperature / top_p follow."""
+        return self.engine.generation_defaults if self.engine is not None else NO_DEFAULTS
 
     def apply_settings(self, settings: ChatSettings | None) -> None:
         if settings is not None:
             self.settings = settings
-            self.notify(f"Next replies: {settings.describe()}", title="Settings")
+            self.notify(f"Next replies: {settings.describe(self.model_defaults)}", title="Settings")
             if not self.reply_running:
                 self.update_status()
 

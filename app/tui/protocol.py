@@ -12,6 +12,7 @@ class ChatEngine(Protocol):
     loaded: Any  # .name: the model's display name
     plan: Any  # MemoryPlan: .describe(), .num_blocks, .block_size, .kv_bytes, .token_capacity
     max_model_len: int
+    generation_defaults: Any  # GenerationDefaults: the model's sampling defaults (.values, .source)
 
     def chat_tokens(self, messages: list[dict]) -> list[int]: ...
 
@@ -38,6 +39,12 @@ def real_engine_factory(cache_tokens: int) -> EngineFactory:
     def build(name: str | None, progress: Progress) -> ChatEngine:
         from mlxpaged.engine.engine import Engine
 
-        return Engine.from_pretrained(name, progress, cache_tokens=cache_tokens)  # refuses before loading weights
+        engine = Engine.from_pretrained(name, progress, cache_tokens=cache_tokens)  # refuses before loading weights
+        try:
+            engine.generation_defaults  # read now: a bad generation_config.json fails the load, not a reply
+        except Exception:
+            engine.close()
+            raise
+        return engine
 
     return build

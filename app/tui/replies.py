@@ -93,8 +93,8 @@ class ReplyFlow:
         view = AssistantMessage(self.model_label)
         await self.chat_log.add(view)
         view.start()
-        run = ReplyRun(self.engine, self.conversation.chat_messages(), self.settings.sampling_params(),
-                       partial(post_from_thread, self))
+        params = self.settings.sampling_params(self.model_defaults)
+        run = ReplyRun(self.engine, self.conversation.chat_messages(), params, partial(post_from_thread, self))
         self.reply, self.reply_view = run, view
         self.update_status("Generating… Esc stops.")
         self._run_reply(run)

@@ -12,6 +12,7 @@ most ceil(window / block_size) + 1 blocks, and their prefix cache is off (kv_cac
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import queue
 import threading
@@ -35,6 +36,7 @@ from mlxpaged.loading.loader import (LoadedModel, activation_dtype, chat_prompt,
                                      locate_model)
 from mlxpaged.loading.progress import Progress
 from mlxpaged.runner.routing import route_paged_attention
+from mlxpaged.loading.generation_defaults import GenerationDefaults, load_defaults
 from mlxpaged.runner.sampling import SamplingParams
 from mlxpaged.engine.scheduler import CACHE_CAPACITY, MODEL_CONTEXT, RequestTooLongError
 from mlxpaged.engine.shutdown import STEP_TIMEOUT_S
@@ -84,6 +86,16 @@ class Engine:
     @property
     def model(self):
         return self.loaded.model
+
+    @functools.cached_property
+    def generation_defaults(self) -> GenerationDefaults:
+        """The model's recommended sampling (its generation_config.json, gaps filled from its preset), read once."""
+        return load_defaults(self.loaded.path, self.loaded.ref.preset)
+
+    def default_sampling_params(self, **overrides) -> SamplingParams:
+        """SamplingParams with the model's recommended settings, `overrides` winning over them. Plain
+        `SamplingParams()` keeps the API's own defaults (temperature 1.0, top_p 1.0) whatever the model."""
+        return SamplingParams(**self.generation_defaults.sampling_kwargs(overrides))
 
     @property
     def tokenizer(self):

@@ -17,6 +17,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Mapping
 
 import mlx.core as mx
 import numpy as np
@@ -158,7 +159,8 @@ def tokenizer_config(meta: dict) -> dict:
     return config
 
 
-def _write_model_dir(path: Path, weights: dict, meta: dict, dtype: mx.Dtype, progress: Progress) -> None:
+def _write_model_dir(path: Path, weights: dict, meta: dict, dtype: mx.Dtype, progress: Progress,
+                     generation: Mapping[str, object]) -> None:
     config = llama_config(meta)
     config["tie_word_embeddings"] = "output.weight" not in weights
     config["torch_dtype"] = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16"}[dtype]
@@ -168,14 +170,16 @@ def _write_model_dir(path: Path, weights: dict, meta: dict, dtype: mx.Dtype, pro
     build_tokenizer(meta).save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(meta), indent=2))
     (path / "config.json").write_text(json.dumps(config, indent=2))
-    generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}
+    # A GGUF carries no sampling advice: the preset brings the model card's (read by generation_defaults).
+    generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"], **generation}
     (path / "generation_config.json").write_text(json.dumps(generation, indent=2))
     progress(1, 1, "writing weights")
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path, dtype: mx.Dtype = mx.float32,
-                 progress: Progress | None = None) -> Path:
-    """Convert `gguf_path` into `out_dir` atomically; raise ConversionError on a bad file."""
+                 progress: Progress | None = None, generation: Mapping[str, object] | None = None) -> Path:
+    """Convert `gguf_path` into `out_dir` atomically; raise ConversionError on a bad file.
+    `generation`: sampling defaults (generation_config.json keys, e.g. the preset's) to write with bos/eos."""
     progress = progress or (lambda done, total, what: None)
     out_dir = Path(out_dir)
     if out_dir.exists():
@@ -184,7 +188,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, dtype: mx.Dtype = mx.float32,
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
     try:
-        _write_model_dir(tmp, weights, meta, dtype, progress)
+        _write_model_dir(tmp, weights, meta, dtype, progress, generation or {})
         os.chmod(tmp, 0o755)  # mkdtemp makes it private
         os.replace(tmp, out_dir)
     except BaseException as exc:

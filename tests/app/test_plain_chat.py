@@ -15,6 +15,7 @@ import pytest
 
 from mlxpaged.engine.engine import StreamDelta
 from mlxpaged.engine.scheduler import RequestTooLongError
+from mlxpaged.loading.generation_defaults import NO_DEFAULTS
 from mlxpaged_app.cli import main
 from mlxpaged_app.repl import PlainChat
 from mlxpaged_app.tui.settings import ChatSettings
@@ -27,6 +28,7 @@ class FakeEngine:
 
     def __init__(self, refuse: tuple[str, ...] = ()) -> None:
         self.refuse, self.conversations, self.params = refuse, [], []
+        self.generation_defaults = NO_DEFAULTS
 
     def chat_tokens(self, messages: list[dict]) -> list[dict]:
         self.conversations.append(messages)

@@ -108,9 +108,9 @@ class ChatRun:
 
 def _params(state: ServerState, spec: ChatRequestSpec, prepared: Prepared) -> SamplingParams:
     max_tokens = resolve_max_tokens(spec.max_tokens, len(prepared.prompt), state.context_limit,
-                                    state.config.default_max_tokens)
+                                    state.default_max_tokens)
     params = sampling_params(spec.sampling, max_tokens=max_tokens, logprobs=spec.logprobs,
-                             top_logprobs=spec.top_logprobs)
+                             top_logprobs=spec.top_logprobs, defaults=state.config.sampling_defaults)
     if prepared.constraint is not None:
         params = dataclasses.replace(params, constraint=prepared.constraint)
     return params

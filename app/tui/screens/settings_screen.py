@@ -8,11 +8,12 @@ from textual.containers import Grid, Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Static
 
+from mlxpaged.loading.generation_defaults import NO_DEFAULTS, GenerationDefaults
 from mlxpaged_app.tui.settings import ChatSettings
 
 FIELDS = (  # (input id, label, hint)
-    ("temperature", "Temperature", "0 is greedy; higher is more varied"),
-    ("top_p", "Top p", "nucleus sampling, in (0, 1]"),
+    ("temperature", "Temperature", "0 is greedy; empty: the model's"),
+    ("top_p", "Top p", "nucleus sampling, in (0, 1]; empty: the model's"),
     ("max_tokens", "Max tokens", "per reply"),
     ("seed", "Seed", "empty: random; a number repeats replies"),
 )
@@ -21,20 +22,23 @@ FIELDS = (  # (input id, label, hint)
 class SettingsScreen(ModalScreen[ChatSettings | None]):
     BINDINGS = [Binding("escape", "cancel", "Cancel")]
 
-    def __init__(self, settings: ChatSettings):
+    def __init__(self, settings: ChatSettings, defaults: GenerationDefaults = NO_DEFAULTS):
         super().__init__()
-        self.settings = settings
+        self.settings, self.defaults = settings, defaults
 
     def compose(self) -> ComposeResult:
-        values = {"temperature": f"{self.settings.temperature:g}", "top_p": f"{self.settings.top_p:g}",
-                  "max_tokens": str(self.settings.max_tokens),
-                  "seed": "" if self.settings.seed is None else str(self.settings.seed)}
+        s, model = self.settings, self.settings.sampling_params(self.defaults)
+        values = {"temperature": "" if s.temperature is None else f"{s.temperature:g}",
+                  "top_p": "" if s.top_p is None else f"{s.top_p:g}", "max_tokens": str(s.max_tokens),
+                  "seed": "" if s.seed is None else str(s.seed)}
+        placeholders = {"temperature": f"model: {model.temperature:g}", "top_p": f"model: {model.top_p:g}",
+                        "seed": "random"}
         with Vertical(id="settings-dialog", classes="dialog"):
             yield Static("Sampling settings", classes="dialog-title")
             with Grid(id="settings-grid"):
                 for name, label, hint in FIELDS:
                     yield Label(label)
-                    yield Input(values[name], placeholder="random" if name == "seed" else "", id=f"setting-{name}", compact=True)
+                    yield Input(values[name], placeholder=placeholders.get(name, ""), id=f"setting-{name}", compact=True)
                     yield Label(hint, classes="dialog-hint")
             yield Static("", id="settings-error")
             with Horizontal(classes="dialog-buttons"):

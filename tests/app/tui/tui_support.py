@@ -11,6 +11,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from mlxpaged.engine.engine import StreamDelta
+from mlxpaged.loading.generation_defaults import NO_DEFAULTS
 from mlxpaged_app.tui.app import ChatApp
 from mlxpaged_app.tui.memory_use import MemoryUse
 from mlxpaged_app.tui.screens.model_picker import ModelChoice
@@ -55,6 +56,7 @@ class FakeEngine:
 
     def __init__(self, name: str = "fake-model", reply=("Hello", " **world**", "!"), num_blocks: int = 64):
         self.loaded, self.plan, self.max_model_len = FakeLoaded(name), FakePlan(num_blocks), 2048
+        self.generation_defaults = NO_DEFAULTS
         self.reply = list(reply)
         self.states = ["free"] * num_blocks
         self.submitted: list[Submitted] = []
