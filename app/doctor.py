@@ -250,7 +250,7 @@ def check_default_model(model: ModelOnDisk | None, error: str | None) -> Check:
 def check_sampling_defaults(model: ModelOnDisk | None) -> Check:
     """What chat and serve sample with when temperature / top_p are left unset (mlxpaged.loading.generation_defaults)."""
     from mlxpaged.loading.generation_defaults import GenerationConfigError, load_defaults
-    from mlxpaged.models import resolve
+    from mlxpaged.loading.model_store import resolve
 
     if model is None:
         return Check(WARN, "sampling defaults", "not read: the default model could not be resolved")
