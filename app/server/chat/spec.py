@@ -96,13 +96,13 @@ class ChatRequestSpec:
     output: OutputFormat = None
     sampling: SamplingRequest = field(default_factory=SamplingRequest)
     max_tokens: int | None = None
-    # Anthropic requires max_tokens and clients size it for Claude (32k): there it is a cap, clipped to the context.
-    max_tokens_is_cap: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
     reasoning: ReasoningSpec = field(default_factory=ReasoningSpec)
     stream: bool = False
     api: API = "openai"
+    # Anthropic requires max_tokens and clients size it for Claude (32k): there it is a cap, clipped to the context.
+    max_tokens_is_cap: bool = False
 
     @property
     def n(self) -> int:
