@@ -8,6 +8,7 @@ scripted model (thinking, text and parallel tool_use blocks, exact and determini
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import anthropic
 import httpx
@@ -311,3 +312,14 @@ def test_replayed_agent_loop_hits_the_prefix_cache(smol):
     rates = [c / p for c, p in zip(cached[1:], prompts)]
     print(f"\ncache_read_input_tokens / previous prompt per turn: {[f'{r:.0%}' for r in rates]}")
     assert all(rate >= 0.9 for rate in rates), list(zip(prompts, cached))
+
+
+def test_readme_snippet_runs(smol, capsys):
+    """The README's Anthropic example, pointed at this server."""
+    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+    section = readme[readme.index("#### Anthropic Messages API"):]
+    code = section[section.index("```python\n") + len("```python\n"):section.index("```\n", 10)]
+    code = code.replace("http://127.0.0.1:8000", smol[1].url).replace('api_key="unused"', f'api_key="{KEY}"')
+    exec(compile(code, "README.md", "exec"), {})
+    printed = capsys.readouterr().out
+    assert ("end_turn" in printed or "max_tokens" in printed) and len(printed.splitlines()) >= 2, printed
