@@ -5,8 +5,8 @@ Why Starlette (on uvicorn) rather than FastAPI: what FastAPI adds is automatic b
 read under a size limit and decoded with our own UTF-8 / JSON errors, every error in its API's
 shape (OpenAI's with status 400 and the offending `param`, Anthropic's on /v1/messages), and no
 extra public routes. Starlette gives the routing, middleware and streaming that FastAPI itself is
-built on, with nothing to override;
-pydantic (already a FastAPI dependency) still types the request bodies (protocol.py).
+built on, with nothing to override; pydantic (already a FastAPI dependency) still types the request
+bodies (protocol.py).
 
 Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/messages[/count_tokens] (Anthropic),
 GET /v1/models[/{id}], GET /health, GET /metrics. The package's other modules are listed in its __init__.
