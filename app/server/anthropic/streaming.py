@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from contextlib import aclosing
 from typing import AsyncIterator, TypeVar
 
 from mlxpaged_app.server.anthropic.errors import error_body
@@ -84,14 +85,15 @@ async def message_events(run: ChatRun, envelope: dict) -> AsyncIterator[bytes]:
     yield PING
     blocks, finish = BlockStream(), None
     try:
-        async for item in with_pings(run.events(), PING_INTERVAL):
-            if item is None:
-                yield PING
-                continue
-            for event in item[1]:
-                finish = event if isinstance(event, Finish) else finish
-                for payload in blocks.feed(event):
-                    yield sse(payload)
+        async with aclosing(with_pings(run.events(), PING_INTERVAL)) as items:  # closed at once if the client goes
+            async for item in items:
+                if item is None:
+                    yield PING
+                    continue
+                for event in item[1]:
+                    finish = event if isinstance(event, Finish) else finish
+                    for payload in blocks.feed(event):
+                        yield sse(payload)
     except GenerationFailed as exc:  # the headers are out: report in-band, as Anthropic does
         yield sse(error_body(500, str(exc)))
         return

@@ -323,3 +323,15 @@ def test_readme_snippet_runs(smol, capsys):
     exec(compile(code, "README.md", "exec"), {})
     printed = capsys.readouterr().out
     assert ("end_turn" in printed or "max_tokens" in printed) and len(printed.splitlines()) >= 2, printed
+
+
+def test_client_leaving_mid_stream_frees_its_blocks(smol):
+    _, server = smol
+    body = {"model": SMOL, "max_tokens": 400, "messages": FRANCE, "stream": True,
+            "system": "Write a long story about rivers."}
+    with httpx.stream("POST", f"{server.url}/v1/messages", json=body, headers={"x-api-key": KEY},
+                      timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("event: content_block_delta"):
+                break
+    server.blocks_back()
