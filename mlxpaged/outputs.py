@@ -20,6 +20,7 @@ class StreamDelta:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    stop_sequence: str | None = None  # the stop string that ended the sequence (Anthropic reports it)
 
 
 @dataclass

@@ -2,13 +2,14 @@
 
 Why Starlette (on uvicorn) rather than FastAPI: what FastAPI adds is automatic body parsing,
 422 validation errors and OpenAPI docs, and this API needs all three done differently — bodies
-read under a size limit and decoded with our own UTF-8 / JSON errors, every error in OpenAI's
-shape with status 400 and the offending `param`, and no extra public routes. Starlette gives the
-routing, middleware and streaming that FastAPI itself is built on, with nothing to override;
-pydantic (already a FastAPI dependency) still types the request bodies (protocol.py).
+read under a size limit and decoded with our own UTF-8 / JSON errors, every error in its API's
+shape (OpenAI's with status 400 and the offending `param`, Anthropic's on /v1/messages), and no
+extra public routes. Starlette gives the routing, middleware and streaming that FastAPI itself is
+built on, with nothing to override; pydantic (already a FastAPI dependency) still types the request
+bodies (protocol.py).
 
-Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{id}], GET /health,
-GET /metrics. The package's other modules are listed in its __init__.
+Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/messages[/count_tokens] (Anthropic),
+GET /v1/models[/{id}], GET /health, GET /metrics. The package's other modules are listed in its __init__.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from mlxpaged_app.server.anthropic.serving import serve_count_tokens, serve_messages
 from mlxpaged_app.server.errors import (APIError, handle_api_error, handle_http_exception, handle_unexpected,
                                         model_not_found)
 from mlxpaged_app.server.metrics import CONTENT_TYPE
@@ -30,7 +32,7 @@ from mlxpaged_app.server.state import ServerConfig, ServerState
 
 __all__ = ["ServerConfig", "ServerState", "create_app"]
 
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/models", "/health", "/metrics")
 
 
 def _state(request: Request) -> ServerState:
@@ -43,6 +45,14 @@ async def chat_completions(request: Request) -> Response:
 
 async def completions(request: Request) -> Response:
     return await serve_generation(request, _state(request), CompletionEndpoint)
+
+
+async def messages(request: Request) -> Response:
+    return await serve_messages(request, _state(request))
+
+
+async def count_tokens(request: Request) -> Response:
+    return await serve_count_tokens(request, _state(request))
 
 
 def _model_card(state: ServerState) -> dict:
@@ -89,6 +99,8 @@ def create_app(engine, config: ServerConfig | None = None) -> Starlette:
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/messages", messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", get_model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),

@@ -1,7 +1,8 @@
 """OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` with the right status.
 
 Every failure a client can cause is raised as an `APIError` somewhere in the request path and
-turned into JSON here, so the server never answers 500 to a client mistake.
+turned into JSON here, so the server never answers 500 to a client mistake. On /v1/messages* the
+same error is answered in Anthropic's shape (`error_response` picks by path).
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse
+
+from mlxpaged_app.server.anthropic.errors import anthropic_status, error_body, is_anthropic_path, new_request_id
 
 INVALID_REQUEST = "invalid_request_error"
 
@@ -27,6 +30,15 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def error_response(exc: APIError, path: str) -> JSONResponse:
+    """The error in the shape of the API the path belongs to."""
+    if not is_anthropic_path(path):
+        return exc.response()
+    request_id = new_request_id()
+    return JSONResponse(error_body(exc.status, exc.message, request_id), status_code=anthropic_status(exc.status),
+                        headers={**exc.headers, "request-id": request_id})
 
 
 def invalid_param(param: str | None, message: str, code: str | None = None) -> APIError:
@@ -63,16 +75,18 @@ def server_error(message: str) -> APIError:
 
 
 async def handle_api_error(request: Request, exc: APIError) -> JSONResponse:
-    return exc.response()
+    return error_response(exc, request.url.path)
 
 
 async def handle_http_exception(request: Request, exc: HTTPException) -> JSONResponse:
-    """Starlette's own 404 / 405 in the OpenAI shape instead of plain text."""
+    """Starlette's own 404 / 405 in the API's error shape instead of plain text."""
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
     message = f"{request.method} {request.url.path}: {exc.detail}"
-    return APIError(exc.status_code, message, code=code, headers=dict(exc.headers or {})).response()
+    error = APIError(exc.status_code, message, code=code, headers=dict(exc.headers or {}))
+    return error_response(error, request.url.path)
 
 
 async def handle_unexpected(request: Request, exc: Exception) -> JSONResponse:
-    """A bug, not a client mistake: 500 in the OpenAI shape (Starlette still logs the traceback)."""
-    return server_error(f"internal error while serving {request.url.path}: {type(exc).__name__}").response()
+    """A bug, not a client mistake: 500 in the API's error shape (Starlette still logs the traceback)."""
+    error = server_error(f"internal error while serving {request.url.path}: {type(exc).__name__}")
+    return error_response(error, request.url.path)

@@ -9,33 +9,41 @@ from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from mlxpaged_app.server.errors import unauthorized
+from mlxpaged_app.server.errors import error_response, unauthorized
 from mlxpaged_app.server.state import ServerState
 
 
 class APIKeyMiddleware:
-    """Every /v1 route needs `Authorization: Bearer <key>` when a key is set."""
+    """Every /v1 route needs the key when one is set: `Authorization: Bearer <key>` (OpenAI, and Anthropic's
+    SDK 2.x) or `x-api-key: <key>` (Claude Code with ANTHROPIC_API_KEY, older Anthropic SDKs)."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app, self.key = app, api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
-            problem = self._problem(Headers(scope=scope).get("authorization"))
+            headers = Headers(scope=scope)
+            problem = self._problem(headers.get("authorization"), headers.get("x-api-key"))
             if problem is not None:
-                await unauthorized(problem).response()(scope, receive, send)
+                await error_response(unauthorized(problem), scope["path"])(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
-    def _problem(self, header: str | None) -> str | None:
-        if not header:
-            return "missing API key: send the header 'Authorization: Bearer <key>'"
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
-            return "malformed Authorization header: expected 'Bearer <key>'"
-        if not hmac.compare_digest(token.strip().encode(), self.key):
-            return "incorrect API key"
-        return None
+    def _problem(self, authorization: str | None, x_api_key: str | None) -> str | None:
+        if not authorization and not x_api_key:
+            return "missing API key: send the header 'Authorization: Bearer <key>' or 'x-api-key: <key>'"
+        if x_api_key and self._matches(x_api_key):
+            return None
+        if authorization:
+            scheme, _, token = authorization.partition(" ")
+            if scheme.lower() != "bearer" or not token.strip():
+                return "malformed Authorization header: expected 'Bearer <key>'"
+            if self._matches(token):
+                return None
+        return "incorrect API key"
+
+    def _matches(self, key: str) -> bool:
+        return hmac.compare_digest(key.strip().encode(), self.key)
 
 
 class StatusCountMiddleware:
@@ -65,7 +73,8 @@ def middleware_stack(state: ServerState, routes: tuple[str, ...]) -> list[Middle
     if state.config.cors_origins:  # none unless asked for: browsers on other origins get no access
         stack.append(Middleware(CORSMiddleware, allow_origins=list(state.config.cors_origins),
                                 allow_methods=["GET", "POST", "OPTIONS"],
-                                allow_headers=["Authorization", "Content-Type"]))
+                                allow_headers=["Authorization", "Content-Type", "x-api-key",
+                                               "anthropic-version", "anthropic-beta"]))
     stack.append(Middleware(StatusCountMiddleware, state=state, routes=routes))
     if state.config.api_key:
         stack.append(Middleware(APIKeyMiddleware, api_key=state.config.api_key))

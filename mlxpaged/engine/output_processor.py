@@ -108,7 +108,8 @@ class OutputProcessor:
             self.stats.add_ttft(tracked.first_token - tracked.submitted)
         delta = tracked.text.push(result.token)
         event = StreamDelta(tracked.group, delta.text, result.token, result.logprob, result.top_logprobs,
-                            delta.finish_reason if delta.finished else None, tracked.index)
+                            delta.finish_reason if delta.finished else None, tracked.index,
+                            stop_sequence=delta.stop_matched)
         if delta.finished:
             self.finish(request_id, _FINISH_STATUS[delta.finish_reason], delta.finish_reason, last=event)
         else:

@@ -82,6 +82,7 @@ class ChoiceResult:
 class ChatRun:
     def __init__(self, spec: ChatRequestSpec, generation: Generation, prepared: Prepared, tokenizer) -> None:
         self.spec, self.generation = spec, generation
+        self.prompt_tokens = len(prepared.prompt)  # known before any token (Anthropic's message_start reports it)
         think = (tokenizer.think_start, tokenizer.think_end) if getattr(tokenizer, "has_thinking", False) else None
         prefix = CALL_ID_PREFIX[spec.api]
         self.parsers = [OutputParser(think=think, tools=prepared.format if spec.parses_tools else None,
@@ -107,7 +108,10 @@ class ChatRun:
 
 
 def _params(state: ServerState, spec: ChatRequestSpec, prepared: Prepared) -> SamplingParams:
-    max_tokens = resolve_max_tokens(spec.max_tokens, len(prepared.prompt), state.context_limit,
+    requested = spec.max_tokens
+    if requested is not None and spec.max_tokens_is_cap:
+        requested = max(1, min(requested, state.context_limit - len(prepared.prompt)))
+    max_tokens = resolve_max_tokens(requested, len(prepared.prompt), state.context_limit,
                                     state.default_max_tokens)
     params = sampling_params(spec.sampling, max_tokens=max_tokens, logprobs=spec.logprobs,
                              top_logprobs=spec.top_logprobs, defaults=state.config.sampling_defaults)

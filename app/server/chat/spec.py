@@ -101,6 +101,8 @@ class ChatRequestSpec:
     reasoning: ReasoningSpec = field(default_factory=ReasoningSpec)
     stream: bool = False
     api: API = "openai"
+    # Anthropic requires max_tokens and clients size it for Claude (32k): there it is a cap, clipped to the context.
+    max_tokens_is_cap: bool = False
 
     @property
     def n(self) -> int:

@@ -1,0 +1,181 @@
+"""A Messages request as the chat pipeline's ChatRequestSpec; every 400 names the field at fault.
+
+The conversation becomes the dicts chat templates take: the system prompt first (Claude Code's per-request
+`x-anthropic-billing-header:` block dropped: it changes every request and would sit before the whole
+conversation, so no prefix would ever be cached), assistant `tool_use` blocks as `tool_calls`, user
+`tool_result` blocks as `tool` messages ahead of the user's own text, thinking blocks dropped (templates drop
+past reasoning anyway), consecutive turns of one role merged as Anthropic's API does.
+"""
+
+from __future__ import annotations
+
+import re
+
+from mlxpaged_app.server.anthropic.protocol import (CountTokensRequest, Message, MessagesRequest, OtherBlock,
+                                                    TextBlock, ToolChoice, ToolResultBlock, ToolUseBlock)
+from mlxpaged_app.server.chat.spec import (ChatRequestSpec, JsonSchemaOutput, NamedTool, ReasoningSpec,
+                                           SamplingRequest, ToolChoice as SpecToolChoice, ToolSpec)
+from mlxpaged_app.server.errors import invalid_param
+
+BILLING_HEADER = "x-anthropic-billing-header:"
+TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # Anthropic's own rule
+MAX_TOOLS = 128
+ERROR_PREFIX = "Error: "  # a tool_result with is_error: the model sees that the call failed
+
+
+def messages_spec(body: CountTokensRequest) -> ChatRequestSpec:
+    """The pipeline's request (count_tokens passes its body too: the prompt is built the same way)."""
+    tools = tool_specs(body.tools)
+    choice, parallel = tool_choice(body.tool_choice, tools)
+    output = None
+    if body.output_config is not None and body.output_config.format is not None:
+        if choice != "none":
+            raise invalid_param("output_config.format", "output_config.format with tools is not supported: send "
+                                "tool_choice {\"type\": \"none\"} or no output_config.format")
+        output = JsonSchemaOutput(body.output_config.format.schema_, strict=True)
+    full = isinstance(body, MessagesRequest)
+    sampling = SamplingRequest(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                               stop=body.stop_sequences) if full else SamplingRequest()
+    return ChatRequestSpec(conversation(body), tools, choice, parallel, output, sampling, body.max_tokens,
+                           max_tokens_is_cap=True, reasoning=reasoning(body),
+                           stream=bool(full and body.stream), api="anthropic")
+
+
+def reasoning(body: CountTokensRequest) -> ReasoningSpec:
+    thinking = None if body.thinking is None else body.thinking.type != "disabled"
+    effort = body.output_config.effort if body.output_config is not None else None
+    return ReasoningSpec(enable_thinking=thinking, effort=effort)
+
+
+def system_text(system: str | list[TextBlock] | None) -> str:
+    if system is None or isinstance(system, str):
+        return system or ""
+    return "\n".join(b.text for b in system if not b.text.startswith(BILLING_HEADER))
+
+
+def conversation(body: CountTokensRequest) -> list[dict]:
+    if not body.messages:
+        raise invalid_param("messages", "'messages' must hold at least one message")
+    if body.messages[-1].role == "assistant":
+        raise invalid_param("messages", "the last message is from the assistant: this server does not continue "
+                                        "a prefilled assistant turn; end with a user message")
+    out: list[dict] = []
+    system = system_text(body.system)
+    if system:
+        out.append({"role": "system", "content": system})
+    call_names: dict[str, str] = {}  # tool_use id -> tool name, from the assistant turns so far
+    for i, message in enumerate(body.messages):
+        for turn in _turns(message, f"messages[{i}]", call_names):
+            _append(out, turn)
+    return out
+
+
+def _turns(message: Message, where: str, call_names: dict[str, str]) -> list[dict]:
+    blocks = [TextBlock(type="text", text=message.content)] if isinstance(message.content, str) else message.content
+    texts, calls, results = [], [], []
+    for j, block in enumerate(blocks):
+        at = f"{where}.content[{j}]"
+        if isinstance(block, TextBlock):
+            texts.append(block.text)
+        elif isinstance(block, ToolUseBlock):
+            calls.append(_tool_use(block, message.role, at, call_names))
+        elif isinstance(block, ToolResultBlock):
+            results.append(_tool_result(block, message.role, at, call_names))
+        elif isinstance(block, OtherBlock):
+            raise invalid_param(f"{at}.type", f"{at}: content blocks of type {block.type!r} are not supported; "
+                                              "this server takes text, tool_use and tool_result blocks")
+        # thinking / redacted_thinking blocks: dropped
+    turns = results  # tool results answer the previous assistant turn: they come before the user's text
+    if texts or calls or not results:
+        turn: dict = {"role": message.role, "content": "\n".join(texts)}
+        if calls:
+            turn["tool_calls"] = calls
+        turns.append(turn)
+    return turns
+
+
+def _tool_use(block: ToolUseBlock, role: str, at: str, call_names: dict[str, str]) -> dict:
+    if role != "assistant":
+        raise invalid_param(f"{at}.type", f"{at}: tool_use blocks belong to assistant messages, not {role!r}")
+    call_names[block.id] = block.name
+    return {"id": block.id, "type": "function", "function": {"name": block.name, "arguments": block.input}}
+
+
+def _tool_result(block: ToolResultBlock, role: str, at: str, call_names: dict[str, str]) -> dict:
+    if role != "user":
+        raise invalid_param(f"{at}.type", f"{at}: tool_result blocks belong to user messages, not {role!r}")
+    name = call_names.get(block.tool_use_id)
+    if name is None:
+        known = ", ".join(call_names) or "none"
+        raise invalid_param(f"{at}.tool_use_id", f"{at}.tool_use_id {block.tool_use_id!r} answers no earlier "
+                                                 f"tool_use block (tool_use ids so far: {known})")
+    content = block.content if block.content is not None else ""
+    if not isinstance(content, str):
+        for k, part in enumerate(content):
+            if isinstance(part, OtherBlock):
+                raise invalid_param(f"{at}.content[{k}].type", f"{at}.content[{k}]: tool_result content of type "
+                                                               f"{part.type!r} is not supported; send text")
+        content = "\n".join(part.text for part in content)
+    if block.is_error:
+        content = ERROR_PREFIX + content
+    return {"role": "tool", "tool_call_id": block.tool_use_id, "name": name, "content": content}
+
+
+def _append(out: list[dict], turn: dict) -> None:
+    """Consecutive user (or assistant) turns are one turn, as Anthropic's API treats them."""
+    last = out[-1] if out else None
+    if last is None or turn["role"] == "tool" or last["role"] != turn["role"] or last["role"] == "system":
+        out.append(turn)
+        return
+    last["content"] = "\n".join(t for t in (last["content"], turn["content"]) if t)
+    if turn.get("tool_calls"):
+        last["tool_calls"] = last.get("tool_calls", []) + turn["tool_calls"]
+
+
+def tool_specs(tools) -> tuple[ToolSpec, ...]:
+    if not tools:
+        return ()
+    if len(tools) > MAX_TOOLS:
+        raise invalid_param("tools", f"'tools' holds {len(tools)} tools; at most {MAX_TOOLS}")
+    specs: list[ToolSpec] = []
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if tool.type not in (None, "custom"):
+            raise invalid_param(f"{where}.type", f"{where}: tool type {tool.type!r} is one of Anthropic's server "
+                                                 "tools, which this server does not run; send custom tools "
+                                                 "({\"name\", \"input_schema\", \"description\"})")
+        if not TOOL_NAME.match(tool.name):
+            raise invalid_param(f"{where}.name", f"{where}.name must be 1 to 64 letters, digits, '_' or '-', "
+                                                 f"got {tool.name!r}")
+        if tool.name in [s.name for s in specs]:
+            raise invalid_param(f"{where}.name", f"{where}: the name {tool.name!r} is already used by another "
+                                                 "tool; tool names must be unique")
+        if tool.input_schema is None:
+            raise invalid_param(f"{where}.input_schema", f"'{where}.input_schema' is required (a JSON schema of "
+                                                         "type 'object' for the tool's input)")
+        if tool.input_schema.get("type") != "object":
+            raise invalid_param(f"{where}.input_schema.type", f"{where}.input_schema must have type 'object', "
+                                                              f"got {tool.input_schema.get('type')!r}")
+        specs.append(ToolSpec(tool.name, tool.input_schema, tool.description))
+    return tuple(specs)
+
+
+def tool_choice(choice: ToolChoice | None, tools: tuple[ToolSpec, ...]) -> tuple[SpecToolChoice, bool]:
+    """(the pipeline's choice, whether parallel calls are allowed)."""
+    if choice is None:
+        return ("auto" if tools else "none"), True
+    parallel = not choice.disable_parallel_tool_use
+    if choice.type == "none" or (choice.type == "auto" and not tools):
+        return "none", parallel
+    if not tools:
+        raise invalid_param("tool_choice", f"tool_choice {{\"type\": {choice.type!r}}} needs 'tools', and the "
+                                           "request has none")
+    if choice.type == "auto":
+        return "auto", parallel
+    if choice.type == "any":
+        return "required", parallel
+    names = [t.name for t in tools]
+    if choice.name not in names:
+        raise invalid_param("tool_choice.name", f"tool_choice names the tool {choice.name!r}, which is not among "
+                                                f"the tools: {', '.join(names)}")
+    return NamedTool(choice.name), parallel
