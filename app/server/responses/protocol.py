@@ -66,6 +66,9 @@ def check_supported(body: ResponsesRequest) -> None:
     if body.top_logprobs:
         raise invalid_param("top_logprobs", "top_logprobs is not supported by this server's Responses API "
                                             "(use /v1/chat/completions with logprobs)", "unsupported_parameter")
+    if body.temperature is not None and not 0 <= body.temperature <= 2:
+        raise invalid_param("temperature", f"temperature must be between 0 and 2 (OpenAI's range), got "
+                                           f"{body.temperature}", "decimal_above_max_value")
     if body.max_output_tokens is not None and body.max_output_tokens < 1:
         raise invalid_param("max_output_tokens", f"max_output_tokens must be at least 1, got "
                                                  f"{body.max_output_tokens}", "integer_below_min_value")

@@ -14,6 +14,7 @@ from starlette.responses import JSONResponse, Response
 from mlxpaged_app.server.chat.pipeline import ChatRun, start_chat
 from mlxpaged_app.server.chat.spec import ChatRequestSpec, SamplingRequest
 from mlxpaged_app.server.engine_client import GenerationFailed
+from mlxpaged_app.server.errors import APIError
 from mlxpaged_app.server.request_body import parse_request, read_body
 from mlxpaged_app.server.responses.inputs import input_messages
 from mlxpaged_app.server.responses.options import (check_combination, output_format, reasoning_spec, tool_choice,
@@ -23,6 +24,8 @@ from mlxpaged_app.server.responses.shapes import ResponseBuilder, response_head
 from mlxpaged_app.server.serving import CLIENT_CLOSED, reply_or_gone
 from mlxpaged_app.server.sse import ClientGone, EventStream
 from mlxpaged_app.server.state import ServerState
+
+RENAMED = {"response_format": "text.format", "messages": "input", "max_tokens": "max_output_tokens"}
 
 
 def responses_spec(body: ResponsesRequest) -> ChatRequestSpec:
@@ -37,6 +40,16 @@ def responses_spec(body: ResponsesRequest) -> ChatRequestSpec:
     parallel = True if body.parallel_tool_calls is None else body.parallel_tool_calls
     return ChatRequestSpec(messages, tools, choice, parallel, output, sampling, body.max_output_tokens,
                            reasoning=reasoning_spec(body.reasoning), stream=bool(body.stream), api="responses")
+
+
+def renamed(exc: APIError) -> APIError:
+    """The pipeline names chat's parameters; the client sent Responses' ones."""
+    name = RENAMED.get(exc.param)
+    if name is not None:
+        if exc.param != "messages":  # "these messages" in a template error is prose, not the parameter
+            exc.message = exc.message.replace(exc.param, name)
+        exc.param = name
+    return exc
 
 
 def echoed(body: ResponsesRequest, spec: ChatRequestSpec) -> dict:
@@ -57,7 +70,10 @@ async def serve_responses(request: Request, state: ServerState) -> Response:
     body = parse_request(await read_body(request, state.config.max_body_size), ResponsesRequest)
     state.check_model(body.model)
     spec = responses_spec(body)
-    run, cleanup = await start_chat(state, spec, arrived)
+    try:
+        run, cleanup = await start_chat(state, spec, arrived)
+    except APIError as exc:
+        raise renamed(exc) from None
     builder = ResponseBuilder(response_head(state.model_id, echoed(body, spec)))
     headers = {"x-request-id": builder.id}
     if spec.stream:
