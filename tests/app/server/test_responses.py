@@ -9,6 +9,7 @@ output items back as input: exact and deterministic).
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import httpx
 import jsonschema
@@ -117,6 +118,18 @@ def test_required_call_then_its_output(smol):
         *ASK, *[i.model_dump(exclude_none=True) for i in first.output],
         {"type": "function_call_output", "call_id": calls[0].call_id, "output": "21 C and sunny"}])
     assert answer.output and answer.usage.input_tokens > first.usage.input_tokens
+
+
+def test_readme_example_runs(smol):
+    """The README's Responses example as written (its tool call needs mlxpaged.constraints)."""
+    readme = (Path(__file__).parents[3] / "README.md").read_text()
+    code = readme.split("### The Responses API", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    client, server = smol
+    code = code.replace("http://127.0.0.1:8000/v1", f"{server.url}/v1").replace('"unused"', f'"{KEY}"')
+    scope: dict = {}
+    exec(code, scope)  # noqa: S102  (our own README)
+    assert "Paris" in scope["reply"].output_text and scope["final"].status == "completed"
+    assert scope["answer"].usage.input_tokens_details.cached_tokens >= scope["first"].usage.input_tokens * 0.9
 
 
 def _cache_rates(usages: list) -> list[float]:

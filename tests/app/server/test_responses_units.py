@@ -10,10 +10,12 @@ from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from mlxpaged_app.server.chat.spec import (Finish, ReasoningDelta, TextDelta, ToolCallArgs, ToolCallEnd,
-                                           ToolCallStart)
+from mlxpaged_app.server.chat.spec import (Finish, JsonSchemaOutput, NamedTool, ReasoningDelta, TextDelta,
+                                           ToolCallArgs, ToolCallEnd, ToolCallStart, ToolSpec)
 from mlxpaged_app.server.errors import APIError
 from mlxpaged_app.server.responses.inputs import input_messages
+from mlxpaged_app.server.responses.protocol import ResponsesRequest
+from mlxpaged_app.server.responses.serving import responses_spec
 from mlxpaged_app.server.responses.shapes import ResponseBuilder, response_head
 
 USAGE = {"prompt_tokens": 40, "completion_tokens": 9, "total_tokens": 49, "prompt_tokens_details": {"cached_tokens": 32}}
@@ -131,3 +133,35 @@ def test_unusable_input_names_the_item(value, param):
     with pytest.raises(APIError) as caught:
         input_messages(value, None)
     assert caught.value.status == 400 and caught.value.param == param and caught.value.message
+
+
+@pytest.mark.parametrize("end", ["abort", "engine failure"])
+def test_a_reply_the_server_stops_ends_failed(end):
+    builder = ResponseBuilder(response_head("m", ECHO))
+    events = builder.start() + builder.feed([TextDelta("Hal")])
+    if end == "abort":  # shutdown drain: the engine ends the sequence with finish_reason "abort"
+        events += builder.feed([Finish("abort")]) + builder.complete(USAGE)
+    else:
+        events += builder.fail("generation failed: boom")
+    for event in events:
+        EVENT.validate_python(event)
+    assert events[-1]["type"] == "response.failed" and builder.response()["status"] == "failed"
+    assert builder.response()["error"]["message"]
+    assert _sdk_final(events) is None
+
+
+def test_request_fields_reach_the_chat_spec():
+    body = ResponsesRequest.model_validate({
+        "input": "Hi", "instructions": "Be brief.", "max_output_tokens": 7, "temperature": 0.5, "top_p": 0.9,
+        "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}, "strict": True}],
+        "tool_choice": {"type": "function", "name": "f"}, "parallel_tool_calls": False,
+        "reasoning": {"effort": "low"}, "stream": True, "store": True, "include": ["reasoning.encrypted_content"]})
+    spec = responses_spec(body)
+    assert spec.messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert spec.tools == (ToolSpec("f", {"type": "object"}),) and spec.tool_choice == NamedTool("f")
+    assert not spec.parallel_tool_calls and spec.max_tokens == 7 and spec.stream and spec.api == "responses"
+    assert (spec.sampling.temperature, spec.sampling.top_p) == (0.5, 0.9)
+    assert spec.reasoning.kwargs() == {"reasoning_effort": "low"}
+    fmt = {"type": "json_schema", "name": "p", "schema": {"type": "object"}, "strict": True}
+    spec = responses_spec(ResponsesRequest.model_validate({"input": "Hi", "text": {"format": fmt}}))
+    assert spec.output == JsonSchemaOutput({"type": "object"}, True, "p") and spec.tool_choice == "none"
