@@ -129,6 +129,7 @@ def test_readme_example_runs(smol):
     scope: dict = {}
     exec(code, scope)  # noqa: S102  (our own README)
     assert "Paris" in scope["reply"].output_text and scope["final"].status == "completed"
+    assert (scope["call"].name, json.loads(scope["call"].arguments)) == ("get_weather", {"city": "Paris"})
     assert scope["answer"].usage.input_tokens_details.cached_tokens >= scope["first"].usage.input_tokens * 0.9
 
 
