@@ -35,6 +35,7 @@ class ResponseBuilder:
         self.reasoning_tokens = 0  # engine deltas (tokens) whose text went to reasoning
         self._open: dict | None = None  # the reasoning or message item text is going to
         self._calls: dict[int, dict] = {}  # tool-call index -> its function_call item
+        self._positions: dict[str, int] = {}  # item id -> output_index
         self._sequence = 0
 
     @property
@@ -93,7 +94,7 @@ class ResponseBuilder:
         out: list[dict] = []
         if self._open is None or self._open["type"] != kind:
             out += self._close_open("completed") + self._open_item(kind)
-        item, index = self._open, self.output.index(self._open)
+        item, index = self._open, self._positions[self._open["id"]]
         part = item["content"][0]
         part["text"] += event.text
         if kind == "reasoning":
@@ -120,7 +121,7 @@ class ResponseBuilder:
         item, self._open = self._open, None
         if item is None:
             return []
-        index, part = self.output.index(item), item["content"][0]
+        index, part = self._positions[item["id"]], item["content"][0]
         item["status"] = status
         where = {"item_id": item["id"], "output_index": index, "content_index": 0}
         if item["type"] == "reasoning":
@@ -139,12 +140,12 @@ class ResponseBuilder:
         item = self._calls[event.index]
         item["arguments"] += event.text
         return [self._event("response.function_call_arguments.delta", item_id=item["id"],
-                            output_index=self.output.index(item), delta=event.text)]
+                            output_index=self._positions[item["id"]], delta=event.text)]
 
     def _call_end(self, item: dict, status: str) -> list[dict]:
         item["status"] = status
         done = self._event("response.function_call_arguments.done", item_id=item["id"],
-                           output_index=self.output.index(item), name=item["name"], arguments=item["arguments"])
+                           output_index=self._positions[item["id"]], name=item["name"], arguments=item["arguments"])
         return [done, self._item_done(item)]
 
     def _finish(self, event: Finish) -> list[dict]:
@@ -160,11 +161,13 @@ class ResponseBuilder:
         return out
 
     def _added(self, item: dict) -> dict:
+        self._positions[item["id"]] = len(self.output)
         self.output.append(item)
         return self._event("response.output_item.added", output_index=len(self.output) - 1, item=copy.deepcopy(item))
 
     def _item_done(self, item: dict) -> dict:
-        return self._event("response.output_item.done", output_index=self.output.index(item), item=copy.deepcopy(item))
+        index = self._positions[item["id"]]
+        return self._event("response.output_item.done", output_index=index, item=copy.deepcopy(item))
 
     def _event(self, kind: str, **fields) -> dict:
         self._sequence += 1

@@ -18,7 +18,8 @@ from mlxpaged_app.server.responses.protocol import ResponsesRequest
 from mlxpaged_app.server.responses.serving import responses_spec
 from mlxpaged_app.server.responses.shapes import ResponseBuilder, response_head
 
-USAGE = {"prompt_tokens": 40, "completion_tokens": 9, "total_tokens": 49, "prompt_tokens_details": {"cached_tokens": 32}}
+USAGE = {"prompt_tokens": 40, "completion_tokens": 9, "total_tokens": 49,
+         "prompt_tokens_details": {"cached_tokens": 32}}
 ECHO = {"instructions": None, "max_output_tokens": None, "temperature": None, "top_p": None,
         "parallel_tool_calls": True, "tool_choice": "auto", "tools": [], "text": {"format": {"type": "text"}},
         "reasoning": {"effort": None, "summary": None}, "metadata": {}}
