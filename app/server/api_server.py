@@ -9,7 +9,7 @@ built on, with nothing to override; pydantic (already a FastAPI dependency) stil
 bodies (protocol.py).
 
 Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/messages[/count_tokens] (Anthropic),
-GET /v1/models[/{id}], GET /health, GET /metrics. The package's other modules are listed in its __init__.
+POST /v1/responses, GET /v1/models[/{id}], GET /health, GET /metrics. The package's other modules are listed in its __init__.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from mlxpaged_app.server.errors import (APIError, handle_api_error, handle_http_
                                         model_not_found)
 from mlxpaged_app.server.metrics import CONTENT_TYPE
 from mlxpaged_app.server.middleware import middleware_stack
+from mlxpaged_app.server.responses.serving import serve_responses
 from mlxpaged_app.server.serving import serve_generation
 from mlxpaged_app.server.serving_chat import serve_chat
 from mlxpaged_app.server.serving_completion import CompletionEndpoint
@@ -32,7 +33,8 @@ from mlxpaged_app.server.state import ServerConfig, ServerState
 
 __all__ = ["ServerConfig", "ServerState", "create_app"]
 
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/models", "/health", "/metrics")
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses", "/v1/models", "/health",
+          "/metrics")
 
 
 def _state(request: Request) -> ServerState:
@@ -41,6 +43,10 @@ def _state(request: Request) -> ServerState:
 
 async def chat_completions(request: Request) -> Response:
     return await serve_chat(request, _state(request))
+
+
+async def responses(request: Request) -> Response:
+    return await serve_responses(request, _state(request))
 
 
 async def completions(request: Request) -> Response:
@@ -101,6 +107,7 @@ def create_app(engine, config: ServerConfig | None = None) -> Starlette:
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/messages", messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
+        Route("/v1/responses", responses, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", get_model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
