@@ -1,4 +1,4 @@
-"""Settings for the paged KV cache, validated when built.
+"""Settings for the paged KV cache (CacheConfig) and the scheduler (SchedulerConfig), validated when built.
 
 Every check raises ConfigError (a ValueError) naming the setting and the bad value, for the
 interface the user called (mlxpaged.errors); nothing here asserts.
@@ -7,13 +7,16 @@ interface the user called (mlxpaged.errors); nothing here asserts.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from decimal import Decimal
+from typing import Mapping
 
 from mlxpaged.errors import ConfigError
 
 VALID_BLOCK_SIZES = (8, 16, 32)  # the paged-attention kernel's block sizes
+DEFAULT_BLOCK_SIZE = 16
 DEFAULT_CACHE_TOKENS = 32768  # cap by demand: a local app rarely needs more resident context
 
 # Decimal units are powers of 1000 (as disks, macOS and mlx-lm's own --max-kv-size parser count);
@@ -68,18 +71,15 @@ class CacheConfig:
     "512MiB"; stored as bytes) or `memory_fraction` (of the memory left for the cache after
     weights, activations and the OS reserve; see mlxpaged.platform.memory). Neither: a backend default.
     `cache_tokens` caps the cache at the context you need in total across sequences (a reply's
-    length is SamplingParams.max_tokens).
-    `max_batch_tokens` bounds one model step (prefill chunks included) and so the
-    activation headroom; `max_num_seqs` bounds concurrent sequences. `wire=False`
-    leaves the Metal wired limit alone. Bad values raise ConfigError (a ValueError).
+    length is SamplingParams.max_tokens). `wire=False` leaves the Metal wired limit alone.
+    How many tokens and sequences one step takes is SchedulerConfig's. Bad values raise
+    ConfigError (a ValueError).
     """
 
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     kv_memory: int | str | None = None
     memory_fraction: float | None = None
     cache_tokens: int | None = None
-    max_batch_tokens: int = 2048
-    max_num_seqs: int = 16
     wire: bool = True
     enable_prefix_cache: bool = True
 
@@ -88,13 +88,6 @@ class CacheConfig:
         if self.block_size not in VALID_BLOCK_SIZES:
             raise ConfigError(f"{{block_size:{self.block_size}}} must be one of {VALID_BLOCK_SIZES}",
                               param="block_size")
-        _require_positive_int("max_batch_tokens", self.max_batch_tokens)
-        _require_positive_int("max_num_seqs", self.max_num_seqs)
-        if self.max_batch_tokens < self.max_num_seqs:
-            # Otherwise some decoding sequences would get no token in a step (the scheduler's rule,
-            # checked here so a bad setting fails before the model and the pool are loaded).
-            raise ConfigError(f"{{max_batch_tokens:{self.max_batch_tokens}}} must be >= "
-                              f"{{max_num_seqs:{self.max_num_seqs}}}", param="max_batch_tokens")
         if self.cache_tokens is not None:
             _require_positive_int("cache_tokens", self.cache_tokens)
         if self.kv_memory is not None:
@@ -118,3 +111,34 @@ class CacheConfig:
     def _check_fraction(value: object) -> None:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
             raise ConfigError(f"{{memory_fraction:{value!r}}} must be a number in (0, 1]", param="memory_fraction")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How much work one engine step takes. `max_batch_tokens` bounds one model step (prefill
+    chunks included) and so the activation headroom the memory plan sets aside; `max_num_seqs`
+    bounds concurrent sequences. Bad values raise ConfigError (a ValueError)."""
+
+    max_batch_tokens: int = 2048
+    max_num_seqs: int = 16
+
+    def __post_init__(self) -> None:
+        _require_positive_int("max_batch_tokens", self.max_batch_tokens)
+        _require_positive_int("max_num_seqs", self.max_num_seqs)
+        if self.max_batch_tokens < self.max_num_seqs:
+            # Otherwise some decoding sequences would get no token in a step (the scheduler's rule,
+            # checked here so a bad setting fails before the model and the pool are loaded).
+            raise ConfigError(f"{{max_batch_tokens:{self.max_batch_tokens}}} must be >= "
+                              f"{{max_num_seqs:{self.max_num_seqs}}}", param="max_batch_tokens")
+
+
+def split_settings(settings: Mapping[str, object]) -> tuple[CacheConfig, SchedulerConfig]:
+    """Keyword settings (Engine.from_pretrained's) as the two configs, by field name; a name that is
+    neither's raises ConfigError naming it."""
+    fields = {config: {f.name for f in dataclasses.fields(config)} for config in (CacheConfig, SchedulerConfig)}
+    unknown = [name for name in settings if not any(name in names for names in fields.values())]
+    if unknown:
+        known = sorted(fields[CacheConfig] | fields[SchedulerConfig])
+        raise ConfigError(f"unknown setting {unknown[0]!r}; the settings are {', '.join(known)}", param=unknown[0])
+    cache, scheduler = ({k: v for k, v in settings.items() if k in fields[c]} for c in (CacheConfig, SchedulerConfig))
+    return CacheConfig(**cache), SchedulerConfig(**scheduler)

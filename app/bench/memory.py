@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from argparse import Namespace
 
+from mlxpaged.config import DEFAULT_BLOCK_SIZE
+
 
 def kv_shape(model_name: str | None) -> tuple[int, int, int, int]:
     """(layers, kv heads, head dim, dtype bytes) of a model, from its config only (float32 KV)."""
@@ -59,7 +61,7 @@ def bench_memory(args: Namespace) -> int:
     per_token = 2 * layers * heads * head_dim * dtype_bytes
     rng = random.Random(0)
     lens = [rng.randint(32, 1024) for _ in range(16)]
-    new, block = 128, 16
+    new, block = 128, DEFAULT_BLOCK_SIZE
     needed = sum(n + new for n in lens) * per_token
     paged = paged_blocks([[rng.randrange(50, 40000) for _ in range(n)] for n in lens], new, block, True)
     paged_bytes = paged * block * per_token

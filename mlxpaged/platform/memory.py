@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from mlxpaged.config import CacheConfig
+from mlxpaged.config import CacheConfig, SchedulerConfig
 from mlxpaged.errors import InsufficientMemoryError  # noqa: F401  (re-exported)
 from mlxpaged.cache.specs import block_bytes, group_layers, sequence_capacity, table_lengths
 from mlxpaged.platform.model_facts import KVShape, ModelFacts, model_weight_bytes, require_int  # noqa: F401  (re-exported)
@@ -171,9 +171,8 @@ def activation_bytes(model: ModelFacts, max_batch_tokens: int) -> int:
     return max_batch_tokens * per_token * ACTIVATION_SAFETY_FACTOR
 
 
-def _demand(model: ModelFacts, cache: CacheConfig, caps: Sequence[int | None]) -> tuple[int | None, str]:
-    """Blocks the cache could ever use, and why."""
-    seqs = cache.max_num_seqs
+def _demand(model: ModelFacts, cache: CacheConfig, seqs: int, caps: Sequence[int | None]) -> tuple[int | None, str]:
+    """Blocks the cache could ever use with `seqs` sequences at once, and why."""
     if cache.cache_tokens is not None:
         per_group = math.ceil(cache.cache_tokens / cache.block_size) + seqs
         blocks = sum(per_group if cap is None else min(per_group, seqs * cap) for cap in caps)
@@ -184,10 +183,10 @@ def _demand(model: ModelFacts, cache: CacheConfig, caps: Sequence[int | None]) -
     return None, ""
 
 
-def _longest_sequence(model: ModelFacts, cache: CacheConfig) -> int:
+def _longest_sequence(model: ModelFacts, cache: CacheConfig, scheduler: SchedulerConfig) -> int:
     """Tokens of the longest single sequence the cache must hold."""
     asked = [n for n in (cache.cache_tokens, model.context_length) if n is not None]
-    return min(asked) if asked else cache.max_batch_tokens
+    return min(asked) if asked else scheduler.max_batch_tokens
 
 
 def _kv_budget(left: int, backend: str, cache: CacheConfig) -> tuple[int, str]:
@@ -242,30 +241,32 @@ def _wired(device: DeviceFacts, cache: CacheConfig, weights_and_kv: int) -> tupl
     return limit, f"{gb(limit)} (weights + KV, at most the recommended working set)"
 
 
-def plan_memory(device: DeviceFacts, model: ModelFacts, cache: CacheConfig, *,
-                weights_resident: bool = False) -> MemoryPlan:
-    """Size the paged KV cache. See the module docstring for the rules.
+def plan_memory(device: DeviceFacts, model: ModelFacts, cache: CacheConfig, scheduler: SchedulerConfig | None = None,
+                *, weights_resident: bool = False) -> MemoryPlan:
+    """Size the paged KV cache for `scheduler`'s step size and sequences (None: SchedulerConfig()).
+    See the module docstring for the rules.
 
     weights_resident: the DeviceFacts were detected after the model was loaded, so on CPU
     "available" already excludes the weights. On Metal the working set is a fixed ceiling
     the weights always count against, so this flag changes nothing there.
     """
+    scheduler = scheduler or SchedulerConfig()
     skip_weights = weights_resident and device.backend == "cpu"
     fixed = [("OS reserve", os_reserve_bytes(device.total_bytes)),
              ("model weights", 0 if skip_weights else model.weight_bytes),
-             ("activations", activation_bytes(model, cache.max_batch_tokens))]
+             ("activations", activation_bytes(model, scheduler.max_batch_tokens))]
     left = _check_fixed_costs(device.limit_bytes, fixed, device.limit_label)
     budget, budget_reason = _kv_budget(left, device.backend, cache)
     kv = model.kv
     caps = [g.max_blocks(cache.block_size) for g in group_layers(kv.layer_windows)]  # as the pool takes them
     block = block_bytes(kv.layer_windows, cache.block_size, kv.num_kv_heads, kv.head_dim, kv.dtype_bytes)
     memory_blocks = budget // block
-    longest = _longest_sequence(model, cache)
+    longest = _longest_sequence(model, cache, scheduler)
     need_blocks = sum(table_lengths(longest, cache.block_size, caps))
     if memory_blocks < need_blocks:
         fits = sequence_capacity(memory_blocks, cache.block_size, caps)  # an int: `longest` does not fit
         raise _too_small(longest, need_blocks * block, budget, fits, cache)
-    demand, demand_reason = _demand(model, cache, caps)
+    demand, demand_reason = _demand(model, cache, scheduler.max_num_seqs, caps)
     if demand is not None and demand <= memory_blocks:
         num_blocks, reason = demand, f"capped by {demand_reason} (memory allows {memory_blocks:,} blocks)"
     else:
@@ -274,13 +275,13 @@ def plan_memory(device: DeviceFacts, model: ModelFacts, cache: CacheConfig, *,
             reason += f"; {demand_reason} would need {demand:,} blocks"
     kv_bytes = num_blocks * block
     wired_bytes, wired_status = _wired(device, cache, model.weight_bytes + kv_bytes)
-    breakdown = _breakdown(device, model, cache, fixed, kv_bytes, left, skip_weights)
+    breakdown = _breakdown(device, model, scheduler, fixed, kv_bytes, left, skip_weights)
     return MemoryPlan(device.backend, num_blocks, cache.block_size,
                       sequence_capacity(num_blocks, cache.block_size, caps), kv.bytes_per_token, block, kv_bytes,
                       breakdown, reason, wired_bytes, wired_status)
 
 
-def _breakdown(device: DeviceFacts, model: ModelFacts, cache: CacheConfig, fixed: list[tuple[str, int]],
+def _breakdown(device: DeviceFacts, model: ModelFacts, scheduler: SchedulerConfig, fixed: list[tuple[str, int]],
                kv_bytes: int, left: int, skip_weights: bool) -> tuple[tuple[str, int], ...]:
     (_, reserve), (_, weights), (_, activations) = fixed
     weights_label = (f"model weights ({gb(model.weight_bytes)}, already outside available)"
@@ -289,7 +290,7 @@ def _breakdown(device: DeviceFacts, model: ModelFacts, cache: CacheConfig, fixed
         (device.limit_label, device.limit_bytes),
         (f"OS reserve ({OS_RESERVE_FRACTION:.0%} of {gb(device.total_bytes)} RAM, min 1 GiB)", reserve),
         (weights_label, weights),
-        (f"activations ({cache.max_batch_tokens} tok x {model.hidden_size + model.vocab_size:,} x "
+        (f"activations ({scheduler.max_batch_tokens} tok x {model.hidden_size + model.vocab_size:,} x "
          f"{ACTIVATION_DTYPE_BYTES} B x {ACTIVATION_SAFETY_FACTOR})", activations),
         ("KV cache", kv_bytes),
         ("left over", left - kv_bytes),
