@@ -2,56 +2,21 @@
 
 Every check raises ConfigError (a ValueError) naming the setting and the bad value, for the
 interface the user called (mlxpaged.errors); nothing here asserts.
-`parse_size` turns "2GB" (the CLI's --kv-memory, CacheConfig's kv_memory) into bytes.
+Sizes ("2GB", CacheConfig's kv_memory as the CLI's --kv-memory) are read by mlxpaged.units.parse_size.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass
-from decimal import Decimal
 from typing import Mapping
 
 from mlxpaged.errors import ConfigError
+from mlxpaged.units import parse_size
 
 VALID_BLOCK_SIZES = (8, 16, 32)  # the paged-attention kernel's block sizes
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_CACHE_TOKENS = 32768  # cap by demand: a local app rarely needs more resident context
-
-# Decimal units are powers of 1000 (as disks, macOS and mlx-lm's own --max-kv-size parser count);
-# binary units ("GiB", or "Gi") are powers of 1024. A bare number is bytes.
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 10**3, "kb": 10**3, "ki": 2**10, "kib": 2**10,
-    "m": 10**6, "mb": 10**6, "mi": 2**20, "mib": 2**20,
-    "g": 10**9, "gb": 10**9, "gi": 2**30, "gib": 2**30,
-    "t": 10**12, "tb": 10**12, "ti": 2**40, "tib": 2**40,
-}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*$")
-
-
-def parse_size(text: str | int, param: str | None = None) -> int:
-    """Bytes in a size such as "2GB", "512MiB", "1.5G", "4096" or an int.
-
-    "K/M/G/T" and "KB/MB/GB/TB" are decimal (1 GB = 10**9 bytes, like mlx-lm's size flags);
-    "KiB/MiB/GiB/TiB" (or "Ki/Mi/Gi/Ti") are binary (1 GiB = 2**30 bytes). Case does not
-    matter. Fractions of a byte are dropped ("1.5KiB" is 1536 bytes). `param` names the setting
-    in the error (ConfigError, a ValueError).
-    """
-    subject = f"{{{param}:{text!r}}}" if param else repr(text)
-    if isinstance(text, bool) or not isinstance(text, (int, str)):
-        raise ConfigError(f"{subject} is not a size: give a number of bytes or a string like '2GB'", param=param)
-    if isinstance(text, int):
-        if text < 0:
-            raise ConfigError(f"{subject} is not a size: it must not be negative", param=param)
-        return text
-    match = _SIZE_RE.match(text)
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise ConfigError(f"{subject} is not a size: use bytes or a unit, e.g. '2GB', '512MiB', '1.5G'", param=param)
-    return int(Decimal(match.group(1)) * _UNITS[unit])  # the regex admits only valid decimals
-
 
 def _require_positive_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:

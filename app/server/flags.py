@@ -81,7 +81,7 @@ def cache_settings(args: argparse.Namespace) -> dict:
 
 
 def server_config(args: argparse.Namespace):
-    from mlxpaged.config import parse_size
+    from mlxpaged.units import parse_size
     from mlxpaged_app.server.state import ServerConfig
 
     for name in ("max_queue", "default_max_tokens"):

@@ -23,7 +23,8 @@ from mlx_lm.utils import quantize_model, save_config, save_model
 
 from mlxpaged.cache.cache_view import layer_windows
 from mlxpaged.loading.checkpoint import CheckpointError, checkpoint_tensors, facts_before_load, read_safetensors_header
-from mlxpaged.config import parse_size, split_settings
+from mlxpaged.config import split_settings
+from mlxpaged.units import parse_size
 from mlxpaged.engine.engine import Engine
 from mlxpaged.platform.memory import (DeviceFacts, InsufficientMemoryError, ModelFacts, activation_bytes, model_weight_bytes,
                              plan_memory)

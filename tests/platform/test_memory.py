@@ -15,7 +15,8 @@ from types import SimpleNamespace
 import pytest
 
 import mlxpaged  # noqa: F401  (OpenBLAS before mlx)
-from mlxpaged.config import CacheConfig, SchedulerConfig, parse_size
+from mlxpaged.config import CacheConfig, SchedulerConfig
+from mlxpaged.units import parse_size
 from mlxpaged.platform.memory import (
     DeviceFacts,
     InsufficientMemoryError,
