@@ -13,20 +13,11 @@ from typing import Mapping
 
 from mlxpaged.errors import ConfigError
 from mlxpaged.units import parse_size
+from mlxpaged.validation import require_bool, require_int, require_number
 
 VALID_BLOCK_SIZES = (8, 16, 32)  # the paged-attention kernel's block sizes
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_CACHE_TOKENS = 32768  # cap by demand: a local app rarely needs more resident context
-
-def _require_positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"{{{name}:{value!r}}} must be a positive integer", param=name)
-
-
-def _require_bool(name: str, value: object) -> None:
-    if not isinstance(value, bool):
-        raise ConfigError(f"{{{name}:{value!r}}} must be True or False", param=name)
-
 
 @dataclass(frozen=True)
 class CacheConfig:
@@ -49,33 +40,28 @@ class CacheConfig:
     enable_prefix_cache: bool = True
 
     def __post_init__(self) -> None:
-        _require_positive_int("block_size", self.block_size)
+        require_int("block_size", self.block_size, low=1, setting=True)
         if self.block_size not in VALID_BLOCK_SIZES:
             raise ConfigError(f"{{block_size:{self.block_size}}} must be one of {VALID_BLOCK_SIZES}",
                               param="block_size")
         if self.cache_tokens is not None:
-            _require_positive_int("cache_tokens", self.cache_tokens)
+            require_int("cache_tokens", self.cache_tokens, low=1, setting=True)
         if self.kv_memory is not None:
             self._set_kv_memory(self.kv_memory)
         if self.memory_fraction is not None:
-            self._check_fraction(self.memory_fraction)
+            require_number("memory_fraction", self.memory_fraction, 0.0, 1.0, low_open=True, setting=True)
         if self.kv_memory is not None and self.memory_fraction is not None:
             raise ConfigError(
                 f"set only one of {{kv_memory}} ({self.kv_memory:,} bytes) and {{memory_fraction}} "
                 f"({self.memory_fraction}): both size the KV cache", param="kv_memory")
-        _require_bool("wire", self.wire)
-        _require_bool("enable_prefix_cache", self.enable_prefix_cache)
+        require_bool("wire", self.wire, setting=True)
+        require_bool("enable_prefix_cache", self.enable_prefix_cache, setting=True)
 
     def _set_kv_memory(self, value: int | str) -> None:
         size = parse_size(value, param="kv_memory")
         if size == 0:
             raise ConfigError(f"{{kv_memory:{value!r}}} must be more than 0 bytes", param="kv_memory")
         object.__setattr__(self, "kv_memory", size)  # frozen: bytes from here on
-
-    @staticmethod
-    def _check_fraction(value: object) -> None:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
-            raise ConfigError(f"{{memory_fraction:{value!r}}} must be a number in (0, 1]", param="memory_fraction")
 
 
 @dataclass(frozen=True)
@@ -88,8 +74,8 @@ class SchedulerConfig:
     max_num_seqs: int = 16
 
     def __post_init__(self) -> None:
-        _require_positive_int("max_batch_tokens", self.max_batch_tokens)
-        _require_positive_int("max_num_seqs", self.max_num_seqs)
+        require_int("max_batch_tokens", self.max_batch_tokens, low=1, setting=True)
+        require_int("max_num_seqs", self.max_num_seqs, low=1, setting=True)
         if self.max_batch_tokens < self.max_num_seqs:
             # Otherwise some decoding sequences would get no token in a step (the scheduler's rule,
             # checked here so a bad setting fails before the model and the pool are loaded).

@@ -42,8 +42,9 @@ from typing import Iterator, Sequence
 from mlxpaged.config import CacheConfig, SchedulerConfig
 from mlxpaged.errors import InsufficientMemoryError  # noqa: F401  (re-exported)
 from mlxpaged.units import format_size, size_at_least
+from mlxpaged.validation import require_int
 from mlxpaged.cache.specs import block_bytes, group_layers, sequence_capacity, table_lengths
-from mlxpaged.platform.model_facts import KVShape, ModelFacts, model_weight_bytes, require_int  # noqa: F401  (re-exported)
+from mlxpaged.platform.model_facts import KVShape, ModelFacts, model_weight_bytes  # noqa: F401  (re-exported)
 
 OS_RESERVE_FLOOR = 2**30
 OS_RESERVE_FRACTION = 0.10
@@ -66,10 +67,10 @@ class DeviceFacts:
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
-        require_int("total_bytes", self.total_bytes, positive=True)
+        require_int("total_bytes", self.total_bytes, low=1)
         require_int("available_bytes", self.available_bytes)
         if self.backend == "metal":
-            require_int("max_recommended_working_set_size", self.max_recommended_working_set_size, positive=True)
+            require_int("max_recommended_working_set_size", self.max_recommended_working_set_size, low=1)
 
     @property
     def limit_bytes(self) -> int:
