@@ -9,15 +9,7 @@ import mlxpaged  # noqa: F401  (loads OpenBLAS before anything imports mlx)
 from mlxpaged.platform.blas import blas_status
 from mlxpaged.config import DEFAULT_CACHE_TOKENS
 from mlxpaged.errors import MlxpagedError, user_message
-
-def human_bytes(n: int | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    raise AssertionError("unreachable")
+from mlxpaged.units import format_size
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -29,7 +21,7 @@ def cmd_models(args: argparse.Namespace) -> int:
     print(f"  {'NAME':<16} {'SOURCE':<10} {'LOCAL':<9} DESCRIPTION")
     for row in rows:
         name = row.name + (" *" if row.is_default else "")
-        local = human_bytes(row.size_bytes) if row.path else "no"
+        local = format_size(row.size_bytes) if row.path else "no"
         print(f"  {name:<16} {row.source:<10} {local:<9} {row.description}")
     print("\n  * default model. `mlxpaged pull NAME` fetches a model; hub models need internet once.")
     if args.verbose:

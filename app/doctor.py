@@ -23,6 +23,7 @@ from typing import Callable
 import mlxpaged
 from mlxpaged.platform.blas import blas_status
 from mlxpaged.config import DEFAULT_CACHE_TOKENS, CacheConfig
+from mlxpaged.units import format_size
 
 OK, WARN, FAIL = "OK", "WARN", "FAIL"
 STATUSES = (OK, WARN, FAIL)
@@ -57,10 +58,6 @@ class ModelOnDisk:
 def default_cache_config() -> CacheConfig:
     """What `mlxpaged chat` and `Engine.from_pretrained()` use when given no cache settings."""
     return CacheConfig(cache_tokens=DEFAULT_CACHE_TOKENS)
-
-
-def gb(n: int) -> str:
-    return f"{n / 1e9:.2f} GB"
 
 
 # ---- the checks: each returns one Check ------------------------------------------------------
@@ -194,7 +191,7 @@ def check_memory() -> Check:
     from mlxpaged.platform.memory import DeviceFacts
 
     device = DeviceFacts.detect()
-    return Check(OK, "memory", f"RAM {gb(device.total_bytes)}, available {gb(device.available_bytes)}"
+    return Check(OK, "memory", f"RAM {format_size(device.total_bytes)}, available {format_size(device.available_bytes)}"
                                f" ({device.backend} backend)")
 
 
@@ -207,7 +204,7 @@ def check_wired() -> Check:
     mx.set_wired_limit(current)
     if working_set is None:
         return Check(OK, "wired memory", f"no recommended working set (CPU backend); MLX wired limit {current}")
-    detail = f"recommended working set {gb(working_set)}, MLX wired limit {gb(current)}"
+    detail = f"recommended working set {format_size(working_set)}, MLX wired limit {format_size(current)}"
     sysctl = _iogpu_wired_limit_mb()
     return Check(OK, "wired memory", detail + (f", sysctl iogpu.wired_limit_mb={sysctl}" if sysctl else ""))
 
@@ -244,7 +241,7 @@ def check_default_model(model: ModelOnDisk | None, error: str | None) -> Check:
         return Check(FAIL, "default model", f"{model.name}: no *.safetensors weight files in {model.path}")
     arch = model.config.get("model_type", "?")
     return Check(OK, "default model", f"{model.name} at {model.path}: {arch}, {model.dtype}, "
-                                      f"weights {gb(model.weight_bytes)} on disk")
+                                      f"weights {format_size(model.weight_bytes)} on disk")
 
 
 def check_sampling_defaults(model: ModelOnDisk | None) -> Check:
@@ -273,7 +270,7 @@ def check_kv_plan(model: ModelOnDisk | None) -> Check:
     except InsufficientMemoryError as exc:
         return Check(FAIL, "KV plan", str(exc))
     capacity = "any length" if plan.token_capacity is None else f"{plan.token_capacity:,} tokens"
-    return Check(OK, "KV plan", f"{plan.num_blocks:,} blocks x {plan.block_size} tokens = {gb(plan.kv_bytes)} "
+    return Check(OK, "KV plan", f"{plan.num_blocks:,} blocks x {plan.block_size} tokens = {format_size(plan.kv_bytes)} "
                                 f"({plan.backend}), one sequence up to {capacity}; {plan.reason}")
 
 

@@ -17,8 +17,10 @@ __version__ = "0.1.0"
 _LAZY = {
     "Engine": "mlxpaged.engine.engine", "Completion": "mlxpaged.engine.engine", "StreamDelta": "mlxpaged.engine.engine",
     "RequestFailedError": "mlxpaged.engine.engine", "EngineClosedError": "mlxpaged.engine.engine",
-    "SamplingParams": "mlxpaged.runner.sampling", "CacheConfig": "mlxpaged.config",
+    "SamplingParams": "mlxpaged.runner.sampling",
+    "CacheConfig": "mlxpaged.config", "SchedulerConfig": "mlxpaged.config",
     "RequestTooLongError": "mlxpaged.engine.scheduler", "InsufficientMemoryError": "mlxpaged.platform.memory",
+    "MlxpagedError": "mlxpaged.errors",
 }
 __all__ = ["blas_status", "__version__", *_LAZY]
 

@@ -1,64 +1,23 @@
-"""Settings for the paged KV cache, validated when built.
+"""Settings for the paged KV cache (CacheConfig) and the scheduler (SchedulerConfig), validated when built.
 
 Every check raises ConfigError (a ValueError) naming the setting and the bad value, for the
 interface the user called (mlxpaged.errors); nothing here asserts.
-`parse_size` turns "2GB" (the CLI's --kv-memory, CacheConfig's kv_memory) into bytes.
+Sizes ("2GB", CacheConfig's kv_memory as the CLI's --kv-memory) are read by mlxpaged.units.parse_size.
 """
 
 from __future__ import annotations
 
-import re
+import dataclasses
 from dataclasses import dataclass
-from decimal import Decimal
+from typing import Mapping
 
 from mlxpaged.errors import ConfigError
+from mlxpaged.units import parse_size
+from mlxpaged.validation import require_bool, require_int, require_number
 
 VALID_BLOCK_SIZES = (8, 16, 32)  # the paged-attention kernel's block sizes
+DEFAULT_BLOCK_SIZE = 16
 DEFAULT_CACHE_TOKENS = 32768  # cap by demand: a local app rarely needs more resident context
-
-# Decimal units are powers of 1000 (as disks, macOS and mlx-lm's own --max-kv-size parser count);
-# binary units ("GiB", or "Gi") are powers of 1024. A bare number is bytes.
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 10**3, "kb": 10**3, "ki": 2**10, "kib": 2**10,
-    "m": 10**6, "mb": 10**6, "mi": 2**20, "mib": 2**20,
-    "g": 10**9, "gb": 10**9, "gi": 2**30, "gib": 2**30,
-    "t": 10**12, "tb": 10**12, "ti": 2**40, "tib": 2**40,
-}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*$")
-
-
-def parse_size(text: str | int, param: str | None = None) -> int:
-    """Bytes in a size such as "2GB", "512MiB", "1.5G", "4096" or an int.
-
-    "K/M/G/T" and "KB/MB/GB/TB" are decimal (1 GB = 10**9 bytes, like mlx-lm's size flags);
-    "KiB/MiB/GiB/TiB" (or "Ki/Mi/Gi/Ti") are binary (1 GiB = 2**30 bytes). Case does not
-    matter. Fractions of a byte are dropped ("1.5KiB" is 1536 bytes). `param` names the setting
-    in the error (ConfigError, a ValueError).
-    """
-    subject = f"{{{param}:{text!r}}}" if param else repr(text)
-    if isinstance(text, bool) or not isinstance(text, (int, str)):
-        raise ConfigError(f"{subject} is not a size: give a number of bytes or a string like '2GB'", param=param)
-    if isinstance(text, int):
-        if text < 0:
-            raise ConfigError(f"{subject} is not a size: it must not be negative", param=param)
-        return text
-    match = _SIZE_RE.match(text)
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise ConfigError(f"{subject} is not a size: use bytes or a unit, e.g. '2GB', '512MiB', '1.5G'", param=param)
-    return int(Decimal(match.group(1)) * _UNITS[unit])  # the regex admits only valid decimals
-
-
-def _require_positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"{{{name}:{value!r}}} must be a positive integer", param=name)
-
-
-def _require_bool(name: str, value: object) -> None:
-    if not isinstance(value, bool):
-        raise ConfigError(f"{{{name}:{value!r}}} must be True or False", param=name)
-
 
 @dataclass(frozen=True)
 class CacheConfig:
@@ -68,45 +27,35 @@ class CacheConfig:
     "512MiB"; stored as bytes) or `memory_fraction` (of the memory left for the cache after
     weights, activations and the OS reserve; see mlxpaged.platform.memory). Neither: a backend default.
     `cache_tokens` caps the cache at the context you need in total across sequences (a reply's
-    length is SamplingParams.max_tokens).
-    `max_batch_tokens` bounds one model step (prefill chunks included) and so the
-    activation headroom; `max_num_seqs` bounds concurrent sequences. `wire=False`
-    leaves the Metal wired limit alone. Bad values raise ConfigError (a ValueError).
+    length is SamplingParams.max_tokens). `wire=False` leaves the Metal wired limit alone.
+    How many tokens and sequences one step takes is SchedulerConfig's. Bad values raise
+    ConfigError (a ValueError).
     """
 
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     kv_memory: int | str | None = None
     memory_fraction: float | None = None
     cache_tokens: int | None = None
-    max_batch_tokens: int = 2048
-    max_num_seqs: int = 16
     wire: bool = True
     enable_prefix_cache: bool = True
 
     def __post_init__(self) -> None:
-        _require_positive_int("block_size", self.block_size)
+        require_int("block_size", self.block_size, low=1, setting=True)
         if self.block_size not in VALID_BLOCK_SIZES:
             raise ConfigError(f"{{block_size:{self.block_size}}} must be one of {VALID_BLOCK_SIZES}",
                               param="block_size")
-        _require_positive_int("max_batch_tokens", self.max_batch_tokens)
-        _require_positive_int("max_num_seqs", self.max_num_seqs)
-        if self.max_batch_tokens < self.max_num_seqs:
-            # Otherwise some decoding sequences would get no token in a step (the scheduler's rule,
-            # checked here so a bad setting fails before the model and the pool are loaded).
-            raise ConfigError(f"{{max_batch_tokens:{self.max_batch_tokens}}} must be >= "
-                              f"{{max_num_seqs:{self.max_num_seqs}}}", param="max_batch_tokens")
         if self.cache_tokens is not None:
-            _require_positive_int("cache_tokens", self.cache_tokens)
+            require_int("cache_tokens", self.cache_tokens, low=1, setting=True)
         if self.kv_memory is not None:
             self._set_kv_memory(self.kv_memory)
         if self.memory_fraction is not None:
-            self._check_fraction(self.memory_fraction)
+            require_number("memory_fraction", self.memory_fraction, 0.0, 1.0, low_open=True, setting=True)
         if self.kv_memory is not None and self.memory_fraction is not None:
             raise ConfigError(
                 f"set only one of {{kv_memory}} ({self.kv_memory:,} bytes) and {{memory_fraction}} "
                 f"({self.memory_fraction}): both size the KV cache", param="kv_memory")
-        _require_bool("wire", self.wire)
-        _require_bool("enable_prefix_cache", self.enable_prefix_cache)
+        require_bool("wire", self.wire, setting=True)
+        require_bool("enable_prefix_cache", self.enable_prefix_cache, setting=True)
 
     def _set_kv_memory(self, value: int | str) -> None:
         size = parse_size(value, param="kv_memory")
@@ -114,7 +63,33 @@ class CacheConfig:
             raise ConfigError(f"{{kv_memory:{value!r}}} must be more than 0 bytes", param="kv_memory")
         object.__setattr__(self, "kv_memory", size)  # frozen: bytes from here on
 
-    @staticmethod
-    def _check_fraction(value: object) -> None:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
-            raise ConfigError(f"{{memory_fraction:{value!r}}} must be a number in (0, 1]", param="memory_fraction")
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How much work one engine step takes. `max_batch_tokens` bounds one model step (prefill
+    chunks included) and so the activation headroom the memory plan sets aside; `max_num_seqs`
+    bounds concurrent sequences. Bad values raise ConfigError (a ValueError)."""
+
+    max_batch_tokens: int = 2048
+    max_num_seqs: int = 16
+
+    def __post_init__(self) -> None:
+        require_int("max_batch_tokens", self.max_batch_tokens, low=1, setting=True)
+        require_int("max_num_seqs", self.max_num_seqs, low=1, setting=True)
+        if self.max_batch_tokens < self.max_num_seqs:
+            # Otherwise some decoding sequences would get no token in a step (the scheduler's rule,
+            # checked here so a bad setting fails before the model and the pool are loaded).
+            raise ConfigError(f"{{max_batch_tokens:{self.max_batch_tokens}}} must be >= "
+                              f"{{max_num_seqs:{self.max_num_seqs}}}", param="max_batch_tokens")
+
+
+def split_settings(settings: Mapping[str, object]) -> tuple[CacheConfig, SchedulerConfig]:
+    """Keyword settings (Engine.from_pretrained's) as the two configs, by field name; a name that is
+    neither's raises ConfigError naming it."""
+    fields = {config: {f.name for f in dataclasses.fields(config)} for config in (CacheConfig, SchedulerConfig)}
+    unknown = [name for name in settings if not any(name in names for names in fields.values())]
+    if unknown:
+        known = sorted(fields[CacheConfig] | fields[SchedulerConfig])
+        raise ConfigError(f"unknown setting {unknown[0]!r}; the settings are {', '.join(known)}", param=unknown[0])
+    cache, scheduler = ({k: v for k, v in settings.items() if k in fields[c]} for c in (CacheConfig, SchedulerConfig))
+    return CacheConfig(**cache), SchedulerConfig(**scheduler)

@@ -6,7 +6,7 @@ import time
 from argparse import Namespace
 
 from mlxpaged.platform.blas import blas_status
-from mlxpaged_app.bench.memory import mb
+from mlxpaged.units import format_size
 
 
 def random_prompts(count: int, low: int, high: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -55,7 +55,7 @@ def bench_batch(args: Namespace) -> int:
         mx.reset_peak_memory()
         wall, generated = run()
         rows.append((name, wall, generated / wall, mx.get_peak_memory()))
-        print(f"  {name:<13} {wall:6.1f} s  {generated / wall:6.1f} tok/s aggregate  peak {mb(rows[-1][3])}")
+        print(f"  {name:<13} {wall:6.1f} s  {generated / wall:6.1f} tok/s aggregate  peak {format_size(rows[-1][3])}")
     engine.close()
     print(f"ratio (mlxpaged / mlx-lm): throughput {rows[1][2] / rows[0][2]:.2f}x, "
           f"wall {rows[0][1] / rows[1][1]:.2f}x faster, peak memory {rows[1][3] / rows[0][3]:.2f}x")

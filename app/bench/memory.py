@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 from argparse import Namespace
 
+from mlxpaged.config import DEFAULT_BLOCK_SIZE
+from mlxpaged.units import format_size
+
 
 def kv_shape(model_name: str | None) -> tuple[int, int, int, int]:
     """(layers, kv heads, head dim, dtype bytes) of a model, from its config only (float32 KV)."""
@@ -59,26 +62,22 @@ def bench_memory(args: Namespace) -> int:
     per_token = 2 * layers * heads * head_dim * dtype_bytes
     rng = random.Random(0)
     lens = [rng.randint(32, 1024) for _ in range(16)]
-    new, block = 128, 16
+    new, block = 128, DEFAULT_BLOCK_SIZE
     needed = sum(n + new for n in lens) * per_token
     paged = paged_blocks([[rng.randrange(50, 40000) for _ in range(n)] for n in lens], new, block, True)
     paged_bytes = paged * block * per_token
     batch_bytes = mlx_lm_batch_cache_bytes(lens, new, heads, head_dim) * layers
     print(f"KV per token {per_token} B ({layers} layers x {heads} kv heads x {head_dim} x {dtype_bytes} B x K,V)")
     print(f"16 ragged requests, prompts {min(lens)}-{max(lens)} tokens, {new} new tokens each:")
-    print(f"  tokens need            {mb(needed):>10}")
-    print(f"  paged (block {block})      {mb(paged_bytes):>10}  {paged_bytes / needed:.3f}x of need")
-    print(f"  mlx-lm BatchKVCache    {mb(batch_bytes):>10}  {batch_bytes / needed:.3f}x of need "
+    print(f"  tokens need            {format_size(needed):>10}")
+    print(f"  paged (block {block})      {format_size(paged_bytes):>10}  {paged_bytes / needed:.3f}x of need")
+    print(f"  mlx-lm BatchKVCache    {format_size(batch_bytes):>10}  {batch_bytes / needed:.3f}x of need "
           f"(measured nbytes of one layer x {layers})")
     prefix = [rng.randrange(50, 40000) for _ in range(1024)]
     shared = [prefix + [rng.randrange(50, 40000) for _ in range(rng.randint(20, 200))] for _ in range(8)]
     cold = paged_blocks(shared, new, block, False) * block * per_token
     warm = paged_blocks(shared, new, block, True) * block * per_token
     print("8 requests sharing a 1,024-token prefix (+20-200 own tokens, 128 new):")
-    print(f"  without prefix cache   {mb(cold):>10}")
-    print(f"  with prefix cache      {mb(warm):>10}  saves {mb(cold - warm)} ({1 - warm / cold:.0%})")
+    print(f"  without prefix cache   {format_size(cold):>10}")
+    print(f"  with prefix cache      {format_size(warm):>10}  saves {format_size(cold - warm)} ({1 - warm / cold:.0%})")
     return 0
-
-
-def mb(n: int) -> str:
-    return f"{n / 1e6:.1f} MB"

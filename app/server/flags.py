@@ -6,6 +6,8 @@ import argparse
 import ipaddress
 import os
 
+from mlxpaged.config import DEFAULT_BLOCK_SIZE, SchedulerConfig
+
 API_KEY_ENV = "MLXPAGED_API_KEY"
 
 
@@ -44,9 +46,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                        help="KV cache capacity in tokens, across sequences (a reply's length: --default-max-tokens)")
     cache.add_argument("--kv-memory", default=None, help="cache size in bytes or units, e.g. 2GB")
     cache.add_argument("--memory-fraction", type=float, default=None, help="share of free memory for the cache")
-    cache.add_argument("--block-size", type=int, default=16)
-    cache.add_argument("--max-batch-tokens", type=int, default=2048, help="tokens per engine step")
-    cache.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together")
+    cache.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
+    cache.add_argument("--max-batch-tokens", type=int, default=SchedulerConfig.max_batch_tokens,
+                       help="tokens per engine step")
+    cache.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs,
+                       help="sequences decoded together")
     cache.add_argument("--no-wire", action="store_true", help="leave the Metal wired limit alone")
     cache.add_argument("--no-prefix-cache", action="store_true", help="do not reuse cached prompt blocks")
 
@@ -69,8 +73,9 @@ def check_bind(host: str, api_key: str | None, allow_no_key: bool) -> None:
 
 
 def cache_settings(args: argparse.Namespace) -> dict:
-    """CacheConfig fields from the flags; sizes stay text ("2GB"): CacheConfig reads them and its errors
-    name the setting, which the runner renders as its flag (mlxpaged.errors)."""
+    """CacheConfig and SchedulerConfig fields from the flags (Engine.from_pretrained splits them); sizes
+    stay text ("2GB"): CacheConfig reads them and its errors name the setting, which the runner renders
+    as its flag (mlxpaged.errors)."""
     settings = dict(block_size=args.block_size, max_batch_tokens=args.max_batch_tokens,
                     max_num_seqs=args.max_num_seqs, wire=not args.no_wire,
                     enable_prefix_cache=not args.no_prefix_cache)
@@ -81,7 +86,7 @@ def cache_settings(args: argparse.Namespace) -> dict:
 
 
 def server_config(args: argparse.Namespace):
-    from mlxpaged.config import parse_size
+    from mlxpaged.units import parse_size
     from mlxpaged_app.server.state import ServerConfig
 
     for name in ("max_queue", "default_max_tokens"):

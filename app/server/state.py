@@ -15,7 +15,7 @@ from mlxpaged_app.server.metrics import ServerMetrics
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """HTTP-side settings (the engine has its own CacheConfig)."""
+    """HTTP-side settings (the engine has its own CacheConfig and SchedulerConfig)."""
     api_key: str | None = None
     max_body_size: int = 4_000_000
     max_queue: int = 64
@@ -36,7 +36,7 @@ class ServerState:
     def __init__(self, engine, config: ServerConfig) -> None:
         self.engine, self.config = engine, config
         self.metrics = ServerMetrics()
-        self.admission = Admission(engine.cache_config.max_num_seqs, config.max_queue)
+        self.admission = Admission(engine.scheduler_config.max_num_seqs, config.max_queue)
         self.token_text = TokenText(engine.tokenizer)
         self.model_id = engine.loaded.name
         path = getattr(engine.loaded, "path", None)

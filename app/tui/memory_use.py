@@ -42,7 +42,3 @@ def _metal() -> tuple[int | None, int | None]:
     except Exception:
         pass
     return None, None
-
-
-def gb(n: int | None) -> str:
-    return "-" if n is None else f"{n / 1e9:.2f} GB"

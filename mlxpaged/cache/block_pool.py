@@ -14,6 +14,8 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Callable, Hashable
 
+from mlxpaged.validation import require_int
+
 # (parent block hash or None, block token ids, extra keys) -> block hash
 HashFn = Callable[[object, tuple, object], Hashable]
 
@@ -64,8 +66,7 @@ class KVCacheBlock:
 
 class BlockPool:
     def __init__(self, num_blocks: int):
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ValueError(f"num_blocks must be an integer >= 1, got {num_blocks!r}")
+        require_int("num_blocks", num_blocks, low=1)
         self.num_blocks = num_blocks
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self._free: deque[KVCacheBlock] = deque(self.blocks)  # unhashed, ref 0

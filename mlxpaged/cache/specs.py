@@ -23,6 +23,9 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Sequence
 
+from mlxpaged.errors import ConfigError
+from mlxpaged.validation import is_int_at_least
+
 
 @dataclass(frozen=True)
 class LayerGroup:
@@ -146,9 +149,9 @@ class KVCacheSpec(ABC):
 
 
 def _check_positive(**sizes: object) -> None:
-    bad = {k: v for k, v in sizes.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1}
+    bad = {k: v for k, v in sizes.items() if not is_int_at_least(v, 1)}
     if bad:
-        raise ValueError(f"KV cache spec sizes must be positive integers, got {bad}")
+        raise ConfigError(f"KV cache spec sizes must be positive integers, got {bad}")
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Callable
 
 from mlxpaged.cache.block_pool import BlockPool
-from mlxpaged.config import CacheConfig
+from mlxpaged.config import CacheConfig, SchedulerConfig
 from mlxpaged.cache.kv_cache import PagedKVCache
 from mlxpaged.cache.kv_cache_manager import KVCacheManager
 from mlxpaged.engine.metrics import StatsCounter
@@ -37,14 +37,15 @@ class EngineCore:
         self._has_commands = has_commands
 
     @classmethod
-    def create(cls, model, tokenizer, kv: PagedKVCache, config: CacheConfig, *, max_model_len: int,
-               extra_key: object = None, **kwargs) -> "EngineCore":
+    def create(cls, model, tokenizer, kv: PagedKVCache, cache_config: CacheConfig,
+               scheduler_config: SchedulerConfig, *, max_model_len: int, extra_key: object = None,
+               **kwargs) -> "EngineCore":
         """A core over `kv`'s blocks: block pool, cache manager (one spec per layer group), scheduler, runner."""
         specs = [group.spec(kv.block_size) for group in kv.groups]
-        manager = KVCacheManager(BlockPool(kv.num_blocks), specs, extra_key=extra_key,
-                                 enable_prefix_cache=config.enable_prefix_cache and kv.supports_prefix_cache)
-        scheduler = Scheduler(manager, max_batch_tokens=config.max_batch_tokens, max_num_seqs=config.max_num_seqs,
-                              max_model_len=max_model_len)
+        prefix_cache = cache_config.enable_prefix_cache and kv.supports_prefix_cache
+        manager = KVCacheManager(BlockPool(kv.num_blocks), specs, extra_key=extra_key, enable_prefix_cache=prefix_cache)
+        scheduler = Scheduler(manager, max_batch_tokens=scheduler_config.max_batch_tokens,
+                              max_num_seqs=scheduler_config.max_num_seqs, max_model_len=max_model_len)
         return cls(scheduler, Runner(model, kv), tokenizer, **kwargs)
 
     @property

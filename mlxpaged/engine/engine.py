@@ -24,7 +24,7 @@ import mlx.core as mx
 from mlxpaged.engine import engine_thread
 from mlxpaged.kernels.attention import attention_status, prepare_attention
 from mlxpaged.cache.cache_view import layer_windows
-from mlxpaged.config import DEFAULT_CACHE_TOKENS, CacheConfig
+from mlxpaged.config import DEFAULT_CACHE_TOKENS, CacheConfig, SchedulerConfig, split_settings
 from mlxpaged.engine.core import EngineCore
 from mlxpaged.cache.kv_cache import PagedKVCache
 from mlxpaged.errors import ConfigError, EngineClosedError, RequestFailedError  # noqa: F401  (re-exported)
@@ -43,14 +43,17 @@ from mlxpaged.engine.shutdown import STEP_TIMEOUT_S
 
 
 class Engine:
-    def __init__(self, loaded: LoadedModel, cache_config: CacheConfig | None = None):
+    def __init__(self, loaded: LoadedModel, cache_config: CacheConfig | None = None,
+                 scheduler_config: SchedulerConfig | None = None):
         self.loaded = loaded
         self.cache_config = cache_config or CacheConfig(cache_tokens=DEFAULT_CACHE_TOKENS)
+        self.scheduler_config = scheduler_config or SchedulerConfig()
         check_paged_support(loaded.model)
         route_paged_attention()
         kv_dtype = activation_dtype(loaded.model)  # K/V have the activations' dtype
         self.facts = self._model_facts(kv_dtype)
-        self.plan = plan_memory(DeviceFacts.detect(), self.facts, self.cache_config, weights_resident=True)
+        self.plan = plan_memory(DeviceFacts.detect(), self.facts, self.cache_config, self.scheduler_config,
+                                weights_resident=True)
         self.kv = self._make_kv_cache(kv_dtype)
         # Before the first decode: a Metal kernel variant that fails its self-check is replaced by the reference.
         prepare_attention(kv_dtype, self.facts.kv.head_dim, self.cache_config.block_size,
@@ -63,7 +66,7 @@ class Engine:
         self._closed = False
         self._stats = StatsCounter()
         commands = self._commands  # the core must not hold the engine: its thread holds it weakly (engine_thread.py)
-        self.core = EngineCore.create(loaded.model, loaded.tokenizer, self.kv, self.cache_config,
+        self.core = EngineCore.create(loaded.model, loaded.tokenizer, self.kv, self.cache_config, self.scheduler_config,
                                       max_model_len=self.max_model_len, extra_key=str(loaded.path), stats=self._stats,
                                       has_commands=lambda: not commands.empty())
         self.scheduler, self.runner = self.core.scheduler, self.core.runner
@@ -74,14 +77,15 @@ class Engine:
     @classmethod
     def from_pretrained(cls, model: str | None = None, progress: Progress | None = None, **settings) -> "Engine":
         """A preset name, local path or hub id (None: the embedded default model); settings are CacheConfig
-        fields (kv_memory="2GB" too). A cache that cannot fit raises InsufficientMemoryError before any
-        weight is read (once the model's files are local: a hub model is downloaded first)."""
+        and SchedulerConfig fields, split by name (kv_memory="2GB", max_num_seqs=4; any other name raises
+        ConfigError). A cache that cannot fit raises InsufficientMemoryError before any weight is read
+        (once the model's files are local: a hub model is downloaded first)."""
         settings.setdefault("cache_tokens", DEFAULT_CACHE_TOKENS)
-        config = CacheConfig(**settings)
+        cache, scheduler = split_settings(settings)
         ref, path = locate_model(model, progress)
         device = DeviceFacts.detect()
-        plan_memory(device, facts_before_load(path, device.backend), config)
-        return cls(load_local(ref, path), config)
+        plan_memory(device, facts_before_load(path, device.backend), cache, scheduler)
+        return cls(load_local(ref, path), cache, scheduler)
 
     @property
     def model(self):

@@ -22,6 +22,7 @@ from mlxpaged.cache.block_pool import NoFreeBlocksError
 from mlxpaged.cache.kv_cache_manager import CopyOnWrite, KVCacheManager, UnknownRequestError
 from mlxpaged.engine.request import Request, RequestStatus
 from mlxpaged.errors import RequestTooLongError  # noqa: F401  (re-exported)
+from mlxpaged.validation import require_int
 
 __all__ = ["Request", "RequestStatus", "Scheduler", "SchedulerOutput", "ScheduledChunk", "RequestTooLongError",
            "MODEL_CONTEXT", "CACHE_CAPACITY"]
@@ -52,8 +53,7 @@ class Scheduler:
                  max_model_len: int):
         for name, value in (("max_batch_tokens", max_batch_tokens),
                             ("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len)):
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
+            require_int(name, value, low=1)
         if max_batch_tokens < max_num_seqs:
             # Otherwise some decoding requests would be skipped every step.
             raise ValueError(f"max_batch_tokens ({max_batch_tokens}) must be >= "

@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 import mlx.core as mx
 import numpy as np
 
+from mlxpaged.config import DEFAULT_BLOCK_SIZE
 from mlxpaged.kernels.cpu_attention import paged_attention_cpu
 from mlxpaged.kernels.reference import paged_attention_reference
 
@@ -28,7 +29,7 @@ class BenchShape:
     heads: int = 32
     kv_heads: int = 8
     head_dim: int = 128
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     dtype: str = "float32"
 
 

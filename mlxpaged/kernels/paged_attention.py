@@ -20,9 +20,11 @@ from typing import Callable
 
 import mlx.core as mx
 
+from mlxpaged.config import VALID_BLOCK_SIZES
+
 SOURCE_PATH = Path(__file__).with_name("paged_attention.metal")
 DTYPES = (mx.float16, mx.bfloat16, mx.float32)
-BLOCK_SIZES = (8, 16, 32)
+BLOCK_SIZES = VALID_BLOCK_SIZES  # the settings accept exactly what the kernel has variants for
 MAX_HEAD_DIM = 256
 MAX_QUERY_VALUES_PER_LANE = 64  # G * D / 32 registers each for q and o: bounds register use
 NUM_SIMDGROUPS = 8

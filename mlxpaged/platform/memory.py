@@ -39,10 +39,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from mlxpaged.config import CacheConfig
+from mlxpaged.config import CacheConfig, SchedulerConfig
 from mlxpaged.errors import InsufficientMemoryError  # noqa: F401  (re-exported)
+from mlxpaged.units import format_size, size_at_least
+from mlxpaged.validation import require_int
 from mlxpaged.cache.specs import block_bytes, group_layers, sequence_capacity, table_lengths
-from mlxpaged.platform.model_facts import KVShape, ModelFacts, model_weight_bytes, require_int  # noqa: F401  (re-exported)
+from mlxpaged.platform.model_facts import KVShape, ModelFacts, model_weight_bytes  # noqa: F401  (re-exported)
 
 OS_RESERVE_FLOOR = 2**30
 OS_RESERVE_FRACTION = 0.10
@@ -50,22 +52,6 @@ ACTIVATION_DTYPE_BYTES = 4
 ACTIVATION_SAFETY_FACTOR = 2
 DEFAULT_KV_FRACTION = {"metal": 0.9, "cpu": 0.5}
 BACKENDS = ("metal", "cpu")
-
-
-def gb(n: int) -> str:
-    """Bytes as decimal gigabytes, the unit --kv-memory reads (1 GB = 10**9 bytes); below
-    10 MB in MB or KB, so a tiny size reads as itself rather than 0.00 GB."""
-    for unit, scale in (("GB", 10**9), ("MB", 10**6)):
-        if n >= scale // 100:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n / 1e3:.2f} KB"
-
-
-def size_at_least(n: int) -> str:
-    """`n` bytes as a size setting ("0.38GB"), rounded up so that asking for it is enough."""
-    unit = gb(n).split()[1]
-    scale = {"GB": 10**9, "MB": 10**6, "KB": 10**3}[unit]
-    return f"{math.ceil(n * 100 / scale) / 100:.2f}{unit}"
 
 
 @dataclass(frozen=True)
@@ -81,10 +67,10 @@ class DeviceFacts:
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
-        require_int("total_bytes", self.total_bytes, positive=True)
+        require_int("total_bytes", self.total_bytes, low=1)
         require_int("available_bytes", self.available_bytes)
         if self.backend == "metal":
-            require_int("max_recommended_working_set_size", self.max_recommended_working_set_size, positive=True)
+            require_int("max_recommended_working_set_size", self.max_recommended_working_set_size, low=1)
 
     @property
     def limit_bytes(self) -> int:
@@ -150,13 +136,13 @@ class MemoryPlan:
         """A multi-line summary for the CLI and the TUI."""
         (limit_label, limit), *parts = self.breakdown
         width = max(len(label) for label, _ in self.breakdown) + 4
-        lines = [f"KV cache plan ({self.backend})", f"  {limit_label:<{width}}{gb(limit):>10}"]
+        lines = [f"KV cache plan ({self.backend})", f"  {limit_label:<{width}}{format_size(limit):>10}"]
         for label, size in parts:
             sign = "=" if label == "left over" else "-"
-            lines.append(f"  {sign} {label:<{width - 2}}{gb(size):>10}")
+            lines.append(f"  {sign} {label:<{width - 2}}{format_size(size):>10}")
         capacity = "any length" if self.token_capacity is None else f"{self.token_capacity:,} tokens"
         lines.append(f"  {self.num_blocks:,} blocks x {self.block_size} tokens, one sequence up to {capacity}; "
-                     f"{self.bytes_per_token:,} B/token, {self.block_bytes / 1e6:.2f} MB/block")
+                     f"{self.bytes_per_token:,} B/token, {format_size(self.block_bytes)}/block")
         lines.append(f"  blocks: {self.reason}")
         lines.append(f"  wired limit: {self.wired_status}")
         return "\n".join(lines)
@@ -171,9 +157,8 @@ def activation_bytes(model: ModelFacts, max_batch_tokens: int) -> int:
     return max_batch_tokens * per_token * ACTIVATION_SAFETY_FACTOR
 
 
-def _demand(model: ModelFacts, cache: CacheConfig, caps: Sequence[int | None]) -> tuple[int | None, str]:
-    """Blocks the cache could ever use, and why."""
-    seqs = cache.max_num_seqs
+def _demand(model: ModelFacts, cache: CacheConfig, seqs: int, caps: Sequence[int | None]) -> tuple[int | None, str]:
+    """Blocks the cache could ever use with `seqs` sequences at once, and why."""
     if cache.cache_tokens is not None:
         per_group = math.ceil(cache.cache_tokens / cache.block_size) + seqs
         blocks = sum(per_group if cap is None else min(per_group, seqs * cap) for cap in caps)
@@ -184,25 +169,26 @@ def _demand(model: ModelFacts, cache: CacheConfig, caps: Sequence[int | None]) -
     return None, ""
 
 
-def _longest_sequence(model: ModelFacts, cache: CacheConfig) -> int:
+def _longest_sequence(model: ModelFacts, cache: CacheConfig, scheduler: SchedulerConfig) -> int:
     """Tokens of the longest single sequence the cache must hold."""
     asked = [n for n in (cache.cache_tokens, model.context_length) if n is not None]
-    return min(asked) if asked else cache.max_batch_tokens
+    return min(asked) if asked else scheduler.max_batch_tokens
 
 
 def _kv_budget(left: int, backend: str, cache: CacheConfig) -> tuple[int, str]:
     if cache.kv_memory is not None:
         if cache.kv_memory > left:
             raise InsufficientMemoryError(
-                f"{{kv_memory:{gb(cache.kv_memory)}}} is more than the {gb(left)} left for the KV cache "
-                f"after weights, activations and the OS reserve; ask for at most {gb(left)}, "
+                f"{{kv_memory:{format_size(cache.kv_memory)}}} is more than the {format_size(left)} left for the "
+                f"KV cache after weights, activations and the OS reserve; ask for at most {format_size(left)}, "
                 "or lower {max_batch_tokens}, or use a smaller model",
                 needed_bytes=cache.kv_memory, available_bytes=left, param="kv_memory")
-        return cache.kv_memory, f"limited by --kv-memory {gb(cache.kv_memory)}"
+        return cache.kv_memory, f"limited by --kv-memory {format_size(cache.kv_memory)}"
     if cache.memory_fraction is not None:
-        return int(left * cache.memory_fraction), f"limited by --memory-fraction {cache.memory_fraction:g} of {gb(left)}"
+        return (int(left * cache.memory_fraction),
+                f"limited by --memory-fraction {cache.memory_fraction:g} of {format_size(left)}")
     fraction = DEFAULT_KV_FRACTION[backend]
-    return int(left * fraction), f"limited by memory (default {fraction:.0%} of the {gb(left)} left)"
+    return int(left * fraction), f"limited by memory (default {fraction:.0%} of the {format_size(left)} left)"
 
 
 def _check_fixed_costs(limit: int, costs: list[tuple[str, int]], label: str) -> int:
@@ -210,10 +196,10 @@ def _check_fixed_costs(limit: int, costs: list[tuple[str, int]], label: str) -> 
     left = limit - sum(size for _, size in costs)
     if left > 0:
         return left
-    listed = " + ".join(f"{name} {gb(size)}" for name, size in costs)
+    listed = " + ".join(f"{name} {format_size(size)}" for name, size in costs)
     raise InsufficientMemoryError(
-        f"{listed} = {gb(limit - left)} exceed the {label} of {gb(limit)}, leaving nothing for the KV cache; "
-        "use a smaller or more quantized model, or lower {max_batch_tokens}",
+        f"{listed} = {format_size(limit - left)} exceed the {label} of {format_size(limit)}, leaving nothing for "
+        "the KV cache; use a smaller or more quantized model, or lower {max_batch_tokens}",
         needed_bytes=limit - left, available_bytes=limit)
 
 
@@ -222,14 +208,15 @@ def _too_small(longest: int, need_bytes: int, budget: int, fits_tokens: int,
     """One sequence does not fit the budget; the advice follows the setting that sized it."""
     shrink = f"{{cache_tokens:{fits_tokens}}} or less" if fits_tokens > 0 else None
     if cache.kv_memory is not None:
-        param, advice = "kv_memory", f"use {{kv_memory:{size_at_least(need_bytes)}}} or more" + (f", or {shrink}" if shrink else "")
+        param = "kv_memory"
+        advice = f"use {{kv_memory:{size_at_least(need_bytes)}}} or more" + (f", or {shrink}" if shrink else "")
     else:
         param = "memory_fraction" if cache.memory_fraction is not None else "cache_tokens"
         advice = (f"use {shrink}, " if shrink else "") + ("a larger {kv_memory} or {memory_fraction} if memory "
                                                           "allows, lower {max_batch_tokens}, or a smaller model")
     return InsufficientMemoryError(
-        f"one {longest:,}-token sequence needs {gb(need_bytes)} of KV cache but only {gb(budget)} is available "
-        f"for it (room for {fits_tokens:,} tokens); {advice}",
+        f"one {longest:,}-token sequence needs {format_size(need_bytes)} of KV cache but only {format_size(budget)} "
+        f"is available for it (room for {fits_tokens:,} tokens); {advice}",
         needed_bytes=need_bytes, available_bytes=budget, param=param)
 
 
@@ -239,33 +226,35 @@ def _wired(device: DeviceFacts, cache: CacheConfig, weights_and_kv: int) -> tupl
     if not cache.wire:
         return None, "off (--no-wire)"
     limit = min(weights_and_kv, device.max_recommended_working_set_size)
-    return limit, f"{gb(limit)} (weights + KV, at most the recommended working set)"
+    return limit, f"{format_size(limit)} (weights + KV, at most the recommended working set)"
 
 
-def plan_memory(device: DeviceFacts, model: ModelFacts, cache: CacheConfig, *,
-                weights_resident: bool = False) -> MemoryPlan:
-    """Size the paged KV cache. See the module docstring for the rules.
+def plan_memory(device: DeviceFacts, model: ModelFacts, cache: CacheConfig, scheduler: SchedulerConfig | None = None,
+                *, weights_resident: bool = False) -> MemoryPlan:
+    """Size the paged KV cache for `scheduler`'s step size and sequences (None: SchedulerConfig()).
+    See the module docstring for the rules.
 
     weights_resident: the DeviceFacts were detected after the model was loaded, so on CPU
     "available" already excludes the weights. On Metal the working set is a fixed ceiling
     the weights always count against, so this flag changes nothing there.
     """
+    scheduler = scheduler or SchedulerConfig()
     skip_weights = weights_resident and device.backend == "cpu"
     fixed = [("OS reserve", os_reserve_bytes(device.total_bytes)),
              ("model weights", 0 if skip_weights else model.weight_bytes),
-             ("activations", activation_bytes(model, cache.max_batch_tokens))]
+             ("activations", activation_bytes(model, scheduler.max_batch_tokens))]
     left = _check_fixed_costs(device.limit_bytes, fixed, device.limit_label)
     budget, budget_reason = _kv_budget(left, device.backend, cache)
     kv = model.kv
     caps = [g.max_blocks(cache.block_size) for g in group_layers(kv.layer_windows)]  # as the pool takes them
     block = block_bytes(kv.layer_windows, cache.block_size, kv.num_kv_heads, kv.head_dim, kv.dtype_bytes)
     memory_blocks = budget // block
-    longest = _longest_sequence(model, cache)
+    longest = _longest_sequence(model, cache, scheduler)
     need_blocks = sum(table_lengths(longest, cache.block_size, caps))
     if memory_blocks < need_blocks:
         fits = sequence_capacity(memory_blocks, cache.block_size, caps)  # an int: `longest` does not fit
         raise _too_small(longest, need_blocks * block, budget, fits, cache)
-    demand, demand_reason = _demand(model, cache, caps)
+    demand, demand_reason = _demand(model, cache, scheduler.max_num_seqs, caps)
     if demand is not None and demand <= memory_blocks:
         num_blocks, reason = demand, f"capped by {demand_reason} (memory allows {memory_blocks:,} blocks)"
     else:
@@ -274,22 +263,22 @@ def plan_memory(device: DeviceFacts, model: ModelFacts, cache: CacheConfig, *,
             reason += f"; {demand_reason} would need {demand:,} blocks"
     kv_bytes = num_blocks * block
     wired_bytes, wired_status = _wired(device, cache, model.weight_bytes + kv_bytes)
-    breakdown = _breakdown(device, model, cache, fixed, kv_bytes, left, skip_weights)
+    breakdown = _breakdown(device, model, scheduler, fixed, kv_bytes, left, skip_weights)
     return MemoryPlan(device.backend, num_blocks, cache.block_size,
                       sequence_capacity(num_blocks, cache.block_size, caps), kv.bytes_per_token, block, kv_bytes,
                       breakdown, reason, wired_bytes, wired_status)
 
 
-def _breakdown(device: DeviceFacts, model: ModelFacts, cache: CacheConfig, fixed: list[tuple[str, int]],
+def _breakdown(device: DeviceFacts, model: ModelFacts, scheduler: SchedulerConfig, fixed: list[tuple[str, int]],
                kv_bytes: int, left: int, skip_weights: bool) -> tuple[tuple[str, int], ...]:
     (_, reserve), (_, weights), (_, activations) = fixed
-    weights_label = (f"model weights ({gb(model.weight_bytes)}, already outside available)"
+    weights_label = (f"model weights ({format_size(model.weight_bytes)}, already outside available)"
                      if skip_weights else "model weights")
     return (
         (device.limit_label, device.limit_bytes),
-        (f"OS reserve ({OS_RESERVE_FRACTION:.0%} of {gb(device.total_bytes)} RAM, min 1 GiB)", reserve),
+        (f"OS reserve ({OS_RESERVE_FRACTION:.0%} of {format_size(device.total_bytes)} RAM, min 1 GiB)", reserve),
         (weights_label, weights),
-        (f"activations ({cache.max_batch_tokens} tok x {model.hidden_size + model.vocab_size:,} x "
+        (f"activations ({scheduler.max_batch_tokens} tok x {model.hidden_size + model.vocab_size:,} x "
          f"{ACTIVATION_DTYPE_BYTES} B x {ACTIVATION_SAFETY_FACTOR})", activations),
         ("KV cache", kv_bytes),
         ("left over", left - kv_bytes),

@@ -9,12 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-
-def require_int(name: str, value: object, positive: bool = False) -> None:
-    """A count of something: an int >= 0 (>= 1 if `positive`), else ValueError naming it."""
-    low = 1 if positive else 0
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+from mlxpaged.validation import require_int
 
 
 @dataclass(frozen=True)
@@ -31,7 +26,7 @@ class KVShape:
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "dtype_bytes"):
-            require_int(name, getattr(self, name), positive=True)
+            require_int(name, getattr(self, name), low=1)
         if self.sliding_windows is None:
             return
         windows = tuple(self.sliding_windows)
@@ -40,7 +35,7 @@ class KVShape:
             raise ValueError(f"sliding_windows has {len(windows)} entries for {self.num_layers} layers")
         for window in windows:
             if window is not None:
-                require_int("a sliding window", window, positive=True)
+                require_int("a sliding window", window, low=1)
 
     @property
     def layer_bytes_per_token(self) -> int:
@@ -68,10 +63,10 @@ class ModelFacts:
 
     def __post_init__(self) -> None:
         require_int("weight_bytes", self.weight_bytes)
-        require_int("hidden_size", self.hidden_size, positive=True)
-        require_int("vocab_size", self.vocab_size, positive=True)
+        require_int("hidden_size", self.hidden_size, low=1)
+        require_int("vocab_size", self.vocab_size, low=1)
         if self.context_length is not None:
-            require_int("context_length", self.context_length, positive=True)
+            require_int("context_length", self.context_length, low=1)
 
     @classmethod
     def from_config(cls, config: dict, weight_bytes: int, kv_dtype_bytes: int,

@@ -33,6 +33,8 @@ import mlx.core as mx
 from mlx_lm.sample_utils import (apply_min_p, apply_top_k, apply_top_p, make_frequency_penalty,
                                  make_presence_penalty, make_repetition_penalty)
 
+from mlxpaged.validation import require_bool, require_number
+
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
 # Temperatures below this sample greedily, as vLLM does: 1/T would overflow float32 logits.
@@ -41,27 +43,6 @@ MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
 MAX_N = 128
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range
-
-
-def _range_text(low: float, high: float, low_open: bool) -> str:
-    return f"{'(' if low_open else '['}{low}, {high}{')' if high == math.inf else ']'}"
-
-
-def _require_number(name: str, value: object, low: float, high: float, *,
-                    low_open: bool = False, integer: bool = False) -> None:
-    kinds = (int,) if integer else (int, float)
-    allowed = _range_text(low, high, low_open)
-    if isinstance(value, bool) or not isinstance(value, kinds):
-        raise ValueError(f"{name} must be {'an integer' if integer else 'a number'} in {allowed}, "
-                         f"got {value!r}")
-    too_low = value <= low if low_open else value < low
-    if too_low or value > high or (not integer and not math.isfinite(value)):
-        raise ValueError(f"{name} must be in {allowed}, got {value!r}")
-
-
-def _require_bool(name: str, value: object) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
 def _stop_list(value: object) -> list[str]:
@@ -80,7 +61,7 @@ def _token_id_list(name: str, value: object) -> list[int]:
     if not isinstance(value, (list, tuple)):
         raise ValueError(f"{name} must be a list of token ids, got {value!r}")
     for token in value:
-        _require_number(f"{name} entries", token, 0, math.inf, integer=True)
+        require_number(f"{name} entries", token, 0, math.inf, integer=True)
     return list(value)
 
 
@@ -88,8 +69,8 @@ def _logit_bias(value: object) -> dict[int, float]:
     if not isinstance(value, dict):
         raise ValueError(f"logit_bias must be a dict of token id -> bias, got {value!r}")
     for token, bias in value.items():
-        _require_number("logit_bias token ids", token, 0, math.inf, integer=True)
-        _require_number(f"logit_bias[{token}]", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+        require_number("logit_bias token ids", token, 0, math.inf, integer=True)
+        require_number(f"logit_bias[{token}]", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
     return {int(token): float(bias) for token, bias in value.items()}
 
 
@@ -119,25 +100,25 @@ class SamplingParams:
     trim_leading_space: bool = True
 
     def __post_init__(self) -> None:
-        _require_number("max_tokens", self.max_tokens, 1, math.inf, integer=True)
-        _require_number("temperature", self.temperature, 0.0, math.inf)
-        _require_number("top_p", self.top_p, 0.0, 1.0, low_open=True)
-        _require_number("top_k", self.top_k, 0, math.inf, integer=True)
-        _require_number("min_p", self.min_p, 0.0, 1.0)
-        _require_number("repetition_penalty", self.repetition_penalty, 0.0, math.inf, low_open=True)
-        _require_number("presence_penalty", self.presence_penalty, -2.0, 2.0)
-        _require_number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        require_number("max_tokens", self.max_tokens, 1, math.inf, integer=True)
+        require_number("temperature", self.temperature, 0.0, math.inf)
+        require_number("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        require_number("top_k", self.top_k, 0, math.inf, integer=True)
+        require_number("min_p", self.min_p, 0.0, 1.0)
+        require_number("repetition_penalty", self.repetition_penalty, 0.0, math.inf, low_open=True)
+        require_number("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        require_number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         self.stop = _stop_list(self.stop)
         self.stop_token_ids = _token_id_list("stop_token_ids", self.stop_token_ids)
-        _require_bool("ignore_eos", self.ignore_eos)
-        _require_bool("trim_leading_space", self.trim_leading_space)
-        _require_bool("logprobs", self.logprobs)
-        _require_number("top_logprobs", self.top_logprobs, 0, MAX_TOP_LOGPROBS, integer=True)
+        require_bool("ignore_eos", self.ignore_eos)
+        require_bool("trim_leading_space", self.trim_leading_space)
+        require_bool("logprobs", self.logprobs)
+        require_number("top_logprobs", self.top_logprobs, 0, MAX_TOP_LOGPROBS, integer=True)
         if self.top_logprobs and not self.logprobs:
             raise ValueError(f"top_logprobs={self.top_logprobs} needs logprobs=True (as in OpenAI's API)")
-        _require_number("n", self.n, 1, MAX_N, integer=True)
+        require_number("n", self.n, 1, MAX_N, integer=True)
         self.logit_bias = _logit_bias(self.logit_bias)
         self._check_processors()
 
@@ -213,7 +194,7 @@ def make_state(params: SamplingParams, sequence: TokenSequence, *, sequence_inde
     already has output tokens resumes mid-generation."""
     if not isinstance(params, SamplingParams):
         raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-    _require_number("sequence_index", sequence_index, 0, MAX_N - 1, integer=True)
+    require_number("sequence_index", sequence_index, 0, MAX_N - 1, integer=True)
     _token_id_list("prompt_token_ids", sequence.prompt_token_ids)
     _token_id_list("output_token_ids", sequence.output_token_ids)
     seed = params.seed if params.seed is not None else secrets.randbits(64)

@@ -16,6 +16,7 @@ import mlx.core as mx
 import pytest
 
 from mlxpaged.platform.memory import DeviceFacts, ModelFacts, model_weight_bytes, plan_memory
+from mlxpaged.units import format_size
 from mlxpaged_app import doctor
 from mlxpaged_app.cli import main
 from mlxpaged_app.doctor import FAIL, OK, WARN, Check, ModelOnDisk
@@ -105,7 +106,7 @@ def test_doctor_opens_no_weights(monkeypatch, capsys):
     assert code == 0, report
     on_disk = sum(p.stat().st_size for p in doctor.find_default_model().path.glob("*.safetensors"))
     line = by_label(report)["default model"]
-    assert line["status"] == OK and f"weights {doctor.gb(on_disk)} on disk" in line["detail"]
+    assert line["status"] == OK and f"weights {format_size(on_disk)} on disk" in line["detail"]
 
 
 def test_the_weight_spy_catches_a_load(monkeypatch):

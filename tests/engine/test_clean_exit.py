@@ -45,8 +45,8 @@ PRELUDE = textwrap.dedent("""
     TOKENIZER = load_tokenizer(provision(resolve(None), default_dtype()))
     LONG = SamplingParams(temperature=0.0, max_tokens=480, ignore_eos=True)  # far from done at exit
 
-    def engine(**cache):
-        return tiny_engine(tiny_llama(), TOKENIZER, **cache)
+    def engine(**settings):
+        return tiny_engine(tiny_llama(), TOKENIZER, **settings)
 
     def half_read(eng, seed=0):
         stream = eng.stream(random_tokens(12, seed), LONG)

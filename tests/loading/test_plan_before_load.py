@@ -23,7 +23,8 @@ from mlx_lm.utils import quantize_model, save_config, save_model
 
 from mlxpaged.cache.cache_view import layer_windows
 from mlxpaged.loading.checkpoint import CheckpointError, checkpoint_tensors, facts_before_load, read_safetensors_header
-from mlxpaged.config import CacheConfig, parse_size
+from mlxpaged.config import split_settings
+from mlxpaged.units import parse_size
 from mlxpaged.engine.engine import Engine
 from mlxpaged.platform.memory import (DeviceFacts, InsufficientMemoryError, ModelFacts, activation_bytes, model_weight_bytes,
                              plan_memory)
@@ -133,15 +134,15 @@ def test_unreadable_headers_are_refused_with_the_numbers(tmp_path):
 def plans_before_and_after(path: Path, monkeypatch, spare: int, **settings):
     """The plan from the files on a device with `spare` bytes for the cache, and the engine's own plan
     after loading on that device (whose available memory then no longer includes the weights)."""
-    config = CacheConfig(**settings)
+    cache, scheduler = split_settings(settings)
     facts = facts_before_load(path, "cpu")
-    fixed = GiB + facts.weight_bytes + activation_bytes(facts, config.max_batch_tokens)  # OS reserve of 8 GiB: 1 GiB
+    fixed = GiB + facts.weight_bytes + activation_bytes(facts, scheduler.max_batch_tokens)  # OS reserve of 8 GiB: 1 GiB
     before = DeviceFacts("cpu", 8 * GiB, fixed + spare)
     after = DeviceFacts("cpu", 8 * GiB, before.available_bytes - facts.weight_bytes)
     devices = iter([before, after])  # from_pretrained detects before loading, the engine after
     monkeypatch.setattr(DeviceFacts, "detect", classmethod(lambda cls, *a, **k: next(devices)))
     with Engine.from_pretrained(str(path), **settings) as engine:
-        return plan_memory(before, facts, config), engine.plan
+        return plan_memory(before, facts, cache, scheduler), engine.plan
 
 
 def assert_same_plan(before, after) -> None:
@@ -151,15 +152,15 @@ def assert_same_plan(before, after) -> None:
 
 
 def test_tiny_plan_before_load_is_the_engines(tiny_dir, monkeypatch):
-    # 4 MB spare, half of it for the cache: fewer blocks than max_tokens asks, so weights count.
-    before, after = plans_before_and_after(tiny_dir, monkeypatch, 4_000_000, max_tokens=8192)
+    # 4 MB spare, half of it for the cache: fewer blocks than cache_tokens asks, so weights count.
+    before, after = plans_before_and_after(tiny_dir, monkeypatch, 4_000_000, cache_tokens=8192)
     assert before.reason.startswith("limited by memory")
     assert_same_plan(before, after)
 
 
 @pytest.mark.slow
 def test_default_model_plan_before_load_is_the_engines(default_dir, monkeypatch):
-    before, after = plans_before_and_after(default_dir, monkeypatch, 100_000_000, max_tokens=1024)
+    before, after = plans_before_and_after(default_dir, monkeypatch, 100_000_000, cache_tokens=1024)
     assert before.reason.startswith("limited by memory")
     assert_same_plan(before, after)
 
@@ -250,7 +251,7 @@ def test_hub_repo_id_is_planned_once_its_files_are_local(tmp_path, default_dir, 
     assert locate_model("tiny-org/tiny-llama")[1] == snapshot
     with pytest.raises(InsufficientMemoryError, match="only 1.00 KB is available"):
         Engine.from_pretrained("tiny-org/tiny-llama", kv_memory="1KB")
-    with Engine.from_pretrained("tiny-org/tiny-llama", max_tokens=256) as engine:
+    with Engine.from_pretrained("tiny-org/tiny-llama", cache_tokens=256) as engine:
         assert engine.loaded.path == snapshot and engine.facts == facts_before_load(snapshot, "cpu")
 
 

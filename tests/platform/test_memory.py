@@ -15,7 +15,8 @@ from types import SimpleNamespace
 import pytest
 
 import mlxpaged  # noqa: F401  (OpenBLAS before mlx)
-from mlxpaged.config import CacheConfig, parse_size
+from mlxpaged.config import CacheConfig, SchedulerConfig
+from mlxpaged.units import parse_size
 from mlxpaged.platform.memory import (
     DeviceFacts,
     InsufficientMemoryError,
@@ -72,17 +73,20 @@ def test_parse_size_rejects(text):
 
 
 def test_cache_config_defaults_and_validation():
-    config = CacheConfig()
-    assert (config.block_size, config.max_batch_tokens, config.max_num_seqs) == (16, 2048, 16)
+    config, scheduling = CacheConfig(), SchedulerConfig()
+    assert (config.block_size, scheduling.max_batch_tokens, scheduling.max_num_seqs) == (16, 2048, 16)
     assert config.kv_memory is None and config.memory_fraction is None and config.cache_tokens is None
     assert config.wire and config.enable_prefix_cache
     with pytest.raises(ValueError, match="only one of kv_memory"):
         CacheConfig(kv_memory=2 * 10**9, memory_fraction=0.5)
-    for bad in [dict(block_size=0), dict(block_size=True), dict(cache_tokens=-1), dict(max_batch_tokens=1.5),
-                dict(max_num_seqs=0), dict(kv_memory=0), dict(memory_fraction=0.0),
-                dict(memory_fraction=1.5), dict(memory_fraction=float("nan")), dict(wire="no")]:
+    for bad in [dict(block_size=0), dict(block_size=True), dict(cache_tokens=-1), dict(kv_memory=0),
+                dict(memory_fraction=0.0), dict(memory_fraction=1.5), dict(memory_fraction=float("nan")),
+                dict(wire="no")]:
         with pytest.raises(ValueError):
             CacheConfig(**bad)
+    for bad in [dict(max_batch_tokens=1.5), dict(max_num_seqs=0)]:
+        with pytest.raises(ValueError):
+            SchedulerConfig(**bad)
     assert CacheConfig(memory_fraction=1).memory_fraction == 1
 
 
@@ -211,9 +215,9 @@ def test_wired_limit_never_above_working_set():
 # --- the demand cap and the errors ------------------------------------------------------
 
 def test_max_tokens_cap_is_one_partial_block_per_sequence():
-    plan = plan_memory(MAC_64, SMOL, CacheConfig(cache_tokens=1000, max_num_seqs=4))
+    plan = plan_memory(MAC_64, SMOL, CacheConfig(cache_tokens=1000), SchedulerConfig(max_num_seqs=4))
     assert plan.num_blocks == math.ceil(1000 / 16) + 4 == 67
-    plan = plan_memory(MAC_64, SMOL, CacheConfig(cache_tokens=1024, max_num_seqs=1, block_size=32))
+    plan = plan_memory(MAC_64, SMOL, CacheConfig(cache_tokens=1024, block_size=32), SchedulerConfig(max_num_seqs=1))
     assert plan.num_blocks == 33
 
 
@@ -248,7 +252,7 @@ def test_error_when_one_sequence_cannot_fit():
 def test_hybrid_blocks_hold_one_layer_group_and_rings_stay_small():
     windows = (512, None) * 15  # half the layers slide over 512 tokens: two groups of 15 layers
     model = ModelFacts(KVShape(30, 3, 64, 4, windows), 538_000_000, 576, 49152, 8192)
-    plan = plan_memory(MAC_64, model, CacheConfig(max_num_seqs=4))
+    plan = plan_memory(MAC_64, model, CacheConfig(), SchedulerConfig(max_num_seqs=4))
     ring = 512 // 16 + 1  # 33 blocks per sequence in the window group
     assert plan.block_bytes == 15 * 2 * 3 * 16 * 64 * 4 == 368_640  # kv_cache.block_bytes: one group
     assert plan.num_blocks == 4 * (8192 // 16 + ring) == 2180  # 4 sequences of the whole context
@@ -257,9 +261,9 @@ def test_hybrid_blocks_hold_one_layer_group_and_rings_stay_small():
     assert "one sequence up to 34,352 tokens" in plan.describe()
     assert_adds_up(plan)
     # On a tight budget the saved memory buys full-attention context.
-    budget = CacheConfig(kv_memory=400_000_000, max_num_seqs=4)
-    dense = plan_memory(MAC_64, SMOL, budget)
-    hybrid = plan_memory(MAC_64, model, budget)
+    budget, four = CacheConfig(kv_memory=400_000_000), SchedulerConfig(max_num_seqs=4)
+    dense = plan_memory(MAC_64, SMOL, budget, four)
+    hybrid = plan_memory(MAC_64, model, budget, four)
     assert (dense.num_blocks, dense.token_capacity) == (400_000_000 // 737_280, 542 * 16) == (542, 8672)
     assert hybrid.num_blocks == 400_000_000 // 368_640 == 1085
     assert hybrid.token_capacity == (1085 - ring) * 16 == 16_832
@@ -305,8 +309,9 @@ def test_linux_host_injected():
     assert plan.breakdown[2] == ("model weights (0.54 GB, already outside available)", 0)
     assert_adds_up(plan)
     # Read before loading, the weights come out of "available" too.
-    counted = plan_memory(LINUX_HOST, SMOL, CacheConfig(memory_fraction=1.0, max_num_seqs=64))
-    resident = plan_memory(LINUX_HOST, SMOL, CacheConfig(memory_fraction=1.0, max_num_seqs=64), weights_resident=True)
+    whole, many = CacheConfig(memory_fraction=1.0), SchedulerConfig(max_num_seqs=64)
+    counted = plan_memory(LINUX_HOST, SMOL, whole, many)
+    resident = plan_memory(LINUX_HOST, SMOL, whole, many, weights_resident=True)
     assert resident.kv_bytes - counted.kv_bytes == pytest.approx(538_000_000, abs=737_280)
 
 
@@ -420,5 +425,5 @@ def test_cache_config_rejects_what_the_pool_and_scheduler_would_reject_later():
     with pytest.raises(ValueError, match="block_size=64 must be one of"):
         CacheConfig(block_size=64)
     with pytest.raises(ValueError, match="max_batch_tokens=8 must be >= max_num_seqs=16") as info:
-        CacheConfig(max_batch_tokens=8, max_num_seqs=16)
+        SchedulerConfig(max_batch_tokens=8, max_num_seqs=16)
     assert info.value.render("cli") == "--max-batch-tokens 8 must be >= --max-num-seqs 16"

@@ -13,6 +13,8 @@ from textual.screen import ModalScreen
 from textual.widgets import Input, OptionList, Static
 from textual.widgets.option_list import Option
 
+from mlxpaged.units import format_size
+
 
 @dataclass(frozen=True)
 class ModelChoice:
@@ -35,7 +37,7 @@ def list_model_choices() -> list[ModelChoice]:
 
 def _label(choice: ModelChoice, current: str | None) -> Text:
     text = Text(f"{choice.name:<18}", style="bold" if choice.name == current else "")
-    where = f"{choice.local_bytes / 1e6:,.0f} MB" if choice.local_bytes is not None else "download"
+    where = format_size(choice.local_bytes) if choice.local_bytes is not None else "download"
     text.append(f"{where:>10}  ", style="green" if choice.local_bytes is not None else "yellow")
     text.append(choice.description, style="dim")
     if choice.name == current:

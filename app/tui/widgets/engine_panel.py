@@ -10,8 +10,9 @@ from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.widgets import Static
 
+from mlxpaged.units import format_size
 from mlxpaged_app.tui.widgets.block_map import BlockMap, legend
-from mlxpaged_app.tui.memory_use import MemoryUse, gb
+from mlxpaged_app.tui.memory_use import MemoryUse
 
 
 class EnginePanel(VerticalScroll):
@@ -74,12 +75,12 @@ def stats_text(stats: dict) -> Text:
 
 
 def memory_text(plan: Any, memory: MemoryUse) -> Text:
-    rows = [("KV pool", f"{gb(getattr(plan, 'kv_bytes', None))} (planned)")]
+    rows = [("KV pool", f"{format_size(getattr(plan, 'kv_bytes', None))} (planned)")]
     if memory.mlx_active is not None:
-        rows.append(("MLX active", f"{gb(memory.mlx_active)} (peak {gb(memory.mlx_peak)})"))
-    rows.append(("process", f"{gb(memory.process_rss)} resident"))
+        rows.append(("MLX active", f"{format_size(memory.mlx_active)} (peak {format_size(memory.mlx_peak)})"))
+    rows.append(("process", f"{format_size(memory.process_rss)} resident"))
     if memory.host_total:
-        rows.append(("host", f"{gb(memory.host_used)} of {gb(memory.host_total)} used"))
+        rows.append(("host", f"{format_size(memory.host_used)} of {format_size(memory.host_total)} used"))
     return _rows(rows)
 
 

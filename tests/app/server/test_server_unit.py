@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from mlxpaged.config import SchedulerConfig
 from mlxpaged.engine.engine import RequestFailedError, StreamDelta
 from mlxpaged.kernels.self_check import KernelVariant, VariantCheck
 from mlxpaged.engine.scheduler import RequestTooLongError
@@ -64,11 +65,6 @@ class FakeLoaded:
 
 
 @dataclass
-class FakeCacheConfig:
-    max_num_seqs: int = 4
-
-
-@dataclass
 class FakeRun:
     params: object
     sink: object
@@ -80,7 +76,7 @@ class FakeEngine:
 
     def __init__(self, max_num_seqs: int = 4, step: float = 0.001, fail: bool = False) -> None:
         self.loaded, self.plan, self.tokenizer = FakeLoaded(), FakePlan(), FakeTokenizer()
-        self.cache_config = FakeCacheConfig(max_num_seqs)
+        self.scheduler_config = SchedulerConfig(max_num_seqs=max_num_seqs)
         self.max_model_len = 8192
         self.step, self.fail = step, fail
         self.gate = threading.Event()
