@@ -34,7 +34,6 @@ log = logging.getLogger(__name__)
 JSON_LAYOUT = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
 _TAGGED_HEADER = "// mlxpaged tagged_json "  # first line of a tagged grammar: its spec, for the compiler
 _CACHE_SIZE = 64  # compiled grammars kept per compiler (a 12-tool grammar takes ~50 ms to build)
-_SHIFTS = mx.arange(32, dtype=mx.uint32)
 
 
 class GrammarError(MlxpagedError):
@@ -247,7 +246,8 @@ class RowConstraint:
 def apply_bitmask(logits: mx.array, bitmask: np.ndarray) -> mx.array:
     """`logits` [B, V] with the tokens whose bit is clear in `bitmask` int32 [B, ceil(V / 32)] set to -inf."""
     words = mx.array(bitmask).view(mx.uint32)
-    allowed = ((words[:, :, None] >> _SHIFTS) & 1).reshape(words.shape[0], -1)[:, : logits.shape[-1]]
+    shifts = mx.arange(32, dtype=mx.uint32)  # made per call: MLX arrays belong to their thread's stream
+    allowed = ((words[:, :, None] >> shifts) & 1).reshape(words.shape[0], -1)[:, : logits.shape[-1]]
     return mx.where(allowed.astype(mx.bool_), logits, -mx.inf)
 
 
@@ -280,6 +280,8 @@ class BatchMask:
                                           f"the model has {vocab_size}")
                 row.catch_up(sequences[i].output_token_ids)
                 row.fill(bitmask, i)
+                if not bitmask[i].any():
+                    raise ConstraintError(f"the grammar allows no token after {row.consumed} output tokens")
             except ConstraintError as exc:
                 errors[i] = exc
         return cls(bitmask, [i for i in rows if i not in errors], vocab_size)

@@ -205,9 +205,15 @@ class SamplerState:
 
     @property
     def has_processors(self) -> bool:
+        """True when sampling needs the history up to the previous token (never sampled ahead, LazySample)."""
+        return self.has_row_processors or self.constraint is not None
+
+    @property
+    def has_row_processors(self) -> bool:
+        """True when penalties or user processors rewrite this row's logits (`_process_row`)."""
         p = self.params
         return bool(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
-                    or p.logits_processors or self.constraint is not None)
+                    or p.logits_processors)
 
     def key_words(self, ahead: int = 0) -> tuple[int, int]:
         """The two uint32 words of this draw's key: a hash of (seed, sequence_index, index);
@@ -273,12 +279,12 @@ def _process_row(state: SamplerState, row: mx.array) -> mx.array:
 def _processed_rows(logits: mx.array, states: list[SamplerState],
                     errors: dict[int, Exception]) -> list[mx.array] | None:
     """Per-row processed logits, or None when no row has processors (the batch is used as is)."""
-    if not any(state.has_processors for state in states):
+    if not any(state.has_row_processors for state in states):
         return None
     rows = []
     for i, state in enumerate(states):
         row = logits[i : i + 1]
-        if state.has_processors and i not in errors:
+        if state.has_row_processors and i not in errors:
             try:
                 row = _process_row(state, row)
                 if not isinstance(row, mx.array) or row.shape != (1, logits.shape[-1]):
@@ -409,9 +415,8 @@ def _evaluate(logits: mx.array, rows: list[mx.array] | None, masks: BatchMask | 
     tokens = _choose_tokens(processed, states)
     asked = [i for i, state in enumerate(states) if state.params.logprobs and i not in errors]
     extras = _logprob_graph(logits, tokens, states, asked)
-    # A user processor or a grammar may mask every token (a dead end): fail that row, not sample 0.
-    custom = [i for i, state in enumerate(states)
-              if (state.params.logits_processors or state.constraint is not None) and i not in errors]
+    # A user processor may mask every token, or every token its grammar allows: fail that row, not sample 0.
+    custom = [i for i, state in enumerate(states) if state.params.logits_processors and i not in errors]
     peaks = mx.max(processed[mx.array(custom)], axis=-1) if custom else mx.array([])
     mx.eval(tokens, peaks, *extras)
     for i, peak in zip(custom, peaks.tolist()):
@@ -437,7 +442,7 @@ def _find_eval_failures(rows: list[mx.array], states: list[SamplerState],
     """Evaluate processed rows one by one; record the ones whose graph fails. True if any did."""
     found = False
     for i, (row, state) in enumerate(zip(rows, states)):
-        if state.has_processors and i not in errors:
+        if state.has_row_processors and i not in errors:
             try:
                 mx.eval(row)
             except Exception as exc:  # user code failing lazily, inside MLX

@@ -3,7 +3,10 @@ bitmask against slow twins, and the batched sampler with constrained rows on a t
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import queue
+from pathlib import Path
 
 import jsonschema
 import llguidance.numpy as llg_numpy
@@ -11,11 +14,15 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlxpaged.config import CacheConfig
 from mlxpaged.constraints import (ConstraintError, GrammarCompiler, GrammarError, allowed_tokens, apply_bitmask,
                                   json_object_grammar, json_schema_grammar, tagged_json_grammar)
+from mlxpaged.engine import Engine, RequestFailedError, collect, drain
+from mlxpaged.model import LoadedModel
+from mlxpaged.models import ModelRef
 from mlxpaged.request import Request
 from mlxpaged.sampling import LazySample, SamplingParams, make_state, sample_batch
-from tests.tiny_models import tiny_llama
+from tests.tiny_models import random_tokens, tiny_llama
 
 VOCAB = 49152  # SmolLM2's logits width
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
@@ -279,3 +286,93 @@ def test_a_dead_end_fails_only_its_row(tokenizer, compiler, tiny):
     assert isinstance(results[1].error, ConstraintError) and "dead end" in str(results[1].error)
     assert results[2].error is None
     assert results[2].token == sample_batch(logits[2:], states[2:])[0].token
+
+
+# ---- the engine: continuous batching, n > 1, seeds, preemption, finish reasons, failures ---------------
+
+DIGITS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 20, "maxItems": 20}
+
+
+def tiny_engine(model, tokenizer, **cache) -> Engine:
+    config = {k: v for k, v in dataclasses.asdict(model.args).items() if v is not None}
+    loaded = LoadedModel(model, tokenizer, ModelRef("tiny", "path"), Path("tiny"), "float32", config)
+    return Engine(loaded, CacheConfig(**{"max_tokens": 2048, "block_size": 8, **cache}))
+
+
+@pytest.fixture(scope="module")
+def engine(tiny, tokenizer):
+    with tiny_engine(tiny, tokenizer) as eng:
+        yield eng
+
+
+def parsed(completion, schema: dict):
+    """The completion's JSON, validated; it must have ended on EOS ("stop")."""
+    assert completion.finish_reason == "stop", completion
+    value = json.loads(completion.text)
+    jsonschema.validate(value, schema)
+    return value
+
+
+def test_engine_constrained_requests_match_their_solo_runs_batched_forked_and_preempted(tiny, tokenizer, engine):
+    constraint = engine.grammar_compiler.compile(json_schema_grammar(DIGITS))
+    prompts = [random_tokens(20, seed=s) for s in range(4)]
+    params = [SamplingParams(constraint=constraint, seed=s, temperature=1.0, max_tokens=70) for s in range(4)]
+    params[1] = dataclasses.replace(params[1], n=2)
+    params[3] = SamplingParams(seed=3, max_tokens=37)  # an unconstrained neighbour of another length
+    alone = [engine.generate([p], q) for p, q in zip(prompts, params)]
+    batched = [[c] for c in engine.generate(prompts, params)]
+    batched[1:3] = [batched[1] + batched[2]]  # the two sequences of the n = 2 request
+    assert [[c.token_ids for c in run] for run in batched] == [[c.token_ids for c in run] for run in alone]
+    values = [parsed(c, DIGITS) for run in alone[:3] for c in run]
+    assert values[1] != values[2]  # n = 2: two samples, each with its own matcher
+    # 4 x ~80 tokens in a pool of 12 blocks of 8: requests are preempted and resumed mid-structure.
+    with tiny_engine(tiny, tokenizer, max_tokens=64, max_num_seqs=4) as tight:
+        constraint = tight.grammar_compiler.compile(json_schema_grammar(DIGITS))
+        solo = [dataclasses.replace(p, constraint=constraint, n=1) for p in params[:3]]
+        got = tight.generate(prompts[:3] * 2, solo * 2)
+        assert tight.stats()["preemptions"] > 0
+    assert [c.token_ids for c in got] == [alone[i][0].token_ids for i in (0, 1, 2)] * 2
+
+
+def test_engine_structure_cut_by_max_tokens_finishes_length(engine):
+    constraint = engine.grammar_compiler.compile(json_schema_grammar(DIGITS))
+    cut = engine.generate([random_tokens(9)], SamplingParams(constraint=constraint, max_tokens=5, n=2, seed=1))
+    assert [c.finish_reason for c in cut] == ["length", "length"]
+    for completion in cut:
+        with pytest.raises(json.JSONDecodeError):
+            json.loads(completion.text)
+
+
+def test_engine_dead_end_fails_only_that_request(engine):
+    constraint = engine.grammar_compiler.compile(json_object_grammar())
+    only_token_0 = lambda tokens, row: mx.where(mx.arange(row.shape[-1]) == 0, row, -mx.inf)  # noqa: E731
+    doomed = SamplingParams(constraint=constraint, logits_processors=[only_token_0], max_tokens=8)
+    sinks = [queue.Queue(), queue.Queue()]
+    engine.submit(random_tokens(6), doomed, sinks[0].put)
+    engine.submit(random_tokens(11), SamplingParams(seed=1, max_tokens=12, ignore_eos=True), sinks[1].put)
+    with pytest.raises(RequestFailedError, match="dead end"):
+        list(drain(sinks[0]))
+    assert collect("ok", drain(sinks[1]))[0].finish_reason == "length"
+
+
+PERSON_PROMPT = [{"role": "user", "content": "Describe a fictional person as JSON with a name, an age and a city."}]
+PERSON_REAL = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city"],
+               "properties": {"name": {"type": "string", "maxLength": 24},
+                              "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                              "city": {"type": "string", "maxLength": 24}}}
+
+
+@pytest.mark.slow
+def test_real_model_json_schema_outputs_validate_alone_batched_and_reproducibly(default_loaded):
+    with Engine(default_loaded, CacheConfig(max_tokens=4096)) as real:
+        constraint = real.grammar_compiler.compile(json_schema_grammar(PERSON_REAL))
+        prompt = real.chat_tokens(PERSON_PROMPT)
+        params = SamplingParams(constraint=constraint, temperature=0.7, seed=11, n=2, max_tokens=80)
+        alone = real.generate([prompt], params)
+        people = [parsed(c, PERSON_REAL) for c in alone]
+        neighbour = real.chat_tokens([{"role": "user", "content": "Name three rivers."}])
+        batched = real.generate([neighbour, prompt], [SamplingParams(temperature=0.0, max_tokens=30), params])
+        assert [c.token_ids for c in batched[1:]] == [c.token_ids for c in alone]
+        assert people[0] != people[1]
+        greedy = dataclasses.replace(params, temperature=0.0, n=1)
+        assert parsed(real.generate([prompt], greedy)[0], PERSON_REAL)
