@@ -172,8 +172,11 @@ class GrammarCompiler:
         """A tagged grammar rewritten with this tokenizer's special tokens; any other grammar as is."""
         if not grammar.startswith(_TAGGED_HEADER):
             return grammar
-        spec = json.loads(grammar[len(_TAGGED_HEADER):].split("\n", 1)[0])
-        return _tagged_lark(spec, self.marker_pieces)
+        try:
+            spec = json.loads(grammar[len(_TAGGED_HEADER):].split("\n", 1)[0])
+            return _tagged_lark(spec, self.marker_pieces)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise GrammarError(f"a tagged grammar's first line is not its spec: {exc!r}") from None
 
     def marker_pieces(self, text: str) -> list:
         """`text` as runs of plain text (str) and special-token ids (int), as the tokenizer splits it."""

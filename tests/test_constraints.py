@@ -334,13 +334,16 @@ def test_engine_constrained_requests_match_their_solo_runs_batched_forked_and_pr
     assert [c.token_ids for c in got] == [alone[i][0].token_ids for i in (0, 1, 2)] * 2
 
 
-def test_engine_structure_cut_by_max_tokens_finishes_length(engine):
+def test_engine_structure_cut_by_max_tokens_finishes_length_and_stop_strings_still_apply(engine):
     constraint = engine.grammar_compiler.compile(json_schema_grammar(DIGITS))
     cut = engine.generate([random_tokens(9)], SamplingParams(constraint=constraint, max_tokens=5, n=2, seed=1))
     assert [c.finish_reason for c in cut] == ["length", "length"]
     for completion in cut:
         with pytest.raises(json.JSONDecodeError):
             json.loads(completion.text)
+    # A client's stop string truncates the structure (OpenAI semantics): "[d, ..." stops at the first ", ".
+    stopped = engine.generate([random_tokens(9)], SamplingParams(constraint=constraint, stop=[", "], seed=2))[0]
+    assert stopped.finish_reason == "stop" and stopped.text[0] == "[" and stopped.text[1:].isdigit()
 
 
 def test_engine_dead_end_fails_only_that_request(engine):
@@ -376,3 +379,14 @@ def test_real_model_json_schema_outputs_validate_alone_batched_and_reproducibly(
         assert people[0] != people[1]
         greedy = dataclasses.replace(params, temperature=0.0, n=1)
         assert parsed(real.generate([prompt], greedy)[0], PERSON_REAL)
+
+
+def test_grammar_compiler_is_built_once_and_refuses_tokenizers_it_cannot_read(engine):
+    assert engine.grammar_compiler is engine.grammar_compiler
+    assert engine.grammar_compiler.vocab_size == VOCAB
+
+    class SlowTokenizer:  # a Python-only tokenizer: no `tokenizers` backend to hand llguidance
+        eos_token_ids = {2}
+
+    with pytest.raises(GrammarError, match="needs a Hugging Face fast tokenizer"):
+        GrammarCompiler(SlowTokenizer(), VOCAB)
