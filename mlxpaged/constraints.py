@@ -221,9 +221,9 @@ class RowConstraint:
         self.consumed = 0  # output tokens fed to the matcher
 
     def catch_up(self, output_token_ids: Sequence[int]) -> None:
-        if len(output_token_ids) < self.consumed:  # the history shrank: step the matcher back with it
-            self.matcher.rollback(self.consumed - len(output_token_ids))
-            self.consumed = len(output_token_ids)
+        if len(output_token_ids) < self.consumed:  # the engine never discards a recorded token
+            raise ConstraintError(f"the output shrank from {self.consumed} to {len(output_token_ids)} tokens "
+                                  f"under its grammar matcher")
         for position in range(self.consumed, len(output_token_ids)):
             if not self.matcher.consume_token(output_token_ids[position]):
                 raise ConstraintError(f"output token {output_token_ids[position]} at position {position} "

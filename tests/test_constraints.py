@@ -188,8 +188,8 @@ def test_apply_bitmask_equals_llguidance_numpy_reference(vocab):
 
 
 def test_matcher_follows_the_request_history_once_per_token(tokenizer, compiler):
-    """Caught up step by step, all at once (a rebuilt state), or asked twice: the same mask; a shrunk
-    history steps the matcher back."""
+    """Caught up step by step, all at once (a rebuilt state), or asked twice: the same mask; a history
+    that shrank is refused, never re-fed."""
     constraint = compiler.compile(json_schema_grammar(PERSON))
     text = ids(tokenizer, json.dumps({"name": "Bo", "age": 7}))
     stepped, masks = constraint.new_row(), llg_numpy.allocate_token_bitmask(3, VOCAB)
@@ -200,10 +200,11 @@ def test_matcher_follows_the_request_history_once_per_token(tokenizer, compiler)
     rebuilt = constraint.new_row()
     rebuilt.catch_up(text[:-1])
     rebuilt.fill(masks, 1)
-    stepped.catch_up(text[:3])
     stepped.catch_up(text[:-1])
     stepped.fill(masks, 2)
     assert np.array_equal(masks[0], masks[1]) and np.array_equal(masks[0], masks[2])
+    with pytest.raises(ConstraintError, match="shrank"):
+        stepped.catch_up(text[:3])
     assert stepped.consumed == len(text) - 1
 
 
