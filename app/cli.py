@@ -127,11 +127,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", help="benchmarks against mlx-lm")
-    bench.add_argument("what", choices=["decode", "batch", "prefix", "memory", "kernel", "server"],
+    bench.add_argument("what", choices=["decode", "batch", "prefix", "memory", "kernel", "server", "constraints"],
                        help="decode: batch-1 tok/s vs mlx-lm; batch: 16 concurrent requests vs mlx-lm "
                             "batch_generate; prefix: time to first token, cached vs cold; memory: KV bytes "
                             "paged vs mlx-lm; kernel: paged attention vs contiguous SDPA; server: "
-                            "mlxpaged serve vs mlx_lm.server at 1/8/32 clients")
+                            "mlxpaged serve vs mlx_lm.server at 1/8/32 clients; constraints: decode step "
+                            "time with and without grammar masks at batch 1 and 16")
     bench.add_argument("--model", "-m", default=None)
     bench.add_argument("--tokens", type=int, default=128, help="tokens to generate per request")
     bench.add_argument("--runs", type=int, default=3)

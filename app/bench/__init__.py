@@ -5,6 +5,7 @@ from __future__ import annotations
 from argparse import Namespace
 
 from mlxpaged_app.bench.batch import bench_batch
+from mlxpaged_app.bench.constraints import bench_constraints
 from mlxpaged_app.bench.decode import bench_decode
 from mlxpaged_app.bench.kernel import bench_kernel
 from mlxpaged_app.bench.memory import bench_memory
@@ -19,7 +20,7 @@ def bench_server(args: Namespace) -> int:
 
 
 BENCHES = {"decode": bench_decode, "memory": bench_memory, "batch": bench_batch, "prefix": bench_prefix,
-           "kernel": bench_kernel, "server": bench_server}
+           "kernel": bench_kernel, "server": bench_server, "constraints": bench_constraints}
 
 
 def run_bench(args: Namespace) -> int:

@@ -65,6 +65,8 @@ class Engine:
         self._ids = itertools.count()
         self._closed = False
         self._stats = StatsCounter()
+        self._grammar_compiler = None  # built on first use (constraints.py): llguidance's tokenizer takes ~0.3 s
+        self._grammar_lock = threading.Lock()
         commands = self._commands  # the core must not hold the engine: its thread holds it weakly (engine_thread.py)
         self.core = EngineCore.create(loaded.model, loaded.tokenizer, self.kv, self.cache_config, self.scheduler_config,
                                       max_model_len=self.max_model_len, extra_key=str(loaded.path), stats=self._stats,
@@ -104,6 +106,19 @@ class Engine:
     @property
     def tokenizer(self):
         return self.loaded.tokenizer
+
+    @property
+    def grammar_compiler(self):
+        """The model's GrammarCompiler (grammar text -> Constraint for SamplingParams.constraint), built
+        once on first use from any thread; GrammarError if the tokenizer cannot be constrained."""
+        with self._grammar_lock:
+            if self._grammar_compiler is None:
+                from mlxpaged.constraints import GrammarCompiler  # llguidance loads only when asked for
+
+                config = self.loaded.config
+                width = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
+                self._grammar_compiler = GrammarCompiler(self.tokenizer, int(width or len(self.tokenizer.vocab)))
+            return self._grammar_compiler
 
     # --- setup ---------------------------------------------------------------------------------
     def _model_facts(self, kv_dtype: mx.Dtype) -> ModelFacts:

@@ -19,6 +19,8 @@ Definitions (what the engine and the HTTP layer report):
   rebuild with `dataclasses.replace(params, seed=state.seed)`, or simply keep the state object).
 - History: a state reads its sequence's tokens through the request that owns them (request.py);
   it keeps no copy, so the tokens the scheduler appends are the history the next draw sees.
+- Constraints (constraints.py): a grammar mask applied last, after penalties and processors (a logit_bias
+  cannot revive a masked token); its row never samples lazily, as it needs the previous token.
 """
 
 from __future__ import annotations
@@ -27,13 +29,16 @@ import hashlib
 import math
 import secrets
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import mlx.core as mx
 from mlx_lm.sample_utils import (apply_min_p, apply_top_k, apply_top_p, make_frequency_penalty,
                                  make_presence_penalty, make_repetition_penalty)
 
 from mlxpaged.validation import require_bool, require_number
+
+if TYPE_CHECKING:
+    from mlxpaged.constraints import BatchMask, Constraint, RowConstraint
 
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
@@ -98,6 +103,7 @@ class SamplingParams:
     # Detokenizing: mlx-lm drops the space before the first generated word (chat replies); raw
     # completions keep it, as OpenAI's and vLLM's do ("The capital of France is" -> " Paris").
     trim_leading_space: bool = True
+    constraint: Constraint | None = None  # a compiled grammar (constraints.py); each sequence gets its own matcher
 
     def __post_init__(self) -> None:
         require_number("max_tokens", self.max_tokens, 1, math.inf, integer=True)
@@ -121,6 +127,18 @@ class SamplingParams:
         require_number("n", self.n, 1, MAX_N, integer=True)
         self.logit_bias = _logit_bias(self.logit_bias)
         self._check_processors()
+        self._check_constraint()
+
+    def _check_constraint(self) -> None:
+        if self.constraint is None:
+            return
+        from mlxpaged.constraints import Constraint  # llguidance loads only for constrained requests
+
+        if not isinstance(self.constraint, Constraint):
+            raise ValueError(f"constraint must be a Constraint from GrammarCompiler.compile, got {self.constraint!r}")
+        if self.ignore_eos:
+            raise ValueError("ignore_eos=True cannot be combined with a constraint: the grammar decides where "
+                             "the output may end")
 
     def _check_processors(self) -> None:
         if not isinstance(self.logits_processors, (list, tuple)):
@@ -151,6 +169,7 @@ class SamplerState:
     seed: int  # params.seed, or drawn at creation for unseeded requests
     sequence: TokenSequence
     sequence_index: int = 0  # which of the request's n samples this is
+    constraint: RowConstraint | None = None  # this sequence's grammar matcher
     _prompt_array: mx.array | None = field(default=None, repr=False)
 
     @property
@@ -167,6 +186,12 @@ class SamplerState:
 
     @property
     def has_processors(self) -> bool:
+        """True when sampling needs the history up to the previous token (never sampled ahead, LazySample)."""
+        return self.has_row_processors or self.constraint is not None
+
+    @property
+    def has_row_processors(self) -> bool:
+        """True when penalties or user processors rewrite this row's logits (`_process_row`)."""
         p = self.params
         return bool(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
                     or p.logits_processors)
@@ -198,7 +223,8 @@ def make_state(params: SamplingParams, sequence: TokenSequence, *, sequence_inde
     _token_id_list("prompt_token_ids", sequence.prompt_token_ids)
     _token_id_list("output_token_ids", sequence.output_token_ids)
     seed = params.seed if params.seed is not None else secrets.randbits(64)
-    return SamplerState(params, seed, sequence, sequence_index)
+    constraint = params.constraint.new_row() if params.constraint is not None else None
+    return SamplerState(params, seed, sequence, sequence_index, constraint=constraint)
 
 
 @dataclass(frozen=True)
@@ -234,12 +260,12 @@ def _process_row(state: SamplerState, row: mx.array) -> mx.array:
 def _processed_rows(logits: mx.array, states: list[SamplerState],
                     errors: dict[int, Exception]) -> list[mx.array] | None:
     """Per-row processed logits, or None when no row has processors (the batch is used as is)."""
-    if not any(state.has_processors for state in states):
+    if not any(state.has_row_processors for state in states):
         return None
     rows = []
     for i, state in enumerate(states):
         row = logits[i : i + 1]
-        if state.has_processors and i not in errors:
+        if state.has_row_processors and i not in errors:
             try:
                 row = _process_row(state, row)
                 if not isinstance(row, mx.array) or row.shape != (1, logits.shape[-1]):
@@ -359,22 +385,25 @@ def _row_result(state: SamplerState, token: int, position: int | None, lists: li
     return SampleResult(token, float(lists[0][position]), pairs)
 
 
-def _evaluate(logits: mx.array, rows: list[mx.array] | None, states: list[SamplerState],
-              errors: dict[int, Exception]) -> list[SampleResult]:
+def _evaluate(logits: mx.array, rows: list[mx.array] | None, masks: BatchMask | None,
+              states: list[SamplerState], errors: dict[int, Exception]) -> list[SampleResult]:
     if rows is not None:
         for i in errors:
             rows[i] = logits[i : i + 1]
     processed = logits if rows is None else mx.concatenate(rows)
+    if masks is not None:
+        processed = masks.apply(processed)
     tokens = _choose_tokens(processed, states)
     asked = [i for i, state in enumerate(states) if state.params.logprobs and i not in errors]
     extras = _logprob_graph(logits, tokens, states, asked)
-    # A user processor may mask every token (a grammar at a dead end): fail that row, not sample 0.
+    # A user processor may mask every token, or every token its grammar allows: fail that row, not sample 0.
     custom = [i for i, state in enumerate(states) if state.params.logits_processors and i not in errors]
     peaks = mx.max(processed[mx.array(custom)], axis=-1) if custom else mx.array([])
     mx.eval(tokens, peaks, *extras)
     for i, peak in zip(custom, peaks.tolist()):
         if not math.isfinite(peak):
-            errors[i] = ValueError(f"logits processors left no finite logit (the largest is {peak})")
+            errors[i] = (masks.dead_end(i) if masks is not None and i in masks.rows else
+                         ValueError(f"logits processors left no finite logit (the largest is {peak})"))
     return _read_rows(tokens, extras, asked, states, errors)
 
 
@@ -394,7 +423,7 @@ def _find_eval_failures(rows: list[mx.array], states: list[SamplerState],
     """Evaluate processed rows one by one; record the ones whose graph fails. True if any did."""
     found = False
     for i, (row, state) in enumerate(zip(rows, states)):
-        if state.has_processors and i not in errors:
+        if state.has_row_processors and i not in errors:
             try:
                 mx.eval(row)
             except Exception as exc:  # user code failing lazily, inside MLX
@@ -407,7 +436,8 @@ def sample_batch(logits: mx.array, states: list[SamplerState]) -> list[SampleRes
     """Sample one token per row of `logits` [B, V] for `states` (one per row), in one evaluation.
 
     Does not record the tokens: the scheduler appends the ones it keeps to their requests.
-    A row whose processors raise gets `SampleResult(error=...)`; the other rows are unaffected.
+    A row whose processors raise, or whose grammar reaches a dead end, gets `SampleResult(error=...)`;
+    the other rows are unaffected.
     """
     if not isinstance(logits, mx.array) or logits.ndim != 2:
         raise ValueError(f"logits must be an mx.array shaped [batch, vocab], got "
@@ -420,24 +450,34 @@ def sample_batch(logits: mx.array, states: list[SamplerState]) -> list[SampleRes
         logits = logits.astype(mx.float32)
     errors: dict[int, Exception] = {}
     rows = _processed_rows(logits, states, errors)
+    masks = _constraint_masks(logits, states, errors)
     try:
-        return _evaluate(logits, rows, states, errors)
+        return _evaluate(logits, rows, masks, states, errors)
     except Exception:
         if rows is None or not _find_eval_failures(rows, states, errors):
             raise
-    return _evaluate(logits, rows, states, errors)
+    return _evaluate(logits, rows, masks, states, errors)
+
+
+def _constraint_masks(logits: mx.array, states: list[SamplerState], errors: dict[int, Exception]) -> BatchMask | None:
+    """The grammar masks of the constrained rows (their matchers first catch up with their sequences)."""
+    if all(state.constraint is None for state in states):
+        return None
+    from mlxpaged.constraints import BatchMask
+
+    return BatchMask.build([s.constraint for s in states], [s.sequence for s in states], logits.shape[-1], errors)
 
 
 class LazySample:
     """The tokens (and logprobs) of a batch as a lazy graph, for pipelining: the next model pass
     is built on `tokens` while this one computes; `results()` reads them. Only for rows without
-    logits processors or penalties, which need the history up to the token being sampled.
+    logits processors, penalties or constraints, which need the history up to the token being sampled.
     `ahead`: how many tokens each row is ahead of its recorded history (seeded keys follow).
     `launch=False` leaves the graph unqueued: the caller passes `arrays` to its own async_eval."""
 
     def __init__(self, logits: mx.array, states: list[SamplerState], ahead: int = 0, launch: bool = True):
         if any(state.has_processors for state in states):
-            raise ValueError("rows with logits processors or penalties cannot be sampled lazily")
+            raise ValueError("rows with logits processors, penalties or constraints cannot be sampled lazily")
         logits = logits.astype(mx.float32)
         self.states = states
         self.tokens = _choose_tokens(logits, states, ahead).astype(mx.int32)
