@@ -70,8 +70,8 @@ def test_nulls_are_unset_and_top_k_minus_one_is_off():
     ({"temperature": True}, "temperature must be a number"),
     ({"top_p": 1.5}, "top_p must be in (0.0, 1.0], got 1.5"),
     ({"top_k": 2.5}, "top_k must be an integer"),
-    ({"max_new_tokens": 0}, "max_new_tokens must be in [1, inf), got 0"),
-    ({"repetition_penalty": 0}, "repetition_penalty must be in (0.0, inf), got 0"),
+    ({"max_new_tokens": 0}, "max_new_tokens must be an integer >= 1, got 0"),
+    ({"repetition_penalty": 0}, "repetition_penalty must be > 0.0, got 0"),
     ("[1, 2]", "expected a JSON object, got a JSON list"),
     ('{"temperature": 0.2,', "is not valid JSON: Expecting property name enclosed in double quotes at line 1"),
 ])
