@@ -71,6 +71,9 @@ def stats_text(stats: dict) -> Text:
     ]
     if stats.get("preemptions"):
         rows.append(("preemptions", f"{stats['preemptions']:,}"))
+    attention = stats.get("attention")
+    if attention:  # which attention path runs, so a kernel that fell back to the reference is visible
+        rows.append(("attention", attention["path"]))
     return _rows(rows)
 
 

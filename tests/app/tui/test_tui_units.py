@@ -153,3 +153,12 @@ def test_store_round_trip_and_latest(tmp_path):
 def test_default_store_honours_the_data_dir_variable(tmp_path, monkeypatch):
     monkeypatch.setenv("MLXPAGED_DATA_DIR", str(tmp_path))
     assert ConversationStore.default().root == tmp_path / "conversations"
+
+
+def test_engine_panel_names_the_attention_path_when_the_engine_reports_it():
+    from mlxpaged_app.tui.widgets.engine_panel import stats_text
+
+    stats = FakeEngine().stats()
+    assert "attention" not in stats_text(stats).plain
+    stats["attention"] = {"path": "kernel (with reference fallback)", "reason": "two-pass failed", "variants": []}
+    assert "kernel (with reference fallback)" in stats_text(stats).plain
