@@ -281,7 +281,7 @@ def check_load() -> Check:
     from mlxpaged.platform.memory import InsufficientMemoryError
     from mlxpaged.loading.loader import load_model
     from mlxpaged.loading.model_store import ModelError
-    from mlxpaged.runner.sampling import SamplingParams
+    from mlxpaged.sampling_params import SamplingParams
 
     start = time.perf_counter()
     try:

@@ -17,7 +17,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "Engine": "mlxpaged.engine.engine", "Completion": "mlxpaged.engine.engine", "StreamDelta": "mlxpaged.engine.engine",
     "RequestFailedError": "mlxpaged.engine.engine", "EngineClosedError": "mlxpaged.engine.engine",
-    "SamplingParams": "mlxpaged.runner.sampling",
+    "SamplingParams": "mlxpaged.sampling_params",
     "CacheConfig": "mlxpaged.config", "SchedulerConfig": "mlxpaged.config",
     "RequestTooLongError": "mlxpaged.engine.scheduler", "InsufficientMemoryError": "mlxpaged.platform.memory",
     "MlxpagedError": "mlxpaged.errors",

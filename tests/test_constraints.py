@@ -21,7 +21,8 @@ from mlxpaged.engine.engine import Engine, RequestFailedError, collect, drain
 from mlxpaged.loading.loader import LoadedModel
 from mlxpaged.loading.model_store import ModelRef
 from mlxpaged.engine.request import Request
-from mlxpaged.runner.sampling import LazySample, SamplingParams, make_state, sample_batch
+from mlxpaged.sampling_params import SamplingParams
+from mlxpaged.runner.sampling import LazySample, make_state, sample_batch
 from tests.tiny_models import random_tokens, tiny_llama
 
 VOCAB = 49152  # SmolLM2's logits width

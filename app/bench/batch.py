@@ -31,7 +31,7 @@ def run_mlx_lm_batch(model, prompts: list[list[int]], new_tokens: int) -> tuple[
 
 
 def run_engine_batch(engine, prompts: list[list[int]], new_tokens: int) -> tuple[float, int]:
-    from mlxpaged.runner.sampling import SamplingParams
+    from mlxpaged.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     start = time.perf_counter()

@@ -32,7 +32,7 @@ def step_gaps(engine, prompt: list[int], constraints: list, tokens: int) -> list
     """Submit one request per entry of `constraints` (None: unconstrained) at once; every token-to-token gap."""
     import queue
 
-    from mlxpaged.runner.sampling import SamplingParams
+    from mlxpaged.sampling_params import SamplingParams
 
     eos = sorted(engine.tokenizer.eos_token_ids)
     sinks = []
@@ -61,7 +61,8 @@ def sampler_only(engine, constraints: list, repeats: int = 20) -> float:
     import mlx.core as mx
 
     from mlxpaged.engine.request import Request
-    from mlxpaged.runner.sampling import SamplingParams, make_state, sample_batch
+    from mlxpaged.sampling_params import SamplingParams
+    from mlxpaged.runner.sampling import make_state, sample_batch
 
     vocab = engine.grammar_compiler.vocab_size
     states = [make_state(SamplingParams(temperature=0.0, constraint=c), Request(f"r{i}", [1], 8))

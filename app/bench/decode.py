@@ -25,7 +25,7 @@ def time_mlx_lm(loaded, prompt: list[int], tokens: int) -> tuple[float, float]:
 
 def time_engine(engine, prompt: list[int], tokens: int) -> tuple[float, float]:
     """(time to first token, decode tok/s) of the paged engine, batch 1, greedy, EOS ignored."""
-    from mlxpaged.runner.sampling import SamplingParams
+    from mlxpaged.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     start = time.perf_counter()

@@ -23,7 +23,7 @@ def long_document(tokenizer, target_tokens: int) -> str:
 
 
 def time_to_first_token(engine, messages: list[dict]) -> tuple[float, int]:
-    from mlxpaged.runner.sampling import SamplingParams
+    from mlxpaged.sampling_params import SamplingParams
 
     start = time.perf_counter()
     for delta in engine.stream(engine.chat_tokens(messages), SamplingParams(temperature=0.0, max_tokens=8)):

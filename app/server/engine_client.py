@@ -15,7 +15,7 @@ from functools import partial
 from typing import AsyncIterator
 
 from mlxpaged.engine.engine import EngineClosedError, StreamDelta
-from mlxpaged.runner.sampling import SamplingParams
+from mlxpaged.sampling_params import SamplingParams
 from mlxpaged.engine.scheduler import RequestTooLongError
 from mlxpaged.errors import ConfigError
 from mlxpaged_app.server.errors import APIError, invalid_param, unavailable

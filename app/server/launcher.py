@@ -58,7 +58,7 @@ def with_sampling_defaults(config, engine, mode: str):
 
 def warm_up(engine) -> None:
     """The first step allocates and compiles; pay for it before saying "ready"."""
-    from mlxpaged.runner.sampling import SamplingParams
+    from mlxpaged.sampling_params import SamplingParams
 
     engine.generate("Hello", SamplingParams(max_tokens=2, temperature=0.0))
 

@@ -9,7 +9,7 @@ from typing import Iterable
 
 from pydantic import BaseModel
 
-from mlxpaged.runner.sampling import SamplingParams
+from mlxpaged.sampling_params import SamplingParams
 from mlxpaged.loading.generation_defaults import NO_DEFAULTS, GenerationDefaults
 from mlxpaged_app.server.errors import invalid_param
 from mlxpaged_app.server.protocol import ChatRequest, CompletionRequest

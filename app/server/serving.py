@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from mlxpaged.engine.engine import StreamDelta
-from mlxpaged.runner.sampling import MAX_N, SamplingParams
+from mlxpaged.sampling_params import MAX_N, SamplingParams
 from mlxpaged.loading.generation_defaults import GenerationDefaults
 from mlxpaged_app.server.engine_client import Generation, GenerationFailed
 from mlxpaged_app.server.errors import server_error

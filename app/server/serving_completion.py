@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from mlxpaged.engine.engine import StreamDelta
-from mlxpaged.runner.sampling import SamplingParams
+from mlxpaged.sampling_params import SamplingParams
 from mlxpaged.loading.generation_defaults import GenerationDefaults
 from mlxpaged_app.server.formatting import ChoiceText, Envelope, TokenText, completion_logprobs, delta_logprobs
 from mlxpaged_app.server.params import check_completion_supported, sampling_params

@@ -21,7 +21,7 @@ from mlxpaged.engine.metrics import StatsCounter
 from mlxpaged.engine.output_processor import OutputProcessor, Rows, split_results
 from mlxpaged.engine.request import Request
 from mlxpaged.runner.model_runner import Runner, SamplingRows
-from mlxpaged.runner.sampling import SamplingParams
+from mlxpaged.sampling_params import SamplingParams
 from mlxpaged.engine.scheduler import Scheduler
 
 

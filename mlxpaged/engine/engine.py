@@ -37,7 +37,7 @@ from mlxpaged.loading.loader import (LoadedModel, activation_dtype, chat_prompt,
 from mlxpaged.loading.progress import Progress
 from mlxpaged.runner.routing import route_paged_attention
 from mlxpaged.loading.generation_defaults import GenerationDefaults, load_defaults
-from mlxpaged.runner.sampling import SamplingParams
+from mlxpaged.sampling_params import SamplingParams
 from mlxpaged.engine.scheduler import CACHE_CAPACITY, MODEL_CONTEXT, RequestTooLongError
 from mlxpaged.engine.shutdown import STEP_TIMEOUT_S
 

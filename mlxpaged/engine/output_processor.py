@@ -13,7 +13,8 @@ from mlxpaged.engine.metrics import StatsCounter
 from mlxpaged.errors import EngineClosedError, RequestFailedError  # noqa: F401  (re-exported)
 from mlxpaged.engine.request import Request, RequestStatus
 from mlxpaged.outputs import StreamDelta
-from mlxpaged.runner.sampling import SampleResult, SamplingParams, make_state
+from mlxpaged.sampling_params import SamplingParams
+from mlxpaged.runner.sampling import SampleResult, make_state
 from mlxpaged.engine.scheduler import Scheduler, SchedulerOutput
 from mlxpaged.engine.text_stream import TextStream
 

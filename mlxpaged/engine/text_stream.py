@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from mlxpaged.runner.sampling import SamplingParams
+from mlxpaged.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

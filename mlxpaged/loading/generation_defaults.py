@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
 
 from mlxpaged.errors import GenerationConfigError
-from mlxpaged.runner.sampling import SamplingParams
+from mlxpaged.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from mlxpaged.loading.model_store import Preset

@@ -90,7 +90,7 @@ def test_cli_refuses_bad_settings_before_loading(capsys):
 def test_piped_question_gets_the_engines_answer_and_eof_exits_0(default_loaded):
     from mlxpaged.config import CacheConfig
     from mlxpaged.engine.engine import Engine
-    from mlxpaged.runner.sampling import SamplingParams
+    from mlxpaged.sampling_params import SamplingParams
 
     # ~1,000 tokens: past the 512-token cache (768 with its per-sequence slack), so refused with the
     # numbers, and the chat goes on to EOF

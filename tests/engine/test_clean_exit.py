@@ -22,7 +22,7 @@ import pytest
 
 from mlxpaged.engine.engine_thread import _fail_queued
 from mlxpaged.engine.output_processor import EngineClosedError
-from mlxpaged.runner.sampling import SamplingParams
+from mlxpaged.sampling_params import SamplingParams
 from tests.tiny_models import random_tokens, tiny_llama
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,7 +38,7 @@ PRELUDE = textwrap.dedent("""
     from mlxpaged.engine.core import EngineCore
     from mlxpaged.loading.loader import default_dtype
     from mlxpaged.loading.model_store import provision, resolve
-    from mlxpaged.runner.sampling import SamplingParams
+    from mlxpaged.sampling_params import SamplingParams
     from tests.engine.test_engine import tiny_engine
     from tests.tiny_models import random_tokens, tiny_llama
 

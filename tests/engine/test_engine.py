@@ -15,7 +15,7 @@ from mlxpaged.config import CacheConfig, split_settings
 from mlxpaged.engine.engine import Engine, RequestFailedError
 from mlxpaged.loading.loader import LoadedModel
 from mlxpaged.loading.model_store import ModelRef
-from mlxpaged.runner.sampling import SamplingParams
+from mlxpaged.sampling_params import SamplingParams
 from mlxpaged.engine.scheduler import RequestTooLongError
 from tests.tiny_models import random_tokens, tiny_llama, tiny_qwen3
 

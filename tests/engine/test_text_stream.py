@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mlxpaged.runner.sampling import SamplingParams
+from mlxpaged.sampling_params import SamplingParams
 from mlxpaged.engine.text_stream import Delta, TextStream
 
 SENTENCE = "The capital of France is Paris."

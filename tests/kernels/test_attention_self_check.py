@@ -10,7 +10,7 @@ import mlx.core as mx
 import pytest
 
 from mlxpaged.kernels import attention
-from mlxpaged.runner.sampling import SamplingParams
+from mlxpaged.sampling_params import SamplingParams
 from tests.msl.harness import Emulator
 from tests.msl.oracle import make_decode_case, max_error
 from tests.engine.test_engine import reference_tokens, tiny_engine

@@ -21,7 +21,7 @@ from mlxpaged.loading.gguf import convert_gguf
 from mlxpaged.engine.engine import Engine
 from mlxpaged.loading.generation_defaults import (NO_DEFAULTS, GenerationConfigError, GenerationDefaults, load_defaults,
                                           parse_generation_config)
-from mlxpaged.runner.sampling import SamplingParams
+from mlxpaged.sampling_params import SamplingParams
 from mlxpaged_app.cli import build_parser
 from mlxpaged_app.doctor import FAIL, OK, ModelOnDisk, check_sampling_defaults
 from mlxpaged_app.repl import PlainChat

@@ -14,7 +14,7 @@ from mlxpaged.engine.engine import Engine
 from mlxpaged.kernels import cpu_attention
 from mlxpaged.kernels.reference import page_rows
 from mlxpaged.engine.output_processor import OutputProcessor
-from mlxpaged.runner.sampling import SamplingParams
+from mlxpaged.sampling_params import SamplingParams
 from tests.msl.oracle import make_decode_case, max_error
 from tests.engine.test_engine import GREEDY, assert_pool_empty, assert_same_completions, reference_tokens, tiny_engine
 from tests.engine.test_engine import tiny, tokenizer  # noqa: F401  (the fixtures, shared)

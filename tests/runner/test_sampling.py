@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from mlxpaged.engine.request import Request
-from mlxpaged.runner.sampling import SampleResult, SamplingParams, make_state, sample_batch
+from mlxpaged.sampling_params import SamplingParams
+from mlxpaged.runner.sampling import SampleResult, make_state, sample_batch
 
 VOCAB = 2000
 

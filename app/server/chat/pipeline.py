@@ -12,7 +12,7 @@ from typing import AsyncIterator
 
 import anyio
 
-from mlxpaged.runner.sampling import SamplingParams
+from mlxpaged.sampling_params import SamplingParams
 from mlxpaged_app.server.chat.output import OutputParser
 from mlxpaged_app.server.chat.render import reasoning_open, render_prompt
 from mlxpaged_app.server.chat.spec import (ChatEvent, ChatRequestSpec, Finish, ReasoningDelta, TextDelta,
