@@ -5,13 +5,12 @@ assembles them (index, id, type and name once, then argument pieces as they are 
 
 from __future__ import annotations
 
-import time
 from typing import AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from mlxpaged_app.server.chat.pipeline import ChatRun, ChoiceResult, start_chat
+from mlxpaged_app.server.chat.pipeline import ChatRun, ChoiceResult, accept_chat, start_chat
 from mlxpaged_app.server.chat.spec import (ChatEvent, ChatRequestSpec, Finish, ReasoningDelta, SamplingRequest,
                                            TextDelta, TokenLogprobs, ToolCallArgs, ToolCallStart)
 from mlxpaged_app.server.engine_client import GenerationFailed
@@ -20,7 +19,6 @@ from mlxpaged_app.server.formatting import Envelope, TokenText, chat_logprobs, n
 from mlxpaged_app.server.params import check_chat_supported
 from mlxpaged_app.server.prompts import chat_messages
 from mlxpaged_app.server.protocol import ChatRequest
-from mlxpaged_app.server.request_body import parse_request, read_body
 from mlxpaged_app.server.serving import CLIENT_CLOSED, reply_or_gone
 from mlxpaged_app.server.sse import DONE, ClientGone, EventStream, data_event
 from mlxpaged_app.server.state import ServerState
@@ -51,11 +49,7 @@ def chat_spec(body: ChatRequest) -> ChatRequestSpec:
 
 
 async def serve_chat(request: Request, state: ServerState) -> Response:
-    arrived = time.perf_counter()
-    state.check_accepting()
-    body = parse_request(await read_body(request, state.config.max_body_size), ChatRequest)
-    state.check_model(body.model)
-    spec = chat_spec(body)
+    body, spec, arrived = await accept_chat(request, state, ChatRequest, chat_spec)
     run, cleanup = await start_chat(state, spec, arrived)
     envelope = Envelope(new_id("chatcmpl-"), state.model_id)
     shapes = ChatShapes(envelope, state.token_text, spec.logprobs)

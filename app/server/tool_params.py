@@ -18,19 +18,24 @@ CHOICES = "'none', 'auto', 'required' or {\"type\": \"function\", \"function\": 
 
 
 def tool_specs(tools: object) -> tuple[ToolSpec, ...]:
+    return tool_list(tools, _tool, shape='{"type": "function", "function": {...}}', name_field="function.name")
+
+
+def tool_list(tools: object, parse, *, shape: str, name_field: str) -> tuple[ToolSpec, ...]:
+    """A request's `tools`: a list of at most MAX_TOOLS, each parsed by `parse(tool, where)`, names unique.
+    `shape` shows one tool in the API's own form; `name_field` is where a tool's name sits in it."""
     if tools is None:
         return ()
     if not isinstance(tools, list):
-        raise invalid_param("tools", f"'tools' must be a list of {{\"type\": \"function\", \"function\": {{...}}}} "
-                                     f"objects, got a JSON {type(tools).__name__}")
+        raise invalid_param("tools", f"'tools' must be a list of {shape} objects, got a JSON {type(tools).__name__}")
     if len(tools) > MAX_TOOLS:
         raise invalid_param("tools", f"'tools' holds {len(tools)} tools; at most {MAX_TOOLS}")
-    specs = [_tool(tool, f"tools[{i}]") for i, tool in enumerate(tools)]
+    specs = [parse(tool, f"tools[{i}]") for i, tool in enumerate(tools)]
     names = [s.name for s in specs]
     for i, name in enumerate(names):
         if name in names[:i]:
-            raise invalid_param(f"tools[{i}].function.name", f"tools[{i}]: the name {name!r} is already used by "
-                                                             f"tools[{names.index(name)}]; tool names must be unique")
+            raise invalid_param(f"tools[{i}].{name_field}", f"tools[{i}]: the name {name!r} is already used by "
+                                                            f"tools[{names.index(name)}]; tool names must be unique")
     return tuple(specs)
 
 

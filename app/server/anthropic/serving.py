@@ -6,7 +6,6 @@ generation itself, admission, cancellation and the prefix cache are the pipeline
 
 from __future__ import annotations
 
-import time
 
 import anyio
 from starlette.requests import Request
@@ -17,7 +16,7 @@ from mlxpaged_app.server.anthropic.errors import new_request_id
 from mlxpaged_app.server.anthropic.protocol import CountTokensRequest, MessagesRequest
 from mlxpaged_app.server.anthropic.shapes import envelope, message_body
 from mlxpaged_app.server.anthropic.streaming import message_events
-from mlxpaged_app.server.chat.pipeline import start_chat
+from mlxpaged_app.server.chat.pipeline import accept_chat, start_chat
 from mlxpaged_app.server.chat.render import render_prompt
 from mlxpaged_app.server.request_body import parse_request, read_body
 from mlxpaged_app.server.serving import CLIENT_CLOSED, reply_or_gone
@@ -26,11 +25,7 @@ from mlxpaged_app.server.state import ServerState
 
 
 async def serve_messages(request: Request, state: ServerState) -> Response:
-    arrived = time.perf_counter()
-    state.check_accepting()
-    body = parse_request(await read_body(request, state.config.max_body_size), MessagesRequest)
-    state.check_model(body.model)
-    spec = messages_spec(body)
+    body, spec, arrived = await accept_chat(request, state, MessagesRequest, messages_spec)
     run, cleanup = await start_chat(state, spec, arrived)
     env = envelope(body.model)
     headers = {"request-id": new_request_id()}

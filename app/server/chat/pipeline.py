@@ -21,6 +21,7 @@ from mlxpaged_app.server.chat.structure import compile_constraint, grammar_for
 from mlxpaged_app.server.chat.tool_formats import ToolFormat, tool_format
 from mlxpaged_app.server.engine_client import Generation
 from mlxpaged_app.server.params import resolve_max_tokens, sampling_params
+from mlxpaged_app.server.request_body import parse_request, read_body
 from mlxpaged_app.server.serving import launch, sane_n
 from mlxpaged_app.server.state import ServerState
 
@@ -135,3 +136,13 @@ async def start_chat(state: ServerState, spec: ChatRequestSpec, arrived: float |
 
     generation, cleanup = await launch(state, sane_n(spec.sampling.n), start)
     return ChatRun(spec, generation, prepared[0], state.engine.tokenizer), cleanup
+
+
+async def accept_chat(request, state: ServerState, schema, to_spec) -> tuple[object, ChatRequestSpec, float]:
+    """What every chat-shaped API does first: note the arrival, refuse while draining, read and validate the
+    body against `schema`, check the model name, translate to the internal request. Returns (body, spec, arrived)."""
+    arrived = time.perf_counter()
+    state.check_accepting()
+    body = parse_request(await read_body(request, state.config.max_body_size), schema)
+    state.check_model(body.model)
+    return body, to_spec(body), arrived

@@ -10,26 +10,13 @@ import json
 from mlxpaged_app.server.chat.spec import (JsonObjectOutput, JsonSchemaOutput, NamedTool, OutputFormat,
                                            ReasoningSpec, ToolChoice, ToolSpec)
 from mlxpaged_app.server.errors import invalid_param
-from mlxpaged_app.server.tool_params import EFFORTS, EMPTY_PARAMETERS, MAX_TOOLS, TOOL_NAME
+from mlxpaged_app.server.tool_params import EFFORTS, EMPTY_PARAMETERS, TOOL_NAME, tool_list
 
 CHOICES = "'none', 'auto', 'required' or {\"type\": \"function\", \"name\": ...}"
 
 
 def tool_specs(tools: object) -> tuple[ToolSpec, ...]:
-    if tools is None:
-        return ()
-    if not isinstance(tools, list):
-        raise invalid_param("tools", "'tools' must be a list of {\"type\": \"function\", \"name\": ..., "
-                                     f"\"parameters\": ...}} objects, got a JSON {type(tools).__name__}")
-    if len(tools) > MAX_TOOLS:
-        raise invalid_param("tools", f"'tools' holds {len(tools)} tools; at most {MAX_TOOLS}")
-    specs = [_tool(tool, f"tools[{i}]") for i, tool in enumerate(tools)]
-    names = [s.name for s in specs]
-    for i, name in enumerate(names):
-        if name in names[:i]:
-            raise invalid_param(f"tools[{i}].name", f"tools[{i}]: the name {name!r} is already used by "
-                                                    f"tools[{names.index(name)}]; tool names must be unique")
-    return tuple(specs)
+    return tool_list(tools, _tool, shape='{"type": "function", "name": ..., "parameters": ...}', name_field="name")
 
 
 def _tool(tool: object, where: str) -> ToolSpec:

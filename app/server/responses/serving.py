@@ -5,17 +5,15 @@ events become a response object or the Responses event stream (`event: <type>` +
 from __future__ import annotations
 
 import json
-import time
 from typing import AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from mlxpaged_app.server.chat.pipeline import ChatRun, start_chat
+from mlxpaged_app.server.chat.pipeline import ChatRun, accept_chat, start_chat
 from mlxpaged_app.server.chat.spec import ChatRequestSpec, SamplingRequest
 from mlxpaged_app.server.engine_client import GenerationFailed
 from mlxpaged_app.server.errors import APIError
-from mlxpaged_app.server.request_body import parse_request, read_body
 from mlxpaged_app.server.responses.inputs import input_messages
 from mlxpaged_app.server.responses.options import (check_combination, output_format, reasoning_spec, tool_choice,
                                                    tool_specs)
@@ -65,11 +63,7 @@ def echoed(body: ResponsesRequest, spec: ChatRequestSpec) -> dict:
 
 
 async def serve_responses(request: Request, state: ServerState) -> Response:
-    arrived = time.perf_counter()
-    state.check_accepting()
-    body = parse_request(await read_body(request, state.config.max_body_size), ResponsesRequest)
-    state.check_model(body.model)
-    spec = responses_spec(body)
+    body, spec, arrived = await accept_chat(request, state, ResponsesRequest, responses_spec)
     try:
         run, cleanup = await start_chat(state, spec, arrived)
     except APIError as exc:
