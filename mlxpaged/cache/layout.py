@@ -69,6 +69,7 @@ CONSUMERS = {
     "sdpa-other-v": "mlx-lm's scaled_dot_product_attention with another V (latent attention)",
     "sdpa-masked": "mlx-lm's scaled_dot_product_attention with a mask the model built itself",
     "sdpa-other-cache": "another layer's attention (shared K/V)",
+    "sdpa-other-k": "mlx-lm's scaled_dot_product_attention with this cache but keys it did not return",
     "fast": "mx.fast.scaled_dot_product_attention called directly",
 }
 
@@ -97,7 +98,18 @@ class UnusedLeaf:
         return f"unused {self.cache_class}"
 
 
-Leaf = Union[KVLeaf, StateLeaf, UnusedLeaf]
+@dataclass(frozen=True)
+class UnknownLeaf:
+    """A cache class the layout does not know (e.g. deepseek_v41's own LayerCache): never paged."""
+
+    path: Path
+    cache_class: str
+
+    def describe(self) -> str:
+        return f"own cache class {self.cache_class}"
+
+
+Leaf = Union[KVLeaf, StateLeaf, UnusedLeaf, UnknownLeaf]
 
 
 @dataclass(frozen=True)
@@ -152,7 +164,7 @@ class ModelLayout:
         return head + "".join(f" cache {i}" for i in path[1:])
 
     def kinds(self) -> list[str]:
-        """Each leaf's kind in a word (full, window W, chunked C, state, unused), structure order."""
+        """Each leaf's kind in a word (full, window W, chunked C, state, unused, own class), leaf order."""
         return [_kind_word(leaf) for leaf in self.leaves]
 
 
@@ -168,4 +180,4 @@ def walk(structure: tuple[Entry, ...]) -> Iterator[Path]:
 def _kind_word(leaf: Leaf) -> str:
     if isinstance(leaf, KVLeaf):
         return leaf.kind if leaf.span is None else f"{leaf.kind} {leaf.span}"
-    return "state" if isinstance(leaf, StateLeaf) else "unused"
+    return {StateLeaf: "state", UnusedLeaf: "unused"}.get(type(leaf), leaf.describe())

@@ -21,7 +21,6 @@ import mlx.nn as nn
 import mlx_lm.utils
 from mlx_lm.utils import quantize_model, save_config, save_model
 
-from mlxpaged.cache.cache_view import layer_windows
 from mlxpaged.loading.checkpoint import CheckpointError, checkpoint_tensors, facts_before_load, read_safetensors_header
 from mlxpaged.config import CacheConfig, parse_size
 from mlxpaged.engine.engine import Engine
@@ -29,6 +28,8 @@ from mlxpaged.platform.memory import (DeviceFacts, InsufficientMemoryError, Mode
                              plan_memory)
 from mlxpaged.loading.loader import activation_dtype, load_local, locate_model
 from mlxpaged.loading.model_store import ModelRef
+from mlxpaged.loading.probe import probe_layout
+from mlxpaged.platform.model_facts import context_length
 from tests.tiny_models import tiny_hybrid_llama, tiny_llama
 
 GiB = 2**30
@@ -73,8 +74,8 @@ def loaded_facts(path: Path, backend: str) -> ModelFacts:
     """What the engine reads from the model loaded the way `backend` loads it."""
     loaded = load_local(ModelRef(str(path), "path", path=path), path, backend=backend)
     model = loaded.model
-    return ModelFacts.from_config(loaded.config, model_weight_bytes(model), activation_dtype(model).size,
-                                  layer_windows(model))
+    return ModelFacts.from_layout(probe_layout(model), model_weight_bytes(model), activation_dtype(model).size,
+                                  context_length(loaded.config))
 
 
 @pytest.mark.parametrize("backend", ["cpu", "metal"])
@@ -151,15 +152,15 @@ def assert_same_plan(before, after) -> None:
 
 
 def test_tiny_plan_before_load_is_the_engines(tiny_dir, monkeypatch):
-    # 4 MB spare, half of it for the cache: fewer blocks than max_tokens asks, so weights count.
-    before, after = plans_before_and_after(tiny_dir, monkeypatch, 4_000_000, max_tokens=8192)
+    # 4 MB spare, half of it for the cache: fewer blocks than cache_tokens asks, so weights count.
+    before, after = plans_before_and_after(tiny_dir, monkeypatch, 4_000_000, cache_tokens=8192)
     assert before.reason.startswith("limited by memory")
     assert_same_plan(before, after)
 
 
 @pytest.mark.slow
 def test_default_model_plan_before_load_is_the_engines(default_dir, monkeypatch):
-    before, after = plans_before_and_after(default_dir, monkeypatch, 100_000_000, max_tokens=1024)
+    before, after = plans_before_and_after(default_dir, monkeypatch, 100_000_000, cache_tokens=1024)
     assert before.reason.startswith("limited by memory")
     assert_same_plan(before, after)
 
@@ -250,7 +251,7 @@ def test_hub_repo_id_is_planned_once_its_files_are_local(tmp_path, default_dir, 
     assert locate_model("tiny-org/tiny-llama")[1] == snapshot
     with pytest.raises(InsufficientMemoryError, match="only 1.00 KB is available"):
         Engine.from_pretrained("tiny-org/tiny-llama", kv_memory="1KB")
-    with Engine.from_pretrained("tiny-org/tiny-llama", max_tokens=256) as engine:
+    with Engine.from_pretrained("tiny-org/tiny-llama", cache_tokens=256) as engine:
         assert engine.loaded.path == snapshot and engine.facts == facts_before_load(snapshot, "cpu")
 
 
