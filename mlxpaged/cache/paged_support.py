@@ -20,20 +20,26 @@ UNROUTABLE = {
 
 
 def unsupported_reasons(layout: ModelLayout) -> list[str]:
-    """Why the pools cannot hold `layout`, one sentence per leaf or structure problem; [] when they can."""
-    reasons = _structure_reasons(layout)
+    """Why the pools cannot hold `layout`, one sentence per problem (leaves with the same problem
+    named together); [] when they can."""
+    per_leaf: dict[tuple[str, str], list[str]] = {}  # (leaf description, why) -> where, in leaf order
     for leaf in layout.leaves:
-        where = f"{layout.where(leaf.path)} ({leaf.describe()})"
-        if isinstance(leaf, StateLeaf):
-            reasons.append(f"{where}: state-space / linear-attention state needs per-sequence state slots")
-        elif isinstance(leaf, UnusedLeaf):
-            reasons.append(f"{where}: a cache the model never writes has no paged placeholder yet")
-        elif isinstance(leaf, KVLeaf):
-            reasons += [f"{where}: {why}" for why in _kv_reasons(leaf)]
+        for why in _leaf_reasons(leaf):
+            per_leaf.setdefault((leaf.describe(), why), []).append(layout.where(leaf.path))
+    reasons = _structure_reasons(layout)
+    reasons += [f"{', '.join(wheres)} ({kind}): {why}" for (kind, why), wheres in per_leaf.items()]
     reasons += _geometry_reasons(layout)
     if not layout.kv_leaves and not reasons:
         reasons.append("the model keeps no key/value cache")
     return reasons
+
+
+def _leaf_reasons(leaf) -> list[str]:
+    if isinstance(leaf, StateLeaf):
+        return ["state-space / linear-attention state needs per-sequence state slots"]
+    if isinstance(leaf, UnusedLeaf):
+        return ["a cache the model never writes has no paged placeholder yet"]
+    return _kv_reasons(leaf) if isinstance(leaf, KVLeaf) else []
 
 
 def _structure_reasons(layout: ModelLayout) -> list[str]:
