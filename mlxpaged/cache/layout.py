@@ -127,7 +127,8 @@ Entry = Union[Path, CacheListNode, None]
 class ModelLayout:
     """Every leaf of the model's cache, the nesting of `make_prompt_cache`'s list, and what the
     logits and embeddings showed. `refuse`: reasons no paged cache can hold this model at all
-    (e.g. a cache class of its own), whatever the pools support."""
+    (e.g. a cache class of its own), whatever the pools support. `batch_error`: a batched forward
+    (per-sequence offsets, as mlx-lm's BatchKVCache gives them) failed, e.g. positions read as one int."""
 
     model_type: str
     leaves: tuple[Leaf, ...]
@@ -136,6 +137,7 @@ class ModelLayout:
     hidden_size: int
     num_layers: int | None = None  # len(model.layers), to name layers when caches map one to one
     refuse: tuple[str, ...] = field(default=())
+    batch_error: str | None = None  # why a batch of sequences at different offsets fails; None: it ran or untried
 
     @property
     def kv_leaves(self) -> tuple[KVLeaf, ...]:

@@ -123,7 +123,7 @@ def check_paged_support(layout: ModelLayout) -> None:
     """Refuse, at load, a model whose cache the paged pools cannot hold yet: every reason names the
     layer, its cache kind and why (pools today: one K/V geometry, full or sliding-window leaves, one
     leaf per layer, attention through mlx-lm's SDPA without sinks or latent V)."""
-    reasons = list(layout.refuse) + unsupported_reasons(layout)
+    reasons = [reason.text for reason in unsupported_reasons(layout)]
     if reasons:
         shown = "; ".join(reasons[:4]) + (f"; and {len(reasons) - 4} more" if len(reasons) > 4 else "")
         raise UnsupportedModelError(f"model type {layout.model_type!r} is not supported in paged mode: {shown}")

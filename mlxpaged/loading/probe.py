@@ -80,12 +80,32 @@ def probe_layout(model: nn.Module) -> ModelLayout:
                                     "forward forces evaluation, so its layout cannot be read safely")
     logits = logits[0] if isinstance(logits, (tuple, list)) else logits
     layout_leaves = tuple(_leaf(path, obj, recorder) for path, obj in leaves.items())
-    refuse = tuple(f"cache entry {leaf.path}: mlx-lm cache class {leaf.cache_class} has no paged equivalent"
-                   for leaf in layout_leaves if isinstance(leaf, UnknownLeaf))
+    refuse = tuple(f"cache entry {' cache '.join(map(str, leaf.path))}: mlx-lm cache class {leaf.cache_class} has "
+                   "no paged equivalent" for leaf in layout_leaves if isinstance(leaf, UnknownLeaf))
     layers = getattr(model, "layers", None)
     return ModelLayout(model_type, layout_leaves, structure, int(logits.shape[-1]),
                        hidden_size(model, int(logits.shape[-1])),
-                       len(layers) if layers is not None else None, refuse)
+                       len(layers) if layers is not None else None, refuse, batch_error(model, caches))
+
+
+def batch_error(model: nn.Module, caches: list) -> str | None:
+    """Run two sequences at different offsets (mlx-lm's batch caches: per-row offsets as an array)
+    lazily; the error's text when the forward cannot take them. Only for plain KV cache lists (the
+    other kinds are refused before batching matters)."""
+    batch_caches = []
+    for cache in caches:
+        if type(cache) is mlx_cache.KVCache:
+            batch_caches.append(mlx_cache.BatchKVCache(left_padding=[1, 0]))
+        elif type(cache) is mlx_cache.RotatingKVCache and cache.keep == 0:
+            batch_caches.append(mlx_cache.BatchRotatingKVCache(cache.max_size, left_padding=[1, 0]))
+        else:
+            return None
+    try:
+        model(mx.array([PROMPT[0], PROMPT[0]]), cache=batch_caches)
+        model(mx.array([DECODE[0], DECODE[0]]), cache=batch_caches)
+    except Exception as exc:  # the model's own code: any error means batches cannot run
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def model_type_of(model: nn.Module) -> str:

@@ -63,13 +63,16 @@ def compare(got: list[int], want: list[int], gaps: list[float]) -> str | None:
 
 
 def layout_summary(model) -> dict:
+    """The probe's view: leaf kinds, whether every KV leaf is routed, and the refusal labels if any."""
+    from mlxpaged.cache.paged_support import unsupported_reasons
     from mlxpaged.loading.probe import probe_layout
 
     try:
         layout = probe_layout(model)
     except Exception as exc:  # the probe refusing is itself a verdict the engine must match
-        return {"kinds": [], "probe_error": str(exc)}
-    return {"kinds": layout.kinds(), "all_routed": all(leaf.routed for leaf in layout.kv_leaves)}
+        return {"kinds": [], "labels": ["probe failed"], "probe_error": str(exc)}
+    labels = list(dict.fromkeys(reason.label for reason in unsupported_reasons(layout)))
+    return {"kinds": layout.kinds(), "all_routed": all(leaf.routed for leaf in layout.kv_leaves), "labels": labels}
 
 
 def run_engine(model, module: str, cases: list[tuple[list[int], list[int], list[float]]]) -> dict:
