@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from tests.archs.configs import MLX_LM_CANNOT_RUN, UPSTREAM_BROKEN, has_config, text_modules
+from tests.archs.arch_table import render, section
 from tests.archs.sweep import ROOT, sweep
 
 MODULES = text_modules()
@@ -66,3 +67,10 @@ def test_plain_mlx_lm_runs_a_healthy_architecture():
     run = subprocess.run([sys.executable, "-m", "tests.archs.plain_mlx_lm", "llama", "2"], cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-500:]
+
+
+def test_readme_table_is_the_sweeps(verdicts):
+    """The README's supported-architectures table is what this sweep renders (regenerate it with
+    `python -m tests.archs.arch_table --readme README.md`)."""
+    readme = (ROOT / "README.md").read_text()
+    assert section(readme) == render(verdicts)
