@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from argparse import Namespace
 
 from mlxpaged.config import DEFAULT_BLOCK_SIZE
@@ -10,13 +9,12 @@ from mlxpaged.units import format_size
 
 
 def kv_shape(model_name: str | None) -> tuple[int, int, int, int]:
-    """(layers, kv heads, head dim, dtype bytes) of a model, from its config only (float32 KV)."""
-    from mlxpaged.platform.memory import ModelFacts
+    """(layers, kv heads, head dim, dtype bytes) of a model as the CPU backend loads it, before loading."""
+    from mlxpaged.loading.checkpoint import facts_before_load
     from mlxpaged.loading.loader import default_dtype
     from mlxpaged.loading.model_store import provision, resolve
 
-    config = json.loads((provision(resolve(model_name), default_dtype()) / "config.json").read_text())
-    kv = ModelFacts.from_config(config, weight_bytes=0, kv_dtype_bytes=4).kv
+    kv = facts_before_load(provision(resolve(model_name), default_dtype()), "cpu").kv
     return kv.num_layers, kv.num_kv_heads, kv.head_dim, kv.dtype_bytes
 
 

@@ -23,7 +23,7 @@ import mlx.core as mx
 
 from mlxpaged.engine import engine_thread
 from mlxpaged.kernels.attention import attention_status, prepare_attention
-from mlxpaged.cache.cache_view import layer_windows
+from mlxpaged.cache.paged_support import query_heads
 from mlxpaged.config import DEFAULT_CACHE_TOKENS, CacheConfig, SchedulerConfig, split_settings
 from mlxpaged.engine.core import EngineCore
 from mlxpaged.cache.kv_cache import PagedKVCache
@@ -31,9 +31,11 @@ from mlxpaged.errors import ConfigError, EngineClosedError, RequestFailedError  
 from mlxpaged.engine.metrics import StatsCounter
 from mlxpaged.outputs import Completion, StreamDelta, collect, drain  # noqa: F401  (re-exported)
 from mlxpaged.platform.memory import DeviceFacts, ModelFacts, model_weight_bytes, plan_memory
+from mlxpaged.platform.model_facts import context_length
 from mlxpaged.loading.checkpoint import facts_before_load
 from mlxpaged.loading.loader import (LoadedModel, activation_dtype, chat_prompt, check_paged_support, load_local,
                                      locate_model)
+from mlxpaged.loading.probe import probe_layout
 from mlxpaged.loading.progress import Progress
 from mlxpaged.runner.routing import route_paged_attention
 from mlxpaged.loading.generation_defaults import GenerationDefaults, load_defaults
@@ -48,17 +50,19 @@ class Engine:
         self.loaded = loaded
         self.cache_config = cache_config or CacheConfig(cache_tokens=DEFAULT_CACHE_TOKENS)
         self.scheduler_config = scheduler_config or SchedulerConfig()
-        check_paged_support(loaded.model)
+        self.layout = probe_layout(loaded.model)  # what its own caches hold: refused here, never mid-request
+        check_paged_support(self.layout)
         route_paged_attention()
         kv_dtype = activation_dtype(loaded.model)  # K/V have the activations' dtype
-        self.facts = self._model_facts(kv_dtype)
+        self.facts = ModelFacts.from_layout(self.layout, model_weight_bytes(loaded.model), kv_dtype.size,
+                                            context_length(loaded.config))
         self.plan = plan_memory(DeviceFacts.detect(), self.facts, self.cache_config, self.scheduler_config,
                                 weights_resident=True)
         self.kv = self._make_kv_cache(kv_dtype)
         # Before the first decode: a Metal kernel variant that fails its self-check is replaced by the reference.
         prepare_attention(kv_dtype, self.facts.kv.head_dim, self.cache_config.block_size,
-                          loaded.config["num_attention_heads"], self.facts.kv.num_kv_heads)
-        self.max_model_len = int(loaded.config.get("max_position_embeddings") or self.plan.token_capacity)
+                          query_heads(self.layout), self.facts.kv.num_kv_heads)
+        self.max_model_len = int(self.facts.context_length or self.plan.token_capacity)
         # SimpleQueue (C, reentrant): its put cannot deadlock when a Ctrl-C or a finalizer (engine_thread.py)
         # lands inside another put, as queue.Queue's Python-level lock can.
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -121,12 +125,6 @@ class Engine:
             return self._grammar_compiler
 
     # --- setup ---------------------------------------------------------------------------------
-    def _model_facts(self, kv_dtype: mx.Dtype) -> ModelFacts:
-        """The one reading of the model's KV shape, for the plan and the pools alike; the windows are
-        those of mlx-lm's own caches (configs spell them several ways)."""
-        model = self.loaded.model
-        return ModelFacts.from_config(self.loaded.config, model_weight_bytes(model), kv_dtype.size, layer_windows(model))
-
     def _make_kv_cache(self, dtype: mx.Dtype) -> PagedKVCache:
         kv = self.facts.kv
         return PagedKVCache(num_layers=kv.num_layers, num_blocks=self.plan.num_blocks,
@@ -269,7 +267,7 @@ class Engine:
         return tokens
 
     def _check_token_ids(self, param: str, tokens) -> None:
-        vocab = self.loaded.config.get("vocab_size")
+        vocab = self.facts.vocab_size  # the logits' width
         bad = [t for t in tokens if t < 0 or (vocab and t >= vocab)]
         if bad:
             raise ConfigError(f"{param} token ids out of range [0, {vocab}): {bad[:5]}", param=param)

@@ -2,9 +2,9 @@
 
 Tensor sizes come from the safetensors headers (8-byte little-endian length, then a JSON map of
 name -> dtype, shape, data_offsets): reading them reads no weights. The KV shape comes from
-config.json as the loaded model reads it, and the per-layer windows from mlx-lm's own model class
-built without weights (its parameters are lazy and never evaluated), so the plan made here is the
-plan the engine makes after loading (tests/loading/test_plan_before_load.py holds them equal).
+the cache layout of mlx-lm's own model class built without weights (loading/probe.py: its parameters
+are lazy and never evaluated), so the plan made here is the plan the engine makes after loading
+(tests/loading/test_plan_before_load.py holds them equal).
 
 Weights as loaded: on MLX's CPU backend the loader casts every floating tensor to float32 when any
 is half precision (mlxpaged.loading.loader.load_model), so they count 4 bytes there; on Metal they keep the
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mlxpaged.errors import CheckpointError
-from mlxpaged.platform.model_facts import ModelFacts
+from mlxpaged.platform.model_facts import ModelFacts, context_length
 
 # safetensors dtype names (the format's spec) -> bytes per element.
 DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2,
@@ -117,13 +117,14 @@ def kv_dtype_before_load(model_dir: Path, backend: str) -> str:
 
 
 def facts_before_load(model_dir: Path, backend: str) -> ModelFacts:
-    """The ModelFacts the engine will read from the loaded model, from headers and config.json alone.
-    Raises UnsupportedModelError for models with no paged equivalent, before any weight is read."""
-    from mlxpaged.cache.cache_view import layer_windows
+    """The ModelFacts the engine will read from the loaded model, from headers, config.json and the
+    layout of mlx-lm's model built without weights. Raises UnsupportedModelError for models the paged
+    cache cannot hold, before any weight is read."""
     from mlxpaged.loading.loader import check_paged_support, unweighted_model
+    from mlxpaged.loading.probe import probe_layout
 
     config = json.loads((model_dir / "config.json").read_text())
     loaded = as_loaded(checkpoint_tensors(model_dir), backend)
-    skeleton = unweighted_model(model_dir)
-    check_paged_support(skeleton)
-    return ModelFacts.from_config(config, sum(t.nbytes for t in loaded), kv_dtype_bytes(loaded), layer_windows(skeleton))
+    layout = probe_layout(unweighted_model(model_dir))
+    check_paged_support(layout)
+    return ModelFacts.from_layout(layout, sum(t.nbytes for t in loaded), kv_dtype_bytes(loaded), context_length(config))

@@ -18,7 +18,8 @@ from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load as mlx_lm_load
 
-from mlxpaged.cache.cache_view import layer_windows
+from mlxpaged.cache.layout import ModelLayout
+from mlxpaged.cache.paged_support import unsupported_reasons
 from mlxpaged.errors import UnsupportedModelError  # noqa: F401  (re-exported)
 from mlxpaged.loading.model_store import ModelRef, provision, resolve
 from mlxpaged.loading.progress import Progress
@@ -118,11 +119,11 @@ def baseline_stream(loaded: LoadedModel, prompt: list[int] | str, max_tokens: in
     yield from generate_step(mx.array(prompt), loaded.model, max_tokens=max_tokens, sampler=sampler)
 
 
-def check_paged_support(model: nn.Module) -> None:
-    """Recurrent / state-space layers keep no plain KV: refuse them with the model type named."""
-    model_type = getattr(getattr(model, "args", None), "model_type", type(model).__module__.rsplit(".", 1)[-1])
-    try:
-        layer_windows(model)
-    except ValueError as exc:
-        raise UnsupportedModelError(f"model type {model_type!r} is not supported in paged mode: {exc}") from exc
-
+def check_paged_support(layout: ModelLayout) -> None:
+    """Refuse, at load, a model whose cache the paged pools cannot hold yet: every reason names the
+    layer, its cache kind and why (pools today: one K/V geometry, full or sliding-window leaves, one
+    leaf per layer, attention through mlx-lm's SDPA without sinks or latent V)."""
+    reasons = [reason.text for reason in unsupported_reasons(layout)]
+    if reasons:
+        shown = "; ".join(reasons[:4]) + (f"; and {len(reasons) - 4} more" if len(reasons) > 4 else "")
+        raise UnsupportedModelError(f"model type {layout.model_type!r} is not supported in paged mode: {shown}")

@@ -1,13 +1,16 @@
 """What a model costs the KV cache planner: its KV shape per token, its weights, its context.
 
-Built from the loaded model (Engine) or, before loading, from its files (checkpoint.py); both
-read config.json through `ModelFacts.from_config`, so the two agree.
+Built from the model's cache layout (loading/probe.py: what its own mlx-lm caches hold), for the
+loaded model (Engine) and, before loading, for the model built without weights (checkpoint.py);
+both go through `ModelFacts.from_layout`, so the two agree. config.json is read for the context
+length only: no other config key decides a shape.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+
+from mlxpaged.cache.layout import ModelLayout
 
 from mlxpaged.validation import require_int
 
@@ -50,6 +53,23 @@ class KVShape:
     def layer_windows(self) -> tuple[int | None, ...]:
         return self.sliding_windows or (None,) * self.num_layers
 
+    @classmethod
+    def from_layout(cls, layout: ModelLayout, dtype_bytes: int) -> KVShape:
+        """One entry per KV leaf of a layout the pools can hold (one geometry, K and V of one width);
+        raises ValueError naming the first leaf that does not fit."""
+        leaves = layout.kv_leaves
+        if not leaves:
+            raise ValueError(f"model type {layout.model_type!r} keeps no key/value cache")
+        first = leaves[0]
+        for leaf in leaves:
+            if (leaf.kv_heads, leaf.k_dim, leaf.v_dim) != (first.kv_heads, first.k_dim, first.k_dim) \
+                    or leaf.kind not in ("full", "window"):
+                raise ValueError(f"{layout.where(leaf.path)} ({leaf.describe()}) does not fit pools of "
+                                 f"{first.kv_heads} heads x {first.k_dim} for K and V")
+        windows = tuple(leaf.span for leaf in leaves)
+        return cls(len(leaves), first.kv_heads, first.k_dim, dtype_bytes,
+                   windows if any(w is not None for w in windows) else None)
+
 
 @dataclass(frozen=True)
 class ModelFacts:
@@ -69,23 +89,26 @@ class ModelFacts:
             require_int("context_length", self.context_length, low=1)
 
     @classmethod
-    def from_config(cls, config: dict, weight_bytes: int, kv_dtype_bytes: int,
-                    sliding_windows: Sequence[int | None] | None = None) -> ModelFacts:
-        """From a Hugging Face style config.json dict; the per-layer windows come from mlx-lm's model
-        (`cache_view.layer_windows`, loaded or unweighted), since configs spell them several ways."""
-        heads = _config_value(config, "num_attention_heads")
-        hidden = _config_value(config, "hidden_size")
-        layers = _config_value(config, "num_hidden_layers")
-        kv = KVShape(layers, config.get("num_key_value_heads") or heads,
-                     config.get("head_dim") or hidden // heads, kv_dtype_bytes, sliding_windows)
-        return cls(kv, weight_bytes, hidden, _config_value(config, "vocab_size"),
-                   config.get("max_position_embeddings"))
+    def from_layout(cls, layout: ModelLayout, weight_bytes: int, kv_dtype_bytes: int,
+                    context_length: int | None = None) -> ModelFacts:
+        """From a layout the pools can hold (paged_support.unsupported_reasons is empty)."""
+        return cls(KVShape.from_layout(layout, kv_dtype_bytes), weight_bytes, layout.hidden_size,
+                   layout.vocab_size, context_length)
 
 
-def _config_value(config: dict, key: str) -> int:
-    if key not in config:
-        raise ValueError(f"model config has no {key!r}; cannot size the KV cache")
-    return config[key]
+# Where configs keep the context length, in the order tried (GPT-2 style n_positions / n_ctx too).
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "seq_length")
+
+
+def context_length(config: dict) -> int | None:
+    """The model's context length from config.json (its text_config first, for multimodal
+    checkpoints); None when no key says, and the cache's capacity bounds requests instead."""
+    for source in (config.get("text_config") or {}, config):
+        for key in CONTEXT_KEYS:
+            value = source.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
 
 
 def model_weight_bytes(model) -> int:

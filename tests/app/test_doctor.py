@@ -237,7 +237,8 @@ def test_model_facts_from_disk_match_the_loaded_models(tmp_path):
     """The twin: facts from config.json and file sizes vs facts from the loaded model (as Engine reads them)."""
     import dataclasses
 
-    from mlxpaged.cache.cache_view import layer_windows
+    from mlxpaged.loading.probe import probe_layout
+    from mlxpaged.platform.model_facts import context_length
     from tests.tiny_models import tiny_llama
 
     model = tiny_llama()
@@ -246,7 +247,7 @@ def test_model_facts_from_disk_match_the_loaded_models(tmp_path):
     mx.save_safetensors(str(tmp_path / "model.safetensors"), dict(_flat(model)))
     weights = (tmp_path / "model.safetensors").stat().st_size
     on_disk = doctor.model_facts(ModelOnDisk("tiny", "float32", tmp_path, config, weights))
-    loaded = ModelFacts.from_config(config, model_weight_bytes(model), 4, layer_windows(model))
+    loaded = ModelFacts.from_layout(probe_layout(model), model_weight_bytes(model), 4, context_length(config))
     assert same_kv(on_disk, loaded)
     assert on_disk.weight_bytes == loaded.weight_bytes  # read from the headers: exact
     device = DeviceFacts("cpu", 16 * 2**30, 8 * 2**30)

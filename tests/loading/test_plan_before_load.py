@@ -21,7 +21,6 @@ import mlx.nn as nn
 import mlx_lm.utils
 from mlx_lm.utils import quantize_model, save_config, save_model
 
-from mlxpaged.cache.cache_view import layer_windows
 from mlxpaged.loading.checkpoint import CheckpointError, checkpoint_tensors, facts_before_load, read_safetensors_header
 from mlxpaged.config import split_settings
 from mlxpaged.units import parse_size
@@ -30,6 +29,8 @@ from mlxpaged.platform.memory import (DeviceFacts, InsufficientMemoryError, Mode
                              plan_memory)
 from mlxpaged.loading.loader import activation_dtype, load_local, locate_model
 from mlxpaged.loading.model_store import ModelRef
+from mlxpaged.loading.probe import probe_layout
+from mlxpaged.platform.model_facts import context_length
 from tests.tiny_models import tiny_hybrid_llama, tiny_llama
 
 GiB = 2**30
@@ -74,8 +75,8 @@ def loaded_facts(path: Path, backend: str) -> ModelFacts:
     """What the engine reads from the model loaded the way `backend` loads it."""
     loaded = load_local(ModelRef(str(path), "path", path=path), path, backend=backend)
     model = loaded.model
-    return ModelFacts.from_config(loaded.config, model_weight_bytes(model), activation_dtype(model).size,
-                                  layer_windows(model))
+    return ModelFacts.from_layout(probe_layout(model), model_weight_bytes(model), activation_dtype(model).size,
+                                  context_length(loaded.config))
 
 
 @pytest.mark.parametrize("backend", ["cpu", "metal"])

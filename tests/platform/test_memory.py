@@ -16,6 +16,7 @@ import pytest
 
 import mlxpaged  # noqa: F401  (OpenBLAS before mlx)
 from mlxpaged.config import CacheConfig, SchedulerConfig
+from mlxpaged.platform.model_facts import context_length
 from mlxpaged.units import parse_size
 from mlxpaged.platform.memory import (
     DeviceFacts,
@@ -122,13 +123,11 @@ def test_facts_validation():
         KVShape(30, 3, 0, 4)
 
 
-def test_model_facts_from_config():
-    config = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
-              "hidden_size": 576, "vocab_size": 49152, "max_position_embeddings": 8192}
-    assert ModelFacts.from_config(config, 538_000_000, 4) == SMOL
-    assert ModelFacts.from_config(config, 1, 4, (512, None) * 15).kv.sliding_windows == (512, None) * 15
-    with pytest.raises(ValueError, match="vocab_size"):
-        ModelFacts.from_config({k: v for k, v in config.items() if k != "vocab_size"}, 1, 4)
+def test_context_length_reads_the_configs_spellings():
+    assert context_length({"max_position_embeddings": 8192, "n_positions": 1024}) == 8192
+    assert context_length({"n_positions": 1024}) == 1024  # gpt2
+    assert context_length({"text_config": {"max_position_embeddings": 4096}, "n_ctx": 77}) == 4096  # a VLM
+    assert context_length({"max_position_embeddings": None, "hidden_size": 64}) is None
 
 
 def test_model_weight_bytes():

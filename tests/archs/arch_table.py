@@ -1,0 +1,110 @@
+"""The README's supported-architectures table, generated from the architecture sweep (never hand-edited).
+
+    python -m tests.archs.arch_table                  # run the sweep (~2 min), print the table
+    python -m tests.archs.arch_table --readme README.md   # and rewrite the README's table section
+    python -m tests.archs.arch_table --results sweep.jsonl   # from saved `python -m tests.archs.sweep` output
+
+tests/engine/test_architectures.py fails when the README's table differs from the one a sweep renders.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+from tests.archs.configs import UPSTREAM_BROKEN, VLM_WRAPPERS
+
+START, END = "<!-- arch-table:start -->", "<!-- arch-table:end -->"
+HEADER = ("| architecture | layer caches | paged engine | prefix cache | attention |\n"
+          "|---|---|---|---|---|")
+
+
+def render(verdicts: dict[str, dict]) -> str:
+    """The table and its count line, in module order. Upstream-broken architectures get a fixed row:
+    whether their process dies in mlx-lm or later is chance."""
+    verdicts = {m: ({"module": m, "status": "upstream-broken", "reason": UPSTREAM_BROKEN[m]}
+                    if m in UPSTREAM_BROKEN else v) for m, v in sorted(verdicts.items())}
+    rows = [_row(v) for v in verdicts.values()]
+    counts = Counter(v["status"] for v in verdicts.values())
+    runnable = len(verdicts) - counts["cannot-run"]
+    summary = (f"{counts['paged']} of the {runnable} architectures mlx-lm runs here are served paged, token for "
+               f"token equal to mlx-lm's greedy output alone and batched; {counts['refused']} are refused when the "
+               f"engine is built, naming the layer and why; {counts['upstream-broken']} crashes in plain mlx-lm; "
+               f"{counts['cannot-run']} cannot run in mlx-lm itself here" + _others(counts) + ".")
+    return "\n".join([summary, "", HEADER, *rows])
+
+
+def _others(counts: Counter) -> str:
+    others = {k: n for k, n in counts.items() if k not in ("paged", "refused", "cannot-run", "upstream-broken")}
+    return "".join(f"; {n} {status}" for status, n in sorted(others.items()))
+
+
+def _row(v: dict) -> str:
+    name = v["module"] + (" (VLM, text)" if v["module"] in VLM_WRAPPERS else "")
+    return f"| {name} | {_kinds(v.get('kinds', []))} | {_verdict(v)} | {_prefix(v)} | {_attention(v)} |"
+
+
+def _kinds(kinds: list[str]) -> str:
+    counts = Counter(kinds)  # first-seen order
+    return ", ".join(kind if n == 1 else f"{kind} x{n}" for kind, n in counts.items()) or "-"
+
+
+def _verdict(v: dict) -> str:
+    status = v["status"]
+    if status == "refused":
+        return "refused: " + ", ".join(v.get("labels") or ["see error"])
+    if status == "cannot-run":
+        return "mlx-lm cannot run it here: " + v["reason"]
+    if status == "upstream-broken":
+        return "upstream: " + v["reason"]
+    return status if status == "paged" else f"{status}: {v.get('reason', '')[:120]}"
+
+
+def _prefix(v: dict) -> str:
+    return ("yes" if v.get("prefix_cache") else "no") if v["status"] == "paged" else "-"
+
+
+def _attention(v: dict) -> str:
+    if v["status"] != "paged":
+        return "-"
+    if not v.get("routed"):
+        return "model's own, over gathered K/V"
+    windows = any(kind.startswith("window") for kind in v.get("kinds", []))
+    return "paged decode (full layers), gathered (windows)" if windows else "paged decode"
+
+
+def replace_section(readme: str, table: str) -> str:
+    """The README with the text between the table markers replaced."""
+    if START not in readme or END not in readme:
+        raise ValueError(f"the README has no {START} ... {END} section to replace")
+    head, rest = readme.split(START, 1)
+    return f"{head}{START}\n{table}\n{END}{rest.split(END, 1)[1]}"
+
+
+def section(readme: str) -> str:
+    """The table currently between the markers."""
+    return readme.split(START, 1)[1].split(END, 1)[0].strip("\n")
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", type=Path, help="sweep output (JSON lines) instead of running the sweep")
+    parser.add_argument("--readme", type=Path, help="rewrite this README's table section")
+    args = parser.parse_args(argv)
+    if args.results:
+        verdicts = {v["module"]: v for v in map(json.loads, args.results.read_text().splitlines())}
+    else:
+        from tests.archs.sweep import sweep
+
+        verdicts = sweep()
+    table = render(verdicts)
+    print(table)
+    if args.readme:
+        args.readme.write_text(replace_section(args.readme.read_text(), table))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

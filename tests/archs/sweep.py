@@ -1,0 +1,105 @@
+"""Run the harness over many architectures in a few worker processes; a native crash becomes a verdict.
+
+Each worker runs its share of modules in one process (imports paid once) and is restarted after the
+module it died on. A death before that module's "reference-done" line is mlx-lm's own crash
+("upstream-crash"); after it, the engine's ("crash").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from tests.archs.configs import MLX_LM_CANNOT_RUN, has_config, text_modules
+
+ROOT = Path(__file__).resolve().parents[2]
+MODULE_TIMEOUT_S = 180
+
+
+def sweep(modules: list[str] | None = None, workers: int = 2) -> dict[str, dict]:
+    """Verdicts by module, for every text module of mlx_lm.models unless `modules` is given."""
+    modules = modules or text_modules()
+    verdicts = {m: {"module": m, "status": "cannot-run", "reason": MLX_LM_CANNOT_RUN[m]}
+                for m in modules if m in MLX_LM_CANNOT_RUN}
+    todo = [m for m in modules if m not in verdicts and has_config(m)]
+    verdicts.update({m: {"module": m, "status": "fail", "reason": "no tiny config in tests/archs/configs.json"}
+                     for m in modules if m not in verdicts and not has_config(m)})
+    shares = [todo[i::workers] for i in range(workers)]
+    with ThreadPoolExecutor(workers) as pool:
+        for share in pool.map(_run_share, shares):
+            verdicts.update(share)
+    return {m: verdicts[m] for m in modules}
+
+
+def _run_share(modules: list[str]) -> dict[str, dict]:
+    verdicts: dict[str, dict] = {}
+    while len(verdicts) < len(modules):
+        rest = [m for m in modules if m not in verdicts]
+        verdicts.update(_run_process(rest))
+    return verdicts
+
+
+def _run_process(modules: list[str]) -> dict[str, dict]:
+    """Run until the process ends; the module it was on when it died gets a crash verdict."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
+    proc = subprocess.Popen([sys.executable, "-m", "tests.archs.harness", *modules], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stderr: list[str] = []
+    threading.Thread(target=lambda: stderr.extend(proc.stderr), daemon=True).start()
+    verdicts, reference_done = {}, False
+    watchdog = _Watchdog(proc)
+    for line in proc.stdout:
+        if not line.startswith("{"):
+            continue
+        record = json.loads(line)
+        watchdog.reset()
+        if record.get("stage") == "reference-done":
+            reference_done = True
+        else:
+            verdicts[record["module"]] = record
+            reference_done = False
+    proc.wait()
+    watchdog.cancel()
+    if len(verdicts) < len(modules):
+        current = modules[len(verdicts)]
+        verdicts[current] = _crash(current, proc.returncode, reference_done, watchdog.fired, "".join(stderr))
+    return verdicts
+
+
+def _crash(module: str, returncode: int, reference_done: bool, timed_out: bool, stderr: str) -> dict:
+    cause = f"timed out after {MODULE_TIMEOUT_S} s" if timed_out else f"process died (exit code {returncode})"
+    who = "the paged engine" if reference_done else "mlx-lm's own generate_step (before mlxpaged ran)"
+    return {"module": module, "status": "crash" if reference_done else "upstream-crash",
+            "reason": f"{cause} in {who}; stderr: {stderr.strip()[-200:]}"}
+
+
+class _Watchdog:
+    """Kills the process when one module takes longer than MODULE_TIMEOUT_S."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc, self.fired, self._timer = proc, False, None
+        self.reset()
+
+    def reset(self) -> None:
+        self.cancel()
+        self._timer = threading.Timer(MODULE_TIMEOUT_S, self._fire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def _fire(self) -> None:
+        self.fired = True
+        self.proc.kill()
+
+
+if __name__ == "__main__":
+    for verdict in sweep(sys.argv[1:] or None).values():
+        print(json.dumps(verdict))

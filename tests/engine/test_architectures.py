@@ -1,0 +1,76 @@
+"""Every text architecture of the installed mlx_lm.models, as a tiny random model: the paged engine
+either gives mlx-lm's greedy tokens (alone, and batched with a prompt of another length) or refuses
+at Engine construction naming the layer and cache kind - never a mid-request failure or a wrong token.
+
+The sweep runs each architecture in worker processes (tests/archs/sweep.py; ~2 min on 2 cores),
+once per session; each architecture is then its own test case.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.archs.configs import MLX_LM_CANNOT_RUN, UPSTREAM_BROKEN, has_config, text_modules
+from tests.archs.arch_table import render, section
+from tests.archs.sweep import ROOT, sweep
+
+MODULES = text_modules()
+# What a refusal must name: where (a layer or cache entry) or, for a model-wide reason, what fails.
+NAMES_WHERE = ("layer", "cache entry", "cache list", "forward fails", "keeps no key/value")
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="session")
+def verdicts() -> dict[str, dict]:
+    return sweep(MODULES)
+
+
+def test_every_architecture_has_a_config_or_a_reason():
+    missing = [m for m in MODULES if not has_config(m) and m not in MLX_LM_CANNOT_RUN]
+    assert not missing, f"mlx_lm.models gained modules without a tiny config in tests/archs/configs.json: {missing}"
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_runs_exactly_or_is_refused_at_load(verdicts, module):
+    verdict = verdicts[module]
+    status, reason = verdict["status"], verdict.get("reason", "")
+    if module in MLX_LM_CANNOT_RUN:
+        assert status == "cannot-run", verdict
+        return
+    if module in UPSTREAM_BROKEN and status in ("crash", "upstream-crash"):
+        return  # mlx-lm alone crashes on it too: test_upstream_broken_architectures_crash_without_mlxpaged
+    assert status in ("paged", "refused"), f"{module}: {status}: {reason}"
+    if status == "refused":
+        assert "model type " in reason and any(word in reason for word in NAMES_WHERE), reason
+        assert verdict["labels"], f"{module} refused by the engine but its layout shows no reason: {reason}"
+    else:
+        assert not verdict["labels"], f"{module} ran paged although its layout says {verdict['labels']}"
+
+
+@pytest.mark.parametrize("module", sorted(UPSTREAM_BROKEN))
+def test_upstream_broken_architectures_crash_without_mlxpaged(module):
+    """The evidence for UPSTREAM_BROKEN: plain mlx-lm, mlxpaged never imported, dies on the model."""
+    crashed = 0
+    for _ in range(3):
+        run = subprocess.run([sys.executable, "-m", "tests.archs.plain_mlx_lm", module, "20"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=300)
+        crashed += run.returncode < 0 or run.returncode > 128  # killed by a signal
+    assert crashed, f"plain mlx-lm ran {module} 3 times without crashing: take it off UPSTREAM_BROKEN"
+
+
+def test_plain_mlx_lm_runs_a_healthy_architecture():
+    """The twin of the evidence test: the same script succeeds on llama, so a crash means the model."""
+    run = subprocess.run([sys.executable, "-m", "tests.archs.plain_mlx_lm", "llama", "2"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-500:]
+
+
+def test_readme_table_is_the_sweeps(verdicts):
+    """The README's supported-architectures table is what this sweep renders (regenerate it with
+    `python -m tests.archs.arch_table --readme README.md`)."""
+    readme = (ROOT / "README.md").read_text()
+    assert section(readme) == render(verdicts)
