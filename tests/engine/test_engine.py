@@ -31,7 +31,7 @@ def tiny_engine(model, tokenizer, **cache) -> Engine:
     """An engine over a tiny random model, sharing the real tokenizer (its ids < 256 are byte tokens)."""
     config = {k: v for k, v in dataclasses.asdict(model.args).items() if v is not None}
     loaded = LoadedModel(model, tokenizer, ModelRef("tiny", "path"), Path("tiny"), "float32", config)
-    return Engine(loaded, CacheConfig(**{"max_tokens": 2048, "block_size": 8, **cache}))
+    return Engine(loaded, CacheConfig(**{"cache_tokens": 2048, "block_size": 8, **cache}))
 
 
 def assert_same_completions(got: list, want: list) -> None:
@@ -119,7 +119,7 @@ def test_preempted_request_resumes_with_identical_output(tokenizer):
     with tiny_engine(model, tokenizer) as roomy:
         expected = [c.token_ids for c in roomy.generate(prompts, params)]
     # 4 x 60 tokens need 32 blocks of 8; this pool has 8 + 4 = 12.
-    with tiny_engine(model, tokenizer, max_tokens=64, max_num_seqs=4) as tight:
+    with tiny_engine(model, tokenizer, cache_tokens=64, max_num_seqs=4) as tight:
         got = [c.token_ids for c in tight.generate(prompts, params)]
         assert tight.stats()["preemptions"] > 0
         assert_pool_empty(tight)
@@ -235,7 +235,7 @@ def test_abort_mid_stream_frees_blocks(engine):
 
 
 def test_prompt_longer_than_cache_is_rejected_and_others_continue(tokenizer):
-    with tiny_engine(tiny_llama(), tokenizer, max_tokens=64, max_num_seqs=2) as eng:
+    with tiny_engine(tiny_llama(), tokenizer, cache_tokens=64, max_num_seqs=2) as eng:
         running = eng.stream(random_tokens(10), GREEDY)
         next(running)
         with pytest.raises(RequestTooLongError, match="exceeds the KV cache capacity"):

@@ -67,7 +67,7 @@ def test_hybrid_preempted_request_resumes_with_identical_output(hybrid, engine, 
     expected = [c.token_ids for c in engine.generate(prompts, LONG)]
     model, settings = hybrid
     # 4 x 60 tokens need more full-attention blocks than --cache-tokens 64 leaves beside the rings.
-    with tiny_engine(model, tokenizer, max_tokens=64, max_num_seqs=4, **settings) as tight:
+    with tiny_engine(model, tokenizer, cache_tokens=64, max_num_seqs=4, **settings) as tight:
         got = [c.token_ids for c in tight.generate(prompts, LONG)]
         assert tight.stats()["preemptions"] > 0
         assert_pool_empty(tight)
@@ -104,7 +104,7 @@ def test_hybrid_abort_frees_every_table(engine):
 
 def test_hybrid_too_long_request_is_rejected_with_the_ring_aware_capacity(hybrid, tokenizer):
     model, settings = hybrid
-    with tiny_engine(model, tokenizer, max_tokens=64, max_num_seqs=2, **settings) as eng:
+    with tiny_engine(model, tokenizer, cache_tokens=64, max_num_seqs=2, **settings) as eng:
         capacity = eng.scheduler.capacity_tokens
         bs = eng.kv_manager.block_size
         assert capacity == eng.plan.token_capacity and capacity % bs == 0
