@@ -41,7 +41,8 @@ import mlx.core as mx
 
 from mlxpaged.kernels.cpu_attention import attend, decode_attention_cpu, paged_attention_cpu
 from mlxpaged.kernels import paged_attention as pa
-from mlxpaged.kernels.reference import attend_pages, paged_attention_reference, paged_prefill_attention_reference
+from mlxpaged.kernels.reference import (attend_pages, fast_sinks, paged_attention_reference,
+                                        paged_prefill_attention_reference)
 from mlxpaged.kernels.self_check import KernelVariant, VariantCheck, check_variant, variants_for
 
 ENV_VAR = "MLXPAGED_ATTENTION"
@@ -154,7 +155,7 @@ def sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None, sinks: 
     ``mx.fast.scaled_dot_product_attention``'s contract; ``cpu_attention.attend`` on the cpu backend."""
     if resolved_backend() == "cpu":
         return attend(q, k, v, scale, mask, sinks)
-    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=fast_sinks(sinks, q.dtype))
 
 
 def paged_prefill_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_table,

@@ -101,6 +101,14 @@ def check_pools(q: mx.array, k_pool: mx.array, v_pool: mx.array, sinks: mx.array
         raise ValueError(f"sinks {tuple(sinks.shape)} must hold one logit per query head ({q.shape[1]},)")
 
 
+def fast_sinks(sinks: mx.array | None, dtype: mx.Dtype) -> mx.array | None:
+    """Sinks as ``mx.fast.scaled_dot_product_attention`` takes them: in the queries' dtype (float32
+    sinks with float16 queries raise there; the other way round the cast is exact)."""
+    if sinks is None or sinks.dtype == dtype:
+        return sinks
+    return sinks.astype(dtype)
+
+
 def attend_pages(q: mx.array, k_pool: mx.array, v_pool: mx.array, rows: mx.array, mask: mx.array | None,
                  scale: float, sinks: mx.array | None = None) -> mx.array:
     """Decode attention over gathered pages: ``rows`` [B, KVH, nb] from ``page_rows``, ``mask``
@@ -115,7 +123,8 @@ def attend_pages(q: mx.array, k_pool: mx.array, v_pool: mx.array, rows: mx.array
         folded = q.reshape(batch, kv_heads, heads // kv_heads, head_dim)
         out = mx.fast.scaled_dot_product_attention(folded, keys, values, scale=scale, mask=mask)
         return out.reshape(batch, heads, 1, values.shape[-1])
-    return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask, sinks=sinks)
+    return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask,
+                                                sinks=fast_sinks(sinks, q.dtype))
 
 
 def zero_empty(out: mx.array, lens: list[int]) -> mx.array:
@@ -218,6 +227,7 @@ def paged_prefill_attention_reference(q: mx.array, k_pool: mx.array, v_pool: mx.
     if chunk_len == 0:
         return mx.zeros(output_shape(q, v_pool), dtype=q.dtype)
     block_size = k_pool.shape[2]
+    sinks = fast_sinks(sinks, q.dtype)
     table = as_table(block_table).reshape(1, -1)
     total = prefix_len + chunk_len
     if total > table.shape[1] * block_size:
