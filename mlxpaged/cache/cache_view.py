@@ -207,6 +207,7 @@ class _GroupPlanner:
             block_size = self.kv_cache.block_size
             self._plan = _build_plan(self.group, self.tables, offsets, num_new, length, block_size)
             self._key = key
+            self.full_masks = []  # a new pass: the last pass's masks say nothing about this one
         return self._plan
 
 

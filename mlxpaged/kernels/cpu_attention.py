@@ -16,9 +16,9 @@ Three changes, each checked against a NumPy float64 reference in tests/kernels/t
 - Causal queries are processed in blocks that each read only the keys they can see, so the
   masked upper triangle is neither multiplied nor exponentiated (about half the work).
 
-Sinks (gpt-oss, one logit per query head) join the row maximum and the softmax denominator
-(reference.py has the formula). GQA is folded: the G query heads of a KV head are G times more query rows against the same
-keys, so K and V are read once per KV head and the batched matmuls are larger.
+GQA is folded: the G query heads of a KV head are G times more query rows against the same
+keys, so K and V are read once per KV head and the batched matmuls are larger. Sinks (gpt-oss,
+one logit per query head) join the row maximum and the denominator (formula in reference.py).
 
 Decode does not gather pages: ``mx.gather_mm`` multiplies each (sequence, KV head) query rows
 with each of its pages where the page lies in the pool, for scores and again for the weighted

@@ -3,9 +3,9 @@ compare it with the pure-MLX reference, so a kernel that does not compile or giv
 this GPU is replaced by the reference (mlxpaged.kernels.attention) instead of reaching a user's chat.
 
 A variant is one compiled specialisation: dtype, key and value head dims, block size, GQA group and
-sinks are template parameters, one-pass and two-pass are different kernels. The number of KV heads and the lengths are
-runtime values, so a small case (3 sequences, 2 KV heads, at most 4 blocks each) exercises the same
-code as a long chat. Results are cached per process per (variant, launcher).
+sinks are template parameters, one-pass and two-pass are different kernels. The number of KV heads
+and the lengths are runtime values, so a small case (3 sequences, 2 KV heads, at most 4 blocks
+each) exercises the same code as a long chat. Results are cached per process per (variant, launcher).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class KernelVariant:
     block_size: int
     gqa: int  # query heads per KV head
     two_pass: bool
-    v_dim: int | None = None  # value head dim; None: the same as head_dim (kept None then, one key per kernel)
+    v_dim: int | None = None  # value head dim; None (also when given equal): the same as head_dim
     sinks: bool = False  # a sink logit per query head (gpt-oss)
 
     def __post_init__(self):

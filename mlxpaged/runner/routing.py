@@ -30,7 +30,7 @@ _ROUTED_MODULES: dict[str, object] = {}
 
 def _routed_sdpa(queries, keys, values, cache, scale, mask, sinks=None):
     if isinstance(cache, DecodeView):  # inside a compiled decode pass
-        _check_compiled_call(queries, keys, values, cache, mask)
+        _check_compiled_call(keys, values, cache, mask)
         return cache.attend(queries, scale, sinks)
     if isinstance(cache, PagedCacheView):
         pools = pool_inputs(queries, keys, values, cache, mask)
@@ -57,7 +57,7 @@ def pool_inputs(queries: mx.array, keys: mx.array, values: mx.array, cache: Page
     return decode
 
 
-def _check_compiled_call(queries, keys, values, cache: DecodeView, mask) -> None:
+def _check_compiled_call(keys, values, cache: DecodeView, mask) -> None:
     """A compiled pass reads the pools only (its views return the new K/V, not gathered pages), so a
     call it cannot honour must fail loudly instead of attending the wrong keys."""
     if not cache.returned(keys, values):

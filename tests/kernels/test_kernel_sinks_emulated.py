@@ -53,13 +53,15 @@ def run_case(two_pass: bool, v_dim: int = 64) -> tuple[float, float]:
     return max_error(out, case.expected()), case.tolerance
 
 
+NO_SINK_IN_REDUCE = ("paged_attention_reduce", "if (SINKS) {\n  const float sink = sinks[head];",
+                     "if (false) {\n  const float sink = 0;")
 MUTATIONS = [
     # (section, old, new, two_pass)
     ("paged_attention_decode", "#if !PA_PARTITIONED\n  if (SINKS) {", "#if 1\n  if (SINKS) {", True),
-    ("paged_attention_reduce", "if (SINKS) {\n  const float sink = sinks[head];", "if (false) {\n  const float sink = 0;",
-     True),
+    (*NO_SINK_IN_REDUCE, True),
     ("paged_attention_decode", "    group_max = top;\n", "", False),
-    ("paged_attention_decode", "    total = total * metal::exp(group_max - top) + metal::exp(sink - top);\n", "", False),
+    ("paged_attention_decode", "    total = total * metal::exp(group_max - top) + metal::exp(sink - top);\n", "",
+     False),
 ]
 
 
@@ -97,7 +99,7 @@ def test_variant_names_and_equal_widths_are_one_variant():
 
 
 def test_self_check_catches_a_kernel_that_ignores_sinks(mutate):
-    mutate(("paged_attention_reduce", "if (SINKS) {\n  const float sink = sinks[head];", "if (false) {\n  const float sink = 0;"))
+    mutate(NO_SINK_IN_REDUCE)
     with_sinks = sc.check_variant(sc.KernelVariant("float32", 64, 16, 2, True, None, True), Emulator())
     without = sc.check_variant(sc.KernelVariant("float32", 64, 16, 2, True), Emulator())
     assert not with_sinks.ok and with_sinks.reason.startswith("mismatch")

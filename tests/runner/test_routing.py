@@ -110,11 +110,18 @@ def test_prefill_attends_over_the_gathered_keys(calls):
     kv = PagedKVCache(1, 8, BLOCK, KV_HEADS, DIM, mx.float32)
     view = paged_views(kv, [[[3, 1]]])[0]
     mask = view.make_mask(10)
-    keys, values = view.update_and_fetch(mx.random.normal((1, KV_HEADS, 10, DIM)), mx.random.normal((1, KV_HEADS, 10, DIM)))
+    new = mx.random.normal((1, KV_HEADS, 10, DIM))
+    keys, values = view.update_and_fetch(new, new + 1)
     queries = mx.random.normal((1, HEADS, 10, DIM))
     out = routing._routed_sdpa(queries, keys, values, view, SCALE, mask, mx.zeros((HEADS,)))
     assert calls == ["passed"] and view.decode_inputs() is None
     assert mx.allclose(out, mlx_lm_attention(queries, keys, values, mask, mx.zeros((HEADS,))), atol=1e-5).item()
+
+
+def test_a_mask_from_an_earlier_pass_is_not_this_passes():
+    view, keys, values, queries, old = decode_view([5, 20])
+    new = view.make_mask(1)  # the next pass (offsets moved on) builds its own
+    assert view.made_mask(new) and not view.made_mask(old)
 
 
 def test_views_return_the_gathered_keys_in_decode():
