@@ -160,7 +160,7 @@ def sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None, sinks: 
 
 def paged_prefill_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_table,
                             prefix_len: int, chunk_len: int, scale: float,
-                            window: int | None = None) -> mx.array:
+                            window: int | None = None, sinks: mx.array | None = None) -> mx.array:
     """Prefill / chunked prefill of one request: ``chunk_len`` new queries after ``prefix_len`` cached tokens.
 
     q [1, num_heads, chunk_len, D]; block_table [n_blocks] int32 covering at least
@@ -169,7 +169,7 @@ def paged_prefill_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, blo
     Pure MLX on every backend (see reference.py for where a Metal varlen kernel would go).
     """
     return paged_prefill_attention_reference(q, k_pool, v_pool, block_table, prefix_len, chunk_len,
-                                             scale, window)
+                                             scale, window, sinks)
 
 
 def decode_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, rows: mx.array, mask: mx.array,

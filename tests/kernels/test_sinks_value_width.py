@@ -8,8 +8,7 @@ import pytest
 
 from mlxpaged.kernels import attention, cpu_attention, reference
 from mlxpaged.kernels.cpu_attention import attend, decode_attention_cpu, paged_attention_cpu
-from mlxpaged.kernels.reference import (decode_plan, paged_attention_reference, paged_prefill_attention_reference,
-                                        page_rows)
+from mlxpaged.kernels.reference import decode_plan, paged_attention_reference, page_rows
 from tests.msl.oracle import (DTYPES, TOLERANCE, attend as oracle_attend, causal_oracle, make_decode_case,
                               max_error, quantize, random_sinks)
 from tests.kernels.test_reference_paged import write_sequence
@@ -134,7 +133,7 @@ def test_paged_prefill_with_sinks_and_narrow_values(prefix, chunk, window):
     v_pool, v64 = v_table_pool
     q, q64 = quantize(rng.standard_normal((1, heads, prefix + chunk, dim)), "float32")
     sinks, sinks64 = random_sinks(rng, heads)
-    out = paged_prefill_attention_reference(q[:, :, prefix:], k_pool, v_pool, mx.array(table), prefix, chunk,
+    out = attention.paged_prefill_attention(q[:, :, prefix:], k_pool, v_pool, mx.array(table), prefix, chunk,
                                             dim ** -0.5, window, sinks)
     whole = causal_oracle(q64[0], k64, v64, dim ** -0.5, window, sinks64=sinks64)[None, :, prefix:]
     assert max_error(out, whole) < 1e-5
