@@ -31,6 +31,7 @@ runs; the views keep references, so an engine may append blocks between passes.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -80,11 +81,8 @@ def paged_views(
     block_tables: Sequence[Sequence[list[int]]],
     offsets: Sequence[int] | None = None,
     num_new: Sequence[int] | None = None,
-    routed: bool = False,
 ) -> list[PagedCacheView]:
     """Views for every layer; `block_tables[b][g]` is sequence b's table for group g.
-    `routed`: the model's attention goes through `decode_inputs` (mlxpaged.loading.loader routing), so
-    decode passes skip gathering K/V that nobody reads.
 
     `offsets[b]`: tokens already cached (default 0). `num_new[b]`: real tokens of row b
     in the next pass only (default: every row is full); later passes treat rows as full.
@@ -101,7 +99,7 @@ def paged_views(
         _GroupPlanner(kv_cache, g, [tables[g.index] for tables in block_tables]) for g in kv_cache.groups
     ]
     return [
-        PagedCacheView(kv_cache, layer, planners[kv_cache.group_of(layer).index], offsets, num_new, routed)
+        PagedCacheView(kv_cache, layer, planners[kv_cache.group_of(layer).index], offsets, num_new)
         for layer in range(kv_cache.num_layers)
     ]
 
@@ -201,6 +199,7 @@ class _GroupPlanner:
         self.kv_cache, self.group, self.tables = kv_cache, group, tables
         self._key: tuple | None = None
         self._plan: _Plan | None = None
+        self.full_masks: list = []  # masks the group's views made without a window this pass (routing.py)
 
     def plan(self, offsets: Sequence[int], num_new: Sequence[int], length: int) -> _Plan:
         key = (tuple(offsets), tuple(num_new), length, tuple(len(t) for t in self.tables))
@@ -208,6 +207,7 @@ class _GroupPlanner:
             block_size = self.kv_cache.block_size
             self._plan = _build_plan(self.group, self.tables, offsets, num_new, length, block_size)
             self._key = key
+            self.full_masks = []  # a new pass: the last pass's masks say nothing about this one
         return self._plan
 
 
@@ -221,10 +221,9 @@ class PagedCacheView:
         planner: _GroupPlanner,
         offsets: Sequence[int],
         num_new: Sequence[int] | None = None,
-        routed: bool = False,
     ):
         self._kv, self._layer, self._planner = kv_cache, layer, planner
-        self._routed = routed
+        self._fetched: tuple | None = None  # weak references: a held lazy gather would pin the pool
         self._offsets = list(offsets)
         self._num_new = list(num_new) if num_new is not None else None
         self._last_plan: _Plan | None = None
@@ -256,8 +255,23 @@ class PagedCacheView:
         plan = self._planner.plan(self._offsets, self._num_rows(len(self._offsets), N), N)
         window = window_size if window_size is not None else self._planner.group.window
         if plan.exact:
-            return _exact_mask(N, plan.offsets[0] - plan.key_starts[0], window, return_array)
-        return _ragged_mask(plan, window)
+            mask = _exact_mask(N, plan.offsets[0] - plan.key_starts[0], window, return_array)
+        else:
+            mask = _ragged_mask(plan, window)
+        if window is None and mask is not None:
+            self._planner.full_masks.append(mask)
+        return mask
+
+    def made_mask(self, mask) -> bool:
+        """True when `mask` is one this pass's views of this layer group returned from `make_mask`
+        without a window: the keys it admits are exactly the sequence's cached ones."""
+        return any(mask is made for made in self._planner.full_masks)
+
+    def returned(self, keys: mx.array, values: mx.array) -> bool:
+        """True when `keys` and `values` are the very arrays the last `update_and_fetch` returned."""
+        if self._fetched is None:
+            return False
+        return keys is self._fetched[0]() and values is self._fetched[1]()
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Write the new K/V `[B, kv_heads, L, head_dim]` into pages; return the K/V to attend."""
@@ -272,12 +286,12 @@ class PagedCacheView:
                 out = keys, values
             else:
                 out = mx.concatenate([old[0], keys], axis=2), mx.concatenate([old[1], values], axis=2)
-        elif self._routed and _routable(plan, self._planner.group):
-            self._write(plan, keys, values)
-            out = keys, values  # attention reads the pages itself (decode_inputs); nothing to gather
         else:
+            # Always the gathered K/V, lazily: when attention reads the pages itself (routing.py)
+            # the gather is never evaluated; any other consumer gets the right keys.
             self._write(plan, keys, values)
             out = self._read(plan)
+        self._fetched = tuple(weakref.ref(x) for x in out) if out is not None else None
         self._offsets = [o + n for o, n in zip(plan.offsets, plan.num_new)]
         self._offset_array = None
         self._num_new = None

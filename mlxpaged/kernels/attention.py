@@ -6,9 +6,12 @@ sequence: the pages are read in place by the kernel) and ``sdpa`` for prefill an
 (over the K/V the cache view gathered). ``paged_prefill_attention`` is the same prefill computed
 straight from the pages, for tests and future kernels. Shapes:
 
-- K/V pools, per layer: ``[num_blocks, num_kv_heads, block_size, head_dim]``; token ``t`` of a
-  sequence is at ``pool[table[t // block_size], :, t % block_size, :]``. A call reads the pools
-  only; new K/V are written by the cache (indexed assignment) *before* attending.
+- K/V pools, per layer: K ``[num_blocks, num_kv_heads, block_size, k_dim]``, V the same with its own
+  ``v_dim`` (latent caches); token ``t`` of a sequence is at ``pool[table[t // block_size], :, t % block_size, :]``.
+  A call reads the pools only; new K/V are written by the cache (indexed assignment) *before* attending.
+  Outputs have V's width.
+- ``sinks``: ``None`` or one float32 logit per query head (gpt-oss) that joins each softmax as a key
+  with no value (reference.py has the formula); every path takes it.
 - ``num_heads`` must be a multiple of ``num_kv_heads`` (GQA: query head ``h`` reads KV head
   ``h // (num_heads // num_kv_heads)``).
 - ``window``: ``None`` for full attention, else a query at position ``p`` sees keys ``p-window+1 .. p``.
@@ -38,7 +41,8 @@ import mlx.core as mx
 
 from mlxpaged.kernels.cpu_attention import attend, decode_attention_cpu, paged_attention_cpu
 from mlxpaged.kernels import paged_attention as pa
-from mlxpaged.kernels.reference import attend_pages, paged_attention_reference, paged_prefill_attention_reference
+from mlxpaged.kernels.reference import (attend_pages, fast_sinks, paged_attention_reference,
+                                        paged_prefill_attention_reference)
 from mlxpaged.kernels.self_check import KernelVariant, VariantCheck, check_variant, variants_for
 
 ENV_VAR = "MLXPAGED_ATTENTION"
@@ -123,39 +127,40 @@ def _float32(k_pool: mx.array, v_pool: mx.array) -> bool:
 
 
 def paged_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_tables: mx.array,
-                    context_lens: mx.array, scale: float, window: int | None = None) -> mx.array:
+                    context_lens: mx.array, scale: float, window: int | None = None,
+                    sinks: mx.array | None = None) -> mx.array:
     """Decode: one query token per sequence over its pages.
 
-    q [B, num_heads, 1, D]; block_tables [B, max_blocks] int32 (entries past a sequence's blocks
+    q [B, num_heads, 1, Dk]; block_tables [B, max_blocks] int32 (entries past a sequence's blocks
     are ignored; keep the table no wider than the longest sequence needs); context_lens [B] int32
     (an mx.array, or a tuple of ints), tokens in the pool including the current one (0 gives a
-    zero output).
-    Returns [B, num_heads, 1, D] in q's dtype.
+    zero output); sinks [num_heads] or None.
+    Returns [B, num_heads, 1, Dv] in q's dtype.
     """
     backend = resolved_backend()
     if backend == "kernel":
-        if pa.kernel_supports(q, k_pool, v_pool, block_tables, window):
+        if pa.kernel_supports(q, k_pool, v_pool, block_tables, window, sinks):
             two_pass = pa.use_two_pass(q.shape[0], k_pool.shape[1],
                                        pa.attended_span(block_tables.shape[1], k_pool.shape[2], window))
-            if _kernel_passed(_variant(q, k_pool, two_pass)):
+            if _kernel_passed(_variant(q, k_pool, v_pool, sinks, two_pass)):
                 return pa.paged_attention_metal(q, k_pool, v_pool, block_tables, context_lens, scale, window,
-                                                two_pass=two_pass, launcher=_launcher)
+                                                sinks, two_pass=two_pass, launcher=_launcher)
     if backend == "cpu" and _float32(k_pool, v_pool):
-        return paged_attention_cpu(q, k_pool, v_pool, block_tables, context_lens, scale, window)
-    return paged_attention_reference(q, k_pool, v_pool, block_tables, context_lens, scale, window)
+        return paged_attention_cpu(q, k_pool, v_pool, block_tables, context_lens, scale, window, sinks)
+    return paged_attention_reference(q, k_pool, v_pool, block_tables, context_lens, scale, window, sinks)
 
 
-def sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None) -> mx.array:
+def sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None, sinks: mx.array | None = None) -> mx.array:
     """Attention over contiguous K/V (prefill over the K/V a cache view gathered), with
     ``mx.fast.scaled_dot_product_attention``'s contract; ``cpu_attention.attend`` on the cpu backend."""
     if resolved_backend() == "cpu":
-        return attend(q, k, v, scale, mask)
-    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+        return attend(q, k, v, scale, mask, sinks)
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=fast_sinks(sinks, q.dtype))
 
 
 def paged_prefill_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_table,
                             prefix_len: int, chunk_len: int, scale: float,
-                            window: int | None = None) -> mx.array:
+                            window: int | None = None, sinks: mx.array | None = None) -> mx.array:
     """Prefill / chunked prefill of one request: ``chunk_len`` new queries after ``prefix_len`` cached tokens.
 
     q [1, num_heads, chunk_len, D]; block_table [n_blocks] int32 covering at least
@@ -164,24 +169,25 @@ def paged_prefill_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, blo
     Pure MLX on every backend (see reference.py for where a Metal varlen kernel would go).
     """
     return paged_prefill_attention_reference(q, k_pool, v_pool, block_table, prefix_len, chunk_len,
-                                             scale, window)
+                                             scale, window, sinks)
 
 
 def decode_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, rows: mx.array, mask: mx.array,
-                     scale: float) -> mx.array:
+                     scale: float, sinks: mx.array | None = None) -> mx.array:
     """Decode attention from array inputs only, for compiled passes (no host lengths): ``rows``
     [B, KVH, nb] page rows (``reference.page_rows``), ``mask`` [B, 1, 1, nb * BS] bool (key in the
     sequence; every sequence has at least one). Same result as ``paged_attention``."""
     if resolved_backend() == "cpu" and _float32(k_pool, v_pool):
-        return decode_attention_cpu(q, k_pool, v_pool, rows, mask, scale)
-    return attend_pages(q, k_pool, v_pool, rows, mask, scale)
+        return decode_attention_cpu(q, k_pool, v_pool, rows, mask, scale, sinks)
+    return attend_pages(q, k_pool, v_pool, rows, mask, scale, sinks)
 
 
 # --- kernel self-check: which variants the kernel attends, and why -------------------------------
 
-def _variant(q: mx.array, k_pool: mx.array, two_pass: bool) -> KernelVariant:
+def _variant(q: mx.array, k_pool: mx.array, v_pool: mx.array, sinks: mx.array | None, two_pass: bool) -> KernelVariant:
     heads, kv_heads = q.shape[1], k_pool.shape[1]
-    return KernelVariant(DTYPE_NAMES[q.dtype], q.shape[3], k_pool.shape[2], heads // kv_heads, two_pass)
+    return KernelVariant(DTYPE_NAMES[q.dtype], q.shape[3], k_pool.shape[2], heads // kv_heads, two_pass,
+                         v_pool.shape[3], sinks is not None)
 
 
 def _kernel_passed(variant: KernelVariant) -> bool:
@@ -208,17 +214,20 @@ def fallback_warning(failed: list[VariantCheck]) -> str:
             f"Please report this with the output of `mlxpaged doctor`.")
 
 
-def prepare_attention(dtype: mx.Dtype, head_dim: int, block_size: int, num_heads: int, num_kv_heads: int) -> dict:
+def prepare_attention(dtype: mx.Dtype, head_dim: int, block_size: int, num_heads: int, num_kv_heads: int,
+                      v_dim: int | None = None, sinks: bool = False) -> dict:
     """Called once per engine before its first decode: on the kernel path, self-check the variants
-    this model needs (cached per process). Returns ``attention_status()``."""
+    this model needs (cached per process); ``v_dim`` None: V as wide as K. Returns ``attention_status()``."""
     global _model_kv
     q = mx.zeros((1, num_heads, 1, head_dim), dtype)
-    pool = mx.zeros((1, num_kv_heads, block_size, head_dim), dtype)
-    unsupported = pa.unsupported_reason(q, pool, pool, mx.zeros((1, 1), mx.int32))
+    k_pool = mx.zeros((1, num_kv_heads, block_size, head_dim), dtype)
+    v_pool = mx.zeros((1, num_kv_heads, block_size, v_dim or head_dim), dtype)
+    sink_logits = mx.zeros((num_heads,)) if sinks else None
+    unsupported = pa.unsupported_reason(q, k_pool, v_pool, mx.zeros((1, 1), mx.int32), sinks=sink_logits)
     _model_kv = (DTYPE_NAMES.get(dtype, str(dtype)), unsupported)
     if resolved_backend() == "kernel" and unsupported is None:
         _check_variants(variants_for(dtype=DTYPE_NAMES[dtype], head_dim=head_dim, block_size=block_size,
-                                     num_heads=num_heads, num_kv_heads=num_kv_heads))
+                                     num_heads=num_heads, num_kv_heads=num_kv_heads, v_dim=v_dim, sinks=sinks))
     return attention_status()
 
 

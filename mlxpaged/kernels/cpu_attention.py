@@ -17,7 +17,8 @@ Three changes, each checked against a NumPy float64 reference in tests/kernels/t
   masked upper triangle is neither multiplied nor exponentiated (about half the work).
 
 GQA is folded: the G query heads of a KV head are G times more query rows against the same
-keys, so K and V are read once per KV head and the batched matmuls are larger.
+keys, so K and V are read once per KV head and the batched matmuls are larger. Sinks (gpt-oss,
+one logit per query head) join the row maximum and the denominator (formula in reference.py).
 
 Decode does not gather pages: ``mx.gather_mm`` multiplies each (sequence, KV head) query rows
 with each of its pages where the page lies in the pool, for scores and again for the weighted
@@ -32,8 +33,8 @@ from functools import partial
 
 import mlx.core as mx
 
-from mlxpaged.kernels.reference import (attend_pages, decode_plan, paged_attention_reference,
-                                        zero_empty)
+from mlxpaged.kernels.reference import (attend_pages, check_pools, decode_plan, output_shape,
+                                        paged_attention_reference, zero_empty)
 
 # Decode calls over fewer (sequence x key) pairs than this take the reference path (gathered pages
 # + mx.fast SDPA): the copy is small there and its graph has fewer nodes to build and run. Batch-1
@@ -69,12 +70,13 @@ def shifted_exp(scores: mx.array, row_max: mx.array) -> mx.array:
     return p * mx.view(bits, mx.float32)
 
 
-def attend(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None) -> mx.array:
-    """What ``mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)`` returns.
+def attend(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None, sinks: mx.array | None = None) -> mx.array:
+    """What ``mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)`` returns.
 
-    q [B, H, L, D]; k, v [B, KVH, K, D] with H a multiple of KVH; mask None, "causal"
+    q [B, H, L, Dk]; k [B, KVH, K, Dk], v [B, KVH, K, Dv] with H a multiple of KVH; mask None, "causal"
     (bottom-right aligned: query i sees keys <= K - L + i), a boolean array (True = attend)
-    or an additive array, broadcastable to [B, H, L, K]. Computed in float32, returned in q's dtype.
+    or an additive array, broadcastable to [B, H, L, K]; sinks [H] or None. Computed in float32,
+    returned in q's dtype, [B, H, L, Dv].
     """
     length, keys = q.shape[2], k.shape[2]
     if isinstance(mask, str):
@@ -85,12 +87,30 @@ def attend(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None) -> mx
             for i in range(0, length, QUERY_BLOCK):
                 j = min(length, i + QUERY_BLOCK)
                 end = keys - length + j  # the last key query j - 1 sees, plus one
-                blocks.append(_attend(q[:, :, i:j], k[:, :, :end], v[:, :, :end], scale, "causal"))
+                blocks.append(_attend(q[:, :, i:j], k[:, :, :end], v[:, :, :end], scale, "causal", sinks))
             return mx.concatenate(blocks, axis=2)
-    return _attend(q, k, v, scale, mask)
+    return _attend(q, k, v, scale, mask, sinks)
 
 
-def _attend(q: mx.array, k: mx.array, v: mx.array, scale: float, mask) -> mx.array:
+def _sink_rows(sinks: mx.array, kv_heads: int, ndim: int) -> mx.array:
+    """sinks [H] as float32 [1, KVH, G, 1, ...] (``ndim`` dims), the folded layout of the scores."""
+    shape = (1, kv_heads, sinks.shape[0] // kv_heads) + (1,) * (ndim - 3)
+    return sinks.astype(mx.float32).reshape(shape)
+
+
+def _softmax_parts(scores: mx.array, sinks: mx.array | None, kv_heads: int) -> tuple[mx.array, mx.array]:
+    """(unnormalised probabilities, denominator) over the last axis, a sink logit joining both."""
+    row_max = mx.max(scores, axis=-1, keepdims=True)
+    if sinks is None:
+        probs = shifted_exp(scores, row_max)
+        return probs, mx.sum(probs, axis=-1, keepdims=True)
+    sink = _sink_rows(sinks, kv_heads, scores.ndim)
+    row_max = mx.maximum(row_max, sink)
+    probs = shifted_exp(scores, row_max)
+    return probs, mx.sum(probs, axis=-1, keepdims=True) + shifted_exp(sink, row_max)
+
+
+def _attend(q: mx.array, k: mx.array, v: mx.array, scale: float, mask, sinks: mx.array | None = None) -> mx.array:
     batch, heads, length, dim = q.shape
     kv_heads, keys = k.shape[1], k.shape[2]
     group = heads // kv_heads
@@ -99,8 +119,7 @@ def _attend(q: mx.array, k: mx.array, v: mx.array, scale: float, mask) -> mx.arr
     scores = (rows @ k.astype(f32).swapaxes(-1, -2)).reshape(batch, kv_heads, group, length, keys)
     if mask is not None:
         scores = _apply_mask(scores, mask, heads, length, keys)
-    probs = shifted_exp(scores, mx.max(scores, axis=-1, keepdims=True))
-    total = mx.sum(probs, axis=-1, keepdims=True)
+    probs, total = _softmax_parts(scores, sinks, kv_heads)
     out = probs.reshape(batch, kv_heads, group * length, keys) @ v.astype(f32)
     out = out / total.reshape(batch, kv_heads, group * length, 1)
     return out.reshape(batch, heads, length, v.shape[-1]).astype(q.dtype)
@@ -124,7 +143,7 @@ def _apply_mask(scores: mx.array, mask, heads: int, length: int, keys: int) -> m
 
 
 def paged_attention_cpu(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_tables, context_lens,
-                        scale: float, window: int | None = None) -> mx.array:
+                        scale: float, window: int | None = None, sinks: mx.array | None = None) -> mx.array:
     """Decode attention, one query per sequence, read from float32 pools in place.
     Same contract as ``reference.paged_attention_reference``."""
     batch, heads, qlen, dim = q.shape
@@ -132,31 +151,32 @@ def paged_attention_cpu(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_t
         raise ValueError(f"decode takes one query token per sequence: q is {tuple(q.shape)}")
     if window is not None and window < 1:
         raise ValueError(f"window must be a positive number of tokens or None, got {window}")
+    check_pools(q, k_pool, v_pool, sinks)
     plan = decode_plan(block_tables, context_lens, window, k_pool.shape, batch)
     if plan is None:
-        return mx.zeros(q.shape, dtype=q.dtype)
+        return mx.zeros(output_shape(q, v_pool), dtype=q.dtype)
     if batch * plan.rows.shape[2] * k_pool.shape[2] < GATHER_MM_MIN_KEYS:
-        return paged_attention_reference(q, k_pool, v_pool, block_tables, context_lens, scale, window)
+        return paged_attention_reference(q, k_pool, v_pool, block_tables, context_lens, scale, window, sinks)
     page_ids, query_ids, page_mask = plan.derived("cpu", lambda p: _page_arrays(p.rows, p.mask))
-    out = _gather_mm_attention(q, k_pool, v_pool, page_ids, query_ids, page_mask, scale)
+    out = _gather_mm_attention(q, k_pool, v_pool, page_ids, query_ids, page_mask, scale, sinks)
     return zero_empty(out, plan.lens)
 
 
 def decode_attention_cpu(q: mx.array, k_pool: mx.array, v_pool: mx.array, rows: mx.array, mask: mx.array,
-                         scale: float) -> mx.array:
+                         scale: float, sinks: mx.array | None = None) -> mx.array:
     """Decode attention from array inputs only (compiled passes): ``rows`` [B, KVH, nb] page rows,
-    ``mask`` [B, 1, 1, nb * BS] bool, at least one key per sequence. Float32 pools."""
+    ``mask`` [B, 1, 1, nb * BS] bool, at least one key per sequence; sinks [H] or None. Float32 pools."""
     batch, kv_heads, pages = rows.shape
     if batch * pages * k_pool.shape[2] < GATHER_MM_MIN_KEYS:
-        return attend_pages(q, k_pool, v_pool, rows, mask, scale)
+        return attend_pages(q, k_pool, v_pool, rows, mask, scale, sinks)
     page_ids, query_ids, page_mask = _page_arrays(rows, mask)
-    return _gather_mm_attention(q, k_pool, v_pool, page_ids, query_ids, page_mask, scale)
+    return _gather_mm_attention(q, k_pool, v_pool, page_ids, query_ids, page_mask, scale, sinks)
 
 
-def _gather_mm_attention(q, k_pool, v_pool, page_ids, query_ids, page_mask, scale) -> mx.array:
+def _gather_mm_attention(q, k_pool, v_pool, page_ids, query_ids, page_mask, scale, sinks=None) -> mx.array:
     """Scores and weighted values page by page with ``mx.gather_mm``, reading the pools in place."""
     batch, heads, _, dim = q.shape
-    kv_heads, block_size = k_pool.shape[1], k_pool.shape[2]
+    kv_heads, block_size, v_dim = k_pool.shape[1], k_pool.shape[2], v_pool.shape[-1]
     group, pages = heads // kv_heads, page_ids.shape[0] // (batch * kv_heads)
     rows = (q.astype(mx.float32) if q.dtype != mx.float32 else q) * scale
     rows = rows.reshape(batch * kv_heads, group, dim)
@@ -165,13 +185,18 @@ def _gather_mm_attention(q, k_pool, v_pool, page_ids, query_ids, page_mask, scal
     scores = scores.reshape(batch, kv_heads, pages, group, block_size)
     if page_mask is not None:
         scores = scores + page_mask
-    row_max = mx.max(mx.max(scores, axis=-1, keepdims=True), axis=2, keepdims=True)
+    row_max = mx.max(mx.max(scores, axis=-1, keepdims=True), axis=2, keepdims=True)  # [B, KVH, 1, G, 1]
+    if sinks is not None:
+        sink = _sink_rows(sinks, kv_heads, 4)[:, :, None]  # [1, KVH, 1, G, 1], the scores' layout
+        row_max = mx.maximum(row_max, sink)
     probs = shifted_exp(scores, row_max)
     total = mx.sum(mx.sum(probs, axis=-1), axis=2)  # [B, KVH, G]
-    out = mx.gather_mm(probs.reshape(-1, group, block_size), v_pool.reshape(-1, block_size, dim),
+    if sinks is not None:
+        total = total + shifted_exp(sink, row_max).reshape(total.shape[0], kv_heads, group)
+    out = mx.gather_mm(probs.reshape(-1, group, block_size), v_pool.reshape(-1, block_size, v_dim),
                        rhs_indices=page_ids)
-    out = mx.sum(out.reshape(batch, kv_heads, pages, group, dim), axis=2) / total[..., None]
-    out = out.reshape(batch, heads, 1, dim)
+    out = mx.sum(out.reshape(batch, kv_heads, pages, group, v_dim), axis=2) / total[..., None]
+    out = out.reshape(batch, heads, 1, v_dim)
     return out if q.dtype == mx.float32 else out.astype(q.dtype)
 
 

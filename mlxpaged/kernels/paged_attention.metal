@@ -6,25 +6,30 @@
 // tokens; each lane owns D/32 contiguous head-dim elements; dot products finish with simd_sum;
 // fp32 online softmax from a finite minimum; simdgroup partials merge in threadgroup memory.
 //
-// Pool layout [num_blocks, num_kv_heads, BS, D]; token t of a sequence lives at
+// Pool layout K [num_blocks, num_kv_heads, BS, D], V [num_blocks, num_kv_heads, BS, DV] (DV may
+// differ from D: latent caches); token t of a sequence lives at
 // pool[block_tables[seq, t / BS], kv_head, t % BS, :]. Only table entries below
 // ceil(length / BS) are read, so padding entries may hold anything.
 //
 // params (int32): [max_blocks, window (0 = full), partition_tokens, num_partitions,
-//                  num_kv_heads, num_heads]; scale (float32): [softmax scale].
+//                  num_kv_heads, num_heads]; scale (float32): [softmax scale];
+// sinks (float32): [num_heads] sink logits, read only when SINKS is 1. A sink joins the softmax
+// as a key with no value: M = max(max score, sink), denominator += exp(sink - M). It enters
+// once per head: in the one-pass merge, or in the reduce, never per partition.
 
 // ==== header ====
 // (no shared helpers: inputs with fewer than 8 elements are bound as `constant`, so all
 // buffer reads stay in the kernel bodies)
 
 // ==== paged_attention_decode ====
-// Template: T, D, BS, G, NSG. PA_PARTITIONED is defined by the wrapper (0: one pass writing
-// `out`; 1: pass one of two, writing unnormalised partial sums o_part / m_part / l_part).
+// Template: T, D, DV, BS, G, NSG, SINKS. PA_PARTITIONED is defined by the wrapper (0: one pass
+// writing `out`; 1: pass one of two, writing unnormalised partial sums o_part / m_part / l_part).
 // Grid (NSG * 32, num_kv_heads, batch * num_partitions); threadgroup (NSG * 32, 1, 1).
-constexpr int EPL = D / 32;  // head-dim elements per lane
+constexpr int EPL = D / 32;  // key head-dim elements per lane
+constexpr int EPL_V = DV / 32;  // value head-dim elements per lane
 threadgroup float tg_max[NSG * G];
 threadgroup float tg_sum[NSG * G];
-threadgroup float tg_out[NSG * D];
+threadgroup float tg_out[NSG * DV];
 const float min_score = -3.0e38f;
 const int max_blocks = params[0];
 const int window = params[1];
@@ -49,14 +54,16 @@ last = metal::min(last, first + params[2]);
 #endif
 
 float q[G * EPL];
-float o[G * EPL];
+float o[G * EPL_V];
 float m[G];
 float l[G];
 for (int g = 0; g < G; g++) {
   const int64_t q_row = (int64_t(seq) * num_heads + kv_head * G + g) * D + lane * EPL;
   for (int i = 0; i < EPL; i++) {
     q[g * EPL + i] = scale[0] * float(queries[q_row + i]);
-    o[g * EPL + i] = 0.0f;
+  }
+  for (int i = 0; i < EPL_V; i++) {
+    o[g * EPL_V + i] = 0.0f;
   }
   m[g] = min_score;
   l[g] = 0.0f;
@@ -65,12 +72,14 @@ for (int g = 0; g < G; g++) {
 // All lanes of a simdgroup share t, so every simd_sum below is reached by the whole simdgroup.
 for (int t = first + sg; t < last; t += NSG) {
   const int block = block_tables[int64_t(seq) * max_blocks + t / BS];
-  const int64_t row = ((int64_t(block) * num_kv_heads + kv_head) * BS + t % BS) * D + lane * EPL;
+  const int64_t slot = (int64_t(block) * num_kv_heads + kv_head) * BS + t % BS;
   float k[EPL];
-  float v[EPL];
+  float v[EPL_V];
   for (int i = 0; i < EPL; i++) {
-    k[i] = float(k_pool[row + i]);
-    v[i] = float(v_pool[row + i]);
+    k[i] = float(k_pool[slot * D + lane * EPL + i]);
+  }
+  for (int i = 0; i < EPL_V; i++) {
+    v[i] = float(v_pool[slot * DV + lane * EPL_V + i]);
   }
   for (int g = 0; g < G; g++) {
     float partial = 0.0f;
@@ -83,8 +92,8 @@ for (int t = first + sg; t < last; t += NSG) {
     const float p = metal::exp(score - new_max);
     m[g] = new_max;
     l[g] = l[g] * rescale + p;
-    for (int i = 0; i < EPL; i++) {
-      o[g * EPL + i] = o[g * EPL + i] * rescale + p * v[i];
+    for (int i = 0; i < EPL_V; i++) {
+      o[g * EPL_V + i] = o[g * EPL_V + i] * rescale + p * v[i];
     }
   }
 }
@@ -107,21 +116,29 @@ for (int g = 0; g < G; g++) {
   for (int s = 0; s < NSG; s++) {
     total += tg_sum[s * G + g] * metal::exp(tg_max[s * G + g] - group_max);
   }
+  const int64_t head_row = int64_t(seq) * num_heads + kv_head * G + g;
+#if !PA_PARTITIONED
+  if (SINKS) {
+    const float sink = sinks[kv_head * G + g];
+    const float top = metal::max(group_max, sink);
+    total = total * metal::exp(group_max - top) + metal::exp(sink - top);
+    group_max = top;
+  }
+#endif
   const float mine = metal::exp(m[g] - group_max);
-  for (int i = 0; i < EPL; i++) {
-    tg_out[sg * D + lane * EPL + i] = o[g * EPL + i] * mine;
+  for (int i = 0; i < EPL_V; i++) {
+    tg_out[sg * DV + lane * EPL_V + i] = o[g * EPL_V + i] * mine;
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
-  const int64_t head_row = int64_t(seq) * num_heads + kv_head * G + g;
-  for (int d = tid; d < D; d += NSG * 32) {
+  for (int d = tid; d < DV; d += NSG * 32) {
     float acc = 0.0f;
     for (int s = 0; s < NSG; s++) {
-      acc += tg_out[s * D + d];
+      acc += tg_out[s * DV + d];
     }
 #if PA_PARTITIONED
-    o_part[(head_row * num_partitions + part) * D + d] = acc;
+    o_part[(head_row * num_partitions + part) * DV + d] = acc;
 #else
-    out[head_row * D + d] = static_cast<T>(total > 0.0f ? acc / total : 0.0f);
+    out[head_row * DV + d] = static_cast<T>(total > 0.0f ? acc / total : 0.0f);
 #endif
   }
 #if PA_PARTITIONED
@@ -134,9 +151,9 @@ for (int g = 0; g < G; g++) {
 }
 
 // ==== paged_attention_reduce ====
-// Pass two: one simdgroup merges a head's partitions. Template: T, D.
+// Pass two: one simdgroup merges a head's partitions, and adds the head's sink. Template: T, DV, SINKS.
 // Grid (32, num_heads, batch); threadgroup (32, 1, 1).
-constexpr int EPL = D / 32;
+constexpr int EPL_V = DV / 32;
 const float min_score = -3.0e38f;
 const int num_partitions = params[3];
 const int num_heads = params[5];
@@ -156,17 +173,23 @@ for (int p = lane; p < num_partitions; p += 32) {
   total += l_part[base + p] * metal::exp(m_part[base + p] - group_max);
 }
 total = metal::simd_sum(total);
+if (SINKS) {
+  const float sink = sinks[head];
+  const float top = metal::max(group_max, sink);
+  total = total * metal::exp(group_max - top) + metal::exp(sink - top);
+  group_max = top;
+}
 
-float acc[EPL];
-for (int i = 0; i < EPL; i++) {
+float acc[EPL_V];
+for (int i = 0; i < EPL_V; i++) {
   acc[i] = 0.0f;
 }
 for (int p = 0; p < num_partitions; p++) {
   const float w = metal::exp(m_part[base + p] - group_max);
-  for (int i = 0; i < EPL; i++) {
-    acc[i] += w * o_part[(base + p) * D + lane * EPL + i];
+  for (int i = 0; i < EPL_V; i++) {
+    acc[i] += w * o_part[(base + p) * DV + lane * EPL_V + i];
   }
 }
-for (int i = 0; i < EPL; i++) {
-  out[head_row * D + lane * EPL + i] = static_cast<T>(total > 0.0f ? acc[i] / total : 0.0f);
+for (int i = 0; i < EPL_V; i++) {
+  out[head_row * DV + lane * EPL_V + i] = static_cast<T>(total > 0.0f ? acc[i] / total : 0.0f);
 }

@@ -1,7 +1,8 @@
 """Python side of the Metal paged-attention decode kernel (source: paged_attention.metal).
 
 Kernels are built once per variant with ``mx.fast.metal_kernel`` and specialised by template
-on dtype, head dim, block size, GQA group size and simdgroup count. Any ``launcher`` with the
+on dtype, key and value head dims, block size, GQA group size, simdgroup count and whether the
+heads have sink logits (gpt-oss). Any ``launcher`` with the
 call signature of a metal_kernel can run them (tests pass the Metal-on-CPU emulator).
 
 One pass or two: a one-pass dispatch has ``batch * num_kv_heads`` threadgroups. When that is
@@ -34,7 +35,8 @@ TWO_PASS_MAX_GROUPS = 64
 
 Launcher = Callable[..., list]
 
-DECODE_INPUTS = ["queries", "k_pool", "v_pool", "block_tables", "context_lens", "params", "scale"]
+DECODE_INPUTS = ["queries", "k_pool", "v_pool", "block_tables", "context_lens", "params", "scale", "sinks"]
+REDUCE_INPUTS = ["o_part", "m_part", "l_part", "params", "sinks"]
 
 
 @lru_cache(maxsize=None)
@@ -58,36 +60,49 @@ def decode_kernel(partitioned: bool):
 @lru_cache(maxsize=None)
 def reduce_kernel():
     sections = source_sections()
-    return mx.fast.metal_kernel(name="paged_attention_reduce", input_names=["o_part", "m_part", "l_part", "params"],
+    return mx.fast.metal_kernel(name="paged_attention_reduce", input_names=REDUCE_INPUTS,
                                 output_names=["out"], source=sections["paged_attention_reduce"],
                                 header=sections["header"])
 
 
-def unsupported_reason(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_tables, window=None) -> str | None:
+def _width_reason(name: str, dim: int) -> str | None:
+    if dim % 32 or not 32 <= dim <= MAX_HEAD_DIM:
+        return f"{name} head dim {dim}: need a multiple of 32 up to {MAX_HEAD_DIM}"
+    return None
+
+
+def unsupported_reason(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_tables, window=None,
+                       sinks: mx.array | None = None) -> str | None:
     """Why the kernel cannot take these shapes (None: it can); such calls use the reference path."""
     if q.ndim != 4 or q.shape[2] != 1:
         return f"decode needs q [B, heads, 1, D], got {tuple(q.shape)}"
-    if k_pool.ndim != 4 or k_pool.shape != v_pool.shape:
-        return f"K/V pools must share a [blocks, kv_heads, block_size, D] shape: {k_pool.shape}, {v_pool.shape}"
+    if k_pool.ndim != 4 or v_pool.ndim != 4 or k_pool.shape[:3] != v_pool.shape[:3]:
+        return f"K/V pools must share [blocks, kv_heads, block_size]: {k_pool.shape}, {v_pool.shape}"
     _, heads, _, head_dim = q.shape
     _, kv_heads, block_size, pool_dim = k_pool.shape
+    v_dim = v_pool.shape[3]
     if not (q.dtype == k_pool.dtype == v_pool.dtype and q.dtype in DTYPES):
         return f"dtypes {q.dtype}/{k_pool.dtype}/{v_pool.dtype}: need one of float16, bfloat16, float32"
-    if head_dim != pool_dim or head_dim % 32 or not 32 <= head_dim <= MAX_HEAD_DIM:
-        return f"head dim {head_dim} (pool {pool_dim}): need a multiple of 32 up to {MAX_HEAD_DIM}"
+    if head_dim != pool_dim:
+        return f"query head dim {head_dim} differs from the K pool's {pool_dim}"
+    reason = _width_reason("key", head_dim) or _width_reason("value", v_dim)
+    if reason:
+        return reason
     if block_size not in BLOCK_SIZES:
         return f"block size {block_size}: need one of {BLOCK_SIZES}"
     if kv_heads == 0 or heads % kv_heads:
         return f"{heads} query heads is not a multiple of {kv_heads} KV heads"
-    if heads // kv_heads * head_dim // 32 > MAX_QUERY_VALUES_PER_LANE:
-        return f"GQA group {heads // kv_heads} x head dim {head_dim} needs too many registers"
+    if heads // kv_heads * max(head_dim, v_dim) // 32 > MAX_QUERY_VALUES_PER_LANE:
+        return f"GQA group {heads // kv_heads} x head dim {max(head_dim, v_dim)} needs too many registers"
     if window is not None and window < 1:
         return f"window {window}"
+    if sinks is not None and tuple(sinks.shape) != (heads,):
+        return f"sinks {tuple(sinks.shape)}: need one logit per query head ({heads},)"
     return None
 
 
-def kernel_supports(q, k_pool, v_pool, block_tables, window=None) -> bool:
-    return unsupported_reason(q, k_pool, v_pool, block_tables, window) is None
+def kernel_supports(q, k_pool, v_pool, block_tables, window=None, sinks=None) -> bool:
+    return unsupported_reason(q, k_pool, v_pool, block_tables, window, sinks) is None
 
 
 def attended_span(max_blocks: int, block_size: int, window: int | None) -> int:
@@ -106,21 +121,23 @@ def _gpu_launch(kernel, **call) -> list:
 
 
 def paged_attention_metal(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_tables: mx.array,
-                          context_lens: mx.array, scale: float, window: int | None = None, *,
-                          two_pass: bool | None = None, partition_tokens: int = PARTITION_TOKENS,
-                          num_simdgroups: int = NUM_SIMDGROUPS, launcher: Launcher | None = None) -> mx.array:
+                          context_lens: mx.array, scale: float, window: int | None = None,
+                          sinks: mx.array | None = None, *, two_pass: bool | None = None,
+                          partition_tokens: int = PARTITION_TOKENS, num_simdgroups: int = NUM_SIMDGROUPS,
+                          launcher: Launcher | None = None) -> mx.array:
     """Decode attention with the Metal kernel; same contract as ``attention.paged_attention``.
 
     ``two_pass`` forces the variant (default: ``use_two_pass``); the two-pass variant splits the
     attended span into ``partition_tokens``-token partitions.
     """
-    reason = unsupported_reason(q, k_pool, v_pool, block_tables, window)
+    reason = unsupported_reason(q, k_pool, v_pool, block_tables, window, sinks)
     if reason:
         raise ValueError(f"paged-attention kernel: unsupported call ({reason})")
     batch, heads, _, head_dim = q.shape
     _, kv_heads, block_size, _ = k_pool.shape
+    v_dim = v_pool.shape[3]
     if batch == 0:
-        return mx.zeros(q.shape, q.dtype)
+        return mx.zeros((batch, heads, 1, v_dim), q.dtype)
     tables = block_tables.astype(mx.int32)
     lens = mx.array(context_lens).astype(mx.int32)
     max_blocks = tables.shape[1]
@@ -131,23 +148,26 @@ def paged_attention_metal(q: mx.array, k_pool: mx.array, v_pool: mx.array, block
         raise ValueError(f"partition_tokens must be positive, got {partition_tokens}")
     partitions = max(1, -(-span // partition_tokens)) if two_pass else 1
     params = mx.array([max_blocks, window or 0, partition_tokens, partitions, kv_heads, heads], dtype=mx.int32)
+    # Without sinks the kernel never reads the buffer (SINKS 0); one zero keeps the signature.
+    sink_logits = mx.zeros((1,), mx.float32) if sinks is None else sinks.astype(mx.float32)
+    has_sinks = int(sinks is not None)
     inputs = [q.reshape(batch, heads, head_dim), k_pool, v_pool, tables, lens, params,
-              mx.array([scale], dtype=mx.float32)]
+              mx.array([scale], dtype=mx.float32), sink_logits]
     threads = num_simdgroups * 32
-    template = [("T", q.dtype), ("D", head_dim), ("BS", block_size), ("G", heads // kv_heads),
-                ("NSG", num_simdgroups)]
+    template = [("T", q.dtype), ("D", head_dim), ("DV", v_dim), ("BS", block_size), ("G", heads // kv_heads),
+                ("NSG", num_simdgroups), ("SINKS", has_sinks)]
     launch = launcher or _gpu_launch
     if not two_pass:
         (out,) = launch(decode_kernel(False), inputs=inputs, template=template, grid=(threads, kv_heads, batch),
-                        threadgroup=(threads, 1, 1), output_shapes=[(batch, heads, head_dim)],
+                        threadgroup=(threads, 1, 1), output_shapes=[(batch, heads, v_dim)],
                         output_dtypes=[q.dtype])
-        return out.reshape(batch, heads, 1, head_dim)
+        return out.reshape(batch, heads, 1, v_dim)
     part_shape = (batch, heads, partitions)
     o_part, m_part, l_part = launch(
         decode_kernel(True), inputs=inputs, template=template, grid=(threads, kv_heads, batch * partitions),
-        threadgroup=(threads, 1, 1), output_shapes=[part_shape + (head_dim,), part_shape, part_shape],
+        threadgroup=(threads, 1, 1), output_shapes=[part_shape + (v_dim,), part_shape, part_shape],
         output_dtypes=[mx.float32] * 3)
-    (out,) = launch(reduce_kernel(), inputs=[o_part, m_part, l_part, params],
-                    template=[("T", q.dtype), ("D", head_dim)], grid=(32, heads, batch), threadgroup=(32, 1, 1),
-                    output_shapes=[(batch, heads, head_dim)], output_dtypes=[q.dtype])
-    return out.reshape(batch, heads, 1, head_dim)
+    (out,) = launch(reduce_kernel(), inputs=[o_part, m_part, l_part, params, sink_logits],
+                    template=[("T", q.dtype), ("DV", v_dim), ("SINKS", has_sinks)], grid=(32, heads, batch),
+                    threadgroup=(32, 1, 1), output_shapes=[(batch, heads, v_dim)], output_dtypes=[q.dtype])
+    return out.reshape(batch, heads, 1, v_dim)

@@ -1,7 +1,11 @@
 """Pure-MLX paged attention: the path on the CPU backend and the oracle for the Metal kernel.
 
-Pool layout (per layer): ``[num_blocks, num_kv_heads, block_size, head_dim]``; token ``t`` of a
-sequence lives at ``pool[table[t // block_size], :, t % block_size, :]``.
+Pool layout (per layer): K ``[num_blocks, num_kv_heads, block_size, k_dim]`` and V
+``[num_blocks, num_kv_heads, block_size, v_dim]`` (widths may differ: MLA latent caches); token ``t`` of a
+sequence lives at ``pool[table[t // block_size], :, t % block_size, :]``. Outputs have V's width.
+
+``sinks`` (gpt-oss): one float32 logit per query head that joins every softmax as a key with no value:
+``out = sum_i e^(s_i - m) v_i / (e^(sink - m) + sum_i e^(s_i - m))``, ``m = max(sink, max_i s_i)``.
 
 Pages are gathered whole: the pool is viewed as ``[num_blocks * num_kv_heads, block_size * head_dim]``
 rows and one ``mx.take`` by ``table * num_kv_heads + head`` yields ``[B, num_kv_heads, tokens, D]``
@@ -62,37 +66,65 @@ def _check_window(window: int | None) -> None:
 
 
 def paged_attention_reference(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_tables,
-                              context_lens, scale: float, window: int | None = None) -> mx.array:
+                              context_lens, scale: float, window: int | None = None,
+                              sinks: mx.array | None = None) -> mx.array:
     """Decode attention, one query token per sequence.
 
-    q [B, H, 1, D]; pools [NB, KVH, BS, D]; block_tables [B, max_blocks] int32;
-    context_lens [B] (tokens in the pool, the current token's K/V included). Returns [B, H, 1, D];
-    a sequence with context length 0 gets zeros.
+    q [B, H, 1, Dk]; pools K [NB, KVH, BS, Dk], V [NB, KVH, BS, Dv]; block_tables [B, max_blocks] int32;
+    context_lens [B] (tokens in the pool, the current token's K/V included); sinks [H] or None.
+    Returns [B, H, 1, Dv]; a sequence with context length 0 gets zeros.
     """
     _check_window(window)
     batch, heads, qlen, head_dim = q.shape
     if qlen != 1:
         raise ValueError(f"decode takes one query token per sequence: q is {tuple(q.shape)}")
+    check_pools(q, k_pool, v_pool, sinks)
     plan = decode_plan(block_tables, context_lens, window, k_pool.shape, batch)
     if plan is None:
-        return mx.zeros(q.shape, dtype=q.dtype)
-    return zero_empty(attend_pages(q, k_pool, v_pool, plan.rows, plan.mask, scale), plan.lens)
+        return mx.zeros(output_shape(q, v_pool), dtype=q.dtype)
+    return zero_empty(attend_pages(q, k_pool, v_pool, plan.rows, plan.mask, scale, sinks), plan.lens)
+
+
+def output_shape(q: mx.array, v_pool: mx.array) -> tuple[int, ...]:
+    """Attention outputs have the queries' shape with V's width."""
+    return (*q.shape[:-1], v_pool.shape[-1])
+
+
+def check_pools(q: mx.array, k_pool: mx.array, v_pool: mx.array, sinks: mx.array | None) -> None:
+    """K and V pools must share blocks, heads and block size, K must have the queries' width and
+    sinks must hold one logit per query head: anything else would attend the wrong numbers."""
+    if k_pool.shape[:3] != v_pool.shape[:3] or k_pool.shape[-1] != q.shape[-1]:
+        raise ValueError(f"pools K {tuple(k_pool.shape)} / V {tuple(v_pool.shape)} do not fit queries "
+                         f"{tuple(q.shape)}: K and V need the same [blocks, kv_heads, block_size] and K "
+                         f"the queries' width {q.shape[-1]}")
+    if sinks is not None and tuple(sinks.shape) != (q.shape[1],):
+        raise ValueError(f"sinks {tuple(sinks.shape)} must hold one logit per query head ({q.shape[1]},)")
+
+
+def fast_sinks(sinks: mx.array | None, dtype: mx.Dtype) -> mx.array | None:
+    """Sinks as ``mx.fast.scaled_dot_product_attention`` takes them: in the queries' dtype (float32
+    sinks with float16 queries raise there; the other way round the cast is exact)."""
+    if sinks is None or sinks.dtype == dtype:
+        return sinks
+    return sinks.astype(dtype)
 
 
 def attend_pages(q: mx.array, k_pool: mx.array, v_pool: mx.array, rows: mx.array, mask: mx.array | None,
-                 scale: float) -> mx.array:
+                 scale: float, sinks: mx.array | None = None) -> mx.array:
     """Decode attention over gathered pages: ``rows`` [B, KVH, nb] from ``page_rows``, ``mask``
-    [B, 1, 1, nb * BS] bool or None. Array inputs only, so compiled passes use it too."""
+    [B, 1, 1, nb * BS] bool or None, ``sinks`` [H] or None. Array inputs only, so compiled passes use it too."""
     batch, heads, _, head_dim = q.shape
     kv_heads = k_pool.shape[1]
     keys, values = gather_pages(k_pool, rows), gather_pages(v_pool, rows)
-    if keys.shape[2] >= FOLD_GQA_MIN_KEYS:
+    if keys.shape[2] >= FOLD_GQA_MIN_KEYS and sinks is None:
         # One decode query per sequence: the G query heads of a KV head are G query rows under the
         # same mask, so attend without GQA and K/V are read once per KV head, not once per query head.
+        # (Not with sinks: mx.fast takes one sink per head, the folded rows would need one per row.)
         folded = q.reshape(batch, kv_heads, heads // kv_heads, head_dim)
         out = mx.fast.scaled_dot_product_attention(folded, keys, values, scale=scale, mask=mask)
-        return out.reshape(batch, heads, 1, head_dim)
-    return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+        return out.reshape(batch, heads, 1, values.shape[-1])
+    return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask,
+                                                sinks=fast_sinks(sinks, q.dtype))
 
 
 def zero_empty(out: mx.array, lens: list[int]) -> mx.array:
@@ -176,13 +208,13 @@ def _decode_mask(lens: list[int], starts: list[int], lo: int, hi: int) -> mx.arr
 
 def paged_prefill_attention_reference(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_table,
                                       prefix_len: int, chunk_len: int, scale: float,
-                                      window: int | None = None) -> mx.array:
+                                      window: int | None = None, sinks: mx.array | None = None) -> mx.array:
     """Attention for a chunk of ``chunk_len`` new tokens after ``prefix_len`` cached ones.
 
     q [1, H, chunk_len, D]. The chunk's own K/V must already be written to the pool at positions
     ``prefix_len .. prefix_len + chunk_len - 1`` of ``block_table`` ([n_blocks] int32). Query ``i``
     (position ``prefix_len + i``) sees keys ``j <= prefix_len + i`` (and ``j > prefix_len + i - window``).
-    Returns [1, H, chunk_len, D].
+    Returns [1, H, chunk_len, Dv]; ``sinks`` [H] or None as in the decode path.
     """
     # A Metal varlen prefill kernel (queries of several requests packed, pages read in place
     # instead of gathered) would replace this on Apple GPUs; pure MLX is fast enough for now.
@@ -191,9 +223,11 @@ def paged_prefill_attention_reference(q: mx.array, k_pool: mx.array, v_pool: mx.
         raise ValueError(f"q must be [1, heads, chunk_len={chunk_len}, D], got {tuple(q.shape)}")
     if prefix_len < 0 or chunk_len < 0:
         raise ValueError(f"prefix_len and chunk_len must be >= 0, got {prefix_len}, {chunk_len}")
+    check_pools(q, k_pool, v_pool, sinks)
     if chunk_len == 0:
-        return mx.zeros(q.shape, dtype=q.dtype)
+        return mx.zeros(output_shape(q, v_pool), dtype=q.dtype)
     block_size = k_pool.shape[2]
+    sinks = fast_sinks(sinks, q.dtype)
     table = as_table(block_table).reshape(1, -1)
     total = prefix_len + chunk_len
     if total > table.shape[1] * block_size:
@@ -210,8 +244,8 @@ def paged_prefill_attention_reference(q: mx.array, k_pool: mx.array, v_pool: mx.
         span = total - lo
         if keys.shape[2] != span:
             keys, values = keys[:, :, :span], values[:, :, :span]
-        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask="causal")
+        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask="causal", sinks=sinks)
     qpos = np.arange(prefix_len, total)[:, None]
     kpos = np.arange(lo, last_block * block_size)[None, :]
     keep = (kpos <= qpos) & (kpos > qpos - window if window else True)
-    return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mx.array(keep))
+    return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mx.array(keep), sinks=sinks)

@@ -2,10 +2,10 @@
 compare it with the pure-MLX reference, so a kernel that does not compile or gives wrong numbers on
 this GPU is replaced by the reference (mlxpaged.kernels.attention) instead of reaching a user's chat.
 
-A variant is one compiled specialisation: dtype, head dim, block size and GQA group are template
-parameters, one-pass and two-pass are different kernels. The number of KV heads and the lengths are
-runtime values, so a small case (3 sequences, 2 KV heads, at most 4 blocks each) exercises the same
-code as a long chat. Results are cached per process per (variant, launcher).
+A variant is one compiled specialisation: dtype, key and value head dims, block size, GQA group and
+sinks are template parameters, one-pass and two-pass are different kernels. The number of KV heads
+and the lengths are runtime values, so a small case (3 sequences, 2 KV heads, at most 4 blocks
+each) exercises the same code as a long chat. Results are cached per process per (variant, launcher).
 """
 
 from __future__ import annotations
@@ -36,9 +36,20 @@ class KernelVariant:
     block_size: int
     gqa: int  # query heads per KV head
     two_pass: bool
+    v_dim: int | None = None  # value head dim; None (also when given equal): the same as head_dim
+    sinks: bool = False  # a sink logit per query head (gpt-oss)
+
+    def __post_init__(self):
+        if self.v_dim == self.head_dim:
+            object.__setattr__(self, "v_dim", None)
+
+    @property
+    def value_dim(self) -> int:
+        return self.head_dim if self.v_dim is None else self.v_dim
 
     def describe(self) -> str:
-        return (f"{self.dtype} D={self.head_dim} BS={self.block_size} G={self.gqa} "
+        widths = f"D={self.head_dim}" + ("" if self.v_dim is None else f" DV={self.v_dim}")
+        return (f"{self.dtype} {widths} BS={self.block_size} G={self.gqa}{' sinks' if self.sinks else ''} "
                 f"{'two-pass' if self.two_pass else 'one-pass'}")
 
 
@@ -50,23 +61,25 @@ class VariantCheck:
     seconds: float
 
 
-def variants_for(*, dtype: str, head_dim: int, block_size: int, num_heads: int,
-                 num_kv_heads: int) -> list[KernelVariant]:
+def variants_for(*, dtype: str, head_dim: int, block_size: int, num_heads: int, num_kv_heads: int,
+                 v_dim: int | None = None, sinks: bool = False) -> list[KernelVariant]:
     """The one-pass and two-pass variants of one model's decode attention."""
     if dtype not in TOLERANCE:
         raise ValueError(f"kernel dtype must be one of {', '.join(TOLERANCE)}, got {dtype!r}")
     if num_kv_heads < 1 or num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads is not a multiple of {num_kv_heads} KV heads")
     group = num_heads // num_kv_heads
-    return [KernelVariant(dtype, head_dim, block_size, group, two_pass) for two_pass in (False, True)]
+    return [KernelVariant(dtype, head_dim, block_size, group, two_pass, v_dim, sinks) for two_pass in (False, True)]
 
 
 def unsupported_reason(variant: KernelVariant) -> str | None:
     """Why the kernel has no such variant (None: it has); the wrapper's own shape rules."""
     dtype = getattr(mx, variant.dtype)
     q = mx.zeros((1, variant.gqa, 1, variant.head_dim), dtype)
-    pool = mx.zeros((1, 1, variant.block_size, variant.head_dim), dtype)
-    return pa.unsupported_reason(q, pool, pool, mx.zeros((1, 1), mx.int32))
+    k_pool = mx.zeros((1, 1, variant.block_size, variant.head_dim), dtype)
+    v_pool = mx.zeros((1, 1, variant.block_size, variant.value_dim), dtype)
+    sinks = mx.zeros((variant.gqa,)) if variant.sinks else None
+    return pa.unsupported_reason(q, k_pool, v_pool, mx.zeros((1, 1), mx.int32), sinks=sinks)
 
 
 _results: dict[tuple[KernelVariant, int], VariantCheck] = {}
@@ -114,11 +127,11 @@ def _compare(variant: KernelVariant, launcher: Callable | None) -> str | None:
     unsupported = unsupported_reason(variant)
     if unsupported:
         raise ValueError(f"no such kernel variant: {unsupported}")
-    args = _random_case(variant)
+    args, sinks = _random_case(variant)
     partition = variant.block_size * 3 // 2  # partition edges inside blocks as well as on them
-    got = pa.paged_attention_metal(*args, two_pass=variant.two_pass, partition_tokens=partition,
+    got = pa.paged_attention_metal(*args, sinks=sinks, two_pass=variant.two_pass, partition_tokens=partition,
                                    launcher=launcher)
-    want = paged_attention_reference(*args)
+    want = paged_attention_reference(*args, sinks=sinks)
     got, want = got.astype(mx.float32), want.astype(mx.float32)
     error = mx.max(mx.abs(got - want) / (1.0 + mx.abs(want))).item()
     tolerance = TOLERANCE[variant.dtype]
@@ -129,8 +142,8 @@ def _compare(variant: KernelVariant, launcher: Callable | None) -> str | None:
     return None
 
 
-def _random_case(variant: KernelVariant) -> tuple:
-    """(q, k_pool, v_pool, block_tables, context_lens, scale): 3 sequences over a shuffled pool.
+def _random_case(variant: KernelVariant) -> tuple[tuple, mx.array | None]:
+    """((q, k_pool, v_pool, block_tables, context_lens, scale), sinks): 3 sequences over a shuffled pool.
     Lengths 1, BS + 1 and 3 BS + 5 cover a partial block, a block edge and several partitions; the
     tables' padding points at a block of other data, so reading past a length shows as a mismatch."""
     bs, dim = variant.block_size, variant.head_dim
@@ -149,7 +162,10 @@ def _random_case(variant: KernelVariant) -> tuple:
     def normal(*shape):
         return mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
 
-    q = normal(len(lens), variant.gqa * CHECK_KV_HEADS, 1, dim)
+    heads = variant.gqa * CHECK_KV_HEADS
+    q = normal(len(lens), heads, 1, dim)
     k_pool = normal(num_blocks, CHECK_KV_HEADS, bs, dim)
-    v_pool = normal(num_blocks, CHECK_KV_HEADS, bs, dim)
-    return q, k_pool, v_pool, mx.array(tables), mx.array(lens, dtype=mx.int32), dim ** -0.5
+    v_pool = normal(num_blocks, CHECK_KV_HEADS, bs, variant.value_dim)
+    # Sinks around the scores' range: some heads' sinks dominate, others barely count.
+    sinks = mx.array(rng.standard_normal(heads).astype(np.float32) * 2 + 1) if variant.sinks else None
+    return (q, k_pool, v_pool, mx.array(tables), mx.array(lens, dtype=mx.int32), dim ** -0.5), sinks

@@ -63,6 +63,7 @@ class DecodeView:
 
     def __init__(self, state: _PassState, layer: int):
         self._state, self._layer = state, layer
+        self._returned: tuple[mx.array, mx.array] | None = None
 
     @property
     def offset(self) -> mx.array:
@@ -76,11 +77,16 @@ class DecodeView:
         s, j = self._state, self._layer
         s.keys[j] = _put(s.keys[j], s.slot, keys[:, :, 0])
         s.values[j] = _put(s.values[j], s.slot, values[:, :, 0])
+        self._returned = keys, values
         return keys, values
 
-    def attend(self, queries: mx.array, scale: float) -> mx.array:
+    def returned(self, keys: mx.array, values: mx.array) -> bool:
+        """True when `keys` and `values` are the arrays `update_and_fetch` returned (routing.py)."""
+        return self._returned is not None and keys is self._returned[0] and values is self._returned[1]
+
+    def attend(self, queries: mx.array, scale: float, sinks: mx.array | None = None) -> mx.array:
         s = self._state
-        return decode_attention(queries, s.keys[self._layer], s.values[self._layer], s.rows, s.mask, scale)
+        return decode_attention(queries, s.keys[self._layer], s.values[self._layer], s.rows, s.mask, scale, sinks)
 
 
 def _put(pool: mx.array, index: tuple, rows: mx.array) -> mx.array:

@@ -276,8 +276,7 @@ class Runner:
             logits = self.decoder([x.start for x in batch], [x.block_tables[0] for x in batch], tokens)
         else:
             num_new = [len(x.token_ids) for x in batch]
-            views = paged_views(self.kv, [x.block_tables for x in batch], [x.start for x in batch], num_new,
-                                routed=is_routed(self.model))
+            views = paged_views(self.kv, [x.block_tables for x in batch], [x.start for x in batch], num_new)
             last = mx.array([n - 1 for n in num_new])
             if self.head is not None:
                 hidden = self.model.model(tokens, cache=views)

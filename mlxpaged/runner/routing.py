@@ -3,12 +3,20 @@
 mlx-lm model modules import `scaled_dot_product_attention` from `mlx_lm.models.base` by name,
 so each module's binding is replaced. The wrapper only acts on paged cache views; every other
 cache (mlx-lm's own) goes to the original function untouched.
+
+The rule (design14 D4) never trusts a guess about the model: a decode call reads the page pools
+directly only when that is provably what mlx-lm would compute - the K/V passed are the very arrays
+the view returned, the mask is None or one the pass's views made for full attention, and the
+heads and widths fit the pools. Any other call (a mask the model built, K/V the model changed or
+derived, prefill) attends over what the model passed, which the view gathered from the pages.
+Sinks (gpt-oss) go through either way.
 """
 
 from __future__ import annotations
 
 import sys
 
+import mlx.core as mx
 import mlx.nn as nn
 
 from mlxpaged.cache.cache_view import PagedCacheView
@@ -21,15 +29,43 @@ _ROUTED_MODULES: dict[str, object] = {}
 
 
 def _routed_sdpa(queries, keys, values, cache, scale, mask, sinks=None):
-    if isinstance(cache, DecodeView) and sinks is None:  # inside a compiled decode pass
-        return cache.attend(queries, scale)
-    if isinstance(cache, PagedCacheView) and sinks is None:
-        decode = cache.decode_inputs()
-        if decode is not None:
-            k_pool, v_pool, tables, lens = decode
-            return paged_attention(queries, k_pool, v_pool, tables, lens, scale)
-        return sdpa(queries, keys, values, scale, mask)  # prefill: the CPU's faster softmax too
+    if isinstance(cache, DecodeView):  # inside a compiled decode pass
+        _check_compiled_call(keys, values, cache, mask)
+        return cache.attend(queries, scale, sinks)
+    if isinstance(cache, PagedCacheView):
+        pools = pool_inputs(queries, keys, values, cache, mask)
+        if pools is not None:
+            k_pool, v_pool, tables, lens = pools
+            return paged_attention(queries, k_pool, v_pool, tables, lens, scale, sinks=sinks)
+        return sdpa(queries, keys, values, scale, mask, sinks)  # the CPU's faster softmax too
     return _ORIGINAL_SDPA(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+
+def pool_inputs(queries: mx.array, keys: mx.array, values: mx.array, cache: PagedCacheView,
+                mask) -> tuple | None:
+    """(k_pool, v_pool, block_tables, context_lens) when attending the pools is the same computation
+    as attending `keys`/`values` under `mask`; else None."""
+    decode = cache.decode_inputs()  # one new token per sequence on a full-attention layer
+    if decode is None or not cache.returned(keys, values):
+        return None
+    if mask is not None and not cache.made_mask(mask):
+        return None
+    k_pool, v_pool = decode[0], decode[1]
+    heads, kv_heads = queries.shape[1], k_pool.shape[1]
+    if queries.shape[-1] != k_pool.shape[-1] or heads % kv_heads or values.shape[-1] != v_pool.shape[-1]:
+        return None
+    return decode
+
+
+def _check_compiled_call(keys, values, cache: DecodeView, mask) -> None:
+    """A compiled pass reads the pools only (its views return the new K/V, not gathered pages), so a
+    call it cannot honour must fail loudly instead of attending the wrong keys."""
+    if not cache.returned(keys, values):
+        raise RuntimeError("compiled decode: the model attends K/V other than its cache returned; "
+                           "run with MLXPAGED_COMPILE=0 for this model")
+    if mask is not None:
+        raise RuntimeError("compiled decode: the model passed an attention mask it built itself; "
+                           "run with MLXPAGED_COMPILE=0 for this model")
 
 
 def route_paged_attention() -> int:

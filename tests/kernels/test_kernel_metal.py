@@ -11,6 +11,7 @@ from mlxpaged.kernels.paged_attention import paged_attention_metal
 from mlxpaged.kernels.reference import paged_attention_reference
 from tests.msl.oracle import make_decode_case, max_error
 from tests.kernels.test_kernel_emulated import LONG, MATRIX, edge_lens
+from tests.kernels.test_kernel_sinks_emulated import MATRIX as SINKS_MATRIX
 
 pytestmark = [
     pytest.mark.metal,
@@ -19,10 +20,10 @@ pytestmark = [
 
 
 def check_on_gpu(case, **options):
-    out = paged_attention_metal(*case.args(), window=case.window, **options)
+    out = paged_attention_metal(*case.args(), window=case.window, sinks=case.sinks, **options)
     mx.eval(out)
     assert max_error(out, case.expected()) < case.tolerance
-    reference = paged_attention_reference(*case.args(), window=case.window)
+    reference = paged_attention_reference(*case.args(), window=case.window, sinks=case.sinks)
     assert max_error(out, np.array(reference.astype(mx.float32), dtype=np.float64)) < case.tolerance
 
 
@@ -30,6 +31,14 @@ def check_on_gpu(case, **options):
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,dtype,window", MATRIX)
 def test_matrix_on_gpu(heads, kv_heads, head_dim, block_size, dtype, window, two_pass):
     case = make_decode_case(heads + head_dim, edge_lens(block_size), heads, kv_heads, head_dim, block_size, dtype, window)
+    check_on_gpu(case, two_pass=two_pass, partition_tokens=block_size * 3 // 2)
+
+
+@pytest.mark.parametrize("two_pass", [False, True], ids=["one_pass", "two_pass"])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,v_dim,block_size,dtype,window,sinks", SINKS_MATRIX)
+def test_sinks_and_value_widths_on_gpu(heads, kv_heads, head_dim, v_dim, block_size, dtype, window, sinks, two_pass):
+    case = make_decode_case(heads * 10 + v_dim, edge_lens(block_size), heads, kv_heads, head_dim, block_size, dtype,
+                            window, v_dim=v_dim, sinks=sinks)
     check_on_gpu(case, two_pass=two_pass, partition_tokens=block_size * 3 // 2)
 
 
