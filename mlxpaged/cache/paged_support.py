@@ -79,8 +79,6 @@ def _kv_reasons(leaf: KVLeaf) -> list[Reason]:
     if leaf.k_dim != leaf.v_dim:
         reasons.append(Reason("K width != V width", f"K width {leaf.k_dim} != V width {leaf.v_dim}; "
                                                     "the pools store one width"))
-    if leaf.sinks:
-        reasons.append(Reason("sinks", "its attention uses sinks, which the paged attention does not apply yet"))
     reasons += [Reason(*UNROUTABLE[word]) for word in leaf.consumers if word in UNROUTABLE]
     return reasons
 
