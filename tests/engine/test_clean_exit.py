@@ -167,6 +167,7 @@ def test_exit_waits_for_a_long_step_to_end():
         eng = engine()
         stream = eng.stream(random_tokens(12), LONG)
         next(stream)
+        time.sleep(0.1)  # a token arrives at a step's end: exit inside the next step's 0.5 s, not at its boundary
         print("busy", flush=True)
         sys.stderr.write("main exits\\n")
     """, status=0, runs=2)
