@@ -16,11 +16,11 @@ from mlxpaged_app.tui.loading import ModelLoading
 from mlxpaged_app.tui.memory_use import MemoryProbe, probe_memory
 from mlxpaged_app.tui.protocol import ChatEngine, EngineFactory
 from mlxpaged_app.tui.replies import ReplyFlow
-from mlxpaged_app.tui.screens.help_screen import HelpScreen
-from mlxpaged_app.tui.screens.history_screen import HistoryScreen
+from mlxpaged_app.tui.screens.help import HelpScreen
+from mlxpaged_app.tui.screens.history import HistoryScreen
 from mlxpaged_app.tui.screens.model_picker import ModelLister, ModelPickerScreen, list_model_choices
-from mlxpaged_app.tui.screens.settings_screen import SettingsScreen
-from mlxpaged_app.tui.screens.system_prompt_screen import SystemPromptScreen
+from mlxpaged_app.tui.screens.settings import SettingsScreen
+from mlxpaged_app.tui.screens.system_prompt import SystemPromptScreen
 from mlxpaged_app.tui.settings import ChatSettings
 from mlxpaged_app.tui.store import Conversation, ConversationStore
 from mlxpaged_app.tui.widgets.chat_input import ChatInput

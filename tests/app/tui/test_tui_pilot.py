@@ -13,8 +13,8 @@ from mlxpaged.engine.engine import RequestFailedError
 from mlxpaged.loading.model_store import UnknownModelError
 from mlxpaged.engine.scheduler import MODEL_CONTEXT, RequestTooLongError
 from mlxpaged_app.tui.keys import APP_BINDINGS, key_label
-from mlxpaged_app.tui.screens.help_screen import HelpScreen, help_table
-from mlxpaged_app.tui.screens.settings_screen import SettingsScreen
+from mlxpaged_app.tui.screens.help import HelpScreen, help_table
+from mlxpaged_app.tui.screens.settings import SettingsScreen
 from mlxpaged_app.tui.widgets.block_map import BlockMap
 from mlxpaged_app.tui.widgets.chat_view import AssistantMessage, UserMessage
 from mlxpaged_app.tui.widgets.engine_panel import EnginePanel
