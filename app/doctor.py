@@ -125,8 +125,12 @@ def check_kernel(model: ModelOnDisk | None) -> Check:
         launcher, where = kernel_launcher()
     except KernelNotCheckable as exc:
         return Check(WARN, "kernel", f"not checked: {exc}")
-    facts = model_facts(model)
-    heads = model.config["num_attention_heads"]
+    from mlxpaged.cache.paged_support import query_heads
+    from mlxpaged.loading.checkpoint import read_before_load
+    from mlxpaged.platform.memory import DeviceFacts
+
+    facts, layout = read_before_load(model.path, DeviceFacts.detect().backend)
+    heads = query_heads(layout)  # read from the model's attention, not a config key
     variants = self_check.variants_for(dtype=kv_dtype(model), head_dim=facts.kv.head_dim,
                                        block_size=default_cache_config().block_size, num_heads=heads,
                                        num_kv_heads=facts.kv.num_kv_heads)

@@ -19,9 +19,13 @@ import struct
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mlxpaged.errors import CheckpointError
 from mlxpaged.platform.model_facts import ModelFacts, context_length
+
+if TYPE_CHECKING:
+    from mlxpaged.cache.layout import ModelLayout
 
 # safetensors dtype names (the format's spec) -> bytes per element.
 DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2,
@@ -120,6 +124,11 @@ def facts_before_load(model_dir: Path, backend: str) -> ModelFacts:
     """The ModelFacts the engine will read from the loaded model, from headers, config.json and the
     layout of mlx-lm's model built without weights. Raises UnsupportedModelError for models the paged
     cache cannot hold, before any weight is read."""
+    return read_before_load(model_dir, backend)[0]
+
+
+def read_before_load(model_dir: Path, backend: str) -> tuple[ModelFacts, ModelLayout]:
+    """facts_before_load, and the layout it read them from (each cache leaf's kind and shapes)."""
     from mlxpaged.loading.loader import check_paged_support, unweighted_model
     from mlxpaged.loading.probe import probe_layout
 
@@ -127,4 +136,5 @@ def facts_before_load(model_dir: Path, backend: str) -> ModelFacts:
     loaded = as_loaded(checkpoint_tensors(model_dir), backend)
     layout = probe_layout(unweighted_model(model_dir))
     check_paged_support(layout)
-    return ModelFacts.from_layout(layout, sum(t.nbytes for t in loaded), kv_dtype_bytes(loaded), context_length(config))
+    facts = ModelFacts.from_layout(layout, sum(t.nbytes for t in loaded), kv_dtype_bytes(loaded), context_length(config))
+    return facts, layout
