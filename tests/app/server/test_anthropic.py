@@ -17,7 +17,7 @@ import pytest
 from anthropic.types import RawMessageStreamEvent
 from pydantic import TypeAdapter
 
-from tests.app.server.test_server_live import KEY, assert_clean_exit, start_server, stop_server
+from tests.app.server.test_server_live import KEY, serving
 from tests.app.server.test_server_tools import SCRIPT, SCRIPTED_CALLS, TOOLS as OPENAI_TOOLS
 from tests.scripted_models import write_scripted_model
 
@@ -39,19 +39,15 @@ def _client(server) -> anthropic.Anthropic:
 
 @pytest.fixture(scope="module")
 def smol(tmp_path_factory):
-    log = tmp_path_factory.mktemp("smol") / "server.log"
-    server = start_server(log, "--api-key", KEY, "--max-body-size", "64KB")
-    yield _client(server), server
-    assert_clean_exit(stop_server(server), log)
+    with serving(tmp_path_factory.mktemp("smol"), "--max-body-size", "64KB") as server:
+        yield _client(server), server
 
 
 @pytest.fixture(scope="module")
 def scripted(tmp_path_factory):
     model = write_scripted_model(tmp_path_factory.mktemp("scripted") / "scripted-model", SCRIPT)
-    log = model.parent / "server.log"
-    server = start_server(log, "--api-key", KEY, "--model", str(model))
-    yield _client(server), server
-    assert_clean_exit(stop_server(server), log)
+    with serving(model.parent, "--model", str(model)) as server:
+        yield _client(server), server
 
 
 def _count(server, **body) -> int:

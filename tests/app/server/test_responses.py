@@ -16,7 +16,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.app.server.test_server_live import KEY, assert_clean_exit, start_server, stop_server
+from tests.app.server.test_server_live import KEY, serving
 from tests.app.server.test_server_tools import PERSON, SCHEMAS, SCRIPT, SCRIPTED_CALLS, SYSTEM, TOOLS
 from tests.scripted_models import write_scripted_model
 
@@ -30,19 +30,15 @@ FLAT_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]  # Responses
 
 @pytest.fixture(scope="module")
 def smol(tmp_path_factory):
-    log = tmp_path_factory.mktemp("responses") / "server.log"
-    server = start_server(log, "--api-key", KEY, "--max-body-size", "64KB")
-    yield openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, timeout=300, max_retries=0), server
-    assert_clean_exit(stop_server(server), log)
+    with serving(tmp_path_factory.mktemp("responses"), "--max-body-size", "64KB") as server:
+        yield openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, timeout=300, max_retries=0), server
 
 
 @pytest.fixture(scope="module")
 def scripted(tmp_path_factory):
     model = write_scripted_model(tmp_path_factory.mktemp("scripted") / "scripted-model", SCRIPT)
-    log = model.parent / "server.log"
-    server = start_server(log, "--api-key", KEY, "--model", str(model))
-    yield openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, timeout=120, max_retries=0), server
-    assert_clean_exit(stop_server(server), log)
+    with serving(model.parent, "--model", str(model)) as server:
+        yield openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, timeout=120, max_retries=0), server
 
 
 def _collapsed(kinds: list[str]) -> list[str]:

@@ -15,8 +15,10 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import httpx
 import openai
@@ -86,6 +88,15 @@ def assert_clean_exit(code: int, log: Path) -> None:
     text = log.read_text(errors="replace")
     assert "mlxpaged serve: stopped" in text, text[-3000:]  # the server's own shutdown completed
     assert code == 0, text[-3000:]
+
+
+@contextmanager
+def serving(workdir: Path, *extra: str) -> Iterator[Server]:
+    """A live server with the test key and `extra` flags, its log in `workdir`; it must exit cleanly."""
+    log = workdir / "server.log"
+    server = start_server(log, "--api-key", KEY, *extra)
+    yield server
+    assert_clean_exit(stop_server(server), log)
 
 
 @pytest.fixture(scope="module")

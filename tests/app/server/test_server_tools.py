@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from tests.scripted_models import write_scripted_model
-from tests.app.server.test_server_live import KEY, assert_clean_exit, start_server, stop_server
+from tests.app.server.test_server_live import KEY, serving
 
 pytestmark = pytest.mark.slow
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -40,19 +40,15 @@ SCRIPTED_CALLS = [("get_weather", {"city": "Paris", "unit": "celsius"}), ("get_t
 
 @pytest.fixture(scope="module")
 def smol(tmp_path_factory):
-    log = tmp_path_factory.mktemp("smol") / "server.log"
-    server = start_server(log, "--api-key", KEY)
-    yield openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, timeout=300, max_retries=0), server
-    assert_clean_exit(stop_server(server), log)
+    with serving(tmp_path_factory.mktemp("smol")) as server:
+        yield openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, timeout=300, max_retries=0), server
 
 
 @pytest.fixture(scope="module")
 def scripted(tmp_path_factory):
     model = write_scripted_model(tmp_path_factory.mktemp("scripted") / "scripted-model", SCRIPT)
-    log = model.parent / "server.log"
-    server = start_server(log, "--api-key", KEY, "--model", str(model))
-    yield openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, timeout=120, max_retries=0), server
-    assert_clean_exit(stop_server(server), log)
+    with serving(model.parent, "--model", str(model)) as server:
+        yield openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, timeout=120, max_retries=0), server
 
 
 def _calls(message) -> list[tuple[str, dict]]:
