@@ -8,6 +8,7 @@ import time
 from argparse import ArgumentTypeError, Namespace
 from dataclasses import dataclass
 
+from mlxpaged.errors import ConfigError
 from mlxpaged.platform.blas import blas_status
 from mlxpaged.loading.loader import baseline_stream
 
@@ -110,6 +111,8 @@ def bench_prefill(args: Namespace) -> int:
     """Cold and cached time to first token per prompt size, mlx-lm's stream_generate side by side."""
     from mlxpaged.engine.engine import Engine
 
+    if args.runs < 1:
+        raise ConfigError(f"--runs must be at least 1 for the prefill bench, got {args.runs}")
     sizes = args.sizes or DEFAULT_SIZES
     engine = Engine.from_pretrained(args.model)
     print(f"model {engine.loaded.name} ({engine.loaded.dtype}), context {engine.max_model_len} tokens, "

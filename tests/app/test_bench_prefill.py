@@ -5,6 +5,7 @@ from argparse import ArgumentTypeError, Namespace
 
 import pytest
 
+from mlxpaged.errors import ConfigError
 from mlxpaged_app.bench.prefill import APPENDED_TOKENS, bench_prefill, parse_sizes, seeded_tokens
 from mlxpaged_app.cli import build_parser
 
@@ -40,3 +41,5 @@ def test_sizes_flag_parses_and_refuses_bad_input():
         parse_sizes("1k")
     with pytest.raises(ArgumentTypeError, match=r"more than 9 tokens .* got \[0\]"):
         parse_sizes("64,0")
+    with pytest.raises(ConfigError, match="got 0"):
+        bench_prefill(Namespace(model=None, sizes=(64,), runs=0))
