@@ -37,8 +37,8 @@ def seeded_tokens(tokenizer, count: int, seed: int) -> list[int]:
     """`count` token ids of seeded random English words: the same seed gives the same prompt in every run."""
     rng = random.Random(seed)
     ids: list[int] = []
-    while len(ids) < count:  # words are 1-2 tokens each, so one pass nearly always suffices
-        words = " ".join(rng.choice(WORDS) for _ in range(count))
+    while len(ids) < count:  # sentences of 256 words: no encode call exceeds the tokenizer's max length
+        words = " ".join(rng.choice(WORDS) for _ in range(256))
         ids += tokenizer.encode((" " if ids else "") + words.capitalize() + ".")
     return ids[:count]
 
