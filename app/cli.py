@@ -89,6 +89,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_serve(args)
 
 
+def prefill_sizes(text: str) -> tuple[int, ...]:
+    """`--sizes` parsed by the prefill bench, imported only when given (the bench package loads mlx-lm)."""
+    from mlxpaged_app.bench.prefill import parse_sizes
+
+    return parse_sizes(text)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from mlxpaged_app.bench import run_bench
 
@@ -127,15 +134,19 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", help="benchmarks against mlx-lm")
-    bench.add_argument("what", choices=["decode", "batch", "prefix", "memory", "kernel", "server", "constraints"],
+    bench.add_argument("what", choices=["decode", "batch", "prefix", "prefill", "memory", "kernel", "server",
+                                          "constraints"],
                        help="decode: batch-1 tok/s vs mlx-lm; batch: 16 concurrent requests vs mlx-lm "
-                            "batch_generate; prefix: time to first token, cached vs cold; memory: KV bytes "
+                            "batch_generate; prefix: time to first token, cached vs cold; prefill: cold and "
+                            "cached time to first token at 1k-16k tokens vs mlx-lm; memory: KV bytes "
                             "paged vs mlx-lm; kernel: paged attention vs contiguous SDPA; server: "
                             "mlxpaged serve vs mlx_lm.server at 1/8/32 clients; constraints: decode step "
                             "time with and without grammar masks at batch 1 and 16")
     bench.add_argument("--model", "-m", default=None)
     bench.add_argument("--tokens", type=int, default=128, help="tokens to generate per request")
     bench.add_argument("--runs", type=int, default=3)
+    bench.add_argument("--sizes", type=prefill_sizes, default=None,
+                       help="prefill: prompt sizes in tokens, comma-separated (default 1024,4096,8192,16384)")
     bench.set_defaults(func=cmd_bench)
 
     models = sub.add_parser("models", help="list presets and local models")

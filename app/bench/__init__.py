@@ -9,6 +9,7 @@ from mlxpaged_app.bench.constraints import bench_constraints
 from mlxpaged_app.bench.decode import bench_decode
 from mlxpaged_app.bench.kernel import bench_kernel
 from mlxpaged_app.bench.memory import bench_memory
+from mlxpaged_app.bench.prefill import bench_prefill
 from mlxpaged_app.bench.prefix import bench_prefix
 
 
@@ -20,7 +21,7 @@ def bench_server(args: Namespace) -> int:
 
 
 BENCHES = {"decode": bench_decode, "memory": bench_memory, "batch": bench_batch, "prefix": bench_prefix,
-           "kernel": bench_kernel, "server": bench_server, "constraints": bench_constraints}
+           "kernel": bench_kernel, "server": bench_server, "constraints": bench_constraints, "prefill": bench_prefill}
 
 
 def run_bench(args: Namespace) -> int:

@@ -1,0 +1,129 @@
+"""`mlxpaged bench prefill`: time to first token of long prompts, cold and cached, against mlx-lm."""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from argparse import ArgumentTypeError, Namespace
+from dataclasses import dataclass
+
+from mlxpaged.errors import ConfigError
+from mlxpaged.platform.blas import blas_status
+from mlxpaged.loading.loader import baseline_stream
+
+DEFAULT_SIZES = (1024, 4096, 8192, 16384)
+APPENDED_TOKENS = 8  # the cached prompt is the cold one plus these next tokens of the same text
+PROMPT_SEED = 16
+WORDS = ("the harbour lighthouse keeper boat market morning river stone bridge window garden letter night "
+         "station clock winter bread lamp road hill village school engine paper silver music old quiet "
+         "bright small long green north wind rain table door story friend").split()
+
+
+def parse_sizes(text: str) -> tuple[int, ...]:
+    """`--sizes 1024,4096`: positive token counts, comma-separated."""
+    try:
+        sizes = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ArgumentTypeError(f"--sizes takes comma-separated token counts like 1024,4096, got {text!r}") from None
+    bad = [s for s in sizes if s <= APPENDED_TOKENS + 1]
+    if bad:
+        raise ArgumentTypeError(f"--sizes must each be more than {APPENDED_TOKENS + 1} tokens "
+                                f"(the cached prompt appends {APPENDED_TOKENS}); got {bad}")
+    return sizes
+
+
+def seeded_tokens(tokenizer, count: int, seed: int) -> list[int]:
+    """`count` token ids of seeded random English words: the same seed gives the same prompt in every run."""
+    rng = random.Random(seed)
+    ids: list[int] = []
+    while len(ids) < count:  # sentences of 256 words: no encode call exceeds the tokenizer's max length
+        words = " ".join(rng.choice(WORDS) for _ in range(256))
+        ids += tokenizer.encode((" " if ids else "") + words.capitalize() + ".")
+    return ids[:count]
+
+
+@dataclass(frozen=True)
+class PrefillRow:
+    """Medians, in seconds, for one prompt size; ratios > 1 mean the second-named side is slower."""
+    size: int
+    prompt_tokens: int  # the cold prompt; the cached one is APPENDED_TOKENS longer
+    mlx_lm_s: float
+    cold_s: float
+    cached_s: float
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prompt_tokens / self.cold_s
+
+    @property
+    def cold_vs_mlx_lm(self) -> float:
+        return self.mlx_lm_s / self.cold_s
+
+    @property
+    def cached_vs_cold(self) -> float:
+        return self.cold_s / self.cached_s
+
+
+HEADER = (f"{'size':>6} {'prompt':>6} {'mlx-lm cold':>12} {'mlxpaged cold':>14} {'cached':>9} "
+          f"{'prefill tok/s':>14} {'cold vs mlx-lm':>15} {'cached vs cold':>15}")
+
+
+def format_row(row: PrefillRow) -> str:
+    return (f"{row.size:>6} {row.prompt_tokens:>6} {row.mlx_lm_s:>10.3f} s {row.cold_s:>12.3f} s "
+            f"{row.cached_s:>7.3f} s {row.prefill_tok_s:>14.1f} {row.cold_vs_mlx_lm:>14.2f}x "
+            f"{row.cached_vs_cold:>14.1f}x")
+
+
+def mlx_lm_ttft(loaded, prompt: list[int]) -> float:
+    """Seconds to the first token of mlx-lm's stream_generate (its own contiguous cache, built fresh)."""
+    start = time.perf_counter()
+    next(iter(baseline_stream(loaded, prompt, max_tokens=1)))
+    return time.perf_counter() - start
+
+
+def engine_ttft(engine, prompt: list[int]) -> float:
+    """Seconds to the first streamed token of the paged engine, greedy."""
+    from mlxpaged.sampling_params import SamplingParams
+
+    start = time.perf_counter()
+    for _ in engine.stream(prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)):
+        return time.perf_counter() - start
+    raise RuntimeError(f"the engine streamed nothing for a {len(prompt)}-token prompt")
+
+
+def measure_size(engine, size: int, runs: int) -> PrefillRow:
+    """Per run a fresh seeded prompt: mlx-lm cold, mlxpaged cold (empty prefix cache), then the same prompt
+    plus APPENDED_TOKENS (a prefix-cache hit). The +1 leaves room for the one generated token."""
+    mlx_lm, cold, cached = [], [], []
+    for run in range(runs):
+        text = seeded_tokens(engine.tokenizer, size - 1, PROMPT_SEED * 1000 + size + run)
+        prompt = text[:-APPENDED_TOKENS]
+        mlx_lm.append(mlx_lm_ttft(engine.loaded, prompt))
+        engine.pool.reset_prefix_cache()
+        cold.append(engine_ttft(engine, prompt))
+        cached.append(engine_ttft(engine, text))
+    return PrefillRow(size, len(prompt), statistics.median(mlx_lm), statistics.median(cold),
+                      statistics.median(cached))
+
+
+def bench_prefill(args: Namespace) -> int:
+    """Cold and cached time to first token per prompt size, mlx-lm's stream_generate side by side."""
+    from mlxpaged.engine.engine import Engine
+
+    if args.runs < 1:
+        raise ConfigError(f"--runs must be at least 1 for the prefill bench, got {args.runs}")
+    sizes = args.sizes or DEFAULT_SIZES
+    engine = Engine.from_pretrained(args.model)
+    print(f"model {engine.loaded.name} ({engine.loaded.dtype}), context {engine.max_model_len} tokens, "
+          f"BLAS {blas_status().name}, {args.runs} runs per size (medians), prompts seeded ({PROMPT_SEED})")
+    engine_ttft(engine, seeded_tokens(engine.tokenizer, 32, 0))  # warm-up: first-call allocations
+    mlx_lm_ttft(engine.loaded, seeded_tokens(engine.tokenizer, 32, 0))
+    print(HEADER)
+    for size in sizes:
+        if size > engine.max_model_len:
+            print(f"{size:>6} skipped: above the model's context of {engine.max_model_len} tokens")
+            continue
+        print(format_row(measure_size(engine, size, args.runs)), flush=True)
+    engine.close()
+    return 0
