@@ -4,24 +4,9 @@ import mlxpaged  # noqa: F401
 import pytest
 
 from mlxpaged.kernels import paged_attention as pa
+from tests.kernels.test_kernel_self_check import mutate  # noqa: F401 (fixture: a patched copy of the .metal source)
 from tests.msl.harness import Emulator, MetalEmulationError
 from tests.msl.oracle import make_decode_case, max_error
-
-
-@pytest.fixture
-def mutate(monkeypatch):
-    """mutate(section, old, new): run the wrapper on a patched copy of paged_attention.metal."""
-    def apply(section: str, old: str, new: str) -> None:
-        sections = dict(pa.source_sections())
-        assert old in sections[section], f"mutation target not found: {old!r}"
-        sections[section] = sections[section].replace(old, new, 1)
-        monkeypatch.setattr(pa, "source_sections", lambda: sections)
-        pa.decode_kernel.cache_clear()
-        pa.reduce_kernel.cache_clear()
-
-    yield apply
-    pa.decode_kernel.cache_clear()
-    pa.reduce_kernel.cache_clear()
 
 
 def run_case(two_pass: bool = False, seed: int = 0):
@@ -31,7 +16,7 @@ def run_case(two_pass: bool = False, seed: int = 0):
 
 
 def test_unmutated_kernel_passes(mutate):
-    mutate("paged_attention_decode", "const float min_score", "const float min_score")
+    mutate(("paged_attention_decode", "const float min_score", "const float min_score"))
     error, tolerance = run_case()
     assert error < tolerance
 
@@ -55,7 +40,7 @@ MUTATIONS = [
                          ids=["missing_barrier", "divergent_simd_sum", "off_by_one_token", "unwritten_partial_sum",
                               "uninitialised_threadgroup", "bad_reduce"])
 def test_broken_kernel_is_caught(mutate, section, old, new, expected, two_pass):
-    mutate(section, old, new)
+    mutate((section, old, new))
     if expected == "wrong answer":
         error, tolerance = run_case(two_pass)
         assert error > tolerance
