@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 import types
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,16 +86,14 @@ def fast_kernel(monkeypatch):
 # ---- the real command -------------------------------------------------------------------------
 
 def test_the_real_command_reports_every_section_and_exits_0_here():
-    start = time.monotonic()
     done = subprocess.run([sys.executable, "-m", "mlxpaged_app.cli", "doctor", "--json"], capture_output=True,
                           text=True, timeout=120)
-    elapsed = time.monotonic() - start
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads(done.stdout)
     assert [c["label"] for c in report["checks"]] == SECTIONS
     assert not [c for c in report["checks"] if c["status"] == FAIL], report
-    # Loading the default model and building an engine takes ~8 s here; the doctor ~1 s.
-    assert elapsed < 30, f"doctor took {elapsed:.1f} s"
+    # That it loads no weights is checked with spies (test_doctor_opens_no_weights and
+    # friends), not with a clock: tests never fail on timing.
 
 
 def test_doctor_opens_no_weights(monkeypatch, capsys):

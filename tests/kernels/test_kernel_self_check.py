@@ -54,7 +54,7 @@ def test_correct_kernel_passes_and_is_cached(variant):
     launcher = Emulator()
     check = sc.check_variant(variant, launcher)
     assert (check.ok, check.reason, check.variant) == (True, None, variant)
-    assert 0 < check.seconds < 30
+    assert check.seconds > 0  # its cost is reported (stats, doctor), not asserted: tests never fail on timing
     assert sc.check_variant(variant, launcher) is check  # once per process per (variant, launcher)
 
 
@@ -101,4 +101,4 @@ def test_every_default_variant_passes_on_the_gpu():
         for variant in sc.variants_for(dtype=dtype, head_dim=64, block_size=16, num_heads=9, num_kv_heads=3):
             check = sc.check_variant(variant)
             assert check.ok, check.reason
-            assert check.seconds < 1.0
+            print(f"{variant.describe()}: {check.seconds:.3f} s")  # the "well under a second": read, not asserted
