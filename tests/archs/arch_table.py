@@ -101,8 +101,8 @@ def _attention(v: dict) -> str:
         return "-"
     if not v.get("routed"):
         return "model's own, over gathered K/V"
-    windows = any(kind.startswith(("window", "chunked")) for kind in v.get("kinds", []))
-    return "paged decode (full layers), gathered (windows)" if windows else "paged decode"
+    kinds = {kind.split()[0] for kind in v.get("kinds", [])} & {"window", "chunked"}
+    return f"paged decode (full layers), gathered ({' and '.join(sorted(kinds))} layers)" if kinds else "paged decode"
 
 
 def replace_section(readme: str, table: str) -> str:
