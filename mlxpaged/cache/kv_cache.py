@@ -44,7 +44,8 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from mlxpaged.cache.specs import Chunked, LayerGroup, block_bytes, group_layers  # noqa: F401  (re-exported: the facts live in specs.py)
+from mlxpaged.cache.specs import LayerGroup, block_bytes, group_layers  # noqa: F401  (re-exported: the facts live in specs.py)
+from mlxpaged.cache.specs import Chunked
 
 
 class PagedKVCache:

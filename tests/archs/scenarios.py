@@ -33,7 +33,8 @@ def compare(got: list[int], case: Case) -> str | None:
     """None when equal up to the first step that is a near-tie in mlx-lm's own log-probs, else why not."""
     for step, (g, w) in enumerate(zip(got, case.tokens)):
         if g != w:
-            return None if case.gaps[step] < TIE_GAP else f"token {step}: {g} != mlx-lm's {w} (gap {case.gaps[step]:.2g})"
+            gap = case.gaps[step]
+            return None if gap < TIE_GAP else f"token {step}: {g} != mlx-lm's {w} (gap {gap:.2g})"
     return None if len(got) == len(case.tokens) else f"{len(got)} tokens, mlx-lm {len(case.tokens)}"
 
 

@@ -17,7 +17,8 @@ def _leaf(i: int, kind: str, span: int | None, *consumers: str) -> KVLeaf:
 
 
 def test_model_built_masks_on_full_and_chunked_leaves_run_one_sequence_per_pass():
-    layout = _layout(_leaf(0, "chunked", 8, "sdpa-masked"), _leaf(1, "full", None, "sdpa-masked"), _leaf(2, "full", None))
+    layout = _layout(_leaf(0, "chunked", 8, "sdpa-masked"), _leaf(1, "full", None, "sdpa-masked"),
+                     _leaf(2, "full", None))
     assert unsupported_reasons(layout) == []
     assert serial_reason(layout) == "layer 0, layer 1 attend with a mask the model builds from one sequence's positions"
 
