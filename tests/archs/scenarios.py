@@ -49,6 +49,7 @@ class Scenarios:
         self.verdicts: dict[str, str] = {}
         self.facts: dict = {}
         self._empty: list[str] = []
+        self._pool_bytes = 0  # the preemption engine's pool, sized from the main engine's blocks
 
     def run(self) -> dict:
         """Engine facts and a verdict per scenario; raises UnsupportedModelError when the model is refused."""
