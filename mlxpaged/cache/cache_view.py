@@ -250,6 +250,18 @@ class PagedCacheView:
     def is_trimmable(self) -> bool:
         return False
 
+    @property
+    def start_position(self) -> int:
+        """Position of the first key the next pass returns: mlx-lm ChunkedKVCache's start_position,
+        which llama4 reads to build its chunk mask. One sequence only (such models run serially)."""
+        if len(self._offsets) != 1:
+            raise ValueError(f"start_position is one sequence's, this view holds {len(self._offsets)}; "
+                             "a model that reads it runs one sequence per pass (paged_support.serial_reason)")
+        return self._planner.group.key_start(self._offsets[0])
+
+    def maybe_trim_front(self) -> None:
+        """mlx-lm's ChunkedKVCache drops keys before the chunk here; the pages' ring turns instead."""
+
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         """Mask for the next pass of N tokens per row, matching the keys `update_and_fetch` will return."""
         plan = self._planner.plan(self._offsets, self._num_rows(len(self._offsets), N), N)

@@ -45,6 +45,7 @@ from typing import Sequence
 import mlx.core as mx
 
 from mlxpaged.cache.specs import LayerGroup, block_bytes, group_layers  # noqa: F401  (re-exported: the facts live in specs.py)
+from mlxpaged.cache.specs import Chunked
 
 
 class PagedKVCache:
@@ -205,6 +206,7 @@ def _check_sizes(
         raise ValueError(f"sizes must be positive integers: {bad}")
     if len(windows) != num_layers:
         raise ValueError(f"layer_windows has {len(windows)} entries for {num_layers} layers")
-    bad_windows = [w for w in windows if w is not None and (not isinstance(w, int) or w < 1)]
+    bad_windows = [w for w in windows if w is not None and not isinstance(w, Chunked)
+                   and (not isinstance(w, int) or w < 1)]
     if bad_windows:
         raise ValueError(f"sliding windows must be positive integers or None: {bad_windows}")

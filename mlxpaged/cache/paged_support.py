@@ -1,7 +1,7 @@
 """Which cache layouts today's page pools can hold (plain Python; read at load, never mid-request).
 
-The pools (kv_cache.py) keep one K/V geometry for every layer, full or sliding-window tables, one
-view per entry of the model's cache list, and attention routed through mlx-lm's SDPA. Everything
+The pools (kv_cache.py) keep one K/V geometry for every layer, full, sliding-window or chunked-local
+tables, one view per entry of the model's cache list, and attention routed through mlx-lm's SDPA. Everything
 else is refused at load with the leaf named; each rule here goes when the pools learn that kind.
 """
 
@@ -20,10 +20,10 @@ class Reason(NamedTuple):
 
 
 # Consumers (layout.CONSUMERS) the routed decode cannot serve: it reads K and V from the pools and
-# drops masks, so another V, a model-built mask, another layer's attention or mx.fast would be wrong.
+# drops masks, so another V, another layer's attention or mx.fast would be wrong. (A model-built mask
+# only makes the engine run one sequence per pass: serial_reason.)
 UNROUTABLE = {
     "sdpa-other-v": ("latent attention", "its attention reads another V than the one it caches (latent attention)"),
-    "sdpa-masked": ("model-built mask", "its attention uses a mask the model builds itself"),
     "sdpa-other-cache": ("shared KV", "another layer attends its K/V (shared KV)"),
     "fast": ("mx.fast attention", "it calls mx.fast.scaled_dot_product_attention directly"),
 }
@@ -40,9 +40,6 @@ def unsupported_reasons(layout: ModelLayout) -> list[Reason]:
     reasons += [Reason(why.label, f"{', '.join(wheres)} ({kind}): {why.text}")
                 for (kind, why), wheres in per_leaf.items()]
     reasons += _geometry_reasons(layout)
-    if layout.batch_error is not None:
-        reasons.append(Reason("batched offsets", f"its forward fails on a batch of sequences at different offsets "
-                                                 f"({layout.batch_error}); the engine batches every request"))
     if not layout.kv_leaves and not reasons:
         reasons.append(Reason("no KV cache", "the model keeps no key/value cache"))
     return reasons
@@ -74,8 +71,9 @@ def _structure_reasons(layout: ModelLayout) -> list[Reason]:
 
 def _kv_reasons(leaf: KVLeaf) -> list[Reason]:
     reasons = []
-    if leaf.kind == "chunked":
-        reasons.append(Reason("chunked", f"chunked-local attention (chunks of {leaf.span}) has no paged spec yet"))
+    if leaf.kind == "window" and "sdpa-masked" in leaf.consumers:
+        reasons.append(Reason("model-built mask", "its attention uses a mask the model builds itself for "
+                                                  "mlx-lm's rotating cache, whose key order the pages do not keep"))
     if leaf.k_dim != leaf.v_dim:
         reasons.append(Reason("K width != V width", f"K width {leaf.k_dim} != V width {leaf.v_dim}; "
                                                     "the pools store one width"))
@@ -100,6 +98,18 @@ def _geometry_reasons(layout: ModelLayout) -> list[Reason]:
                                   f"query heads but {layout.where(first.path)} with {first.q_heads}; the kernel "
                                   "takes one count"))
     return reasons
+
+
+def serial_reason(layout: ModelLayout) -> str | None:
+    """Why the engine must run this model one sequence per pass, or None when ragged batches are exact.
+    A batch-1 pass hands the model exactly the keys mlx-lm's own KVCache / ChunkedKVCache would, so
+    masks it builds from one sequence's positions (llama4's chunk mask) stay right; batched they would not."""
+    if layout.batch_error is not None:
+        return f"its forward fails on a batch of sequences at different offsets ({layout.batch_error})"
+    masked = [layout.where(leaf.path) for leaf in layout.kv_leaves if "sdpa-masked" in leaf.consumers]
+    if masked:
+        return f"{', '.join(masked)} attend with a mask the model builds from one sequence's positions"
+    return None
 
 
 def query_heads(layout: ModelLayout) -> int:

@@ -14,6 +14,8 @@ attention grows one block per `block_size` tokens and shares every computed full
 window of W tokens keeps a ring of ceil(W / block_size) + 1 blocks (logical block b lives in
 `table[b % len(table)]`, cache_view.py and kv_cache.py rely on it): a ring block is overwritten
 as the window slides, so it is never shared, and nothing is freed, the oldest block is reused.
+Chunked-local attention (llama4: a query attends only within its fixed chunk of C tokens) is stored
+as a window of C + 1 tokens (`Chunked`, `ChunkedLocalSpec`): what mlx-lm's ChunkedKVCache keeps.
 """
 
 from __future__ import annotations
@@ -28,14 +30,39 @@ from mlxpaged.validation import is_int_at_least
 
 
 @dataclass(frozen=True)
+class Chunked:
+    """A `layer_windows` entry for chunked-local attention in chunks of `chunk` tokens (llama4).
+    mlx-lm's ChunkedKVCache keeps positions [offset - chunk, offset) before a pass (its
+    `start_position` after `maybe_trim_front`), so the layer is stored as a window of chunk + 1
+    tokens: the query at `offset` reads `chunk + 1` keys, the model's own mask keeps its chunk."""
+
+    chunk: int
+
+    def __post_init__(self) -> None:
+        _check_positive(chunk=self.chunk)
+
+    @property
+    def window(self) -> int:
+        return self.chunk + 1
+
+
+def window_of(entry: "int | Chunked | None") -> int | None:
+    """The tokens a `layer_windows` entry stores: None (full), a window, or a chunk's window."""
+    return entry.window if isinstance(entry, Chunked) else entry
+
+
+@dataclass(frozen=True)
 class LayerGroup:
     """Layers sharing one block table per request: same attention type, fixed size."""
 
     index: int
     layers: tuple[int, ...]
-    window: int | None  # None: full attention
+    window: int | None  # None: full attention; for chunked groups the stored window, chunk + 1
+    chunk: int | None = None  # chunked-local attention in chunks of this many tokens
 
     def spec(self, block_size: int) -> "KVCacheSpec":
+        if self.chunk is not None:
+            return ChunkedLocalSpec(block_size, self.chunk)
         if self.window is None:
             return FullAttentionSpec(block_size)
         return SlidingWindowSpec(block_size, self.window)
@@ -92,23 +119,24 @@ class LayerGroup:
             )
 
 
-def group_layers(layer_windows: Sequence[int | None]) -> tuple[LayerGroup, ...]:
-    """Cut layers into equal-size groups of one attention type (window), in layer order."""
-    by_type: dict[int | None, list[int]] = {}
+def group_layers(layer_windows: Sequence[int | Chunked | None]) -> tuple[LayerGroup, ...]:
+    """Cut layers into equal-size groups of one attention type (window or chunk), in layer order."""
+    by_type: dict[int | Chunked | None, list[int]] = {}
     for layer, window in enumerate(layer_windows):
         by_type.setdefault(window, []).append(layer)
     if not by_type:
         raise ValueError("a model needs at least one layer")
     size = math.gcd(*(len(layers) for layers in by_type.values()))
     groups = []
-    for window, layers in by_type.items():
+    for entry, layers in by_type.items():
+        chunk = entry.chunk if isinstance(entry, Chunked) else None
         for i in range(0, len(layers), size):
-            groups.append(LayerGroup(len(groups), tuple(layers[i : i + size]), window))
+            groups.append(LayerGroup(len(groups), tuple(layers[i : i + size]), window_of(entry), chunk))
     return tuple(groups)
 
 
 def block_bytes(
-    layer_windows: Sequence[int | None], block_size: int, num_kv_heads: int, head_dim: int, dtype_bytes: int
+    layer_windows: Sequence[int | Chunked | None], block_size: int, num_kv_heads: int, head_dim: int, dtype_bytes: int
 ) -> int:
     """Bytes one block id stands for: keys and values of one page per layer of a group."""
     group_size = len(group_layers(layer_windows)[0].layers)
@@ -190,6 +218,39 @@ class SlidingWindowSpec(KVCacheSpec):
 
     def skipped_blocks(self, num_tokens: int) -> int:
         return max(0, num_tokens - self.window + 1) // self.block_size  # a query at p reads from p - W + 1
+
+
+@dataclass(frozen=True)
+class ChunkedLocalSpec(KVCacheSpec):
+    """Chunked-local attention (llama4): a query at p attends to [p - p % chunk, p]. Stored as a
+    ring of a window of chunk + 1 tokens (`Chunked`), so a table never holds more than
+    ceil((chunk + 1) / block_size) + 1 blocks: blocks of finished chunks are recycled as the ring
+    turns. Never shared (ring blocks are overwritten)."""
+
+    block_size: int
+    chunk: int
+
+    def __post_init__(self) -> None:
+        _check_positive(block_size=self.block_size, chunk=self.chunk)
+
+    @property
+    def max_blocks(self) -> int:
+        return -(-(self.chunk + 1) // self.block_size) + 1
+
+    def key_start(self, offset: int) -> int:
+        """First key handed to a pass that starts at `offset`: mlx-lm's ChunkedKVCache.start_position
+        after maybe_trim_front (it trims to the last `chunk` tokens)."""
+        return max(0, offset - self.chunk)
+
+    def chunk_start(self, position: int) -> int:
+        """First position the query at `position` attends to."""
+        return position - position % self.chunk
+
+    def shareable_blocks(self, num_computed_tokens: int) -> int:
+        return 0  # ring blocks are overwritten as the chunks pass
+
+    def skipped_blocks(self, num_tokens: int) -> int:
+        return self.key_start(num_tokens) // self.block_size
 
 
 def table_lengths(num_tokens: int, block_size: int, group_max_blocks: Sequence[int | None]) -> list[int]:

@@ -23,7 +23,7 @@ import mlx.core as mx
 
 from mlxpaged.engine import engine_thread
 from mlxpaged.kernels.attention import attention_status, prepare_attention
-from mlxpaged.cache.paged_support import query_heads
+from mlxpaged.cache.paged_support import query_heads, serial_reason
 from mlxpaged.config import DEFAULT_CACHE_TOKENS, CacheConfig, SchedulerConfig, split_settings
 from mlxpaged.engine.core import EngineCore
 from mlxpaged.cache.kv_cache import PagedKVCache
@@ -52,6 +52,7 @@ class Engine:
         self.scheduler_config = scheduler_config or SchedulerConfig()
         self.layout = probe_layout(loaded.model)  # what its own caches hold: refused here, never mid-request
         check_paged_support(self.layout)
+        self.serial_reason = serial_reason(self.layout)  # None: ragged batches are exact for this model
         route_paged_attention()
         kv_dtype = activation_dtype(loaded.model)  # K/V have the activations' dtype
         self.facts = ModelFacts.from_layout(self.layout, model_weight_bytes(loaded.model), kv_dtype.size,
@@ -74,6 +75,7 @@ class Engine:
         commands = self._commands  # the core must not hold the engine: its thread holds it weakly (engine_thread.py)
         self.core = EngineCore.create(loaded.model, loaded.tokenizer, self.kv, self.cache_config, self.scheduler_config,
                                       max_model_len=self.max_model_len, extra_key=str(loaded.path), stats=self._stats,
+                                      serial=self.serial_reason is not None,
                                       has_commands=lambda: not commands.empty())
         self.scheduler, self.runner = self.core.scheduler, self.core.runner
         self.kv_manager = self.scheduler.kv_manager

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mlxpaged.cache.layout import ModelLayout
+from mlxpaged.cache.specs import Chunked
 
 from mlxpaged.validation import require_int
 
@@ -18,14 +19,14 @@ from mlxpaged.validation import require_int
 @dataclass(frozen=True)
 class KVShape:
     """What one token costs in the KV cache. `sliding_windows` has one entry per layer:
-    None for full attention, else the window in tokens (such a layer keeps only recent blocks);
-    None for all: no layer slides."""
+    None for full attention, else the window in tokens (such a layer keeps only recent blocks) or
+    `Chunked(chunk)` for chunked-local attention; None for all: no layer slides."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     dtype_bytes: int
-    sliding_windows: tuple[int | None, ...] | None = None
+    sliding_windows: tuple[int | Chunked | None, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "dtype_bytes"):
@@ -37,7 +38,7 @@ class KVShape:
         if len(windows) != self.num_layers:
             raise ValueError(f"sliding_windows has {len(windows)} entries for {self.num_layers} layers")
         for window in windows:
-            if window is not None:
+            if window is not None and not isinstance(window, Chunked):  # a Chunked checks itself
                 require_int("a sliding window", window, low=1)
 
     @property
@@ -50,7 +51,7 @@ class KVShape:
         return self.num_layers * self.layer_bytes_per_token
 
     @property
-    def layer_windows(self) -> tuple[int | None, ...]:
+    def layer_windows(self) -> tuple[int | Chunked | None, ...]:
         return self.sliding_windows or (None,) * self.num_layers
 
     @classmethod
@@ -63,10 +64,10 @@ class KVShape:
         first = leaves[0]
         for leaf in leaves:
             if (leaf.kv_heads, leaf.k_dim, leaf.v_dim) != (first.kv_heads, first.k_dim, first.k_dim) \
-                    or leaf.kind not in ("full", "window"):
+                    or leaf.kind not in ("full", "window", "chunked"):
                 raise ValueError(f"{layout.where(leaf.path)} ({leaf.describe()}) does not fit pools of "
                                  f"{first.kv_heads} heads x {first.k_dim} for K and V")
-        windows = tuple(leaf.span for leaf in leaves)
+        windows = tuple(Chunked(leaf.span) if leaf.kind == "chunked" else leaf.span for leaf in leaves)
         return cls(len(leaves), first.kv_heads, first.k_dim, dtype_bytes,
                    windows if any(w is not None for w in windows) else None)
 

@@ -145,9 +145,13 @@ class Lookahead:
 
 
 class Runner:
-    def __init__(self, model: nn.Module, kv_cache: PagedKVCache):
+    """`serial`: run every pass with one sequence (a model building masks from one sequence's
+    positions, paged_support.serial_reason); a batch becomes consecutive passes."""
+
+    def __init__(self, model: nn.Module, kv_cache: PagedKVCache, serial: bool = False):
         self.model = model
         self.kv = kv_cache
+        self.serial = serial
         self.head = split_head(model)
         compiled = is_routed(model) and CompiledDecode.supports(kv_cache)
         self.decoder = CompiledDecode(model, kv_cache, self.head) if compiled else None
@@ -268,6 +272,9 @@ class Runner:
     def _pass(self, batch: list[StepInput], tokens: mx.array | None = None, launch: bool = True) -> mx.array:
         """Build one forward pass and its cache writes, and launch it unless told not to; returns
         each row's last-position logits [B, V]. Passes run in order on one stream."""
+        if self.serial and len(batch) > 1:
+            rows = [None] * len(batch) if tokens is None else [tokens[i:i + 1] for i in range(len(batch))]
+            return mx.concatenate([self._pass([x], row, launch) for x, row in zip(batch, rows)])
         length = max(len(x.token_ids) for x in batch)
         if tokens is None:
             tokens = mx.array([list(x.token_ids) + [0] * (length - len(x.token_ids)) for x in batch],

@@ -2,10 +2,12 @@
 
     python -m tests.archs.harness MODULE [MODULE ...]   -> one JSON verdict line per module
 
-Verdicts: "paged" (greedy tokens equal mlx-lm's, alone and batched with a prompt of another length),
-"refused" (Engine construction raised UnsupportedModelError), "fail" (anything else: a mismatch, a
-request that failed, another error at load). A line {"module", "stage": "reference-done"} is printed
-once mlx-lm's own run is over, so a process that dies before it shows an upstream crash (sweep.py).
+Verdicts: "paged" (every scenario of scenarios.py passes: greedy tokens equal mlx-lm's alone,
+batched, with chunked prefill, on a prefix-cache hit, after preemption and for n = 2, and the pool
+empty afterwards), "refused" (Engine construction raised UnsupportedModelError), "fail" (anything
+else: a mismatch, a request that failed, another error at load); "scenarios" holds each scenario's
+verdict. A line {"module", "stage": "reference-done"} is printed once mlx-lm's own run is over, so a
+process that dies before it shows an upstream crash (sweep.py).
 """
 
 from __future__ import annotations
@@ -20,11 +22,9 @@ import mlx.core as mx
 from mlx.utils import tree_map
 
 from tests.archs.configs import SOFT_CAPPED, config_for
+from tests.archs.scenarios import NEW_TOKENS, Case, Scenarios
 
-PROMPT_LENGTHS = (11, 23)  # > 2 blocks of 8 and past every window of the tiny configs
-NEW_TOKENS = 10
-BLOCK_SIZE = 8
-TIE_GAP = 1e-4  # mlx-lm's top-2 log-prob gap under which either token is a fair argmax
+PROMPT_LENGTHS = (7, 21, 30)  # within a block, > 2 blocks of 8, and past every window and chunk of the configs
 
 
 def build(module: str):
@@ -42,7 +42,7 @@ def prompts(vocab: int) -> list[list[int]]:
     return [[(7 * i + 3 * n) % (vocab - 1) + 1 for i in range(n)] for n in PROMPT_LENGTHS]
 
 
-def reference(model, prompt: list[int]) -> tuple[list[int], list[float]]:
+def reference(model, prompt: list[int]) -> Case:
     """mlx-lm's greedy tokens and, per step, the gap between its two best log-probs."""
     from mlx_lm.generate import generate_step
 
@@ -51,15 +51,7 @@ def reference(model, prompt: list[int]) -> tuple[list[int], list[float]]:
         top2 = mx.sort(logprobs)[-2:].tolist()
         tokens.append(int(token))
         gaps.append(top2[1] - top2[0])
-    return tokens, gaps
-
-
-def compare(got: list[int], want: list[int], gaps: list[float]) -> str | None:
-    """None when equal up to the first step that is a near-tie in mlx-lm's own log-probs, else why not."""
-    for step, (g, w) in enumerate(zip(got, want)):
-        if g != w:
-            return None if gaps[step] < TIE_GAP else f"token {step}: {g} != mlx-lm's {w} (gap {gaps[step]:.2g})"
-    return None if len(got) == len(want) else f"{len(got)} tokens, mlx-lm {len(want)}"
+    return Case(list(prompt), tokens, gaps)
 
 
 def layout_summary(model) -> dict:
@@ -75,33 +67,22 @@ def layout_summary(model) -> dict:
     return {"kinds": layout.kinds(), "all_routed": all(leaf.routed for leaf in layout.kv_leaves), "labels": labels}
 
 
-def run_engine(model, module: str, cases: list[tuple[list[int], list[int], list[float]]]) -> dict:
-    from mlxpaged.config import CacheConfig
-    from mlxpaged.engine.engine import Engine
+def run_engine(model, module: str, cases: list[Case], vocab: int) -> dict:
+    """Every scenario's verdict; "paged" when all pass, "refused" when the engine refuses the model."""
     from mlxpaged.errors import UnsupportedModelError
     from mlxpaged.loading.loader import LoadedModel, locate_model
     from mlxpaged.loading.model_store import ModelRef
-    from mlxpaged.runner.routing import is_routed
-    from mlxpaged.runner.sampling import SamplingParams
     from mlx_lm.utils import load_tokenizer
 
     tokenizer = load_tokenizer(locate_model(None)[1])
     loaded = LoadedModel(model, tokenizer, ModelRef(module, "path"), _path(module), "float32", config_for(module))
     try:
-        engine = Engine(loaded, CacheConfig(cache_tokens=512, block_size=BLOCK_SIZE))
+        out = Scenarios(loaded, cases, lambda prompt: reference(model, prompt), vocab).run()
     except UnsupportedModelError as exc:
         return {"status": "refused", "reason": str(exc)}
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    with engine:
-        problems = []
-        for label, runs in (("alone", [engine.generate([p], params)[0] for p, _, _ in cases]),
-                            ("batched", engine.generate([p for p, _, _ in cases], params))):
-            for (prompt, want, gaps), got in zip(cases, runs):
-                why = compare(list(got.token_ids), want, gaps)
-                if why:
-                    problems.append(f"{label}, prompt of {len(prompt)}: {why}")
-        return {"status": "fail" if problems else "paged", "reason": "; ".join(problems),
-                "prefix_cache": engine.kv_manager.enable_prefix_cache, "routed": is_routed(model)}
+    failed = {name: why for name, why in out["scenarios"].items() if why != "pass"}
+    return {"status": "fail" if failed else "paged",
+            "reason": "; ".join(f"{name}: {why}" for name, why in failed.items()), **out}
 
 
 def _path(module: str):
@@ -116,10 +97,11 @@ def run_architecture(module: str) -> dict:
     out = {"module": module}
     model = build(module)
     out.update(layout_summary(model))
-    cases = [(p, *reference(model, p)) for p in prompts(_vocab(model))]
+    vocab = _vocab(model)
+    cases = [reference(model, p) for p in prompts(vocab)]
     print(json.dumps({"module": module, "stage": "reference-done"}), flush=True)
     try:
-        out.update(run_engine(model, module, cases))
+        out.update(run_engine(model, module, cases, vocab))
     except Exception as exc:  # a request failing mid-way, or an error at load that is no refusal
         out.update(status="fail", reason=f"{type(exc).__name__}: {str(exc)[:300]}")
     out["seconds"] = round(time.time() - start, 2)

@@ -15,7 +15,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from tests.archs.configs import MLX_LM_CANNOT_RUN, has_config, text_modules
+from tests.archs.configs import MLX_LM_CANNOT_RUN, UPSTREAM_BROKEN, has_config, text_modules
 
 ROOT = Path(__file__).resolve().parents[2]
 MODULE_TIMEOUT_S = 180
@@ -72,10 +72,14 @@ def _run_process(modules: list[str]) -> dict[str, dict]:
 
 
 def _crash(module: str, returncode: int, reference_done: bool, timed_out: bool, stderr: str) -> dict:
+    """A dead process's verdict: "upstream-crash" when mlx-lm's own run had not finished or the
+    module crashes plain mlx-lm too (configs.UPSTREAM_BROKEN, whichever run it dies in), else "crash"."""
     cause = f"timed out after {MODULE_TIMEOUT_S} s" if timed_out else f"process died (exit code {returncode})"
     who = "the paged engine" if reference_done else "mlx-lm's own generate_step (before mlxpaged ran)"
-    return {"module": module, "status": "crash" if reference_done else "upstream-crash",
-            "reason": f"{cause} in {who}; stderr: {stderr.strip()[-200:]}"}
+    upstream = not reference_done or module in UPSTREAM_BROKEN
+    known = f"{UPSTREAM_BROKEN[module]}; " if module in UPSTREAM_BROKEN else ""
+    return {"module": module, "status": "upstream-crash" if upstream else "crash",
+            "reason": f"{known}{cause} in {who}; stderr: {stderr.strip()[-200:]}"}
 
 
 class _Watchdog:

@@ -13,7 +13,7 @@ import pytest
 from mlx_lm.models import cache as mlx_cache
 
 from mlxpaged.cache.layout import CacheListNode, KVLeaf, StateLeaf, UnusedLeaf
-from mlxpaged.cache.paged_support import query_heads, unsupported_reasons
+from mlxpaged.cache.paged_support import query_heads, serial_reason, unsupported_reasons
 from mlxpaged.errors import UnsupportedModelError
 from mlxpaged.loading.loader import check_paged_support
 from mlxpaged.loading.probe import MEMORY_GUARD_BYTES, probe_layout
@@ -94,7 +94,8 @@ def test_llama4_chunked_leaves():
     text = config_for("llama4")["text_config"]
     layout = probe_layout(unweighted("llama4"))
     assert [(leaf.kind, leaf.span) for leaf in layout.kv_leaves][:3] == [("chunked", text["attention_chunk_size"])] * 3
-    assert "chunked" in {reason.label for reason in unsupported_reasons(layout)}
+    assert unsupported_reasons(layout) == []  # chunked pools, model-built chunk mask: one sequence per pass
+    assert serial_reason(layout).startswith("layer 0, layer 1, layer 2 attend with a mask the model builds")
 
 
 def test_gemma3n_shared_layers_show_in_the_structure():
@@ -154,10 +155,12 @@ def test_a_failing_forward_is_a_refusal_naming_the_model_type():
         probe_layout(model)
 
 
-def test_batched_offsets_failure_is_refused():
+def test_batched_offsets_failure_runs_one_sequence_per_pass():
     layout = probe_layout(unweighted("gpt_bigcode"))  # positions from np.arange(cache.offset, ...)
     assert layout.batch_error is not None
-    assert [reason.label for reason in unsupported_reasons(layout)] == ["batched offsets"]
+    assert unsupported_reasons(layout) == []
+    assert serial_reason(layout).startswith("its forward fails on a batch of sequences at different offsets")
+    assert serial_reason(probe_layout(unweighted("llama"))) is None
 
 
 RUNNABLE = [m for m in text_modules() if has_config(m) and m not in MLX_LM_CANNOT_RUN and m not in UPSTREAM_BROKEN]
