@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from mlxpaged.cache.layout import CacheListNode, KVLeaf, ModelLayout, StateLeaf, UnusedLeaf
+from mlxpaged.cache.layout import CacheListNode, KVLeaf, ModelLayout, UnusedLeaf
 
 
 class Reason(NamedTuple):
@@ -44,13 +44,14 @@ def unsupported_reasons(layout: ModelLayout) -> list[Reason]:
         reasons.append(Reason("batched offsets", f"its forward fails on a batch of sequences at different offsets "
                                                  f"({layout.batch_error}); the engine batches every request"))
     if not layout.kv_leaves and not reasons:
-        reasons.append(Reason("no KV cache", "the model keeps no key/value cache"))
+        only_state = bool(layout.state_leaves)
+        reasons.append(Reason("no KV cache", "the model keeps only state-space state, no key/value cache: the "
+                                             "engine pages KV and needs at least one attention layer"
+                              if only_state else "the model keeps no key/value cache"))
     return reasons
 
 
 def _leaf_reasons(leaf) -> list[Reason]:
-    if isinstance(leaf, StateLeaf):
-        return [Reason("state", "state-space / linear-attention state needs per-sequence state slots")]
     if isinstance(leaf, UnusedLeaf):
         return [Reason("unused cache", "a cache the model never writes has no paged placeholder yet")]
     return _kv_reasons(leaf) if isinstance(leaf, KVLeaf) else []

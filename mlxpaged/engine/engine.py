@@ -74,6 +74,7 @@ class Engine:
         commands = self._commands  # the core must not hold the engine: its thread holds it weakly (engine_thread.py)
         self.core = EngineCore.create(loaded.model, loaded.tokenizer, self.kv, self.cache_config, self.scheduler_config,
                                       max_model_len=self.max_model_len, extra_key=str(loaded.path), stats=self._stats,
+                                      layout=self.layout, num_checkpoints=self.plan.num_checkpoints,
                                       has_commands=lambda: not commands.empty())
         self.scheduler, self.runner = self.core.scheduler, self.core.runner
         self.kv_manager = self.scheduler.kv_manager
@@ -218,9 +219,18 @@ class Engine:
             "blocks_used": pool.num_owned, "blocks_cached": pool.num_cached_free,
             "prefix_hit_rate": pool.hit_rate, "prefix_hit_tokens": pool.hit_tokens,
             "requests_running": self.scheduler.num_running, "requests_waiting": self.scheduler.num_waiting,
-            **self._stats.snapshot(), "memory_plan": self.plan,
+            **self._stats.snapshot(), "memory_plan": self.plan, **self._memory_stats(),
             "attention": attention_status(),  # {"path", "reason", "variants"}: see mlxpaged.kernels.attention
         }
+
+    def _memory_stats(self) -> dict:
+        """KV memory and state-slot memory, apart: planned bytes, and for state the slots and checkpoints held."""
+        out = {"kv_bytes": self.plan.kv_bytes, "state_bytes": self.plan.state_bytes}
+        state = self.scheduler.state
+        if state is not None:
+            out.update(state_slots_total=state.store.num_slots, state_slots_used=state.store.num_slots - state.num_free,
+                       state_checkpoints=len(state.checkpoints))
+        return out
 
     def block_states(self) -> list[str]:
         """Per block: "free", "owned", "shared" or "cached" (a snapshot; for the block map)."""
