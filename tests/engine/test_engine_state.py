@@ -117,3 +117,33 @@ def test_stats_and_plan_report_state_memory_apart_from_kv(engine):
     assert plan.num_state_slots == stats["state_slots_total"] == engine.scheduler_config.max_num_seqs
     assert stats["kv_bytes"] == plan.kv_bytes == plan.num_blocks * plan.block_bytes
     assert "state:" in plan.describe() and any(label.startswith("state (") for label, _ in plan.breakdown)
+
+
+def test_a_pass_built_ahead_and_dropped_leaves_the_state_as_it_was(model, tokenizer):
+    """The runner builds the next decode pass before a step is scheduled; when a new request makes the
+    step differ, that pass is dropped, and its state rows must not have been stored."""
+    from mlxpaged.cache.kv_cache import PagedKVCache
+    from mlxpaged.config import CacheConfig, SchedulerConfig
+    from mlxpaged.engine.core import EngineCore
+    from mlxpaged.loading.probe import probe_layout
+    from mlxpaged.platform.model_facts import KVShape
+    from mlxpaged.runner.routing import route_paged_attention
+    from tests.engine.test_core import run_to_completion, token_ids
+
+    route_paged_attention()
+    layout = probe_layout(model)
+    shape = KVShape.from_layout(layout, 4)
+    kv = PagedKVCache(shape.num_layers, 64, 8, shape.num_kv_heads, shape.head_dim)
+    core = EngineCore.create(model, tokenizer, kv, CacheConfig(block_size=8), SchedulerConfig(max_num_seqs=4),
+                             max_model_len=512, layout=layout, num_checkpoints=8)
+    prompts = {"a": random_tokens(15, seed=11), "b": random_tokens(6, seed=12)}
+    events = {rid: [] for rid in prompts}
+    core.add_request("a", prompts["a"], LONG, events["a"].append)
+    for _ in range(4):
+        core.step()
+    assert core.runner._ahead is not None and core.runner._ahead.state is not None  # built on a's state
+    core.add_request("b", prompts["b"], LONG, events["b"].append)  # the next step is not the one built ahead
+    run_to_completion(core)
+    for rid, prompt in prompts.items():
+        assert token_ids(events[rid]) == reference_tokens(model, prompt, LONG.max_tokens), rid
+    assert core.scheduler.state.num_free == 4
