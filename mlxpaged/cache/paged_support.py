@@ -43,11 +43,8 @@ def unsupported_reasons(layout: ModelLayout) -> list[Reason]:
     if layout.batch_error is not None:
         reasons.append(Reason("batched offsets", f"its forward fails on a batch of sequences at different offsets "
                                                  f"({layout.batch_error}); the engine batches every request"))
-    if not layout.kv_leaves and not reasons:
-        only_state = bool(layout.state_leaves)
-        reasons.append(Reason("no KV cache", "the model keeps only state-space state, no key/value cache: the "
-                                             "engine pages KV and needs at least one attention layer"
-                              if only_state else "the model keeps no key/value cache"))
+    if not layout.kv_leaves and not layout.state_leaves and not reasons:
+        reasons.append(Reason("no KV cache", "the model keeps no key/value cache"))
     return reasons
 
 
@@ -104,6 +101,7 @@ def _geometry_reasons(layout: ModelLayout) -> list[Reason]:
 
 
 def query_heads(layout: ModelLayout) -> int:
-    """The query heads of a supported layout's attention (its KV heads when no SDPA call showed them)."""
+    """The query heads of a supported layout's attention (its KV heads when no SDPA call showed them;
+    1 for a model of state layers only, which attends nothing)."""
     known = [leaf.q_heads for leaf in layout.kv_leaves if leaf.q_heads is not None]
-    return known[0] if known else layout.kv_leaves[0].kv_heads
+    return known[0] if known else layout.kv_leaves[0].kv_heads if layout.kv_leaves else 1

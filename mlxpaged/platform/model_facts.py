@@ -58,6 +58,10 @@ class KVShape:
         """One entry per KV leaf of a layout the pools can hold (one geometry, K and V of one width);
         raises ValueError naming the first leaf that does not fit."""
         leaves = layout.kv_leaves
+        if not leaves and layout.state_leaves:
+            # Only state layers: blocks still number each sequence's tokens (prefix hashes, capacity,
+            # checkpoints), so they get the smallest page there is, 1 head x 1 value, which nothing reads.
+            return cls(1, 1, 1, dtype_bytes)
         if not leaves:
             raise ValueError(f"model type {layout.model_type!r} keeps no key/value cache")
         first = leaves[0]

@@ -147,3 +147,20 @@ def test_a_pass_built_ahead_and_dropped_leaves_the_state_as_it_was(model, tokeni
     for rid, prompt in prompts.items():
         assert token_ids(events[rid]) == reference_tokens(model, prompt, LONG.max_tokens), rid
     assert core.scheduler.state.num_free == 4
+
+
+@pytest.mark.parametrize("module", ["mamba2", "rwkv7"])
+def test_state_only_models_batched_and_on_a_second_turn(module, tokenizer):
+    """No attention layer at all: blocks only number the tokens (prefix hashes, checkpoints)."""
+    from tests.archs.harness import build
+
+    model = build(module)
+    prompts = [random_tokens(n, seed=300 + n) for n in (5, 19)]
+    want = [reference_tokens(model, p, GREEDY.max_tokens) for p in prompts]
+    with tiny_engine(model, tokenizer) as eng:
+        assert [c.token_ids for c in eng.generate(prompts, GREEDY)] == want
+        turn2 = prompts[1] + want[1] + random_tokens(4, seed=301)
+        warm = eng.generate([turn2], GREEDY)[0]
+        assert warm.cached_tokens > len(prompts[1])
+        assert warm.token_ids == reference_tokens(model, turn2, GREEDY.max_tokens)
+        assert_empty(eng)
