@@ -226,6 +226,10 @@ class StateCache:
         self._pending: dict[int, tuple[Hashable, Snapshot]] = {}  # by slot
 
     @property
+    def num_slots(self) -> int:
+        return self.store.num_slots
+
+    @property
     def num_free(self) -> int:
         return self.store.num_free
 

@@ -172,7 +172,7 @@ class Scheduler:
         tokens: full blocks are shared copy-on-write, and the returned copies (partial blocks,
         sliding-window rings) must be done by the KV layer before the next step. `child` carries
         the parent's prompt; `first_token` is its own first sample (from the parent's logits).
-        When the pool cannot hold the copy, the child waits and recomputes its prompt instead
+        When the pool (or the state slots) cannot hold the copy, the child waits and recomputes its prompt instead
         (returns no copies)."""
         parent = self._requests.get(parent_id)
         if parent is None or parent.status is not RequestStatus.RUNNING:
@@ -183,21 +183,29 @@ class Scheduler:
         self._arrival[child.request_id] = self._next_arrival
         self._next_arrival += 1
         child.num_cached_tokens = parent.num_cached_tokens
-        try:
-            if self.state is not None and self.state.num_free == 0:
-                raise NoFreeBlocksError(1, 0, self.max_num_seqs)  # no state slot: wait like a full pool
-            copies = self.kv_manager.fork(parent, child)
-        except NoFreeBlocksError:
+        copies = self._fork_blocks(parent, child)
+        if copies is None:
             copies = []
             child.status = RequestStatus.WAITING
             self._waiting.append(child)
         else:
             child.num_computed_tokens = parent.num_computed_tokens
-            if self.state is not None:
-                child.state_slot = self.state.fork(parent.state_slot)  # shares the parent's state rows
             child.status = RequestStatus.RUNNING
             self._running.append(child)  # newest arrival: the order stays sorted
         child.output_token_ids.append(first_token)
+        return copies
+
+    def _fork_blocks(self, parent: Request, child: Request) -> list[CopyOnWrite] | None:
+        """The child's share of the parent's blocks and state slot, and the copies to do first; None
+        when the pool or the state slots cannot hold it."""
+        if self.state is not None and self.state.num_free == 0:
+            return None
+        try:
+            copies = self.kv_manager.fork(parent, child)
+        except NoFreeBlocksError:
+            return None
+        if self.state is not None:
+            child.state_slot = self.state.fork(parent.state_slot)  # shares the parent's state rows
         return copies
 
     def reserve_next_slot(self, request: Request) -> list[list[int]] | None:

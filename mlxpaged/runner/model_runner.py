@@ -317,26 +317,30 @@ class Runner:
         if tokens is None:
             tokens = mx.array([list(x.token_ids) + [0] * (length - len(x.token_ids)) for x in batch],
                               dtype=mx.int32)
+        state = None
         if length == 1 and self.compiles(len(batch)):
             logits = self.decoder([x.start for x in batch], [x.block_tables[0] for x in batch], tokens)
         else:
-            num_new = [len(x.token_ids) for x in batch]
-            views = paged_views(self.kv, [x.block_tables for x in batch], [x.start for x in batch], num_new)
-            state = None
-            if self.state is not None:
-                state = StatePass(self.state, [x.state_slot for x in batch], num_new)
-                views = assemble_caches(self.layout.structure, views, state.views)
-            last = mx.array([n - 1 for n in num_new])
-            if self.head is not None:
-                hidden = self.model.model(tokens, cache=views)
-                logits = self.head(hidden[mx.arange(len(batch)), last])
-            else:
-                logits = self.model(tokens, cache=views)[mx.arange(len(batch)), last]
-            if state is not None and launch:
-                state.commit()  # a launched pass is used: its rows are the sequences' state now
-                self.launch(logits, *state.new_arrays())
-                return logits
-            self._built_state = state
-        if launch:
-            self.launch(logits)
+            logits, state = self._forward(batch, tokens)
+        if not launch:
+            self._built_state = state  # stored only if the pass is adopted (Lookahead.state)
+            return logits
+        if state is not None:
+            state.commit()  # a launched pass is used: its rows are the sequences' state now
+        self.launch(logits, *(state.new_arrays() if state is not None else ()))
         return logits
+
+    def _forward(self, batch: list[StepInput], tokens: mx.array) -> tuple[mx.array, StatePass | None]:
+        """The model over `batch` through paged KV views (and state views): lazy last-position logits
+        [B, V] and the pass's state, not stored yet."""
+        num_new = [len(x.token_ids) for x in batch]
+        views = paged_views(self.kv, [x.block_tables for x in batch], [x.start for x in batch], num_new)
+        state = None
+        if self.state is not None:
+            state = StatePass(self.state, [x.state_slot for x in batch], num_new)
+            views = assemble_caches(self.layout.structure, views, state.views)
+        last = mx.array([n - 1 for n in num_new])
+        if self.head is not None:
+            hidden = self.model.model(tokens, cache=views)
+            return self.head(hidden[mx.arange(len(batch)), last]), state
+        return self.model(tokens, cache=views)[mx.arange(len(batch)), last], state
