@@ -7,6 +7,10 @@ into each request's sink.
 Models that mix sliding-window and full attention (gemma3, `layer_types`) run too: each
 request holds one block table per layer group, a window group's table being a ring of at
 most ceil(window / block_size) + 1 blocks, and their prefix cache is off (kv_cache.py).
+
+Models with state-space / linear-attention layers (mlx-lm ArraysCache: mamba, Qwen 3.5, ...) hold one
+state slot per running request next to their KV blocks (cache/state_cache.py); their prefix cache resumes
+from state checkpoints at block boundaries.
 """
 
 from __future__ import annotations
@@ -60,8 +64,9 @@ class Engine:
                                 weights_resident=True)
         self.kv = self._make_kv_cache(kv_dtype)
         # Before the first decode: a Metal kernel variant that fails its self-check is replaced by the reference.
-        prepare_attention(kv_dtype, self.facts.kv.head_dim, self.cache_config.block_size,
-                          query_heads(self.layout), self.facts.kv.num_kv_heads)
+        if self.layout.kv_leaves:  # a model of state layers only attends nothing
+            prepare_attention(kv_dtype, self.facts.kv.head_dim, self.cache_config.block_size,
+                              query_heads(self.layout), self.facts.kv.num_kv_heads)
         self.max_model_len = int(self.facts.context_length or self.plan.token_capacity)
         # SimpleQueue (C, reentrant): its put cannot deadlock when a Ctrl-C or a finalizer (engine_thread.py)
         # lands inside another put, as queue.Queue's Python-level lock can.
