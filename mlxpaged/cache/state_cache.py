@@ -111,10 +111,16 @@ class StateView(ArraysCache):
         self.lengths = lengths
         self.left_padding = None
         self.written: dict[int, mx.array] = {}  # this pass's arrays [B, ...], by entry
+        self._read: dict[int, mx.array | None] = {}  # the batch of stored rows, built once per entry
 
     def __getitem__(self, i: int) -> mx.array | None:
         if i in self.written:
             return self.written[i]
+        if i not in self._read:
+            self._read[i] = self._gather(i)
+        return self._read[i]
+
+    def _gather(self, i: int) -> mx.array | None:
         rows = [self.store.row(slot, self.path)[i] for slot in self.slots]
         if all(r is None for r in rows):
             return None  # every sequence fresh: the model initialises it, as with mlx-lm's own cache
