@@ -64,12 +64,18 @@ def _verdict(v: dict) -> str:
 
 
 def _prefix(v: dict) -> str:
-    return ("yes" if v.get("prefix_cache") else "no") if v["status"] == "paged" else "-"
+    if v["status"] != "paged":
+        return "-"
+    if not v.get("prefix_cache"):
+        return "no"
+    return "state checkpoints at block boundaries" if "state" in v.get("kinds", []) else "yes"
 
 
 def _attention(v: dict) -> str:
     if v["status"] != "paged":
         return "-"
+    if not any(kind not in ("state", "unused") for kind in v.get("kinds", [])):
+        return "none (state only)"
     if not v.get("routed"):
         return "model's own, over gathered K/V"
     windows = any(kind.startswith("window") for kind in v.get("kinds", []))
