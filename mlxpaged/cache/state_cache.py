@@ -92,10 +92,6 @@ class StateStore:
             raise ValueError(f"snapshot leaves {sorted(snapshot)} differ from the store's {sorted(self.sizes)}")
         self._rows[slot] = {path: list(arrays) for path, arrays in snapshot.items()}
 
-    def arrays(self) -> list[mx.array]:
-        """Every array the held slots keep (for evaluation and byte counts)."""
-        return [a for rows in self._rows.values() for row in rows.values() for a in row if a is not None]
-
     def _check(self, slot: int) -> None:
         if slot not in self._rows:
             raise KeyError(f"state slot {slot} is not allocated ({self.num_slots - self.num_free} of "
@@ -217,9 +213,6 @@ class CheckpointTable:
 
     def clear(self) -> None:
         self._snapshots.clear()
-
-    def arrays(self) -> list[mx.array]:
-        return [a for snap in self._snapshots.values() for row in snap.values() for a in row if a is not None]
 
 
 class StateCache:
