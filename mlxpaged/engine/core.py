@@ -43,13 +43,15 @@ class EngineCore:
                scheduler_config: SchedulerConfig, *, max_model_len: int, extra_key: object = None,
                layout: ModelLayout | None = None, num_checkpoints: int = 0, **kwargs) -> "EngineCore":
         """A core over `kv`'s blocks: block pool, cache manager (one spec per layer group), scheduler, runner.
-        A `layout` with state layers also gets max_num_seqs state slots and `num_checkpoints` checkpoints."""
+        A `layout` with state layers also gets max_num_seqs state slots and `num_checkpoints` checkpoints
+        (the memory plan's: pending ones included)."""
         specs = [group.spec(kv.block_size) for group in kv.groups]
         prefix_cache = cache_config.enable_prefix_cache and kv.supports_prefix_cache
         state = None
         if layout is not None and layout.state_leaves:
-            state = StateCache(StateStore(layout.state_leaves, scheduler_config.max_num_seqs),
-                               CheckpointTable(num_checkpoints if prefix_cache else 0))
+            # Each slot may hold one pending checkpoint (StateCache): the table gets the rest.
+            table = max(0, num_checkpoints - scheduler_config.max_num_seqs) if prefix_cache else 0
+            state = StateCache(StateStore(layout.state_leaves, scheduler_config.max_num_seqs), CheckpointTable(table))
         manager = KVCacheManager(BlockPool(kv.num_blocks), specs, extra_key=extra_key, enable_prefix_cache=prefix_cache,
                                  prefix_filter=state.usable_blocks if state is not None else None)
         scheduler = Scheduler(manager, max_batch_tokens=scheduler_config.max_batch_tokens,

@@ -51,9 +51,10 @@ OS_RESERVE_FRACTION = 0.10
 ACTIVATION_DTYPE_BYTES = 4
 ACTIVATION_SAFETY_FACTOR = 2
 DEFAULT_KV_FRACTION = {"metal": 0.9, "cpu": 0.5}
-# Prefix checkpoints of state-space state per sequence slot: a prompt's last boundary and a finished
-# conversation's, so a chat's next turn resumes (design 14, D3).
-CHECKPOINTS_PER_SEQUENCE = 2
+# Prefix checkpoints of state-space state per sequence slot (design 14, D3): one pending (the newest
+# block boundary of a running reply) and two in the table (a prompt's last boundary and a finished
+# conversation's), so a chat's next turn resumes.
+CHECKPOINTS_PER_SEQUENCE = 3
 BACKENDS = ("metal", "cpu")
 
 
