@@ -9,7 +9,13 @@ import time
 
 import pytest
 
-from mlxpaged.sampling_params import SamplingParams
+from mlxpaged.cache.kv_cache import PagedKVCache
+from mlxpaged.config import CacheConfig, SchedulerConfig
+from mlxpaged.engine.core import EngineCore
+from mlxpaged.loading.probe import probe_layout
+from mlxpaged.platform.model_facts import KVShape
+from mlxpaged.runner.routing import route_paged_attention
+from tests.engine.test_core import run_to_completion, token_ids
 from tests.engine.test_engine import GREEDY, assert_pool_empty, reference_tokens, tiny_engine
 from tests.tiny_models import random_tokens, tiny_qwen3_5
 
@@ -32,6 +38,16 @@ def engine(model, tokenizer):
         assert eng.scheduler.state is not None and eng.kv_manager.enable_prefix_cache
         yield eng
         assert_empty(eng)
+
+
+def make_core(model, tokenizer) -> EngineCore:
+    """An EngineCore stepped by the test itself (no engine thread): 4 state slots, 64 blocks of 8."""
+    route_paged_attention()  # as Engine does
+    layout = probe_layout(model)
+    shape = KVShape.from_layout(layout, 4)
+    kv = PagedKVCache(shape.num_layers, 64, 8, shape.num_kv_heads, shape.head_dim)
+    return EngineCore.create(model, tokenizer, kv, CacheConfig(block_size=8), SchedulerConfig(max_num_seqs=4),
+                             max_model_len=512, layout=layout, num_checkpoints=12)
 
 
 def assert_empty(engine) -> None:
@@ -78,12 +94,14 @@ def test_n2_forks_share_the_parent_state(engine):
     assert_empty(engine)
 
 
-def test_abort_frees_the_slot(engine):
-    stream = engine.stream(random_tokens(12, seed=6), dataclasses.replace(LONG, max_tokens=200))
-    next(stream)
-    assert engine.stats()["state_slots_used"] == 1
-    stream.close()  # aborts
-    assert_empty(engine)
+def test_abort_frees_the_slot(model, tokenizer):
+    core = make_core(model, tokenizer)
+    core.add_request("a", random_tokens(12, seed=6), LONG, lambda event: None)
+    core.step()
+    core.step()
+    assert core.scheduler.state.num_free == 3
+    core.abort("a")
+    assert core.scheduler.state.num_free == 4 and not core.has_unfinished
 
 
 def test_second_chat_turn_resumes_from_the_first_turns_checkpoint(model, tokenizer):
@@ -122,20 +140,7 @@ def test_stats_and_plan_report_state_memory_apart_from_kv(engine):
 def test_a_pass_built_ahead_and_dropped_leaves_the_state_as_it_was(model, tokenizer):
     """The runner builds the next decode pass before a step is scheduled; when a new request makes the
     step differ, that pass is dropped, and its state rows must not have been stored."""
-    from mlxpaged.cache.kv_cache import PagedKVCache
-    from mlxpaged.config import CacheConfig, SchedulerConfig
-    from mlxpaged.engine.core import EngineCore
-    from mlxpaged.loading.probe import probe_layout
-    from mlxpaged.platform.model_facts import KVShape
-    from mlxpaged.runner.routing import route_paged_attention
-    from tests.engine.test_core import run_to_completion, token_ids
-
-    route_paged_attention()
-    layout = probe_layout(model)
-    shape = KVShape.from_layout(layout, 4)
-    kv = PagedKVCache(shape.num_layers, 64, 8, shape.num_kv_heads, shape.head_dim)
-    core = EngineCore.create(model, tokenizer, kv, CacheConfig(block_size=8), SchedulerConfig(max_num_seqs=4),
-                             max_model_len=512, layout=layout, num_checkpoints=8)
+    core = make_core(model, tokenizer)
     prompts = {"a": random_tokens(15, seed=11), "b": random_tokens(6, seed=12)}
     events = {rid: [] for rid in prompts}
     core.add_request("a", prompts["a"], LONG, events["a"].append)
