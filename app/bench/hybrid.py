@@ -78,10 +78,10 @@ def main() -> None:
     prompt = [(17 * i + 5) % 30000 + 1 for i in range(args.prompt)]
     ours, theirs = [], []
     with make_engine(model, config) as engine:
-        state = engine.stats()["memory_plan"]
+        plan = engine.stats()["memory_plan"]
         print(f"qwen3_5 random: hidden {args.hidden}, {args.layers} layers, {params / 1e6:.0f} M params float32; "
               f"state {engine.layout.state_bytes_per_sequence / 2**20:.1f} MiB/sequence, plan: "
-              f"{state.num_state_slots} slots + {state.num_checkpoints} checkpoints, KV {state.kv_bytes / 2**20:.0f} MiB")
+              f"{plan.num_state_slots} slots + {plan.num_checkpoints} checkpoints, KV {plan.kv_bytes / 2**20:.0f} MiB")
         for _ in range(args.rounds):
             theirs.append(mlx_lm_decode(model, prompt, args.tokens))
             ours.append(engine_decode(engine, prompt, args.tokens))

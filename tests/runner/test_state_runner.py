@@ -46,7 +46,8 @@ def assert_state_matches(layout, store, seq) -> None:
         got = store.row(seq.slot, leaf.path)
         for i, (w, g) in enumerate(zip(want, got)):
             assert g is not None and g.shape == w.shape, (leaf.path, i)
-            assert mx.allclose(g, w, atol=ATOL, rtol=ATOL).item(), f"{leaf.path}[{i}]: max diff {mx.abs(g - w).max().item()}"
+            diff = mx.abs(g - w).max().item()
+            assert mx.allclose(g, w, atol=ATOL, rtol=ATOL).item(), f"{leaf.path}[{i}]: max diff {diff}"
 
 
 def tiny(module: str):
