@@ -7,7 +7,7 @@ import random
 import mlxpaged  # noqa: F401  (OpenBLAS before mlx)
 import mlx.core as mx
 from mlx.utils import tree_map
-from mlx_lm.models import gemma3_text, llama, qwen3
+from mlx_lm.models import gemma3_text, llama, qwen3, qwen3_5
 
 _COMMON = dict(
     hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
@@ -48,6 +48,17 @@ def tiny_gemma3(num_layers: int = 6, window: int = 8, pattern: int = 3, seed: in
                   sliding_window_pattern=pattern, query_pre_attn_scalar=16, rope_local_base_freq=10000.0,
                   rope_theta=1000000.0)
     return _build(gemma3_text, config, seed)
+
+
+def tiny_qwen3_5(num_layers: int = 4, full_attention_interval: int = 2, seed: int = 3):
+    """Qwen 3.5-style hybrid: gated-delta linear attention layers (conv + recurrent state, an mlx-lm
+    ArraysCache) and every `full_attention_interval`-th layer full attention (KV)."""
+    config = dict(model_type="qwen3_5", hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, num_hidden_layers=num_layers, rms_norm_eps=1e-5,
+                  vocab_size=256, max_position_embeddings=512, linear_num_value_heads=4, linear_num_key_heads=2,
+                  linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=3,
+                  full_attention_interval=full_attention_interval, partial_rotary_factor=0.5, rope_theta=1000.0)
+    return _build(qwen3_5, config, seed)
 
 
 def shuffled_blocks(num_blocks: int, seed: int = 0) -> list[int]:

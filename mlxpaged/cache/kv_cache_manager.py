@@ -14,7 +14,7 @@ kv_cache.py explains); forks copy rings instead of sharing them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Hashable, Sequence
+from typing import Callable, Hashable, Sequence
 
 from mlxpaged.cache.block_pool import (BlockPool, BlockPoolStats, HashFn, KVCacheBlock, NoFreeBlocksError,
                                  sha256_block_hash)
@@ -31,6 +31,7 @@ class UnknownRequestError(KeyError):
 class Allocation:
     block_tables: list[list[int]]  # one per layer group
     num_cached_tokens: int
+    last_block_hash: Hashable | None = None  # of the last cached block used (None: no hit)
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,10 @@ class _CachedChain:
 
 class KVCacheManager:
     def __init__(self, pool: BlockPool, specs: Sequence[KVCacheSpec], *, enable_prefix_cache: bool = True,
-                 extra_key: object = None, hash_fn: HashFn = sha256_block_hash):
+                 extra_key: object = None, hash_fn: HashFn = sha256_block_hash,
+                 prefix_filter: Callable[[list[Hashable]], int] | None = None):
+        """`prefix_filter(hashes)`: how many leading blocks of a cached chain a request may use (models
+        with state layers can resume only where their state was checkpointed); None: all of them."""
         specs = tuple(specs)
         if not specs:
             raise ValueError("a KV cache manager needs at least one layer group spec, got none")
@@ -96,6 +100,7 @@ class KVCacheManager:
         self.enable_prefix_cache = enable_prefix_cache
         self.extra_key = extra_key
         self.hash_fn = hash_fn
+        self.prefix_filter = prefix_filter
         self._chains: dict[Hashable, _CachedChain] = {}
         # The longest sequence the pool can hold (None: any length).
         self.capacity_tokens = sequence_capacity(pool.num_blocks, self.block_size, self.group_max_blocks)
@@ -184,7 +189,7 @@ class KVCacheManager:
         if self.enable_prefix_cache:
             self.pool.record_prefix_query(len(tokens), cached)
         self._chains[rid] = _CachedChain(hashes, self.pool.cache_epoch)
-        return Allocation([[b.block_id for b in t] for t in tables], cached)
+        return Allocation([[b.block_id for b in t] for t in tables], cached, hashes[-1] if hits else None)
 
     def allocate_slots(self, request: Request, num_tokens: int | None = None) -> list[list[int]]:
         """Grow the tables to hold `num_tokens` tokens (default: all of the request's; one more is
@@ -225,6 +230,11 @@ class KVCacheManager:
             if table[i].block_hash is None:
                 self.pool.cache_full_block(table[i], block_hash)
             chain.block_hashes.append(block_hash)
+
+    def block_hash(self, request_id: Hashable, num_blocks: int) -> Hashable | None:
+        """The chain hash of the request's first `num_blocks` blocks, once they are cached (else None)."""
+        hashes = self._chain(request_id).block_hashes
+        return hashes[num_blocks - 1] if 0 < num_blocks <= len(hashes) else None
 
     def fork(self, parent: Request, child: Request) -> list[CopyOnWrite]:
         """Give `child` a copy of the parent's computed sequence and return the copies the KV layer
@@ -290,6 +300,9 @@ class KVCacheManager:
                 break
             hits.append(block)
             hashes.append(block_hash)
+        if self.prefix_filter is not None:
+            usable = self.prefix_filter(hashes)
+            hits, hashes = hits[:usable], hashes[:usable]
         return hits, hashes
 
 

@@ -9,11 +9,14 @@ Its `path` is its index path: `(3,)` for entry 3, `(3, 1)` for the second cache 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Iterator, Union
 
 Path = tuple[int, ...]
 KV_KINDS = ("full", "window", "chunked")
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int32": 4, "int64": 8, "uint32": 4,
+               "int8": 1, "uint8": 1, "bool": 1, "int16": 2, "uint16": 2, "uint64": 8, "complex64": 8}
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,15 @@ class StateLeaf:
     path: Path
     arrays: tuple[tuple[tuple[int, ...], str] | None, ...]
 
+    def bytes_per_sequence(self) -> int:
+        """What one sequence's arrays of this leaf take (unset entries: nothing)."""
+        total = 0
+        for entry in self.arrays:
+            if entry is not None:
+                shape, dtype = entry
+                total += math.prod(shape) * DTYPE_BYTES[dtype]
+        return total
+
     def describe(self) -> str:
         shapes = ", ".join("unset" if a is None else "x".join(map(str, a[0])) for a in self.arrays)
         return f"state ({shapes})"
@@ -146,6 +158,11 @@ class ModelLayout:
     @property
     def state_leaves(self) -> tuple[StateLeaf, ...]:
         return tuple(leaf for leaf in self.leaves if isinstance(leaf, StateLeaf))
+
+    @property
+    def state_bytes_per_sequence(self) -> int:
+        """Bytes of one sequence's state over every state leaf."""
+        return sum(leaf.bytes_per_sequence() for leaf in self.state_leaves)
 
     @property
     def unused_leaves(self) -> tuple[UnusedLeaf, ...]:

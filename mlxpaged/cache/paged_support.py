@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from mlxpaged.cache.layout import CacheListNode, KVLeaf, ModelLayout, StateLeaf, UnusedLeaf
+from mlxpaged.cache.layout import CacheListNode, KVLeaf, ModelLayout, UnusedLeaf
 
 
 class Reason(NamedTuple):
@@ -40,14 +40,12 @@ def unsupported_reasons(layout: ModelLayout) -> list[Reason]:
     reasons += [Reason(why.label, f"{', '.join(wheres)} ({kind}): {why.text}")
                 for (kind, why), wheres in per_leaf.items()]
     reasons += _geometry_reasons(layout)
-    if not layout.kv_leaves and not reasons:
+    if not layout.kv_leaves and not layout.state_leaves and not reasons:
         reasons.append(Reason("no KV cache", "the model keeps no key/value cache"))
     return reasons
 
 
 def _leaf_reasons(leaf) -> list[Reason]:
-    if isinstance(leaf, StateLeaf):
-        return [Reason("state", "state-space / linear-attention state needs per-sequence state slots")]
     if isinstance(leaf, UnusedLeaf):
         return [Reason("unused cache", "a cache the model never writes has no paged placeholder yet")]
     return _kv_reasons(leaf) if isinstance(leaf, KVLeaf) else []
@@ -113,6 +111,7 @@ def serial_reason(layout: ModelLayout) -> str | None:
 
 
 def query_heads(layout: ModelLayout) -> int:
-    """The query heads of a supported layout's attention (its KV heads when no SDPA call showed them)."""
+    """The query heads of a supported layout's attention (its KV heads when no SDPA call showed them;
+    1 for a model of state layers only, which attends nothing)."""
     known = [leaf.q_heads for leaf in layout.kv_leaves if leaf.q_heads is not None]
-    return known[0] if known else layout.kv_leaves[0].kv_heads
+    return known[0] if known else layout.kv_leaves[0].kv_heads if layout.kv_leaves else 1

@@ -17,6 +17,8 @@ from mlxpaged.cache.block_pool import BlockPool
 from mlxpaged.config import CacheConfig, SchedulerConfig
 from mlxpaged.cache.kv_cache import PagedKVCache
 from mlxpaged.cache.kv_cache_manager import KVCacheManager
+from mlxpaged.cache.layout import ModelLayout
+from mlxpaged.cache.state_cache import CheckpointTable, StateCache, StateStore
 from mlxpaged.engine.metrics import StatsCounter
 from mlxpaged.engine.output_processor import OutputProcessor, Rows, split_results
 from mlxpaged.engine.request import Request
@@ -39,15 +41,25 @@ class EngineCore:
     @classmethod
     def create(cls, model, tokenizer, kv: PagedKVCache, cache_config: CacheConfig,
                scheduler_config: SchedulerConfig, *, max_model_len: int, extra_key: object = None,
-               serial: bool = False, **kwargs) -> "EngineCore":
+               serial: bool = False, layout: ModelLayout | None = None, num_checkpoints: int = 0,
+               **kwargs) -> "EngineCore":
         """A core over `kv`'s blocks: block pool, cache manager (one spec per layer group), scheduler, runner
-        (`serial`: one sequence per pass, Runner)."""
+        (`serial`: one sequence per pass, Runner). A `layout` with state layers also gets max_num_seqs state
+        slots and `num_checkpoints` checkpoints (the memory plan's: pending ones included)."""
         specs = [group.spec(kv.block_size) for group in kv.groups]
         prefix_cache = cache_config.enable_prefix_cache and kv.supports_prefix_cache
-        manager = KVCacheManager(BlockPool(kv.num_blocks), specs, extra_key=extra_key, enable_prefix_cache=prefix_cache)
+        state = None
+        if layout is not None and layout.state_leaves:
+            # Each slot may hold one pending checkpoint (StateCache): the table gets the rest.
+            table = max(0, num_checkpoints - scheduler_config.max_num_seqs) if prefix_cache else 0
+            state = StateCache(StateStore(layout.state_leaves, scheduler_config.max_num_seqs), CheckpointTable(table))
+        manager = KVCacheManager(BlockPool(kv.num_blocks), specs, extra_key=extra_key, enable_prefix_cache=prefix_cache,
+                                 prefix_filter=state.usable_blocks if state is not None else None)
         scheduler = Scheduler(manager, max_batch_tokens=scheduler_config.max_batch_tokens,
-                              max_num_seqs=scheduler_config.max_num_seqs, max_model_len=max_model_len)
-        return cls(scheduler, Runner(model, kv, serial), tokenizer, **kwargs)
+                              max_num_seqs=scheduler_config.max_num_seqs, max_model_len=max_model_len, state=state)
+        runner = Runner(model, kv, layout if state is not None else None, state.store if state is not None else None,
+                        serial=serial)
+        return cls(scheduler, runner, tokenizer, **kwargs)
 
     @property
     def has_unfinished(self) -> bool:

@@ -7,6 +7,10 @@ into each request's sink.
 Models that mix sliding-window and full attention (gemma3, `layer_types`) run too: each
 request holds one block table per layer group, a window group's table being a ring of at
 most ceil(window / block_size) + 1 blocks, and their prefix cache is off (kv_cache.py).
+
+Models with state-space / linear-attention layers (mlx-lm ArraysCache: mamba, Qwen 3.5, ...) hold one
+state slot per running request next to their KV blocks (cache/state_cache.py); their prefix cache resumes
+from state checkpoints at block boundaries.
 """
 
 from __future__ import annotations
@@ -61,8 +65,9 @@ class Engine:
                                 weights_resident=True)
         self.kv = self._make_kv_cache(kv_dtype)
         # Before the first decode: a Metal kernel variant that fails its self-check is replaced by the reference.
-        prepare_attention(kv_dtype, self.facts.kv.head_dim, self.cache_config.block_size,
-                          query_heads(self.layout), self.facts.kv.num_kv_heads)
+        if self.layout.kv_leaves:  # a model of state layers only attends nothing
+            prepare_attention(kv_dtype, self.facts.kv.head_dim, self.cache_config.block_size,
+                              query_heads(self.layout), self.facts.kv.num_kv_heads)
         self.max_model_len = int(self.facts.context_length or self.plan.token_capacity)
         # SimpleQueue (C, reentrant): its put cannot deadlock when a Ctrl-C or a finalizer (engine_thread.py)
         # lands inside another put, as queue.Queue's Python-level lock can.
@@ -76,6 +81,7 @@ class Engine:
         self.core = EngineCore.create(loaded.model, loaded.tokenizer, self.kv, self.cache_config, self.scheduler_config,
                                       max_model_len=self.max_model_len, extra_key=str(loaded.path), stats=self._stats,
                                       serial=self.serial_reason is not None,
+                                      layout=self.layout, num_checkpoints=self.plan.num_checkpoints,
                                       has_commands=lambda: not commands.empty())
         self.scheduler, self.runner = self.core.scheduler, self.core.runner
         self.kv_manager = self.scheduler.kv_manager
@@ -220,9 +226,18 @@ class Engine:
             "blocks_used": pool.num_owned, "blocks_cached": pool.num_cached_free,
             "prefix_hit_rate": pool.hit_rate, "prefix_hit_tokens": pool.hit_tokens,
             "requests_running": self.scheduler.num_running, "requests_waiting": self.scheduler.num_waiting,
-            **self._stats.snapshot(), "memory_plan": self.plan,
+            **self._stats.snapshot(), "memory_plan": self.plan, **self._memory_stats(),
             "attention": attention_status(),  # {"path", "reason", "variants"}: see mlxpaged.kernels.attention
         }
+
+    def _memory_stats(self) -> dict:
+        """KV memory and state-slot memory, apart: planned bytes, and for state the slots and checkpoints held."""
+        out = {"kv_bytes": self.plan.kv_bytes, "state_bytes": self.plan.state_bytes}
+        state = self.scheduler.state
+        if state is not None:
+            out.update(state_slots_total=state.store.num_slots, state_slots_used=state.store.num_slots - state.num_free,
+                       state_checkpoints=len(state.checkpoints))
+        return out
 
     def block_states(self) -> list[str]:
         """Per block: "free", "owned", "shared" or "cached" (a snapshot; for the block map)."""

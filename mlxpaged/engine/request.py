@@ -37,6 +37,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served at first admission
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
+    state_slot: int | None = None  # its state slot while running, for models with state layers
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import bisect
 from collections import deque
 from dataclasses import dataclass
-from typing import Collection
+from typing import Collection, Hashable, Protocol
 
 from mlxpaged.cache.block_pool import NoFreeBlocksError
 from mlxpaged.cache.kv_cache_manager import CopyOnWrite, KVCacheManager, UnknownRequestError
@@ -35,6 +35,7 @@ class ScheduledChunk:
     token_ids: list[int]  # all_token_ids[start:start + n], fed to the model this step
     block_tables: list[list[int]]  # one per layer group; the KV layer maps positions to slots
     samples: bool  # the chunk reaches the last known token: sample from its last position
+    state_slot: int | None = None  # the request's state slot (models with state layers)
 
 
 @dataclass
@@ -44,13 +45,27 @@ class SchedulerOutput:
     num_batch_tokens: int
 
 
+class StateSlots(Protocol):
+    """Per-sequence state of state-space layers (cache/state_cache.StateCache): one slot per running
+    request, checkpoints of it at block boundaries for the prefix cache."""
+
+    num_free: int
+    checkpoints_enabled: bool
+
+    def allocate(self) -> int: ...
+    def fork(self, slot: int) -> int: ...
+    def free(self, slot: int) -> None: ...
+    def restore(self, slot: int, block_hash: Hashable) -> None: ...
+    def checkpoint(self, slot: int, block_hash: Hashable, publish: bool) -> None: ...
+
+
 MODEL_CONTEXT = "model context"
 CACHE_CAPACITY = "KV cache capacity"
 
 
 class Scheduler:
     def __init__(self, kv_manager: KVCacheManager, *, max_batch_tokens: int, max_num_seqs: int,
-                 max_model_len: int):
+                 max_model_len: int, state: StateSlots | None = None):
         for name, value in (("max_batch_tokens", max_batch_tokens),
                             ("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len)):
             require_int(name, value, low=1)
@@ -59,6 +74,7 @@ class Scheduler:
             raise ValueError(f"max_batch_tokens ({max_batch_tokens}) must be >= "
                              f"max_num_seqs ({max_num_seqs})")
         self.kv_manager = kv_manager
+        self.state = state
         self.max_batch_tokens = max_batch_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -139,6 +155,7 @@ class Scheduler:
         if request.status is RequestStatus.RUNNING:
             self._running.remove(request)
             self.kv_manager.free(request_id)
+            self._free_state(request)
         else:
             self._waiting.remove(request)
         request.status = status
@@ -155,7 +172,7 @@ class Scheduler:
         tokens: full blocks are shared copy-on-write, and the returned copies (partial blocks,
         sliding-window rings) must be done by the KV layer before the next step. `child` carries
         the parent's prompt; `first_token` is its own first sample (from the parent's logits).
-        When the pool cannot hold the copy, the child waits and recomputes its prompt instead
+        When the pool (or the state slots) cannot hold the copy, the child waits and recomputes its prompt instead
         (returns no copies)."""
         parent = self._requests.get(parent_id)
         if parent is None or parent.status is not RequestStatus.RUNNING:
@@ -166,9 +183,8 @@ class Scheduler:
         self._arrival[child.request_id] = self._next_arrival
         self._next_arrival += 1
         child.num_cached_tokens = parent.num_cached_tokens
-        try:
-            copies = self.kv_manager.fork(parent, child)
-        except NoFreeBlocksError:
+        copies = self._fork_blocks(parent, child)
+        if copies is None:
             copies = []
             child.status = RequestStatus.WAITING
             self._waiting.append(child)
@@ -177,6 +193,19 @@ class Scheduler:
             child.status = RequestStatus.RUNNING
             self._running.append(child)  # newest arrival: the order stays sorted
         child.output_token_ids.append(first_token)
+        return copies
+
+    def _fork_blocks(self, parent: Request, child: Request) -> list[CopyOnWrite] | None:
+        """The child's share of the parent's blocks and state slot, and the copies to do first; None
+        when the pool or the state slots cannot hold it."""
+        if self.state is not None and self.state.num_free == 0:
+            return None
+        try:
+            copies = self.kv_manager.fork(parent, child)
+        except NoFreeBlocksError:
+            return None
+        if self.state is not None:
+            child.state_slot = self.state.fork(parent.state_slot)  # shares the parent's state rows
         return copies
 
     def reserve_next_slot(self, request: Request) -> list[list[int]] | None:
@@ -229,6 +258,7 @@ class Scheduler:
             request = chunk.request
             request.num_computed_tokens += len(chunk.token_ids)
             self.kv_manager.cache_blocks(request)
+            self._checkpoint(request, publish=len(chunk.token_ids) > 1)
             if chunk.samples:
                 request.output_token_ids.append(sampled[request.request_id])
 
@@ -260,6 +290,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self._running.remove(request)
         self.kv_manager.free(request.request_id)
+        self._free_state(request)  # recompute restarts from 0 or from a checkpoint
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -269,7 +300,8 @@ class Scheduler:
     def _admit_next(self) -> Request | None:
         """Move the head of the waiting queue to running if it fits, else None: the first
         request that does not fit blocks the rest (FIFO, no overtaking)."""
-        if not self._waiting or len(self._running) >= self.max_num_seqs:
+        if not self._waiting or len(self._running) >= self.max_num_seqs \
+                or (self.state is not None and self.state.num_free == 0):
             return None
         request = self._waiting[0]
         if not self.kv_manager.can_allocate(request):
@@ -284,6 +316,10 @@ class Scheduler:
         if request.num_preemptions == 0:
             request.num_cached_tokens = allocation.num_cached_tokens
         request.num_computed_tokens = allocation.num_cached_tokens
+        if self.state is not None:
+            request.state_slot = self.state.allocate()
+            if allocation.last_block_hash is not None:  # a hit ends at a checkpoint (the manager's filter)
+                self.state.restore(request.state_slot, allocation.last_block_hash)
         request.status = RequestStatus.RUNNING
         bisect.insort(self._running, request, key=lambda r: self._arrival[r.request_id])
         return request
@@ -291,5 +327,30 @@ class Scheduler:
     def _chunk(self, request: Request, budget: int) -> ScheduledChunk:
         start = request.num_computed_tokens
         end = min(request.num_tokens, start + budget)
+        if self._checkpoints_on():
+            # End a prefill at the prompt's last block boundary, so its state is checkpointed there.
+            boundary = (request.num_tokens - 1) // self.kv_manager.block_size * self.kv_manager.block_size
+            end = boundary if start < boundary < end else end
         return ScheduledChunk(request, start, request.token_ids_between(start, end),
-                              self.kv_manager.block_tables(request.request_id), samples=end == request.num_tokens)
+                              self.kv_manager.block_tables(request.request_id), samples=end == request.num_tokens,
+                              state_slot=request.state_slot)
+
+    # ---- state slots (models with state-space layers) ---------------------------------------
+
+    def _checkpoints_on(self) -> bool:
+        return self.state is not None and self.state.checkpoints_enabled and self.kv_manager.enable_prefix_cache
+
+    def _checkpoint(self, request: Request, publish: bool) -> None:
+        """At a block boundary, checkpoint the request's state under the hash of the block ending there:
+        published at once after a prefill chunk, kept as the newest pending one in decode."""
+        computed, bs = request.num_computed_tokens, self.kv_manager.block_size
+        if not self._checkpoints_on() or computed % bs:
+            return
+        block_hash = self.kv_manager.block_hash(request.request_id, computed // bs)
+        if block_hash is not None:
+            self.state.checkpoint(request.state_slot, block_hash, publish)
+
+    def _free_state(self, request: Request) -> None:
+        if self.state is not None and request.state_slot is not None:
+            self.state.free(request.state_slot)
+            request.state_slot = None

@@ -51,6 +51,10 @@ OS_RESERVE_FRACTION = 0.10
 ACTIVATION_DTYPE_BYTES = 4
 ACTIVATION_SAFETY_FACTOR = 2
 DEFAULT_KV_FRACTION = {"metal": 0.9, "cpu": 0.5}
+# Prefix checkpoints of state-space state per sequence slot (design 14, D3): one pending (the newest
+# block boundary of a running reply) and two in the table (a prompt's last boundary and a finished
+# conversation's), so a chat's next turn resumes.
+CHECKPOINTS_PER_SEQUENCE = 3
 BACKENDS = ("metal", "cpu")
 
 
@@ -131,6 +135,9 @@ class MemoryPlan:
     reason: str
     wired_limit_bytes: int | None
     wired_status: str
+    state_bytes: int = 0  # state slots and checkpoints of state-space layers (none: 0)
+    num_state_slots: int = 0
+    num_checkpoints: int = 0
 
     def describe(self) -> str:
         """A multi-line summary for the CLI and the TUI."""
@@ -144,6 +151,9 @@ class MemoryPlan:
         lines.append(f"  {self.num_blocks:,} blocks x {self.block_size} tokens, one sequence up to {capacity}; "
                      f"{self.bytes_per_token:,} B/token, {format_size(self.block_bytes)}/block")
         lines.append(f"  blocks: {self.reason}")
+        if self.state_bytes:
+            lines.append(f"  state: {self.num_state_slots} slots + {self.num_checkpoints} checkpoints, "
+                         f"{format_size(self.state_bytes)} (not in the KV cache's blocks)")
         lines.append(f"  wired limit: {self.wired_status}")
         return "\n".join(lines)
 
@@ -243,6 +253,10 @@ def plan_memory(device: DeviceFacts, model: ModelFacts, cache: CacheConfig, sche
     fixed = [("OS reserve", os_reserve_bytes(device.total_bytes)),
              ("model weights", 0 if skip_weights else model.weight_bytes),
              ("activations", activation_bytes(model, scheduler.max_batch_tokens))]
+    slots, checkpoints, state_bytes = state_plan(model, scheduler)
+    if state_bytes:
+        fixed.append((f"state ({slots} slots + {checkpoints} checkpoints x "
+                      f"{format_size(model.state_bytes_per_sequence)})", state_bytes))
     left = _check_fixed_costs(device.limit_bytes, fixed, device.limit_label)
     budget, budget_reason = _kv_budget(left, device.backend, cache)
     kv = model.kv
@@ -266,12 +280,21 @@ def plan_memory(device: DeviceFacts, model: ModelFacts, cache: CacheConfig, sche
     breakdown = _breakdown(device, model, scheduler, fixed, kv_bytes, left, skip_weights)
     return MemoryPlan(device.backend, num_blocks, cache.block_size,
                       sequence_capacity(num_blocks, cache.block_size, caps), kv.bytes_per_token, block, kv_bytes,
-                      breakdown, reason, wired_bytes, wired_status)
+                      breakdown, reason, wired_bytes, wired_status, state_bytes, slots, checkpoints)
+
+
+def state_plan(model: ModelFacts, scheduler: SchedulerConfig) -> tuple[int, int, int]:
+    """(state slots, checkpoints, their bytes): one slot per running sequence, planned up front."""
+    if not model.state_bytes_per_sequence:
+        return 0, 0, 0
+    slots = scheduler.max_num_seqs
+    checkpoints = CHECKPOINTS_PER_SEQUENCE * slots
+    return slots, checkpoints, (slots + checkpoints) * model.state_bytes_per_sequence
 
 
 def _breakdown(device: DeviceFacts, model: ModelFacts, scheduler: SchedulerConfig, fixed: list[tuple[str, int]],
                kv_bytes: int, left: int, skip_weights: bool) -> tuple[tuple[str, int], ...]:
-    (_, reserve), (_, weights), (_, activations) = fixed
+    (_, reserve), (_, weights), (_, activations), *state = fixed
     weights_label = (f"model weights ({format_size(model.weight_bytes)}, already outside available)"
                      if skip_weights else "model weights")
     return (
@@ -280,6 +303,7 @@ def _breakdown(device: DeviceFacts, model: ModelFacts, scheduler: SchedulerConfi
         (weights_label, weights),
         (f"activations ({scheduler.max_batch_tokens} tok x {model.hidden_size + model.vocab_size:,} x "
          f"{ACTIVATION_DTYPE_BYTES} B x {ACTIVATION_SAFETY_FACTOR})", activations),
+        *state,
         ("KV cache", kv_bytes),
         ("left over", left - kv_bytes),
     )

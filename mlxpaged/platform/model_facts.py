@@ -59,6 +59,10 @@ class KVShape:
         """One entry per KV leaf of a layout the pools can hold (one geometry, K and V of one width);
         raises ValueError naming the first leaf that does not fit."""
         leaves = layout.kv_leaves
+        if not leaves and layout.state_leaves:
+            # Only state layers: blocks still number each sequence's tokens (prefix hashes, capacity,
+            # checkpoints), so they get the smallest page there is, 1 head x 1 value, which nothing reads.
+            return cls(1, 1, 1, dtype_bytes)
         if not leaves:
             raise ValueError(f"model type {layout.model_type!r} keeps no key/value cache")
         first = leaves[0]
@@ -81,9 +85,11 @@ class ModelFacts:
     hidden_size: int
     vocab_size: int
     context_length: int | None = None  # max_position_embeddings
+    state_bytes_per_sequence: int = 0  # state-space layers' state of one sequence (state slots)
 
     def __post_init__(self) -> None:
         require_int("weight_bytes", self.weight_bytes)
+        require_int("state_bytes_per_sequence", self.state_bytes_per_sequence)
         require_int("hidden_size", self.hidden_size, low=1)
         require_int("vocab_size", self.vocab_size, low=1)
         if self.context_length is not None:
@@ -94,7 +100,7 @@ class ModelFacts:
                     context_length: int | None = None) -> ModelFacts:
         """From a layout the pools can hold (paged_support.unsupported_reasons is empty)."""
         return cls(KVShape.from_layout(layout, kv_dtype_bytes), weight_bytes, layout.hidden_size,
-                   layout.vocab_size, context_length)
+                   layout.vocab_size, context_length, layout.state_bytes_per_sequence)
 
 
 # Where configs keep the context length, in the order tried (GPT-2 style n_positions / n_ctx too).

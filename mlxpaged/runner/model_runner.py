@@ -23,7 +23,11 @@ from typing import Callable, Protocol, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlx_lm.models.cache import CacheList
+
 from mlxpaged.cache.cache_view import paged_views
+from mlxpaged.cache.layout import CacheListNode, ModelLayout
+from mlxpaged.cache.state_cache import StatePass, StateStore
 from mlxpaged.runner.decode_pass import CompiledDecode
 from mlxpaged.cache.kv_cache import PagedKVCache
 from mlxpaged.runner.routing import is_routed
@@ -37,6 +41,7 @@ class StepInput:
     start: int
     block_tables: Sequence[list[int]]
     samples: bool
+    state_slot: int | None = None  # models with state layers: the sequence's state slot
 
 
 def split_head(model: nn.Module) -> Callable[[mx.array], mx.array] | None:
@@ -90,6 +95,30 @@ def prefill_passes(inputs: Sequence[StepInput]) -> list[list[int]]:
     return groups + alone
 
 
+def state_model_passes(inputs: Sequence[StepInput]) -> list[list[int]]:
+    """Passes of a model with state layers: decode rows (one token after existing state) together,
+    every other chunk alone. A ragged prefill pass is exact only for models that mask their state by
+    `lengths` (design 14, finding 4), and a fresh row (state None) must not meet rows with state."""
+    decode = [i for i, x in enumerate(inputs) if len(x.token_ids) == 1 and x.start > 0]
+    alone = [[i] for i, x in enumerate(inputs) if i not in decode]
+    return ([decode] if decode else []) + alone
+
+
+def assemble_caches(structure: tuple, kv_views: Sequence, state_views: dict) -> list:
+    """The model's cache list: its layout's structure with each KV leaf's paged view (in KV-leaf
+    order, as the pools number them) and each state leaf's StateView (by path)."""
+    kv_iter = iter(kv_views)
+
+    def build(entry):
+        if isinstance(entry, CacheListNode):
+            return CacheList(*(build(e) for e in entry.entries))
+        if entry is None:
+            return None
+        return state_views[entry] if entry in state_views else next(kv_iter)
+
+    return [build(entry) for entry in structure]
+
+
 # Decode passes of up to this many sequences run compiled (decode_pass.py). Each batch size is a
 # graph of its own per page bucket, traced on first use (40-150 ms): worth it at batch 1 (the
 # chat case), not where batches change size every few steps. Measured per step on SmolLM2-135M,
@@ -131,6 +160,7 @@ class Lookahead:
     (Runner._look_ahead); the runner adopts it when the schedule asks for these rows."""
     rows: list[tuple[str, int]]  # (request id, position) of each row
     sample: LazySample
+    state: StatePass | None = None  # its state rows, stored only if the pass is adopted
 
     def covers(self, chunks: list) -> bool:
         """True when the scheduled step is only decode rows this pass computed (a row whose
@@ -145,15 +175,22 @@ class Lookahead:
 
 
 class Runner:
-    """`serial`: run every pass with one sequence (a model building masks from one sequence's
-    positions, paged_support.serial_reason); a batch becomes consecutive passes."""
+    """`layout` and `state` for models with state layers (ArraysCache): their cache list is assembled
+    from paged KV views and state views, and prefill passes run one sequence at a time. `serial`: run
+    every pass with one sequence (a model building masks from one sequence's positions,
+    paged_support.serial_reason); a batch becomes consecutive passes."""
 
-    def __init__(self, model: nn.Module, kv_cache: PagedKVCache, serial: bool = False):
+    def __init__(self, model: nn.Module, kv_cache: PagedKVCache, layout: ModelLayout | None = None,
+                 state: StateStore | None = None, serial: bool = False):
         self.model = model
         self.kv = kv_cache
         self.serial = serial
+        self.layout, self.state = layout, state
+        if (state is None) != (layout is None or not layout.state_leaves):
+            raise ValueError("a model with state layers needs a state store, and only such a model")
+        self._built_state: StatePass | None = None  # of the last pass built without launching
         self.head = split_head(model)
-        compiled = is_routed(model) and CompiledDecode.supports(kv_cache)
+        compiled = state is None and is_routed(model) and CompiledDecode.supports(kv_cache)
         self.decoder = CompiledDecode(model, kv_cache, self.head) if compiled else None
         self._ahead: Lookahead | None = None  # the next step's decode pass, already queued
 
@@ -165,6 +202,8 @@ class Runner:
             return self._compute(chunks, sampling, planner)
         # This step was computed while the last one ran: queue the next one, then read it.
         rows_of = ahead.rows_of(chunks)
+        if ahead.state is not None:
+            ahead.state.commit(rows_of)  # before the next pass is built on these rows
         self._ahead = self._look_ahead(chunks, _rows(ahead.sample.tokens, rows_of), sampling.chunk_states, planner)
         everything = ahead.sample.results()
         self._launch_ahead()
@@ -182,7 +221,7 @@ class Runner:
 
     def _compute(self, chunks: list, sampling: SamplingRows, planner: NextStepPlanner) -> list[SampleResult]:
         """Run the step's passes and sample; pipeline the next decode pass when it is predictable."""
-        logits = self.step([StepInput(c.token_ids, c.start, c.block_tables, c.samples) for c in chunks])
+        logits = self.step([StepInput(c.token_ids, c.start, c.block_tables, c.samples, c.state_slot) for c in chunks])
         if not sampling.rows:
             return []
         if sampling.has_forks:
@@ -203,7 +242,8 @@ class Runner:
     def _launch_ahead(self) -> None:
         """Start the pass built ahead, now that the one before it has been read (`launch`)."""
         if self._ahead is not None:
-            self.launch(*self._ahead.sample.arrays)
+            state = self._ahead.state.new_arrays() if self._ahead.state is not None else []
+            self.launch(*self._ahead.sample.arrays, *state)
 
     def _look_ahead(self, chunks: list, tokens: mx.array, states: list, planner: NextStepPlanner) -> Lookahead | None:
         """Build the next step's decode pass on this step's lazy tokens (mlx-lm's async_eval
@@ -214,6 +254,8 @@ class Runner:
         which the real step then writes again."""
         if not planner.predictable():
             return None
+        if self.serial and self.state is not None and len(chunks) > 1:
+            return None  # a pass built ahead keeps one StatePass; serial passes would make several
         if self.compiles(len(chunks)):
             # A compiled pass is cheap to build, and building it during the last one's tail
             # slowed that tail (2 cores): batch-1 decode, synchronous 19.6 / 20.3 / 19.1 tok/s,
@@ -227,18 +269,22 @@ class Runner:
             tables = planner.reserve_next_slot(request)
             if tables is not None:
                 picked.append(i)
-                inputs.append(StepInput([0], chunk.start + len(chunk.token_ids), tables, True))
+                inputs.append(StepInput([0], chunk.start + len(chunk.token_ids), tables, True, chunk.state_slot))
         if not picked:
             return None
         logits = self.decode_ahead(inputs, _rows(tokens, picked))
+        state, self._built_state = self._built_state, None
         return Lookahead([(chunks[i].request.request_id, x.start) for i, x in zip(picked, inputs)],
-                         LazySample(logits, [states[i] for i in picked], ahead=1, launch=False))
+                         LazySample(logits, [states[i] for i in picked], ahead=1, launch=False), state)
 
     def step(self, inputs: Sequence[StepInput]) -> mx.array | None:
         """Queue the step; return float32 logits [S, V] of the inputs that sample, in order.
         The passes run in the background (mx.async_eval): reading the logits waits for them."""
-        decode = [i for i, x in enumerate(inputs) if len(x.token_ids) == 1]
-        passes = ([decode] if decode else []) + prefill_passes(inputs)
+        if self.state is not None:
+            passes = state_model_passes(inputs)
+        else:
+            decode = [i for i, x in enumerate(inputs) if len(x.token_ids) == 1]
+            passes = ([decode] if decode else []) + prefill_passes(inputs)
         results = [self._pass([inputs[i] for i in rows]) for rows in passes]
         wanted = [i for i, x in enumerate(inputs) if x.samples]
         if not wanted:
@@ -279,17 +325,30 @@ class Runner:
         if tokens is None:
             tokens = mx.array([list(x.token_ids) + [0] * (length - len(x.token_ids)) for x in batch],
                               dtype=mx.int32)
+        state = None
         if length == 1 and self.compiles(len(batch)):
             logits = self.decoder([x.start for x in batch], [x.block_tables[0] for x in batch], tokens)
         else:
-            num_new = [len(x.token_ids) for x in batch]
-            views = paged_views(self.kv, [x.block_tables for x in batch], [x.start for x in batch], num_new)
-            last = mx.array([n - 1 for n in num_new])
-            if self.head is not None:
-                hidden = self.model.model(tokens, cache=views)
-                logits = self.head(hidden[mx.arange(len(batch)), last])
-            else:
-                logits = self.model(tokens, cache=views)[mx.arange(len(batch)), last]
-        if launch:
-            self.launch(logits)
+            logits, state = self._forward(batch, tokens)
+        if not launch:
+            self._built_state = state  # stored only if the pass is adopted (Lookahead.state)
+            return logits
+        if state is not None:
+            state.commit()  # a launched pass is used: its rows are the sequences' state now
+        self.launch(logits, *(state.new_arrays() if state is not None else ()))
         return logits
+
+    def _forward(self, batch: list[StepInput], tokens: mx.array) -> tuple[mx.array, StatePass | None]:
+        """The model over `batch` through paged KV views (and state views): lazy last-position logits
+        [B, V] and the pass's state, not stored yet."""
+        num_new = [len(x.token_ids) for x in batch]
+        views = paged_views(self.kv, [x.block_tables for x in batch], [x.start for x in batch], num_new)
+        state = None
+        if self.state is not None:
+            state = StatePass(self.state, [x.state_slot for x in batch], num_new)
+            views = assemble_caches(self.layout.structure, views, state.views)
+        last = mx.array([n - 1 for n in num_new])
+        if self.head is not None:
+            hidden = self.model.model(tokens, cache=views)
+            return self.head(hidden[mx.arange(len(batch)), last]), state
+        return self.model(tokens, cache=views)[mx.arange(len(batch)), last], state

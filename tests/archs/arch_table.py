@@ -88,7 +88,11 @@ def _ran(v: dict) -> bool:
 
 
 def _prefix(v: dict) -> str:
-    return ("yes" if v.get("prefix_cache") else "no") if _ran(v) else "-"
+    if not _ran(v):
+        return "-"
+    if not v.get("prefix_cache"):
+        return "no"
+    return "state checkpoints at block boundaries" if "state" in v.get("kinds", []) else "yes"
 
 
 def _mode(v: dict) -> str:
@@ -99,6 +103,8 @@ def _mode(v: dict) -> str:
 def _attention(v: dict) -> str:
     if not _ran(v):
         return "-"
+    if not any(kind not in ("state", "unused") for kind in v.get("kinds", [])):
+        return "none (state only)"
     if not v.get("routed"):
         return "model's own, over gathered K/V"
     kinds = {kind.split()[0] for kind in v.get("kinds", [])} & {"window", "chunked"}

@@ -4,6 +4,8 @@ naming the layer and its cache kind (cache/paged_support.py, loader.check_paged_
 
 from __future__ import annotations
 
+import math
+
 import importlib
 
 import mlxpaged  # noqa: F401  (OpenBLAS before mlx)
@@ -79,15 +81,16 @@ def test_gpt_oss_sinks_are_seen_and_served():
     check_paged_support(layout)
 
 
-def test_mamba2_state_arrays_and_refusal():
+def test_mamba2_state_arrays_are_paged_in_state_slots():
     config = config_for("mamba2")
     layout = probe_layout(unweighted("mamba2"))
     assert layout.kv_leaves == () and len(layout.state_leaves) == config["num_hidden_layers"]
     conv, ssm = layout.state_leaves[0].arrays
     assert ssm == ((config["num_heads"], config["head_dim"], config["state_size"]), "float32")
     assert conv[0][0] == config["conv_kernel"] - 1
-    with pytest.raises(UnsupportedModelError, match=r"layer 0, layer 1, layer 2, layer 3 \(state.*state slots"):
-        check_paged_support(layout)
+    check_paged_support(layout)  # state slots hold it (cache/state_cache.py): no refusal
+    per_layer = sum(math.prod(shape) * 4 for shape, _ in (conv, ssm))
+    assert layout.state_bytes_per_sequence == config["num_hidden_layers"] * per_layer
 
 
 def test_llama4_chunked_leaves():
