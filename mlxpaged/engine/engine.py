@@ -23,7 +23,7 @@ import mlx.core as mx
 
 from mlxpaged.engine import engine_thread
 from mlxpaged.kernels.attention import attention_status, prepare_attention
-from mlxpaged.cache.paged_support import query_heads
+from mlxpaged.cache.paged_support import attention_geometries
 from mlxpaged.config import DEFAULT_CACHE_TOKENS, CacheConfig, SchedulerConfig, split_settings
 from mlxpaged.engine.core import EngineCore
 from mlxpaged.cache.kv_cache import PagedKVCache
@@ -60,8 +60,8 @@ class Engine:
                                 weights_resident=True)
         self.kv = self._make_kv_cache(kv_dtype)
         # Before the first decode: a Metal kernel variant that fails its self-check is replaced by the reference.
-        prepare_attention(kv_dtype, self.facts.kv.head_dim, self.cache_config.block_size,
-                          query_heads(self.layout), self.facts.kv.num_kv_heads)
+        for heads, kv_heads, k_dim, v_dim, sinks in attention_geometries(self.layout):
+            prepare_attention(kv_dtype, k_dim, self.cache_config.block_size, heads, kv_heads, v_dim, sinks)
         self.max_model_len = int(self.facts.context_length or self.plan.token_capacity)
         # SimpleQueue (C, reentrant): its put cannot deadlock when a Ctrl-C or a finalizer (engine_thread.py)
         # lands inside another put, as queue.Queue's Python-level lock can.
@@ -74,7 +74,7 @@ class Engine:
         commands = self._commands  # the core must not hold the engine: its thread holds it weakly (engine_thread.py)
         self.core = EngineCore.create(loaded.model, loaded.tokenizer, self.kv, self.cache_config, self.scheduler_config,
                                       max_model_len=self.max_model_len, extra_key=str(loaded.path), stats=self._stats,
-                                      has_commands=lambda: not commands.empty())
+                                      has_commands=lambda: not commands.empty(), layout=self.layout)
         self.scheduler, self.runner = self.core.scheduler, self.core.runner
         self.kv_manager = self.scheduler.kv_manager
         self.pool = self.kv_manager.pool  # the block pool: stats, block states, prefix-cache reset
@@ -126,10 +126,9 @@ class Engine:
 
     # --- setup ---------------------------------------------------------------------------------
     def _make_kv_cache(self, dtype: mx.Dtype) -> PagedKVCache:
-        kv = self.facts.kv
-        return PagedKVCache(num_layers=kv.num_layers, num_blocks=self.plan.num_blocks,
-                            block_size=self.cache_config.block_size, num_kv_heads=kv.num_kv_heads,
-                            head_dim=kv.head_dim, dtype=dtype, layer_windows=kv.layer_windows)
+        """Pools for the layout's KV leaves, in layout order (the runner's views follow it)."""
+        return PagedKVCache.for_leaves(self.layout.kv_leaves, self.plan.num_blocks, self.cache_config.block_size,
+                                       dtype)
 
     # --- public API ----------------------------------------------------------------------------
     def submit(self, prompt: str | Sequence[int], params: SamplingParams | None,
@@ -220,6 +219,7 @@ class Engine:
             "requests_running": self.scheduler.num_running, "requests_waiting": self.scheduler.num_waiting,
             **self._stats.snapshot(), "memory_plan": self.plan,
             "attention": attention_status(),  # {"path", "reason", "variants"}: see mlxpaged.kernels.attention
+            "kv_memory_by_class": {g.describe(): size for g, size in self.kv.bytes_by_class().items()},
         }
 
     def block_states(self) -> list[str]:

@@ -24,6 +24,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxpaged.cache.cache_view import paged_views
+from mlxpaged.cache.layout import ModelLayout
+from mlxpaged.runner import cache_tree
 from mlxpaged.runner.decode_pass import CompiledDecode
 from mlxpaged.cache.kv_cache import PagedKVCache
 from mlxpaged.runner.routing import is_routed
@@ -145,11 +147,16 @@ class Lookahead:
 
 
 class Runner:
-    def __init__(self, model: nn.Module, kv_cache: PagedKVCache):
+    """`layout`: the model's cache layout (loading/probe.py); None: one KV view per layer, in order."""
+
+    def __init__(self, model: nn.Module, kv_cache: PagedKVCache, layout: ModelLayout | None = None):
         self.model = model
         self.kv = kv_cache
+        self.layout = layout
         self.head = split_head(model)
-        compiled = is_routed(model) and CompiledDecode.supports(kv_cache)
+        # The compiled pass reads the pools only: every leaf must be attended by the routed SDPA alone.
+        plain = layout is None or (cache_tree.simple(layout) and all(leaf.routed for leaf in layout.kv_leaves))
+        compiled = plain and is_routed(model) and CompiledDecode.supports(kv_cache)
         self.decoder = CompiledDecode(model, kv_cache, self.head) if compiled else None
         self._ahead: Lookahead | None = None  # the next step's decode pass, already queued
 
@@ -174,7 +181,7 @@ class Runner:
         """Do a fork's copy-on-write copies (CopyOnWrite) and land them before the next pass writes."""
         if copies:
             self.kv.copy_blocks([(c.src_block, c.dst_block) for c in copies])
-            mx.eval(self.kv.keys, self.kv.values)
+            mx.eval(self.kv.pools)
 
     def _compute(self, chunks: list, sampling: SamplingRows, planner: NextStepPlanner) -> list[SampleResult]:
         """Run the step's passes and sample; pipeline the next decode pass when it is predictable."""
@@ -263,7 +270,7 @@ class Runner:
         ahead is launched only after the pass before it has been read (measured on compiled
         passes: launching one while the pass before ran copied pools, 55 -> 115-175 ms per step
         with 6 GB of pools)."""
-        mx.async_eval(*arrays, self.kv.keys, self.kv.values)
+        mx.async_eval(*arrays, self.kv.pools)
 
     def _pass(self, batch: list[StepInput], tokens: mx.array | None = None, launch: bool = True) -> mx.array:
         """Build one forward pass and its cache writes, and launch it unless told not to; returns
@@ -277,6 +284,7 @@ class Runner:
         else:
             num_new = [len(x.token_ids) for x in batch]
             views = paged_views(self.kv, [x.block_tables for x in batch], [x.start for x in batch], num_new)
+            views = cache_tree.model_cache(self.layout, views)
             last = mx.array([n - 1 for n in num_new])
             if self.head is not None:
                 hidden = self.model.model(tokens, cache=views)
