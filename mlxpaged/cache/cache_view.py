@@ -248,6 +248,25 @@ class PagedCacheView:
         """The layer's pools, so `mx.eval(view.state)` lands pending writes (mlx-lm's generate does this)."""
         return self._kv.key_pool(self._layer), self._kv.value_pool(self._layer)
 
+    # mlx-lm's storage attributes. Models read and assign them only to chain graph dependencies
+    # (deepseek_v32: `cache.keys = mx.depends(cache.keys, ...)`, `cache.values = zeros_like(cache.keys)`);
+    # the pools are evaluated with every pass anyway, so reads give the pool and assignments are dropped.
+    @property
+    def keys(self) -> mx.array:
+        return self._kv.key_pool(self._layer)
+
+    @keys.setter
+    def keys(self, value) -> None:
+        pass
+
+    @property
+    def values(self) -> mx.array:
+        return self._kv.value_pool(self._layer)
+
+    @values.setter
+    def values(self, value) -> None:
+        pass
+
     def is_trimmable(self) -> bool:
         return False
 

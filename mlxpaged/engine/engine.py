@@ -44,6 +44,14 @@ from mlxpaged.engine.scheduler import CACHE_CAPACITY, MODEL_CONTEXT, RequestTooL
 from mlxpaged.engine.shutdown import STEP_TIMEOUT_S
 
 
+def _evaluate_model_arrays(model) -> None:
+    """Evaluate what the lazy forwards on this thread left lazy in the model: gemma3n reassigns its altup
+    weights (`weight = mx.clip(weight, ...)`) in every forward and keeps `_std_multiplier` outside its
+    parameters. First evaluated on the engine thread they fail ("no Stream(cpu, 0) in current thread")."""
+    mx.eval(model.parameters(), [value for module in model.modules() for key, value in module.items()
+                                 if key.startswith("_") and isinstance(value, mx.array)])
+
+
 class Engine:
     def __init__(self, loaded: LoadedModel, cache_config: CacheConfig | None = None,
                  scheduler_config: SchedulerConfig | None = None):
@@ -78,6 +86,7 @@ class Engine:
         self.scheduler, self.runner = self.core.scheduler, self.core.runner
         self.kv_manager = self.scheduler.kv_manager
         self.pool = self.kv_manager.pool  # the block pool: stats, block states, prefix-cache reset
+        _evaluate_model_arrays(loaded.model)  # after every forward on this thread (probe, split_head)
         self._thread = engine_thread.start(self, commands)
 
     @classmethod
