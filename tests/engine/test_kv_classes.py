@@ -1,0 +1,61 @@
+"""Models whose K/V are not one geometry per layer, on the engine: latent MLA, a KV-only CacheList with a
+K-is-V indexer (two geometry classes), shared K/V over two classes with a None-padded cache list, an
+unused cache, fewer caches than layers. Greedy tokens equal mlx-lm's generate_step on a prefix-cache hit
+and after preemption, and the pool is empty afterwards (alone and batched: test_cache_tree.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from mlxpaged.sampling_params import SamplingParams
+from tests.archs.harness import BLOCK_SIZE, build, compare, prompts, reference, _vocab
+from tests.engine.test_engine import assert_pool_empty, tiny_engine
+
+NEW = 10
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+MODULES = ["deepseek_v3", "deepseek_v32", "gemma4_text", "nemotron-nas", "gemma3n"]
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_loaded):
+    return default_loaded.tokenizer
+
+
+def expect(model, prompt):
+    tokens, gaps = reference(model, prompt)
+    return prompt, tokens, gaps
+
+
+def check(got, case) -> None:
+    prompt, want, gaps = case
+    why = compare(list(got.token_ids), want, gaps)
+    assert why is None, f"prompt of {len(prompt)}: {why}"
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_prefix_hit_matches_mlx_lm(module, tokenizer):
+    model = build(module)
+    first = expect(model, prompts(_vocab(model))[0])
+    second = expect(model, first[0] + first[1] + [5, 6, 7, 8, 9, 10, 11, 12, 13])  # A + reply + 9 tokens
+    with tiny_engine(model, tokenizer, cache_tokens=512, block_size=BLOCK_SIZE) as engine:
+        check(engine.generate([first[0]], GREEDY)[0], first)
+        warm = engine.generate([second[0]], GREEDY)[0]
+        check(warm, second)
+        if engine.kv_manager.enable_prefix_cache:  # off only for sliding-window models (kv_cache.py)
+            assert warm.cached_tokens >= len(first[0]) // BLOCK_SIZE * BLOCK_SIZE
+        assert_pool_empty(engine)
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_preempted_requests_match_mlx_lm(module, tokenizer):
+    model = build(module)
+    cases = [expect(model, p) for p in prompts(_vocab(model))] + [expect(model, list(range(40, 60)))]
+    # 3 sequences of 21-33 tokens need 11+ blocks of 8 per full group; the pool holds far fewer at once.
+    with tiny_engine(model, tokenizer, cache_tokens=40, max_num_seqs=3, block_size=BLOCK_SIZE) as tight:
+        got = tight.generate([c[0] for c in cases], GREEDY)
+        assert tight.stats()["preemptions"] > 0
+        for completion, case in zip(got, cases):
+            check(completion, case)
+        assert_pool_empty(tight)
