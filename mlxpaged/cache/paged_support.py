@@ -4,7 +4,8 @@ The pools (kv_cache.py) keep every KV leaf in its own geometry (heads, K width, 
 full or sliding-window tables; views are made per leaf path and put back in the model's own nesting
 (runner/cache_tree.py: None entries, CacheLists, unused caches, caches != layers); attention gets the
 gathered K/V unless reading the pools is provably the same computation (runner/routing.py), so
-latent attention, model-built masks, shared K/V and direct mx.fast calls are exact. What is left
+latent attention, model-built masks, shared K/V and direct mx.fast calls are exact; a model that fails
+or is not exact in a ragged batch runs one sequence per pass (runner/batch_check.py). What is left
 is refused at load with the leaf named; each rule here goes when the engine learns that kind.
 """
 
@@ -32,9 +33,6 @@ def unsupported_reasons(layout: ModelLayout) -> list[Reason]:
     reasons = [Reason("own cache class", text) for text in layout.refuse]
     reasons += [Reason(why.label, f"{', '.join(wheres)} ({kind}): {why.text}")
                 for (kind, why), wheres in per_leaf.items()]
-    if layout.batch_error is not None:
-        reasons.append(Reason("batched offsets", f"its forward fails on a batch of sequences at different offsets "
-                                                 f"({layout.batch_error}); the engine batches every request"))
     if not layout.kv_leaves and not reasons:
         reasons.append(Reason("no KV cache", "the model keeps no key/value cache"))
     return reasons

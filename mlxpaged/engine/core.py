@@ -39,15 +39,16 @@ class EngineCore:
     @classmethod
     def create(cls, model, tokenizer, kv: PagedKVCache, cache_config: CacheConfig,
                scheduler_config: SchedulerConfig, *, max_model_len: int, extra_key: object = None,
-               layout=None, **kwargs) -> "EngineCore":
+               layout=None, serial: bool = False, **kwargs) -> "EngineCore":
         """A core over `kv`'s blocks: block pool, cache manager (one spec per layer group), scheduler, runner
-        (`layout`: the model's cache layout, which the runner assembles its cache list from)."""
+        (`layout`: the model's cache layout, which the runner assembles its cache list from; `serial`: one
+        sequence per pass, runner/batch_check.py)."""
         specs = [group.spec(kv.block_size) for group in kv.groups]
         prefix_cache = cache_config.enable_prefix_cache and kv.supports_prefix_cache
         manager = KVCacheManager(BlockPool(kv.num_blocks), specs, extra_key=extra_key, enable_prefix_cache=prefix_cache)
         scheduler = Scheduler(manager, max_batch_tokens=scheduler_config.max_batch_tokens,
                               max_num_seqs=scheduler_config.max_num_seqs, max_model_len=max_model_len)
-        return cls(scheduler, Runner(model, kv, layout), tokenizer, **kwargs)
+        return cls(scheduler, Runner(model, kv, layout, serial), tokenizer, **kwargs)
 
     @property
     def has_unfinished(self) -> bool:

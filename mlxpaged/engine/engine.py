@@ -37,11 +37,24 @@ from mlxpaged.loading.loader import (LoadedModel, activation_dtype, chat_prompt,
                                      locate_model)
 from mlxpaged.loading.probe import probe_layout
 from mlxpaged.loading.progress import Progress
+from mlxpaged.runner.batch_check import batch_mismatch
 from mlxpaged.runner.routing import route_paged_attention
 from mlxpaged.loading.generation_defaults import GenerationDefaults, load_defaults
 from mlxpaged.sampling_params import SamplingParams
 from mlxpaged.engine.scheduler import CACHE_CAPACITY, MODEL_CONTEXT, RequestTooLongError
 from mlxpaged.engine.shutdown import STEP_TIMEOUT_S
+
+
+def layout_serial_reason(layout, model, dtype: mx.Dtype, block_size: int) -> str | None:
+    """Why the model must run one sequence per pass (warned once), or None when ragged batches are exact."""
+    try:
+        reason = layout.batch_error or batch_mismatch(model, layout, dtype, block_size)
+    except Exception as exc:  # a ragged batch the probe's batched forward did not catch failing
+        reason = f"{type(exc).__name__}: {str(exc)[:200]}"
+    if reason is not None:
+        warnings.warn(f"model type {layout.model_type!r} is not exact in a batch of sequences ({reason}): it runs "
+                      "one sequence per pass (correct, slower)", RuntimeWarning, stacklevel=3)
+    return reason
 
 
 def _evaluate_model_arrays(model) -> None:
@@ -71,6 +84,8 @@ class Engine:
         for heads, kv_heads, k_dim, v_dim, sinks in attention_geometries(self.layout):
             prepare_attention(kv_dtype, k_dim, self.cache_config.block_size, heads, kv_heads, v_dim, sinks)
         self.max_model_len = int(self.facts.context_length or self.plan.token_capacity)
+        # Not exact in a ragged batch (or cannot take one): one sequence per pass, decided here, not mid-request.
+        self.serial_reason = layout_serial_reason(self.layout, loaded.model, kv_dtype, self.cache_config.block_size)
         # SimpleQueue (C, reentrant): its put cannot deadlock when a Ctrl-C or a finalizer (engine_thread.py)
         # lands inside another put, as queue.Queue's Python-level lock can.
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -82,7 +97,8 @@ class Engine:
         commands = self._commands  # the core must not hold the engine: its thread holds it weakly (engine_thread.py)
         self.core = EngineCore.create(loaded.model, loaded.tokenizer, self.kv, self.cache_config, self.scheduler_config,
                                       max_model_len=self.max_model_len, extra_key=str(loaded.path), stats=self._stats,
-                                      has_commands=lambda: not commands.empty(), layout=self.layout)
+                                      has_commands=lambda: not commands.empty(), layout=self.layout,
+                                      serial=self.serial_reason is not None)
         self.scheduler, self.runner = self.core.scheduler, self.core.runner
         self.kv_manager = self.scheduler.kv_manager
         self.pool = self.kv_manager.pool  # the block pool: stats, block states, prefix-cache reset
@@ -228,6 +244,7 @@ class Engine:
             "requests_running": self.scheduler.num_running, "requests_waiting": self.scheduler.num_waiting,
             **self._stats.snapshot(), "memory_plan": self.plan,
             "attention": attention_status(),  # {"path", "reason", "variants"}: see mlxpaged.kernels.attention
+            "serial": self.serial_reason,  # why one sequence runs per pass (None: batched)
             "kv_memory_by_class": {g.describe(): size for g, size in self.kv.bytes_by_class().items()},
         }
 

@@ -147,12 +147,15 @@ class Lookahead:
 
 
 class Runner:
-    """`layout`: the model's cache layout (loading/probe.py); None: one KV view per layer, in order."""
+    """`layout`: the model's cache layout (loading/probe.py); None: one KV view per layer, in order.
+    `serial`: one sequence per pass, for models that are not exact in a ragged batch (batch_check.py)."""
 
-    def __init__(self, model: nn.Module, kv_cache: PagedKVCache, layout: ModelLayout | None = None):
+    def __init__(self, model: nn.Module, kv_cache: PagedKVCache, layout: ModelLayout | None = None,
+                 serial: bool = False):
         self.model = model
         self.kv = kv_cache
         self.layout = layout
+        self.serial = serial
         self.head = split_head(model)
         # The compiled pass reads the pools only: every leaf must be attended by the routed SDPA alone.
         plain = layout is None or (cache_tree.simple(layout) and all(leaf.routed for leaf in layout.kv_leaves))
@@ -215,8 +218,8 @@ class Runner:
         step is predictable: nothing waits, and each row continues with one token. A guess that
         turns out wrong costs one pass; its page writes land in the rows' reserved next slots,
         which the real step then writes again."""
-        if not planner.predictable():
-            return None
+        if not planner.predictable() or (self.serial and len(chunks) > 1):
+            return None  # a serial model's rows each need a pass of their own
         if self.compiles(len(chunks)):
             # A compiled pass is cheap to build, and building it during the last one's tail
             # slowed that tail (2 cores): batch-1 decode, synchronous 19.6 / 20.3 / 19.1 tok/s,
@@ -241,7 +244,10 @@ class Runner:
         """Queue the step; return float32 logits [S, V] of the inputs that sample, in order.
         The passes run in the background (mx.async_eval): reading the logits waits for them."""
         decode = [i for i, x in enumerate(inputs) if len(x.token_ids) == 1]
-        passes = ([decode] if decode else []) + prefill_passes(inputs)
+        if self.serial:
+            passes = [[i] for i in range(len(inputs))]
+        else:
+            passes = ([decode] if decode else []) + prefill_passes(inputs)
         results = [self._pass([inputs[i] for i in rows]) for rows in passes]
         wanted = [i for i, x in enumerate(inputs) if x.samples]
         if not wanted:

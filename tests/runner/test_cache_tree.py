@@ -63,9 +63,11 @@ def test_view_count_must_match_the_kv_leaves():
 
 # One architecture per shape this module unlocks: latent MLA (K 1x4 / V 1x32), KV-only CacheList with a
 # K-is-V indexer and two geometries (deepseek_v32), shared KV over two geometry classes and a None-padded
-# cache list (gemma4_text), an unused cache (nemotron-nas), fewer caches than layers (gemma3n).
+# cache list (gemma4_text), an unused cache (nemotron-nas), fewer caches than layers (gemma3n); and two that
+# run one sequence per pass (runner/batch_check.py): afm7 (RoPE from the key count), gpt_bigcode (int offsets).
 @pytest.mark.slow
-@pytest.mark.parametrize("module", ["deepseek_v3", "deepseek_v32", "gemma4_text", "nemotron-nas", "gemma3n"])
+@pytest.mark.parametrize("module", ["deepseek_v3", "deepseek_v32", "gemma4_text", "nemotron-nas", "gemma3n", "afm7",
+                                    "gpt_bigcode"])
 def test_tiny_architecture_matches_mlx_lm_alone_and_batched(module):
     from tests.archs.harness import run_architecture
 
