@@ -126,3 +126,16 @@ def test_bad_geometries_are_refused_with_the_numbers():
         KVGeometry(1, 4, 3, k_is_v=True)
     with pytest.raises(ValueError, match="geometries has 1 entries for 2 layers"):
         PagedKVCache(2, NB, BS, 1, 4, mx.float32, None, [LATENT])
+
+
+def test_the_plan_sizes_blocks_in_real_bytes():
+    from mlxpaged.config import CacheConfig, SchedulerConfig
+    from mlxpaged.platform.memory import DeviceFacts, ModelFacts, plan_memory
+
+    # DeepSeek-V3-like: 61 layers caching a 512-wide latent and a 64-wide RoPE key, one "head", bf16.
+    latent = KVShape(61, 1, 512, 2, None, (KVGeometry(1, 512, 64),) * 61)
+    mac = DeviceFacts("metal", 64 * 2**30, 40_000_000_000, 48 * 2**30, "64 GB Mac")
+    plan = plan_memory(mac, ModelFacts(latent, 4_000_000_000, 7168, 129280, 8192), CacheConfig(kv_memory=2**30),
+                       SchedulerConfig(max_num_seqs=4))
+    assert plan.bytes_per_token == 61 * (512 + 64) * 2 == 70_272  # not 61 x 2 x 512 (K and V of the K width)
+    assert plan.block_bytes == 16 * 70_272 and plan.num_blocks == 2**30 // plan.block_bytes

@@ -43,6 +43,8 @@ def test_prefix_hit_matches_mlx_lm(module, tokenizer):
         check(engine.generate([first[0]], GREEDY)[0], first)
         warm = engine.generate([second[0]], GREEDY)[0]
         check(warm, second)
+        by_class = engine.stats()["kv_memory_by_class"]  # e.g. DSA: "K 1x4, V 1x32" and "K 1x128 = V"
+        assert sum(by_class.values()) == engine.kv.nbytes and len(by_class) == len(set(engine.kv.geometries))
         if engine.kv_manager.enable_prefix_cache:  # off only for sliding-window models (kv_cache.py)
             assert warm.cached_tokens >= len(first[0]) // BLOCK_SIZE * BLOCK_SIZE
         assert_pool_empty(engine)
