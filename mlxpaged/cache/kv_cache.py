@@ -51,8 +51,9 @@ from typing import Sequence
 
 import mlx.core as mx
 
+# block_bytes is re-exported: the facts live in specs.py
 from mlxpaged.cache.specs import (KVGeometry, LayerGroup, assign_pools, block_bytes, group_layers,  # noqa: F401
-                                  pool_block_bytes)  # (block_bytes, group_layers re-exported: the facts live in specs.py)
+                                  pool_block_bytes)
 
 
 class PagedKVCache:
@@ -73,7 +74,8 @@ class PagedKVCache:
     ):
         windows = tuple(layer_windows) if layer_windows is not None else (None,) * num_layers
         _check_sizes(num_layers, num_blocks, block_size, num_kv_heads, head_dim, windows)
-        geometries = tuple(geometries) if geometries is not None else (KVGeometry(num_kv_heads, head_dim, head_dim),) * num_layers
+        uniform = (KVGeometry(num_kv_heads, head_dim, head_dim),) * num_layers
+        geometries = tuple(geometries) if geometries is not None else uniform
         if len(geometries) != num_layers:
             raise ValueError(f"geometries has {len(geometries)} entries for {num_layers} layers")
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
