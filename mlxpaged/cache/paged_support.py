@@ -54,7 +54,8 @@ def query_heads(layout: ModelLayout) -> int:
 
 def attention_geometries(layout: ModelLayout) -> list[tuple[int, int, int, int, bool]]:
     """Each distinct (query heads, KV heads, K width, V width, sinks) the decode attention may read
-    from the pools, for the kernel's self-check (query heads default to the KV heads)."""
+    from the pools, for the kernel's self-check (query heads default to the KV heads). Query heads that
+    are no multiple of the KV heads never reach the pools (routing.pool_inputs), so they are left out."""
     seen = {(leaf.q_heads or leaf.kv_heads, leaf.kv_heads, leaf.k_dim, leaf.v_dim, leaf.sinks)
             for leaf in layout.kv_leaves}
-    return sorted(seen)
+    return sorted(geometry for geometry in seen if geometry[0] % geometry[1] == 0)

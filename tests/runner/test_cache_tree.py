@@ -73,3 +73,14 @@ def test_tiny_architecture_matches_mlx_lm_alone_and_batched(module):
 
     verdict = run_architecture(module)
     assert verdict["status"] == "paged", verdict
+
+
+def test_attention_geometries_name_each_class_the_kernel_may_read():
+    from mlxpaged.cache.paged_support import attention_geometries
+
+    leaves = [KVLeaf((0,), "full", None, 1, 8, 3, "float32", q_heads=4),  # latent
+              KVLeaf((1,), "full", None, 1, 8, 3, "float32", q_heads=4),
+              KVLeaf((2,), "window", 8, 2, 6, 6, "float32", sinks=True),  # no SDPA call seen: q = kv heads
+              KVLeaf((3,), "full", None, 3, 4, 4, "float32", q_heads=4)]  # 4 % 3: never routed to the pools
+    flat = layout(leaves, [(0,), (1,), (2,), (3,)])
+    assert attention_geometries(flat) == [(2, 2, 6, 6, True), (4, 1, 8, 3, False)]
