@@ -1,7 +1,8 @@
 """Models whose K/V are not one geometry per layer, on the engine: latent MLA, a KV-only CacheList with a
 K-is-V indexer (two geometry classes), shared K/V over two classes with a None-padded cache list, an
 unused cache, fewer caches than layers. Greedy tokens equal mlx-lm's generate_step on a prefix-cache hit
-and after preemption, and the pool is empty afterwards (alone and batched: test_cache_tree.py)."""
+and after preemption, and the pool is empty afterwards (alone and batched: test_cache_tree.py); also
+K != V with sinks and windows (mimo_v2_flash), two MLA caches per layer (longcat_flash), a serial model (afm7)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from tests.engine.test_engine import assert_pool_empty, tiny_engine
 
 NEW = 10
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
-MODULES = ["deepseek_v3", "deepseek_v32", "gemma4_text", "nemotron-nas", "gemma3n"]
+MODULES = ["deepseek_v3", "deepseek_v32", "gemma4_text", "nemotron-nas", "gemma3n", "longcat_flash", "mimo_v2_flash",
+           "afm7"]  # afm7: one sequence per pass (runner/batch_check.py)
 
 pytestmark = pytest.mark.slow
 
