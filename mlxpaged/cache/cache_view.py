@@ -227,6 +227,7 @@ class PagedCacheView:
         self._offsets = list(offsets)
         self._num_new = list(num_new) if num_new is not None else None
         self._last_plan: _Plan | None = None
+        self._split_out: tuple | None = None
         self._offset_array: mx.array | None = None
 
     @property
@@ -246,6 +247,25 @@ class PagedCacheView:
     def state(self) -> tuple[mx.array, mx.array]:
         """The layer's pools, so `mx.eval(view.state)` lands pending writes (mlx-lm's generate does this)."""
         return self._kv.key_pool(self._layer), self._kv.value_pool(self._layer)
+
+    # mlx-lm's storage attributes. Models read and assign them only to chain graph dependencies
+    # (deepseek_v32: `cache.keys = mx.depends(cache.keys, ...)`, `cache.values = zeros_like(cache.keys)`);
+    # the pools are evaluated with every pass anyway, so reads give the pool and assignments are dropped.
+    @property
+    def keys(self) -> mx.array:
+        return self._kv.key_pool(self._layer)
+
+    @keys.setter
+    def keys(self, value) -> None:
+        pass
+
+    @property
+    def values(self) -> mx.array:
+        return self._kv.value_pool(self._layer)
+
+    @values.setter
+    def values(self, value) -> None:
+        pass
 
     def is_trimmable(self) -> bool:
         return False
@@ -304,11 +324,23 @@ class PagedCacheView:
             self._write(plan, keys, values)
             out = self._read(plan)
         self._fetched = tuple(weakref.ref(x) for x in out) if out is not None else None
+        # A split pass's K/V are the model's new keys and an evaluated read: holding them pins no pool.
+        self._split_out = out if plan.split else None
         self._offsets = [o + n for o, n in zip(plan.offsets, plan.num_new)]
         self._offset_array = None
         self._num_new = None
         self._last_plan = plan
         return out
+
+    def keys_and_values(self) -> tuple[mx.array, mx.array]:
+        """The K/V the last `update_and_fetch` returned, for layers that attend another layer's cache
+        (gemma3n's shared layers, afm7's KV-reuse layers), as mlx-lm's caches give them. Gathered again
+        from the last plan: keeping the lazy gather would pin the pool and make later writes copy it."""
+        if self._last_plan is None:
+            raise RuntimeError("keys_and_values() before any update_and_fetch: this cache holds no keys yet")
+        if self._split_out is not None:
+            return self._split_out
+        return self._read(self._last_plan)
 
     def decode_inputs(self) -> tuple[mx.array, mx.array, mx.array, mx.array] | None:
         """(k_pool, v_pool, block_tables, context_lens) for `mlxpaged.kernels.attention.paged_attention`

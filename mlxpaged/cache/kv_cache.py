@@ -1,10 +1,17 @@
 """Paged KV memory: page pools, slot writes, block gathers.
 
-Layout. Every pool is one MLX array `[num_blocks, kv_heads, block_size, head_dim]`
-in the model's KV dtype, one for keys and one for values. A (block, head) page is
-a contiguous `[block_size, head_dim]` tile, so a kernel thread group reading one head
-of one block reads one contiguous run, and a write of one token is `kv_heads` rows
-of `head_dim` contiguous elements. A physical slot is `block * block_size + offset`.
+Layout. Every pool is one MLX array `[num_blocks, kv_heads, block_size, k_dim]` for keys
+and one `[num_blocks, kv_heads, block_size, v_dim]` for values, in the model's KV dtype. A
+(block, head) page is a contiguous `[block_size, dim]` tile, so a kernel thread group reading
+one head of one block reads one contiguous run, and a write of one token is `kv_heads` rows
+of `dim` contiguous elements. A physical slot is `block * block_size + offset`.
+
+Geometry classes. Layers (here: the model's KV cache leaves, in layout order) need not agree on
+heads or widths (latent MLA caches 1 "head" of the latent rank as K and the RoPE key as V, V may be
+narrower than K, head counts vary per layer, an indexer writes one array as K and V). Each layer
+has a `KVGeometry`; pools are per (geometry, position in the group) (`specs.assign_pools`), so a
+one-geometry model keeps exactly the G pools below. All classes share one block-id space
+(decision and numbers: docs/design/issue14-architectures.md, "D2 as built").
 
 Writes are in-place indexed assignment with index arrays only
 (`pool[(blocks[:, None], heads[None, :], offsets[:, None])] = rows`; MLX 0.32
@@ -44,12 +51,16 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from mlxpaged.cache.specs import LayerGroup, block_bytes, group_layers  # noqa: F401  (re-exported: the facts live in specs.py)
+# block_bytes is re-exported: the facts live in specs.py
+from mlxpaged.cache.specs import (KVGeometry, LayerGroup, assign_pools, block_bytes, group_layers,  # noqa: F401
+                                  pool_block_bytes)
 from mlxpaged.cache.specs import Chunked
 
 
 class PagedKVCache:
-    """Key and value page pools for every layer of a model, indexed by block id."""
+    """Key and value page pools for every layer of a model, indexed by block id.
+
+    `geometries`: one KVGeometry per layer (None: every layer `num_kv_heads x head_dim` for K and V)."""
 
     def __init__(
         self,
@@ -60,22 +71,45 @@ class PagedKVCache:
         head_dim: int,
         dtype: mx.Dtype = mx.float32,
         layer_windows: Sequence[int | None] | None = None,
+        geometries: Sequence[KVGeometry] | None = None,
     ):
         windows = tuple(layer_windows) if layer_windows is not None else (None,) * num_layers
         _check_sizes(num_layers, num_blocks, block_size, num_kv_heads, head_dim, windows)
+        uniform = (KVGeometry(num_kv_heads, head_dim, head_dim),) * num_layers
+        geometries = tuple(geometries) if geometries is not None else uniform
+        if len(geometries) != num_layers:
+            raise ValueError(f"geometries has {len(geometries)} entries for {num_layers} layers")
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
-        self.layer_windows = windows
+        self.layer_windows, self.geometries = windows, geometries
         self.groups = group_layers(windows)
         self.group_size = len(self.groups[0].layers)
         self._group = {layer: g for g in self.groups for layer in g.layers}
-        self._pool = {layer: j for g in self.groups for j, layer in enumerate(g.layers)}
-        self._heads = mx.arange(num_kv_heads)
-        shape = (num_blocks, num_kv_heads, block_size, head_dim)
-        self.keys = [mx.zeros(shape, dtype) for _ in range(self.group_size)]
-        self.values = [mx.zeros(shape, dtype) for _ in range(self.group_size)]
+        self._pool, self.pool_geometries = assign_pools(self.groups, geometries)
+        self._heads = {h: mx.arange(h) for h in {g.kv_heads for g in geometries}}
+        self.keys = [mx.zeros((num_blocks, g.kv_heads, block_size, g.k_dim), dtype) for g in self.pool_geometries]
+        self.values = [k if g.k_is_v else mx.zeros((num_blocks, g.kv_heads, block_size, g.v_dim), dtype)
+                       for k, g in zip(self.keys, self.pool_geometries)]
         self._last_slots: tuple | None = None  # (slot mapping, slots, blocks, offsets)
-        mx.eval(self._heads, self.keys, self.values)  # lazy arrays would bind to this thread's stream
+        mx.eval(list(self._heads.values()), self.pools)  # lazy arrays would bind to this thread's stream
+
+    @classmethod
+    def for_leaves(cls, leaves: Sequence, num_blocks: int, block_size: int, dtype: mx.Dtype) -> "PagedKVCache":
+        """Pools for a layout's KV leaves (cache/layout.KVLeaf: full, window or chunked), in that order."""
+        geometries = [KVGeometry(leaf.kv_heads, leaf.k_dim, leaf.v_dim, leaf.k_is_v) for leaf in leaves]
+        first = geometries[0]
+        return cls(len(leaves), num_blocks, block_size, first.kv_heads, first.k_dim, dtype,
+                   [Chunked(leaf.span) if leaf.kind == "chunked" else leaf.span for leaf in leaves], geometries)
+
+    @property
+    def pools(self) -> list[mx.array]:
+        """Every distinct pool array (a K-is-V pool once): what to evaluate to land pending writes."""
+        return self.keys + [v for k, v in zip(self.keys, self.values) if v is not k]
+
+    @property
+    def single_geometry(self) -> bool:
+        """Every layer has the same heads and K/V widths, K and V apart (today's one-class pools)."""
+        return len(set(self.geometries)) == 1 and not self.geometries[0].k_is_v
 
     @property
     def supports_prefix_cache(self) -> bool:
@@ -84,14 +118,24 @@ class PagedKVCache:
 
     @property
     def bytes_per_block(self) -> int:
-        return block_bytes(self.layer_windows, self.block_size, self.num_kv_heads, self.head_dim, self.dtype.size)
+        return pool_block_bytes(self.layer_windows, self.geometries, self.block_size, self.dtype.size)
 
     @property
     def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.keys) + sum(p.nbytes for p in self.values)
+        return sum(p.nbytes for p in self.pools)
+
+    def bytes_by_class(self) -> dict[KVGeometry, int]:
+        """Pool bytes per geometry class (the stats' KV memory per class)."""
+        out: dict[KVGeometry, int] = {}
+        for k, v, g in zip(self.keys, self.values, self.pool_geometries):
+            out[g] = out.get(g, 0) + k.nbytes + (0 if v is k else v.nbytes)
+        return out
 
     def group_of(self, layer: int) -> LayerGroup:
         return self._group[layer]
+
+    def geometry(self, layer: int) -> KVGeometry:
+        return self.geometries[layer]
 
     def key_pool(self, layer: int) -> mx.array:
         return self.keys[self._pool[layer]]
@@ -100,32 +144,33 @@ class PagedKVCache:
         return self.values[self._pool[layer]]
 
     def write(self, layer: int, slot_mapping: Sequence[int] | mx.array, k: mx.array, v: mx.array) -> None:
-        """Write k, v `[num_tokens, kv_heads, head_dim]` into their slots, in place.
-
-        Slots given as an `mx.array` are not range-checked (hot path); repeated slots in
-        one call leave an unspecified winner.
-        """
+        """Write k `[num_tokens, kv_heads, k_dim]`, v `[num_tokens, kv_heads, v_dim]` into their slots, in
+        place (v is not written for a K-is-V layer). Slots given as an `mx.array` are not range-checked
+        (hot path); repeated slots in one call leave an unspecified winner."""
         slots, blocks, offsets = self._indices(slot_mapping)
-        expected = (slots.size, self.num_kv_heads, self.head_dim)
-        for name, x in (("k", k), ("v", v)):
+        geo = self.geometries[layer]
+        for name, x, dim in (("k", k, geo.k_dim), ("v", v, geo.v_dim)):
+            expected = (slots.size, geo.kv_heads, dim)
             if tuple(x.shape) != expected:
-                raise ValueError(f"{name} has shape {tuple(x.shape)}, expected {expected}")
+                raise ValueError(f"layer {layer}: {name} has shape {tuple(x.shape)}, expected {expected}")
             if x.dtype != self.dtype:
-                raise ValueError(f"{name} has dtype {x.dtype}, the pools hold {self.dtype}")
-        heads = self._heads[None, :]
+                raise ValueError(f"layer {layer}: {name} has dtype {x.dtype}, the pools hold {self.dtype}")
+        heads = self._heads[geo.kv_heads][None, :]
         j = self._pool[layer]
         self.keys[j][(blocks, heads, offsets)] = k
-        self.values[j][(blocks, heads, offsets)] = v
+        if not geo.k_is_v:
+            self.values[j][(blocks, heads, offsets)] = v
 
     def write_run(self, layer: int, block: int, offset: int, k: mx.array, v: mx.array) -> None:
-        """Write k, v `[1, kv_heads, n, head_dim]` to slots offset..offset + n - 1 of `block`, in place
+        """Write k, v `[1, kv_heads, n, dim]` to slots offset..offset + n - 1 of `block`, in place
         (a slice update: fewer graph nodes than the indexed write, for the common single-run case)."""
         n = k.shape[2]
         if not (0 <= block < self.num_blocks and 0 <= offset and offset + n <= self.block_size):
             raise ValueError(f"run of {n} tokens at block {block}, offset {offset} is outside the pool")
         j = self._pool[layer]
         self.keys[j][block:block + 1, :, offset:offset + n, :] = k
-        self.values[j][block:block + 1, :, offset:offset + n, :] = v
+        if not self.geometries[layer].k_is_v:
+            self.values[j][block:block + 1, :, offset:offset + n, :] = v
 
     def _indices(self, slot_mapping: Sequence[int] | mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """(slots, block column, offset column). Every layer of a pass writes the same slot-mapping
@@ -141,20 +186,22 @@ class PagedKVCache:
         return indices
 
     def gather_blocks(self, layer: int, block_ids: mx.array) -> tuple[mx.array, mx.array]:
-        """Pages of `block_ids` `[B, n]` laid end to end: k, v `[B, kv_heads, n * block_size, head_dim]`."""
-        batch, n = block_ids.shape
-        heads, size, dim = self.num_kv_heads, self.block_size, self.head_dim
-        j = self._pool[layer]
+        """Pages of `block_ids` `[B, n]` laid end to end: k `[B, kv_heads, n * block_size, k_dim]` and v
+        likewise with `v_dim` (the very same array for a K-is-V layer)."""
+        geo, j = self.geometries[layer], self._pool[layer]
+        k = self._take_pages(self.keys[j], block_ids, geo.kv_heads, geo.k_dim)
+        return (k, k) if geo.k_is_v else (k, self._take_pages(self.values[j], block_ids, geo.kv_heads, geo.v_dim))
+
+    def _take_pages(self, pool: mx.array, block_ids: mx.array, heads: int, dim: int) -> mx.array:
         # One take of whole (block, head) pages lands as [B, heads, n, size * dim]: no transpose copy.
         # The reshaped pool is a view, alive only until the take is evaluated.
-        rows = block_ids[:, None, :] * heads + self._heads[None, :, None]
-        shape = (batch, heads, n * size, dim)
-        k = mx.take(self.keys[j].reshape(-1, size * dim), rows, axis=0).reshape(shape)
-        v = mx.take(self.values[j].reshape(-1, size * dim), rows, axis=0).reshape(shape)
-        return k, v
+        batch, n = block_ids.shape
+        size = self.block_size
+        rows = block_ids[:, None, :] * heads + self._heads[heads][None, :, None]
+        return mx.take(pool.reshape(-1, size * dim), rows, axis=0).reshape(batch, heads, n * size, dim)
 
     def gather(self, layer: int, block_table: Sequence[int], length: int) -> tuple[mx.array, mx.array]:
-        """First `length` tokens of a linear block table: k, v `[kv_heads, length, head_dim]`."""
+        """First `length` tokens of a linear block table: k, v `[kv_heads, length, dim]`."""
         need = -(-length // self.block_size)
         if length < 1 or need > len(block_table):
             raise ValueError(f"{length} tokens need {need} blocks, the table has {len(block_table)}")
@@ -171,11 +218,12 @@ class PagedKVCache:
         if len(set(dst)) != len(dst) or set(src) & set(dst):
             raise ValueError(f"copy_blocks targets must be distinct and not sources: {list(pairs)}")
         src_ids, dst_ids = mx.array(src, dtype=mx.int32), mx.array(dst, dtype=mx.int32)
-        rows = [mx.take(p, src_ids, axis=0) for p in self.keys + self.values]
+        pools = self.pools
+        rows = [mx.take(p, src_ids, axis=0) for p in pools]
         # Materialize the copies first: a pending take would pin the pools and the
         # writes below would copy whole pools instead of updating them in place.
         mx.eval(rows)
-        for pool, r in zip(self.keys + self.values, rows):
+        for pool, r in zip(pools, rows):
             pool[dst_ids] = r
 
     def _slot_array(self, slot_mapping: Sequence[int] | mx.array) -> mx.array:

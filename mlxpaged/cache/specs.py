@@ -143,6 +143,57 @@ def block_bytes(
     return 2 * group_size * num_kv_heads * block_size * head_dim * dtype_bytes
 
 
+# ---- geometry classes: what one layer (cache leaf) stores per token -------------------------------
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """Per token, K is `kv_heads x k_dim` and V `kv_heads x v_dim`; `k_is_v`: the model writes one
+    array as both (`update_and_fetch(k, k)`), so one pool holds it and `v_dim` equals `k_dim`."""
+
+    kv_heads: int
+    k_dim: int
+    v_dim: int
+    k_is_v: bool = False
+
+    def __post_init__(self) -> None:
+        _check_positive(kv_heads=self.kv_heads, k_dim=self.k_dim, v_dim=self.v_dim)
+        if self.k_is_v and self.v_dim != self.k_dim:
+            raise ConfigError(f"a K-is-V geometry needs v_dim == k_dim, got {self.k_dim} and {self.v_dim}")
+
+    def describe(self) -> str:
+        """e.g. "K 1x512 = V" (latent, K is V), "K 16x192, V 16x128"."""
+        return f"K {self.kv_heads}x{self.k_dim}" + (" = V" if self.k_is_v else f", V {self.kv_heads}x{self.v_dim}")
+
+    def page_elements(self, block_size: int) -> int:
+        """Elements of one page (one block of one layer): K and, unless K is V, V."""
+        return self.kv_heads * block_size * (self.k_dim if self.k_is_v else self.k_dim + self.v_dim)
+
+
+def assign_pools(groups: Sequence[LayerGroup], geometries: Sequence[KVGeometry]) -> tuple[list[int], list[KVGeometry]]:
+    """(pool index of each layer, geometry of each pool). A block id is held by one group's table at a
+    time, so the j-th layers of all groups share a pool when their geometry is the same (one geometry:
+    exactly G pools, pool j for the j-th layer of every group); another geometry at j gets its own pool."""
+    index: dict[tuple[int, KVGeometry], int] = {}
+    pool_of = [0] * len(geometries)
+    pools: list[KVGeometry] = []
+    for group in groups:
+        for j, layer in enumerate(group.layers):
+            key = (j, geometries[layer])
+            if key not in index:
+                index[key] = len(pools)
+                pools.append(geometries[layer])
+            pool_of[layer] = index[key]
+    return pool_of, pools
+
+
+def pool_block_bytes(layer_windows: Sequence[int | None], geometries: Sequence[KVGeometry], block_size: int,
+                     dtype_bytes: int) -> int:
+    """Bytes one block id stands for: one page in every pool (`assign_pools`), each of its own widths."""
+    _, pools = assign_pools(group_layers(layer_windows), geometries)
+    return sum(pool.page_elements(block_size) for pool in pools) * dtype_bytes
+
+
 # ---- what a table of each kind needs, shares and frees --------------------------------------------
 
 

@@ -44,8 +44,9 @@ class EngineCore:
                serial: bool = False, layout: ModelLayout | None = None, num_checkpoints: int = 0,
                **kwargs) -> "EngineCore":
         """A core over `kv`'s blocks: block pool, cache manager (one spec per layer group), scheduler, runner
-        (`serial`: one sequence per pass, Runner). A `layout` with state layers also gets max_num_seqs state
-        slots and `num_checkpoints` checkpoints (the memory plan's: pending ones included)."""
+        (`layout`: the model's cache layout, which the runner assembles its cache list from; `serial`: one
+        sequence per pass). A `layout` with state layers also gets max_num_seqs state slots and
+        `num_checkpoints` checkpoints (the memory plan's: pending ones included)."""
         specs = [group.spec(kv.block_size) for group in kv.groups]
         prefix_cache = cache_config.enable_prefix_cache and kv.supports_prefix_cache
         state = None
@@ -57,8 +58,7 @@ class EngineCore:
                                  prefix_filter=state.usable_blocks if state is not None else None)
         scheduler = Scheduler(manager, max_batch_tokens=scheduler_config.max_batch_tokens,
                               max_num_seqs=scheduler_config.max_num_seqs, max_model_len=max_model_len, state=state)
-        runner = Runner(model, kv, layout if state is not None else None, state.store if state is not None else None,
-                        serial=serial)
+        runner = Runner(model, kv, layout, state.store if state is not None else None, serial=serial)
         return cls(scheduler, runner, tokenizer, **kwargs)
 
     @property

@@ -27,7 +27,7 @@ import mlx.core as mx
 
 from mlxpaged.engine import engine_thread
 from mlxpaged.kernels.attention import attention_status, prepare_attention
-from mlxpaged.cache.paged_support import query_heads, serial_reason
+from mlxpaged.cache.paged_support import attention_geometries, serial_reason
 from mlxpaged.config import DEFAULT_CACHE_TOKENS, CacheConfig, SchedulerConfig, split_settings
 from mlxpaged.engine.core import EngineCore
 from mlxpaged.cache.kv_cache import PagedKVCache
@@ -41,11 +41,36 @@ from mlxpaged.loading.loader import (LoadedModel, activation_dtype, chat_prompt,
                                      locate_model)
 from mlxpaged.loading.probe import probe_layout
 from mlxpaged.loading.progress import Progress
+from mlxpaged.runner.batch_check import batch_mismatch
 from mlxpaged.runner.routing import route_paged_attention
 from mlxpaged.loading.generation_defaults import GenerationDefaults, load_defaults
 from mlxpaged.sampling_params import SamplingParams
 from mlxpaged.engine.scheduler import CACHE_CAPACITY, MODEL_CONTEXT, RequestTooLongError
 from mlxpaged.engine.shutdown import STEP_TIMEOUT_S
+
+
+def layout_serial_reason(layout, model, dtype: mx.Dtype, block_size: int) -> str | None:
+    """Why the model must run one sequence per pass (warned once), or None when ragged batches are exact."""
+    reason = serial_reason(layout)  # what the layout shows: a failing batched forward, a model-built mask
+    try:
+        # State models never share a prefill pass (runner.state_model_passes), so the check's ragged
+        # prefill pass is not theirs; their batched decode is compared with mlx-lm in the tests.
+        if reason is None and not layout.state_leaves:
+            reason = batch_mismatch(model, layout, dtype, block_size)
+    except Exception as exc:  # a ragged batch the probe's batched forward did not catch failing
+        reason = f"{type(exc).__name__}: {str(exc)[:200]}"
+    if reason is not None:
+        warnings.warn(f"model type {layout.model_type!r} is not exact in a batch of sequences ({reason}): it runs "
+                      "one sequence per pass (correct, slower)", RuntimeWarning, stacklevel=3)
+    return reason
+
+
+def _evaluate_model_arrays(model) -> None:
+    """Evaluate what the lazy forwards on this thread left lazy in the model: gemma3n reassigns its altup
+    weights (`weight = mx.clip(weight, ...)`) in every forward and keeps `_std_multiplier` outside its
+    parameters. First evaluated on the engine thread they fail ("no Stream(cpu, 0) in current thread")."""
+    mx.eval(model.parameters(), [value for module in model.modules() for key, value in module.items()
+                                 if key.startswith("_") and isinstance(value, mx.array)])
 
 
 class Engine:
@@ -56,7 +81,6 @@ class Engine:
         self.scheduler_config = scheduler_config or SchedulerConfig()
         self.layout = probe_layout(loaded.model)  # what its own caches hold: refused here, never mid-request
         check_paged_support(self.layout)
-        self.serial_reason = serial_reason(self.layout)  # None: ragged batches are exact for this model
         route_paged_attention()
         kv_dtype = activation_dtype(loaded.model)  # K/V have the activations' dtype
         self.facts = ModelFacts.from_layout(self.layout, model_weight_bytes(loaded.model), kv_dtype.size,
@@ -65,10 +89,11 @@ class Engine:
                                 weights_resident=True)
         self.kv = self._make_kv_cache(kv_dtype)
         # Before the first decode: a Metal kernel variant that fails its self-check is replaced by the reference.
-        if self.layout.kv_leaves:  # a model of state layers only attends nothing
-            prepare_attention(kv_dtype, self.facts.kv.head_dim, self.cache_config.block_size,
-                              query_heads(self.layout), self.facts.kv.num_kv_heads)
+        for heads, kv_heads, k_dim, v_dim, sinks in attention_geometries(self.layout):
+            prepare_attention(kv_dtype, k_dim, self.cache_config.block_size, heads, kv_heads, v_dim, sinks)
         self.max_model_len = int(self.facts.context_length or self.plan.token_capacity)
+        # Not exact in a ragged batch (or cannot take one): one sequence per pass, decided here, not mid-request.
+        self.serial_reason = layout_serial_reason(self.layout, loaded.model, kv_dtype, self.cache_config.block_size)
         # SimpleQueue (C, reentrant): its put cannot deadlock when a Ctrl-C or a finalizer (engine_thread.py)
         # lands inside another put, as queue.Queue's Python-level lock can.
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -86,6 +111,7 @@ class Engine:
         self.scheduler, self.runner = self.core.scheduler, self.core.runner
         self.kv_manager = self.scheduler.kv_manager
         self.pool = self.kv_manager.pool  # the block pool: stats, block states, prefix-cache reset
+        _evaluate_model_arrays(loaded.model)  # after every forward on this thread (probe, split_head)
         self._thread = engine_thread.start(self, commands)
 
     @classmethod
@@ -134,10 +160,14 @@ class Engine:
 
     # --- setup ---------------------------------------------------------------------------------
     def _make_kv_cache(self, dtype: mx.Dtype) -> PagedKVCache:
-        kv = self.facts.kv
-        return PagedKVCache(num_layers=kv.num_layers, num_blocks=self.plan.num_blocks,
-                            block_size=self.cache_config.block_size, num_kv_heads=kv.num_kv_heads,
-                            head_dim=kv.head_dim, dtype=dtype, layer_windows=kv.layer_windows)
+        """Pools for the layout's KV leaves, in layout order (the runner's views follow it)."""
+        if not self.layout.kv_leaves:  # state layers only: the 1 x 1 stand-in page that numbers tokens (model_facts)
+            kv = self.facts.kv
+            return PagedKVCache(num_layers=kv.num_layers, num_blocks=self.plan.num_blocks,
+                                block_size=self.cache_config.block_size, num_kv_heads=kv.num_kv_heads,
+                                head_dim=kv.head_dim, dtype=dtype, layer_windows=kv.layer_windows)
+        return PagedKVCache.for_leaves(self.layout.kv_leaves, self.plan.num_blocks, self.cache_config.block_size,
+                                       dtype)
 
     # --- public API ----------------------------------------------------------------------------
     def submit(self, prompt: str | Sequence[int], params: SamplingParams | None,
@@ -228,6 +258,8 @@ class Engine:
             "requests_running": self.scheduler.num_running, "requests_waiting": self.scheduler.num_waiting,
             **self._stats.snapshot(), "memory_plan": self.plan, **self._memory_stats(),
             "attention": attention_status(),  # {"path", "reason", "variants"}: see mlxpaged.kernels.attention
+            "serial": self.serial_reason,  # why one sequence runs per pass (None: batched)
+            "kv_memory_by_class": {g.describe(): size for g, size in self.kv.bytes_by_class().items()},
         }
 
     def _memory_stats(self) -> dict:

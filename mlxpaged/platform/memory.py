@@ -18,7 +18,9 @@ How the plan is sized (all in bytes):
                    because the pool is touched up front and a host with no swap OOM-kills).
 
 A block id stands for one page per layer of a layer group (specs.py): every layer for a
-full-attention model, a group of them when sliding-window and full attention mix. A sequence
+full-attention model, a group of them when sliding-window and full attention mix. Pages are
+counted in each layer's real K and V widths (latent MLA, V narrower than K, per-layer heads; a
+layer reusing another's K/V has none), one page in every pool (kv_cache.py `assign_pools`). A sequence
 of T tokens holds ceil(T / block_size) blocks per full-attention group and at most
 ceil(window / block_size) + 1 (its ring) per window group, as the block pool allocates them.
 
@@ -43,7 +45,7 @@ from mlxpaged.config import CacheConfig, SchedulerConfig
 from mlxpaged.errors import InsufficientMemoryError  # noqa: F401  (re-exported)
 from mlxpaged.units import format_size, size_at_least
 from mlxpaged.validation import require_int
-from mlxpaged.cache.specs import block_bytes, group_layers, sequence_capacity, table_lengths
+from mlxpaged.cache.specs import group_layers, sequence_capacity, table_lengths
 from mlxpaged.platform.model_facts import KVShape, ModelFacts, model_weight_bytes  # noqa: F401  (re-exported)
 
 OS_RESERVE_FLOOR = 2**30
@@ -261,7 +263,7 @@ def plan_memory(device: DeviceFacts, model: ModelFacts, cache: CacheConfig, sche
     budget, budget_reason = _kv_budget(left, device.backend, cache)
     kv = model.kv
     caps = [g.max_blocks(cache.block_size) for g in group_layers(kv.layer_windows)]  # as the pool takes them
-    block = block_bytes(kv.layer_windows, cache.block_size, kv.num_kv_heads, kv.head_dim, kv.dtype_bytes)
+    block = kv.block_bytes(cache.block_size)  # every pool's page in its own K/V widths
     memory_blocks = budget // block
     longest = _longest_sequence(model, cache, scheduler)
     need_blocks = sum(table_lengths(longest, cache.block_size, caps))

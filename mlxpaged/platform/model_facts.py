@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mlxpaged.cache.layout import ModelLayout
-from mlxpaged.cache.specs import Chunked
+from mlxpaged.cache.specs import Chunked, KVGeometry, pool_block_bytes
 
 from mlxpaged.validation import require_int
 
@@ -27,10 +27,17 @@ class KVShape:
     head_dim: int
     dtype_bytes: int
     sliding_windows: tuple[int | Chunked | None, ...] | None = None
+    # One KVGeometry per layer (KV leaf) when they differ from `num_kv_heads x head_dim` for K and V
+    # (latent MLA, V narrower than K, per-layer heads, K-is-V); None: every layer is that.
+    geometries: tuple[KVGeometry, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "dtype_bytes"):
             require_int(name, getattr(self, name), low=1)
+        if self.geometries is not None:
+            object.__setattr__(self, "geometries", tuple(self.geometries))
+            if len(self.geometries) != self.num_layers:
+                raise ValueError(f"geometries has {len(self.geometries)} entries for {self.num_layers} layers")
         if self.sliding_windows is None:
             return
         windows = tuple(self.sliding_windows)
@@ -42,22 +49,31 @@ class KVShape:
                 require_int("a sliding window", window, low=1)
 
     @property
+    def layer_geometries(self) -> tuple[KVGeometry, ...]:
+        return self.geometries or (KVGeometry(self.num_kv_heads, self.head_dim, self.head_dim),) * self.num_layers
+
+    @property
     def layer_bytes_per_token(self) -> int:
-        return 2 * self.num_kv_heads * self.head_dim * self.dtype_bytes  # K and V
+        """K and V of one token in one layer (the first layer's, when they differ)."""
+        return self.layer_geometries[0].page_elements(1) * self.dtype_bytes
 
     @property
     def bytes_per_token(self) -> int:
-        """2 (K and V) x layers x kv_heads x head_dim x dtype bytes."""
-        return self.num_layers * self.layer_bytes_per_token
+        """Every layer's K and V of one token, in its own widths (a K-is-V layer once)."""
+        return sum(g.page_elements(1) for g in self.layer_geometries) * self.dtype_bytes
 
     @property
     def layer_windows(self) -> tuple[int | Chunked | None, ...]:
         return self.sliding_windows or (None,) * self.num_layers
 
+    def block_bytes(self, block_size: int) -> int:
+        """Bytes of one block id: a page in every pool (kv_cache.py), each in its own widths."""
+        return pool_block_bytes(self.layer_windows, self.layer_geometries, block_size, self.dtype_bytes)
+
     @classmethod
     def from_layout(cls, layout: ModelLayout, dtype_bytes: int) -> KVShape:
-        """One entry per KV leaf of a layout the pools can hold (one geometry, K and V of one width);
-        raises ValueError naming the first leaf that does not fit."""
+        """One entry per KV leaf (a layer reusing another's K/V has none: counted once); raises
+        ValueError naming the first leaf of a kind the pools cannot hold."""
         leaves = layout.kv_leaves
         if not leaves and layout.state_leaves:
             # Only state layers: blocks still number each sequence's tokens (prefix hashes, capacity,
@@ -65,15 +81,15 @@ class KVShape:
             return cls(1, 1, 1, dtype_bytes)
         if not leaves:
             raise ValueError(f"model type {layout.model_type!r} keeps no key/value cache")
-        first = leaves[0]
         for leaf in leaves:
-            if (leaf.kv_heads, leaf.k_dim, leaf.v_dim) != (first.kv_heads, first.k_dim, first.k_dim) \
-                    or leaf.kind not in ("full", "window", "chunked"):
-                raise ValueError(f"{layout.where(leaf.path)} ({leaf.describe()}) does not fit pools of "
-                                 f"{first.kv_heads} heads x {first.k_dim} for K and V")
+            if leaf.kind not in ("full", "window", "chunked"):
+                raise ValueError(f"{layout.where(leaf.path)} ({leaf.describe()}) has no paged pools")
+        first = leaves[0]
+        geometries = tuple(KVGeometry(leaf.kv_heads, leaf.k_dim, leaf.v_dim, leaf.k_is_v) for leaf in leaves)
+        uniform = set(geometries) == {KVGeometry(first.kv_heads, first.k_dim, first.k_dim)}
         windows = tuple(Chunked(leaf.span) if leaf.kind == "chunked" else leaf.span for leaf in leaves)
         return cls(len(leaves), first.kv_heads, first.k_dim, dtype_bytes,
-                   windows if any(w is not None for w in windows) else None)
+                   windows if any(w is not None for w in windows) else None, None if uniform else geometries)
 
 
 @dataclass(frozen=True)

@@ -23,11 +23,10 @@ from typing import Callable, Protocol, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_lm.models.cache import CacheList
-
 from mlxpaged.cache.cache_view import paged_views
-from mlxpaged.cache.layout import CacheListNode, ModelLayout
+from mlxpaged.cache.layout import ModelLayout
 from mlxpaged.cache.state_cache import StatePass, StateStore
+from mlxpaged.runner import cache_tree
 from mlxpaged.runner.decode_pass import CompiledDecode
 from mlxpaged.cache.kv_cache import PagedKVCache
 from mlxpaged.runner.routing import is_routed
@@ -104,21 +103,6 @@ def state_model_passes(inputs: Sequence[StepInput]) -> list[list[int]]:
     return ([decode] if decode else []) + alone
 
 
-def assemble_caches(structure: tuple, kv_views: Sequence, state_views: dict) -> list:
-    """The model's cache list: its layout's structure with each KV leaf's paged view (in KV-leaf
-    order, as the pools number them) and each state leaf's StateView (by path)."""
-    kv_iter = iter(kv_views)
-
-    def build(entry):
-        if isinstance(entry, CacheListNode):
-            return CacheList(*(build(e) for e in entry.entries))
-        if entry is None:
-            return None
-        return state_views[entry] if entry in state_views else next(kv_iter)
-
-    return [build(entry) for entry in structure]
-
-
 # Decode passes of up to this many sequences run compiled (decode_pass.py). Each batch size is a
 # graph of its own per page bucket, traced on first use (40-150 ms): worth it at batch 1 (the
 # chat case), not where batches change size every few steps. Measured per step on SmolLM2-135M,
@@ -175,22 +159,24 @@ class Lookahead:
 
 
 class Runner:
-    """`layout` and `state` for models with state layers (ArraysCache): their cache list is assembled
-    from paged KV views and state views, and prefill passes run one sequence at a time. `serial`: run
-    every pass with one sequence (a model building masks from one sequence's positions,
-    paged_support.serial_reason); a batch becomes consecutive passes."""
+    """`layout`: the model's cache layout (loading/probe.py); None: one KV view per layer, in order.
+    `state`: the state slots of a model with state layers (ArraysCache): prefill passes then run one
+    sequence at a time. `serial`: one sequence per pass, for models that are not exact in a ragged batch
+    (paged_support.serial_reason, batch_check.py)."""
 
     def __init__(self, model: nn.Module, kv_cache: PagedKVCache, layout: ModelLayout | None = None,
                  state: StateStore | None = None, serial: bool = False):
         self.model = model
         self.kv = kv_cache
-        self.serial = serial
         self.layout, self.state = layout, state
+        self.serial = serial
         if (state is None) != (layout is None or not layout.state_leaves):
             raise ValueError("a model with state layers needs a state store, and only such a model")
         self._built_state: StatePass | None = None  # of the last pass built without launching
         self.head = split_head(model)
-        compiled = state is None and is_routed(model) and CompiledDecode.supports(kv_cache)
+        # The compiled pass reads the pools only: every leaf must be attended by the routed SDPA alone.
+        plain = layout is None or (cache_tree.simple(layout) and all(leaf.routed for leaf in layout.kv_leaves))
+        compiled = state is None and plain and is_routed(model) and CompiledDecode.supports(kv_cache)
         self.decoder = CompiledDecode(model, kv_cache, self.head) if compiled else None
         self._ahead: Lookahead | None = None  # the next step's decode pass, already queued
 
@@ -217,7 +203,7 @@ class Runner:
         """Do a fork's copy-on-write copies (CopyOnWrite) and land them before the next pass writes."""
         if copies:
             self.kv.copy_blocks([(c.src_block, c.dst_block) for c in copies])
-            mx.eval(self.kv.keys, self.kv.values)
+            mx.eval(self.kv.pools)
 
     def _compute(self, chunks: list, sampling: SamplingRows, planner: NextStepPlanner) -> list[SampleResult]:
         """Run the step's passes and sample; pipeline the next decode pass when it is predictable."""
@@ -252,10 +238,8 @@ class Runner:
         step is predictable: nothing waits, and each row continues with one token. A guess that
         turns out wrong costs one pass; its page writes land in the rows' reserved next slots,
         which the real step then writes again."""
-        if not planner.predictable():
-            return None
-        if self.serial and self.state is not None and len(chunks) > 1:
-            return None  # a pass built ahead keeps one StatePass; serial passes would make several
+        if not planner.predictable() or (self.serial and len(chunks) > 1):
+            return None  # a serial model's rows each need a pass of their own
         if self.compiles(len(chunks)):
             # A compiled pass is cheap to build, and building it during the last one's tail
             # slowed that tail (2 cores): batch-1 decode, synchronous 19.6 / 20.3 / 19.1 tok/s,
@@ -280,10 +264,12 @@ class Runner:
     def step(self, inputs: Sequence[StepInput]) -> mx.array | None:
         """Queue the step; return float32 logits [S, V] of the inputs that sample, in order.
         The passes run in the background (mx.async_eval): reading the logits waits for them."""
-        if self.state is not None:
+        decode = [i for i, x in enumerate(inputs) if len(x.token_ids) == 1]
+        if self.serial:
+            passes = [[i] for i in range(len(inputs))]
+        elif self.state is not None:
             passes = state_model_passes(inputs)
         else:
-            decode = [i for i, x in enumerate(inputs) if len(x.token_ids) == 1]
             passes = ([decode] if decode else []) + prefill_passes(inputs)
         results = [self._pass([inputs[i] for i in rows]) for rows in passes]
         wanted = [i for i, x in enumerate(inputs) if x.samples]
@@ -313,7 +299,7 @@ class Runner:
         ahead is launched only after the pass before it has been read (measured on compiled
         passes: launching one while the pass before ran copied pools, 55 -> 115-175 ms per step
         with 6 GB of pools)."""
-        mx.async_eval(*arrays, self.kv.keys, self.kv.values)
+        mx.async_eval(*arrays, self.kv.pools)
 
     def _pass(self, batch: list[StepInput], tokens: mx.array | None = None, launch: bool = True) -> mx.array:
         """Build one forward pass and its cache writes, and launch it unless told not to; returns
@@ -343,10 +329,12 @@ class Runner:
         [B, V] and the pass's state, not stored yet."""
         num_new = [len(x.token_ids) for x in batch]
         views = paged_views(self.kv, [x.block_tables for x in batch], [x.start for x in batch], num_new)
+        if self.layout is not None and not self.layout.kv_leaves:
+            views = []  # state layers only: the stand-in pool numbers tokens (model_facts), nothing attends it
         state = None
         if self.state is not None:
             state = StatePass(self.state, [x.state_slot for x in batch], num_new)
-            views = assemble_caches(self.layout.structure, views, state.views)
+        views = cache_tree.model_cache(self.layout, views, state.views if state is not None else None)
         last = mx.array([n - 1 for n in num_new])
         if self.head is not None:
             hidden = self.model.model(tokens, cache=views)

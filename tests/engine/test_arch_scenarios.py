@@ -26,7 +26,7 @@ def test_a_healthy_model_passes_every_scenario_with_a_prefix_hit_and_a_preemptio
 
 def test_batched_failures_are_named_per_scenario(monkeypatch):
     # llama4 batched (no serial passes): every scenario that shares a pass must fail, alone must not.
-    monkeypatch.setattr(engine_module, "serial_reason", lambda layout: None)
+    monkeypatch.setattr(engine_module, "layout_serial_reason", lambda *args: None)
     verdict = run_architecture("llama4")
     scenarios = verdict["scenarios"]
     assert verdict["status"] == "fail" and scenarios["alone"] == "pass" and scenarios["prefix"] == "pass"
