@@ -44,7 +44,7 @@ def summary(verdicts: dict[str, dict]) -> list[str]:
                            if why == "pass")
     return [f"{counts['paged']} of the {runnable} architectures mlx-lm runs here ({rate:.0%}; the goal is "
             f"{ACCEPTANCE:.0%}) are served paged with every scenario token for token equal to mlx-lm's greedy "
-            f"output; {counts['refused']} are refused when the engine is built, naming the layer and why"
+            f"output; {counts['refused']} {'is' if counts['refused'] == 1 else 'are'} refused when the engine is built, naming the layer and why"
             + _others(counts) + f"; {counts['upstream-broken']} crashes in plain mlx-lm; {counts['cannot-run']} "
             "cannot run in mlx-lm itself here.",
             "",
@@ -107,6 +107,8 @@ def _attention(v: dict) -> str:
         return "none (state only)"
     if not v.get("routed"):
         return "model's own, over gathered K/V"
+    if not v.get("all_routed"):  # latent or shared K/V, model-built masks: routing.py keeps those calls gathered
+        return "paged decode where the call allows it, gathered K/V for the rest"
     kinds = {kind.split()[0] for kind in v.get("kinds", [])} & {"window", "chunked"}
     return f"paged decode (full layers), gathered ({' and '.join(sorted(kinds))} layers)" if kinds else "paged decode"
 

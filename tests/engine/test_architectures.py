@@ -64,8 +64,6 @@ def test_no_architecture_fails_after_load(verdicts):
     assert not later, f"{len(later)} architectures fail after load: {later}"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 14 acceptance, not met until the K != V pools, state slots and "
-                   "CacheList work merges: remove this mark when it passes (strict: an XPASS fails)")
 def test_sweep_covers_the_acceptance_share(verdicts):
     """At least 95% of the architectures mlx-lm runs here pass; the rest are listed with their reason."""
     runnable = {m: v for m, v in verdicts.items() if m not in MLX_LM_CANNOT_RUN and m not in UPSTREAM_BROKEN}
