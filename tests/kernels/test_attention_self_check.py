@@ -65,7 +65,9 @@ def test_a_correct_kernel_is_kept_and_decodes_through_it(model, tokenizer):
     assert status["path"] == "kernel" and "self-check passed" in status["reason"]
     assert [(c.variant.describe(), c.ok) for c in status["variants"]] == [
         ("float32 D=32 BS=8 G=2 one-pass", True), ("float32 D=32 BS=8 G=2 two-pass", True)]
-    assert checked == 3  # one launch for one pass, two (partials + merge) for two passes
+    # The self-check: one launch for one pass, two (partials + merge) for two passes; then the load-time
+    # batch check's decode step (runner/batch_check.py): both rows together, then each alone, 3 layers each.
+    assert checked == 3 + 3 * 3
     assert launcher.calls - checked == 3 * (steps - 1)  # every layer of every decode step ran the kernel
     assert got.token_ids == reference_tokens(model, prompt, steps)
 
