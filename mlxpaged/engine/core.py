@@ -23,6 +23,8 @@ from mlxpaged.engine.request import Request
 from mlxpaged.runner.model_runner import Runner, SamplingRows
 from mlxpaged.sampling_params import SamplingParams
 from mlxpaged.engine.scheduler import Scheduler
+from mlxpaged.engine.speculation import Speculator
+from mlxpaged.errors import ConfigError
 
 
 class EngineCore:
@@ -30,11 +32,14 @@ class EngineCore:
     so the next step is not predictable and nothing is pipelined)."""
 
     def __init__(self, scheduler: Scheduler, runner: Runner, tokenizer, stats: StatsCounter | None = None,
-                 has_commands: Callable[[], bool] = lambda: False):
+                 has_commands: Callable[[], bool] = lambda: False, num_speculative_tokens: int | None = None):
         self.scheduler, self.runner = scheduler, runner
         self.stats = stats or StatsCounter()
         self.outputs = OutputProcessor(scheduler, tokenizer, self.stats, fork=self._fork)
         self._has_commands = has_commands
+        # Prompt-lookup speculative decoding (speculation.py), when a draft length is given.
+        self.speculator = None if num_speculative_tokens is None else \
+            Speculator(scheduler, num_speculative_tokens, self._can_draft)
 
     @classmethod
     def create(cls, model, tokenizer, kv: PagedKVCache, cache_config: CacheConfig,
@@ -46,6 +51,13 @@ class EngineCore:
         manager = KVCacheManager(BlockPool(kv.num_blocks), specs, extra_key=extra_key, enable_prefix_cache=prefix_cache)
         scheduler = Scheduler(manager, max_batch_tokens=scheduler_config.max_batch_tokens,
                               max_num_seqs=scheduler_config.max_num_seqs, max_model_len=max_model_len)
+        if scheduler_config.speculative is not None:
+            windows = [group.window for group in kv.groups if group.window is not None]
+            if windows:  # a ring reuses its slots: rejected drafts would overwrite KV still in the window
+                raise ConfigError(f"{{speculative:{scheduler_config.speculative!r}}} needs full attention in every "
+                                  f"layer; this model has sliding windows of {sorted(set(windows))} tokens",
+                                  param="speculative")
+            kwargs["num_speculative_tokens"] = scheduler_config.num_speculative_tokens
         return cls(scheduler, Runner(model, kv), tokenizer, **kwargs)
 
     @property
@@ -71,11 +83,16 @@ class EngineCore:
         if not out.chunks:
             self.runner.drop_look_ahead()
             return
+        if self.speculator is not None:
+            self.speculator.extend(out)  # decode chunks get their drafts appended
         rows = self.outputs.sampling_rows(out)
         results = self.runner.execute(out.chunks, _sampler_rows(rows), planner=self)  # 2. execute
         sampled, failed = split_results(rows, results)
-        self.scheduler.update_from_output(out, sampled, failed)  # 3. update
+        accepted = {t.request.request_id: [a.token for a in r.accepted] for (_, t), r in zip(rows, results) if r.accepted}
+        self.scheduler.update_from_output(out, sampled, failed, accepted)  # 3. update
         self.outputs.process(out, rows, results)  # 4. process outputs
+        if self.speculator is not None:
+            self.speculator.record(out, accepted)
 
     def fail_all(self, exc: BaseException) -> None:
         """A step raised: fail every request (not the engine), and forget the pipelined pass."""
@@ -85,7 +102,16 @@ class EngineCore:
     # ---- the runner's NextStepPlanner: what it may pipeline ----------------------------------
 
     def predictable(self) -> bool:
-        return not (self.scheduler.num_waiting or self.outputs.pending_aborts or self._has_commands())
+        """Also False when a sequence may draft next step: its chunk will not be one token."""
+        return not (self.scheduler.num_waiting or self.outputs.pending_aborts or self._has_commands()
+                    or (self.speculator is not None and self.speculator.may_draft(self.scheduler.running)))
+
+    def _can_draft(self, request: Request) -> bool:
+        """Sequences whose sampler reads the history (penalties, processors, grammars) never draft."""
+        try:
+            return not self.outputs[request.request_id].sampler.has_processors
+        except KeyError:
+            return False
 
     def reserve_next_slot(self, request: Request) -> list[list[int]] | None:
         return self.scheduler.reserve_next_slot(request)

@@ -28,6 +28,7 @@ from mlxpaged.runner.decode_pass import CompiledDecode
 from mlxpaged.cache.kv_cache import PagedKVCache
 from mlxpaged.runner.routing import is_routed
 from mlxpaged.runner.sampling import LazySample, SampleResult, SamplerState, sample_batch
+from mlxpaged.runner.speculative import sample_with_drafts
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class StepInput:
     start: int
     block_tables: Sequence[list[int]]
     samples: bool
+    num_logits: int = 1  # logits of this many last positions (a chunk with speculative drafts: all)
 
 
 def split_head(model: nn.Module) -> Callable[[mx.array], mx.array] | None:
@@ -95,6 +97,19 @@ def prefill_passes(inputs: Sequence[StepInput]) -> list[list[int]]:
 # chat case), not where batches change size every few steps. Measured per step on SmolLM2-135M,
 # compiled vs eager: B=4 74 vs 83 ms, B=16 120 vs 125 ms (B=1: 48 ms vs mlx-lm's own 51 ms).
 COMPILED_DECODE_MAX_BATCH = 1
+
+
+def _logit_positions(batch: Sequence[StepInput]) -> tuple[mx.array, mx.array]:
+    """(row, column) index arrays of the positions whose logits a pass returns: each input's last
+    `num_logits` positions, in order."""
+    for x in batch:
+        if not 1 <= x.num_logits <= len(x.token_ids):
+            raise ValueError(f"num_logits {x.num_logits} outside 1..{len(x.token_ids)} (the input's tokens)")
+    if all(x.num_logits == 1 for x in batch):
+        return mx.arange(len(batch)), mx.array([len(x.token_ids) - 1 for x in batch])
+    rows = [b for b, x in enumerate(batch) for _ in range(x.num_logits)]
+    columns = [len(x.token_ids) - x.num_logits + j for x in batch for j in range(x.num_logits)]
+    return mx.array(rows), mx.array(columns)
 
 
 def _rows(values: mx.array, rows: list[int]) -> mx.array:
@@ -178,9 +193,13 @@ class Runner:
 
     def _compute(self, chunks: list, sampling: SamplingRows, planner: NextStepPlanner) -> list[SampleResult]:
         """Run the step's passes and sample; pipeline the next decode pass when it is predictable."""
-        logits = self.step([StepInput(c.token_ids, c.start, c.block_tables, c.samples) for c in chunks])
+        drafts = [c.drafts for c in chunks if c.samples]
+        logits = self.step([StepInput(c.token_ids, c.start, c.block_tables, c.samples,
+                                      len(c.drafts) + 1 if c.samples else 1) for c in chunks])
         if not sampling.rows:
             return []
+        if any(drafts):  # verified as a whole; the next step depends on how many are kept: no look-ahead
+            return sample_with_drafts(logits, drafts, sampling.rows)
         if sampling.has_forks:
             logits = logits[mx.array([i for i, _ in sampling.rows])]
         states = [state for _, state in sampling.rows]
@@ -231,8 +250,9 @@ class Runner:
                          LazySample(logits, [states[i] for i in picked], ahead=1, launch=False))
 
     def step(self, inputs: Sequence[StepInput]) -> mx.array | None:
-        """Queue the step; return float32 logits [S, V] of the inputs that sample, in order.
-        The passes run in the background (mx.async_eval): reading the logits waits for them."""
+        """Queue the step; return float32 logits [S, V] of the inputs that sample, in order (an input's
+        `num_logits` rows each). The passes run in the background (mx.async_eval): reading the logits
+        waits for them."""
         decode = [i for i, x in enumerate(inputs) if len(x.token_ids) == 1]
         passes = ([decode] if decode else []) + prefill_passes(inputs)
         results = [self._pass([inputs[i] for i in rows]) for rows in passes]
@@ -242,8 +262,14 @@ class Runner:
         if len(passes) == 1 and passes[0] == wanted:  # the common all-decode step: no regathering
             logits = results[0]
         else:
-            where = {i: (p, r) for p, rows in enumerate(passes) for r, i in enumerate(rows)}
-            logits = mx.stack([results[where[i][0]][where[i][1]] for i in wanted])
+            where = {}  # input -> (its pass, its first logits row there)
+            for p, rows in enumerate(passes):
+                firsts = [0]
+                for i in rows:
+                    firsts.append(firsts[-1] + inputs[i].num_logits)
+                where.update({i: (p, r) for i, r in zip(rows, firsts)})
+            logits = mx.concatenate([results[where[i][0]][where[i][1]:where[i][1] + inputs[i].num_logits]
+                                     for i in wanted])
         return logits.astype(mx.float32)
 
     def compiles(self, batch: int) -> bool:
@@ -267,7 +293,8 @@ class Runner:
 
     def _pass(self, batch: list[StepInput], tokens: mx.array | None = None, launch: bool = True) -> mx.array:
         """Build one forward pass and its cache writes, and launch it unless told not to; returns
-        each row's last-position logits [B, V]. Passes run in order on one stream."""
+        the logits of each row's last `num_logits` positions, rows in order ([B, V] when each wants
+        one). Passes run in order on one stream."""
         length = max(len(x.token_ids) for x in batch)
         if tokens is None:
             tokens = mx.array([list(x.token_ids) + [0] * (length - len(x.token_ids)) for x in batch],
@@ -277,12 +304,12 @@ class Runner:
         else:
             num_new = [len(x.token_ids) for x in batch]
             views = paged_views(self.kv, [x.block_tables for x in batch], [x.start for x in batch], num_new)
-            last = mx.array([n - 1 for n in num_new])
+            rows, columns = _logit_positions(batch)
             if self.head is not None:
                 hidden = self.model.model(tokens, cache=views)
-                logits = self.head(hidden[mx.arange(len(batch)), last])
+                logits = self.head(hidden[rows, columns])
             else:
-                logits = self.model(tokens, cache=views)[mx.arange(len(batch)), last]
+                logits = self.model(tokens, cache=views)[rows, columns]
         if launch:
             self.launch(logits)
         return logits
