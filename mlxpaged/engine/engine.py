@@ -29,6 +29,7 @@ from mlxpaged.engine.core import EngineCore
 from mlxpaged.cache.kv_cache import PagedKVCache
 from mlxpaged.errors import ConfigError, EngineClosedError, RequestFailedError  # noqa: F401  (re-exported)
 from mlxpaged.engine.metrics import StatsCounter
+from mlxpaged.engine.speculation import SpeculationStats
 from mlxpaged.outputs import Completion, StreamDelta, collect, drain  # noqa: F401  (re-exported)
 from mlxpaged.platform.memory import DeviceFacts, ModelFacts, model_weight_bytes, plan_memory
 from mlxpaged.platform.model_facts import context_length
@@ -218,7 +219,8 @@ class Engine:
             "blocks_used": pool.num_owned, "blocks_cached": pool.num_cached_free,
             "prefix_hit_rate": pool.hit_rate, "prefix_hit_tokens": pool.hit_tokens,
             "requests_running": self.scheduler.num_running, "requests_waiting": self.scheduler.num_waiting,
-            **self._stats.snapshot(), "memory_plan": self.plan,
+            **self._stats.snapshot(), "memory_plan": self.plan, "speculative": self.scheduler_config.speculative,
+            **(self.core.speculator.stats if self.core.speculator else SpeculationStats()).snapshot(),
             "attention": attention_status(),  # {"path", "reason", "variants"}: see mlxpaged.kernels.attention
         }
 
