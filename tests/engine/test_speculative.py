@@ -153,3 +153,43 @@ def test_rejected_drafts_give_their_blocks_back_every_step(model, tokenizer, mon
                 <= blocks(request.num_tokens + 1), request.request_id
     assert core.speculator.stats.accepted_tokens < core.speculator.stats.draft_tokens
     assert manager.stats().num_owned == 0
+
+
+@pytest.mark.slow
+def test_the_real_model_quoting_its_prompt_keeps_drafts_and_the_plain_tokens(default_loaded):
+    """SmolLM2 asked to repeat code, batched with a free-text request, greedy and with logprobs: the
+    n-gram drafter's drafts are kept, and every token and logprob is plain decoding's."""
+    from mlxpaged.config import CacheConfig, SchedulerConfig
+    from mlxpaged.engine.engine import Engine
+    from mlxpaged_app.bench.spec import TASKS
+    from tests.engine.test_engine import assert_pool_empty
+
+    prompts = [default_loaded.tokenizer.apply_chat_template([{"role": "user", "content": TASKS[task][1]}],
+                                                            add_generation_prompt=True)
+               for task in ("code edit", "free text")]
+    params = SamplingParams(temperature=0.0, max_tokens=40, logprobs=True)
+    results = {}
+    for speculative in (None, "ngram"):
+        with Engine(default_loaded, CacheConfig(cache_tokens=4096),
+                    SchedulerConfig(speculative=speculative)) as engine:
+            results[speculative] = (engine.generate(prompts, params), engine.stats())
+            assert_pool_empty(engine)
+    (plain, _), (spec, stats) = results[None], results["ngram"]
+    assert stats["spec_acceptance_rate"] > 0.3 and stats["speculative"] == "ngram"
+    for a, b in zip(plain, spec):
+        assert b.token_ids == a.token_ids and b.text == a.text
+        assert b.logprobs == pytest.approx(a.logprobs, abs=1e-3)
+
+
+def test_sliding_window_models_refuse_speculation_by_name(tokenizer):
+    from mlxpaged.cache.kv_cache import PagedKVCache
+    from mlxpaged.config import CacheConfig, SchedulerConfig
+    from mlxpaged.engine.core import EngineCore
+    from mlxpaged.errors import ConfigError
+
+    kv = PagedKVCache(num_layers=4, num_blocks=16, block_size=8, num_kv_heads=2, head_dim=16,
+                      layer_windows=[8, 8, None, 8])
+    with pytest.raises(ConfigError, match=r"sliding windows of \[8\] tokens") as info:
+        EngineCore.create(tiny_llama(), tokenizer, kv, CacheConfig(block_size=8, enable_prefix_cache=False),
+                          SchedulerConfig(speculative="ngram"), max_model_len=512)
+    assert info.value.param == "speculative"
