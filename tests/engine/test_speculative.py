@@ -193,3 +193,23 @@ def test_sliding_window_models_refuse_speculation_by_name(tokenizer):
         EngineCore.create(tiny_llama(), tokenizer, kv, CacheConfig(block_size=8, enable_prefix_cache=False),
                           SchedulerConfig(speculative="ngram"), max_model_len=512)
     assert info.value.param == "speculative"
+
+
+def test_a_prompt_arriving_mid_run_prefills_in_the_steps_that_verify_drafts(model, tokenizer, monkeypatch):
+    def staggered(**scheduling):
+        core = make_core(model, tokenizer, max_num_seqs=4, max_batch_tokens=24, **scheduling)
+        events = {rid: [] for rid in PROMPTS}
+        for rid in ("a", "c"):
+            core.add_request(rid, PROMPTS[rid], GREEDY, events[rid].append)
+        for _ in range(4):
+            core.step()
+        core.add_request("b", PROMPTS["b"], GREEDY, events["b"].append)  # 30 tokens: chunked beside the drafts
+        run_to_completion(core)
+        assert core.scheduler.kv_manager.stats().num_owned == 0
+        return {rid: token_ids(e) for rid, e in events.items()}, core
+
+    plain, _ = staggered()
+    oracle(monkeypatch, [PROMPTS[rid] + plain[rid] for rid in PROMPTS])
+    spec, core = staggered(speculative="ngram")
+    assert core.speculator.stats.accepted_tokens > 0
+    assert spec == plain
