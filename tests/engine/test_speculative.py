@@ -213,3 +213,17 @@ def test_a_prompt_arriving_mid_run_prefills_in_the_steps_that_verify_drafts(mode
     spec, core = staggered(speculative="ngram")
     assert core.speculator.stats.accepted_tokens > 0
     assert spec == plain
+
+
+def test_n_sequences_draft_each_their_own_and_keep_their_seeded_tokens(model, tokenizer, monkeypatch):
+    params = dataclasses.replace(SEEDED, n=2, max_tokens=24)
+    prompt = {"r": PROMPTS["b"]}
+
+    def replies(events) -> list[list[int]]:
+        return [[e.token_id for e in events if e.index == i and e.token_id is not None] for i in range(2)]
+
+    plain, _ = run(model, tokenizer, prompt, params)
+    oracle(monkeypatch, [PROMPTS["b"] + reply for reply in replies(plain["r"])])
+    spec, core = run(model, tokenizer, prompt, params, speculative="ngram")
+    assert core.speculator.stats.accepted_tokens > 0
+    assert replies(spec["r"]) == replies(plain["r"]) and replies(plain["r"])[0] != replies(plain["r"])[1]
