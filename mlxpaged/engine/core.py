@@ -88,7 +88,8 @@ class EngineCore:
         rows = self.outputs.sampling_rows(out)
         results = self.runner.execute(out.chunks, _sampler_rows(rows), planner=self)  # 2. execute
         sampled, failed = split_results(rows, results)
-        accepted = {t.request.request_id: [a.token for a in r.accepted] for (_, t), r in zip(rows, results) if r.accepted}
+        accepted = {t.request.request_id: [a.token for a in r.accepted]
+                    for (_, t), r in zip(rows, results) if r.accepted}
         self.scheduler.update_from_output(out, sampled, failed, accepted)  # 3. update
         self.outputs.process(out, rows, results)  # 4. process outputs
         if self.speculator is not None:
