@@ -255,9 +255,9 @@ class Runner:
         waits for them."""
         decode = [i for i, x in enumerate(inputs) if len(x.token_ids) == 1]
         # Chunks with drafts (a few tokens, each sampled) share one pass whatever their context length.
-        drafting = [i for i, x in enumerate(inputs) if 1 < x.num_logits]
+        drafting = {i for i, x in enumerate(inputs) if 1 < x.num_logits}
         prefill = [[i for i in rows if i not in drafting] for rows in prefill_passes(inputs)]
-        passes = [rows for rows in [decode, drafting, *prefill] if rows]
+        passes = [rows for rows in [decode, sorted(drafting), *prefill] if rows]
         results = [self._pass([inputs[i] for i in rows]) for rows in passes]
         wanted = [i for i, x in enumerate(inputs) if x.samples]
         if not wanted:
