@@ -14,11 +14,14 @@ twice as long each time (free text then decodes as without speculation).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from mlxpaged.cache.block_pool import NoFreeBlocksError
 from mlxpaged.engine.request import Request
 from mlxpaged.runner.ngram_drafter import NgramDrafter
+
+if TYPE_CHECKING:
+    from mlxpaged.engine.scheduler import Scheduler, SchedulerOutput
 
 MAX_PAUSE = 64  # steps a failing sequence waits before drafting again, at most
 
@@ -73,19 +76,19 @@ class Speculator:
     """`can_draft(request)`: False for sequences whose sampling reads the history (penalties,
     processors, grammars), which are verified one token at a time."""
 
-    def __init__(self, scheduler, num_tokens: int, can_draft: Callable[[Request], bool]):
-        self.scheduler, self.num_tokens, self._can_draft = scheduler, num_tokens, can_draft
+    def __init__(self, scheduler: Scheduler, max_draft_tokens: int, can_draft: Callable[[Request], bool]):
+        self.scheduler, self.max_draft_tokens, self._can_draft = scheduler, max_draft_tokens, can_draft
         self.stats = SpeculationStats()
         self._policies: dict[str, DraftPolicy] = {}
 
-    def extend(self, out) -> None:
+    def extend(self, out: SchedulerOutput) -> None:
         """Append drafts to this step's decode chunks, within the step's token budget and the pool."""
         budget = self.scheduler.max_batch_tokens - out.num_batch_tokens
         for chunk in out.chunks:
             request = chunk.request
             if budget <= 0 or len(chunk.token_ids) != 1 or not chunk.samples or not self._can_draft(request):
                 continue
-            policy = self._policies.setdefault(request.request_id, DraftPolicy(self.num_tokens))
+            policy = self._policies.setdefault(request.request_id, DraftPolicy(self.max_draft_tokens))
             room = request.max_tokens - len(request.output_token_ids) - 1  # the run ends with a sampled token
             k = min(policy.k, room, budget)
             if k <= 0 or not policy.wants_draft():
@@ -101,7 +104,7 @@ class Speculator:
             out.num_batch_tokens += len(drafts)
             budget -= len(drafts)
 
-    def record(self, out, accepted: dict[str, list[int]]) -> None:
+    def record(self, out: SchedulerOutput, accepted: dict[str, list[int]]) -> None:
         """Adapt each drafting sequence's k to how many of its drafts were kept; forget finished ones."""
         for chunk in out.chunks:
             policy = self._policies.get(chunk.request.request_id)
