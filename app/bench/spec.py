@@ -64,7 +64,9 @@ def bench_task(plain, spec, prompt: list[int], tokens: int, runs: int) -> dict:
             rates["plain"].append(rate_plain)
             rates["spec"].append(rate_spec)
     drafted, kept = stats.draft_tokens - before[0], stats.accepted_tokens - before[1]
-    return {"plain": statistics.median(rates["plain"]), "spec": statistics.median(rates["spec"]),
+    # Each decode step yields one token plus its kept drafts: the load-independent part of the speed-up.
+    steps = (length - 1, length - 1 - round(kept / (runs + 1)))
+    return {"steps": steps, "plain": statistics.median(rates["plain"]), "spec": statistics.median(rates["spec"]),
             "ratios": [s / p for s, p in zip(rates["spec"], rates["plain"])], "equal": equal, "tokens": length,
             "acceptance": kept / drafted if drafted else None, "drafted": drafted}
 
@@ -83,7 +85,7 @@ def bench_spec(args: Namespace) -> int:
           f"new tokens, {args.runs} alternating runs each (+1 warm-up), k <= "
           f"{spec.scheduler_config.num_speculative_tokens}")
     print(f"  {'task':<14} {'kind':<10} {'tokens':>6} {'plain tok/s':>11} {'ngram tok/s':>11} {'ratio':>6} "
-          f"{'accepted':>8}  outputs")
+          f"{'accepted':>8} {'decode steps':>12}  outputs")
     try:
         for name, (kind, message) in TASKS.items():
             prompt = chat_prompt(loaded.tokenizer, [{"role": "user", "content": message}])
@@ -91,7 +93,8 @@ def bench_spec(args: Namespace) -> int:
             accepted = f"{100 * r['acceptance']:.0f}%" if r["acceptance"] is not None else "-"
             # the median of back-to-back pairs: both runs of a pair share the machine's load
             print(f"  {name:<14} {kind:<10} {r['tokens']:>6} {r['plain']:>11.1f} {r['spec']:>11.1f} "
-                  f"{statistics.median(r['ratios']):>5.2f}x {accepted:>8}  {'equal' if r['equal'] else 'DIFFER'}"
+                  f"{statistics.median(r['ratios']):>5.2f}x {accepted:>8} {'%d -> %d' % r['steps']:>12}  "
+                  f"{'equal' if r['equal'] else 'DIFFER'}"
                   f"  (per-run ratios {', '.join(f'{x:.2f}' for x in r['ratios'])}; {r['drafted']} drafted)")
     finally:
         spec.close()
