@@ -34,8 +34,9 @@ TASKS = {  # name -> (kind, user message)
 }
 
 
-def time_decode(engine, prompt: list[int], tokens: int) -> tuple[list[int], float]:
-    """(generated token ids, decode tok/s after the first token), batch 1, greedy, stopping at EOS."""
+def time_decode(engine, prompt: list[int], tokens: int) -> tuple[list[int], float, float]:
+    """(generated token ids, decode tok/s after the first token by the wall clock, and by this process's
+    CPU time), batch 1, greedy, stopping at EOS. CPU time moves less with other processes' load."""
     from mlxpaged.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=tokens)
@@ -44,9 +45,10 @@ def time_decode(engine, prompt: list[int], tokens: int) -> tuple[list[int], floa
         if delta.token_id is not None:
             ids.append(delta.token_id)
         if first is None:
-            first = time.perf_counter()
-    elapsed = time.perf_counter() - first
-    return ids, (len(ids) - 1) / elapsed if len(ids) > 1 and elapsed > 0 else 0.0
+            first = (time.perf_counter(), time.process_time())
+    wall, cpu = time.perf_counter() - first[0], time.process_time() - first[1]
+    decoded = len(ids) - 1
+    return ids, decoded / wall if decoded > 0 < wall else 0.0, decoded / cpu if decoded > 0 < cpu else 0.0
 
 
 def bench_task(plain, spec, prompt: list[int], tokens: int, runs: int) -> dict:
@@ -54,19 +56,20 @@ def bench_task(plain, spec, prompt: list[int], tokens: int, runs: int) -> dict:
     outputs equal in every run, the speculative engine's acceptance rate over these runs."""
     stats = spec.core.speculator.stats
     before = (stats.draft_tokens, stats.accepted_tokens)
-    rates, equal, length = {"plain": [], "spec": []}, True, 0
+    rates, cpu_ratios, equal, length = {"plain": [], "spec": []}, [], True, 0
     for run in range(runs + 1):
-        ids_plain, rate_plain = time_decode(plain, prompt, tokens)
-        ids_spec, rate_spec = time_decode(spec, prompt, tokens)
+        ids_plain, rate_plain, cpu_plain = time_decode(plain, prompt, tokens)
+        ids_spec, rate_spec, cpu_spec = time_decode(spec, prompt, tokens)
         equal &= ids_plain == ids_spec
         length = len(ids_plain)
         if run:  # the first run warms up allocations and compiled graphs
             rates["plain"].append(rate_plain)
             rates["spec"].append(rate_spec)
+            cpu_ratios.append(cpu_spec / cpu_plain)
     drafted, kept = stats.draft_tokens - before[0], stats.accepted_tokens - before[1]
     # Each decode step yields one token plus its kept drafts: the load-independent part of the speed-up.
     steps = (length - 1, length - 1 - round(kept / (runs + 1)))
-    return {"steps": steps, "plain": statistics.median(rates["plain"]), "spec": statistics.median(rates["spec"]),
+    return {"steps": steps, "cpu_ratio": statistics.median(cpu_ratios), "plain": statistics.median(rates["plain"]), "spec": statistics.median(rates["spec"]),
             "ratios": [s / p for s, p in zip(rates["spec"], rates["plain"])], "equal": equal, "tokens": length,
             "acceptance": kept / drafted if drafted else None, "drafted": drafted}
 
@@ -85,7 +88,7 @@ def bench_spec(args: Namespace) -> int:
           f"new tokens, {args.runs} alternating runs each (+1 warm-up), k <= "
           f"{spec.scheduler_config.num_speculative_tokens}")
     print(f"  {'task':<14} {'kind':<10} {'tokens':>6} {'plain tok/s':>11} {'ngram tok/s':>11} {'ratio':>6} "
-          f"{'accepted':>8} {'decode steps':>12}  outputs")
+          f"{'accepted':>8} {'decode steps':>12} {'cpu ratio':>9}  outputs")
     try:
         for name, (kind, message) in TASKS.items():
             prompt = chat_prompt(loaded.tokenizer, [{"role": "user", "content": message}])
@@ -93,7 +96,8 @@ def bench_spec(args: Namespace) -> int:
             accepted = f"{100 * r['acceptance']:.0f}%" if r["acceptance"] is not None else "-"
             # the median of back-to-back pairs: both runs of a pair share the machine's load
             print(f"  {name:<14} {kind:<10} {r['tokens']:>6} {r['plain']:>11.1f} {r['spec']:>11.1f} "
-                  f"{statistics.median(r['ratios']):>5.2f}x {accepted:>8} {'%d -> %d' % r['steps']:>12}  "
+                  f"{statistics.median(r['ratios']):>5.2f}x {accepted:>8} {'%d -> %d' % r['steps']:>12} "
+                  f"{r['cpu_ratio']:>8.2f}x  "
                   f"{'equal' if r['equal'] else 'DIFFER'}"
                   f"  (per-run ratios {', '.join(f'{x:.2f}' for x in r['ratios'])}; {r['drafted']} drafted)")
     finally:

@@ -20,7 +20,7 @@ def test_bench_prints_each_task_with_equal_outputs_and_the_median_paired_ratio(c
         assert fields[0] == kind and "equal" in fields
         ratio = float(fields[4].rstrip("x"))
         plain_steps, spec_steps = int(fields[6]), int(fields[8])  # "N -> M"
-        assert plain_steps == int(fields[1]) - 1 and 0 < spec_steps <= plain_steps
+        assert plain_steps == int(fields[1]) - 1 and 0 < spec_steps <= plain_steps and float(fields[9].rstrip("x")) > 0
         pairs = [float(x) for x in line.split("per-run ratios ")[1].split(";")[0].split(", ")]
         assert len(pairs) == 2 and ratio == pytest.approx(sum(pairs) / 2, abs=0.006)  # median of two
 
