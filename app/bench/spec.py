@@ -77,13 +77,13 @@ def bench_task(plain, spec, prompt: list[int], tokens: int, runs: int) -> dict:
 def bench_spec(args: Namespace) -> int:
     from mlxpaged.config import CacheConfig, SchedulerConfig
     from mlxpaged.engine.engine import Engine
-    from mlxpaged.loading.loader import chat_prompt
+    from mlxpaged.loading.loader import chat_prompt, load_model
     from mlxpaged.platform.blas import blas_status
 
-    plain = Engine.from_pretrained(args.model, enable_prefix_cache=False)
-    spec = Engine(plain.loaded, CacheConfig(cache_tokens=8192, enable_prefix_cache=False),
-                  SchedulerConfig(speculative="ngram"))
-    loaded = plain.loaded
+    loaded = load_model(args.model)
+    cache = CacheConfig(cache_tokens=8192, enable_prefix_cache=False)  # every run computes its prompt
+    plain = Engine(loaded, cache, SchedulerConfig())
+    spec = Engine(loaded, cache, SchedulerConfig(speculative="ngram"))
     print(f"model {loaded.name} ({loaded.dtype}), BLAS {blas_status().name}, batch 1, greedy, up to {args.tokens} "
           f"new tokens, {args.runs} alternating runs each (+1 warm-up), k <= "
           f"{spec.scheduler_config.num_speculative_tokens}")
