@@ -56,7 +56,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
     try:
         return run_chat(args.model, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                        seed=args.seed, system=args.system, resume=args.resume, cache_tokens=args.cache_tokens)
+                        seed=args.seed, system=args.system, resume=args.resume, cache_tokens=args.cache_tokens,
+                        speculative=args.speculative)
     except ValueError as exc:  # bad sampling settings, before the app starts
         print(f"mlxpaged chat: {user_message(exc, 'cli')}", file=sys.stderr)
         return 2
@@ -74,7 +75,7 @@ def cmd_plain_chat(args: argparse.Namespace) -> int:
     try:
         settings = ChatSettings(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
                                 seed=args.seed)
-        return run_plain_chat(args.model, settings, args.system, args.cache_tokens)
+        return run_plain_chat(args.model, settings, args.system, args.cache_tokens, args.speculative)
     except ValueError as exc:  # bad sampling or cache settings, before the first turn
         print(f"mlxpaged chat: {exc}", file=sys.stderr)
         return 2
@@ -112,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlxpaged", description="Local LLM inference on MLX with a paged KV cache.")
     parser.add_argument("--version", action="version", version=f"mlxpaged {mlxpaged.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
+    from mlxpaged_app.server.flags import SPECULATIVE_HELP, add_serve_arguments
 
     chat = sub.add_parser("chat", help="chat with a model in the terminal (a Textual app; F1 lists the keys)")
     chat.add_argument("--model", "-m", default=None, help="preset name, local path or Hugging Face repo id")
@@ -123,25 +125,25 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default="", help="system prompt (default: the model's own)")
     chat.add_argument("--resume", action="store_true", help="reopen the last saved conversation")
     chat.add_argument("--cache-tokens", type=int, default=DEFAULT_CACHE_TOKENS, help="KV cache capacity in tokens")
+    chat.add_argument("--speculative", choices=["ngram"], default=None, help=SPECULATIVE_HELP)
     chat.add_argument("--plain", action="store_true",
                       help="a plain line-mode chat instead of the app (for pipes and ssh; replies on stdout)")
     chat.set_defaults(func=cmd_chat)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP endpoint on localhost")
-    from mlxpaged_app.server.flags import add_serve_arguments
-
     add_serve_arguments(serve)
     serve.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", help="benchmarks against mlx-lm")
     bench.add_argument("what", choices=["decode", "batch", "prefix", "prefill", "memory", "kernel", "server",
-                                          "constraints"],
+                                          "constraints", "spec"],
                        help="decode: batch-1 tok/s vs mlx-lm; batch: 16 concurrent requests vs mlx-lm "
                             "batch_generate; prefix: time to first token, cached vs cold; prefill: cold and "
                             "cached time to first token at 1k-16k tokens vs mlx-lm; memory: KV bytes "
                             "paged vs mlx-lm; kernel: paged attention vs contiguous SDPA; server: "
                             "mlxpaged serve vs mlx_lm.server at 1/8/32 clients; constraints: decode step "
-                            "time with and without grammar masks at batch 1 and 16")
+                            "time with and without grammar masks at batch 1 and 16; spec: batch-1 decode with "
+                            "and without prompt-lookup speculation, repetitive and free-text tasks")
     bench.add_argument("--model", "-m", default=None)
     bench.add_argument("--tokens", type=int, default=128, help="tokens to generate per request")
     bench.add_argument("--runs", type=int, default=3)

@@ -13,7 +13,7 @@ import time
 from typing import TextIO
 
 from mlxpaged.platform.blas import blas_status
-from mlxpaged.config import CacheConfig
+from mlxpaged.config import CacheConfig, SchedulerConfig
 from mlxpaged.engine.engine import Engine, RequestFailedError
 from mlxpaged.loading.loader import load_model
 from mlxpaged.loading.progress import print_progress
@@ -27,10 +27,12 @@ def say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def run_plain_chat(model: str | None, settings: ChatSettings, system: str, cache_tokens: int) -> int:
+def run_plain_chat(model: str | None, settings: ChatSettings, system: str, cache_tokens: int,
+                   speculative: str | None = None) -> int:
     """Chat until EOF or /exit (exit code 0)."""
     say(f"Loading {model or 'the default model'}...")
-    with Engine(load_model(model, progress=print_progress), CacheConfig(cache_tokens=cache_tokens)) as engine:
+    with Engine(load_model(model, progress=print_progress), CacheConfig(cache_tokens=cache_tokens),
+                SchedulerConfig(speculative=speculative)) as engine:
         blas = blas_status()
         say(f"mlxpaged chat - {engine.loaded.name} ({engine.loaded.dtype}, BLAS: {blas.name}); "
             f"{settings.describe(engine.generation_defaults)}")

@@ -18,6 +18,7 @@ from mlxpaged.validation import require_bool, require_int, require_number
 VALID_BLOCK_SIZES = (8, 16, 32)  # the paged-attention kernel's block sizes
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_CACHE_TOKENS = 32768  # cap by demand: a local app rarely needs more resident context
+SPECULATIVE_METHODS = (None, "ngram")  # SchedulerConfig.speculative
 
 @dataclass(frozen=True)
 class CacheConfig:
@@ -68,10 +69,14 @@ class CacheConfig:
 class SchedulerConfig:
     """How much work one engine step takes. `max_batch_tokens` bounds one model step (prefill
     chunks included) and so the activation headroom the memory plan sets aside; `max_num_seqs`
-    bounds concurrent sequences. Bad values raise ConfigError (a ValueError)."""
+    bounds concurrent sequences. `speculative="ngram"` drafts up to `num_speculative_tokens` tokens
+    per decoding sequence from its own prompt and output and verifies them in one pass
+    (engine/speculation.py). Bad values raise ConfigError (a ValueError)."""
 
     max_batch_tokens: int = 2048
     max_num_seqs: int = 16
+    speculative: str | None = None
+    num_speculative_tokens: int = 5
 
     def __post_init__(self) -> None:
         require_int("max_batch_tokens", self.max_batch_tokens, low=1, setting=True)
@@ -81,6 +86,10 @@ class SchedulerConfig:
             # checked here so a bad setting fails before the model and the pool are loaded).
             raise ConfigError(f"{{max_batch_tokens:{self.max_batch_tokens}}} must be >= "
                               f"{{max_num_seqs:{self.max_num_seqs}}}", param="max_batch_tokens")
+        if self.speculative not in SPECULATIVE_METHODS:
+            raise ConfigError(f"{{speculative:{self.speculative!r}}} must be one of {SPECULATIVE_METHODS}",
+                              param="speculative")
+        require_int("num_speculative_tokens", self.num_speculative_tokens, low=1, high=16, setting=True)
 
 
 def split_settings(settings: Mapping[str, object]) -> tuple[CacheConfig, SchedulerConfig]:

@@ -43,3 +43,13 @@ def test_from_pretrained_refuses_an_unknown_setting_before_looking_for_the_model
 
     with pytest.raises(ConfigError, match="unknown setting 'max_tokens'"):
         Engine.from_pretrained("/nonexistent/model", max_tokens=256)  # a reply's length is SamplingParams'
+
+
+def test_speculative_decoding_is_a_scheduler_setting_checked_by_name():
+    assert split_settings(dict(speculative="ngram"))[1] == SchedulerConfig(speculative="ngram")
+    with pytest.raises(ConfigError, match="must be one of") as info:
+        SchedulerConfig(speculative="eagle")
+    assert info.value.param == "speculative"
+    with pytest.raises(ConfigError) as info:
+        SchedulerConfig(speculative="ngram", num_speculative_tokens=0)
+    assert info.value.param == "num_speculative_tokens"

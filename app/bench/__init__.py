@@ -11,6 +11,7 @@ from mlxpaged_app.bench.kernel import bench_kernel
 from mlxpaged_app.bench.memory import bench_memory
 from mlxpaged_app.bench.prefill import bench_prefill
 from mlxpaged_app.bench.prefix import bench_prefix
+from mlxpaged_app.bench.spec import bench_spec
 
 
 def bench_server(args: Namespace) -> int:
@@ -21,7 +22,8 @@ def bench_server(args: Namespace) -> int:
 
 
 BENCHES = {"decode": bench_decode, "memory": bench_memory, "batch": bench_batch, "prefix": bench_prefix,
-           "kernel": bench_kernel, "server": bench_server, "constraints": bench_constraints, "prefill": bench_prefill}
+           "kernel": bench_kernel, "server": bench_server, "constraints": bench_constraints, "prefill": bench_prefill,
+           "spec": bench_spec}
 
 
 def run_bench(args: Namespace) -> int:

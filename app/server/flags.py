@@ -9,6 +9,8 @@ import os
 from mlxpaged.config import DEFAULT_BLOCK_SIZE, SchedulerConfig
 
 API_KEY_ENV = "MLXPAGED_API_KEY"
+SPECULATIVE_HELP = ("ngram: prompt-lookup speculative decoding (drafts copied from the prompt and the reply so far, "
+                    "verified in one pass; same output, faster when replies quote their input)")
 
 
 class ServeError(Exception):
@@ -53,6 +55,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                        help="sequences decoded together")
     cache.add_argument("--no-wire", action="store_true", help="leave the Metal wired limit alone")
     cache.add_argument("--no-prefix-cache", action="store_true", help="do not reuse cached prompt blocks")
+    cache.add_argument("--speculative", choices=["ngram"], default=None, help=SPECULATIVE_HELP)
 
 
 def is_loopback(host: str) -> bool:
@@ -78,7 +81,7 @@ def cache_settings(args: argparse.Namespace) -> dict:
     as its flag (mlxpaged.errors)."""
     settings = dict(block_size=args.block_size, max_batch_tokens=args.max_batch_tokens,
                     max_num_seqs=args.max_num_seqs, wire=not args.no_wire,
-                    enable_prefix_cache=not args.no_prefix_cache)
+                    enable_prefix_cache=not args.no_prefix_cache, speculative=args.speculative)
     for name in ("cache_tokens", "memory_fraction", "kv_memory"):
         if getattr(args, name) is not None:
             settings[name] = getattr(args, name)

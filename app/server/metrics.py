@@ -110,7 +110,18 @@ def _engine_gauges(stats: dict, in_flight: int, capacity: int) -> list[str]:
                      [("", stats["preemptions"])])
     lines += _metric("generation_tokens_per_second", "gauge", "Engine decode throughput, last 10 s.",
                      [("", stats["generation_tokens_per_s"])])
-    return lines
+    return lines + _speculation_metrics(stats)
+
+
+def _speculation_metrics(stats: dict) -> list[str]:
+    """Speculative decoding's drafts and how many the model kept (zeros when it is off)."""
+    lines = _metric("spec_draft_tokens_total", "counter", "Speculative tokens drafted and verified.",
+                    [("", stats["spec_draft_tokens_total"])])
+    lines += _metric("spec_accepted_tokens_total", "counter", "Speculative tokens the model kept.",
+                     [("", stats["spec_accepted_tokens_total"])])
+    rate = stats["spec_acceptance_rate"]
+    return lines + _metric("spec_acceptance_rate", "gauge", "Fraction of drafted tokens kept (0 before any draft).",
+                           [("", rate or 0.0)])
 
 
 def _memory_gauges(plan) -> list[str]:

@@ -9,16 +9,16 @@ from mlxpaged.config import DEFAULT_CACHE_TOKENS
 
 def run_chat(model: str | None = None, *, max_tokens: int = 512, temperature: float | None = None,
              top_p: float | None = None, seed: int | None = None, system: str = "", resume: bool = False,
-             cache_tokens: int = DEFAULT_CACHE_TOKENS) -> int:
+             cache_tokens: int = DEFAULT_CACHE_TOKENS, speculative: str | None = None) -> int:
     """Run the chat app until the user quits; returns the exit code. temperature / top_p None: the model's.
     Raises ValueError for bad sampling settings before the app starts."""
     from mlxpaged_app.tui.terminal import enter_stays_enter
 
     with enter_stays_enter():  # before the slow imports: keys typed meanwhile reach the app as typed
-        return _run_app(model, max_tokens, temperature, top_p, seed, system, resume, cache_tokens)
+        return _run_app(model, max_tokens, temperature, top_p, seed, system, resume, cache_tokens, speculative)
 
 
-def _run_app(model, max_tokens, temperature, top_p, seed, system, resume, cache_tokens) -> int:
+def _run_app(model, max_tokens, temperature, top_p, seed, system, resume, cache_tokens, speculative=None) -> int:
     from mlxpaged_app.tui.app import ChatApp
     from mlxpaged_app.tui.protocol import real_engine_factory
     from mlxpaged_app.tui.settings import ChatSettings
@@ -31,7 +31,7 @@ def _run_app(model, max_tokens, temperature, top_p, seed, system, resume, cache_
         print("mlxpaged chat: no saved conversation yet; starting a new one", file=sys.stderr)
     if conversation is not None and model is None:
         model = conversation.model
-    app = ChatApp(real_engine_factory(cache_tokens), model=model, settings=settings, store=store,
+    app = ChatApp(real_engine_factory(cache_tokens, speculative), model=model, settings=settings, store=store,
                   conversation=conversation, system_prompt=system)
     code = app.run() or 0
     app.close_engine()

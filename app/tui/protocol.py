@@ -33,13 +33,15 @@ EngineFactory = Callable[[str | None, Progress], ChatEngine]
 """Builds an engine for a model name (None: the default model), reporting download progress."""
 
 
-def real_engine_factory(cache_tokens: int) -> EngineFactory:
-    """Engines over the real model store, with a KV cache capped at `cache_tokens` tokens."""
+def real_engine_factory(cache_tokens: int, speculative: str | None = None) -> EngineFactory:
+    """Engines over the real model store, with a KV cache capped at `cache_tokens` tokens (and
+    `speculative` decoding, SchedulerConfig's)."""
 
     def build(name: str | None, progress: Progress) -> ChatEngine:
         from mlxpaged.engine.engine import Engine
 
-        engine = Engine.from_pretrained(name, progress, cache_tokens=cache_tokens)  # refuses before loading weights
+        engine = Engine.from_pretrained(name, progress, cache_tokens=cache_tokens,  # refuses before loading weights
+                                        speculative=speculative)
         try:
             engine.generation_defaults  # read now: a bad generation_config.json fails the load, not a reply
         except Exception:

@@ -209,6 +209,23 @@ class KVCacheManager:
                                    f"{block.block_id}, which has ref count {block.ref_cnt}")
         return self.block_tables(rid)
 
+    def free_slots_after(self, request: Request, num_tokens: int) -> None:
+        """Shrink full-attention tables to the blocks `num_tokens` tokens need: the slots of rejected
+        speculative tokens go back to the pool. Rings are refused (their slots are reused, not grown)."""
+        rid = request.request_id
+        self._check_known(rid)
+        if not request.num_computed_tokens <= num_tokens:
+            raise ValueError(f"request {rid!r}: cannot free slots below its {request.num_computed_tokens} "
+                             f"computed tokens (asked to keep {num_tokens})")
+        for manager in self.managers:
+            if manager.spec.max_blocks is not None:
+                raise ValueError(f"request {rid!r}: a sliding-window ring cannot give back speculative slots")
+            table = manager.tables[rid]
+            keep = manager.spec.blocks_needed(num_tokens)
+            if len(table) > keep:
+                self.pool.free_blocks(list(reversed(table[keep:])))
+                del table[keep:]
+
     def cache_blocks(self, request: Request) -> None:
         """Enter the request's full computed blocks into the prefix cache (the scheduler calls this
         after advancing `request.num_computed_tokens`). Only computed blocks: a hit on unwritten KV

@@ -25,6 +25,8 @@ from mlxpaged.engine.request import Request
 from mlxpaged.runner.model_runner import Runner, SamplingRows
 from mlxpaged.sampling_params import SamplingParams
 from mlxpaged.engine.scheduler import Scheduler
+from mlxpaged.engine.speculation import Speculator
+from mlxpaged.errors import ConfigError
 
 
 class EngineCore:
@@ -32,11 +34,14 @@ class EngineCore:
     so the next step is not predictable and nothing is pipelined)."""
 
     def __init__(self, scheduler: Scheduler, runner: Runner, tokenizer, stats: StatsCounter | None = None,
-                 has_commands: Callable[[], bool] = lambda: False):
+                 has_commands: Callable[[], bool] = lambda: False, num_speculative_tokens: int | None = None):
         self.scheduler, self.runner = scheduler, runner
         self.stats = stats or StatsCounter()
         self.outputs = OutputProcessor(scheduler, tokenizer, self.stats, fork=self._fork)
         self._has_commands = has_commands
+        # Prompt-lookup speculative decoding (speculation.py), when a draft length is given.
+        self.speculator = None if num_speculative_tokens is None else \
+            Speculator(scheduler, num_speculative_tokens, self._can_draft)
 
     @classmethod
     def create(cls, model, tokenizer, kv: PagedKVCache, cache_config: CacheConfig,
@@ -58,6 +63,9 @@ class EngineCore:
                                  prefix_filter=state.usable_blocks if state is not None else None)
         scheduler = Scheduler(manager, max_batch_tokens=scheduler_config.max_batch_tokens,
                               max_num_seqs=scheduler_config.max_num_seqs, max_model_len=max_model_len, state=state)
+        if scheduler_config.speculative is not None:
+            _check_speculation(scheduler_config.speculative, kv, state is not None)
+            kwargs["num_speculative_tokens"] = scheduler_config.num_speculative_tokens
         runner = Runner(model, kv, layout, state.store if state is not None else None, serial=serial)
         return cls(scheduler, runner, tokenizer, **kwargs)
 
@@ -84,11 +92,17 @@ class EngineCore:
         if not out.chunks:
             self.runner.drop_look_ahead()
             return
+        if self.speculator is not None:
+            self.speculator.extend(out)  # decode chunks get their drafts appended
         rows = self.outputs.sampling_rows(out)
         results = self.runner.execute(out.chunks, _sampler_rows(rows), planner=self)  # 2. execute
         sampled, failed = split_results(rows, results)
-        self.scheduler.update_from_output(out, sampled, failed)  # 3. update
+        accepted = {t.request.request_id: [a.token for a in r.accepted]
+                    for (_, t), r in zip(rows, results) if r.accepted}
+        self.scheduler.update_from_output(out, sampled, failed, accepted)  # 3. update
         self.outputs.process(out, rows, results)  # 4. process outputs
+        if self.speculator is not None:
+            self.speculator.record(out, accepted)
 
     def fail_all(self, exc: BaseException) -> None:
         """A step raised: fail every request (not the engine), and forget the pipelined pass."""
@@ -98,7 +112,16 @@ class EngineCore:
     # ---- the runner's NextStepPlanner: what it may pipeline ----------------------------------
 
     def predictable(self) -> bool:
-        return not (self.scheduler.num_waiting or self.outputs.pending_aborts or self._has_commands())
+        """Also False when a sequence may draft next step: its chunk will not be one token."""
+        return not (self.scheduler.num_waiting or self.outputs.pending_aborts or self._has_commands()
+                    or (self.speculator is not None and self.speculator.may_draft(self.scheduler.running)))
+
+    def _can_draft(self, request: Request) -> bool:
+        """Sequences whose sampler reads the history (penalties, processors, grammars) never draft."""
+        try:
+            return not self.outputs[request.request_id].sampler.has_processors
+        except KeyError:
+            return False
 
     def reserve_next_slot(self, request: Request) -> list[list[int]] | None:
         return self.scheduler.reserve_next_slot(request)
@@ -112,3 +135,14 @@ def _sampler_rows(rows: Rows) -> SamplingRows:
     """What the runner needs of the rows: their sampler states (a chunk's own sequence comes first)."""
     firsts = [t.sampler for k, (i, t) in enumerate(rows) if k == 0 or rows[k - 1][0] != i]
     return SamplingRows(firsts, [(i, t.sampler) for i, t in rows])
+
+
+def _check_speculation(method: str, kv: PagedKVCache, has_state: bool) -> None:
+    """Refuse speculation, at load, for layers whose rejected drafts cannot be rolled back by freeing blocks."""
+    windows = [group.window for group in kv.groups if group.window is not None]
+    if windows:  # a ring reuses its slots: rejected drafts would overwrite KV still in the window
+        raise ConfigError(f"{{speculative:{method!r}}} needs full attention in every layer; this model has "
+                          f"sliding windows of {sorted(set(windows))} tokens", param="speculative")
+    if has_state:  # a recurrent state has no earlier version to return to after a rejected draft
+        raise ConfigError(f"{{speculative:{method!r}}} needs attention layers only; this model has state-space or "
+                          "linear-attention layers, whose state cannot be rolled back", param="speculative")

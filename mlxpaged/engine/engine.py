@@ -33,6 +33,7 @@ from mlxpaged.engine.core import EngineCore
 from mlxpaged.cache.kv_cache import PagedKVCache
 from mlxpaged.errors import ConfigError, EngineClosedError, RequestFailedError  # noqa: F401  (re-exported)
 from mlxpaged.engine.metrics import StatsCounter
+from mlxpaged.engine.speculation import SpeculationStats
 from mlxpaged.outputs import Completion, StreamDelta, collect, drain  # noqa: F401  (re-exported)
 from mlxpaged.platform.memory import DeviceFacts, ModelFacts, model_weight_bytes, plan_memory
 from mlxpaged.platform.model_facts import context_length
@@ -257,6 +258,8 @@ class Engine:
             "prefix_hit_rate": pool.hit_rate, "prefix_hit_tokens": pool.hit_tokens,
             "requests_running": self.scheduler.num_running, "requests_waiting": self.scheduler.num_waiting,
             **self._stats.snapshot(), "memory_plan": self.plan, **self._memory_stats(),
+            "speculative": self.scheduler_config.speculative,
+            **(self.core.speculator.stats if self.core.speculator else SpeculationStats()).snapshot(),
             "attention": attention_status(),  # {"path", "reason", "variants"}: see mlxpaged.kernels.attention
             "serial": self.serial_reason,  # why one sequence runs per pass (None: batched)
             "kv_memory_by_class": {g.describe(): size for g, size in self.kv.bytes_by_class().items()},

@@ -91,16 +91,25 @@ class OutputProcessor:
             if result.error is not None:  # the scheduler skipped its chunk
                 self.fail(tracked.group, RequestFailedError(f"sampling failed: {result.error!r}"))
         ok = [(t, r) for (_, t), r in zip(rows, results) if r.error is None]
-        self.stats.add_tokens(len(ok), sum(len(c.token_ids) for c in out.chunks))
+        self.stats.add_tokens(sum(1 + len(r.accepted) for _, r in ok), sum(len(c.token_ids) for c in out.chunks))
         new_forks = [(t, r) for t, r in ok if t.request.request_id not in self._tracked]
         for tracked, result in new_forks:  # first: delivering the parent's token may finish it
             self._start_fork(tracked, result)
         started = {id(t) for t, _ in new_forks}  # their first token was delivered by _start_fork
         for tracked, result in ok:
             if id(tracked) not in started:
-                self._deliver(tracked.request.request_id, result)
+                self._deliver_run(tracked.request.request_id, result)
 
-    def _deliver(self, request_id: str, result) -> None:
+    def _deliver_run(self, request_id: str, result: SampleResult) -> None:
+        """Deliver a row's accepted drafts, then its sampled token, until one of them finishes it."""
+        run = [*result.accepted, result]
+        for i, token in enumerate(run):
+            if request_id not in self._tracked:
+                return
+            self._deliver(request_id, token, undelivered=len(run) - 1 - i)
+
+    def _deliver(self, request_id: str, result, undelivered: int = 0) -> None:
+        """`undelivered`: tokens of the run after this one, dropped from the request if this one stops it."""
         tracked = self._tracked.get(request_id)
         if tracked is None:
             return
@@ -112,6 +121,8 @@ class OutputProcessor:
                             delta.finish_reason if delta.finished else None, tracked.index,
                             stop_sequence=delta.stop_matched)
         if delta.finished:
+            if undelivered:  # a stop inside an accepted run: the request ends at its stop token
+                del tracked.request.output_token_ids[-undelivered:]
             self.finish(request_id, _FINISH_STATUS[delta.finish_reason], delta.finish_reason, last=event)
         else:
             self._emit(tracked, event)

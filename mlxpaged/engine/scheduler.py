@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from dataclasses import dataclass
-from typing import Collection, Hashable, Protocol
+from dataclasses import dataclass, field
+from typing import Collection, Hashable, Mapping, Protocol
 
 from mlxpaged.cache.block_pool import NoFreeBlocksError
 from mlxpaged.cache.kv_cache_manager import CopyOnWrite, KVCacheManager, UnknownRequestError
@@ -36,6 +36,9 @@ class ScheduledChunk:
     block_tables: list[list[int]]  # one per layer group; the KV layer maps positions to slots
     samples: bool  # the chunk reaches the last known token: sample from its last position
     state_slot: int | None = None  # the request's state slot (models with state layers)
+    # Speculative tokens appended to token_ids (engine/speculation.py): every position samples,
+    # and only the drafts the model agrees with are kept (update_from_output).
+    drafts: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -239,10 +242,11 @@ class Scheduler:
         return SchedulerOutput(chunks, preempted, self.max_batch_tokens - budget)
 
     def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int],
-                           failed: Collection[str] = ()) -> None:
+                           failed: Collection[str] = (), accepted: Mapping[str, list[int]] = {}) -> None:
         """Record the step's KV as computed and append the sampled tokens. Chunks of requests
         finished since schedule(), or whose sampling `failed` (the caller finishes those), are
-        skipped; extra keys in `sampled` are ignored."""
+        skipped; extra keys in `sampled` are ignored. A chunk with drafts keeps the KV of its
+        `accepted` drafts (which come before its sampled token) and gives back the slots of the rest."""
         live = [c for c in output.chunks if not c.request.is_finished and c.request.request_id not in failed]
         for chunk in live:
             request = chunk.request
@@ -256,11 +260,18 @@ class Scheduler:
                 raise ValueError(f"no sampled token for request {request.request_id!r}")
         for chunk in live:
             request = chunk.request
-            request.num_computed_tokens += len(chunk.token_ids)
-            self.kv_manager.cache_blocks(request)
-            self._checkpoint(request, publish=len(chunk.token_ids) > 1)
+            kept = accepted.get(request.request_id, []) if chunk.drafts else []
+            if kept != chunk.drafts[:len(kept)]:
+                raise ValueError(f"request {request.request_id!r}: accepted {kept} are not a prefix of its drafts "
+                                 f"{chunk.drafts}")
+            request.output_token_ids.extend(kept)  # first: the computed count may not pass the known tokens
+            request.num_computed_tokens += len(chunk.token_ids) - len(chunk.drafts) + len(kept)
+            self.kv_manager.cache_blocks(request)  # hashes only blocks of kept tokens
+            self._checkpoint(request, publish=len(chunk.token_ids) - len(chunk.drafts) > 1)
             if chunk.samples:
                 request.output_token_ids.append(sampled[request.request_id])
+            if chunk.drafts:  # roll back: blocks past the sequence return to the pool
+                self.kv_manager.free_slots_after(request, request.num_tokens)
 
     # ---- internals ----------------------------------------------------------------
 

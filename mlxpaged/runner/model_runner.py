@@ -31,6 +31,7 @@ from mlxpaged.runner.decode_pass import CompiledDecode
 from mlxpaged.cache.kv_cache import PagedKVCache
 from mlxpaged.runner.routing import is_routed
 from mlxpaged.runner.sampling import LazySample, SampleResult, SamplerState, sample_batch
+from mlxpaged.runner.speculative import sample_with_drafts
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class StepInput:
     block_tables: Sequence[list[int]]
     samples: bool
     state_slot: int | None = None  # models with state layers: the sequence's state slot
+    num_logits: int = 1  # logits of this many last positions (a chunk with speculative drafts: all)
 
 
 def split_head(model: nn.Module) -> Callable[[mx.array], mx.array] | None:
@@ -108,6 +110,19 @@ def state_model_passes(inputs: Sequence[StepInput]) -> list[list[int]]:
 # chat case), not where batches change size every few steps. Measured per step on SmolLM2-135M,
 # compiled vs eager: B=4 74 vs 83 ms, B=16 120 vs 125 ms (B=1: 48 ms vs mlx-lm's own 51 ms).
 COMPILED_DECODE_MAX_BATCH = 1
+
+
+def _logit_positions(batch: Sequence[StepInput]) -> tuple[mx.array, mx.array]:
+    """(row, column) index arrays of the positions whose logits a pass returns: each input's last
+    `num_logits` positions, in order."""
+    for x in batch:
+        if not 1 <= x.num_logits <= len(x.token_ids):
+            raise ValueError(f"num_logits {x.num_logits} outside 1..{len(x.token_ids)} (the input's tokens)")
+    if all(x.num_logits == 1 for x in batch):
+        return mx.arange(len(batch)), mx.array([len(x.token_ids) - 1 for x in batch])
+    rows = [b for b, x in enumerate(batch) for _ in range(x.num_logits)]
+    columns = [len(x.token_ids) - x.num_logits + j for x in batch for j in range(x.num_logits)]
+    return mx.array(rows), mx.array(columns)
 
 
 def _rows(values: mx.array, rows: list[int]) -> mx.array:
@@ -207,9 +222,13 @@ class Runner:
 
     def _compute(self, chunks: list, sampling: SamplingRows, planner: NextStepPlanner) -> list[SampleResult]:
         """Run the step's passes and sample; pipeline the next decode pass when it is predictable."""
-        logits = self.step([StepInput(c.token_ids, c.start, c.block_tables, c.samples, c.state_slot) for c in chunks])
+        drafts = [c.drafts for c in chunks if c.samples]
+        logits = self.step([StepInput(c.token_ids, c.start, c.block_tables, c.samples, state_slot=c.state_slot,
+                                      num_logits=len(c.drafts) + 1 if c.samples else 1) for c in chunks])
         if not sampling.rows:
             return []
+        if any(drafts):  # verified as a whole; the next step depends on how many are kept: no look-ahead
+            return sample_with_drafts(logits, drafts, sampling.rows)
         if sampling.has_forks:
             logits = logits[mx.array([i for i, _ in sampling.rows])]
         states = [state for _, state in sampling.rows]
@@ -253,7 +272,7 @@ class Runner:
             tables = planner.reserve_next_slot(request)
             if tables is not None:
                 picked.append(i)
-                inputs.append(StepInput([0], chunk.start + len(chunk.token_ids), tables, True, chunk.state_slot))
+                inputs.append(StepInput([0], chunk.start + len(chunk.token_ids), tables, True, state_slot=chunk.state_slot))
         if not picked:
             return None
         logits = self.decode_ahead(inputs, _rows(tokens, picked))
@@ -262,15 +281,19 @@ class Runner:
                          LazySample(logits, [states[i] for i in picked], ahead=1, launch=False), state)
 
     def step(self, inputs: Sequence[StepInput]) -> mx.array | None:
-        """Queue the step; return float32 logits [S, V] of the inputs that sample, in order.
-        The passes run in the background (mx.async_eval): reading the logits waits for them."""
+        """Queue the step; return float32 logits [S, V] of the inputs that sample, in order (an input's
+        `num_logits` rows each). The passes run in the background (mx.async_eval): reading the logits
+        waits for them."""
         decode = [i for i, x in enumerate(inputs) if len(x.token_ids) == 1]
         if self.serial:
             passes = [[i] for i in range(len(inputs))]
         elif self.state is not None:
             passes = state_model_passes(inputs)
         else:
-            passes = ([decode] if decode else []) + prefill_passes(inputs)
+            # Chunks with drafts (a few tokens, each sampled) share one pass whatever their context length.
+            drafting = {i for i, x in enumerate(inputs) if 1 < x.num_logits}
+            prefill = [[i for i in rows if i not in drafting] for rows in prefill_passes(inputs)]
+            passes = [rows for rows in [decode, sorted(drafting), *prefill] if rows]
         results = [self._pass([inputs[i] for i in rows]) for rows in passes]
         wanted = [i for i, x in enumerate(inputs) if x.samples]
         if not wanted:
@@ -278,8 +301,14 @@ class Runner:
         if len(passes) == 1 and passes[0] == wanted:  # the common all-decode step: no regathering
             logits = results[0]
         else:
-            where = {i: (p, r) for p, rows in enumerate(passes) for r, i in enumerate(rows)}
-            logits = mx.stack([results[where[i][0]][where[i][1]] for i in wanted])
+            where = {}  # input -> (its pass, its first logits row there)
+            for p, rows in enumerate(passes):
+                firsts = [0]
+                for i in rows:
+                    firsts.append(firsts[-1] + inputs[i].num_logits)
+                where.update({i: (p, r) for i, r in zip(rows, firsts)})
+            logits = mx.concatenate([results[where[i][0]][where[i][1]:where[i][1] + inputs[i].num_logits]
+                                     for i in wanted])
         return logits.astype(mx.float32)
 
     def compiles(self, batch: int) -> bool:
@@ -303,7 +332,8 @@ class Runner:
 
     def _pass(self, batch: list[StepInput], tokens: mx.array | None = None, launch: bool = True) -> mx.array:
         """Build one forward pass and its cache writes, and launch it unless told not to; returns
-        each row's last-position logits [B, V]. Passes run in order on one stream."""
+        the logits of each row's last `num_logits` positions, rows in order ([B, V] when each wants
+        one). Passes run in order on one stream."""
         if self.serial and len(batch) > 1:
             rows = [None] * len(batch) if tokens is None else [tokens[i:i + 1] for i in range(len(batch))]
             return mx.concatenate([self._pass([x], row, launch) for x, row in zip(batch, rows)])
@@ -325,8 +355,8 @@ class Runner:
         return logits
 
     def _forward(self, batch: list[StepInput], tokens: mx.array) -> tuple[mx.array, StatePass | None]:
-        """The model over `batch` through paged KV views (and state views): lazy last-position logits
-        [B, V] and the pass's state, not stored yet."""
+        """The model over `batch` through paged KV views (and state views): lazy logits of each row's last
+        `num_logits` positions and the pass's state, not stored yet."""
         num_new = [len(x.token_ids) for x in batch]
         views = paged_views(self.kv, [x.block_tables for x in batch], [x.start for x in batch], num_new)
         if self.layout is not None and not self.layout.kv_leaves:
@@ -335,8 +365,8 @@ class Runner:
         if self.state is not None:
             state = StatePass(self.state, [x.state_slot for x in batch], num_new)
         views = cache_tree.model_cache(self.layout, views, state.views if state is not None else None)
-        last = mx.array([n - 1 for n in num_new])
+        rows, columns = _logit_positions(batch)
         if self.head is not None:
             hidden = self.model.model(tokens, cache=views)
-            return self.head(hidden[mx.arange(len(batch)), last]), state
-        return self.model(tokens, cache=views)[mx.arange(len(batch)), last], state
+            return self.head(hidden[rows, columns]), state
+        return self.model(tokens, cache=views)[rows, columns], state

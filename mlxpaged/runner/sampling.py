@@ -124,6 +124,7 @@ class SampleResult:
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
     error: Exception | None = None
+    accepted: tuple["SampleResult", ...] = ()  # speculative drafts kept before this token, in order
 
 
 def _process_row(state: SamplerState, row: mx.array) -> mx.array:

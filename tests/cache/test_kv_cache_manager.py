@@ -10,7 +10,7 @@ from mlxpaged.config import CacheConfig
 from mlxpaged.cache.block_pool import BlockPool, NoFreeBlocksError, sha256_block_hash
 from mlxpaged.cache.kv_cache_manager import CopyOnWrite, KVCacheManager, UnknownRequestError
 from mlxpaged.cache.specs import FullAttentionSpec, SlidingWindowSpec, sequence_capacity, table_lengths
-from tests.cache.kv_sequences import BS, computed_pool, manager_for, pool_of, prompt  # noqa: F401  (shared)
+from tests.cache.kv_sequences import BS, Sequences, computed_pool, manager_for, pool_of, prompt  # noqa: F401  (shared)
 
 
 # ---- construction -------------------------------------------------------------------
@@ -484,3 +484,31 @@ def test_reserve_next_slot_is_the_slot_append_slot_fills():
     pool.free("a")
     pool.free("x")
     assert pool.num_free_blocks == 7
+
+
+# ---- free_slots_after (speculative rollback) ---------------------------------------------
+
+
+def test_free_slots_after_gives_back_the_blocks_past_the_kept_tokens():
+    seqs = Sequences(manager_for(8, BS))
+    seqs.allocate("a", prompt(10))
+    request = seqs.request("a")
+    tables = seqs.manager.allocate_slots(request, 10 + 13)  # drafts up to position 22: 3 blocks
+    assert len(tables[0]) == 3 and seqs.num_free_blocks == 5
+    seqs.mark_computed("a", 10)
+    seqs.manager.free_slots_after(request, 11)  # one draft kept: 11 tokens need 2 blocks
+    assert seqs.block_tables("a")[0] == tables[0][:2] and seqs.num_free_blocks == 6
+    seqs.manager.free_slots_after(request, 11)  # nothing more to give
+    assert seqs.num_free_blocks == 6
+
+
+def test_free_slots_after_refuses_to_cut_computed_kv_or_a_ring():
+    seqs = Sequences(manager_for(8, BS))
+    seqs.allocate("a", prompt(10))
+    seqs.mark_computed("a", 10)
+    with pytest.raises(ValueError, match="below its 10 computed tokens"):
+        seqs.manager.free_slots_after(seqs.request("a"), 9)
+    rings = Sequences(manager_for(8, BS, groups=(None, 2), prefix_cache=False))
+    rings.allocate("b", prompt(10))
+    with pytest.raises(ValueError, match="ring"):
+        rings.manager.free_slots_after(rings.request("b"), 10)

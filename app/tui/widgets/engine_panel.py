@@ -71,6 +71,10 @@ def stats_text(stats: dict) -> Text:
     ]
     if stats.get("preemptions"):
         rows.append(("preemptions", f"{stats['preemptions']:,}"))
+    if stats.get("speculative"):  # drafts kept of drafts verified, so a user sees whether it pays
+        rate = stats.get("spec_acceptance_rate")
+        rows.append(("speculative", f"{stats['speculative']} · " + ("no drafts yet" if rate is None else
+                     f"{100 * rate:.0f}% of {stats['spec_draft_tokens_total']:,} drafts kept")))
     attention = stats.get("attention")
     if attention:  # which attention path runs, so a kernel that fell back to the reference is visible
         rows.append(("attention", attention["path"]))

@@ -129,7 +129,8 @@ class FakeEngine:
         return {"blocks_total": 10, "blocks_free": 10, "blocks_used": 0, "blocks_cached": 2,
                 "prefix_hit_rate": 0.5, "prefix_hit_tokens": 3, "requests_running": 0, "requests_waiting": 0,
                 "generation_tokens_per_s": 1.0, "preemptions": 0, "memory_plan": self.plan,
-                "attention": FAKE_ATTENTION}
+                "attention": FAKE_ATTENTION, "speculative": "ngram", "spec_draft_tokens_total": 40,
+                "spec_accepted_tokens_total": 30, "spec_acceptance_rate": 0.75}
 
 
 def client_for(engine: FakeEngine, **config) -> httpx.AsyncClient:
@@ -334,6 +335,7 @@ async def test_metrics_text_format():
     assert 'mlxpaged_time_to_first_token_seconds_bucket{le="+Inf"} 1' in text
     assert 'mlxpaged_kv_blocks{state="free"} 10' in text and "mlxpaged_prefix_cache_hit_rate 0.5" in text
     assert 'mlxpaged_memory_bytes{kind="kv_cache"} 1048576' in text
+    assert "mlxpaged_spec_acceptance_rate 0.75" in text and "mlxpaged_spec_draft_tokens_total 40" in text
     assert ('mlxpaged_attention_path{path="kernel (with reference fallback)",reason="self-check failed: \\"x\\""} 1'
             in text)
     assert ('mlxpaged_kernel_self_check_passed{variant="float16 D=64 BS=16 G=3 two-pass",'

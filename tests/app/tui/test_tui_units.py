@@ -162,3 +162,15 @@ def test_engine_panel_names_the_attention_path_when_the_engine_reports_it():
     assert "attention" not in stats_text(stats).plain
     stats["attention"] = {"path": "kernel (with reference fallback)", "reason": "two-pass failed", "variants": []}
     assert "kernel (with reference fallback)" in stats_text(stats).plain
+
+
+def test_engine_panel_shows_speculation_acceptance_when_it_is_on():
+    from mlxpaged_app.tui.widgets.engine_panel import stats_text
+
+    stats = FakeEngine().stats()
+    assert "speculative" not in stats_text(stats).plain
+    stats.update(speculative="ngram", spec_draft_tokens_total=0, spec_accepted_tokens_total=0,
+                 spec_acceptance_rate=None)
+    assert "ngram · no drafts yet" in stats_text(stats).plain
+    stats.update(spec_draft_tokens_total=1200, spec_accepted_tokens_total=840, spec_acceptance_rate=0.7)
+    assert "ngram · 70% of 1,200 drafts kept" in stats_text(stats).plain

@@ -1,0 +1,126 @@
+"""Prompt-lookup speculative decoding, the scheduler's side: which decoding sequences draft this
+step, how many tokens, and how well their drafts fared. Plain Python (no MLX).
+
+After `Scheduler.schedule()`, `extend(out)` appends drafts (runner/ngram_drafter.py) to decode
+chunks [last] -> [last, d1..dk] and gives them slots; the runner verifies every position
+(runner/speculative.py); `Scheduler.update_from_output` keeps the accepted drafts and frees the
+slots of the rest; `record` adapts each sequence's k to how its drafts fare.
+
+A drafting step runs an eager pass of k + 1 tokens instead of the compiled one-token pass, so
+a rejected draft costs time: a sequence whose drafts keep failing stops drafting for a while,
+twice as long each time (free text then decodes as without speculation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+from mlxpaged.cache.block_pool import NoFreeBlocksError
+from mlxpaged.engine.request import Request
+from mlxpaged.runner.ngram_drafter import NgramDrafter
+
+if TYPE_CHECKING:
+    from mlxpaged.engine.scheduler import Scheduler, SchedulerOutput
+
+MAX_PAUSE = 64  # steps a failing sequence waits before drafting again, at most
+
+
+@dataclass
+class DraftPolicy:
+    """One sequence's adaptive draft length: full after a fully accepted draft, the accepted
+    length + 1 after a partial one, halved after a miss; two misses in a row pause drafting."""
+    max_k: int
+    k: int = 0
+    pause: int = 0  # steps left without drafting
+    next_pause: int = 2
+    misses: int = 0
+    drafter: NgramDrafter = field(default_factory=NgramDrafter)
+
+    def __post_init__(self) -> None:
+        self.k = self.k or self.max_k
+
+    def wants_draft(self) -> bool:
+        if self.pause:
+            self.pause -= 1
+            return False
+        return True
+
+    def update(self, proposed: int, accepted: int) -> None:
+        if accepted == proposed:
+            self.k, self.misses, self.next_pause = self.max_k, 0, 2
+        elif accepted:
+            self.k, self.misses = max(1, accepted + 1), 0
+        else:
+            self.k, self.misses = max(1, self.k // 2), self.misses + 1
+            if self.misses >= 2:
+                self.pause, self.next_pause, self.misses = self.next_pause, min(2 * self.next_pause, MAX_PAUSE), 0
+
+
+@dataclass
+class SpeculationStats:
+    draft_tokens: int = 0  # drafted and verified
+    accepted_tokens: int = 0
+    drafting_steps: int = 0  # sequence-steps that drafted
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
+
+    def snapshot(self) -> dict:
+        return {"spec_draft_tokens_total": self.draft_tokens, "spec_accepted_tokens_total": self.accepted_tokens,
+                "spec_acceptance_rate": self.acceptance_rate}
+
+
+class Speculator:
+    """`can_draft(request)`: False for sequences whose sampling reads the history (penalties,
+    processors, grammars), which are verified one token at a time."""
+
+    def __init__(self, scheduler: Scheduler, max_draft_tokens: int, can_draft: Callable[[Request], bool]):
+        self.scheduler, self.max_draft_tokens, self._can_draft = scheduler, max_draft_tokens, can_draft
+        self.stats = SpeculationStats()
+        self._policies: dict[str, DraftPolicy] = {}
+
+    def extend(self, out: SchedulerOutput) -> None:
+        """Append drafts to this step's decode chunks, within the step's token budget and the pool."""
+        budget = self.scheduler.max_batch_tokens - out.num_batch_tokens
+        for chunk in out.chunks:
+            request = chunk.request
+            if budget <= 0 or len(chunk.token_ids) != 1 or not chunk.samples or not self._can_draft(request):
+                continue
+            policy = self._policies.setdefault(request.request_id, DraftPolicy(self.max_draft_tokens))
+            room = request.max_tokens - len(request.output_token_ids) - 1  # the run ends with a sampled token
+            k = min(policy.k, room, budget)
+            if k <= 0 or not policy.wants_draft():
+                continue
+            drafts = policy.drafter.propose(request.all_token_ids, k)
+            if not drafts:
+                continue
+            try:
+                tables = self.scheduler.kv_manager.allocate_slots(request, request.num_tokens + len(drafts))
+            except NoFreeBlocksError:
+                continue  # the pool is short: decode plainly
+            chunk.block_tables, chunk.token_ids, chunk.drafts = tables, [*chunk.token_ids, *drafts], drafts
+            out.num_batch_tokens += len(drafts)
+            budget -= len(drafts)
+
+    def record(self, out: SchedulerOutput, accepted: dict[str, list[int]]) -> None:
+        """Adapt each drafting sequence's k to how many of its drafts were kept; forget finished ones."""
+        for chunk in out.chunks:
+            policy = self._policies.get(chunk.request.request_id)
+            if chunk.drafts and policy is not None:
+                kept = len(accepted.get(chunk.request.request_id, []))
+                self.stats.draft_tokens += len(chunk.drafts)
+                self.stats.accepted_tokens += kept
+                self.stats.drafting_steps += 1
+                policy.update(len(chunk.drafts), kept)
+        for request_id in [rid for rid in self._policies if self.scheduler.get(rid) is None]:
+            del self._policies[request_id]
+
+    def may_draft(self, requests: list[Request]) -> bool:
+        """True when one of `requests` may draft next step (the runner then does not pipeline it)."""
+        for request in requests:
+            policy = self._policies.get(request.request_id)
+            if self._can_draft(request) and (policy is None or policy.pause == 0):
+                return True
+        return False

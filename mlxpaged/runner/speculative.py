@@ -1,0 +1,75 @@
+"""Verifying speculative drafts: which of a sequence's drafted tokens the model keeps.
+
+A chunk [last, d1..dk] returns logits at each of its k + 1 positions. Position j is sampled
+exactly as plain decoding would sample generation index g + j (the same sampler, the same
+seeded key), and the drafts are kept while the sample equals them; the first sample that
+differs (or the bonus sample after k kept drafts) ends the run.
+
+For a draft that is a point mass on d this *is* speculative rejection sampling (Leviathan et
+al. 2023): accept d with probability p(d) = P(sample == d), and otherwise the sample is a draw
+from p conditioned on != d, i.e. p with d removed and renormalised. Greedy is the special case
+"keep while argmax == draft". Since every position draws with its own (seed, index) key, a
+seeded run's tokens are the ones plain decoding draws, not only equal in distribution.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import mlx.core as mx
+
+from mlxpaged.runner.sampling import SampleResult, SamplerState, sample_batch
+
+
+class ShiftedState:
+    """A sampler state drawing `offset` tokens past its sequence's next one (draft position j
+    draws with key index g + j). Only for states without processors, which read the history."""
+
+    def __init__(self, state: SamplerState, offset: int):
+        if offset and state.has_processors:
+            raise ValueError("rows with penalties, logits processors or constraints cannot be drafted")
+        self._state, self._offset = state, offset
+
+    def __getattr__(self, name: str):
+        return getattr(self._state, name)
+
+    def key_words(self, ahead: int = 0) -> tuple[int, int]:
+        return self._state.key_words(ahead + self._offset)
+
+
+def kept_prefix(samples: Sequence[int], drafts: Sequence[int]) -> int:
+    """How many leading drafts equal the samples at their positions."""
+    kept = 0
+    while kept < len(drafts) and samples[kept] == drafts[kept]:
+        kept += 1
+    return kept
+
+
+def sample_with_drafts(logits: mx.array, drafts: list[list[int]],
+                       rows: list[tuple[int, SamplerState]]) -> list[SampleResult]:
+    """One result per sampling row (as `sample_batch`), from `logits` holding len(drafts[i]) + 1
+    rows for sampling chunk i. A drafting row's result is the token that ends its run, with the
+    kept drafts' results in `accepted`."""
+    firsts = [0]
+    for chunk_drafts in drafts:
+        firsts.append(firsts[-1] + len(chunk_drafts) + 1)
+    if logits.shape[0] != firsts[-1]:
+        raise ValueError(f"logits has {logits.shape[0]} rows, the drafts need {firsts[-1]}")
+    take, states, spans = [], [], []
+    for chunk, state in rows:
+        n = len(drafts[chunk]) + 1
+        take += range(firsts[chunk + 1] - n, firsts[chunk + 1])
+        states += [ShiftedState(state, j) for j in range(n)]
+        spans.append(n)
+    results = sample_batch(logits[mx.array(take)], states)
+    out, at = [], 0
+    for (chunk, _), n in zip(rows, spans):
+        run = results[at:at + n]
+        at += n
+        if any(r.error is not None for r in run):
+            out.append(next(r for r in run if r.error is not None))
+            continue
+        kept = kept_prefix([r.token for r in run], drafts[chunk])
+        out.append(dataclasses.replace(run[kept], accepted=tuple(run[:kept])))
+    return out
