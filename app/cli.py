@@ -136,14 +136,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks against mlx-lm")
     bench.add_argument("what", choices=["decode", "batch", "prefix", "prefill", "memory", "kernel", "server",
-                                          "constraints", "spec"],
+                                          "constraints", "spec", "hybrid"],
                        help="decode: batch-1 tok/s vs mlx-lm; batch: 16 concurrent requests vs mlx-lm "
                             "batch_generate; prefix: time to first token, cached vs cold; prefill: cold and "
                             "cached time to first token at 1k-16k tokens vs mlx-lm; memory: KV bytes "
                             "paged vs mlx-lm; kernel: paged attention vs contiguous SDPA; server: "
                             "mlxpaged serve vs mlx_lm.server at 1/8/32 clients; constraints: decode step "
                             "time with and without grammar masks at batch 1 and 16; spec: batch-1 decode with "
-                            "and without prompt-lookup speculation, repetitive and free-text tasks")
+                            "and without prompt-lookup speculation, repetitive and free-text tasks; hybrid: batch-1 "
+                            "decode of a random Qwen 3.5-style hybrid (state slots + paged KV) vs mlx-lm")
     bench.add_argument("--model", "-m", default=None)
     bench.add_argument("--tokens", type=int, default=128, help="tokens to generate per request")
     bench.add_argument("--runs", type=int, default=3)

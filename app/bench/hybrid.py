@@ -1,6 +1,7 @@
 """Batch-1 decode tok/s of a random Qwen 3.5-style hybrid (gated-delta state layers + full attention)
 on the paged engine (state slots + paged KV) against mlx-lm's generate_step, in one process, alternating.
 
+    mlxpaged bench hybrid [--tokens 128] [--runs 3]
     python -m mlxpaged_app.bench.hybrid [--hidden 1024] [--layers 12] [--tokens 128] [--rounds 3]
 """
 
@@ -65,6 +66,32 @@ def make_engine(model, config: dict):
     return Engine(loaded, *split_settings({"cache_tokens": 2048, "max_num_seqs": 4}))
 
 
+def run(hidden: int, layers: int, tokens: int, prompt_tokens: int, rounds: int) -> tuple[float, float]:
+    """Print each round and the medians; returns (paged, mlx-lm) median decode tok/s."""
+    model, config = build(hidden, layers)
+    params = sum(v.size for _, v in tree_flatten(model.parameters()))
+    prompt = [(17 * i + 5) % 30000 + 1 for i in range(prompt_tokens)]
+    ours, theirs = [], []
+    with make_engine(model, config) as engine:
+        plan = engine.stats()["memory_plan"]
+        print(f"qwen3_5 random: hidden {hidden}, {layers} layers, {params / 1e6:.0f} M params float32; "
+              f"state {engine.layout.state_bytes_per_sequence / 2**20:.1f} MiB/sequence, plan: "
+              f"{plan.num_state_slots} slots + {plan.num_checkpoints} checkpoints, KV {plan.kv_bytes / 2**20:.0f} MiB")
+        for _ in range(rounds):
+            theirs.append(mlx_lm_decode(model, prompt, tokens))
+            ours.append(engine_decode(engine, prompt, tokens))
+            print(f"  mlx-lm generate_step {theirs[-1]:6.1f} tok/s   paged engine {ours[-1]:6.1f} tok/s", flush=True)
+    a, b = statistics.median(ours), statistics.median(theirs)
+    print(f"median decode: paged {a:.1f} tok/s, mlx-lm {b:.1f} tok/s, ratio {a / b:.2f}")
+    return a, b
+
+
+def bench_hybrid(args) -> int:
+    """`mlxpaged bench hybrid`: the default 228 M-parameter hybrid, `--tokens` per round, `--runs` rounds."""
+    run(1024, 12, args.tokens, 64, args.runs)
+    return 0
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=1024)
@@ -73,21 +100,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    model, config = build(args.hidden, args.layers)
-    params = sum(v.size for _, v in tree_flatten(model.parameters()))
-    prompt = [(17 * i + 5) % 30000 + 1 for i in range(args.prompt)]
-    ours, theirs = [], []
-    with make_engine(model, config) as engine:
-        plan = engine.stats()["memory_plan"]
-        print(f"qwen3_5 random: hidden {args.hidden}, {args.layers} layers, {params / 1e6:.0f} M params float32; "
-              f"state {engine.layout.state_bytes_per_sequence / 2**20:.1f} MiB/sequence, plan: "
-              f"{plan.num_state_slots} slots + {plan.num_checkpoints} checkpoints, KV {plan.kv_bytes / 2**20:.0f} MiB")
-        for _ in range(args.rounds):
-            theirs.append(mlx_lm_decode(model, prompt, args.tokens))
-            ours.append(engine_decode(engine, prompt, args.tokens))
-            print(f"  mlx-lm generate_step {theirs[-1]:6.1f} tok/s   paged engine {ours[-1]:6.1f} tok/s", flush=True)
-    a, b = statistics.median(ours), statistics.median(theirs)
-    print(f"median decode: paged {a:.1f} tok/s, mlx-lm {b:.1f} tok/s, ratio {a / b:.2f}")
+    run(args.hidden, args.layers, args.tokens, args.prompt, args.rounds)
 
 
 if __name__ == "__main__":
