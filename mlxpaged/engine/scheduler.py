@@ -2,7 +2,8 @@
 
 Plain Python (no MLX), modelled on vLLM v1's scheduler. Each step spends at most
 `max_batch_tokens` tokens: one per decoding request first, then chunks of unfinished
-prefills, then new admissions in FIFO order. When the block pool runs dry the newest
+prefills (each at most a quarter of the budget while a request waits), then new admissions
+in FIFO order. When the block pool runs dry the newest
 running request is preempted by recompute: its blocks are freed and it later re-prefills
 prompt + generated tokens (cheaply, if its blocks are still in the prefix cache).
 
@@ -61,6 +62,11 @@ class StateSlots(Protocol):
     def restore(self, slot: int, block_hash: Hashable) -> None: ...
     def checkpoint(self, slot: int, block_hash: Hashable, publish: bool) -> None: ...
 
+
+# While requests wait to be admitted, one running prefill takes at most 1/LONG_PREFILL_SHARE of a
+# step's tokens, so a burst is admitted beside a long prompt instead of queuing behind all of its
+# chunks (vLLM's long_prefill_token_threshold). Alone, a long prompt keeps the whole budget.
+LONG_PREFILL_SHARE = 4
 
 MODEL_CONTEXT = "model context"
 CACHE_CAPACITY = "KV cache capacity"
@@ -230,10 +236,11 @@ class Scheduler:
         decodes = [r for r in self._running if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in self._running if r.num_tokens - r.num_computed_tokens > 1]
         chunks: list[ScheduledChunk] = []
+        cap = self._prefill_cap(preempted)
         for request in decodes + prefills:
             if budget == 0:
                 break
-            chunks.append(self._chunk(request, budget))
+            chunks.append(self._chunk(request, min(budget, cap)))
             budget -= len(chunks[-1].token_ids)
         # As in vLLM: a step that had to preempt admits nothing, or it would thrash.
         while not preempted and budget > 0 and (request := self._admit_next()) is not None:
@@ -307,6 +314,14 @@ class Scheduler:
         request.num_preemptions += 1
         # Newest preempted first, each pushed to the front: the queue stays in arrival order.
         self._waiting.appendleft(request)
+
+    def _prefill_cap(self, preempted: list[Request]) -> int:
+        """Tokens one running prefill may take this step: a share of the budget while the head of
+        the waiting queue could be admitted, else all of it."""
+        admitting = (self._waiting and not preempted and len(self._running) < self.max_num_seqs
+                     and (self.state is None or self.state.num_free > 0)
+                     and self.kv_manager.can_allocate(self._waiting[0]))
+        return max(1, self.max_batch_tokens // LONG_PREFILL_SHARE) if admitting else self.max_batch_tokens
 
     def _admit_next(self) -> Request | None:
         """Move the head of the waiting queue to running if it fits, else None: the first

@@ -243,19 +243,33 @@ def test_budget_shared_and_never_exceeded():
         assert eng.finished[f"r{i}"].output_token_ids == solo_output(p, 6)
 
 
-def test_decode_chunks_come_first():
+def test_decode_chunks_come_first_and_a_long_prefill_makes_room_for_a_waiting_request():
     _, s = make(budget=12)
     eng = FakeEngine(s)
     s.add_request(req("long", range(30), 4))
-    eng.step()  # 12 of 30 prompt tokens
+    out = eng.step()  # alone, a long prompt takes the whole budget
+    assert [(c.request.request_id, len(c.token_ids)) for c in out.chunks] == [("long", 12)]
     s.add_request(req("short", range(100, 102), 10))
-    out = eng.step()  # long: 12 more, budget spent before admission
-    assert [c.request.request_id for c in out.chunks] == ["long"]
-    out = eng.step()  # long finishes prefill (6), short admitted (2)
-    assert [c.request.request_id for c in out.chunks] == ["long", "short"]
+    out = eng.step()  # while short waits, long takes a quarter (LONG_PREFILL_SHARE) and short is admitted
+    assert [(c.request.request_id, len(c.token_ids)) for c in out.chunks] == [("long", 3), ("short", 2)]
+    assert s.get("short").output_token_ids  # its first token, before long's prompt is done
+    out = eng.step()  # decodes first; nobody waits, so long takes the rest of the budget
+    assert [(c.request.request_id, len(c.token_ids)) for c in out.chunks] == [("short", 1), ("long", 11)]
     out = eng.step()
-    assert [(c.request.request_id, len(c.token_ids)) for c in out.chunks] == [
-        ("long", 1), ("short", 1)]
+    assert [(c.request.request_id, len(c.token_ids)) for c in out.chunks] == [("short", 1), ("long", 4)]
+    eng.run()
+    assert eng.finished["long"].output_token_ids == solo_output(range(30), 4)
+    assert eng.finished["short"].output_token_ids == solo_output(range(100, 102), 10)
+
+
+def test_a_long_prefill_keeps_the_budget_when_the_waiting_request_cannot_be_admitted():
+    _, s = make(budget=12, seqs=1)
+    eng = FakeEngine(s)
+    s.add_request(req("long", range(30), 4))
+    eng.step()
+    s.add_request(req("short", range(100, 102), 10))  # max_num_seqs 1: it must wait for long anyway
+    out = eng.step()
+    assert [(c.request.request_id, len(c.token_ids)) for c in out.chunks] == [("long", 12)]
 
 
 def test_max_num_seqs_respected():
