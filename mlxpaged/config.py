@@ -68,14 +68,19 @@ class CacheConfig:
 class SchedulerConfig:
     """How much work one engine step takes. `max_batch_tokens` bounds one model step (prefill
     chunks included) and so the activation headroom the memory plan sets aside; `max_num_seqs`
-    bounds concurrent sequences. Bad values raise ConfigError (a ValueError)."""
+    bounds concurrent sequences. `max_model_len` overrides the model's context (prompt + reply
+    tokens per request; None: the model's own): longer than the model was trained on runs, as
+    RoPE extrapolates, with no promise about quality. Bad values raise ConfigError (a ValueError)."""
 
     max_batch_tokens: int = 2048
     max_num_seqs: int = 16
+    max_model_len: int | None = None
 
     def __post_init__(self) -> None:
         require_int("max_batch_tokens", self.max_batch_tokens, low=1, setting=True)
         require_int("max_num_seqs", self.max_num_seqs, low=1, setting=True)
+        if self.max_model_len is not None:
+            require_int("max_model_len", self.max_model_len, low=1, setting=True)
         if self.max_batch_tokens < self.max_num_seqs:
             # Otherwise some decoding sequences would get no token in a step (the scheduler's rule,
             # checked here so a bad setting fails before the model and the pool are loaded).

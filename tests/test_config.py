@@ -43,3 +43,10 @@ def test_from_pretrained_refuses_an_unknown_setting_before_looking_for_the_model
 
     with pytest.raises(ConfigError, match="unknown setting 'max_tokens'"):
         Engine.from_pretrained("/nonexistent/model", max_tokens=256)  # a reply's length is SamplingParams'
+
+
+def test_max_model_len_is_a_positive_count_or_none():
+    assert SchedulerConfig().max_model_len is None and SchedulerConfig(max_model_len=16384).max_model_len == 16384
+    with pytest.raises(ConfigError, match="max_model_len") as info:
+        split_settings(dict(max_model_len=0))
+    assert info.value.param == "max_model_len"

@@ -114,8 +114,11 @@ def bench_prefill(args: Namespace) -> int:
     if args.runs < 1:
         raise ConfigError(f"--runs must be at least 1 for the prefill bench, got {args.runs}")
     sizes = args.sizes or DEFAULT_SIZES
-    engine = Engine.from_pretrained(args.model)
-    print(f"model {engine.loaded.name} ({engine.loaded.dtype}), context {engine.max_model_len} tokens, "
+    context = getattr(args, "max_model_len", None)
+    engine = Engine.from_pretrained(args.model, **({"max_model_len": context} if context else {}))
+    trained = engine.facts.context_length
+    note = f" (set by --max-model-len; the model's own is {trained})" if context and trained != context else ""
+    print(f"model {engine.loaded.name} ({engine.loaded.dtype}), context {engine.max_model_len} tokens{note}, "
           f"BLAS {blas_status().name}, {args.runs} runs per size (medians), prompts seeded ({PROMPT_SEED})")
     engine_ttft(engine, seeded_tokens(engine.tokenizer, 32, 0))  # warm-up: first-call allocations
     mlx_lm_ttft(engine.loaded, seeded_tokens(engine.tokenizer, 32, 0))

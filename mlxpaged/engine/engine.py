@@ -62,7 +62,8 @@ class Engine:
         # Before the first decode: a Metal kernel variant that fails its self-check is replaced by the reference.
         prepare_attention(kv_dtype, self.facts.kv.head_dim, self.cache_config.block_size,
                           query_heads(self.layout), self.facts.kv.num_kv_heads)
-        self.max_model_len = int(self.facts.context_length or self.plan.token_capacity)
+        self.max_model_len = int(self.scheduler_config.max_model_len or self.facts.context_length
+                                 or self.plan.token_capacity)
         # SimpleQueue (C, reentrant): its put cannot deadlock when a Ctrl-C or a finalizer (engine_thread.py)
         # lands inside another put, as queue.Queue's Python-level lock can.
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
