@@ -131,6 +131,16 @@ class PoolMachine(RuleBasedStateMachine):
     def free(self, data):
         self.pool.free(data.draw(st.sampled_from(self.live())))
 
+    @precondition(lambda self: self.pool.requests)
+    @rule(data=st.data(), more=st.lists(st.integers(0, 2), min_size=1, max_size=4))
+    def free_and_extend(self, data, more):
+        """A follow-up turn: its prompt extends a finished request's tokens, so the finished one's
+        partly computed last block can be taken over."""
+        rid = data.draw(st.sampled_from(self.live()))
+        tokens = self.pool.token_ids(rid)
+        self.pool.free(rid)
+        self.try_allocate(tokens + more, 0)
+
     @rule(data=st.data())
     def lookup(self, data):
         tokens = data.draw(self.prompts())
