@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from mlxpaged.errors import ConfigError
 from mlxpaged.platform.blas import blas_status
 from mlxpaged.loading.loader import baseline_stream
+from mlxpaged_app.bench.prefill_attention import MAX_CONTIGUOUS_CONTEXT, measure_attention
 
 DEFAULT_SIZES = (1024, 4096, 8192, 16384)
 APPENDED_TOKENS = 8  # the cached prompt is the cold one plus these next tokens of the same text
@@ -128,5 +129,16 @@ def bench_prefill(args: Namespace) -> int:
             print(f"{size:>6} skipped: above the model's context of {engine.max_model_len} tokens")
             continue
         print(format_row(measure_size(engine, size, args.runs)), flush=True)
+    timed = [s for s in sizes if s <= min(engine.max_model_len, MAX_CONTIGUOUS_CONTEXT)]
+    if timed:
+        print(attention_row(engine, max(timed)).line())
     engine.close()
     return 0
+
+
+def attention_row(engine, context: int):
+    """The attention part of a `context`-token prefill for one layer of the engine's model."""
+    from mlxpaged.cache.paged_support import query_heads
+
+    return measure_attention(context, engine.scheduler_config.max_batch_tokens, query_heads(engine.layout),
+                             engine.facts.kv.num_kv_heads, engine.facts.kv.head_dim, engine.cache_config.block_size)
