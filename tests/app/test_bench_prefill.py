@@ -39,6 +39,14 @@ def test_bench_prints_rows_whose_ratios_come_from_the_times(capsys):
     assert "attention only, one layer, 64 tokens in 2048-token chunks: paged " in out
 
 
+def test_cpu_clock_is_named_and_times_the_same_rows(capsys):
+    assert build_parser().parse_args(["bench", "prefill", "--clock", "cpu"]).clock == "cpu"
+    assert bench_prefill(Namespace(model=None, sizes=(40,), runs=1, clock="cpu")) == 0
+    out = capsys.readouterr().out
+    assert ", cpu clock" in out
+    assert min(printed_row(out, 40)[2:5]) > 0
+
+
 def test_seeded_prompts_repeat_and_differ_by_seed(default_loaded):
     tokenizer = default_loaded.tokenizer
     first = seeded_tokens(tokenizer, 300, seed=1)
