@@ -145,14 +145,15 @@ def bench_prefill(args: Namespace) -> int:
         print(format_row(measure_size(engine, size, args.runs, CLOCKS[clock])), flush=True)
     timed = [s for s in sizes if s <= min(engine.max_model_len, MAX_CONTIGUOUS_CONTEXT)]
     if timed:
-        print(attention_row(engine, max(timed)).line())
+        print(attention_row(engine, max(timed), CLOCKS[clock]).line())
     engine.close()
     return 0
 
 
-def attention_row(engine, context: int):
+def attention_row(engine, context: int, clock=time.perf_counter):
     """The attention part of a `context`-token prefill for one layer of the engine's model."""
     from mlxpaged.cache.paged_support import query_heads
 
     return measure_attention(context, engine.scheduler_config.max_batch_tokens, query_heads(engine.layout),
-                             engine.facts.kv.num_kv_heads, engine.facts.kv.head_dim, engine.cache_config.block_size)
+                             engine.facts.kv.num_kv_heads, engine.facts.kv.head_dim, engine.cache_config.block_size,
+                             clock)
