@@ -6,12 +6,8 @@ import pytest
 
 from mlxpaged.engine.scheduler import RequestTooLongError
 from tests.engine.test_engine import GREEDY, reference_tokens, tiny_engine
+from tests.engine.test_engine import tokenizer  # noqa: F401  (the fixture, shared)
 from tests.tiny_models import random_tokens, tiny_llama
-
-
-@pytest.fixture(scope="module")
-def tokenizer(default_loaded):
-    return default_loaded.tokenizer
 
 
 def test_a_longer_context_than_the_models_own_is_served(tokenizer):

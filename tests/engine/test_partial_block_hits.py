@@ -9,12 +9,8 @@ import pytest
 
 from mlxpaged.sampling_params import SamplingParams
 from tests.engine.test_engine import GREEDY, assert_pool_empty, reference_tokens, tiny_engine
+from tests.engine.test_engine import tokenizer  # noqa: F401  (the fixture, shared)
 from tests.tiny_models import random_tokens, tiny_llama
-
-
-@pytest.fixture(scope="module")
-def tokenizer(default_loaded):
-    return default_loaded.tokenizer
 
 
 @pytest.mark.parametrize("first", [13, 21, 30])  # 8-token blocks: 5, 5 and 6 tokens in the last one
