@@ -150,6 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--runs", type=int, default=3)
     bench.add_argument("--sizes", type=prefill_sizes, default=None,
                        help="prefill: prompt sizes in tokens, comma-separated (default 1024,4096,8192,16384)")
+    bench.add_argument("--max-model-len", type=int, default=None,
+                       help="prefill: context in tokens instead of the model's own (16384 for the default "
+                            "model's 8192: RoPE extrapolates; timings only, no promise about quality)")
+    bench.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                       help="prefill: time to first token in wall time (default) or in this process's CPU "
+                            "time, steadier on a shared machine")
     bench.set_defaults(func=cmd_bench)
 
     models = sub.add_parser("models", help="list presets and local models")

@@ -71,16 +71,21 @@ class SchedulerConfig:
     chunks included) and so the activation headroom the memory plan sets aside; `max_num_seqs`
     bounds concurrent sequences. `speculative="ngram"` drafts up to `num_speculative_tokens` tokens
     per decoding sequence from its own prompt and output and verifies them in one pass
-    (engine/speculation.py). Bad values raise ConfigError (a ValueError)."""
+    (engine/speculation.py). `max_model_len` overrides the model's context (prompt + reply tokens per
+    request; None: the model's own): longer than the model was trained on runs, as RoPE extrapolates,
+    with no promise about quality. Bad values raise ConfigError (a ValueError)."""
 
     max_batch_tokens: int = 2048
     max_num_seqs: int = 16
     speculative: str | None = None
     num_speculative_tokens: int = 5
+    max_model_len: int | None = None
 
     def __post_init__(self) -> None:
         require_int("max_batch_tokens", self.max_batch_tokens, low=1, setting=True)
         require_int("max_num_seqs", self.max_num_seqs, low=1, setting=True)
+        if self.max_model_len is not None:
+            require_int("max_model_len", self.max_model_len, low=1, setting=True)
         if self.max_batch_tokens < self.max_num_seqs:
             # Otherwise some decoding sequences would get no token in a step (the scheduler's rule,
             # checked here so a bad setting fails before the model and the pool are loaded).

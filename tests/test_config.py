@@ -53,3 +53,10 @@ def test_speculative_decoding_is_a_scheduler_setting_checked_by_name():
     with pytest.raises(ConfigError) as info:
         SchedulerConfig(speculative="ngram", num_speculative_tokens=0)
     assert info.value.param == "num_speculative_tokens"
+
+
+def test_max_model_len_is_a_positive_count_or_none():
+    assert SchedulerConfig().max_model_len is None and SchedulerConfig(max_model_len=16384).max_model_len == 16384
+    with pytest.raises(ConfigError, match="max_model_len") as info:
+        split_settings(dict(max_model_len=0))
+    assert info.value.param == "max_model_len"

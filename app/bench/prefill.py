@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from mlxpaged.errors import ConfigError
 from mlxpaged.platform.blas import blas_status
 from mlxpaged.loading.loader import baseline_stream
+from mlxpaged_app.bench.prefill_attention import MAX_CONTIGUOUS_CONTEXT, measure_attention
 
 DEFAULT_SIZES = (1024, 4096, 8192, 16384)
 APPENDED_TOKENS = 8  # the cached prompt is the cold one plus these next tokens of the same text
@@ -75,36 +76,49 @@ def format_row(row: PrefillRow) -> str:
             f"{row.cached_vs_cold:>14.1f}x")
 
 
-def mlx_lm_ttft(loaded, prompt: list[int]) -> float:
+# --clock: wall time is what a user waits; CPU time of this process (all its threads, mlx-lm's and the
+# engine's alike) is steadier when other work shares the machine.
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def mlx_lm_ttft(loaded, prompt: list[int], clock=time.perf_counter) -> float:
     """Seconds to the first token of mlx-lm's stream_generate (its own contiguous cache, built fresh)."""
-    start = time.perf_counter()
+    start = clock()
     next(iter(baseline_stream(loaded, prompt, max_tokens=1)))
-    return time.perf_counter() - start
+    return clock() - start
 
 
-def engine_ttft(engine, prompt: list[int]) -> float:
+def engine_ttft(engine, prompt: list[int], clock=time.perf_counter) -> float:
     """Seconds to the first streamed token of the paged engine, greedy."""
     from mlxpaged.sampling_params import SamplingParams
 
-    start = time.perf_counter()
+    start = clock()
     for _ in engine.stream(prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)):
-        return time.perf_counter() - start
+        return clock() - start
     raise RuntimeError(f"the engine streamed nothing for a {len(prompt)}-token prompt")
 
 
-def measure_size(engine, size: int, runs: int) -> PrefillRow:
+def measure_size(engine, size: int, runs: int, clock=time.perf_counter) -> PrefillRow:
     """Per run a fresh seeded prompt: mlx-lm cold, mlxpaged cold (empty prefix cache), then the same prompt
     plus APPENDED_TOKENS (a prefix-cache hit). The +1 leaves room for the one generated token."""
     mlx_lm, cold, cached = [], [], []
     for run in range(runs):
         text = seeded_tokens(engine.tokenizer, size - 1, PROMPT_SEED * 1000 + size + run)
         prompt = text[:-APPENDED_TOKENS]
-        mlx_lm.append(mlx_lm_ttft(engine.loaded, prompt))
+        mlx_lm.append(mlx_lm_ttft(engine.loaded, prompt, clock))
         engine.pool.reset_prefix_cache()
-        cold.append(engine_ttft(engine, prompt))
-        cached.append(engine_ttft(engine, text))
+        cold.append(engine_ttft(engine, prompt, clock))
+        cached.append(engine_ttft(engine, text, clock))
     return PrefillRow(size, len(prompt), statistics.median(mlx_lm), statistics.median(cold),
                       statistics.median(cached))
+
+
+def warm_up(engine) -> None:
+    """First-call allocations of both sides, and of our cold and cached paths, before any timing."""
+    warm = seeded_tokens(engine.tokenizer, 64, 0)
+    engine_ttft(engine, warm[:40])
+    engine_ttft(engine, warm)  # a hit on the first 40
+    mlx_lm_ttft(engine.loaded, warm[:40])
 
 
 def bench_prefill(args: Namespace) -> int:
@@ -114,16 +128,32 @@ def bench_prefill(args: Namespace) -> int:
     if args.runs < 1:
         raise ConfigError(f"--runs must be at least 1 for the prefill bench, got {args.runs}")
     sizes = args.sizes or DEFAULT_SIZES
-    engine = Engine.from_pretrained(args.model)
-    print(f"model {engine.loaded.name} ({engine.loaded.dtype}), context {engine.max_model_len} tokens, "
-          f"BLAS {blas_status().name}, {args.runs} runs per size (medians), prompts seeded ({PROMPT_SEED})")
-    engine_ttft(engine, seeded_tokens(engine.tokenizer, 32, 0))  # warm-up: first-call allocations
-    mlx_lm_ttft(engine.loaded, seeded_tokens(engine.tokenizer, 32, 0))
+    clock = getattr(args, "clock", "wall")
+    context = getattr(args, "max_model_len", None)
+    engine = Engine.from_pretrained(args.model, **({"max_model_len": context} if context else {}))
+    trained = engine.facts.context_length
+    note = f" (set by --max-model-len; the model's own is {trained})" if context and trained != context else ""
+    print(f"model {engine.loaded.name} ({engine.loaded.dtype}), context {engine.max_model_len} tokens{note}, "
+          f"BLAS {blas_status().name}, {args.runs} runs per size (medians), prompts seeded ({PROMPT_SEED}), "
+          f"{clock} clock")
+    warm_up(engine)
     print(HEADER)
     for size in sizes:
         if size > engine.max_model_len:
             print(f"{size:>6} skipped: above the model's context of {engine.max_model_len} tokens")
             continue
-        print(format_row(measure_size(engine, size, args.runs)), flush=True)
+        print(format_row(measure_size(engine, size, args.runs, CLOCKS[clock])), flush=True)
+    timed = [s for s in sizes if s <= min(engine.max_model_len, MAX_CONTIGUOUS_CONTEXT)]
+    if timed:
+        print(attention_row(engine, max(timed), CLOCKS[clock]).line())
     engine.close()
     return 0
+
+
+def attention_row(engine, context: int, clock=time.perf_counter):
+    """The attention part of a `context`-token prefill for one layer of the engine's model."""
+    from mlxpaged.cache.paged_support import query_heads
+
+    return measure_attention(context, engine.scheduler_config.max_batch_tokens, query_heads(engine.layout),
+                             engine.facts.kv.num_kv_heads, engine.facts.kv.head_dim, engine.cache_config.block_size,
+                             clock)

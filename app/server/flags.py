@@ -53,6 +53,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                        help="tokens per engine step")
     cache.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs,
                        help="sequences decoded together")
+    cache.add_argument("--max-model-len", type=int, default=None,
+                       help="context per request in tokens instead of the model's own (longer: RoPE extrapolates, "
+                            "no promise about quality)")
     cache.add_argument("--no-wire", action="store_true", help="leave the Metal wired limit alone")
     cache.add_argument("--no-prefix-cache", action="store_true", help="do not reuse cached prompt blocks")
     cache.add_argument("--speculative", choices=["ngram"], default=None, help=SPECULATIVE_HELP)
@@ -82,7 +85,7 @@ def cache_settings(args: argparse.Namespace) -> dict:
     settings = dict(block_size=args.block_size, max_batch_tokens=args.max_batch_tokens,
                     max_num_seqs=args.max_num_seqs, wire=not args.no_wire,
                     enable_prefix_cache=not args.no_prefix_cache, speculative=args.speculative)
-    for name in ("cache_tokens", "memory_fraction", "kv_memory"):
+    for name in ("cache_tokens", "memory_fraction", "kv_memory", "max_model_len"):
         if getattr(args, name) is not None:
             settings[name] = getattr(args, name)
     return settings

@@ -5,6 +5,11 @@ nothing of requests: per-request tables live in kv_cache_manager.py.
 A full block whose KV is computed can be cached under its block hash (a chain: see
 `sha256_block_hash`). A freed block with a hash stays findable in an LRU queue and is evicted only
 when the pool needs a block; a freed block without one goes back to the free list, used first.
+
+Partial blocks: a freed request's last, partly computed block stays findable by (hash of the full
+blocks before it, its computed tokens) while it waits in the free list, so a prompt that extends
+the freed one takes it over instead of recomputing up to block_size - 1 tokens (SGLang's radix
+cache keeps tokens, not blocks, for the same reason). Handing it out for anything else forgets it.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import Callable, Hashable
+from typing import Callable, Hashable, Sequence
 
 from mlxpaged.validation import require_int
 
@@ -73,6 +78,9 @@ class BlockPool:
         # Hashed blocks with ref 0, least recently used first (an O(1) doubly-linked list).
         self._evictable: OrderedDict[int, KVCacheBlock] = OrderedDict()
         self._cached: dict[Hashable, dict[int, KVCacheBlock]] = {}  # hash -> blocks with that hash
+        # Free partial blocks: parent hash (None: the first block) -> {block id: its computed tokens}.
+        self._partials: dict[Hashable | None, dict[int, tuple]] = {}
+        self._partial_parent: dict[int, Hashable | None] = {}  # block id -> its key in _partials
         # Bumped by reset_prefix_cache: a chain started under an older epoch must not be extended.
         self.cache_epoch = 0
         self._queries = self._query_tokens = self._hit_tokens = self._evictions = 0
@@ -120,6 +128,7 @@ class BlockPool:
         for _ in range(n):
             if self._free:
                 b = self._free.popleft()
+                self._forget_partial(b.block_id)
             else:
                 b = self._evictable.popitem(last=False)[1]
                 self._uncache(b)
@@ -157,6 +166,35 @@ class BlockPool:
         block.block_hash = block_hash
         self._cached.setdefault(block_hash, {})[block.block_id] = block
 
+    def cache_partial_block(self, block: KVCacheBlock, parent_hash: Hashable | None, token_ids: tuple) -> None:
+        """Make a free, unhashed block findable by the tokens whose KV its first slots hold."""
+        if block.ref_cnt != 0 or block.block_hash is not None or not token_ids:
+            raise RuntimeError(f"block {block.block_id} cannot be cached as partial: ref count {block.ref_cnt}, "
+                               f"hash {block.block_hash!r}, {len(token_ids)} tokens")
+        self._forget_partial(block.block_id)
+        self._partials.setdefault(parent_hash, {})[block.block_id] = token_ids
+        self._partial_parent[block.block_id] = parent_hash
+
+    def match_partial_block(self, parent_hash: Hashable | None, token_ids: Sequence[int]) -> tuple[int, int] | None:
+        """(block id, n) of the free partial block after `parent_hash` sharing the longest run of leading
+        tokens with `token_ids` (n >= 1 of them), or None. No side effects."""
+        best = None
+        for block_id, cached in self._partials.get(parent_hash, {}).items():
+            n = _common_prefix(cached, token_ids)
+            if n and (best is None or n > best[1]):
+                best = (block_id, n)
+        return best
+
+    def take_partial_block(self, block_id: int) -> KVCacheBlock:
+        """Take a free partial block `match_partial_block` named out of the free list, with ref 1."""
+        if block_id not in self._partial_parent:
+            raise RuntimeError(f"block {block_id} is not a free partial block")
+        self._forget_partial(block_id)
+        block = self.blocks[block_id]
+        self._free.remove(block)
+        block.ref_cnt = 1
+        return block
+
     def record_prefix_query(self, query_tokens: int, hit_tokens: int) -> None:
         self._queries += 1
         self._query_tokens += query_tokens
@@ -170,7 +208,16 @@ class BlockPool:
         self._free.extend(self._evictable.values())
         self._evictable.clear()
         self._cached.clear()
+        self._partials.clear()
+        self._partial_parent.clear()
         self.cache_epoch += 1
+
+    def _forget_partial(self, block_id: int) -> None:
+        if block_id in self._partial_parent:
+            parent = self._partial_parent.pop(block_id)
+            del self._partials[parent][block_id]
+            if not self._partials[parent]:
+                del self._partials[parent]
 
     def _uncache(self, block: KVCacheBlock) -> None:
         same_hash = self._cached[block.block_hash]
@@ -178,3 +225,12 @@ class BlockPool:
         if not same_hash:
             del self._cached[block.block_hash]
         block.block_hash = None
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -76,6 +76,7 @@ class SingleTypeManager:
 class _CachedChain:
     block_hashes: list[Hashable]  # of the request's leading blocks in the prefix cache
     epoch: int  # the pool's cache epoch when the chain began
+    partial: tuple[KVCacheBlock, tuple] | None = None  # the block after the chain and its computed tokens
 
 
 class KVCacheManager:
@@ -153,7 +154,10 @@ class KVCacheManager:
 
     def lookup_prefix(self, token_ids: Sequence[int]) -> int:
         """Tokens allocate() would take from the cache now; no side effects, no stats."""
-        return len(self._match_prefix(list(token_ids))[0]) * self.block_size
+        tokens = list(token_ids)
+        hits, hashes = self._match_prefix(tokens)
+        partial = self._match_partial(tokens, hashes)
+        return len(hits) * self.block_size + (partial[1] if partial else 0)
 
     def can_allocate(self, request: Request, num_new_slots: int | None = None) -> bool:
         tokens = request.all_token_ids
@@ -175,20 +179,26 @@ class KVCacheManager:
         if extra < 0:
             raise ValueError(f"num_new_slots must be >= 0, got {extra}")
         hits, hashes = self._match_prefix(tokens)  # only with the prefix cache: then one table
+        partial = self._match_partial(tokens, hashes)
         fresh = [m.spec.blocks_needed(len(tokens) + extra) for m in self.managers]
         fresh[0] -= len(hits)
         available = self._available_besides(hits)
         if sum(fresh) > available:
             raise NoFreeBlocksError(sum(fresh), available, self.pool.num_blocks)
         self.pool.touch(hits)
-        tables = _split(self.pool.get_new_blocks(sum(fresh)), fresh)
+        # The partial block is one of the free blocks counted above: it is the first fresh block.
+        taken = [self.pool.take_partial_block(partial[0])] if partial else []
+        tables = _split(taken + self.pool.get_new_blocks(sum(fresh) - len(taken)), fresh)
         tables[0] = hits + tables[0]
         for manager, table in zip(self.managers, tables):
             manager.tables[rid] = table
-        cached = len(hits) * self.block_size
+        cached = len(hits) * self.block_size + (partial[1] if partial else 0)
         if self.enable_prefix_cache:
             self.pool.record_prefix_query(len(tokens), cached)
-        self._chains[rid] = _CachedChain(hashes, self.pool.cache_epoch)
+        chain = _CachedChain(hashes, self.pool.cache_epoch)
+        if partial:
+            chain.partial = (taken[0], tuple(tokens[len(hits) * self.block_size:cached]))
+        self._chains[rid] = chain
         return Allocation([[b.block_id for b in t] for t in tables], cached, hashes[-1] if hits else None)
 
     def allocate_slots(self, request: Request, num_tokens: int | None = None) -> list[list[int]]:
@@ -247,6 +257,9 @@ class KVCacheManager:
             if table[i].block_hash is None:
                 self.pool.cache_full_block(table[i], block_hash)
             chain.block_hashes.append(block_hash)
+        start = len(chain.block_hashes) * bs  # == computed // bs * bs
+        chain.partial = (table[start // bs], tuple(request.token_ids_between(start, computed))) \
+            if computed > start else None
 
     def block_hash(self, request_id: Hashable, num_blocks: int) -> Hashable | None:
         """The chain hash of the request's first `num_blocks` blocks, once they are cached (else None)."""
@@ -281,9 +294,12 @@ class KVCacheManager:
         """Release a request's blocks. Tail blocks are queued first so that a chain is evicted tail
         before head (its head is the part other prompts most likely share)."""
         self._check_known(request_id)
-        del self._chains[request_id]
+        chain = self._chains.pop(request_id)
         tables = [m.tables.pop(request_id) for m in self.managers]
         self.pool.free_blocks([b for table in tables for b in reversed(table)])
+        if chain.partial is not None and chain.epoch == self.pool.cache_epoch and chain.partial[0].ref_cnt == 0:
+            parent = chain.block_hashes[-1] if chain.block_hashes else None
+            self.pool.cache_partial_block(chain.partial[0], parent, chain.partial[1])
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block; running requests keep theirs but stop caching new ones."""
@@ -298,6 +314,15 @@ class KVCacheManager:
     def _chain(self, request_id: Hashable) -> _CachedChain:
         self._check_known(request_id)
         return self._chains[request_id]
+
+    def _match_partial(self, tokens: list[int], hashes: list[Hashable]) -> tuple[int, int] | None:
+        """(block id, n): a free partial block holding the KV of the n tokens after the matched full
+        blocks, never covering the last token; None without the prefix cache or a match. Never with a
+        prefix filter: state layers resume from checkpoints at block boundaries only (state_cache.py)."""
+        start = len(hashes) * self.block_size
+        if not self.enable_prefix_cache or self.prefix_filter is not None or start >= len(tokens) - 1:
+            return None
+        return self.pool.match_partial_block(hashes[-1] if hashes else None, tokens[start:len(tokens) - 1])
 
     def _available_besides(self, hits: list[KVCacheBlock]) -> int:
         # Touching an evictable hit takes it out of the free pool without allocating it.

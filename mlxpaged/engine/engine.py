@@ -92,7 +92,8 @@ class Engine:
         # Before the first decode: a Metal kernel variant that fails its self-check is replaced by the reference.
         for heads, kv_heads, k_dim, v_dim, sinks in attention_geometries(self.layout):
             prepare_attention(kv_dtype, k_dim, self.cache_config.block_size, heads, kv_heads, v_dim, sinks)
-        self.max_model_len = int(self.facts.context_length or self.plan.token_capacity)
+        self.max_model_len = int(self.scheduler_config.max_model_len or self.facts.context_length
+                                 or self.plan.token_capacity)
         # Not exact in a ragged batch (or cannot take one): one sequence per pass, decided here, not mid-request.
         self.serial_reason = layout_serial_reason(self.layout, loaded.model, kv_dtype, self.cache_config.block_size)
         # SimpleQueue (C, reentrant): its put cannot deadlock when a Ctrl-C or a finalizer (engine_thread.py)

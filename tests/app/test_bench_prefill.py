@@ -1,12 +1,16 @@
 """`mlxpaged bench prefill` runs on the real default model at a tiny size; timings are never asserted,
 only that each printed ratio comes from the printed times."""
 
+import re
 from argparse import ArgumentTypeError, Namespace
 
+import mlxpaged  # noqa: F401  (OpenBLAS before mlx)
+import mlx.core as mx
 import pytest
 
 from mlxpaged.errors import ConfigError
 from mlxpaged_app.bench.prefill import APPENDED_TOKENS, bench_prefill, parse_sizes, seeded_tokens
+from mlxpaged_app.bench.prefill_attention import chunked_attention, contiguous_sdpa, make_inputs, measure_attention
 from mlxpaged_app.cli import build_parser
 
 
@@ -32,6 +36,15 @@ def test_bench_prints_rows_whose_ratios_come_from_the_times(capsys):
     assert abs(cold_vs_mlx_lm - mlx_lm / cold) <= rounding(mlx_lm, cold, ratio_step=0.01)
     assert abs(cached_vs_cold - cold / cached) <= rounding(cold, cached, ratio_step=0.1)
     assert "100000 skipped: above the model's context of 8192 tokens" in out
+    assert "attention only, one layer, 64 tokens in 2048-token chunks: paged " in out
+
+
+def test_cpu_clock_is_named_and_times_the_same_rows(capsys):
+    assert build_parser().parse_args(["bench", "prefill", "--clock", "cpu"]).clock == "cpu"
+    assert bench_prefill(Namespace(model=None, sizes=(40,), runs=1, clock="cpu")) == 0
+    out = capsys.readouterr().out
+    assert ", cpu clock" in out
+    assert min(printed_row(out, 40)[2:5]) > 0
 
 
 def test_seeded_prompts_repeat_and_differ_by_seed(default_loaded):
@@ -49,3 +62,22 @@ def test_sizes_flag_parses_and_refuses_bad_input():
         parse_sizes("64,0")
     with pytest.raises(ConfigError, match="got 0"):
         bench_prefill(Namespace(model=None, sizes=(64,), runs=0))
+
+
+@pytest.mark.parametrize("context,chunk,block_size", [(300, 128, 16), (257, 64, 8), (96, 96, 32)])
+def test_chunked_prefill_over_pages_equals_the_contiguous_paths(context, chunk, block_size):
+    # What the bench times must be the same attention: pages gathered per chunk, contiguous chunks, and
+    # one mx.fast SDPA call (queries past 64 per chunk also exercise cpu_attention's causal blocks).
+    x = make_inputs(context, heads=6, kv_heads=2, head_dim=32, block_size=block_size)
+    want = contiguous_sdpa(x)
+    for paged in (True, False):
+        got = chunked_attention(x, chunk, paged)
+        assert got.shape == want.shape and mx.allclose(got, want, atol=2e-5, rtol=1e-4).item()
+
+
+def test_attention_line_prints_its_ratios_from_its_times():
+    row = measure_attention(200, 64, heads=6, kv_heads=2, head_dim=32, block_size=16)
+    numbers = [float(n) for n in re.findall(r"(\d+\.\d+)", row.line())]
+    assert numbers == [round(row.paged_s, 3), round(row.contiguous_chunks_s, 3),
+                       round(row.paged_s / row.contiguous_chunks_s, 2), round(row.fast_sdpa_s, 3),
+                       round(row.paged_s / row.fast_sdpa_s, 2)]

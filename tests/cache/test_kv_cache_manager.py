@@ -154,7 +154,8 @@ def test_free_keeps_cached_blocks_findable_and_reusable():
     pool.free("a")
     assert pool.block_state()[table[0]] == "cached" and pool.block_state()[table[2]] == "free"
     alloc = pool.allocate("b", prompt(20))
-    assert alloc.num_cached_tokens == 16 and alloc.block_tables[0][:2] == table[:2]
+    # Two full blocks and 3 of the partial block's 4 tokens (the last token always runs).
+    assert alloc.num_cached_tokens == 19 and alloc.block_tables[0] == table
     assert pool.stats().num_cached_free == 0  # touching took them out of the free queue
 
 

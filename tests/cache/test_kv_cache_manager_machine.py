@@ -67,8 +67,12 @@ class PoolMachine(RuleBasedStateMachine):
             return None
         assert predicted and alloc.num_cached_tokens == expected_hit
         event("allocate: prefix hit" if expected_hit else "allocate: miss")
-        assert alloc.num_cached_tokens < len(tokens) and alloc.num_cached_tokens % self.bs == 0
+        if expected_hit % self.bs:
+            event("allocate: partial block taken over")
+        assert alloc.num_cached_tokens < len(tokens)
         assert sum(map(len, alloc.block_tables)) == self.pool.num_blocks_for(len(tokens) + extra)
+        for pos, slot in enumerate(self.pool.slots_for(rid, 0, alloc.num_cached_tokens)):  # hits hold their KV
+            assert self.kv.get(slot) == tuple(tokens[:pos + 1]), f"cached position {pos} holds other KV"
         return rid
 
     @precondition(lambda self: self.pool.requests)
@@ -127,11 +131,21 @@ class PoolMachine(RuleBasedStateMachine):
     def free(self, data):
         self.pool.free(data.draw(st.sampled_from(self.live())))
 
+    @precondition(lambda self: self.pool.requests)
+    @rule(data=st.data(), more=st.lists(st.integers(0, 2), min_size=1, max_size=4))
+    def free_and_extend(self, data, more):
+        """A follow-up turn: its prompt extends a finished request's tokens, so the finished one's
+        partly computed last block can be taken over."""
+        rid = data.draw(st.sampled_from(self.live()))
+        tokens = self.pool.token_ids(rid)
+        self.pool.free(rid)
+        self.try_allocate(tokens + more, 0)
+
     @rule(data=st.data())
     def lookup(self, data):
         tokens = data.draw(self.prompts())
         hit = self.pool.lookup_prefix(tokens)
-        assert hit < len(tokens) and hit % self.bs == 0
+        assert hit < len(tokens)
         assert self.pool.can_allocate(tokens) == (
             self.pool.num_blocks_for(len(tokens)) - hit // self.bs <= self.free_besides_hits(tokens))
 
@@ -191,6 +205,19 @@ class PoolMachine(RuleBasedStateMachine):
                     assert self.kv[block_id * bs + off] == prefix[:len(prefix) - bs + off + 1]
                 in_map.add(block_id)
         assert in_map == {b.block_id for b in manager.pool.blocks if b.block_hash is not None}
+
+    @invariant()
+    def partial_blocks_hold_their_tokens_after_their_parent(self):
+        pool, bs = self.pool.manager.pool, self.bs
+        free = {b.block_id for b in pool._free}
+        for parent, blocks in pool._partials.items():
+            for block_id, tokens in blocks.items():
+                assert block_id in free and 0 < len(tokens) < bs
+                prefix = self.kv[block_id * bs + len(tokens) - 1]
+                full = len(prefix) - len(tokens)
+                assert full % bs == 0 and prefix[full:] == tokens and self.chain_hash(prefix[:full]) == parent
+                for off in range(len(tokens)):
+                    assert self.kv[block_id * bs + off] == prefix[:full + off + 1]
 
     def chain_hash(self, tokens):
         h, bs = None, self.bs

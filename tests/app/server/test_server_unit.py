@@ -474,3 +474,16 @@ async def test_unknown_model_id_route():
     async with client_for(FakeEngine()) as client:
         r = await client.get("/v1/models/nope")
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_serve_max_model_len_reaches_the_engine_settings_only_when_given():
+    import argparse
+
+    from mlxpaged.config import split_settings
+    from mlxpaged_app.server.flags import add_serve_arguments, cache_settings
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    given = cache_settings(parser.parse_args(["--max-model-len", "16384"]))
+    assert given["max_model_len"] == 16384 and split_settings(given)[1].max_model_len == 16384
+    assert "max_model_len" not in cache_settings(parser.parse_args([]))
