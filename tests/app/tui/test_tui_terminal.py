@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import io
 import os
+import select
 import termios
+import time
 import tty
 
 import pytest
@@ -24,8 +26,18 @@ def pty_pair():
 def typed_then_read_as_the_app_does(main_fd: int, terminal_fd: int, keys: bytes) -> bytes:
     """Type `keys` while the terminal is in line mode, then switch it as Textual does and read."""
     os.write(main_fd, keys)
+    _wait_for_echo(main_fd, len(keys))  # the line discipline works asynchronously: let it take the keys first
     tty.setraw(terminal_fd, termios.TCSANOW)  # raw mode keeps what line mode had buffered
     return os.read(terminal_fd, 1024)
+
+
+def _wait_for_echo(main_fd: int, count: int, timeout: float = 5.0) -> None:
+    """Read the terminal's echo of `count` typed keys (a pty echoes a key once it has processed it):
+    switching modes before that raced the kernel under load (CR read back untranslated)."""
+    echoed, deadline = b"", time.monotonic() + timeout
+    while len(echoed) < count and time.monotonic() < deadline:
+        if select.select([main_fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
+            echoed += os.read(main_fd, 1024)
 
 
 def test_line_mode_turns_enter_into_ctrl_j(pty_pair):
