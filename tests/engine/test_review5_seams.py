@@ -33,3 +33,31 @@ def test_n_sequences_whose_last_prompt_chunk_is_one_token_fork_with_drafts(token
     assert core.speculator.stats.draft_tokens > 0
     assert replies(events) == replies(plain["r"])
     assert core.scheduler.kv_manager.stats().num_owned == 0
+
+
+def test_a_serial_model_verifies_drafts_one_sequence_per_pass(tokenizer, monkeypatch):
+    """Runner(serial=True) runs each chunk alone, drafting chunks too (num_logits > 1 per pass): the
+    tokens are plain batched decoding's."""
+    from mlxpaged.cache.kv_cache import PagedKVCache
+    from mlxpaged.config import CacheConfig, SchedulerConfig
+    from mlxpaged.engine.core import EngineCore
+    from mlxpaged.runner.routing import route_paged_attention
+    from tests.engine.test_speculative import GREEDY, full_sequences
+    from tests.engine.test_core import token_ids
+
+    model = tiny_llama()
+    plain, _ = run(model, tokenizer, PROMPTS, GREEDY)
+    oracle(monkeypatch, full_sequences(PROMPTS, plain))
+    route_paged_attention()
+    args = model.args
+    kv = PagedKVCache(num_layers=args.num_hidden_layers, num_blocks=64, block_size=8,
+                      num_kv_heads=args.num_key_value_heads, head_dim=args.head_dim)
+    core = EngineCore.create(model, tokenizer, kv, CacheConfig(block_size=8),
+                             SchedulerConfig(max_num_seqs=4, speculative="ngram"), max_model_len=512, serial=True)
+    events = {rid: [] for rid in PROMPTS}
+    for rid, prompt in PROMPTS.items():
+        core.add_request(rid, prompt, GREEDY, events[rid].append)
+    run_to_completion(core)
+    assert 0 < core.speculator.stats.accepted_tokens < core.speculator.stats.draft_tokens
+    assert {rid: token_ids(e) for rid, e in events.items()} == {rid: token_ids(e) for rid, e in plain.items()}
+    assert core.scheduler.kv_manager.stats().num_owned == 0
