@@ -61,3 +61,25 @@ def test_a_serial_model_verifies_drafts_one_sequence_per_pass(tokenizer, monkeyp
     assert 0 < core.speculator.stats.accepted_tokens < core.speculator.stats.draft_tokens
     assert {rid: token_ids(e) for rid, e in events.items()} == {rid: token_ids(e) for rid, e in plain.items()}
     assert core.scheduler.kv_manager.stats().num_owned == 0
+
+
+def test_a_partial_block_written_by_speculation_is_reused_with_the_kept_tokens_only(tokenizer, monkeypatch):
+    """A speculating request's last, partly computed block (rejected drafts were written past its kept
+    tokens) is cached as partial when it ends; a prompt extending the reply mid-block reuses it."""
+    from tests.engine.test_core import make_core, token_ids
+    from tests.engine.test_speculative import GREEDY, full_sequences
+
+    model = tiny_llama()
+    plain, _ = run(model, tokenizer, PROMPTS, GREEDY)
+    oracle(monkeypatch, full_sequences(PROMPTS, plain), wrong_every=5)
+    core = make_core(model, tokenizer, max_num_seqs=4, speculative="ngram")
+    first, follow_up = [], []
+    core.add_request("r", PROMPTS["b"], GREEDY, first.append)  # 30 + 40 tokens: 69 computed, block 8 partial
+    run_to_completion(core)
+    assert core.speculator.stats.accepted_tokens < core.speculator.stats.draft_tokens  # some rolled back
+    extended = PROMPTS["b"] + token_ids(first)[:39]  # 69 tokens: 8 full blocks + 4 of the partial one
+    core.add_request("s", extended, dataclasses.replace(GREEDY, max_tokens=8), follow_up.append)
+    run_to_completion(core)
+    fresh, _ = run(model, tokenizer, {"s": extended}, dataclasses.replace(GREEDY, max_tokens=8))
+    assert follow_up[-1].cached_tokens == 68
+    assert token_ids(follow_up) == token_ids(fresh["s"])
