@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from tests.engine.test_core import run_to_completion
 from tests.engine.test_engine import tokenizer  # noqa: F401  (the fixture, shared)
 from tests.engine.test_speculative import PROMPTS, SEEDED, oracle, run
@@ -83,3 +85,29 @@ def test_a_partial_block_written_by_speculation_is_reused_with_the_kept_tokens_o
     fresh, _ = run(model, tokenizer, {"s": extended}, dataclasses.replace(GREEDY, max_tokens=8))
     assert follow_up[-1].cached_tokens == 68
     assert token_ids(follow_up) == token_ids(fresh["s"])
+
+
+@pytest.mark.parametrize("module", ["deepseek_v32", "gemma4_text"])  # K-is-V + two classes; shared K/V
+def test_greedy_n_sequences_on_pools_of_several_geometries_match_mlx_lm(module, tokenizer, monkeypatch):
+    """n > 1 forks copy the prompt's partly computed block: in every pool (copy_blocks), or the copied
+    sequences read another class's stale pages and leave mlx-lm's greedy tokens."""
+    from mlxpaged.sampling_params import SamplingParams
+    from tests.archs.harness import build, prompts, reference, _vocab
+    from tests.archs.scenarios import BLOCK_SIZE, compare
+    from tests.engine.test_engine import assert_pool_empty, tiny_engine
+
+    from mlxpaged.cache.kv_cache import PagedKVCache
+
+    copies = []
+    real_copy = PagedKVCache.copy_blocks
+    monkeypatch.setattr(PagedKVCache, "copy_blocks", lambda kv, pairs: (copies.extend(pairs), real_copy(kv, pairs)))
+    model = build(module)
+    case = reference(model, prompts(_vocab(model))[0])
+    assert len(case.prompt) % BLOCK_SIZE  # a partial last block, which a fork copies
+    params = SamplingParams(temperature=0.0, n=3, max_tokens=len(case.tokens), ignore_eos=True)
+    with tiny_engine(model, tokenizer, cache_tokens=512, block_size=BLOCK_SIZE) as engine:
+        assert len(set(engine.kv.geometries)) > 1
+        for completion in engine.generate([case.prompt], params):
+            assert compare(list(completion.token_ids), case) is None
+        assert_pool_empty(engine)
+    assert copies  # the forks copied the partial block rather than recomputing the prompt
