@@ -140,3 +140,25 @@ def test_a_reply_with_nothing_to_draft_pipelines_as_without_speculation(tokenize
     plain = count_pipelined_steps(model, tokenizer, monkeypatch)
     spec = count_pipelined_steps(model, tokenizer, monkeypatch, speculative="ngram")
     assert plain > 30 and spec >= plain - 2, (plain, spec)
+
+
+@pytest.mark.parametrize("module", ["deepseek_v32", "longcat_flash"])
+def test_drafts_on_multi_geometry_cache_lists_keep_mlx_lms_greedy_tokens(module, tokenizer, monkeypatch):
+    """Speculation on pools of several geometries (DSA's K-is-V indexer in a CacheList; two MLA caches per
+    layer): batched drafting passes (rows of different starts and lengths) verify to mlx-lm's tokens."""
+    from mlxpaged.sampling_params import SamplingParams
+    from tests.archs.harness import build, prompts, reference, _vocab
+    from tests.archs.scenarios import BLOCK_SIZE, compare
+    from tests.engine.test_engine import assert_pool_empty, tiny_engine
+
+    model = build(module)
+    cases = [reference(model, p) for p in prompts(_vocab(model))]
+    oracle(monkeypatch, [c.prompt + c.tokens for c in cases], wrong_every=2)
+    params = SamplingParams(temperature=0.0, max_tokens=min(len(c.tokens) for c in cases), ignore_eos=True)
+    with tiny_engine(model, tokenizer, cache_tokens=512, block_size=BLOCK_SIZE, speculative="ngram") as engine:
+        got = engine.generate([c.prompt for c in cases], params)
+        stats = engine.stats()
+        assert_pool_empty(engine)
+    assert 0 < stats["spec_accepted_tokens_total"] < stats["spec_draft_tokens_total"]
+    for completion, case in zip(got, cases):
+        assert compare(list(completion.token_ids), case) is None
