@@ -1,4 +1,5 @@
-"""Seams between merged branches (review 5): speculation x n > 1 forks at a one-token last prefill chunk."""
+"""Seams between merged branches (review 5): speculation x n > 1 forks, serial models, partial-block reuse,
+multi-geometry pools and look-ahead pipelining; n > 1 forks on multi-geometry pools."""
 
 from __future__ import annotations
 
