@@ -117,11 +117,13 @@ class EngineCore:
                     or (self.speculator is not None and self.speculator.may_draft(self.scheduler.running)))
 
     def _can_draft(self, request: Request) -> bool:
-        """Sequences whose sampler reads the history (penalties, processors, grammars) never draft."""
+        """Sequences whose sampler reads the history (penalties, processors, grammars) never draft, nor a
+        sequence whose n > 1 forks still wait: they fork from its first sample, not from a run of drafts."""
         try:
-            return not self.outputs[request.request_id].sampler.has_processors
+            tracked = self.outputs[request.request_id]
         except KeyError:
             return False
+        return not tracked.sampler.has_processors and not tracked.forks
 
     def reserve_next_slot(self, request: Request) -> list[list[int]] | None:
         return self.scheduler.reserve_next_slot(request)

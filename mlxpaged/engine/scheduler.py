@@ -274,7 +274,8 @@ class Scheduler:
             request.output_token_ids.extend(kept)  # first: the computed count may not pass the known tokens
             request.num_computed_tokens += len(chunk.token_ids) - len(chunk.drafts) + len(kept)
             self.kv_manager.cache_blocks(request)  # hashes only blocks of kept tokens
-            self._checkpoint(request, publish=len(chunk.token_ids) - len(chunk.drafts) > 1)
+            # A chunk that does not sample is prefill, even of one token (cut one short of a boundary).
+            self._checkpoint(request, publish=not chunk.samples or len(chunk.token_ids) - len(chunk.drafts) > 1)
             if chunk.samples:
                 request.output_token_ids.append(sampled[request.request_id])
             if chunk.drafts:  # roll back: blocks past the sequence return to the pool
