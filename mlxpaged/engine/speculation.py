@@ -7,8 +7,9 @@ chunks [last] -> [last, d1..dk] and gives them slots; the runner verifies every 
 slots of the rest; `record` adapts each sequence's k to how its drafts fare.
 
 A drafting step runs an eager pass of k + 1 tokens instead of the compiled one-token pass, so
-a rejected draft costs time: a sequence whose drafts keep failing stops drafting for a while,
-twice as long each time (free text then decodes as without speculation).
+a rejected draft costs time: a sequence whose drafts keep failing, or that keeps finding nothing
+to draft, stops drafting for a while, twice as long each time (free text then decodes, and
+pipelines, as without speculation).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class DraftPolicy:
     pause: int = 0  # steps left without drafting
     next_pause: int = 2
     misses: int = 0
+    empty: int = 0  # steps in a row the drafter found nothing to propose
     drafter: NgramDrafter = field(default_factory=NgramDrafter)
 
     def __post_init__(self) -> None:
@@ -46,7 +48,16 @@ class DraftPolicy:
             return False
         return True
 
+    def no_draft(self) -> None:
+        """The drafter found no n-gram for this step. Two such steps in a row pause drafting as two
+        misses do: while a sequence may draft the runner does not pipeline it, and a reply with
+        nothing to look up would otherwise never pipeline (at batch > 1, where pipelining pays)."""
+        self.empty += 1
+        if self.empty >= 2:
+            self.pause, self.next_pause, self.empty = self.next_pause, min(2 * self.next_pause, MAX_PAUSE), 0
+
     def update(self, proposed: int, accepted: int) -> None:
+        self.empty = 0
         if accepted == proposed:
             self.k, self.misses, self.next_pause = self.max_k, 0, 2
         elif accepted:
@@ -95,6 +106,7 @@ class Speculator:
                 continue
             drafts = policy.drafter.propose(request.all_token_ids, k)
             if not drafts:
+                policy.no_draft()
                 continue
             try:
                 tables = self.scheduler.kv_manager.allocate_slots(request, request.num_tokens + len(drafts))

@@ -131,8 +131,6 @@ def count_pipelined_steps(model, tokenizer, monkeypatch, **scheduling) -> int:
     return sum(ahead is not None for ahead in built)
 
 
-@pytest.mark.xfail(strict=True, reason="Speculator.may_draft is True for every sequence that is not paused, and "
-                   "only a rejected draft pauses it: a reply the drafter finds no n-gram for never pipelines")
 def test_a_reply_with_nothing_to_draft_pipelines_as_without_speculation(tokenizer, monkeypatch):
     from mlxpaged.runner.ngram_drafter import NgramDrafter
 
@@ -140,7 +138,9 @@ def test_a_reply_with_nothing_to_draft_pipelines_as_without_speculation(tokenize
     monkeypatch.setattr(NgramDrafter, "propose", lambda self, tokens, k: [])  # free text: no n-gram repeats
     plain = count_pipelined_steps(model, tokenizer, monkeypatch)
     spec = count_pipelined_steps(model, tokenizer, monkeypatch, speculative="ngram")
-    assert plain > 30 and spec >= plain - 2, (plain, spec)
+    # Drafting pauses after two empty lookups and retries after 2, 4, 8, ... steps (speculation.py): only
+    # the retry steps are not pipelined, a few in a reply (before the pause: none were, 0 of 38).
+    assert plain > 30 and spec >= 0.75 * plain, (plain, spec)
 
 
 @pytest.mark.parametrize("module", ["deepseek_v32", "longcat_flash"])
