@@ -169,6 +169,11 @@ def activation_bytes(model: ModelFacts, max_batch_tokens: int) -> int:
     return max_batch_tokens * per_token * ACTIVATION_SAFETY_FACTOR
 
 
+# Tokens per sequence a state-only model's stand-in pool numbers when neither --cache-tokens nor the
+# model's context says (mamba configs name none): its pages cost 8 bytes a token and are never read.
+STAND_IN_TOKENS = 65536
+
+
 def _demand(model: ModelFacts, cache: CacheConfig, seqs: int, caps: Sequence[int | None]) -> tuple[int | None, str]:
     """Blocks the cache could ever use with `seqs` sequences at once, and why."""
     if cache.cache_tokens is not None:
@@ -178,6 +183,9 @@ def _demand(model: ModelFacts, cache: CacheConfig, seqs: int, caps: Sequence[int
     if model.context_length is not None:
         blocks = seqs * sum(table_lengths(model.context_length, cache.block_size, caps))
         return blocks, f"model context {model.context_length:,} x {seqs} sequences"
+    if model.kv.stand_in:  # pages nobody reads: a budget's worth would be millions of Python block objects
+        blocks = seqs * math.ceil(STAND_IN_TOKENS / cache.block_size)
+        return blocks, f"{STAND_IN_TOKENS:,} tokens x {seqs} sequences (state layers only; --cache-tokens for more)"
     return None, ""
 
 

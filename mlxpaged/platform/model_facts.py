@@ -30,6 +30,7 @@ class KVShape:
     # One KVGeometry per layer (KV leaf) when they differ from `num_kv_heads x head_dim` for K and V
     # (latent MLA, V narrower than K, per-layer heads, K-is-V); None: every layer is that.
     geometries: tuple[KVGeometry, ...] | None = None
+    stand_in: bool = False  # a model of state layers only: the 1 x 1 page that numbers tokens, read by nothing
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "dtype_bytes"):
@@ -78,7 +79,7 @@ class KVShape:
         if not leaves and layout.state_leaves:
             # Only state layers: blocks still number each sequence's tokens (prefix hashes, capacity,
             # checkpoints), so they get the smallest page there is, 1 head x 1 value, which nothing reads.
-            return cls(1, 1, 1, dtype_bytes)
+            return cls(1, 1, 1, dtype_bytes, stand_in=True)
         if not leaves:
             raise ValueError(f"model type {layout.model_type!r} keeps no key/value cache")
         for leaf in leaves:
