@@ -26,7 +26,7 @@ from typing import AsyncIterator, Callable, Iterator, Sequence
 import mlx.core as mx
 
 from mlxpaged.engine import engine_thread
-from mlxpaged.kernels.attention import attention_status, prepare_attention
+from mlxpaged.kernels.attention import attention_status, prepare_model_attention
 from mlxpaged.cache.paged_support import attention_geometries, serial_reason
 from mlxpaged.config import DEFAULT_CACHE_TOKENS, CacheConfig, SchedulerConfig, split_settings
 from mlxpaged.engine.core import EngineCore
@@ -90,8 +90,7 @@ class Engine:
                                 weights_resident=True)
         self.kv = self._make_kv_cache(kv_dtype)
         # Before the first decode: a Metal kernel variant that fails its self-check is replaced by the reference.
-        for heads, kv_heads, k_dim, v_dim, sinks in attention_geometries(self.layout):
-            prepare_attention(kv_dtype, k_dim, self.cache_config.block_size, heads, kv_heads, v_dim, sinks)
+        prepare_model_attention(kv_dtype, self.cache_config.block_size, attention_geometries(self.layout))
         self.max_model_len = int(self.scheduler_config.max_model_len or self.facts.context_length
                                  or self.plan.token_capacity)
         # Not exact in a ragged batch (or cannot take one): one sequence per pass, decided here, not mid-request.

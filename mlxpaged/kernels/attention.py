@@ -231,6 +231,21 @@ def prepare_attention(dtype: mx.Dtype, head_dim: int, block_size: int, num_heads
     return attention_status()
 
 
+def prepare_model_attention(dtype: mx.Dtype, block_size: int,
+                            geometries: list[tuple[int, int, int, int, bool]]) -> dict:
+    """`prepare_attention` for each (query heads, KV heads, K width, V width, sinks) a model's pools hold
+    (paged_support.attention_geometries); the status names every geometry the kernel cannot take, not
+    only the last one prepared."""
+    global _model_kv
+    reasons = []
+    for heads, kv_heads, k_dim, v_dim, sinks in geometries:
+        prepare_attention(dtype, k_dim, block_size, heads, kv_heads, v_dim, sinks)
+        if _model_kv[1] is not None and _model_kv[1] not in reasons:
+            reasons.append(_model_kv[1])
+    _model_kv = (DTYPE_NAMES.get(dtype, str(dtype)), "; ".join(reasons) or None)
+    return attention_status()
+
+
 def attention_status() -> dict:
     """{"path": "kernel" | "cpu" | "reference" | "kernel (with reference fallback)", "reason": str,
     "variants": [VariantCheck, ...]}: the decode attention in use now (for the prepared model) and why."""
