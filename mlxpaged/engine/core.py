@@ -141,10 +141,13 @@ def _sampler_rows(rows: Rows) -> SamplingRows:
 
 def _check_speculation(method: str, kv: PagedKVCache, has_state: bool) -> None:
     """Refuse speculation, at load, for layers whose rejected drafts cannot be rolled back by freeing blocks."""
-    windows = [group.window for group in kv.groups if group.window is not None]
-    if windows:  # a ring reuses its slots: rejected drafts would overwrite KV still in the window
+    chunks = sorted({group.chunk for group in kv.groups if group.chunk is not None})
+    windows = sorted({group.window for group in kv.groups if group.window is not None and group.chunk is None})
+    if windows or chunks:  # a ring reuses its slots: rejected drafts would overwrite KV still in the window
+        kinds = ([f"sliding windows of {windows} tokens"] if windows else []) + \
+                ([f"chunked-local attention in chunks of {chunks} tokens"] if chunks else [])
         raise ConfigError(f"{{speculative:{method!r}}} needs full attention in every layer; this model has "
-                          f"sliding windows of {sorted(set(windows))} tokens", param="speculative")
+                          f"{' and '.join(kinds)}", param="speculative")
     if has_state:  # a recurrent state has no earlier version to return to after a rejected draft
         raise ConfigError(f"{{speculative:{method!r}}} needs attention layers only; this model has state-space or "
                           "linear-attention layers, whose state cannot be rolled back", param="speculative")
