@@ -47,7 +47,8 @@ class _PassState:
     """The traced inputs of one pass, shared by every layer's view; derived once per pass. A pass
     feeds L tokens per sequence (L = 1: decode; L > 1: a speculative verify chunk, causal within)."""
 
-    def __init__(self, starts: mx.array, length: int, tables: mx.array, keys: list[mx.array], values: list[mx.array]):
+    def __init__(self, starts: mx.array, tables: mx.array, keys: list[mx.array], values: list[mx.array],
+                 length: int = 1):
         _, heads, size, _ = keys[0].shape
         batch, width = tables.shape
         self.positions = starts  # [B] position of each first new token (the RoPE offset)
@@ -142,7 +143,7 @@ class CompiledDecode:
         mx.eval(logits)
 
     def _trace(self, tokens, starts, tables, keys, values):
-        state = _PassState(starts, tokens.shape[1], tables, list(keys), list(values))
+        state = _PassState(starts, tables, list(keys), list(values), tokens.shape[1])
         views = [DecodeView(state, layer) for layer in range(len(keys))]
         if self.head is not None:
             logits = self.head(self.model.model(tokens, cache=views))
