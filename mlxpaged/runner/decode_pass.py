@@ -1,4 +1,4 @@
-"""The decode pass (one new token per sequence) as one `mx.compile`d graph.
+"""The decode pass (one new token per sequence, or a short verify chunk of k+1) as one `mx.compile`d graph.
 
 mlx-lm does not compile its decode step, as its cache is sliced with Python ints. A paged pass can
 be compiled: positions, write slots and page rows are arrays, so the graph depends only on the
@@ -22,7 +22,8 @@ from typing import Callable, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxpaged.kernels.attention import decode_attention, resolved_backend
+from mlxpaged.kernels.attention import decode_attention, resolved_backend, sdpa
+from mlxpaged.kernels.reference import gather_pages
 from mlxpaged.cache.kv_cache import PagedKVCache
 
 ENV_VAR = "MLXPAGED_COMPILE"  # "0" turns compiled decode passes off (A/B runs, debugging)
@@ -43,18 +44,21 @@ def compile_enabled() -> bool:
 
 
 class _PassState:
-    """The traced inputs of one pass, shared by every layer's view; derived once per pass."""
+    """The traced inputs of one pass, shared by every layer's view; derived once per pass. A pass
+    feeds L tokens per sequence (L = 1: decode; L > 1: a speculative verify chunk, causal within)."""
 
-    def __init__(self, starts: mx.array, tables: mx.array, keys: list[mx.array], values: list[mx.array]):
+    def __init__(self, starts: mx.array, tables: mx.array, keys: list[mx.array], values: list[mx.array],
+                 length: int = 1):
         _, heads, size, _ = keys[0].shape
         batch, width = tables.shape
-        self.positions = starts  # [B] position of each new token (the RoPE offset)
-        blocks = mx.take_along_axis(tables, (starts // size)[:, None], axis=1)  # [B, 1]
+        self.positions = starts  # [B] position of each first new token (the RoPE offset)
+        new = starts[:, None] + mx.arange(length, dtype=mx.int32)[None, :]  # [B, L] positions written
+        blocks = mx.take_along_axis(tables, new // size, axis=1)  # [B, L]
         head_ids = mx.arange(heads, dtype=mx.int32)
-        # [B, KVH] index arrays of each new token's slot, broadcast once for every layer's write
-        self.slot = tuple(mx.broadcast_arrays(blocks, head_ids[None, :], (starts % size)[:, None]))
+        # [B, L, KVH] index arrays of each new token's slot, broadcast once for every layer's write
+        self.slot = tuple(mx.broadcast_arrays(blocks[..., None], head_ids[None, None, :], (new % size)[..., None]))
         self.rows = tables[:, None, :] * heads + head_ids[None, :, None]  # [B, KVH, nb] page rows
-        self.mask = (mx.arange(width * size)[None, :] <= starts[:, None]).reshape(batch, 1, 1, -1)
+        self.mask = (mx.arange(width * size)[None, None, :] <= new[..., None]).reshape(batch, 1, length, -1)
         self.keys, self.values = keys, values
 
 
@@ -70,13 +74,13 @@ class DecodeView:
         return self._state.positions
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
-        return None  # one query per sequence; key lengths are masked in `attend`
+        return None  # key lengths and the causal order of a verify chunk are masked in `attend`
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Write the new K/V [B, KVH, 1, D] into the traced pools; attention reads the pages."""
+        """Write the new K/V [B, KVH, L, D] into the traced pools; attention reads the pages."""
         s, j = self._state, self._layer
-        s.keys[j] = _put(s.keys[j], s.slot, keys[:, :, 0])
-        s.values[j] = _put(s.values[j], s.slot, values[:, :, 0])
+        s.keys[j] = _put(s.keys[j], s.slot, keys.swapaxes(1, 2))
+        s.values[j] = _put(s.values[j], s.slot, values.swapaxes(1, 2))
         self._returned = keys, values
         return keys, values
 
@@ -85,8 +89,12 @@ class DecodeView:
         return self._returned is not None and keys is self._returned[0] and values is self._returned[1]
 
     def attend(self, queries: mx.array, scale: float, sinks: mx.array | None = None) -> mx.array:
-        s = self._state
-        return decode_attention(queries, s.keys[self._layer], s.values[self._layer], s.rows, s.mask, scale, sinks)
+        s, j = self._state, self._layer
+        if queries.shape[2] == 1:
+            return decode_attention(queries, s.keys[j], s.values[j], s.rows, s.mask, scale, sinks)
+        # A verify chunk: its few queries attend the gathered pages under the causal mask, like a prefill chunk.
+        keys, values = gather_pages(s.keys[j], s.rows), gather_pages(s.values[j], s.rows)
+        return sdpa(queries, keys, values, scale, s.mask, sinks)
 
 
 def _put(pool: mx.array, index: tuple, rows: mx.array) -> mx.array:
@@ -109,10 +117,10 @@ class CompiledDecode:
             and kv.single_geometry and resolved_backend() != "kernel"
 
     def __call__(self, starts: Sequence[int], tables: Sequence[Sequence[int]], tokens: mx.array) -> mx.array:
-        """Build the pass of `tokens` [B, 1] at positions `starts` over block `tables`; returns lazy
-        logits [B, V] and leaves the pools' pending writes in `kv.keys` / `kv.values`."""
-        size = self.kv.block_size
-        needed = [start // size + 1 for start in starts]
+        """Build the pass of `tokens` [B, L] at positions `starts`.. over block `tables`; returns lazy logits
+        [B * L, V] (every position, row-major) and leaves the pools' pending writes in `kv.keys` / `kv.values`."""
+        size, length = self.kv.block_size, tokens.shape[1]
+        needed = [(start + length - 1) // size + 1 for start in starts]
         for table, n in zip(tables, needed):
             if len(table) < n:
                 raise ValueError(f"block table of {len(table)} blocks cannot hold {n * size} tokens")
@@ -135,10 +143,10 @@ class CompiledDecode:
         mx.eval(logits)
 
     def _trace(self, tokens, starts, tables, keys, values):
-        state = _PassState(starts, tables, list(keys), list(values))
+        state = _PassState(starts, tables, list(keys), list(values), tokens.shape[1])
         views = [DecodeView(state, layer) for layer in range(len(keys))]
         if self.head is not None:
-            logits = self.head(self.model.model(tokens, cache=views)[:, -1])
+            logits = self.head(self.model.model(tokens, cache=views))
         else:
-            logits = self.model(tokens, cache=views)[:, -1]
-        return logits, state.keys, state.values
+            logits = self.model(tokens, cache=views)
+        return logits.reshape(-1, logits.shape[-1]), state.keys, state.values

@@ -47,3 +47,43 @@ def test_more_logits_than_tokens_is_refused(model):
                       num_kv_heads=args.num_key_value_heads, head_dim=args.head_dim)
     with pytest.raises(ValueError, match="num_logits 4 outside 1..3"):
         Runner(model, kv).step([StepInput([1, 2, 3], 0, [[0]], True, num_logits=4)])
+
+
+def paged_runner(model, compiled: bool) -> tuple[Runner, list[list[int]]]:
+    args = model.args
+    kv = PagedKVCache(num_layers=args.num_hidden_layers, num_blocks=32, block_size=8,
+                      num_kv_heads=args.num_key_value_heads, head_dim=args.head_dim)
+    runner = Runner(model, kv)
+    if not compiled:
+        runner.decoder = None  # the eager pass through the paged views: the slow twin
+    return runner, [shuffled_blocks(32)[:12]]
+
+
+@pytest.mark.parametrize("length", [2, 4, 6])
+def test_compiled_verify_chunk_equals_the_eager_pass_and_mlx_lm_at_every_position(model, length, monkeypatch):
+    tokens = random_tokens(71 + length + 1, seed=length)
+    start = 71  # past MIN_PAGES * 8 (a padded page bucket); the chunk crosses a block boundary
+    fast, tables = paged_runner(model, compiled=True)
+    slow, _ = paged_runner(model, compiled=False)
+    assert fast.decoder is not None
+    calls = []
+    original = type(fast.decoder).__call__
+    monkeypatch.setattr(type(fast.decoder), "__call__",
+                        lambda self, s, t, x: calls.append(x.shape) or original(self, s, t, x))
+    got = {}
+    for name, runner in (("fast", fast), ("slow", slow)):
+        runner.step([StepInput(tokens[:start], 0, tables, False)])
+        verify = runner.step([StepInput(tokens[start:start + length], start, tables, True, num_logits=length)])
+        after = runner.step([StepInput(tokens[start + length:], start + length, tables, True)])  # reads the chunk's writes
+        got[name] = mx.concatenate([verify, after])
+    assert calls == [(1, length), (1, 1)]  # the compiled runner ran the verify chunk and the decode compiled
+    expected = contiguous_logits(model, tokens)[start:]
+    assert got["fast"].shape == expected.shape
+    assert mx.allclose(got["fast"], got["slow"], atol=1e-4, rtol=1e-4).item()
+    assert mx.allclose(got["fast"], expected, atol=1e-4, rtol=1e-4).item()
+
+
+def test_a_chunk_that_wants_only_its_last_logits_stays_on_the_eager_pass(model, monkeypatch):
+    fast, tables = paged_runner(model, compiled=True)
+    monkeypatch.setattr(type(fast.decoder), "__call__", lambda *a: pytest.fail("compiled pass used"))
+    fast.step([StepInput(random_tokens(4, seed=9), 0, tables, True)])
