@@ -346,9 +346,6 @@ class Runner:
         """Build one forward pass and its cache writes, and launch it unless told not to; returns
         the logits of each row's last `num_logits` positions, rows in order ([B, V] when each wants
         one). Passes run in order on one stream."""
-        if self.serial and len(batch) > 1:
-            rows = [None] * len(batch) if tokens is None else [tokens[i:i + 1] for i in range(len(batch))]
-            return mx.concatenate([self._pass([x], row, launch) for x, row in zip(batch, rows)])
         length = max(len(x.token_ids) for x in batch)
         if tokens is None:
             tokens = mx.array([list(x.token_ids) + [0] * (length - len(x.token_ids)) for x in batch],
