@@ -2,7 +2,7 @@
 
 One layer's shapes of the model: the prompt's queries attend in `max_batch_tokens` chunks the way
 the engine's prefill passes do (each chunk gathers its prefix from shuffled pages, then the routed
-`sdpa`), against the same chunks over contiguous K/V (what paging costs) and against one
+`eager_sdpa`), against the same chunks over contiguous K/V (what paging costs) and against one
 `mx.fast.scaled_dot_product_attention` call over the whole context (contiguous SDPA). mx.fast
 materialises the [heads, context, context] scores on the CPU, so sizes above 8192 are not timed.
 """
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from mlxpaged.cache.kv_cache import PagedKVCache
-from mlxpaged.kernels.attention import sdpa
+from mlxpaged.kernels.attention import eager_sdpa
 
 MAX_CONTIGUOUS_CONTEXT = 8192  # 9 heads x 8192^2 float32 scores are 2.4 GB; 16k would be 9.7 GB
 
@@ -82,7 +82,7 @@ def chunked_attention(x: Inputs, chunk: int, paged: bool) -> mx.array:
             keys, values = keys[..., :end, :], values[..., :end, :]
         else:
             keys, values = x.k[..., :end, :], x.v[..., :end, :]
-        outs.append(sdpa(x.q[..., start:end, :], keys, values, x.scale, "causal"))
+        outs.append(eager_sdpa(x.q[..., start:end, :], keys, values, x.scale, "causal"))
         mx.eval(outs[-1])  # one chunk at a time, as the engine's passes run
     return mx.concatenate(outs, axis=2)
 

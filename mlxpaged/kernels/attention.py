@@ -40,6 +40,7 @@ from typing import Callable, Iterator
 import mlx.core as mx
 
 from mlxpaged.kernels.cpu_attention import attend, decode_attention_cpu, paged_attention_cpu
+from mlxpaged.kernels.numpy_attention import attend_numpy, numpy_attention_applies
 from mlxpaged.kernels import paged_attention as pa
 from mlxpaged.kernels.reference import (attend_pages, fast_sinks, paged_attention_reference,
                                         paged_prefill_attention_reference)
@@ -156,6 +157,14 @@ def sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None, sinks: 
     if resolved_backend() == "cpu":
         return attend(q, k, v, scale, mask, sinks)
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=fast_sinks(sinks, q.dtype))
+
+
+def eager_sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None, sinks: mx.array | None = None) -> mx.array:
+    """``sdpa`` for eager passes (never inside ``mx.compile``): on the cpu backend a call big enough
+    to pay for a sync is computed by NumPy (numpy_attention.py), ~3.5x faster on long prefills."""
+    if resolved_backend() == "cpu" and numpy_attention_applies(q, k, mask):
+        return attend_numpy(q, k, v, scale, mask, sinks)
+    return sdpa(q, k, v, scale, mask, sinks)
 
 
 def paged_prefill_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_table,

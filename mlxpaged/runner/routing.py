@@ -20,7 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxpaged.cache.cache_view import PagedCacheView
-from mlxpaged.kernels.attention import paged_attention, sdpa
+from mlxpaged.kernels.attention import eager_sdpa, paged_attention
 from mlxpaged.runner.decode_pass import DecodeView
 
 
@@ -37,7 +37,7 @@ def _routed_sdpa(queries, keys, values, cache, scale, mask, sinks=None):
         if pools is not None:
             k_pool, v_pool, tables, lens = pools
             return paged_attention(queries, k_pool, v_pool, tables, lens, scale, sinks=sinks)
-        return sdpa(queries, keys, values, scale, mask, sinks)  # the CPU's faster softmax too
+        return eager_sdpa(queries, keys, values, scale, mask, sinks)  # a paged view's pass is eager
     return _ORIGINAL_SDPA(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
 

@@ -1,0 +1,151 @@
+"""Prefill attention on MLX's CPU backend, computed by NumPy.
+
+On the CPU backend MLX runs elementwise ops and reductions scalar and on one thread: the softmax's
+exp costs ~2.5 ns per score even as the compiled polynomial in cpu_attention.py, its row max and
+sum ~0.5 ns. NumPy's are SIMD (AVX2 / AVX-512 / NEON): np.exp takes ~0.5 ns per float32 score here.
+So an eager prefill chunk's attention is computed in NumPy: per (sequence, KV head, query block)
+the scores through BLAS, the softmax in place, the weighted values through BLAS, on one worker
+thread per core with every BLAS single-threaded meanwhile (the workers are the parallelism; two
+threads inside each small matmul measured slower). Measured, one SmolLM2 layer, the last 2048-token
+chunk of an 8k prompt: cpu_attention.attend 0.72 s, this 0.19 s.
+
+What it computes is cpu_attention.attend's contract (mx.fast.scaled_dot_product_attention's):
+GQA folded, bottom-right causal blocks that read only the keys they can see, boolean or additive
+masks, sinks. It evaluates q, k and v (a sync) and returns a fresh array, so it cannot run inside
+``mx.compile``: only eager passes call it (routing.py), and only above MIN_SCORES, where the sync
+is noise next to the arithmetic.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import mlx.core as mx
+import numpy as np
+from threadpoolctl import ThreadpoolController
+
+# Below this many scores (batch x query heads x queries x keys) MLX's attention is as fast and
+# needs no sync. Measured (SmolLM2 layer, 9/3 heads): ... see tests/kernels/test_numpy_attention.py
+MIN_SCORES = 1 << 18
+
+# Query rows per block: the masked triangle a block computes is QUERY_BLOCK^2 / 2 per head.
+QUERY_BLOCK = 64
+
+_MASKED = np.float32(-1e30)  # finite, as in cpu_attention: a fully masked row gets garbage, not NaN
+
+_workers: ThreadPoolExecutor | None = None
+_blas: ThreadpoolController | None = None
+
+
+def worker_count() -> int:
+    """Cores this process may run on (each worker keeps one busy)."""
+    cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    return max(1, min(len(cores), 16))
+
+
+def _pool() -> tuple[ThreadPoolExecutor, ThreadpoolController]:
+    global _workers, _blas
+    if _workers is None:
+        _workers = ThreadPoolExecutor(worker_count(), thread_name_prefix="mlxpaged-attention")
+        _blas = ThreadpoolController()
+    return _workers, _blas
+
+
+def numpy_attention_applies(q: mx.array, k: mx.array, mask) -> bool:
+    """True when ``attend_numpy`` takes this call: big enough, GQA-shaped, causal only with at least
+    as many keys as queries (every query sees a key)."""
+    batch, heads, length, _ = q.shape
+    kv_heads, keys = k.shape[1], k.shape[2]
+    if heads % kv_heads or batch * heads * length * keys < MIN_SCORES:
+        return False
+    if isinstance(mask, str):
+        return mask == "causal" and keys >= length
+    return True
+
+
+def attend_numpy(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None,
+                 sinks: mx.array | None = None) -> mx.array:
+    """What ``cpu_attention.attend(q, k, v, scale, mask, sinks)`` returns, computed by NumPy.
+
+    q [B, H, L, Dk]; k [B, KVH, K, Dk], v [B, KVH, K, Dv]; mask None, "causal" (bottom-right) or an
+    array (boolean, True = attend, or additive) broadcastable to [B, H, L, K]; sinks [H] or None.
+    """
+    f32 = mx.float32
+    q32, k32, v32 = (x if x.dtype == f32 else x.astype(f32) for x in (q, k, v))
+    arrays = [q32, k32, v32] + ([mask] if isinstance(mask, mx.array) else []) + ([sinks] if sinks is not None else [])
+    mx.eval(*arrays)
+    qn, kn, vn = np.asarray(q32), np.asarray(k32), np.asarray(v32)  # views of MLX's buffers, no copy
+    causal = isinstance(mask, str)
+    additive = None if causal or mask is None else _additive_mask(np.asarray(mask))
+    sink = None if sinks is None else np.asarray(sinks.astype(f32) if sinks.dtype != f32 else sinks)
+    batch, heads, length, _ = qn.shape
+    kv_heads, keys = kn.shape[1], kn.shape[2]
+    out = np.empty((batch, heads, length, vn.shape[-1]), np.float32)
+    block = _Block(qn, kn, vn, out, np.float32(scale), causal, additive, sink)
+    jobs = [(b, h, i) for i in reversed(range(0, length, QUERY_BLOCK)) for b in range(batch) for h in range(kv_heads)]
+    workers, blas = _pool()
+    with blas.limit(limits=1, user_api="blas"):
+        for _ in workers.map(block.run, jobs):
+            pass
+    result = mx.array(out)
+    return result if q.dtype == f32 else result.astype(q.dtype)
+
+
+def _additive_mask(mask: np.ndarray) -> np.ndarray:
+    """A 4-D float32 additive mask (0 = attend) from a boolean or additive one."""
+    mask = np.where(mask, np.float32(0), _MASKED) if mask.dtype == np.bool_ else mask.astype(np.float32, copy=False)
+    return mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+
+
+class _Block:
+    """One job: a KV head's G query heads x one block of queries, written into ``out``."""
+
+    def __init__(self, q, k, v, out, scale, causal, additive, sinks):
+        self.q, self.k, self.v, self.out, self.scale = q, k, v, out, scale
+        self.causal, self.additive, self.sinks = causal, additive, sinks
+        self.group = q.shape[1] // k.shape[1]
+
+    def run(self, job: tuple[int, int, int]) -> None:
+        b, h, i = job
+        q, k, g = self.q, self.k, self.group
+        length, keys, dim = q.shape[2], k.shape[2], q.shape[3]
+        j = min(length, i + QUERY_BLOCK)
+        n, heads = j - i, slice(h * g, (h + 1) * g)
+        end = keys - length + j if self.causal else keys  # the last key query j - 1 sees, plus one
+        rows = (q[b, heads, i:j] * self.scale).reshape(g * n, dim)
+        scores = rows @ k[b, h, :end].T  # [G * n, end]
+        folded = scores.reshape(g, n, end)
+        if self.causal and n > 1:  # the diagonal block: query i + r sees keys up to end - n + r
+            folded[:, :, end - n:] += _upper_triangle(n)
+        elif self.additive is not None:
+            folded += self._mask_rows(b, heads, i, j)
+        row_max = folded.max(axis=2, keepdims=True)
+        sink = None if self.sinks is None else self.sinks[heads].reshape(g, 1, 1)
+        if sink is not None:
+            np.maximum(row_max, sink, out=row_max)
+        np.subtract(folded, row_max, out=folded)
+        np.exp(scores, out=scores)
+        total = folded.sum(axis=2, keepdims=True)
+        if sink is not None:
+            total += np.exp(sink - row_max)
+        weighted = (scores @ self.v[b, h, :end]).reshape(g, n, -1)
+        np.divide(weighted, total, out=self.out[b, heads, i:j])
+
+    def _mask_rows(self, b: int, heads: slice, i: int, j: int) -> np.ndarray:
+        mask = self.additive
+        mask = mask[b if mask.shape[0] > 1 else 0]
+        mask = mask[heads] if mask.shape[0] > 1 else mask
+        return mask[:, i:j] if mask.shape[1] > 1 else mask
+
+
+_TRIANGLES: dict[int, np.ndarray] = {}
+
+
+def _upper_triangle(n: int) -> np.ndarray:
+    """[n, n] additive mask hiding key c > query r (cached: one per block length)."""
+    tri = _TRIANGLES.get(n)
+    if tri is None:
+        tri = np.where(np.arange(n)[:, None] >= np.arange(n)[None, :], np.float32(0), _MASKED)
+        _TRIANGLES[n] = tri
+    return tri
