@@ -351,6 +351,17 @@ class PagedCacheView:
             return None
         return self._kv.key_pool(self._layer), self._kv.value_pool(self._layer), plan.read_blocks, plan.read_ends
 
+    def prefill_pages(self) -> tuple[mx.array, mx.array, list[int], int] | None:
+        """(k_pool, v_pool, block table, context) after a batch-1 pass on a full-attention layer: the
+        pass's queries are the last positions of [0, context), whose K/V lie in those pages (routing.py
+        may read them in place instead of the gathered copy); else None."""
+        plan = self._last_plan
+        if plan is None or len(plan.offsets) != 1 or plan.split or not plan.exact \
+                or self._planner.group.window is not None:
+            return None
+        return (self._kv.key_pool(self._layer), self._kv.value_pool(self._layer), self._planner.tables[0],
+                plan.read_ends[0])
+
     def _num_rows(self, batch: int, length: int) -> list[int]:
         if batch != len(self._offsets):
             raise ValueError(f"batch of {batch} rows for a view of {len(self._offsets)} sequences")

@@ -2,9 +2,9 @@
 the pure-MLX reference as the oracle and fallback.
 
 The engine's routed attention calls ``paged_attention`` for decode passes (one new token per
-sequence: the pages are read in place by the kernel) and ``sdpa`` for prefill and chunked prefill
-(over the K/V the cache view gathered). ``paged_prefill_attention`` is the same prefill computed
-straight from the pages, for tests and future kernels. Shapes:
+sequence: the pages are read in place by the kernel) and ``eager_sdpa`` for prefill and chunked prefill
+(over the K/V the cache view gathered), except a batch-1 chunk of a few queries on the cpu backend,
+which ``paged_prefill_attention`` computes straight from the pages (``reads_pages_in_place``). Shapes:
 
 - K/V pools, per layer: K ``[num_blocks, num_kv_heads, block_size, k_dim]``, V the same with its own
   ``v_dim`` (latent caches); token ``t`` of a sequence is at ``pool[table[t // block_size], :, t % block_size, :]``.
@@ -40,9 +40,10 @@ from typing import Callable, Iterator
 import mlx.core as mx
 
 from mlxpaged.kernels.cpu_attention import attend, decode_attention_cpu, paged_attention_cpu
-from mlxpaged.kernels.numpy_attention import attend_numpy, numpy_attention_applies
+from mlxpaged.kernels.numpy_attention import (attend_numpy, attend_pages_numpy, numpy_attention_applies,
+                                              pages_in_place_apply)
 from mlxpaged.kernels import paged_attention as pa
-from mlxpaged.kernels.reference import (attend_pages, fast_sinks, paged_attention_reference,
+from mlxpaged.kernels.reference import (attend_pages, check_pools, fast_sinks, paged_attention_reference,
                                         paged_prefill_attention_reference)
 from mlxpaged.kernels.self_check import KernelVariant, VariantCheck, check_variant, variants_for
 
@@ -167,6 +168,12 @@ def eager_sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None, s
     return sdpa(q, k, v, scale, mask, sinks)
 
 
+def reads_pages_in_place(q: mx.array, k_pool: mx.array, v_pool: mx.array, context: int) -> bool:
+    """True when a batch-1 prefill chunk over ``context`` positions is faster through
+    ``paged_prefill_attention`` (pages read in place) than through ``eager_sdpa`` over gathered K/V."""
+    return resolved_backend() == "cpu" and _float32(k_pool, v_pool) and pages_in_place_apply(q, context)
+
+
 def paged_prefill_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_table,
                             prefix_len: int, chunk_len: int, scale: float,
                             window: int | None = None, sinks: mx.array | None = None) -> mx.array:
@@ -175,8 +182,14 @@ def paged_prefill_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, blo
     q [1, num_heads, chunk_len, D]; block_table [n_blocks] int32 covering at least
     ``prefix_len + chunk_len`` tokens; the chunk's K/V must already be in the pool. Query ``i``
     sits at position ``prefix_len + i`` (causal offset). Returns [1, num_heads, chunk_len, D].
-    Pure MLX on every backend (see reference.py for where a Metal varlen kernel would go).
+    On the cpu backend, full attention over float32 pools reads the pages in place with NumPy
+    (numpy_attention.py); elsewhere pure MLX over gathered pages (see reference.py for where a Metal
+    varlen kernel would go).
     """
+    numpy_case = window is None and q.shape[0] == 1 and q.shape[2] == chunk_len >= 1 and prefix_len >= 0
+    if numpy_case and resolved_backend() == "cpu" and _float32(k_pool, v_pool):
+        check_pools(q, k_pool, v_pool, sinks)
+        return attend_pages_numpy(q, k_pool, v_pool, block_table, prefix_len + chunk_len, scale, sinks)
     return paged_prefill_attention_reference(q, k_pool, v_pool, block_table, prefix_len, chunk_len,
                                              scale, window, sinks)
 

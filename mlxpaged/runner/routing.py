@@ -20,7 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxpaged.cache.cache_view import PagedCacheView
-from mlxpaged.kernels.attention import eager_sdpa, paged_attention
+from mlxpaged.kernels.attention import eager_sdpa, paged_attention, paged_prefill_attention, reads_pages_in_place
 from mlxpaged.runner.decode_pass import DecodeView
 
 
@@ -37,6 +37,12 @@ def _routed_sdpa(queries, keys, values, cache, scale, mask, sinks=None):
         if pools is not None:
             k_pool, v_pool, tables, lens = pools
             return paged_attention(queries, k_pool, v_pool, tables, lens, scale, sinks=sinks)
+        pages = page_inputs(queries, keys, values, cache, mask)
+        if pages is not None:
+            k_pool, v_pool, table, context = pages
+            length = queries.shape[2]
+            return paged_prefill_attention(queries, k_pool, v_pool, table, context - length, length, scale,
+                                           sinks=sinks)
         return eager_sdpa(queries, keys, values, scale, mask, sinks)  # a paged view's pass is eager
     return _ORIGINAL_SDPA(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
@@ -55,6 +61,21 @@ def pool_inputs(queries: mx.array, keys: mx.array, values: mx.array, cache: Page
     if queries.shape[-1] != k_pool.shape[-1] or heads % kv_heads or values.shape[-1] != v_pool.shape[-1]:
         return None
     return decode
+
+
+def page_inputs(queries: mx.array, keys: mx.array, values: mx.array, cache: PagedCacheView,
+                mask) -> tuple | None:
+    """(k_pool, v_pool, block table, context) when a batch-1 prefill chunk may attend its pages in place
+    (the view's own causal mask over the K/V it returned, and faster so: `reads_pages_in_place`); else None."""
+    pages = cache.prefill_pages()
+    if pages is None or not cache.returned(keys, values) \
+            or not isinstance(mask, str) or mask != "causal" or not cache.made_mask(mask):
+        return None
+    k_pool, v_pool, _, context = pages
+    if queries.shape[-1] != k_pool.shape[-1] or queries.shape[1] % k_pool.shape[1] \
+            or values.shape[-1] != v_pool.shape[-1]:
+        return None
+    return pages if reads_pages_in_place(queries, k_pool, v_pool, context) else None
 
 
 def _check_compiled_call(keys, values, cache: DecodeView, mask) -> None:

@@ -24,9 +24,6 @@ from mlx.utils import tree_map
 from mlxpaged.kernels import numpy_attention
 from tests.archs.configs import SOFT_CAPPED, config_for
 
-# The engine hands NumPy only attention calls above MIN_SCORES, which these tiny prompts never reach:
-# every eager attention call of the sweep goes there, so each architecture checks that path too.
-numpy_attention.MIN_SCORES = 0
 from tests.archs.scenarios import NEW_TOKENS, Case, Scenarios
 
 PROMPT_LENGTHS = (7, 21, 30)  # within a block, > 2 blocks of 8, and past every window and chunk of the configs
@@ -118,6 +115,9 @@ def _vocab(model) -> int:
 
 
 def main(modules: list[str]) -> None:
+    # The engine hands NumPy only attention calls above MIN_SCORES, which these tiny prompts never reach:
+    # every eager attention call of the sweep goes there, so each architecture checks that path too.
+    numpy_attention.MIN_SCORES = 0
     for module in modules:
         print(json.dumps(run_architecture(module)), flush=True)
 

@@ -112,3 +112,74 @@ def test_agrees_with_the_mlx_path_at_the_threshold(monkeypatch):
     _, (q, k, v), _ = case(5, 1, 9, 3, length, 256, 64)
     assert numpy_attention_applies(q, k, "causal")
     assert mx.allclose(attend_numpy(q, k, v, 0.125, "causal"), attend(q, k, v, 0.125, "causal"), atol=1e-5).item()
+
+
+# --- pages read in place ---------------------------------------------------------------------------
+
+from tests.kernels.test_reference_paged import write_sequence  # noqa: E402
+
+PAGED_CASES = [
+    # (prefix, chunk, block_size, heads, kv_heads, head_dim, key_tile)
+    (0, 37, 16, 4, 2, 64, 32),     # a cold chunk: the diagonal crosses tiles
+    (32, 8, 16, 9, 3, 64, 16),     # a hit on a block boundary, tile = one block
+    (45, 19, 8, 8, 4, 128, 24),    # mid-block, tile not a multiple of the block size
+    (100, 1, 32, 8, 1, 96, 4096),  # one query, one tile
+    (300, 7, 16, 9, 3, 64, 64),    # many tiles split across the workers
+    (10, 130, 16, 4, 4, 64, 48),   # three query blocks
+]
+
+
+@pytest.mark.parametrize("prefix,chunk,block_size,heads,kv_heads,head_dim,key_tile", PAGED_CASES)
+def test_pages_in_place_against_the_oracle(monkeypatch, prefix, chunk, block_size, heads, kv_heads, head_dim, key_tile):
+    monkeypatch.setattr(numpy_attention, "KEY_TILE", key_tile)
+    rng = np.random.default_rng(prefix * 7 + chunk)
+    table, (k_pool, v_pool), _, (k64, v64) = write_sequence(rng, prefix + chunk, kv_heads, head_dim, block_size,
+                                                            "float32")
+    q, q64 = quantize(rng.standard_normal((1, heads, chunk, head_dim)), "float32")
+    out = numpy_attention.attend_pages_numpy(q, k_pool, v_pool, list(table), prefix + chunk, head_dim ** -0.5)
+    expected = causal_oracle(q64[0], k64, v64, head_dim ** -0.5, query_offset=prefix)
+    assert max_error(out, expected[None]) < 1e-5
+
+
+@pytest.mark.parametrize("key_tile", [16, 4096])
+def test_pages_in_place_with_sinks_and_value_width(monkeypatch, key_tile):
+    from tests.kernels.test_sinks_value_width import _scatter
+
+    monkeypatch.setattr(numpy_attention, "KEY_TILE", key_tile)
+    rng = np.random.default_rng(key_tile)
+    prefix, chunk, heads, kv_heads, block_size = 70, 9, 8, 2, 16
+    table, (k_pool, _), _, (k64, _) = write_sequence(rng, prefix + chunk, kv_heads, 64, block_size, "float32")
+    v_pool, v64 = _scatter(rng, table, prefix + chunk, kv_heads, 32, block_size, k_pool.shape[0])
+    q, q64 = quantize(rng.standard_normal((1, heads, chunk, 64)), "float32")
+    sinks, sinks64 = random_sinks(rng, heads)
+    out = numpy_attention.attend_pages_numpy(q, k_pool, v_pool, mx.array(table), prefix + chunk, 0.125, sinks)
+    expected = causal_oracle(q64[0], k64, v64, 0.125, query_offset=prefix, sinks64=sinks64)
+    assert max_error(out, expected[None]) < 1e-5
+
+
+def test_pages_in_place_equal_the_gathered_path():
+    """The engine takes one or the other by the chunk's size: same numbers either way."""
+    rng = np.random.default_rng(2)
+    prefix, chunk = 500, 12
+    table, (k_pool, v_pool), _, _ = write_sequence(rng, prefix + chunk, 3, 64, 16, "float32")
+    q = mx.array(rng.standard_normal((1, 9, chunk, 64)).astype(np.float32))
+    paged = numpy_attention.attend_pages_numpy(q, k_pool, v_pool, list(table), prefix + chunk, 0.125)
+    rows = mx.array(np.asarray(table[:-(-(prefix + chunk) // 16)], dtype=np.int32)[None])
+    from mlxpaged.kernels.reference import gather_pages, page_rows
+
+    rows = page_rows(rows, k_pool.shape)
+    keys, values = gather_pages(k_pool, rows)[..., :prefix + chunk, :], gather_pages(v_pool, rows)[..., :prefix + chunk, :]
+    assert mx.allclose(paged, attend_numpy(q, keys, values, 0.125, "causal"), atol=1e-6).item()
+
+
+def test_a_table_too_short_for_the_context_is_refused():
+    pool = mx.zeros((4, 1, 8, 64))
+    with pytest.raises(ValueError, match="need 3 blocks"):
+        numpy_attention.attend_pages_numpy(mx.zeros((1, 1, 4, 64)), pool, pool, [0, 1], 20, 0.125)
+
+
+def test_only_few_queries_over_enough_keys_read_pages_in_place():
+    few, many = mx.zeros((1, 9, 8, 64)), mx.zeros((1, 9, QUERY_BLOCK + 1, 64))
+    assert numpy_attention.pages_in_place_apply(few, 16384)
+    assert not numpy_attention.pages_in_place_apply(few, 64)  # too little work for a sync
+    assert not numpy_attention.pages_in_place_apply(many, 16384)  # gathered K/V are as fast from here

@@ -19,9 +19,10 @@ SCALE = DIM ** -0.5
 
 @pytest.fixture
 def calls(monkeypatch):
-    """Which attention each routed call used: "pools" (paged_attention) or "passed" (sdpa)."""
+    """Which attention each routed call used: "pools" (paged_attention), "pages" (a prefill chunk's
+    pages read in place: paged_prefill_attention) or "passed" (eager_sdpa over the K/V passed)."""
     used: list[str] = []
-    pools, passed = routing.paged_attention, routing.sdpa
+    pools, pages, passed = routing.paged_attention, routing.paged_prefill_attention, routing.eager_sdpa
 
     def on_pools(*args, **kwargs):
         used.append("pools")
@@ -31,8 +32,13 @@ def calls(monkeypatch):
         used.append("passed")
         return passed(*args, **kwargs)
 
+    def on_pages(*args, **kwargs):
+        used.append("pages")
+        return pages(*args, **kwargs)
+
     monkeypatch.setattr(routing, "paged_attention", on_pools)
-    monkeypatch.setattr(routing, "sdpa", on_passed)
+    monkeypatch.setattr(routing, "paged_prefill_attention", on_pages)
+    monkeypatch.setattr(routing, "eager_sdpa", on_passed)
     return used
 
 
@@ -116,6 +122,55 @@ def test_prefill_attends_over_the_gathered_keys(calls):
     out = routing._routed_sdpa(queries, keys, values, view, SCALE, mask, mx.zeros((HEADS,)))
     assert calls == ["passed"] and view.decode_inputs() is None
     assert mx.allclose(out, mlx_lm_attention(queries, keys, values, mask, mx.zeros((HEADS,))), atol=1e-5).item()
+
+
+def prefill_chunk(prefix: int, chunk: int, lengths_batch: int = 1):
+    """A full-attention layer's view after `prefix` cached tokens per sequence, fed a `chunk`-token pass."""
+    kv = PagedKVCache(1, 64, BLOCK, KV_HEADS, DIM, mx.float32)
+    free = shuffled_blocks(kv.num_blocks, 1)
+    tables = [[[free.pop() for _ in range(-(-(prefix + chunk) // BLOCK))]] for _ in range(lengths_batch)]
+    mx.random.seed(1)
+    first = paged_views(kv, tables, [0] * lengths_batch)[0]
+    first.make_mask(prefix)
+    first.update_and_fetch(mx.random.normal((lengths_batch, KV_HEADS, prefix, DIM)),
+                           mx.random.normal((lengths_batch, KV_HEADS, prefix, DIM)))
+    view = paged_views(kv, tables, [prefix] * lengths_batch)[0]
+    mask = view.make_mask(chunk)
+    keys, values = view.update_and_fetch(mx.random.normal((lengths_batch, KV_HEADS, chunk, DIM)),
+                                         mx.random.normal((lengths_batch, KV_HEADS, chunk, DIM)))
+    return view, keys, values, mx.random.normal((lengths_batch, HEADS, chunk, DIM)), mask
+
+
+@pytest.fixture
+def numpy_everywhere(monkeypatch):
+    """Tiny calls would stay under MIN_SCORES; routing must still choose as it does for big ones."""
+    from mlxpaged.kernels import attention, numpy_attention
+
+    monkeypatch.setattr(numpy_attention, "MIN_SCORES", 0)
+    monkeypatch.setattr(attention, "resolved_backend", lambda: "cpu")
+
+
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["plain", "sinks"])
+def test_a_short_chunk_of_one_sequence_reads_its_pages_in_place(calls, numpy_everywhere, with_sinks):
+    """A cache hit's few new tokens after a long prefix: the pages, not the gathered copy."""
+    view, keys, values, queries, mask = prefill_chunk(300, 9)
+    assert mask == "causal"
+    sinks = mx.random.normal((HEADS,)) if with_sinks else None
+    out = routing._routed_sdpa(queries, keys, values, view, SCALE, mask, sinks)
+    assert calls == ["pages"]
+    assert mx.allclose(out, mlx_lm_attention(queries, keys, values, mask, sinks), atol=1e-5).item()
+
+
+def test_long_chunks_batches_and_other_masks_attend_the_gathered_keys(calls, numpy_everywhere):
+    long_chunk = prefill_chunk(40, 100)  # more than one query block: gathered K/V are as fast
+    batched = prefill_chunk(40, 9, lengths_batch=2)
+    for view, keys, values, queries, mask in (long_chunk, batched):
+        out = routing._routed_sdpa(queries, keys, values, view, SCALE, mask)
+        assert mx.allclose(out, mlx_lm_attention(queries, keys, values, mask), atol=1e-5).item()
+    view, keys, values, queries, mask = prefill_chunk(40, 9)
+    own = mx.array(mask == "causal") & (mx.arange(49) % 2 == 0)[None]  # a mask the model built
+    routing._routed_sdpa(queries, keys, values, view, SCALE, own)
+    assert calls == ["passed", "passed", "passed"]
 
 
 def test_a_mask_from_an_earlier_pass_is_not_this_passes():
