@@ -19,6 +19,8 @@ from pathlib import Path
 ENV_OVERRIDE = "MLXPAGED_BLAS"  # a library path, or "off" to keep MLX's own BLAS
 HINT = "install the system OpenBLAS for ~20x faster CPU matmuls: apt-get install libopenblas0-pthread"
 
+THREAD_TIMEOUT = "4"  # OPENBLAS_THREAD_TIMEOUT: log2 of the cycles a helper spins before it sleeps (4 = least)
+
 _CANDIDATES = (
     "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
     "/usr/lib/aarch64-linux-gnu/openblas-pthread/libopenblas.so.0",
@@ -72,6 +74,11 @@ def load_fast_blas() -> BlasStatus:
                       RuntimeWarning, stacklevel=3)
         _status = BlasStatus("mlx-bundled (openblas loaded too late)", path, "import mlxpaged before mlx")
         return _status
+    # OpenBLAS reads this once, when it loads. By default its helper threads spin for ~2^28 cycles
+    # after each call; the spinning helper kept a core from the NumPy attention workers that run right
+    # after a layer's matmuls (kernels/numpy_attention.py): a 16k cache hit took 0.19-0.30 s, with it
+    # at 4 (sleep at once) 0.196-0.235 s; decode and 16-request batches measured the same either way.
+    os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", THREAD_TIMEOUT)
     try:
         ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
     except OSError as exc:

@@ -62,3 +62,13 @@ def test_status_is_reported_by_the_cli():
     assert result.returncode == 0, result.stderr
     expected = "accelerate" if sys.platform == "darwin" else "openblas"
     assert f"BLAS:    {expected}" in result.stdout
+
+
+@linux_only
+def test_openblas_helpers_sleep_between_calls_unless_the_user_says_otherwise():
+    """Spinning helpers would keep a core from the NumPy attention workers (platform/blas.py)."""
+    code = "import os, mlxpaged; mlxpaged.load_fast_blas(); print(os.environ['OPENBLAS_THREAD_TIMEOUT'])"
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert result.stdout.split() == ["4"], result.stderr
+    assert run_python(code, OPENBLAS_THREAD_TIMEOUT="20").stdout.split() == ["20"]
