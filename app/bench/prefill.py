@@ -14,7 +14,8 @@ from mlxpaged.loading.loader import baseline_stream
 from mlxpaged_app.bench.prefill_attention import MAX_CONTIGUOUS_CONTEXT, measure_attention
 
 DEFAULT_SIZES = (1024, 4096, 8192, 16384)
-APPENDED_TOKENS = 8  # the cached prompt is the cold one plus these next tokens of the same text
+APPENDED_TOKENS = 8  # each cached prompt is the previous one plus these next tokens of the same text
+FOLLOW_UPS = 5  # cached prompts per run (follow-up turns): their median is the run's cached time
 PROMPT_SEED = 16
 WORDS = ("the harbour lighthouse keeper boat market morning river stone bridge window garden letter night "
          "station clock winter bread lamp road hill village school engine paper silver music old quiet "
@@ -27,10 +28,11 @@ def parse_sizes(text: str) -> tuple[int, ...]:
         sizes = tuple(int(part) for part in text.split(","))
     except ValueError:
         raise ArgumentTypeError(f"--sizes takes comma-separated token counts like 1024,4096, got {text!r}") from None
-    bad = [s for s in sizes if s <= APPENDED_TOKENS + 1]
+    least = APPENDED_TOKENS * FOLLOW_UPS + 1
+    bad = [s for s in sizes if s <= least]
     if bad:
-        raise ArgumentTypeError(f"--sizes must each be more than {APPENDED_TOKENS + 1} tokens "
-                                f"(the cached prompt appends {APPENDED_TOKENS}); got {bad}")
+        raise ArgumentTypeError(f"--sizes must each be more than {least} tokens ({FOLLOW_UPS} cached prompts "
+                                f"append {APPENDED_TOKENS} each); got {bad}")
     return sizes
 
 
@@ -48,7 +50,7 @@ def seeded_tokens(tokenizer, count: int, seed: int) -> list[int]:
 class PrefillRow:
     """Medians, in seconds, for one prompt size; ratios > 1 mean the second-named side is slower."""
     size: int
-    prompt_tokens: int  # the cold prompt; the cached one is APPENDED_TOKENS longer
+    prompt_tokens: int  # the cold prompt; the cached ones are APPENDED_TOKENS, 2x, ... longer
     mlx_lm_s: float
     cold_s: float
     cached_s: float
@@ -99,16 +101,19 @@ def engine_ttft(engine, prompt: list[int], clock=time.perf_counter) -> float:
 
 
 def measure_size(engine, size: int, runs: int, clock=time.perf_counter) -> PrefillRow:
-    """Per run a fresh seeded prompt: mlx-lm cold, mlxpaged cold (empty prefix cache), then the same prompt
-    plus APPENDED_TOKENS (a prefix-cache hit). The +1 leaves room for the one generated token."""
+    """Per run a fresh seeded prompt: mlx-lm cold, mlxpaged cold (empty prefix cache), then FOLLOW_UPS
+    prefix-cache hits, each the previous prompt plus APPENDED_TOKENS of the same text (a chat's next
+    turns; each computes exactly its new tokens), the run's cached time their median. The last one is
+    `size - 1` tokens: the +1 leaves room for the one generated token."""
     mlx_lm, cold, cached = [], [], []
     for run in range(runs):
         text = seeded_tokens(engine.tokenizer, size - 1, PROMPT_SEED * 1000 + size + run)
-        prompt = text[:-APPENDED_TOKENS]
+        prompt = text[:-APPENDED_TOKENS * FOLLOW_UPS]
         mlx_lm.append(mlx_lm_ttft(engine.loaded, prompt, clock))
         engine.pool.reset_prefix_cache()
         cold.append(engine_ttft(engine, prompt, clock))
-        cached.append(engine_ttft(engine, text, clock))
+        turns = [text[:len(prompt) + APPENDED_TOKENS * i] for i in range(1, FOLLOW_UPS + 1)]
+        cached.append(statistics.median(engine_ttft(engine, turn, clock) for turn in turns))
     return PrefillRow(size, len(prompt), statistics.median(mlx_lm), statistics.median(cold),
                       statistics.median(cached))
 

@@ -9,7 +9,7 @@ import mlx.core as mx
 import pytest
 
 from mlxpaged.errors import ConfigError
-from mlxpaged_app.bench.prefill import APPENDED_TOKENS, bench_prefill, parse_sizes, seeded_tokens
+from mlxpaged_app.bench.prefill import APPENDED_TOKENS, FOLLOW_UPS, bench_prefill, parse_sizes, seeded_tokens
 from mlxpaged_app.bench.prefill_attention import chunked_attention, contiguous_sdpa, make_inputs, measure_attention
 from mlxpaged_app.cli import build_parser
 
@@ -29,7 +29,7 @@ def test_bench_prints_rows_whose_ratios_come_from_the_times(capsys):
     assert bench_prefill(Namespace(model=None, sizes=(64, 100_000), runs=1)) == 0
     out = capsys.readouterr().out
     size, prompt, mlx_lm, cold, cached, tok_s, cold_vs_mlx_lm, cached_vs_cold = printed_row(out, 64)
-    assert (size, prompt) == (64, 64 - 1 - APPENDED_TOKENS)
+    assert (size, prompt) == (64, 64 - 1 - APPENDED_TOKENS * FOLLOW_UPS)
     assert min(mlx_lm, cold, cached) > 0
     # Times are printed to 1 ms and ratios to 2 and 1 decimals: allow exactly that rounding, nothing more.
     assert tok_s == pytest.approx(prompt / cold, rel=0.01)
@@ -41,10 +41,10 @@ def test_bench_prints_rows_whose_ratios_come_from_the_times(capsys):
 
 def test_cpu_clock_is_named_and_times_the_same_rows(capsys):
     assert build_parser().parse_args(["bench", "prefill", "--clock", "cpu"]).clock == "cpu"
-    assert bench_prefill(Namespace(model=None, sizes=(40,), runs=1, clock="cpu")) == 0
+    assert bench_prefill(Namespace(model=None, sizes=(64,), runs=1, clock="cpu")) == 0
     out = capsys.readouterr().out
     assert ", cpu clock" in out
-    assert min(printed_row(out, 40)[2:5]) > 0
+    assert min(printed_row(out, 64)[2:5]) > 0
 
 
 def test_seeded_prompts_repeat_and_differ_by_seed(default_loaded):
@@ -58,7 +58,7 @@ def test_sizes_flag_parses_and_refuses_bad_input():
     assert build_parser().parse_args(["bench", "prefill", "--sizes", "1024,4096"]).sizes == (1024, 4096)
     with pytest.raises(ArgumentTypeError, match="got '1k'"):
         parse_sizes("1k")
-    with pytest.raises(ArgumentTypeError, match=r"more than 9 tokens .* got \[0\]"):
+    with pytest.raises(ArgumentTypeError, match=r"more than 41 tokens .* got \[0\]"):
         parse_sizes("64,0")
     with pytest.raises(ConfigError, match="got 0"):
         bench_prefill(Namespace(model=None, sizes=(64,), runs=0))
