@@ -45,6 +45,34 @@ class BlasStatus:
 _status: BlasStatus | None = None
 
 
+def avx512_core(cpuinfo: str) -> str | None:
+    """OPENBLAS_CORETYPE for an AMD CPU with AVX-512 (Zen 4 and later), else None (OpenBLAS decides).
+
+    OpenBLAS 0.3.21 (Debian 12) does not know Zen 4 and runs its Haswell (AVX2) kernels there; its
+    SkylakeX kernels need only the AVX-512 subsets checked here. Measured on this machine (AMD EPYC,
+    SmolLM2-135M's 30 layers of matmuls): one token 18.6 -> 11.4 ms, 8 tokens 38.5 -> 27.7 ms,
+    64 tokens 74.8 -> 48.7 ms; batch-1 decode 24.9 -> 28.5 tok/s. Intel CPUs are left to OpenBLAS,
+    which knows theirs (forcing SkylakeX could downgrade a newer core)."""
+    flags: set[str] = set()
+    vendor = ""
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "vendor_id" and not vendor:
+            vendor = value.strip()
+        elif key.strip() == "flags" and not flags:
+            flags = set(value.split())
+    if vendor == "AuthenticAMD" and {"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"} <= flags:
+        return "SkylakeX"
+    return None
+
+
+def _read_cpuinfo() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+
+
 def find_openblas() -> str | None:
     """Path of the system OpenBLAS, or None when it is not installed."""
     for path in _CANDIDATES:
@@ -79,6 +107,9 @@ def load_fast_blas() -> BlasStatus:
     # after a layer's matmuls (kernels/numpy_attention.py): a 16k cache hit took 0.19-0.30 s, with it
     # at 4 (sleep at once) 0.196-0.235 s; decode and 16-request batches measured the same either way.
     os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", THREAD_TIMEOUT)
+    core = avx512_core(_read_cpuinfo())
+    if core is not None:
+        os.environ.setdefault("OPENBLAS_CORETYPE", core)
     try:
         ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
     except OSError as exc:

@@ -72,3 +72,26 @@ def test_openblas_helpers_sleep_between_calls_unless_the_user_says_otherwise():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert result.stdout.split() == ["4"], result.stderr
     assert run_python(code, OPENBLAS_THREAD_TIMEOUT="20").stdout.split() == ["20"]
+
+
+def test_amd_cpus_with_avx512_get_the_skylakex_kernels():
+    from mlxpaged.platform.blas import avx512_core
+
+    flags = "fpu sse2 avx2 avx512f avx512dq avx512cd avx512bw avx512vl avx512_bf16"
+    assert avx512_core(f"vendor_id\t: AuthenticAMD\nflags\t\t: {flags}\n") == "SkylakeX"
+    assert avx512_core("vendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx2 fma\n") is None  # Zen 3: AVX2 only
+    assert avx512_core(f"vendor_id\t: GenuineIntel\nflags\t\t: {flags}\n") is None  # OpenBLAS knows Intel's
+    assert avx512_core("") is None
+
+
+@linux_only
+def test_the_loaded_openblas_runs_the_core_chosen_for_this_cpu():
+    """The choice reaches OpenBLAS (it reads OPENBLAS_CORETYPE once, when it loads)."""
+    code = ("import ctypes, mlxpaged; from mlxpaged.platform.blas import avx512_core, _read_cpuinfo\n"
+            "lib = ctypes.CDLL(mlxpaged.blas_status().path); lib.openblas_get_corename.restype = ctypes.c_char_p\n"
+            "print(avx512_core(_read_cpuinfo()), lib.openblas_get_corename().decode())")
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_CORETYPE"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    chosen, running = result.stdout.split()
+    if chosen != "None":
+        assert running.lower() == chosen.lower()
