@@ -7,6 +7,7 @@ import pytest
 
 from mlxpaged.kernels import cpu_attention
 from mlxpaged.kernels.cpu_attention import attend, paged_attention_cpu, shifted_exp
+from mlxpaged.kernels.numpy_attention import attend_numpy
 from tests.msl.oracle import attend as oracle_attend
 from tests.msl.oracle import causal_oracle, make_decode_case, max_error, quantize
 
@@ -56,10 +57,13 @@ def test_attend_causal(length, keys, heads, kv_heads, head_dim):
     assert max_error(out, expected[None]) < 1e-5
 
 
+@pytest.mark.parametrize("length,keys", [(4, 37), (70, 137)])  # 70: past numpy_attention's query block
 @pytest.mark.parametrize("mask_kind", ["bool", "additive", "per_head", "none"])
-def test_attend_ragged_batch_masks(mask_kind):
+@pytest.mark.parametrize("attend", [attend, attend_numpy], ids=["mlx", "numpy"])
+def test_attend_ragged_batch_masks(attend, mask_kind, length, keys):
+    """A ragged batch's masks (cache_view._ragged_mask is boolean [B, 1, L, K]), additive and per-head ones."""
     rng = np.random.default_rng(3)
-    batch, heads, kv_heads, length, keys, dim = 3, 8, 2, 4, 37, 64
+    batch, heads, kv_heads, dim = 3, 8, 2, 64
     q, q64 = quantize(rng.standard_normal((batch, heads, length, dim)), "float32")
     k, k64 = quantize(rng.standard_normal((batch, kv_heads, keys, dim)), "float32")
     v, v64 = quantize(rng.standard_normal((batch, kv_heads, keys, dim)), "float32")

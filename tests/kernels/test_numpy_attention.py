@@ -1,5 +1,6 @@
 """Prefill attention computed by NumPy (kernels/numpy_attention.py) against the NumPy float64 oracle,
-and the dispatch that sends only big eager calls there."""
+and the dispatch that sends only big eager calls there. Ragged-batch masks: test_cpu_attention.py runs
+the same cases through both implementations."""
 
 import mlxpaged  # noqa: F401
 import mlx.core as mx
@@ -31,28 +32,6 @@ def test_causal_across_query_blocks(length, keys, heads, kv_heads, head_dim):
     out = attend_numpy(q, k, v, head_dim ** -0.5, "causal")
     expected = causal_oracle(q64[0], k64[0], v64[0], head_dim ** -0.5, query_offset=keys - length)
     assert max_error(out, expected[None]) < 1e-5
-
-
-@pytest.mark.parametrize("mask_kind", ["bool", "additive", "per_head", "none"])
-def test_ragged_batch_masks(mask_kind):
-    """A ragged batch's masks (cache_view._ragged_mask is boolean [B, 1, L, K]), additive and per-head ones."""
-    batch, heads, kv_heads, length, keys = 3, 8, 2, 70, 137
-    rng, (q, k, v), (q64, k64, v64) = case(3, batch, heads, kv_heads, length, keys, 64)
-    allowed = rng.random((batch, heads if mask_kind == "per_head" else 1, length, keys)) > 0.3
-    allowed[..., 0] = True  # every row sees a key
-    if mask_kind == "none":
-        allowed[:] = True
-    mask = {"bool": mx.array(allowed), "per_head": mx.array(allowed), "none": None,
-            "additive": mx.array(np.where(allowed, 0.0, -np.inf).astype(np.float32))}[mask_kind]
-    out = attend_numpy(q, k, v, 0.125, mask)
-    group = heads // kv_heads
-
-    def one_head(b, h):
-        kv = slice(h // group, h // group + 1)
-        return oracle_attend(q64[b, h:h + 1], k64[b, kv], v64[b, kv], 0.125, allowed[b, h % allowed.shape[1]])[0]
-
-    expected = np.stack([np.stack([one_head(b, h) for h in range(heads)]) for b in range(batch)])
-    assert max_error(out, expected) < 1e-5
 
 
 @pytest.mark.parametrize("mask", ["causal", None])
