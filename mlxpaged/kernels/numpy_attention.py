@@ -26,6 +26,7 @@ is noise next to the arithmetic.
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import mlx.core as mx
@@ -70,11 +71,17 @@ def _pool() -> tuple[ThreadPoolExecutor, ThreadpoolController]:
     return _workers, _blas
 
 
+_one_at_a_time = threading.Lock()
+
+
 def _run(job, args: list) -> list:
-    """``job`` over ``args`` on the workers, every BLAS single-threaded meanwhile; results in order."""
-    workers, blas = _pool()
-    with blas.limit(limits=1, user_api="blas"):
-        return list(workers.map(job, args))
+    """``job`` over ``args`` on the workers, every BLAS single-threaded meanwhile; results in order.
+    One call at a time (engines in one process share the cores anyway): overlapping limits would
+    restore each other's thread counts out of order and leave BLAS single-threaded for good."""
+    with _one_at_a_time:
+        workers, blas = _pool()
+        with blas.limit(limits=1, user_api="blas"):
+            return list(workers.map(job, args))
 
 
 def numpy_attention_applies(q: mx.array, k: mx.array, mask) -> bool:
@@ -98,6 +105,8 @@ def attend_numpy(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None,
     """
     f32 = mx.float32
     q32, k32, v32 = (x if x.dtype == f32 else x.astype(f32) for x in (q, k, v))
+    if isinstance(mask, mx.array) and mask.dtype not in (mx.bool_, f32):
+        mask = mask.astype(f32)  # NumPy has no bfloat16 (deepseek-style models add scores in the model's dtype)
     arrays = [q32, k32, v32] + ([mask] if isinstance(mask, mx.array) else []) + ([sinks] if sinks is not None else [])
     mx.eval(*arrays)
     qn, kn, vn = np.asarray(q32), np.asarray(k32), np.asarray(v32)  # views of MLX's buffers, no copy

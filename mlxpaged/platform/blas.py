@@ -107,7 +107,7 @@ def load_fast_blas() -> BlasStatus:
     # after a layer's matmuls (kernels/numpy_attention.py): a 16k cache hit took 0.19-0.30 s, with it
     # at 4 (sleep at once) 0.196-0.235 s; decode and 16-request batches measured the same either way.
     os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", THREAD_TIMEOUT)
-    core = avx512_core(_read_cpuinfo())
+    core = avx512_core(_read_cpuinfo()) if not override else None  # a library the user chose is theirs to tune
     if core is not None:
         os.environ.setdefault("OPENBLAS_CORETYPE", core)
     try:
@@ -115,7 +115,8 @@ def load_fast_blas() -> BlasStatus:
     except OSError as exc:
         _status = BlasStatus("mlx-bundled", None, f"could not load {path}: {exc}")
         return _status
-    _status = BlasStatus("openblas", path, "loaded with RTLD_GLOBAL before mlx")
+    chosen = f", OPENBLAS_CORETYPE={os.environ['OPENBLAS_CORETYPE']}" if os.environ.get("OPENBLAS_CORETYPE") else ""
+    _status = BlasStatus("openblas", path, f"loaded with RTLD_GLOBAL before mlx{chosen}")
     return _status
 
 

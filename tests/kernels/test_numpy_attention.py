@@ -49,6 +49,24 @@ def test_sinks_and_value_width(mask):
     assert max_error(out, expected[None]) < 1e-5
 
 
+def test_a_half_precision_additive_mask():
+    """deepseek-style models add position scores as a mask in the model's dtype; NumPy has no bfloat16."""
+    rng, (q, k, v), (q64, k64, v64) = case(13, 1, 4, 2, 70, 90, 32, dtype="bfloat16")
+    bias, bias64 = quantize(rng.standard_normal((70, 90)), "bfloat16")
+    out = attend_numpy(q, k, v, 0.2, bias)
+    expected = np.stack([oracle_attend_biased(q64[0, h], k64[0, h // 2], v64[0, h // 2], 0.2, bias64)
+                         for h in range(4)])
+    assert out.dtype == mx.bfloat16
+    assert max_error(out, expected[None]) < 2e-2
+
+
+def oracle_attend_biased(q, k, v, scale, bias):
+    """float64 softmax(q k^T * scale + bias) v for one head."""
+    scores = q @ k.T * scale + bias
+    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    return (weights / weights.sum(axis=-1, keepdims=True)) @ v
+
+
 def test_half_precision_inputs_keep_their_dtype():
     _, (q, k, v), (q64, k64, v64) = case(11, 1, 4, 2, 40, 40, 64, dtype="bfloat16")
     out = attend_numpy(q, k, v, 0.125, "causal")
@@ -111,6 +129,7 @@ PAGED_CASES = [
 @pytest.mark.parametrize("prefix,chunk,block_size,heads,kv_heads,head_dim,key_tile", PAGED_CASES)
 def test_pages_in_place_against_the_oracle(monkeypatch, prefix, chunk, block_size, heads, kv_heads, head_dim, key_tile):
     monkeypatch.setattr(numpy_attention, "KEY_TILE", key_tile)
+    monkeypatch.setattr(numpy_attention, "worker_count", lambda: 4)  # key splits to merge on any machine
     rng = np.random.default_rng(prefix * 7 + chunk)
     table, (k_pool, v_pool), _, (k64, v64) = write_sequence(rng, prefix + chunk, kv_heads, head_dim, block_size,
                                                             "float32")
@@ -125,6 +144,7 @@ def test_pages_in_place_with_sinks_and_value_width(monkeypatch, key_tile):
     from tests.kernels.test_sinks_value_width import _scatter
 
     monkeypatch.setattr(numpy_attention, "KEY_TILE", key_tile)
+    monkeypatch.setattr(numpy_attention, "worker_count", lambda: 4)
     rng = np.random.default_rng(key_tile)
     prefix, chunk, heads, kv_heads, block_size = 70, 9, 8, 2, 16
     table, (k_pool, _), _, (k64, _) = write_sequence(rng, prefix + chunk, kv_heads, 64, block_size, "float32")
@@ -149,6 +169,33 @@ def test_pages_in_place_equal_the_gathered_path():
     rows = page_rows(rows, k_pool.shape)
     keys, values = gather_pages(k_pool, rows)[..., :prefix + chunk, :], gather_pages(v_pool, rows)[..., :prefix + chunk, :]
     assert mx.allclose(paged, attend_numpy(q, keys, values, 0.125, "causal"), atol=1e-6).item()
+
+
+def test_key_splits_are_merged(monkeypatch):
+    """A hit's 8 queries over 300 keys in tiles of 32 keys: 4 workers ask for splits of the tiles, whose
+    partial (max, sum, values) must merge into the one softmax."""
+    splits = []
+    merge = numpy_attention._merge
+    monkeypatch.setattr(numpy_attention, "_merge", lambda parts, sinks: splits.append(len(parts)) or merge(parts, sinks))
+    monkeypatch.setattr(numpy_attention, "worker_count", lambda: 4)
+    monkeypatch.setattr(numpy_attention, "KEY_TILE", 32)
+    rng = np.random.default_rng(4)
+    table, (k_pool, v_pool), _, (k64, v64) = write_sequence(rng, 300, 3, 64, 16, "float32")
+    q, q64 = quantize(rng.standard_normal((1, 9, 8, 64)), "float32")
+    out = numpy_attention.attend_pages_numpy(q, k_pool, v_pool, list(table), 300, 0.125)
+    assert splits and min(splits) > 1
+    assert max_error(out, causal_oracle(q64[0], k64, v64, 0.125, query_offset=292)[None]) < 1e-5
+
+
+def test_concurrent_calls_leave_blas_threads_as_they_found_them():
+    """Two engines in one process prefill at once: the BLAS limits must not nest out of order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    before = [lib["num_threads"] for lib in threadpool_info()]
+    _, (q, k, v), _ = case(1, 1, 9, 3, 200, 200, 64)
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda _: mx.eval(attend_numpy(q, k, v, 0.125, "causal")), range(16)))
+    assert [lib["num_threads"] for lib in threadpool_info()] == before
 
 
 def test_a_table_too_short_for_the_context_is_refused():

@@ -85,13 +85,23 @@ def test_amd_cpus_with_avx512_get_the_skylakex_kernels():
 
 
 @linux_only
-def test_the_loaded_openblas_runs_the_core_chosen_for_this_cpu():
-    """The choice reaches OpenBLAS (it reads OPENBLAS_CORETYPE once, when it loads)."""
-    code = ("import ctypes, mlxpaged; from mlxpaged.platform.blas import avx512_core, _read_cpuinfo\n"
+@pytest.mark.parametrize("core", ["SkylakeX", "Haswell"])
+def test_the_core_reaches_openblas_and_a_users_choice_wins(core):
+    """OpenBLAS reads OPENBLAS_CORETYPE once, when it loads: what is set (by the user here, else by
+    avx512_core) is what runs, and the status says so."""
+    code = ("import ctypes, mlxpaged\n"
             "lib = ctypes.CDLL(mlxpaged.blas_status().path); lib.openblas_get_corename.restype = ctypes.c_char_p\n"
-            "print(avx512_core(_read_cpuinfo()), lib.openblas_get_corename().decode())")
+            "print(lib.openblas_get_corename().decode(), mlxpaged.blas_status().detail)")
+    result = run_python(code, OPENBLAS_CORETYPE=core)
+    assert result.stdout.split()[0].lower() == core.lower(), result.stderr
+    assert f"OPENBLAS_CORETYPE={core}" in result.stdout
+
+
+@linux_only
+def test_without_a_users_choice_only_amd_avx512_cpus_get_a_core():
+    from mlxpaged.platform.blas import _read_cpuinfo, avx512_core
+
+    code = "import os, mlxpaged; mlxpaged.load_fast_blas(); print(os.environ.get('OPENBLAS_CORETYPE'))"
     env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_CORETYPE"}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
-    chosen, running = result.stdout.split()
-    if chosen != "None":
-        assert running.lower() == chosen.lower()
+    assert result.stdout.split() == [str(avx512_core(_read_cpuinfo()))], result.stderr
