@@ -124,9 +124,10 @@ def test_prefill_attends_over_the_gathered_keys(calls):
     assert mx.allclose(out, mlx_lm_attention(queries, keys, values, mask, mx.zeros((HEADS,))), atol=1e-5).item()
 
 
-def prefill_chunk(prefix: int, chunk: int, lengths_batch: int = 1):
-    """A full-attention layer's view after `prefix` cached tokens per sequence, fed a `chunk`-token pass."""
-    kv = PagedKVCache(1, 64, BLOCK, KV_HEADS, DIM, mx.float32)
+def prefill_chunk(prefix: int, chunk: int, lengths_batch: int = 1, window: int | None = None):
+    """A layer's view (full attention, or a sliding `window`) after `prefix` cached tokens per sequence,
+    fed a `chunk`-token pass."""
+    kv = PagedKVCache(1, 64, BLOCK, KV_HEADS, DIM, mx.float32, layer_windows=[window])
     free = shuffled_blocks(kv.num_blocks, 1)
     tables = [[[free.pop() for _ in range(-(-(prefix + chunk) // BLOCK))]] for _ in range(lengths_batch)]
     mx.random.seed(1)
@@ -171,6 +172,13 @@ def test_long_chunks_batches_and_other_masks_attend_the_gathered_keys(calls, num
     own = mx.array(mask == "causal") & (mx.arange(49) % 2 == 0)[None]  # a mask the model built
     routing._routed_sdpa(queries, keys, values, view, SCALE, own)
     assert calls == ["passed", "passed", "passed"]
+
+
+def test_only_full_attention_layers_of_one_sequence_offer_their_pages():
+    """A window layer's keys are a ring's last positions, not pages 0.. of the table."""
+    assert prefill_chunk(40, 9)[0].prefill_pages() is not None
+    assert prefill_chunk(40, 9, window=256)[0].prefill_pages() is None
+    assert prefill_chunk(40, 9, lengths_batch=2)[0].prefill_pages() is None
 
 
 def test_a_mask_from_an_earlier_pass_is_not_this_passes():
