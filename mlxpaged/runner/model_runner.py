@@ -111,7 +111,7 @@ def state_model_passes(inputs: Sequence[StepInput]) -> list[list[int]]:
 # compiled vs eager: B=4 74 vs 83 ms, B=16 120 vs 125 ms (B=1: 48 ms vs mlx-lm's own 51 ms).
 COMPILED_DECODE_MAX_BATCH = 1
 # Verify chunks [last, d1..dk] of up to this many tokens run compiled too, one graph per length
-# (the drafter's k <= 5, so at most 5 lengths per page bucket). SmolLM2-135M at 300 tokens, 6-token
+# (the drafter's k <= 7 by default, so at most 7 lengths per page bucket). SmolLM2-135M at 300 tokens, 6-token
 # chunk: 66.8 ms compiled vs 72.1 eager (one token: 40.6); the rest is OpenBLAS gemm at M=6 vs gemv.
 COMPILED_VERIFY_MAX_TOKENS = 8
 
