@@ -79,8 +79,9 @@ class SchedulerConfig:
     max_num_seqs: int = 16
     speculative: str | None = None
     # 7: the verify chunk [last, d1..d7] is 8 tokens, the compiled pass's largest, and OpenBLAS's gemm
-    # costs about the same at 4 to 8 rows (30 layers: 36 vs 38.5 ms). bench spec, 3 runs: k <= 5 gave
-    # 2.03x / 1.55x / 1.11x (code edit / quote summary / free text), k <= 7 2.23x / 1.81x / 1.11x.
+    # costs about the same at 4 to 8 rows (30 layers: 36 vs 38.5 ms). bench spec, 3 runs, quiet machine:
+    # k <= 5 gave 2.21x / 1.66x / 1.08x (code edit / quote summary / free text), k <= 7 2.14x / 1.86x / 1.11x
+    # (the summary's decode steps 33 -> 29).
     num_speculative_tokens: int = 7
     max_model_len: int | None = None
 
