@@ -1,0 +1,127 @@
+"""Which compute backend MLX runs on here, decided in one place: "metal", "cuda" or "cpu".
+
+"Not Metal" is not "CPU": MLX 0.32 also runs on NVIDIA GPUs (`mlx[cuda13]`), where graphs are lazy,
+streams asynchronous and memory the device's, as on a Mac. Every choice that differs between a GPU
+and MLX's CPU backend reads `current()` (or `is_gpu()`) instead of testing Metal itself:
+
+- the loader's dtype (CPU: float32, its fast dtype; a GPU keeps the checkpoint's bf16 / fp16 / quantized),
+- the attention paths (Metal: the paged kernel; CUDA: MLX's fused paths; CPU: kernels/cpu_attention.py
+  and NumPy prefill),
+- the memory plan (Metal: the recommended working set; CUDA: the device's memory; CPU: host memory),
+- the runner's pipelining and the tuned constants (`tuning()`), and every report.
+
+Tests pretend to be another backend with `simulate("cuda")`: the choices then follow that backend while
+MLX still computes on the CPU, which is how the GPU's path (its syncs, its dtypes) is tested here.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+BACKENDS = ("cpu", "metal", "cuda")
+GPU_BACKENDS = ("metal", "cuda")
+ENV_VAR = "MLXPAGED_BACKEND"  # "cpu" makes a GPU machine take the CPU paths (A/B runs); unset: detected
+
+_simulated: str | None = None
+
+
+def _check(name: str) -> str:
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {name!r}")
+    return name
+
+
+@functools.lru_cache(maxsize=1)
+def detected() -> str:
+    """What MLX computes on by default in this process: a Metal or CUDA GPU, else the CPU (read once)."""
+    import mlx.core as mx
+
+    return detect(mx)
+
+
+def detect(mx_module) -> str:
+    """`detected`'s rule over an mlx.core-like module (tests pass a stand-in)."""
+    if mx_module.default_device().type != mx_module.gpu:
+        return "cpu"  # a GPU machine whose default device was set to the CPU
+    if mx_module.metal.is_available():
+        return "metal"
+    cuda = getattr(mx_module, "cuda", None)
+    if cuda is not None and cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+def current() -> str:
+    """The backend every choice follows: a test's `simulate`, else MLXPAGED_BACKEND=cpu, else detected."""
+    if _simulated is not None:
+        return _simulated
+    forced = os.environ.get(ENV_VAR, "").strip().lower()
+    if forced:
+        if forced != "cpu" and forced != detected():
+            raise ValueError(f"{ENV_VAR}={forced!r}: MLX computes on {detected()!r} here; only 'cpu' can be forced")
+        return _check(forced)
+    return detected()
+
+
+def is_gpu() -> bool:
+    return current() in GPU_BACKENDS
+
+
+def computes_on_gpu() -> bool:
+    """True when MLX really runs on a GPU here (not a simulated one): what device-only code asks."""
+    return _simulated is None and detected() in GPU_BACKENDS
+
+
+@contextmanager
+def simulate(name: str) -> Iterator[None]:
+    """Make every backend choice follow `name` while MLX keeps computing where it does (tests)."""
+    global _simulated
+    previous, _simulated = _simulated, _check(name)
+    try:
+        yield
+    finally:
+        _simulated = previous
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """The constants measured per backend. Each field's comment says where its value comes from."""
+
+    # Decode passes of up to this many sequences run as one mx.compile'd graph (runner/decode_pass.py).
+    # CPU: B=1 48 vs 51 ms (mlx-lm), B=4 74 vs 83, B=16 120 vs 125 compiled vs eager; retracing per batch
+    # size costs 40-150 ms, so only batch 1. GPU: compiling fuses the elementwise kernels, fewer launches.
+    compiled_decode_max_batch: int
+    # Build the next decode pass on this step's lazy tokens (look-ahead) for compiled passes too. CPU: no
+    # (2 cores: building during the last pass's tail slowed it, 19.6 vs 19.0 tok/s); a GPU idles otherwise.
+    pipeline_compiled: bool
+    # Eager prefill attention and cache hits computed by NumPy on the host (kernels/numpy_attention.py).
+    # CPU only: MLX's CPU elementwise ops are scalar code; on a GPU it would sync and copy every layer.
+    numpy_attention: bool
+    # Float32 weights: the CPU backend's fast dtype (half precision matmuls are 3-40x slower there).
+    float32_weights: bool
+
+
+TUNINGS = {
+    "cpu": Tuning(compiled_decode_max_batch=1, pipeline_compiled=False, numpy_attention=True, float32_weights=True),
+    "metal": Tuning(compiled_decode_max_batch=1, pipeline_compiled=True, numpy_attention=False, float32_weights=False),
+    "cuda": Tuning(compiled_decode_max_batch=1, pipeline_compiled=True, numpy_attention=False, float32_weights=False),
+}
+
+
+def tuning(name: str | None = None) -> Tuning:
+    return TUNINGS[_check(name) if name is not None else current()]
+
+
+def describe(name: str | None = None) -> str:
+    """One line for reports: which backend and why."""
+    name = name or current()
+    what = {"metal": "Metal GPU", "cuda": "CUDA GPU (MLX's CUDA backend)", "cpu": "MLX's CPU backend"}[name]
+    if _simulated is not None:
+        return f"{what} (simulated; MLX computes on {detected()})"
+    if os.environ.get(ENV_VAR, "").strip() and detected() != name:
+        return f"{what} (forced by {ENV_VAR}; detected {detected()})"
+    return what
