@@ -93,11 +93,18 @@ class Tuning:
 
     # Decode passes of up to this many sequences run as one mx.compile'd graph (runner/decode_pass.py).
     # CPU: B=1 48 vs 51 ms (mlx-lm), B=4 74 vs 83, B=16 120 vs 125 compiled vs eager; retracing per batch
-    # size costs 40-150 ms, so only batch 1. GPU: compiling fuses the elementwise kernels, fewer launches.
+    # size costs 40-150 ms, so only batch 1. GPU: none. Metal's kernel reads host lengths (never compiled);
+    # on CUDA an eager pass attends exact keys with no mask (MLX's fused decode kernels; a compiled pass
+    # needs a mask over its page bucket) and can be queued before the last one is read (queue_before_read).
     compiled_decode_max_batch: int
-    # Build the next decode pass on this step's lazy tokens (look-ahead) for compiled passes too. CPU: no
-    # (2 cores: building during the last pass's tail slowed it, 19.6 vs 19.0 tok/s); a GPU idles otherwise.
+    # Build the next decode pass on this step's lazy tokens for compiled passes too. CPU: no (2 cores:
+    # building during the last pass's tail slowed it, batch 1 19.6 vs 19.0 tok/s, 3 A/B runs).
     pipeline_compiled: bool
+    # Queue the next decode pass before this step's tokens are read, as mlx-lm's generate_step does, its
+    # K/V kept off the pools meanwhile (runner/deferred_writes.py). A GPU idles for the host part of every
+    # step otherwise (H200, commit 50b1a09: 0.5x mlx-lm at batch 1). CPU: the host and the "device" share 2
+    # cores, and the look-ahead launched after the read is what was measured there.
+    queue_before_read: bool
     # Eager prefill attention and cache hits computed by NumPy on the host (kernels/numpy_attention.py).
     # CPU only: MLX's CPU elementwise ops are scalar code; on a GPU it would sync and copy every layer.
     numpy_attention: bool
@@ -105,10 +112,13 @@ class Tuning:
     float32_weights: bool
 
 
+_GPU = dict(compiled_decode_max_batch=0, pipeline_compiled=True, queue_before_read=True, numpy_attention=False,
+            float32_weights=False)
 TUNINGS = {
-    "cpu": Tuning(compiled_decode_max_batch=1, pipeline_compiled=False, numpy_attention=True, float32_weights=True),
-    "metal": Tuning(compiled_decode_max_batch=1, pipeline_compiled=True, numpy_attention=False, float32_weights=False),
-    "cuda": Tuning(compiled_decode_max_batch=1, pipeline_compiled=True, numpy_attention=False, float32_weights=False),
+    "cpu": Tuning(compiled_decode_max_batch=1, pipeline_compiled=False, queue_before_read=False,
+                  numpy_attention=True, float32_weights=True),
+    "metal": Tuning(**_GPU),
+    "cuda": Tuning(**_GPU),
 }
 
 
