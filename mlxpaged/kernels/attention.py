@@ -1,5 +1,5 @@
-"""Paged attention entry point: the Metal kernel on Apple GPUs, the CPU path on MLX's CPU backend,
-the pure-MLX reference as the oracle and fallback.
+"""Paged attention entry point: the Metal kernel on Apple GPUs, MLX's fused attention on other GPUs
+(CUDA), the CPU path on MLX's CPU backend, the pure-MLX reference as the oracle and fallback.
 
 The engine's routed attention calls ``paged_attention`` for decode passes (one new token per
 sequence: the pages are read in place by the kernel) and ``eager_sdpa`` for prefill and chunked prefill
@@ -17,9 +17,12 @@ which ``paged_prefill_attention`` computes straight from the pages (``reads_page
 - ``window``: ``None`` for full attention, else a query at position ``p`` sees keys ``p-window+1 .. p``.
 
 Backend choice: ``set_attention_backend`` / ``attention_backend(...)`` or the environment variable
-``MLXPAGED_ATTENTION`` = ``auto`` (default: ``kernel`` when MLX runs on a Metal GPU, else ``cpu``),
-``kernel``, ``cpu`` (kernels/cpu_attention.py: pages read in place with ``mx.gather_mm`` and a
-cheaper softmax) or ``reference`` (gathered pages + ``mx.fast.scaled_dot_product_attention``).
+``MLXPAGED_ATTENTION`` = ``auto`` (default, from platform/backend.py: ``kernel`` on a Metal GPU,
+``fused`` on a CUDA GPU, ``cpu`` on MLX's CPU backend), ``kernel``, ``fused`` (the K/V the cache view
+gathered, attended by ``mx.fast.scaled_dot_product_attention`` with no mask array where none is
+needed, so MLX's fused decode kernels run; never NumPy or host math), ``cpu``
+(kernels/cpu_attention.py: pages read in place with ``mx.gather_mm`` and a cheaper softmax, prefill
+in NumPy) or ``reference`` (gathered pages + ``mx.fast.scaled_dot_product_attention``).
 Forcing ``kernel`` without Metal raises unless a kernel launcher is installed
 (``set_kernel_launcher``: tests run the kernel through the CPU harness); shapes a fast path does not
 support (kernel: see ``kernel_supports``; cpu: pools that are not float32) run on the reference path.
@@ -46,9 +49,11 @@ from mlxpaged.kernels import paged_attention as pa
 from mlxpaged.kernels.reference import (attend_pages, check_pools, fast_sinks, paged_attention_reference,
                                         paged_prefill_attention_reference)
 from mlxpaged.kernels.self_check import KernelVariant, VariantCheck, check_variant, variants_for
+from mlxpaged.platform import backend as compute_backend
 
 ENV_VAR = "MLXPAGED_ATTENTION"
-BACKENDS = ("auto", "kernel", "cpu", "reference")
+BACKENDS = ("auto", "kernel", "fused", "cpu", "reference")
+AUTO_CHOICE = {"metal": "kernel", "cuda": "fused", "cpu": "cpu"}  # platform/backend.py's name -> path
 
 _override: str | None = None
 _launcher: Callable | None = None  # runs the kernel; None: the Metal GPU
@@ -104,7 +109,7 @@ def kernel_launcher(launcher: Callable | None) -> Iterator[None]:
 
 
 def metal_available() -> bool:
-    return bool(mx.metal.is_available()) and mx.default_device().type == mx.gpu
+    return compute_backend.current() == "metal"
 
 
 def _requested() -> str:
@@ -113,10 +118,10 @@ def _requested() -> str:
 
 
 def resolved_backend() -> str:
-    """"kernel", "cpu" or "reference": what ``paged_attention`` would use for supported shapes."""
+    """"kernel", "fused", "cpu" or "reference": what ``paged_attention`` would use for supported shapes."""
     name = _requested()
     if name == "auto":
-        return "kernel" if metal_available() else "cpu"
+        return AUTO_CHOICE[compute_backend.current()]
     if name == "kernel" and not metal_available() and _launcher is None:
         raise RuntimeError(f"the Metal paged-attention kernel was forced ({ENV_VAR} or "
                            "set_attention_backend) but MLX has no Metal GPU here")
@@ -152,9 +157,15 @@ def paged_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_table
     return paged_attention_reference(q, k_pool, v_pool, block_tables, context_lens, scale, window, sinks)
 
 
+def reads_pools(backend: str | None = None) -> bool:
+    """True when routed decode calls read the page pools (``paged_attention``); False on the fused
+    path, which attends the K/V the cache view gathered (routing.py)."""
+    return (backend or resolved_backend()) != "fused"
+
+
 def sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None, sinks: mx.array | None = None) -> mx.array:
     """Attention over contiguous K/V (prefill over the K/V a cache view gathered), with
-    ``mx.fast.scaled_dot_product_attention``'s contract; ``cpu_attention.attend`` on the cpu backend."""
+    ``mx.fast.scaled_dot_product_attention``'s contract; ``cpu_attention.attend`` on the cpu path."""
     if resolved_backend() == "cpu":
         return attend(q, k, v, scale, mask, sinks)
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=fast_sinks(sinks, q.dtype))
@@ -163,7 +174,7 @@ def sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None, sinks: 
 def eager_sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None, sinks: mx.array | None = None) -> mx.array:
     """``sdpa`` for eager passes (never inside ``mx.compile``): on the cpu backend a call big enough
     to pay for a sync is computed by NumPy (numpy_attention.py), ~3.5x faster on long prefills."""
-    if resolved_backend() == "cpu" and numpy_attention_applies(q, k, mask):
+    if _numpy_allowed() and numpy_attention_applies(q, k, mask):
         return attend_numpy(q, k, v, scale, mask, sinks)
     return sdpa(q, k, v, scale, mask, sinks)
 
@@ -171,7 +182,12 @@ def eager_sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None, s
 def reads_pages_in_place(q: mx.array, k_pool: mx.array, v_pool: mx.array, context: int) -> bool:
     """True when a batch-1 prefill chunk over ``context`` positions is faster through
     ``paged_prefill_attention`` (pages read in place) than through ``eager_sdpa`` over gathered K/V."""
-    return resolved_backend() == "cpu" and _float32(k_pool, v_pool) and pages_in_place_apply(q, context)
+    return _numpy_allowed() and _float32(k_pool, v_pool) and pages_in_place_apply(q, context)
+
+
+def _numpy_allowed() -> bool:
+    """NumPy attention only on the cpu path of MLX's CPU backend: on a GPU it would sync and copy to the host."""
+    return resolved_backend() == "cpu" and compute_backend.tuning().numpy_attention
 
 
 def paged_prefill_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_table,
@@ -187,7 +203,7 @@ def paged_prefill_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, blo
     varlen kernel would go).
     """
     numpy_case = window is None and q.shape[0] == 1 and q.shape[2] == chunk_len >= 1 and prefix_len >= 0
-    if numpy_case and resolved_backend() == "cpu" and _float32(k_pool, v_pool):
+    if numpy_case and _numpy_allowed() and _float32(k_pool, v_pool):
         check_pools(q, k_pool, v_pool, sinks)
         return attend_pages_numpy(q, k_pool, v_pool, block_table, prefix_len + chunk_len, scale, sinks)
     return paged_prefill_attention_reference(q, k_pool, v_pool, block_table, prefix_len, chunk_len,
@@ -269,15 +285,19 @@ def prepare_model_attention(dtype: mx.Dtype, block_size: int,
 
 
 def attention_status() -> dict:
-    """{"path": "kernel" | "cpu" | "reference" | "kernel (with reference fallback)", "reason": str,
+    """{"path": "kernel" | "fused" | "cpu" | "reference" | "kernel (with reference fallback)", "reason": str,
     "variants": [VariantCheck, ...]}: the decode attention in use now (for the prepared model) and why."""
     backend = resolved_backend()
     forced = _requested() != "auto"
     variants = list(_decisions.values()) if backend == "kernel" else []
     if backend == "reference":
         return _status("reference", f"forced ({ENV_VAR} or set_attention_backend)", variants)
+    if backend == "fused":
+        why = "forced" if forced else "a CUDA GPU (MLX's CUDA backend)"
+        return _status("fused", f"{why}: gathered pages attended by MLX's fused attention "
+                                "(no mask array at batch 1, so its decode kernels run)", variants)
     if backend == "cpu":
-        why = "forced" if forced else "MLX has no Metal GPU here"
+        why = "forced" if forced else "MLX's CPU backend"
         if _model_kv is not None and _model_kv[0] != "float32":
             return _status("reference", f"{why}; the CPU path takes float32 K/V, this model's are {_model_kv[0]}",
                            variants)

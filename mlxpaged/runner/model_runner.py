@@ -13,6 +13,10 @@ of a 512-token chunk would otherwise cost as much as several layers.
 
 `execute` is the engine step's "execute" stage: the passes, sampling, the look-ahead pipeline
 (`Lookahead`) and, through `copy_blocks`, the copy-on-write block copies of n > 1 forks.
+
+Pipelining differs per backend (platform/backend.py). On a GPU the next decode pass is queued before
+this step's tokens are read, as mlx-lm's generate_step does, and writes nothing to the pools while it
+is queued (deferred_writes.py). On the CPU backend it is built ahead and launched once this step is read.
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ from mlxpaged.cache.layout import ModelLayout
 from mlxpaged.cache.state_cache import StatePass, StateStore
 from mlxpaged.runner import cache_tree
 from mlxpaged.runner.decode_pass import CompiledDecode
+from mlxpaged.runner.deferred_writes import MAX_PENDING, PendingKV, defers_writes, deferred_views
 from mlxpaged.cache.kv_cache import PagedKVCache
+from mlxpaged.platform import backend
 from mlxpaged.runner.routing import is_routed
 from mlxpaged.runner.sampling import LazySample, SampleResult, SamplerState, sample_batch
 from mlxpaged.runner.speculative import sample_with_drafts
@@ -105,11 +111,8 @@ def state_model_passes(inputs: Sequence[StepInput]) -> list[list[int]]:
     return ([decode] if decode else []) + alone
 
 
-# Decode passes of up to this many sequences run compiled (decode_pass.py). Each batch size is a
-# graph of its own per page bucket, traced on first use (40-150 ms): worth it at batch 1 (the
-# chat case), not where batches change size every few steps. Measured per step on SmolLM2-135M,
-# compiled vs eager: B=4 74 vs 83 ms, B=16 120 vs 125 ms (B=1: 48 ms vs mlx-lm's own 51 ms).
-COMPILED_DECODE_MAX_BATCH = 1
+# Decode passes of up to `backend.tuning().compiled_decode_max_batch` sequences run compiled
+# (decode_pass.py); the measurements are in platform/backend.py.
 # Verify chunks [last, d1..dk] of up to this many tokens run compiled too, one graph per length
 # (the drafter's k <= 7 by default, so at most 7 lengths per page bucket). SmolLM2-135M at 300 tokens, 6-token
 # chunk: 66.8 ms compiled vs 72.1 eager (one token: 40.6); the rest is OpenBLAS gemm at M=6 vs gemv.
@@ -164,6 +167,11 @@ class Lookahead:
     rows: list[tuple[str, int]]  # (request id, position) of each row
     sample: LazySample
     state: StatePass | None = None  # its state rows, stored only if the pass is adopted
+    deferred: object | None = None  # a pass that writes no pages (deferred_writes.py), queued already
+
+    @property
+    def launched(self) -> bool:
+        return self.deferred is not None
 
     def covers(self, chunks: list) -> bool:
         """True when the scheduled step is only decode rows this pass computed (a row whose
@@ -196,33 +204,74 @@ class Runner:
         # The compiled pass reads the pools only: every leaf must be attended by the routed SDPA alone.
         plain = layout is None or (cache_tree.simple(layout) and all(leaf.routed for leaf in layout.kv_leaves))
         compiled = state is None and plain and is_routed(model) and CompiledDecode.supports(kv_cache)
-        self.decoder = CompiledDecode(model, kv_cache, self.head) if compiled else None
+        self.tuning = backend.tuning()
+        self.decoder = CompiledDecode(model, kv_cache, self.head) \
+            if compiled and self.tuning.compiled_decode_max_batch else None
         self._ahead: Lookahead | None = None  # the next step's decode pass, already queued
+        # A GPU queues the next pass before reading this one; its K/V wait in `_pending` (deferred_writes.py),
+        # and those of rows that left the run in `_orphans`, until nothing in flight reads the pools.
+        self.defers = self.tuning.queue_before_read and state is None and plain and not serial \
+            and is_routed(model) and defers_writes(kv_cache)
+        self._pending: PendingKV | None = None
+        self._orphans: list[PendingKV] = []
 
     def execute(self, chunks: list, sampling: SamplingRows, planner: NextStepPlanner) -> list[SampleResult]:
         """Run a scheduled step (ScheduledChunks) and sample it: one result per sampling row. A
         step the previous one already queued (`_look_ahead`) is adopted instead of recomputed."""
         ahead, self._ahead = self._ahead, None
         if ahead is None or not ahead.covers(chunks):
+            self._settle(ahead)
             return self._compute(chunks, sampling, planner)
         # This step was computed while the last one ran: queue the next one, then read it.
         rows_of = ahead.rows_of(chunks)
         if ahead.state is not None:
             ahead.state.commit(rows_of)  # before the next pass is built on these rows
+        if ahead.deferred is not None:
+            self._adopt_pending(ahead.deferred.pending_after(), [c.request.request_id for c in chunks])
         self._ahead = self._look_ahead(chunks, _rows(ahead.sample.tokens, rows_of), sampling.chunk_states, planner)
         everything = ahead.sample.results()
         self._launch_ahead()
         return [everything[i] for i in rows_of]
 
-    def drop_look_ahead(self) -> None:
-        """Forget the queued pass (a failed step, or a step with nothing scheduled)."""
-        self._ahead = None
+    def drop_look_ahead(self, flush: bool = True) -> None:
+        """Forget the queued pass (a step with nothing scheduled, or a failed one: `flush=False` drops the
+        pending K/V of its failed requests instead of writing them)."""
+        ahead, self._ahead = self._ahead, None
+        if flush:
+            self._settle(ahead)
+        else:
+            self._pending, self._orphans = None, []
 
     def copy_blocks(self, copies: Sequence) -> None:
         """Do a fork's copy-on-write copies (CopyOnWrite) and land them before the next pass writes."""
         if copies:
+            self._flush_pending()  # a fork starts after a step that settled: nothing is in flight
             self.kv.copy_blocks([(c.src_block, c.dst_block) for c in copies])
             mx.eval(self.kv.pools)
+
+    def _settle(self, ahead: Lookahead | None) -> None:
+        """The pipeline stops: let a queued pass nobody adopts finish (a pool write queued while it reads
+        the pools would copy them), then write the pending K/V into their slots."""
+        if ahead is not None and ahead.launched:
+            mx.eval(*ahead.sample.arrays)
+        self._flush_pending()
+
+    def _flush_pending(self) -> None:
+        """Queue the writes of every pending K/V, rows that left the run first (their slots may hold a
+        running row's newer tokens, which must win). Lazy: the next pass evaluates them, in place."""
+        for pending in [*self._orphans, *([self._pending] if self._pending is not None else [])]:
+            pending.flush(self.kv)
+        self._pending, self._orphans = None, []
+
+    def _adopt_pending(self, pending: PendingKV, kept: list[str]) -> None:
+        """An adopted deferred pass's K/V become the run's pending ones; rows the step no longer schedules
+        (finished, aborted, preempted) and rows the pass skipped keep theirs until the next flush."""
+        carried = set(pending.request_ids)
+        for left in (self._pending.without(carried) if self._pending is not None else None,
+                     pending.without(kept)):
+            if left is not None:
+                self._orphans.append(left)
+        self._pending = pending.select(kept)
 
     def _compute(self, chunks: list, sampling: SamplingRows, planner: NextStepPlanner) -> list[SampleResult]:
         """Run the step's passes and sample; pipeline the next decode pass when it is predictable."""
@@ -263,11 +312,8 @@ class Runner:
         which the real step then writes again."""
         if not planner.predictable() or (self.serial and len(chunks) > 1):
             return None  # a serial model's rows each need a pass of their own
-        if self.compiles(len(chunks)):
-            # A compiled pass is cheap to build, and building it during the last one's tail
-            # slowed that tail (2 cores): batch-1 decode, synchronous 19.6 / 20.3 / 19.1 tok/s,
-            # pipelined 19.0 / 19.4 / 18.4 (3 alternating A/B runs).
-            return None
+        if self.compiles(len(chunks)) and not self.tuning.pipeline_compiled:
+            return None  # the CPU backend: see Tuning.pipeline_compiled
         picked, inputs = [], []
         for i, chunk in enumerate(chunks):
             request = chunk.request
@@ -279,10 +325,33 @@ class Runner:
                 inputs.append(StepInput([0], chunk.start + len(chunk.token_ids), tables, True, state_slot=chunk.state_slot))
         if not picked:
             return None
+        rows = [(chunks[i].request.request_id, x.start) for i, x in zip(picked, inputs)]
+        picked_states = [states[i] for i in picked]
+        if self.defers and (self._pending is None or self._pending.length < MAX_PENDING):
+            # Queued now, before this step is read: it writes no pages, so nothing in flight is copied.
+            ids = [rid for rid, _ in rows]
+            pending = self._pending.select(ids) if self._pending is not None else None
+            logits, deferred = self._deferred_pass(inputs, ids, _rows(tokens, picked), pending)
+            return Lookahead(rows, LazySample(logits, picked_states, ahead=1), deferred=deferred)
+        if self.defers:
+            self._flush_pending()  # every MAX_PENDING tokens: launched after this step is read, in place
         logits = self.decode_ahead(inputs, _rows(tokens, picked))
         state, self._built_state = self._built_state, None
-        return Lookahead([(chunks[i].request.request_id, x.start) for i, x in zip(picked, inputs)],
-                         LazySample(logits, [states[i] for i in picked], ahead=1, launch=False), state)
+        return Lookahead(rows, LazySample(logits, picked_states, ahead=1, launch=False), state)
+
+    def _deferred_pass(self, inputs: list[StepInput], ids: list[str], tokens: mx.array,
+                       pending: PendingKV | None) -> tuple[mx.array, object]:
+        """A decode pass of one token per input (`tokens` [B], lazy) that writes no pages (deferred_writes.py):
+        lazy float32 logits [B, V] and the pass, whose pending K/V the runner takes if it is adopted."""
+        views, deferred = deferred_views(self.kv, ids, [x.start for x in inputs],
+                                         [x.block_tables[0] for x in inputs], pending)
+        cache = cache_tree.model_cache(self.layout, views, None)
+        tokens = tokens.astype(mx.int32).reshape(-1, 1)
+        if self.head is not None:
+            logits = self.head(self.model.model(tokens, cache=cache)[:, -1])
+        else:
+            logits = self.model(tokens, cache=cache)[:, -1]
+        return logits.astype(mx.float32), deferred
 
     def step(self, inputs: Sequence[StepInput]) -> mx.array | None:
         """Queue the step; return float32 logits [S, V] of the inputs that sample, in order (an input's
@@ -325,7 +394,7 @@ class Runner:
 
     def compiles(self, batch: int) -> bool:
         """True when a decode pass of `batch` sequences runs compiled (decode_pass.py)."""
-        return self.decoder is not None and batch <= COMPILED_DECODE_MAX_BATCH
+        return self.decoder is not None and batch <= self.tuning.compiled_decode_max_batch
 
     def decode_ahead(self, inputs: Sequence[StepInput], tokens: mx.array) -> mx.array:
         """A decode pass of one token per input whose ids are still being computed (`tokens` [B],

@@ -20,8 +20,10 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxpaged.cache.cache_view import PagedCacheView
-from mlxpaged.kernels.attention import eager_sdpa, paged_attention, paged_prefill_attention, reads_pages_in_place
+from mlxpaged.kernels.attention import (eager_sdpa, paged_attention, paged_prefill_attention, reads_pages_in_place,
+                                        reads_pools)
 from mlxpaged.runner.decode_pass import DecodeView
+from mlxpaged.runner.deferred_writes import DeferredView
 
 
 _ORIGINAL_SDPA = None
@@ -29,6 +31,8 @@ _ROUTED_MODULES: dict[str, object] = {}
 
 
 def _routed_sdpa(queries, keys, values, cache, scale, mask, sinks=None):
+    if isinstance(cache, DeferredView):  # a decode pass queued ahead: its pages with pending K/V put in
+        return eager_sdpa(queries, keys, values, scale, mask, sinks)
     if isinstance(cache, DecodeView):  # inside a compiled decode pass
         _check_compiled_call(keys, values, cache, mask)
         return cache.attend(queries, scale, sinks)
@@ -51,6 +55,8 @@ def pool_inputs(queries: mx.array, keys: mx.array, values: mx.array, cache: Page
                 mask) -> tuple | None:
     """(k_pool, v_pool, block_tables, context_lens) when attending the pools is the same computation
     as attending `keys`/`values` under `mask`; else None."""
+    if not reads_pools():  # the fused path attends what the view gathered, under its own (or no) mask
+        return None
     decode = cache.decode_inputs()  # one new token per sequence on a full-attention layer
     if decode is None or not cache.returned(keys, values):
         return None

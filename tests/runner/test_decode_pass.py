@@ -136,7 +136,7 @@ def test_decode_writes_update_the_pools_in_place(tiny, monkeypatch, compiled):
     from mlxpaged.runner import model_runner as runner
 
     if compiled:
-        monkeypatch.setattr(runner, "COMPILED_DECODE_MAX_BATCH", 2)
+        monkeypatch.setattr(tiny.runner, "tuning", dataclasses.replace(tiny.runner.tuning, compiled_decode_max_batch=2))
     else:
         monkeypatch.setattr(tiny.runner, "decoder", None)
     pools = [tiny.kv.keys[0], tiny.kv.values[-1]]
