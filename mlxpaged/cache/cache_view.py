@@ -200,6 +200,14 @@ class _GroupPlanner:
         self._key: tuple | None = None
         self._plan: _Plan | None = None
         self.full_masks: list = []  # masks the group's views made without a window this pass (routing.py)
+        self._offsets: tuple[tuple[int, ...], mx.array] | None = None
+
+    def offset_array(self, offsets: Sequence[int]) -> mx.array:
+        """`offsets` as an mx.array, built once per pass for every layer of the group (the RoPE offsets)."""
+        key = tuple(offsets)
+        if self._offsets is None or self._offsets[0] != key:
+            self._offsets = key, mx.array(key)
+        return self._offsets[1]
 
     def plan(self, offsets: Sequence[int], num_new: Sequence[int], length: int) -> _Plan:
         key = (tuple(offsets), tuple(num_new), length, tuple(len(t) for t in self.tables))
@@ -228,16 +236,13 @@ class PagedCacheView:
         self._num_new = list(num_new) if num_new is not None else None
         self._last_plan: _Plan | None = None
         self._split_out: tuple | None = None
-        self._offset_array: mx.array | None = None
 
     @property
     def offset(self) -> int | mx.array:
         """Tokens cached so far: an int for batch 1, else an `mx.array` [B]."""
         if len(self._offsets) == 1:
             return self._offsets[0]
-        if self._offset_array is None:  # read twice per layer (q and k RoPE); reset when offsets move
-            self._offset_array = mx.array(self._offsets)
-        return self._offset_array
+        return self._planner.offset_array(self._offsets)
 
     @property
     def offsets(self) -> list[int]:
@@ -327,7 +332,6 @@ class PagedCacheView:
         # A split pass's K/V are the model's new keys and an evaluated read: holding them pins no pool.
         self._split_out = out if plan.split else None
         self._offsets = [o + n for o, n in zip(plan.offsets, plan.num_new)]
-        self._offset_array = None
         self._num_new = None
         self._last_plan = plan
         return out

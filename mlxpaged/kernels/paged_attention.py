@@ -116,6 +116,17 @@ def use_two_pass(batch: int, kv_heads: int, span: int) -> bool:
     return batch * kv_heads < TWO_PASS_MAX_GROUPS and span >= TWO_PASS_MIN_TOKENS
 
 
+# Every layer of a pass passes the same small inputs (lengths, parameters, scale): built once, not per layer.
+@lru_cache(maxsize=16)
+def _int32s(values: tuple[int, ...]) -> mx.array:
+    return mx.array(values, dtype=mx.int32)
+
+
+@lru_cache(maxsize=16)
+def _float32s(values: tuple[float, ...]) -> mx.array:
+    return mx.array(values, dtype=mx.float32)
+
+
 def _gpu_launch(kernel, **call) -> list:
     return kernel(**call)
 
@@ -139,7 +150,8 @@ def paged_attention_metal(q: mx.array, k_pool: mx.array, v_pool: mx.array, block
     if batch == 0:
         return mx.zeros((batch, heads, 1, v_dim), q.dtype)
     tables = block_tables.astype(mx.int32)
-    lens = mx.array(context_lens).astype(mx.int32)
+    lens = _int32s(tuple(context_lens)) if isinstance(context_lens, (tuple, list)) \
+        else mx.array(context_lens).astype(mx.int32)
     max_blocks = tables.shape[1]
     span = attended_span(max_blocks, block_size, window)
     if two_pass is None:
@@ -147,12 +159,12 @@ def paged_attention_metal(q: mx.array, k_pool: mx.array, v_pool: mx.array, block
     if partition_tokens < 1:
         raise ValueError(f"partition_tokens must be positive, got {partition_tokens}")
     partitions = max(1, -(-span // partition_tokens)) if two_pass else 1
-    params = mx.array([max_blocks, window or 0, partition_tokens, partitions, kv_heads, heads], dtype=mx.int32)
+    params = _int32s((max_blocks, window or 0, partition_tokens, partitions, kv_heads, heads))
     # Without sinks the kernel never reads the buffer (SINKS 0); one zero keeps the signature.
-    sink_logits = mx.zeros((1,), mx.float32) if sinks is None else sinks.astype(mx.float32)
+    sink_logits = _float32s((0.0,)) if sinks is None else sinks.astype(mx.float32)
     has_sinks = int(sinks is not None)
-    inputs = [q.reshape(batch, heads, head_dim), k_pool, v_pool, tables, lens, params,
-              mx.array([scale], dtype=mx.float32), sink_logits]
+    inputs = [q.reshape(batch, heads, head_dim), k_pool, v_pool, tables, lens, params, _float32s((scale,)),
+              sink_logits]
     threads = num_simdgroups * 32
     template = [("T", q.dtype), ("D", head_dim), ("DV", v_dim), ("BS", block_size), ("G", heads // kv_heads),
                 ("NSG", num_simdgroups), ("SINKS", has_sinks)]
