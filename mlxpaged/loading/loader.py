@@ -43,8 +43,8 @@ class LoadedModel:
 
 def default_dtype() -> str:
     """The dtype the embedded GGUF default model is converted to (its store directory's suffix): float32 on
-    MLX's CPU backend, its fast dtype; float16 on any GPU (Metal and CUDA alike, as on Metal before CUDA
-    existed here): the GGUF's block scales are float16, and MLX's fused attention on CUDA takes only half types."""
+    MLX's CPU backend, its fast dtype; float16 on any GPU, CUDA kept as Metal has it: the GGUF's block
+    scales are float16, and MLX's fused attention on CUDA takes only half types."""
     return "float32" if tuning().float32_weights else "float16"
 
 
