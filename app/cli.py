@@ -32,9 +32,12 @@ def cmd_models(args: argparse.Namespace) -> int:
 def print_doctor() -> None:
     import mlx.core as mx
 
+    from mlxpaged.platform import backend
+
     status = blas_status()
     print(f"\nBLAS:    {status.name}" + (f" ({status.path})" if status.path else "") + f" - {status.detail}")
     print(f"MLX:     {mx.__version__}, device {mx.default_device()}")
+    print(f"Backend: {backend.describe()}")
 
 
 def cmd_pull(args: argparse.Namespace) -> int:

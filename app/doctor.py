@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 import mlxpaged
+from mlxpaged.platform import backend
 from mlxpaged.platform.blas import blas_status
 from mlxpaged.config import DEFAULT_CACHE_TOKENS, CacheConfig
 from mlxpaged.units import format_size
@@ -31,6 +32,13 @@ HARNESS = Path(mlxpaged.__file__).resolve().parent.parent / "tests" / "msl" / "h
 LOAD_PROMPT = "What is the capital of France?"
 LOAD_TOKENS = 24
 ON_GPU, ON_HARNESS = "Metal GPU", "CPU harness"
+# What each attention path (kernels.attention.attention_status()["path"]) is; a path not named here is shown bare.
+ATTENTION_PATHS = {
+    "kernel": "the Metal paged-attention kernel",
+    "fused": "MLX's fused attention (gathered pages, mx.fast.scaled_dot_product_attention)",
+    "cpu": "the CPU path (pages read in place, kernels/cpu_attention.py)",
+    "reference": "the pure-MLX reference (gathered pages, mx.fast.scaled_dot_product_attention)",
+}
 
 
 @dataclass(frozen=True)
@@ -49,7 +57,7 @@ class ModelOnDisk:
     """The default model as the store holds it, read without opening a weight file."""
 
     name: str
-    dtype: str  # the store's dtype: float32 on MLX's CPU backend, float16 on Metal
+    dtype: str  # the store's dtype: float32 on MLX's CPU backend, float16 on a GPU (loader.default_dtype)
     path: Path | None  # None: not provisioned yet
     config: dict | None
     weight_bytes: int
@@ -77,8 +85,8 @@ def check_mlx() -> Check:
 
     detail = f"mlx {mx.__version__}, device {mx.default_device()}"
     name = mx.device_info().get("device_name")
-    detail += f" ({name})" if name else ""
-    if sys.platform == "darwin" and not mx.metal.is_available():
+    detail += (f" ({name})" if name else "") + f", backend: {backend.describe()}"
+    if sys.platform == "darwin" and backend.detected() == "cpu":
         return Check(WARN, "mlx", detail + "; Metal is not available, so MLX runs on the CPU (slow)")
     return Check(OK, "mlx", detail)
 
@@ -94,20 +102,22 @@ def check_attention() -> Check:
     from mlxpaged.kernels import attention
 
     try:
-        backend = attention.resolved_backend()
+        resolved = attention.resolved_backend()
     except RuntimeError as exc:  # the kernel forced on a machine without Metal
         return Check(FAIL, "attention", str(exc))
-    path, reason = attention_path(backend)
-    return Check(WARN if "fallback" in path else OK, "attention", f"{path}: {reason}")
+    path, reason = attention_path(resolved)
+    what = ATTENTION_PATHS.get(path)
+    return Check(WARN if "fallback" in path else OK, "attention",
+                 f"{path}" + (f" ({what})" if what else "") + f": {reason}")
 
 
-def attention_path(backend: str) -> tuple[str, str]:
-    """(path, why): attention_status() once the kernel self-check is merged, else the backend setting."""
+def attention_path(resolved: str) -> tuple[str, str]:
+    """(path, why): attention_status() once the kernel self-check is merged, else the resolved path's name."""
     from mlxpaged.kernels import attention
 
     status_of = getattr(attention, "attention_status", None)
     if status_of is None:
-        return backend, f"{attention.ENV_VAR}={os.environ.get(attention.ENV_VAR, 'auto')}"
+        return resolved, f"{attention.ENV_VAR}={os.environ.get(attention.ENV_VAR, 'auto')}"
     status = status_of()
     return status["path"], status["reason"]
 
@@ -127,9 +137,8 @@ def check_kernel(model: ModelOnDisk | None) -> Check:
         return Check(WARN, "kernel", f"not checked: {exc}")
     from mlxpaged.cache.paged_support import query_heads
     from mlxpaged.loading.checkpoint import read_before_load
-    from mlxpaged.platform.memory import DeviceFacts
 
-    facts, layout = read_before_load(model.path, DeviceFacts.detect().backend)
+    facts, layout = read_before_load(model.path, backend.current())
     heads = query_heads(layout)  # read from the model's attention, not a config key
     variants = self_check.variants_for(dtype=kv_dtype(model), head_dim=facts.kv.head_dim,
                                        block_size=default_cache_config().block_size, num_heads=heads,
@@ -192,11 +201,19 @@ def _load_harness():
 
 
 def check_memory() -> Check:
-    from mlxpaged.platform.memory import DeviceFacts
+    from mlxpaged.platform.memory import DeviceFacts, os_reserve_bytes
 
     device = DeviceFacts.detect()
-    return Check(OK, "memory", f"RAM {format_size(device.total_bytes)}, available {format_size(device.available_bytes)}"
-                               f" ({device.backend} backend)")
+    if device.backend != "cuda":
+        return Check(OK, "memory", f"RAM {format_size(device.total_bytes)}, available "
+                                   f"{format_size(device.available_bytes)} ({device.backend} backend)")
+    detail = (f"CUDA device memory {format_size(device.total_bytes)}, free {format_size(device.available_bytes)} "
+              "(cuda backend; the KV plan starts from the total)")
+    # The plan leaves only its reserve to others: a GPU other processes already fill needs a smaller cache.
+    if device.total_bytes - device.available_bytes > os_reserve_bytes(device.total_bytes):
+        return Check(WARN, "memory", detail + "; other processes hold more than the plan's reserve: "
+                                              "set --kv-memory or --memory-fraction")
+    return Check(OK, "memory", detail)
 
 
 def check_wired() -> Check:
@@ -204,6 +221,8 @@ def check_wired() -> Check:
     import mlx.core as mx
 
     working_set = mx.device_info().get("max_recommended_working_set_size")
+    if backend.detected() == "cuda":
+        return Check(OK, "wired memory", "not applicable on CUDA (mx.set_wired_limit is Metal's)")
     current = mx.set_wired_limit(0)
     mx.set_wired_limit(current)
     if working_set is None:
@@ -329,17 +348,15 @@ def find_default_model() -> ModelOnDisk:
 def kv_dtype(model: ModelOnDisk) -> str:
     """The dtype K/V will have, read from the weight headers as the engine reads it before loading."""
     from mlxpaged.loading.checkpoint import kv_dtype_before_load
-    from mlxpaged.platform.memory import DeviceFacts
 
-    return kv_dtype_before_load(model.path, DeviceFacts.detect().backend)
+    return kv_dtype_before_load(model.path, backend.current())
 
 
 def model_facts(model: ModelOnDisk):
     """The facts the engine plans with before loading (mlxpaged.loading.checkpoint): one reading, not two."""
     from mlxpaged.loading.checkpoint import facts_before_load
-    from mlxpaged.platform.memory import DeviceFacts
 
-    return facts_before_load(model.path, DeviceFacts.detect().backend)
+    return facts_before_load(model.path, backend.current())
 
 
 # ---- running and reporting ----------------------------------------------------------------------

@@ -35,6 +35,7 @@ from mlxpaged.errors import ConfigError, EngineClosedError, RequestFailedError  
 from mlxpaged.engine.metrics import StatsCounter
 from mlxpaged.engine.speculation import SpeculationStats
 from mlxpaged.outputs import Completion, StreamDelta, collect, drain  # noqa: F401  (re-exported)
+from mlxpaged.platform import backend
 from mlxpaged.platform.memory import DeviceFacts, ModelFacts, model_weight_bytes, plan_memory
 from mlxpaged.platform.model_facts import context_length
 from mlxpaged.loading.checkpoint import facts_before_load
@@ -124,8 +125,8 @@ class Engine:
         settings.setdefault("cache_tokens", DEFAULT_CACHE_TOKENS)
         cache, scheduler = split_settings(settings)
         ref, path = locate_model(model, progress)
-        device = DeviceFacts.detect()
-        plan_memory(device, facts_before_load(path, device.backend), cache, scheduler)
+        # Memory where MLX allocates (DeviceFacts), dtypes as the loader will choose them (backend.current()).
+        plan_memory(DeviceFacts.detect(), facts_before_load(path, backend.current()), cache, scheduler)
         return cls(load_local(ref, path), cache, scheduler)
 
     @property
@@ -261,6 +262,7 @@ class Engine:
             "speculative": self.scheduler_config.speculative,
             **(self.core.speculator.stats if self.core.speculator else SpeculationStats()).snapshot(),
             "attention": attention_status(),  # {"path", "reason", "variants"}: see mlxpaged.kernels.attention
+            "backend": backend.current(), "backend_description": backend.describe(),  # platform/backend.py
             "serial": self.serial_reason,  # why one sequence runs per pass (None: batched)
             "kv_memory_by_class": {g.describe(): size for g, size in self.kv.bytes_by_class().items()},
         }

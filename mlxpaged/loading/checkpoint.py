@@ -7,8 +7,9 @@ are lazy and never evaluated), so the plan made here is the plan the engine make
 (tests/loading/test_plan_before_load.py holds them equal).
 
 Weights as loaded: on MLX's CPU backend the loader casts every floating tensor to float32 when any
-is half precision (mlxpaged.loading.loader.load_model), so they count 4 bytes there; on Metal they keep the
-checkpoint's dtypes. Tensors mlx-lm's `sanitize` drops (a tied lm_head, rotary tables in some Hugging
+is half precision (mlxpaged.loading.loader.load_local), so they count 4 bytes there; on a GPU (Metal or
+CUDA) they keep the checkpoint's dtypes. `backend` below is the one the loader follows
+(platform/backend.py: "cpu", "metal" or "cuda"). Tensors mlx-lm's `sanitize` drops (a tied lm_head, rotary tables in some Hugging
 Face checkpoints) still count, so for such checkpoints the figure is an upper bound.
 """
 
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mlxpaged.errors import CheckpointError
+from mlxpaged.platform.backend import tuning
 from mlxpaged.platform.model_facts import ModelFacts, context_length
 
 if TYPE_CHECKING:
@@ -93,7 +95,7 @@ def checkpoint_tensors(model_dir: Path) -> list[TensorHeader]:
 
 def as_loaded(tensors: list[TensorHeader], backend: str) -> list[TensorHeader]:
     """The tensors with the dtypes they have once loaded on `backend` (see the module docstring)."""
-    if backend == "cpu" and any(t.dtype in HALF for t in tensors):
+    if tuning(backend).float32_weights and any(t.dtype in HALF for t in tensors):
         return [TensorHeader(t.name, "F32", t.num_elements) if t.dtype in FLOATING else t for t in tensors]
     return tensors
 

@@ -23,6 +23,8 @@ from mlxpaged.cache.paged_support import unsupported_reasons
 from mlxpaged.errors import UnsupportedModelError  # noqa: F401  (re-exported)
 from mlxpaged.loading.model_store import ModelRef, provision, resolve
 from mlxpaged.loading.progress import Progress
+from mlxpaged.platform.backend import current as current_backend
+from mlxpaged.platform.backend import tuning
 
 
 @dataclass
@@ -31,7 +33,7 @@ class LoadedModel:
     tokenizer: TokenizerWrapper
     ref: ModelRef
     path: Path
-    dtype: str
+    dtype: str  # as loaded: "float32" on the CPU backend, the checkpoint's ("bfloat16", ...) on a GPU
     config: dict  # the model's config.json
 
     @property
@@ -39,13 +41,11 @@ class LoadedModel:
         return self.ref.name
 
 
-def on_metal() -> bool:
-    return mx.metal.is_available()
-
-
 def default_dtype() -> str:
-    """float32 on MLX's CPU backend (half precision matmuls are 3-40x slower there); float16 on Metal."""
-    return "float16" if on_metal() else "float32"
+    """The dtype the embedded GGUF default model is converted to (its store directory's suffix): float32 on
+    MLX's CPU backend, its fast dtype; float16 on any GPU, CUDA kept as Metal has it: the GGUF's block
+    scales are float16, and MLX's fused attention on CUDA takes only half types."""
+    return "float32" if tuning().float32_weights else "float16"
 
 
 def locate_model(name: str | None = None, progress: Progress | None = None) -> tuple[ModelRef, Path]:
@@ -60,13 +60,13 @@ def load_model(name: str | None = None, progress: Progress | None = None) -> Loa
 
 
 def load_local(ref: ModelRef, path: Path, backend: str | None = None) -> LoadedModel:
-    """Load a provisioned model; `backend` ("cpu" or "metal", default: this machine's) picks the dtypes."""
-    backend = backend or ("metal" if on_metal() else "cpu")
+    """Load a provisioned model; `backend` ("cpu", "metal" or "cuda"; default: platform.backend.current())
+    picks the dtypes: a GPU keeps the checkpoint's (bf16, fp16, quantized), the CPU makes half types float32."""
     model, tokenizer = mlx_lm_load(str(path))
-    if backend == "cpu" and _has_half_dense_weights(model):
+    if tuning(backend or current_backend()).float32_weights and _has_half_dense_weights(model):
         model.set_dtype(mx.float32)  # CPU backend: float32 is the fast dtype (checkpoint.as_loaded counts this)
     config = json.loads((path / "config.json").read_text())
-    return LoadedModel(model, tokenizer, ref, path, default_dtype(), config)
+    return LoadedModel(model, tokenizer, ref, path, dtype_name(weights_dtype(model)), config)
 
 
 def unweighted_model(model_dir: Path) -> nn.Module:
@@ -86,6 +86,12 @@ def activation_dtype(model: nn.Module) -> mx.Dtype:
     inner = getattr(model, "model", None)
     if inner is not None and hasattr(inner, "embed_tokens"):
         return inner.embed_tokens(mx.array([[0]])).dtype
+    return weights_dtype(model)
+
+
+def weights_dtype(model: nn.Module) -> mx.Dtype:
+    """The floating dtype holding the most parameter bytes: the dense weights', or a quantized model's
+    scales' (its packed weights are uint32); float32 when no parameter is floating."""
     from mlx.utils import tree_flatten
 
     by_dtype: dict[mx.Dtype, int] = {}
@@ -93,6 +99,11 @@ def activation_dtype(model: nn.Module) -> mx.Dtype:
         if mx.issubdtype(value.dtype, mx.floating):
             by_dtype[value.dtype] = by_dtype.get(value.dtype, 0) + value.nbytes
     return max(by_dtype, key=by_dtype.get) if by_dtype else mx.float32
+
+
+def dtype_name(dtype: mx.Dtype) -> str:
+    """"bfloat16" for mx.bfloat16: the name mx.<name> and the store directories use."""
+    return str(dtype).removeprefix("mlx.core.")
 
 
 def _has_half_dense_weights(model: nn.Module) -> bool:
@@ -120,9 +131,9 @@ def baseline_stream(loaded: LoadedModel, prompt: list[int] | str, max_tokens: in
 
 
 def check_paged_support(layout: ModelLayout) -> None:
-    """Refuse, at load, a model whose cache the paged pools cannot hold yet: every reason names the
-    layer, its cache kind and why (pools today: one K/V geometry, full or sliding-window leaves, one
-    leaf per layer, attention through mlx-lm's SDPA without sinks or latent V)."""
+    """Refuse, at load, a model whose cache the paged pools cannot hold: every reason names the layer,
+    its cache kind and why. cache/paged_support.py decides: a cache class of the model's own, a sliding
+    window attended with a mask the model builds itself, or no KV cache and no state at all."""
     reasons = [reason.text for reason in unsupported_reasons(layout)]
     if reasons:
         shown = "; ".join(reasons[:4]) + (f"; and {len(reasons) - 4} more" if len(reasons) > 4 else "")

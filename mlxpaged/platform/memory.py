@@ -3,19 +3,22 @@
 How the plan is sized (all in bytes):
 
     device limit   Metal: max_recommended_working_set_size (the GPU's ceiling; Apple already
-                   keeps 25-33% of RAM outside it). CPU: psutil's available memory (and the
+                   keeps 25-33% of RAM outside it). CUDA: the device's total memory
+                   (mx.device_info()'s total_memory). CPU: psutil's available memory (and the
                    cgroup's, in a container).
-  - OS reserve     max(1 GiB, 10% of RAM). vLLM and mistral.rs default to 90% utilization,
-                   leaving 10% of the device; on unified memory that 10% is the OS's and
-                   other apps', and wired pages cannot be paged out for them.
+  - OS reserve     max(1 GiB, 10% of RAM; on CUDA of device memory). vLLM and mistral.rs default
+                   to 90% utilization, leaving 10% of the device; on unified memory that 10% is
+                   the OS's and other apps', and wired pages cannot be paged out for them; on a
+                   CUDA device it is the CUDA context's, cuBLAS/cuDNN workspaces' and JIT kernels'.
   - weights        the loaded model. On CPU, skipped when `weights_resident` (psutil's
-                   "available" was read after loading, so it no longer includes them).
+                   "available" was read after loading, so it no longer includes them); on a
+                   GPU always counted (the limit is a fixed ceiling the weights live under).
   - activations    max_batch_tokens x (hidden + vocab) x 4 B (float32 logits) x 2: the peak
                    per-token activation of transformers' PagedAttentionMemoryHandler, doubled
                    as its safety factor does (sampling makes a second vocab-sized array).
   = left for KV    then: --kv-memory (must fit), --memory-fraction x left, or a default
-                   fraction of it (Metal 0.9, the slack MLX's buffer cache needs; CPU 0.5,
-                   because the pool is touched up front and a host with no swap OOM-kills).
+                   fraction of it (Metal and CUDA 0.9, the slack MLX's buffer cache needs; CPU
+                   0.5, because the pool is touched up front and a host with no swap OOM-kills).
 
 A block id stands for one page per layer of a layer group (specs.py): every layer for a
 full-attention model, a group of them when sliding-window and full attention mix. Pages are
@@ -46,27 +49,30 @@ from mlxpaged.errors import InsufficientMemoryError  # noqa: F401  (re-exported)
 from mlxpaged.units import format_size, size_at_least
 from mlxpaged.validation import require_int
 from mlxpaged.cache.specs import group_layers, sequence_capacity, table_lengths
+from mlxpaged.platform.backend import detect as detect_backend
 from mlxpaged.platform.model_facts import KVShape, ModelFacts, model_weight_bytes  # noqa: F401  (re-exported)
 
 OS_RESERVE_FLOOR = 2**30
 OS_RESERVE_FRACTION = 0.10
 ACTIVATION_DTYPE_BYTES = 4
 ACTIVATION_SAFETY_FACTOR = 2
-DEFAULT_KV_FRACTION = {"metal": 0.9, "cpu": 0.5}
+# CUDA as Metal (vLLM's 0.9 utilization too): the reserve covers the CUDA context and workspaces, so only the
+# slack MLX's buffer cache keeps for freed temporaries is left; the CPU's 0.5 guards a host against OOM kills.
+DEFAULT_KV_FRACTION = {"metal": 0.9, "cuda": 0.9, "cpu": 0.5}
 # Prefix checkpoints of state-space state per sequence slot (design 14, D3): one pending (the newest
 # block boundary of a running reply) and two in the table (a prompt's last boundary and a finished
 # conversation's), so a chat's next turn resumes.
 CHECKPOINTS_PER_SEQUENCE = 3
-BACKENDS = ("metal", "cpu")
+BACKENDS = ("metal", "cuda", "cpu")  # platform/backend.py's names
 
 
 @dataclass(frozen=True)
 class DeviceFacts:
     """What the device offers. Build it with detect(), or by hand in tests and planners."""
 
-    backend: str  # "metal" or "cpu"
-    total_bytes: int
-    available_bytes: int
+    backend: str  # "metal", "cuda" or "cpu": where the memory is (platform.backend.detect)
+    total_bytes: int  # RAM on Metal and CPU; the device's memory on CUDA
+    available_bytes: int  # psutil's (cgroup's) on Metal and CPU; the device's free memory on CUDA
     max_recommended_working_set_size: int | None = None
     name: str = ""
 
@@ -80,28 +86,42 @@ class DeviceFacts:
 
     @property
     def limit_bytes(self) -> int:
-        """The ceiling the plan starts from: the working set on Metal, available memory on CPU."""
-        return self.max_recommended_working_set_size if self.backend == "metal" else self.available_bytes
+        """The ceiling the plan starts from: the working set on Metal, the device's total memory on CUDA,
+        available memory on CPU."""
+        if self.backend == "metal":
+            return self.max_recommended_working_set_size
+        return self.total_bytes if self.backend == "cuda" else self.available_bytes
 
     @property
     def limit_label(self) -> str:
-        return "Metal recommended working set" if self.backend == "metal" else "available host memory"
+        return {"metal": "Metal recommended working set", "cuda": "CUDA device memory",
+                "cpu": "available host memory"}[self.backend]
+
+    @property
+    def reserve_label(self) -> tuple[str, str]:
+        """(what the reserve is, what it is a share of), for the plan's breakdown."""
+        return ("device reserve", "device memory") if self.backend == "cuda" else ("OS reserve", "RAM")
 
     @classmethod
     def detect(cls, mx_module=None, psutil_module=None, cgroup_dir: str = "/sys/fs/cgroup") -> DeviceFacts:
-        """Read this machine: mx.device_info() on Metal, psutil (and cgroup v2 limits) on CPU.
+        """Read this machine: mx.device_info() on a GPU, psutil (and cgroup v2 limits) on CPU; the
+        backend is platform.backend.detect(mx_module), where MLX computes (a test's simulate() aside).
         On Metal, available_bytes (psutil) is informational: the plan starts from the working set."""
-        if psutil_module is None:
-            import psutil as psutil_module
         if mx_module is None:
             import mlx.core as mx_module
+        backend = detect_backend(mx_module)
         info = mx_module.device_info()
-        vm = psutil_module.virtual_memory()
-        working_set = info.get("max_recommended_working_set_size")
         name = str(info.get("device_name", ""))
-        if working_set is not None and mx_module.metal.is_available():
+        if backend == "cuda":
+            # total_memory is the limit: a fixed ceiling, the same before and after the weights load (free_memory
+            # then excludes them), as Metal's working set is; free_memory (NVML's, device-wide) is informational.
+            return cls("cuda", int(info["total_memory"]), int(info["free_memory"]), None, name)
+        if psutil_module is None:
+            import psutil as psutil_module
+        vm = psutil_module.virtual_memory()
+        if backend == "metal":
             total = int(info.get("memory_size", vm.total))
-            return cls("metal", total, int(vm.available), int(working_set), name)
+            return cls("metal", total, int(vm.available), int(info["max_recommended_working_set_size"]), name)
         available = int(vm.available)
         cgroup_free = _cgroup_available(Path(cgroup_dir))
         if cgroup_free is not None:
@@ -200,7 +220,7 @@ def _kv_budget(left: int, backend: str, cache: CacheConfig) -> tuple[int, str]:
         if cache.kv_memory > left:
             raise InsufficientMemoryError(
                 f"{{kv_memory:{format_size(cache.kv_memory)}}} is more than the {format_size(left)} left for the "
-                f"KV cache after weights, activations and the OS reserve; ask for at most {format_size(left)}, "
+                f"KV cache after weights, activations and the reserve; ask for at most {format_size(left)}, "
                 "or lower {max_batch_tokens}, or use a smaller model",
                 needed_bytes=cache.kv_memory, available_bytes=left, param="kv_memory")
         return cache.kv_memory, f"limited by --kv-memory {format_size(cache.kv_memory)}"
@@ -241,8 +261,10 @@ def _too_small(longest: int, need_bytes: int, budget: int, fits_tokens: int,
 
 
 def _wired(device: DeviceFacts, cache: CacheConfig, weights_and_kv: int) -> tuple[int | None, str]:
-    if device.backend != "metal":
+    if device.backend == "cpu":
         return None, "not applicable on CPU (MLX's CPU backend has no wired memory)"
+    if device.backend == "cuda":
+        return None, "not applicable on CUDA (wired memory, mx.set_wired_limit, is Metal's)"
     if not cache.wire:
         return None, "off (--no-wire)"
     limit = min(weights_and_kv, device.max_recommended_working_set_size)
@@ -255,12 +277,12 @@ def plan_memory(device: DeviceFacts, model: ModelFacts, cache: CacheConfig, sche
     See the module docstring for the rules.
 
     weights_resident: the DeviceFacts were detected after the model was loaded, so on CPU
-    "available" already excludes the weights. On Metal the working set is a fixed ceiling
-    the weights always count against, so this flag changes nothing there.
+    "available" already excludes the weights. On a GPU the limit (Metal's working set, CUDA's
+    total memory) is a fixed ceiling the weights always count against: the flag changes nothing there.
     """
     scheduler = scheduler or SchedulerConfig()
     skip_weights = weights_resident and device.backend == "cpu"
-    fixed = [("OS reserve", os_reserve_bytes(device.total_bytes)),
+    fixed = [(device.reserve_label[0], os_reserve_bytes(device.total_bytes)),
              ("model weights", 0 if skip_weights else model.weight_bytes),
              ("activations", activation_bytes(model, scheduler.max_batch_tokens))]
     slots, checkpoints, state_bytes = state_plan(model, scheduler)
@@ -305,11 +327,13 @@ def state_plan(model: ModelFacts, scheduler: SchedulerConfig) -> tuple[int, int,
 def _breakdown(device: DeviceFacts, model: ModelFacts, scheduler: SchedulerConfig, fixed: list[tuple[str, int]],
                kv_bytes: int, left: int, skip_weights: bool) -> tuple[tuple[str, int], ...]:
     (_, reserve), (_, weights), (_, activations), *state = fixed
+    reserve_label, share_of = device.reserve_label
     weights_label = (f"model weights ({format_size(model.weight_bytes)}, already outside available)"
                      if skip_weights else "model weights")
     return (
         (device.limit_label, device.limit_bytes),
-        (f"OS reserve ({OS_RESERVE_FRACTION:.0%} of {format_size(device.total_bytes)} RAM, min 1 GiB)", reserve),
+        (f"{reserve_label} ({OS_RESERVE_FRACTION:.0%} of {format_size(device.total_bytes)} {share_of}, min 1 GiB)",
+         reserve),
         (weights_label, weights),
         (f"activations ({scheduler.max_batch_tokens} tok x {model.hidden_size + model.vocab_size:,} x "
          f"{ACTIVATION_DTYPE_BYTES} B x {ACTIVATION_SAFETY_FACTOR})", activations),

@@ -79,7 +79,7 @@ def loaded_facts(path: Path, backend: str) -> ModelFacts:
                                   context_length(loaded.config))
 
 
-@pytest.mark.parametrize("backend", ["cpu", "metal"])
+@pytest.mark.parametrize("backend", ["cpu", "metal", "cuda"])
 def test_facts_before_load_equal_the_loaded_models(tiny_dir, backend):
     assert facts_before_load(tiny_dir, backend) == loaded_facts(tiny_dir, backend)
 
@@ -89,6 +89,7 @@ def test_dtype_rules_differ_by_backend(tmp_path, default_dir):
     cpu, metal = facts_before_load(path, "cpu"), facts_before_load(path, "metal")
     assert (cpu.kv.dtype_bytes, metal.kv.dtype_bytes) == (4, 2)
     assert cpu.weight_bytes == 2 * metal.weight_bytes
+    assert facts_before_load(path, "cuda") == metal  # every GPU keeps the checkpoint's float16
 
 
 def two_shards(weights: dict, *args) -> list[dict]:

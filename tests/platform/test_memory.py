@@ -10,7 +10,6 @@ Newer macOS releases report more (up to ~0.84-0.875 of RAM); the plan reads what
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import pytest
 
@@ -18,6 +17,7 @@ import mlxpaged  # noqa: F401  (OpenBLAS before mlx)
 from mlxpaged.config import CacheConfig, SchedulerConfig
 from mlxpaged.platform.model_facts import context_length
 from mlxpaged.units import parse_size
+from tests.platform.mx_stand_ins import stand_in_mx, stand_in_psutil
 from mlxpaged.platform.memory import (
     DeviceFacts,
     InsufficientMemoryError,
@@ -115,8 +115,8 @@ def test_bytes_per_token():
 def test_facts_validation():
     with pytest.raises(ValueError, match="sliding_windows has 2 entries for 30 layers"):
         KVShape(30, 3, 64, 4, (None, 4096))
-    with pytest.raises(ValueError, match="backend"):
-        DeviceFacts("cuda", GiB, GiB)
+    with pytest.raises(ValueError, match="backend must be one of .*, got 'rocm'"):
+        DeviceFacts("rocm", GiB, GiB)
     with pytest.raises(ValueError, match="max_recommended_working_set_size"):
         DeviceFacts("metal", GiB, GiB)
     with pytest.raises(ValueError, match="head_dim"):
@@ -324,15 +324,12 @@ def test_linux_host_detected():
 
 
 def test_detect_reads_metal_and_cgroup(tmp_path):
-    vm = SimpleNamespace(total=17_179_869_184, available=9_000_000_000)
-    psutil = SimpleNamespace(virtual_memory=lambda: vm)
-    metal = SimpleNamespace(
-        device_info=lambda: {"device_name": "Apple M2", "memory_size": 16 * GiB,
-                             "max_recommended_working_set_size": 11_453_251_584},
-        metal=SimpleNamespace(is_available=lambda: True))
+    psutil = stand_in_psutil(total=17_179_869_184, available=9_000_000_000)
+    metal = stand_in_mx("metal", {"device_name": "Apple M2", "memory_size": 16 * GiB,
+                                  "max_recommended_working_set_size": 11_453_251_584})
     assert DeviceFacts.detect(metal, psutil) == MAC_16.__class__("metal", 16 * GiB, 9_000_000_000,
                                                                  11_453_251_584, "Apple M2")
-    cpu = SimpleNamespace(device_info=lambda: {"device_name": "x86"}, metal=SimpleNamespace(is_available=lambda: False))
+    cpu = stand_in_mx("cpu", {"device_name": "x86"})
     (tmp_path / "memory.max").write_text("4000000000\n")
     (tmp_path / "memory.current").write_text("1000000000\n")
     facts = DeviceFacts.detect(cpu, psutil, cgroup_dir=str(tmp_path))

@@ -78,6 +78,8 @@ def stats_text(stats: dict) -> Text:
     attention = stats.get("attention")
     if attention:  # which attention path runs, so a kernel that fell back to the reference is visible
         rows.append(("attention", attention["path"]))
+    if stats.get("backend_description"):  # what MLX computes on (platform/backend.py)
+        rows.append(("backend", stats["backend_description"]))
     return _rows(rows)
 
 
@@ -85,6 +87,8 @@ def memory_text(plan: Any, memory: MemoryUse) -> Text:
     rows = [("KV pool", f"{format_size(getattr(plan, 'kv_bytes', None))} (planned)")]
     if memory.mlx_active is not None:
         rows.append(("MLX active", f"{format_size(memory.mlx_active)} (peak {format_size(memory.mlx_peak)})"))
+    if memory.device_total:  # CUDA: the GPU's own memory, apart from the host's
+        rows.append(("device", f"{format_size(memory.device_used)} of {format_size(memory.device_total)} used"))
     rows.append(("process", f"{format_size(memory.process_rss)} resident"))
     if memory.host_total:
         rows.append(("host", f"{format_size(memory.host_used)} of {format_size(memory.host_total)} used"))

@@ -1,0 +1,52 @@
+"""platform/backend.py: which backend MLX computes on, read from stand-ins for each build, and the
+choices that follow it (tuning, simulate, the environment override)."""
+
+from __future__ import annotations
+
+import pytest
+
+import mlxpaged  # noqa: F401  (OpenBLAS before mlx)
+from mlxpaged.platform import backend
+from tests.platform.mx_stand_ins import stand_in_mx
+
+
+@pytest.mark.parametrize("name", ["metal", "cuda", "cpu"])
+def test_detect_names_the_build_mlx_runs_on(name):
+    assert backend.detect(stand_in_mx(name)) == name
+
+
+def test_a_gpu_whose_default_device_is_the_cpu_is_the_cpu():
+    assert backend.detect(stand_in_mx("cuda", default_device="cpu")) == "cpu"
+    assert backend.detect(stand_in_mx("metal", default_device="cpu")) == "cpu"
+
+
+def test_a_gpu_device_without_metal_or_cuda_is_the_cpu():
+    """An MLX build without mx.cuda (older releases) whose GPU is not Metal: nothing to run GPU paths on."""
+    assert backend.detect(stand_in_mx("cpu", default_device="gpu", has_cuda_module=False)) == "cpu"
+
+
+@pytest.mark.parametrize("name, gpu", [("cuda", True), ("metal", True), ("cpu", False)])
+def test_simulate_moves_every_choice_and_restores(name, gpu):
+    with backend.simulate(name):
+        assert backend.current() == name and backend.is_gpu() is gpu
+        assert not backend.computes_on_gpu()  # MLX still computes on this CPU
+        assert backend.tuning().float32_weights is not gpu
+        assert "simulated" in backend.describe()
+    assert backend.current() == backend.detected()
+
+
+def test_only_the_cpu_can_be_forced(monkeypatch):
+    monkeypatch.setenv(backend.ENV_VAR, "cpu")
+    assert backend.current() == "cpu"
+    other = "metal" if backend.detected() != "metal" else "cuda"
+    monkeypatch.setenv(backend.ENV_VAR, other)
+    with pytest.raises(ValueError, match=f"MLX computes on '{backend.detected()}' here; only 'cpu' can be forced"):
+        backend.current()
+
+
+def test_unknown_backends_are_refused():
+    with pytest.raises(ValueError, match="backend must be one of cpu, metal, cuda, got 'rocm'"):
+        backend.tuning("rocm")
+    with pytest.raises(ValueError, match="got 'rocm'"):
+        with backend.simulate("rocm"):
+            pass
