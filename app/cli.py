@@ -100,6 +100,19 @@ def prefill_sizes(text: str) -> tuple[int, ...]:
     return parse_sizes(text)
 
 
+def concurrency_levels(text: str) -> tuple[int, ...]:
+    """`--concurrency` parsed by the gpu bench, imported only when given (the bench package loads mlx-lm)."""
+    from mlxpaged_app.bench.gpu import parse_concurrency
+
+    return parse_concurrency(text)
+
+
+def bench_parts(text: str) -> tuple[str, ...]:
+    from mlxpaged_app.bench.gpu import parse_parts
+
+    return parse_parts(text)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from mlxpaged_app.bench import run_bench
 
@@ -139,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks against mlx-lm")
     bench.add_argument("what", choices=["decode", "batch", "prefix", "prefill", "memory", "kernel", "server",
-                                          "constraints", "spec", "hybrid"],
+                                          "constraints", "spec", "hybrid", "gpu"],
                        help="decode: batch-1 tok/s vs mlx-lm; batch: 16 concurrent requests vs mlx-lm "
                             "batch_generate; prefix: time to first token, cached vs cold; prefill: cold and "
                             "cached time to first token at 1k-16k tokens vs mlx-lm; memory: KV bytes "
@@ -147,14 +160,21 @@ def build_parser() -> argparse.ArgumentParser:
                             "mlxpaged serve vs mlx_lm.server at 1/8/32 clients; constraints: decode step "
                             "time with and without grammar masks at batch 1 and 16; spec: batch-1 decode with "
                             "and without prompt-lookup speculation, repetitive and free-text tasks; hybrid: batch-1 "
-                            "decode of a random Qwen 3.5-style hybrid (state slots + paged KV) vs mlx-lm")
+                            "decode of a random Qwen 3.5-style hybrid (state slots + paged KV) vs mlx-lm; gpu: every "
+                            "issue-21 target in one run (decode, 16/64 concurrent, cold TTFT at 2k/8k, cached "
+                            "8k prefix) vs plain mlx-lm on the model's own dtype, and a met/missed summary")
     bench.add_argument("--model", "-m", default=None)
     bench.add_argument("--tokens", type=int, default=128, help="tokens to generate per request")
     bench.add_argument("--runs", type=int, default=3)
     bench.add_argument("--sizes", type=prefill_sizes, default=None,
-                       help="prefill: prompt sizes in tokens, comma-separated (default 1024,4096,8192,16384)")
+                       help="prefill, gpu: prompt sizes in tokens, comma-separated (prefill default "
+                            "1024,4096,8192,16384; gpu default 2048,8192)")
+    bench.add_argument("--concurrency", type=concurrency_levels, default=None,
+                       help="gpu: concurrent requests per batch run, comma-separated (default 16,64)")
+    bench.add_argument("--parts", type=bench_parts, default=None,
+                       help="gpu: run only some of decode,batch,ttft (default all)")
     bench.add_argument("--max-model-len", type=int, default=None,
-                       help="prefill: context in tokens instead of the model's own (16384 for the default "
+                       help="prefill, gpu: context in tokens instead of the model's own (16384 for the default "
                             "model's 8192: RoPE extrapolates; timings only, no promise about quality)")
     bench.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                        help="prefill: time to first token in wall time (default) or in this process's CPU "

@@ -78,3 +78,29 @@ def grow_tables(kv_cache, tables: list[list[int]], free: list[int], num_tokens: 
 def random_tokens(n: int, seed: int = 0, vocab: int = 256) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(vocab) for _ in range(n)]
+
+
+def write_tiny_llama_dir(out, dtype: str = "bfloat16", context: int = 2048):
+    """A model directory mlx-lm's load() and Engine.from_pretrained take: a 2-layer random llama with the
+    default model's tokenizer and vocabulary (49,152), saved in `dtype` (the GPU kit's models are bf16)."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from mlx.utils import tree_flatten
+
+    from mlxpaged.loading.loader import locate_model
+
+    tokenizer_dir = locate_model(None)[1]
+    config = dict(_COMMON, model_type="llama", num_hidden_layers=2, vocab_size=49152, max_position_embeddings=context,
+                  tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, torch_dtype=dtype)
+    model = _build(llama, config, seed=0)
+    model.set_dtype(getattr(mx, dtype))
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())),
+                        metadata={"format": "mlx"})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, out / name)
+    return out

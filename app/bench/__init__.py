@@ -7,6 +7,7 @@ from argparse import Namespace
 from mlxpaged_app.bench.batch import bench_batch
 from mlxpaged_app.bench.constraints import bench_constraints
 from mlxpaged_app.bench.decode import bench_decode
+from mlxpaged_app.bench.gpu import bench_gpu
 from mlxpaged_app.bench.hybrid import bench_hybrid
 from mlxpaged_app.bench.kernel import bench_kernel
 from mlxpaged_app.bench.memory import bench_memory
@@ -24,7 +25,7 @@ def bench_server(args: Namespace) -> int:
 
 BENCHES = {"decode": bench_decode, "memory": bench_memory, "batch": bench_batch, "prefix": bench_prefix,
            "kernel": bench_kernel, "server": bench_server, "constraints": bench_constraints, "prefill": bench_prefill,
-           "spec": bench_spec, "hybrid": bench_hybrid}
+           "spec": bench_spec, "hybrid": bench_hybrid, "gpu": bench_gpu}
 
 
 def run_bench(args: Namespace) -> int:

@@ -8,6 +8,8 @@ from argparse import Namespace
 
 from mlxpaged.platform.blas import blas_status
 from mlxpaged.loading.loader import baseline_stream, chat_prompt
+from mlxpaged_app.bench.baseline import mlx_lm_side
+from mlxpaged_app.bench.timing import after_warm_up
 
 
 DECODE_PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
@@ -37,22 +39,30 @@ def time_engine(engine, prompt: list[int], tokens: int) -> tuple[float, float]:
     return first - start, (n - 1) / (time.perf_counter() - first)
 
 
+def paired_decode(baseline, engine, prompt: list[int], tokens: int, runs: int) -> tuple[list[float], list[float]]:
+    """Decode tok/s of mlx-lm on `baseline` and of the engine, alternating, after one untimed pair
+    (the exact prompt and length: first-call compiles and allocations on both sides); prints each run."""
+    ref, ours = [], []
+    for run, (r, o) in enumerate(after_warm_up(
+            lambda: (time_mlx_lm(baseline, prompt, tokens), time_engine(engine, prompt, tokens)), runs), 1):
+        ref.append(r[1])
+        ours.append(o[1])
+        print(f"  run {run}: mlx-lm {r[1]:6.1f} tok/s   mlxpaged {o[1]:6.1f} tok/s", flush=True)
+    return ref, ours
+
+
 def bench_decode(args: Namespace) -> int:
     """Batch-1 decode tok/s: mlx-lm stream_generate vs the paged engine, alternating runs."""
     from mlxpaged.engine.engine import Engine
 
     engine = Engine.from_pretrained(args.model, enable_prefix_cache=False)
     loaded = engine.loaded
+    baseline = mlx_lm_side(engine)
     prompt = chat_prompt(loaded.tokenizer, [{"role": "user", "content": DECODE_PROMPT}])
     print(f"model {loaded.name} ({loaded.dtype}), BLAS {blas_status().name}, "
           f"prompt {len(prompt)} tokens, {args.tokens} new tokens, {args.runs} runs each (+1 warm-up)")
-    ref, ours = [], []
-    for run in range(args.runs + 1):
-        r, o = time_mlx_lm(loaded, prompt, args.tokens), time_engine(engine, prompt, args.tokens)
-        if run:  # the first run warms up allocations
-            ref.append(r[1])
-            ours.append(o[1])
-            print(f"  run {run}: mlx-lm {r[1]:6.1f} tok/s   mlxpaged {o[1]:6.1f} tok/s")
+    print(baseline.note)
+    ref, ours = paired_decode(baseline.loaded, engine, prompt, args.tokens, args.runs)
     engine.close()
     mr, mo = statistics.median(ref), statistics.median(ours)
     print(f"median decode: mlx-lm {mr:.1f} tok/s, mlxpaged {mo:.1f} tok/s, ratio {mo / mr:.2f}x")

@@ -77,6 +77,8 @@ def run(hidden: int, layers: int, tokens: int, prompt_tokens: int, rounds: int) 
         print(f"qwen3_5 random: hidden {hidden}, {layers} layers, {params / 1e6:.0f} M params float32; "
               f"state {engine.layout.state_bytes_per_sequence / 2**20:.1f} MiB/sequence, plan: "
               f"{plan.num_state_slots} slots + {plan.num_checkpoints} checkpoints, KV {plan.kv_bytes / 2**20:.0f} MiB")
+        mlx_lm_decode(model, prompt, tokens)  # untimed warm-up round: first-call compiles, both sides
+        engine_decode(engine, prompt, tokens)
         for _ in range(rounds):
             theirs.append(mlx_lm_decode(model, prompt, tokens))
             ours.append(engine_decode(engine, prompt, tokens))

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from mlxpaged.errors import ConfigError
 from mlxpaged.platform.blas import blas_status
 from mlxpaged.loading.loader import baseline_stream
+from mlxpaged_app.bench.baseline import mlx_lm_side
 from mlxpaged_app.bench.prefill_attention import MAX_CONTIGUOUS_CONTEXT, measure_attention
 
 DEFAULT_SIZES = (1024, 4096, 8192, 16384)
@@ -100,30 +101,31 @@ def engine_ttft(engine, prompt: list[int], clock=time.perf_counter) -> float:
     raise RuntimeError(f"the engine streamed nothing for a {len(prompt)}-token prompt")
 
 
-def measure_size(engine, size: int, runs: int, clock=time.perf_counter) -> PrefillRow:
-    """Per run a fresh seeded prompt: mlx-lm cold, mlxpaged cold (empty prefix cache), then FOLLOW_UPS
-    prefix-cache hits, each the previous prompt plus APPENDED_TOKENS of the same text (a chat's next
-    turns; each computes exactly its new tokens), the run's cached time their median. The last one is
-    `size - 1` tokens: the +1 leaves room for the one generated token."""
-    mlx_lm, cold, cached = [], [], []
-    for run in range(runs):
-        text = seeded_tokens(engine.tokenizer, size - 1, PROMPT_SEED * 1000 + size + run)
-        prompt = text[:-APPENDED_TOKENS * FOLLOW_UPS]
-        mlx_lm.append(mlx_lm_ttft(engine.loaded, prompt, clock))
-        engine.pool.reset_prefix_cache()
-        cold.append(engine_ttft(engine, prompt, clock))
-        turns = [text[:len(prompt) + APPENDED_TOKENS * i] for i in range(1, FOLLOW_UPS + 1)]
-        cached.append(statistics.median(engine_ttft(engine, turn, clock) for turn in turns))
-    return PrefillRow(size, len(prompt), statistics.median(mlx_lm), statistics.median(cold),
+def one_run(engine, baseline, size: int, seed: int, clock=time.perf_counter) -> tuple[int, float, float, float]:
+    """(cold prompt tokens, mlx-lm cold s, mlxpaged cold s, median cached s) for one seeded prompt:
+    mlx-lm cold on `baseline`, mlxpaged cold (empty prefix cache), then FOLLOW_UPS prefix-cache hits,
+    each the previous prompt plus APPENDED_TOKENS of the same text (a chat's next turns; each computes
+    exactly its new tokens). The last one is `size - 1` tokens: the +1 leaves room for the generated token."""
+    text = seeded_tokens(engine.tokenizer, size - 1, seed)
+    prompt = text[:-APPENDED_TOKENS * FOLLOW_UPS]
+    mlx_lm = mlx_lm_ttft(baseline, prompt, clock)
+    engine.pool.reset_prefix_cache()
+    cold = engine_ttft(engine, prompt, clock)
+    turns = [text[:len(prompt) + APPENDED_TOKENS * i] for i in range(1, FOLLOW_UPS + 1)]
+    return len(prompt), mlx_lm, cold, statistics.median(engine_ttft(engine, turn, clock) for turn in turns)
+
+
+def measure_size(engine, size: int, runs: int, clock=time.perf_counter, baseline=None) -> PrefillRow:
+    """Medians over `runs` fresh seeded prompts (`one_run`), after one untimed run of the same size with a
+    prompt no timed run uses: the first call of each shape compiles kernels on a GPU. `baseline`: the
+    mlx-lm side's LoadedModel (default: the engine's)."""
+    baseline = baseline or engine.loaded
+    seed = PROMPT_SEED * 1000 + size
+    one_run(engine, baseline, size, seed - 1, clock)  # the warm-up, untimed
+    timed = [one_run(engine, baseline, size, seed + run, clock) for run in range(runs)]
+    prompt_tokens, mlx_lm, cold, cached = zip(*timed)
+    return PrefillRow(size, prompt_tokens[0], statistics.median(mlx_lm), statistics.median(cold),
                       statistics.median(cached))
-
-
-def warm_up(engine) -> None:
-    """First-call allocations of both sides, and of our cold and cached paths, before any timing."""
-    warm = seeded_tokens(engine.tokenizer, 64, 0)
-    engine_ttft(engine, warm[:40])
-    engine_ttft(engine, warm)  # a hit on the first 40
-    mlx_lm_ttft(engine.loaded, warm[:40])
 
 
 def bench_prefill(args: Namespace) -> int:
@@ -140,14 +142,15 @@ def bench_prefill(args: Namespace) -> int:
     note = f" (set by --max-model-len; the model's own is {trained})" if context and trained != context else ""
     print(f"model {engine.loaded.name} ({engine.loaded.dtype}), context {engine.max_model_len} tokens{note}, "
           f"BLAS {blas_status().name}, {args.runs} runs per size (medians), prompts seeded ({PROMPT_SEED}), "
-          f"{clock} clock")
-    warm_up(engine)
+          f"{clock} clock, each size warmed up by one untimed run")
+    baseline = mlx_lm_side(engine)
+    print(baseline.note)
     print(HEADER)
     for size in sizes:
         if size > engine.max_model_len:
             print(f"{size:>6} skipped: above the model's context of {engine.max_model_len} tokens")
             continue
-        print(format_row(measure_size(engine, size, args.runs, CLOCKS[clock])), flush=True)
+        print(format_row(measure_size(engine, size, args.runs, CLOCKS[clock], baseline.loaded)), flush=True)
     timed = [s for s in sizes if s <= min(engine.max_model_len, MAX_CONTIGUOUS_CONTEXT)]
     if timed:
         print(attention_row(engine, max(timed), CLOCKS[clock]).line())

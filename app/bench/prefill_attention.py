@@ -93,9 +93,12 @@ def contiguous_sdpa(x: Inputs) -> mx.array:
 
 def measure_attention(context: int, chunk: int, heads: int, kv_heads: int, head_dim: int,
                       block_size: int, clock=time.perf_counter) -> AttentionRow:
-    """Times of the three ways, one run each, by `clock` (wall or process CPU time)."""
+    """Times of the three ways, one run each after one untimed call each (first-call compiles), by
+    `clock` (wall or process CPU time)."""
     x = make_inputs(context, heads, kv_heads, head_dim, block_size)
-    paged = _seconds(lambda: chunked_attention(x, chunk, paged=True), clock)
-    contiguous = _seconds(lambda: chunked_attention(x, chunk, paged=False), clock)
-    fast = _seconds(lambda: contiguous_sdpa(x), clock)
+    ways = (lambda: chunked_attention(x, chunk, paged=True), lambda: chunked_attention(x, chunk, paged=False),
+            lambda: contiguous_sdpa(x))
+    for way in ways:
+        mx.eval(way())
+    paged, contiguous, fast = (_seconds(way, clock) for way in ways)
     return AttentionRow(context, chunk, paged, contiguous, fast)
