@@ -157,6 +157,22 @@ def paged_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_table
     return paged_attention_reference(q, k_pool, v_pool, block_tables, context_lens, scale, window, sinks)
 
 
+def kernel_attention_with_tail(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_tables: mx.array,
+                               context_lens, tail_k: mx.array, tail_v: mx.array, scale: float,
+                               sinks: mx.array | None = None) -> mx.array | None:
+    """Decode over each sequence's first ``context_lens`` tokens in the pools, then the ``tail_k`` /
+    ``tail_v`` [B, KVH, T, D] keys after them (K/V not written yet: runner/deferred_writes.py), by the
+    Metal kernel with the tail merged as one more partition; None when the kernel does not attend here
+    (another backend, a shape it cannot take, a variant that failed its self-check)."""
+    if resolved_backend() != "kernel" or not pa.kernel_supports(q, k_pool, v_pool, block_tables, None, sinks):
+        return None
+    if not _kernel_passed(_variant(q, k_pool, v_pool, sinks, two_pass=True)):
+        return None
+    tail = pa.tail_partials(q, tail_k, tail_v, scale)
+    return pa.paged_attention_metal(q, k_pool, v_pool, block_tables, context_lens, scale, None, sinks,
+                                    launcher=_launcher, tail=tail)
+
+
 def reads_pools(backend: str | None = None) -> bool:
     """True when routed decode calls read the page pools (``paged_attention``); False on the fused
     path, which attends the K/V the cache view gathered (routing.py)."""

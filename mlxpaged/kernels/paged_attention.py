@@ -116,6 +116,21 @@ def use_two_pass(batch: int, kv_heads: int, span: int) -> bool:
     return batch * kv_heads < TWO_PASS_MAX_GROUPS and span >= TWO_PASS_MIN_TOKENS
 
 
+def tail_partials(q: mx.array, keys: mx.array, values: mx.array, scale: float) -> tuple[mx.array, mx.array, mx.array]:
+    """The kernel's partial sums (o unnormalised, running max m, sum l; float32, natural exp) of one query
+    per sequence over contiguous ``keys`` [B, KVH, T, D] / ``values`` [B, KVH, T, DV], all attended:
+    [B, H, 1, DV], [B, H, 1], [B, H, 1]."""
+    batch, heads, _, dim = q.shape
+    kv_heads = keys.shape[1]
+    grouped = q.reshape(batch, kv_heads, heads // kv_heads, dim).astype(mx.float32) * scale
+    scores = grouped @ keys.astype(mx.float32).swapaxes(-1, -2)  # [B, KVH, G, T]
+    top = scores.max(axis=-1, keepdims=True)
+    weights = mx.exp(scores - top)
+    o = weights @ values.astype(mx.float32)  # [B, KVH, G, DV]
+    return (o.reshape(batch, heads, 1, -1), top.reshape(batch, heads, 1),
+            weights.sum(axis=-1).reshape(batch, heads, 1))
+
+
 # Every layer of a pass passes the same small inputs (lengths, parameters, scale): built once, not per layer.
 @lru_cache(maxsize=16)
 def _int32s(values: tuple[int, ...]) -> mx.array:
@@ -135,11 +150,13 @@ def paged_attention_metal(q: mx.array, k_pool: mx.array, v_pool: mx.array, block
                           context_lens: mx.array, scale: float, window: int | None = None,
                           sinks: mx.array | None = None, *, two_pass: bool | None = None,
                           partition_tokens: int = PARTITION_TOKENS, num_simdgroups: int = NUM_SIMDGROUPS,
-                          launcher: Launcher | None = None) -> mx.array:
+                          launcher: Launcher | None = None, tail: tuple | None = None) -> mx.array:
     """Decode attention with the Metal kernel; same contract as ``attention.paged_attention``.
 
     ``two_pass`` forces the variant (default: ``use_two_pass``); the two-pass variant splits the
-    attended span into ``partition_tokens``-token partitions.
+    attended span into ``partition_tokens``-token partitions. ``tail``: (o, m, l) float32 partial sums
+    [B, H, 1, DV], [B, H, 1], [B, H, 1] of keys outside the pool (``tail_partials``), merged in the
+    reduce as one more partition (forces two passes).
     """
     reason = unsupported_reason(q, k_pool, v_pool, block_tables, window, sinks)
     if reason:
@@ -154,7 +171,9 @@ def paged_attention_metal(q: mx.array, k_pool: mx.array, v_pool: mx.array, block
         else mx.array(context_lens).astype(mx.int32)
     max_blocks = tables.shape[1]
     span = attended_span(max_blocks, block_size, window)
-    if two_pass is None:
+    if tail is not None:
+        two_pass = True
+    elif two_pass is None:
         two_pass = use_two_pass(batch, kv_heads, span)
     if partition_tokens < 1:
         raise ValueError(f"partition_tokens must be positive, got {partition_tokens}")
@@ -179,6 +198,10 @@ def paged_attention_metal(q: mx.array, k_pool: mx.array, v_pool: mx.array, block
         decode_kernel(True), inputs=inputs, template=template, grid=(threads, kv_heads, batch * partitions),
         threadgroup=(threads, 1, 1), output_shapes=[part_shape + (v_dim,), part_shape, part_shape],
         output_dtypes=[mx.float32] * 3)
+    if tail is not None:  # the tail joins as partition `partitions` (the reduce reads the count from params)
+        o_part = mx.concatenate([o_part, tail[0]], axis=2)
+        m_part, l_part = mx.concatenate([m_part, tail[1]], axis=2), mx.concatenate([l_part, tail[2]], axis=2)
+        params = _int32s((max_blocks, window or 0, partition_tokens, partitions + 1, kv_heads, heads))
     (out,) = launch(reduce_kernel(), inputs=[o_part, m_part, l_part, params, sink_logits],
                     template=[("T", q.dtype), ("DV", v_dim), ("SINKS", has_sinks)], grid=(32, heads, batch),
                     threadgroup=(32, 1, 1), output_shapes=[(batch, heads, v_dim)], output_dtypes=[q.dtype])

@@ -6,9 +6,11 @@ only when no queued work still holds it (else it copies the whole buffer), and s
 it is done, so queuing N+1's writes while N runs would copy every pool on every step (reproduced on the CPU
 backend: 23 -> 69 ms a step and peak memory +512 MiB for a 512 MiB pool, whenever N had not finished).
 
-So a pass queued ahead writes nothing. Each layer gathers its pages, puts into the gathered copy the K/V of
-the tokens computed since the last write (`PendingKV`, a few small arrays the runner holds) and its own new
-K/V, and attends that; its new K/V join the pending ones. Pending K/V go into their slots (`flush`) when
+So a pass queued ahead writes nothing. Each layer attends its pages up to the last write and, after them, the
+K/V of the tokens computed since (`PendingKV`, a few small arrays the runner holds) and its own new K/V, which
+join the pending ones. The Metal kernel reads the pages in place and merges that tail as one more partition of
+its two-pass reduce (kernels/attention.py `kernel_attention_with_tail`); other paths gather the pages, put the
+tail into the gathered copy and attend it with MLX's fused attention (no mask at batch 1). Pending K/V go into their slots (`flush`) when
 nothing is in flight: when the pipeline stops (a step the look-ahead does not cover) and every
 MAX_PENDING tokens, where the runner reads a step before queuing the next (one wait per MAX_PENDING steps).
 Rows that leave the run (finished, aborted, preempted) keep their pending K/V in the runner's queue until
@@ -88,6 +90,7 @@ class _DeferredPass:
         self.kv, self.pending, self.request_ids = kv, pending, tuple(request_ids)
         self.batch = len(starts)
         self.ends = [start + 1 for start in starts]  # keys per row, the new token's included
+        self.written = tuple(start - held for start in starts)  # keys per row already in the pools
         needed = [-(-end // size) for end in self.ends]
         for table, n in zip(tables, needed):
             if len(table) < n:
@@ -111,7 +114,8 @@ class _DeferredPass:
         self.new_values: list[mx.array | None] = [None] * kv.num_layers
 
     def attend_keys(self, layer: int, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """The layer's K/V to attend: its pages with the pending and new K/V put in their places."""
+        """The layer's K/V to attend: its pages with the pending and new K/V put in their places (lazy: the
+        kernel path never evaluates the gather)."""
         if self.pending is not None:
             keys = mx.concatenate([self.pending.keys[layer], keys], axis=2)
             values = mx.concatenate([self.pending.values[layer], values], axis=2)
@@ -137,6 +141,20 @@ class DeferredView:
 
     def __init__(self, shared: _DeferredPass, layer: int):
         self._shared, self._layer = shared, layer
+        self._returned: tuple[mx.array, mx.array] | None = None
+
+    def returned(self, keys: mx.array, values: mx.array) -> bool:
+        """True when `keys` and `values` are what `update_and_fetch` returned (routing.py)."""
+        return self._returned is not None and keys is self._returned[0] and values is self._returned[1]
+
+    def made_mask(self, mask) -> bool:
+        return mask is self._shared.mask
+
+    def kernel_inputs(self) -> tuple:
+        """(k_pool, v_pool, block tables, keys already in the pools per row, tail K, tail V) for
+        kernels/attention.py `kernel_attention_with_tail`, after `update_and_fetch`."""
+        s, j = self._shared, self._layer
+        return (s.kv.key_pool(j), s.kv.value_pool(j), s.blocks, s.written, s.new_keys[j], s.new_values[j])
 
     @property
     def offset(self) -> int | mx.array:
@@ -149,7 +167,9 @@ class DeferredView:
         return self._shared.mask
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        return self._shared.attend_keys(self._layer, keys, values)
+        out = self._shared.attend_keys(self._layer, keys, values)
+        self._returned = out
+        return out
 
 
 def deferred_views(kv: PagedKVCache, request_ids: Sequence[str], starts: Sequence[int],

@@ -20,8 +20,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxpaged.cache.cache_view import PagedCacheView
-from mlxpaged.kernels.attention import (eager_sdpa, paged_attention, paged_prefill_attention, reads_pages_in_place,
-                                        reads_pools)
+from mlxpaged.kernels.attention import (eager_sdpa, kernel_attention_with_tail, paged_attention,
+                                        paged_prefill_attention, reads_pages_in_place, reads_pools)
 from mlxpaged.runner.decode_pass import DecodeView
 from mlxpaged.runner.deferred_writes import DeferredView
 
@@ -31,7 +31,11 @@ _ROUTED_MODULES: dict[str, object] = {}
 
 
 def _routed_sdpa(queries, keys, values, cache, scale, mask, sinks=None):
-    if isinstance(cache, DeferredView):  # a decode pass queued ahead: its pages with pending K/V put in
+    if isinstance(cache, DeferredView):  # a decode pass queued ahead: pages, then the K/V not written yet
+        if cache.returned(keys, values) and (mask is None or cache.made_mask(mask)):
+            out = kernel_attention_with_tail(queries, *cache.kernel_inputs(), scale, sinks)
+            if out is not None:
+                return out
         return eager_sdpa(queries, keys, values, scale, mask, sinks)
     if isinstance(cache, DecodeView):  # inside a compiled decode pass
         _check_compiled_call(keys, values, cache, mask)

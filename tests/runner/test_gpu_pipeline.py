@@ -194,3 +194,31 @@ def test_a_decode_step_reads_once_after_queuing_the_next(gpu_engine, monkeypatch
     for events in steady:
         assert events.count("read") == 1, events
         assert events.index("launch") < events.index("read"), events
+
+
+def test_on_metal_the_kernel_attends_the_pools_and_the_pending_tail(tokenizer, monkeypatch):  # noqa: F811
+    """Queued ahead on Metal, the paged kernel still reads the pages in place and merges the K/V not
+    written yet as one more partition (the kernel run by the CPU harness): tokens as mlx-lm's."""
+    from mlxpaged.kernels import attention
+    from mlxpaged.runner import routing
+    from tests.msl.harness import Emulator
+
+    monkeypatch.setattr(model_runner, "MAX_PENDING", 4)
+    merged = []
+    original = routing.kernel_attention_with_tail
+
+    def counted(*args, **kwargs):
+        out = original(*args, **kwargs)
+        merged.append(out is not None)
+        return out
+
+    monkeypatch.setattr(routing, "kernel_attention_with_tail", counted)
+    model = tiny_llama(2, head_dim=32)
+    prompts = [random_tokens(n, seed=300 + n) for n in (9, 20)]
+    params = dataclasses.replace(GREEDY, max_tokens=12)
+    with backend.simulate("metal"), attention.kernel_launcher(Emulator()), tiny_engine(model, tokenizer) as eng:
+        assert eng.runner.defers and attention.attention_status()["path"] == "kernel"
+        got = eng.generate(prompts, params)
+    assert merged and all(merged)
+    for prompt, completion in zip(prompts, got):
+        assert completion.token_ids == reference_tokens(model, prompt, params.max_tokens)
