@@ -317,7 +317,7 @@ def attention_status() -> dict:
         if _model_kv is not None and _model_kv[0] != "float32":
             return _status("reference", f"{why}; the CPU path takes float32 K/V, this model's are {_model_kv[0]}",
                            variants)
-        return _status("cpu", f"{why}: pages read in place on MLX's CPU backend", variants)
+        return _status("cpu", f"{why}: pages read in place", variants)
     if _model_kv is not None and _model_kv[1] is not None:
         return _status("reference", f"the Metal kernel cannot take this model: {_model_kv[1]}", variants)
     return _kernel_status(variants)
