@@ -27,8 +27,8 @@ from mlxpaged_app.server.metrics import CONTENT_TYPE
 from mlxpaged_app.server.middleware import middleware_stack
 from mlxpaged_app.server.responses.serving import serve_responses
 from mlxpaged_app.server.serving import serve_generation
-from mlxpaged_app.server.serving_chat import serve_chat
-from mlxpaged_app.server.serving_completion import CompletionEndpoint
+from mlxpaged_app.server.openai.serving_chat import serve_chat
+from mlxpaged_app.server.openai.serving_completion import CompletionEndpoint
 from mlxpaged_app.server.state import ServerConfig, ServerState
 
 __all__ = ["ServerConfig", "ServerState", "create_app"]

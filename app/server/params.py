@@ -12,7 +12,7 @@ from pydantic import BaseModel
 from mlxpaged.sampling_params import SamplingParams
 from mlxpaged.loading.generation_defaults import NO_DEFAULTS, GenerationDefaults
 from mlxpaged_app.server.errors import invalid_param
-from mlxpaged_app.server.protocol import ChatRequest, CompletionRequest
+from mlxpaged_app.server.openai.protocol import ChatRequest, CompletionRequest
 
 _FIELD = re.compile(r"^([a-z_]+)")
 

@@ -21,7 +21,8 @@ from mlxpaged.sampling_params import MAX_N, SamplingParams
 from mlxpaged.loading.generation_defaults import GenerationDefaults
 from mlxpaged_app.server.engine_client import Generation, GenerationFailed
 from mlxpaged_app.server.errors import server_error
-from mlxpaged_app.server.formatting import ChoiceText, Envelope, TokenText, new_id
+from mlxpaged_app.server.formatting import TokenText, new_id
+from mlxpaged_app.server.openai.shapes import ChoiceText, Envelope
 from mlxpaged_app.server.params import resolve_max_tokens
 from mlxpaged_app.server.request_body import parse_request, read_body
 from mlxpaged_app.server.sse import DONE, ClientGone, EventStream, data_event, unless_disconnected

@@ -10,7 +10,7 @@ import json
 from mlxpaged_app.server.chat.spec import (JsonObjectOutput, JsonSchemaOutput, NamedTool, OutputFormat,
                                            ReasoningSpec, ToolChoice, ToolSpec)
 from mlxpaged_app.server.errors import invalid_param
-from mlxpaged_app.server.tool_params import EFFORTS, EMPTY_PARAMETERS, TOOL_NAME, tool_list
+from mlxpaged_app.server.openai.tool_params import EFFORTS, EMPTY_PARAMETERS, TOOL_NAME, tool_list
 
 CHOICES = "'none', 'auto', 'required' or {\"type\": \"function\", \"name\": ...}"
 

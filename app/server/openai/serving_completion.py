@@ -6,10 +6,11 @@ from __future__ import annotations
 from mlxpaged.engine.engine import StreamDelta
 from mlxpaged.sampling_params import SamplingParams
 from mlxpaged.loading.generation_defaults import GenerationDefaults
-from mlxpaged_app.server.formatting import ChoiceText, Envelope, TokenText, completion_logprobs, delta_logprobs
+from mlxpaged_app.server.formatting import TokenText, delta_logprobs
+from mlxpaged_app.server.openai.shapes import ChoiceText, Envelope, completion_logprobs
 from mlxpaged_app.server.params import check_completion_supported, sampling_params
-from mlxpaged_app.server.prompts import completion_prompts
-from mlxpaged_app.server.protocol import CompletionRequest
+from mlxpaged_app.server.openai.prompts import completion_prompts
+from mlxpaged_app.server.openai.protocol import CompletionRequest
 
 
 class CompletionEndpoint:

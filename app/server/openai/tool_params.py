@@ -8,7 +8,7 @@ import re
 from mlxpaged_app.server.chat.spec import (JsonObjectOutput, JsonSchemaOutput, NamedTool, OutputFormat,
                                            ReasoningSpec, ToolChoice, ToolSpec)
 from mlxpaged_app.server.errors import invalid_param
-from mlxpaged_app.server.protocol import ChatRequest
+from mlxpaged_app.server.openai.protocol import ChatRequest
 
 MAX_TOOLS = 128  # OpenAI's own limit
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")

@@ -15,14 +15,15 @@ from mlxpaged_app.server.chat.spec import (ChatEvent, ChatRequestSpec, Finish, R
                                            TextDelta, TokenLogprobs, ToolCallArgs, ToolCallStart)
 from mlxpaged_app.server.engine_client import GenerationFailed
 from mlxpaged_app.server.errors import server_error
-from mlxpaged_app.server.formatting import Envelope, TokenText, chat_logprobs, new_id
+from mlxpaged_app.server.formatting import TokenText, new_id
+from mlxpaged_app.server.openai.shapes import Envelope, chat_logprobs
 from mlxpaged_app.server.params import check_chat_supported
-from mlxpaged_app.server.prompts import chat_messages
-from mlxpaged_app.server.protocol import ChatRequest
+from mlxpaged_app.server.openai.prompts import chat_messages
+from mlxpaged_app.server.openai.protocol import ChatRequest
 from mlxpaged_app.server.serving import CLIENT_CLOSED, reply_or_gone
 from mlxpaged_app.server.sse import DONE, ClientGone, EventStream, data_event
 from mlxpaged_app.server.state import ServerState
-from mlxpaged_app.server.tool_params import (check_combination, output_format, reasoning_spec, tool_choice,
+from mlxpaged_app.server.openai.tool_params import (check_combination, output_format, reasoning_spec, tool_choice,
                                              tool_specs)
 
 CHUNK = "chat.completion.chunk"
