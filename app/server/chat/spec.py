@@ -10,6 +10,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Literal, Union
 
+from mlxpaged_app.server.param_names import OPENAI_CHAT, ParamNames
+
 API = Literal["openai", "anthropic", "responses"]
 
 
@@ -49,6 +51,9 @@ class JsonSchemaOutput:
 OutputFormat = Union[JsonObjectOutput, JsonSchemaOutput, None]
 
 
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")  # OpenAI's reasoning efforts
+
+
 @dataclass(frozen=True)
 class ReasoningSpec:
     """What reaches the chat template about thinking. `template_kwargs` (chat_template_kwargs) wins."""
@@ -84,7 +89,6 @@ class SamplingRequest:
     n: int | None = None
     ignore_eos: bool | None = None
     logit_bias: dict | None = None
-    max_completion_tokens: int | None = None  # set when the API named it so (only for error messages)
 
 
 @dataclass(frozen=True)
@@ -101,6 +105,7 @@ class ChatRequestSpec:
     reasoning: ReasoningSpec = field(default_factory=ReasoningSpec)
     stream: bool = False
     api: API = "openai"
+    names: ParamNames = OPENAI_CHAT  # the API's parameter names, for errors raised after translation
     # Anthropic requires max_tokens and clients size it for Claude (32k): there it is a cap, clipped to the context.
     max_tokens_is_cap: bool = False
 

@@ -55,7 +55,7 @@ class ChatRequest(_GenerationFields):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: Any = None  # tools, tool_choice, response_format: checked in tool_params.py, naming the field
+    tools: Any = None  # tools, tool_choice, response_format: checked in chat_options.py, naming the field
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     response_format: Any = None

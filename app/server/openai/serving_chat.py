@@ -5,26 +5,21 @@ assembles them (index, id, type and name once, then argument pieces as they are 
 
 from __future__ import annotations
 
-from typing import AsyncIterator
-
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
-from mlxpaged_app.server.chat.pipeline import ChatRun, ChoiceResult, accept_chat, start_chat
+from mlxpaged_app.server.chat.pipeline import ChatRun, ChoiceResult, serve_chat_request
 from mlxpaged_app.server.chat.spec import (ChatEvent, ChatRequestSpec, Finish, ReasoningDelta, SamplingRequest,
                                            TextDelta, TokenLogprobs, ToolCallArgs, ToolCallStart)
-from mlxpaged_app.server.engine_client import GenerationFailed
-from mlxpaged_app.server.errors import server_error
 from mlxpaged_app.server.formatting import TokenText, new_id
-from mlxpaged_app.server.openai.shapes import Envelope, chat_logprobs
-from mlxpaged_app.server.params import check_chat_supported
 from mlxpaged_app.server.openai.prompts import chat_messages
 from mlxpaged_app.server.openai.protocol import ChatRequest
-from mlxpaged_app.server.serving import CLIENT_CLOSED, reply_or_gone
-from mlxpaged_app.server.sse import DONE, ClientGone, EventStream, data_event
+from mlxpaged_app.server.openai.shapes import Envelope, OpenAIShape, chat_logprobs
+from mlxpaged_app.server.openai.chat_options import check_combination, output_format, reasoning_spec, tool_specs
+from mlxpaged_app.server.param_names import OPENAI_CHAT, OPENAI_CHAT_MAX_COMPLETION
+from mlxpaged_app.server.params import check_chat_supported
 from mlxpaged_app.server.state import ServerState
-from mlxpaged_app.server.openai.tool_params import (check_combination, output_format, reasoning_spec, tool_choice,
-                                             tool_specs)
+from mlxpaged_app.server.tool_choice import resolve_tool_choice
 
 CHUNK = "chat.completion.chunk"
 
@@ -33,61 +28,52 @@ def chat_spec(body: ChatRequest) -> ChatRequestSpec:
     """The internal request; every 400 names the OpenAI field at fault."""
     check_chat_supported(body)
     tools = tool_specs(body.tools)
-    choice = tool_choice(body.tool_choice, tools)
+    choice = resolve_tool_choice(body.tool_choice, tools, "openai")
     output = output_format(body.response_format)
     check_combination(body, output, choice)
     sampling = SamplingRequest(
         temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
         repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty, seed=body.seed, stop=body.stop, n=body.n,
-        ignore_eos=body.ignore_eos, logit_bias=body.logit_bias, max_completion_tokens=body.max_completion_tokens)
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        ignore_eos=body.ignore_eos, logit_bias=body.logit_bias)
+    completion = body.max_completion_tokens is not None  # OpenAI's newer name, and the one blamed when it is sent
+    max_tokens = body.max_completion_tokens if completion else body.max_tokens
     return ChatRequestSpec(chat_messages(body), tools, choice,
                            True if body.parallel_tool_calls is None else body.parallel_tool_calls, output,
                            sampling, max_tokens, bool(body.logprobs),
                            0 if body.top_logprobs is None else body.top_logprobs, reasoning_spec(body),
-                           bool(body.stream), "openai")
+                           bool(body.stream), "openai",
+                           names=OPENAI_CHAT_MAX_COMPLETION if completion else OPENAI_CHAT)
 
 
 async def serve_chat(request: Request, state: ServerState) -> Response:
-    body, spec, arrived = await accept_chat(request, state, ChatRequest, chat_spec)
-    run, cleanup = await start_chat(state, spec, arrived)
-    envelope = Envelope(new_id("chatcmpl-"), state.model_id)
-    shapes = ChatShapes(envelope, state.token_text, spec.logprobs)
-    headers = {"x-request-id": envelope.id}
-    if spec.stream:
-        usage = bool(body.stream_options and body.stream_options.include_usage)
-        return EventStream(_stream(run, shapes, usage), on_close=cleanup.close, headers=headers)
-    try:
-        choices = await reply_or_gone(request, run.collect(), cleanup)
-    except ClientGone:
-        return Response(status_code=CLIENT_CLOSED)
-    return JSONResponse(shapes.response(choices, run.usage()), headers=headers)
+    return await serve_chat_request(request, state, ChatRequest, chat_spec, _shape)
 
 
-async def _stream(run: ChatRun, shapes: "ChatShapes", include_usage: bool) -> AsyncIterator[bytes]:
-    for index in range(run.spec.n):  # OpenAI opens each choice with a chunk that carries only the role
-        yield data_event(shapes.chunk(index, {"role": "assistant", "content": ""}))
-    try:
-        async for index, events in run.events():
-            for chunk in shapes.chunks(index, events):
-                yield data_event(chunk)
-    except GenerationFailed as exc:  # headers are sent: report in-band, as OpenAI does
-        yield data_event(server_error(str(exc)).body())
-    else:
-        if include_usage:
-            yield data_event(shapes.envelope.body(CHUNK, [], usage=run.usage()))
-    yield DONE
+def _shape(state: ServerState, body: ChatRequest, spec: ChatRequestSpec, run: ChatRun) -> ChatShapes:
+    usage = bool(body.stream_options and body.stream_options.include_usage)
+    return ChatShapes(Envelope(new_id("chatcmpl-"), state.model_id), state.token_text, spec.logprobs, spec.n, usage)
 
 
-class ChatShapes:
+class ChatShapes(OpenAIShape):
     """OpenAI's chat bodies and chunks for one response."""
+    chunk_object = CHUNK
 
-    def __init__(self, envelope: Envelope, token_text: TokenText, logprobs: bool) -> None:
-        self.envelope, self.token_text, self.logprobs = envelope, token_text, logprobs
+    def __init__(self, envelope: Envelope, token_text: TokenText, logprobs: bool, n: int,
+                 include_usage: bool) -> None:
+        super().__init__(envelope, include_usage)
+        self.token_text, self.logprobs = token_text, logprobs
+        self.results = [ChoiceResult() for _ in range(n)]
 
-    def response(self, choices: list[ChoiceResult], usage: dict) -> dict:
-        return self.envelope.body("chat.completion", [self._choice(i, c) for i, c in enumerate(choices)],
+    def opening(self) -> list[dict]:
+        """OpenAI opens each choice with a chunk that carries only the role."""
+        return [self.chunk(index, {"role": "assistant", "content": ""}) for index in range(len(self.results))]
+
+    def add(self, choice: int, events: list[ChatEvent]) -> None:
+        self.results[choice].extend(events)
+
+    def body(self, usage: dict) -> dict:
+        return self.envelope.body("chat.completion", [self._choice(i, c) for i, c in enumerate(self.results)],
                                   usage=usage)
 
     def _choice(self, index: int, choice: ChoiceResult) -> dict:

@@ -1,5 +1,5 @@
-"""OpenAI response bodies: envelopes, per-choice accumulation, and logprobs in the chat and the
-legacy shapes."""
+"""OpenAI response bodies: envelopes, what chat and completions replies share as reply shapes, per-choice
+accumulation, and logprobs in the chat and the legacy shapes."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ import time
 from dataclasses import dataclass, field
 
 from mlxpaged.engine.engine import StreamDelta
+from mlxpaged_app.server.errors import server_error
 from mlxpaged_app.server.formatting import TokenLogprob, TokenText
+from mlxpaged_app.server.serving import ReplyShape
 
 
 @dataclass
@@ -66,3 +68,20 @@ class Envelope:
     def body(self, object_name: str, choices: list[dict], **extra) -> dict:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model,
                 "system_fingerprint": None, "choices": choices, **extra}
+
+
+class OpenAIShape(ReplyShape):
+    """What chat and completions replies share: the envelope, usage as a last chunk when the client asked for it
+    (stream_options.include_usage), an engine failure in-band as OpenAI reports it, and `[DONE]` after either."""
+    chunk_object: str  # the `object` of a streamed chunk, e.g. "chat.completion.chunk"
+    trailer = ("[DONE]",)  # OpenAI's end-of-stream marker
+
+    def __init__(self, envelope: Envelope, include_usage: bool) -> None:
+        self.envelope, self.include_usage = envelope, include_usage
+        self.headers = {"x-request-id": envelope.id}
+
+    def closing(self, usage: dict) -> list:
+        return [self.envelope.body(self.chunk_object, [], usage=usage)] if self.include_usage else []
+
+    def failed(self, message: str) -> list:
+        return [server_error(message).body()]

@@ -1,18 +1,18 @@
-"""The Responses API's tools, tool_choice, text.format and reasoning, checked and translated into the chat
-pipeline's spec. Same rules as the chat API (tool_params.py), Responses' spellings: tools are flat
-(`{"type": "function", "name", "parameters", "strict"}`), a named choice is `{"type": "function", "name"}`,
-the output format lives in `text.format` with its schema beside `name`."""
+"""The Responses API's tools, text.format and reasoning, checked and translated into the chat pipeline's spec.
+Same rules as the chat API (tool_list, tool_choice, output_format), Responses' spellings: tools are flat
+(`{"type": "function", "name", "parameters", "strict"}`), the output format lives in `text.format` with its
+schema beside `name`."""
 
 from __future__ import annotations
 
 import json
 
-from mlxpaged_app.server.chat.spec import (JsonObjectOutput, JsonSchemaOutput, NamedTool, OutputFormat,
-                                           ReasoningSpec, ToolChoice, ToolSpec)
+from mlxpaged_app.server.chat.spec import EFFORTS, OutputFormat, ReasoningSpec, ToolChoice, ToolSpec
 from mlxpaged_app.server.errors import invalid_param
-from mlxpaged_app.server.openai.tool_params import EFFORTS, EMPTY_PARAMETERS, TOOL_NAME, tool_list
+from mlxpaged_app.server.output_format import check_format_alone, json_output_format
+from mlxpaged_app.server.tool_list import EMPTY_PARAMETERS, TOOL_NAME, tool_list
 
-CHOICES = "'none', 'auto', 'required' or {\"type\": \"function\", \"name\": ...}"
+SCHEMA_EXAMPLE = "{\"type\": \"json_schema\", \"name\": ..., \"schema\": {<a JSON schema object>}}"
 
 
 def tool_specs(tools: object) -> tuple[ToolSpec, ...]:
@@ -43,23 +43,6 @@ def _tool(tool: object, where: str) -> ToolSpec:
     return ToolSpec(name, parameters, description)
 
 
-def tool_choice(value: object, tools: tuple[ToolSpec, ...]) -> ToolChoice:
-    if value is None:
-        return "auto" if tools else "none"
-    if value in ("none", "auto", "required"):
-        choice: ToolChoice = value
-    elif isinstance(value, dict) and value.get("type") == "function" and isinstance(value.get("name"), str):
-        choice = NamedTool(value["name"])
-    else:
-        raise invalid_param("tool_choice", f"tool_choice must be {CHOICES}, got {json.dumps(value)[:60]}")
-    if choice != "none" and not tools:
-        raise invalid_param("tool_choice", f"tool_choice {json.dumps(value)} needs 'tools', and the request has none")
-    if isinstance(choice, NamedTool) and choice.name not in [t.name for t in tools]:
-        raise invalid_param("tool_choice", f"tool_choice names the function {choice.name!r}, which is not among "
-                                           f"the tools: {', '.join(t.name for t in tools)}")
-    return choice
-
-
 def output_format(text: object) -> OutputFormat:
     """`text.format`: text (None: nothing enforced), json_object, or json_schema {name, schema, strict}."""
     if text is None:
@@ -68,23 +51,7 @@ def output_format(text: object) -> OutputFormat:
         raise invalid_param("text", f"'text' must be an object such as {{\"format\": {{\"type\": \"text\"}}}}, "
                                     f"got {json.dumps(text)[:40]}")
     fmt = text.get("format")
-    if fmt is None:
-        return None
-    kind = fmt.get("type") if isinstance(fmt, dict) else None
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return JsonObjectOutput()
-    if kind != "json_schema":
-        raise invalid_param("text.format", f"text.format type {kind!r} is not supported; use 'text', "
-                                           "'json_object' or 'json_schema'", "unsupported_value")
-    if not isinstance(fmt.get("schema"), dict):
-        raise invalid_param("text.format.schema", "text.format json_schema needs {\"type\": \"json_schema\", "
-                                                  "\"name\": ..., \"schema\": {<a JSON schema object>}}")
-    strict = fmt.get("strict")
-    if strict is not None and not isinstance(strict, bool):
-        raise invalid_param("text.format.strict", f"text.format.strict must be true or false, got {strict!r}")
-    return JsonSchemaOutput(fmt["schema"], bool(strict), fmt.get("name"))
+    return None if fmt is None else json_output_format(fmt, "text.format", None, SCHEMA_EXAMPLE)
 
 
 def reasoning_spec(reasoning: object) -> ReasoningSpec:
@@ -102,7 +69,4 @@ def reasoning_spec(reasoning: object) -> ReasoningSpec:
 
 
 def check_combination(output: OutputFormat, choice: ToolChoice) -> None:
-    if output is not None and choice != "none":
-        raise invalid_param("text.format", "text.format json with tools is not supported: send tool_choice "
-                                           "'none' (the reply then follows text.format), or no text.format",
-                            "unsupported_value")
+    check_format_alone(output, choice, "text.format", "'none'")
