@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Literal, Union
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict
 
 from mlxpaged_app.server.param_names import OPENAI_CHAT, ParamNames
 
@@ -73,10 +75,12 @@ class ReasoningSpec:
         return {**out, **self.template_kwargs}
 
 
-@dataclass(frozen=True)
-class SamplingRequest:
+class SamplingRequest(BaseModel):
     """The sampling fields the client sent (None: not sent, the server's default applies). Attribute names
-    are those params.sampling_params reads, so this is what it takes for every API."""
+    are those params.sampling_params reads, so this is what it takes for every API. OpenAI's request schemas
+    extend it (openai/protocol.py): its fields are theirs, typed as strictly, so the list is written once."""
+    model_config = ConfigDict(extra="ignore", strict=True)
+
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -85,10 +89,10 @@ class SamplingRequest:
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     seed: int | None = None
-    stop: object = None  # a string or a list of strings (SamplingParams checks which)
+    stop: Any = None  # a string or a list of strings: SamplingParams says which when it is neither
     n: int | None = None
-    ignore_eos: bool | None = None
-    logit_bias: dict | None = None
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool | None = None  # vLLM's extension; handy for benchmarks
 
 
 @dataclass(frozen=True)

@@ -8,40 +8,13 @@ from mlxpaged_app.server.chat.spec import EFFORTS, OutputFormat, ReasoningSpec, 
 from mlxpaged_app.server.errors import invalid_param
 from mlxpaged_app.server.openai.protocol import ChatRequest
 from mlxpaged_app.server.output_format import check_format_alone, json_output_format
-from mlxpaged_app.server.tool_list import EMPTY_PARAMETERS, TOOL_NAME, tool_list
+from mlxpaged_app.server.tool_list import function_tools
 
 SCHEMA_EXAMPLE = "{\"json_schema\": {\"name\": ..., \"schema\": {<a JSON schema object>}, \"strict\": ...}}"
 
 
 def tool_specs(tools: object) -> tuple[ToolSpec, ...]:
-    return tool_list(tools, _tool, shape='{"type": "function", "function": {...}}', name_field="function.name")
-
-
-def _tool(tool: object, where: str) -> ToolSpec:
-    kind = tool.get("type") if isinstance(tool, dict) else None
-    if kind != "function":
-        raise invalid_param(f"{where}.type", f"{where}: tool type {kind!r} is not supported; this server runs "
-                                             "function tools ({\"type\": \"function\", ...})", "unsupported_value")
-    function = tool.get("function")
-    if not isinstance(function, dict):
-        raise invalid_param(f"{where}.function", f"{where}.function must be an object with a 'name'")
-    name = function.get("name")
-    if not isinstance(name, str) or not TOOL_NAME.match(name):
-        raise invalid_param(f"{where}.function.name", f"{where}.function.name must be 1 to 64 letters, digits, "
-                                                      f"'_', '.' or '-', got {name!r}")
-    description = function.get("description")
-    if description is not None and not isinstance(description, str):
-        raise invalid_param(f"{where}.function.description", f"{where}.function.description must be a string")
-    return ToolSpec(name, _parameters(function.get("parameters"), f"{where}.function.parameters"), description)
-
-
-def _parameters(schema: object, where: str) -> dict:
-    if schema is None:
-        return EMPTY_PARAMETERS
-    if not isinstance(schema, dict) or schema.get("type", "object") != "object":
-        raise invalid_param(where, f"{where} must be a JSON schema of type 'object' (the arguments object), "
-                                   f"got {str(schema)[:60]}")
-    return schema
+    return function_tools(tools, "function", '{"type": "function", "function": {...}}')
 
 
 def output_format(value: object) -> OutputFormat:

@@ -9,8 +9,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from mlxpaged_app.server.chat.pipeline import ChatRun, ChoiceResult, serve_chat_request
-from mlxpaged_app.server.chat.spec import (ChatEvent, ChatRequestSpec, Finish, ReasoningDelta, SamplingRequest,
-                                           TextDelta, TokenLogprobs, ToolCallArgs, ToolCallStart)
+from mlxpaged_app.server.chat.spec import (ChatEvent, ChatRequestSpec, Finish, ReasoningDelta, TextDelta,
+                                           TokenLogprobs, ToolCallArgs, ToolCallStart)
 from mlxpaged_app.server.formatting import TokenText, new_id
 from mlxpaged_app.server.openai.prompts import chat_messages
 from mlxpaged_app.server.openai.protocol import ChatRequest
@@ -31,19 +31,15 @@ def chat_spec(body: ChatRequest) -> ChatRequestSpec:
     choice = resolve_tool_choice(body.tool_choice, tools, "openai")
     output = output_format(body.response_format)
     check_combination(body, output, choice)
-    sampling = SamplingRequest(
-        temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
-        repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
-        frequency_penalty=body.frequency_penalty, seed=body.seed, stop=body.stop, n=body.n,
-        ignore_eos=body.ignore_eos, logit_bias=body.logit_bias)
     completion = body.max_completion_tokens is not None  # OpenAI's newer name, and the one blamed when it is sent
     max_tokens = body.max_completion_tokens if completion else body.max_tokens
-    return ChatRequestSpec(chat_messages(body), tools, choice,
-                           True if body.parallel_tool_calls is None else body.parallel_tool_calls, output,
-                           sampling, max_tokens, bool(body.logprobs),
-                           0 if body.top_logprobs is None else body.top_logprobs, reasoning_spec(body),
-                           bool(body.stream), "openai",
-                           names=OPENAI_CHAT_MAX_COMPLETION if completion else OPENAI_CHAT)
+    return ChatRequestSpec(
+        chat_messages(body), tools, choice,
+        parallel_tool_calls=True if body.parallel_tool_calls is None else body.parallel_tool_calls, output=output,
+        sampling=body,  # a ChatRequest is a SamplingRequest: the sampling fields as sent
+        max_tokens=max_tokens, logprobs=bool(body.logprobs),
+        top_logprobs=0 if body.top_logprobs is None else body.top_logprobs, reasoning=reasoning_spec(body),
+        stream=bool(body.stream), api="openai", names=OPENAI_CHAT_MAX_COMPLETION if completion else OPENAI_CHAT)
 
 
 async def serve_chat(request: Request, state: ServerState) -> Response:

@@ -10,37 +10,18 @@ import json
 from mlxpaged_app.server.chat.spec import EFFORTS, OutputFormat, ReasoningSpec, ToolChoice, ToolSpec
 from mlxpaged_app.server.errors import invalid_param
 from mlxpaged_app.server.output_format import check_format_alone, json_output_format
-from mlxpaged_app.server.tool_list import EMPTY_PARAMETERS, TOOL_NAME, tool_list
+from mlxpaged_app.server.tool_list import function_tools
 
 SCHEMA_EXAMPLE = "{\"type\": \"json_schema\", \"name\": ..., \"schema\": {<a JSON schema object>}}"
 
 
 def tool_specs(tools: object) -> tuple[ToolSpec, ...]:
-    return tool_list(tools, _tool, shape='{"type": "function", "name": ..., "parameters": ...}', name_field="name")
-
-
-def _tool(tool: object, where: str) -> ToolSpec:
-    kind = tool.get("type") if isinstance(tool, dict) else None
-    if kind != "function":
-        raise invalid_param(f"{where}.type", f"{where}: tool type {kind!r} is not supported; this server runs "
-                                             "function tools ({\"type\": \"function\", \"name\": ...}) only",
-                            "unsupported_value")
-    name = tool.get("name")
-    if not isinstance(name, str) or not TOOL_NAME.match(name):
-        raise invalid_param(f"{where}.name", f"{where}.name must be 1 to 64 letters, digits, '_', '.' or '-', "
-                                             f"got {name!r}")
-    description = tool.get("description")
-    if description is not None and not isinstance(description, str):
-        raise invalid_param(f"{where}.description", f"{where}.description must be a string")
-    if tool.get("strict") is not None and not isinstance(tool["strict"], bool):
-        raise invalid_param(f"{where}.strict", f"{where}.strict must be true or false, got {tool['strict']!r}")
-    parameters = tool.get("parameters")
-    if parameters is None:
-        parameters = EMPTY_PARAMETERS
-    elif not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
-        raise invalid_param(f"{where}.parameters", f"{where}.parameters must be a JSON schema of type 'object' "
-                                                   f"(the arguments object), got {json.dumps(parameters)[:60]}")
-    return ToolSpec(name, parameters, description)
+    specs = function_tools(tools, None, '{"type": "function", "name": ..., "parameters": ...}')
+    for i, tool in enumerate(tools or []):  # Responses' tools carry `strict` beside the name
+        if tool.get("strict") is not None and not isinstance(tool["strict"], bool):
+            raise invalid_param(f"tools[{i}].strict", f"tools[{i}].strict must be true or false, got "
+                                                      f"{tool['strict']!r}")
+    return specs
 
 
 def output_format(text: object) -> OutputFormat:
