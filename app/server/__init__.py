@@ -1,16 +1,14 @@
 """`mlxpaged serve`: the HTTP server - OpenAI chat/completions, the Anthropic Messages API and the OpenAI
 Responses API (installed as mlxpaged_app.server).
 
-Module names follow vLLM's entrypoints/openai. The process: flags (CLI flags and their checks),
-launcher (bind, load, warm up, uvicorn, graceful stop). The app: api_server (routes, create_app),
-middleware (CORS, API key, status counts), state (ServerConfig, ServerState), errors (OpenAI-shaped),
-metrics (Prometheus). A request: request_body (read, decode, validate) against protocol (pydantic
-schemas), prompts, params and tool_params (to prompt sources, SamplingParams, tools and output formats),
-serving (the flow every generation API shares, and /v1/completions with serving_completion), chat/ (the
-pipeline every chat-shaped API runs on) with its adapters serving_chat (OpenAI chat), anthropic/
-(Messages) and responses/ (Responses), admission (429
-beyond a bounded queue), engine_client (submission, engine events onto the event loop),
-formatting (response bodies), sse (event framing, streams that end their engine request).
+Module names follow vLLM's entrypoints. The process: flags (CLI flags and their checks), launcher (bind, load,
+warm up, uvicorn, graceful stop). The app: api_server (routes, create_app), middleware (CORS, API key, status
+counts), state (ServerConfig, ServerState), errors (OpenAI-shaped), metrics (Prometheus). A request:
+request_body (read, decode, validate), params (SamplingParams), serving (the flow every API shares), chat/ (the
+pipeline every chat-shaped API runs on), one package per API - openai/ (chat and completions), anthropic/
+(Messages) and responses/ (Responses) - admission (429 beyond a bounded queue), engine_client (submission,
+engine events onto the event loop), formatting (ids and token text every body shares), sse (event framing,
+streams that end their engine request).
 
 Kept import-free: the CLI imports `flags` to build its parser without loading Starlette.
 """

@@ -25,10 +25,9 @@ from mlxpaged_app.server.errors import (APIError, handle_api_error, handle_http_
                                         model_not_found)
 from mlxpaged_app.server.metrics import CONTENT_TYPE
 from mlxpaged_app.server.middleware import middleware_stack
+from mlxpaged_app.server.openai.serving_chat import serve_chat
+from mlxpaged_app.server.openai.serving_completion import serve_completion
 from mlxpaged_app.server.responses.serving import serve_responses
-from mlxpaged_app.server.serving import serve_generation
-from mlxpaged_app.server.serving_chat import serve_chat
-from mlxpaged_app.server.serving_completion import CompletionEndpoint
 from mlxpaged_app.server.state import ServerConfig, ServerState
 
 __all__ = ["ServerConfig", "ServerState", "create_app"]
@@ -50,7 +49,7 @@ async def responses(request: Request) -> Response:
 
 
 async def completions(request: Request) -> Response:
-    return await serve_generation(request, _state(request), CompletionEndpoint)
+    return await serve_completion(request, _state(request))
 
 
 async def messages(request: Request) -> Response:

@@ -12,13 +12,14 @@ from pydantic import BaseModel
 from mlxpaged.sampling_params import SamplingParams
 from mlxpaged.loading.generation_defaults import NO_DEFAULTS, GenerationDefaults
 from mlxpaged_app.server.errors import invalid_param
-from mlxpaged_app.server.protocol import ChatRequest, CompletionRequest
+from mlxpaged_app.server.openai.protocol import ChatRequest, CompletionRequest
+from mlxpaged_app.server.param_names import OPENAI_CHAT, ParamNames
 
 _FIELD = re.compile(r"^([a-z_]+)")
 
 
 def check_chat_supported(request: ChatRequest) -> None:
-    """Tools, response_format and reasoning are checked where they are translated (tool_params.py)."""
+    """Tools, response_format and reasoning are checked where they are translated (openai/chat_options.py)."""
     _check_logit_bias(request.logit_bias)
 
 
@@ -70,19 +71,10 @@ def sampling_kwargs(defaults: GenerationDefaults, request: object, names: Iterab
     return merged
 
 
-def _api_names(request, logprobs_name: str) -> dict[str, str]:
-    names = {"max_tokens": "max_tokens", "top_logprobs": "top_logprobs", "logprobs": "logprobs"}
-    if getattr(request, "max_completion_tokens", None) is not None:
-        names["max_tokens"] = "max_completion_tokens"
-    if logprobs_name == "logprobs":  # the legacy completions API has only `logprobs` (an int)
-        names["top_logprobs"] = "logprobs"
-    return names
-
-
 def sampling_params(request, *, max_tokens: int, logprobs: bool, top_logprobs: int,
-                    logprobs_name: str = "top_logprobs", defaults: GenerationDefaults = NO_DEFAULTS) -> SamplingParams:
+                    names: ParamNames = OPENAI_CHAT, defaults: GenerationDefaults = NO_DEFAULTS) -> SamplingParams:
     """SamplingParams for the request, unset fields from the model's `defaults`; a range error names the
-    API parameter that caused it."""
+    API parameter that caused it (`names`: the request's API's)."""
     r = request
     fields = dict(max_tokens=max_tokens, logprobs=logprobs, top_logprobs=top_logprobs, n=1 if r.n is None else r.n,
                   presence_penalty=r.presence_penalty or 0.0, frequency_penalty=r.frequency_penalty or 0.0,
@@ -93,6 +85,6 @@ def sampling_params(request, *, max_tokens: int, logprobs: bool, top_logprobs: i
     except ValueError as exc:
         field = _FIELD.match(str(exc))
         name = field.group(1) if field else None
-        api_name = _api_names(r, logprobs_name).get(name, name)
+        api_name = names.of(name)
         message = str(exc) if api_name == name else f"{api_name}: {exc}"
         raise invalid_param(api_name, message) from None

@@ -1,86 +1,69 @@
-"""The flow every generation API shares: take queue slots and start (`launch`), and wait for a whole reply
-unless the client leaves (`reply_or_gone`); and /v1/completions over them: read and check the request,
-tokenize off the event loop, submit, then stream events or collect the whole reply. Chat-shaped APIs run
-through chat/pipeline.py on the same two pieces.
+"""The request path every API shares: read and check the request (`accept`), take queue slots and start
+(`launch`), then answer in the API's shape (`respond`): a stream of server-sent events, or one JSON body once
+the reply is whole unless the client leaves first.
 
-A `GenerationEndpoint` supplies the parts that differ: its schema, prompt handling and response shapes.
+What differs between the APIs is only how a reply looks; a `ReplyShape` says that for one reply and never sees
+the transport. OpenAI chat, completions, Anthropic Messages and Responses each have one.
 """
 
 from __future__ import annotations
 
 import time
-from contextlib import ExitStack
-from typing import AsyncIterator, Awaitable, Callable, Protocol, TypeVar
+from contextlib import ExitStack, aclosing
+from typing import AsyncIterator, Awaitable, Callable, TypeVar
 
-import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from mlxpaged.engine.engine import StreamDelta
-from mlxpaged.sampling_params import MAX_N, SamplingParams
-from mlxpaged.loading.generation_defaults import GenerationDefaults
+from mlxpaged.sampling_params import MAX_N
 from mlxpaged_app.server.engine_client import Generation, GenerationFailed
 from mlxpaged_app.server.errors import server_error
-from mlxpaged_app.server.formatting import ChoiceText, Envelope, TokenText, new_id
-from mlxpaged_app.server.params import resolve_max_tokens
 from mlxpaged_app.server.request_body import parse_request, read_body
-from mlxpaged_app.server.sse import DONE, ClientGone, EventStream, data_event, unless_disconnected
+from mlxpaged_app.server.sse import ClientGone, EventStream, data_event, unless_disconnected, with_pings
 from mlxpaged_app.server.state import ServerState
 
 T = TypeVar("T")
 CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, the metrics count it
+PING_INTERVAL = 15.0  # seconds of silence before a shape's keep-alive event
 
 
-class GenerationEndpoint(Protocol):
-    """The parts of a prompt-in, text-out API (serving_completion.CompletionEndpoint); one instance serves
-    one request."""
-    schema: type  # the pydantic request model (protocol.py)
-    chunk_object: str  # the `object` of a streamed chunk, e.g. "chat.completion.chunk"
-    prompt_param: str  # the API parameter an unusable prompt is blamed on
-    id_prefix: str
+class ReplyShape:
+    """One reply in one API's shape, fed what the run produces per choice (`item`: an engine delta, or the chat
+    events one delta completed). Streamed: `opening()`, `chunks()` per item, then `closing(usage)` - or
+    `failed(message)` if the engine failed after the headers went out - and `trailer`; every payload goes out
+    through `frame`. Whole: `add()` per item, then `body(usage)`."""
+    headers: dict[str, str]
+    frame: Callable[[dict | str], bytes] = staticmethod(data_event)
+    trailer: tuple = ()  # payloads after either ending (OpenAI's "[DONE]")
+    keepalive: dict | None = None  # sent after PING_INTERVAL seconds without an event (Anthropic's ping)
 
-    def __init__(self, engine, token_text: TokenText) -> None: ...
+    def opening(self) -> list:
+        return []
 
-    def validate(self, body) -> list:
-        """Checks the parts the schema cannot; returns one source (messages, text, ids) per prompt."""
+    def chunks(self, choice: int, item) -> list:
+        raise NotImplementedError
 
-    def tokenize(self, sources: list) -> list[list[int]]:
-        """Runs in a worker thread."""
+    def closing(self, usage: dict) -> list:
+        return []
 
-    def requested_max_tokens(self, body) -> int | None: ...
+    def failed(self, message: str) -> list:
+        raise NotImplementedError
 
-    def params(self, body, max_tokens: int, defaults: GenerationDefaults) -> SamplingParams:
-        """`defaults`: the model's, for the sampling fields the request leaves unset (params.sampling_kwargs)."""
+    def add(self, choice: int, item) -> None:
+        raise NotImplementedError
 
-    def response(self, envelope: Envelope, choices: list[ChoiceText], usage: dict) -> dict: ...
-
-    def stream_start(self, envelope: Envelope, count: int) -> list[dict]: ...
-
-    def stream_chunk(self, envelope: Envelope, choice: int, delta: StreamDelta) -> dict | None:
-        """None: nothing to send for this delta yet."""
+    def body(self, usage: dict) -> dict:
+        raise NotImplementedError
 
 
-async def serve_generation(request: Request, state: ServerState,
-                           endpoint_class: type[GenerationEndpoint]) -> Response:
+async def accept(request: Request, state: ServerState, schema: type) -> tuple[object, float]:
+    """What every API does first: note the arrival, refuse while draining, read and validate the body against
+    `schema`, check the model name. Returns (body, arrived)."""
     arrived = time.perf_counter()
     state.check_accepting()
-    body = parse_request(await read_body(request, state.config.max_body_size), endpoint_class.schema)
+    body = parse_request(await read_body(request, state.config.max_body_size), schema)
     state.check_model(body.model)
-    endpoint = endpoint_class(state.engine, state.token_text)
-    sources = endpoint.validate(body)
-    count = len(sources) * sane_n(body.n)
-    generation, cleanup = await launch(state, count, lambda: _start(state, endpoint, body, sources, arrived))
-    envelope = Envelope(new_id(endpoint.id_prefix), state.model_id)
-    headers = {"x-request-id": envelope.id}
-    if body.stream:
-        usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = _events(endpoint, generation, envelope, count, usage)
-        return EventStream(events, on_close=cleanup.close, headers=headers)
-    try:
-        choices = await reply_or_gone(request, _collect(generation, count), cleanup)
-    except ClientGone:
-        return Response(status_code=CLIENT_CLOSED)
-    return JSONResponse(endpoint.response(envelope, choices, generation.usage()), headers=headers)
+    return body, arrived
 
 
 async def launch(state: ServerState, count: int,
@@ -100,6 +83,24 @@ async def launch(state: ServerState, count: int,
     return generation, cleanup
 
 
+def sane_n(n: int | None) -> int:
+    """For counting queue slots only; SamplingParams rejects an n out of range with a 400 later."""
+    return 1 if n is None else max(1, min(n, MAX_N))
+
+
+async def respond(request: Request, shape: ReplyShape, stream: bool, items: AsyncIterator[tuple[int, object]],
+                  usage: Callable[[], dict], cleanup: ExitStack) -> Response:
+    """The reply to a launched request: `items` are (choice, item) as the run produces them, `usage` its token
+    counts once it has ended; `cleanup` is closed when the reply is done or the client is gone."""
+    if stream:
+        return EventStream(stream_events(shape, items, usage), on_close=cleanup.close, headers=shape.headers)
+    try:
+        body = await reply_or_gone(request, _whole(shape, items, usage), cleanup)
+    except ClientGone:
+        return Response(status_code=CLIENT_CLOSED)
+    return JSONResponse(body, headers=shape.headers)
+
+
 async def reply_or_gone(request: Request, work: Awaitable[T], cleanup: ExitStack) -> T:
     """A whole (non-streamed) reply: ClientGone if the client left first, 500 if the engine failed."""
     try:
@@ -110,41 +111,26 @@ async def reply_or_gone(request: Request, work: Awaitable[T], cleanup: ExitStack
         cleanup.close()
 
 
-def sane_n(n: int | None) -> int:
-    """For counting queue slots only; SamplingParams rejects an n out of range with a 400 later."""
-    return 1 if n is None else max(1, min(n, MAX_N))
+async def _whole(shape: ReplyShape, items: AsyncIterator[tuple[int, object]], usage: Callable[[], dict]) -> dict:
+    async for choice, item in items:
+        shape.add(choice, item)
+    return shape.body(usage())
 
 
-async def _start(state: ServerState, endpoint: GenerationEndpoint, body, sources: list, arrived: float) -> Generation:
-    prompts = await anyio.to_thread.run_sync(endpoint.tokenize, sources)
-    longest = max(len(p) for p in prompts)
-    max_tokens = resolve_max_tokens(endpoint.requested_max_tokens(body), longest, state.context_limit,
-                                    state.default_max_tokens)
-    params = endpoint.params(body, max_tokens, state.config.sampling_defaults)
-    generation = Generation(state.engine, state.metrics, params.n, arrived)
-    generation.submit(prompts, params, endpoint.prompt_param)
-    return generation
-
-
-async def _collect(generation: Generation, count: int) -> list[ChoiceText]:
-    choices = [ChoiceText() for _ in range(count)]
-    async for choice, delta in generation.deltas():
-        choices[choice].add(delta)
-    return choices
-
-
-async def _events(endpoint: GenerationEndpoint, generation: Generation, envelope: Envelope, count: int,
-                  include_usage: bool) -> AsyncIterator[bytes]:
-    for chunk in endpoint.stream_start(envelope, count):
-        yield data_event(chunk)
+async def stream_events(shape: ReplyShape, items: AsyncIterator[tuple[int, object]],
+                        usage: Callable[[], dict]) -> AsyncIterator[bytes]:
+    for payload in shape.opening():
+        yield shape.frame(payload)
+    source = items if shape.keepalive is None else with_pings(items, PING_INTERVAL)
     try:
-        async for choice, delta in generation.deltas():
-            chunk = endpoint.stream_chunk(envelope, choice, delta)
-            if chunk is not None:
-                yield data_event(chunk)
-    except GenerationFailed as exc:  # headers are sent: report in-band, as OpenAI does
-        yield data_event(server_error(str(exc)).body())
+        async with aclosing(source) as produced:  # closed at once if the client goes
+            async for produced_item in produced:
+                payloads = [shape.keepalive] if produced_item is None else shape.chunks(*produced_item)
+                for payload in payloads:
+                    yield shape.frame(payload)
+    except GenerationFailed as exc:  # the headers are out: report in-band, as each API does
+        ending = shape.failed(str(exc))
     else:
-        if include_usage:
-            yield data_event(envelope.body(endpoint.chunk_object, [], usage=generation.usage()))
-    yield DONE
+        ending = shape.closing(usage())
+    for payload in (*ending, *shape.trailer):
+        yield shape.frame(payload)

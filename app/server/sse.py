@@ -1,5 +1,5 @@
-"""Server-sent events: their framing, and a response that ends its engine request however the
-connection ends.
+"""Server-sent events: their framing (one framer for every API), keep-alives for silent stretches, and a response
+that ends its engine request however the connection ends.
 
 Starlette's StreamingResponse notices a client that left only when it next writes, and never
 runs cleanup if the client leaves before the first chunk. `EventStream` watches for
@@ -20,10 +20,21 @@ from starlette.types import Receive, Scope, Send
 T = TypeVar("T")
 
 
-def data_event(payload: dict | str) -> bytes:
-    """One `data:` event: a JSON payload (compact) or a literal such as "[DONE]"."""
+def sse_event(payload: dict | str, name: str | None = None) -> bytes:
+    """One event: an `event:` line when it has a name, then `data:`, a JSON payload (compact) or a literal such
+    as "[DONE]"."""
     data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
-    return f"data: {data}\n\n".encode()
+    return (f"event: {name}\n" if name is not None else "").encode() + f"data: {data}\n\n".encode()
+
+
+def data_event(payload: dict | str) -> bytes:
+    """OpenAI chat and completions: unnamed `data:` events."""
+    return sse_event(payload)
+
+
+def named_event(payload: dict) -> bytes:
+    """Anthropic and Responses: every event named by its payload's type (Anthropic's SDK skips unnamed ones)."""
+    return sse_event(payload, payload["type"])
 
 
 DONE = data_event("[DONE]")  # OpenAI's end-of-stream marker
@@ -98,3 +109,27 @@ async def _close_quietly(events: AsyncIterator[bytes]) -> None:
             await close()
         except Exception:  # noqa: BLE001  (nothing to report to a client that is gone)
             pass
+
+
+async def with_pings(items: AsyncIterator[T], interval: float) -> AsyncIterator[T | None]:
+    """The items, and None each time `interval` seconds pass without one (the pending item keeps waiting), so a
+    stream can send a keep-alive through a long prefill before proxies and clients time it out."""
+    iterator = items.__aiter__()
+    pending: asyncio.Future | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(iterator.__anext__())
+            done, _ = await asyncio.wait({pending}, timeout=interval)
+            if not done:
+                yield None
+                continue
+            finished, pending = pending, None
+            try:
+                item = finished.result()
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        if pending is not None:
+            pending.cancel()

@@ -3,7 +3,8 @@
 protocol.py  the request schemas (pydantic)
 convert.py   a Messages request -> the pipeline's ChatRequestSpec (system, content blocks, tools, tool_choice)
 serving.py   the two routes
-shapes.py    the `message` body: content blocks, stop_reason, usage
-streaming.py chat events -> Anthropic's SSE events (message_start, content blocks, message_delta, ping)
+shapes.py    the `message` reply, whole (content blocks, stop_reason, usage) or streamed (message_start, ping,
+             content blocks, message_delta)
+streaming.py chat events -> content-block events
 errors.py    errors in Anthropic's shape, chosen by path for every failure on /v1/messages*
 """

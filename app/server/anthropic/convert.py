@@ -13,13 +13,16 @@ import re
 
 from mlxpaged_app.server.anthropic.protocol import (CountTokensRequest, Message, MessagesRequest, OtherBlock,
                                                     TextBlock, ToolChoice, ToolResultBlock, ToolUseBlock)
-from mlxpaged_app.server.chat.spec import (ChatRequestSpec, JsonSchemaOutput, NamedTool, ReasoningSpec,
-                                           SamplingRequest, ToolChoice as SpecToolChoice, ToolSpec)
+from mlxpaged_app.server.chat.spec import (ChatRequestSpec, JsonSchemaOutput, ReasoningSpec, SamplingRequest,
+                                           ToolChoice as SpecToolChoice, ToolSpec)
 from mlxpaged_app.server.errors import invalid_param
+from mlxpaged_app.server.output_format import check_format_alone
+from mlxpaged_app.server.param_names import ANTHROPIC
+from mlxpaged_app.server.tool_choice import resolve_tool_choice
+from mlxpaged_app.server.tool_list import tool_list
 
 BILLING_HEADER = "x-anthropic-billing-header:"
 TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # Anthropic's own rule
-MAX_TOOLS = 128
 ERROR_PREFIX = "Error: "  # a tool_result with is_error: the model sees that the call failed
 
 
@@ -29,16 +32,14 @@ def messages_spec(body: CountTokensRequest) -> ChatRequestSpec:
     choice, parallel = tool_choice(body.tool_choice, tools)
     output = None
     if body.output_config is not None and body.output_config.format is not None:
-        if choice != "none":
-            raise invalid_param("output_config.format", "output_config.format with tools is not supported: send "
-                                "tool_choice {\"type\": \"none\"} or no output_config.format")
         output = JsonSchemaOutput(body.output_config.format.schema_, strict=True)
+    check_format_alone(output, choice, "output_config.format", '{"type": "none"}')
     full = isinstance(body, MessagesRequest)
     sampling = SamplingRequest(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                                stop=body.stop_sequences) if full else SamplingRequest()
     return ChatRequestSpec(conversation(body), tools, choice, parallel, output, sampling, body.max_tokens,
                            max_tokens_is_cap=True, reasoning=reasoning(body),
-                           stream=bool(full and body.stream), api="anthropic")
+                           stream=bool(full and body.stream), api="anthropic", names=ANTHROPIC)
 
 
 def reasoning(body: CountTokensRequest) -> ReasoningSpec:
@@ -132,50 +133,28 @@ def _append(out: list[dict], turn: dict) -> None:
         last["tool_calls"] = last.get("tool_calls", []) + turn["tool_calls"]
 
 
-def tool_specs(tools) -> tuple[ToolSpec, ...]:
-    if not tools:
-        return ()
-    if len(tools) > MAX_TOOLS:
-        raise invalid_param("tools", f"'tools' holds {len(tools)} tools; at most {MAX_TOOLS}")
-    specs: list[ToolSpec] = []
-    for i, tool in enumerate(tools):
-        where = f"tools[{i}]"
-        if tool.type not in (None, "custom"):
-            raise invalid_param(f"{where}.type", f"{where}: tool type {tool.type!r} is one of Anthropic's server "
-                                                 "tools, which this server does not run; send custom tools "
-                                                 "({\"name\", \"input_schema\", \"description\"})")
-        if not TOOL_NAME.match(tool.name):
-            raise invalid_param(f"{where}.name", f"{where}.name must be 1 to 64 letters, digits, '_' or '-', "
-                                                 f"got {tool.name!r}")
-        if tool.name in [s.name for s in specs]:
-            raise invalid_param(f"{where}.name", f"{where}: the name {tool.name!r} is already used by another "
-                                                 "tool; tool names must be unique")
-        if tool.input_schema is None:
-            raise invalid_param(f"{where}.input_schema", f"'{where}.input_schema' is required (a JSON schema of "
-                                                         "type 'object' for the tool's input)")
-        if tool.input_schema.get("type") != "object":
-            raise invalid_param(f"{where}.input_schema.type", f"{where}.input_schema must have type 'object', "
-                                                              f"got {tool.input_schema.get('type')!r}")
-        specs.append(ToolSpec(tool.name, tool.input_schema, tool.description))
-    return tuple(specs)
+def tool_specs(tools: list | None) -> tuple[ToolSpec, ...]:
+    return tool_list(tools, _tool, shape='{"name", "input_schema", "description"}', name_field="name")
+
+
+def _tool(tool, where: str) -> ToolSpec:
+    if tool.type not in (None, "custom"):
+        raise invalid_param(f"{where}.type", f"{where}: tool type {tool.type!r} is one of Anthropic's server "
+                                             "tools, which this server does not run; send custom tools "
+                                             "({\"name\", \"input_schema\", \"description\"})")
+    if not TOOL_NAME.match(tool.name):
+        raise invalid_param(f"{where}.name", f"{where}.name must be 1 to 64 letters, digits, '_' or '-', "
+                                             f"got {tool.name!r}")
+    if tool.input_schema is None:
+        raise invalid_param(f"{where}.input_schema", f"'{where}.input_schema' is required (a JSON schema of "
+                                                     "type 'object' for the tool's input)")
+    if tool.input_schema.get("type") != "object":
+        raise invalid_param(f"{where}.input_schema.type", f"{where}.input_schema must have type 'object', "
+                                                          f"got {tool.input_schema.get('type')!r}")
+    return ToolSpec(tool.name, tool.input_schema, tool.description)
 
 
 def tool_choice(choice: ToolChoice | None, tools: tuple[ToolSpec, ...]) -> tuple[SpecToolChoice, bool]:
     """(the pipeline's choice, whether parallel calls are allowed)."""
-    if choice is None:
-        return ("auto" if tools else "none"), True
-    parallel = not choice.disable_parallel_tool_use
-    if choice.type == "none" or (choice.type == "auto" and not tools):
-        return "none", parallel
-    if not tools:
-        raise invalid_param("tool_choice", f"tool_choice {{\"type\": {choice.type!r}}} needs 'tools', and the "
-                                           "request has none")
-    if choice.type == "auto":
-        return "auto", parallel
-    if choice.type == "any":
-        return "required", parallel
-    names = [t.name for t in tools]
-    if choice.name not in names:
-        raise invalid_param("tool_choice.name", f"tool_choice names the tool {choice.name!r}, which is not among "
-                                                f"the tools: {', '.join(names)}")
-    return NamedTool(choice.name), parallel
+    parallel = choice is None or not choice.disable_parallel_tool_use
+    return resolve_tool_choice(choice, tools, "anthropic"), parallel

@@ -6,36 +6,26 @@ generation itself, admission, cancellation and the prefix cache are the pipeline
 
 from __future__ import annotations
 
-
 import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from mlxpaged_app.server.anthropic.convert import messages_spec
-from mlxpaged_app.server.anthropic.errors import new_request_id
 from mlxpaged_app.server.anthropic.protocol import CountTokensRequest, MessagesRequest
-from mlxpaged_app.server.anthropic.shapes import envelope, message_body
-from mlxpaged_app.server.anthropic.streaming import message_events
-from mlxpaged_app.server.chat.pipeline import accept_chat, start_chat
+from mlxpaged_app.server.anthropic.shapes import MessageShape
+from mlxpaged_app.server.chat.pipeline import ChatRun, serve_chat_request
 from mlxpaged_app.server.chat.render import render_prompt
+from mlxpaged_app.server.chat.spec import ChatRequestSpec
 from mlxpaged_app.server.request_body import parse_request, read_body
-from mlxpaged_app.server.serving import CLIENT_CLOSED, reply_or_gone
-from mlxpaged_app.server.sse import ClientGone, EventStream
 from mlxpaged_app.server.state import ServerState
 
 
 async def serve_messages(request: Request, state: ServerState) -> Response:
-    body, spec, arrived = await accept_chat(request, state, MessagesRequest, messages_spec)
-    run, cleanup = await start_chat(state, spec, arrived)
-    env = envelope(body.model)
-    headers = {"request-id": new_request_id()}
-    if spec.stream:
-        return EventStream(message_events(run, env), on_close=cleanup.close, headers=headers)
-    try:
-        [choice] = await reply_or_gone(request, run.collect(), cleanup)
-    except ClientGone:
-        return Response(status_code=CLIENT_CLOSED)
-    return JSONResponse(message_body(env, choice, run.usage()), headers=headers)
+    return await serve_chat_request(request, state, MessagesRequest, messages_spec, _shape)
+
+
+def _shape(state: ServerState, body: MessagesRequest, spec: ChatRequestSpec, run: ChatRun) -> MessageShape:
+    return MessageShape(body.model, run.prompt_tokens)
 
 
 async def serve_count_tokens(request: Request, state: ServerState) -> Response:

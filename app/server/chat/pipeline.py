@@ -1,5 +1,5 @@
 """A chat request's run, for every API: queue slots, the prompt and grammar (off the event loop), submission,
-then events per choice (streamed) or whole choices (collected). An adapter only shapes what comes out."""
+then events per choice. An adapter translates its request and shapes what comes out (a serving.ReplyShape)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 import uuid
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import anyio
 
@@ -21,8 +21,7 @@ from mlxpaged_app.server.chat.structure import compile_constraint, grammar_for
 from mlxpaged_app.server.chat.tool_formats import ToolFormat, tool_format
 from mlxpaged_app.server.engine_client import Generation
 from mlxpaged_app.server.params import resolve_max_tokens, sampling_params
-from mlxpaged_app.server.request_body import parse_request, read_body
-from mlxpaged_app.server.serving import launch, sane_n
+from mlxpaged_app.server.serving import ReplyShape, accept, launch, respond, sane_n
 from mlxpaged_app.server.state import ServerState
 
 CALL_ID_PREFIX = {"openai": "call_", "responses": "call_", "anthropic": "toolu_"}
@@ -79,6 +78,10 @@ class ChoiceResult:
         elif isinstance(event, Finish):
             self.finish = event
 
+    def extend(self, events: list[ChatEvent]) -> None:
+        for event in events:
+            self.add(event)
+
 
 class ChatRun:
     def __init__(self, spec: ChatRequestSpec, generation: Generation, prepared: Prepared, tokenizer) -> None:
@@ -97,13 +100,6 @@ class ChatRun:
         async for choice, delta in self.generation.deltas():
             yield choice, self.parsers[choice].feed(delta)
 
-    async def collect(self) -> list[ChoiceResult]:
-        results = [ChoiceResult() for _ in self.parsers]
-        async for choice, events in self.events():
-            for event in events:
-                results[choice].add(event)
-        return results
-
     def usage(self) -> dict:
         return self.generation.usage()
 
@@ -115,7 +111,8 @@ def _params(state: ServerState, spec: ChatRequestSpec, prepared: Prepared) -> Sa
     max_tokens = resolve_max_tokens(requested, len(prepared.prompt), state.context_limit,
                                     state.default_max_tokens)
     params = sampling_params(spec.sampling, max_tokens=max_tokens, logprobs=spec.logprobs,
-                             top_logprobs=spec.top_logprobs, defaults=state.config.sampling_defaults)
+                             top_logprobs=spec.top_logprobs, names=spec.names,
+                             defaults=state.config.sampling_defaults)
     if prepared.constraint is not None:
         params = dataclasses.replace(params, constraint=prepared.constraint)
     return params
@@ -131,7 +128,7 @@ async def start_chat(state: ServerState, spec: ChatRequestSpec, arrived: float |
         prepared.append(await anyio.to_thread.run_sync(prepare, state.engine, spec))
         params = _params(state, spec, prepared[0])
         generation = Generation(state.engine, state.metrics, params.n, arrived)
-        generation.submit([prepared[0].prompt], params, "messages")
+        generation.submit([prepared[0].prompt], params, spec.names.prompt)
         return generation
 
     generation, cleanup = await launch(state, sane_n(spec.sampling.n), start)
@@ -139,10 +136,22 @@ async def start_chat(state: ServerState, spec: ChatRequestSpec, arrived: float |
 
 
 async def accept_chat(request, state: ServerState, schema, to_spec) -> tuple[object, ChatRequestSpec, float]:
-    """What every chat-shaped API does first: note the arrival, refuse while draining, read and validate the
-    body against `schema`, check the model name, translate to the internal request. Returns (body, spec, arrived)."""
-    arrived = time.perf_counter()
-    state.check_accepting()
-    body = parse_request(await read_body(request, state.config.max_body_size), schema)
-    state.check_model(body.model)
+    """serving.accept, then the translation to the internal request. Returns (body, spec, arrived)."""
+    body, arrived = await accept(request, state, schema)
     return body, to_spec(body), arrived
+
+
+ShapeFor = Callable[[ServerState, object, ChatRequestSpec, ChatRun], ReplyShape]
+
+
+async def serve_chat_request(request, state: ServerState, schema, to_spec, shape_for: ShapeFor):
+    """A chat-shaped API end to end: its schema, its translation to the internal request (`to_spec`), and its
+    reply shape (`shape_for(state, body, spec, run)`); everything else is this pipeline's."""
+    body, spec, arrived = await accept_chat(request, state, schema, to_spec)
+    run, cleanup = await start_chat(state, spec, arrived)
+    try:
+        shape = shape_for(state, body, spec, run)
+    except BaseException:
+        cleanup.close()
+        raise
+    return await respond(request, shape, spec.stream, run.events(), run.usage, cleanup)

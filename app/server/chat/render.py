@@ -72,8 +72,8 @@ def render_prompt(tokenizer, spec: ChatRequestSpec) -> list[int]:
         return list(tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
                                                   tokenize=True, **spec.reasoning.kwargs()))
     except Exception as exc:  # jinja's TemplateError, or a template's raise_exception(...)
-        raise invalid_param("messages", "the model's chat template cannot render these messages: "
-                                        f"{type(exc).__name__}: {exc}") from None
+        raise invalid_param(spec.names.prompt, "the model's chat template cannot render these messages: "
+                                               f"{type(exc).__name__}: {exc}") from None
 
 
 def reasoning_open(tokenizer, prompt: list[int]) -> bool:

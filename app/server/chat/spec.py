@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Literal, Union
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict
+
+from mlxpaged_app.server.param_names import OPENAI_CHAT, ParamNames
 
 API = Literal["openai", "anthropic", "responses"]
 
@@ -49,6 +53,9 @@ class JsonSchemaOutput:
 OutputFormat = Union[JsonObjectOutput, JsonSchemaOutput, None]
 
 
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")  # OpenAI's reasoning efforts
+
+
 @dataclass(frozen=True)
 class ReasoningSpec:
     """What reaches the chat template about thinking. `template_kwargs` (chat_template_kwargs) wins."""
@@ -68,10 +75,12 @@ class ReasoningSpec:
         return {**out, **self.template_kwargs}
 
 
-@dataclass(frozen=True)
-class SamplingRequest:
+class SamplingRequest(BaseModel):
     """The sampling fields the client sent (None: not sent, the server's default applies). Attribute names
-    are those params.sampling_params reads, so this is what it takes for every API."""
+    are those params.sampling_params reads, so this is what it takes for every API. OpenAI's request schemas
+    extend it (openai/protocol.py): its fields are theirs, typed as strictly, so the list is written once."""
+    model_config = ConfigDict(extra="ignore", strict=True)
+
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -80,11 +89,10 @@ class SamplingRequest:
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     seed: int | None = None
-    stop: object = None  # a string or a list of strings (SamplingParams checks which)
+    stop: Any = None  # a string or a list of strings: SamplingParams says which when it is neither
     n: int | None = None
-    ignore_eos: bool | None = None
-    logit_bias: dict | None = None
-    max_completion_tokens: int | None = None  # set when the API named it so (only for error messages)
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool | None = None  # vLLM's extension; handy for benchmarks
 
 
 @dataclass(frozen=True)
@@ -101,6 +109,7 @@ class ChatRequestSpec:
     reasoning: ReasoningSpec = field(default_factory=ReasoningSpec)
     stream: bool = False
     api: API = "openai"
+    names: ParamNames = OPENAI_CHAT  # the API's parameter names, for errors raised after translation
     # Anthropic requires max_tokens and clients size it for Claude (32k): there it is a cap, clipped to the context.
     max_tokens_is_cap: bool = False
 

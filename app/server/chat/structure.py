@@ -25,7 +25,7 @@ def grammar_for(spec: ChatRequestSpec, fmt: ToolFormat, thinking: bool) -> tuple
         return None
     from mlxpaged.constraints import GrammarError  # llguidance loads only for requests that need it
 
-    param = "response_format" if spec.output is not None else "tools"
+    param = spec.names.response_format if spec.output is not None else spec.names.tools
     try:
         return _grammar(spec, fmt), param
     except GrammarError as exc:
@@ -36,9 +36,9 @@ def _tools_enforced(spec: ChatRequestSpec, fmt: ToolFormat, thinking: bool) -> b
     if not spec.parses_tools or (spec.tool_choice == "auto" and (thinking or not fmt.enforceable)):
         return False
     if not fmt.enforceable:
-        raise invalid_param("tool_choice", f"tool_choice {_shown(spec.tool_choice)} needs constrained decoding, "
-                                           f"which this model's tool-call format ({fmt.name}) does not support; "
-                                           "use tool_choice 'auto'", "unsupported_value")
+        raise invalid_param(spec.names.tool_choice, f"tool_choice {_shown(spec.tool_choice)} needs constrained "
+                                                    f"decoding, which this model's tool-call format ({fmt.name}) "
+                                                    "does not support; use tool_choice 'auto'", "unsupported_value")
     return True
 
 

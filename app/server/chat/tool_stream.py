@@ -50,12 +50,19 @@ class CallScanner:
         elif ch not in _BETWEEN:
             self._off_canonical()
 
+    def _reading(self, ch: str, literal: str) -> bool:
+        """Whether `ch` falls within the fixed `literal` that opens the text (taken, or canonical layout is off)."""
+        if len(self._text) >= len(literal):
+            return False
+        if ch == literal[len(self._text)]:
+            self._text += ch
+        else:
+            self._off_canonical()
+        return True
+
     def _head(self, ch: str, out: list) -> None:
         """The literal `{"name": "`, then the name up to its closing quote."""
-        if len(self._text) < len(HEAD):
-            if ch != HEAD[len(self._text)]:
-                return self._off_canonical()
-            self._text += ch
+        if self._reading(ch, HEAD):
             return
         if self._escape:
             self._escape = False
@@ -67,10 +74,7 @@ class CallScanner:
         self._text += ch
 
     def _sep(self, ch: str, out: list) -> None:
-        if len(self._text) < len(SEP):
-            if ch != SEP[len(self._text)]:
-                return self._off_canonical()
-            self._text += ch
+        if self._reading(ch, SEP):
             return
         if ch != "{":  # arguments that are not an object: leave them to the parser
             return self._off_canonical()

@@ -14,6 +14,8 @@ import time
 from mlxpaged_app.server.chat.spec import (ChatEvent, Finish, ReasoningDelta, TextDelta, ToolCallArgs, ToolCallEnd,
                                            ToolCallStart)
 from mlxpaged_app.server.formatting import new_id
+from mlxpaged_app.server.serving import ReplyShape
+from mlxpaged_app.server.sse import named_event
 
 ENDED = {"stop": "completed", "tool_calls": "completed", "length": "incomplete", "abort": "failed"}
 TERMINAL = {"completed": "response.completed", "incomplete": "response.incomplete", "failed": "response.failed"}
@@ -26,9 +28,14 @@ def response_head(model: str, echo: dict) -> dict:
             "previous_response_id": None, "store": False, "background": False, "truncation": "disabled", **echo}
 
 
-class ResponseBuilder:
+class ResponseBuilder(ReplyShape):
+    """The reply shape of /v1/responses: every event named by its type, and no `[DONE]` (OpenAI ends the stream
+    with `response.completed`, `.incomplete` or `.failed`)."""
+    frame = staticmethod(named_event)
+
     def __init__(self, head: dict) -> None:
         self.head = head
+        self.headers = {"x-request-id": head["id"]}
         self.output: list[dict] = []
         self.status, self.error, self.incomplete = "in_progress", None, None
         self.usage: dict | None = None
@@ -86,6 +93,27 @@ class ResponseBuilder:
         self.status, self.error = "failed", {"code": "server_error", "message": message}
         return [self._event("error", code="server_error", message=message, param=None),
                 self._event("response.failed", response=self.response())]
+
+    # --- as a serving.ReplyShape: the same state machine, streamed or whole --------------------------------------
+
+    def opening(self) -> list[dict]:
+        return self.start()
+
+    def chunks(self, choice: int, events: list[ChatEvent]) -> list[dict]:
+        return self.feed(events)
+
+    def closing(self, usage: dict) -> list[dict]:
+        return self.complete(usage)
+
+    def failed(self, message: str) -> list[dict]:
+        return self.fail(message)
+
+    def add(self, choice: int, events: list[ChatEvent]) -> None:
+        self.feed(events)
+
+    def body(self, usage: dict) -> dict:
+        self.complete(usage)
+        return self.response()
 
     # --- items -----------------------------------------------------------------------------------------------
 

@@ -16,7 +16,8 @@ from pydantic import TypeAdapter
 from mlxpaged_app.server.anthropic.convert import messages_spec
 from mlxpaged_app.server.anthropic.protocol import CountTokensRequest, MessagesRequest
 from mlxpaged_app.server.anthropic.shapes import envelope, message_body
-from mlxpaged_app.server.anthropic.streaming import BlockStream, with_pings
+from mlxpaged_app.server.anthropic.streaming import BlockStream
+from mlxpaged_app.server.sse import with_pings
 from mlxpaged_app.server.chat.pipeline import ChoiceResult
 from mlxpaged_app.server.chat.spec import (Finish, NamedTool, ReasoningDelta, TextDelta, ToolCallArgs, ToolCallEnd,
                                            ToolCallStart)

@@ -21,8 +21,8 @@ from mlxpaged_app.server.chat.spec import (ChatRequestSpec, NamedTool, Reasoning
                                            ToolSpec)
 from mlxpaged_app.server.chat.tool_formats import GENERIC_FORMAT, ToolFormat
 from mlxpaged_app.server.errors import APIError
-from mlxpaged_app.server.protocol import ChatRequest
-from mlxpaged_app.server.serving_chat import chat_spec
+from mlxpaged_app.server.openai.protocol import ChatRequest
+from mlxpaged_app.server.openai.serving_chat import chat_spec
 from mlx_lm.tool_parsers import json_tools
 
 THINK = ("<think>", "</think>")

@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from mlxpaged_app.server.chat.spec import SamplingRequest
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
@@ -30,24 +32,13 @@ class Message(_Strict):
     reasoning: str | None = None
 
 
-class _GenerationFields(_Strict):
-    """Fields both endpoints share. None means "not sent": the server's default applies."""
+class _GenerationFields(SamplingRequest):
+    """Fields both endpoints share: the sampling fields (chat/spec.py) and these. None means "not sent": the
+    server's default applies."""
     model: str | None = None
     max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    seed: int | None = None
-    stop: Any = None  # a string or a list of strings: SamplingParams says which when it is neither
-    n: int | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None
-    ignore_eos: bool | None = None  # vLLM's extension; handy for benchmarks
 
 
 class ChatRequest(_GenerationFields):
@@ -55,7 +46,7 @@ class ChatRequest(_GenerationFields):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: Any = None  # tools, tool_choice, response_format: checked in tool_params.py, naming the field
+    tools: Any = None  # tools, tool_choice, response_format: checked in chat_options.py, naming the field
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     response_format: Any = None

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from mlxpaged_app.server.errors import invalid_param
-from mlxpaged_app.server.protocol import ChatRequest, CompletionRequest
+from mlxpaged_app.server.openai.protocol import ChatRequest, CompletionRequest
 
 MAX_PROMPTS = 64  # prompts in one /v1/completions batch
 _CHAT_ROLES = {"developer": "system"}  # OpenAI's newer name for the system role; templates know "system"
