@@ -1,6 +1,10 @@
 """One tiny architecture on the paged engine against mlx-lm's own generate_step.
 
-    python -m tests.archs.harness MODULE [MODULE ...]   -> one JSON verdict line per module
+    python -m tests.archs.harness [--backend cuda] MODULE [MODULE ...]   -> one JSON verdict line per module
+
+`--backend cuda` runs the engine on the path a GPU takes (platform/backend.py simulated: eager decode
+queued before the last step is read, deferred page writes flushed every few tokens, MLX's fused attention),
+MLX still computing on the CPU.
 
 Verdicts: "paged" (every scenario of scenarios.py passes: greedy tokens equal mlx-lm's alone,
 batched, with chunked prefill, on a prefix-cache hit, after preemption and for n = 2, and the pool
@@ -114,12 +118,24 @@ def _vocab(model) -> int:
     return int(model(mx.array([[1]])).shape[-1])
 
 
-def main(modules: list[str]) -> None:
+def main(argv: list[str]) -> None:
+    simulated = None
+    if argv[:1] == ["--backend"]:
+        simulated, argv = argv[1], argv[2:]
     # The engine hands NumPy only attention calls above MIN_SCORES, which these tiny prompts never reach:
     # every eager attention call of the sweep goes there, so each architecture checks that path too.
     numpy_attention.MIN_SCORES = 0
-    for module in modules:
-        print(json.dumps(run_architecture(module)), flush=True)
+    if simulated is None:
+        for module in argv:
+            print(json.dumps(run_architecture(module)), flush=True)
+        return
+    from mlxpaged.platform import backend
+    from mlxpaged.runner import model_runner
+
+    model_runner.MAX_PENDING = 3  # pending K/V written every 3 tokens: each scenario crosses several flushes
+    with backend.simulate(simulated):
+        for module in argv:
+            print(json.dumps(run_architecture(module)), flush=True)
 
 
 if __name__ == "__main__":

@@ -21,8 +21,9 @@ ROOT = Path(__file__).resolve().parents[2]
 MODULE_TIMEOUT_S = 180
 
 
-def sweep(modules: list[str] | None = None, workers: int = 2) -> dict[str, dict]:
-    """Verdicts by module, for every text module of mlx_lm.models unless `modules` is given."""
+def sweep(modules: list[str] | None = None, workers: int = 2, backend: str | None = None) -> dict[str, dict]:
+    """Verdicts by module, for every text module of mlx_lm.models unless `modules` is given; `backend`
+    ("cuda"): the engine takes that backend's path (harness.py --backend)."""
     modules = modules or text_modules()
     verdicts = {m: {"module": m, "status": "cannot-run", "reason": MLX_LM_CANNOT_RUN[m]}
                 for m in modules if m in MLX_LM_CANNOT_RUN}
@@ -31,23 +32,24 @@ def sweep(modules: list[str] | None = None, workers: int = 2) -> dict[str, dict]
                      for m in modules if m not in verdicts and not has_config(m)})
     shares = [todo[i::workers] for i in range(workers)]
     with ThreadPoolExecutor(workers) as pool:
-        for share in pool.map(_run_share, shares):
+        for share in pool.map(lambda share: _run_share(share, backend), shares):
             verdicts.update(share)
     return {m: verdicts[m] for m in modules}
 
 
-def _run_share(modules: list[str]) -> dict[str, dict]:
+def _run_share(modules: list[str], backend: str | None) -> dict[str, dict]:
     verdicts: dict[str, dict] = {}
     while len(verdicts) < len(modules):
         rest = [m for m in modules if m not in verdicts]
-        verdicts.update(_run_process(rest))
+        verdicts.update(_run_process(rest, backend))
     return verdicts
 
 
-def _run_process(modules: list[str]) -> dict[str, dict]:
+def _run_process(modules: list[str], backend: str | None) -> dict[str, dict]:
     """Run until the process ends; the module it was on when it died gets a crash verdict."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
-    proc = subprocess.Popen([sys.executable, "-m", "tests.archs.harness", *modules], cwd=ROOT, env=env,
+    flags = ["--backend", backend] if backend else []
+    proc = subprocess.Popen([sys.executable, "-m", "tests.archs.harness", *flags, *modules], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     stderr: list[str] = []
     threading.Thread(target=lambda: stderr.extend(proc.stderr), daemon=True).start()

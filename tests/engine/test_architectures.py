@@ -31,6 +31,12 @@ def verdicts() -> dict[str, dict]:
     return sweep(MODULES)
 
 
+@pytest.fixture(scope="session")
+def gpu_verdicts() -> dict[str, dict]:
+    """The same sweep on the path a GPU takes (platform/backend.py simulating CUDA)."""
+    return sweep(MODULES, backend="cuda")
+
+
 def test_every_architecture_has_a_config_or_a_reason():
     missing = [m for m in MODULES if not has_config(m) and m not in MLX_LM_CANNOT_RUN]
     assert not missing, f"mlx_lm.models gained modules without a tiny config in tests/archs/configs.json: {missing}"
@@ -96,3 +102,15 @@ def test_readme_table_is_the_sweeps(verdicts):
     `python -m tests.archs.arch_table --readme README.md`)."""
     readme = (ROOT / "README.md").read_text()
     assert section(readme) == render(verdicts)
+
+
+def test_the_gpu_path_gives_the_same_verdicts(verdicts, gpu_verdicts):
+    """On a GPU's path (eager decode queued before the last step is read, page writes deferred, MLX's fused
+    attention) every architecture the CPU path runs gives mlx-lm's tokens in every scenario too, and the
+    ones it refuses are refused the same way."""
+    differ = {m: f"cpu {verdicts[m]['status']}, gpu {v['status']}: {v.get('reason', '')[:160]}"
+              for m, v in gpu_verdicts.items() if v["status"] != verdicts[m]["status"]}
+    assert not differ, f"{len(differ)} architectures differ on the GPU path: {differ}"
+    failed = {m: {name: why for name, why in v["scenarios"].items() if why != "pass"}
+              for m, v in gpu_verdicts.items() if v["status"] == "paged"}
+    assert not any(failed.values()), {m: f for m, f in failed.items() if f}
