@@ -65,3 +65,20 @@ def test_dispatch_uses_the_kernel_on_metal():
     with attention.attention_backend("kernel"):
         out = attention.paged_attention(*case.args(), window=case.window)
     assert max_error(out, case.expected()) < case.tolerance
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,dtype,tail,sinks", [
+    (8, 2, 128, 16, "bfloat16", 6, False),
+    (4, 2, 96, 32, "float16", 33, True),
+])
+def test_pool_then_tail_on_gpu(heads, kv_heads, head_dim, block_size, dtype, tail, sinks):
+    """A decode pass queued ahead (runner/deferred_writes.py): pages in place, then K/V not written yet."""
+    from mlxpaged.kernels.paged_attention import tail_partials
+    from tests.kernels.test_kernel_tail_emulated import tail_case
+
+    case, k, v, expected = tail_case(head_dim, [1, block_size, 3 * block_size + 5], tail, heads, kv_heads,
+                                     head_dim, block_size, dtype, sinks)
+    out = paged_attention_metal(case.q, case.k_pool, case.v_pool, case.block_tables, case.context_lens, case.scale,
+                                sinks=case.sinks, tail=tail_partials(case.q, k, v, case.scale))
+    mx.eval(out)
+    assert max_error(out, expected) < case.tolerance
