@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Issue 21 on a lent GPU, in one device call (after the kit's call 1, ../shared/gpu/README.md):
+#   bash .gpu/p2/run.sh bash docs/design/scripts/issue21_gpu_check.sh
+# Every step has its own time limit and writes under $OUT, so a step that runs long costs only itself.
+# Set MLXPAGED_COMMIT=<sha> in front: the copy on the GPU machine has no .git.
+set -u
+OUT=${OUT:-/tmp/gpu/out}
+step() { local limit=$1 name=$2; shift 2; echo "=== $name ($(date +%T), limit ${limit}s)"; timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.txt"; }
+step 60 correctness python3 docs/design/scripts/issue21_gpu_tokens.py /tmp/models/135m
+step 200 bench_1.7b_decode_batch python3 -m mlxpaged_app.cli bench gpu --model /tmp/models/1.7b --parts decode,batch \
+     --tokens 128 --runs 3 --concurrency 16,64
+step 120 bench_1.7b_ttft python3 -m mlxpaged_app.cli bench gpu --model /tmp/models/1.7b --parts ttft --sizes 2048,8192 --runs 1
+step 80 bench_135m_decode python3 -m mlxpaged_app.cli bench gpu --model /tmp/models/135m --parts decode --tokens 128 --runs 3
+step 60 native_mlx_lm python3 .gpu/p2/native_mlx_lm.py /tmp/models/1.7b
