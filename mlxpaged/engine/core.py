@@ -106,7 +106,7 @@ class EngineCore:
 
     def fail_all(self, exc: BaseException) -> None:
         """A step raised: fail every request (not the engine), and forget the pipelined pass."""
-        self.runner.drop_look_ahead()
+        self.runner.drop_look_ahead(failed=True)
         self.outputs.fail_all(exc)
 
     # ---- the runner's NextStepPlanner: what it may pipeline ----------------------------------

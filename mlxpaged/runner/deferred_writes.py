@@ -80,7 +80,7 @@ def defers_writes(kv: PagedKVCache) -> bool:
     return len(kv.groups) == 1 and kv.groups[0].window is None and kv.single_geometry
 
 
-class _DeferredPass:
+class DeferredPass:
     """What every layer of one queued-ahead decode pass shares, derived once per pass."""
 
     def __init__(self, kv: PagedKVCache, request_ids: Sequence[str], starts: Sequence[int],
@@ -139,7 +139,7 @@ class _DeferredPass:
 class DeferredView:
     """The cache an mlx-lm attention layer sees in a decode pass queued ahead (one token per row)."""
 
-    def __init__(self, shared: _DeferredPass, layer: int):
+    def __init__(self, shared: DeferredPass, layer: int):
         self._shared, self._layer = shared, layer
         self._returned: tuple[mx.array, mx.array] | None = None
 
@@ -173,11 +173,11 @@ class DeferredView:
 
 
 def deferred_views(kv: PagedKVCache, request_ids: Sequence[str], starts: Sequence[int],
-                   tables: Sequence[Sequence[int]], pending: PendingKV | None) -> tuple[list[DeferredView], _DeferredPass]:
+                   tables: Sequence[Sequence[int]], pending: PendingKV | None) -> tuple[list[DeferredView], DeferredPass]:
     """Views for every layer of a pass of one new token per row at `starts`, over `tables` (group 0's),
     with `pending` K/V for the same rows in the same order; and the pass, whose `pending_after` is read
     once the model has run."""
     if pending is not None and pending.request_ids != tuple(request_ids):
         raise ValueError(f"pending K/V of rows {pending.request_ids} for a pass of rows {tuple(request_ids)}")
-    shared = _DeferredPass(kv, request_ids, starts, tables, pending)
+    shared = DeferredPass(kv, request_ids, starts, tables, pending)
     return [DeferredView(shared, layer) for layer in range(kv.num_layers)], shared

@@ -32,7 +32,7 @@ from mlxpaged.cache.layout import ModelLayout
 from mlxpaged.cache.state_cache import StatePass, StateStore
 from mlxpaged.runner import cache_tree
 from mlxpaged.runner.decode_pass import CompiledDecode
-from mlxpaged.runner.deferred_writes import MAX_PENDING, PendingKV, defers_writes, deferred_views
+from mlxpaged.runner.deferred_writes import MAX_PENDING, DeferredPass, PendingKV, defers_writes, deferred_views
 from mlxpaged.cache.kv_cache import PagedKVCache
 from mlxpaged.platform import backend
 from mlxpaged.runner.routing import is_routed
@@ -167,7 +167,7 @@ class Lookahead:
     rows: list[tuple[str, int]]  # (request id, position) of each row
     sample: LazySample
     state: StatePass | None = None  # its state rows, stored only if the pass is adopted
-    deferred: object | None = None  # a pass that writes no pages (deferred_writes.py), queued already
+    deferred: DeferredPass | None = None  # a pass that writes no pages (deferred_writes.py), queued already
 
     @property
     def launched(self) -> bool:
@@ -233,14 +233,12 @@ class Runner:
         self._launch_ahead()
         return [everything[i] for i in rows_of]
 
-    def drop_look_ahead(self, flush: bool = True) -> None:
-        """Forget the queued pass (a step with nothing scheduled, or a failed one: `flush=False` drops the
-        pending K/V of its failed requests instead of writing them)."""
+    def drop_look_ahead(self, failed: bool = False) -> None:
+        """Forget the queued pass (a step with nothing scheduled, or a failed one) and write the pending K/V:
+        passes already read produced them, and their full blocks may be prefix-cache hits. After a failure
+        the queued pass is not waited for (it may be what failed)."""
         ahead, self._ahead = self._ahead, None
-        if flush:
-            self._settle(ahead)
-        else:
-            self._pending, self._orphans = None, []
+        self._settle(None if failed else ahead)
 
     def copy_blocks(self, copies: Sequence) -> None:
         """Do a fork's copy-on-write copies (CopyOnWrite) and land them before the next pass writes."""
@@ -340,7 +338,7 @@ class Runner:
         return Lookahead(rows, LazySample(logits, picked_states, ahead=1, launch=False), state)
 
     def _deferred_pass(self, inputs: list[StepInput], ids: list[str], tokens: mx.array,
-                       pending: PendingKV | None) -> tuple[mx.array, object]:
+                       pending: PendingKV | None) -> tuple[mx.array, DeferredPass]:
         """A decode pass of one token per input (`tokens` [B], lazy) that writes no pages (deferred_writes.py):
         lazy float32 logits [B, V] and the pass, whose pending K/V the runner takes if it is adopted."""
         views, deferred = deferred_views(self.kv, ids, [x.start for x in inputs],

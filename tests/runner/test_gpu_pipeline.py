@@ -222,3 +222,26 @@ def test_on_metal_the_kernel_attends_the_pools_and_the_pending_tail(tokenizer, m
     assert merged and all(merged)
     for prompt, completion in zip(prompts, got):
         assert completion.token_ids == reference_tokens(model, prompt, params.max_tokens)
+
+
+def test_a_step_that_fails_mid_run_fails_its_requests_and_the_engine_serves_on(gpu_engine, monkeypatch):
+    """A step raising while a pipelined run holds pending K/V: its requests fail with the error, the queued
+    pass is not waited for, and the next requests (one a prefix hit of the failed one's prompt) are exact."""
+    from mlxpaged.errors import RequestFailedError
+
+    calls = {"n": 0}
+    original = model_runner.Runner._deferred_pass
+
+    def failing(self, *args):
+        calls["n"] += 1
+        if calls["n"] == 6:
+            raise RuntimeError("injected failure")
+        return original(self, *args)
+
+    prompt = random_tokens(26, seed=11)
+    monkeypatch.setattr(model_runner.Runner, "_deferred_pass", failing)
+    with pytest.raises(RequestFailedError, match="injected failure"):
+        gpu_engine.generate([prompt, random_tokens(9, seed=12)], LONG)
+    monkeypatch.undo()
+    again = gpu_engine.generate([prompt + random_tokens(4, seed=13)], LONG)[0]
+    assert again.token_ids == reference_tokens(gpu_engine.model, prompt + random_tokens(4, seed=13), LONG.max_tokens)
