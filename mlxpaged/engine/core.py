@@ -20,12 +20,12 @@ from mlxpaged.cache.kv_cache_manager import KVCacheManager
 from mlxpaged.cache.layout import ModelLayout
 from mlxpaged.cache.state_cache import CheckpointTable, StateCache, StateStore
 from mlxpaged.engine.metrics import StatsCounter
-from mlxpaged.engine.output_processor import OutputProcessor, Rows, split_results
+from mlxpaged.engine.output_processor import OutputProcessor, split_results
 from mlxpaged.engine.request import Request
-from mlxpaged.runner.model_runner import Runner, SamplingRows
+from mlxpaged.runner.model_runner import Runner
 from mlxpaged.sampling_params import SamplingParams
 from mlxpaged.engine.scheduler import Scheduler
-from mlxpaged.engine.speculation import Speculator
+from mlxpaged.engine.drafting import Speculator
 from mlxpaged.errors import ConfigError
 
 
@@ -39,7 +39,7 @@ class EngineCore:
         self.stats = stats or StatsCounter()
         self.outputs = OutputProcessor(scheduler, tokenizer, self.stats, fork=self._fork)
         self._has_commands = has_commands
-        # Prompt-lookup speculative decoding (speculation.py), when a draft length is given.
+        # Prompt-lookup speculative decoding (drafting.py), when a draft length is given.
         self.speculator = None if num_speculative_tokens is None else \
             Speculator(scheduler, num_speculative_tokens, self._can_draft)
 
@@ -95,10 +95,10 @@ class EngineCore:
         if self.speculator is not None:
             self.speculator.extend(out)  # decode chunks get their drafts appended
         rows = self.outputs.sampling_rows(out)
-        results = self.runner.execute(out.chunks, _sampler_rows(rows), planner=self)  # 2. execute
+        results = self.runner.execute(out.chunks, rows, planner=self)  # 2. execute
         sampled, failed = split_results(rows, results)
         accepted = {t.request.request_id: [a.token for a in r.accepted]
-                    for (_, t), r in zip(rows, results) if r.accepted}
+                    for t, r in zip(rows.sequences, results) if r.accepted}
         self.scheduler.update_from_output(out, sampled, failed, accepted)  # 3. update
         self.outputs.process(out, rows, results)  # 4. process outputs
         if self.speculator is not None:
@@ -131,12 +131,6 @@ class EngineCore:
     def _fork(self, parent_id: str, child: Request, first_token: int) -> None:
         """Start an n > 1 sequence: the scheduler shares the parent's blocks, the runner copies the rest."""
         self.runner.copy_blocks(self.scheduler.fork(parent_id, child, first_token))
-
-
-def _sampler_rows(rows: Rows) -> SamplingRows:
-    """What the runner needs of the rows: their sampler states (a chunk's own sequence comes first)."""
-    firsts = [t.sampler for k, (i, t) in enumerate(rows) if k == 0 or rows[k - 1][0] != i]
-    return SamplingRows(firsts, [(i, t.sampler) for i, t in rows])
 
 
 def _check_speculation(method: str, kv: PagedKVCache, has_state: bool) -> None:

@@ -26,14 +26,14 @@ from typing import AsyncIterator, Callable, Iterator, Sequence
 import mlx.core as mx
 
 from mlxpaged.engine import engine_thread
-from mlxpaged.kernels.attention import attention_status, prepare_model_attention
+from mlxpaged.kernels.attention import prepare_model_attention
 from mlxpaged.cache.paged_support import attention_geometries, serial_reason
 from mlxpaged.config import DEFAULT_CACHE_TOKENS, CacheConfig, SchedulerConfig, split_settings
 from mlxpaged.engine.core import EngineCore
 from mlxpaged.cache.kv_cache import PagedKVCache
 from mlxpaged.errors import ConfigError, EngineClosedError, RequestFailedError  # noqa: F401  (re-exported)
 from mlxpaged.engine.metrics import StatsCounter
-from mlxpaged.engine.speculation import SpeculationStats
+from mlxpaged.engine.drafting import SpeculationStats
 from mlxpaged.outputs import Completion, StreamDelta, collect, drain  # noqa: F401  (re-exported)
 from mlxpaged.platform import backend
 from mlxpaged.platform.memory import DeviceFacts, ModelFacts, model_weight_bytes, plan_memory
@@ -47,7 +47,7 @@ from mlxpaged.runner.batch_check import batch_mismatch
 from mlxpaged.runner.routing import route_paged_attention
 from mlxpaged.loading.generation_defaults import GenerationDefaults, load_defaults
 from mlxpaged.sampling_params import SamplingParams
-from mlxpaged.engine.scheduler import CACHE_CAPACITY, MODEL_CONTEXT, RequestTooLongError
+from mlxpaged.engine.scheduler import RequestTooLongError  # noqa: F401  (re-exported)
 from mlxpaged.engine.shutdown import STEP_TIMEOUT_S
 
 
@@ -91,7 +91,8 @@ class Engine:
                                 weights_resident=True)
         self.kv = self._make_kv_cache(kv_dtype)
         # Before the first decode: a Metal kernel variant that fails its self-check is replaced by the reference.
-        prepare_model_attention(kv_dtype, self.cache_config.block_size, attention_geometries(self.layout))
+        self.attention = prepare_model_attention(kv_dtype, self.cache_config.block_size,
+                                                 attention_geometries(self.layout))
         self.max_model_len = int(self.scheduler_config.max_model_len or self.facts.context_length
                                  or self.plan.token_capacity)
         # Not exact in a ragged batch (or cannot take one): one sequence per pass, decided here, not mid-request.
@@ -261,7 +262,7 @@ class Engine:
             **self._stats.snapshot(), "memory_plan": self.plan, **self._memory_stats(),
             "speculative": self.scheduler_config.speculative,
             **(self.core.speculator.stats if self.core.speculator else SpeculationStats()).snapshot(),
-            "attention": attention_status(),  # {"path", "reason", "variants"}: see mlxpaged.kernels.attention
+            "attention": self.attention.status(),  # this engine's model: {"path", "reason", "variants"}
             "backend": backend.current(), "backend_description": backend.describe(),  # platform/backend.py
             "serial": self.serial_reason,  # why one sequence runs per pass (None: batched)
             "kv_memory_by_class": {g.describe(): size for g, size in self.kv.bytes_by_class().items()},
@@ -329,10 +330,7 @@ class Engine:
     def _check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
         if prompt_tokens == 0:
             raise ValueError("the prompt is empty")
-        if prompt_tokens + max_tokens > self.max_model_len:
-            raise RequestTooLongError(prompt_tokens, max_tokens, self.max_model_len, MODEL_CONTEXT)
-        if self.kv_manager.num_blocks_for(prompt_tokens + max_tokens) > self.kv_manager.num_blocks:
-            raise RequestTooLongError(prompt_tokens, max_tokens, self.scheduler.capacity_tokens, CACHE_CAPACITY)
+        self.scheduler.check_fits(prompt_tokens, max_tokens)  # the scheduler owns the length limits
 
     # --- engine thread (driven by engine_thread.py) ------------------------------------------------
     def _warm_up(self) -> None:

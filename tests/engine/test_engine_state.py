@@ -146,7 +146,7 @@ def test_a_pass_built_ahead_and_dropped_leaves_the_state_as_it_was(model, tokeni
     core.add_request("a", prompts["a"], LONG, events["a"].append)
     for _ in range(4):
         core.step()
-    assert core.runner._ahead is not None and core.runner._ahead.state is not None  # built on a's state
+    assert core.runner._ahead is not None and core.runner._ahead.state_pass is not None  # built on a's state
     core.add_request("b", prompts["b"], LONG, events["b"].append)  # the next step is not the one built ahead
     run_to_completion(core)
     for rid, prompt in prompts.items():
