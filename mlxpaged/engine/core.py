@@ -52,7 +52,7 @@ class EngineCore:
         (`layout`: the model's cache layout, which the runner assembles its cache list from; `serial`: one
         sequence per pass). A `layout` with state layers also gets max_num_seqs state slots and
         `num_checkpoints` checkpoints (the memory plan's: pending ones included)."""
-        specs = [group.spec(kv.block_size) for group in kv.groups]
+        specs = kv.specs  # one per layer group: how each table grows, shares and frees
         prefix_cache = cache_config.enable_prefix_cache and kv.supports_prefix_cache
         state = None
         if layout is not None and layout.state_leaves:
@@ -135,11 +135,12 @@ class EngineCore:
 
 def _check_speculation(method: str, kv: PagedKVCache, has_state: bool) -> None:
     """Refuse speculation, at load, for layers whose rejected drafts cannot be rolled back by freeing blocks."""
-    chunks = sorted({group.chunk for group in kv.groups if group.chunk is not None})
-    windows = sorted({group.window for group in kv.groups if group.window is not None and group.chunk is None})
-    if windows or chunks:  # a ring reuses its slots: rejected drafts would overwrite KV still in the window
-        kinds = ([f"sliding windows of {windows} tokens"] if windows else []) + \
-                ([f"chunked-local attention in chunks of {chunks} tokens"] if chunks else [])
+    rings: dict[str, set[int]] = {}  # a ring reuses its slots: rejected drafts would overwrite KV still in it
+    for spec in kv.specs:
+        if not spec.rolls_back:
+            rings.setdefault(spec.ring_label, set()).add(spec.size)
+    if rings:
+        kinds = [label.format(sizes=sorted(sizes)) for label, sizes in rings.items()]
         raise ConfigError(f"{{speculative:{method!r}}} needs full attention in every layer; this model has "
                           f"{' and '.join(kinds)}", param="speculative")
     if has_state:  # a recurrent state has no earlier version to return to after a rejected draft

@@ -164,13 +164,7 @@ class Engine:
     # --- setup ---------------------------------------------------------------------------------
     def _make_kv_cache(self, dtype: mx.Dtype) -> PagedKVCache:
         """Pools for the layout's KV leaves, in layout order (the runner's views follow it)."""
-        if not self.layout.kv_leaves:  # state layers only: the 1 x 1 stand-in page that numbers tokens (model_facts)
-            kv = self.facts.kv
-            return PagedKVCache(num_layers=kv.num_layers, num_blocks=self.plan.num_blocks,
-                                block_size=self.cache_config.block_size, num_kv_heads=kv.num_kv_heads,
-                                head_dim=kv.head_dim, dtype=dtype, layer_windows=kv.layer_windows)
-        return PagedKVCache.for_leaves(self.layout.kv_leaves, self.plan.num_blocks, self.cache_config.block_size,
-                                       dtype)
+        return PagedKVCache.for_layout(self.layout, self.plan.num_blocks, self.cache_config.block_size, dtype)
 
     # --- public API ----------------------------------------------------------------------------
     def submit(self, prompt: str | Sequence[int], params: SamplingParams | None,

@@ -425,8 +425,6 @@ class Runner:
         `num_logits` positions and the pass's state, not stored yet."""
         num_new = [len(x.token_ids) for x in batch]
         views = paged_views(self.kv, [x.block_tables for x in batch], [x.start for x in batch], num_new)
-        if self.layout is not None and not self.layout.kv_leaves:
-            views = []  # state layers only: the stand-in pool numbers tokens (model_facts), nothing attends it
         state_pass = None
         if self.state_store is not None:
             state_pass = StatePass(self.state_store, [x.state_slot for x in batch], num_new)
