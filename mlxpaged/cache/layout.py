@@ -182,6 +182,11 @@ class ModelLayout:
         return not self.kv_leaves and bool(self.state_leaves)
 
     @property
+    def keeps_no_cache(self) -> bool:
+        """Neither K/V nor state: nothing for the engine to page (refused at load)."""
+        return not self.kv_leaves and not self.state_leaves
+
+    @property
     def state_bytes_per_sequence(self) -> int:
         """Bytes of one sequence's state over every state leaf."""
         return sum(leaf.bytes_per_sequence() for leaf in self.state_leaves)

@@ -33,7 +33,7 @@ def unsupported_reasons(layout: ModelLayout) -> list[Reason]:
     reasons = [Reason("own cache class", text) for text in layout.refuse]
     reasons += [Reason(why.label, f"{', '.join(wheres)} ({kind}): {why.text}")
                 for (kind, why), wheres in per_leaf.items()]
-    if not layout.kv_leaves and not layout.state_leaves and not reasons:
+    if layout.keeps_no_cache and not reasons:
         reasons.append(Reason("no KV cache", "the model keeps no key/value cache"))
     return reasons
 

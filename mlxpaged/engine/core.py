@@ -11,6 +11,7 @@ queue and calls `step()`; tests drive it directly.
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable
 
 from mlxpaged.cache.block_pool import BlockPool
@@ -72,6 +73,17 @@ class EngineCore:
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
+
+    def warm_up(self) -> None:
+        """Compile the decode pass before serving, on the thread that will step; a model whose attention
+        cannot be traced decodes eagerly instead."""
+        if self.runner.decoder is None:
+            return
+        try:
+            self.runner.decoder.warm_up()
+        except Exception as exc:
+            warnings.warn(f"compiled decode is off for this model ({exc!r}); decoding eagerly", RuntimeWarning)
+            self.runner.decoder = None
 
     def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams, sink) -> None:
         """Queue a request; its events (StreamDelta, or an exception) go to `sink`. Raises on bad input."""

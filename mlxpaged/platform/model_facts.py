@@ -84,7 +84,7 @@ class KVShape:
     def from_layout(cls, layout: ModelLayout, dtype_bytes: int) -> KVShape:
         """One entry per KV leaf (a layer reusing another's K/V has none: counted once); a model of state
         layers only has none at all. Raises ValueError for a model that keeps neither."""
-        if not layout.kv_leaves and not layout.state_leaves:
+        if layout.keeps_no_cache:
             raise ValueError(f"model type {layout.model_type!r} keeps no key/value cache")
         geometries, kinds = layout.kv_geometries, layout.layer_kinds
         first = geometries[0] if geometries else None
