@@ -71,7 +71,7 @@ class SchedulerConfig:
     chunks included) and so the activation headroom the memory plan sets aside; `max_num_seqs`
     bounds concurrent sequences. `speculative="ngram"` drafts up to `num_speculative_tokens` tokens
     per decoding sequence from its own prompt and output and verifies them in one pass
-    (engine/speculation.py). `max_model_len` overrides the model's context (prompt + reply tokens per
+    (engine/drafting.py). `max_model_len` overrides the model's context (prompt + reply tokens per
     request; None: the model's own): longer than the model was trained on runs, as RoPE extrapolates,
     with no promise about quality. Bad values raise ConfigError (a ValueError)."""
 

@@ -70,8 +70,8 @@ def shuffled_blocks(num_blocks: int, seed: int = 0) -> list[int]:
 
 def grow_tables(kv_cache, tables: list[list[int]], free: list[int], num_tokens: int) -> None:
     """Append blocks from `free` until each group's table covers `num_tokens` tokens."""
-    for group, table in zip(kv_cache.groups, tables):
-        while len(table) < group.blocks_needed(num_tokens, kv_cache.block_size):
+    for spec, table in zip(kv_cache.specs, tables):
+        while len(table) < spec.blocks_needed(num_tokens):
             table.append(free.pop())
 
 

@@ -39,12 +39,12 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from mlxpaged.cache.kv_cache import LayerGroup, PagedKVCache
+from mlxpaged.cache.kv_cache import KVCacheSpec, LayerGroup, PagedKVCache
 
 
-def _routable(plan: "_Plan | None", group: LayerGroup) -> bool:
-    """One new token per sequence on a full-attention layer: the paged decode kernel's case."""
-    return plan is not None and plan.length == 1 and not plan.split and group.window is None
+def _routable(plan: "_Plan | None", spec: KVCacheSpec) -> bool:
+    """One new token per sequence on a layer that reads every key: the paged decode kernel's case."""
+    return plan is not None and plan.length == 1 and not plan.split and spec.window is None
 
 
 def layer_windows(model) -> list[int | None]:
@@ -125,21 +125,25 @@ class _Plan:
 
 def _build_plan(
     group: LayerGroup,
+    spec: KVCacheSpec,
     tables: list[list[int]],
     offsets: Sequence[int],
     num_new: Sequence[int],
     length: int,
-    block_size: int,
 ) -> _Plan:
+    block_size = spec.block_size
     ends = [o + n for o, n in zip(offsets, num_new)]
     for table, end in zip(tables, ends):
-        group.check_table(table, end, block_size)
-    starts = [group.key_start(o) for o in offsets]
-    ring = group.ring_tokens(block_size)
+        try:
+            spec.check_table(table, end)
+        except ValueError as exc:
+            raise ValueError(f"group {group.index}: {exc}") from None
+    starts = [spec.key_start(o) for o in offsets]
+    ring = spec.ring_tokens
     split = ring is not None and any(e - s > ring for s, e in zip(starts, ends))
     read_ends = list(offsets) if split else ends
-    slots, rows = _write_slots(group, tables, offsets, ends, length, block_size)
-    blocks, bases = _read_blocks(group, tables, starts, read_ends, block_size)
+    slots, rows = _write_slots(spec, tables, offsets, ends, length)
+    blocks, bases = _read_blocks(spec, tables, starts, read_ends)
     return _Plan(
         exact=len(tables) == 1 and num_new[0] == length,
         split=split,
@@ -165,19 +169,20 @@ def _single_run(slots: list[int], num_new: int, block_size: int) -> tuple[int, i
     return slots[0] // block_size, slots[0] % block_size
 
 
-def _write_slots(group, tables, offsets, ends, length, block_size) -> tuple[list[int], list[int]]:
+def _write_slots(spec: KVCacheSpec, tables, offsets, ends, length) -> tuple[list[int], list[int]]:
     """Slots of the new tokens that must be stored, and their rows in the flattened batch."""
     slots: list[int] = []
     rows: list[int] = []
     for b, (table, start, end) in enumerate(zip(tables, offsets, ends)):
-        first = group.stored_start(start, end, block_size)
-        slots += group.slots(table, first, end, block_size)
+        first = spec.stored_start(start, end)
+        slots += spec.slots(table, first, end)
         rows += range(b * length + first - start, b * length + end - start)
     return slots, rows
 
 
-def _read_blocks(group, tables, starts, ends, block_size) -> tuple[mx.array | None, list[int]]:
+def _read_blocks(spec: KVCacheSpec, tables, starts, ends) -> tuple[mx.array | None, list[int]]:
     """Blocks covering positions [start, end) per sequence, padded to one width."""
+    block_size = spec.block_size
     firsts = [s // block_size for s in starts]
     counts = [-(-e // block_size) - f if e > s else 0 for s, e, f in zip(starts, ends, firsts)]
     bases = [f * block_size for f in firsts]
@@ -186,7 +191,7 @@ def _read_blocks(group, tables, starts, ends, block_size) -> tuple[mx.array | No
         return None, bases
     matrix = []
     for table, first, count in zip(tables, firsts, counts):
-        row = [group.physical_block(table, first + i, block_size) for i in range(count)]
+        row = [spec.physical_block(table, first + i) for i in range(count)]
         # Padding entries are masked out; any valid block keeps the gather in range.
         matrix.append(row + [row[-1] if row else table[0]] * (width - count))
     return mx.array(matrix, dtype=mx.int32), bases
@@ -197,6 +202,7 @@ class _GroupPlanner:
 
     def __init__(self, kv_cache: PagedKVCache, group: LayerGroup, tables: list[list[int]]):
         self.kv_cache, self.group, self.tables = kv_cache, group, tables
+        self.spec = kv_cache.specs[group.index]  # which positions the group's layers store and read
         self._key: tuple | None = None
         self._plan: _Plan | None = None
         self.full_masks: list = []  # masks the group's views made without a window this pass (routing.py)
@@ -212,8 +218,7 @@ class _GroupPlanner:
     def plan(self, offsets: Sequence[int], num_new: Sequence[int], length: int) -> _Plan:
         key = (tuple(offsets), tuple(num_new), length, tuple(len(t) for t in self.tables))
         if key != self._key or self._plan is None:
-            block_size = self.kv_cache.block_size
-            self._plan = _build_plan(self.group, self.tables, offsets, num_new, length, block_size)
+            self._plan = _build_plan(self.group, self.spec, self.tables, offsets, num_new, length)
             self._key = key
             self.full_masks = []  # a new pass: the last pass's masks say nothing about this one
         return self._plan
@@ -282,7 +287,7 @@ class PagedCacheView:
         if len(self._offsets) != 1:
             raise ValueError(f"start_position is one sequence's, this view holds {len(self._offsets)}; "
                              "a model that reads it runs one sequence per pass (paged_support.serial_reason)")
-        return self._planner.group.key_start(self._offsets[0])
+        return self._planner.spec.key_start(self._offsets[0])
 
     def maybe_trim_front(self) -> None:
         """mlx-lm's ChunkedKVCache drops keys before the chunk here; the pages' ring turns instead."""
@@ -290,7 +295,7 @@ class PagedCacheView:
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         """Mask for the next pass of N tokens per row, matching the keys `update_and_fetch` will return."""
         plan = self._planner.plan(self._offsets, self._num_rows(len(self._offsets), N), N)
-        window = window_size if window_size is not None else self._planner.group.window
+        window = window_size if window_size is not None else self._planner.spec.window
         if plan.exact:
             mask = _exact_mask(N, plan.offsets[0] - plan.key_starts[0], window, return_array)
         else:
@@ -351,7 +356,7 @@ class PagedCacheView:
         after a pass of one new token per sequence on a full-attention layer; else None
         (prefill, mixed batches and window layers attend through the gathered K/V)."""
         plan = self._last_plan
-        if not _routable(plan, self._planner.group):
+        if not _routable(plan, self._planner.spec):
             return None
         return self._kv.key_pool(self._layer), self._kv.value_pool(self._layer), plan.read_blocks, plan.read_ends
 
@@ -361,7 +366,7 @@ class PagedCacheView:
         may read them in place instead of the gathered copy); else None."""
         plan = self._last_plan
         if plan is None or len(plan.offsets) != 1 or plan.split or not plan.exact \
-                or self._planner.group.window is not None:
+                or self._planner.spec.window is not None:
             return None
         return (self._kv.key_pool(self._layer), self._kv.value_pool(self._layer), self._planner.tables[0],
                 plan.read_ends[0])

@@ -40,9 +40,12 @@ append-only and a block's content is a pure function of the token prefix. Ring
 blocks are overwritten as the window slides, so they can never be shared or
 cached. Decision (as transformers does; vLLM's hybrid allocator instead keeps
 the last window's blocks cached per group, which we do not): the prefix cache is
-on only when every group is full attention (`PagedKVCache.supports_prefix_cache`);
+on only when every group's spec shares its blocks (`PagedKVCache.supports_prefix_cache`);
 hybrid models run with it off and prefill every prompt in full. Paging,
 copy-on-write and preemption stay correct for them.
+
+A model with no KV layers (state layers only) gets no pools at all: its one layerless group
+(specs.NoKV) numbers tokens in blocks of zero bytes.
 """
 
 from __future__ import annotations
@@ -52,37 +55,42 @@ from typing import Sequence
 import mlx.core as mx
 
 # block_bytes is re-exported: the facts live in specs.py
-from mlxpaged.cache.specs import (KVGeometry, LayerGroup, assign_pools, block_bytes, group_layers,  # noqa: F401
-                                  pool_block_bytes)
-from mlxpaged.cache.specs import Chunked
+from mlxpaged.cache.specs import (KVCacheSpec, KVGeometry, LayerGroup, LayerKind, assign_pools,  # noqa: F401
+                                  block_bytes, group_layers, pool_block_bytes)
+from mlxpaged.cache.layout import ModelLayout
 
 
 class PagedKVCache:
     """Key and value page pools for every layer of a model, indexed by block id.
 
-    `geometries`: one KVGeometry per layer (None: every layer `num_kv_heads x head_dim` for K and V)."""
+    `layer_windows`: each layer's kind (specs.LayerKind; None: every layer full attention). `geometries`: one
+    KVGeometry per layer (None: every layer `num_kv_heads x head_dim` for K and V, which then must be given).
+    No layers: no pools, one layerless group whose blocks only number tokens (specs.NoKV)."""
 
     def __init__(
         self,
         num_layers: int,
         num_blocks: int,
         block_size: int,
-        num_kv_heads: int,
-        head_dim: int,
+        num_kv_heads: int | None,
+        head_dim: int | None,
         dtype: mx.Dtype = mx.float32,
-        layer_windows: Sequence[int | None] | None = None,
+        layer_windows: Sequence[LayerKind] | None = None,
         geometries: Sequence[KVGeometry] | None = None,
     ):
         windows = tuple(layer_windows) if layer_windows is not None else (None,) * num_layers
-        _check_sizes(num_layers, num_blocks, block_size, num_kv_heads, head_dim, windows)
-        uniform = (KVGeometry(num_kv_heads, head_dim, head_dim),) * num_layers
-        geometries = tuple(geometries) if geometries is not None else uniform
-        if len(geometries) != num_layers:
-            raise ValueError(f"geometries has {len(geometries)} entries for {num_layers} layers")
+        if geometries is None:
+            _check_sizes(num_kv_heads=num_kv_heads, head_dim=head_dim)
+            geometries = (KVGeometry(num_kv_heads, head_dim, head_dim),) * num_layers
+        geometries = tuple(geometries)
+        _check_layers(num_layers, num_blocks, block_size, windows, geometries)
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
-        self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
+        first = geometries[0] if geometries else None
+        self.num_kv_heads = first.kv_heads if first else None  # the first layer's (the only ones when uniform)
+        self.head_dim, self.dtype = (first.k_dim if first else None), dtype
         self.layer_windows, self.geometries = windows, geometries
         self.groups = group_layers(windows)
+        self.specs: tuple[KVCacheSpec, ...] = tuple(g.spec(block_size) for g in self.groups)  # one per group
         self.group_size = len(self.groups[0].layers)
         self._group = {layer: g for g in self.groups for layer in g.layers}
         self._pool, self.pool_geometries = assign_pools(self.groups, geometries)
@@ -94,12 +102,10 @@ class PagedKVCache:
         mx.eval(list(self._heads.values()), self.pools)  # lazy arrays would bind to this thread's stream
 
     @classmethod
-    def for_leaves(cls, leaves: Sequence, num_blocks: int, block_size: int, dtype: mx.Dtype) -> "PagedKVCache":
-        """Pools for a layout's KV leaves (cache/layout.KVLeaf: full, window or chunked), in that order."""
-        geometries = [KVGeometry(leaf.kv_heads, leaf.k_dim, leaf.v_dim, leaf.k_is_v) for leaf in leaves]
-        first = geometries[0]
-        return cls(len(leaves), num_blocks, block_size, first.kv_heads, first.k_dim, dtype,
-                   [Chunked(leaf.span) if leaf.kind == "chunked" else leaf.span for leaf in leaves], geometries)
+    def for_layout(cls, layout: ModelLayout, num_blocks: int, block_size: int, dtype: mx.Dtype) -> "PagedKVCache":
+        """Pools for a layout's KV leaves, in leaf order (none for a model of state layers only)."""
+        return cls(len(layout.kv_leaves), num_blocks, block_size, None, None, dtype, layout.layer_kinds,
+                   layout.kv_geometries)
 
     @property
     def pools(self) -> list[mx.array]:
@@ -112,9 +118,15 @@ class PagedKVCache:
         return len(set(self.geometries)) == 1 and not self.geometries[0].k_is_v
 
     @property
+    def plain_full_attention(self) -> bool:
+        """One full-attention group of one geometry, K and V apart: the pools the compiled decode pass
+        (runner/decode_pass.py) and the deferred writes (runner/deferred_writes.py) take."""
+        return len(self.specs) == 1 and self.specs[0].window is None and self.single_geometry
+
+    @property
     def supports_prefix_cache(self) -> bool:
-        """Blocks may be shared or cached by prefix only if no group is a sliding window."""
-        return all(g.window is None for g in self.groups)
+        """Blocks may be shared or cached by prefix only if every group's spec shares them (no ring)."""
+        return all(spec.shares_prefix for spec in self.specs)
 
     @property
     def bytes_per_block(self) -> int:
@@ -242,19 +254,21 @@ class PagedKVCache:
             raise ValueError(f"block ids {bad[:5]} out of range [0, {self.num_blocks})")
 
 
-def _check_sizes(
-    num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, windows: tuple
-) -> None:
-    sizes = dict(
-        num_layers=num_layers, num_blocks=num_blocks, block_size=block_size,
-        num_kv_heads=num_kv_heads, head_dim=head_dim,
-    )
+def _check_sizes(**sizes: object) -> None:
     bad = {name: value for name, value in sizes.items() if not isinstance(value, int) or value < 1}
     if bad:
         raise ValueError(f"sizes must be positive integers: {bad}")
+
+
+def _check_layers(num_layers: int, num_blocks: int, block_size: int, windows: tuple, geometries: tuple) -> None:
+    if not isinstance(num_layers, int) or num_layers < 0:
+        raise ValueError(f"num_layers must be an integer >= 0, got {num_layers!r}")
+    _check_sizes(num_blocks=num_blocks, block_size=block_size)
+    if len(geometries) != num_layers:
+        raise ValueError(f"geometries has {len(geometries)} entries for {num_layers} layers")
     if len(windows) != num_layers:
         raise ValueError(f"layer_windows has {len(windows)} entries for {num_layers} layers")
-    bad_windows = [w for w in windows if w is not None and not isinstance(w, Chunked)
-                   and (not isinstance(w, int) or w < 1)]
+    bad_windows = [w for w in windows if (isinstance(w, int) and (isinstance(w, bool) or w < 1))
+                   or not (w is None or isinstance(w, int) or hasattr(w, "spec"))]
     if bad_windows:
         raise ValueError(f"sliding windows must be positive integers or None: {bad_windows}")

@@ -20,7 +20,7 @@ from mlxpaged.cache.block_pool import (BlockPool, BlockPoolStats, HashFn, KVCach
                                  sha256_block_hash)
 from mlxpaged.config import VALID_BLOCK_SIZES
 from mlxpaged.engine.request import Request
-from mlxpaged.cache.specs import FullAttentionSpec, KVCacheSpec, sequence_capacity
+from mlxpaged.cache.specs import KVCacheSpec, sequence_capacity
 
 
 class UnknownRequestError(KeyError):
@@ -92,9 +92,9 @@ class KVCacheManager:
         if len(sizes) != 1 or not sizes <= set(VALID_BLOCK_SIZES):
             raise ValueError(f"block_size must be one of {VALID_BLOCK_SIZES}, the same for every group, "
                              f"got {sorted(sizes)}")
-        if enable_prefix_cache and specs != (FullAttentionSpec(specs[0].block_size),):
-            raise ValueError(f"the prefix cache needs one full-attention table per request, got group_max_blocks "
-                             f"{tuple(s.max_blocks for s in specs)}")
+        if enable_prefix_cache and not (len(specs) == 1 and specs[0].shares_prefix):
+            raise ValueError(f"the prefix cache needs one full-attention table per request (or a state model's "
+                             f"token table), got group_max_blocks {tuple(s.max_blocks for s in specs)}")
         self.pool = pool
         self.block_size = specs[0].block_size
         self.managers = [SingleTypeManager(s) for s in specs]
@@ -228,7 +228,7 @@ class KVCacheManager:
             raise ValueError(f"request {rid!r}: cannot free slots below its {request.num_computed_tokens} "
                              f"computed tokens (asked to keep {num_tokens})")
         for manager in self.managers:
-            if manager.spec.max_blocks is not None:
+            if not manager.spec.rolls_back:
                 raise ValueError(f"request {rid!r}: a sliding-window ring cannot give back speculative slots")
             table = manager.tables[rid]
             keep = manager.spec.blocks_needed(num_tokens)

@@ -13,8 +13,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Iterator, Union
 
+from mlxpaged.cache.specs import LEAF_KINDS, KVGeometry, LayerKind
+
 Path = tuple[int, ...]
-KV_KINDS = ("full", "window", "chunked")
+KV_KINDS = tuple(LEAF_KINDS)  # the kinds cache/specs.py has a table spec for
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int32": 4, "int64": 8, "uint32": 4,
                "int8": 1, "uint8": 1, "bool": 1, "int16": 2, "uint16": 2, "uint64": 8, "complex64": 8}
 
@@ -51,9 +53,14 @@ class KVLeaf:
             raise ValueError(f"KV leaf {self.path}: a {self.kind} leaf needs span None only when full, got {self.span}")
 
     @property
-    def geometry(self) -> tuple[int, int, int, str]:
-        """(kv_heads, k_dim, v_dim, dtype): leaves sharing it can share one pool layout."""
-        return self.kv_heads, self.k_dim, self.v_dim, self.dtype
+    def geometry(self) -> KVGeometry:
+        """What one token of this leaf stores: leaves sharing it can share one pool."""
+        return KVGeometry(self.kv_heads, self.k_dim, self.v_dim, self.k_is_v)
+
+    @property
+    def layer_kind(self) -> LayerKind:
+        """Its kind as the table specs take it (specs.LEAF_KINDS)."""
+        return LEAF_KINDS[self.kind](self.span)
 
     def bytes_per_token(self, dtype_bytes: int) -> int:
         """K and V of one token (one array when `k_is_v`)."""
@@ -156,8 +163,28 @@ class ModelLayout:
         return tuple(leaf for leaf in self.leaves if isinstance(leaf, KVLeaf))
 
     @property
+    def kv_geometries(self) -> tuple[KVGeometry, ...]:
+        """Each KV leaf's geometry, in leaf order: what the pools and the memory plan hold per layer."""
+        return tuple(leaf.geometry for leaf in self.kv_leaves)
+
+    @property
+    def layer_kinds(self) -> tuple[LayerKind, ...]:
+        """Each KV leaf's kind, in leaf order (no leaves: the pools' one layerless NoKV group)."""
+        return tuple(leaf.layer_kind for leaf in self.kv_leaves)
+
+    @property
     def state_leaves(self) -> tuple[StateLeaf, ...]:
         return tuple(leaf for leaf in self.leaves if isinstance(leaf, StateLeaf))
+
+    @property
+    def state_only(self) -> bool:
+        """State layers and no K/V at all (mamba, rwkv): tables of zero-byte blocks only number tokens."""
+        return not self.kv_leaves and bool(self.state_leaves)
+
+    @property
+    def keeps_no_cache(self) -> bool:
+        """Neither K/V nor state: nothing for the engine to page (refused at load)."""
+        return not self.kv_leaves and not self.state_leaves
 
     @property
     def state_bytes_per_sequence(self) -> int:

@@ -33,7 +33,7 @@ def unsupported_reasons(layout: ModelLayout) -> list[Reason]:
     reasons = [Reason("own cache class", text) for text in layout.refuse]
     reasons += [Reason(why.label, f"{', '.join(wheres)} ({kind}): {why.text}")
                 for (kind, why), wheres in per_leaf.items()]
-    if not layout.kv_leaves and not layout.state_leaves and not reasons:
+    if layout.keeps_no_cache and not reasons:
         reasons.append(Reason("no KV cache", "the model keeps no key/value cache"))
     return reasons
 
@@ -60,8 +60,10 @@ def serial_reason(layout: ModelLayout) -> str | None:
 def query_heads(layout: ModelLayout) -> int:
     """The query heads of a supported layout's attention (its KV heads when no SDPA call showed them;
     1 for a model of state layers only, which attends nothing)."""
+    if layout.state_only:
+        return 1
     known = [leaf.q_heads for leaf in layout.kv_leaves if leaf.q_heads is not None]
-    return known[0] if known else layout.kv_leaves[0].kv_heads if layout.kv_leaves else 1
+    return known[0] if known else layout.kv_leaves[0].kv_heads
 
 
 def attention_geometries(layout: ModelLayout) -> list[tuple[int, int, int, int, bool]]:

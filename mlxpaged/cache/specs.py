@@ -15,18 +15,29 @@ window of W tokens keeps a ring of ceil(W / block_size) + 1 blocks (logical bloc
 `table[b % len(table)]`, cache_view.py and kv_cache.py rely on it): a ring block is overwritten
 as the window slides, so it is never shared, and nothing is freed, the oldest block is reused.
 Chunked-local attention (llama4: a query attends only within its fixed chunk of C tokens) is stored
-as a window of C + 1 tokens (`Chunked`, `ChunkedLocalSpec`): what mlx-lm's ChunkedKVCache keeps.
+as a window of C + 1 tokens (`Chunked`, `ChunkedLocalSpec`): what mlx-lm's ChunkedKVCache keeps. A model
+with no KV layers at all (state layers only) has one layerless group (`NoKV`, `NoKVSpec`): its table
+numbers tokens as full attention's does, in blocks of zero bytes.
+
+A new layer kind is a spec class here (what its table needs, shares and frees, which keys a query
+reads) with its entry in `LEAF_KINDS`, plus the mlx-lm cache class that makes it (loading/probe.py).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, ClassVar, Sequence, Union
 
 from mlxpaged.errors import ConfigError
 from mlxpaged.validation import is_int_at_least
+
+
+# ---- layer kinds: what one KV layer keeps, as `layer_windows` entries --------------------------------
+
+LayerKind = Union[None, int, "Chunked", "NoKV"]  # None: full attention; an int: a sliding window of that many tokens
 
 
 @dataclass(frozen=True)
@@ -45,98 +56,85 @@ class Chunked:
     def window(self) -> int:
         return self.chunk + 1
 
+    def spec(self, block_size: int) -> "KVCacheSpec":
+        return ChunkedLocalSpec(block_size, self.chunk)
 
-def window_of(entry: "int | Chunked | None") -> int | None:
-    """The tokens a `layer_windows` entry stores: None (full), a window, or a chunk's window."""
-    return entry.window if isinstance(entry, Chunked) else entry
+
+@dataclass(frozen=True)
+class NoKV:
+    """The kind of the one layerless group of a model that keeps no K/V (state layers only): its table
+    numbers tokens in blocks of zero bytes (`NoKVSpec`)."""
+
+    window = None
+
+    def spec(self, block_size: int) -> "KVCacheSpec":
+        return NoKVSpec(block_size)
+
+
+# The layout's name of each KV kind (cache/layout.KVLeaf.kind) -> the layer kind of a leaf of that span.
+LEAF_KINDS: dict[str, Callable[[int | None], LayerKind]] = {
+    "full": lambda span: None,
+    "window": lambda span: span,
+    "chunked": Chunked,
+}
+
+
+def window_of(kind: LayerKind) -> int | None:
+    """The tokens a layer kind stores: None (every token), a window, or a chunk's window."""
+    return kind if kind is None or isinstance(kind, int) else kind.window
+
+
+@functools.lru_cache(maxsize=None, typed=True)  # typed: a window of True is refused, not taken as 1
+def spec_for(kind: LayerKind, block_size: int) -> "KVCacheSpec":
+    """The table spec of a layer kind (cached: views ask every pass)."""
+    if kind is None:
+        return FullAttentionSpec(block_size)
+    if isinstance(kind, int):
+        return SlidingWindowSpec(block_size, kind)
+    return kind.spec(block_size)
 
 
 @dataclass(frozen=True)
 class LayerGroup:
-    """Layers sharing one block table per request: same attention type, fixed size."""
+    """Layers sharing one block table per request: same kind (`LayerKind`), fixed size. A model with no
+    KV layers has one group of no layers (`NoKV`): its table still numbers each sequence's tokens."""
 
     index: int
     layers: tuple[int, ...]
-    window: int | None  # None: full attention; for chunked groups the stored window, chunk + 1
-    chunk: int | None = None  # chunked-local attention in chunks of this many tokens
+    kind: LayerKind
 
     def spec(self, block_size: int) -> "KVCacheSpec":
-        if self.chunk is not None:
-            return ChunkedLocalSpec(block_size, self.chunk)
-        if self.window is None:
-            return FullAttentionSpec(block_size)
-        return SlidingWindowSpec(block_size, self.window)
+        """How this group's table grows, shares and frees (everything else asks the spec)."""
+        return spec_for(self.kind, block_size)
 
-    def max_blocks(self, block_size: int) -> int | None:
-        """Blocks a request's table holds at most (None: unbounded, full attention)."""
-        if self.window is None:
-            return None
-        return -(-self.window // block_size) + 1
+    @property
+    def window(self) -> int | None:
+        """Tokens a layer of the group stores (None: every token); a chunked group's is chunk + 1."""
+        return window_of(self.kind)
 
-    def ring_tokens(self, block_size: int) -> int | None:
-        """Tokens a window ring holds (None for full attention)."""
-        blocks = self.max_blocks(block_size)
-        return None if blocks is None else blocks * block_size
-
-    def blocks_needed(self, num_tokens: int, block_size: int) -> int:
-        """Table length needed once `num_tokens` tokens have been written."""
-        blocks = -(-num_tokens // block_size)
-        limit = self.max_blocks(block_size)
-        return blocks if limit is None else min(blocks, limit)
-
-    def key_start(self, offset: int) -> int:
-        """First position a query at `offset` attends to."""
-        return 0 if self.window is None else max(0, offset - self.window + 1)
-
-    def stored_start(self, start: int, end: int, block_size: int) -> int:
-        """First of the new positions [start, end) that must be written to pages."""
-        ring = self.ring_tokens(block_size)
-        return start if ring is None else max(start, end - ring)
-
-    def physical_block(self, table: Sequence[int], logical: int, block_size: int) -> int:
-        limit = self.max_blocks(block_size)
-        return table[logical if limit is None else logical % limit]
-
-    def slots(self, table: Sequence[int], start: int, end: int, block_size: int) -> list[int]:
-        """Physical slots of positions [start, end)."""
-        return [
-            self.physical_block(table, p // block_size, block_size) * block_size + p % block_size
-            for p in range(start, end)
-        ]
-
-    def check_table(self, table: Sequence[int], num_tokens: int, block_size: int) -> None:
-        need = self.blocks_needed(num_tokens, block_size)
-        if len(table) < need:
-            raise ValueError(
-                f"group {self.index}: block table has {len(table)} blocks, "
-                f"{num_tokens} tokens need {need} (block_size {block_size})"
-            )
-        limit = self.max_blocks(block_size)
-        if limit is not None and len(table) > limit:
-            raise ValueError(
-                f"group {self.index}: sliding window {self.window} uses at most {limit} "
-                f"blocks per request, the table has {len(table)}"
-            )
+    @property
+    def chunk(self) -> int | None:
+        return self.kind.chunk if isinstance(self.kind, Chunked) else None
 
 
-def group_layers(layer_windows: Sequence[int | Chunked | None]) -> tuple[LayerGroup, ...]:
-    """Cut layers into equal-size groups of one attention type (window or chunk), in layer order."""
-    by_type: dict[int | Chunked | None, list[int]] = {}
-    for layer, window in enumerate(layer_windows):
-        by_type.setdefault(window, []).append(layer)
-    if not by_type:
-        raise ValueError("a model needs at least one layer")
-    size = math.gcd(*(len(layers) for layers in by_type.values()))
+def group_layers(layer_windows: Sequence[LayerKind]) -> tuple[LayerGroup, ...]:
+    """Cut layers into equal-size groups of one kind (window or chunk), in layer order; no layers: the
+    one layerless `NoKV` group."""
+    by_kind: dict[LayerKind, list[int]] = {}
+    for layer, kind in enumerate(layer_windows):
+        by_kind.setdefault(kind, []).append(layer)
+    if not by_kind:
+        return (LayerGroup(0, (), NoKV()),)
+    size = math.gcd(*(len(layers) for layers in by_kind.values()))
     groups = []
-    for entry, layers in by_type.items():
-        chunk = entry.chunk if isinstance(entry, Chunked) else None
+    for kind, layers in by_kind.items():
         for i in range(0, len(layers), size):
-            groups.append(LayerGroup(len(groups), tuple(layers[i : i + size]), window_of(entry), chunk))
+            groups.append(LayerGroup(len(groups), tuple(layers[i : i + size]), kind))
     return tuple(groups)
 
 
 def block_bytes(
-    layer_windows: Sequence[int | Chunked | None], block_size: int, num_kv_heads: int, head_dim: int, dtype_bytes: int
+    layer_windows: Sequence[LayerKind], block_size: int, num_kv_heads: int, head_dim: int, dtype_bytes: int
 ) -> int:
     """Bytes one block id stands for: keys and values of one page per layer of a group."""
     group_size = len(group_layers(layer_windows)[0].layers)
@@ -187,7 +185,7 @@ def assign_pools(groups: Sequence[LayerGroup], geometries: Sequence[KVGeometry])
     return pool_of, pools
 
 
-def pool_block_bytes(layer_windows: Sequence[int | None], geometries: Sequence[KVGeometry], block_size: int,
+def pool_block_bytes(layer_windows: Sequence[LayerKind], geometries: Sequence[KVGeometry], block_size: int,
                      dtype_bytes: int) -> int:
     """Bytes one block id stands for: one page in every pool (`assign_pools`), each of its own widths."""
     _, pools = assign_pools(group_layers(layer_windows), geometries)
@@ -198,14 +196,36 @@ def pool_block_bytes(layer_windows: Sequence[int | None], geometries: Sequence[K
 
 
 class KVCacheSpec(ABC):
-    """How one layer group's per-request block table behaves (vLLM v1's KVCacheSpec)."""
+    """How one layer group's per-request block table behaves (vLLM v1's KVCacheSpec): the blocks it needs
+    for N tokens, what it shares through the prefix cache and forks, what it frees, and where each
+    position's K/V lives. The cache manager, the pools, the views and the memory plan ask it."""
 
     block_size: int
+    window: int | None  # tokens of the sequence a layer stores and a query may read (None: every earlier one)
+    shares_prefix: ClassVar[bool]  # computed full blocks are never rewritten: shared by prefix and forks
+    stores_kv: ClassVar[bool] = True  # False: zero-byte blocks that only number tokens
+    # How a refusal names tables that reuse slots (`size` tokens each); None: the table only grows.
+    ring_label: ClassVar[str | None] = None
 
     @property
     @abstractmethod
     def max_blocks(self) -> int | None:
         """Most blocks a table ever holds (None: it grows with the sequence)."""
+
+    @property
+    def size(self) -> int | None:
+        """The kind's own size in tokens, as `ring_label` names it (a window, a chunk)."""
+        return self.window
+
+    @property
+    def rolls_back(self) -> bool:
+        """Slots past a sequence's end can be given back (rejected drafts): only a table that never wraps."""
+        return self.max_blocks is None
+
+    @property
+    def ring_tokens(self) -> int | None:
+        """Tokens a ring holds (None: the table grows instead)."""
+        return None if self.max_blocks is None else self.max_blocks * self.block_size
 
     def blocks_needed(self, num_tokens: int) -> int:
         """Table length once `num_tokens` tokens have slots."""
@@ -226,6 +246,33 @@ class KVCacheSpec(ABC):
         """Where logical block `logical_block` lives in a table of `table_length` blocks."""
         return logical_block if self.max_blocks is None else logical_block % table_length
 
+    def key_start(self, offset: int) -> int:
+        """First position a query at `offset` reads."""
+        return 0 if self.window is None else max(0, offset - self.window + 1)
+
+    def stored_start(self, start: int, end: int) -> int:
+        """First of the new positions [start, end) that must be written to pages (a ring keeps its last)."""
+        ring = self.ring_tokens
+        return start if ring is None else max(start, end - ring)
+
+    def physical_block(self, table: Sequence[int], logical: int) -> int:
+        return table[logical if self.max_blocks is None else logical % self.max_blocks]
+
+    def slots(self, table: Sequence[int], start: int, end: int) -> list[int]:
+        """Physical slots of positions [start, end)."""
+        bs = self.block_size
+        return [self.physical_block(table, p // bs) * bs + p % bs for p in range(start, end)]
+
+    def check_table(self, table: Sequence[int], num_tokens: int) -> None:
+        """Raise ValueError unless `table` holds the blocks `num_tokens` tokens need, and no more than a ring's."""
+        need = self.blocks_needed(num_tokens)
+        if len(table) < need:
+            raise ValueError(f"block table has {len(table)} blocks, {num_tokens} tokens need {need} "
+                             f"(block_size {self.block_size})")
+        if self.max_blocks is not None and len(table) > self.max_blocks:
+            raise ValueError(f"a ring of {self.size} tokens uses at most {self.max_blocks} blocks per request, "
+                             f"the table has {len(table)}")
+
 
 def _check_positive(**sizes: object) -> None:
     bad = {k: v for k, v in sizes.items() if not is_int_at_least(v, 1)}
@@ -236,6 +283,8 @@ def _check_positive(**sizes: object) -> None:
 @dataclass(frozen=True)
 class FullAttentionSpec(KVCacheSpec):
     block_size: int
+    window: ClassVar[None] = None
+    shares_prefix: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         _check_positive(block_size=self.block_size)
@@ -252,9 +301,20 @@ class FullAttentionSpec(KVCacheSpec):
 
 
 @dataclass(frozen=True)
+class NoKVSpec(FullAttentionSpec):
+    """The table of a model that keeps no K/V (state layers only): it grows and shares as full attention's,
+    so blocks still number each sequence's tokens (prefix hashes, capacity, state checkpoints), but a
+    block is zero bytes: there are no pages to write or read."""
+
+    stores_kv: ClassVar[bool] = False
+
+
+@dataclass(frozen=True)
 class SlidingWindowSpec(KVCacheSpec):
     block_size: int
     window: int
+    shares_prefix: ClassVar[bool] = False  # ring blocks are overwritten as the window slides
+    ring_label: ClassVar[str] = "sliding windows of {sizes} tokens"
 
     def __post_init__(self) -> None:
         _check_positive(block_size=self.block_size, window=self.window)
@@ -265,7 +325,7 @@ class SlidingWindowSpec(KVCacheSpec):
         return -(-self.window // self.block_size) + 1
 
     def shareable_blocks(self, num_computed_tokens: int) -> int:
-        return 0  # ring blocks are overwritten as the window slides
+        return 0
 
     def skipped_blocks(self, num_tokens: int) -> int:
         return max(0, num_tokens - self.window + 1) // self.block_size  # a query at p reads from p - W + 1
@@ -280,9 +340,19 @@ class ChunkedLocalSpec(KVCacheSpec):
 
     block_size: int
     chunk: int
+    shares_prefix: ClassVar[bool] = False
+    ring_label: ClassVar[str] = "chunked-local attention in chunks of {sizes} tokens"
 
     def __post_init__(self) -> None:
         _check_positive(block_size=self.block_size, chunk=self.chunk)
+
+    @property
+    def window(self) -> int:
+        return self.chunk + 1
+
+    @property
+    def size(self) -> int:
+        return self.chunk
 
     @property
     def max_blocks(self) -> int:
@@ -298,7 +368,7 @@ class ChunkedLocalSpec(KVCacheSpec):
         return position - position % self.chunk
 
     def shareable_blocks(self, num_computed_tokens: int) -> int:
-        return 0  # ring blocks are overwritten as the chunks pass
+        return 0
 
     def skipped_blocks(self, num_tokens: int) -> int:
         return self.key_start(num_tokens) // self.block_size

@@ -11,6 +11,7 @@ queue and calls `step()`; tests drive it directly.
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable
 
 from mlxpaged.cache.block_pool import BlockPool
@@ -20,12 +21,12 @@ from mlxpaged.cache.kv_cache_manager import KVCacheManager
 from mlxpaged.cache.layout import ModelLayout
 from mlxpaged.cache.state_cache import CheckpointTable, StateCache, StateStore
 from mlxpaged.engine.metrics import StatsCounter
-from mlxpaged.engine.output_processor import OutputProcessor, Rows, split_results
+from mlxpaged.engine.output_processor import OutputProcessor, split_results
 from mlxpaged.engine.request import Request
-from mlxpaged.runner.model_runner import Runner, SamplingRows
+from mlxpaged.runner.model_runner import Runner
 from mlxpaged.sampling_params import SamplingParams
 from mlxpaged.engine.scheduler import Scheduler
-from mlxpaged.engine.speculation import Speculator
+from mlxpaged.engine.drafting import Speculator
 from mlxpaged.errors import ConfigError
 
 
@@ -39,7 +40,7 @@ class EngineCore:
         self.stats = stats or StatsCounter()
         self.outputs = OutputProcessor(scheduler, tokenizer, self.stats, fork=self._fork)
         self._has_commands = has_commands
-        # Prompt-lookup speculative decoding (speculation.py), when a draft length is given.
+        # Prompt-lookup speculative decoding (drafting.py), when a draft length is given.
         self.speculator = None if num_speculative_tokens is None else \
             Speculator(scheduler, num_speculative_tokens, self._can_draft)
 
@@ -52,7 +53,7 @@ class EngineCore:
         (`layout`: the model's cache layout, which the runner assembles its cache list from; `serial`: one
         sequence per pass). A `layout` with state layers also gets max_num_seqs state slots and
         `num_checkpoints` checkpoints (the memory plan's: pending ones included)."""
-        specs = [group.spec(kv.block_size) for group in kv.groups]
+        specs = kv.specs  # one per layer group: how each table grows, shares and frees
         prefix_cache = cache_config.enable_prefix_cache and kv.supports_prefix_cache
         state = None
         if layout is not None and layout.state_leaves:
@@ -72,6 +73,17 @@ class EngineCore:
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
+
+    def warm_up(self) -> None:
+        """Compile the decode pass before serving, on the thread that will step; a model whose attention
+        cannot be traced decodes eagerly instead."""
+        if self.runner.decoder is None:
+            return
+        try:
+            self.runner.decoder.warm_up()
+        except Exception as exc:
+            warnings.warn(f"compiled decode is off for this model ({exc!r}); decoding eagerly", RuntimeWarning)
+            self.runner.decoder = None
 
     def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams, sink) -> None:
         """Queue a request; its events (StreamDelta, or an exception) go to `sink`. Raises on bad input."""
@@ -95,10 +107,10 @@ class EngineCore:
         if self.speculator is not None:
             self.speculator.extend(out)  # decode chunks get their drafts appended
         rows = self.outputs.sampling_rows(out)
-        results = self.runner.execute(out.chunks, _sampler_rows(rows), planner=self)  # 2. execute
+        results = self.runner.execute(out.chunks, rows, planner=self)  # 2. execute
         sampled, failed = split_results(rows, results)
         accepted = {t.request.request_id: [a.token for a in r.accepted]
-                    for (_, t), r in zip(rows, results) if r.accepted}
+                    for t, r in zip(rows.sequences, results) if r.accepted}
         self.scheduler.update_from_output(out, sampled, failed, accepted)  # 3. update
         self.outputs.process(out, rows, results)  # 4. process outputs
         if self.speculator is not None:
@@ -133,19 +145,14 @@ class EngineCore:
         self.runner.copy_blocks(self.scheduler.fork(parent_id, child, first_token))
 
 
-def _sampler_rows(rows: Rows) -> SamplingRows:
-    """What the runner needs of the rows: their sampler states (a chunk's own sequence comes first)."""
-    firsts = [t.sampler for k, (i, t) in enumerate(rows) if k == 0 or rows[k - 1][0] != i]
-    return SamplingRows(firsts, [(i, t.sampler) for i, t in rows])
-
-
 def _check_speculation(method: str, kv: PagedKVCache, has_state: bool) -> None:
     """Refuse speculation, at load, for layers whose rejected drafts cannot be rolled back by freeing blocks."""
-    chunks = sorted({group.chunk for group in kv.groups if group.chunk is not None})
-    windows = sorted({group.window for group in kv.groups if group.window is not None and group.chunk is None})
-    if windows or chunks:  # a ring reuses its slots: rejected drafts would overwrite KV still in the window
-        kinds = ([f"sliding windows of {windows} tokens"] if windows else []) + \
-                ([f"chunked-local attention in chunks of {chunks} tokens"] if chunks else [])
+    rings: dict[str, set[int]] = {}  # a ring reuses its slots: rejected drafts would overwrite KV still in it
+    for spec in kv.specs:
+        if not spec.rolls_back:
+            rings.setdefault(spec.ring_label, set()).add(spec.size)
+    if rings:
+        kinds = [label.format(sizes=sorted(sizes)) for label, sizes in rings.items()]
         raise ConfigError(f"{{speculative:{method!r}}} needs full attention in every layer; this model has "
                           f"{' and '.join(kinds)}", param="speculative")
     if has_state:  # a recurrent state has no earlier version to return to after a rejected draft

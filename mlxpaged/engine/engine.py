@@ -1,8 +1,9 @@
 """Engine: continuous batching over the paged cache. One thread owns MLX.
 
-Callers on any thread (or asyncio task) submit requests; the engine thread applies them and
-runs the core's steps (core.py: schedule -> execute -> update -> process), which push events
-into each request's sink.
+`build_core` (build.py) sets up what the engine runs on (layout, plan, pools, attention, core); the Engine
+keeps the thread, the command queue and the public API. Callers on any thread (or asyncio task) submit
+requests; the engine thread (engine_thread.py) applies them and runs the core's steps (core.py: schedule ->
+execute -> update -> process), which push events into each request's sink.
 
 Models that mix sliding-window and full attention (gemma3, `layer_types`) run too: each
 request holds one block table per layer group, a window group's table being a ring of at
@@ -20,82 +21,34 @@ import functools
 import itertools
 import queue
 import threading
-import warnings
 from typing import AsyncIterator, Callable, Iterator, Sequence
 
-import mlx.core as mx
-
 from mlxpaged.engine import engine_thread
-from mlxpaged.kernels.attention import attention_status, prepare_model_attention
-from mlxpaged.cache.paged_support import attention_geometries, serial_reason
+from mlxpaged.engine.build import BuiltCore, build_core
 from mlxpaged.config import DEFAULT_CACHE_TOKENS, CacheConfig, SchedulerConfig, split_settings
-from mlxpaged.engine.core import EngineCore
-from mlxpaged.cache.kv_cache import PagedKVCache
 from mlxpaged.errors import ConfigError, EngineClosedError, RequestFailedError  # noqa: F401  (re-exported)
 from mlxpaged.engine.metrics import StatsCounter
-from mlxpaged.engine.speculation import SpeculationStats
+from mlxpaged.engine.drafting import SpeculationStats
 from mlxpaged.outputs import Completion, StreamDelta, collect, drain  # noqa: F401  (re-exported)
 from mlxpaged.platform import backend
-from mlxpaged.platform.memory import DeviceFacts, ModelFacts, model_weight_bytes, plan_memory
-from mlxpaged.platform.model_facts import context_length
+from mlxpaged.platform.memory import DeviceFacts, plan_memory
 from mlxpaged.loading.checkpoint import facts_before_load
-from mlxpaged.loading.loader import (LoadedModel, activation_dtype, chat_prompt, check_paged_support, load_local,
-                                     locate_model)
-from mlxpaged.loading.probe import probe_layout
+from mlxpaged.loading.loader import LoadedModel, chat_prompt, load_local, locate_model
 from mlxpaged.loading.progress import Progress
-from mlxpaged.runner.batch_check import batch_mismatch
-from mlxpaged.runner.routing import route_paged_attention
 from mlxpaged.loading.generation_defaults import GenerationDefaults, load_defaults
 from mlxpaged.sampling_params import SamplingParams
-from mlxpaged.engine.scheduler import CACHE_CAPACITY, MODEL_CONTEXT, RequestTooLongError
+from mlxpaged.engine.scheduler import RequestTooLongError  # noqa: F401  (re-exported)
 from mlxpaged.engine.shutdown import STEP_TIMEOUT_S
 
 
-def layout_serial_reason(layout, model, dtype: mx.Dtype, block_size: int) -> str | None:
-    """Why the model must run one sequence per pass (warned once), or None when ragged batches are exact."""
-    reason = serial_reason(layout)  # what the layout shows: a failing batched forward, a model-built mask
-    try:
-        # State models never share a prefill pass (runner.state_model_passes), so the check's ragged
-        # prefill pass is not theirs; their batched decode is compared with mlx-lm in the tests.
-        if reason is None and not layout.state_leaves:
-            reason = batch_mismatch(model, layout, dtype, block_size)
-    except Exception as exc:  # a ragged batch the probe's batched forward did not catch failing
-        reason = f"{type(exc).__name__}: {str(exc)[:200]}"
-    if reason is not None:
-        warnings.warn(f"model type {layout.model_type!r} is not exact in a batch of sequences ({reason}): it runs "
-                      "one sequence per pass (correct, slower)", RuntimeWarning, stacklevel=3)
-    return reason
-
-
-def _evaluate_model_arrays(model) -> None:
-    """Evaluate what the lazy forwards on this thread left lazy in the model: gemma3n reassigns its altup
-    weights (`weight = mx.clip(weight, ...)`) in every forward and keeps `_std_multiplier` outside its
-    parameters. First evaluated on the engine thread they fail ("no Stream(cpu, 0) in current thread")."""
-    mx.eval(model.parameters(), [value for module in model.modules() for key, value in module.items()
-                                 if key.startswith("_") and isinstance(value, mx.array)])
-
-
 class Engine:
+    """Runs a core built by engine/build.py on its own thread (engine_thread.py), fed by a command queue."""
+
     def __init__(self, loaded: LoadedModel, cache_config: CacheConfig | None = None,
                  scheduler_config: SchedulerConfig | None = None):
         self.loaded = loaded
         self.cache_config = cache_config or CacheConfig(cache_tokens=DEFAULT_CACHE_TOKENS)
         self.scheduler_config = scheduler_config or SchedulerConfig()
-        self.layout = probe_layout(loaded.model)  # what its own caches hold: refused here, never mid-request
-        check_paged_support(self.layout)
-        route_paged_attention()
-        kv_dtype = activation_dtype(loaded.model)  # K/V have the activations' dtype
-        self.facts = ModelFacts.from_layout(self.layout, model_weight_bytes(loaded.model), kv_dtype.size,
-                                            context_length(loaded.config))
-        self.plan = plan_memory(DeviceFacts.detect(), self.facts, self.cache_config, self.scheduler_config,
-                                weights_resident=True)
-        self.kv = self._make_kv_cache(kv_dtype)
-        # Before the first decode: a Metal kernel variant that fails its self-check is replaced by the reference.
-        prepare_model_attention(kv_dtype, self.cache_config.block_size, attention_geometries(self.layout))
-        self.max_model_len = int(self.scheduler_config.max_model_len or self.facts.context_length
-                                 or self.plan.token_capacity)
-        # Not exact in a ragged batch (or cannot take one): one sequence per pass, decided here, not mid-request.
-        self.serial_reason = layout_serial_reason(self.layout, loaded.model, kv_dtype, self.cache_config.block_size)
         # SimpleQueue (C, reentrant): its put cannot deadlock when a Ctrl-C or a finalizer (engine_thread.py)
         # lands inside another put, as queue.Queue's Python-level lock can.
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -105,16 +58,9 @@ class Engine:
         self._grammar_compiler = None  # built on first use (constraints.py): llguidance's tokenizer takes ~0.3 s
         self._grammar_lock = threading.Lock()
         commands = self._commands  # the core must not hold the engine: its thread holds it weakly (engine_thread.py)
-        self.core = EngineCore.create(loaded.model, loaded.tokenizer, self.kv, self.cache_config, self.scheduler_config,
-                                      max_model_len=self.max_model_len, extra_key=str(loaded.path), stats=self._stats,
-                                      serial=self.serial_reason is not None,
-                                      layout=self.layout, num_checkpoints=self.plan.num_checkpoints,
-                                      has_commands=lambda: not commands.empty())
-        self.scheduler, self.runner = self.core.scheduler, self.core.runner
-        self.kv_manager = self.scheduler.kv_manager
-        self.pool = self.kv_manager.pool  # the block pool: stats, block states, prefix-cache reset
-        _evaluate_model_arrays(loaded.model)  # after every forward on this thread (probe, split_head)
-        self._thread = engine_thread.start(self, commands)
+        self.built: BuiltCore = build_core(loaded, self.cache_config, self.scheduler_config, stats=self._stats,
+                                           has_commands=lambda: not commands.empty())
+        self._thread = engine_thread.start(self, commands, self.core, self.plan, self.cache_config.wire)
 
     @classmethod
     def from_pretrained(cls, model: str | None = None, progress: Progress | None = None, **settings) -> "Engine":
@@ -160,16 +106,51 @@ class Engine:
                 self._grammar_compiler = GrammarCompiler(self.tokenizer, int(width or len(self.tokenizer.vocab)))
             return self._grammar_compiler
 
-    # --- setup ---------------------------------------------------------------------------------
-    def _make_kv_cache(self, dtype: mx.Dtype) -> PagedKVCache:
-        """Pools for the layout's KV leaves, in layout order (the runner's views follow it)."""
-        if not self.layout.kv_leaves:  # state layers only: the 1 x 1 stand-in page that numbers tokens (model_facts)
-            kv = self.facts.kv
-            return PagedKVCache(num_layers=kv.num_layers, num_blocks=self.plan.num_blocks,
-                                block_size=self.cache_config.block_size, num_kv_heads=kv.num_kv_heads,
-                                head_dim=kv.head_dim, dtype=dtype, layer_windows=kv.layer_windows)
-        return PagedKVCache.for_leaves(self.layout.kv_leaves, self.plan.num_blocks, self.cache_config.block_size,
-                                       dtype)
+    # --- what the core was built on (engine/build.py) ------------------------------------------
+    @property
+    def layout(self):
+        return self.built.layout
+
+    @property
+    def facts(self):
+        return self.built.facts
+
+    @property
+    def plan(self):
+        return self.built.plan
+
+    @property
+    def kv(self):
+        return self.built.kv
+
+    @property
+    def max_model_len(self) -> int:
+        return self.built.max_model_len
+
+    @property
+    def serial_reason(self) -> str | None:
+        return self.built.serial_reason
+
+    @property
+    def core(self):
+        return self.built.core
+
+    @property
+    def scheduler(self):
+        return self.core.scheduler
+
+    @property
+    def runner(self):
+        return self.core.runner
+
+    @property
+    def kv_manager(self):
+        return self.scheduler.kv_manager
+
+    @property
+    def pool(self):
+        """The block pool: stats, block states, prefix-cache reset."""
+        return self.kv_manager.pool
 
     # --- public API ----------------------------------------------------------------------------
     def submit(self, prompt: str | Sequence[int], params: SamplingParams | None,
@@ -182,7 +163,7 @@ class Engine:
         self._check_token_ids("logit_bias", params.logit_bias)
         self._check_fits(len(tokens), params.max_tokens)
         request_id = f"req-{next(self._ids)}"
-        self._commands.put(("add", request_id, tokens, params, sink))
+        self._commands.put(engine_thread.Add(request_id, tokens, params, sink))
         return request_id
 
     def generate(self, prompts: str | Sequence[int] | list,
@@ -249,7 +230,7 @@ class Engine:
     def abort(self, request_id: str) -> None:
         """Stop a request; its blocks are freed at the start of the engine's next step."""
         if not self._closed:
-            self._commands.put(("abort", request_id))
+            self._commands.put(engine_thread.Abort(request_id))
 
     def stats(self) -> dict:
         pool = self.pool.stats()
@@ -261,7 +242,7 @@ class Engine:
             **self._stats.snapshot(), "memory_plan": self.plan, **self._memory_stats(),
             "speculative": self.scheduler_config.speculative,
             **(self.core.speculator.stats if self.core.speculator else SpeculationStats()).snapshot(),
-            "attention": attention_status(),  # {"path", "reason", "variants"}: see mlxpaged.kernels.attention
+            "attention": self.built.attention.status(),  # this engine's model: {"path", "reason", "variants"}
             "backend": backend.current(), "backend_description": backend.describe(),  # platform/backend.py
             "serial": self.serial_reason,  # why one sequence runs per pass (None: batched)
             "kv_memory_by_class": {g.describe(): size for g, size in self.kv.bytes_by_class().items()},
@@ -299,7 +280,7 @@ class Engine:
         """Ask the engine to stop at its next step boundary, without waiting (close() waits)."""
         if not self._closed:
             self._closed = True
-            self._commands.put(("close",))
+            self._commands.put(engine_thread.Close())
 
     @property
     def running(self) -> bool:
@@ -329,56 +310,4 @@ class Engine:
     def _check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
         if prompt_tokens == 0:
             raise ValueError("the prompt is empty")
-        if prompt_tokens + max_tokens > self.max_model_len:
-            raise RequestTooLongError(prompt_tokens, max_tokens, self.max_model_len, MODEL_CONTEXT)
-        if self.kv_manager.num_blocks_for(prompt_tokens + max_tokens) > self.kv_manager.num_blocks:
-            raise RequestTooLongError(prompt_tokens, max_tokens, self.scheduler.capacity_tokens, CACHE_CAPACITY)
-
-    # --- engine thread (driven by engine_thread.py) ------------------------------------------------
-    def _warm_up(self) -> None:
-        """Compile the decode pass before serving (requests submitted meanwhile wait in the queue);
-        a model whose attention cannot be traced decodes eagerly instead."""
-        if self.runner.decoder is None:
-            return
-        try:
-            self.runner.decoder.warm_up()
-        except Exception as exc:
-            warnings.warn(f"compiled decode is off for this model ({exc!r}); decoding eagerly", RuntimeWarning)
-            self.runner.decoder = None
-
-    def _work(self) -> bool:
-        """Apply the queued commands, then run one step if a request is unfinished; False to stop."""
-        if not self._handle_commands():
-            return False
-        if self.core.has_unfinished:
-            try:
-                self.core.step()
-            except Exception as exc:  # a failed step fails its requests, not the engine
-                self.core.fail_all(exc)
-        return True
-
-    def _handle_commands(self) -> bool:
-        """Apply queued adds / aborts without waiting; False when the engine must stop."""
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return True
-            if not self._apply(command):
-                return False
-
-    def _apply(self, command: tuple) -> bool:
-        """Apply one command; False for "close"."""
-        if command[0] == "close":
-            return False
-        if command[0] == "add":
-            self._add(*command[1:])
-        elif command[0] == "abort":
-            self.core.abort(command[1])
-        return True
-
-    def _add(self, request_id: str, tokens: list[int], params: SamplingParams, sink) -> None:
-        try:
-            self.core.add_request(request_id, tokens, params, sink)
-        except Exception as exc:
-            sink(exc)
+        self.scheduler.check_fits(prompt_tokens, max_tokens)  # the scheduler owns the length limits

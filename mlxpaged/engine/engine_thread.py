@@ -1,8 +1,8 @@
-"""The thread that drives one Engine: it owns MLX for it and holds it only weakly.
+"""The thread that drives one engine's core: it owns MLX for it, applies the commands callers queue and
+steps the core (EngineCore's public API only). It holds the Engine only weakly.
 
-Holding the engine only while working on it lets an engine dropped without `close()` be
-collected; its finalizer queues a close command, which ends this thread. At interpreter exit,
-shutdown.py closes the engines still open.
+Holding no reference to the engine lets an engine dropped without `close()` be collected; its finalizer
+queues a close command, which ends this thread. At interpreter exit, shutdown.py closes the engines still open.
 """
 
 from __future__ import annotations
@@ -10,36 +10,61 @@ from __future__ import annotations
 import queue
 import threading
 import weakref
+from dataclasses import dataclass
+from typing import Callable, Union
 
 import mlx.core as mx
 
-from mlxpaged.engine.output_processor import EngineClosedError
-from mlxpaged.platform.memory import wired_limit
 from mlxpaged.engine import shutdown
+from mlxpaged.engine.core import EngineCore
+from mlxpaged.errors import EngineClosedError
+from mlxpaged.platform.memory import MemoryPlan, wired_limit
+from mlxpaged.sampling_params import SamplingParams
 
 IDLE_WAIT_S = 0.5  # how long an idle engine thread waits for a command before looking again
 
 
-def start(engine, commands: queue.SimpleQueue) -> threading.Thread:
-    """Start `engine`'s thread, reading `commands`; close it when it is collected or at exit."""
+@dataclass(frozen=True)
+class Add:
+    """Start a request; its events (StreamDelta, or an exception) go to `sink`."""
+
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    sink: Callable[[object], None]
+
+
+@dataclass(frozen=True)
+class Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Close:
+    """Stop at the next step boundary."""
+
+
+Command = Union[Add, Abort, Close]
+
+
+def start(engine, commands: queue.SimpleQueue, core: EngineCore, plan: MemoryPlan, wire: bool) -> threading.Thread:
+    """Start the thread stepping `core` and reading `commands`; close it when `engine` is collected or at exit."""
     ref = weakref.ref(engine)
     thread = threading.Thread(target=_serve, name="mlxpaged-engine", daemon=True,
-                              args=(ref, commands, engine.core, engine.plan, engine.cache_config.wire))
-    weakref.finalize(engine, commands.put, ("close",)).atexit = False  # shutdown.py handles exit
+                              args=(ref, commands, core, plan, wire))
+    weakref.finalize(engine, commands.put, Close()).atexit = False  # shutdown.py handles exit
     shutdown.track(engine)
     thread.start()
     return thread
 
 
-def _serve(ref: weakref.ref, commands: queue.SimpleQueue, core, plan, wire: bool) -> None:
+def _serve(ref: weakref.ref, commands: queue.SimpleQueue, core: EngineCore, plan: MemoryPlan, wire: bool) -> None:
     stream = mx.new_stream(mx.default_device())  # MLX streams belong to the thread that made them
     try:
         with mx.stream(stream), wired_limit(plan, enabled=wire, streams=[stream]):
-            engine = ref()
-            if engine is not None:
-                engine._warm_up()
-            del engine
-            while _turn(ref, commands):
+            if ref() is not None:
+                core.warm_up()
+            while _turn(ref, commands, core):
                 pass
         closed = EngineClosedError("the engine was closed")
         core.fail_all(closed)
@@ -50,22 +75,50 @@ def _serve(ref: weakref.ref, commands: queue.SimpleQueue, core, plan, wire: bool
         mx.clear_streams()
 
 
-def _turn(ref: weakref.ref, commands: queue.SimpleQueue) -> bool:
-    """One pass of the engine loop; False when the engine must stop. While idle it waits for a
-    command holding no reference to the engine, so that dropping the engine can collect it."""
-    engine = ref()
-    if engine is None:
+def _turn(ref: weakref.ref, commands: queue.SimpleQueue, core: EngineCore) -> bool:
+    """One pass of the engine loop; False when the engine must stop (closed, or collected). While idle
+    it waits for a command."""
+    if ref() is None:
         return False
-    if not engine.core.has_unfinished:
-        del engine
+    if not core.has_unfinished:
         try:
             command = commands.get(timeout=IDLE_WAIT_S)
         except queue.Empty:
             return True
-        engine = ref()
-        if engine is None or not engine._apply(command):
+        if ref() is None or not apply(core, command):
             return False
-    return engine._work()
+    return work(core, commands)
+
+
+def work(core: EngineCore, commands: queue.SimpleQueue) -> bool:
+    """Apply the queued commands, then run one step if a request is unfinished; False to stop."""
+    while True:
+        try:
+            command = commands.get_nowait()
+        except queue.Empty:
+            break
+        if not apply(core, command):
+            return False
+    if core.has_unfinished:
+        try:
+            core.step()
+        except Exception as exc:  # a failed step fails its requests, not the engine
+            core.fail_all(exc)
+    return True
+
+
+def apply(core: EngineCore, command: Command) -> bool:
+    """Apply one command to the core; False for Close. A request the core refuses gets the error in its sink."""
+    if isinstance(command, Close):
+        return False
+    if isinstance(command, Add):
+        try:
+            core.add_request(command.request_id, command.token_ids, command.params, command.sink)
+        except Exception as exc:
+            command.sink(exc)
+    elif isinstance(command, Abort):
+        core.abort(command.request_id)
+    return True
 
 
 def _fail_queued(commands: queue.SimpleQueue, exc: EngineClosedError) -> None:
@@ -75,8 +128,8 @@ def _fail_queued(commands: queue.SimpleQueue, exc: EngineClosedError) -> None:
             command = commands.get_nowait()
         except queue.Empty:
             return
-        if command[0] == "add":
+        if isinstance(command, Add):
             try:
-                command[-1](exc)  # the request's sink
+                command.sink(exc)
             except Exception:
                 pass  # its consumer is gone (e.g. a closed event loop): nobody is left to tell

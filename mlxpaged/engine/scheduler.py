@@ -9,7 +9,8 @@ prompt + generated tokens (cheaply, if its blocks are still in the prefix cache)
 
 A request holds one block table per layer group (see kv_cache_manager.py); the manager sizes
 and grows all of them, so admission, preemption and capacity here count every group's blocks.
-The scheduler is the one writer of a `Request` (request.py): its computed count and tokens.
+The scheduler is the one writer of a `Request` (request.py): its computed count, tokens and status (the
+output processor ends requests through `finish` and `drop_last_outputs`).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class ScheduledChunk:
     block_tables: list[list[int]]  # one per layer group; the KV layer maps positions to slots
     samples: bool  # the chunk reaches the last known token: sample from its last position
     state_slot: int | None = None  # the request's state slot (models with state layers)
-    # Speculative tokens appended to token_ids (engine/speculation.py): every position samples,
+    # Speculative tokens appended to token_ids (engine/drafting.py): every position samples,
     # and only the drafts the model agrees with are kept (update_from_output).
     drafts: list[int] = field(default_factory=list)
 
@@ -148,10 +149,16 @@ class Scheduler:
                              f"1 token")
         if max_tokens < 1:
             raise ValueError(f"request {rid!r}: max_tokens must be >= 1, got {max_tokens}")
-        if n_prompt + max_tokens > self.max_model_len:
-            raise RequestTooLongError(n_prompt, max_tokens, self.max_model_len, MODEL_CONTEXT)
-        if self.kv_manager.num_blocks_for(n_prompt + max_tokens) > self.kv_manager.num_blocks:
-            raise RequestTooLongError(n_prompt, max_tokens, self.capacity_tokens, CACHE_CAPACITY)
+        self.check_fits(n_prompt, max_tokens)
+
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raise RequestTooLongError when prompt + max_tokens passes the model context or the whole cache.
+        Reads only what is fixed at load, so `Engine.submit` calls it on the caller's thread."""
+        total = num_prompt_tokens + max_tokens
+        if total > self.max_model_len:
+            raise RequestTooLongError(num_prompt_tokens, max_tokens, self.max_model_len, MODEL_CONTEXT)
+        if self.kv_manager.num_blocks_for(total) > self.kv_manager.num_blocks:
+            raise RequestTooLongError(num_prompt_tokens, max_tokens, self.capacity_tokens, CACHE_CAPACITY)
 
     def finish(self, request_id: str, status: RequestStatus) -> Request:
         """End a waiting or running request and free its blocks at once."""
@@ -169,6 +176,15 @@ class Scheduler:
             self._waiting.remove(request)
         request.status = status
         return request
+
+    def drop_last_outputs(self, request_id: str, count: int) -> None:
+        """Forget a running request's last `count` output tokens (accepted drafts after a stop token),
+        before it is finished: their KV is never read."""
+        request = self._requests[request_id]
+        if not 0 < count <= len(request.output_token_ids):
+            raise ValueError(f"request {request_id!r}: cannot drop {count} of its "
+                             f"{len(request.output_token_ids)} output tokens")
+        del request.output_token_ids[-count:]
 
     def abort(self, request_id: str) -> Request | None:
         """finish(..., FINISHED_ABORTED); None if the id is unknown or already finished."""

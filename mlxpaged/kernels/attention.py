@@ -30,7 +30,8 @@ support (kernel: see ``kernel_supports``; cpu: pools that are not float32) run o
 Kernel self-check: before the kernel's first use, each variant a model needs is run once on a small
 case against the reference (kernels/self_check.py; the engine calls ``prepare_attention``). A variant
 that fails to compile, raises or gives wrong numbers is attended by the reference path instead, with
-one RuntimeWarning; ``attention_status`` says which path is in use and why.
+one RuntimeWarning. ``prepare_model_attention`` returns the model's ``PreparedAttention``, which its engine
+keeps: ``status()`` says which path attends that model now and why (two engines, two statuses).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from __future__ import annotations
 import os
 import warnings
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import mlx.core as mx
@@ -59,7 +61,6 @@ _override: str | None = None
 _launcher: Callable | None = None  # runs the kernel; None: the Metal GPU
 _decisions: dict[KernelVariant, VariantCheck] = {}  # checked for the current launcher: kernel if ok, else reference
 _warned: set[KernelVariant] = set()
-_model_kv: tuple[str, str | None] | None = None  # (dtype name, why the kernel cannot take it) of the prepared model
 DTYPE_NAMES = {mx.float16: "float16", mx.bfloat16: "bfloat16", mx.float32: "float32"}
 
 
@@ -268,44 +269,57 @@ def fallback_warning(failed: list[VariantCheck]) -> str:
             f"Please report this with the output of `mlxpaged doctor`.")
 
 
+@dataclass(frozen=True)
+class PreparedAttention:
+    """What one model asks of decode attention, kept by the engine that prepared it: its K/V dtype, why the
+    kernel cannot take its pools (None: it can) and the kernel variants it needs."""
+
+    dtype: str
+    unsupported: str | None
+    variants: tuple[KernelVariant, ...] = ()
+
+    def status(self) -> dict:
+        """``attention_status`` for this model: the path that attends it now and why."""
+        return attention_status(self)
+
+
 def prepare_attention(dtype: mx.Dtype, head_dim: int, block_size: int, num_heads: int, num_kv_heads: int,
-                      v_dim: int | None = None, sinks: bool = False) -> dict:
+                      v_dim: int | None = None, sinks: bool = False) -> PreparedAttention:
     """Called once per engine before its first decode: on the kernel path, self-check the variants
-    this model needs (cached per process); ``v_dim`` None: V as wide as K. Returns ``attention_status()``."""
-    global _model_kv
+    this model needs (cached per process); ``v_dim`` None: V as wide as K."""
     q = mx.zeros((1, num_heads, 1, head_dim), dtype)
     k_pool = mx.zeros((1, num_kv_heads, block_size, head_dim), dtype)
     v_pool = mx.zeros((1, num_kv_heads, block_size, v_dim or head_dim), dtype)
     sink_logits = mx.zeros((num_heads,)) if sinks else None
     unsupported = pa.unsupported_reason(q, k_pool, v_pool, mx.zeros((1, 1), mx.int32), sinks=sink_logits)
-    _model_kv = (DTYPE_NAMES.get(dtype, str(dtype)), unsupported)
-    if resolved_backend() == "kernel" and unsupported is None:
-        _check_variants(variants_for(dtype=DTYPE_NAMES[dtype], head_dim=head_dim, block_size=block_size,
-                                     num_heads=num_heads, num_kv_heads=num_kv_heads, v_dim=v_dim, sinks=sinks))
-    return attention_status()
+    name = DTYPE_NAMES.get(dtype, str(dtype))
+    if unsupported is not None:
+        return PreparedAttention(name, unsupported)
+    variants = tuple(variants_for(dtype=name, head_dim=head_dim, block_size=block_size, num_heads=num_heads,
+                                  num_kv_heads=num_kv_heads, v_dim=v_dim, sinks=sinks))
+    if resolved_backend() == "kernel":
+        _check_variants(list(variants))
+    return PreparedAttention(name, None, variants)
 
 
 def prepare_model_attention(dtype: mx.Dtype, block_size: int,
-                            geometries: list[tuple[int, int, int, int, bool]]) -> dict:
+                            geometries: list[tuple[int, int, int, int, bool]]) -> PreparedAttention:
     """`prepare_attention` for each (query heads, KV heads, K width, V width, sinks) a model's pools hold
-    (paged_support.attention_geometries); the status names every geometry the kernel cannot take, not
-    only the last one prepared."""
-    global _model_kv
-    reasons = []
-    for heads, kv_heads, k_dim, v_dim, sinks in geometries:
-        prepare_attention(dtype, k_dim, block_size, heads, kv_heads, v_dim, sinks)
-        if _model_kv[1] is not None and _model_kv[1] not in reasons:
-            reasons.append(_model_kv[1])
-    _model_kv = (DTYPE_NAMES.get(dtype, str(dtype)), "; ".join(reasons) or None)
-    return attention_status()
+    (paged_support.attention_geometries); the result names every geometry the kernel cannot take."""
+    prepared = [prepare_attention(dtype, k_dim, block_size, heads, kv_heads, v_dim, sinks)
+                for heads, kv_heads, k_dim, v_dim, sinks in geometries]
+    reasons = list(dict.fromkeys(p.unsupported for p in prepared if p.unsupported is not None))
+    variants = tuple(dict.fromkeys(v for p in prepared for v in p.variants))
+    return PreparedAttention(DTYPE_NAMES.get(dtype, str(dtype)), "; ".join(reasons) or None, variants)
 
 
-def attention_status() -> dict:
+def attention_status(prepared: PreparedAttention | None = None) -> dict:
     """{"path": "kernel" | "fused" | "cpu" | "reference" | "kernel (with reference fallback)", "reason": str,
-    "variants": [VariantCheck, ...]}: the decode attention in use now (for the prepared model) and why."""
+    "variants": [VariantCheck, ...]}: the decode attention in use now and why, for a prepared model (its
+    variants) or, with None, for any model (every variant checked in this process)."""
     backend = resolved_backend()
     forced = _requested() != "auto"
-    variants = list(_decisions.values()) if backend == "kernel" else []
+    variants = _checked(prepared) if backend == "kernel" else []
     if backend == "reference":
         return _status("reference", f"forced ({ENV_VAR} or set_attention_backend)", variants)
     if backend == "fused":
@@ -314,13 +328,20 @@ def attention_status() -> dict:
                                 "(no mask array at batch 1, so its decode kernels run)", variants)
     if backend == "cpu":
         why = "forced" if forced else "MLX's CPU backend"
-        if _model_kv is not None and _model_kv[0] != "float32":
-            return _status("reference", f"{why}; the CPU path takes float32 K/V, this model's are {_model_kv[0]}",
+        if prepared is not None and prepared.dtype != "float32":
+            return _status("reference", f"{why}; the CPU path takes float32 K/V, this model's are {prepared.dtype}",
                            variants)
         return _status("cpu", f"{why}: pages read in place", variants)
-    if _model_kv is not None and _model_kv[1] is not None:
-        return _status("reference", f"the Metal kernel cannot take this model: {_model_kv[1]}", variants)
+    if prepared is not None and prepared.unsupported is not None:
+        return _status("reference", f"the Metal kernel cannot take this model: {prepared.unsupported}", variants)
     return _kernel_status(variants)
+
+
+def _checked(prepared: PreparedAttention | None) -> list[VariantCheck]:
+    """The self-check results of a prepared model's variants (None: of every variant checked so far)."""
+    if prepared is None:
+        return list(_decisions.values())
+    return [_decisions[v] for v in prepared.variants if v in _decisions]
 
 
 def _kernel_status(variants: list[VariantCheck]) -> dict:

@@ -33,7 +33,8 @@ ceil(cache_tokens / block_size) + max_num_seqs blocks per group (one partial blo
 sequence; a window group never more than max_num_seqs rings); without it, max_num_seqs
 sequences of the model context. It must hold one sequence of the longest length asked for
 (min of --cache-tokens and the model context), or the plan raises InsufficientMemoryError
-with the numbers.
+with the numbers. Blocks of zero bytes (a model with no KV layers: specs.NoKVSpec) are bounded by
+demand alone.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from mlxpaged.config import CacheConfig, SchedulerConfig
 from mlxpaged.errors import InsufficientMemoryError  # noqa: F401  (re-exported)
 from mlxpaged.units import format_size, size_at_least
 from mlxpaged.validation import require_int
-from mlxpaged.cache.specs import group_layers, sequence_capacity, table_lengths
+from mlxpaged.cache.specs import sequence_capacity, table_lengths
 from mlxpaged.platform.backend import detect as detect_backend
 from mlxpaged.platform.model_facts import KVShape, ModelFacts, model_weight_bytes  # noqa: F401  (re-exported)
 
@@ -189,13 +190,14 @@ def activation_bytes(model: ModelFacts, max_batch_tokens: int) -> int:
     return max_batch_tokens * per_token * ACTIVATION_SAFETY_FACTOR
 
 
-# Tokens per sequence a state-only model's stand-in pool numbers when neither --cache-tokens nor the
-# model's context says (mamba configs name none): its pages cost 8 bytes a token and are never read.
-STAND_IN_TOKENS = 65536
+# Tokens per sequence that zero-byte blocks (no KV layers: mamba, rwkv) number when neither --cache-tokens
+# nor the model's context says (mamba configs name none): memory bounds none, and each block is a Python object.
+FREE_BLOCK_TOKENS = 65536
 
 
-def _demand(model: ModelFacts, cache: CacheConfig, seqs: int, caps: Sequence[int | None]) -> tuple[int | None, str]:
-    """Blocks the cache could ever use with `seqs` sequences at once, and why."""
+def _demand(model: ModelFacts, cache: CacheConfig, seqs: int, caps: Sequence[int | None],
+            free_blocks: bool) -> tuple[int | None, str]:
+    """Blocks the cache could ever use with `seqs` sequences at once, and why (`free_blocks`: they cost no memory)."""
     if cache.cache_tokens is not None:
         per_group = math.ceil(cache.cache_tokens / cache.block_size) + seqs
         blocks = sum(per_group if cap is None else min(per_group, seqs * cap) for cap in caps)
@@ -203,9 +205,9 @@ def _demand(model: ModelFacts, cache: CacheConfig, seqs: int, caps: Sequence[int
     if model.context_length is not None:
         blocks = seqs * sum(table_lengths(model.context_length, cache.block_size, caps))
         return blocks, f"model context {model.context_length:,} x {seqs} sequences"
-    if model.kv.stand_in:  # pages nobody reads: a budget's worth would be millions of Python block objects
-        blocks = seqs * math.ceil(STAND_IN_TOKENS / cache.block_size)
-        return blocks, f"{STAND_IN_TOKENS:,} tokens x {seqs} sequences (state layers only; --cache-tokens for more)"
+    if free_blocks:
+        blocks = seqs * sum(table_lengths(FREE_BLOCK_TOKENS, cache.block_size, caps))
+        return blocks, f"{FREE_BLOCK_TOKENS:,} tokens x {seqs} sequences (blocks of zero bytes; --cache-tokens for more)"
     return None, ""
 
 
@@ -292,27 +294,32 @@ def plan_memory(device: DeviceFacts, model: ModelFacts, cache: CacheConfig, sche
     left = _check_fixed_costs(device.limit_bytes, fixed, device.limit_label)
     budget, budget_reason = _kv_budget(left, device.backend, cache)
     kv = model.kv
-    caps = [g.max_blocks(cache.block_size) for g in group_layers(kv.layer_windows)]  # as the pool takes them
+    caps = [spec.max_blocks for spec in kv.table_specs(cache.block_size)]  # as the pools take them
     block = kv.block_bytes(cache.block_size)  # every pool's page in its own K/V widths
-    memory_blocks = budget // block
+    memory_blocks = budget // block if block else None  # None: blocks of zero bytes, memory bounds none
     longest = _longest_sequence(model, cache, scheduler)
     need_blocks = sum(table_lengths(longest, cache.block_size, caps))
-    if memory_blocks < need_blocks:
+    if memory_blocks is not None and memory_blocks < need_blocks:
         fits = sequence_capacity(memory_blocks, cache.block_size, caps)  # an int: `longest` does not fit
         raise _too_small(longest, need_blocks * block, budget, fits, cache)
-    demand, demand_reason = _demand(model, cache, scheduler.max_num_seqs, caps)
-    if demand is not None and demand <= memory_blocks:
-        num_blocks, reason = demand, f"capped by {demand_reason} (memory allows {memory_blocks:,} blocks)"
-    else:
-        num_blocks, reason = memory_blocks, budget_reason
-        if demand is not None:
-            reason += f"; {demand_reason} would need {demand:,} blocks"
+    demand, demand_reason = _demand(model, cache, scheduler.max_num_seqs, caps, free_blocks=not block)
+    num_blocks, reason = _block_count(memory_blocks, budget_reason, demand, demand_reason)
     kv_bytes = num_blocks * block
     wired_bytes, wired_status = _wired(device, cache, model.weight_bytes + kv_bytes)
     breakdown = _breakdown(device, model, scheduler, fixed, kv_bytes, left, skip_weights)
     return MemoryPlan(device.backend, num_blocks, cache.block_size,
                       sequence_capacity(num_blocks, cache.block_size, caps), kv.bytes_per_token, block, kv_bytes,
                       breakdown, reason, wired_bytes, wired_status, state_bytes, slots, checkpoints)
+
+
+def _block_count(memory_blocks: int | None, budget_reason: str, demand: int | None,
+                 demand_reason: str) -> tuple[int, str]:
+    """The blocks to make and why: what memory allows, capped by what the cache could ever use."""
+    if demand is not None and (memory_blocks is None or demand <= memory_blocks):
+        allows = "any number: blocks of zero bytes" if memory_blocks is None else f"{memory_blocks:,} blocks"
+        return demand, f"capped by {demand_reason} (memory allows {allows})"
+    reason = budget_reason + (f"; {demand_reason} would need {demand:,} blocks" if demand is not None else "")
+    return memory_blocks, reason
 
 
 def state_plan(model: ModelFacts, scheduler: SchedulerConfig) -> tuple[int, int, int]:

@@ -11,30 +11,33 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mlxpaged.cache.layout import ModelLayout
-from mlxpaged.cache.specs import Chunked, KVGeometry, pool_block_bytes
+from mlxpaged.cache.specs import KVCacheSpec, KVGeometry, LayerKind, group_layers, pool_block_bytes
 
 from mlxpaged.validation import require_int
 
 
 @dataclass(frozen=True)
 class KVShape:
-    """What one token costs in the KV cache. `sliding_windows` has one entry per layer:
+    """What one token costs in the KV cache. `sliding_windows` has one entry per layer (specs.LayerKind):
     None for full attention, else the window in tokens (such a layer keeps only recent blocks) or
-    `Chunked(chunk)` for chunked-local attention; None for all: no layer slides."""
+    `Chunked(chunk)` for chunked-local attention; None for all: no layer slides. No layers (a model of
+    state layers only): blocks of zero bytes that number tokens (specs.NoKV), and no heads or widths."""
 
     num_layers: int
-    num_kv_heads: int
-    head_dim: int
+    num_kv_heads: int | None  # the first layer's; None only without layers
+    head_dim: int | None
     dtype_bytes: int
-    sliding_windows: tuple[int | Chunked | None, ...] | None = None
+    sliding_windows: tuple[LayerKind, ...] | None = None
     # One KVGeometry per layer (KV leaf) when they differ from `num_kv_heads x head_dim` for K and V
     # (latent MLA, V narrower than K, per-layer heads, K-is-V); None: every layer is that.
     geometries: tuple[KVGeometry, ...] | None = None
-    stand_in: bool = False  # a model of state layers only: the 1 x 1 page that numbers tokens, read by nothing
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "num_kv_heads", "head_dim", "dtype_bytes"):
-            require_int(name, getattr(self, name), low=1)
+        require_int("num_layers", self.num_layers)
+        require_int("dtype_bytes", self.dtype_bytes, low=1)
+        for name in ("num_kv_heads", "head_dim"):
+            if self.num_layers or getattr(self, name) is not None:
+                require_int(name, getattr(self, name), low=1)
         if self.geometries is not None:
             object.__setattr__(self, "geometries", tuple(self.geometries))
             if len(self.geometries) != self.num_layers:
@@ -46,17 +49,19 @@ class KVShape:
         if len(windows) != self.num_layers:
             raise ValueError(f"sliding_windows has {len(windows)} entries for {self.num_layers} layers")
         for window in windows:
-            if window is not None and not isinstance(window, Chunked):  # a Chunked checks itself
+            if isinstance(window, int):  # a Chunked checks itself
                 require_int("a sliding window", window, low=1)
 
     @property
     def layer_geometries(self) -> tuple[KVGeometry, ...]:
-        return self.geometries or (KVGeometry(self.num_kv_heads, self.head_dim, self.head_dim),) * self.num_layers
+        if self.geometries is not None or not self.num_layers:
+            return self.geometries or ()
+        return (KVGeometry(self.num_kv_heads, self.head_dim, self.head_dim),) * self.num_layers
 
     @property
     def layer_bytes_per_token(self) -> int:
-        """K and V of one token in one layer (the first layer's, when they differ)."""
-        return self.layer_geometries[0].page_elements(1) * self.dtype_bytes
+        """K and V of one token in one layer (the first layer's, when they differ; 0 without layers)."""
+        return sum(g.page_elements(1) for g in self.layer_geometries[:1]) * self.dtype_bytes
 
     @property
     def bytes_per_token(self) -> int:
@@ -64,33 +69,29 @@ class KVShape:
         return sum(g.page_elements(1) for g in self.layer_geometries) * self.dtype_bytes
 
     @property
-    def layer_windows(self) -> tuple[int | Chunked | None, ...]:
+    def layer_windows(self) -> tuple[LayerKind, ...]:
         return self.sliding_windows or (None,) * self.num_layers
 
     def block_bytes(self, block_size: int) -> int:
-        """Bytes of one block id: a page in every pool (kv_cache.py), each in its own widths."""
+        """Bytes of one block id: a page in every pool (kv_cache.py), each in its own widths (0: no pools)."""
         return pool_block_bytes(self.layer_windows, self.layer_geometries, block_size, self.dtype_bytes)
+
+    def table_specs(self, block_size: int) -> tuple[KVCacheSpec, ...]:
+        """The spec of each layer group's table, as the pools group the layers (kv_cache.PagedKVCache.specs)."""
+        return tuple(group.spec(block_size) for group in group_layers(self.layer_windows))
 
     @classmethod
     def from_layout(cls, layout: ModelLayout, dtype_bytes: int) -> KVShape:
-        """One entry per KV leaf (a layer reusing another's K/V has none: counted once); raises
-        ValueError naming the first leaf of a kind the pools cannot hold."""
-        leaves = layout.kv_leaves
-        if not leaves and layout.state_leaves:
-            # Only state layers: blocks still number each sequence's tokens (prefix hashes, capacity,
-            # checkpoints), so they get the smallest page there is, 1 head x 1 value, which nothing reads.
-            return cls(1, 1, 1, dtype_bytes, stand_in=True)
-        if not leaves:
+        """One entry per KV leaf (a layer reusing another's K/V has none: counted once); a model of state
+        layers only has none at all. Raises ValueError for a model that keeps neither."""
+        if layout.keeps_no_cache:
             raise ValueError(f"model type {layout.model_type!r} keeps no key/value cache")
-        for leaf in leaves:
-            if leaf.kind not in ("full", "window", "chunked"):
-                raise ValueError(f"{layout.where(leaf.path)} ({leaf.describe()}) has no paged pools")
-        first = leaves[0]
-        geometries = tuple(KVGeometry(leaf.kv_heads, leaf.k_dim, leaf.v_dim, leaf.k_is_v) for leaf in leaves)
-        uniform = set(geometries) == {KVGeometry(first.kv_heads, first.k_dim, first.k_dim)}
-        windows = tuple(Chunked(leaf.span) if leaf.kind == "chunked" else leaf.span for leaf in leaves)
-        return cls(len(leaves), first.kv_heads, first.k_dim, dtype_bytes,
-                   windows if any(w is not None for w in windows) else None, None if uniform else geometries)
+        geometries, kinds = layout.kv_geometries, layout.layer_kinds
+        first = geometries[0] if geometries else None
+        uniform = first is not None and set(geometries) == {KVGeometry(first.kv_heads, first.k_dim, first.k_dim)}
+        heads, width = (first.kv_heads, first.k_dim) if first is not None else (None, None)
+        return cls(len(geometries), heads, width, dtype_bytes, kinds if any(k is not None for k in kinds) else None,
+                   None if uniform or first is None else geometries)
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,8 @@ def batch_mismatch(model, layout: ModelLayout, dtype: mx.Dtype, block_size: int)
     else what differed, with the numbers."""
     from mlxpaged.runner.model_runner import Runner, StepInput  # the runner imports this module's user
 
-    groups = len(PagedKVCache.for_leaves(layout.kv_leaves, 1, block_size, dtype).groups)
-    kv = PagedKVCache.for_leaves(layout.kv_leaves, 2 * groups + 1, block_size, dtype)
+    groups = len(PagedKVCache.for_layout(layout, 1, block_size, dtype).groups)
+    kv = PagedKVCache.for_layout(layout, 2 * groups + 1, block_size, dtype)
     runner = Runner(model, kv, layout, serial=False)
     runner.decoder = None  # rows through the paged views both ways; the compiled pass has its own warm-up check
     tables = [[[2 * g + row] for g in range(groups)] for row in range(2)]  # one block per group and row

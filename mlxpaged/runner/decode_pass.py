@@ -113,8 +113,7 @@ class CompiledDecode:
     def supports(kv: PagedKVCache) -> bool:
         """One full-attention layer group of one geometry, attended on the CPU / reference path (the Metal kernel
         reads host lengths, so it stays on the eager path)."""
-        return compile_enabled() and len(kv.groups) == 1 and kv.groups[0].window is None \
-            and kv.single_geometry and resolved_backend() != "kernel"
+        return compile_enabled() and kv.plain_full_attention and resolved_backend() != "kernel"
 
     def __call__(self, starts: Sequence[int], tables: Sequence[Sequence[int]], tokens: mx.array) -> mx.array:
         """Build the pass of `tokens` [B, L] at positions `starts`.. over block `tables`; returns lazy logits

@@ -77,7 +77,7 @@ def _token_major(x: mx.array) -> mx.array:
 
 def defers_writes(kv: PagedKVCache) -> bool:
     """Pools this module can pipeline: one full-attention layer group of one geometry (K and V apart)."""
-    return len(kv.groups) == 1 and kv.groups[0].window is None and kv.single_geometry
+    return kv.plain_full_attention
 
 
 class DeferredPass:

@@ -36,8 +36,9 @@ from mlxpaged.runner.deferred_writes import MAX_PENDING, DeferredPass, PendingKV
 from mlxpaged.cache.kv_cache import PagedKVCache
 from mlxpaged.platform import backend
 from mlxpaged.runner.routing import is_routed
-from mlxpaged.runner.sampling import LazySample, SampleResult, SamplerState, sample_batch
-from mlxpaged.runner.speculative import sample_with_drafts
+from mlxpaged.runner.sampling import LazySample, SampleResult, sample_batch
+from mlxpaged.runner.sampling_rows import SamplingRows
+from mlxpaged.runner.draft_verify import sample_with_drafts
 
 
 @dataclass(frozen=True)
@@ -137,19 +138,6 @@ def _rows(values: mx.array, rows: list[int]) -> mx.array:
     return values if rows == list(range(values.shape[0])) else values[mx.array(rows)]
 
 
-@dataclass(frozen=True)
-class SamplingRows:
-    """Who samples this step: the sampler state of each chunk that samples, in order, and each row
-    to sample as (index among those chunks, state); an n > 1 request's forks sample extra rows
-    from their parent's logits."""
-    chunk_states: list[SamplerState]
-    rows: list[tuple[int, SamplerState]]
-
-    @property
-    def has_forks(self) -> bool:
-        return len(self.rows) > len(self.chunk_states)
-
-
 class NextStepPlanner(Protocol):
     """The scheduler's side of pipelining (EngineCore implements it)."""
 
@@ -166,7 +154,7 @@ class Lookahead:
     (Runner._look_ahead); the runner adopts it when the schedule asks for these rows."""
     rows: list[tuple[str, int]]  # (request id, position) of each row
     sample: LazySample
-    state: StatePass | None = None  # its state rows, stored only if the pass is adopted
+    state_pass: StatePass | None = None  # its state rows, stored only if the pass is adopted
     deferred: DeferredPass | None = None  # a pass that writes no pages (deferred_writes.py), queued already
 
     @property
@@ -187,30 +175,30 @@ class Lookahead:
 
 class Runner:
     """`layout`: the model's cache layout (loading/probe.py); None: one KV view per layer, in order.
-    `state`: the state slots of a model with state layers (ArraysCache): prefill passes then run one
+    `state_store`: the state slots of a model with state layers (ArraysCache): prefill passes then run one
     sequence at a time. `serial`: one sequence per pass, for models that are not exact in a ragged batch
     (paged_support.serial_reason, batch_check.py)."""
 
     def __init__(self, model: nn.Module, kv_cache: PagedKVCache, layout: ModelLayout | None = None,
-                 state: StateStore | None = None, serial: bool = False):
+                 state_store: StateStore | None = None, serial: bool = False):
         self.model = model
         self.kv = kv_cache
-        self.layout, self.state = layout, state
+        self.layout, self.state_store = layout, state_store
         self.serial = serial
-        if (state is None) != (layout is None or not layout.state_leaves):
+        if (state_store is None) != (layout is None or not layout.state_leaves):
             raise ValueError("a model with state layers needs a state store, and only such a model")
-        self._built_state: StatePass | None = None  # of the last pass built without launching
+        self._built_state_pass: StatePass | None = None  # of the last pass built without launching
         self.head = split_head(model)
         # The compiled pass reads the pools only: every leaf must be attended by the routed SDPA alone.
         plain = layout is None or (cache_tree.simple(layout) and all(leaf.routed for leaf in layout.kv_leaves))
-        compiled = state is None and plain and is_routed(model) and CompiledDecode.supports(kv_cache)
+        compiled = state_store is None and plain and is_routed(model) and CompiledDecode.supports(kv_cache)
         self.tuning = backend.tuning()
         self.decoder = CompiledDecode(model, kv_cache, self.head) \
             if compiled and self.tuning.compiled_decode_max_batch else None
         self._ahead: Lookahead | None = None  # the next step's decode pass, already queued
         # A GPU queues the next pass before reading this one; its K/V wait in `_pending` (deferred_writes.py),
         # and those of rows that left the run in `_orphans`, until nothing in flight reads the pools.
-        self.defers = self.tuning.queue_before_read and state is None and plain and not serial \
+        self.defers = self.tuning.queue_before_read and state_store is None and plain and not serial \
             and is_routed(model) and defers_writes(kv_cache)
         self._pending: PendingKV | None = None
         self._orphans: list[PendingKV] = []
@@ -224,11 +212,11 @@ class Runner:
             return self._compute(chunks, sampling, planner)
         # This step was computed while the last one ran: queue the next one, then read it.
         rows_of = ahead.rows_of(chunks)
-        if ahead.state is not None:
-            ahead.state.commit(rows_of)  # before the next pass is built on these rows
+        if ahead.state_pass is not None:
+            ahead.state_pass.commit(rows_of)  # before the next pass is built on these rows
         if ahead.deferred is not None:
             self._adopt_pending(ahead.deferred.pending_after(), [c.request.request_id for c in chunks])
-        self._ahead = self._look_ahead(chunks, _rows(ahead.sample.tokens, rows_of), sampling.chunk_states, planner)
+        self._ahead = self._look_ahead(chunks, _rows(ahead.sample.tokens, rows_of), sampling.chunk_samplers, planner)
         everything = ahead.sample.results()
         self._launch_ahead()
         return [everything[i] for i in rows_of]
@@ -279,18 +267,18 @@ class Runner:
         if not sampling.rows:
             return []
         if any(drafts):  # verified as a whole; the next step depends on how many are kept: no look-ahead
-            return sample_with_drafts(logits, drafts, sampling.rows)
+            return sample_with_drafts(logits, drafts, sampling.sampler_rows)
         if sampling.has_forks:
-            logits = logits[mx.array([i for i, _ in sampling.rows])]
-        states = [state for _, state in sampling.rows]
-        if any(state.has_processors for state in states):
-            return sample_batch(logits, states)  # processors read the history: no pipelining
-        sample = LazySample(logits, states)
+            logits = logits[mx.array(sampling.chunk_of_row)]
+        samplers = sampling.samplers
+        if any(sampler.has_processors for sampler in samplers):
+            return sample_batch(logits, samplers)  # processors read the history: no pipelining
+        sample = LazySample(logits, samplers)
         # Only steady decoding is pipelined: every chunk samples, no forks are pending, and no
         # request gets its first token here (queuing the next pass first would delay that token
         # by a step, and time to first token is what a user waits on).
-        if not sampling.has_forks and len(states) == len(chunks) and all(c.request.output_token_ids for c in chunks):
-            self._ahead = self._look_ahead(chunks, sample.tokens, states, planner)
+        if not sampling.has_forks and len(samplers) == len(chunks) and all(c.request.output_token_ids for c in chunks):
+            self._ahead = self._look_ahead(chunks, sample.tokens, samplers, planner)
         results = sample.results()
         self._launch_ahead()
         return results
@@ -298,10 +286,10 @@ class Runner:
     def _launch_ahead(self) -> None:
         """Start the pass built ahead, now that the one before it has been read (`launch`)."""
         if self._ahead is not None:
-            state = self._ahead.state.new_arrays() if self._ahead.state is not None else []
-            self.launch(*self._ahead.sample.arrays, *state)
+            state_pass = self._ahead.state_pass
+            self.launch(*self._ahead.sample.arrays, *(state_pass.new_arrays() if state_pass is not None else ()))
 
-    def _look_ahead(self, chunks: list, tokens: mx.array, states: list, planner: NextStepPlanner) -> Lookahead | None:
+    def _look_ahead(self, chunks: list, tokens: mx.array, samplers: list, planner: NextStepPlanner) -> Lookahead | None:
         """Build the next step's decode pass on this step's lazy tokens (mlx-lm's async_eval
         pipelining): building it overlaps this step's computation, and once this step is read it
         is launched (`_launch_ahead`), so delivering and scheduling overlap it. Only when the next
@@ -324,18 +312,18 @@ class Runner:
         if not picked:
             return None
         rows = [(chunks[i].request.request_id, x.start) for i, x in zip(picked, inputs)]
-        picked_states = [states[i] for i in picked]
+        picked_samplers = [samplers[i] for i in picked]
         if self.defers and (self._pending is None or self._pending.length < MAX_PENDING):
             # Queued now, before this step is read: it writes no pages, so nothing in flight is copied.
             ids = [rid for rid, _ in rows]
             pending = self._pending.select(ids) if self._pending is not None else None
             logits, deferred = self._deferred_pass(inputs, ids, _rows(tokens, picked), pending)
-            return Lookahead(rows, LazySample(logits, picked_states, ahead=1), deferred=deferred)
+            return Lookahead(rows, LazySample(logits, picked_samplers, ahead=1), deferred=deferred)
         if self.defers:
             self._flush_pending()  # every MAX_PENDING tokens: launched after this step is read, in place
         logits = self.decode_ahead(inputs, _rows(tokens, picked))
-        state, self._built_state = self._built_state, None
-        return Lookahead(rows, LazySample(logits, picked_states, ahead=1, launch=False), state)
+        state_pass, self._built_state_pass = self._built_state_pass, None
+        return Lookahead(rows, LazySample(logits, picked_samplers, ahead=1, launch=False), state_pass)
 
     def _deferred_pass(self, inputs: list[StepInput], ids: list[str], tokens: mx.array,
                        pending: PendingKV | None) -> tuple[mx.array, DeferredPass]:
@@ -358,7 +346,7 @@ class Runner:
         decode = [i for i, x in enumerate(inputs) if len(x.token_ids) == 1]
         if self.serial:
             passes = [[i] for i in range(len(inputs))]
-        elif self.state is not None:
+        elif self.state_store is not None:
             passes = state_model_passes(inputs)
         else:
             # Chunks with drafts (a few tokens, each sampled) share one pass whatever their context length.
@@ -417,17 +405,17 @@ class Runner:
         if tokens is None:
             tokens = mx.array([list(x.token_ids) + [0] * (length - len(x.token_ids)) for x in batch],
                               dtype=mx.int32)
-        state = None
+        state_pass = None
         if self._compiled_pass(batch, length):
             logits = self.decoder([x.start for x in batch], [x.block_tables[0] for x in batch], tokens)
         else:
-            logits, state = self._forward(batch, tokens)
+            logits, state_pass = self._forward(batch, tokens)
         if not launch:
-            self._built_state = state  # stored only if the pass is adopted (Lookahead.state)
+            self._built_state_pass = state_pass  # stored only if the pass is adopted (Lookahead.state_pass)
             return logits
-        if state is not None:
-            state.commit()  # a launched pass is used: its rows are the sequences' state now
-        self.launch(logits, *(state.new_arrays() if state is not None else ()))
+        if state_pass is not None:
+            state_pass.commit()  # a launched pass is used: its rows are the sequences' state now
+        self.launch(logits, *(state_pass.new_arrays() if state_pass is not None else ()))
         return logits
 
     def _forward(self, batch: list[StepInput], tokens: mx.array) -> tuple[mx.array, StatePass | None]:
@@ -435,14 +423,12 @@ class Runner:
         `num_logits` positions and the pass's state, not stored yet."""
         num_new = [len(x.token_ids) for x in batch]
         views = paged_views(self.kv, [x.block_tables for x in batch], [x.start for x in batch], num_new)
-        if self.layout is not None and not self.layout.kv_leaves:
-            views = []  # state layers only: the stand-in pool numbers tokens (model_facts), nothing attends it
-        state = None
-        if self.state is not None:
-            state = StatePass(self.state, [x.state_slot for x in batch], num_new)
-        views = cache_tree.model_cache(self.layout, views, state.views if state is not None else None)
+        state_pass = None
+        if self.state_store is not None:
+            state_pass = StatePass(self.state_store, [x.state_slot for x in batch], num_new)
+        views = cache_tree.model_cache(self.layout, views, state_pass.views if state_pass is not None else None)
         rows, columns = _logit_positions(batch)
         if self.head is not None:
             hidden = self.model.model(tokens, cache=views)
-            return self.head(hidden[rows, columns]), state
-        return self.model(tokens, cache=views)[rows, columns], state
+            return self.head(hidden[rows, columns]), state_pass
+        return self.model(tokens, cache=views)[rows, columns], state_pass

@@ -59,14 +59,24 @@ class Scenarios:
         with self._engine(cache) as engine:  # a refusal propagates: it is the architecture's verdict
             self._main(engine)
         self._on_engine("chunked", cache, SchedulerConfig(max_batch_tokens=CHUNK_BUDGET), self._chunked)
-        # A pool that admits the three prompts at once but cannot hold their replies: some must be preempted.
-        self._on_engine("preempt", CacheConfig(cache_tokens=self._longest(), kv_memory=self._pool_bytes,
-                                               block_size=BLOCK_SIZE), SchedulerConfig(), self._preempt)
+        self._on_engine("preempt", *self._small_pool(), self._preempt)
         self.verdicts["empty"] = "; ".join(self._empty) or "pass"
         return {"scenarios": {name: self.verdicts[name] for name in SCENARIOS}, **self.facts}
 
     def _longest(self) -> int:
         return max(len(case.prompt) for case in self.cases) + NEW_TOKENS
+
+    def _small_pool(self) -> tuple:
+        """(CacheConfig, SchedulerConfig) of a pool that admits the three prompts at once but cannot hold their
+        replies: some must be preempted. Blocks of zero bytes (a model of state layers only: specs.NoKVSpec)
+        are bounded by demand, not memory: --cache-tokens for the longest sequence and one sequence per prompt."""
+        from mlxpaged.config import CacheConfig, SchedulerConfig
+
+        if self._pool_bytes == 0:
+            return (CacheConfig(cache_tokens=self._longest(), block_size=BLOCK_SIZE),
+                    SchedulerConfig(max_num_seqs=len(self.cases)))
+        return (CacheConfig(cache_tokens=self._longest(), kv_memory=self._pool_bytes, block_size=BLOCK_SIZE),
+                SchedulerConfig())
 
     def _main(self, engine) -> None:
         self._facts(engine)

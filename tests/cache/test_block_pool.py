@@ -111,17 +111,17 @@ def test_pool_manager_specs_and_scheduler_import_no_mlx():
 
 @given(n=st.integers(0, 500), window=st.integers(1, 100), bs=st.sampled_from([8, 16, 32]))
 def test_a_ring_holds_every_block_a_later_query_reads(n, window, bs):
-    spec, group = SlidingWindowSpec(bs, window), LayerGroup(0, (0,), window)
-    assert spec.skipped_blocks(n) == group.key_start(n) // bs  # the first key a query at n reads
+    spec = SlidingWindowSpec(bs, window)
+    assert spec.skipped_blocks(n) == spec.key_start(n) // bs  # the first key a query at n reads
     live = -(-(n + 1) // bs) - spec.skipped_blocks(n)  # blocks from the window's start to position n
-    assert live <= spec.max_blocks == group.max_blocks(bs)
-    assert spec.blocks_needed(n) == group.blocks_needed(n, bs) and spec.shareable_blocks(n) == 0
+    assert live <= spec.max_blocks == -(-window // bs) + 1
+    assert spec.blocks_needed(n) == min(-(-n // bs), spec.max_blocks) and spec.shareable_blocks(n) == 0
 
 
 @given(n=st.integers(0, 500), bs=st.sampled_from([8, 16, 32]))
 def test_full_attention_grows_shares_computed_blocks_and_frees_nothing(n, bs):
     spec = FullAttentionSpec(bs)
-    assert spec.blocks_needed(n) == LayerGroup(0, (0,), None).blocks_needed(n, bs) == -(-n // bs)
+    assert spec.blocks_needed(n) == LayerGroup(0, (0,), None).spec(bs).blocks_needed(n) == -(-n // bs)
     assert spec.shareable_blocks(n) == n // bs and spec.skipped_blocks(n) == 0
     assert spec.table_index(n, n + 1) == n and spec.max_blocks is None
 

@@ -77,7 +77,7 @@ def test_chunked_layers_form_their_own_groups_apart_from_a_window_of_the_same_si
     groups = group_layers([Chunked(8), 9, Chunked(8), 9, None, None])
     assert [(g.layers, g.window, g.chunk) for g in groups] == [((0, 2), 9, 8), ((1, 3), 9, None), ((4, 5), None, None)]
     assert isinstance(groups[0].spec(8), ChunkedLocalSpec) and isinstance(groups[1].spec(8), SlidingWindowSpec)
-    assert groups[0].key_start(20) == ChunkedLocalSpec(8, 8).key_start(20) == 12
+    assert groups[0].spec(8).key_start(20) == ChunkedLocalSpec(8, 8).key_start(20) == 12
 
 
 def test_bad_chunk_sizes_are_refused_with_the_number():

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from mlxpaged.cache.kv_cache import LayerGroup, PagedKVCache, block_bytes, group_layers
+from mlxpaged.cache.specs import NoKVSpec, SlidingWindowSpec
 from tests.tiny_models import shuffled_blocks
 
 H, D, BS = 2, 4, 8
@@ -198,31 +199,44 @@ def test_hybrid_cache_shares_pools_across_groups():
 
 
 def test_window_group_is_a_ring_of_ceil_window_over_block_plus_one():
-    group = LayerGroup(0, (0,), 10)
-    assert group.max_blocks(4) == 4 and group.ring_tokens(4) == 16
-    assert [group.blocks_needed(n, 4) for n in (1, 4, 5, 16, 17, 1000)] == [1, 1, 2, 4, 4, 4]
+    spec = LayerGroup(0, (0,), 10).spec(4)  # a group's table behaves as its spec says
+    assert spec == SlidingWindowSpec(4, 10)
+    assert spec.max_blocks == 4 and spec.ring_tokens == 16
+    assert [spec.blocks_needed(n) for n in (1, 4, 5, 16, 17, 1000)] == [1, 1, 2, 4, 4, 4]
     table = [7, 3, 9, 1]
     # Position 16 is logical block 4: it recycles the oldest block, table[0].
-    assert group.slots(table, 14, 18, 4) == [1 * 4 + 2, 1 * 4 + 3, 7 * 4, 7 * 4 + 1]
-    assert group.key_start(5) == 0 and group.key_start(30) == 21
-    assert group.stored_start(0, 40, 4) == 24
+    assert spec.slots(table, 14, 18) == [1 * 4 + 2, 1 * 4 + 3, 7 * 4, 7 * 4 + 1]
+    assert spec.key_start(5) == 0 and spec.key_start(30) == 21
+    assert spec.stored_start(0, 40) == 24
     with pytest.raises(ValueError, match="at most 4"):
-        group.check_table(table + [2], 40, 4)
+        spec.check_table(table + [2], 40)
     with pytest.raises(ValueError, match="need 2"):
-        group.check_table(table[:1], 5, 4)
+        spec.check_table(table[:1], 5)
 
 
 def test_full_group_table_is_linear():
-    group = LayerGroup(0, (0,), None)
-    assert group.max_blocks(4) is None and group.blocks_needed(1000, 4) == 250
-    assert group.slots([5, 2], 3, 6, 4) == [23, 8, 9]
+    spec = LayerGroup(0, (0,), None).spec(4)
+    assert spec.max_blocks is None and spec.ring_tokens is None and spec.blocks_needed(1000) == 250
+    assert spec.slots([5, 2], 3, 6) == [23, 8, 9]
+
+
+def test_a_model_without_kv_layers_gets_one_group_of_zero_byte_blocks_and_no_pools():
+    kv = PagedKVCache(0, 10, BS, None, None, geometries=())
+    (group,) = kv.groups
+    assert group.layers == () and kv.specs == (NoKVSpec(BS),) and not kv.specs[0].stores_kv
+    assert kv.pools == [] and kv.bytes_per_block == 0 and kv.nbytes == 0
+    assert kv.supports_prefix_cache and not kv.plain_full_attention  # blocks number tokens: the prefix cache works
+    assert kv.specs[0].blocks_needed(2 * BS + 1) == 3 and kv.specs[0].shareable_blocks(2 * BS + 1) == 2
 
 
 @pytest.mark.parametrize(
     "args",
     [
-        (0, 4, 8, 2, 4, mx.float32, None),
+        (-1, 4, 8, 2, 4, mx.float32, None),  # no layers is a model without KV (above); fewer is nothing
+        (2, 0, 8, 2, 4, mx.float32, None),
         (2, 4, 0, 2, 4, mx.float32, None),
+        (2, 4, 8, 0, 4, mx.float32, None),
+        (2, 4, 8, None, 4, mx.float32, None),  # uniform layers need their heads and width
         (2, 4, 8, 2, 4, mx.float32, [None]),
         (2, 4, 8, 2, 4, mx.float32, [None, 0]),
     ],

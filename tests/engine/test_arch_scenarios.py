@@ -3,7 +3,7 @@ every scenario, and names the scenarios an engine gets wrong."""
 
 from __future__ import annotations
 
-import mlxpaged.engine.engine as engine_module
+import mlxpaged.engine.build as build_module
 from tests.archs.harness import run_architecture
 from tests.archs.scenarios import SCENARIOS, Case, compare
 
@@ -26,7 +26,7 @@ def test_a_healthy_model_passes_every_scenario_with_a_prefix_hit_and_a_preemptio
 
 def test_batched_failures_are_named_per_scenario(monkeypatch):
     # llama4 batched (no serial passes): every scenario that shares a pass must fail, alone must not.
-    monkeypatch.setattr(engine_module, "layout_serial_reason", lambda *args: None)
+    monkeypatch.setattr(build_module, "layout_serial_reason", lambda *args: None)
     verdict = run_architecture("llama4")
     scenarios = verdict["scenarios"]
     assert verdict["status"] == "fail" and scenarios["alone"] == "pass" and scenarios["prefix"] == "pass"

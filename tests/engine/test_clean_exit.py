@@ -20,7 +20,7 @@ from typing import Iterator
 
 import pytest
 
-from mlxpaged.engine.engine_thread import _fail_queued
+from mlxpaged.engine.engine_thread import Abort, Add, _fail_queued
 from mlxpaged.engine.output_processor import EngineClosedError
 from mlxpaged.sampling_params import SamplingParams
 from tests.tiny_models import random_tokens, tiny_llama
@@ -218,9 +218,9 @@ def test_engine_dropped_mid_generation_is_collected_and_its_thread_ends(tokenize
 def test_requests_still_in_the_command_queue_fail_instead_of_waiting_forever():
     commands: queue.SimpleQueue = queue.SimpleQueue()
     sinks = [queue.SimpleQueue(), queue.SimpleQueue()]
-    commands.put(("add", "req-0", [1, 2], SamplingParams(), sinks[0].put))
-    commands.put(("abort", "req-0"))
-    commands.put(("add", "req-1", [3], SamplingParams(), sinks[1].put))
+    commands.put(Add("req-0", [1, 2], SamplingParams(), sinks[0].put))
+    commands.put(Abort("req-0"))
+    commands.put(Add("req-1", [3], SamplingParams(), sinks[1].put))
     _fail_queued(commands, EngineClosedError("closed"))
     assert commands.empty()
     assert [type(s.get_nowait()) for s in sinks] == [EngineClosedError, EngineClosedError]

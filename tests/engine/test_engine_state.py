@@ -9,11 +9,12 @@ import time
 
 import pytest
 
+import mlx.core as mx
+
 from mlxpaged.cache.kv_cache import PagedKVCache
 from mlxpaged.config import CacheConfig, SchedulerConfig
 from mlxpaged.engine.core import EngineCore
 from mlxpaged.loading.probe import probe_layout
-from mlxpaged.platform.model_facts import KVShape
 from mlxpaged.runner.routing import route_paged_attention
 from tests.engine.test_core import run_to_completion, token_ids
 from tests.engine.test_engine import GREEDY, assert_pool_empty, reference_tokens, tiny_engine
@@ -44,8 +45,7 @@ def make_core(model, tokenizer) -> EngineCore:
     """An EngineCore stepped by the test itself (no engine thread): 4 state slots, 64 blocks of 8."""
     route_paged_attention()  # as Engine does
     layout = probe_layout(model)
-    shape = KVShape.from_layout(layout, 4)
-    kv = PagedKVCache(shape.num_layers, 64, 8, shape.num_kv_heads, shape.head_dim)
+    kv = PagedKVCache.for_layout(layout, 64, 8, mx.float32)
     return EngineCore.create(model, tokenizer, kv, CacheConfig(block_size=8), SchedulerConfig(max_num_seqs=4),
                              max_model_len=512, layout=layout, num_checkpoints=12)
 
@@ -146,7 +146,7 @@ def test_a_pass_built_ahead_and_dropped_leaves_the_state_as_it_was(model, tokeni
     core.add_request("a", prompts["a"], LONG, events["a"].append)
     for _ in range(4):
         core.step()
-    assert core.runner._ahead is not None and core.runner._ahead.state is not None  # built on a's state
+    assert core.runner._ahead is not None and core.runner._ahead.state_pass is not None  # built on a's state
     core.add_request("b", prompts["b"], LONG, events["b"].append)  # the next step is not the one built ahead
     run_to_completion(core)
     for rid, prompt in prompts.items():

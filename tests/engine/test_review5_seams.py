@@ -138,7 +138,7 @@ def test_a_reply_with_nothing_to_draft_pipelines_as_without_speculation(tokenize
     monkeypatch.setattr(NgramDrafter, "propose", lambda self, tokens, k: [])  # free text: no n-gram repeats
     plain = count_pipelined_steps(model, tokenizer, monkeypatch)
     spec = count_pipelined_steps(model, tokenizer, monkeypatch, speculative="ngram")
-    # Drafting pauses after two empty lookups and retries after 2, 4, 8, ... steps (speculation.py): only
+    # Drafting pauses after two empty lookups and retries after 2, 4, 8, ... steps (drafting.py): only
     # the retry steps are not pipelined, a few in a reply (before the pause: none were, 0 of 38).
     assert plain > 30 and spec >= 0.75 * plain, (plain, spec)
 

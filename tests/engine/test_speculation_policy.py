@@ -1,6 +1,6 @@
 """The per-sequence draft policy (plain Python): how k adapts and when drafting pauses."""
 
-from mlxpaged.engine.speculation import MAX_PAUSE, DraftPolicy, SpeculationStats
+from mlxpaged.engine.drafting import MAX_PAUSE, DraftPolicy, SpeculationStats
 
 
 def steps_paused(policy: DraftPolicy) -> int:

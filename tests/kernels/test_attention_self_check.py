@@ -100,7 +100,7 @@ def test_only_the_failing_variant_falls_back(mutate):
     mutate(WRONG_REDUCE)  # the two-pass merge is wrong, one pass is right
     launcher = CountingEmulator()
     with kernel_path(launcher), pytest.warns(RuntimeWarning) as record:
-        status = attention.prepare_attention(mx.float32, 64, 16, 2, 1)
+        status = attention.prepare_attention(mx.float32, 64, 16, 2, 1).status()
         checked = launcher.calls
         short = make_decode_case(4, [5, 40], 2, 1, 64, 16)  # one pass
         short_out = attention.paged_attention(*short.args())
@@ -122,7 +122,7 @@ def test_the_cpu_backend_keeps_the_compiled_cpu_path(model, tokenizer, monkeypat
         assert engine.runner.decoder is not None  # compiled decode pass (decode_pass.py)
     assert status == {"path": "cpu", "reason": "MLX's CPU backend: pages read in place", "variants": []}
     with attention.attention_backend("cpu"):
-        status = attention.prepare_attention(mx.float16, 64, 16, 4, 2)
+        status = attention.prepare_attention(mx.float16, 64, 16, 4, 2).status()
     assert status["path"] == "reference" and "takes float32 K/V, this model's are float16" in status["reason"]
 
 
@@ -130,7 +130,7 @@ def test_shapes_the_kernel_cannot_take_use_the_reference_without_a_check():
     launcher = CountingEmulator()
     with kernel_path(launcher), warnings.catch_warnings():
         warnings.simplefilter("error")
-        status = attention.prepare_attention(mx.float32, 16, 8, 4, 2)
+        status = attention.prepare_attention(mx.float32, 16, 8, 4, 2).status()
     assert status["path"] == "reference" and "head dim 16" in status["reason"]
     assert status["variants"] == [] and launcher.calls == 0
 

@@ -109,7 +109,7 @@ def test_self_check_catches_a_kernel_that_ignores_sinks(mutate):
 def test_entry_point_dispatches_sinks_to_the_kernel():
     case = make_decode_case(41, [3, 20], 8, 2, 64, 16, v_dim=32, sinks=True)
     with attention.kernel_launcher(Emulator()), attention.attention_backend("kernel"):
-        status = attention.prepare_attention(mx.float32, 64, 16, 8, 2, v_dim=32, sinks=True)
+        status = attention.prepare_attention(mx.float32, 64, 16, 8, 2, v_dim=32, sinks=True).status()
         out = attention.paged_attention(*case.args(), sinks=case.sinks)
     assert status["path"] == "kernel", status["reason"]
     assert [v.variant.sinks and v.variant.value_dim == 32 for v in status["variants"]] == [True, True]

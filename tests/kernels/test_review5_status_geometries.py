@@ -1,5 +1,5 @@
 """Review 5: the attention status of a model whose pools have several geometries (engine.py prepares the
-kernel once per `attention_geometries` entry; attention.py keeps one global `_model_kv`)."""
+kernel once per `attention_geometries` entry; attention.py merges their reasons into one PreparedAttention)."""
 
 import mlx.core as mx
 
@@ -10,5 +10,6 @@ from tests.kernels.test_attention_self_check import CountingEmulator, kernel_pat
 def test_a_geometry_the_kernel_cannot_take_shows_in_the_status_whatever_the_order():
     with kernel_path(CountingEmulator()):
         # (query heads, KV heads, K width, V width, sinks), as paged_support.attention_geometries lists them
-        status = attention.prepare_model_attention(mx.float32, 16, [(4, 2, 16, 16, False), (2, 1, 64, 64, False)])
+        prepared = attention.prepare_model_attention(mx.float32, 16, [(4, 2, 16, 16, False), (2, 1, 64, 64, False)])
+        status = prepared.status()
     assert "head dim 16" in status["reason"], status

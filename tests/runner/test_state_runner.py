@@ -12,7 +12,6 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlxpaged.cache.kv_cache import PagedKVCache
 from mlxpaged.cache.state_cache import StateStore
 from mlxpaged.loading.probe import probe_layout
-from mlxpaged.platform.model_facts import KVShape
 from mlxpaged.runner.model_runner import Runner, StepInput, state_model_passes
 from tests.tiny_models import grow_tables, random_tokens, shuffled_blocks, tiny_qwen3_5
 
@@ -65,8 +64,7 @@ MODULES = ["qwen3_5 (tiny_models)", "lfm2", "mamba", "rwkv7", "nemotron_h", "olm
 def test_state_rows_and_logits_match_mlx_lm_through_chunked_prefill_and_batched_decode(module):
     model = tiny(module)
     layout = probe_layout(model)
-    shape = KVShape.from_layout(layout, 4)
-    kv = PagedKVCache(shape.num_layers, 32, 8, shape.num_kv_heads, shape.head_dim, mx.float32, shape.layer_windows)
+    kv = PagedKVCache.for_layout(layout, 32, 8, mx.float32)
     store = StateStore(layout.state_leaves, 4)
     runner = Runner(model, kv, layout, store)
     free = shuffled_blocks(32)

@@ -3,7 +3,7 @@ step, how many tokens, and how well their drafts fared. Plain Python (no MLX).
 
 After `Scheduler.schedule()`, `extend(out)` appends drafts (runner/ngram_drafter.py) to decode
 chunks [last] -> [last, d1..dk] and gives them slots; the runner verifies every position
-(runner/speculative.py); `Scheduler.update_from_output` keeps the accepted drafts and frees the
+(runner/draft_verify.py); `Scheduler.update_from_output` keeps the accepted drafts and frees the
 slots of the rest; `record` adapts each sequence's k to how its drafts fare.
 
 A drafting step runs an eager pass of k + 1 tokens instead of the compiled one-token pass, so

@@ -1,0 +1,91 @@
+"""Building an engine's core, once, on the caller's thread: the model's cache layout (refused here, never
+mid-request), the memory plan, the page pools, attention routing and the kernel's self-check, the ragged-batch
+check, and the EngineCore over them. `Engine` (engine.py) runs what this builds: its thread, command queue
+and public API.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Callable
+
+import mlx.core as mx
+
+from mlxpaged.cache.kv_cache import PagedKVCache
+from mlxpaged.cache.layout import ModelLayout
+from mlxpaged.cache.paged_support import attention_geometries, serial_reason
+from mlxpaged.config import CacheConfig, SchedulerConfig
+from mlxpaged.engine.core import EngineCore
+from mlxpaged.engine.metrics import StatsCounter
+from mlxpaged.kernels.attention import PreparedAttention, prepare_model_attention
+from mlxpaged.loading.loader import LoadedModel, activation_dtype, check_paged_support
+from mlxpaged.loading.probe import probe_layout
+from mlxpaged.platform.memory import DeviceFacts, MemoryPlan, ModelFacts, model_weight_bytes, plan_memory
+from mlxpaged.platform.model_facts import context_length
+from mlxpaged.runner.batch_check import batch_mismatch
+from mlxpaged.runner.routing import route_paged_attention
+
+
+@dataclass(frozen=True)
+class BuiltCore:
+    """Everything an engine runs on, built before its thread starts."""
+
+    layout: ModelLayout  # what the model's own caches hold, leaf by leaf
+    facts: ModelFacts
+    plan: MemoryPlan
+    kv: PagedKVCache
+    attention: PreparedAttention  # this model's decode attention: its status is the engine's
+    max_model_len: int
+    serial_reason: str | None  # why one sequence runs per pass (None: ragged batches are exact)
+    core: EngineCore
+
+
+def build_core(loaded: LoadedModel, cache_config: CacheConfig, scheduler_config: SchedulerConfig, *,
+               stats: StatsCounter, has_commands: Callable[[], bool]) -> BuiltCore:
+    """Plan, allocate and check everything for `loaded`; raises (InsufficientMemoryError, an unsupported
+    layout) before any request is taken. `has_commands`: whether callers queued anything (the core pipelines
+    only when nothing did)."""
+    layout = probe_layout(loaded.model)
+    check_paged_support(layout)
+    route_paged_attention()
+    kv_dtype = activation_dtype(loaded.model)  # K/V have the activations' dtype
+    facts = ModelFacts.from_layout(layout, model_weight_bytes(loaded.model), kv_dtype.size,
+                                   context_length(loaded.config))
+    plan = plan_memory(DeviceFacts.detect(), facts, cache_config, scheduler_config, weights_resident=True)
+    kv = PagedKVCache.for_layout(layout, plan.num_blocks, cache_config.block_size, kv_dtype)
+    # Before the first decode: a Metal kernel variant that fails its self-check is replaced by the reference.
+    attention = prepare_model_attention(kv_dtype, cache_config.block_size, attention_geometries(layout))
+    max_model_len = int(scheduler_config.max_model_len or facts.context_length or plan.token_capacity)
+    # Not exact in a ragged batch (or cannot take one): one sequence per pass, decided here, not mid-request.
+    serial = layout_serial_reason(layout, loaded.model, kv_dtype, cache_config.block_size)
+    core = EngineCore.create(loaded.model, loaded.tokenizer, kv, cache_config, scheduler_config,
+                             max_model_len=max_model_len, extra_key=str(loaded.path), stats=stats,
+                             serial=serial is not None, layout=layout, num_checkpoints=plan.num_checkpoints,
+                             has_commands=has_commands)
+    evaluate_model_arrays(loaded.model)  # after every forward on this thread (probe, split_head)
+    return BuiltCore(layout, facts, plan, kv, attention, max_model_len, serial, core)
+
+
+def layout_serial_reason(layout: ModelLayout, model, dtype: mx.Dtype, block_size: int) -> str | None:
+    """Why the model must run one sequence per pass (warned once), or None when ragged batches are exact."""
+    reason = serial_reason(layout)  # what the layout shows: a failing batched forward, a model-built mask
+    try:
+        # State models never share a prefill pass (runner.state_model_passes), so the check's ragged
+        # prefill pass is not theirs; their batched decode is compared with mlx-lm in the tests.
+        if reason is None and not layout.state_leaves:
+            reason = batch_mismatch(model, layout, dtype, block_size)
+    except Exception as exc:  # a ragged batch the probe's batched forward did not catch failing
+        reason = f"{type(exc).__name__}: {str(exc)[:200]}"
+    if reason is not None:
+        warnings.warn(f"model type {layout.model_type!r} is not exact in a batch of sequences ({reason}): it runs "
+                      "one sequence per pass (correct, slower)", RuntimeWarning, stacklevel=4)
+    return reason
+
+
+def evaluate_model_arrays(model) -> None:
+    """Evaluate what the lazy forwards on this thread left lazy in the model: gemma3n reassigns its altup
+    weights (`weight = mx.clip(weight, ...)`) in every forward and keeps `_std_multiplier` outside its
+    parameters. First evaluated on the engine thread they fail ("no Stream(cpu, 0) in current thread")."""
+    mx.eval(model.parameters(), [value for module in model.modules() for key, value in module.items()
+                                 if key.startswith("_") and isinstance(value, mx.array)])
