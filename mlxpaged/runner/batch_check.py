@@ -22,7 +22,8 @@ HALF_TOLERANCE = 3e-2
 def batch_mismatch(model, layout: ModelLayout, dtype: mx.Dtype, block_size: int) -> str | None:
     """None when two ragged rows (prefill, then one decode step) give the logits they give alone;
     else what differed, with the numbers."""
-    from mlxpaged.runner.model_runner import Runner, StepInput  # the runner imports this module's user
+    from mlxpaged.runner.model_runner import Runner  # the runner imports this module's user
+    from mlxpaged.runner.passes import StepInput
 
     groups = len(PagedKVCache.for_layout(layout, 1, block_size, dtype).groups)
     kv = PagedKVCache.for_layout(layout, 2 * groups + 1, block_size, dtype)

@@ -1,15 +1,4 @@
-"""One model step over a ragged batch on the paged cache.
-
-A step's decode tokens run as one batched pass of one token per sequence; prefill chunks
-run in passes of their own. Padding a 512-token chunk and 15 one-token decode rows into
-one [16, 512] batch would compute 8,192 positions for 527 real ones, so the runner
-alternates within the step instead (measured choice, see the engine notes). Short prefill
-chunks of similar length share a right-padded pass (32 chat prompts of 30-50 tokens: one
-pass 3.3-3.8 s, one pass each 4.8-5.1 s); long ones run alone, where causal attention
-skips its masked half.
-
-Only the positions that sample go through the LM head: on a 49k vocabulary the head
-of a 512-token chunk would otherwise cost as much as several layers.
+"""One model step over a ragged batch on the paged cache (which inputs share a pass: passes.py).
 
 `execute` is the engine step's "execute" stage: the passes, sampling, the look-ahead pipeline
 (`Lookahead`) and, through `copy_blocks`, the copy-on-write block copies of n > 1 forks.
@@ -22,7 +11,7 @@ is queued (deferred_writes.py). On the CPU backend it is built ahead and launche
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Protocol, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -39,77 +28,7 @@ from mlxpaged.runner.routing import is_routed
 from mlxpaged.runner.sampling import LazySample, SampleResult, sample_batch
 from mlxpaged.runner.sampling_rows import SamplingRows
 from mlxpaged.runner.draft_verify import sample_with_drafts
-
-
-@dataclass(frozen=True)
-class StepInput:
-    """One sequence's part of a step: `token_ids` fed at positions start.. (block tables per layer group)."""
-    token_ids: Sequence[int]
-    start: int
-    block_tables: Sequence[list[int]]
-    samples: bool
-    state_slot: int | None = None  # models with state layers: the sequence's state slot
-    num_logits: int = 1  # logits of this many last positions (a chunk with speculative drafts: all)
-
-
-def split_head(model: nn.Module) -> Callable[[mx.array], mx.array] | None:
-    """`hidden -> logits` when the model is `model.model` followed by a plain LM head, else None.
-
-    Checked numerically once on a short probe, so models that post-process logits
-    (soft-capping, scaling) fall back to the full forward pass instead of being wrong.
-    """
-    inner = getattr(model, "model", None)
-    if inner is None or not hasattr(model, "make_cache"):
-        return None
-    if getattr(model, "lm_head", None) is not None:
-        head = model.lm_head
-    elif hasattr(inner, "embed_tokens"):
-        head = inner.embed_tokens.as_linear
-    else:
-        return None
-    probe = mx.array([[1, 2, 3]])
-    try:
-        full = model(probe, cache=model.make_cache())
-        split = head(inner(probe, cache=model.make_cache()))
-    except Exception:  # an unusual model signature: use the full forward pass
-        return None
-    return head if mx.allclose(full, split, atol=1e-5, rtol=1e-5).item() else None
-
-
-# Prefill chunks that end within this many tokens may share a pass, if padding them to the
-# longest adds at most a quarter. A shared pass attends through a ragged mask, without the causal
-# blocks that halve a long chunk's attention: `bench batch`'s prefill (16 prompts of 273-468
-# tokens) took 22.9 s in shared passes and 17.7 s alone, so only short chunks share, where a
-# pass's fixed cost dominates (32 chat prompts at once: time to first token 3.2 s -> 1.2 s).
-SHARED_PREFILL_MAX_END = 256
-SHARED_PREFILL_PADDING = 1.25
-
-
-def prefill_passes(inputs: Sequence[StepInput]) -> list[list[int]]:
-    """The prefill chunks (inputs of more than one token) grouped into passes, as input indices."""
-    alone, groups, totals = [], [], []
-    chunks = [i for i, x in enumerate(inputs) if len(x.token_ids) > 1]
-    for i in sorted(chunks, key=lambda i: len(inputs[i].token_ids)):
-        x = inputs[i]
-        width = len(x.token_ids)  # the longest so far: sorted by length
-        if x.start + width > SHARED_PREFILL_MAX_END:
-            alone.append([i])
-        elif groups and width * (len(groups[-1]) + 1) <= SHARED_PREFILL_PADDING * (totals[-1] + width):
-            groups[-1].append(i)
-            totals[-1] += width
-        else:
-            groups.append([i])
-            totals.append(width)
-    return groups + alone
-
-
-def state_model_passes(inputs: Sequence[StepInput]) -> list[list[int]]:
-    """Passes of a model with state layers: decode rows (one token after existing state) together,
-    every other chunk alone. A ragged prefill pass is exact only for models that mask their state by
-    `lengths` (design 14, finding 4), and a fresh row (state None) must not meet rows with state."""
-    decode = [i for i, x in enumerate(inputs) if len(x.token_ids) == 1 and x.start > 0]
-    alone = [[i] for i, x in enumerate(inputs) if i not in decode]
-    return ([decode] if decode else []) + alone
+from mlxpaged.runner.passes import StepInput, logit_positions, prefill_passes, split_head, state_model_passes
 
 
 # Decode passes of up to `backend.tuning().compiled_decode_max_batch` sequences run compiled
@@ -118,19 +37,6 @@ def state_model_passes(inputs: Sequence[StepInput]) -> list[list[int]]:
 # (the drafter's k <= 7 by default, so at most 7 lengths per page bucket). SmolLM2-135M at 300 tokens, 6-token
 # chunk: 66.8 ms compiled vs 72.1 eager (one token: 40.6); the rest is OpenBLAS gemm at M=6 vs gemv.
 COMPILED_VERIFY_MAX_TOKENS = 8
-
-
-def _logit_positions(batch: Sequence[StepInput]) -> tuple[mx.array, mx.array]:
-    """(row, column) index arrays of the positions whose logits a pass returns: each input's last
-    `num_logits` positions, in order."""
-    for x in batch:
-        if not 1 <= x.num_logits <= len(x.token_ids):
-            raise ValueError(f"num_logits {x.num_logits} outside 1..{len(x.token_ids)} (the input's tokens)")
-    if all(x.num_logits == 1 for x in batch):
-        return mx.arange(len(batch)), mx.array([len(x.token_ids) - 1 for x in batch])
-    rows = [b for b, x in enumerate(batch) for _ in range(x.num_logits)]
-    columns = [len(x.token_ids) - x.num_logits + j for x in batch for j in range(x.num_logits)]
-    return mx.array(rows), mx.array(columns)
 
 
 def _rows(values: mx.array, rows: list[int]) -> mx.array:
@@ -427,7 +333,7 @@ class Runner:
         if self.state_store is not None:
             state_pass = StatePass(self.state_store, [x.state_slot for x in batch], num_new)
         views = cache_tree.model_cache(self.layout, views, state_pass.views if state_pass is not None else None)
-        rows, columns = _logit_positions(batch)
+        rows, columns = logit_positions(batch)
         if self.head is not None:
             hidden = self.model.model(tokens, cache=views)
             return self.head(hidden[rows, columns]), state_pass

@@ -158,7 +158,7 @@ def test_short_prompts_share_prefill_passes_and_equal_solo_runs(tokenizer, monke
 
 
 def test_prefill_passes_group_similar_short_chunks():
-    from mlxpaged.runner.model_runner import StepInput, prefill_passes
+    from mlxpaged.runner.passes import StepInput, prefill_passes
 
     def chunk(n, start=0):
         return StepInput(list(range(n)), start, [[0]], True)

@@ -12,7 +12,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlxpaged.cache.kv_cache import PagedKVCache
 from mlxpaged.cache.state_cache import StateStore
 from mlxpaged.loading.probe import probe_layout
-from mlxpaged.runner.model_runner import Runner, StepInput, state_model_passes
+from mlxpaged.runner.model_runner import Runner
+from mlxpaged.runner.passes import StepInput, state_model_passes
 from tests.tiny_models import grow_tables, random_tokens, shuffled_blocks, tiny_qwen3_5
 
 ATOL = 1e-4

@@ -7,7 +7,8 @@ import mlx.core as mx
 import pytest
 
 from mlxpaged.cache.kv_cache import PagedKVCache
-from mlxpaged.runner.model_runner import Runner, StepInput
+from mlxpaged.runner.model_runner import Runner
+from mlxpaged.runner.passes import StepInput
 from mlxpaged.runner.routing import route_paged_attention
 from tests.tiny_models import random_tokens, shuffled_blocks, tiny_llama
 

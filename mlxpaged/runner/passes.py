@@ -1,0 +1,105 @@
+"""Which inputs of a step share a model pass, and which positions of a pass reach the LM head.
+
+A step's decode tokens run as one batched pass of one token per sequence; prefill chunks
+run in passes of their own. Padding a 512-token chunk and 15 one-token decode rows into
+one [16, 512] batch would compute 8,192 positions for 527 real ones, so the runner
+alternates within the step instead (measured choice, see the engine notes). Short prefill
+chunks of similar length share a right-padded pass (32 chat prompts of 30-50 tokens: one
+pass 3.3-3.8 s, one pass each 4.8-5.1 s); long ones run alone, where causal attention
+skips its masked half.
+
+Only the positions that sample go through the LM head: on a 49k vocabulary the head
+of a 512-token chunk would otherwise cost as much as several layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+
+
+@dataclass(frozen=True)
+class StepInput:
+    """One sequence's part of a step: `token_ids` fed at positions start.. (block tables per layer group)."""
+    token_ids: Sequence[int]
+    start: int
+    block_tables: Sequence[list[int]]
+    samples: bool
+    state_slot: int | None = None  # models with state layers: the sequence's state slot
+    num_logits: int = 1  # logits of this many last positions (a chunk with speculative drafts: all)
+
+
+def split_head(model: nn.Module) -> Callable[[mx.array], mx.array] | None:
+    """`hidden -> logits` when the model is `model.model` followed by a plain LM head, else None.
+
+    Checked numerically once on a short probe, so models that post-process logits
+    (soft-capping, scaling) fall back to the full forward pass instead of being wrong.
+    """
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(model, "make_cache"):
+        return None
+    if getattr(model, "lm_head", None) is not None:
+        head = model.lm_head
+    elif hasattr(inner, "embed_tokens"):
+        head = inner.embed_tokens.as_linear
+    else:
+        return None
+    probe = mx.array([[1, 2, 3]])
+    try:
+        full = model(probe, cache=model.make_cache())
+        split = head(inner(probe, cache=model.make_cache()))
+    except Exception:  # an unusual model signature: use the full forward pass
+        return None
+    return head if mx.allclose(full, split, atol=1e-5, rtol=1e-5).item() else None
+
+
+# Prefill chunks that end within this many tokens may share a pass, if padding them to the
+# longest adds at most a quarter. A shared pass attends through a ragged mask, without the causal
+# blocks that halve a long chunk's attention: `bench batch`'s prefill (16 prompts of 273-468
+# tokens) took 22.9 s in shared passes and 17.7 s alone, so only short chunks share, where a
+# pass's fixed cost dominates (32 chat prompts at once: time to first token 3.2 s -> 1.2 s).
+SHARED_PREFILL_MAX_END = 256
+SHARED_PREFILL_PADDING = 1.25
+
+
+def prefill_passes(inputs: Sequence[StepInput]) -> list[list[int]]:
+    """The prefill chunks (inputs of more than one token) grouped into passes, as input indices."""
+    alone, groups, totals = [], [], []
+    chunks = [i for i, x in enumerate(inputs) if len(x.token_ids) > 1]
+    for i in sorted(chunks, key=lambda i: len(inputs[i].token_ids)):
+        x = inputs[i]
+        width = len(x.token_ids)  # the longest so far: sorted by length
+        if x.start + width > SHARED_PREFILL_MAX_END:
+            alone.append([i])
+        elif groups and width * (len(groups[-1]) + 1) <= SHARED_PREFILL_PADDING * (totals[-1] + width):
+            groups[-1].append(i)
+            totals[-1] += width
+        else:
+            groups.append([i])
+            totals.append(width)
+    return groups + alone
+
+
+def state_model_passes(inputs: Sequence[StepInput]) -> list[list[int]]:
+    """Passes of a model with state layers: decode rows (one token after existing state) together,
+    every other chunk alone. A ragged prefill pass is exact only for models that mask their state by
+    `lengths` (design 14, finding 4), and a fresh row (state None) must not meet rows with state."""
+    decode = [i for i, x in enumerate(inputs) if len(x.token_ids) == 1 and x.start > 0]
+    alone = [[i] for i, x in enumerate(inputs) if i not in decode]
+    return ([decode] if decode else []) + alone
+
+
+def logit_positions(batch: Sequence[StepInput]) -> tuple[mx.array, mx.array]:
+    """(row, column) index arrays of the positions whose logits a pass returns: each input's last
+    `num_logits` positions, in order."""
+    for x in batch:
+        if not 1 <= x.num_logits <= len(x.token_ids):
+            raise ValueError(f"num_logits {x.num_logits} outside 1..{len(x.token_ids)} (the input's tokens)")
+    if all(x.num_logits == 1 for x in batch):
+        return mx.arange(len(batch)), mx.array([len(x.token_ids) - 1 for x in batch])
+    rows = [b for b, x in enumerate(batch) for _ in range(x.num_logits)]
+    columns = [len(x.token_ids) - x.num_logits + j for x in batch for j in range(x.num_logits)]
+    return mx.array(rows), mx.array(columns)
