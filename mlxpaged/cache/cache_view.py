@@ -37,7 +37,6 @@ from typing import Sequence
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
-from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from mlxpaged.cache.kv_cache import KVCacheSpec, LayerGroup, PagedKVCache
 
@@ -45,35 +44,6 @@ from mlxpaged.cache.kv_cache import KVCacheSpec, LayerGroup, PagedKVCache
 def _routable(plan: "_Plan | None", spec: KVCacheSpec) -> bool:
     """One new token per sequence on a layer that reads every key: the paged decode kernel's case."""
     return plan is not None and plan.length == 1 and not plan.split and spec.window is None
-
-
-def layer_windows(model) -> list[int | None]:
-    """Per layer, the sliding window mlx-lm's own cache gives it, or None (full attention)."""
-    if not hasattr(model, "make_cache"):
-        return [None] * len(model.layers)
-    windows: list[int | None] = []
-    for layer, cache in enumerate(model.make_cache()):
-        if type(cache) is KVCache:
-            windows.append(None)
-        elif type(cache) is RotatingKVCache and cache.keep == 0:
-            windows.append(cache.max_size)
-        else:
-            raise ValueError(f"layer {layer}: mlx-lm cache {type(cache).__name__} has no paged equivalent")
-    return windows
-
-
-def make_paged_cache(
-    model,
-    kv_cache: PagedKVCache,
-    block_tables: Sequence[Sequence[list[int]]],
-    offsets: Sequence[int] | None = None,
-    num_new: Sequence[int] | None = None,
-) -> list[PagedCacheView]:
-    """The per-layer cache list for `model(tokens, cache=...)`, after checking the model fits the pools."""
-    windows = tuple(layer_windows(model))
-    if windows != kv_cache.layer_windows:
-        raise ValueError(f"model layer windows {windows} differ from the cache's {kv_cache.layer_windows}")
-    return paged_views(kv_cache, block_tables, offsets, num_new)
 
 
 def paged_views(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import mlxpaged  # noqa: F401  (OpenBLAS before mlx)
 import mlx.core as mx
 import pytest
@@ -9,7 +11,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
-from mlxpaged.cache.cache_view import layer_windows, make_paged_cache, paged_views
+from mlxpaged.cache.cache_view import PagedCacheView, paged_views
 from mlxpaged.cache.kv_cache import PagedKVCache
 from tests.tiny_models import (grow_tables, random_tokens, shuffled_blocks, tiny_gemma3, tiny_hybrid_llama,
                                tiny_llama, tiny_qwen3)
@@ -27,6 +29,35 @@ MODELS = {
 @pytest.fixture(scope="module", params=list(MODELS))
 def model(request):
     return MODELS[request.param]()
+
+
+def layer_windows(model) -> list[int | None]:
+    """Per layer, the sliding window mlx-lm's own cache gives it, or None (full attention)."""
+    if not hasattr(model, "make_cache"):
+        return [None] * len(model.layers)
+    windows: list[int | None] = []
+    for layer, cache in enumerate(model.make_cache()):
+        if type(cache) is KVCache:
+            windows.append(None)
+        elif type(cache) is RotatingKVCache and cache.keep == 0:
+            windows.append(cache.max_size)
+        else:
+            raise ValueError(f"layer {layer}: mlx-lm cache {type(cache).__name__} has no paged equivalent")
+    return windows
+
+
+def make_paged_cache(
+    model,
+    kv_cache: PagedKVCache,
+    block_tables: Sequence[Sequence[list[int]]],
+    offsets: Sequence[int] | None = None,
+    num_new: Sequence[int] | None = None,
+) -> list[PagedCacheView]:
+    """The per-layer cache list for `model(tokens, cache=...)`, after checking the model fits the pools."""
+    windows = tuple(layer_windows(model))
+    if windows != kv_cache.layer_windows:
+        raise ValueError(f"model layer windows {windows} differ from the cache's {kv_cache.layer_windows}")
+    return paged_views(kv_cache, block_tables, offsets, num_new)
 
 
 def paged_cache_for(model, block_size: int, num_blocks: int = 96) -> PagedKVCache:

@@ -4,14 +4,14 @@ import mlxpaged
 import mlx.core as mx
 from mlxpaged.loading.loader import load_local, locate_model
 from mlxpaged.cache.kv_cache import PagedKVCache
-from mlxpaged.cache.cache_view import paged_views, layer_windows
+from mlxpaged.cache.cache_view import paged_views
 import mlxpaged.runner.routing as routing
 routing.route_paged_attention()
 ref, path = locate_model("models/smollm2-135m-float32")
 model = load_local(ref, path).model
 a = model.args; BS = 16; N = int(sys.argv[1]); C = int(sys.argv[2])
 kv = PagedKVCache(len(model.layers), 32768 // BS, BS, a.num_key_value_heads, a.hidden_size // a.num_attention_heads,
-                  mx.float32, layer_windows(model))
+                  mx.float32, [None] * len(model.layers))  # SmolLM2: full attention in every layer
 table = list(range(N // BS))
 tokens = mx.array([[(i * 7919) % 40000 + 100 for i in range(N)]])
 real_sdpa = routing.sdpa
