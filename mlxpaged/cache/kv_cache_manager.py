@@ -132,32 +132,8 @@ class KVCacheManager:
         self._check_known(request_id)
         return [[b.block_id for b in m.tables[request_id]] for m in self.managers]
 
-    def ref_count(self, block_id: int) -> int:
-        return self.pool.ref_count(block_id)
-
     def stats(self) -> BlockPoolStats:
         return self.pool.stats()
-
-    def block_state(self) -> list[str]:
-        return self.pool.block_state()
-
-    def slots_for(self, request: Request, start: int, end: int, group: int = 0) -> list[int]:
-        """Physical slots (block * block_size + offset) of positions [start, end) in one group's
-        table. In a ring, later positions reuse the slots of those a window earlier."""
-        self._check_known(request.request_id)
-        manager = self.managers[group]
-        if not 0 <= start <= end <= request.num_tokens or manager.num_new_blocks(request.request_id, end):
-            raise ValueError(f"slot range [{start}, {end}) outside the {request.num_tokens} tokens of "
-                             f"request {request.request_id!r} that have slots")
-        bs = self.block_size
-        return [manager.block_at(request.request_id, p).block_id * bs + p % bs for p in range(start, end)]
-
-    def lookup_prefix(self, token_ids: Sequence[int]) -> int:
-        """Tokens allocate() would take from the cache now; no side effects, no stats."""
-        tokens = list(token_ids)
-        hits, hashes = self._match_prefix(tokens)
-        partial = self._match_partial(tokens, hashes)
-        return len(hits) * self.block_size + (partial[1] if partial else 0)
 
     def can_allocate(self, request: Request, num_new_slots: int | None = None) -> bool:
         tokens = request.all_token_ids
@@ -300,10 +276,6 @@ class KVCacheManager:
         if chain.partial is not None and chain.epoch == self.pool.cache_epoch and chain.partial[0].ref_cnt == 0:
             parent = chain.block_hashes[-1] if chain.block_hashes else None
             self.pool.cache_partial_block(chain.partial[0], parent, chain.partial[1])
-
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached block; running requests keep theirs but stop caching new ones."""
-        self.pool.reset_prefix_cache()
 
     # ---- internals ----------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """A cache manager plus the Requests it serves: the test side of the scheduler's part."""
 
 from mlxpaged.cache.block_pool import BlockPool
-from mlxpaged.cache.kv_cache_manager import KVCacheManager
+from mlxpaged.cache.kv_cache_manager import KVCacheManager, UnknownRequestError
 from mlxpaged.engine.request import Request
 from mlxpaged.cache.specs import FullAttentionSpec, SlidingWindowSpec
 
@@ -13,6 +13,28 @@ def manager_for(num_blocks, bs=16, groups=(None,), prefix_cache=True, **kwargs) 
     """A manager whose groups are full attention (None) or sliding-window rings of `cap` blocks."""
     specs = [FullAttentionSpec(bs) if cap is None else SlidingWindowSpec(bs, (cap - 1) * bs) for cap in groups]
     return KVCacheManager(BlockPool(num_blocks), specs, enable_prefix_cache=prefix_cache, **kwargs)
+
+
+def slots_for(manager: KVCacheManager, request: Request, start: int, end: int, group: int = 0) -> list[int]:
+    """Physical slots (block * block_size + offset) of positions [start, end) in one group's
+    table. In a ring, later positions reuse the slots of those a window earlier."""
+    rid = request.request_id
+    if rid not in manager:
+        raise UnknownRequestError(rid)
+    table = manager.managers[group]
+    if not 0 <= start <= end <= request.num_tokens or table.num_new_blocks(rid, end):
+        raise ValueError(f"slot range [{start}, {end}) outside the {request.num_tokens} tokens of "
+                         f"request {rid!r} that have slots")
+    bs = manager.block_size
+    return [table.block_at(rid, p).block_id * bs + p % bs for p in range(start, end)]
+
+
+def lookup_prefix(manager: KVCacheManager, token_ids) -> int:
+    """Tokens allocate() would take from the cache now (the manager's own matching); no side effects, no stats."""
+    tokens = list(token_ids)
+    hits, hashes = manager._match_prefix(tokens)
+    partial = manager._match_partial(tokens, hashes)
+    return len(hits) * manager.block_size + (partial[1] if partial else 0)
 
 
 class Sequences:
@@ -77,7 +99,19 @@ class Sequences:
         del self.requests[request_id]
 
     def slots_for(self, request_id, start, end, group=0):
-        return self.manager.slots_for(self.request(request_id), start, end, group)
+        return slots_for(self.manager, self.request(request_id), start, end, group)
+
+    def lookup_prefix(self, token_ids) -> int:
+        return lookup_prefix(self.manager, token_ids)
+
+    def ref_count(self, block_id) -> int:
+        return self.manager.pool.ref_count(block_id)
+
+    def block_state(self) -> list[str]:
+        return self.manager.pool.block_state()
+
+    def reset_prefix_cache(self) -> None:
+        self.manager.pool.reset_prefix_cache()
 
     def num_tokens(self, request_id) -> int:
         return self.requests[request_id].num_tokens

@@ -22,7 +22,7 @@ from mlxpaged.engine.scheduler import (
     Scheduler,
     SchedulerOutput,
 )
-from tests.cache.kv_sequences import manager_for
+from tests.cache.kv_sequences import manager_for, slots_for
 
 BS = 8
 FINISHED_STOPPED, FINISHED_LENGTH = RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH
@@ -205,7 +205,7 @@ def test_chunk_fields_and_sampling_flag():
     s.update_from_output(s2, {"a": 7})
     assert s.get("a").output_token_ids == [7] and s.get("a").num_computed_tokens == 10
     (c,) = s.schedule().chunks
-    assert (c.start, c.token_ids, c.samples) == (10, [7], True) and len(pool.slots_for(s.get("a"), 0, 11)) == 11
+    assert (c.start, c.token_ids, c.samples) == (10, [7], True) and len(slots_for(pool, s.get("a"), 0, 11)) == 11
 
 
 def test_chunked_prefill_does_not_stall_decode():
