@@ -44,16 +44,3 @@ class NgramDrafter:
             for n in range(self.min_n, min(self.max_n, stop + 1) + 1):
                 self._next[tuple(tokens[stop - n + 1:stop + 1])] = stop + 1
         self._indexed = end
-
-
-def propose_by_scan(tokens: Sequence[int], k: int, min_n: int = 2, max_n: int = 4) -> list[int]:
-    """The slow twin of `NgramDrafter.propose`: scan backwards for the latest earlier occurrence."""
-    if k <= 0 or len(tokens) < min_n + 1:
-        return []
-    tokens = list(tokens)
-    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
-        suffix = tokens[-n:]
-        for start in range(len(tokens) - n - 1, -1, -1):
-            if tokens[start:start + n] == suffix:
-                return tokens[start + n:start + n + k]
-    return []

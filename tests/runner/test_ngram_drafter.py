@@ -2,11 +2,26 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from mlxpaged.errors import ConfigError
-from mlxpaged.runner.ngram_drafter import NgramDrafter, propose_by_scan
+from mlxpaged.runner.ngram_drafter import NgramDrafter
+
+
+def propose_by_scan(tokens: Sequence[int], k: int, min_n: int = 2, max_n: int = 4) -> list[int]:
+    """The slow twin of `NgramDrafter.propose`: scan backwards for the latest earlier occurrence."""
+    if k <= 0 or len(tokens) < min_n + 1:
+        return []
+    tokens = list(tokens)
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        suffix = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start:start + n] == suffix:
+                return tokens[start + n:start + n + k]
+    return []
 
 
 def test_it_continues_the_latest_earlier_occurrence_of_the_longest_suffix():
