@@ -201,9 +201,6 @@ class ModelLayout:
                 return leaf
         raise KeyError(f"no cache leaf at {path}")
 
-    def has_cache_lists(self) -> bool:
-        return any(isinstance(entry, CacheListNode) for entry in self.structure)
-
     def where(self, path: Path) -> str:
         """A leaf's place in words: "layer 3" when the cache list maps one entry per layer."""
         head = f"layer {path[0]}" if self.num_layers == len(self.structure) else f"cache entry {path[0]}"

@@ -59,11 +59,6 @@ class KVShape:
         return (KVGeometry(self.num_kv_heads, self.head_dim, self.head_dim),) * self.num_layers
 
     @property
-    def layer_bytes_per_token(self) -> int:
-        """K and V of one token in one layer (the first layer's, when they differ; 0 without layers)."""
-        return sum(g.page_elements(1) for g in self.layer_geometries[:1]) * self.dtype_bytes
-
-    @property
     def bytes_per_token(self) -> int:
         """Every layer's K and V of one token, in its own widths (a K-is-V layer once)."""
         return sum(g.page_elements(1) for g in self.layer_geometries) * self.dtype_bytes
