@@ -1,5 +1,6 @@
-"""Seams between merged branches (review 5): speculation x n > 1 forks, serial models, partial-block reuse,
-multi-geometry pools and look-ahead pipelining; n > 1 forks on multi-geometry pools."""
+"""Speculative decoding combined with the engine's other features: n > 1 forks (drafting on a one-token last
+prefill chunk), a serial model (one sequence per pass), partial-block reuse of a speculated block, look-ahead
+pipelining of replies with nothing to draft, and pools of several geometries (tokens stay mlx-lm's)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ from tests.tiny_models import tiny_llama
 
 def replies(events) -> list[list[int]]:
     return [[e.token_id for e in events if e.index == i and e.token_id is not None] for i in range(2)]
-
 
 def test_n_sequences_whose_last_prompt_chunk_is_one_token_fork_with_drafts(tokenizer, monkeypatch):
     """A repeated prompt hits the prefix cache (full blocks + the partial last block) up to its last
@@ -36,7 +36,6 @@ def test_n_sequences_whose_last_prompt_chunk_is_one_token_fork_with_drafts(token
     assert core.speculator.stats.draft_tokens > 0
     assert replies(events) == replies(plain["r"])
     assert core.scheduler.kv_manager.stats().num_owned == 0
-
 
 def test_a_serial_model_verifies_drafts_one_sequence_per_pass(tokenizer, monkeypatch):
     """Runner(serial=True) runs each chunk alone, drafting chunks too (num_logits > 1 per pass): the
@@ -65,7 +64,6 @@ def test_a_serial_model_verifies_drafts_one_sequence_per_pass(tokenizer, monkeyp
     assert {rid: token_ids(e) for rid, e in events.items()} == {rid: token_ids(e) for rid, e in plain.items()}
     assert core.scheduler.kv_manager.stats().num_owned == 0
 
-
 def test_a_partial_block_written_by_speculation_is_reused_with_the_kept_tokens_only(tokenizer, monkeypatch):
     """A speculating request's last, partly computed block (rejected drafts were written past its kept
     tokens) is cached as partial when it ends; a prompt extending the reply mid-block reuses it."""
@@ -87,33 +85,6 @@ def test_a_partial_block_written_by_speculation_is_reused_with_the_kept_tokens_o
     assert follow_up[-1].cached_tokens == 68
     assert token_ids(follow_up) == token_ids(fresh["s"])
 
-
-@pytest.mark.parametrize("module", ["deepseek_v32", "gemma4_text"])  # K-is-V + two classes; shared K/V
-def test_greedy_n_sequences_on_pools_of_several_geometries_match_mlx_lm(module, tokenizer, monkeypatch):
-    """n > 1 forks copy the prompt's partly computed block: in every pool (copy_blocks), or the copied
-    sequences read another class's stale pages and leave mlx-lm's greedy tokens."""
-    from mlxpaged.sampling_params import SamplingParams
-    from tests.archs.harness import build, prompts, reference, _vocab
-    from tests.archs.scenarios import BLOCK_SIZE, compare
-    from tests.engine.test_engine import assert_pool_empty, tiny_engine
-
-    from mlxpaged.cache.kv_cache import PagedKVCache
-
-    copies = []
-    real_copy = PagedKVCache.copy_blocks
-    monkeypatch.setattr(PagedKVCache, "copy_blocks", lambda kv, pairs: (copies.extend(pairs), real_copy(kv, pairs)))
-    model = build(module)
-    case = reference(model, prompts(_vocab(model))[0])
-    assert len(case.prompt) % BLOCK_SIZE  # a partial last block, which a fork copies
-    params = SamplingParams(temperature=0.0, n=3, max_tokens=len(case.tokens), ignore_eos=True)
-    with tiny_engine(model, tokenizer, cache_tokens=512, block_size=BLOCK_SIZE) as engine:
-        assert len(set(engine.kv.geometries)) > 1
-        for completion in engine.generate([case.prompt], params):
-            assert compare(list(completion.token_ids), case) is None
-        assert_pool_empty(engine)
-    assert copies  # the forks copied the partial block rather than recomputing the prompt
-
-
 def count_pipelined_steps(model, tokenizer, monkeypatch, **scheduling) -> int:
     """Steps of two greedy replies (batch 2: eager, pipelined) whose next decode pass was queued ahead."""
     from mlxpaged.runner.model_runner import Runner
@@ -130,7 +101,6 @@ def count_pipelined_steps(model, tokenizer, monkeypatch, **scheduling) -> int:
     monkeypatch.setattr(Runner, "_look_ahead", real)
     return sum(ahead is not None for ahead in built)
 
-
 def test_a_reply_with_nothing_to_draft_pipelines_as_without_speculation(tokenizer, monkeypatch):
     from mlxpaged.runner.ngram_drafter import NgramDrafter
 
@@ -141,7 +111,6 @@ def test_a_reply_with_nothing_to_draft_pipelines_as_without_speculation(tokenize
     # Drafting pauses after two empty lookups and retries after 2, 4, 8, ... steps (drafting.py): only
     # the retry steps are not pipelined, a few in a reply (before the pause: none were, 0 of 38).
     assert plain > 30 and spec >= 0.75 * plain, (plain, spec)
-
 
 @pytest.mark.parametrize("module", ["deepseek_v32", "longcat_flash"])
 def test_drafts_on_multi_geometry_cache_lists_keep_mlx_lms_greedy_tokens(module, tokenizer, monkeypatch):
