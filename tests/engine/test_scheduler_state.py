@@ -171,3 +171,17 @@ def test_admission_waits_for_a_free_slot():
         sched.add_request(Request(rid, prompt_of(9, ord(rid)), 3))
     out = sched.schedule()
     assert [c.request.request_id for c in out.chunks] == ["a"] and sched.num_waiting == 1
+
+
+def test_a_one_token_prefill_chunk_ending_at_the_last_boundary_publishes_its_checkpoint():
+    """A capped or budget-cut prefill (LONG_PREFILL_SHARE and decodes make chunk ends arbitrary) that leaves
+    one token before the prompt's last block boundary still publishes the checkpoint at that boundary."""
+    state, sched = make(budget=15)  # chunk 1 ends at 15, one token before the prompt's last boundary (16)
+    sched.add_request(Request("a", prompt_of(21, 1), 12))
+    steps = run(state, sched)
+    assert steps[:2] == [[("a", 0, 15)], [("a", 15, 1)]]  # the scheduler cut at the boundary...
+    assert state.published[0] == (16, True)  # ...so the prompt's checkpoint is published there, not pending
+    again = Request("b", prompt_of(21, 1), 3)  # the same prompt: resumes at 16 (a decode checkpoint at 24
+    sched.add_request(again)                    # replaced a pending one, and the prompt does not reach 24)
+    run(state, sched)
+    assert again.num_cached_tokens == 16
