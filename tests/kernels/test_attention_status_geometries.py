@@ -1,5 +1,5 @@
-"""Review 5: the attention status of a model whose pools have several geometries (engine.py prepares the
-kernel once per `attention_geometries` entry; attention.py merges their reasons into one PreparedAttention)."""
+"""The attention status of a model whose pools have several geometries: the kernel is prepared once per
+`attention_geometries` entry and attention.py merges their reasons into one PreparedAttention."""
 
 import mlx.core as mx
 
