@@ -1,4 +1,4 @@
-"""The per-sequence draft policy (plain Python): how k adapts and when drafting pauses."""
+"""engine/drafting.py's per-sequence draft policy (plain Python): how k adapts and when drafting pauses."""
 
 from mlxpaged.engine.drafting import MAX_PAUSE, DraftPolicy, SpeculationStats
 
