@@ -19,7 +19,7 @@ _LAZY = {
     "RequestFailedError": "mlxpaged.engine.engine", "EngineClosedError": "mlxpaged.engine.engine",
     "SamplingParams": "mlxpaged.sampling_params",
     "CacheConfig": "mlxpaged.config", "SchedulerConfig": "mlxpaged.config",
-    "RequestTooLongError": "mlxpaged.engine.scheduler", "InsufficientMemoryError": "mlxpaged.platform.memory",
+    "RequestTooLongError": "mlxpaged.errors", "InsufficientMemoryError": "mlxpaged.platform.memory",
     "MlxpagedError": "mlxpaged.errors",
 }
 __all__ = ["blas_status", "__version__", *_LAZY]
