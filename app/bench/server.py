@@ -37,7 +37,7 @@ TOPICS = ["a lighthouse keeper", "a lost robot", "a desert caravan", "a deep-sea
 # `python -m mlx_lm.server`, with the same fast BLAS loaded first (as `import mlxpaged` does for us):
 # without it MLX's CPU wheel uses a reference BLAS ~20x slower, which would not be a fair peer.
 MLX_LM_SERVER = "import mlxpaged, runpy; runpy.run_module('mlx_lm.server', run_name='__main__')"
-# The CPU backend re-faults large temporaries every step unless glibc keeps them (DESIGN.md).
+# The CPU backend re-faults large temporaries every step unless glibc keeps them (mlxpaged/platform/malloc.py).
 BENCH_ENV = {"MALLOC_MMAP_THRESHOLD_": "2000000000", "MALLOC_TRIM_THRESHOLD_": "4000000000"}
 
 
