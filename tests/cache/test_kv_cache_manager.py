@@ -1,4 +1,4 @@
-"""Cache manager over the block pool: unit tests per method (state machine: test_blocks_machine.py).
+"""Cache manager over the block pool: unit tests per method (state machine: test_kv_cache_manager_machine.py).
 
 `Sequences` (tests/cache/kv_sequences.py) plays the scheduler's part: it owns each sequence's Request (its
 tokens and computed count) and calls the manager as the scheduler does.
