@@ -30,13 +30,21 @@ class ServerConfig:
 API_DEFAULT_MAX_TOKENS = 1024
 
 
+LONG_SEQUENCE_WARNING = "sequence-length-is-longer-than-the-specified-maximum"  # transformers' key for it
+
+
 def fit_tokenizer_to_context(tokenizer, max_model_len: int) -> None:
     """transformers warns that a prompt past the tokenizer's model_max_length (the trained context) "will result
-    in indexing errors"; with --max-model-len the engine runs such prompts on purpose, so the limit follows it."""
+    in indexing errors". With --max-model-len the engine runs such prompts on purpose, so the limit follows it;
+    past the engine's context nothing is indexed either (reply_budget refuses it, saying why), so the warning is
+    marked as given."""
     inner = getattr(tokenizer, "_tokenizer", tokenizer)  # mlx-lm's TokenizerWrapper holds the Hugging Face one
     length = getattr(inner, "model_max_length", None)
     if isinstance(length, int) and length < max_model_len:
         inner.model_max_length = max_model_len
+    given = getattr(inner, "deprecation_warnings", None)
+    if isinstance(given, dict):
+        given[LONG_SEQUENCE_WARNING] = True
 
 
 class ServerState:

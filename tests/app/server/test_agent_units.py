@@ -3,6 +3,8 @@ max_tokens rule (reply_budget), grammar warnings that name their tool, and a tok
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -19,7 +21,7 @@ from mlxpaged_app.server.responses.protocol import ResponsesRequest
 from mlxpaged_app.server.responses.serving import echoed, responses_spec
 from mlxpaged_app.server.responses.shapes import ResponseBuilder, response_head
 from mlxpaged_app.server.responses.tools import flat_name, responses_tools
-from mlxpaged_app.server.state import fit_tokenizer_to_context
+from mlxpaged_app.server.state import LONG_SEQUENCE_WARNING, fit_tokenizer_to_context
 
 SPAWN = {"type": "function", "name": "spawn_agent", "description": "Start a helper.",
          "parameters": {"type": "object", "properties": {"message": {"type": "string", "maxLength": 16}},
@@ -149,8 +151,26 @@ def test_grammar_warnings_name_the_tool_they_are_about():
 
 
 def test_the_tokenizer_is_told_the_context_the_engine_runs():
-    inner = SimpleNamespace(model_max_length=8192)
+    inner = SimpleNamespace(model_max_length=8192, deprecation_warnings={})
     fit_tokenizer_to_context(SimpleNamespace(_tokenizer=inner), 32768)
-    assert inner.model_max_length == 32768
+    assert inner.model_max_length == 32768 and inner.deprecation_warnings[LONG_SEQUENCE_WARNING]
     fit_tokenizer_to_context(SimpleNamespace(_tokenizer=inner), 4096)  # never lowered
     assert inner.model_max_length == 32768
+
+
+def test_no_indexing_errors_warning_from_the_real_tokenizer():
+    """The default model's tokenizer (transformers) on prompts past its trained 8192 tokens, within the engine's
+    context and past it: no warning once the server has fitted it (what the context cannot hold is refused)."""
+    from mlx_lm.tokenizer_utils import load
+
+    tokenizer = load(Path(__file__).resolve().parents[3] / "models" / "smollm2-135m-float32")
+    fit_tokenizer_to_context(tokenizer, 16384)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # transformers' logger does not propagate: listen on it directly
+    logging.getLogger("transformers").addHandler(handler)
+    try:
+        assert len(tokenizer.encode("hello " * 9000)) > 8192 and len(tokenizer.encode("hello " * 20000)) > 16384
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    assert not [r for r in records if "indexing errors" in r.getMessage()]
