@@ -162,7 +162,7 @@ class GrammarCompiler:
         if is_error:
             raise GrammarError(messages[0] if messages else "llguidance rejected the grammar")
         for warning in messages:
-            log.warning("grammar not fully enforced: %s", warning)
+            log.debug("grammar not fully enforced: %s", warning)  # Constraint.warnings: callers report it in context
         prototype = llguidance.LLMatcher(self.tokenizer, text, log_level=0)
         if prototype.is_error():
             raise GrammarError(prototype.get_error())

@@ -12,6 +12,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from mlxpaged_app.server.anthropic.errors import anthropic_status, error_body, is_anthropic_path, new_request_id
+from mlxpaged_app.server.server_log import log
 
 INVALID_REQUEST = "invalid_request_error"
 
@@ -24,6 +25,7 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.type = status, message, type
         self.param, self.code, self.headers = param, code, headers or {}
+        self.prompt_tokens: int | None = None  # set where the prompt's length is known: the refusal's log line says it
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -33,7 +35,9 @@ class APIError(Exception):
 
 
 def error_response(exc: APIError, path: str) -> JSONResponse:
-    """The error in the shape of the API the path belongs to."""
+    """The error in the shape of the API the path belongs to; a refusal (4xx) gets its log line."""
+    if exc.status < 500:
+        log_refusal(exc, path)
     if not is_anthropic_path(path):
         return exc.response()
     request_id = new_request_id()
@@ -72,6 +76,14 @@ def unavailable(message: str) -> APIError:
 
 def server_error(message: str) -> APIError:
     return APIError(500, message, type="server_error", code="internal_error")
+
+
+def log_refusal(exc: APIError, path: str) -> None:
+    """One line per refused request: the endpoint, the status and code, the parameter, the prompt's length when
+    known, and the message the client got (so the log says why, not just "400 Bad Request")."""
+    where = f" param={exc.param}" if exc.param else ""
+    prompt = f" prompt_tokens={exc.prompt_tokens}" if exc.prompt_tokens is not None else ""
+    log.info("refused %s: %d %s%s%s: %s", path, exc.status, exc.code or exc.type, where, prompt, exc.message)
 
 
 async def handle_api_error(request: Request, exc: APIError) -> JSONResponse:

@@ -112,7 +112,9 @@ def _load_and_serve(args: argparse.Namespace, config, sock: socket.socket) -> in
 
 def serve_until_signal(engine, config, sock: socket.socket, args: argparse.Namespace) -> None:
     from mlxpaged_app.server.api_server import create_app
+    from mlxpaged_app.server.server_log import configure
 
+    configure(args.log_level)
     app = create_app(engine, config)
     uv_config = uvicorn.Config(app, lifespan="off", log_level=args.log_level, access_log=not args.no_access_log,
                                timeout_graceful_shutdown=args.drain_timeout + ABORT_GRACE, server_header=False)

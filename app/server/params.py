@@ -1,5 +1,5 @@
 """From a typed request to the engine's SamplingParams: the checks on what this server supports, the
-max_tokens default, the model's sampling defaults, and SamplingParams itself (whose ValueError, naming
+model's sampling defaults, and SamplingParams itself (whose ValueError, naming
 the field, becomes a 400 naming the API parameter)."""
 
 from __future__ import annotations
@@ -46,13 +46,6 @@ def _logit_bias(bias: dict | None) -> dict[int, float]:
     return {int(key): value for key, value in (bias or {}).items()}
 
 
-def resolve_max_tokens(requested: int | None, prompt_tokens: int, limit: int, default: int) -> int:
-    """The request's own value (the engine checks it), or the default clipped to what still fits."""
-    if requested is not None:
-        return requested
-    return max(1, min(default, limit - prompt_tokens))
-
-
 MODEL_DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")  # what the model may default
 
 
@@ -60,7 +53,7 @@ def sampling_kwargs(defaults: GenerationDefaults, request: object, names: Iterab
     """The defaults merge every API uses: each of `names` the client actually sent, else the model's default;
     neither: left out, so SamplingParams' own default applies. `request` is a pydantic model (what it was sent
     with: model_fields_set) or any object whose None fields were not sent; null counts as not sent.
-    max_tokens is left to the caller (resolve_max_tokens clips it to the context)."""
+    max_tokens is left to the caller (reply_budget.py clamps it to the context)."""
     fields_set = request.model_fields_set if isinstance(request, BaseModel) else None
     sent = {name: getattr(request, name) for name in names
             if (fields_set is None or name in fields_set) and getattr(request, name, None) is not None}

@@ -56,6 +56,11 @@ class ReplyShape:
         raise NotImplementedError
 
 
+def reply_id(shape: ReplyShape) -> str:
+    """The id the client sees for this reply (OpenAI's x-request-id, Anthropic's request-id): for log lines."""
+    return shape.headers.get("x-request-id") or shape.headers.get("request-id") or "-"
+
+
 async def accept(request: Request, state: ServerState, schema: type) -> tuple[object, float]:
     """What every API does first: note the arrival, refuse while draining, read and validate the body against
     `schema`, check the model name. Returns (body, arrived)."""

@@ -30,12 +30,30 @@ class ServerConfig:
 API_DEFAULT_MAX_TOKENS = 1024
 
 
+LONG_SEQUENCE_WARNING = "sequence-length-is-longer-than-the-specified-maximum"  # transformers' key for it
+
+
+def fit_tokenizer_to_context(tokenizer, max_model_len: int) -> None:
+    """transformers warns that a prompt past the tokenizer's model_max_length (the trained context) "will result
+    in indexing errors". With --max-model-len the engine runs such prompts on purpose, so the limit follows it;
+    past the engine's context nothing is indexed either (reply_budget refuses it, saying why), so the warning is
+    marked as given."""
+    inner = getattr(tokenizer, "_tokenizer", tokenizer)  # mlx-lm's TokenizerWrapper holds the Hugging Face one
+    length = getattr(inner, "model_max_length", None)
+    if isinstance(length, int) and length < max_model_len:
+        inner.model_max_length = max_model_len
+    given = getattr(inner, "deprecation_warnings", None)
+    if isinstance(given, dict):
+        given[LONG_SEQUENCE_WARNING] = True
+
+
 class ServerState:
     """Everything a route needs, built once per app around one Engine."""
 
     def __init__(self, engine, config: ServerConfig) -> None:
         self.engine, self.config = engine, config
         self.metrics = ServerMetrics()
+        fit_tokenizer_to_context(engine.tokenizer, engine.max_model_len)
         self.admission = Admission(engine.scheduler_config.max_num_seqs, config.max_queue)
         self.token_text = TokenText(engine.tokenizer)
         self.model_id = engine.loaded.name
@@ -55,6 +73,12 @@ class ServerState:
         """Prompt + reply tokens one sequence can hold: the model context, or the cache's limit if smaller."""
         capacity = self.engine.plan.token_capacity  # None: every layer slides, the cache fits any length
         return self.engine.max_model_len if capacity is None else min(self.engine.max_model_len, capacity)
+
+    @property
+    def cache_limits_context(self) -> bool:
+        """Whether the KV cache, not the model context, is what bounds one sequence."""
+        capacity = self.engine.plan.token_capacity
+        return capacity is not None and capacity < self.engine.max_model_len
 
     @property
     def default_max_tokens(self) -> int:

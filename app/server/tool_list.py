@@ -27,12 +27,17 @@ def tool_list(tools: object, parse: Callable[[object, str], ToolSpec], *, shape:
     if len(tools) > MAX_TOOLS:
         raise invalid_param("tools", f"'tools' holds {len(tools)} tools; at most {MAX_TOOLS}")
     specs = [parse(tool, f"tools[{i}]") for i, tool in enumerate(tools)]
+    check_unique_names(specs, [f"tools[{i}]" for i in range(len(specs))], name_field)
+    return tuple(specs)
+
+
+def check_unique_names(specs: list[ToolSpec], wheres: list[str], name_field: str = "name") -> None:
+    """400 naming the second tool of a name already used (`wheres[i]`: where specs[i] sits in the request)."""
     names = [s.name for s in specs]
     for i, name in enumerate(names):
         if name in names[:i]:
-            raise invalid_param(f"tools[{i}].{name_field}", f"tools[{i}]: the name {name!r} is already used by "
-                                                            f"tools[{names.index(name)}]; tool names must be unique")
-    return tuple(specs)
+            raise invalid_param(f"{wheres[i]}.{name_field}", f"{wheres[i]}: the name {name!r} is already used by "
+                                                             f"{wheres[names.index(name)]}; tool names must be unique")
 
 
 def function_tools(tools: object, nested: str | None, shape: str) -> tuple[ToolSpec, ...]:

@@ -38,7 +38,7 @@ def messages_spec(body: CountTokensRequest) -> ChatRequestSpec:
     sampling = SamplingRequest(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                                stop=body.stop_sequences) if full else SamplingRequest()
     return ChatRequestSpec(conversation(body), tools, choice, parallel, output, sampling, body.max_tokens,
-                           max_tokens_is_cap=True, reasoning=reasoning(body),
+                           reasoning=reasoning(body),
                            stream=bool(full and body.stream), api="anthropic", names=ANTHROPIC)
 
 

@@ -17,11 +17,13 @@ from mlxpaged_app.server.chat.output import OutputParser
 from mlxpaged_app.server.chat.render import reasoning_open, render_prompt
 from mlxpaged_app.server.chat.spec import (ChatEvent, ChatRequestSpec, Finish, ReasoningDelta, TextDelta,
                                            TokenLogprobs, ToolCallArgs, ToolCallEnd, ToolCallStart)
-from mlxpaged_app.server.chat.structure import compile_constraint, grammar_for
+from mlxpaged_app.server.chat.structure import compile_constraint, grammar_for, grammar_notes
 from mlxpaged_app.server.chat.tool_formats import ToolFormat, tool_format
 from mlxpaged_app.server.engine_client import Generation
-from mlxpaged_app.server.params import resolve_max_tokens, sampling_params
-from mlxpaged_app.server.serving import ReplyShape, accept, launch, respond, sane_n
+from mlxpaged_app.server.params import sampling_params
+from mlxpaged_app.server.reply_budget import reply_budget
+from mlxpaged_app.server.server_log import log
+from mlxpaged_app.server.serving import ReplyShape, accept, launch, respond, reply_id, sane_n
 from mlxpaged_app.server.state import ServerState
 
 CALL_ID_PREFIX = {"openai": "call_", "responses": "call_", "anthropic": "toolu_"}
@@ -87,6 +89,7 @@ class ChatRun:
     def __init__(self, spec: ChatRequestSpec, generation: Generation, prepared: Prepared, tokenizer) -> None:
         self.spec, self.generation = spec, generation
         self.prompt_tokens = len(prepared.prompt)  # known before any token (Anthropic's message_start reports it)
+        self.grammar_warnings = prepared.constraint.warnings if prepared.constraint is not None else ()
         think = (tokenizer.think_start, tokenizer.think_end) if getattr(tokenizer, "has_thinking", False) else None
         prefix = CALL_ID_PREFIX[spec.api]
         self.parsers = [OutputParser(think=think, tools=prepared.format if spec.parses_tools else None,
@@ -105,11 +108,7 @@ class ChatRun:
 
 
 def _params(state: ServerState, spec: ChatRequestSpec, prepared: Prepared) -> SamplingParams:
-    requested = spec.max_tokens
-    if requested is not None and spec.max_tokens_is_cap:
-        requested = max(1, min(requested, state.context_limit - len(prepared.prompt)))
-    max_tokens = resolve_max_tokens(requested, len(prepared.prompt), state.context_limit,
-                                    state.default_max_tokens)
+    max_tokens = reply_budget(state, len(prepared.prompt), spec.max_tokens, spec.names)
     params = sampling_params(spec.sampling, max_tokens=max_tokens, logprobs=spec.logprobs,
                              top_logprobs=spec.top_logprobs, names=spec.names,
                              defaults=state.config.sampling_defaults)
@@ -154,4 +153,6 @@ async def serve_chat_request(request, state: ServerState, schema, to_spec, shape
     except BaseException:
         cleanup.close()
         raise
+    for line in grammar_notes(spec, run.grammar_warnings):
+        log.warning("POST %s %s: %s", request.url.path, reply_id(shape), line)
     return await respond(request, shape, spec.stream, run.events(), run.usage, cleanup)

@@ -110,8 +110,6 @@ class ChatRequestSpec:
     stream: bool = False
     api: API = "openai"
     names: ParamNames = OPENAI_CHAT  # the API's parameter names, for errors raised after translation
-    # Anthropic requires max_tokens and clients size it for Claude (32k): there it is a cap, clipped to the context.
-    max_tokens_is_cap: bool = False
 
     @property
     def n(self) -> int:

@@ -11,6 +11,8 @@ The prompt never depends on any of this (only the grammar does), so switching to
 
 from __future__ import annotations
 
+import re
+
 from mlxpaged_app.server.chat.spec import ChatRequestSpec, JsonObjectOutput, JsonSchemaOutput
 from mlxpaged_app.server.chat.tool_formats import ToolFormat
 from mlxpaged_app.server.errors import invalid_param
@@ -66,6 +68,30 @@ def compile_constraint(engine, grammar: tuple[str, str] | None):
         return engine.grammar_compiler.compile(text)
     except GrammarError as exc:
         raise invalid_param(param, f"the {param} schema cannot be enforced: {exc}", "invalid_schema") from None
+
+
+def grammar_notes(spec: ChatRequestSpec, warnings: tuple[str, ...]) -> list[str]:
+    """llguidance's warnings (a schema keyword it does not enforce) as log lines naming the schema they are
+    about: the tools whose parameters use the keyword, or the response format."""
+    notes = []
+    for warning in warnings:
+        keys = set(re.findall(r'"([A-Za-z$_][\w$]*)"', warning))
+        if spec.output is not None:
+            about = spec.names.response_format
+        else:
+            named = [t.name for t in spec.tools if keys & _schema_keys(t.parameters)] or [t.name for t in spec.tools]
+            about = f"tool{'s' if len(named) > 1 else ''} {', '.join(named)}"
+        notes.append(f"grammar for {about} not fully enforced (the output may break these rules): {warning}")
+    return notes
+
+
+def _schema_keys(schema: object) -> set[str]:
+    """Every object key anywhere in a JSON schema."""
+    if isinstance(schema, dict):
+        return set(schema).union(*(_schema_keys(v) for v in schema.values()))
+    if isinstance(schema, list):
+        return set().union(*(_schema_keys(v) for v in schema))
+    return set()
 
 
 def _shown(choice) -> str:

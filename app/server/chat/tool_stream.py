@@ -9,11 +9,9 @@ its own way, unconstrained) is kept and parsed whole at the end marker with the 
 from __future__ import annotations
 
 import json
-import logging
 
 from mlxpaged_app.server.chat.tool_formats import ToolFormat
-
-log = logging.getLogger("mlxpaged.server")
+from mlxpaged_app.server.server_log import log
 
 HEAD = '{"name": "'
 SEP = '", "arguments": '

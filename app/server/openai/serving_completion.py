@@ -16,7 +16,8 @@ from mlxpaged_app.server.openai.prompts import completion_prompts
 from mlxpaged_app.server.openai.protocol import CompletionRequest
 from mlxpaged_app.server.openai.shapes import ChoiceText, Envelope, OpenAIShape, completion_logprobs
 from mlxpaged_app.server.param_names import OPENAI_COMPLETIONS
-from mlxpaged_app.server.params import check_completion_supported, resolve_max_tokens, sampling_params
+from mlxpaged_app.server.params import check_completion_supported, sampling_params
+from mlxpaged_app.server.reply_budget import reply_budget
 from mlxpaged_app.server.serving import accept, launch, respond, sane_n
 from mlxpaged_app.server.state import ServerState
 
@@ -35,8 +36,7 @@ async def serve_completion(request: Request, state: ServerState) -> Response:
     async def start() -> Generation:
         prompts, shape.echo = await anyio.to_thread.run_sync(tokenize, state.engine.tokenizer, sources,
                                                              bool(body.echo))
-        max_tokens = resolve_max_tokens(body.max_tokens, max(len(p) for p in prompts), state.context_limit,
-                                        state.default_max_tokens)
+        max_tokens = reply_budget(state, max(len(p) for p in prompts), body.max_tokens, OPENAI_COMPLETIONS)
         params = _params(body, max_tokens, shape.logprobs, state.config.sampling_defaults)
         generation = Generation(state.engine, state.metrics, params.n, arrived)
         generation.submit(prompts, params, OPENAI_COMPLETIONS.prompt)

@@ -3,7 +3,8 @@
 Items: messages (role user / assistant / system / developer, content a string or input_text / output_text
 parts), function_call, function_call_output and reasoning. A function_call joins the assistant turn before it
 and the reasoning item before a turn becomes its `reasoning_content`, so a replayed reply renders as the one
-assistant turn the model generated (and the next turn's prompt extends the last: prefix cache hits).
+assistant turn the model generated (and the next turn's prompt extends the last: prefix cache hits); a call
+with a `namespace` is named as the model saw it (tools.flat_name).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 
 from mlxpaged_app.server.errors import invalid_param
+from mlxpaged_app.server.responses.tools import flat_name
 
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PARTS = ("input_text", "output_text")
@@ -61,6 +63,8 @@ class Conversation:
 
     def function_call(self, item: dict, where: str) -> None:
         call_id, name = _string(item, "call_id", where), _string(item, "name", where)
+        if item.get("namespace"):  # Codex replays a namespaced call as it got it: back to the name the model wrote
+            name = flat_name(_string(item, "namespace", where), name)
         call = {"id": call_id, "type": "function",
                 "function": {"name": name, "arguments": _arguments(item.get("arguments"), f"{where}.arguments")}}
         self.call_names[call_id] = name

@@ -1,27 +1,16 @@
-"""The Responses API's tools, text.format and reasoning, checked and translated into the chat pipeline's spec.
-Same rules as the chat API (tool_list, tool_choice, output_format), Responses' spellings: tools are flat
-(`{"type": "function", "name", "parameters", "strict"}`), the output format lives in `text.format` with its
-schema beside `name`."""
+"""The Responses API's text.format and reasoning, checked and translated into the chat pipeline's spec (tools:
+tools.py). Same rules as the chat API (output_format), Responses' spellings: the output format lives in
+`text.format` with its schema beside `name`."""
 
 from __future__ import annotations
 
 import json
 
-from mlxpaged_app.server.chat.spec import EFFORTS, OutputFormat, ReasoningSpec, ToolChoice, ToolSpec
+from mlxpaged_app.server.chat.spec import EFFORTS, OutputFormat, ReasoningSpec, ToolChoice
 from mlxpaged_app.server.errors import invalid_param
 from mlxpaged_app.server.output_format import check_format_alone, json_output_format
-from mlxpaged_app.server.tool_list import function_tools
 
 SCHEMA_EXAMPLE = "{\"type\": \"json_schema\", \"name\": ..., \"schema\": {<a JSON schema object>}}"
-
-
-def tool_specs(tools: object) -> tuple[ToolSpec, ...]:
-    specs = function_tools(tools, None, '{"type": "function", "name": ..., "parameters": ...}')
-    for i, tool in enumerate(tools or []):  # Responses' tools carry `strict` beside the name
-        if tool.get("strict") is not None and not isinstance(tool["strict"], bool):
-            raise invalid_param(f"tools[{i}].strict", f"tools[{i}].strict must be true or false, got "
-                                                      f"{tool['strict']!r}")
-    return specs
 
 
 def output_format(text: object) -> OutputFormat:

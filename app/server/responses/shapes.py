@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import time
+from typing import Callable
 
 from mlxpaged_app.server.chat.spec import (ChatEvent, Finish, ReasoningDelta, TextDelta, ToolCallArgs, ToolCallEnd,
                                            ToolCallStart)
@@ -33,8 +34,9 @@ class ResponseBuilder(ReplyShape):
     with `response.completed`, `.incomplete` or `.failed`)."""
     frame = staticmethod(named_event)
 
-    def __init__(self, head: dict) -> None:
+    def __init__(self, head: dict, call_fields: Callable[[str], dict] = lambda name: {"name": name}) -> None:
         self.head = head
+        self.call_fields = call_fields  # a called tool's name -> the item's name fields (tools.py: namespaces)
         self.headers = {"x-request-id": head["id"]}
         self.output: list[dict] = []
         self.status, self.error, self.incomplete = "in_progress", None, None
@@ -159,7 +161,7 @@ class ResponseBuilder(ReplyShape):
         return [done, self._event("response.content_part.done", **where, part=dict(part)), self._item_done(item)]
 
     def _call_start(self, event: ToolCallStart) -> list[dict]:
-        item = {"type": "function_call", "id": new_id("fc_"), "call_id": event.id, "name": event.name,
+        item = {"type": "function_call", "id": new_id("fc_"), "call_id": event.id, **self.call_fields(event.name),
                 "arguments": "", "status": "in_progress"}
         self._calls[event.index] = item
         return [self._added(item)]

@@ -51,7 +51,7 @@ def test_conversation_translates_blocks_and_drops_the_billing_header():
             {"id": "toolu_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
         {"role": "tool", "tool_call_id": "toolu_1", "name": "get_weather", "content": "rain"},
         {"role": "user", "content": "And tomorrow?\nThanks."}]  # consecutive user turns merged
-    assert spec.tool_choice == "auto" and spec.parallel_tool_calls and spec.max_tokens_is_cap
+    assert spec.tool_choice == "auto" and spec.parallel_tool_calls
     assert spec.api == "anthropic" and spec.tools[0].parameters == WEATHER
 
 

@@ -232,7 +232,6 @@ BAD_INPUTS = [  # (id, path, body as dict or raw bytes, headers or None for the 
      "messages[0].content[0]"),
     ("negative-max-tokens", CHAT, chat(max_tokens=-5), None, 400, "max_tokens"),
     ("zero-max-tokens", CHAT, chat(max_tokens=0), None, 400, "max_tokens"),
-    ("huge-max-tokens", CHAT, chat(max_tokens=10**12), None, 400, "messages"),
     ("string-max-tokens", CHAT, chat(max_tokens="10"), None, 400, "max_tokens"),
     ("float-max-completion-tokens", CHAT, chat(max_completion_tokens=1.5), None, 400, "max_completion_tokens"),
     ("negative-temperature", CHAT, chat(temperature=-1), None, 400, "temperature"),

@@ -1,0 +1,57 @@
+"""One rule, every API: how many tokens a reply may take. A `max_tokens` past what the context has left is
+clamped to what fits (the reply then ends with OpenAI's `length`, Anthropic's `max_tokens`, Responses'
+`incomplete`); only a prompt that does not fit by itself is refused. Agents size `max_tokens` for the hosted
+models (Claude Code 32,000, opencode 1,024 against an 8k context): refusing those would stop them cold, or
+send them into a loop of summarising and retrying.
+
+The refusal names the prompt's tokens, the limit as the client sent it, the context, and what to change.
+"""
+
+from __future__ import annotations
+
+from mlxpaged_app.server.errors import APIError, invalid_param
+from mlxpaged_app.server.param_names import ParamNames
+from mlxpaged_app.server.server_log import log
+from mlxpaged_app.server.state import ServerState
+
+
+def reply_budget(state: ServerState, prompt_tokens: int, requested: int | None, names: ParamNames) -> int:
+    """The reply's max_tokens: `requested` (None: the server's default) clamped to the room the context leaves.
+    A requested value below 1 passes through for SamplingParams to refuse, naming the parameter."""
+    room = state.context_limit - prompt_tokens
+    if room < 1:
+        raise prompt_too_long(state, prompt_tokens, requested, names)
+    if requested is not None and requested < 1:
+        return requested
+    if requested is not None and requested > room:
+        log.info("clamped %s %d to %d: the prompt is %d tokens of a %d-token context", names.max_tokens, requested,
+                 room, prompt_tokens, state.context_limit)
+        return room
+    return min(state.default_max_tokens if requested is None else requested, room)
+
+
+def prompt_too_long(state: ServerState, prompt_tokens: int, requested: int | None, names: ParamNames) -> APIError:
+    limit = state.context_limit
+    sent = f"{names.max_tokens} {requested}" if requested is not None else f"no {names.max_tokens}"
+    if state.cache_limits_context:
+        what = f"the KV cache capacity of {limit} tokens"
+        fix = ("give the cache more room (`mlxpaged serve --cache-tokens N` or `--kv-memory SIZE`), or shorten "
+               "the prompt")
+    else:
+        what = f"the model context of {limit} tokens this server runs with"
+        fix = (f"restart the server with a longer context (`mlxpaged serve --max-model-len {_suggested(prompt_tokens)}`"
+               "; past the model's trained length quality may drop), use a model with a longer context, or "
+               "shorten the prompt")
+    error = invalid_param(names.prompt, f"the prompt is {prompt_tokens} tokens and does not fit in {what} "
+                                        f"(prompt and reply together; {sent} was sent): {fix}",
+                          "context_length_exceeded")
+    error.prompt_tokens = prompt_tokens
+    return error
+
+
+def _suggested(prompt_tokens: int) -> int:
+    """The next power of two with room for a reply: the context a user would try next."""
+    size = 1024
+    while size < prompt_tokens * 5 // 4:
+        size *= 2
+    return size
