@@ -15,11 +15,11 @@ keep_freed_memory()
 __version__ = "0.1.0"
 
 _LAZY = {
-    "Engine": "mlxpaged.engine.engine", "Completion": "mlxpaged.engine.engine", "StreamDelta": "mlxpaged.engine.engine",
-    "RequestFailedError": "mlxpaged.engine.engine", "EngineClosedError": "mlxpaged.engine.engine",
+    "Engine": "mlxpaged.engine.engine", "Completion": "mlxpaged.outputs", "StreamDelta": "mlxpaged.outputs",
+    "RequestFailedError": "mlxpaged.errors", "EngineClosedError": "mlxpaged.errors",
     "SamplingParams": "mlxpaged.sampling_params",
     "CacheConfig": "mlxpaged.config", "SchedulerConfig": "mlxpaged.config",
-    "RequestTooLongError": "mlxpaged.errors", "InsufficientMemoryError": "mlxpaged.platform.memory",
+    "RequestTooLongError": "mlxpaged.errors", "InsufficientMemoryError": "mlxpaged.errors",
     "MlxpagedError": "mlxpaged.errors",
 }
 __all__ = ["blas_status", "__version__", *_LAZY]

@@ -16,7 +16,7 @@ from typing import AsyncIterator
 
 from mlxpaged.engine.engine import EngineClosedError, StreamDelta
 from mlxpaged.sampling_params import SamplingParams
-from mlxpaged.engine.scheduler import RequestTooLongError
+from mlxpaged.errors import RequestTooLongError
 from mlxpaged.errors import ConfigError
 from mlxpaged_app.server.errors import APIError, invalid_param, unavailable
 from mlxpaged_app.server.metrics import ServerMetrics

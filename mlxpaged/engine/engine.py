@@ -37,7 +37,6 @@ from mlxpaged.loading.loader import LoadedModel, chat_prompt, load_local, locate
 from mlxpaged.loading.progress import Progress
 from mlxpaged.loading.generation_defaults import GenerationDefaults, load_defaults
 from mlxpaged.sampling_params import SamplingParams
-from mlxpaged.engine.scheduler import RequestTooLongError  # noqa: F401  (re-exported)
 from mlxpaged.engine.shutdown import STEP_TIMEOUT_S
 
 

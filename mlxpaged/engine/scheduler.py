@@ -23,11 +23,11 @@ from typing import Collection, Hashable, Mapping, Protocol
 from mlxpaged.cache.block_pool import NoFreeBlocksError
 from mlxpaged.cache.kv_cache_manager import CopyOnWrite, KVCacheManager, UnknownRequestError
 from mlxpaged.engine.request import Request, RequestStatus
-from mlxpaged.errors import RequestTooLongError  # noqa: F401  (re-exported)
+from mlxpaged.errors import RequestTooLongError
 from mlxpaged.validation import require_int
 
-__all__ = ["Request", "RequestStatus", "Scheduler", "SchedulerOutput", "ScheduledChunk", "RequestTooLongError",
-           "MODEL_CONTEXT", "CACHE_CAPACITY"]
+__all__ = ["Request", "RequestStatus", "Scheduler", "SchedulerOutput", "ScheduledChunk", "MODEL_CONTEXT",
+           "CACHE_CAPACITY"]
 
 
 @dataclass

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from mlxpaged.engine.engine import StreamDelta
-from mlxpaged.engine.scheduler import RequestTooLongError
+from mlxpaged.errors import RequestTooLongError
 from mlxpaged.loading.generation_defaults import NO_DEFAULTS
 from mlxpaged_app.cli import main
 from mlxpaged_app.repl import PlainChat

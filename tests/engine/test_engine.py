@@ -16,7 +16,7 @@ from mlxpaged.engine.engine import Engine, RequestFailedError
 from mlxpaged.loading.loader import LoadedModel
 from mlxpaged.loading.model_store import ModelRef
 from mlxpaged.sampling_params import SamplingParams
-from mlxpaged.engine.scheduler import RequestTooLongError
+from mlxpaged.errors import RequestTooLongError
 from tests.tiny_models import random_tokens, tiny_llama, tiny_qwen3
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)

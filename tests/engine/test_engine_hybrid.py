@@ -9,7 +9,7 @@ import time
 import pytest
 
 from mlxpaged.sampling_params import SamplingParams
-from mlxpaged.engine.scheduler import RequestTooLongError
+from mlxpaged.errors import RequestTooLongError
 from tests.engine.test_engine import GREEDY, assert_pool_empty, reference_tokens, tiny_engine
 from tests.tiny_models import random_tokens, tiny_gemma3, tiny_hybrid_llama
 

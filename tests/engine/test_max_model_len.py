@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mlxpaged.engine.scheduler import RequestTooLongError
+from mlxpaged.errors import RequestTooLongError
 from tests.engine.test_engine import GREEDY, reference_tokens, tiny_engine
 from tests.engine.test_engine import tokenizer  # noqa: F401  (the fixture, shared)
 from tests.tiny_models import random_tokens, tiny_llama

@@ -21,7 +21,7 @@ import pytest
 from mlxpaged.config import SchedulerConfig
 from mlxpaged.engine.engine import RequestFailedError, StreamDelta
 from mlxpaged.kernels.self_check import KernelVariant, VariantCheck
-from mlxpaged.engine.scheduler import RequestTooLongError
+from mlxpaged.errors import RequestTooLongError
 from mlxpaged_app.server.api_server import create_app
 from mlxpaged_app.server.flags import ServeError, check_bind, is_loopback
 from mlxpaged_app.server.sse import ClientGone, EventStream, unless_disconnected
