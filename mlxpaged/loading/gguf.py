@@ -191,6 +191,12 @@ def convert_gguf(gguf_path: Path, out_dir: Path, dtype: mx.Dtype = mx.float32,
         _write_model_dir(tmp, weights, meta, dtype, progress, generation or {})
         os.chmod(tmp, 0o755)  # mkdtemp makes it private
         os.replace(tmp, out_dir)
+    except OSError:
+        if not (out_dir / "config.json").exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        # Another process (a second `mlxpaged` started at once) finished the same conversion first: keep its copy.
+        shutil.rmtree(tmp, ignore_errors=True)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(exc, (KeyError, ValueError, RuntimeError)):

