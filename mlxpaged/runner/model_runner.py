@@ -190,8 +190,9 @@ class Runner:
         return results
 
     def _launch_ahead(self) -> None:
-        """Start the pass built ahead, now that the one before it has been read (`launch`)."""
-        if self._ahead is not None:
+        """Start the pass built ahead, now that the one before it has been read (`launch`); a deferred pass
+        was started when it was built."""
+        if self._ahead is not None and not self._ahead.launched:
             state_pass = self._ahead.state_pass
             self.launch(*self._ahead.sample.arrays, *(state_pass.new_arrays() if state_pass is not None else ()))
 
