@@ -25,6 +25,7 @@ from typing import Sequence
 import mlx.core as mx
 
 from mlxpaged.cache.kv_cache import PagedKVCache
+from mlxpaged.kernels.attention import resolved_backend
 
 # Tokens a row may run ahead of the pools. Each step puts them into the gathered pages (small next to the
 # gather), and every MAX_PENDING steps the pipeline waits once to write them. Not measured on a GPU yet.
@@ -40,6 +41,9 @@ class PendingKV:
     keys: tuple[mx.array, ...]
     values: tuple[mx.array, ...]
     slots: tuple[tuple[int, ...], ...]
+    # Batch 1: each layer's K and V already in the pools, gathered once per run of queued passes (the next
+    # pass reuses them instead of gathering its pages again: as many ops per layer as mlx-lm's step).
+    prefix: tuple[tuple[mx.array, mx.array], ...] | None = None
 
     @property
     def length(self) -> int:
@@ -52,7 +56,7 @@ class PendingKV:
         if not rows:
             return None
         if rows == list(range(len(self.request_ids))):
-            return self
+            return self  # the same rows: the gathered prefix stays valid
         take = mx.array(rows, dtype=mx.int32)
         return PendingKV(tuple(self.request_ids[i] for i in rows), tuple(k[take] for k in self.keys),
                          tuple(v[take] for v in self.values), tuple(self.slots[i] for i in rows))
@@ -112,6 +116,10 @@ class DeferredPass:
             self.mask = (keys < mx.array(self.ends)[:, None])[:, None, None, :]  # [B, 1, 1, keys]
         self.new_keys: list[mx.array | None] = [None] * kv.num_layers
         self.new_values: list[mx.array | None] = [None] * kv.num_layers
+        self.prefix: list[tuple[mx.array, mx.array] | None] = [None] * kv.num_layers
+        # The Metal kernel reads the pages in place: a gathered prefix kept unevaluated would pin the pools
+        # (the next flush would copy them), so only the other paths keep one.
+        self.keeps_prefix = self.batch == 1 and resolved_backend() != "kernel"
 
     def attend_keys(self, layer: int, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """The layer's K/V to attend: its pages with the pending and new K/V put in their places (lazy: the
@@ -120,8 +128,11 @@ class DeferredPass:
             keys = mx.concatenate([self.pending.keys[layer], keys], axis=2)
             values = mx.concatenate([self.pending.values[layer], values], axis=2)
         self.new_keys[layer], self.new_values[layer] = keys, values
+        if self.keeps_prefix:  # exact keys, no mask: MLX's fused decode attention takes this
+            prefix = self._prefix(layer)
+            return mx.concatenate([prefix[0], keys], axis=2), mx.concatenate([prefix[1], values], axis=2)
         k_pages, v_pages = self.kv.gather_blocks(layer, self.blocks)
-        if self.batch == 1:  # exact keys, no mask: MLX's fused decode attention takes this
+        if self.batch == 1:  # the kernel's fallback: built lazily, evaluated only if the kernel cannot attend
             lo, hi = self.tail_start, self.ends[0]
             k_pages[..., lo:hi, :] = keys
             v_pages[..., lo:hi, :] = values
@@ -129,11 +140,21 @@ class DeferredPass:
         return (mx.put_along_axis(k_pages, self.tail_index, keys, axis=2),
                 mx.put_along_axis(v_pages, self.tail_index, values, axis=2))
 
+    def _prefix(self, layer: int) -> tuple[mx.array, mx.array]:
+        """Batch 1: the layer's keys and values already in the pools, from the last pass or gathered now."""
+        if self.pending is not None and self.pending.prefix is not None:
+            self.prefix[layer] = self.pending.prefix[layer]
+        else:
+            k_pages, v_pages = self.kv.gather_blocks(layer, self.blocks)
+            self.prefix[layer] = k_pages[..., :self.tail_start, :], v_pages[..., :self.tail_start, :]
+        return self.prefix[layer]
+
     def pending_after(self) -> PendingKV:
         """The pending K/V once this pass is adopted: the old ones and this pass's new token."""
         if any(k is None for k in self.new_keys):
             raise RuntimeError("a deferred pass was read before every layer attended")
-        return PendingKV(self.request_ids, tuple(self.new_keys), tuple(self.new_values), self.slots)
+        prefix = tuple(self.prefix) if self.keeps_prefix and all(p is not None for p in self.prefix) else None
+        return PendingKV(self.request_ids, tuple(self.new_keys), tuple(self.new_values), self.slots, prefix)
 
 
 class DeferredView:
