@@ -7,8 +7,12 @@ import warnings
 import pytest
 
 from tests.archs.harness import build
-from tests.engine.test_engine import GREEDY, reference_tokens, tiny_engine
-from tests.engine.test_engine import tokenizer  # noqa: F401  (the fixture, shared)
+from tests.engine.test_engine import (
+    GREEDY,
+    reference_tokens,
+    tiny_engine,
+    tokenizer,  # noqa: F401  (the fixture, shared)
+)
 from tests.tiny_models import random_tokens
 
 
