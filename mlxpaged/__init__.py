@@ -22,7 +22,8 @@ _LAZY = {
     "RequestTooLongError": "mlxpaged.errors", "InsufficientMemoryError": "mlxpaged.errors",
     "MlxpagedError": "mlxpaged.errors",
 }
-__all__ = ["blas_status", "__version__", *_LAZY]
+__all__ = ["__version__", "blas_status"]
+__all__ += list(_LAZY)  # not `*_LAZY` inside the literal: ruff reads that as a non-string entry
 
 
 def __getattr__(name: str):

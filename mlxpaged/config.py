@@ -8,8 +8,9 @@ Sizes ("2GB", CacheConfig's kv_memory as the CLI's --kv-memory) are read by mlxp
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Any
 
 from mlxpaged.errors import ConfigError
 from mlxpaged.units import parse_size
@@ -64,6 +65,13 @@ class CacheConfig:
             raise ConfigError(f"{{kv_memory:{value!r}}} must be more than 0 bytes", param="kv_memory")
         object.__setattr__(self, "kv_memory", size)  # frozen: bytes from here on
 
+    @property
+    def kv_memory_bytes(self) -> int | None:
+        """`kv_memory` in bytes (a size string was parsed when the config was made)."""
+        if isinstance(self.kv_memory, str):
+            raise TypeError(f"kv_memory {self.kv_memory!r} was not parsed")
+        return self.kv_memory
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -101,9 +109,9 @@ class SchedulerConfig:
         require_int("num_speculative_tokens", self.num_speculative_tokens, low=1, high=16, setting=True)
 
 
-def split_settings(settings: Mapping[str, object]) -> tuple[CacheConfig, SchedulerConfig]:
+def split_settings(settings: Mapping[str, Any]) -> tuple[CacheConfig, SchedulerConfig]:
     """Keyword settings (Engine.from_pretrained's) as the two configs, by field name; a name that is
-    neither's raises ConfigError naming it."""
+    neither's raises ConfigError naming it. Values are any (Any): each config checks its own fields."""
     fields = {config: {f.name for f in dataclasses.fields(config)} for config in (CacheConfig, SchedulerConfig)}
     unknown = [name for name in settings if not any(name in names for names in fields.values())]
     if unknown:

@@ -19,7 +19,8 @@ import json
 import logging
 import threading
 from collections import OrderedDict
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import llguidance
 import llguidance.numpy as llg_numpy
@@ -28,10 +29,13 @@ import numpy as np
 
 from mlxpaged.errors import MlxpagedError
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # only in llguidance's stubs
+
 log = logging.getLogger(__name__)
 
 # json.dumps' default separators and nothing else: bounded output, byte-identical re-rendering.
-JSON_LAYOUT = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
+JSON_LAYOUT: JsonCompileOptions = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
 _TAGGED_HEADER = "// mlxpaged tagged_json "  # first line of a tagged grammar: its spec, for the compiler
 _CACHE_SIZE = 64  # compiled grammars kept per compiler (a 12-tool grammar takes ~50 ms to build)
 
@@ -60,7 +64,7 @@ def json_schema_grammar(schema: dict, *, strict: bool = True) -> str:
     not implement (OpenAI's non-strict meaning) instead of refusing them."""
     if not isinstance(strict, bool):
         raise GrammarError(f"strict must be True or False, got {strict!r}")
-    options = JSON_LAYOUT if strict else {**JSON_LAYOUT, "lenient": True}
+    options: JsonCompileOptions = JSON_LAYOUT if strict else {**JSON_LAYOUT, "lenient": True}
     try:
         return llguidance.LLMatcher.grammar_from_json_schema(_schema_dict(schema), overrides=options)
     except (ValueError, TypeError) as exc:  # not JSON-serialisable
@@ -112,7 +116,7 @@ def _tagged_lark(spec: dict, pieces: Callable[[str], list]) -> str:
 
 # ---- compiling ------------------------------------------------------------------------------------
 
-def _llg_tokenizer(tokenizer, vocab_size: int) -> "llguidance.LLTokenizer":
+def _llg_tokenizer(tokenizer, vocab_size: int) -> llguidance.LLTokenizer:
     """llguidance's view of an mlx-lm TokenizerWrapper's fast tokenizer, with a bit for every logit."""
     inner = getattr(tokenizer, "_tokenizer", tokenizer)
     backend = getattr(inner, "backend_tokenizer", None)
@@ -141,7 +145,7 @@ class GrammarCompiler:
         self._cache: OrderedDict[str, Constraint] = OrderedDict()
         self._lock = threading.Lock()
 
-    def compile(self, grammar: str) -> "Constraint":
+    def compile(self, grammar: str) -> Constraint:
         """The Constraint for `grammar` (a builder's text, Lark, or llguidance JSON); GrammarError says why not."""
         if not isinstance(grammar, str):
             raise GrammarError(f"a grammar must be a string, got {type(grammar).__name__}")
@@ -156,7 +160,7 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         return constraint
 
-    def _build(self, grammar: str) -> "Constraint":
+    def _build(self, grammar: str) -> Constraint:
         text = self._specialize(grammar)
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text, self.tokenizer)
         if is_error:
@@ -198,13 +202,13 @@ class GrammarCompiler:
 class Constraint:
     """A compiled grammar: immutable and shared by every request using it; each sequence gets its own matcher."""
 
-    def __init__(self, grammar: str, prototype: "llguidance.LLMatcher", vocab_size: int, warnings: tuple = ()):
+    def __init__(self, grammar: str, prototype: llguidance.LLMatcher, vocab_size: int, warnings: tuple = ()):
         self.grammar = grammar
         self.vocab_size = vocab_size
         self.warnings = warnings
         self._prototype = prototype  # never advanced: rows start from deep copies
 
-    def new_row(self) -> "RowConstraint":
+    def new_row(self) -> RowConstraint:
         return RowConstraint(self._prototype.deep_copy(), self.vocab_size)
 
     def __repr__(self) -> str:
@@ -215,7 +219,7 @@ class RowConstraint:
     """One sequence's matcher. `catch_up(output)` feeds the output tokens it has not seen yet, so the matcher
     always stands exactly at the request's recorded history, however the engine reached it."""
 
-    def __init__(self, matcher: "llguidance.LLMatcher", vocab_size: int):
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int):
         self.matcher = matcher
         self.vocab_size = vocab_size
         self.consumed = 0  # output tokens fed to the matcher
@@ -268,7 +272,7 @@ class BatchMask:
 
     @classmethod
     def build(cls, constraints: list, sequences: list, vocab_size: int,
-              errors: dict[int, Exception]) -> "BatchMask | None":
+              errors: dict[int, Exception]) -> BatchMask | None:
         """Catch each row's matcher up with its sequence and fill its mask; a row whose matcher fails gets
         its error in `errors`. `constraints[i]` is None for unconstrained rows. None if no row is constrained."""
         rows = [i for i, c in enumerate(constraints) if c is not None and i not in errors]

@@ -10,7 +10,7 @@ them (`kv_memory=`, `kv_memory=2.00 GB`) or as the command line does (`--kv-memo
 from __future__ import annotations
 
 import re
-from typing import Mapping
+from collections.abc import Mapping
 
 INTERFACES = ("python", "cli")
 _PLACEHOLDER = re.compile(r"\{([a-z][a-z0-9_]*)(?::([^{}]*))?\}")
@@ -23,7 +23,8 @@ def cli_flag(param: str, flags: Mapping[str, str] | None = None) -> str:
 
 def render_param(param: str, interface: str, value: str | None = None,
                  flags: Mapping[str, str] | None = None) -> str:
-    """A setting as `interface` spells it: python `kv_memory=` / `kv_memory=2GB`, cli `--kv-memory` / `--kv-memory 2GB`."""
+    """A setting as `interface` spells it: python `kv_memory=` / `kv_memory=2GB`, cli `--kv-memory` /
+    `--kv-memory 2GB`."""
     if interface == "python":
         return f"{param}=" if value is None else f"{param}={value}"
     if interface == "cli":

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import queue
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 
 @dataclass
@@ -55,10 +55,10 @@ def collect(request_id: str, deltas: Iterator[StreamDelta]) -> list[Completion]:
 
 def completion(request_id: str, deltas: list[StreamDelta]) -> Completion:
     tokens = [d for d in deltas if d.token_id is not None]
-    logprobs = [d.logprob for d in tokens]
-    tops = [d.top_logprobs for d in tokens]
+    token_ids = [d.token_id for d in tokens if d.token_id is not None]
+    # A sequence's tokens all carry logprobs (its SamplingParams asked for them) or none do.
+    logprobs = [d.logprob for d in tokens if d.logprob is not None]
+    tops = [d.top_logprobs for d in tokens if d.top_logprobs is not None]
     last = deltas[-1]
-    return Completion(request_id, "".join(d.text for d in deltas), [d.token_id for d in tokens], last.finish_reason,
-                      last.prompt_tokens, last.cached_tokens,
-                      logprobs if any(lp is not None for lp in logprobs) else None,
-                      tops if any(t is not None for t in tops) else None)
+    return Completion(request_id, "".join(d.text for d in deltas), token_ids, last.finish_reason,
+                      last.prompt_tokens, last.cached_tokens, logprobs or None, tops or None)

@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict, deque
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Hashable, Sequence
+from typing import Any
 
 from mlxpaged.validation import require_int
 
-# (parent block hash or None, block token ids, extra keys) -> block hash
-HashFn = Callable[[object, tuple, object], Hashable]
+# (parent block hash or None, block token ids, extra keys) -> block hash; the parent is this function's own
+# earlier result, so a HashFn may take its own hash type there (Any: Callable cannot say "its own return type").
+HashFn = Callable[[Any, tuple, object], Hashable]
 
 
 def sha256_block_hash(parent_hash: bytes | None, token_ids: tuple, extra_key: object) -> bytes:
@@ -61,7 +63,7 @@ class BlockPoolStats:
 
 
 class KVCacheBlock:
-    __slots__ = ("block_id", "ref_cnt", "block_hash")
+    __slots__ = ("block_hash", "block_id", "ref_cnt")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
@@ -229,7 +231,7 @@ class BlockPool:
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = 0
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):  # the shorter one bounds it
         if x != y:
             break
         n += 1

@@ -32,8 +32,8 @@ runs; the views keep references, so an engine may append blocks between passes.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
@@ -41,9 +41,9 @@ from mlx_lm.models.base import create_causal_mask
 from mlxpaged.cache.kv_cache import KVCacheSpec, LayerGroup, PagedKVCache
 
 
-def _routable(plan: "_Plan | None", spec: KVCacheSpec) -> bool:
+def _routable(plan: _Plan, spec: KVCacheSpec) -> bool:
     """One new token per sequence on a layer that reads every key: the paged decode kernel's case."""
-    return plan is not None and plan.length == 1 and not plan.split and spec.window is None
+    return plan.length == 1 and not plan.split and spec.window is None
 
 
 def paged_views(
@@ -102,15 +102,15 @@ def _build_plan(
     length: int,
 ) -> _Plan:
     block_size = spec.block_size
-    ends = [o + n for o, n in zip(offsets, num_new)]
-    for table, end in zip(tables, ends):
+    ends = [o + n for o, n in zip(offsets, num_new, strict=True)]
+    for table, end in zip(tables, ends, strict=True):
         try:
             spec.check_table(table, end)
         except ValueError as exc:
             raise ValueError(f"group {group.index}: {exc}") from None
     starts = [spec.key_start(o) for o in offsets]
     ring = spec.ring_tokens
-    split = ring is not None and any(e - s > ring for s, e in zip(starts, ends))
+    split = ring is not None and any(e - s > ring for s, e in zip(starts, ends, strict=True))
     read_ends = list(offsets) if split else ends
     slots, rows = _write_slots(spec, tables, offsets, ends, length)
     blocks, bases = _read_blocks(spec, tables, starts, read_ends)
@@ -143,7 +143,7 @@ def _write_slots(spec: KVCacheSpec, tables, offsets, ends, length) -> tuple[list
     """Slots of the new tokens that must be stored, and their rows in the flattened batch."""
     slots: list[int] = []
     rows: list[int] = []
-    for b, (table, start, end) in enumerate(zip(tables, offsets, ends)):
+    for b, (table, start, end) in enumerate(zip(tables, offsets, ends, strict=True)):
         first = spec.stored_start(start, end)
         slots += spec.slots(table, first, end)
         rows += range(b * length + first - start, b * length + end - start)
@@ -154,13 +154,13 @@ def _read_blocks(spec: KVCacheSpec, tables, starts, ends) -> tuple[mx.array | No
     """Blocks covering positions [start, end) per sequence, padded to one width."""
     block_size = spec.block_size
     firsts = [s // block_size for s in starts]
-    counts = [-(-e // block_size) - f if e > s else 0 for s, e, f in zip(starts, ends, firsts)]
+    counts = [-(-e // block_size) - f if e > s else 0 for s, e, f in zip(starts, ends, firsts, strict=True)]
     bases = [f * block_size for f in firsts]
     width = max(counts)
     if width == 0:
         return None, bases
     matrix = []
-    for table, first, count in zip(tables, firsts, counts):
+    for table, first, count in zip(tables, firsts, counts, strict=True):
         row = [spec.physical_block(table, first + i) for i in range(count)]
         # Padding entries are masked out; any valid block keeps the gather in range.
         matrix.append(row + [row[-1] if row else table[0]] * (width - count))
@@ -302,11 +302,11 @@ class PagedCacheView:
             # Always the gathered K/V, lazily: when attention reads the pages itself (routing.py)
             # the gather is never evaluated; any other consumer gets the right keys.
             self._write(plan, keys, values)
-            out = self._read(plan)
-        self._fetched = tuple(weakref.ref(x) for x in out) if out is not None else None
+            out = self._read_written(plan)
+        self._fetched = (weakref.ref(out[0]), weakref.ref(out[1]))
         # A split pass's K/V are the model's new keys and an evaluated read: holding them pins no pool.
         self._split_out = out if plan.split else None
-        self._offsets = [o + n for o, n in zip(plan.offsets, plan.num_new)]
+        self._offsets = [o + n for o, n in zip(plan.offsets, plan.num_new, strict=True)]
         self._num_new = None
         self._last_plan = plan
         return out
@@ -319,14 +319,14 @@ class PagedCacheView:
             raise RuntimeError("keys_and_values() before any update_and_fetch: this cache holds no keys yet")
         if self._split_out is not None:
             return self._split_out
-        return self._read(self._last_plan)
+        return self._read_written(self._last_plan)
 
-    def decode_inputs(self) -> tuple[mx.array, mx.array, mx.array, mx.array] | None:
+    def decode_inputs(self) -> tuple[mx.array, mx.array, mx.array, tuple[int, ...]] | None:
         """(k_pool, v_pool, block_tables, context_lens) for `mlxpaged.kernels.attention.paged_attention`
         after a pass of one new token per sequence on a full-attention layer; else None
         (prefill, mixed batches and window layers attend through the gathered K/V)."""
         plan = self._last_plan
-        if not _routable(plan, self._planner.spec):
+        if plan is None or plan.read_blocks is None or not _routable(plan, self._planner.spec):
             return None
         return self._kv.key_pool(self._layer), self._kv.value_pool(self._layer), plan.read_blocks, plan.read_ends
 
@@ -361,6 +361,13 @@ class PagedCacheView:
             k = mx.take(k, plan.write_rows, axis=0)
             v = mx.take(v, plan.write_rows, axis=0)
         self._kv.write(self._layer, plan.write_slots, k, v)
+
+    def _read_written(self, plan: _Plan) -> tuple[mx.array, mx.array]:
+        """The K/V of a pass that wrote keys: there are always some to read."""
+        out = self._read(plan)
+        if out is None:
+            raise RuntimeError("a pass that wrote keys has none to read")
+        return out
 
     def _read(self, plan: _Plan) -> tuple[mx.array, mx.array] | None:
         if plan.read_blocks is None:

@@ -50,14 +50,21 @@ A model with no KV layers (state layers only) gets no pools at all: its one laye
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import mlx.core as mx
 
-# block_bytes is re-exported: the facts live in specs.py
-from mlxpaged.cache.specs import (KVCacheSpec, KVGeometry, LayerGroup, LayerKind, assign_pools,  # noqa: F401
-                                  block_bytes, group_layers, pool_block_bytes)
 from mlxpaged.cache.layout import ModelLayout
+from mlxpaged.cache.specs import (  # noqa: F401  (block_bytes is re-exported: the facts live in specs.py)
+    KVCacheSpec,
+    KVGeometry,
+    LayerGroup,
+    LayerKind,
+    assign_pools,
+    block_bytes,
+    group_layers,
+    pool_block_bytes,
+)
 
 
 class PagedKVCache:
@@ -80,8 +87,8 @@ class PagedKVCache:
     ):
         windows = tuple(layer_windows) if layer_windows is not None else (None,) * num_layers
         if geometries is None:
-            _check_sizes(num_kv_heads=num_kv_heads, head_dim=head_dim)
-            geometries = (KVGeometry(num_kv_heads, head_dim, head_dim),) * num_layers
+            heads, dim = _check_sizes(num_kv_heads=num_kv_heads, head_dim=head_dim)
+            geometries = (KVGeometry(heads, dim, dim),) * num_layers
         geometries = tuple(geometries)
         _check_layers(num_layers, num_blocks, block_size, windows, geometries)
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
@@ -97,12 +104,12 @@ class PagedKVCache:
         self._heads = {h: mx.arange(h) for h in {g.kv_heads for g in geometries}}
         self.keys = [mx.zeros((num_blocks, g.kv_heads, block_size, g.k_dim), dtype) for g in self.pool_geometries]
         self.values = [k if g.k_is_v else mx.zeros((num_blocks, g.kv_heads, block_size, g.v_dim), dtype)
-                       for k, g in zip(self.keys, self.pool_geometries)]
+                       for k, g in zip(self.keys, self.pool_geometries, strict=True)]
         self._last_slots: tuple | None = None  # (slot mapping, slots, blocks, offsets)
         mx.eval(list(self._heads.values()), self.pools)  # lazy arrays would bind to this thread's stream
 
     @classmethod
-    def for_layout(cls, layout: ModelLayout, num_blocks: int, block_size: int, dtype: mx.Dtype) -> "PagedKVCache":
+    def for_layout(cls, layout: ModelLayout, num_blocks: int, block_size: int, dtype: mx.Dtype) -> PagedKVCache:
         """Pools for a layout's KV leaves, in leaf order (none for a model of state layers only)."""
         return cls(len(layout.kv_leaves), num_blocks, block_size, None, None, dtype, layout.layer_kinds,
                    layout.kv_geometries)
@@ -110,7 +117,7 @@ class PagedKVCache:
     @property
     def pools(self) -> list[mx.array]:
         """Every distinct pool array (a K-is-V pool once): what to evaluate to land pending writes."""
-        return self.keys + [v for k, v in zip(self.keys, self.values) if v is not k]
+        return self.keys + [v for k, v in zip(self.keys, self.values, strict=True) if v is not k]
 
     @property
     def single_geometry(self) -> bool:
@@ -139,7 +146,7 @@ class PagedKVCache:
     def bytes_by_class(self) -> dict[KVGeometry, int]:
         """Pool bytes per geometry class (the stats' KV memory per class)."""
         out: dict[KVGeometry, int] = {}
-        for k, v, g in zip(self.keys, self.values, self.pool_geometries):
+        for k, v, g in zip(self.keys, self.values, self.pool_geometries, strict=True):
             out[g] = out.get(g, 0) + k.nbytes + (0 if v is k else v.nbytes)
         return out
 
@@ -177,7 +184,7 @@ class PagedKVCache:
         """Write k, v `[1, kv_heads, n, dim]` to slots offset..offset + n - 1 of `block`, in place
         (a slice update: fewer graph nodes than the indexed write, for the common single-run case)."""
         n = k.shape[2]
-        if not (0 <= block < self.num_blocks and 0 <= offset and offset + n <= self.block_size):
+        if not (0 <= block < self.num_blocks and offset >= 0 and offset + n <= self.block_size):
             raise ValueError(f"run of {n} tokens at block {block}, offset {offset} is outside the pool")
         j = self._pool[layer]
         self.keys[j][block:block + 1, :, offset:offset + n, :] = k
@@ -235,7 +242,7 @@ class PagedKVCache:
         # Materialize the copies first: a pending take would pin the pools and the
         # writes below would copy whole pools instead of updating them in place.
         mx.eval(rows)
-        for pool, r in zip(pools, rows):
+        for pool, r in zip(pools, rows, strict=True):
             pool[dst_ids] = r
 
     def _slot_array(self, slot_mapping: Sequence[int] | mx.array) -> mx.array:
@@ -254,10 +261,12 @@ class PagedKVCache:
             raise ValueError(f"block ids {bad[:5]} out of range [0, {self.num_blocks})")
 
 
-def _check_sizes(**sizes: object) -> None:
+def _check_sizes(**sizes: object) -> list[int]:
+    """The sizes, in order, once each is a positive integer."""
     bad = {name: value for name, value in sizes.items() if not isinstance(value, int) or value < 1}
     if bad:
         raise ValueError(f"sizes must be positive integers: {bad}")
+    return [value for value in sizes.values() if isinstance(value, int)]
 
 
 def _check_layers(num_layers: int, num_blocks: int, block_size: int, windows: tuple, geometries: tuple) -> None:

@@ -13,14 +13,20 @@ kv_cache.py explains); forks copy rings instead of sharing them.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Hashable, Sequence
 
-from mlxpaged.cache.block_pool import (BlockPool, BlockPoolStats, HashFn, KVCacheBlock, NoFreeBlocksError,
-                                 sha256_block_hash)
+from mlxpaged.cache.block_pool import (
+    BlockPool,
+    BlockPoolStats,
+    HashFn,
+    KVCacheBlock,
+    NoFreeBlocksError,
+    sha256_block_hash,
+)
+from mlxpaged.cache.specs import KVCacheSpec, sequence_capacity
 from mlxpaged.config import VALID_BLOCK_SIZES
 from mlxpaged.engine.request import Request
-from mlxpaged.cache.specs import KVCacheSpec, sequence_capacity
 
 
 class UnknownRequestError(KeyError):
@@ -69,7 +75,8 @@ class SingleTypeManager:
                 copies.append(CopyOnWrite(parent[len(shared)].block_id, fresh[0].block_id, num_computed % bs))
             return shared + fresh, copies
         written = min(-(-num_computed // bs), len(fresh))  # ring blocks holding computed KV
-        return fresh, [CopyOnWrite(s.block_id, d.block_id, bs) for s, d in zip(parent[:written], fresh)]
+        pairs = zip(parent[:written], fresh, strict=False)  # the written ones
+        return fresh, [CopyOnWrite(s.block_id, d.block_id, bs) for s, d in pairs]
 
 
 @dataclass
@@ -166,7 +173,7 @@ class KVCacheManager:
         taken = [self.pool.take_partial_block(partial[0])] if partial else []
         tables = _split(taken + self.pool.get_new_blocks(sum(fresh) - len(taken)), fresh)
         tables[0] = hits + tables[0]
-        for manager, table in zip(self.managers, tables):
+        for manager, table in zip(self.managers, tables, strict=True):
             manager.tables[rid] = table
         cached = len(hits) * self.block_size + (partial[1] if partial else 0)
         if self.enable_prefix_cache:
@@ -186,7 +193,7 @@ class KVCacheManager:
         self._check_known(rid)
         n = request.num_tokens if num_tokens is None else num_tokens
         grow = [m.num_new_blocks(rid, n) for m in self.managers]
-        for manager, blocks in zip(self.managers, _split(self.pool.get_new_blocks(sum(grow)), grow)):
+        for manager, blocks in zip(self.managers, _split(self.pool.get_new_blocks(sum(grow)), grow), strict=True):
             manager.tables[rid] += blocks
         for manager in self.managers:
             block = manager.block_at(rid, n - 1)
@@ -255,10 +262,10 @@ class KVCacheManager:
         if child.token_ids_between(0, computed) != parent.token_ids_between(0, computed):
             raise ValueError(f"request {cid!r} does not start with the {computed} computed tokens of {pid!r}")
         shared = [min(m.spec.shareable_blocks(computed), len(m.tables[pid])) for m in self.managers]
-        fresh = [len(m.tables[pid]) - n for m, n in zip(self.managers, shared)]
+        fresh = [len(m.tables[pid]) - n for m, n in zip(self.managers, shared, strict=True)]
         taken = self.pool.get_new_blocks(sum(fresh))
         copies: list[CopyOnWrite] = []
-        for manager, n, blocks in zip(self.managers, shared, _split(taken, fresh)):
+        for manager, n, blocks in zip(self.managers, shared, _split(taken, fresh), strict=True):
             self.pool.touch(manager.tables[pid][:n])
             manager.tables[cid], more = manager.fork(manager.tables[pid], blocks, computed)
             copies += more
@@ -305,7 +312,9 @@ class KVCacheManager:
         last token (the model must run at least one position to produce logits)."""
         if not self.enable_prefix_cache:
             return [], []
-        bs, hits, hashes = self.block_size, [], []
+        bs = self.block_size
+        hits: list[KVCacheBlock] = []
+        hashes: list[Hashable] = []
         for i in range((len(tokens) - 1) // bs):
             block_hash = self.hash_fn(hashes[-1] if hashes else None, tuple(tokens[i * bs:(i + 1) * bs]),
                                       self.extra_key)

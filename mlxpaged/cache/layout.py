@@ -10,8 +10,8 @@ Its `path` is its index path: `(3,)` for entry 3, `(3, 1)` for the second cache 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator, Union
 
 from mlxpaged.cache.specs import LEAF_KINDS, KVGeometry, LayerKind
 
@@ -128,18 +128,18 @@ class UnknownLeaf:
         return f"own cache class {self.cache_class}"
 
 
-Leaf = Union[KVLeaf, StateLeaf, UnusedLeaf, UnknownLeaf]
+Leaf = KVLeaf | StateLeaf | UnusedLeaf | UnknownLeaf
 
 
 @dataclass(frozen=True)
 class CacheListNode:
     """An mlx-lm CacheList: several caches for one layer; `entries` mirror its `caches`."""
 
-    entries: tuple["Entry", ...]
+    entries: tuple[Entry, ...]
 
 
 # One entry of the structure: a leaf's path, a CacheList, or None (the model's cache list holds None).
-Entry = Union[Path, CacheListNode, None]
+Entry = Path | CacheListNode | None
 
 
 @dataclass(frozen=True)

@@ -28,12 +28,12 @@ from __future__ import annotations
 import functools
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Sequence, Union
+from typing import TYPE_CHECKING, ClassVar, Union
 
 from mlxpaged.errors import ConfigError
 from mlxpaged.validation import is_int_at_least
-
 
 # ---- layer kinds: what one KV layer keeps, as `layer_windows` entries --------------------------------
 
@@ -56,7 +56,7 @@ class Chunked:
     def window(self) -> int:
         return self.chunk + 1
 
-    def spec(self, block_size: int) -> "KVCacheSpec":
+    def spec(self, block_size: int) -> KVCacheSpec:
         return ChunkedLocalSpec(block_size, self.chunk)
 
 
@@ -67,7 +67,7 @@ class NoKV:
 
     window = None
 
-    def spec(self, block_size: int) -> "KVCacheSpec":
+    def spec(self, block_size: int) -> KVCacheSpec:
         return NoKVSpec(block_size)
 
 
@@ -75,8 +75,14 @@ class NoKV:
 LEAF_KINDS: dict[str, Callable[[int | None], LayerKind]] = {
     "full": lambda span: None,
     "window": lambda span: span,
-    "chunked": Chunked,
+    "chunked": lambda span: Chunked(_span(span)),
 }
+
+
+def _span(span: int | None) -> int:
+    if span is None:
+        raise ValueError("a chunked leaf needs its chunk size as span")
+    return span
 
 
 def window_of(kind: LayerKind) -> int | None:
@@ -85,7 +91,7 @@ def window_of(kind: LayerKind) -> int | None:
 
 
 @functools.lru_cache(maxsize=None, typed=True)  # typed: a window of True is refused, not taken as 1
-def spec_for(kind: LayerKind, block_size: int) -> "KVCacheSpec":
+def spec_for(kind: LayerKind, block_size: int) -> KVCacheSpec:
     """The table spec of a layer kind (cached: views ask every pass)."""
     if kind is None:
         return FullAttentionSpec(block_size)
@@ -103,7 +109,7 @@ class LayerGroup:
     layers: tuple[int, ...]
     kind: LayerKind
 
-    def spec(self, block_size: int) -> "KVCacheSpec":
+    def spec(self, block_size: int) -> KVCacheSpec:
         """How this group's table grows, shares and frees (everything else asks the spec)."""
         return spec_for(self.kind, block_size)
 
@@ -126,7 +132,7 @@ def group_layers(layer_windows: Sequence[LayerKind]) -> tuple[LayerGroup, ...]:
     if not by_kind:
         return (LayerGroup(0, (), NoKV()),)
     size = math.gcd(*(len(layers) for layers in by_kind.values()))
-    groups = []
+    groups: list[LayerGroup] = []
     for kind, layers in by_kind.items():
         for i in range(0, len(layers), size):
             groups.append(LayerGroup(len(groups), tuple(layers[i : i + size]), kind))
@@ -201,7 +207,11 @@ class KVCacheSpec(ABC):
     position's K/V lives. The cache manager, the pools, the views and the memory plan ask it."""
 
     block_size: int
-    window: int | None  # tokens of the sequence a layer stores and a query may read (None: every earlier one)
+    if TYPE_CHECKING:  # a field of SlidingWindowSpec's, a property of the others' (read-only to callers)
+        @property
+        def window(self) -> int | None:
+            """Tokens of the sequence a layer stores and a query may read (None: every earlier one)."""
+
     shares_prefix: ClassVar[bool]  # computed full blocks are never rewritten: shared by prefix and forks
     stores_kv: ClassVar[bool] = True  # False: zero-byte blocks that only number tokens
     # How a refusal names tables that reuse slots (`size` tokens each); None: the table only grows.
@@ -283,11 +293,14 @@ def _check_positive(**sizes: object) -> None:
 @dataclass(frozen=True)
 class FullAttentionSpec(KVCacheSpec):
     block_size: int
-    window: ClassVar[None] = None
     shares_prefix: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         _check_positive(block_size=self.block_size)
+
+    @property
+    def window(self) -> None:
+        return None
 
     @property
     def max_blocks(self) -> None:
@@ -387,7 +400,8 @@ def sequence_capacity(num_blocks: int, block_size: int, group_max_blocks: Sequen
     def fits(n: int) -> bool:
         return sum(table_lengths(n * block_size, block_size, group_max_blocks)) <= num_blocks
 
-    if None not in group_max_blocks and fits(max(group_max_blocks)):
+    caps = [cap for cap in group_max_blocks if cap is not None]
+    if len(caps) == len(group_max_blocks) and fits(max(caps)):
         return None
     low, high = 0, num_blocks  # what fits is <= num_blocks: some table takes a block per n
     while low < high:

@@ -18,7 +18,7 @@ the prefix cache, so the next chat turn resumes from the last boundary of the pr
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Hashable, Sequence
+from collections.abc import Hashable, Sequence
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
@@ -104,7 +104,7 @@ class StateView(ArraysCache):
 
     def __init__(self, store: StateStore, path: Path, slots: Sequence[int], lengths: mx.array | None):
         self.store, self.path, self.slots = store, path, list(slots)
-        self.lengths = lengths
+        self.lengths = lengths  # type: ignore[assignment]  # mlx-lm's ArraysCache declares it by `= None`
         self.left_padding = None
         self.written: dict[int, mx.array] = {}  # this pass's arrays [B, ...], by entry
         self._read: dict[int, mx.array | None] = {}  # the batch of stored rows, built once per entry
@@ -131,9 +131,17 @@ class StateView(ArraysCache):
     def cache(self) -> list:
         return [self[i] for i in range(self.store.sizes[self.path])]
 
+    @cache.setter
+    def cache(self, value: list) -> None:
+        raise AttributeError("a StateView's arrays live in its StateStore")
+
     @property
     def state(self) -> list:
         return list(self.written.values())
+
+    @state.setter
+    def state(self, value: list) -> None:
+        raise AttributeError("a StateView's arrays live in its StateStore")
 
     def advance(self, N: int) -> None:
         """No-op: `lengths` describe this pass only."""

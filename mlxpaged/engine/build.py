@@ -7,8 +7,8 @@ and public API.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import mlx.core as mx
 
@@ -18,6 +18,7 @@ from mlxpaged.cache.paged_support import attention_geometries, serial_reason
 from mlxpaged.config import CacheConfig, SchedulerConfig
 from mlxpaged.engine.core import EngineCore
 from mlxpaged.engine.metrics import StatsCounter
+from mlxpaged.errors import ConfigError
 from mlxpaged.kernels.attention import PreparedAttention, prepare_model_attention
 from mlxpaged.loading.loader import LoadedModel, activation_dtype, check_paged_support
 from mlxpaged.loading.probe import probe_layout
@@ -56,7 +57,10 @@ def build_core(loaded: LoadedModel, cache_config: CacheConfig, scheduler_config:
     kv = PagedKVCache.for_layout(layout, plan.num_blocks, cache_config.block_size, kv_dtype)
     # Before the first decode: a Metal kernel variant that fails its self-check is replaced by the reference.
     attention = prepare_model_attention(kv_dtype, cache_config.block_size, attention_geometries(layout))
-    max_model_len = int(scheduler_config.max_model_len or facts.context_length or plan.token_capacity)
+    max_model_len = scheduler_config.max_model_len or facts.context_length or plan.token_capacity
+    if max_model_len is None:  # no stated context, and a cache of rings holds any length
+        raise ConfigError("the model states no context length and its cache holds any length: set "
+                          "{max_model_len}", param="max_model_len")
     # Not exact in a ragged batch (or cannot take one): one sequence per pass, decided here, not mid-request.
     serial = layout_serial_reason(layout, loaded.model, kv_dtype, cache_config.block_size)
     core = EngineCore.create(loaded.model, loaded.tokenizer, kv, cache_config, scheduler_config,

@@ -12,22 +12,22 @@ queue and calls `step()`; tests drive it directly.
 from __future__ import annotations
 
 import warnings
-from typing import Callable
+from collections.abc import Callable
 
 from mlxpaged.cache.block_pool import BlockPool
-from mlxpaged.config import CacheConfig, SchedulerConfig
 from mlxpaged.cache.kv_cache import PagedKVCache
 from mlxpaged.cache.kv_cache_manager import KVCacheManager
 from mlxpaged.cache.layout import ModelLayout
 from mlxpaged.cache.state_cache import CheckpointTable, StateCache, StateStore
+from mlxpaged.config import CacheConfig, SchedulerConfig
+from mlxpaged.engine.drafting import Speculator
 from mlxpaged.engine.metrics import StatsCounter
 from mlxpaged.engine.output_processor import OutputProcessor, split_results
 from mlxpaged.engine.request import Request
+from mlxpaged.engine.scheduler import Scheduler
+from mlxpaged.errors import ConfigError
 from mlxpaged.runner.model_runner import Runner
 from mlxpaged.sampling_params import SamplingParams
-from mlxpaged.engine.scheduler import Scheduler
-from mlxpaged.engine.drafting import Speculator
-from mlxpaged.errors import ConfigError
 
 
 class EngineCore:
@@ -48,7 +48,7 @@ class EngineCore:
     def create(cls, model, tokenizer, kv: PagedKVCache, cache_config: CacheConfig,
                scheduler_config: SchedulerConfig, *, max_model_len: int, extra_key: object = None,
                serial: bool = False, layout: ModelLayout | None = None, num_checkpoints: int = 0,
-               **kwargs) -> "EngineCore":
+               **kwargs) -> EngineCore:
         """A core over `kv`'s blocks: block pool, cache manager (one spec per layer group), scheduler, runner
         (`layout`: the model's cache layout, which the runner assembles its cache list from; `serial`: one
         sequence per pass). A `layout` with state layers also gets max_num_seqs state slots and
@@ -82,7 +82,8 @@ class EngineCore:
         try:
             self.runner.decoder.warm_up()
         except Exception as exc:
-            warnings.warn(f"compiled decode is off for this model ({exc!r}); decoding eagerly", RuntimeWarning)
+            warnings.warn(f"compiled decode is off for this model ({exc!r}); decoding eagerly", RuntimeWarning,
+                          stacklevel=1)
             self.runner.decoder = None
 
     def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams, sink) -> None:
@@ -109,8 +110,8 @@ class EngineCore:
         rows = self.outputs.sampling_rows(out)
         results = self.runner.execute(out.chunks, rows, planner=self)  # 2. execute
         sampled, failed = split_results(rows, results)
-        accepted = {t.request.request_id: [a.token for a in r.accepted]
-                    for t, r in zip(rows.sequences, results) if r.accepted}
+        accepted = {t.request.request_id: [a.token for a in r.accepted if a.token is not None]
+                    for t, r in zip(rows.sequences, results, strict=True) if r.accepted}
         self.scheduler.update_from_output(out, sampled, failed, accepted)  # 3. update
         self.outputs.process(out, rows, results)  # 4. process outputs
         if self.speculator is not None:
@@ -149,8 +150,9 @@ def _check_speculation(method: str, kv: PagedKVCache, has_state: bool) -> None:
     """Refuse speculation, at load, for layers whose rejected drafts cannot be rolled back by freeing blocks."""
     rings: dict[str, set[int]] = {}  # a ring reuses its slots: rejected drafts would overwrite KV still in it
     for spec in kv.specs:
-        if not spec.rolls_back:
-            rings.setdefault(spec.ring_label, set()).add(spec.size)
+        label, size = spec.ring_label, spec.size
+        if not spec.rolls_back and label is not None and size is not None:  # a ring has both
+            rings.setdefault(label, set()).add(size)
     if rings:
         kinds = [label.format(sizes=sorted(sizes)) for label, sizes in rings.items()]
         raise ConfigError(f"{{speculative:{method!r}}} needs full attention in every layer; this model has "

@@ -14,8 +14,9 @@ pipelines, as without speculation).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from mlxpaged.cache.block_pool import NoFreeBlocksError
 from mlxpaged.engine.request import Request

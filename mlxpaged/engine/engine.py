@@ -21,23 +21,27 @@ import functools
 import itertools
 import queue
 import threading
-from typing import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
+from mlxpaged.config import DEFAULT_CACHE_TOKENS, CacheConfig, SchedulerConfig, split_settings
 from mlxpaged.engine import engine_thread
 from mlxpaged.engine.build import BuiltCore, build_core
-from mlxpaged.config import DEFAULT_CACHE_TOKENS, CacheConfig, SchedulerConfig, split_settings
-from mlxpaged.errors import ConfigError, EngineClosedError, RequestFailedError  # noqa: F401  (re-exported)
-from mlxpaged.engine.metrics import StatsCounter
 from mlxpaged.engine.drafting import SpeculationStats
-from mlxpaged.outputs import Completion, StreamDelta, collect, drain  # noqa: F401  (re-exported)
-from mlxpaged.platform import backend
-from mlxpaged.platform.memory import DeviceFacts, plan_memory
+from mlxpaged.engine.metrics import StatsCounter
+from mlxpaged.engine.shutdown import STEP_TIMEOUT_S
+from mlxpaged.errors import ConfigError, EngineClosedError, RequestFailedError  # noqa: F401  (re-exported)
 from mlxpaged.loading.checkpoint import facts_before_load
+from mlxpaged.loading.generation_defaults import GenerationDefaults, load_defaults
 from mlxpaged.loading.loader import LoadedModel, chat_prompt, load_local, locate_model
 from mlxpaged.loading.progress import Progress
-from mlxpaged.loading.generation_defaults import GenerationDefaults, load_defaults
+from mlxpaged.outputs import Completion, StreamDelta, collect, drain
+from mlxpaged.platform import backend
+from mlxpaged.platform.memory import DeviceFacts, plan_memory
 from mlxpaged.sampling_params import SamplingParams
-from mlxpaged.engine.shutdown import STEP_TIMEOUT_S
+
+if TYPE_CHECKING:
+    from mlxpaged.constraints import GrammarCompiler
 
 
 class Engine:
@@ -54,7 +58,8 @@ class Engine:
         self._ids = itertools.count()
         self._closed = False
         self._stats = StatsCounter()
-        self._grammar_compiler = None  # built on first use (constraints.py): llguidance's tokenizer takes ~0.3 s
+        # Built on first use (constraints.py): llguidance's tokenizer takes ~0.3 s.
+        self._grammar_compiler: GrammarCompiler | None = None
         self._grammar_lock = threading.Lock()
         commands = self._commands  # the core must not hold the engine: its thread holds it weakly (engine_thread.py)
         self.built: BuiltCore = build_core(loaded, self.cache_config, self.scheduler_config, stats=self._stats,
@@ -62,7 +67,7 @@ class Engine:
         self._thread = engine_thread.start(self, commands, self.core, self.plan, self.cache_config.wire)
 
     @classmethod
-    def from_pretrained(cls, model: str | None = None, progress: Progress | None = None, **settings) -> "Engine":
+    def from_pretrained(cls, model: str | None = None, progress: Progress | None = None, **settings) -> Engine:
         """A preset name, local path or hub id (None: the embedded default model); settings are CacheConfig
         and SchedulerConfig fields, split by name (kv_memory="2GB", max_num_seqs=4; any other name raises
         ConfigError). A cache that cannot fit raises InsufficientMemoryError before any weight is read
@@ -172,20 +177,20 @@ class Engine:
         `params` is one SamplingParams for all prompts, or one per prompt."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        per_prompt = [params] * len(prompts) if params is None or isinstance(params, SamplingParams) else list(params)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"{len(per_prompt)} SamplingParams for {len(prompts)} prompts")
-        sinks = [queue.Queue() for _ in prompts]
+        sinks: list[queue.Queue] = [queue.Queue() for _ in prompts]
         ids = []
         try:
-            for prompt, p, sink in zip(prompts, per_prompt, sinks):
+            for prompt, p, sink in zip(prompts, per_prompt, sinks, strict=True):
                 ids.append(self.submit(prompt, p, sink.put))
         except Exception:
             for request_id in ids:  # a bad prompt in the list: the ones already queued are withdrawn
                 self.abort(request_id)
             raise
         out = []
-        for rid, sink, p in zip(ids, sinks, per_prompt):
+        for rid, sink, p in zip(ids, sinks, per_prompt, strict=True):
             out += collect(rid, drain(sink, (p or SamplingParams()).n))
         return out
 
@@ -208,11 +213,16 @@ class Engine:
             if remaining:
                 self.abort(request_id)
 
-    async def astream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> AsyncIterator[StreamDelta]:
+    async def astream(self, prompt: str | Sequence[int],
+                      params: SamplingParams | None = None) -> AsyncIterator[StreamDelta]:
         """Async version of stream(); cancelling the consuming task aborts the request."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
-        request_id = self.submit(prompt, params, lambda e: loop.call_soon_threadsafe(events.put_nowait, e))
+
+        def put(event: object) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+        request_id = self.submit(prompt, params, put)
         remaining = (params or SamplingParams()).n
         try:
             while remaining:
@@ -286,7 +296,7 @@ class Engine:
         """True until the engine thread has ended."""
         return self._thread.is_alive()
 
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc) -> None:

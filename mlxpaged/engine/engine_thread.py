@@ -7,11 +7,12 @@ queues a close command, which ends this thread. At interpreter exit, shutdown.py
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Union
 
 import mlx.core as mx
 
@@ -44,7 +45,7 @@ class Close:
     """Stop at the next step boundary."""
 
 
-Command = Union[Add, Abort, Close]
+Command = Add | Abort | Close
 
 
 def start(engine, commands: queue.SimpleQueue, core: EngineCore, plan: MemoryPlan, wire: bool) -> threading.Thread:
@@ -129,7 +130,5 @@ def _fail_queued(commands: queue.SimpleQueue, exc: EngineClosedError) -> None:
         except queue.Empty:
             return
         if isinstance(command, Add):
-            try:
+            with contextlib.suppress(Exception):  # its consumer is gone (e.g. a closed event loop): nobody to tell
                 command.sink(exc)
-            except Exception:
-                pass  # its consumer is gone (e.g. a closed event loop): nobody is left to tell

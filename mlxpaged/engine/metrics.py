@@ -24,7 +24,7 @@ class StatsCounter:
             self._events.pop(0)
 
     def add_ttft(self, seconds: float) -> None:
-        self._ttfts = (self._ttfts + [seconds])[-100:]
+        self._ttfts = [*self._ttfts, seconds][-100:]
 
     def snapshot(self) -> dict:
         events = list(self._events)

@@ -10,18 +10,18 @@ sequence i > 0 is "<caller_id>.<i>"."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from mlxpaged.engine.metrics import StatsCounter
-from mlxpaged.errors import EngineClosedError, RequestFailedError  # noqa: F401  (re-exported)
 from mlxpaged.engine.request import Request, RequestStatus
-from mlxpaged.outputs import StreamDelta
-from mlxpaged.sampling_params import SamplingParams
-from mlxpaged.runner.sampling import SampleResult, make_state
-from mlxpaged.runner.sampling_rows import SamplingRows
 from mlxpaged.engine.scheduler import Scheduler, SchedulerOutput
 from mlxpaged.engine.text_stream import TextStream
+from mlxpaged.errors import EngineClosedError, RequestFailedError
+from mlxpaged.outputs import StreamDelta
+from mlxpaged.runner.sampling import SampleResult, SamplerState, make_state
+from mlxpaged.runner.sampling_rows import SamplingRows
+from mlxpaged.sampling_params import SamplingParams
 
 _FINISH_STATUS = {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatus.FINISHED_LENGTH}
 
@@ -31,12 +31,12 @@ class Tracked:
     """Engine-thread state of one request."""
     request: Request
     params: SamplingParams
-    sampler: object
+    sampler: SamplerState
     text: TextStream
     sink: Callable[[object], None]
     index: int = 0
     caller_id: str = ""  # the id the caller knows (sequence 0's), for abort and n > 1
-    forks: list["Tracked"] = field(default_factory=list)  # n > 1: sequences 1.. before their fork
+    forks: list[Tracked] = field(default_factory=list)  # n > 1: sequences 1.. before their fork
     submitted: float = field(default_factory=time.perf_counter)
     first_token: float | None = None
 
@@ -47,8 +47,9 @@ class Tracked:
 
 def split_results(rows: SamplingRows[Tracked], results: list[SampleResult]) -> tuple[dict[str, int], set[str]]:
     """(sampled token by sequence id, ids of the sequences whose sampling failed)."""
-    sampled = {t.sequence_id: r.token for t, r in zip(rows.sequences, results) if r.error is None}
-    failed = {t.sequence_id for t, r in zip(rows.sequences, results) if r.error is not None}
+    sampled = {t.sequence_id: r.token for t, r in zip(rows.sequences, results, strict=True)
+               if r.error is None and r.token is not None}  # no error: a token
+    failed = {t.sequence_id for t, r in zip(rows.sequences, results, strict=True) if r.error is not None}
     return sampled, failed
 
 
@@ -98,10 +99,10 @@ class OutputProcessor:
     def process(self, out: SchedulerOutput, rows: SamplingRows[Tracked], results: list[SampleResult]) -> None:
         """Hand a step's samples (already recorded by the scheduler) to their requests: fail the
         ones whose sampling failed, start forks, deliver tokens and finish what stops."""
-        for tracked, result in zip(rows.sequences, results):
+        for tracked, result in zip(rows.sequences, results, strict=True):
             if result.error is not None:  # the scheduler skipped its chunk
                 self.fail(tracked.caller_id, RequestFailedError(f"sampling failed: {result.error!r}"))
-        ok = [(t, r) for t, r in zip(rows.sequences, results) if r.error is None]
+        ok = [(t, r) for t, r in zip(rows.sequences, results, strict=True) if r.error is None]
         self.stats.add_tokens(sum(1 + len(r.accepted) for _, r in ok), sum(len(c.token_ids) for c in out.chunks))
         new_forks = [(t, r) for t, r in ok if t.sequence_id not in self._tracked]
         for tracked, result in new_forks:  # first: delivering the parent's token may finish it
@@ -131,7 +132,7 @@ class OutputProcessor:
         event = StreamDelta(tracked.caller_id, delta.text, result.token, result.logprob, result.top_logprobs,
                             delta.finish_reason if delta.finished else None, tracked.index,
                             stop_sequence=delta.stop_matched)
-        if delta.finished:
+        if delta.finish_reason is not None:  # push() finishes with "stop" or "length"
             if undelivered:  # a stop inside an accepted run: the request ends at its stop token
                 self.scheduler.drop_last_outputs(sequence_id, undelivered)
             self.finish(sequence_id, _FINISH_STATUS[delta.finish_reason], delta.finish_reason, last=event)

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
+from collections.abc import Collection, Hashable, Mapping
 from dataclasses import dataclass, field
-from typing import Collection, Hashable, Mapping, Protocol
+from typing import Protocol
 
 from mlxpaged.cache.block_pool import NoFreeBlocksError
 from mlxpaged.cache.kv_cache_manager import CopyOnWrite, KVCacheManager, UnknownRequestError
@@ -26,8 +27,15 @@ from mlxpaged.engine.request import Request, RequestStatus
 from mlxpaged.errors import RequestTooLongError
 from mlxpaged.validation import require_int
 
-__all__ = ["Request", "RequestStatus", "Scheduler", "SchedulerOutput", "ScheduledChunk", "MODEL_CONTEXT",
-           "CACHE_CAPACITY"]
+__all__ = [
+    "CACHE_CAPACITY",
+    "MODEL_CONTEXT",
+    "Request",
+    "RequestStatus",
+    "ScheduledChunk",
+    "Scheduler",
+    "SchedulerOutput",
+]
 
 
 @dataclass
@@ -54,8 +62,10 @@ class StateSlots(Protocol):
     """Per-sequence state of state-space layers (cache/state_cache.StateCache): one slot per running
     request, checkpoints of it at block boundaries for the prefix cache."""
 
-    num_free: int
-    checkpoints_enabled: bool
+    @property
+    def num_free(self) -> int: ...
+    @property
+    def checkpoints_enabled(self) -> bool: ...
 
     def allocate(self) -> int: ...
     def fork(self, slot: int) -> int: ...
@@ -157,8 +167,9 @@ class Scheduler:
         total = num_prompt_tokens + max_tokens
         if total > self.max_model_len:
             raise RequestTooLongError(num_prompt_tokens, max_tokens, self.max_model_len, MODEL_CONTEXT)
-        if self.kv_manager.num_blocks_for(total) > self.kv_manager.num_blocks:
-            raise RequestTooLongError(num_prompt_tokens, max_tokens, self.capacity_tokens, CACHE_CAPACITY)
+        capacity = self.capacity_tokens  # None: any length fits (rings only), so no sequence outgrows the pool
+        if capacity is not None and self.kv_manager.num_blocks_for(total) > self.kv_manager.num_blocks:
+            raise RequestTooLongError(num_prompt_tokens, max_tokens, capacity, CACHE_CAPACITY)
 
     def finish(self, request_id: str, status: RequestStatus) -> Request:
         """End a waiting or running request and free its blocks at once."""
@@ -230,7 +241,7 @@ class Scheduler:
         except NoFreeBlocksError:
             return None
         if self.state is not None:
-            child.state_slot = self.state.fork(parent.state_slot)  # shares the parent's state rows
+            child.state_slot = self.state.fork(_slot(parent))  # shares the parent's state rows
         return copies
 
     def reserve_next_slot(self, request: Request) -> list[list[int]] | None:
@@ -259,8 +270,8 @@ class Scheduler:
             chunks.append(self._chunk(request, min(budget, cap)))
             budget -= len(chunks[-1].token_ids)
         # As in vLLM: a step that had to preempt admits nothing, or it would thrash.
-        while not preempted and budget > 0 and (request := self._admit_next()) is not None:
-            chunks.append(self._chunk(request, budget))
+        while not preempted and budget > 0 and (admitted := self._admit_next()) is not None:
+            chunks.append(self._chunk(admitted, budget))
             budget -= len(chunks[-1].token_ids)
         return SchedulerOutput(chunks, preempted, self.max_batch_tokens - budget)
 
@@ -387,13 +398,20 @@ class Scheduler:
         """At a block boundary, checkpoint the request's state under the hash of the block ending there:
         published at once after a prefill chunk, kept as the newest pending one in decode."""
         computed, bs = request.num_computed_tokens, self.kv_manager.block_size
-        if not self._checkpoints_on() or computed % bs:
+        if self.state is None or not self._checkpoints_on() or computed % bs:
             return
         block_hash = self.kv_manager.block_hash(request.request_id, computed // bs)
         if block_hash is not None:
-            self.state.checkpoint(request.state_slot, block_hash, publish)
+            self.state.checkpoint(_slot(request), block_hash, publish)
 
     def _free_state(self, request: Request) -> None:
         if self.state is not None and request.state_slot is not None:
             self.state.free(request.state_slot)
             request.state_slot = None
+
+
+def _slot(request: Request) -> int:
+    """The state slot of a request of a model with state layers (it holds one while it runs)."""
+    if request.state_slot is None:
+        raise RuntimeError(f"request {request.request_id!r} holds no state slot")
+    return request.state_slot

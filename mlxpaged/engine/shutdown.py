@@ -22,7 +22,7 @@ import weakref
 # model on a CPU takes seconds, not minutes); past it the process exits anyway.
 STEP_TIMEOUT_S = 60.0
 
-_open_engines: "weakref.WeakSet" = weakref.WeakSet()
+_open_engines: weakref.WeakSet = weakref.WeakSet()
 
 
 def track(engine) -> None:

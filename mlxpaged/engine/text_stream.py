@@ -10,8 +10,8 @@ strings ("stop"), then max_tokens ("length"). Nothing is emitted after a finishe
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 from mlxpaged.sampling_params import SamplingParams
 

@@ -38,18 +38,27 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 import mlx.core as mx
 
-from mlxpaged.kernels.cpu_attention import attend, decode_attention_cpu, paged_attention_cpu
-from mlxpaged.kernels.numpy_attention import (attend_numpy, attend_pages_numpy, numpy_attention_applies,
-                                              pages_in_place_apply)
 from mlxpaged.kernels import paged_attention as pa
-from mlxpaged.kernels.reference import (attend_pages, check_pools, fast_sinks, paged_attention_reference,
-                                        paged_prefill_attention_reference)
+from mlxpaged.kernels.cpu_attention import attend, decode_attention_cpu, paged_attention_cpu
+from mlxpaged.kernels.numpy_attention import (
+    attend_numpy,
+    attend_pages_numpy,
+    numpy_attention_applies,
+    pages_in_place_apply,
+)
+from mlxpaged.kernels.reference import (
+    attend_pages,
+    check_pools,
+    fast_sinks,
+    paged_attention_reference,
+    paged_prefill_attention_reference,
+)
 from mlxpaged.kernels.self_check import KernelVariant, VariantCheck, check_variant, variants_for
 from mlxpaged.platform import backend as compute_backend
 
@@ -146,13 +155,12 @@ def paged_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_table
     Returns [B, num_heads, 1, Dv] in q's dtype.
     """
     backend = resolved_backend()
-    if backend == "kernel":
-        if pa.kernel_supports(q, k_pool, v_pool, block_tables, window, sinks):
-            two_pass = pa.use_two_pass(q.shape[0], k_pool.shape[1],
-                                       pa.attended_span(block_tables.shape[1], k_pool.shape[2], window))
-            if _kernel_passed(_variant(q, k_pool, v_pool, sinks, two_pass)):
-                return pa.paged_attention_metal(q, k_pool, v_pool, block_tables, context_lens, scale, window,
-                                                sinks, two_pass=two_pass, launcher=_launcher)
+    if backend == "kernel" and pa.kernel_supports(q, k_pool, v_pool, block_tables, window, sinks):
+        two_pass = pa.use_two_pass(q.shape[0], k_pool.shape[1],
+                                   pa.attended_span(block_tables.shape[1], k_pool.shape[2], window))
+        if _kernel_passed(_variant(q, k_pool, v_pool, sinks, two_pass)):
+            return pa.paged_attention_metal(q, k_pool, v_pool, block_tables, context_lens, scale, window,
+                                            sinks, two_pass=two_pass, launcher=_launcher)
     if backend == "cpu" and _float32(k_pool, v_pool):
         return paged_attention_cpu(q, k_pool, v_pool, block_tables, context_lens, scale, window, sinks)
     return paged_attention_reference(q, k_pool, v_pool, block_tables, context_lens, scale, window, sinks)
@@ -188,7 +196,8 @@ def sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None, sinks: 
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=fast_sinks(sinks, q.dtype))
 
 
-def eager_sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None, sinks: mx.array | None = None) -> mx.array:
+def eager_sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None,
+               sinks: mx.array | None = None) -> mx.array:
     """``sdpa`` for eager passes (never inside ``mx.compile``): on the cpu backend a call big enough
     to pay for a sync is computed by NumPy (numpy_attention.py), ~3.5x faster on long prefills."""
     if _numpy_allowed() and numpy_attention_applies(q, k, mask):

@@ -10,8 +10,8 @@ Timings are medians of interleaved runs; nothing here asserts on them.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -51,7 +51,7 @@ class KernelBenchRow:
         return self.fast_ms / self.contiguous_ms
 
 
-def time_interleaved(fns: dict[str, Callable[[], object]], min_seconds: float = 0.5, min_repeats: int = 5,
+def time_interleaved(fns: Mapping[str, Callable[[], object]], min_seconds: float = 0.5, min_repeats: int = 5,
                      max_repeats: int = 100) -> dict[str, float]:
     """Median ms of ``mx.eval(fn())`` per function, after a warm-up call each.
 
@@ -126,7 +126,8 @@ def format_kernel_bench(rows: Sequence[KernelBenchRow], shape: BenchShape = Benc
     device = "Metal GPU" if fast == "kernel" else "CPU"
     lines = [f"paged decode attention on {device}: {shape.heads} heads / {shape.kv_heads} KV heads, "
              f"head dim {shape.head_dim}, block size {shape.block_size}, {shape.dtype}; ratio = paged / contiguous",
-             f"{'context':>8} {'batch':>5} {'contig ms':>10} {'ref ms':>9} {'ref x':>6} {fast + ' ms':>10} {fast + ' x':>7}"]
+             f"{'context':>8} {'batch':>5} {'contig ms':>10} {'ref ms':>9} {'ref x':>6} "
+             f"{fast + ' ms':>10} {fast + ' x':>7}"]
     for r in rows:
         lines.append(f"{r.context:>8} {r.batch:>5} {r.contiguous_ms:>10.3f} {r.reference_ms:>9.3f} "
                      f"{r.reference_ratio:>6.2f} {r.fast_ms:>10.3f} {r.fast_ratio:>7.2f}")

@@ -33,8 +33,14 @@ from functools import partial
 
 import mlx.core as mx
 
-from mlxpaged.kernels.reference import (attend_pages, check_pools, decode_plan, output_shape,
-                                        paged_attention_reference, zero_empty)
+from mlxpaged.kernels.reference import (
+    attend_pages,
+    check_pools,
+    decode_plan,
+    output_shape,
+    paged_attention_reference,
+    zero_empty,
+)
 
 # Decode calls over fewer (sequence x key) pairs than this take the reference path (gathered pages
 # + mx.fast SDPA): the copy is small there and its graph has fewer nodes to build and run. Batch-1
@@ -57,8 +63,8 @@ def _exp_parts(scores: mx.array, row_max: mx.array) -> tuple[mx.array, mx.array]
     t = mx.maximum((scores - row_max) * _LOG2E, -127.0)
     n = mx.round(t)
     f = t - n
-    p = _TAYLOR_2F[7]
-    for c in reversed(_TAYLOR_2F[:7]):
+    p = _TAYLOR_2F[7] * f + _TAYLOR_2F[6]
+    for c in reversed(_TAYLOR_2F[:6]):
         p = p * f + c
     # n = -127 gives the bit pattern of 0.0, so masked keys add exactly 0.
     return p, (n.astype(mx.int32) + 127) << 23
@@ -146,7 +152,7 @@ def paged_attention_cpu(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_t
                         scale: float, window: int | None = None, sinks: mx.array | None = None) -> mx.array:
     """Decode attention, one query per sequence, read from float32 pools in place.
     Same contract as ``reference.paged_attention_reference``."""
-    batch, heads, qlen, dim = q.shape
+    batch, _, qlen, _ = q.shape
     if qlen != 1:
         raise ValueError(f"decode takes one query token per sequence: q is {tuple(q.shape)}")
     if window is not None and window < 1:
@@ -166,7 +172,7 @@ def decode_attention_cpu(q: mx.array, k_pool: mx.array, v_pool: mx.array, rows: 
                          scale: float, sinks: mx.array | None = None) -> mx.array:
     """Decode attention from array inputs only (compiled passes): ``rows`` [B, KVH, nb] page rows,
     ``mask`` [B, 1, 1, nb * BS] bool, at least one key per sequence; sinks [H] or None. Float32 pools."""
-    batch, kv_heads, pages = rows.shape
+    batch, _, pages = rows.shape
     if batch * pages * k_pool.shape[2] < GATHER_MM_MIN_KEYS:
         return attend_pages(q, k_pool, v_pool, rows, mask, scale, sinks)
     page_ids, query_ids, page_mask = _page_arrays(rows, mask)

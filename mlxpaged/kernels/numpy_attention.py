@@ -114,7 +114,7 @@ def attend_numpy(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None,
     additive = None if causal or mask is None else _additive_mask(np.asarray(mask))
     sink = None if sinks is None else np.asarray(sinks.astype(f32) if sinks.dtype != f32 else sinks)
     batch, heads, length, _ = qn.shape
-    kv_heads, keys = kn.shape[1], kn.shape[2]
+    kv_heads = kn.shape[1]
     out = np.empty((batch, heads, length, vn.shape[-1]), np.float32)
     block = _Block(qn, kn, vn, out, np.float32(scale), causal, additive, sink)
     jobs = [(b, h, i) for i in reversed(range(0, length, QUERY_BLOCK)) for b in range(batch) for h in range(kv_heads)]
@@ -244,9 +244,9 @@ def _merge(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]], sinks: np.nda
         top = np.maximum(top, sink)
     total = np.zeros_like(top)
     values = np.zeros_like(parts[0][2])
-    for m, l, o in parts:
+    for m, s, o in parts:
         weight = np.exp(m - top)
-        total += l * weight
+        total += s * weight
         values += o * weight
     if sinks is not None:
         total += np.exp(sink - top)

@@ -15,9 +15,9 @@ The span bound comes from the block table width (and the window), so choosing co
 from __future__ import annotations
 
 import re
-from functools import lru_cache
+from collections.abc import Callable
+from functools import cache, lru_cache
 from pathlib import Path
-from typing import Callable
 
 import mlx.core as mx
 
@@ -39,14 +39,14 @@ DECODE_INPUTS = ["queries", "k_pool", "v_pool", "block_tables", "context_lens", 
 REDUCE_INPUTS = ["o_part", "m_part", "l_part", "params", "sinks"]
 
 
-@lru_cache(maxsize=None)
+@cache
 def source_sections() -> dict[str, str]:
     """The .metal file split at its ``// ==== name ====`` markers."""
     parts = re.split(r"^// ==== (\w+) ====\n", SOURCE_PATH.read_text(), flags=re.M)
-    return {name: body for name, body in zip(parts[1::2], parts[2::2])}
+    return dict(zip(parts[1::2], parts[2::2], strict=True))
 
 
-@lru_cache(maxsize=None)
+@cache
 def decode_kernel(partitioned: bool):
     sections = source_sections()
     flag = int(partitioned)
@@ -57,7 +57,7 @@ def decode_kernel(partitioned: bool):
                                 header=sections["header"])
 
 
-@lru_cache(maxsize=None)
+@cache
 def reduce_kernel():
     sections = source_sections()
     return mx.fast.metal_kernel(name="paged_attention_reduce", input_names=REDUCE_INPUTS,
@@ -196,7 +196,7 @@ def paged_attention_metal(q: mx.array, k_pool: mx.array, v_pool: mx.array, block
     part_shape = (batch, heads, partitions)
     o_part, m_part, l_part = launch(
         decode_kernel(True), inputs=inputs, template=template, grid=(threads, kv_heads, batch * partitions),
-        threadgroup=(threads, 1, 1), output_shapes=[part_shape + (v_dim,), part_shape, part_shape],
+        threadgroup=(threads, 1, 1), output_shapes=[(*part_shape, v_dim), part_shape, part_shape],
         output_dtypes=[mx.float32] * 3)
     if tail is not None:  # the tail joins as partition `partitions` (the reduce reads the count from params)
         o_part = mx.concatenate([o_part, tail[0]], axis=2)

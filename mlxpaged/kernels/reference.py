@@ -15,6 +15,7 @@ directly, with no transpose copy. Only the blocks that some query can see are ga
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -26,8 +27,16 @@ FOLD_GQA_MIN_KEYS = 2048
 def host_ints(values) -> list[int]:
     """A host list of ints from an mx.array, numpy array or sequence (a leaf array costs no compute)."""
     if isinstance(values, mx.array):
-        return [int(v) for v in values.tolist()]
+        return [int(v) for v in host_list(values)]
     return [int(v) for v in np.asarray(values).reshape(-1)]
+
+
+def host_list(array: mx.array) -> list[Any]:
+    """`array.tolist()` of an array of one or more dimensions (its elements: numbers, or lists for 2-D on)."""
+    values = array.tolist()
+    if not isinstance(values, list):
+        raise ValueError(f"a 0-d array has no list: {values!r}")
+    return values
 
 
 def as_table(block_tables) -> mx.array:
@@ -75,7 +84,7 @@ def paged_attention_reference(q: mx.array, k_pool: mx.array, v_pool: mx.array, b
     Returns [B, H, 1, Dv]; a sequence with context length 0 gets zeros.
     """
     _check_window(window)
-    batch, heads, qlen, head_dim = q.shape
+    batch, _, qlen, _ = q.shape
     if qlen != 1:
         raise ValueError(f"decode takes one query token per sequence: q is {tuple(q.shape)}")
     check_pools(q, k_pool, v_pool, sinks)
@@ -191,7 +200,8 @@ def _build_decode_plan(block_tables, context_lens, window, pool_shape, batch):
     last_block = -(-max_len // block_size)
     span = tables[:, first_block:last_block]
     # Table entries are only guaranteed valid below each sequence's own block count.
-    padded = any(-(-n // block_size) < last_block or s // block_size > first_block for n, s in zip(lens, starts))
+    padded = any(-(-n // block_size) < last_block or s // block_size > first_block
+                 for n, s in zip(lens, starts, strict=True))
     rows = page_rows(span, pool_shape, clip=padded)
     mask = _decode_mask(lens, starts, first_block * block_size, last_block * block_size)
     return DecodePlan(span, rows, mask, lens)
@@ -199,7 +209,7 @@ def _build_decode_plan(block_tables, context_lens, window, pool_shape, batch):
 
 def _decode_mask(lens: list[int], starts: list[int], lo: int, hi: int) -> mx.array | None:
     """[B, 1, 1, hi - lo] bool, or None when every sequence sees exactly the gathered span."""
-    if all(n == hi and s == lo for n, s in zip(lens, starts)):
+    if all(n == hi and s == lo for n, s in zip(lens, starts, strict=True)):
         return None
     pos = np.arange(lo, hi)[None, :]
     keep = (pos < np.asarray(lens)[:, None]) & (pos >= np.asarray(starts)[:, None])
@@ -241,9 +251,9 @@ def paged_prefill_attention_reference(q: mx.array, k_pool: mx.array, v_pool: mx.
     lo = first_block * block_size
     if window is None and lo == 0:
         # Bottom-right aligned causal mask: exact when the keys end at the chunk's last token.
-        span = total - lo
-        if keys.shape[2] != span:
-            keys, values = keys[:, :, :span], values[:, :, :span]
+        num_keys = total - lo
+        if keys.shape[2] != num_keys:
+            keys, values = keys[:, :, :num_keys], values[:, :, :num_keys]
         return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask="causal", sinks=sinks)
     qpos = np.arange(prefix_len, total)[:, None]
     kpos = np.arange(lo, last_block * block_size)[None, :]

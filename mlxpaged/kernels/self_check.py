@@ -11,8 +11,8 @@ each) exercises the same code as a long chat. Results are cached per process per
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import mlx.core as mx
 import numpy as np
@@ -133,7 +133,7 @@ def _compare(variant: KernelVariant, launcher: Callable | None) -> str | None:
                                    launcher=launcher)
     want = paged_attention_reference(*args, sinks=sinks)
     got, want = got.astype(mx.float32), want.astype(mx.float32)
-    error = mx.max(mx.abs(got - want) / (1.0 + mx.abs(want))).item()
+    error = float(mx.max(mx.abs(got - want) / (1.0 + mx.abs(want))))
     tolerance = TOLERANCE[variant.dtype]
     if not np.isfinite(error):
         return "mismatch: non-finite values in the kernel's output"
@@ -142,7 +142,8 @@ def _compare(variant: KernelVariant, launcher: Callable | None) -> str | None:
     return None
 
 
-def _random_case(variant: KernelVariant) -> tuple[tuple, mx.array | None]:
+def _random_case(variant: KernelVariant) -> tuple[tuple[mx.array, mx.array, mx.array, mx.array, mx.array, float],
+                                                  mx.array | None]:
     """((q, k_pool, v_pool, block_tables, context_lens, scale), sinks): 3 sequences over a shuffled pool.
     Lengths 1, BS + 1 and 3 BS + 5 cover a partial block, a block edge and several partitions; the
     tables' padding points at a block of other data, so reading past a length shows as a mismatch."""

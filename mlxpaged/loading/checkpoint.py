@@ -9,8 +9,8 @@ are lazy and never evaluated), so the plan made here is the plan the engine make
 Weights as loaded: on MLX's CPU backend the loader casts every floating tensor to float32 when any
 is half precision (mlxpaged.loading.loader.load_local), so they count 4 bytes there; on a GPU (Metal or
 CUDA) they keep the checkpoint's dtypes. `backend` below is the one the loader follows
-(platform/backend.py: "cpu", "metal" or "cuda"). Tensors mlx-lm's `sanitize` drops (a tied lm_head, rotary tables in some Hugging
-Face checkpoints) still count, so for such checkpoints the figure is an upper bound.
+(platform/backend.py: "cpu", "metal" or "cuda"). Tensors mlx-lm's `sanitize` drops (a tied lm_head, rotary
+tables in some Hugging Face checkpoints) still count, so for such checkpoints the figure is an upper bound.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ KV_DTYPE_NAMES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64":
 def kv_dtype(loaded: list[TensorHeader]) -> str:
     """The K/V dtype (safetensors name): the activations' dtype, that of the floating tensors holding
     the most bytes (the dense weights, or a quantized model's scales); F32 if none is floating."""
-    by_dtype = Counter()
+    by_dtype: Counter[str] = Counter()
     for t in loaded:
         if t.dtype in FLOATING:
             by_dtype[t.dtype] += t.nbytes
@@ -138,5 +138,6 @@ def read_before_load(model_dir: Path, backend: str) -> tuple[ModelFacts, ModelLa
     loaded = as_loaded(checkpoint_tensors(model_dir), backend)
     layout = probe_layout(unweighted_model(model_dir))
     check_paged_support(layout)
-    facts = ModelFacts.from_layout(layout, sum(t.nbytes for t in loaded), kv_dtype_bytes(loaded), context_length(config))
+    facts = ModelFacts.from_layout(layout, sum(t.nbytes for t in loaded), kv_dtype_bytes(loaded),
+                                   context_length(config))
     return facts, layout

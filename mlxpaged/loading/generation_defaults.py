@@ -10,9 +10,10 @@ reads these: `Engine.default_sampling_params()` does.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Any
 
 from mlxpaged.errors import GenerationConfigError
 from mlxpaged.sampling_params import SamplingParams
@@ -53,9 +54,9 @@ def parse_generation_config(data: object, where: str) -> dict:
     the file in errors. Unknown keys and nulls are ignored; a value SamplingParams refuses is an error."""
     if not isinstance(data, dict):
         raise GenerationConfigError(f"{where}: expected a JSON object, got a JSON {type(data).__name__}")
-    values = {}
+    values: dict[str, Any] = {}  # JSON values; SamplingParams checks each
     for key, name in KEYS.items():
-        value = data.get(key)
+        value: Any = data.get(key)  # any JSON value: SamplingParams checks it
         if value is None:
             continue
         if name == "top_k" and value == -1 and not isinstance(value, bool):
@@ -94,5 +95,5 @@ def load_defaults(model_dir: Path | None, preset: Preset | None = None) -> Gener
         from_preset = parse_generation_config(preset.generation, f"presets.toml [presets.{preset.name!r}.generation]")
     file_values = from_file or {}
     filled = {k: v for k, v in from_preset.items() if k not in file_values}
-    sources = ([GENERATION_CONFIG] if file_values else []) + ([f"preset {preset.name}"] if filled else [])
+    sources = ([GENERATION_CONFIG] if file_values else []) + ([f"preset {preset.name}"] if filled and preset else [])
     return GenerationDefaults({**file_values, **filled}, " + ".join(sources) or "none")

@@ -16,15 +16,14 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 import mlx.core as mx
 import numpy as np
 
+from mlxpaged.errors import ConversionError
 from mlxpaged.loading.progress import Progress
-from mlxpaged.errors import ConversionError  # noqa: F401  (re-exported)
-
 
 GGUF_GROUP_SIZE = 32
 TOKEN_TYPE_CONTROL = 3  # llama.cpp's gguf.TokenType.CONTROL
@@ -51,9 +50,12 @@ def _scalar(meta: dict, key: str):
 
 def read_gguf(path: Path) -> tuple[dict, dict]:
     try:
-        weights, meta = mx.load(str(path), return_metadata=True)
+        loaded = mx.load(str(path), return_metadata=True)
     except Exception as exc:  # MLX raises bare RuntimeError/ValueError for bad files
         raise ConversionError(f"cannot read GGUF file {path}: {exc}") from exc
+    if not isinstance(loaded, tuple):  # return_metadata gives (weights, metadata)
+        raise ConversionError(f"cannot read GGUF file {path}: no metadata")
+    weights, meta = loaded
     arch = meta.get("general.architecture")
     if arch != "llama":
         raise ConversionError(f"{path}: architecture {arch!r} is not supported (only 'llama')")

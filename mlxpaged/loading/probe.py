@@ -13,6 +13,7 @@ import sys
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -92,7 +93,7 @@ def batch_error(model: nn.Module, caches: list) -> str | None:
     """Run two sequences at different offsets (mlx-lm's batch caches: per-row offsets as an array)
     lazily; the error's text when the forward cannot take them. Only for plain KV cache lists (the
     other kinds are refused before batching matters)."""
-    batch_caches = []
+    batch_caches: list[object] = []
     for cache in caches:
         if type(cache) is mlx_cache.KVCache:
             batch_caches.append(mlx_cache.BatchKVCache(left_padding=[1, 0]))
@@ -136,7 +137,7 @@ def _structure(cache, path: tuple, leaves: dict):
     if cache is None:
         return None
     if isinstance(cache, mlx_cache.CacheList):
-        return CacheListNode(tuple(_structure(c, path + (j,), leaves) for j, c in enumerate(cache.caches)))
+        return CacheListNode(tuple(_structure(c, (*path, j), leaves) for j, c in enumerate(cache.caches)))
     leaves[path] = cache
     return path
 
@@ -146,7 +147,8 @@ def _recording(rec: _Recorder):
     """Wrap every leaf's update_and_fetch / make_mask and every module's attention entry points for
     the duration; other threads' calls pass through unrecorded."""
     undo = [_wrap_leaf(rec, path, obj) for path, obj in rec.leaves.items()]
-    modules = [m for name, m in list(sys.modules.items())
+    loaded: list[tuple[str, Any]] = list(sys.modules.items())  # Any: modules get an attribute set
+    modules = [m for name, m in loaded
                if name.startswith("mlx_lm.models.") and callable(getattr(m, "scaled_dot_product_attention", None))]
     originals = {m: m.scaled_dot_product_attention for m in modules}
     fast = mx.fast.scaled_dot_product_attention
@@ -188,7 +190,12 @@ def _wrap_leaf(rec: _Recorder, path: tuple, obj):
         wrapped["make_mask"] = make_mask
     for name, function in wrapped.items():
         setattr(obj, name, function)
-    return lambda: [delattr(obj, name) for name in wrapped]
+
+    def restore() -> None:
+        for name in wrapped:
+            delattr(obj, name)
+
+    return restore
 
 
 def _record(rec: _Recorder, via, q, k, v, cache, mask, sinks) -> None:

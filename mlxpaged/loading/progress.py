@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 # progress(done, total, what): called as a step advances; `what` names the step ("downloading", ...).
 Progress = Callable[[int, int, str], None]

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
 
 BACKENDS = ("cpu", "metal", "cuda")
 GPU_BACKENDS = ("metal", "cuda")
@@ -112,13 +112,13 @@ class Tuning:
     float32_weights: bool
 
 
-_GPU = dict(compiled_decode_max_batch=0, pipeline_compiled=True, queue_before_read=True, numpy_attention=False,
-            float32_weights=False)
+_GPU = Tuning(compiled_decode_max_batch=0, pipeline_compiled=True, queue_before_read=True, numpy_attention=False,
+              float32_weights=False)
 TUNINGS = {
     "cpu": Tuning(compiled_decode_max_batch=1, pipeline_compiled=False, queue_before_read=False,
                   numpy_attention=True, float32_weights=True),
-    "metal": Tuning(**_GPU),
-    "cuda": Tuning(**_GPU),
+    "metal": _GPU,
+    "cuda": _GPU,
 }
 
 

@@ -41,17 +41,17 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
 
-from mlxpaged.config import CacheConfig, SchedulerConfig
-from mlxpaged.errors import InsufficientMemoryError  # noqa: F401  (re-exported)
-from mlxpaged.units import format_size, size_at_least
-from mlxpaged.validation import require_int
 from mlxpaged.cache.specs import sequence_capacity, table_lengths
+from mlxpaged.config import CacheConfig, SchedulerConfig
+from mlxpaged.errors import InsufficientMemoryError
 from mlxpaged.platform.backend import detect as detect_backend
 from mlxpaged.platform.model_facts import KVShape, ModelFacts, model_weight_bytes  # noqa: F401  (re-exported)
+from mlxpaged.units import format_size, size_at_least
+from mlxpaged.validation import require_int
 
 OS_RESERVE_FLOOR = 2**30
 OS_RESERVE_FRACTION = 0.10
@@ -90,8 +90,15 @@ class DeviceFacts:
         """The ceiling the plan starts from: the working set on Metal, the device's total memory on CUDA,
         available memory on CPU."""
         if self.backend == "metal":
-            return self.max_recommended_working_set_size
+            return self.working_set_bytes
         return self.total_bytes if self.backend == "cuda" else self.available_bytes
+
+    @property
+    def working_set_bytes(self) -> int:
+        """Metal's recommended working set (__post_init__ requires it there)."""
+        if self.max_recommended_working_set_size is None:
+            raise ValueError(f"no recommended working set on {self.backend}")
+        return self.max_recommended_working_set_size
 
     @property
     def limit_label(self) -> str:
@@ -207,7 +214,8 @@ def _demand(model: ModelFacts, cache: CacheConfig, seqs: int, caps: Sequence[int
         return blocks, f"model context {model.context_length:,} x {seqs} sequences"
     if free_blocks:
         blocks = seqs * sum(table_lengths(FREE_BLOCK_TOKENS, cache.block_size, caps))
-        return blocks, f"{FREE_BLOCK_TOKENS:,} tokens x {seqs} sequences (blocks of zero bytes; --cache-tokens for more)"
+        return blocks, (f"{FREE_BLOCK_TOKENS:,} tokens x {seqs} sequences "
+                        "(blocks of zero bytes; --cache-tokens for more)")
     return None, ""
 
 
@@ -218,14 +226,15 @@ def _longest_sequence(model: ModelFacts, cache: CacheConfig, scheduler: Schedule
 
 
 def _kv_budget(left: int, backend: str, cache: CacheConfig) -> tuple[int, str]:
-    if cache.kv_memory is not None:
-        if cache.kv_memory > left:
+    kv_memory = cache.kv_memory_bytes
+    if kv_memory is not None:
+        if kv_memory > left:
             raise InsufficientMemoryError(
-                f"{{kv_memory:{format_size(cache.kv_memory)}}} is more than the {format_size(left)} left for the "
+                f"{{kv_memory:{format_size(kv_memory)}}} is more than the {format_size(left)} left for the "
                 f"KV cache after weights, activations and the reserve; ask for at most {format_size(left)}, "
                 "or lower {max_batch_tokens}, or use a smaller model",
-                needed_bytes=cache.kv_memory, available_bytes=left, param="kv_memory")
-        return cache.kv_memory, f"limited by --kv-memory {format_size(cache.kv_memory)}"
+                needed_bytes=kv_memory, available_bytes=left, param="kv_memory")
+        return kv_memory, f"limited by --kv-memory {format_size(kv_memory)}"
     if cache.memory_fraction is not None:
         return (int(left * cache.memory_fraction),
                 f"limited by --memory-fraction {cache.memory_fraction:g} of {format_size(left)}")
@@ -269,7 +278,7 @@ def _wired(device: DeviceFacts, cache: CacheConfig, weights_and_kv: int) -> tupl
         return None, "not applicable on CUDA (wired memory, mx.set_wired_limit, is Metal's)"
     if not cache.wire:
         return None, "off (--no-wire)"
-    limit = min(weights_and_kv, device.max_recommended_working_set_size)
+    limit = min(weights_and_kv, device.working_set_bytes)
     return limit, f"{format_size(limit)} (weights + KV, at most the recommended working set)"
 
 
@@ -300,7 +309,9 @@ def plan_memory(device: DeviceFacts, model: ModelFacts, cache: CacheConfig, sche
     longest = _longest_sequence(model, cache, scheduler)
     need_blocks = sum(table_lengths(longest, cache.block_size, caps))
     if memory_blocks is not None and memory_blocks < need_blocks:
-        fits = sequence_capacity(memory_blocks, cache.block_size, caps)  # an int: `longest` does not fit
+        fits = sequence_capacity(memory_blocks, cache.block_size, caps)
+        if fits is None:  # "any length fits" cannot be: `longest` does not
+            raise ValueError(f"{memory_blocks} blocks hold any length yet not {longest} tokens")
         raise _too_small(longest, need_blocks * block, budget, fits, cache)
     demand, demand_reason = _demand(model, cache, scheduler.max_num_seqs, caps, free_blocks=not block)
     num_blocks, reason = _block_count(memory_blocks, budget_reason, demand, demand_reason)
@@ -318,6 +329,8 @@ def _block_count(memory_blocks: int | None, budget_reason: str, demand: int | No
     if demand is not None and (memory_blocks is None or demand <= memory_blocks):
         allows = "any number: blocks of zero bytes" if memory_blocks is None else f"{memory_blocks:,} blocks"
         return demand, f"capped by {demand_reason} (memory allows {allows})"
+    if memory_blocks is None:  # blocks of zero bytes: _demand always sizes them
+        raise ValueError("blocks of zero bytes need a demand to size them")
     reason = budget_reason + (f"; {demand_reason} would need {demand:,} blocks" if demand is not None else "")
     return memory_blocks, reason
 

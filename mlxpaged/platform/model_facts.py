@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 from mlxpaged.cache.layout import ModelLayout
 from mlxpaged.cache.specs import KVCacheSpec, KVGeometry, LayerKind, group_layers, pool_block_bytes
-
 from mlxpaged.validation import require_int
 
 
@@ -56,7 +55,10 @@ class KVShape:
     def layer_geometries(self) -> tuple[KVGeometry, ...]:
         if self.geometries is not None or not self.num_layers:
             return self.geometries or ()
-        return (KVGeometry(self.num_kv_heads, self.head_dim, self.head_dim),) * self.num_layers
+        heads, dim = self.num_kv_heads, self.head_dim
+        if heads is None or dim is None:  # __post_init__ refuses it
+            raise ValueError("a model with layers needs num_kv_heads and head_dim")
+        return (KVGeometry(heads, dim, dim),) * self.num_layers
 
     @property
     def bytes_per_token(self) -> int:
@@ -133,6 +135,6 @@ def context_length(config: dict) -> int | None:
 
 def model_weight_bytes(model) -> int:
     """Bytes of every parameter of an mlx.nn.Module (quantization scales included)."""
-    from mlx.utils import tree_flatten
+    from mlx.utils import tree_reduce
 
-    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    return tree_reduce(lambda total, value: total + value.nbytes, model.parameters(), 0)

@@ -33,9 +33,9 @@ def batch_mismatch(model, layout: ModelLayout, dtype: mx.Dtype, block_size: int)
     batched = _two_steps(runner, StepInput, tables, together=True)
     alone = _two_steps(runner, StepInput, tables, together=False)
     tolerance = TOLERANCE.get(dtype, HALF_TOLERANCE)
-    for step, (got, want) in enumerate(zip(batched, alone)):
-        diff = mx.abs(got - want).max().item()
-        scale = max(1.0, mx.abs(want).max().item())
+    for step, (got, want) in enumerate(zip(batched, alone, strict=True)):
+        diff = float(mx.abs(got - want).max())
+        scale = max(1.0, float(mx.abs(want).max()))
         if not diff <= tolerance * scale:  # NaN fails too
             return f"{'prefill' if step == 0 else 'decode'} logits differ by {diff:.3g} (scale {scale:.3g})"
     return None
@@ -43,8 +43,8 @@ def batch_mismatch(model, layout: ModelLayout, dtype: mx.Dtype, block_size: int)
 
 def _two_steps(runner, step_input, tables, together: bool) -> list[mx.array]:
     """Logits [2, V] of the prompts' prefill and of one decode step, rows run together or one by one."""
-    steps = [[step_input(p, 0, t, True) for p, t in zip(PROMPTS, tables)],
-             [step_input([9], len(p), t, True) for p, t in zip(PROMPTS, tables)]]
+    steps = [[step_input(p, 0, t, True) for p, t in zip(PROMPTS, tables, strict=True)],
+             [step_input([9], len(p), t, True) for p, t in zip(PROMPTS, tables, strict=True)]]
     out = []
     for inputs in steps:
         # One pass of both rows (step() might give prefill chunks of unequal length passes of their own).

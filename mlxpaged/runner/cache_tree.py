@@ -9,7 +9,7 @@ own nesting; a layer that reuses K/V gets nothing of its own, so no pages are al
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from mlx_lm.models.cache import CacheList
 
@@ -45,7 +45,7 @@ def leaf_caches(layout: ModelLayout, kv_views: Sequence, extra: Mapping[Path, ob
     kv = layout.kv_leaves
     if len(kv_views) != len(kv):
         raise ValueError(f"{len(kv_views)} KV views for the layout's {len(kv)} KV leaves")
-    caches: dict[Path, object] = {leaf.path: view for leaf, view in zip(kv, kv_views)}
+    caches: dict[Path, object] = {leaf.path: view for leaf, view in zip(kv, kv_views, strict=True)}
     caches.update((leaf.path, UnusedCache(layout.where(leaf.path))) for leaf in layout.unused_leaves)
     caches.update(extra or {})
     return caches

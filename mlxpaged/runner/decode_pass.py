@@ -17,14 +17,14 @@ Only models whose layers all attend fully (one layer group) take this path.
 from __future__ import annotations
 
 import os
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlxpaged.cache.kv_cache import PagedKVCache
 from mlxpaged.kernels.attention import decode_attention, resolved_backend, sdpa
 from mlxpaged.kernels.reference import gather_pages
-from mlxpaged.cache.kv_cache import PagedKVCache
 
 ENV_VAR = "MLXPAGED_COMPILE"  # "0" turns compiled decode passes off (A/B runs, debugging)
 MIN_PAGES = 8  # contexts up to 128 tokens (block size 16) share one graph
@@ -120,13 +120,13 @@ class CompiledDecode:
         [B * L, V] (every position, row-major) and leaves the pools' pending writes in `kv.keys` / `kv.values`."""
         size, length = self.kv.block_size, tokens.shape[1]
         needed = [(start + length - 1) // size + 1 for start in starts]
-        for table, n in zip(tables, needed):
+        for table, n in zip(tables, needed, strict=True):
             if len(table) < n:
                 raise ValueError(f"block table of {len(table)} blocks cannot hold {n * size} tokens")
         width = page_bucket(max(needed))
         # Padding entries repeat a valid block (masked out) so the gathers stay inside the pool.
-        padded = [list(t[:n]) + [t[n - 1]] * (width - n) for t, n in zip(tables, needed)]
-        logits, keys, values = self._forward(tokens, mx.array(starts, dtype=mx.int32),
+        padded = [list(t[:n]) + [t[n - 1]] * (width - n) for t, n in zip(tables, needed, strict=True)]
+        logits, keys, values = self._forward(tokens, mx.array(list(starts), dtype=mx.int32),
                                              mx.array(padded, dtype=mx.int32), self.kv.keys, self.kv.values)
         self.kv.keys[:], self.kv.values[:] = keys, values  # drop the old pools: the writes stay in place
         return logits
@@ -135,8 +135,9 @@ class CompiledDecode:
         """Run one pass on throwaway pools: MLX compiles the fused kernels of a new graph once per
         machine (about 6 s here, cached on disk), which would otherwise stall a user's second token."""
         kv = self.kv
-        shape = (MIN_PAGES, kv.num_kv_heads, kv.block_size, kv.head_dim)
-        pools = [[mx.zeros(shape, kv.dtype) for _ in kv.keys] for _ in range(2)]
+        # Pools of the cache's own geometry: V may be narrower than K (one geometry, K and V apart).
+        pools = [[mx.zeros((MIN_PAGES, g.kv_heads, kv.block_size, g.k_dim), kv.dtype) for g in kv.pool_geometries],
+                 [mx.zeros((MIN_PAGES, g.kv_heads, kv.block_size, g.v_dim), kv.dtype) for g in kv.pool_geometries]]
         table = mx.arange(MIN_PAGES, dtype=mx.int32)[None]
         logits, _, _ = self._forward(mx.zeros((1, 1), mx.int32), mx.zeros((1,), mx.int32), table, *pools)
         mx.eval(logits)

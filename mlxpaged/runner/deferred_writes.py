@@ -10,17 +10,17 @@ So a pass queued ahead writes nothing. Each layer attends its pages up to the la
 K/V of the tokens computed since (`PendingKV`, a few small arrays the runner holds) and its own new K/V, which
 join the pending ones. The Metal kernel reads the pages in place and merges that tail as one more partition of
 its two-pass reduce (kernels/attention.py `kernel_attention_with_tail`); other paths gather the pages, put the
-tail into the gathered copy and attend it with MLX's fused attention (no mask at batch 1). Pending K/V go into their slots (`flush`) when
-nothing is in flight: when the pipeline stops (a step the look-ahead does not cover) and every
-MAX_PENDING tokens, where the runner reads a step before queuing the next (one wait per MAX_PENDING steps).
+tail into the gathered copy and attend it with MLX's fused attention (no mask at batch 1). Pending K/V go into
+their slots (`flush`) when nothing is in flight: when the pipeline stops (a step the look-ahead does not cover)
+and every MAX_PENDING tokens, where the runner reads a step before queuing the next (one wait per MAX_PENDING steps).
 Rows that leave the run (finished, aborted, preempted) keep their pending K/V in the runner's queue until
 then: their full blocks may be in the prefix cache, and they are written before any other pass reads them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import mlx.core as mx
 
@@ -49,7 +49,7 @@ class PendingKV:
     def length(self) -> int:
         return len(self.slots[0]) if self.slots else 0
 
-    def select(self, request_ids: Sequence[str]) -> "PendingKV | None":
+    def select(self, request_ids: Sequence[str]) -> PendingKV | None:
         """The rows of these requests (in that order), or None when none of them has pending K/V."""
         index = {rid: i for i, rid in enumerate(self.request_ids)}
         rows = [index[rid] for rid in request_ids if rid in index]
@@ -61,7 +61,7 @@ class PendingKV:
         return PendingKV(tuple(self.request_ids[i] for i in rows), tuple(k[take] for k in self.keys),
                          tuple(v[take] for v in self.values), tuple(self.slots[i] for i in rows))
 
-    def without(self, request_ids: Sequence[str]) -> "PendingKV | None":
+    def without(self, request_ids: Collection[str]) -> PendingKV | None:
         """The rows of every other request."""
         gone = set(request_ids)
         return self.select([rid for rid in self.request_ids if rid not in gone])
@@ -69,7 +69,7 @@ class PendingKV:
     def flush(self, kv: PagedKVCache) -> None:
         """Write every pending token into its slot (lazily: the next pass evaluates the writes in place)."""
         slots = mx.array([s for row in self.slots for s in row], dtype=mx.int32)
-        for layer, (k, v) in enumerate(zip(self.keys, self.values)):
+        for layer, (k, v) in enumerate(zip(self.keys, self.values, strict=True)):
             kv.write(layer, slots, _token_major(k), _token_major(v))
 
 
@@ -96,18 +96,21 @@ class DeferredPass:
         self.ends = [start + 1 for start in starts]  # keys per row, the new token's included
         self.written = tuple(start - held for start in starts)  # keys per row already in the pools
         needed = [-(-end // size) for end in self.ends]
-        for table, n in zip(tables, needed):
+        for table, n in zip(tables, needed, strict=True):
             if len(table) < n:
                 raise ValueError(f"block table of {len(table)} blocks cannot hold {n * size} tokens")
         width = max(needed)
         # Padding repeats a valid block so the gather stays inside the pool; those keys are masked out.
-        self.blocks = mx.array([list(t[:n]) + [t[n - 1]] * (width - n) for t, n in zip(tables, needed)],
+        self.blocks = mx.array([list(t[:n]) + [t[n - 1]] * (width - n) for t, n in zip(tables, needed, strict=True)],
                                dtype=mx.int32)
         positions = [[start - held + i for i in range(held + 1)] for start in starts]  # the tail: pending + new
-        self.slots = tuple(tuple(t[p // size] * size + p % size for p in row) for t, row in zip(tables, positions))
+        self.slots = tuple(tuple(t[p // size] * size + p % size for p in row)
+                           for t, row in zip(tables, positions, strict=True))
         if self.batch == 1:
             self.offset: int | mx.array = starts[0]
-            self.tail_start, self.tail_index, self.mask = starts[0] - held, None, None
+            self.tail_start: int | None = starts[0] - held
+            self.tail_index: mx.array | None = None
+            self.mask: mx.array | None = None
         else:
             self.offset = mx.array(list(starts))
             self.tail_start = None
@@ -132,7 +135,7 @@ class DeferredPass:
             prefix = self._prefix(layer)
             return mx.concatenate([prefix[0], keys], axis=2), mx.concatenate([prefix[1], values], axis=2)
         k_pages, v_pages = self.kv.gather_blocks(layer, self.blocks)
-        if self.batch == 1:  # the kernel's fallback: built lazily, evaluated only if the kernel cannot attend
+        if self.tail_index is None:  # batch 1, the kernel's fallback: built lazily, evaluated only if it cannot attend
             lo, hi = self.tail_start, self.ends[0]
             k_pages[..., lo:hi, :] = keys
             v_pages[..., lo:hi, :] = values
@@ -143,18 +146,22 @@ class DeferredPass:
     def _prefix(self, layer: int) -> tuple[mx.array, mx.array]:
         """Batch 1: the layer's keys and values already in the pools, from the last pass or gathered now."""
         if self.pending is not None and self.pending.prefix is not None:
-            self.prefix[layer] = self.pending.prefix[layer]
+            prefix = self.pending.prefix[layer]
         else:
             k_pages, v_pages = self.kv.gather_blocks(layer, self.blocks)
-            self.prefix[layer] = k_pages[..., :self.tail_start, :], v_pages[..., :self.tail_start, :]
-        return self.prefix[layer]
+            prefix = k_pages[..., :self.tail_start, :], v_pages[..., :self.tail_start, :]
+        self.prefix[layer] = prefix
+        return prefix
 
     def pending_after(self) -> PendingKV:
         """The pending K/V once this pass is adopted: the old ones and this pass's new token."""
-        if any(k is None for k in self.new_keys):
+        keys = tuple(k for k in self.new_keys if k is not None)
+        values = tuple(v for v in self.new_values if v is not None)
+        if len(keys) < len(self.new_keys) or len(values) < len(self.new_values):
             raise RuntimeError("a deferred pass was read before every layer attended")
-        prefix = tuple(self.prefix) if self.keeps_prefix and all(p is not None for p in self.prefix) else None
-        return PendingKV(self.request_ids, tuple(self.new_keys), tuple(self.new_values), self.slots, prefix)
+        prefixes = tuple(p for p in self.prefix if p is not None)
+        prefix = prefixes if self.keeps_prefix and len(prefixes) == len(self.prefix) else None
+        return PendingKV(self.request_ids, keys, values, self.slots, prefix)
 
 
 class DeferredView:
@@ -171,11 +178,14 @@ class DeferredView:
     def made_mask(self, mask) -> bool:
         return mask is self._shared.mask
 
-    def kernel_inputs(self) -> tuple:
+    def kernel_inputs(self) -> tuple[mx.array, mx.array, mx.array, tuple[int, ...], mx.array, mx.array]:
         """(k_pool, v_pool, block tables, keys already in the pools per row, tail K, tail V) for
         kernels/attention.py `kernel_attention_with_tail`, after `update_and_fetch`."""
         s, j = self._shared, self._layer
-        return (s.kv.key_pool(j), s.kv.value_pool(j), s.blocks, s.written, s.new_keys[j], s.new_values[j])
+        tail_k, tail_v = s.new_keys[j], s.new_values[j]
+        if tail_k is None or tail_v is None:
+            raise RuntimeError("kernel_inputs() before this layer's update_and_fetch")
+        return (s.kv.key_pool(j), s.kv.value_pool(j), s.blocks, s.written, tail_k, tail_v)
 
     @property
     def offset(self) -> int | mx.array:
@@ -193,8 +203,8 @@ class DeferredView:
         return out
 
 
-def deferred_views(kv: PagedKVCache, request_ids: Sequence[str], starts: Sequence[int],
-                   tables: Sequence[Sequence[int]], pending: PendingKV | None) -> tuple[list[DeferredView], DeferredPass]:
+def deferred_views(kv: PagedKVCache, request_ids: Sequence[str], starts: Sequence[int], tables: Sequence[Sequence[int]],
+                   pending: PendingKV | None) -> tuple[list[DeferredView], DeferredPass]:
     """Views for every layer of a pass of one new token per row at `starts`, over `tables` (group 0's),
     with `pending` K/V for the same rows in the same order; and the pass, whose `pending_after` is read
     once the model has run."""

@@ -15,27 +15,30 @@ seeded run's tokens are the ones plain decoding draws, not only equal in distrib
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import mlx.core as mx
 
 from mlxpaged.runner.sampling import SampleResult, SamplerState, sample_batch
 
 
-class ShiftedState:
+@dataclass
+class ShiftedState(SamplerState):
     """A sampler state drawing `offset` tokens past its sequence's next one (draft position j
     draws with key index g + j). Only for states without processors, which read the history."""
 
-    def __init__(self, state: SamplerState, offset: int):
+    offset: int = 0
+
+    @classmethod
+    def of(cls, state: SamplerState, offset: int) -> ShiftedState:
+        """`state` shifted: the same settings, sequence and constraint (shared, not copied)."""
         if offset and state.has_processors:
             raise ValueError("rows with penalties, logits processors or constraints cannot be drafted")
-        self._state, self._offset = state, offset
-
-    def __getattr__(self, name: str):
-        return getattr(self._state, name)
+        return cls(**{f.name: getattr(state, f.name) for f in dataclasses.fields(SamplerState)}, offset=offset)
 
     def key_words(self, ahead: int = 0) -> tuple[int, int]:
-        return self._state.key_words(ahead + self._offset)
+        return super().key_words(ahead + self.offset)
 
 
 def kept_prefix(samples: Sequence[int], drafts: Sequence[int]) -> int:
@@ -56,20 +59,22 @@ def sample_with_drafts(logits: mx.array, drafts: list[list[int]],
         firsts.append(firsts[-1] + len(chunk_drafts) + 1)
     if logits.shape[0] != firsts[-1]:
         raise ValueError(f"logits has {logits.shape[0]} rows, the drafts need {firsts[-1]}")
-    take, states, spans = [], [], []
+    take: list[int] = []
+    states: list[SamplerState] = []
+    spans: list[int] = []
     for chunk, state in rows:
         n = len(drafts[chunk]) + 1
         take += range(firsts[chunk + 1] - n, firsts[chunk + 1])
-        states += [ShiftedState(state, j) for j in range(n)]
+        states += [ShiftedState.of(state, j) for j in range(n)]
         spans.append(n)
     results = sample_batch(logits[mx.array(take)], states)
     out, at = [], 0
-    for (chunk, _), n in zip(rows, spans):
+    for (chunk, _), n in zip(rows, spans, strict=True):
         run = results[at:at + n]
         at += n
         if any(r.error is not None for r in run):
             out.append(next(r for r in run if r.error is not None))
             continue
-        kept = kept_prefix([r.token for r in run], drafts[chunk])
+        kept = kept_prefix([r.token for r in run if r.token is not None], drafts[chunk])  # no error: a token
         out.append(dataclasses.replace(run[kept], accepted=tuple(run[:kept])))
     return out

@@ -10,26 +10,26 @@ is queued (deferred_writes.py). On the CPU backend it is built ahead and launche
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from mlxpaged.cache.cache_view import paged_views
+from mlxpaged.cache.kv_cache import PagedKVCache
 from mlxpaged.cache.layout import ModelLayout
 from mlxpaged.cache.state_cache import StatePass, StateStore
+from mlxpaged.platform import backend
 from mlxpaged.runner import cache_tree
 from mlxpaged.runner.decode_pass import CompiledDecode
-from mlxpaged.runner.deferred_writes import MAX_PENDING, DeferredPass, PendingKV, defers_writes, deferred_views
-from mlxpaged.cache.kv_cache import PagedKVCache
-from mlxpaged.platform import backend
+from mlxpaged.runner.deferred_writes import MAX_PENDING, DeferredPass, PendingKV, deferred_views, defers_writes
+from mlxpaged.runner.draft_verify import sample_with_drafts
+from mlxpaged.runner.passes import StepInput, logit_positions, prefill_passes, split_head, state_model_passes
 from mlxpaged.runner.routing import is_routed
 from mlxpaged.runner.sampling import LazySample, SampleResult, sample_batch
 from mlxpaged.runner.sampling_rows import SamplingRows
-from mlxpaged.runner.draft_verify import sample_with_drafts
-from mlxpaged.runner.passes import StepInput, logit_positions, prefill_passes, split_head, state_model_passes
-
 
 # Decode passes of up to `backend.tuning().compiled_decode_max_batch` sequences run compiled
 # (decode_pass.py); the measurements are in platform/backend.py.
@@ -172,6 +172,8 @@ class Runner:
                                       num_logits=len(c.drafts) + 1 if c.samples else 1) for c in chunks])
         if not sampling.rows:
             return []
+        if logits is None:
+            raise RuntimeError("rows to sample, yet no input of the step samples")
         if any(drafts):  # verified as a whole; the next step depends on how many are kept: no look-ahead
             return sample_with_drafts(logits, drafts, sampling.sampler_rows)
         if sampling.has_forks:
@@ -215,10 +217,11 @@ class Runner:
             tables = planner.reserve_next_slot(request)
             if tables is not None:
                 picked.append(i)
-                inputs.append(StepInput([0], chunk.start + len(chunk.token_ids), tables, True, state_slot=chunk.state_slot))
+                inputs.append(StepInput([0], chunk.start + len(chunk.token_ids), tables, True,
+                                        state_slot=chunk.state_slot))
         if not picked:
             return None
-        rows = [(chunks[i].request.request_id, x.start) for i, x in zip(picked, inputs)]
+        rows = [(chunks[i].request.request_id, x.start) for i, x in zip(picked, inputs, strict=True)]
         picked_samplers = [samplers[i] for i in picked]
         if self.defers and (self._pending is None or self._pending.length < MAX_PENDING):
             # Queued now, before this step is read: it writes no pages, so nothing in flight is copied.
@@ -257,7 +260,7 @@ class Runner:
             passes = state_model_passes(inputs)
         else:
             # Chunks with drafts (a few tokens, each sampled) share one pass whatever their context length.
-            drafting = {i for i, x in enumerate(inputs) if 1 < x.num_logits}
+            drafting = {i for i, x in enumerate(inputs) if x.num_logits > 1}
             prefill = [[i for i in rows if i not in drafting] for rows in prefill_passes(inputs)]
             passes = [rows for rows in [decode, sorted(drafting), *prefill] if rows]
         results = [self._pass([inputs[i] for i in rows]) for rows in passes]
@@ -272,7 +275,7 @@ class Runner:
                 firsts = [0]
                 for i in rows:
                     firsts.append(firsts[-1] + inputs[i].num_logits)
-                where.update({i: (p, r) for i, r in zip(rows, firsts)})
+                where.update({i: (p, r) for i, r in zip(rows, firsts[:-1], strict=True)})  # firsts[-1]: the total
             logits = mx.concatenate([results[where[i][0]][where[i][1]:where[i][1] + inputs[i].num_logits]
                                      for i in wanted])
         return logits.astype(mx.float32)
@@ -313,7 +316,7 @@ class Runner:
             tokens = mx.array([list(x.token_ids) + [0] * (length - len(x.token_ids)) for x in batch],
                               dtype=mx.int32)
         state_pass = None
-        if self._compiled_pass(batch, length):
+        if self.decoder is not None and self._compiled_pass(batch, length):
             logits = self.decoder([x.start for x in batch], [x.block_tables[0] for x in batch], tokens)
         else:
             logits, state_pass = self._forward(batch, tokens)
@@ -332,7 +335,10 @@ class Runner:
         views = paged_views(self.kv, [x.block_tables for x in batch], [x.start for x in batch], num_new)
         state_pass = None
         if self.state_store is not None:
-            state_pass = StatePass(self.state_store, [x.state_slot for x in batch], num_new)
+            slots = [x.state_slot for x in batch if x.state_slot is not None]
+            if len(slots) < len(batch):
+                raise ValueError("every row of a model with state layers needs its state slot")
+            state_pass = StatePass(self.state_store, slots, num_new)
         views = cache_tree.model_cache(self.layout, views, state_pass.views if state_pass is not None else None)
         rows, columns = logit_positions(batch)
         if self.head is not None:

@@ -7,7 +7,7 @@ so a lookup is a few dict reads however long the prompt is, instead of a scan pe
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from mlxpaged.validation import require_int
 

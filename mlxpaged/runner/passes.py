@@ -14,8 +14,8 @@ of a 512-token chunk would otherwise cost as much as several layers.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -67,7 +67,9 @@ SHARED_PREFILL_PADDING = 1.25
 
 def prefill_passes(inputs: Sequence[StepInput]) -> list[list[int]]:
     """The prefill chunks (inputs of more than one token) grouped into passes, as input indices."""
-    alone, groups, totals = [], [], []
+    alone: list[list[int]] = []
+    groups: list[list[int]] = []
+    totals: list[int] = []
     chunks = [i for i, x in enumerate(inputs) if len(x.token_ids) > 1]
     for i in sorted(chunks, key=lambda i: len(inputs[i].token_ids)):
         x = inputs[i]

@@ -15,18 +15,25 @@ Sinks (gpt-oss) go through either way.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from mlxpaged.cache.cache_view import PagedCacheView
-from mlxpaged.kernels.attention import (eager_sdpa, kernel_attention_with_tail, paged_attention,
-                                        paged_prefill_attention, reads_pages_in_place, reads_pools)
+from mlxpaged.kernels.attention import (
+    eager_sdpa,
+    kernel_attention_with_tail,
+    paged_attention,
+    paged_prefill_attention,
+    reads_pages_in_place,
+    reads_pools,
+)
 from mlxpaged.runner.decode_pass import DecodeView
 from mlxpaged.runner.deferred_writes import DeferredView
 
-
-_ORIGINAL_SDPA = None
+_ORIGINAL_SDPA: Callable[..., mx.array] | None = None  # mlx-lm's, once routed
 _ROUTED_MODULES: dict[str, object] = {}
 
 
@@ -52,6 +59,8 @@ def _routed_sdpa(queries, keys, values, cache, scale, mask, sinks=None):
             return paged_prefill_attention(queries, k_pool, v_pool, table, context - length, length, scale,
                                            sinks=sinks)
         return eager_sdpa(queries, keys, values, scale, mask, sinks)  # a paged view's pass is eager
+    if _ORIGINAL_SDPA is None:  # only installed once it is set
+        raise RuntimeError("mlx-lm's attention was never routed")
     return _ORIGINAL_SDPA(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
 
@@ -107,8 +116,10 @@ def route_paged_attention() -> int:
 
     if _ORIGINAL_SDPA is None:
         _ORIGINAL_SDPA = base.scaled_dot_product_attention
-    for name, module in list(sys.modules.items()):
-        if name.startswith("mlx_lm.models.") and getattr(module, "scaled_dot_product_attention", None) is _ORIGINAL_SDPA:
+    loaded: list[tuple[str, Any]] = list(sys.modules.items())  # Any: modules get an attribute set
+    for name, module in loaded:
+        if (name.startswith("mlx_lm.models.")
+                and getattr(module, "scaled_dot_product_attention", None) is _ORIGINAL_SDPA):
             module.scaled_dot_product_attention = _routed_sdpa
             _ROUTED_MODULES[name] = module
     return len(_ROUTED_MODULES)

@@ -33,9 +33,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import mlx.core as mx
-from mlx_lm.sample_utils import (apply_min_p, apply_top_k, apply_top_p, make_frequency_penalty,
-                                 make_presence_penalty, make_repetition_penalty)
+from mlx_lm.sample_utils import (
+    apply_min_p,
+    apply_top_k,
+    apply_top_p,
+    make_frequency_penalty,
+    make_presence_penalty,
+    make_repetition_penalty,
+)
 
+from mlxpaged.kernels.reference import host_list
 from mlxpaged.sampling_params import MAX_N, SamplingParams, token_id_list
 from mlxpaged.validation import require_number
 
@@ -124,7 +131,7 @@ class SampleResult:
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
     error: Exception | None = None
-    accepted: tuple["SampleResult", ...] = ()  # speculative drafts kept before this token, in order
+    accepted: tuple[SampleResult, ...] = ()  # speculative drafts kept before this token, in order
 
 
 def _process_row(state: SamplerState, row: mx.array) -> mx.array:
@@ -224,10 +231,11 @@ def _draw(logits: mx.array, states: list[SamplerState], ahead: int) -> mx.array:
 def _add_bias(logits: mx.array, states: list[SamplerState]) -> mx.array:
     """The rows' logit_bias added (OpenAI semantics: before filtering and sampling; the reported
     logprobs stay the model's own)."""
-    entries = [(row, token, bias) for row, state in enumerate(states) for token, bias in state.params.logit_bias.items()]
+    entries = [(row, token, bias) for row, state in enumerate(states)
+               for token, bias in state.params.logit_bias.items()]
     if not entries:
         return logits
-    rows, tokens, biases = zip(*entries)
+    rows, tokens, biases = zip(*entries, strict=True)
     bad = [t for t in tokens if t >= logits.shape[-1]]
     if bad:
         raise ValueError(f"logit_bias token ids {bad[:5]} are outside the vocabulary of {logits.shape[-1]}")
@@ -270,7 +278,7 @@ def _row_result(state: SamplerState, token: int, position: int | None, lists: li
         return SampleResult(token)
     pairs = []
     if len(lists) == 3 and state.params.top_logprobs:
-        pairs = sorted(zip(lists[1][position], lists[2][position]), key=lambda pair: (-pair[1], pair[0]))
+        pairs = sorted(zip(lists[1][position], lists[2][position], strict=True), key=lambda pair: (-pair[1], pair[0]))
         pairs = [(int(t), float(v)) for t, v in pairs[: state.params.top_logprobs]]
     return SampleResult(token, float(lists[0][position]), pairs)
 
@@ -290,7 +298,7 @@ def _evaluate(logits: mx.array, rows: list[mx.array] | None, masks: BatchMask | 
     custom = [i for i, state in enumerate(states) if state.params.logits_processors and i not in errors]
     peaks = mx.max(processed[mx.array(custom)], axis=-1) if custom else mx.array([])
     mx.eval(tokens, peaks, *extras)
-    for i, peak in zip(custom, peaks.tolist()):
+    for i, peak in zip(custom, host_list(peaks), strict=True):
         if not math.isfinite(peak):
             errors[i] = (masks.dead_end(i) if masks is not None and i in masks.rows else
                          ValueError(f"logits processors left no finite logit (the largest is {peak})"))
@@ -300,8 +308,8 @@ def _evaluate(logits: mx.array, rows: list[mx.array] | None, masks: BatchMask | 
 def _read_rows(tokens: mx.array, extras: list[mx.array], asked: list[int], states: list[SamplerState],
                errors: dict[int, Exception]) -> list[SampleResult]:
     """One SampleResult per row from the (evaluated or pending) token and logprob arrays."""
-    token_list = tokens.tolist()
-    lists = [extra.tolist() for extra in extras]
+    token_list = host_list(tokens)
+    lists = [host_list(extra) for extra in extras]
     position = {row: j for j, row in enumerate(asked)}
     return [SampleResult(error=errors[i]) if i in errors
             else _row_result(state, token_list[i], position.get(i), lists)
@@ -312,7 +320,7 @@ def _find_eval_failures(rows: list[mx.array], states: list[SamplerState],
                         errors: dict[int, Exception]) -> bool:
     """Evaluate processed rows one by one; record the ones whose graph fails. True if any did."""
     found = False
-    for i, (row, state) in enumerate(zip(rows, states)):
+    for i, (row, state) in enumerate(zip(rows, states, strict=True)):
         if state.has_row_processors and i not in errors:
             try:
                 mx.eval(row)
