@@ -30,8 +30,10 @@ ROOT = Path(__file__).resolve().parent.parent
 VENV = ROOT / ".venv"
 BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
 OPENBLAS_PKG = "libopenblas0-pthread"
-OPENBLAS_PATHS = ("/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
-                  "/usr/lib/aarch64-linux-gnu/openblas-pthread/libopenblas.so.0")
+OPENBLAS_PATHS = (
+    "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
+    "/usr/lib/aarch64-linux-gnu/openblas-pthread/libopenblas.so.0",
+)
 
 
 def dotted(version: tuple[int, ...]) -> str:
@@ -43,10 +45,12 @@ def python_too_old(argv: list[str]) -> str | None:
     if sys.version_info >= MIN_PYTHON:
         return None
     again = " ".join(shlex.quote(word) for word in ["python3.12", sys.argv[0], *argv])
-    return (f"mlxpaged needs Python {dotted(MIN_PYTHON)}+, this is {dotted(sys.version_info[:3])} (mlx-lm 0.32 "
-            f"has no build for it): install one (macOS: `brew install python@3.12`, the python.org installer "
-            f"or `uv python install 3.12`; Linux: your distribution's python3.12 or `uv python install 3.12`), "
-            f"then: {again}")
+    return (
+        f"mlxpaged needs Python {dotted(MIN_PYTHON)}+, this is {dotted(sys.version_info[:3])} (mlx-lm 0.32 "
+        f"has no build for it): install one (macOS: `brew install python@3.12`, the python.org installer "
+        f"or `uv python install 3.12`; Linux: your distribution's python3.12 or `uv python install 3.12`), "
+        f"then: {again}"
+    )
 
 
 def step(message: str) -> None:
@@ -107,8 +111,9 @@ def ensure_venv() -> None:
     if action == "create":
         step(f"creating virtualenv {VENV}")
     elif action == "recreate":
-        step(f"recreating virtualenv {VENV}: it has Python {dotted(venv_python())}, "
-             f"mlxpaged needs {dotted(MIN_PYTHON)}+")
+        step(
+            f"recreating virtualenv {VENV}: it has Python {dotted(venv_python())}, mlxpaged needs {dotted(MIN_PYTHON)}+"
+        )
     if action is not None:
         venv.create(VENV, with_pip=True, clear=action == "recreate")
 
@@ -143,8 +148,11 @@ def ensure_default_model() -> None:
 def check() -> int:
     """Say what `chat` and `test` would do here, doing none of it."""
     print(f"Python {dotted(sys.version_info[:3])}: ok (mlxpaged needs {dotted(MIN_PYTHON)}+)")
-    blas = {None: "not needed or already installed", "install": f"would apt-get install {OPENBLAS_PKG}",
-            "hint": f"missing, and apt-get cannot install it here: {OPENBLAS_PKG}"}
+    blas = {
+        None: "not needed or already installed",
+        "install": f"would apt-get install {OPENBLAS_PKG}",
+        "hint": f"missing, and apt-get cannot install it here: {OPENBLAS_PKG}",
+    }
     print(f"OpenBLAS: {blas[openblas_action()]}")
     venv_state = {"create": "would be created", "recreate": "would be recreated (made by an older Python)"}
     print(f"virtualenv {VENV}: {venv_state.get(venv_action(), 'ready')}")

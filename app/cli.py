@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-import mlxpaged  # noqa: F401  (loads OpenBLAS before anything imports mlx)
-from mlxpaged.platform.blas import blas_status
+import mlxpaged
 from mlxpaged.config import DEFAULT_CACHE_TOKENS
 from mlxpaged.errors import MlxpagedError, user_message
+from mlxpaged.platform.blas import blas_status
 from mlxpaged.units import format_size
 
 
@@ -30,9 +30,9 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def print_doctor() -> None:
-    import mlx.core as mx
-
     from mlxpaged.platform import backend
+
+    import mlx.core as mx
 
     status = blas_status()
     print(f"\nBLAS:    {status.name}" + (f" ({status.path})" if status.path else "") + f" - {status.detail}")
@@ -42,8 +42,8 @@ def print_doctor() -> None:
 
 def cmd_pull(args: argparse.Namespace) -> int:
     from mlxpaged.loading.loader import default_dtype
-    from mlxpaged.loading.progress import print_progress
     from mlxpaged.loading.model_store import provision, remove_partial_conversions, resolve
+    from mlxpaged.loading.progress import print_progress
 
     remove_partial_conversions()
     ref = resolve(args.model)
@@ -58,17 +58,25 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from mlxpaged_app.tui import run_chat
 
     try:
-        return run_chat(args.model, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                        seed=args.seed, system=args.system, resume=args.resume, cache_tokens=args.cache_tokens,
-                        speculative=args.speculative)
+        return run_chat(
+            args.model,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            seed=args.seed,
+            system=args.system,
+            resume=args.resume,
+            cache_tokens=args.cache_tokens,
+            speculative=args.speculative,
+        )
     except ValueError as exc:  # bad sampling settings, before the app starts
         print(f"mlxpaged chat: {user_message(exc, 'cli')}", file=sys.stderr)
         return 2
 
 
 def cmd_plain_chat(args: argparse.Namespace) -> int:
-    from mlxpaged.platform.memory import InsufficientMemoryError
     from mlxpaged.loading.loader import UnsupportedModelError
+    from mlxpaged.platform.memory import InsufficientMemoryError
     from mlxpaged_app.repl import run_plain_chat
     from mlxpaged_app.tui.settings import ChatSettings
 
@@ -76,8 +84,9 @@ def cmd_plain_chat(args: argparse.Namespace) -> int:
         print("mlxpaged chat: --resume reopens a conversation of the chat app; --plain keeps none", file=sys.stderr)
         return 2
     try:
-        settings = ChatSettings(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
-                                seed=args.seed)
+        settings = ChatSettings(
+            temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed
+        )
         return run_plain_chat(args.model, settings, args.system, args.cache_tokens, args.speculative)
     except ValueError as exc:  # bad sampling or cache settings, before the first turn
         print(f"mlxpaged chat: {exc}", file=sys.stderr)
@@ -134,16 +143,23 @@ def build_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="chat with a model in the terminal (a Textual app; F1 lists the keys)")
     chat.add_argument("--model", "-m", default=None, help="preset name, local path or Hugging Face repo id")
     chat.add_argument("--max-tokens", type=int, default=512, help="tokens per reply")
-    chat.add_argument("--temperature", type=float, default=None,
-                      help="default: the model's recommended value (its generation_config.json), else 1.0")
+    chat.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="default: the model's recommended value (its generation_config.json), else 1.0",
+    )
     chat.add_argument("--top-p", type=float, default=None, help="default: the model's, else 1.0")
     chat.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     chat.add_argument("--system", default="", help="system prompt (default: the model's own)")
     chat.add_argument("--resume", action="store_true", help="reopen the last saved conversation")
     chat.add_argument("--cache-tokens", type=int, default=DEFAULT_CACHE_TOKENS, help="KV cache capacity in tokens")
     chat.add_argument("--speculative", choices=["ngram"], default=None, help=SPECULATIVE_HELP)
-    chat.add_argument("--plain", action="store_true",
-                      help="a plain line-mode chat instead of the app (for pipes and ssh; replies on stdout)")
+    chat.add_argument(
+        "--plain",
+        action="store_true",
+        help="a plain line-mode chat instead of the app (for pipes and ssh; replies on stdout)",
+    )
     chat.set_defaults(func=cmd_chat)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP endpoint on localhost")
@@ -151,34 +167,65 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", help="benchmarks against mlx-lm")
-    bench.add_argument("what", choices=["decode", "batch", "prefix", "prefill", "memory", "kernel", "server",
-                                          "constraints", "spec", "hybrid", "gpu"],
-                       help="decode: batch-1 tok/s vs mlx-lm; batch: 16 concurrent requests vs mlx-lm "
-                            "batch_generate; prefix: time to first token, cached vs cold; prefill: cold and "
-                            "cached time to first token at 1k-16k tokens vs mlx-lm; memory: KV bytes "
-                            "paged vs mlx-lm; kernel: paged attention vs contiguous SDPA; server: "
-                            "mlxpaged serve vs mlx_lm.server at 1/8/32 clients; constraints: decode step "
-                            "time with and without grammar masks at batch 1 and 16; spec: batch-1 decode with "
-                            "and without prompt-lookup speculation, repetitive and free-text tasks; hybrid: batch-1 "
-                            "decode of a random Qwen 3.5-style hybrid (state slots + paged KV) vs mlx-lm; gpu: every "
-                            "issue-21 target in one run (decode, 16/64 concurrent, cold TTFT at 2k/8k, cached "
-                            "8k prefix) vs plain mlx-lm on the model's own dtype, and a met/missed summary")
+    bench.add_argument(
+        "what",
+        choices=[
+            "decode",
+            "batch",
+            "prefix",
+            "prefill",
+            "memory",
+            "kernel",
+            "server",
+            "constraints",
+            "spec",
+            "hybrid",
+            "gpu",
+        ],
+        help="decode: batch-1 tok/s vs mlx-lm; batch: 16 concurrent requests vs mlx-lm "
+        "batch_generate; prefix: time to first token, cached vs cold; prefill: cold and "
+        "cached time to first token at 1k-16k tokens vs mlx-lm; memory: KV bytes "
+        "paged vs mlx-lm; kernel: paged attention vs contiguous SDPA; server: "
+        "mlxpaged serve vs mlx_lm.server at 1/8/32 clients; constraints: decode step "
+        "time with and without grammar masks at batch 1 and 16; spec: batch-1 decode with "
+        "and without prompt-lookup speculation, repetitive and free-text tasks; hybrid: batch-1 "
+        "decode of a random Qwen 3.5-style hybrid (state slots + paged KV) vs mlx-lm; gpu: every "
+        "issue-21 target in one run (decode, 16/64 concurrent, cold TTFT at 2k/8k, cached "
+        "8k prefix) vs plain mlx-lm on the model's own dtype, and a met/missed summary",
+    )
     bench.add_argument("--model", "-m", default=None)
     bench.add_argument("--tokens", type=int, default=128, help="tokens to generate per request")
     bench.add_argument("--runs", type=int, default=3)
-    bench.add_argument("--sizes", type=prefill_sizes, default=None,
-                       help="prefill, gpu: prompt sizes in tokens, comma-separated (prefill default "
-                            "1024,4096,8192,16384; gpu default 2048,8192)")
-    bench.add_argument("--concurrency", type=concurrency_levels, default=None,
-                       help="gpu: concurrent requests per batch run, comma-separated (default 16,64)")
-    bench.add_argument("--parts", type=bench_parts, default=None,
-                       help="gpu: run only some of decode,batch,ttft (default all)")
-    bench.add_argument("--max-model-len", type=int, default=None,
-                       help="prefill, gpu: context in tokens instead of the model's own (16384 for the default "
-                            "model's 8192: RoPE extrapolates; timings only, no promise about quality)")
-    bench.add_argument("--clock", choices=["wall", "cpu"], default="wall",
-                       help="prefill: time to first token in wall time (default) or in this process's CPU "
-                            "time, steadier on a shared machine")
+    bench.add_argument(
+        "--sizes",
+        type=prefill_sizes,
+        default=None,
+        help="prefill, gpu: prompt sizes in tokens, comma-separated (prefill default "
+        "1024,4096,8192,16384; gpu default 2048,8192)",
+    )
+    bench.add_argument(
+        "--concurrency",
+        type=concurrency_levels,
+        default=None,
+        help="gpu: concurrent requests per batch run, comma-separated (default 16,64)",
+    )
+    bench.add_argument(
+        "--parts", type=bench_parts, default=None, help="gpu: run only some of decode,batch,ttft (default all)"
+    )
+    bench.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="prefill, gpu: context in tokens instead of the model's own (16384 for the default "
+        "model's 8192: RoPE extrapolates; timings only, no promise about quality)",
+    )
+    bench.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="prefill: time to first token in wall time (default) or in this process's CPU "
+        "time, steadier on a shared machine",
+    )
     bench.set_defaults(func=cmd_bench)
 
     models = sub.add_parser("models", help="list presets and local models")
@@ -189,7 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_argument("model", nargs="?", default=None, help="preset, path or hub id (default: the default preset)")
     pull.set_defaults(func=cmd_pull)
 
-    doctor = sub.add_parser("doctor", help="check this machine and the default model; paste the output into bug reports")
+    doctor = sub.add_parser(
+        "doctor", help="check this machine and the default model; paste the output into bug reports"
+    )
     doctor.add_argument("--load", action="store_true", help="also load the default model and time a short generation")
     doctor.add_argument("--json", action="store_true", help="print the checks as JSON")
     doctor.set_defaults(func=cmd_doctor)

@@ -16,14 +16,14 @@ import platform
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 import mlxpaged
+from mlxpaged.config import DEFAULT_CACHE_TOKENS, CacheConfig
 from mlxpaged.platform import backend
 from mlxpaged.platform.blas import blas_status
-from mlxpaged.config import DEFAULT_CACHE_TOKENS, CacheConfig
 from mlxpaged.units import format_size
 
 OK, WARN, FAIL = "OK", "WARN", "FAIL"
@@ -70,6 +70,7 @@ def default_cache_config() -> CacheConfig:
 
 # ---- the checks: each returns one Check ------------------------------------------------------
 
+
 def check_platform() -> Check:
     mac = platform.mac_ver()[0]
     system = f"macOS {mac}" if mac else f"{platform.system()} {platform.release()}"
@@ -107,8 +108,9 @@ def check_attention() -> Check:
         return Check(FAIL, "attention", str(exc))
     path, reason = attention_path(resolved)
     what = ATTENTION_PATHS.get(path)
-    return Check(WARN if "fallback" in path else OK, "attention",
-                 f"{path}" + (f" ({what})" if what else "") + f": {reason}")
+    return Check(
+        WARN if "fallback" in path else OK, "attention", f"{path}" + (f" ({what})" if what else "") + f": {reason}"
+    )
 
 
 def attention_path(resolved: str) -> tuple[str, str]:
@@ -140,9 +142,13 @@ def check_kernel(model: ModelOnDisk | None) -> Check:
 
     facts, layout = read_before_load(model.path, backend.current())
     heads = query_heads(layout)  # read from the model's attention, not a config key
-    variants = self_check.variants_for(dtype=kv_dtype(model), head_dim=facts.kv.head_dim,
-                                       block_size=default_cache_config().block_size, num_heads=heads,
-                                       num_kv_heads=facts.kv.num_kv_heads)
+    variants = self_check.variants_for(
+        dtype=kv_dtype(model),
+        head_dim=facts.kv.head_dim,
+        block_size=default_cache_config().block_size,
+        num_heads=heads,
+        num_kv_heads=facts.kv.num_kv_heads,
+    )
     return summarize_kernel([self_check.check_variant(v, launcher) for v in variants], where)
 
 
@@ -157,8 +163,11 @@ def summarize_kernel(results: list, where: str) -> Check:
         return Check(OK, "kernel", f"{where}: {len(results)} variants match the reference ({names}; {seconds:.1f} s)")
     reasons = "; ".join(f"{r.variant.describe()}: {r.reason}" for r in failed)
     effect = "the engine uses" if where == ON_GPU else "on a Mac the engine would use"
-    return Check(FAIL, "kernel", f"{where}: {len(failed)} of {len(results)} variants fail ({reasons}); "
-                                 f"{effect} the reference path for them")
+    return Check(
+        FAIL,
+        "kernel",
+        f"{where}: {len(failed)} of {len(results)} variants fail ({reasons}); {effect} the reference path for them",
+    )
 
 
 class KernelNotCheckable(Exception):
@@ -176,12 +185,15 @@ def kernel_launcher():
     if metal_available():
         return None, ON_GPU
     if not HARNESS.exists():
-        raise KernelNotCheckable(f"no Metal GPU, and the CPU harness is not at {HARNESS} "
-                                 "(it ships with the source checkout only)")
+        raise KernelNotCheckable(
+            f"no Metal GPU, and the CPU harness is not at {HARNESS} (it ships with the source checkout only)"
+        )
     compiler = os.environ.get("CXX", "g++")
     if shutil.which(compiler) is None:
-        raise KernelNotCheckable(f"no Metal GPU, and {compiler} is not installed (the CPU harness compiles "
-                                 "the kernel with it: apt-get install g++)")
+        raise KernelNotCheckable(
+            f"no Metal GPU, and {compiler} is not installed (the CPU harness compiles "
+            "the kernel with it: apt-get install g++)"
+        )
     if _emulator is None:
         _emulator = _load_harness().Emulator()
     return _emulator, ON_HARNESS
@@ -205,14 +217,23 @@ def check_memory() -> Check:
 
     device = DeviceFacts.detect()
     if device.backend != "cuda":
-        return Check(OK, "memory", f"RAM {format_size(device.total_bytes)}, available "
-                                   f"{format_size(device.available_bytes)} ({device.backend} backend)")
-    detail = (f"CUDA device memory {format_size(device.total_bytes)}, free {format_size(device.available_bytes)} "
-              "(cuda backend; the KV plan starts from the total)")
+        return Check(
+            OK,
+            "memory",
+            f"RAM {format_size(device.total_bytes)}, available "
+            f"{format_size(device.available_bytes)} ({device.backend} backend)",
+        )
+    detail = (
+        f"CUDA device memory {format_size(device.total_bytes)}, free {format_size(device.available_bytes)} "
+        "(cuda backend; the KV plan starts from the total)"
+    )
     # The plan leaves only its reserve to others: a GPU other processes already fill needs a smaller cache.
     if device.total_bytes - device.available_bytes > os_reserve_bytes(device.total_bytes):
-        return Check(WARN, "memory", detail + "; other processes hold more than the plan's reserve: "
-                                              "set --kv-memory or --memory-fraction")
+        return Check(
+            WARN,
+            "memory",
+            detail + "; other processes hold more than the plan's reserve: set --kv-memory or --memory-fraction",
+        )
     return Check(OK, "memory", detail)
 
 
@@ -258,17 +279,25 @@ def check_default_model(model: ModelOnDisk | None, error: str | None) -> Check:
     if model is None:
         return Check(FAIL, "default model", error or "unknown error")
     if model.path is None:
-        return Check(WARN, "default model", f"{model.name} ({model.dtype}) is not provisioned yet: "
-                                            "`mlxpaged pull` fetches it (the first chat would too)")
+        return Check(
+            WARN,
+            "default model",
+            f"{model.name} ({model.dtype}) is not provisioned yet: "
+            "`mlxpaged pull` fetches it (the first chat would too)",
+        )
     if model.weight_bytes == 0:
         return Check(FAIL, "default model", f"{model.name}: no *.safetensors weight files in {model.path}")
     arch = model.config.get("model_type", "?")
-    return Check(OK, "default model", f"{model.name} at {model.path}: {arch}, {model.dtype}, "
-                                      f"weights {format_size(model.weight_bytes)} on disk")
+    return Check(
+        OK,
+        "default model",
+        f"{model.name} at {model.path}: {arch}, {model.dtype}, weights {format_size(model.weight_bytes)} on disk",
+    )
 
 
 def check_sampling_defaults(model: ModelOnDisk | None) -> Check:
-    """What chat and serve sample with when temperature / top_p are left unset (mlxpaged.loading.generation_defaults)."""
+    """What chat and serve sample with when temperature / top_p are left unset
+    (mlxpaged.loading.generation_defaults)."""
     from mlxpaged.loading.generation_defaults import GenerationConfigError, load_defaults
     from mlxpaged.loading.model_store import resolve
 
@@ -293,17 +322,21 @@ def check_kv_plan(model: ModelOnDisk | None) -> Check:
     except InsufficientMemoryError as exc:
         return Check(FAIL, "KV plan", str(exc))
     capacity = "any length" if plan.token_capacity is None else f"{plan.token_capacity:,} tokens"
-    return Check(OK, "KV plan", f"{plan.num_blocks:,} blocks x {plan.block_size} tokens = {format_size(plan.kv_bytes)} "
-                                f"({plan.backend}), one sequence up to {capacity}; {plan.reason}")
+    return Check(
+        OK,
+        "KV plan",
+        f"{plan.num_blocks:,} blocks x {plan.block_size} tokens = {format_size(plan.kv_bytes)} "
+        f"({plan.backend}), one sequence up to {capacity}; {plan.reason}",
+    )
 
 
 def check_load() -> Check:
     """Load the default model, build an Engine, time one short greedy chat reply (batch 1)."""
-    from mlxpaged.kernels.attention import resolved_backend
     from mlxpaged.engine.engine import Engine
-    from mlxpaged.platform.memory import InsufficientMemoryError
+    from mlxpaged.kernels.attention import resolved_backend
     from mlxpaged.loading.loader import load_model
     from mlxpaged.loading.model_store import ModelError
+    from mlxpaged.platform.memory import InsufficientMemoryError
     from mlxpaged.sampling_params import SamplingParams
 
     start = time.perf_counter()
@@ -324,12 +357,17 @@ def check_load() -> Check:
     path, _ = attention_path(resolved_backend())
     first, last = arrivals[0] - ready, arrivals[-1] - arrivals[0]
     decode = f"{(len(arrivals) - 1) / last:.1f} tok/s" if last > 0 else "n/a"
-    return Check(OK, "load", f"{loaded.name} loaded and engine built in {ready - start:.1f} s; {len(prompt)}-token "
-                             f"prompt, first token in {first:.2f} s, decode {decode} over {len(arrivals)} tokens "
-                             f"(greedy, attention {path}): {text.strip()!r}")
+    return Check(
+        OK,
+        "load",
+        f"{loaded.name} loaded and engine built in {ready - start:.1f} s; {len(prompt)}-token "
+        f"prompt, first token in {first:.2f} s, decode {decode} over {len(arrivals)} tokens "
+        f"(greedy, attention {path}): {text.strip()!r}",
+    )
 
 
 # ---- the default model's facts, without its weights --------------------------------------------
+
 
 def find_default_model() -> ModelOnDisk:
     """Resolve the default preset and read its config.json and weight file sizes, if it is local."""
@@ -361,6 +399,7 @@ def model_facts(model: ModelOnDisk):
 
 # ---- running and reporting ----------------------------------------------------------------------
 
+
 def guarded(label: str, check: Callable[[], Check]) -> Check:
     """Run one check; an unexpected exception is that line's FAIL, never a traceback."""
     try:
@@ -376,11 +415,18 @@ def run_checks(load: bool = False) -> list[Check]:
     except Exception as exc:  # bad presets file, unreadable config.json: reported on the model's line
         error = f"{type(exc).__name__}: {exc}"
     checks = [
-        ("platform", check_platform), ("python", check_python), ("mlx", check_mlx), ("blas", check_blas),
-        ("attention", check_attention), ("kernel", lambda: check_kernel(model)), ("memory", check_memory),
-        ("wired memory", check_wired), ("model store", check_store),
+        ("platform", check_platform),
+        ("python", check_python),
+        ("mlx", check_mlx),
+        ("blas", check_blas),
+        ("attention", check_attention),
+        ("kernel", lambda: check_kernel(model)),
+        ("memory", check_memory),
+        ("wired memory", check_wired),
+        ("model store", check_store),
         ("default model", lambda: check_default_model(model, error)),
-        ("sampling defaults", lambda: check_sampling_defaults(model)), ("KV plan", lambda: check_kv_plan(model)),
+        ("sampling defaults", lambda: check_sampling_defaults(model)),
+        ("KV plan", lambda: check_kv_plan(model)),
     ]
     if load:
         checks.append(("load", check_load))
@@ -401,8 +447,9 @@ def format_table(checks: list[Check]) -> str:
 
 
 def to_json(checks: list[Check]) -> str:
-    return json.dumps({"mlxpaged": mlxpaged.__version__, "checks": [asdict(c) for c in checks],
-                       "summary": summary(checks)}, indent=2)
+    return json.dumps(
+        {"mlxpaged": mlxpaged.__version__, "checks": [asdict(c) for c in checks], "summary": summary(checks)}, indent=2
+    )
 
 
 def exit_status(checks: list[Check]) -> int:

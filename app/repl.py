@@ -12,11 +12,11 @@ import sys
 import time
 from typing import TextIO
 
-from mlxpaged.platform.blas import blas_status
 from mlxpaged.config import CacheConfig, SchedulerConfig
 from mlxpaged.engine.engine import Engine, RequestFailedError
 from mlxpaged.loading.loader import load_model
 from mlxpaged.loading.progress import print_progress
+from mlxpaged.platform.blas import blas_status
 from mlxpaged_app.tui.generation import ReplyStats
 from mlxpaged_app.tui.settings import ChatSettings
 
@@ -27,15 +27,21 @@ def say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def run_plain_chat(model: str | None, settings: ChatSettings, system: str, cache_tokens: int,
-                   speculative: str | None = None) -> int:
+def run_plain_chat(
+    model: str | None, settings: ChatSettings, system: str, cache_tokens: int, speculative: str | None = None
+) -> int:
     """Chat until EOF or /exit (exit code 0)."""
     say(f"Loading {model or 'the default model'}...")
-    with Engine(load_model(model, progress=print_progress), CacheConfig(cache_tokens=cache_tokens),
-                SchedulerConfig(speculative=speculative)) as engine:
+    with Engine(
+        load_model(model, progress=print_progress),
+        CacheConfig(cache_tokens=cache_tokens),
+        SchedulerConfig(speculative=speculative),
+    ) as engine:
         blas = blas_status()
-        say(f"mlxpaged chat - {engine.loaded.name} ({engine.loaded.dtype}, BLAS: {blas.name}); "
-            f"{settings.describe(engine.generation_defaults)}")
+        say(
+            f"mlxpaged chat - {engine.loaded.name} ({engine.loaded.dtype}, BLAS: {blas.name}); "
+            f"{settings.describe(engine.generation_defaults)}"
+        )
         if not blas.fast:
             say(f"hint: {blas.detail}")
         interactive = sys.stdin.isatty()
@@ -119,5 +125,6 @@ def _reply_stats(final, started: float, first_token: float | None) -> ReplyStats
     if first_token is not None and final.completion_tokens > 1 and ended > first_token:
         rate = (final.completion_tokens - 1) / (ended - first_token)
     ttft = first_token - started if first_token is not None else None
-    return ReplyStats(final.prompt_tokens, final.cached_tokens, final.completion_tokens, ttft, rate,
-                      final.finish_reason)
+    return ReplyStats(
+        final.prompt_tokens, final.cached_tokens, final.completion_tokens, ttft, rate, final.finish_reason
+    )

@@ -1,8 +1,8 @@
 """mlxpaged: local LLM inference on MLX with a paged KV cache.
 
-    from mlxpaged import Engine, SamplingParams
-    with Engine.from_pretrained() as engine:          # the embedded default model
-        print(engine.chat([{"role": "user", "content": "Hi!"}]).text)
+from mlxpaged import Engine, SamplingParams
+with Engine.from_pretrained() as engine:          # the embedded default model
+    print(engine.chat([{"role": "user", "content": "Hi!"}]).text)
 """
 
 # Must run before anything imports mlx.core (see blas.py).
@@ -15,11 +15,16 @@ keep_freed_memory()
 __version__ = "0.1.0"
 
 _LAZY = {
-    "Engine": "mlxpaged.engine.engine", "Completion": "mlxpaged.outputs", "StreamDelta": "mlxpaged.outputs",
-    "RequestFailedError": "mlxpaged.errors", "EngineClosedError": "mlxpaged.errors",
+    "Engine": "mlxpaged.engine.engine",
+    "Completion": "mlxpaged.outputs",
+    "StreamDelta": "mlxpaged.outputs",
+    "RequestFailedError": "mlxpaged.errors",
+    "EngineClosedError": "mlxpaged.errors",
     "SamplingParams": "mlxpaged.sampling_params",
-    "CacheConfig": "mlxpaged.config", "SchedulerConfig": "mlxpaged.config",
-    "RequestTooLongError": "mlxpaged.errors", "InsufficientMemoryError": "mlxpaged.errors",
+    "CacheConfig": "mlxpaged.config",
+    "SchedulerConfig": "mlxpaged.config",
+    "RequestTooLongError": "mlxpaged.errors",
+    "InsufficientMemoryError": "mlxpaged.errors",
     "MlxpagedError": "mlxpaged.errors",
 }
 __all__ = ["__version__", "blas_status"]

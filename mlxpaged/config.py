@@ -21,6 +21,7 @@ DEFAULT_BLOCK_SIZE = 16
 DEFAULT_CACHE_TOKENS = 32768  # cap by demand: a local app rarely needs more resident context
 SPECULATIVE_METHODS = (None, "ngram")  # SchedulerConfig.speculative
 
+
 @dataclass(frozen=True)
 class CacheConfig:
     """How big the paged KV cache may be and how it is used.
@@ -44,8 +45,9 @@ class CacheConfig:
     def __post_init__(self) -> None:
         require_int("block_size", self.block_size, low=1, setting=True)
         if self.block_size not in VALID_BLOCK_SIZES:
-            raise ConfigError(f"{{block_size:{self.block_size}}} must be one of {VALID_BLOCK_SIZES}",
-                              param="block_size")
+            raise ConfigError(
+                f"{{block_size:{self.block_size}}} must be one of {VALID_BLOCK_SIZES}", param="block_size"
+            )
         if self.cache_tokens is not None:
             require_int("cache_tokens", self.cache_tokens, low=1, setting=True)
         if self.kv_memory is not None:
@@ -55,7 +57,9 @@ class CacheConfig:
         if self.kv_memory is not None and self.memory_fraction is not None:
             raise ConfigError(
                 f"set only one of {{kv_memory}} ({self.kv_memory:,} bytes) and {{memory_fraction}} "
-                f"({self.memory_fraction}): both size the KV cache", param="kv_memory")
+                f"({self.memory_fraction}): both size the KV cache",
+                param="kv_memory",
+            )
         require_bool("wire", self.wire, setting=True)
         require_bool("enable_prefix_cache", self.enable_prefix_cache, setting=True)
 
@@ -101,11 +105,14 @@ class SchedulerConfig:
         if self.max_batch_tokens < self.max_num_seqs:
             # Otherwise some decoding sequences would get no token in a step (the scheduler's rule,
             # checked here so a bad setting fails before the model and the pool are loaded).
-            raise ConfigError(f"{{max_batch_tokens:{self.max_batch_tokens}}} must be >= "
-                              f"{{max_num_seqs:{self.max_num_seqs}}}", param="max_batch_tokens")
+            raise ConfigError(
+                f"{{max_batch_tokens:{self.max_batch_tokens}}} must be >= {{max_num_seqs:{self.max_num_seqs}}}",
+                param="max_batch_tokens",
+            )
         if self.speculative not in SPECULATIVE_METHODS:
-            raise ConfigError(f"{{speculative:{self.speculative!r}}} must be one of {SPECULATIVE_METHODS}",
-                              param="speculative")
+            raise ConfigError(
+                f"{{speculative:{self.speculative!r}}} must be one of {SPECULATIVE_METHODS}", param="speculative"
+            )
         require_int("num_speculative_tokens", self.num_speculative_tokens, low=1, high=16, setting=True)
 
 

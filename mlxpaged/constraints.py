@@ -22,12 +22,12 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from mlxpaged.errors import MlxpagedError
+
 import llguidance
 import llguidance.numpy as llg_numpy
 import mlx.core as mx
 import numpy as np
-
-from mlxpaged.errors import MlxpagedError
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions  # only in llguidance's stubs
@@ -52,6 +52,7 @@ class ConstraintError(RuntimeError):
 
 
 # ---- grammar builders -------------------------------------------------------------------------------
+
 
 def _schema_dict(schema: object) -> dict:
     if not isinstance(schema, dict):
@@ -98,15 +99,17 @@ def tagged_json_grammar(begin: str, end: str, schema: dict, *, lazy: bool, trigg
 
 def _tagged_lark(spec: dict, pieces: Callable[[str], list]) -> str:
     """The Lark text of a tagged spec; `pieces(text)` splits a marker into text (str) and special token ids."""
+
     def expr(text: str) -> str:
-        return " ".join(json.dumps(p, ensure_ascii=False) if isinstance(p, str) else f"<[{p}]>"
-                        for p in pieces(text) if p != "")
+        return " ".join(
+            json.dumps(p, ensure_ascii=False) if isinstance(p, str) else f"<[{p}]>" for p in pieces(text) if p != ""
+        )
 
     schema = {**spec["schema"], "x-guidance": {**JSON_LAYOUT, "lenient": True}}
     trigger, begin = spec["trigger"], spec["begin"]
     if not spec["lazy"]:
         return f"start: {expr(begin)} %json {json.dumps(schema)} {expr(spec['end'])}\n"
-    body = f"{expr(begin[len(trigger):])} %json {json.dumps(schema)} {expr(spec['end'])}"
+    body = f"{expr(begin[len(trigger) :])} %json {json.dumps(schema)} {expr(spec['end'])}"
     if all(isinstance(p, str) for p in pieces(trigger)):  # text trigger: a lazy lexeme ends the free text at it
         tag = f"tag_trig[lazy]: TAG_TEXT {expr(trigger)}\ntag: tag_trig {body}\n"
     else:  # special tokens cannot sit in a lexeme, and free text cannot contain them anyway
@@ -116,13 +119,16 @@ def _tagged_lark(spec: dict, pieces: Callable[[str], list]) -> str:
 
 # ---- compiling ------------------------------------------------------------------------------------
 
+
 def _llg_tokenizer(tokenizer, vocab_size: int) -> llguidance.LLTokenizer:
     """llguidance's view of an mlx-lm TokenizerWrapper's fast tokenizer, with a bit for every logit."""
     inner = getattr(tokenizer, "_tokenizer", tokenizer)
     backend = getattr(inner, "backend_tokenizer", None)
     if backend is None:
-        raise GrammarError(f"constrained decoding needs a Hugging Face fast tokenizer (the tokenizers library); "
-                           f"this model's is a {type(inner).__name__}")
+        raise GrammarError(
+            f"constrained decoding needs a Hugging Face fast tokenizer (the tokenizers library); "
+            f"this model's is a {type(inner).__name__}"
+        )
     backend = copy.copy(backend)  # as llguidance.hf does: the JSON must not pad or truncate
     backend.no_padding()
     backend.no_truncation()
@@ -177,7 +183,7 @@ class GrammarCompiler:
         if not grammar.startswith(_TAGGED_HEADER):
             return grammar
         try:
-            spec = json.loads(grammar[len(_TAGGED_HEADER):].split("\n", 1)[0])
+            spec = json.loads(grammar[len(_TAGGED_HEADER) :].split("\n", 1)[0])
             return _tagged_lark(spec, self.marker_pieces)
         except (ValueError, KeyError, TypeError) as exc:
             raise GrammarError(f"a tagged grammar's first line is not its spec: {exc!r}") from None
@@ -226,12 +232,15 @@ class RowConstraint:
 
     def catch_up(self, output_token_ids: Sequence[int]) -> None:
         if len(output_token_ids) < self.consumed:  # the engine never discards a recorded token
-            raise ConstraintError(f"the output shrank from {self.consumed} to {len(output_token_ids)} tokens "
-                                  f"under its grammar matcher")
+            raise ConstraintError(
+                f"the output shrank from {self.consumed} to {len(output_token_ids)} tokens under its grammar matcher"
+            )
         for position in range(self.consumed, len(output_token_ids)):
             if not self.matcher.consume_token(output_token_ids[position]):
-                raise ConstraintError(f"output token {output_token_ids[position]} at position {position} "
-                                      f"leaves the grammar: {self.error()}")
+                raise ConstraintError(
+                    f"output token {output_token_ids[position]} at position {position} "
+                    f"leaves the grammar: {self.error()}"
+                )
             self.consumed = position + 1
 
     def error(self) -> str:
@@ -271,8 +280,9 @@ class BatchMask:
         self.bitmask, self.rows, self.vocab_size = bitmask, rows, vocab_size
 
     @classmethod
-    def build(cls, constraints: list, sequences: list, vocab_size: int,
-              errors: dict[int, Exception]) -> BatchMask | None:
+    def build(
+        cls, constraints: list, sequences: list, vocab_size: int, errors: dict[int, Exception]
+    ) -> BatchMask | None:
         """Catch each row's matcher up with its sequence and fill its mask; a row whose matcher fails gets
         its error in `errors`. `constraints[i]` is None for unconstrained rows. None if no row is constrained."""
         rows = [i for i, c in enumerate(constraints) if c is not None and i not in errors]
@@ -283,8 +293,9 @@ class BatchMask:
             row = constraints[i]
             try:
                 if row.vocab_size != vocab_size:
-                    raise ConstraintError(f"the constraint was compiled for {row.vocab_size} logits, "
-                                          f"the model has {vocab_size}")
+                    raise ConstraintError(
+                        f"the constraint was compiled for {row.vocab_size} logits, the model has {vocab_size}"
+                    )
                 row.catch_up(sequences[i].output_token_ids)
                 row.fill(bitmask, i)
                 if not bitmask[i].any():
@@ -299,6 +310,8 @@ class BatchMask:
     def dead_end(self, row: int) -> ConstraintError:
         """The error of a constrained row whose allowed tokens all ended with no finite logit."""
         allowed = allowed_tokens(self.bitmask[row], self.vocab_size)
-        return ConstraintError(f"constrained decoding reached a dead end: the grammar allows {len(allowed)} "
-                               f"token(s) here (e.g. {allowed[:5].tolist()}), and the logits processors or "
-                               f"penalties left none of them a finite logit")
+        return ConstraintError(
+            f"constrained decoding reached a dead end: the grammar allows {len(allowed)} "
+            f"token(s) here (e.g. {allowed[:5].tolist()}), and the logits processors or "
+            f"penalties left none of them a finite logit"
+        )

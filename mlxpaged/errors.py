@@ -21,8 +21,7 @@ def cli_flag(param: str, flags: Mapping[str, str] | None = None) -> str:
     return (flags or {}).get(param) or "--" + param.replace("_", "-")
 
 
-def render_param(param: str, interface: str, value: str | None = None,
-                 flags: Mapping[str, str] | None = None) -> str:
+def render_param(param: str, interface: str, value: str | None = None, flags: Mapping[str, str] | None = None) -> str:
     """A setting as `interface` spells it: python `kv_memory=` / `kv_memory=2GB`, cli `--kv-memory` /
     `--kv-memory 2GB`."""
     if interface == "python":
@@ -65,6 +64,7 @@ def user_message(error: BaseException, interface: str, flags: Mapping[str, str] 
 
 
 # ---- the errors themselves, by where users meet them -----------------------------------------------
+
 
 class ModelError(MlxpagedError):
     """Base class for errors a user can cause by naming a model (the `model` setting)."""
@@ -119,7 +119,9 @@ class RequestTooLongError(MlxpagedError, ValueError):
         super().__init__(
             f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
             f"{prompt_tokens + max_tokens} tokens exceeds the {limit_name} of {limit} tokens; "
-            f"shorten the prompt or lower max_tokens", param="max_tokens")
+            f"shorten the prompt or lower max_tokens",
+            param="max_tokens",
+        )
         self.prompt_tokens, self.max_tokens = prompt_tokens, max_tokens
         self.limit, self.limit_name = limit, limit_name
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 @dataclass
 class StreamDelta:
     """One piece of a streamed reply. The last one has finish_reason set and the usage counts."""
+
     request_id: str
     text: str
     token_id: int | None = None
@@ -60,5 +61,13 @@ def completion(request_id: str, deltas: list[StreamDelta]) -> Completion:
     logprobs = [d.logprob for d in tokens if d.logprob is not None]
     tops = [d.top_logprobs for d in tokens if d.top_logprobs is not None]
     last = deltas[-1]
-    return Completion(request_id, "".join(d.text for d in deltas), token_ids, last.finish_reason,
-                      last.prompt_tokens, last.cached_tokens, logprobs or None, tops or None)
+    return Completion(
+        request_id,
+        "".join(d.text for d in deltas),
+        token_ids,
+        last.finish_reason,
+        last.prompt_tokens,
+        last.cached_tokens,
+        logprobs or None,
+        tops or None,
+    )

@@ -10,9 +10,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import mlx.core as mx
-
 from mlxpaged.validation import require_bool, require_number
+
+import mlx.core as mx
 
 if TYPE_CHECKING:
     from mlxpaged.constraints import Constraint
@@ -114,8 +114,9 @@ class SamplingParams:
         if not isinstance(self.constraint, Constraint):
             raise ValueError(f"constraint must be a Constraint from GrammarCompiler.compile, got {self.constraint!r}")
         if self.ignore_eos:
-            raise ValueError("ignore_eos=True cannot be combined with a constraint: the grammar decides where "
-                             "the output may end")
+            raise ValueError(
+                "ignore_eos=True cannot be combined with a constraint: the grammar decides where the output may end"
+            )
 
     def _check_processors(self) -> None:
         if not isinstance(self.logits_processors, (list, tuple)):

@@ -13,11 +13,24 @@ from mlxpaged.errors import ConfigError
 # Decimal units are powers of 1000 (as disks, macOS and mlx-lm's own --max-kv-size parser count);
 # binary units ("GiB", or "Gi") are powers of 1024. A bare number is bytes.
 _UNITS = {
-    "": 1, "b": 1,
-    "k": 10**3, "kb": 10**3, "ki": 2**10, "kib": 2**10,
-    "m": 10**6, "mb": 10**6, "mi": 2**20, "mib": 2**20,
-    "g": 10**9, "gb": 10**9, "gi": 2**30, "gib": 2**30,
-    "t": 10**12, "tb": 10**12, "ti": 2**40, "tib": 2**40,
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "ki": 2**10,
+    "kib": 2**10,
+    "m": 10**6,
+    "mb": 10**6,
+    "mi": 2**20,
+    "mib": 2**20,
+    "g": 10**9,
+    "gb": 10**9,
+    "gi": 2**30,
+    "gib": 2**30,
+    "t": 10**12,
+    "tb": 10**12,
+    "ti": 2**40,
+    "tib": 2**40,
 }
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*$")
 

@@ -23,8 +23,16 @@ def require_int(name: str, value: object, low: int = 0, high: float = math.inf, 
     require_number(name, value, low, high, integer=True, setting=setting)
 
 
-def require_number(name: str, value: object, low: float, high: float = math.inf, *,
-                   low_open: bool = False, integer: bool = False, setting: bool = False) -> None:
+def require_number(
+    name: str,
+    value: object,
+    low: float,
+    high: float = math.inf,
+    *,
+    low_open: bool = False,
+    integer: bool = False,
+    setting: bool = False,
+) -> None:
     """A finite number in [low, high] ((low, high] if `low_open`); an int if `integer`."""
     allowed = _range_text(low, high, low_open)
     rule = f"an integer {allowed}" if integer else allowed

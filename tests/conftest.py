@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import mlxpaged  # noqa: F401  (OpenBLAS before mlx)
+
 import pytest
 
 

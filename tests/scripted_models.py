@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 
 import mlxpaged  # noqa: F401  (OpenBLAS before mlx)
+
 import mlx.core as mx
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
@@ -77,8 +78,13 @@ def _weights(vocab: list[str], script: list[str]) -> dict[str, mx.array]:
         lm_head[successor.get(token, index[script[0]]), token] = 40.0
     zeros, ones = mx.zeros((HIDDEN, HIDDEN)), mx.ones((HIDDEN,))
     layer = "model.layers.0."
-    weights = {"model.embed_tokens.weight": mx.eye(HIDDEN), "model.norm.weight": ones, "lm_head.weight": lm_head,
-               layer + "input_layernorm.weight": ones, layer + "post_attention_layernorm.weight": ones}
+    weights = {
+        "model.embed_tokens.weight": mx.eye(HIDDEN),
+        "model.norm.weight": ones,
+        "lm_head.weight": lm_head,
+        layer + "input_layernorm.weight": ones,
+        layer + "post_attention_layernorm.weight": ones,
+    }
     for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
         weights[f"{layer}self_attn.{name}.weight"] = zeros
     for name in ("gate_proj", "up_proj", "down_proj"):
@@ -92,14 +98,30 @@ def write_scripted_model(directory: Path, script: list[str]) -> Path:
         raise ValueError("script pieces must be unique: the next token depends on the current one only")
     directory.mkdir(parents=True, exist_ok=True)
     vocab = _vocabulary(script)
-    config = {"model_type": "llama", "hidden_size": HIDDEN, "intermediate_size": HIDDEN, "num_hidden_layers": 1,
-              "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": HIDDEN // 4, "vocab_size": HIDDEN,
-              "rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "tie_word_embeddings": False,
-              "rope_theta": 10000.0, "eos_token_id": vocab.index("<|im_end|>")}
+    config = {
+        "model_type": "llama",
+        "hidden_size": HIDDEN,
+        "intermediate_size": HIDDEN,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "head_dim": HIDDEN // 4,
+        "vocab_size": HIDDEN,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+        "rope_theta": 10000.0,
+        "eos_token_id": vocab.index("<|im_end|>"),
+    }
     (directory / "config.json").write_text(json.dumps(config))
     mx.save_safetensors(str(directory / "model.safetensors"), _weights(vocab, script))
     _tokenizer(vocab, MARKERS + [p for p in script if p not in MARKERS]).save(str(directory / "tokenizer.json"))
-    tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>",
-                        "unk_token": "[UNK]", "chat_template": TEMPLATE, "model_max_length": 4096}
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<|im_end|>",
+        "unk_token": "[UNK]",
+        "chat_template": TEMPLATE,
+        "model_max_length": 4096,
+    }
     (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     return directory

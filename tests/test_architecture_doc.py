@@ -16,9 +16,9 @@ EVERY_FRONT_END = "every front end"
 def fenced_block_after(heading: str) -> list[str]:
     """The lines of the first fenced block under the `## heading` section."""
     text = DOC.read_text()
-    section = text[text.index(f"## {heading}\n"):]
+    section = text[text.index(f"## {heading}\n") :]
     start = section.index("```\n") + len("```\n")
-    return section[start:section.index("```", start)].splitlines()
+    return section[start : section.index("```", start)].splitlines()
 
 
 def tree_entries() -> list[Path]:
@@ -42,8 +42,11 @@ def named_modules() -> set[str]:
     """Every `.py` file the tree names, and each named package's `__init__.py`."""
     named = set()
     for entry in tree_entries():
-        named.add((entry / "__init__.py").as_posix() if str(entry).endswith("/") or (ROOT / entry).is_dir()
-                  else entry.as_posix())
+        named.add(
+            (entry / "__init__.py").as_posix()
+            if str(entry).endswith("/") or (ROOT / entry).is_dir()
+            else entry.as_posix()
+        )
     return named
 
 
@@ -54,8 +57,13 @@ def test_every_name_in_the_package_tree_exists():
 
 def test_the_tree_parses_into_the_packages_it_draws():
     entries = {entry.as_posix() for entry in tree_entries()}
-    assert {"mlxpaged/engine/engine.py", "mlxpaged/platform/model_facts.py", "app/server/chat",
-            "app/tui/widgets", "mlxpaged/kernels/paged_attention.metal"} <= entries
+    assert {
+        "mlxpaged/engine/engine.py",
+        "mlxpaged/platform/model_facts.py",
+        "app/server/chat",
+        "app/tui/widgets",
+        "mlxpaged/kernels/paged_attention.metal",
+    } <= entries
 
 
 def test_every_library_module_is_in_the_tree():
@@ -81,7 +89,7 @@ def allowed_imports() -> dict[str, list[str]]:
             allowed[importer] += line.split()
             continue
         if line.startswith(EVERY_FRONT_END):
-            importer, modules = EVERY_FRONT_END, line[len(EVERY_FRONT_END):]
+            importer, modules = EVERY_FRONT_END, line[len(EVERY_FRONT_END) :]
         else:
             importer, modules = line.split(None, 1)
         allowed[importer] = modules.split()
@@ -97,12 +105,17 @@ def imported_library_modules(path: Path) -> set[str]:
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             # `from mlxpaged.platform import backend` imports the module mlxpaged.platform.backend
-            names = [f"{node.module}.{alias.name}" if _is_module(f"{node.module}.{alias.name}") else node.module
-                     for alias in node.names]
+            names = [
+                f"{node.module}.{alias.name}" if _is_module(f"{node.module}.{alias.name}") else node.module
+                for alias in node.names
+            ]
         elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == "import_module":
             names = [arg.value for arg in node.args[:1] if isinstance(arg, ast.Constant)]
-        found |= {name.removeprefix("mlxpaged").removeprefix(".") for name in names
-                  if name == "mlxpaged" or name.startswith("mlxpaged.")}
+        found |= {
+            name.removeprefix("mlxpaged").removeprefix(".")
+            for name in names
+            if name == "mlxpaged" or name.startswith("mlxpaged.")
+        }
     return found
 
 
@@ -131,18 +144,25 @@ def test_front_ends_import_only_what_the_table_allows():
     beyond = {}
     for path in sorted((ROOT / "app").rglob("*.py")):
         relative = path.relative_to(ROOT).as_posix()
-        patterns = allowed[EVERY_FRONT_END] + [m for importer, modules in allowed.items()
-                                               if importer != EVERY_FRONT_END and relative.startswith(importer)
-                                               for m in modules]
+        patterns = allowed[EVERY_FRONT_END] + [
+            m
+            for importer, modules in allowed.items()
+            if importer != EVERY_FRONT_END and relative.startswith(importer)
+            for m in modules
+        ]
         if extra := sorted(m for m in imported_library_modules(path) if not _allows(patterns, m)):
             beyond[relative] = extra
-    assert not beyond, ("front ends import library modules docs/ARCHITECTURE.md's 'Front ends and the library' "
-                        f"table does not allow (use the Engine, or add them to the table and say why): {beyond}")
+    assert not beyond, (
+        "front ends import library modules docs/ARCHITECTURE.md's 'Front ends and the library' "
+        f"table does not allow (use the Engine, or add them to the table and say why): {beyond}"
+    )
 
 
 def test_the_import_check_sees_imports_beyond_the_table(tmp_path):
     source = tmp_path / "front_end.py"
-    source.write_text("import mlxpaged\nfrom mlxpaged.platform import backend\nfrom mlxpaged.engine.core import X\n"
-                      "importlib.import_module('mlxpaged.kernels.self_check')\n")
+    source.write_text(
+        "import mlxpaged\nfrom mlxpaged.platform import backend\nfrom mlxpaged.engine.core import X\n"
+        "importlib.import_module('mlxpaged.kernels.self_check')\n"
+    )
     assert imported_library_modules(source) == {"", "platform.backend", "engine.core", "kernels.self_check"}
     assert not _allows(allowed_imports()[EVERY_FRONT_END], "engine.core")

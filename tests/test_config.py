@@ -3,11 +3,11 @@ Engine.from_pretrained's keyword settings sorted into them by name."""
 
 from __future__ import annotations
 
-import pytest
-
 import mlxpaged
 from mlxpaged.config import CacheConfig, SchedulerConfig, split_settings
 from mlxpaged.errors import ConfigError, MlxpagedError
+
+import pytest
 
 
 def test_settings_go_to_the_config_that_has_the_field():

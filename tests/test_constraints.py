@@ -8,30 +8,52 @@ import json
 import queue
 from pathlib import Path
 
+from mlxpaged.config import CacheConfig, split_settings
+from mlxpaged.constraints import (
+    ConstraintError,
+    GrammarCompiler,
+    GrammarError,
+    allowed_tokens,
+    apply_bitmask,
+    json_object_grammar,
+    json_schema_grammar,
+    tagged_json_grammar,
+)
+from mlxpaged.engine.engine import Engine, RequestFailedError, collect, drain
+from mlxpaged.engine.request import Request
+from mlxpaged.loading.loader import LoadedModel
+from mlxpaged.loading.model_store import ModelRef
+from mlxpaged.runner.sampling import LazySample, make_state, sample_batch
+from mlxpaged.sampling_params import SamplingParams
+from tests.tiny_models import random_tokens, tiny_llama
+
 import jsonschema
 import llguidance.numpy as llg_numpy
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxpaged.config import CacheConfig, split_settings
-from mlxpaged.constraints import (ConstraintError, GrammarCompiler, GrammarError, allowed_tokens, apply_bitmask,
-                                  json_object_grammar, json_schema_grammar, tagged_json_grammar)
-from mlxpaged.engine.engine import Engine, RequestFailedError, collect, drain
-from mlxpaged.loading.loader import LoadedModel
-from mlxpaged.loading.model_store import ModelRef
-from mlxpaged.engine.request import Request
-from mlxpaged.sampling_params import SamplingParams
-from mlxpaged.runner.sampling import LazySample, make_state, sample_batch
-from tests.tiny_models import random_tokens, tiny_llama
-
 VOCAB = 49152  # SmolLM2's logits width
-PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
-          "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer", "minimum": 0},
-                         "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 2}}}
-SMALL = {"type": "object", "additionalProperties": False, "required": ["name", "n", "ok"],
-         "properties": {"name": {"type": "string", "maxLength": 6}, "n": {"type": "integer", "minimum": 0,
-                                                                          "maximum": 999}, "ok": {"type": "boolean"}}}
+PERSON = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["name", "age"],
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "age": {"type": "integer", "minimum": 0},
+        "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 2},
+    },
+}
+SMALL = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["name", "n", "ok"],
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "n": {"type": "integer", "minimum": 0, "maximum": 999},
+        "ok": {"type": "boolean"},
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -64,9 +86,17 @@ def in_schema_order(value: dict, schema: dict) -> bool:
     return keys == sorted(keys)
 
 
-PEOPLE = [{"name": "Ada", "age": 36}, {"name": "Bo", "age": 0, "tags": ["x", "y z"]}, {"age": 36, "name": "Ada"},
-          {"name": "Ada"}, {"name": "Ada", "age": -1}, {"name": "Ada", "age": 3, "extra": 1},
-          {"name": "Ada", "age": 3, "tags": ["a", "b", "c"]}, {"name": "far too long", "age": 3}, [1, 2]]
+PEOPLE = [
+    {"name": "Ada", "age": 36},
+    {"name": "Bo", "age": 0, "tags": ["x", "y z"]},
+    {"age": 36, "name": "Ada"},
+    {"name": "Ada"},
+    {"name": "Ada", "age": -1},
+    {"name": "Ada", "age": 3, "extra": 1},
+    {"name": "Ada", "age": 3, "tags": ["a", "b", "c"]},
+    {"name": "far too long", "age": 3},
+    [1, 2],
+]
 
 
 @pytest.mark.parametrize("value", PEOPLE, ids=json.dumps)
@@ -80,7 +110,7 @@ def test_json_schema_grammar_takes_exactly_the_valid_values_in_json_dumps_layout
 
 def test_json_object_grammar_takes_objects_only(tokenizer, compiler):
     constraint = compiler.compile(json_object_grammar())
-    for value in ({}, {"a": [1, {"b": None}], "c": "d\n\"e\""}, {"x": 1.5e-3, "y": True}):
+    for value in ({}, {"a": [1, {"b": None}], "c": 'd\n"e"'}, {"x": 1.5e-3, "y": True}):
         assert accepts(constraint, ids(tokenizer, json.dumps(value)))
     for text in ("[1, 2]", '"text"', "42", '{"a":1}', '{"a": 1} trailing', '{"a": 1'):
         assert not accepts(constraint, ids(tokenizer, text))
@@ -90,19 +120,33 @@ def call(name: str, arguments: dict) -> str:
     return json.dumps({"name": name, "arguments": arguments})
 
 
-CALL = {"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-        "properties": {"name": {"const": "get_weather"},
-                       "arguments": {"type": "object", "required": ["city"], "additionalProperties": False,
-                                     "properties": {"city": {"type": "string"}}}}}
+CALL = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["name", "arguments"],
+    "properties": {
+        "name": {"const": "get_weather"},
+        "arguments": {
+            "type": "object",
+            "required": ["city"],
+            "additionalProperties": False,
+            "properties": {"city": {"type": "string"}},
+        },
+    },
+}
 
 
 def test_required_tool_call_grammar_is_the_whole_output(tokenizer, compiler):
     constraint = compiler.compile(tagged_json_grammar("<tool_call>\n", "\n</tool_call>", CALL, lazy=False))
     good = call("get_weather", {"city": "Paris"})
     assert accepts(constraint, ids(tokenizer, f"<tool_call>\n{good}\n</tool_call>"))
-    for bad in (f"Sure. <tool_call>\n{good}\n</tool_call>", f"<tool_call>\n{good}\n</tool_call> ok",
-                f"<tool_call>\n{call('get_time', {'city': 'Paris'})}\n</tool_call>",
-                f"<tool_call>\n{call('get_weather', {'city': 3})}\n</tool_call>", "No call."):
+    for bad in (
+        f"Sure. <tool_call>\n{good}\n</tool_call>",
+        f"<tool_call>\n{good}\n</tool_call> ok",
+        f"<tool_call>\n{call('get_time', {'city': 'Paris'})}\n</tool_call>",
+        f"<tool_call>\n{call('get_weather', {'city': 3})}\n</tool_call>",
+        "No call.",
+    ):
         assert not accepts(constraint, ids(tokenizer, bad)), bad
 
 
@@ -130,15 +174,20 @@ def test_markers_that_are_special_tokens_are_matched_as_those_tokens(tokenizer, 
     assert compiler.marker_pieces("<|im_start|>\nx") == [begin, "\nx"]
 
 
-@pytest.mark.parametrize("grammar, reason", [
-    (lambda: json_schema_grammar({"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}}),
-     'Unimplemented keys: ["if", "then"]'),
-    (lambda: json_schema_grammar({"$ref": "#/$defs/missing"}), "Pointer '/$defs/missing' does not exist"),
-    (lambda: json_schema_grammar({"type": "string", "pattern": "(?=a)b"}), "look-around"),
-    (lambda: json_schema_grammar({"type": "strin"}, strict=False), "Invalid type: strin"),
-    (lambda: tagged_json_grammar("<a>", "</a>", {"type": "strin"}, lazy=False), "Invalid type: strin"),
-    (lambda: "start: foo", 'unknown name: "foo"'),
-])
+@pytest.mark.parametrize(
+    "grammar, reason",
+    [
+        (
+            lambda: json_schema_grammar({"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}}),
+            'Unimplemented keys: ["if", "then"]',
+        ),
+        (lambda: json_schema_grammar({"$ref": "#/$defs/missing"}), "Pointer '/$defs/missing' does not exist"),
+        (lambda: json_schema_grammar({"type": "string", "pattern": "(?=a)b"}), "look-around"),
+        (lambda: json_schema_grammar({"type": "strin"}, strict=False), "Invalid type: strin"),
+        (lambda: tagged_json_grammar("<a>", "</a>", {"type": "strin"}, lazy=False), "Invalid type: strin"),
+        (lambda: "start: foo", 'unknown name: "foo"'),
+    ],
+)
 def test_uncompilable_grammars_raise_grammar_error_with_llguidance_reason(compiler, grammar, reason):
     with pytest.raises(GrammarError) as caught:
         compiler.compile(grammar())
@@ -181,7 +230,7 @@ def test_every_token_the_mask_allows_is_one_the_matcher_takes(tokenizer, compile
 def test_apply_bitmask_equals_llguidance_numpy_reference(vocab):
     rng = np.random.default_rng(0)
     logits = rng.standard_normal((4, vocab)).astype(np.float32)
-    bitmask = rng.integers(-2**31, 2**31, size=llg_numpy.get_bitmask_shape(4, vocab), dtype=np.int32)
+    bitmask = rng.integers(-(2**31), 2**31, size=llg_numpy.get_bitmask_shape(4, vocab), dtype=np.int32)
     bitmask[1] = 0  # a row allowing nothing
     want = logits.copy()
     llg_numpy.apply_token_bitmask_inplace(want, bitmask)
@@ -222,6 +271,7 @@ def test_sampling_params_check_the_constraint(compiler):
 
 
 # ---- the batched sampler on a tiny model with SmolLM2's vocabulary -------------------------------------
+
 
 @pytest.fixture(scope="module")
 def tiny():
@@ -278,10 +328,12 @@ def test_a_dead_end_fails_only_its_row(tokenizer, compiler, tiny):
     off_grammar = Request("a", [1, 2], 20, output_token_ids=ids(tokenizer, "hello"))  # resumed with bad history
     masked = Request("b", [1, 2], 20)
     free = Request("c", [3, 4], 20)
-    only_token_0 = lambda tokens, row: mx.where(mx.arange(row.shape[-1]) == 0, row, -mx.inf)  # noqa: E731
-    states = [make_state(SamplingParams(constraint=constraint, seed=1), off_grammar),
-              make_state(SamplingParams(constraint=constraint, seed=2, logits_processors=[only_token_0]), masked),
-              make_state(SamplingParams(seed=3), free)]
+    only_token_0 = lambda tokens, row: mx.where(mx.arange(row.shape[-1]) == 0, row, -mx.inf)
+    states = [
+        make_state(SamplingParams(constraint=constraint, seed=1), off_grammar),
+        make_state(SamplingParams(constraint=constraint, seed=2, logits_processors=[only_token_0]), masked),
+        make_state(SamplingParams(seed=3), free),
+    ]
     logits = mx.concatenate([tiny(mx.array([r.all_token_ids]))[:, -1] for r in (off_grammar, masked, free)])
     results = sample_batch(logits, states)
     assert isinstance(results[0].error, ConstraintError) and "leaves the grammar" in str(results[0].error)
@@ -350,7 +402,7 @@ def test_engine_structure_cut_by_max_tokens_finishes_length_and_stop_strings_sti
 
 def test_engine_dead_end_fails_only_that_request(engine):
     constraint = engine.grammar_compiler.compile(json_object_grammar())
-    only_token_0 = lambda tokens, row: mx.where(mx.arange(row.shape[-1]) == 0, row, -mx.inf)  # noqa: E731
+    only_token_0 = lambda tokens, row: mx.where(mx.arange(row.shape[-1]) == 0, row, -mx.inf)
     doomed = SamplingParams(constraint=constraint, logits_processors=[only_token_0], max_tokens=8)
     sinks = [queue.Queue(), queue.Queue()]
     engine.submit(random_tokens(6), doomed, sinks[0].put)
@@ -361,10 +413,16 @@ def test_engine_dead_end_fails_only_that_request(engine):
 
 
 PERSON_PROMPT = [{"role": "user", "content": "Describe a fictional person as JSON with a name, an age and a city."}]
-PERSON_REAL = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city"],
-               "properties": {"name": {"type": "string", "maxLength": 24},
-                              "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                              "city": {"type": "string", "maxLength": 24}}}
+PERSON_REAL = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["name", "age", "city"],
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "city": {"type": "string", "maxLength": 24},
+    },
+}
 
 
 @pytest.mark.slow

@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
-import pytest
-
 import mlxpaged
 from mlxpaged.config import CacheConfig
 from mlxpaged.errors import ConfigError, MlxpagedError, render_param, user_message
-from mlxpaged.platform.memory import InsufficientMemoryError
 from mlxpaged.loading.model_store import UnknownModelError
+from mlxpaged.platform.memory import InsufficientMemoryError
 from mlxpaged_app.tui.errors import error_text
 
+import pytest
 
-@pytest.mark.parametrize("param, value, python, cli", [
-    ("kv_memory", None, "kv_memory=", "--kv-memory"),
-    ("max_batch_tokens", "8", "max_batch_tokens=8", "--max-batch-tokens 8"),
-    ("memory_fraction", "0.5", "memory_fraction=0.5", "--memory-fraction 0.5"),
-])
+
+@pytest.mark.parametrize(
+    "param, value, python, cli",
+    [
+        ("kv_memory", None, "kv_memory=", "--kv-memory"),
+        ("max_batch_tokens", "8", "max_batch_tokens=8", "--max-batch-tokens 8"),
+        ("memory_fraction", "0.5", "memory_fraction=0.5", "--memory-fraction 0.5"),
+    ],
+)
 def test_render_param(param, value, python, cli):
     assert render_param(param, "python", value) == python
     assert render_param(param, "cli", value) == cli
@@ -35,7 +38,9 @@ def test_messages_render_every_setting_they_name():
 
 def test_user_message_leaves_other_errors_alone():
     assert user_message(RuntimeError("{kv_memory} as written"), "cli") == "{kv_memory} as written"
-    assert user_message(ConfigError("{cache_tokens:0} is bad", param="cache_tokens"), "cli") == "--cache-tokens 0 is bad"
+    assert (
+        user_message(ConfigError("{cache_tokens:0} is bad", param="cache_tokens"), "cli") == "--cache-tokens 0 is bad"
+    )
 
 
 def test_error_classes_keep_their_homes_and_bases():

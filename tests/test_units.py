@@ -3,10 +3,10 @@ size_at_least is never less than asked."""
 
 from __future__ import annotations
 
+from mlxpaged.units import format_size, parse_size, size_at_least
+
 from hypothesis import given
 from hypothesis import strategies as st
-
-from mlxpaged.units import format_size, parse_size, size_at_least
 
 
 def test_sizes_print_in_the_unit_the_settings_read():

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import math
 
+from mlxpaged.errors import ConfigError
+from mlxpaged.validation import is_int_at_least, require_bool, require_int, require_number
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
-from mlxpaged.errors import ConfigError
-from mlxpaged.validation import is_int_at_least, require_bool, require_int, require_number
 
 
 @given(st.one_of(st.integers(-5, 5), st.floats(allow_nan=True), st.booleans(), st.none(), st.text(max_size=2)))

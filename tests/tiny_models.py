@@ -5,13 +5,20 @@ from __future__ import annotations
 import random
 
 import mlxpaged  # noqa: F401  (OpenBLAS before mlx)
+
 import mlx.core as mx
 from mlx.utils import tree_map
 from mlx_lm.models import gemma3_text, llama, qwen3, qwen3_5
 
 _COMMON = dict(
-    hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-    rms_norm_eps=1e-5, vocab_size=256, head_dim=16, max_position_embeddings=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rms_norm_eps=1e-5,
+    vocab_size=256,
+    head_dim=16,
+    max_position_embeddings=512,
 )
 
 
@@ -37,27 +44,50 @@ def tiny_hybrid_llama(seed: int = 0, window: int = 8):
 
 
 def tiny_qwen3(num_layers: int = 2, seed: int = 1):
-    config = dict(_COMMON, model_type="qwen3", num_hidden_layers=num_layers, tie_word_embeddings=False,
-                  rope_theta=10000.0)
+    config = dict(
+        _COMMON, model_type="qwen3", num_hidden_layers=num_layers, tie_word_embeddings=False, rope_theta=10000.0
+    )
     return _build(qwen3, config, seed)
 
 
 def tiny_gemma3(num_layers: int = 6, window: int = 8, pattern: int = 3, seed: int = 2):
     """gemma3_text: every `pattern`-th layer full attention, the others sliding `window`."""
-    config = dict(_COMMON, model_type="gemma3_text", num_hidden_layers=num_layers, sliding_window=window,
-                  sliding_window_pattern=pattern, query_pre_attn_scalar=16, rope_local_base_freq=10000.0,
-                  rope_theta=1000000.0)
+    config = dict(
+        _COMMON,
+        model_type="gemma3_text",
+        num_hidden_layers=num_layers,
+        sliding_window=window,
+        sliding_window_pattern=pattern,
+        query_pre_attn_scalar=16,
+        rope_local_base_freq=10000.0,
+        rope_theta=1000000.0,
+    )
     return _build(gemma3_text, config, seed)
 
 
 def tiny_qwen3_5(num_layers: int = 4, full_attention_interval: int = 2, seed: int = 3):
     """Qwen 3.5-style hybrid: gated-delta linear attention layers (conv + recurrent state, an mlx-lm
     ArraysCache) and every `full_attention_interval`-th layer full attention (KV)."""
-    config = dict(model_type="qwen3_5", hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, num_hidden_layers=num_layers, rms_norm_eps=1e-5,
-                  vocab_size=256, max_position_embeddings=512, linear_num_value_heads=4, linear_num_key_heads=2,
-                  linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=3,
-                  full_attention_interval=full_attention_interval, partial_rotary_factor=0.5, rope_theta=1000.0)
+    config = dict(
+        model_type="qwen3_5",
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_hidden_layers=num_layers,
+        rms_norm_eps=1e-5,
+        vocab_size=256,
+        max_position_embeddings=512,
+        linear_num_value_heads=4,
+        linear_num_key_heads=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=3,
+        full_attention_interval=full_attention_interval,
+        partial_rotary_factor=0.5,
+        rope_theta=1000.0,
+    )
     return _build(qwen3_5, config, seed)
 
 
@@ -87,19 +117,29 @@ def write_tiny_llama_dir(out, dtype: str = "bfloat16", context: int = 2048):
     import shutil
     from pathlib import Path
 
-    from mlx.utils import tree_flatten
-
     from mlxpaged.loading.loader import locate_model
 
+    from mlx.utils import tree_flatten
+
     tokenizer_dir = locate_model(None)[1]
-    config = dict(_COMMON, model_type="llama", num_hidden_layers=2, vocab_size=49152, max_position_embeddings=context,
-                  tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, torch_dtype=dtype)
+    config = dict(
+        _COMMON,
+        model_type="llama",
+        num_hidden_layers=2,
+        vocab_size=49152,
+        max_position_embeddings=context,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        torch_dtype=dtype,
+    )
     model = _build(llama, config, seed=0)
     model.set_dtype(getattr(mx, dtype))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())),
-                        metadata={"format": "mlx"})
+    mx.save_safetensors(
+        str(out / "model.safetensors"), dict(tree_flatten(model.parameters())), metadata={"format": "mlx"}
+    )
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer_dir / name, out / name)

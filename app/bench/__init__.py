@@ -23,9 +23,19 @@ def bench_server(args: Namespace) -> int:
     return run_server_bench(args)
 
 
-BENCHES = {"decode": bench_decode, "memory": bench_memory, "batch": bench_batch, "prefix": bench_prefix,
-           "kernel": bench_kernel, "server": bench_server, "constraints": bench_constraints, "prefill": bench_prefill,
-           "spec": bench_spec, "hybrid": bench_hybrid, "gpu": bench_gpu}
+BENCHES = {
+    "decode": bench_decode,
+    "memory": bench_memory,
+    "batch": bench_batch,
+    "prefix": bench_prefix,
+    "kernel": bench_kernel,
+    "server": bench_server,
+    "constraints": bench_constraints,
+    "prefill": bench_prefill,
+    "spec": bench_spec,
+    "hybrid": bench_hybrid,
+    "gpu": bench_gpu,
+}
 
 
 def run_bench(args: Namespace) -> int:

@@ -38,8 +38,11 @@ def mlx_lm_side(engine) -> MlxLmSide:
     """The mlx-lm side for `engine`'s model: a fresh untouched load on a GPU, the engine's own on the CPU."""
     loaded = engine.loaded
     if not backend.is_gpu():
-        return MlxLmSide(loaded, f"mlx-lm side: the engine's loaded model ({weight_dtype(loaded.model)}; "
-                                 f"on {backend.describe()} float32 is the fast dtype, as the engine runs)")
+        return MlxLmSide(
+            loaded,
+            f"mlx-lm side: the engine's loaded model ({weight_dtype(loaded.model)}; "
+            f"on {backend.describe()} float32 is the fast dtype, as the engine runs)",
+        )
     from mlx_lm import load
 
     model, tokenizer = load(str(loaded.path))

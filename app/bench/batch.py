@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 import time
 from argparse import Namespace
-from typing import Callable
+from collections.abc import Callable
 
 from mlxpaged.platform.blas import blas_status
 from mlxpaged.units import format_size
@@ -54,25 +54,31 @@ def median_tok_s(run: Callable[[], tuple[float, int]], runs: int) -> float:
 
 def bench_batch(args: Namespace) -> int:
     """16 concurrent requests (prompts 256-512 tokens, 128 new each): mlxpaged vs mlx-lm batch_generate."""
-    import mlx.core as mx
-
     from mlxpaged.engine.engine import Engine
+
+    import mlx.core as mx
 
     engine = Engine.from_pretrained(args.model, enable_prefix_cache=False, max_num_seqs=16)
     prompts = random_prompts(16, 256, 512, engine.loaded.config["vocab_size"])
-    print(f"model {engine.loaded.name}, 16 requests, prompts {min(map(len, prompts))}-{max(map(len, prompts))} "
-          f"tokens, {args.tokens} new tokens each, BLAS {blas_status().name}, one timed run each (+1 warm-up)")
+    print(
+        f"model {engine.loaded.name}, 16 requests, prompts {min(map(len, prompts))}-{max(map(len, prompts))} "
+        f"tokens, {args.tokens} new tokens each, BLAS {blas_status().name}, one timed run each (+1 warm-up)"
+    )
     baseline = mlx_lm_side(engine)
     print(baseline.note)
     rows = []
-    for name, run in (("mlx-lm batch", lambda: run_mlx_lm_batch(baseline.loaded.model, prompts, args.tokens)),
-                      ("mlxpaged", lambda: run_engine_batch(engine, prompts, args.tokens))):
+    for name, run in (
+        ("mlx-lm batch", lambda: run_mlx_lm_batch(baseline.loaded.model, prompts, args.tokens)),
+        ("mlxpaged", lambda: run_engine_batch(engine, prompts, args.tokens)),
+    ):
         run()  # warm-up: the same batch, untimed (first-call compiles and allocations)
         mx.reset_peak_memory()
         wall, generated = run()
         rows.append((name, wall, generated / wall, mx.get_peak_memory()))
         print(f"  {name:<13} {wall:6.1f} s  {generated / wall:6.1f} tok/s aggregate  peak {format_size(rows[-1][3])}")
     engine.close()
-    print(f"ratio (mlxpaged / mlx-lm): throughput {rows[1][2] / rows[0][2]:.2f}x, "
-          f"wall {rows[0][1] / rows[1][1]:.2f}x faster, peak memory {rows[1][3] / rows[0][3]:.2f}x")
+    print(
+        f"ratio (mlxpaged / mlx-lm): throughput {rows[1][2] / rows[0][2]:.2f}x, "
+        f"wall {rows[0][1] / rows[1][1]:.2f}x faster, peak memory {rows[1][3] / rows[0][3]:.2f}x"
+    )
     return 0

@@ -16,16 +16,21 @@ from mlxpaged.platform.blas import blas_status
 
 PROMPT = "List the first hundred prime numbers as a JSON array."
 ENDLESS_JSON = {"type": "array", "items": {"type": "integer"}, "minItems": 10000}
-CALL = {"type": "object", "properties": {"name": {"const": "get_weather"}, "arguments": {"type": "object"}},
-        "required": ["name", "arguments"]}
+CALL = {
+    "type": "object",
+    "properties": {"name": {"const": "get_weather"}, "arguments": {"type": "object"}},
+    "required": ["name", "arguments"],
+}
 
 
 def grammars(engine) -> dict:
     from mlxpaged.constraints import json_schema_grammar, tagged_json_grammar
 
     compile_ = engine.grammar_compiler.compile
-    return {"json": compile_(json_schema_grammar(ENDLESS_JSON)),
-            "lazy": compile_(tagged_json_grammar("<tool_call>", "</tool_call>", CALL, lazy=True))}
+    return {
+        "json": compile_(json_schema_grammar(ENDLESS_JSON)),
+        "lazy": compile_(tagged_json_grammar("<tool_call>", "</tool_call>", CALL, lazy=True)),
+    }
 
 
 def step_gaps(engine, prompt: list[int], constraints: list, tokens: int) -> list[float]:
@@ -37,8 +42,13 @@ def step_gaps(engine, prompt: list[int], constraints: list, tokens: int) -> list
     eos = sorted(engine.tokenizer.eos_token_ids)
     sinks = []
     for constraint in constraints:  # EOS is biased away, not ignored: a grammar must stay free to end
-        params = SamplingParams(temperature=0.0, max_tokens=tokens, constraint=constraint,
-                                logit_bias={t: -100.0 for t in eos}, ignore_eos=constraint is None)
+        params = SamplingParams(
+            temperature=0.0,
+            max_tokens=tokens,
+            constraint=constraint,
+            logit_bias=dict.fromkeys(eos, -100.0),
+            ignore_eos=constraint is None,
+        )
         sink: queue.Queue = queue.Queue()
         engine.submit(prompt, params, lambda e, s=sink: s.put((time.perf_counter(), e)))
         sinks.append(sink)
@@ -58,15 +68,17 @@ def step_gaps(engine, prompt: list[int], constraints: list, tokens: int) -> list
 
 def sampler_only(engine, constraints: list, repeats: int = 20) -> float:
     """Median seconds of one sample_batch call on random logits, isolating the mask from the model."""
+    from mlxpaged.engine.request import Request
+    from mlxpaged.runner.sampling import make_state, sample_batch
+    from mlxpaged.sampling_params import SamplingParams
+
     import mlx.core as mx
 
-    from mlxpaged.engine.request import Request
-    from mlxpaged.sampling_params import SamplingParams
-    from mlxpaged.runner.sampling import make_state, sample_batch
-
     vocab = engine.grammar_compiler.vocab_size
-    states = [make_state(SamplingParams(temperature=0.0, constraint=c), Request(f"r{i}", [1], 8))
-              for i, c in enumerate(constraints)]
+    states = [
+        make_state(SamplingParams(temperature=0.0, constraint=c), Request(f"r{i}", [1], 8))
+        for i, c in enumerate(constraints)
+    ]
     logits = mx.random.normal((len(states), vocab))
     mx.eval(logits)
     times = []
@@ -86,11 +98,19 @@ def bench_constraints(args: Namespace) -> int:
     prompt = chat_prompt(engine.tokenizer, [{"role": "user", "content": PROMPT}])
     start = time.perf_counter()
     compiled = grammars(engine)
-    print(f"model {engine.loaded.name}, BLAS {blas_status().name}, prompt {len(prompt)} tokens, {args.tokens} new "
-          f"tokens, {args.runs} runs (+1 warm-up); tokenizer + 2 grammars compiled in {time.perf_counter() - start:.2f} s")
-    cases = {"1, none": [None], "1, json": [compiled["json"]], "1, lazy": [compiled["lazy"]],
-             "16, none": [None] * 16, "16, json": [compiled["json"]] * 16, "16, lazy": [compiled["lazy"]] * 16,
-             "16, 1 json": [compiled["json"]] + [None] * 15}
+    print(
+        f"model {engine.loaded.name}, BLAS {blas_status().name}, prompt {len(prompt)} tokens, {args.tokens} new "
+        f"tokens, {args.runs} runs (+1 warm-up); tokenizer + 2 grammars compiled in {time.perf_counter() - start:.2f} s"
+    )
+    cases = {
+        "1, none": [None],
+        "1, json": [compiled["json"]],
+        "1, lazy": [compiled["lazy"]],
+        "16, none": [None] * 16,
+        "16, json": [compiled["json"]] * 16,
+        "16, lazy": [compiled["lazy"]] * 16,
+        "16, 1 json": [compiled["json"]] + [None] * 15,
+    }
     gaps: dict[str, list[float]] = {name: [] for name in cases}
     for run in range(args.runs + 1):
         for name, constraints in cases.items():

@@ -42,8 +42,9 @@ def parse_concurrency(text: str) -> tuple[int, ...]:
     try:
         counts = tuple(int(part) for part in text.split(","))
     except ValueError:
-        raise ArgumentTypeError(f"--concurrency takes comma-separated request counts like 16,64, got {text!r}") \
-            from None
+        raise ArgumentTypeError(
+            f"--concurrency takes comma-separated request counts like 16,64, got {text!r}"
+        ) from None
     if any(c < 1 for c in counts):
         raise ArgumentTypeError(f"--concurrency counts must each be at least 1, got {list(counts)}")
     return counts
@@ -60,8 +61,11 @@ def parse_parts(text: str) -> tuple[str, ...]:
 
 def decode_rows(engine, baseline, tokens: int, runs: int) -> list[SummaryRow]:
     prompt = chat_prompt(engine.tokenizer, [{"role": "user", "content": DECODE_PROMPT}])
-    print(f"\nbatch-1 decode: prompt {len(prompt)} tokens, {tokens} new tokens, {runs} alternating runs "
-          f"(+1 warm-up pair)", flush=True)
+    print(
+        f"\nbatch-1 decode: prompt {len(prompt)} tokens, {tokens} new tokens, {runs} alternating runs "
+        f"(+1 warm-up pair)",
+        flush=True,
+    )
     ref, ours = paired_decode(baseline, engine, prompt, tokens, runs)
     theirs, mine = statistics.median(ref), statistics.median(ours)
     return [SummaryRow("batch-1 decode, tok/s", f"{theirs:.1f}", f"{mine:.1f}", mine / theirs, "x", DECODE_TARGET)]
@@ -69,43 +73,70 @@ def decode_rows(engine, baseline, tokens: int, runs: int) -> list[SummaryRow]:
 
 def batch_row(engine, baseline, count: int, tokens: int, runs: int) -> SummaryRow:
     prompts = random_prompts(count, *BATCH_PROMPT_TOKENS, engine.loaded.config["vocab_size"])
-    print(f"\n{count} concurrent requests: prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
-          f"{tokens} new each, median of {runs} runs per side (+1 warm-up of the same batch)", flush=True)
+    print(
+        f"\n{count} concurrent requests: prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
+        f"{tokens} new each, median of {runs} runs per side (+1 warm-up of the same batch)",
+        flush=True,
+    )
     theirs = median_tok_s(lambda: run_mlx_lm_batch(baseline.model, prompts, tokens), runs)
     mine = median_tok_s(lambda: run_engine_batch(engine, prompts, tokens), runs)
     print(f"  mlx-lm BatchGenerator {theirs:.1f} tok/s aggregate, mlxpaged {mine:.1f} tok/s aggregate", flush=True)
-    return SummaryRow(f"{count} concurrent, aggregate tok/s", f"{theirs:.1f}", f"{mine:.1f}", mine / theirs,
-                      "x", BATCH_TARGET)
+    return SummaryRow(
+        f"{count} concurrent, aggregate tok/s", f"{theirs:.1f}", f"{mine:.1f}", mine / theirs, "x", BATCH_TARGET
+    )
 
 
 def ttft_rows(engine, baseline, sizes: tuple[int, ...], runs: int) -> list[SummaryRow]:
     """Cold time to first token per size (mlx-lm stream_generate vs the engine, prefix cache emptied), and a
     cached prefix answering APPENDED_TOKENS new tokens as a percentage of the engine's cold time."""
     fitting = [s for s in sizes if s <= engine.max_model_len]
-    print(f"\ntime to first token: median of {runs} runs per size (+1 warm-up run of the same size); cached: "
-          f"median of {FOLLOW_UPS} follow-ups of {APPENDED_TOKENS} new tokens each\n{HEADER}", flush=True)
+    print(
+        f"\ntime to first token: median of {runs} runs per size (+1 warm-up run of the same size); cached: "
+        f"median of {FOLLOW_UPS} follow-ups of {APPENDED_TOKENS} new tokens each\n{HEADER}",
+        flush=True,
+    )
     cold, cached = [], []
     for size in sizes:
         if size not in fitting:
-            print(f"{size:>6} skipped: above the model's context of {engine.max_model_len} tokens "
-                  f"(--max-model-len sets another)")
+            print(
+                f"{size:>6} skipped: above the model's context of {engine.max_model_len} tokens "
+                f"(--max-model-len sets another)"
+            )
             continue
         row = measure_size(engine, size, runs, baseline=baseline)
         print(format_row(row), flush=True)
-        cold.append(SummaryRow(f"cold TTFT at {size} ({row.prompt_tokens} tokens), s", f"{row.mlx_lm_s:.3f}",
-                               f"{row.cold_s:.3f}", row.cold_vs_mlx_lm, "x", COLD_TTFT_TARGET))
+        cold.append(
+            SummaryRow(
+                f"cold TTFT at {size} ({row.prompt_tokens} tokens), s",
+                f"{row.mlx_lm_s:.3f}",
+                f"{row.cold_s:.3f}",
+                row.cold_vs_mlx_lm,
+                "x",
+                COLD_TTFT_TARGET,
+            )
+        )
         goal = CACHED_PERCENT_TARGET if size == max(fitting) else None
-        cached.append(SummaryRow(f"cached prefix at {size} + {APPENDED_TOKENS} new, TTFT s (% of cold)", "-",
-                                 f"{row.cached_s:.3f}", 100 * row.cached_s / row.cold_s, "%", goal,
-                                 higher_is_better=False))
+        cached.append(
+            SummaryRow(
+                f"cached prefix at {size} + {APPENDED_TOKENS} new, TTFT s (% of cold)",
+                "-",
+                f"{row.cached_s:.3f}",
+                100 * row.cached_s / row.cold_s,
+                "%",
+                goal,
+                higher_is_better=False,
+            )
+        )
     return cold + cached
 
 
 def engine_settings(args: Namespace, concurrency: tuple[int, ...], sizes: tuple[int, ...]) -> dict:
     """Room for every batch's requests at once (none waits for another's blocks) and the longest prompt."""
     batch_tokens = max(concurrency) * (BATCH_PROMPT_TOKENS[1] + args.tokens + 32)  # +32: partial blocks
-    settings = {"max_num_seqs": max(concurrency), "cache_tokens": max(DEFAULT_CACHE_TOKENS, batch_tokens,
-                                                                       2 * max(sizes))}
+    settings = {
+        "max_num_seqs": max(concurrency),
+        "cache_tokens": max(DEFAULT_CACHE_TOKENS, batch_tokens, 2 * max(sizes)),
+    }
     if getattr(args, "max_model_len", None):
         settings["max_model_len"] = args.max_model_len
     return settings
@@ -124,13 +155,17 @@ def bench_gpu(args: Namespace) -> int:
     with Engine.from_pretrained(args.model, **engine_settings(args, concurrency, sizes)) as engine:
         side = mlx_lm_side(engine)
         checkpoint = KV_DTYPE_NAMES[kv_dtype(checkpoint_tensors(engine.loaded.path))]
-        print(f"model {engine.loaded.name}: checkpoint {checkpoint}; mlxpaged weights "
-              f"{weight_dtype(engine.loaded.model)}; mlx-lm weights {weight_dtype(side.loaded.model)}\n{side.note}")
+        print(
+            f"model {engine.loaded.name}: checkpoint {checkpoint}; mlxpaged weights "
+            f"{weight_dtype(engine.loaded.model)}; mlx-lm weights {weight_dtype(side.loaded.model)}\n{side.note}"
+        )
         rows = decode_rows(engine, side.loaded, args.tokens, args.runs) if "decode" in parts else []
         if "batch" in parts:
             rows += [batch_row(engine, side.loaded, count, args.tokens, args.runs) for count in concurrency]
         if "ttft" in parts:
             rows += ttft_rows(engine, side.loaded, sizes, args.runs)
-    print(f"\nsummary (ratio: mlxpaged against mlx-lm, > 1x is mlxpaged ahead; % is of mlxpaged's own cold "
-          f"time)\n{summary_table(rows)}")
+    print(
+        f"\nsummary (ratio: mlxpaged against mlx-lm, > 1x is mlxpaged ahead; % is of mlxpaged's own cold "
+        f"time)\n{summary_table(rows)}"
+    )
     return 0

@@ -14,10 +14,20 @@ def git_commit() -> str:
     """The checkout's commit (with "+dirty" when tracked files changed), else $MLXPAGED_COMMIT, else a reason."""
     root = Path(__file__).resolve().parents[2]
     try:
-        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True,
-                              text=True, timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+        head = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
         return head + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return os.environ.get(COMMIT_ENV) or f"unknown (no git checkout here; set {COMMIT_ENV})"
@@ -25,20 +35,23 @@ def git_commit() -> str:
 
 def environment_lines() -> list[str]:
     """Device, backend and versions: what a reader needs to know where the figures come from."""
+    from mlxpaged.platform import backend
+
     import mlx.core as mx
     import mlx_lm
 
-    from mlxpaged.platform import backend
-
     info = mx.device_info()
     name = info.get("device_name") or info.get("name") or "unnamed"
-    return [f"device: {name} ({backend.describe()}, default device {mx.default_device()})",
-            f"mlx {mx.__version__}, mlx-lm {mlx_lm.__version__}, mlxpaged commit {git_commit()}"]
+    return [
+        f"device: {name} ({backend.describe()}, default device {mx.default_device()})",
+        f"mlx {mx.__version__}, mlx-lm {mlx_lm.__version__}, mlxpaged commit {git_commit()}",
+    ]
 
 
 @dataclass(frozen=True)
 class SummaryRow:
     """One target: `ratio` is mlxpaged against mlx-lm (x: > 1 is mlxpaged ahead) or a percentage (%)."""
+
     what: str
     mlx_lm: str
     mlxpaged: str
@@ -70,6 +83,7 @@ def summary_table(rows: list[SummaryRow]) -> str:
     header = ("what", "mlx-lm", "mlxpaged", "ratio", "target", "met")
     cells = [header] + [(r.what, r.mlx_lm, r.mlxpaged, r.ratio_text, r.target, r.verdict) for r in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
-             for row in cells]
+    lines = [
+        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in cells
+    ]
     return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:]])

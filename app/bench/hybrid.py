@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import mlxpaged  # noqa: F401  (OpenBLAS before mlx)
+
 import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
@@ -22,11 +23,24 @@ from mlx_lm.models import qwen3_5
 def build(hidden: int, layers: int, vocab: int = 32000):
     """Random float32 weights; 3 of every 4 layers gated-delta (state), every 4th full attention."""
     heads = hidden // 128
-    config = dict(model_type="qwen3_5", hidden_size=hidden, intermediate_size=3 * hidden, num_attention_heads=heads,
-                  num_key_value_heads=max(1, heads // 4), head_dim=128, num_hidden_layers=layers, vocab_size=vocab,
-                  rms_norm_eps=1e-6, max_position_embeddings=4096, linear_num_value_heads=heads,
-                  linear_num_key_heads=max(1, heads // 2), linear_key_head_dim=128, linear_value_head_dim=128,
-                  linear_conv_kernel_dim=4, full_attention_interval=4)
+    config = dict(
+        model_type="qwen3_5",
+        hidden_size=hidden,
+        intermediate_size=3 * hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 4),
+        head_dim=128,
+        num_hidden_layers=layers,
+        vocab_size=vocab,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=4096,
+        linear_num_value_heads=heads,
+        linear_num_key_heads=max(1, heads // 2),
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        full_attention_interval=4,
+    )
     mx.random.seed(0)
     model = qwen3_5.Model(qwen3_5.ModelArgs.from_dict(config))
     mx.eval(model.parameters())
@@ -54,12 +68,12 @@ def engine_decode(engine, prompt: list[int], tokens: int) -> float:
 
 
 def make_engine(model, config: dict):
-    from mlx_lm.utils import load_tokenizer
-
     from mlxpaged.config import split_settings
     from mlxpaged.engine.engine import Engine
     from mlxpaged.loading.loader import LoadedModel, locate_model
     from mlxpaged.loading.model_store import ModelRef
+
+    from mlx_lm.utils import load_tokenizer
 
     tokenizer = load_tokenizer(locate_model(None)[1])  # ids are fed directly; it only detokenizes
     loaded = LoadedModel(model, tokenizer, ModelRef("hybrid", "path"), Path("hybrid"), "float32", config)
@@ -74,9 +88,11 @@ def run(hidden: int, layers: int, tokens: int, prompt_tokens: int, rounds: int) 
     ours, theirs = [], []
     with make_engine(model, config) as engine:
         plan = engine.stats()["memory_plan"]
-        print(f"qwen3_5 random: hidden {hidden}, {layers} layers, {params / 1e6:.0f} M params float32; "
-              f"state {engine.layout.state_bytes_per_sequence / 2**20:.1f} MiB/sequence, plan: "
-              f"{plan.num_state_slots} slots + {plan.num_checkpoints} checkpoints, KV {plan.kv_bytes / 2**20:.0f} MiB")
+        print(
+            f"qwen3_5 random: hidden {hidden}, {layers} layers, {params / 1e6:.0f} M params float32; "
+            f"state {engine.layout.state_bytes_per_sequence / 2**20:.1f} MiB/sequence, plan: "
+            f"{plan.num_state_slots} slots + {plan.num_checkpoints} checkpoints, KV {plan.kv_bytes / 2**20:.0f} MiB"
+        )
         mlx_lm_decode(model, prompt, tokens)  # untimed warm-up round: first-call compiles, both sides
         engine_decode(engine, prompt, tokens)
         for _ in range(rounds):

@@ -69,8 +69,10 @@ def bench_memory(args: Namespace) -> int:
     print(f"16 ragged requests, prompts {min(lens)}-{max(lens)} tokens, {new} new tokens each:")
     print(f"  tokens need            {format_size(needed):>10}")
     print(f"  paged (block {block})      {format_size(paged_bytes):>10}  {paged_bytes / needed:.3f}x of need")
-    print(f"  mlx-lm BatchKVCache    {format_size(batch_bytes):>10}  {batch_bytes / needed:.3f}x of need "
-          f"(measured nbytes of one layer x {layers})")
+    print(
+        f"  mlx-lm BatchKVCache    {format_size(batch_bytes):>10}  {batch_bytes / needed:.3f}x of need "
+        f"(measured nbytes of one layer x {layers})"
+    )
     prefix = [rng.randrange(50, 40000) for _ in range(1024)]
     shared = [prefix + [rng.randrange(50, 40000) for _ in range(rng.randint(20, 200))] for _ in range(8)]
     cold = paged_blocks(shared, new, block, False) * block * per_token

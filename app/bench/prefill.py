@@ -9,8 +9,8 @@ from argparse import ArgumentTypeError, Namespace
 from dataclasses import dataclass
 
 from mlxpaged.errors import ConfigError
-from mlxpaged.platform.blas import blas_status
 from mlxpaged.loading.loader import baseline_stream
+from mlxpaged.platform.blas import blas_status
 from mlxpaged_app.bench.baseline import mlx_lm_side
 from mlxpaged_app.bench.prefill_attention import MAX_CONTIGUOUS_CONTEXT, measure_attention
 
@@ -18,9 +18,48 @@ DEFAULT_SIZES = (1024, 4096, 8192, 16384)
 APPENDED_TOKENS = 8  # each cached prompt is the previous one plus these next tokens of the same text
 FOLLOW_UPS = 5  # cached prompts per run (follow-up turns): their median is the run's cached time
 PROMPT_SEED = 16
-WORDS = ("the harbour lighthouse keeper boat market morning river stone bridge window garden letter night "
-         "station clock winter bread lamp road hill village school engine paper silver music old quiet "
-         "bright small long green north wind rain table door story friend").split()
+WORDS = [
+    "the",
+    "harbour",
+    "lighthouse",
+    "keeper",
+    "boat",
+    "market",
+    "morning",
+    "river",
+    "stone",
+    "bridge",
+    "window",
+    "garden",
+    "letter",
+    "night",
+    "station",
+    "clock",
+    "winter",
+    "bread",
+    "lamp",
+    "road",
+    "hill",
+    "village",
+    "school",
+    "engine",
+    "paper",
+    "silver",
+    "music",
+    "old",
+    "quiet",
+    "bright",
+    "small",
+    "long",
+    "green",
+    "north",
+    "wind",
+    "rain",
+    "table",
+    "door",
+    "story",
+    "friend",
+]
 
 
 def parse_sizes(text: str) -> tuple[int, ...]:
@@ -32,8 +71,10 @@ def parse_sizes(text: str) -> tuple[int, ...]:
     least = APPENDED_TOKENS * FOLLOW_UPS + 1
     bad = [s for s in sizes if s <= least]
     if bad:
-        raise ArgumentTypeError(f"--sizes must each be more than {least} tokens ({FOLLOW_UPS} cached prompts "
-                                f"append {APPENDED_TOKENS} each); got {bad}")
+        raise ArgumentTypeError(
+            f"--sizes must each be more than {least} tokens ({FOLLOW_UPS} cached prompts "
+            f"append {APPENDED_TOKENS} each); got {bad}"
+        )
     return sizes
 
 
@@ -50,6 +91,7 @@ def seeded_tokens(tokenizer, count: int, seed: int) -> list[int]:
 @dataclass(frozen=True)
 class PrefillRow:
     """Medians, in seconds, for one prompt size; ratios > 1 mean the second-named side is slower."""
+
     size: int
     prompt_tokens: int  # the cold prompt; the cached ones are APPENDED_TOKENS, 2x, ... longer
     mlx_lm_s: float
@@ -69,14 +111,18 @@ class PrefillRow:
         return self.cold_s / self.cached_s
 
 
-HEADER = (f"{'size':>6} {'prompt':>6} {'mlx-lm cold':>12} {'mlxpaged cold':>14} {'cached':>9} "
-          f"{'prefill tok/s':>14} {'cold vs mlx-lm':>15} {'cached vs cold':>15}")
+HEADER = (
+    f"{'size':>6} {'prompt':>6} {'mlx-lm cold':>12} {'mlxpaged cold':>14} {'cached':>9} "
+    f"{'prefill tok/s':>14} {'cold vs mlx-lm':>15} {'cached vs cold':>15}"
+)
 
 
 def format_row(row: PrefillRow) -> str:
-    return (f"{row.size:>6} {row.prompt_tokens:>6} {row.mlx_lm_s:>10.3f} s {row.cold_s:>12.3f} s "
-            f"{row.cached_s:>7.3f} s {row.prefill_tok_s:>14.1f} {row.cold_vs_mlx_lm:>14.2f}x "
-            f"{row.cached_vs_cold:>14.1f}x")
+    return (
+        f"{row.size:>6} {row.prompt_tokens:>6} {row.mlx_lm_s:>10.3f} s {row.cold_s:>12.3f} s "
+        f"{row.cached_s:>7.3f} s {row.prefill_tok_s:>14.1f} {row.cold_vs_mlx_lm:>14.2f}x "
+        f"{row.cached_vs_cold:>14.1f}x"
+    )
 
 
 # --clock: wall time is what a user waits; CPU time of this process (all its threads, mlx-lm's and the
@@ -107,11 +153,11 @@ def one_run(engine, baseline, size: int, seed: int, clock=time.perf_counter) -> 
     each the previous prompt plus APPENDED_TOKENS of the same text (a chat's next turns; each computes
     exactly its new tokens). The last one is `size - 1` tokens: the +1 leaves room for the generated token."""
     text = seeded_tokens(engine.tokenizer, size - 1, seed)
-    prompt = text[:-APPENDED_TOKENS * FOLLOW_UPS]
+    prompt = text[: -APPENDED_TOKENS * FOLLOW_UPS]
     mlx_lm = mlx_lm_ttft(baseline, prompt, clock)
     engine.pool.reset_prefix_cache()
     cold = engine_ttft(engine, prompt, clock)
-    turns = [text[:len(prompt) + APPENDED_TOKENS * i] for i in range(1, FOLLOW_UPS + 1)]
+    turns = [text[: len(prompt) + APPENDED_TOKENS * i] for i in range(1, FOLLOW_UPS + 1)]
     return len(prompt), mlx_lm, cold, statistics.median(engine_ttft(engine, turn, clock) for turn in turns)
 
 
@@ -124,8 +170,9 @@ def measure_size(engine, size: int, runs: int, clock=time.perf_counter, baseline
     one_run(engine, baseline, size, seed - 1, clock)  # the warm-up, untimed
     timed = [one_run(engine, baseline, size, seed + run, clock) for run in range(runs)]
     prompt_tokens, mlx_lm, cold, cached = zip(*timed)
-    return PrefillRow(size, prompt_tokens[0], statistics.median(mlx_lm), statistics.median(cold),
-                      statistics.median(cached))
+    return PrefillRow(
+        size, prompt_tokens[0], statistics.median(mlx_lm), statistics.median(cold), statistics.median(cached)
+    )
 
 
 def bench_prefill(args: Namespace) -> int:
@@ -140,9 +187,11 @@ def bench_prefill(args: Namespace) -> int:
     engine = Engine.from_pretrained(args.model, **({"max_model_len": context} if context else {}))
     trained = engine.facts.context_length
     note = f" (set by --max-model-len; the model's own is {trained})" if context and trained != context else ""
-    print(f"model {engine.loaded.name} ({engine.loaded.dtype}), context {engine.max_model_len} tokens{note}, "
-          f"BLAS {blas_status().name}, {args.runs} runs per size (medians), prompts seeded ({PROMPT_SEED}), "
-          f"{clock} clock, each size warmed up by one untimed run")
+    print(
+        f"model {engine.loaded.name} ({engine.loaded.dtype}), context {engine.max_model_len} tokens{note}, "
+        f"BLAS {blas_status().name}, {args.runs} runs per size (medians), prompts seeded ({PROMPT_SEED}), "
+        f"{clock} clock, each size warmed up by one untimed run"
+    )
     baseline = mlx_lm_side(engine)
     print(baseline.note)
     print(HEADER)
@@ -162,6 +211,12 @@ def attention_row(engine, context: int, clock=time.perf_counter):
     """The attention part of a `context`-token prefill for one layer of the engine's model."""
     from mlxpaged.cache.paged_support import query_heads
 
-    return measure_attention(context, engine.scheduler_config.max_batch_tokens, query_heads(engine.layout),
-                             engine.facts.kv.num_kv_heads, engine.facts.kv.head_dim, engine.cache_config.block_size,
-                             clock)
+    return measure_attention(
+        context,
+        engine.scheduler_config.max_batch_tokens,
+        query_heads(engine.layout),
+        engine.facts.kv.num_kv_heads,
+        engine.facts.kv.head_dim,
+        engine.cache_config.block_size,
+        clock,
+    )

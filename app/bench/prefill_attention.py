@@ -13,10 +13,10 @@ import random
 import time
 from dataclasses import dataclass
 
-import mlx.core as mx
-
 from mlxpaged.cache.kv_cache import PagedKVCache
 from mlxpaged.kernels.attention import eager_sdpa
+
+import mlx.core as mx
 
 MAX_CONTIGUOUS_CONTEXT = 8192  # 9 heads x 8192^2 float32 scores are 2.4 GB; 16k would be 9.7 GB
 
@@ -24,6 +24,7 @@ MAX_CONTIGUOUS_CONTEXT = 8192  # 9 heads x 8192^2 float32 scores are 2.4 GB; 16k
 @dataclass(frozen=True)
 class AttentionRow:
     """Seconds for one layer's attention over a `context`-token prefill."""
+
     context: int
     chunk: int
     paged_s: float  # chunks over pages (gather + sdpa), as the engine runs them
@@ -31,10 +32,12 @@ class AttentionRow:
     fast_sdpa_s: float  # one mx.fast SDPA call, causal, contiguous K/V
 
     def line(self) -> str:
-        return (f"attention only, one layer, {self.context} tokens in {self.chunk}-token chunks: paged "
-                f"{self.paged_s:.3f} s, same chunks contiguous {self.contiguous_chunks_s:.3f} s "
-                f"({self.paged_s / self.contiguous_chunks_s:.2f}x), one contiguous mx.fast SDPA "
-                f"{self.fast_sdpa_s:.3f} s (paged {self.paged_s / self.fast_sdpa_s:.2f}x of it)")
+        return (
+            f"attention only, one layer, {self.context} tokens in {self.chunk}-token chunks: paged "
+            f"{self.paged_s:.3f} s, same chunks contiguous {self.contiguous_chunks_s:.3f} s "
+            f"({self.paged_s / self.contiguous_chunks_s:.2f}x), one contiguous mx.fast SDPA "
+            f"{self.fast_sdpa_s:.3f} s (paged {self.paged_s / self.fast_sdpa_s:.2f}x of it)"
+        )
 
 
 def _seconds(fn, clock) -> float:
@@ -46,6 +49,7 @@ def _seconds(fn, clock) -> float:
 @dataclass(frozen=True)
 class Inputs:
     """One layer's queries and K/V, contiguous and written to shuffled pages."""
+
     q: mx.array  # [1, heads, context, head_dim]
     k: mx.array  # [1, kv_heads, context, head_dim]
     v: mx.array
@@ -78,7 +82,7 @@ def chunked_attention(x: Inputs, chunk: int, paged: bool) -> mx.array:
     for start in range(0, context, chunk):
         end = min(context, start + chunk)
         if paged:
-            keys, values = x.kv.gather_blocks(0, mx.array([x.table[:-(-end // block_size)]], dtype=mx.int32))
+            keys, values = x.kv.gather_blocks(0, mx.array([x.table[: -(-end // block_size)]], dtype=mx.int32))
             keys, values = keys[..., :end, :], values[..., :end, :]
         else:
             keys, values = x.k[..., :end, :], x.v[..., :end, :]
@@ -91,13 +95,17 @@ def contiguous_sdpa(x: Inputs) -> mx.array:
     return mx.fast.scaled_dot_product_attention(x.q, x.k, x.v, scale=x.scale, mask="causal")
 
 
-def measure_attention(context: int, chunk: int, heads: int, kv_heads: int, head_dim: int,
-                      block_size: int, clock=time.perf_counter) -> AttentionRow:
+def measure_attention(
+    context: int, chunk: int, heads: int, kv_heads: int, head_dim: int, block_size: int, clock=time.perf_counter
+) -> AttentionRow:
     """Times of the three ways, one run each after one untimed call each (first-call compiles), by
     `clock` (wall or process CPU time)."""
     x = make_inputs(context, heads, kv_heads, head_dim, block_size)
-    ways = (lambda: chunked_attention(x, chunk, paged=True), lambda: chunked_attention(x, chunk, paged=False),
-            lambda: contiguous_sdpa(x))
+    ways = (
+        lambda: chunked_attention(x, chunk, paged=True),
+        lambda: chunked_attention(x, chunk, paged=False),
+        lambda: contiguous_sdpa(x),
+    )
     for way in ways:
         mx.eval(way())
     paged, contiguous, fast = (_seconds(way, clock) for way in ways)

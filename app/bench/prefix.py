@@ -6,15 +6,20 @@ import statistics
 import time
 from argparse import Namespace
 
-
-PREFIX_QUESTIONS = ["Summarize the document in one sentence.", "What is the main topic?",
-                    "List two facts from the document."]
+PREFIX_QUESTIONS = [
+    "Summarize the document in one sentence.",
+    "What is the main topic?",
+    "List two facts from the document.",
+]
 WARM_UP_QUESTION = "Which town is named first?"  # a prompt of the timed ones' shape, never timed
 
 
 def long_document(tokenizer, target_tokens: int) -> str:
-    sentences = [f"Section {i}: the harbour town of Vell{i % 7} keeps {i * 3} boats, a lighthouse, and a "
-                 f"market that opens at {6 + i % 5} in the morning." for i in range(400)]
+    sentences = [
+        f"Section {i}: the harbour town of Vell{i % 7} keeps {i * 3} boats, a lighthouse, and a "
+        f"market that opens at {6 + i % 5} in the morning."
+        for i in range(400)
+    ]
     text = ""
     for sentence in sentences:
         if len(tokenizer.encode(text + sentence)) > target_tokens:
@@ -39,7 +44,7 @@ def bench_prefix(args: Namespace) -> int:
 
     engine = Engine.from_pretrained(args.model)
     system = long_document(engine.tokenizer, 2000)
-    ask = lambda q: [{"role": "system", "content": system}, {"role": "user", "content": q}]  # noqa: E731
+    ask = lambda q: [{"role": "system", "content": system}, {"role": "user", "content": q}]
     cold, warm = [], []
     for prompt in (ask(WARM_UP_QUESTION), ask(WARM_UP_QUESTION + " Be brief.")):
         time_to_first_token(engine, prompt)  # untimed: the cold and cached paths' first calls compile

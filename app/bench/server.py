@@ -27,13 +27,40 @@ LEVELS = (1, 8, 32)
 SEQUENTIAL_RUNS = 3  # requests at concurrency 1
 START_TIMEOUT = 300.0
 REQUEST_TIMEOUT = 600.0
-TOPICS = ["a lighthouse keeper", "a lost robot", "a desert caravan", "a deep-sea diver", "a mountain village",
-          "a clockmaker", "a dragon who fears fire", "a space station cook", "a river pilot", "a night market",
-          "a beekeeper", "a glass city", "an old library", "a storm chaser", "a chess prodigy", "a forest ranger",
-          "a tiny island", "a broken violin", "a train across Siberia", "a map of the moon", "a retired spy",
-          "a garden on Mars", "a polar expedition", "a street musician", "a haunted radio", "a paper airplane",
-          "a sunken ship", "a volcano observatory", "a snow leopard", "a time-traveling cat", "a desert well",
-          "a carnival at midnight"]
+TOPICS = [
+    "a lighthouse keeper",
+    "a lost robot",
+    "a desert caravan",
+    "a deep-sea diver",
+    "a mountain village",
+    "a clockmaker",
+    "a dragon who fears fire",
+    "a space station cook",
+    "a river pilot",
+    "a night market",
+    "a beekeeper",
+    "a glass city",
+    "an old library",
+    "a storm chaser",
+    "a chess prodigy",
+    "a forest ranger",
+    "a tiny island",
+    "a broken violin",
+    "a train across Siberia",
+    "a map of the moon",
+    "a retired spy",
+    "a garden on Mars",
+    "a polar expedition",
+    "a street musician",
+    "a haunted radio",
+    "a paper airplane",
+    "a sunken ship",
+    "a volcano observatory",
+    "a snow leopard",
+    "a time-traveling cat",
+    "a desert well",
+    "a carnival at midnight",
+]
 # `python -m mlx_lm.server`, with the same fast BLAS loaded first (as `import mlxpaged` does for us):
 # without it MLX's CPU wheel uses a reference BLAS ~20x slower, which would not be a fair peer.
 MLX_LM_SERVER = "import mlxpaged, runpy; runpy.run_module('mlx_lm.server', run_name='__main__')"
@@ -106,9 +133,13 @@ def stop_server(process: subprocess.Popen) -> None:
 
 
 def chat_body(topic: str, max_tokens: int) -> dict:
-    return {"messages": [{"role": "user", "content": f"Write a long, detailed story about {topic}."}],
-            "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    return {
+        "messages": [{"role": "user", "content": f"Write a long, detailed story about {topic}."}],
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
 
 
 async def stream_one(client: httpx.AsyncClient, body: dict) -> Sample:
@@ -126,7 +157,7 @@ async def _stream(client: httpx.AsyncClient, body: dict, start: float) -> Sample
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            event = json.loads(line[len("data: "):])
+            event = json.loads(line[len("data: ") :])
             usage = event.get("usage") or usage
             if any((c.get("delta") or {}).get("content") for c in event.get("choices") or []):
                 chunks += 1
@@ -149,18 +180,24 @@ async def run_level(url: str, name: str, concurrency: int, max_tokens: int) -> L
 
 
 def print_results(results: list[Level], max_tokens: int) -> None:
-    print(f"\n{'server':<14} {'clients':>7} {'requests':>8} {'failed':>6} {'tokens':>7} {'wall s':>7} {'tok/s':>7} "
-          f"{'TTFT p50':>9} {'TTFT p90':>9}")
+    print(
+        f"\n{'server':<14} {'clients':>7} {'requests':>8} {'failed':>6} {'tokens':>7} {'wall s':>7} {'tok/s':>7} "
+        f"{'TTFT p50':>9} {'TTFT p90':>9}"
+    )
     for level in results:
-        print(f"{level.server:<14} {level.concurrency:>7} {len(level.samples):>8} "
-              f"{len(level.samples) - len(level.ok):>6} {sum(s.tokens for s in level.ok):>7} {level.wall:>7.1f} "
-              f"{level.tokens_per_s:>7.1f} {level.ttft(0.5):>8.2f}s {level.ttft(0.9):>8.2f}s")
+        print(
+            f"{level.server:<14} {level.concurrency:>7} {len(level.samples):>8} "
+            f"{len(level.samples) - len(level.ok):>6} {sum(s.tokens for s in level.ok):>7} {level.wall:>7.1f} "
+            f"{level.tokens_per_s:>7.1f} {level.ttft(0.5):>8.2f}s {level.ttft(0.9):>8.2f}s"
+        )
     by_key = {(r.server, r.concurrency): r for r in results}
     for c in sorted({r.concurrency for r in results}):
         ours, ref = by_key.get(("mlxpaged", c)), by_key.get(("mlx_lm.server", c))
         if ours and ref:
-            print(f"  {c:>2} clients: throughput {ours.tokens_per_s / ref.tokens_per_s:.2f}x, "
-                  f"TTFT p50 {ref.ttft(0.5) / ours.ttft(0.5):.2f}x faster")
+            print(
+                f"  {c:>2} clients: throughput {ours.tokens_per_s / ref.tokens_per_s:.2f}x, "
+                f"TTFT p50 {ref.ttft(0.5) / ours.ttft(0.5):.2f}x faster"
+            )
     print(f"(greedy chat, up to {max_tokens} tokens each; tok/s = all generated tokens / wall time)")
 
 
@@ -172,13 +209,39 @@ def run_server_bench(args: Namespace) -> int:
     max_tokens = getattr(args, "tokens", None) or 64
     path = provision(resolve(getattr(args, "model", None)), default_dtype())
     ours_port, ref_port = free_port(), free_port()
-    ours_cmd = [sys.executable, "-m", "mlxpaged_app.cli", "serve", "--model", str(path), "--port", str(ours_port),
-                "--max-num-seqs", str(max(levels)), "--log-level", "warning", "--no-access-log",
-                *getattr(args, "serve_args", [])]  # e.g. ["--max-batch-tokens", "512"] to trade throughput for TTFT
-    ref_cmd = [sys.executable, "-c", MLX_LM_SERVER, "--model", str(path), "--port", str(ref_port),
-               "--log-level", "WARNING", "--decode-concurrency", str(max(levels))]
-    print(f"model {path.name}; levels {levels}; {max_tokens} max tokens per request; servers on 127.0.0.1; "
-          f"load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    ours_cmd = [
+        sys.executable,
+        "-m",
+        "mlxpaged_app.cli",
+        "serve",
+        "--model",
+        str(path),
+        "--port",
+        str(ours_port),
+        "--max-num-seqs",
+        str(max(levels)),
+        "--log-level",
+        "warning",
+        "--no-access-log",
+        *getattr(args, "serve_args", []),
+    ]  # e.g. ["--max-batch-tokens", "512"] to trade throughput for TTFT
+    ref_cmd = [
+        sys.executable,
+        "-c",
+        MLX_LM_SERVER,
+        "--model",
+        str(path),
+        "--port",
+        str(ref_port),
+        "--log-level",
+        "WARNING",
+        "--decode-concurrency",
+        str(max(levels)),
+    ]
+    print(
+        f"model {path.name}; levels {levels}; {max_tokens} max tokens per request; servers on 127.0.0.1; "
+        f"load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+    )
     servers = []
     try:
         for name, port, command in (("mlxpaged", ours_port, ours_cmd), ("mlx_lm.server", ref_port, ref_cmd)):
@@ -197,13 +260,19 @@ def _run_pair(servers: list, i: int, concurrency: int, max_tokens: int) -> list[
     for name, url, _ in servers if i % 2 == 0 else servers[::-1]:  # alternate who goes first
         level = asyncio.run(run_level(url, name, concurrency, max_tokens))
         failed = [s.error for s in level.samples if s.error]
-        print(f"  {name:<14} {concurrency:>2} clients: {level.tokens_per_s:6.1f} tok/s, TTFT p50 "
-              f"{level.ttft(0.5):.2f}s" + (f", {len(failed)} failed ({failed[0]})" if failed else ""), flush=True)
+        print(
+            f"  {name:<14} {concurrency:>2} clients: {level.tokens_per_s:6.1f} tok/s, TTFT p50 "
+            f"{level.ttft(0.5):.2f}s" + (f", {len(failed)} failed ({failed[0]})" if failed else ""),
+            flush=True,
+        )
         levels.append(level)
     return levels
 
 
 if __name__ == "__main__":
     # python -m mlxpaged_app.bench.server [TOKENS [extra `mlxpaged serve` flags...]]
-    sys.exit(run_server_bench(Namespace(model=None, tokens=int(sys.argv[1]) if len(sys.argv) > 1 else 64,
-                                        serve_args=sys.argv[2:])))
+    sys.exit(
+        run_server_bench(
+            Namespace(model=None, tokens=int(sys.argv[1]) if len(sys.argv) > 1 else 64, serve_args=sys.argv[2:])
+        )
+    )

@@ -20,16 +20,23 @@ CODE = '''def moving_average(values, window):
     return averages
 '''
 
-PASSAGE = ("The lighthouse at Vell stood on a rock a mile from the harbour. Every evening the keeper climbed "
-           "the one hundred and twelve steps, trimmed the wick, wound the clockwork that turned the lens, and "
-           "wrote the weather in a leather book. In forty years the light went dark only once, on the night "
-           "of the great storm, when the keeper's daughter rowed out through the waves to relight it.")
+PASSAGE = (
+    "The lighthouse at Vell stood on a rock a mile from the harbour. Every evening the keeper climbed "
+    "the one hundred and twelve steps, trimmed the wick, wound the clockwork that turned the lens, and "
+    "wrote the weather in a leather book. In forty years the light went dark only once, on the night "
+    "of the great storm, when the keeper's daughter rowed out through the waves to relight it."
+)
 
 TASKS = {  # name -> (kind, user message)
-    "code edit": ("repetitive", "Repeat this Python function exactly, but rename the variable `total` to "
-                                f"`running_sum`. Output only the code.\n\n```python\n{CODE}```"),
-    "quote summary": ("repetitive", "Summarize this passage in two sentences, quoting its key sentence word "
-                                    f"for word.\n\n{PASSAGE}"),
+    "code edit": (
+        "repetitive",
+        "Repeat this Python function exactly, but rename the variable `total` to "
+        f"`running_sum`. Output only the code.\n\n```python\n{CODE}```",
+    ),
+    "quote summary": (
+        "repetitive",
+        f"Summarize this passage in two sentences, quoting its key sentence word for word.\n\n{PASSAGE}",
+    ),
     "free text": ("free", "Write a long story about a lighthouse keeper who finds a message in a bottle."),
 }
 
@@ -69,9 +76,17 @@ def bench_task(plain, spec, prompt: list[int], tokens: int, runs: int) -> dict:
     drafted, kept = stats.draft_tokens - before[0], stats.accepted_tokens - before[1]
     # Each decode step yields one token plus its kept drafts: the load-independent part of the speed-up.
     steps = (length - 1, length - 1 - round(kept / (runs + 1)))
-    return {"steps": steps, "cpu_ratio": statistics.median(cpu_ratios), "plain": statistics.median(rates["plain"]), "spec": statistics.median(rates["spec"]),
-            "ratios": [s / p for s, p in zip(rates["spec"], rates["plain"])], "equal": equal, "tokens": length,
-            "acceptance": kept / drafted if drafted else None, "drafted": drafted}
+    return {
+        "steps": steps,
+        "cpu_ratio": statistics.median(cpu_ratios),
+        "plain": statistics.median(rates["plain"]),
+        "spec": statistics.median(rates["spec"]),
+        "ratios": [s / p for s, p in zip(rates["spec"], rates["plain"])],
+        "equal": equal,
+        "tokens": length,
+        "acceptance": kept / drafted if drafted else None,
+        "drafted": drafted,
+    }
 
 
 def bench_spec(args: Namespace) -> int:
@@ -84,22 +99,28 @@ def bench_spec(args: Namespace) -> int:
     cache = CacheConfig(cache_tokens=8192, enable_prefix_cache=False)  # every run computes its prompt
     plain = Engine(loaded, cache, SchedulerConfig())
     spec = Engine(loaded, cache, SchedulerConfig(speculative="ngram"))
-    print(f"model {loaded.name} ({loaded.dtype}), BLAS {blas_status().name}, batch 1, greedy, up to {args.tokens} "
-          f"new tokens, {args.runs} alternating runs each (+1 warm-up), k <= "
-          f"{spec.scheduler_config.num_speculative_tokens}")
-    print(f"  {'task':<14} {'kind':<10} {'tokens':>6} {'plain tok/s':>11} {'ngram tok/s':>11} {'ratio':>6} "
-          f"{'accepted':>8} {'decode steps':>12} {'cpu ratio':>9}  outputs")
+    print(
+        f"model {loaded.name} ({loaded.dtype}), BLAS {blas_status().name}, batch 1, greedy, up to {args.tokens} "
+        f"new tokens, {args.runs} alternating runs each (+1 warm-up), k <= "
+        f"{spec.scheduler_config.num_speculative_tokens}"
+    )
+    print(
+        f"  {'task':<14} {'kind':<10} {'tokens':>6} {'plain tok/s':>11} {'ngram tok/s':>11} {'ratio':>6} "
+        f"{'accepted':>8} {'decode steps':>12} {'cpu ratio':>9}  outputs"
+    )
     try:
         for name, (kind, message) in TASKS.items():
             prompt = chat_prompt(loaded.tokenizer, [{"role": "user", "content": message}])
             r = bench_task(plain, spec, prompt, args.tokens, args.runs)
             accepted = f"{100 * r['acceptance']:.0f}%" if r["acceptance"] is not None else "-"
             # the median of back-to-back pairs: both runs of a pair share the machine's load
-            print(f"  {name:<14} {kind:<10} {r['tokens']:>6} {r['plain']:>11.1f} {r['spec']:>11.1f} "
-                  f"{statistics.median(r['ratios']):>5.2f}x {accepted:>8} {'%d -> %d' % r['steps']:>12} "
-                  f"{r['cpu_ratio']:>8.2f}x  "
-                  f"{'equal' if r['equal'] else 'DIFFER'}"
-                  f"  (per-run ratios {', '.join(f'{x:.2f}' for x in r['ratios'])}; {r['drafted']} drafted)")
+            print(
+                f"  {name:<14} {kind:<10} {r['tokens']:>6} {r['plain']:>11.1f} {r['spec']:>11.1f} "
+                f"{statistics.median(r['ratios']):>5.2f}x {accepted:>8} {'%d -> %d' % r['steps']:>12} "
+                f"{r['cpu_ratio']:>8.2f}x  "
+                f"{'equal' if r['equal'] else 'DIFFER'}"
+                f"  (per-run ratios {', '.join(f'{x:.2f}' for x in r['ratios'])}; {r['drafted']} drafted)"
+            )
     finally:
         spec.close()
         plain.close()

@@ -7,7 +7,8 @@ comparison run their exact workload once, untimed, before the timed runs.
 
 from __future__ import annotations
 
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 from mlxpaged.errors import ConfigError
 

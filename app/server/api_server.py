@@ -9,20 +9,20 @@ built on, with nothing to override; pydantic (already a FastAPI dependency) stil
 bodies (protocol.py).
 
 Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/messages[/count_tokens] (Anthropic),
-POST /v1/responses, GET /v1/models[/{id}], GET /health, GET /metrics. The package's other modules are listed in its __init__.
+POST /v1/responses, GET /v1/models[/{id}], GET /health, GET /metrics. The package's other modules are listed in its
+__init__.
 """
 
 from __future__ import annotations
 
-from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
-
 from mlxpaged_app.server.anthropic.serving import serve_count_tokens, serve_messages
-from mlxpaged_app.server.errors import (APIError, handle_api_error, handle_http_exception, handle_unexpected,
-                                        model_not_found)
+from mlxpaged_app.server.errors import (
+    APIError,
+    handle_api_error,
+    handle_http_exception,
+    handle_unexpected,
+    model_not_found,
+)
 from mlxpaged_app.server.metrics import CONTENT_TYPE
 from mlxpaged_app.server.middleware import middleware_stack
 from mlxpaged_app.server.openai.serving_chat import serve_chat
@@ -30,10 +30,23 @@ from mlxpaged_app.server.openai.serving_completion import serve_completion
 from mlxpaged_app.server.responses.serving import serve_responses
 from mlxpaged_app.server.state import ServerConfig, ServerState
 
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
 __all__ = ["ServerConfig", "ServerState", "create_app"]
 
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses", "/v1/models", "/health",
-          "/metrics")
+ROUTES = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/messages",
+    "/v1/responses",
+    "/v1/models",
+    "/health",
+    "/metrics",
+)
 
 
 def _state(request: Request) -> ServerState:
@@ -63,10 +76,18 @@ async def count_tokens(request: Request) -> Response:
 def _model_card(state: ServerState) -> dict:
     """OpenAI's model object, plus what this server applies to requests that leave sampling fields unset."""
     defaults = state.config.sampling_defaults
-    return {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "mlxpaged",
-            "max_model_len": state.context_limit,
-            "mlxpaged": {"sampling_defaults": defaults.values, "source": defaults.source,
-                         "default_max_tokens": state.default_max_tokens}}
+    return {
+        "id": state.model_id,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "mlxpaged",
+        "max_model_len": state.context_limit,
+        "mlxpaged": {
+            "sampling_defaults": defaults.values,
+            "source": defaults.source,
+            "default_max_tokens": state.default_max_tokens,
+        },
+    }
 
 
 async def list_models(request: Request) -> Response:
@@ -85,10 +106,16 @@ async def health(request: Request) -> Response:
     """200 while the server takes requests; 503 once it is draining for shutdown."""
     state = _state(request)
     stats = state.engine.stats()
-    body = {"status": "draining" if state.draining else "ok", "model": state.model_id,
-            "requests_in_flight": state.admission.in_flight, "requests_running": stats["requests_running"],
-            "requests_waiting": stats["requests_waiting"], "blocks_used": stats["blocks_used"],
-            "blocks_free": stats["blocks_free"], "blocks_total": stats["blocks_total"]}
+    body = {
+        "status": "draining" if state.draining else "ok",
+        "model": state.model_id,
+        "requests_in_flight": state.admission.in_flight,
+        "requests_running": stats["requests_running"],
+        "requests_waiting": stats["requests_waiting"],
+        "blocks_used": stats["blocks_used"],
+        "blocks_free": stats["blocks_free"],
+        "blocks_total": stats["blocks_total"],
+    }
     return JSONResponse(body, status_code=503 if state.draining else 200)
 
 

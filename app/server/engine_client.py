@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 from functools import partial
-from typing import AsyncIterator
 
 from mlxpaged.engine.engine import EngineClosedError, StreamDelta
+from mlxpaged.errors import ConfigError, RequestTooLongError
 from mlxpaged.sampling_params import SamplingParams
-from mlxpaged.errors import RequestTooLongError
-from mlxpaged.errors import ConfigError
 from mlxpaged_app.server.errors import APIError, invalid_param, unavailable
 from mlxpaged_app.server.metrics import ServerMetrics
 
@@ -117,6 +116,9 @@ class Generation:
             self._open = [0] * len(self._open)
 
     def usage(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }

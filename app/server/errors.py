@@ -7,12 +7,12 @@ same error is answered in Anthropic's shape (`error_response` picks by path).
 
 from __future__ import annotations
 
+from mlxpaged_app.server.anthropic.errors import anthropic_status, error_body, is_anthropic_path, new_request_id
+from mlxpaged_app.server.server_log import log
+
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse
-
-from mlxpaged_app.server.anthropic.errors import anthropic_status, error_body, is_anthropic_path, new_request_id
-from mlxpaged_app.server.server_log import log
 
 INVALID_REQUEST = "invalid_request_error"
 
@@ -20,8 +20,16 @@ INVALID_REQUEST = "invalid_request_error"
 class APIError(Exception):
     """An error answered to the client as OpenAI does: status, message, type, param and code."""
 
-    def __init__(self, status: int, message: str, *, type: str = INVALID_REQUEST, param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = INVALID_REQUEST,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.type = status, message, type
         self.param, self.code, self.headers = param, code, headers or {}
@@ -41,8 +49,11 @@ def error_response(exc: APIError, path: str) -> JSONResponse:
     if not is_anthropic_path(path):
         return exc.response()
     request_id = new_request_id()
-    return JSONResponse(error_body(exc.status, exc.message, request_id), status_code=anthropic_status(exc.status),
-                        headers={**exc.headers, "request-id": request_id})
+    return JSONResponse(
+        error_body(exc.status, exc.message, request_id),
+        status_code=anthropic_status(exc.status),
+        headers={**exc.headers, "request-id": request_id},
+    )
 
 
 def invalid_param(param: str | None, message: str, code: str | None = None) -> APIError:
@@ -51,13 +62,20 @@ def invalid_param(param: str | None, message: str, code: str | None = None) -> A
 
 
 def model_not_found(requested: str, served: list[str]) -> APIError:
-    return APIError(404, f"The model '{requested}' does not exist on this server; it serves: "
-                         f"{', '.join(served)}", param="model", code="model_not_found")
+    return APIError(
+        404,
+        f"The model '{requested}' does not exist on this server; it serves: {', '.join(served)}",
+        param="model",
+        code="model_not_found",
+    )
 
 
 def body_too_large(limit: int) -> APIError:
-    return APIError(413, f"request body exceeds the server's limit of {limit:,} bytes "
-                         "(set by `mlxpaged serve --max-body-size`)", code="request_too_large")
+    return APIError(
+        413,
+        f"request body exceeds the server's limit of {limit:,} bytes (set by `mlxpaged serve --max-body-size`)",
+        code="request_too_large",
+    )
 
 
 def unauthorized(message: str) -> APIError:
@@ -65,9 +83,13 @@ def unauthorized(message: str) -> APIError:
 
 
 def queue_full(in_flight: int, capacity: int, retry_after: int) -> APIError:
-    return APIError(429, f"the server is at capacity ({in_flight} requests in flight, limit {capacity}); "
-                         f"retry after {retry_after} s", type="rate_limit_exceeded", code="queue_full",
-                    headers={"Retry-After": str(retry_after)})
+    return APIError(
+        429,
+        f"the server is at capacity ({in_flight} requests in flight, limit {capacity}); retry after {retry_after} s",
+        type="rate_limit_exceeded",
+        code="queue_full",
+        headers={"Retry-After": str(retry_after)},
+    )
 
 
 def unavailable(message: str) -> APIError:

@@ -9,8 +9,10 @@ import os
 from mlxpaged.config import DEFAULT_BLOCK_SIZE, SchedulerConfig
 
 API_KEY_ENV = "MLXPAGED_API_KEY"
-SPECULATIVE_HELP = ("ngram: prompt-lookup speculative decoding (drafts copied from the prompt and the reply so far, "
-                    "verified in one pass; same output, faster when replies quote their input)")
+SPECULATIVE_HELP = (
+    "ngram: prompt-lookup speculative decoding (drafts copied from the prompt and the reply so far, "
+    "verified in one pass; same output, faster when replies quote their input)"
+)
 
 
 class ServeError(Exception):
@@ -22,40 +24,77 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     net.add_argument("--model", "-m", default=None, help="preset name, local path or Hugging Face repo id")
     net.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
     net.add_argument("--port", type=int, default=8000, help="port (0 picks a free one; default: 8000)")
-    net.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
-                     help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV})")
-    net.add_argument("--allow-no-key", action="store_true",
-                     help="allow binding a non-loopback address without an API key (anyone on the network can use it)")
-    net.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
-                     help="allow browser requests from ORIGIN (repeatable; default: no CORS)")
+    net.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV) or None,
+        help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV})",
+    )
+    net.add_argument(
+        "--allow-no-key",
+        action="store_true",
+        help="allow binding a non-loopback address without an API key (anyone on the network can use it)",
+    )
+    net.add_argument(
+        "--cors-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="allow browser requests from ORIGIN (repeatable; default: no CORS)",
+    )
     net.add_argument("--max-body-size", default="4MB", help="largest request body, e.g. 4MB (default: 4MB)")
     limits = parser.add_argument_group("requests")
-    limits.add_argument("--max-queue", type=int, default=64,
-                        help="requests that may wait beyond the running batch; more get 429 (default: 64)")
-    limits.add_argument("--default-max-tokens", type=int, default=None,
-                        help="reply length when a request sets none (default: the model's max_new_tokens, else "
-                             "1024; clipped to the context)")
-    limits.add_argument("--generation-config", choices=["auto", "none"], default="auto",
-                        help="auto: fields a request leaves unset (temperature, top_p, top_k, min_p, "
-                             "repetition_penalty, max tokens) take the model's generation_config.json values; "
-                             "none: the plain API defaults (temperature 1.0, top_p 1.0). Default: auto")
-    limits.add_argument("--drain-timeout", type=float, default=10.0,
-                        help="seconds in-flight requests get to finish at shutdown (default: 10)")
+    limits.add_argument(
+        "--max-queue",
+        type=int,
+        default=64,
+        help="requests that may wait beyond the running batch; more get 429 (default: 64)",
+    )
+    limits.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=None,
+        help="reply length when a request sets none (default: the model's max_new_tokens, else "
+        "1024; clipped to the context)",
+    )
+    limits.add_argument(
+        "--generation-config",
+        choices=["auto", "none"],
+        default="auto",
+        help="auto: fields a request leaves unset (temperature, top_p, top_k, min_p, "
+        "repetition_penalty, max tokens) take the model's generation_config.json values; "
+        "none: the plain API defaults (temperature 1.0, top_p 1.0). Default: auto",
+    )
+    limits.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=10.0,
+        help="seconds in-flight requests get to finish at shutdown (default: 10)",
+    )
     limits.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     limits.add_argument("--no-access-log", action="store_true", help="do not log every request")
     cache = parser.add_argument_group("KV cache and memory")
-    cache.add_argument("--cache-tokens", type=int, default=None,
-                       help="KV cache capacity in tokens, across sequences (a reply's length: --default-max-tokens)")
+    cache.add_argument(
+        "--cache-tokens",
+        type=int,
+        default=None,
+        help="KV cache capacity in tokens, across sequences (a reply's length: --default-max-tokens)",
+    )
     cache.add_argument("--kv-memory", default=None, help="cache size in bytes or units, e.g. 2GB")
     cache.add_argument("--memory-fraction", type=float, default=None, help="share of free memory for the cache")
     cache.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
-    cache.add_argument("--max-batch-tokens", type=int, default=SchedulerConfig.max_batch_tokens,
-                       help="tokens per engine step")
-    cache.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs,
-                       help="sequences decoded together")
-    cache.add_argument("--max-model-len", type=int, default=None,
-                       help="context per request in tokens instead of the model's own (longer: RoPE extrapolates, "
-                            "no promise about quality)")
+    cache.add_argument(
+        "--max-batch-tokens", type=int, default=SchedulerConfig.max_batch_tokens, help="tokens per engine step"
+    )
+    cache.add_argument(
+        "--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs, help="sequences decoded together"
+    )
+    cache.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="context per request in tokens instead of the model's own (longer: RoPE extrapolates, "
+        "no promise about quality)",
+    )
     cache.add_argument("--no-wire", action="store_true", help="leave the Metal wired limit alone")
     cache.add_argument("--no-prefix-cache", action="store_true", help="do not reuse cached prompt blocks")
     cache.add_argument("--speculative", choices=["ngram"], default=None, help=SPECULATIVE_HELP)
@@ -73,18 +112,25 @@ def is_loopback(host: str) -> bool:
 def check_bind(host: str, api_key: str | None, allow_no_key: bool) -> None:
     if api_key or allow_no_key or is_loopback(host):
         return
-    raise ServeError(f"refusing to listen on {host} (not a loopback address) without an API key: anyone who "
-                     f"can reach this machine could use the model. Set --api-key (or ${API_KEY_ENV}), or pass "
-                     "--allow-no-key to do it anyway.")
+    raise ServeError(
+        f"refusing to listen on {host} (not a loopback address) without an API key: anyone who "
+        f"can reach this machine could use the model. Set --api-key (or ${API_KEY_ENV}), or pass "
+        "--allow-no-key to do it anyway."
+    )
 
 
 def cache_settings(args: argparse.Namespace) -> dict:
     """CacheConfig and SchedulerConfig fields from the flags (Engine.from_pretrained splits them); sizes
     stay text ("2GB"): CacheConfig reads them and its errors name the setting, which the runner renders
     as its flag (mlxpaged.errors)."""
-    settings = dict(block_size=args.block_size, max_batch_tokens=args.max_batch_tokens,
-                    max_num_seqs=args.max_num_seqs, wire=not args.no_wire,
-                    enable_prefix_cache=not args.no_prefix_cache, speculative=args.speculative)
+    settings = dict(
+        block_size=args.block_size,
+        max_batch_tokens=args.max_batch_tokens,
+        max_num_seqs=args.max_num_seqs,
+        wire=not args.no_wire,
+        enable_prefix_cache=not args.no_prefix_cache,
+        speculative=args.speculative,
+    )
     for name in ("cache_tokens", "memory_fraction", "kv_memory", "max_model_len"):
         if getattr(args, name) is not None:
             settings[name] = getattr(args, name)
@@ -97,10 +143,15 @@ def server_config(args: argparse.Namespace):
 
     for name in ("max_queue", "default_max_tokens"):
         if getattr(args, name) is not None and getattr(args, name) < (0 if name == "max_queue" else 1):
-            raise ServeError(f"--{name.replace('_', '-')} must be >= {0 if name == 'max_queue' else 1}, "
-                             f"got {getattr(args, name)}")
+            raise ServeError(
+                f"--{name.replace('_', '-')} must be >= {0 if name == 'max_queue' else 1}, got {getattr(args, name)}"
+            )
     if args.drain_timeout < 0:
         raise ServeError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
-    return ServerConfig(api_key=args.api_key, max_body_size=parse_size(args.max_body_size, param="max_body_size"),
-                        max_queue=args.max_queue, default_max_tokens=args.default_max_tokens,
-                        cors_origins=tuple(args.cors_origin))
+    return ServerConfig(
+        api_key=args.api_key,
+        max_body_size=parse_size(args.max_body_size, param="max_body_size"),
+        max_queue=args.max_queue,
+        default_max_tokens=args.default_max_tokens,
+        cors_origins=tuple(args.cors_origin),
+    )

@@ -18,10 +18,10 @@ import socket
 import sys
 import threading
 
-import uvicorn
-
 from mlxpaged.errors import MlxpagedError, user_message
 from mlxpaged_app.server.flags import ServeError, cache_settings, check_bind, server_config
+
+import uvicorn
 
 ABORT_GRACE = 10.0  # at most this long between aborting in-flight requests and cancelling their tasks
 
@@ -116,15 +116,24 @@ def serve_until_signal(engine, config, sock: socket.socket, args: argparse.Names
 
     configure(args.log_level)
     app = create_app(engine, config)
-    uv_config = uvicorn.Config(app, lifespan="off", log_level=args.log_level, access_log=not args.no_access_log,
-                               timeout_graceful_shutdown=args.drain_timeout + ABORT_GRACE, server_header=False)
+    uv_config = uvicorn.Config(
+        app,
+        lifespan="off",
+        log_level=args.log_level,
+        access_log=not args.no_access_log,
+        timeout_graceful_shutdown=args.drain_timeout + ABORT_GRACE,
+        server_header=False,
+    )
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     url = f"http://{shown}:{port}"
     auth = "API key required" if config.api_key else "no API key"
-    server = GracefulServer(uv_config, app.state.server, args.drain_timeout,
-                            on_ready=lambda: say(f"mlxpaged serve: ready at {url}/v1 (model {engine.loaded.name}, "
-                                                 f"{auth}; Ctrl-C to stop)"))
+    server = GracefulServer(
+        uv_config,
+        app.state.server,
+        args.drain_timeout,
+        on_ready=lambda: say(f"mlxpaged serve: ready at {url}/v1 (model {engine.loaded.name}, {auth}; Ctrl-C to stop)"),
+    )
     server.run(sockets=[sock])
 
 

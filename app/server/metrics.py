@@ -41,8 +41,9 @@ class Histogram:
 def _metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> list[str]:
     """`samples` are (label set such as '{state="free"}' or '', value)."""
     full = f"{PREFIX}_{name}"
-    return [f"# HELP {full} {help_text}", f"# TYPE {full} {kind}"] + [f"{full}{labels} {_number(value)}"
-                                                                     for labels, value in samples]
+    return [f"# HELP {full} {help_text}", f"# TYPE {full} {kind}"] + [
+        f"{full}{labels} {_number(value)}" for labels, value in samples
+    ]
 
 
 def _label(value: str) -> str:
@@ -60,12 +61,13 @@ class ServerMetrics:
     def __init__(self) -> None:
         self.requests: Counter = Counter()  # (route, status code) -> count
         self.prompt_tokens = self.cached_tokens = self.generated_tokens = 0
-        self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds",
-                              "Request arrival to its first generated token.", TTFT_BUCKETS)
-        self.token_latency = Histogram(f"{PREFIX}_time_per_output_token_seconds",
-                                       "Time between consecutive tokens of one sequence.", TOKEN_BUCKETS)
-        self.e2e = Histogram(f"{PREFIX}_request_duration_seconds",
-                             "Request arrival to its last token.", E2E_BUCKETS)
+        self.ttft = Histogram(
+            f"{PREFIX}_time_to_first_token_seconds", "Request arrival to its first generated token.", TTFT_BUCKETS
+        )
+        self.token_latency = Histogram(
+            f"{PREFIX}_time_per_output_token_seconds", "Time between consecutive tokens of one sequence.", TOKEN_BUCKETS
+        )
+        self.e2e = Histogram(f"{PREFIX}_request_duration_seconds", "Request arrival to its last token.", E2E_BUCKETS)
 
     def count_request(self, route: str, status: int) -> None:
         self.requests[(route, status)] += 1
@@ -76,15 +78,27 @@ class ServerMetrics:
         self.generated_tokens += generated
 
     def render(self, stats: dict, in_flight: int, capacity: int) -> str:
-        lines = _metric("requests_total", "counter", "HTTP requests by route and status code.",
-                        [(f'{{route="{route}",status="{status}"}}', n)
-                         for (route, status), n in sorted(self.requests.items())])
-        lines += _metric("prompt_tokens_total", "counter", "Prompt tokens of finished requests.",
-                         [("", self.prompt_tokens)])
-        lines += _metric("cached_prompt_tokens_total", "counter",
-                         "Prompt tokens served from the prefix cache.", [("", self.cached_tokens)])
-        lines += _metric("generation_tokens_total", "counter", "Generated tokens of finished requests.",
-                         [("", self.generated_tokens)])
+        lines = _metric(
+            "requests_total",
+            "counter",
+            "HTTP requests by route and status code.",
+            [(f'{{route="{route}",status="{status}"}}', n) for (route, status), n in sorted(self.requests.items())],
+        )
+        lines += _metric(
+            "prompt_tokens_total", "counter", "Prompt tokens of finished requests.", [("", self.prompt_tokens)]
+        )
+        lines += _metric(
+            "cached_prompt_tokens_total",
+            "counter",
+            "Prompt tokens served from the prefix cache.",
+            [("", self.cached_tokens)],
+        )
+        lines += _metric(
+            "generation_tokens_total",
+            "counter",
+            "Generated tokens of finished requests.",
+            [("", self.generated_tokens)],
+        )
         lines += self.ttft.render() + self.token_latency.render() + self.e2e.render()
         lines += _engine_gauges(stats, in_flight, capacity) + _memory_gauges(stats["memory_plan"])
         lines += _attention_gauges(stats["attention"])
@@ -92,58 +106,98 @@ class ServerMetrics:
 
 
 def _engine_gauges(stats: dict, in_flight: int, capacity: int) -> list[str]:
-    lines = _metric("requests_in_flight", "gauge", "Requests the HTTP layer has admitted and not finished.",
-                    [("", in_flight)])
-    lines += _metric("requests_capacity", "gauge", "Admission limit: engine batch plus queue; beyond it 429.",
-                     [("", capacity)])
-    lines += _metric("queue_depth", "gauge", "Engine requests waiting to be scheduled.",
-                     [("", stats["requests_waiting"])])
-    lines += _metric("requests_running", "gauge", "Engine requests being decoded or prefilled.",
-                     [("", stats["requests_running"])])
-    lines += _metric("kv_blocks", "gauge", "KV cache blocks by state (free includes cached).",
-                     [(f'{{state="{s}"}}', stats[f"blocks_{s}"]) for s in ("total", "free", "used", "cached")])
-    lines += _metric("prefix_cache_hit_rate", "gauge", "Fraction of looked-up prompt tokens found cached.",
-                     [("", stats["prefix_hit_rate"])])
-    lines += _metric("prefix_cache_hit_tokens_total", "counter", "Prompt tokens found in the prefix cache.",
-                     [("", stats["prefix_hit_tokens"])])
-    lines += _metric("preemptions_total", "counter", "Requests preempted for lack of blocks.",
-                     [("", stats["preemptions"])])
-    lines += _metric("generation_tokens_per_second", "gauge", "Engine decode throughput, last 10 s.",
-                     [("", stats["generation_tokens_per_s"])])
+    lines = _metric(
+        "requests_in_flight", "gauge", "Requests the HTTP layer has admitted and not finished.", [("", in_flight)]
+    )
+    lines += _metric(
+        "requests_capacity", "gauge", "Admission limit: engine batch plus queue; beyond it 429.", [("", capacity)]
+    )
+    lines += _metric(
+        "queue_depth", "gauge", "Engine requests waiting to be scheduled.", [("", stats["requests_waiting"])]
+    )
+    lines += _metric(
+        "requests_running", "gauge", "Engine requests being decoded or prefilled.", [("", stats["requests_running"])]
+    )
+    lines += _metric(
+        "kv_blocks",
+        "gauge",
+        "KV cache blocks by state (free includes cached).",
+        [(f'{{state="{s}"}}', stats[f"blocks_{s}"]) for s in ("total", "free", "used", "cached")],
+    )
+    lines += _metric(
+        "prefix_cache_hit_rate",
+        "gauge",
+        "Fraction of looked-up prompt tokens found cached.",
+        [("", stats["prefix_hit_rate"])],
+    )
+    lines += _metric(
+        "prefix_cache_hit_tokens_total",
+        "counter",
+        "Prompt tokens found in the prefix cache.",
+        [("", stats["prefix_hit_tokens"])],
+    )
+    lines += _metric(
+        "preemptions_total", "counter", "Requests preempted for lack of blocks.", [("", stats["preemptions"])]
+    )
+    lines += _metric(
+        "generation_tokens_per_second",
+        "gauge",
+        "Engine decode throughput, last 10 s.",
+        [("", stats["generation_tokens_per_s"])],
+    )
     return lines + _speculation_metrics(stats)
 
 
 def _speculation_metrics(stats: dict) -> list[str]:
     """Speculative decoding's drafts and how many the model kept (zeros when it is off)."""
-    lines = _metric("spec_draft_tokens_total", "counter", "Speculative tokens drafted and verified.",
-                    [("", stats["spec_draft_tokens_total"])])
-    lines += _metric("spec_accepted_tokens_total", "counter", "Speculative tokens the model kept.",
-                     [("", stats["spec_accepted_tokens_total"])])
+    lines = _metric(
+        "spec_draft_tokens_total",
+        "counter",
+        "Speculative tokens drafted and verified.",
+        [("", stats["spec_draft_tokens_total"])],
+    )
+    lines += _metric(
+        "spec_accepted_tokens_total",
+        "counter",
+        "Speculative tokens the model kept.",
+        [("", stats["spec_accepted_tokens_total"])],
+    )
     rate = stats["spec_acceptance_rate"]
-    return lines + _metric("spec_acceptance_rate", "gauge", "Fraction of drafted tokens kept (0 before any draft).",
-                           [("", rate or 0.0)])
+    return lines + _metric(
+        "spec_acceptance_rate", "gauge", "Fraction of drafted tokens kept (0 before any draft).", [("", rate or 0.0)]
+    )
 
 
 def _memory_gauges(plan) -> list[str]:
     (_, limit), *_ = plan.breakdown
-    samples = [('{kind="kv_cache"}', plan.kv_bytes), ('{kind="device_limit"}', limit),
-               ('{kind="process_resident"}', psutil.Process(os.getpid()).memory_info().rss)]
+    samples = [
+        ('{kind="kv_cache"}', plan.kv_bytes),
+        ('{kind="device_limit"}', limit),
+        ('{kind="process_resident"}', psutil.Process(os.getpid()).memory_info().rss),
+    ]
     if plan.wired_limit_bytes is not None:
         samples.append(('{kind="wired_limit"}', plan.wired_limit_bytes))
-    lines = _metric("memory_bytes", "gauge", "Memory: KV cache size, device limit, process RSS, wired limit.",
-                    samples)
-    return lines + _metric("kv_block_bytes", "gauge", "Bytes of one KV block (all layers).",
-                           [("", plan.block_bytes)])
+    lines = _metric("memory_bytes", "gauge", "Memory: KV cache size, device limit, process RSS, wired limit.", samples)
+    return lines + _metric("kv_block_bytes", "gauge", "Bytes of one KV block (all layers).", [("", plan.block_bytes)])
 
 
 def _attention_gauges(status: dict) -> list[str]:
     """Which decode attention path is in use and why (mlxpaged.kernels.attention.attention_status)."""
-    lines = _metric("attention_path", "gauge", "Decode attention path in use (value 1), with the reason.",
-                    [(f'{{path="{_label(status["path"])}",reason="{_label(status["reason"])}"}}', 1)])
-    checks = [(f'{{variant="{_label(c.variant.describe())}",reason="{_label(c.reason or "")}"}}', int(c.ok))
-              for c in status["variants"]]
+    lines = _metric(
+        "attention_path",
+        "gauge",
+        "Decode attention path in use (value 1), with the reason.",
+        [(f'{{path="{_label(status["path"])}",reason="{_label(status["reason"])}"}}', 1)],
+    )
+    checks = [
+        (f'{{variant="{_label(c.variant.describe())}",reason="{_label(c.reason or "")}"}}', int(c.ok))
+        for c in status["variants"]
+    ]
     if not checks:
         return lines
-    return lines + _metric("kernel_self_check_passed", "gauge",
-                           "Metal kernel self-check per variant: 1 passed (kernel used), 0 failed (reference used).",
-                           checks)
+    return lines + _metric(
+        "kernel_self_check_passed",
+        "gauge",
+        "Metal kernel self-check per variant: 1 passed (kernel used), 0 failed (reference used).",
+        checks,
+    )

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import hmac
 
+from mlxpaged_app.server.errors import error_response, unauthorized
+from mlxpaged_app.server.state import ServerState
+
 from starlette.datastructures import Headers
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
-
-from mlxpaged_app.server.errors import error_response, unauthorized
-from mlxpaged_app.server.state import ServerState
 
 
 class APIKeyMiddleware:
@@ -71,10 +71,14 @@ def middleware_stack(state: ServerState, routes: tuple[str, ...]) -> list[Middle
     """Outermost first: CORS (if origins are set), status counting over `routes`, the API key (if set)."""
     stack = []
     if state.config.cors_origins:  # none unless asked for: browsers on other origins get no access
-        stack.append(Middleware(CORSMiddleware, allow_origins=list(state.config.cors_origins),
-                                allow_methods=["GET", "POST", "OPTIONS"],
-                                allow_headers=["Authorization", "Content-Type", "x-api-key",
-                                               "anthropic-version", "anthropic-beta"]))
+        stack.append(
+            Middleware(
+                CORSMiddleware,
+                allow_origins=list(state.config.cors_origins),
+                allow_methods=["GET", "POST", "OPTIONS"],
+                allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version", "anthropic-beta"],
+            )
+        )
     stack.append(Middleware(StatusCountMiddleware, state=state, routes=routes))
     if state.config.api_key:
         stack.append(Middleware(APIKeyMiddleware, api_key=state.config.api_key))

@@ -17,8 +17,11 @@ def json_output_format(fmt: object, param: str, nested: str | None, example: str
     if kind == "json_object":
         return JsonObjectOutput()
     if kind != "json_schema":
-        raise invalid_param(param, f"{param} type {kind!r} is not supported; use 'text', 'json_object' or "
-                                   "'json_schema'", "unsupported_value")
+        raise invalid_param(
+            param,
+            f"{param} type {kind!r} is not supported; use 'text', 'json_object' or 'json_schema'",
+            "unsupported_value",
+        )
     spec = fmt if nested is None else fmt.get(nested)
     where = param if nested is None else f"{param}.{nested}"
     schema = spec.get("schema") if isinstance(spec, dict) else None
@@ -34,5 +37,9 @@ def check_format_alone(output: OutputFormat, choice: ToolChoice, param: str, cho
     """A format whose grammar covers the whole reply leaves no room for tool calls. `choice_none` shows
     tool_choice "none" as the API writes it."""
     if output is not None and choice != "none":
-        raise invalid_param(param, f"{param} with tools is not supported: send tool_choice {choice_none} (the "
-                                   f"reply then follows {param}), or no {param}", "unsupported_value")
+        raise invalid_param(
+            param,
+            f"{param} with tools is not supported: send tool_choice {choice_none} (the "
+            f"reply then follows {param}), or no {param}",
+            "unsupported_value",
+        )

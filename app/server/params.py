@@ -5,15 +5,15 @@ the field, becomes a 400 naming the API parameter)."""
 from __future__ import annotations
 
 import re
-from typing import Iterable
+from collections.abc import Iterable
 
-from pydantic import BaseModel
-
-from mlxpaged.sampling_params import SamplingParams
 from mlxpaged.loading.generation_defaults import NO_DEFAULTS, GenerationDefaults
+from mlxpaged.sampling_params import SamplingParams
 from mlxpaged_app.server.errors import invalid_param
 from mlxpaged_app.server.openai.protocol import ChatRequest, CompletionRequest
 from mlxpaged_app.server.param_names import OPENAI_CHAT, ParamNames
+
+from pydantic import BaseModel
 
 _FIELD = re.compile(r"^([a-z_]+)")
 
@@ -28,8 +28,12 @@ def check_completion_supported(request: CompletionRequest) -> None:
         raise invalid_param("suffix", "'suffix' (insertion) is not supported by this server", "unsupported_parameter")
     n = request.n or 1
     if request.best_of is not None and request.best_of != n:
-        raise invalid_param("best_of", f"best_of={request.best_of} with n={n}: this server returns every sample, "
-                                       "so best_of must equal n or be left out", "unsupported_parameter")
+        raise invalid_param(
+            "best_of",
+            f"best_of={request.best_of} with n={n}: this server returns every sample, "
+            "so best_of must equal n or be left out",
+            "unsupported_parameter",
+        )
     if request.echo and request.logprobs is not None:
         raise invalid_param("echo", "echo with logprobs (prompt logprobs) is not supported", "unsupported_parameter")
     _check_logit_bias(request.logit_bias)
@@ -55,8 +59,11 @@ def sampling_kwargs(defaults: GenerationDefaults, request: object, names: Iterab
     with: model_fields_set) or any object whose None fields were not sent; null counts as not sent.
     max_tokens is left to the caller (reply_budget.py clamps it to the context)."""
     fields_set = request.model_fields_set if isinstance(request, BaseModel) else None
-    sent = {name: getattr(request, name) for name in names
-            if (fields_set is None or name in fields_set) and getattr(request, name, None) is not None}
+    sent = {
+        name: getattr(request, name)
+        for name in names
+        if (fields_set is None or name in fields_set) and getattr(request, name, None) is not None
+    }
     if sent.get("top_k") == -1:
         sent["top_k"] = 0  # vLLM spells "off" -1
     merged = defaults.sampling_kwargs(sent)
@@ -64,15 +71,31 @@ def sampling_kwargs(defaults: GenerationDefaults, request: object, names: Iterab
     return merged
 
 
-def sampling_params(request, *, max_tokens: int, logprobs: bool, top_logprobs: int,
-                    names: ParamNames = OPENAI_CHAT, defaults: GenerationDefaults = NO_DEFAULTS) -> SamplingParams:
+def sampling_params(
+    request,
+    *,
+    max_tokens: int,
+    logprobs: bool,
+    top_logprobs: int,
+    names: ParamNames = OPENAI_CHAT,
+    defaults: GenerationDefaults = NO_DEFAULTS,
+) -> SamplingParams:
     """SamplingParams for the request, unset fields from the model's `defaults`; a range error names the
     API parameter that caused it (`names`: the request's API's)."""
     r = request
-    fields = dict(max_tokens=max_tokens, logprobs=logprobs, top_logprobs=top_logprobs, n=1 if r.n is None else r.n,
-                  presence_penalty=r.presence_penalty or 0.0, frequency_penalty=r.frequency_penalty or 0.0,
-                  seed=r.seed, stop=[] if r.stop is None else r.stop, ignore_eos=bool(r.ignore_eos),
-                  logit_bias=_logit_bias(r.logit_bias), **sampling_kwargs(defaults, r))
+    fields = dict(
+        max_tokens=max_tokens,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        n=1 if r.n is None else r.n,
+        presence_penalty=r.presence_penalty or 0.0,
+        frequency_penalty=r.frequency_penalty or 0.0,
+        seed=r.seed,
+        stop=[] if r.stop is None else r.stop,
+        ignore_eos=bool(r.ignore_eos),
+        logit_bias=_logit_bias(r.logit_bias),
+        **sampling_kwargs(defaults, r),
+    )
     try:
         return SamplingParams(**fields)
     except ValueError as exc:

@@ -24,8 +24,14 @@ def reply_budget(state: ServerState, prompt_tokens: int, requested: int | None, 
     if requested is not None and requested < 1:
         return requested
     if requested is not None and requested > room:
-        log.info("clamped %s %d to %d: the prompt is %d tokens of a %d-token context", names.max_tokens, requested,
-                 room, prompt_tokens, state.context_limit)
+        log.info(
+            "clamped %s %d to %d: the prompt is %d tokens of a %d-token context",
+            names.max_tokens,
+            requested,
+            room,
+            prompt_tokens,
+            state.context_limit,
+        )
         return room
     return min(state.default_max_tokens if requested is None else requested, room)
 
@@ -35,16 +41,22 @@ def prompt_too_long(state: ServerState, prompt_tokens: int, requested: int | Non
     sent = f"{names.max_tokens} {requested}" if requested is not None else f"no {names.max_tokens}"
     if state.cache_limits_context:
         what = f"the KV cache capacity of {limit} tokens"
-        fix = ("give the cache more room (`mlxpaged serve --cache-tokens N` or `--kv-memory SIZE`), or shorten "
-               "the prompt")
+        fix = (
+            "give the cache more room (`mlxpaged serve --cache-tokens N` or `--kv-memory SIZE`), or shorten the prompt"
+        )
     else:
         what = f"the model context of {limit} tokens this server runs with"
-        fix = (f"restart the server with a longer context (`mlxpaged serve --max-model-len {_suggested(prompt_tokens)}`"
-               "; past the model's trained length quality may drop), use a model with a longer context, or "
-               "shorten the prompt")
-    error = invalid_param(names.prompt, f"the prompt is {prompt_tokens} tokens and does not fit in {what} "
-                                        f"(prompt and reply together; {sent} was sent): {fix}",
-                          "context_length_exceeded")
+        fix = (
+            f"restart the server with a longer context (`mlxpaged serve --max-model-len {_suggested(prompt_tokens)}`"
+            "; past the model's trained length quality may drop), use a model with a longer context, or "
+            "shorten the prompt"
+        )
+    error = invalid_param(
+        names.prompt,
+        f"the prompt is {prompt_tokens} tokens and does not fit in {what} "
+        f"(prompt and reply together; {sent} was sent): {fix}",
+        "context_length_exceeded",
+    )
     error.prompt_tokens = prompt_tokens
     return error
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 import re
 
+from mlxpaged_app.server.errors import APIError, body_too_large, invalid_param
+
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
-
-from mlxpaged_app.server.errors import APIError, body_too_large, invalid_param
 
 _TAG = re.compile(r"^[a-z_][a-z0-9_]*$")  # field names; pydantic's union tags ("list[str]", "Message") are not
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
@@ -40,18 +40,25 @@ def decode_json(raw: bytes) -> dict:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise invalid_param(None, f"the request body is not valid UTF-8 (byte 0x{raw[exc.start]:02x} "
-                                  f"at offset {exc.start})", "invalid_encoding") from None
+        raise invalid_param(
+            None,
+            f"the request body is not valid UTF-8 (byte 0x{raw[exc.start]:02x} at offset {exc.start})",
+            "invalid_encoding",
+        ) from None
     try:
         data = json.loads(text, parse_constant=_reject_constant)
     except json.JSONDecodeError as exc:
-        raise invalid_param(None, f"malformed JSON in the request body: {exc.msg} at line {exc.lineno} "
-                                  f"column {exc.colno}", "invalid_json") from None
+        raise invalid_param(
+            None,
+            f"malformed JSON in the request body: {exc.msg} at line {exc.lineno} column {exc.colno}",
+            "invalid_json",
+        ) from None
     except ValueError as exc:  # NaN / Infinity, or a number too deep to parse
         raise invalid_param(None, f"malformed JSON in the request body: {exc}", "invalid_json") from None
     if not isinstance(data, dict):
-        raise invalid_param(None, f"the request body must be a JSON object, got a JSON {type(data).__name__}",
-                            "invalid_json")
+        raise invalid_param(
+            None, f"the request body must be a JSON object, got a JSON {type(data).__name__}", "invalid_json"
+        )
     return data
 
 

@@ -9,11 +9,9 @@ the transport. OpenAI chat, completions, Anthropic Messages and Responses each h
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import ExitStack, aclosing
-from typing import AsyncIterator, Awaitable, Callable, TypeVar
-
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from typing import TypeVar
 
 from mlxpaged.sampling_params import MAX_N
 from mlxpaged_app.server.engine_client import Generation, GenerationFailed
@@ -21,6 +19,9 @@ from mlxpaged_app.server.errors import server_error
 from mlxpaged_app.server.request_body import parse_request, read_body
 from mlxpaged_app.server.sse import ClientGone, EventStream, data_event, unless_disconnected, with_pings
 from mlxpaged_app.server.state import ServerState
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 
 T = TypeVar("T")
 CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, the metrics count it
@@ -32,6 +33,7 @@ class ReplyShape:
     events one delta completed). Streamed: `opening()`, `chunks()` per item, then `closing(usage)` - or
     `failed(message)` if the engine failed after the headers went out - and `trailer`; every payload goes out
     through `frame`. Whole: `add()` per item, then `body(usage)`."""
+
     headers: dict[str, str]
     frame: Callable[[dict | str], bytes] = staticmethod(data_event)
     trailer: tuple = ()  # payloads after either ending (OpenAI's "[DONE]")
@@ -71,8 +73,9 @@ async def accept(request: Request, state: ServerState, schema: type) -> tuple[ob
     return body, arrived
 
 
-async def launch(state: ServerState, count: int,
-                 start: Callable[[], Awaitable[Generation]]) -> tuple[Generation, ExitStack]:
+async def launch(
+    state: ServerState, count: int, start: Callable[[], Awaitable[Generation]]
+) -> tuple[Generation, ExitStack]:
     """Take `count` queue slots, then `start()`; the ExitStack returned withdraws whatever has not finished
     and frees the slots: every API closes it once its reply is done (or its client is gone)."""
     cleanup = ExitStack()
@@ -93,8 +96,14 @@ def sane_n(n: int | None) -> int:
     return 1 if n is None else max(1, min(n, MAX_N))
 
 
-async def respond(request: Request, shape: ReplyShape, stream: bool, items: AsyncIterator[tuple[int, object]],
-                  usage: Callable[[], dict], cleanup: ExitStack) -> Response:
+async def respond(
+    request: Request,
+    shape: ReplyShape,
+    stream: bool,
+    items: AsyncIterator[tuple[int, object]],
+    usage: Callable[[], dict],
+    cleanup: ExitStack,
+) -> Response:
     """The reply to a launched request: `items` are (choice, item) as the run produces them, `usage` its token
     counts once it has ended; `cleanup` is closed when the reply is done or the client is gone."""
     if stream:
@@ -122,8 +131,9 @@ async def _whole(shape: ReplyShape, items: AsyncIterator[tuple[int, object]], us
     return shape.body(usage())
 
 
-async def stream_events(shape: ReplyShape, items: AsyncIterator[tuple[int, object]],
-                        usage: Callable[[], dict]) -> AsyncIterator[bytes]:
+async def stream_events(
+    shape: ReplyShape, items: AsyncIterator[tuple[int, object]], usage: Callable[[], dict]
+) -> AsyncIterator[bytes]:
     for payload in shape.opening():
         yield shape.frame(payload)
     source = items if shape.keepalive is None else with_pings(items, PING_INTERVAL)

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import AsyncIterator, Awaitable, Callable, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
 
 import anyio
 from starlette.types import Receive, Scope, Send
@@ -68,8 +69,9 @@ async def unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:
 class EventStream:
     """An ASGI response streaming `events` (already framed bytes) as text/event-stream."""
 
-    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], None],
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, events: AsyncIterator[bytes], on_close: Callable[[], None], headers: dict[str, str] | None = None
+    ) -> None:
         self.events, self.on_close = events, on_close
         self.headers = {"cache-control": "no-cache", "x-accel-buffering": "no", **(headers or {})}
         self.status_code = 200
@@ -107,7 +109,7 @@ async def _close_quietly(events: AsyncIterator[bytes]) -> None:
     with anyio.CancelScope(shield=True):
         try:
             await close()
-        except Exception:  # noqa: BLE001  (nothing to report to a client that is gone)
+        except Exception:
             pass
 
 

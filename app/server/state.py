@@ -16,6 +16,7 @@ from mlxpaged_app.server.metrics import ServerMetrics
 @dataclass(frozen=True)
 class ServerConfig:
     """HTTP-side settings (the engine has its own CacheConfig and SchedulerConfig)."""
+
     api_key: str | None = None
     max_body_size: int = 4_000_000
     max_queue: int = 64

@@ -5,8 +5,9 @@ must be among them. Errors name the API's own parameter and show the value as th
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Literal
 
 from mlxpaged_app.server.chat.spec import NamedTool, ToolChoice, ToolSpec
 from mlxpaged_app.server.errors import invalid_param
@@ -18,6 +19,7 @@ MODES = ("none", "auto", "required")
 @dataclass(frozen=True)
 class Spelling:
     """How one API writes tool_choice."""
+
     parse: Callable[[object], ToolChoice]  # the value as the pipeline's choice, or a 400 naming what it accepts
     shown: Callable[[object], str]  # the value in an error message, as the client wrote it
     name_param: str  # where a named choice's name sits
@@ -31,8 +33,7 @@ def _openai(value: object) -> ToolChoice:
     function = value.get("function") if isinstance(value, dict) and value.get("type") == "function" else None
     if isinstance(function, dict) and isinstance(function.get("name"), str):
         return NamedTool(function["name"])
-    raise _unknown(value, "'none', 'auto', 'required' or {\"type\": \"function\", \"function\": {\"name\": ...}}",
-                   repr)
+    raise _unknown(value, '\'none\', \'auto\', \'required\' or {"type": "function", "function": {"name": ...}}', repr)
 
 
 def _responses(value: object) -> ToolChoice:
@@ -55,8 +56,9 @@ def _unknown(value: object, accepted: str, shown: Callable[[object], str]):
 SPELLINGS: dict[str, Spelling] = {
     "openai": Spelling(_openai, repr, "tool_choice", "function"),
     "responses": Spelling(_responses, json.dumps, "tool_choice", "function"),
-    "anthropic": Spelling(_anthropic, lambda v: f'{{"type": {v.type!r}}}', "tool_choice.name", "tool",
-                          auto_without_tools_is_none=True),
+    "anthropic": Spelling(
+        _anthropic, lambda v: f'{{"type": {v.type!r}}}', "tool_choice.name", "tool", auto_without_tools_is_none=True
+    ),
 }
 
 
@@ -69,10 +71,13 @@ def resolve_tool_choice(value: object, tools: tuple[ToolSpec, ...], api: API) ->
     if choice == "auto" and not tools and spelling.auto_without_tools_is_none:
         return "none"
     if choice != "none" and not tools:
-        raise invalid_param("tool_choice", f"tool_choice {spelling.shown(value)} needs 'tools', and the request has "
-                                           "none")
+        raise invalid_param(
+            "tool_choice", f"tool_choice {spelling.shown(value)} needs 'tools', and the request has none"
+        )
     names = [t.name for t in tools]
     if isinstance(choice, NamedTool) and choice.name not in names:
-        raise invalid_param(spelling.name_param, f"tool_choice names the {spelling.noun} {choice.name!r}, which is "
-                                                 f"not among the tools: {', '.join(names)}")
+        raise invalid_param(
+            spelling.name_param,
+            f"tool_choice names the {spelling.noun} {choice.name!r}, which is not among the tools: {', '.join(names)}",
+        )
     return choice

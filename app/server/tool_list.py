@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Callable
+from collections.abc import Callable
 
 from mlxpaged_app.server.chat.spec import ToolSpec
 from mlxpaged_app.server.errors import invalid_param
@@ -16,8 +16,9 @@ TOOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # OpenAI's rule (Anthropic's 
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
 
-def tool_list(tools: object, parse: Callable[[object, str], ToolSpec], *, shape: str,
-              name_field: str) -> tuple[ToolSpec, ...]:
+def tool_list(
+    tools: object, parse: Callable[[object, str], ToolSpec], *, shape: str, name_field: str
+) -> tuple[ToolSpec, ...]:
     """Each tool parsed by `parse(tool, where)`. `shape` shows one tool in the API's own form; `name_field` is
     where a tool's name sits in it."""
     if tools is None:
@@ -36,30 +37,36 @@ def check_unique_names(specs: list[ToolSpec], wheres: list[str], name_field: str
     names = [s.name for s in specs]
     for i, name in enumerate(names):
         if name in names[:i]:
-            raise invalid_param(f"{wheres[i]}.{name_field}", f"{wheres[i]}: the name {name!r} is already used by "
-                                                             f"{wheres[names.index(name)]}; tool names must be unique")
+            raise invalid_param(
+                f"{wheres[i]}.{name_field}",
+                f"{wheres[i]}: the name {name!r} is already used by "
+                f"{wheres[names.index(name)]}; tool names must be unique",
+            )
 
 
 def function_tools(tools: object, nested: str | None, shape: str) -> tuple[ToolSpec, ...]:
     """OpenAI's function tools: the function's name, description and parameters under `nested` (chat's
     "function") or beside the type (Responses: None). `shape` shows one tool in the API's form."""
     name_field = "name" if nested is None else f"{nested}.name"
-    return tool_list(tools, lambda tool, where: function_tool(tool, where, nested, shape), shape=shape,
-                     name_field=name_field)
+    return tool_list(
+        tools, lambda tool, where: function_tool(tool, where, nested, shape), shape=shape, name_field=name_field
+    )
 
 
 def function_tool(tool: object, where: str, nested: str | None, shape: str) -> ToolSpec:
     kind = tool.get("type") if isinstance(tool, dict) else None
     if kind != "function":
-        raise invalid_param(f"{where}.type", f"{where}: tool type {kind!r} is not supported; this server runs "
-                                             f"function tools ({shape})", "unsupported_value")
+        raise invalid_param(
+            f"{where}.type",
+            f"{where}: tool type {kind!r} is not supported; this server runs function tools ({shape})",
+            "unsupported_value",
+        )
     fields, at = (tool, where) if nested is None else (tool.get(nested), f"{where}.{nested}")
     if not isinstance(fields, dict):
         raise invalid_param(at, f"{at} must be an object with a 'name'")
     name = fields.get("name")
     if not isinstance(name, str) or not TOOL_NAME.match(name):
-        raise invalid_param(f"{at}.name", f"{at}.name must be 1 to 64 letters, digits, '_', '.' or '-', "
-                                          f"got {name!r}")
+        raise invalid_param(f"{at}.name", f"{at}.name must be 1 to 64 letters, digits, '_', '.' or '-', got {name!r}")
     description = fields.get("description")
     if description is not None and not isinstance(description, str):
         raise invalid_param(f"{at}.description", f"{at}.description must be a string")
@@ -70,6 +77,8 @@ def _arguments_schema(schema: object, where: str) -> dict:
     if schema is None:
         return EMPTY_PARAMETERS
     if not isinstance(schema, dict) or schema.get("type", "object") != "object":
-        raise invalid_param(where, f"{where} must be a JSON schema of type 'object' (the arguments object), "
-                                   f"got {json.dumps(schema)[:60]}")
+        raise invalid_param(
+            where,
+            f"{where} must be a JSON schema of type 'object' (the arguments object), got {json.dumps(schema)[:60]}",
+        )
     return schema

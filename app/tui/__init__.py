@@ -7,9 +7,18 @@ import sys
 from mlxpaged.config import DEFAULT_CACHE_TOKENS
 
 
-def run_chat(model: str | None = None, *, max_tokens: int = 512, temperature: float | None = None,
-             top_p: float | None = None, seed: int | None = None, system: str = "", resume: bool = False,
-             cache_tokens: int = DEFAULT_CACHE_TOKENS, speculative: str | None = None) -> int:
+def run_chat(
+    model: str | None = None,
+    *,
+    max_tokens: int = 512,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    system: str = "",
+    resume: bool = False,
+    cache_tokens: int = DEFAULT_CACHE_TOKENS,
+    speculative: str | None = None,
+) -> int:
     """Run the chat app until the user quits; returns the exit code. temperature / top_p None: the model's.
     Raises ValueError for bad sampling settings before the app starts."""
     from mlxpaged_app.tui.terminal import enter_stays_enter
@@ -31,8 +40,14 @@ def _run_app(model, max_tokens, temperature, top_p, seed, system, resume, cache_
         print("mlxpaged chat: no saved conversation yet; starting a new one", file=sys.stderr)
     if conversation is not None and model is None:
         model = conversation.model
-    app = ChatApp(real_engine_factory(cache_tokens, speculative), model=model, settings=settings, store=store,
-                  conversation=conversation, system_prompt=system)
+    app = ChatApp(
+        real_engine_factory(cache_tokens, speculative),
+        model=model,
+        settings=settings,
+        store=store,
+        conversation=conversation,
+        system_prompt=system,
+    )
     code = app.run() or 0
     app.close_engine()
     return code

@@ -6,10 +6,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from textual.app import App, ComposeResult
-from textual.containers import Horizontal, Vertical
-from textual.widgets import Footer, Header, Static
-
 from mlxpaged.loading.generation_defaults import NO_DEFAULTS, GenerationDefaults
 from mlxpaged_app.tui.keys import APP_BINDINGS
 from mlxpaged_app.tui.loading import ModelLoading
@@ -28,6 +24,10 @@ from mlxpaged_app.tui.widgets.chat_view import ChatLog
 from mlxpaged_app.tui.widgets.engine_panel import EnginePanel
 from mlxpaged_app.tui.widgets.loading_panel import LoadingPanel
 
+from textual.app import App, ComposeResult
+from textual.containers import Horizontal, Vertical
+from textual.widgets import Footer, Header, Static
+
 PANEL_MIN_WIDTH = 100  # below this many columns the engine panel starts hidden (F2 shows it)
 # The engine panel samples the engine on a timer: its block states, cache counters, rates and memory
 # change on the engine's own thread with no event to wait on. Replies never wait for this timer.
@@ -39,11 +39,20 @@ class ChatApp(ModelLoading, ReplyFlow, App[int]):
     TITLE = "mlxpaged chat"
     BINDINGS = APP_BINDINGS
 
-    def __init__(self, engine_factory: EngineFactory, *, model: str | None = None,
-                 settings: ChatSettings | None = None, store: ConversationStore | None = None,
-                 conversation: Conversation | None = None, system_prompt: str = "",
-                 engine: ChatEngine | None = None, model_lister: ModelLister = list_model_choices,
-                 memory_probe: MemoryProbe = probe_memory, show_engine_panel: bool | None = None):
+    def __init__(
+        self,
+        engine_factory: EngineFactory,
+        *,
+        model: str | None = None,
+        settings: ChatSettings | None = None,
+        store: ConversationStore | None = None,
+        conversation: Conversation | None = None,
+        system_prompt: str = "",
+        engine: ChatEngine | None = None,
+        model_lister: ModelLister = list_model_choices,
+        memory_probe: MemoryProbe = probe_memory,
+        show_engine_panel: bool | None = None,
+    ):
         super().__init__()
         self.engine_factory, self.model_name, self.engine = engine_factory, model, engine
         self.settings = settings or ChatSettings()
@@ -99,8 +108,11 @@ class ChatApp(ModelLoading, ReplyFlow, App[int]):
     def update_status(self, text: str | None = None) -> None:
         if text is None:
             if self.loading_model:
-                text = ("Loading the model… your message is sent once the model is ready." if self.waiting_question
-                        else "Loading the model… type away: Enter sends once the model is ready.")
+                text = (
+                    "Loading the model… your message is sent once the model is ready."
+                    if self.waiting_question
+                    else "Loading the model… type away: Enter sends once the model is ready."
+                )
             elif self.engine is None:
                 text = "No model loaded: F4 picks one."
             else:
@@ -197,8 +209,9 @@ class ChatApp(ModelLoading, ReplyFlow, App[int]):
         self.conversation = conversation
         await self.show_conversation()
         if conversation.model and self.engine is not None and conversation.model != self.model_label:
-            self.notify(f"Saved with {conversation.model}; replies now come from {self.model_label} "
-                        f"(F4 switches).", timeout=8)
+            self.notify(
+                f"Saved with {conversation.model}; replies now come from {self.model_label} (F4 switches).", timeout=8
+            )
 
     def close_engine(self) -> None:
         """Stop any reply and release the engine (after the app exits)."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 from mlxpaged.errors import MlxpagedError
 
 
-
 def error_text(error: BaseException | None) -> str:
     if error is None:
         return "unknown error"

@@ -8,12 +8,13 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
-
-from textual.message import Message
+from typing import Any
 
 from mlxpaged_app.tui.messages import ReplyDelta, ReplyFailed, ReplyFinished, ReplyStarted
+
+from textual.message import Message
 
 STOP_GRACE_S = 3.0  # after an abort, how long to wait for the engine's final event
 _WAKE = object()  # queued by stop(): wakes a drain blocked on the queue so it starts the grace period
@@ -48,7 +49,7 @@ class ReplyStats:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict | None) -> "ReplyStats | None":
+    def from_dict(cls, data: dict | None) -> ReplyStats | None:
         if not data:
             return None
         return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
@@ -159,5 +160,6 @@ def _stats(final: Any, started: float, first_token: float | None, ended: float) 
     if first_token is not None and final.completion_tokens > 1 and ended > first_token:
         rate = (final.completion_tokens - 1) / (ended - first_token)
     ttft = first_token - started if first_token is not None else None
-    return ReplyStats(final.prompt_tokens, final.cached_tokens, final.completion_tokens, ttft, rate,
-                      final.finish_reason)
+    return ReplyStats(
+        final.prompt_tokens, final.cached_tokens, final.completion_tokens, ttft, rate, final.finish_reason
+    )

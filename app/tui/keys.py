@@ -19,38 +19,49 @@ APP_BINDINGS = [
 ]
 
 HELP_SECTIONS = [
-    ("Chat", [
-        ("enter", "send the message"),
-        ("ctrl+j", "new line in the message (shift+enter too, where the terminal reports it)"),
-        ("escape", "stop the reply being generated (its KV blocks are freed at once)"),
-        ("ctrl+r", "regenerate the last reply"),
-        ("ctrl+l", "edit the last message: it goes back into the input, its reply is dropped"),
-        ("ctrl+n", "new chat (the current one is saved)"),
-        ("ctrl+o", "open a saved conversation"),
-    ]),
-    ("Model and settings", [
-        ("f2", "show / hide the engine panel (KV blocks, block map, memory)"),
-        ("f3", "sampling settings: temperature, top_p, max tokens, seed"),
-        ("f4", "switch model (presets and local models)"),
-        ("f5", "edit the system prompt"),
-    ]),
-    ("App", [
-        ("f1", "this help"),
-        ("tab / shift+tab", "move the focus"),
-        ("ctrl+p", "command palette"),
-        ("ctrl+q", "quit"),
-    ]),
-    ("In dialogs", [
-        ("enter", "confirm / choose"),
-        ("escape", "cancel"),
-        ("ctrl+s", "save (system prompt editor)"),
-    ]),
+    (
+        "Chat",
+        [
+            ("enter", "send the message"),
+            ("ctrl+j", "new line in the message (shift+enter too, where the terminal reports it)"),
+            ("escape", "stop the reply being generated (its KV blocks are freed at once)"),
+            ("ctrl+r", "regenerate the last reply"),
+            ("ctrl+l", "edit the last message: it goes back into the input, its reply is dropped"),
+            ("ctrl+n", "new chat (the current one is saved)"),
+            ("ctrl+o", "open a saved conversation"),
+        ],
+    ),
+    (
+        "Model and settings",
+        [
+            ("f2", "show / hide the engine panel (KV blocks, block map, memory)"),
+            ("f3", "sampling settings: temperature, top_p, max tokens, seed"),
+            ("f4", "switch model (presets and local models)"),
+            ("f5", "edit the system prompt"),
+        ],
+    ),
+    (
+        "App",
+        [
+            ("f1", "this help"),
+            ("tab / shift+tab", "move the focus"),
+            ("ctrl+p", "command palette"),
+            ("ctrl+q", "quit"),
+        ],
+    ),
+    (
+        "In dialogs",
+        [
+            ("enter", "confirm / choose"),
+            ("escape", "cancel"),
+            ("ctrl+s", "save (system prompt editor)"),
+        ],
+    ),
 ]
 
 _NAMES = {"escape": "Esc", "enter": "Enter", "tab": "Tab", "ctrl": "Ctrl", "shift": "Shift", "alt": "Alt"}
 
 
 def key_label(key: str) -> str:
-    """"ctrl+j" -> "Ctrl+J", "escape" -> "Esc", "f1" -> "F1"."""
-    return "+".join(_NAMES.get(part, part.upper() if len(part) <= 3 else part.capitalize())
-                    for part in key.split("+"))
+    """ "ctrl+j" -> "Ctrl+J", "escape" -> "Esc", "f1" -> "F1"."""
+    return "+".join(_NAMES.get(part, part.upper() if len(part) <= 3 else part.capitalize()) for part in key.split("+"))

@@ -8,10 +8,10 @@ answered by whichever engine is ready first. A failed load leaves the previous e
 
 from __future__ import annotations
 
-from textual import work
-
 from mlxpaged_app.tui.errors import error_text
 from mlxpaged_app.tui.messages import LoadFailed, LoadProgress, ModelLoaded, post_from_thread
+
+from textual import work
 
 
 class ModelLoading:
@@ -77,8 +77,12 @@ class ModelLoading:
             still = " Your message waits for a model: press F4 to pick another."
         else:
             still = " Press F4 to pick another model."
-        self.notify(error_text(message.error) + still, title=f"Could not load {message.name or 'the default model'}",
-                    severity="error", timeout=15)
+        self.notify(
+            error_text(message.error) + still,
+            title=f"Could not load {message.name or 'the default model'}",
+            severity="error",
+            timeout=15,
+        )
         self.sub_title = self.engine.loaded.name if self.engine is not None else "no model loaded"
         self.update_status()
         if self.engine is not None:

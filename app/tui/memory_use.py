@@ -3,8 +3,9 @@ CUDA), and on CUDA the device's memory in use (platform/backend.py says which)."
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from mlxpaged.platform import backend
 

@@ -25,12 +25,14 @@ def post_from_thread(target: MessagePump, message: Message) -> bool:
 @dataclass
 class ReplyStarted(Message):
     """The engine accepted the request: `run.request_id` names it."""
+
     run: ReplyRun
 
 
 @dataclass
 class ReplyDelta(Message):
     """Text the reply has grown by (one or more tokens' worth)."""
+
     run: ReplyRun
     text: str
 
@@ -44,6 +46,7 @@ class ReplyFinished(Message):
 @dataclass
 class ReplyFailed(Message):
     """`rejected`: the engine refused the request (too long, bad settings), so nothing streamed."""
+
     run: ReplyRun
     error: BaseException
     rejected: bool
@@ -53,6 +56,7 @@ class ReplyFailed(Message):
 @dataclass
 class LoadProgress(Message):
     """load_model's progress callback: `done` of `total` units of `what` (download, convert)."""
+
     done: int
     total: int
     what: str

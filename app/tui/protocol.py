@@ -3,7 +3,8 @@ scripted fake engine, `mlxpaged chat` with the real one."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 Progress = Callable[[int, int, str], None]  # (done, total, what), as load_model reports it
 
@@ -40,8 +41,12 @@ def real_engine_factory(cache_tokens: int, speculative: str | None = None) -> En
     def build(name: str | None, progress: Progress) -> ChatEngine:
         from mlxpaged.engine.engine import Engine
 
-        engine = Engine.from_pretrained(name, progress, cache_tokens=cache_tokens,  # refuses before loading weights
-                                        speculative=speculative)
+        engine = Engine.from_pretrained(
+            name,
+            progress,
+            cache_tokens=cache_tokens,  # refuses before loading weights
+            speculative=speculative,
+        )
         try:
             engine.generation_defaults  # read now: a bad generation_config.json fails the load, not a reply
         except Exception:

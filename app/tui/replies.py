@@ -11,15 +11,15 @@ from __future__ import annotations
 
 from functools import partial
 
-from textual import work
-from textual.worker import Worker, WorkerState
-
 from mlxpaged_app.tui.errors import error_text
 from mlxpaged_app.tui.generation import ReplyRun
 from mlxpaged_app.tui.messages import ReplyDelta, ReplyFailed, ReplyFinished, ReplyStarted, post_from_thread
 from mlxpaged_app.tui.store import Conversation
 from mlxpaged_app.tui.widgets.chat_input import ChatInput
 from mlxpaged_app.tui.widgets.chat_view import AssistantMessage, UserMessage
+
+from textual import work
+from textual.worker import Worker, WorkerState
 
 
 class ReplyFlow:
@@ -73,8 +73,7 @@ class ReplyFlow:
     async def _hold_until_loaded(self, text: str) -> None:
         """Show and save the message now; answer_waiting_question sends it when an engine is ready."""
         if self.waiting_question:  # one at a time, as when a reply runs: this text stays in the box
-            self.notify("Your last message waits for the model; send this one once it is answered.",
-                        severity="warning")
+            self.notify("Your last message waits for the model; send this one once it is answered.", severity="warning")
             return
         self.chat_input.clear()
         self.conversation.add("user", text)
@@ -123,8 +122,13 @@ class ReplyFlow:
         else:
             await view.finish(stats)
             self.conversation.model = self.model_label
-            self.conversation.add("assistant", run.text, stats=stats.to_dict(), model=self.model_label,
-                                  stopped=stats.finish_reason == "abort")
+            self.conversation.add(
+                "assistant",
+                run.text,
+                stats=stats.to_dict(),
+                model=self.model_label,
+                stopped=stats.finish_reason == "abort",
+            )
         self.save_conversation()
         self.update_status()
         self.refresh_engine_panel()

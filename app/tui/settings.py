@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from mlxpaged.sampling_params import SamplingParams
 from mlxpaged.loading.generation_defaults import NO_DEFAULTS, GenerationDefaults
+from mlxpaged.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -34,9 +34,11 @@ class ChatSettings:
     def describe(self, defaults: GenerationDefaults = NO_DEFAULTS) -> str:
         params = self.sampling_params(defaults)
         seed = "random" if self.seed is None else str(self.seed)
-        return (f"temperature {params.temperature:g}{self._origin('temperature', defaults)} · "
-                f"top_p {params.top_p:g}{self._origin('top_p', defaults)} · "
-                f"max {self.max_tokens} tokens · seed {seed}")
+        return (
+            f"temperature {params.temperature:g}{self._origin('temperature', defaults)} · "
+            f"top_p {params.top_p:g}{self._origin('top_p', defaults)} · "
+            f"max {self.max_tokens} tokens · seed {seed}"
+        )
 
     def _origin(self, name: str, defaults: GenerationDefaults) -> str:
         return " (model)" if getattr(self, name) is None and name in defaults.values else ""
@@ -45,18 +47,20 @@ class ChatSettings:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "ChatSettings":
+    def from_dict(cls, data: dict) -> ChatSettings:
         known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
         return cls(**known)
 
     @classmethod
-    def parse(cls, temperature: str, top_p: str, max_tokens: str, seed: str) -> "ChatSettings":
+    def parse(cls, temperature: str, top_p: str, max_tokens: str, seed: str) -> ChatSettings:
         """Settings from the form's text fields (an empty temperature / top_p: the model's); ValueError
         names the field that is wrong."""
-        return cls(temperature=_optional("temperature", temperature, float),
-                   top_p=_optional("top_p", top_p, float),
-                   max_tokens=_number("max tokens", max_tokens, int),
-                   seed=_optional("seed", seed, int))
+        return cls(
+            temperature=_optional("temperature", temperature, float),
+            top_p=_optional("top_p", top_p, float),
+            max_tokens=_number("max tokens", max_tokens, int),
+            seed=_optional("seed", seed, int),
+        )
 
 
 def _optional(name: str, text: str, kind: type):

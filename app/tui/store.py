@@ -26,7 +26,7 @@ class Conversation:
     updated: float = field(default_factory=time.time)
 
     @classmethod
-    def new(cls, model: str | None = None, system_prompt: str = "") -> "Conversation":
+    def new(cls, model: str | None = None, system_prompt: str = "") -> Conversation:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         return cls(f"{stamp}-{secrets.token_hex(3)}", model, system_prompt)
 
@@ -34,7 +34,7 @@ class Conversation:
     def title(self) -> str:
         first = next((m["content"] for m in self.messages if m["role"] == "user"), "")
         line = " ".join(first.split())
-        return (line[:TITLE_CHARS - 1] + "…" if len(line) > TITLE_CHARS else line) or "(empty)"
+        return (line[: TITLE_CHARS - 1] + "…" if len(line) > TITLE_CHARS else line) or "(empty)"
 
     @property
     def turns(self) -> int:
@@ -60,7 +60,7 @@ class Conversation:
         return json.dumps(asdict(self), ensure_ascii=False, indent=1)
 
     @classmethod
-    def from_json(cls, text: str) -> "Conversation":
+    def from_json(cls, text: str) -> Conversation:
         data = json.loads(text)
         known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
         return cls(**known)
@@ -71,7 +71,7 @@ class ConversationStore:
         self.root = Path(root)
 
     @classmethod
-    def default(cls) -> "ConversationStore":
+    def default(cls) -> ConversationStore:
         """$MLXPAGED_DATA_DIR/conversations, else the platform's user data directory."""
         override = os.environ.get(DATA_DIR_ENV)
         if override:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import IO, Iterator
+from collections.abc import Iterator
+from typing import IO
 
 try:
     import termios

@@ -105,18 +105,28 @@ class BlockPool:
     def stats(self) -> BlockPoolStats:
         owned = sum(1 for b in self.blocks if b.ref_cnt > 0)
         rate = self._hit_tokens / self._query_tokens if self._query_tokens else 0.0
-        return BlockPoolStats(self.num_blocks, len(self._free), owned, len(self._evictable),
-                              self._queries, self._query_tokens, self._hit_tokens, rate,
-                              self._evictions)
+        return BlockPoolStats(
+            self.num_blocks,
+            len(self._free),
+            owned,
+            len(self._evictable),
+            self._queries,
+            self._query_tokens,
+            self._hit_tokens,
+            rate,
+            self._evictions,
+        )
 
     def block_state(self) -> list[str]:
         """Per block: "free", "owned" (ref 1), "shared" (ref > 1) or "cached" (ref 0, hashed)."""
+
         def state(b: KVCacheBlock) -> str:
             if b.ref_cnt > 1:
                 return "shared"
             if b.ref_cnt == 1:
                 return "owned"
             return "cached" if b.block_hash is not None else "free"
+
         return [state(b) for b in self.blocks]
 
     # ---- changes ------------------------------------------------------------------
@@ -163,16 +173,19 @@ class BlockPool:
     def cache_full_block(self, block: KVCacheBlock, block_hash: Hashable) -> None:
         """Make an owned block findable under `block_hash` (its KV is computed and full)."""
         if block.ref_cnt < 1 or block.block_hash is not None:
-            raise RuntimeError(f"block {block.block_id} cannot be cached: ref count {block.ref_cnt}, "
-                               f"hash {block.block_hash!r}")
+            raise RuntimeError(
+                f"block {block.block_id} cannot be cached: ref count {block.ref_cnt}, hash {block.block_hash!r}"
+            )
         block.block_hash = block_hash
         self._cached.setdefault(block_hash, {})[block.block_id] = block
 
     def cache_partial_block(self, block: KVCacheBlock, parent_hash: Hashable | None, token_ids: tuple) -> None:
         """Make a free, unhashed block findable by the tokens whose KV its first slots hold."""
         if block.ref_cnt != 0 or block.block_hash is not None or not token_ids:
-            raise RuntimeError(f"block {block.block_id} cannot be cached as partial: ref count {block.ref_cnt}, "
-                               f"hash {block.block_hash!r}, {len(token_ids)} tokens")
+            raise RuntimeError(
+                f"block {block.block_id} cannot be cached as partial: ref count {block.ref_cnt}, "
+                f"hash {block.block_hash!r}, {len(token_ids)} tokens"
+            )
         self._forget_partial(block.block_id)
         self._partials.setdefault(parent_hash, {})[block.block_id] = token_ids
         self._partial_parent[block.block_id] = parent_hash

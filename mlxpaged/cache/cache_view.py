@@ -35,10 +35,10 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from mlxpaged.cache.kv_cache import KVCacheSpec, LayerGroup, PagedKVCache
+
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
-
-from mlxpaged.cache.kv_cache import KVCacheSpec, LayerGroup, PagedKVCache
 
 
 def _routable(plan: _Plan, spec: KVCacheSpec) -> bool:
@@ -65,9 +65,7 @@ def paged_views(
         raise ValueError(f"each sequence needs {len(kv_cache.groups)} block tables, one per layer group")
     if num_new is not None and (len(num_new) != batch or any(n < 1 for n in num_new)):
         raise ValueError(f"num_new {list(num_new)} must hold {batch} counts of at least 1")
-    planners = [
-        _GroupPlanner(kv_cache, g, [tables[g.index] for tables in block_tables]) for g in kv_cache.groups
-    ]
+    planners = [_GroupPlanner(kv_cache, g, [tables[g.index] for tables in block_tables]) for g in kv_cache.groups]
     return [
         PagedCacheView(kv_cache, layer, planners[kv_cache.group_of(layer).index], offsets, num_new)
         for layer in range(kv_cache.num_layers)
@@ -133,8 +131,11 @@ def _build_plan(
 
 def _single_run(slots: list[int], num_new: int, block_size: int) -> tuple[int, int] | None:
     """(block, offset) when all `num_new` new tokens go, in order, to consecutive slots of one block."""
-    if len(slots) != num_new or slots != list(range(slots[0], slots[0] + num_new)) \
-            or slots[0] // block_size != slots[-1] // block_size:
+    if (
+        len(slots) != num_new
+        or slots != list(range(slots[0], slots[0] + num_new))
+        or slots[0] // block_size != slots[-1] // block_size
+    ):
         return None
     return slots[0] // block_size, slots[0] % block_size
 
@@ -255,8 +256,10 @@ class PagedCacheView:
         """Position of the first key the next pass returns: mlx-lm ChunkedKVCache's start_position,
         which llama4 reads to build its chunk mask. One sequence only (such models run serially)."""
         if len(self._offsets) != 1:
-            raise ValueError(f"start_position is one sequence's, this view holds {len(self._offsets)}; "
-                             "a model that reads it runs one sequence per pass (paged_support.serial_reason)")
+            raise ValueError(
+                f"start_position is one sequence's, this view holds {len(self._offsets)}; "
+                "a model that reads it runs one sequence per pass (paged_support.serial_reason)"
+            )
         return self._planner.spec.key_start(self._offsets[0])
 
     def maybe_trim_front(self) -> None:
@@ -335,11 +338,20 @@ class PagedCacheView:
         pass's queries are the last positions of [0, context), whose K/V lie in those pages (routing.py
         may read them in place instead of the gathered copy); else None."""
         plan = self._last_plan
-        if plan is None or len(plan.offsets) != 1 or plan.split or not plan.exact \
-                or self._planner.spec.window is not None:
+        if (
+            plan is None
+            or len(plan.offsets) != 1
+            or plan.split
+            or not plan.exact
+            or self._planner.spec.window is not None
+        ):
             return None
-        return (self._kv.key_pool(self._layer), self._kv.value_pool(self._layer), self._planner.tables[0],
-                plan.read_ends[0])
+        return (
+            self._kv.key_pool(self._layer),
+            self._kv.value_pool(self._layer),
+            self._planner.tables[0],
+            plan.read_ends[0],
+        )
 
     def _num_rows(self, batch: int, length: int) -> list[int]:
         if batch != len(self._offsets):

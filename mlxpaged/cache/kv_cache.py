@@ -52,8 +52,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import mlx.core as mx
-
 from mlxpaged.cache.layout import ModelLayout
 from mlxpaged.cache.specs import (  # noqa: F401  (block_bytes is re-exported: the facts live in specs.py)
     KVCacheSpec,
@@ -65,6 +63,8 @@ from mlxpaged.cache.specs import (  # noqa: F401  (block_bytes is re-exported: t
     group_layers,
     pool_block_bytes,
 )
+
+import mlx.core as mx
 
 
 class PagedKVCache:
@@ -103,16 +103,19 @@ class PagedKVCache:
         self._pool, self.pool_geometries = assign_pools(self.groups, geometries)
         self._heads = {h: mx.arange(h) for h in {g.kv_heads for g in geometries}}
         self.keys = [mx.zeros((num_blocks, g.kv_heads, block_size, g.k_dim), dtype) for g in self.pool_geometries]
-        self.values = [k if g.k_is_v else mx.zeros((num_blocks, g.kv_heads, block_size, g.v_dim), dtype)
-                       for k, g in zip(self.keys, self.pool_geometries, strict=True)]
+        self.values = [
+            k if g.k_is_v else mx.zeros((num_blocks, g.kv_heads, block_size, g.v_dim), dtype)
+            for k, g in zip(self.keys, self.pool_geometries, strict=True)
+        ]
         self._last_slots: tuple | None = None  # (slot mapping, slots, blocks, offsets)
         mx.eval(list(self._heads.values()), self.pools)  # lazy arrays would bind to this thread's stream
 
     @classmethod
     def for_layout(cls, layout: ModelLayout, num_blocks: int, block_size: int, dtype: mx.Dtype) -> PagedKVCache:
         """Pools for a layout's KV leaves, in leaf order (none for a model of state layers only)."""
-        return cls(len(layout.kv_leaves), num_blocks, block_size, None, None, dtype, layout.layer_kinds,
-                   layout.kv_geometries)
+        return cls(
+            len(layout.kv_leaves), num_blocks, block_size, None, None, dtype, layout.layer_kinds, layout.kv_geometries
+        )
 
     @property
     def pools(self) -> list[mx.array]:
@@ -187,9 +190,9 @@ class PagedKVCache:
         if not (0 <= block < self.num_blocks and offset >= 0 and offset + n <= self.block_size):
             raise ValueError(f"run of {n} tokens at block {block}, offset {offset} is outside the pool")
         j = self._pool[layer]
-        self.keys[j][block:block + 1, :, offset:offset + n, :] = k
+        self.keys[j][block : block + 1, :, offset : offset + n, :] = k
         if not self.geometries[layer].k_is_v:
-            self.values[j][block:block + 1, :, offset:offset + n, :] = v
+            self.values[j][block : block + 1, :, offset : offset + n, :] = v
 
     def _indices(self, slot_mapping: Sequence[int] | mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """(slots, block column, offset column). Every layer of a pass writes the same slot-mapping
@@ -277,7 +280,11 @@ def _check_layers(num_layers: int, num_blocks: int, block_size: int, windows: tu
         raise ValueError(f"geometries has {len(geometries)} entries for {num_layers} layers")
     if len(windows) != num_layers:
         raise ValueError(f"layer_windows has {len(windows)} entries for {num_layers} layers")
-    bad_windows = [w for w in windows if (isinstance(w, int) and (isinstance(w, bool) or w < 1))
-                   or not (w is None or isinstance(w, int) or hasattr(w, "spec"))]
+    bad_windows = [
+        w
+        for w in windows
+        if (isinstance(w, int) and (isinstance(w, bool) or w < 1))
+        or not (w is None or isinstance(w, int) or hasattr(w, "spec"))
+    ]
     if bad_windows:
         raise ValueError(f"sliding windows must be positive integers or None: {bad_windows}")

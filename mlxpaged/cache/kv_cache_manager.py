@@ -64,12 +64,13 @@ class SingleTypeManager:
         table = self.tables[request_id]
         return table[self.spec.table_index(position // self.spec.block_size, len(table))]
 
-    def fork(self, parent: list[KVCacheBlock], fresh: list[KVCacheBlock],
-             num_computed: int) -> tuple[list[KVCacheBlock], list[CopyOnWrite]]:
+    def fork(
+        self, parent: list[KVCacheBlock], fresh: list[KVCacheBlock], num_computed: int
+    ) -> tuple[list[KVCacheBlock], list[CopyOnWrite]]:
         """The child's table (shared leading blocks, then `fresh`) and the copies it needs first."""
         bs = self.spec.block_size
         if self.spec.max_blocks is None:
-            shared = parent[:self.spec.shareable_blocks(num_computed)]
+            shared = parent[: self.spec.shareable_blocks(num_computed)]
             copies = []
             if num_computed % bs and fresh:  # the partly computed block
                 copies.append(CopyOnWrite(parent[len(shared)].block_id, fresh[0].block_id, num_computed % bs))
@@ -87,9 +88,16 @@ class _CachedChain:
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, specs: Sequence[KVCacheSpec], *, enable_prefix_cache: bool = True,
-                 extra_key: object = None, hash_fn: HashFn = sha256_block_hash,
-                 prefix_filter: Callable[[list[Hashable]], int] | None = None):
+    def __init__(
+        self,
+        pool: BlockPool,
+        specs: Sequence[KVCacheSpec],
+        *,
+        enable_prefix_cache: bool = True,
+        extra_key: object = None,
+        hash_fn: HashFn = sha256_block_hash,
+        prefix_filter: Callable[[list[Hashable]], int] | None = None,
+    ):
         """`prefix_filter(hashes)`: how many leading blocks of a cached chain a request may use (models
         with state layers can resume only where their state was checkpointed); None: all of them."""
         specs = tuple(specs)
@@ -97,11 +105,14 @@ class KVCacheManager:
             raise ValueError("a KV cache manager needs at least one layer group spec, got none")
         sizes = {s.block_size for s in specs}
         if len(sizes) != 1 or not sizes <= set(VALID_BLOCK_SIZES):
-            raise ValueError(f"block_size must be one of {VALID_BLOCK_SIZES}, the same for every group, "
-                             f"got {sorted(sizes)}")
+            raise ValueError(
+                f"block_size must be one of {VALID_BLOCK_SIZES}, the same for every group, got {sorted(sizes)}"
+            )
         if enable_prefix_cache and not (len(specs) == 1 and specs[0].shares_prefix):
-            raise ValueError(f"the prefix cache needs one full-attention table per request (or a state model's "
-                             f"token table), got group_max_blocks {tuple(s.max_blocks for s in specs)}")
+            raise ValueError(
+                f"the prefix cache needs one full-attention table per request (or a state model's "
+                f"token table), got group_max_blocks {tuple(s.max_blocks for s in specs)}"
+            )
         self.pool = pool
         self.block_size = specs[0].block_size
         self.managers = [SingleTypeManager(s) for s in specs]
@@ -180,7 +191,7 @@ class KVCacheManager:
             self.pool.record_prefix_query(len(tokens), cached)
         chain = _CachedChain(hashes, self.pool.cache_epoch)
         if partial:
-            chain.partial = (taken[0], tuple(tokens[len(hits) * self.block_size:cached]))
+            chain.partial = (taken[0], tuple(tokens[len(hits) * self.block_size : cached]))
         self._chains[rid] = chain
         return Allocation([[b.block_id for b in t] for t in tables], cached, hashes[-1] if hits else None)
 
@@ -198,8 +209,10 @@ class KVCacheManager:
         for manager in self.managers:
             block = manager.block_at(rid, n - 1)
             if block.ref_cnt != 1:  # only computed full blocks are shared, so this is a manager bug
-                raise RuntimeError(f"position {n - 1} of {rid!r} would be written into block "
-                                   f"{block.block_id}, which has ref count {block.ref_cnt}")
+                raise RuntimeError(
+                    f"position {n - 1} of {rid!r} would be written into block "
+                    f"{block.block_id}, which has ref count {block.ref_cnt}"
+                )
         return self.block_tables(rid)
 
     def free_slots_after(self, request: Request, num_tokens: int) -> None:
@@ -208,8 +221,10 @@ class KVCacheManager:
         rid = request.request_id
         self._check_known(rid)
         if not request.num_computed_tokens <= num_tokens:
-            raise ValueError(f"request {rid!r}: cannot free slots below its {request.num_computed_tokens} "
-                             f"computed tokens (asked to keep {num_tokens})")
+            raise ValueError(
+                f"request {rid!r}: cannot free slots below its {request.num_computed_tokens} "
+                f"computed tokens (asked to keep {num_tokens})"
+            )
         for manager in self.managers:
             if not manager.spec.rolls_back:
                 raise ValueError(f"request {rid!r}: a sliding-window ring cannot give back speculative slots")
@@ -226,23 +241,26 @@ class KVCacheManager:
         rid, computed = request.request_id, request.num_computed_tokens
         chain = self._chain(rid)
         bs = self.block_size
-        if not len(chain.block_hashes) * bs <= computed <= request.num_tokens \
-                or any(m.num_new_blocks(rid, computed) for m in self.managers):
-            raise ValueError(f"request {rid!r}: {computed} computed tokens must be within "
-                             f"{len(chain.block_hashes) * bs}..{request.num_tokens} and have slots")
+        if not len(chain.block_hashes) * bs <= computed <= request.num_tokens or any(
+            m.num_new_blocks(rid, computed) for m in self.managers
+        ):
+            raise ValueError(
+                f"request {rid!r}: {computed} computed tokens must be within "
+                f"{len(chain.block_hashes) * bs}..{request.num_tokens} and have slots"
+            )
         if not self.enable_prefix_cache or chain.epoch != self.pool.cache_epoch:
             return
         table = self.managers[0].tables[rid]
         for i in range(len(chain.block_hashes), computed // bs):
             parent = chain.block_hashes[-1] if chain.block_hashes else None
-            block_hash = self.hash_fn(parent, tuple(request.token_ids_between(i * bs, (i + 1) * bs)),
-                                      self.extra_key)
+            block_hash = self.hash_fn(parent, tuple(request.token_ids_between(i * bs, (i + 1) * bs)), self.extra_key)
             if table[i].block_hash is None:
                 self.pool.cache_full_block(table[i], block_hash)
             chain.block_hashes.append(block_hash)
         start = len(chain.block_hashes) * bs  # == computed // bs * bs
-        chain.partial = (table[start // bs], tuple(request.token_ids_between(start, computed))) \
-            if computed > start else None
+        chain.partial = (
+            (table[start // bs], tuple(request.token_ids_between(start, computed))) if computed > start else None
+        )
 
     def block_hash(self, request_id: Hashable, num_blocks: int) -> Hashable | None:
         """The chain hash of the request's first `num_blocks` blocks, once they are cached (else None)."""
@@ -301,7 +319,7 @@ class KVCacheManager:
         start = len(hashes) * self.block_size
         if not self.enable_prefix_cache or self.prefix_filter is not None or start >= len(tokens) - 1:
             return None
-        return self.pool.match_partial_block(hashes[-1] if hashes else None, tokens[start:len(tokens) - 1])
+        return self.pool.match_partial_block(hashes[-1] if hashes else None, tokens[start : len(tokens) - 1])
 
     def _available_besides(self, hits: list[KVCacheBlock]) -> int:
         # Touching an evictable hit takes it out of the free pool without allocating it.
@@ -316,8 +334,9 @@ class KVCacheManager:
         hits: list[KVCacheBlock] = []
         hashes: list[Hashable] = []
         for i in range((len(tokens) - 1) // bs):
-            block_hash = self.hash_fn(hashes[-1] if hashes else None, tuple(tokens[i * bs:(i + 1) * bs]),
-                                      self.extra_key)
+            block_hash = self.hash_fn(
+                hashes[-1] if hashes else None, tuple(tokens[i * bs : (i + 1) * bs]), self.extra_key
+            )
             block = self.pool.get_cached_block(block_hash)
             if block is None:
                 break
@@ -333,6 +352,6 @@ def _split(blocks: list[KVCacheBlock], counts: Sequence[int]) -> list[list[KVCac
     """`blocks` cut into consecutive runs of `counts[i]` blocks."""
     tables, start = [], 0
     for n in counts:
-        tables.append(blocks[start:start + n])
+        tables.append(blocks[start : start + n])
         start += n
     return tables

@@ -17,8 +17,22 @@ from mlxpaged.cache.specs import LEAF_KINDS, KVGeometry, LayerKind
 
 Path = tuple[int, ...]
 KV_KINDS = tuple(LEAF_KINDS)  # the kinds cache/specs.py has a table spec for
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int32": 4, "int64": 8, "uint32": 4,
-               "int8": 1, "uint8": 1, "bool": 1, "int16": 2, "uint16": 2, "uint64": 8, "complex64": 8}
+DTYPE_BYTES = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float64": 8,
+    "int32": 4,
+    "int64": 8,
+    "uint32": 4,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+    "int16": 2,
+    "uint16": 2,
+    "uint64": 8,
+    "complex64": 8,
+}
 
 
 @dataclass(frozen=True)

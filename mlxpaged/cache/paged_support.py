@@ -31,8 +31,9 @@ def unsupported_reasons(layout: ModelLayout) -> list[Reason]:
         for why in _leaf_reasons(leaf):
             per_leaf.setdefault((leaf.describe(), why), []).append(layout.where(leaf.path))
     reasons = [Reason("own cache class", text) for text in layout.refuse]
-    reasons += [Reason(why.label, f"{', '.join(wheres)} ({kind}): {why.text}")
-                for (kind, why), wheres in per_leaf.items()]
+    reasons += [
+        Reason(why.label, f"{', '.join(wheres)} ({kind}): {why.text}") for (kind, why), wheres in per_leaf.items()
+    ]
     if layout.keeps_no_cache and not reasons:
         reasons.append(Reason("no KV cache", "the model keeps no key/value cache"))
     return reasons
@@ -40,8 +41,13 @@ def unsupported_reasons(layout: ModelLayout) -> list[Reason]:
 
 def _leaf_reasons(leaf) -> list[Reason]:
     if isinstance(leaf, KVLeaf) and leaf.kind == "window" and "sdpa-masked" in leaf.consumers:
-        return [Reason("model-built mask", "its attention uses a mask the model builds itself for "
-                                           "mlx-lm's rotating cache, whose key order the pages do not keep")]
+        return [
+            Reason(
+                "model-built mask",
+                "its attention uses a mask the model builds itself for "
+                "mlx-lm's rotating cache, whose key order the pages do not keep",
+            )
+        ]
     return []
 
 
@@ -70,6 +76,7 @@ def attention_geometries(layout: ModelLayout) -> list[tuple[int, int, int, int, 
     """Each distinct (query heads, KV heads, K width, V width, sinks) the decode attention may read
     from the pools, for the kernel's self-check (query heads default to the KV heads). Query heads that
     are no multiple of the KV heads never reach the pools (routing.pool_inputs), so they are left out."""
-    seen = {(leaf.q_heads or leaf.kv_heads, leaf.kv_heads, leaf.k_dim, leaf.v_dim, leaf.sinks)
-            for leaf in layout.kv_leaves}
+    seen = {
+        (leaf.q_heads or leaf.kv_heads, leaf.kv_heads, leaf.k_dim, leaf.v_dim, leaf.sinks) for leaf in layout.kv_leaves
+    }
     return sorted(geometry for geometry in seen if geometry[0] % geometry[1] == 0)

@@ -191,8 +191,9 @@ def assign_pools(groups: Sequence[LayerGroup], geometries: Sequence[KVGeometry])
     return pool_of, pools
 
 
-def pool_block_bytes(layer_windows: Sequence[LayerKind], geometries: Sequence[KVGeometry], block_size: int,
-                     dtype_bytes: int) -> int:
+def pool_block_bytes(
+    layer_windows: Sequence[LayerKind], geometries: Sequence[KVGeometry], block_size: int, dtype_bytes: int
+) -> int:
     """Bytes one block id stands for: one page in every pool (`assign_pools`), each of its own widths."""
     _, pools = assign_pools(group_layers(layer_windows), geometries)
     return sum(pool.page_elements(block_size) for pool in pools) * dtype_bytes
@@ -208,6 +209,7 @@ class KVCacheSpec(ABC):
 
     block_size: int
     if TYPE_CHECKING:  # a field of SlidingWindowSpec's, a property of the others' (read-only to callers)
+
         @property
         def window(self) -> int | None:
             """Tokens of the sequence a layer stores and a query may read (None: every earlier one)."""
@@ -277,11 +279,14 @@ class KVCacheSpec(ABC):
         """Raise ValueError unless `table` holds the blocks `num_tokens` tokens need, and no more than a ring's."""
         need = self.blocks_needed(num_tokens)
         if len(table) < need:
-            raise ValueError(f"block table has {len(table)} blocks, {num_tokens} tokens need {need} "
-                             f"(block_size {self.block_size})")
+            raise ValueError(
+                f"block table has {len(table)} blocks, {num_tokens} tokens need {need} (block_size {self.block_size})"
+            )
         if self.max_blocks is not None and len(table) > self.max_blocks:
-            raise ValueError(f"a ring of {self.size} tokens uses at most {self.max_blocks} blocks per request, "
-                             f"the table has {len(table)}")
+            raise ValueError(
+                f"a ring of {self.size} tokens uses at most {self.max_blocks} blocks per request, "
+                f"the table has {len(table)}"
+            )
 
 
 def _check_positive(**sizes: object) -> None:
@@ -397,6 +402,7 @@ def table_lengths(num_tokens: int, block_size: int, group_max_blocks: Sequence[i
 def sequence_capacity(num_blocks: int, block_size: int, group_max_blocks: Sequence[int | None]) -> int | None:
     """Tokens (whole blocks) of the longest sequence `num_blocks` blocks can hold; None when
     any length fits (only rings, and they fit)."""
+
     def fits(n: int) -> bool:
         return sum(table_lengths(n * block_size, block_size, group_max_blocks)) <= num_blocks
 

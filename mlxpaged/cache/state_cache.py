@@ -20,10 +20,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 
+from mlxpaged.cache.layout import Path, StateLeaf
+
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
-
-from mlxpaged.cache.layout import Path, StateLeaf
 
 # One leaf's arrays of one sequence ([1, ...] each, None: unset); a snapshot: every leaf's, by path.
 Row = list
@@ -82,8 +82,9 @@ class StateStore:
     def snapshot(self, slot: int) -> Snapshot:
         """The slot's rows as fresh arrays: a row sliced from a batch would pin the whole batch array."""
         self._check(slot)
-        return {path: tuple(None if a is None else mx.contiguous(a) for a in row)
-                for path, row in self._rows[slot].items()}
+        return {
+            path: tuple(None if a is None else mx.contiguous(a) for a in row) for path, row in self._rows[slot].items()
+        }
 
     def restore(self, slot: int, snapshot: Snapshot) -> None:
         """Set the slot's rows to a snapshot's (shared, immutable)."""
@@ -94,8 +95,9 @@ class StateStore:
 
     def _check(self, slot: int) -> None:
         if slot not in self._rows:
-            raise KeyError(f"state slot {slot} is not allocated ({self.num_slots - self.num_free} of "
-                           f"{self.num_slots} slots are)")
+            raise KeyError(
+                f"state slot {slot} is not allocated ({self.num_slots - self.num_free} of {self.num_slots} slots are)"
+            )
 
 
 class StateView(ArraysCache):
@@ -160,8 +162,9 @@ class StatePass:
 
     def __init__(self, store: StateStore, slots: Sequence[int], num_new: Sequence[int]):
         if len(slots) != len(num_new) or len(set(slots)) != len(slots):
-            raise ValueError(f"a state pass needs distinct slots, one per row: slots {list(slots)}, "
-                             f"num_new {list(num_new)}")
+            raise ValueError(
+                f"a state pass needs distinct slots, one per row: slots {list(slots)}, num_new {list(num_new)}"
+            )
         self.store, self.slots = store, list(slots)
         ragged = len(set(num_new)) > 1
         lengths = mx.array(list(num_new)) if ragged else None
@@ -178,7 +181,7 @@ class StatePass:
         for path, view in self.views.items():
             for i, value in view.written.items():
                 for b in keep:
-                    self.store.row(self.slots[b], path)[i] = value if single else value[b:b + 1]
+                    self.store.row(self.slots[b], path)[i] = value if single else value[b : b + 1]
 
 
 class CheckpointTable:

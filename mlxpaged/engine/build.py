@@ -10,8 +10,6 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import mlx.core as mx
-
 from mlxpaged.cache.kv_cache import PagedKVCache
 from mlxpaged.cache.layout import ModelLayout
 from mlxpaged.cache.paged_support import attention_geometries, serial_reason
@@ -26,6 +24,8 @@ from mlxpaged.platform.memory import DeviceFacts, MemoryPlan, ModelFacts, model_
 from mlxpaged.platform.model_facts import context_length
 from mlxpaged.runner.batch_check import batch_mismatch
 from mlxpaged.runner.routing import route_paged_attention
+
+import mlx.core as mx
 
 
 @dataclass(frozen=True)
@@ -42,8 +42,14 @@ class BuiltCore:
     core: EngineCore
 
 
-def build_core(loaded: LoadedModel, cache_config: CacheConfig, scheduler_config: SchedulerConfig, *,
-               stats: StatsCounter, has_commands: Callable[[], bool]) -> BuiltCore:
+def build_core(
+    loaded: LoadedModel,
+    cache_config: CacheConfig,
+    scheduler_config: SchedulerConfig,
+    *,
+    stats: StatsCounter,
+    has_commands: Callable[[], bool],
+) -> BuiltCore:
     """Plan, allocate and check everything for `loaded`; raises (InsufficientMemoryError, an unsupported
     layout) before any request is taken. `has_commands`: whether callers queued anything (the core pipelines
     only when nothing did)."""
@@ -51,22 +57,35 @@ def build_core(loaded: LoadedModel, cache_config: CacheConfig, scheduler_config:
     check_paged_support(layout)
     route_paged_attention()
     kv_dtype = activation_dtype(loaded.model)  # K/V have the activations' dtype
-    facts = ModelFacts.from_layout(layout, model_weight_bytes(loaded.model), kv_dtype.size,
-                                   context_length(loaded.config))
+    facts = ModelFacts.from_layout(
+        layout, model_weight_bytes(loaded.model), kv_dtype.size, context_length(loaded.config)
+    )
     plan = plan_memory(DeviceFacts.detect(), facts, cache_config, scheduler_config, weights_resident=True)
     kv = PagedKVCache.for_layout(layout, plan.num_blocks, cache_config.block_size, kv_dtype)
     # Before the first decode: a Metal kernel variant that fails its self-check is replaced by the reference.
     attention = prepare_model_attention(kv_dtype, cache_config.block_size, attention_geometries(layout))
     max_model_len = scheduler_config.max_model_len or facts.context_length or plan.token_capacity
     if max_model_len is None:  # no stated context, and a cache of rings holds any length
-        raise ConfigError("the model states no context length and its cache holds any length: set "
-                          "{max_model_len}", param="max_model_len")
+        raise ConfigError(
+            "the model states no context length and its cache holds any length: set {max_model_len}",
+            param="max_model_len",
+        )
     # Not exact in a ragged batch (or cannot take one): one sequence per pass, decided here, not mid-request.
     serial = layout_serial_reason(layout, loaded.model, kv_dtype, cache_config.block_size)
-    core = EngineCore.create(loaded.model, loaded.tokenizer, kv, cache_config, scheduler_config,
-                             max_model_len=max_model_len, extra_key=str(loaded.path), stats=stats,
-                             serial=serial is not None, layout=layout, num_checkpoints=plan.num_checkpoints,
-                             has_commands=has_commands)
+    core = EngineCore.create(
+        loaded.model,
+        loaded.tokenizer,
+        kv,
+        cache_config,
+        scheduler_config,
+        max_model_len=max_model_len,
+        extra_key=str(loaded.path),
+        stats=stats,
+        serial=serial is not None,
+        layout=layout,
+        num_checkpoints=plan.num_checkpoints,
+        has_commands=has_commands,
+    )
     evaluate_model_arrays(loaded.model)  # after every forward on this thread (probe, split_head)
     return BuiltCore(layout, facts, plan, kv, attention, max_model_len, serial, core)
 
@@ -82,8 +101,12 @@ def layout_serial_reason(layout: ModelLayout, model, dtype: mx.Dtype, block_size
     except Exception as exc:  # a ragged batch the probe's batched forward did not catch failing
         reason = f"{type(exc).__name__}: {str(exc)[:200]}"
     if reason is not None:
-        warnings.warn(f"model type {layout.model_type!r} is not exact in a batch of sequences ({reason}): it runs "
-                      "one sequence per pass (correct, slower)", RuntimeWarning, stacklevel=4)
+        warnings.warn(
+            f"model type {layout.model_type!r} is not exact in a batch of sequences ({reason}): it runs "
+            "one sequence per pass (correct, slower)",
+            RuntimeWarning,
+            stacklevel=4,
+        )
     return reason
 
 
@@ -91,5 +114,12 @@ def evaluate_model_arrays(model) -> None:
     """Evaluate what the lazy forwards on this thread left lazy in the model: gemma3n reassigns its altup
     weights (`weight = mx.clip(weight, ...)`) in every forward and keeps `_std_multiplier` outside its
     parameters. First evaluated on the engine thread they fail ("no Stream(cpu, 0) in current thread")."""
-    mx.eval(model.parameters(), [value for module in model.modules() for key, value in module.items()
-                                 if key.startswith("_") and isinstance(value, mx.array)])
+    mx.eval(
+        model.parameters(),
+        [
+            value
+            for module in model.modules()
+            for key, value in module.items()
+            if key.startswith("_") and isinstance(value, mx.array)
+        ],
+    )

@@ -34,21 +34,40 @@ class EngineCore:
     """`has_commands`: whether callers queued anything since the step began (a request may arrive,
     so the next step is not predictable and nothing is pipelined)."""
 
-    def __init__(self, scheduler: Scheduler, runner: Runner, tokenizer, stats: StatsCounter | None = None,
-                 has_commands: Callable[[], bool] = lambda: False, num_speculative_tokens: int | None = None):
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        runner: Runner,
+        tokenizer,
+        stats: StatsCounter | None = None,
+        has_commands: Callable[[], bool] = lambda: False,
+        num_speculative_tokens: int | None = None,
+    ):
         self.scheduler, self.runner = scheduler, runner
         self.stats = stats or StatsCounter()
         self.outputs = OutputProcessor(scheduler, tokenizer, self.stats, fork=self._fork)
         self._has_commands = has_commands
         # Prompt-lookup speculative decoding (drafting.py), when a draft length is given.
-        self.speculator = None if num_speculative_tokens is None else \
-            Speculator(scheduler, num_speculative_tokens, self._can_draft)
+        self.speculator = (
+            None if num_speculative_tokens is None else Speculator(scheduler, num_speculative_tokens, self._can_draft)
+        )
 
     @classmethod
-    def create(cls, model, tokenizer, kv: PagedKVCache, cache_config: CacheConfig,
-               scheduler_config: SchedulerConfig, *, max_model_len: int, extra_key: object = None,
-               serial: bool = False, layout: ModelLayout | None = None, num_checkpoints: int = 0,
-               **kwargs) -> EngineCore:
+    def create(
+        cls,
+        model,
+        tokenizer,
+        kv: PagedKVCache,
+        cache_config: CacheConfig,
+        scheduler_config: SchedulerConfig,
+        *,
+        max_model_len: int,
+        extra_key: object = None,
+        serial: bool = False,
+        layout: ModelLayout | None = None,
+        num_checkpoints: int = 0,
+        **kwargs,
+    ) -> EngineCore:
         """A core over `kv`'s blocks: block pool, cache manager (one spec per layer group), scheduler, runner
         (`layout`: the model's cache layout, which the runner assembles its cache list from; `serial`: one
         sequence per pass). A `layout` with state layers also gets max_num_seqs state slots and
@@ -60,10 +79,20 @@ class EngineCore:
             # Each slot may hold one pending checkpoint (StateCache): the table gets the rest.
             table = max(0, num_checkpoints - scheduler_config.max_num_seqs) if prefix_cache else 0
             state = StateCache(StateStore(layout.state_leaves, scheduler_config.max_num_seqs), CheckpointTable(table))
-        manager = KVCacheManager(BlockPool(kv.num_blocks), specs, extra_key=extra_key, enable_prefix_cache=prefix_cache,
-                                 prefix_filter=state.usable_blocks if state is not None else None)
-        scheduler = Scheduler(manager, max_batch_tokens=scheduler_config.max_batch_tokens,
-                              max_num_seqs=scheduler_config.max_num_seqs, max_model_len=max_model_len, state=state)
+        manager = KVCacheManager(
+            BlockPool(kv.num_blocks),
+            specs,
+            extra_key=extra_key,
+            enable_prefix_cache=prefix_cache,
+            prefix_filter=state.usable_blocks if state is not None else None,
+        )
+        scheduler = Scheduler(
+            manager,
+            max_batch_tokens=scheduler_config.max_batch_tokens,
+            max_num_seqs=scheduler_config.max_num_seqs,
+            max_model_len=max_model_len,
+            state=state,
+        )
         if scheduler_config.speculative is not None:
             _check_speculation(scheduler_config.speculative, kv, state is not None)
             kwargs["num_speculative_tokens"] = scheduler_config.num_speculative_tokens
@@ -82,8 +111,9 @@ class EngineCore:
         try:
             self.runner.decoder.warm_up()
         except Exception as exc:
-            warnings.warn(f"compiled decode is off for this model ({exc!r}); decoding eagerly", RuntimeWarning,
-                          stacklevel=1)
+            warnings.warn(
+                f"compiled decode is off for this model ({exc!r}); decoding eagerly", RuntimeWarning, stacklevel=1
+            )
             self.runner.decoder = None
 
     def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams, sink) -> None:
@@ -110,8 +140,11 @@ class EngineCore:
         rows = self.outputs.sampling_rows(out)
         results = self.runner.execute(out.chunks, rows, planner=self)  # 2. execute
         sampled, failed = split_results(rows, results)
-        accepted = {t.request.request_id: [a.token for a in r.accepted if a.token is not None]
-                    for t, r in zip(rows.sequences, results, strict=True) if r.accepted}
+        accepted = {
+            t.request.request_id: [a.token for a in r.accepted if a.token is not None]
+            for t, r in zip(rows.sequences, results, strict=True)
+            if r.accepted
+        }
         self.scheduler.update_from_output(out, sampled, failed, accepted)  # 3. update
         self.outputs.process(out, rows, results)  # 4. process outputs
         if self.speculator is not None:
@@ -126,8 +159,12 @@ class EngineCore:
 
     def predictable(self) -> bool:
         """Also False when a sequence may draft next step: its chunk will not be one token."""
-        return not (self.scheduler.num_waiting or self.outputs.pending_aborts or self._has_commands()
-                    or (self.speculator is not None and self.speculator.may_draft(self.scheduler.running)))
+        return not (
+            self.scheduler.num_waiting
+            or self.outputs.pending_aborts
+            or self._has_commands()
+            or (self.speculator is not None and self.speculator.may_draft(self.scheduler.running))
+        )
 
     def _can_draft(self, request: Request) -> bool:
         """Sequences whose sampler reads the history (penalties, processors, grammars) never draft, nor a
@@ -155,8 +192,13 @@ def _check_speculation(method: str, kv: PagedKVCache, has_state: bool) -> None:
             rings.setdefault(label, set()).add(size)
     if rings:
         kinds = [label.format(sizes=sorted(sizes)) for label, sizes in rings.items()]
-        raise ConfigError(f"{{speculative:{method!r}}} needs full attention in every layer; this model has "
-                          f"{' and '.join(kinds)}", param="speculative")
+        raise ConfigError(
+            f"{{speculative:{method!r}}} needs full attention in every layer; this model has {' and '.join(kinds)}",
+            param="speculative",
+        )
     if has_state:  # a recurrent state has no earlier version to return to after a rejected draft
-        raise ConfigError(f"{{speculative:{method!r}}} needs attention layers only; this model has state-space or "
-                          "linear-attention layers, whose state cannot be rolled back", param="speculative")
+        raise ConfigError(
+            f"{{speculative:{method!r}}} needs attention layers only; this model has state-space or "
+            "linear-attention layers, whose state cannot be rolled back",
+            param="speculative",
+        )

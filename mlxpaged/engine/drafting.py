@@ -32,6 +32,7 @@ MAX_PAUSE = 64  # steps a failing sequence waits before drafting again, at most
 class DraftPolicy:
     """One sequence's adaptive draft length: full after a fully accepted draft, the accepted
     length + 1 after a partial one, halved after a miss; two misses in a row pause drafting."""
+
     max_k: int
     k: int = 0
     pause: int = 0  # steps left without drafting
@@ -80,8 +81,11 @@ class SpeculationStats:
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
 
     def snapshot(self) -> dict:
-        return {"spec_draft_tokens_total": self.draft_tokens, "spec_accepted_tokens_total": self.accepted_tokens,
-                "spec_acceptance_rate": self.acceptance_rate}
+        return {
+            "spec_draft_tokens_total": self.draft_tokens,
+            "spec_accepted_tokens_total": self.accepted_tokens,
+            "spec_acceptance_rate": self.acceptance_rate,
+        }
 
 
 class Speculator:

@@ -47,8 +47,12 @@ if TYPE_CHECKING:
 class Engine:
     """Runs a core built by engine/build.py on its own thread (engine_thread.py), fed by a command queue."""
 
-    def __init__(self, loaded: LoadedModel, cache_config: CacheConfig | None = None,
-                 scheduler_config: SchedulerConfig | None = None):
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        cache_config: CacheConfig | None = None,
+        scheduler_config: SchedulerConfig | None = None,
+    ):
         self.loaded = loaded
         self.cache_config = cache_config or CacheConfig(cache_tokens=DEFAULT_CACHE_TOKENS)
         self.scheduler_config = scheduler_config or SchedulerConfig()
@@ -62,8 +66,13 @@ class Engine:
         self._grammar_compiler: GrammarCompiler | None = None
         self._grammar_lock = threading.Lock()
         commands = self._commands  # the core must not hold the engine: its thread holds it weakly (engine_thread.py)
-        self.built: BuiltCore = build_core(loaded, self.cache_config, self.scheduler_config, stats=self._stats,
-                                           has_commands=lambda: not commands.empty())
+        self.built: BuiltCore = build_core(
+            loaded,
+            self.cache_config,
+            self.scheduler_config,
+            stats=self._stats,
+            has_commands=lambda: not commands.empty(),
+        )
         self._thread = engine_thread.start(self, commands, self.core, self.plan, self.cache_config.wire)
 
     @classmethod
@@ -157,8 +166,7 @@ class Engine:
         return self.kv_manager.pool
 
     # --- public API ----------------------------------------------------------------------------
-    def submit(self, prompt: str | Sequence[int], params: SamplingParams | None,
-               sink: Callable[[object], None]) -> str:
+    def submit(self, prompt: str | Sequence[int], params: SamplingParams | None, sink: Callable[[object], None]) -> str:
         """Queue a request; events (StreamDelta, or an exception) go to `sink` from the engine thread."""
         if self._closed:
             raise EngineClosedError("the engine is closed")
@@ -170,8 +178,9 @@ class Engine:
         self._commands.put(engine_thread.Add(request_id, tokens, params, sink))
         return request_id
 
-    def generate(self, prompts: str | Sequence[int] | list,
-                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Completion]:
+    def generate(
+        self, prompts: str | Sequence[int] | list, params: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> list[Completion]:
         """Run prompts (text or token-id lists) concurrently; return their completions in order
         (with n > 1, a prompt's n completions follow each other, by index).
         `params` is one SamplingParams for all prompts, or one per prompt."""
@@ -213,8 +222,9 @@ class Engine:
             if remaining:
                 self.abort(request_id)
 
-    async def astream(self, prompt: str | Sequence[int],
-                      params: SamplingParams | None = None) -> AsyncIterator[StreamDelta]:
+    async def astream(
+        self, prompt: str | Sequence[int], params: SamplingParams | None = None
+    ) -> AsyncIterator[StreamDelta]:
         """Async version of stream(); cancelling the consuming task aborts the request."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
@@ -244,15 +254,22 @@ class Engine:
     def stats(self) -> dict:
         pool = self.pool.stats()
         return {
-            "blocks_total": pool.num_blocks, "blocks_free": pool.num_free + pool.num_cached_free,
-            "blocks_used": pool.num_owned, "blocks_cached": pool.num_cached_free,
-            "prefix_hit_rate": pool.hit_rate, "prefix_hit_tokens": pool.hit_tokens,
-            "requests_running": self.scheduler.num_running, "requests_waiting": self.scheduler.num_waiting,
-            **self._stats.snapshot(), "memory_plan": self.plan, **self._memory_stats(),
+            "blocks_total": pool.num_blocks,
+            "blocks_free": pool.num_free + pool.num_cached_free,
+            "blocks_used": pool.num_owned,
+            "blocks_cached": pool.num_cached_free,
+            "prefix_hit_rate": pool.hit_rate,
+            "prefix_hit_tokens": pool.hit_tokens,
+            "requests_running": self.scheduler.num_running,
+            "requests_waiting": self.scheduler.num_waiting,
+            **self._stats.snapshot(),
+            "memory_plan": self.plan,
+            **self._memory_stats(),
             "speculative": self.scheduler_config.speculative,
             **(self.core.speculator.stats if self.core.speculator else SpeculationStats()).snapshot(),
             "attention": self.built.attention.status(),  # this engine's model: {"path", "reason", "variants"}
-            "backend": backend.current(), "backend_description": backend.describe(),  # platform/backend.py
+            "backend": backend.current(),
+            "backend_description": backend.describe(),  # platform/backend.py
             "serial": self.serial_reason,  # why one sequence runs per pass (None: batched)
             "kv_memory_by_class": {g.describe(): size for g, size in self.kv.bytes_by_class().items()},
         }
@@ -262,8 +279,11 @@ class Engine:
         out = {"kv_bytes": self.plan.kv_bytes, "state_bytes": self.plan.state_bytes}
         state = self.scheduler.state
         if state is not None:
-            out.update(state_slots_total=state.store.num_slots, state_slots_used=state.store.num_slots - state.num_free,
-                       state_checkpoints=len(state.checkpoints))
+            out.update(
+                state_slots_total=state.store.num_slots,
+                state_slots_used=state.store.num_slots - state.num_free,
+                state_checkpoints=len(state.checkpoints),
+            )
         return out
 
     def block_states(self) -> list[str]:

@@ -14,13 +14,13 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import mlx.core as mx
-
 from mlxpaged.engine import shutdown
 from mlxpaged.engine.core import EngineCore
 from mlxpaged.errors import EngineClosedError
 from mlxpaged.platform.memory import MemoryPlan, wired_limit
 from mlxpaged.sampling_params import SamplingParams
+
+import mlx.core as mx
 
 IDLE_WAIT_S = 0.5  # how long an idle engine thread waits for a command before looking again
 
@@ -51,8 +51,9 @@ Command = Add | Abort | Close
 def start(engine, commands: queue.SimpleQueue, core: EngineCore, plan: MemoryPlan, wire: bool) -> threading.Thread:
     """Start the thread stepping `core` and reading `commands`; close it when `engine` is collected or at exit."""
     ref = weakref.ref(engine)
-    thread = threading.Thread(target=_serve, name="mlxpaged-engine", daemon=True,
-                              args=(ref, commands, core, plan, wire))
+    thread = threading.Thread(
+        target=_serve, name="mlxpaged-engine", daemon=True, args=(ref, commands, core, plan, wire)
+    )
     weakref.finalize(engine, commands.put, Close()).atexit = False  # shutdown.py handles exit
     shutdown.track(engine)
     thread.start()

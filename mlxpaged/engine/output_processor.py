@@ -29,6 +29,7 @@ _FINISH_STATUS = {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatu
 @dataclass(eq=False)  # compared by identity: requests are unique objects
 class Tracked:
     """Engine-thread state of one request."""
+
     request: Request
     params: SamplingParams
     sampler: SamplerState
@@ -47,8 +48,11 @@ class Tracked:
 
 def split_results(rows: SamplingRows[Tracked], results: list[SampleResult]) -> tuple[dict[str, int], set[str]]:
     """(sampled token by sequence id, ids of the sequences whose sampling failed)."""
-    sampled = {t.sequence_id: r.token for t, r in zip(rows.sequences, results, strict=True)
-               if r.error is None and r.token is not None}  # no error: a token
+    sampled = {
+        t.sequence_id: r.token
+        for t, r in zip(rows.sequences, results, strict=True)
+        if r.error is None and r.token is not None
+    }  # no error: a token
     failed = {t.sequence_id for t, r in zip(rows.sequences, results, strict=True) if r.error is not None}
     return sampled, failed
 
@@ -58,8 +62,7 @@ class OutputProcessor:
     through `pending_aborts`, applied before the next step; `fork(parent_id, child, first_token)`
     starts an n > 1 sequence (scheduler fork and block copies)."""
 
-    def __init__(self, scheduler: Scheduler, tokenizer, stats: StatsCounter,
-                 fork: Callable[[str, Request, int], None]):
+    def __init__(self, scheduler: Scheduler, tokenizer, stats: StatsCounter, fork: Callable[[str, Request, int], None]):
         self.scheduler, self.tokenizer, self.stats = scheduler, tokenizer, stats
         self._fork = fork
         self._tracked: dict[str, Tracked] = {}
@@ -74,8 +77,10 @@ class OutputProcessor:
         caller_id = request.request_id
         tracked = self._new(request, params, sink, 0, caller_id)
         tokens = request.prompt_token_ids
-        tracked.forks = [self._new(Request(f"{caller_id}.{i}", tokens, params.max_tokens), params, sink, i,
-                                   caller_id) for i in range(1, params.n)]
+        tracked.forks = [
+            self._new(Request(f"{caller_id}.{i}", tokens, params.max_tokens), params, sink, i, caller_id)
+            for i in range(1, params.n)
+        ]
         self._tracked[caller_id] = tracked
 
     def _new(self, request: Request, params: SamplingParams, sink, index: int, caller_id: str) -> Tracked:
@@ -129,9 +134,16 @@ class OutputProcessor:
             tracked.first_token = time.perf_counter()
             self.stats.add_ttft(tracked.first_token - tracked.submitted)
         delta = tracked.text.push(result.token)
-        event = StreamDelta(tracked.caller_id, delta.text, result.token, result.logprob, result.top_logprobs,
-                            delta.finish_reason if delta.finished else None, tracked.index,
-                            stop_sequence=delta.stop_matched)
+        event = StreamDelta(
+            tracked.caller_id,
+            delta.text,
+            result.token,
+            result.logprob,
+            result.top_logprobs,
+            delta.finish_reason if delta.finished else None,
+            tracked.index,
+            stop_sequence=delta.stop_matched,
+        )
         if delta.finish_reason is not None:  # push() finishes with "stop" or "length"
             if undelivered:  # a stop inside an accepted run: the request ends at its stop token
                 self.scheduler.drop_last_outputs(sequence_id, undelivered)
@@ -139,8 +151,14 @@ class OutputProcessor:
         else:
             self._emit(tracked, event)
 
-    def finish(self, sequence_id: str, status: RequestStatus, reason: str | None,
-               last: StreamDelta | None = None, notify: bool = True) -> None:
+    def finish(
+        self,
+        sequence_id: str,
+        status: RequestStatus,
+        reason: str | None,
+        last: StreamDelta | None = None,
+        notify: bool = True,
+    ) -> None:
         tracked = self._tracked.pop(sequence_id, None)
         if tracked is None:
             return
@@ -148,8 +166,16 @@ class OutputProcessor:
         if not notify:
             return
         for fork in tracked.forks:  # n > 1 sequences that never started end with their parent
-            self._emit(fork, StreamDelta(tracked.caller_id, "", finish_reason=reason, index=fork.index,
-                                         prompt_tokens=len(tracked.request.prompt_token_ids)))
+            self._emit(
+                fork,
+                StreamDelta(
+                    tracked.caller_id,
+                    "",
+                    finish_reason=reason,
+                    index=fork.index,
+                    prompt_tokens=len(tracked.request.prompt_token_ids),
+                ),
+            )
         request = tracked.request
         event = last or StreamDelta(tracked.caller_id, tracked.text.finish().text, index=tracked.index)
         event.request_id = tracked.caller_id
@@ -187,5 +213,7 @@ class OutputProcessor:
 
     def fail_all(self, exc: BaseException) -> None:
         for caller_id in {t.caller_id for t in self._tracked.values()}:
-            self.fail(caller_id, exc if isinstance(exc, EngineClosedError)
-                      else RequestFailedError(f"engine step failed: {exc!r}"))
+            self.fail(
+                caller_id,
+                exc if isinstance(exc, EngineClosedError) else RequestFailedError(f"engine step failed: {exc!r}"),
+            )

@@ -23,8 +23,14 @@ class RequestStatus(enum.Enum):
         return self in _FINISHED
 
 
-_FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                       RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR})
+_FINISHED = frozenset(
+    {
+        RequestStatus.FINISHED_STOPPED,
+        RequestStatus.FINISHED_LENGTH,
+        RequestStatus.FINISHED_ABORTED,
+        RequestStatus.FINISHED_ERROR,
+    }
+)
 
 
 @dataclass(eq=False)
@@ -57,5 +63,5 @@ class Request:
         if end <= n_prompt:
             return self.prompt_token_ids[start:end]
         if start >= n_prompt:
-            return self.output_token_ids[start - n_prompt:end - n_prompt]
-        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n_prompt]
+            return self.output_token_ids[start - n_prompt : end - n_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n_prompt]

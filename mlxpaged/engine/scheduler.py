@@ -84,15 +84,24 @@ CACHE_CAPACITY = "KV cache capacity"
 
 
 class Scheduler:
-    def __init__(self, kv_manager: KVCacheManager, *, max_batch_tokens: int, max_num_seqs: int,
-                 max_model_len: int, state: StateSlots | None = None):
-        for name, value in (("max_batch_tokens", max_batch_tokens),
-                            ("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len)):
+    def __init__(
+        self,
+        kv_manager: KVCacheManager,
+        *,
+        max_batch_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        state: StateSlots | None = None,
+    ):
+        for name, value in (
+            ("max_batch_tokens", max_batch_tokens),
+            ("max_num_seqs", max_num_seqs),
+            ("max_model_len", max_model_len),
+        ):
             require_int(name, value, low=1)
         if max_batch_tokens < max_num_seqs:
             # Otherwise some decoding requests would be skipped every step.
-            raise ValueError(f"max_batch_tokens ({max_batch_tokens}) must be >= "
-                             f"max_num_seqs ({max_num_seqs})")
+            raise ValueError(f"max_batch_tokens ({max_batch_tokens}) must be >= max_num_seqs ({max_num_seqs})")
         self.kv_manager = kv_manager
         self.state = state
         self.max_batch_tokens = max_batch_tokens
@@ -150,13 +159,12 @@ class Scheduler:
         n_prompt = len(request.prompt_token_ids)
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already in use by an unfinished request")
-        if request.status is not RequestStatus.WAITING or request.output_token_ids \
-                or request.num_computed_tokens:
-            raise ValueError(f"request {rid!r} must be new (WAITING, no output, nothing "
-                             f"computed), got status {request.status.name}")
+        if request.status is not RequestStatus.WAITING or request.output_token_ids or request.num_computed_tokens:
+            raise ValueError(
+                f"request {rid!r} must be new (WAITING, no output, nothing computed), got status {request.status.name}"
+            )
         if n_prompt == 0:
-            raise ValueError(f"request {rid!r} has an empty prompt: the model needs at least "
-                             f"1 token")
+            raise ValueError(f"request {rid!r} has an empty prompt: the model needs at least 1 token")
         if max_tokens < 1:
             raise ValueError(f"request {rid!r}: max_tokens must be >= 1, got {max_tokens}")
         self.check_fits(n_prompt, max_tokens)
@@ -193,8 +201,9 @@ class Scheduler:
         before it is finished: their KV is never read."""
         request = self._requests[request_id]
         if not 0 < count <= len(request.output_token_ids):
-            raise ValueError(f"request {request_id!r}: cannot drop {count} of its "
-                             f"{len(request.output_token_ids)} output tokens")
+            raise ValueError(
+                f"request {request_id!r}: cannot drop {count} of its {len(request.output_token_ids)} output tokens"
+            )
         del request.output_token_ids[-count:]
 
     def abort(self, request_id: str) -> Request | None:
@@ -275,8 +284,13 @@ class Scheduler:
             budget -= len(chunks[-1].token_ids)
         return SchedulerOutput(chunks, preempted, self.max_batch_tokens - budget)
 
-    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int],
-                           failed: Collection[str] = (), accepted: Mapping[str, list[int]] = {}) -> None:
+    def update_from_output(
+        self,
+        output: SchedulerOutput,
+        sampled: dict[str, int],
+        failed: Collection[str] = (),
+        accepted: Mapping[str, list[int]] = {},
+    ) -> None:
         """Record the step's KV as computed and append the sampled tokens. Chunks of requests
         finished since schedule(), or whose sampling `failed` (the caller finishes those), are
         skipped; extra keys in `sampled` are ignored. A chunk with drafts keeps the KV of its
@@ -284,20 +298,21 @@ class Scheduler:
         live = [c for c in output.chunks if not c.request.is_finished and c.request.request_id not in failed]
         for chunk in live:
             request = chunk.request
-            if request.status is not RequestStatus.RUNNING \
-                    or chunk.start != request.num_computed_tokens:
+            if request.status is not RequestStatus.RUNNING or chunk.start != request.num_computed_tokens:
                 raise RuntimeError(
                     f"stale output for request {request.request_id!r}: chunk starts at "
                     f"{chunk.start}, request has {request.num_computed_tokens} computed "
-                    f"tokens and status {request.status.name}")
+                    f"tokens and status {request.status.name}"
+                )
             if chunk.samples and request.request_id not in sampled:
                 raise ValueError(f"no sampled token for request {request.request_id!r}")
         for chunk in live:
             request = chunk.request
             kept = accepted.get(request.request_id, []) if chunk.drafts else []
-            if kept != chunk.drafts[:len(kept)]:
-                raise ValueError(f"request {request.request_id!r}: accepted {kept} are not a prefix of its drafts "
-                                 f"{chunk.drafts}")
+            if kept != chunk.drafts[: len(kept)]:
+                raise ValueError(
+                    f"request {request.request_id!r}: accepted {kept} are not a prefix of its drafts {chunk.drafts}"
+                )
             request.output_token_ids.extend(kept)  # first: the computed count may not pass the known tokens
             request.num_computed_tokens += len(chunk.token_ids) - len(chunk.drafts) + len(kept)
             self.kv_manager.cache_blocks(request)  # hashes only blocks of kept tokens
@@ -316,7 +331,8 @@ class Scheduler:
                 raise RuntimeError(
                     f"request {request.request_id!r} has {len(request.output_token_ids)} "
                     f"output tokens (max_tokens {request.max_tokens}): finish() it before "
-                    f"the next schedule()")
+                    f"the next schedule()"
+                )
 
     def _append_pending_slots(self) -> list[Request]:
         """Give each running request a slot for its last sampled token, oldest first,
@@ -346,16 +362,23 @@ class Scheduler:
     def _prefill_cap(self, preempted: list[Request]) -> int:
         """Tokens one running prefill may take this step: a share of the budget while the head of
         the waiting queue could be admitted, else all of it."""
-        admitting = (self._waiting and not preempted and len(self._running) < self.max_num_seqs
-                     and (self.state is None or self.state.num_free > 0)
-                     and self.kv_manager.can_allocate(self._waiting[0]))
+        admitting = (
+            self._waiting
+            and not preempted
+            and len(self._running) < self.max_num_seqs
+            and (self.state is None or self.state.num_free > 0)
+            and self.kv_manager.can_allocate(self._waiting[0])
+        )
         return max(1, self.max_batch_tokens // LONG_PREFILL_SHARE) if admitting else self.max_batch_tokens
 
     def _admit_next(self) -> Request | None:
         """Move the head of the waiting queue to running if it fits, else None: the first
         request that does not fit blocks the rest (FIFO, no overtaking)."""
-        if not self._waiting or len(self._running) >= self.max_num_seqs \
-                or (self.state is not None and self.state.num_free == 0):
+        if (
+            not self._waiting
+            or len(self._running) >= self.max_num_seqs
+            or (self.state is not None and self.state.num_free == 0)
+        ):
             return None
         request = self._waiting[0]
         if not self.kv_manager.can_allocate(request):
@@ -363,7 +386,8 @@ class Scheduler:
                 raise RuntimeError(
                     f"request {request.request_id!r} ({request.num_tokens} tokens) does not fit an "
                     f"idle pool with {self.kv_manager.num_free_blocks} of {self.kv_manager.num_blocks} "
-                    f"blocks free: blocks are held outside the scheduler")
+                    f"blocks free: blocks are held outside the scheduler"
+                )
             return None
         self._waiting.popleft()
         allocation = self.kv_manager.allocate(request)
@@ -385,9 +409,14 @@ class Scheduler:
             # End a prefill at the prompt's last block boundary, so its state is checkpointed there.
             boundary = (request.num_tokens - 1) // self.kv_manager.block_size * self.kv_manager.block_size
             end = boundary if start < boundary < end else end
-        return ScheduledChunk(request, start, request.token_ids_between(start, end),
-                              self.kv_manager.block_tables(request.request_id), samples=end == request.num_tokens,
-                              state_slot=request.state_slot)
+        return ScheduledChunk(
+            request,
+            start,
+            request.token_ids_between(start, end),
+            self.kv_manager.block_tables(request.request_id),
+            samples=end == request.num_tokens,
+            state_slot=request.state_slot,
+        )
 
     # ---- state slots (models with state-space layers) ---------------------------------------
 

@@ -40,8 +40,7 @@ def close_open_engines(timeout: float = STEP_TIMEOUT_S) -> None:
         _wait_through_interrupts(engine, deadline)
     stuck = sum(engine.running for engine in engines)
     if stuck:
-        sys.stderr.write(f"mlxpaged: {stuck} engine thread(s) still mid-step after {timeout:.0f} s; "
-                         f"exiting anyway\n")
+        sys.stderr.write(f"mlxpaged: {stuck} engine thread(s) still mid-step after {timeout:.0f} s; exiting anyway\n")
 
 
 def _wait_through_interrupts(engine, deadline: float) -> None:

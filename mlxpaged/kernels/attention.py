@@ -42,8 +42,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-import mlx.core as mx
-
 from mlxpaged.kernels import paged_attention as pa
 from mlxpaged.kernels.cpu_attention import attend, decode_attention_cpu, paged_attention_cpu
 from mlxpaged.kernels.numpy_attention import (
@@ -61,6 +59,8 @@ from mlxpaged.kernels.reference import (
 )
 from mlxpaged.kernels.self_check import KernelVariant, VariantCheck, check_variant, variants_for
 from mlxpaged.platform import backend as compute_backend
+
+import mlx.core as mx
 
 ENV_VAR = "MLXPAGED_ATTENTION"
 BACKENDS = ("auto", "kernel", "fused", "cpu", "reference")
@@ -128,13 +128,15 @@ def _requested() -> str:
 
 
 def resolved_backend() -> str:
-    """"kernel", "fused", "cpu" or "reference": what ``paged_attention`` would use for supported shapes."""
+    """ "kernel", "fused", "cpu" or "reference": what ``paged_attention`` would use for supported shapes."""
     name = _requested()
     if name == "auto":
         return AUTO_CHOICE[compute_backend.current()]
     if name == "kernel" and not metal_available() and _launcher is None:
-        raise RuntimeError(f"the Metal paged-attention kernel was forced ({ENV_VAR} or "
-                           "set_attention_backend) but MLX has no Metal GPU here")
+        raise RuntimeError(
+            f"the Metal paged-attention kernel was forced ({ENV_VAR} or "
+            "set_attention_backend) but MLX has no Metal GPU here"
+        )
     return name
 
 
@@ -143,9 +145,16 @@ def _float32(k_pool: mx.array, v_pool: mx.array) -> bool:
     return k_pool.dtype == mx.float32 and v_pool.dtype == mx.float32
 
 
-def paged_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_tables: mx.array,
-                    context_lens: mx.array, scale: float, window: int | None = None,
-                    sinks: mx.array | None = None) -> mx.array:
+def paged_attention(
+    q: mx.array,
+    k_pool: mx.array,
+    v_pool: mx.array,
+    block_tables: mx.array,
+    context_lens: mx.array,
+    scale: float,
+    window: int | None = None,
+    sinks: mx.array | None = None,
+) -> mx.array:
     """Decode: one query token per sequence over its pages.
 
     q [B, num_heads, 1, Dk]; block_tables [B, max_blocks] int32 (entries past a sequence's blocks
@@ -156,19 +165,38 @@ def paged_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_table
     """
     backend = resolved_backend()
     if backend == "kernel" and pa.kernel_supports(q, k_pool, v_pool, block_tables, window, sinks):
-        two_pass = pa.use_two_pass(q.shape[0], k_pool.shape[1],
-                                   pa.attended_span(block_tables.shape[1], k_pool.shape[2], window))
+        two_pass = pa.use_two_pass(
+            q.shape[0], k_pool.shape[1], pa.attended_span(block_tables.shape[1], k_pool.shape[2], window)
+        )
         if _kernel_passed(_variant(q, k_pool, v_pool, sinks, two_pass)):
-            return pa.paged_attention_metal(q, k_pool, v_pool, block_tables, context_lens, scale, window,
-                                            sinks, two_pass=two_pass, launcher=_launcher)
+            return pa.paged_attention_metal(
+                q,
+                k_pool,
+                v_pool,
+                block_tables,
+                context_lens,
+                scale,
+                window,
+                sinks,
+                two_pass=two_pass,
+                launcher=_launcher,
+            )
     if backend == "cpu" and _float32(k_pool, v_pool):
         return paged_attention_cpu(q, k_pool, v_pool, block_tables, context_lens, scale, window, sinks)
     return paged_attention_reference(q, k_pool, v_pool, block_tables, context_lens, scale, window, sinks)
 
 
-def kernel_attention_with_tail(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_tables: mx.array,
-                               context_lens, tail_k: mx.array, tail_v: mx.array, scale: float,
-                               sinks: mx.array | None = None) -> mx.array | None:
+def kernel_attention_with_tail(
+    q: mx.array,
+    k_pool: mx.array,
+    v_pool: mx.array,
+    block_tables: mx.array,
+    context_lens,
+    tail_k: mx.array,
+    tail_v: mx.array,
+    scale: float,
+    sinks: mx.array | None = None,
+) -> mx.array | None:
     """Decode over each sequence's first ``context_lens`` tokens in the pools, then the ``tail_k`` /
     ``tail_v`` [B, KVH, T, D] keys after them (K/V not written yet: runner/deferred_writes.py), by the
     Metal kernel with the tail merged as one more partition; None when the kernel does not attend here
@@ -178,8 +206,9 @@ def kernel_attention_with_tail(q: mx.array, k_pool: mx.array, v_pool: mx.array, 
     if not _kernel_passed(_variant(q, k_pool, v_pool, sinks, two_pass=True)):
         return None
     tail = pa.tail_partials(q, tail_k, tail_v, scale)
-    return pa.paged_attention_metal(q, k_pool, v_pool, block_tables, context_lens, scale, None, sinks,
-                                    launcher=_launcher, tail=tail)
+    return pa.paged_attention_metal(
+        q, k_pool, v_pool, block_tables, context_lens, scale, None, sinks, launcher=_launcher, tail=tail
+    )
 
 
 def reads_pools(backend: str | None = None) -> bool:
@@ -196,8 +225,9 @@ def sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None, sinks: 
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=fast_sinks(sinks, q.dtype))
 
 
-def eager_sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None,
-               sinks: mx.array | None = None) -> mx.array:
+def eager_sdpa(
+    q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None, sinks: mx.array | None = None
+) -> mx.array:
     """``sdpa`` for eager passes (never inside ``mx.compile``): on the cpu backend a call big enough
     to pay for a sync is computed by NumPy (numpy_attention.py), ~3.5x faster on long prefills."""
     if _numpy_allowed() and numpy_attention_applies(q, k, mask):
@@ -216,9 +246,17 @@ def _numpy_allowed() -> bool:
     return resolved_backend() == "cpu" and compute_backend.tuning().numpy_attention
 
 
-def paged_prefill_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_table,
-                            prefix_len: int, chunk_len: int, scale: float,
-                            window: int | None = None, sinks: mx.array | None = None) -> mx.array:
+def paged_prefill_attention(
+    q: mx.array,
+    k_pool: mx.array,
+    v_pool: mx.array,
+    block_table,
+    prefix_len: int,
+    chunk_len: int,
+    scale: float,
+    window: int | None = None,
+    sinks: mx.array | None = None,
+) -> mx.array:
     """Prefill / chunked prefill of one request: ``chunk_len`` new queries after ``prefix_len`` cached tokens.
 
     q [1, num_heads, chunk_len, D]; block_table [n_blocks] int32 covering at least
@@ -232,12 +270,20 @@ def paged_prefill_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, blo
     if numpy_case and _numpy_allowed() and _float32(k_pool, v_pool):
         check_pools(q, k_pool, v_pool, sinks)
         return attend_pages_numpy(q, k_pool, v_pool, block_table, prefix_len + chunk_len, scale, sinks)
-    return paged_prefill_attention_reference(q, k_pool, v_pool, block_table, prefix_len, chunk_len,
-                                             scale, window, sinks)
+    return paged_prefill_attention_reference(
+        q, k_pool, v_pool, block_table, prefix_len, chunk_len, scale, window, sinks
+    )
 
 
-def decode_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, rows: mx.array, mask: mx.array,
-                     scale: float, sinks: mx.array | None = None) -> mx.array:
+def decode_attention(
+    q: mx.array,
+    k_pool: mx.array,
+    v_pool: mx.array,
+    rows: mx.array,
+    mask: mx.array,
+    scale: float,
+    sinks: mx.array | None = None,
+) -> mx.array:
     """Decode attention from array inputs only, for compiled passes (no host lengths): ``rows``
     [B, KVH, nb] page rows (``reference.page_rows``), ``mask`` [B, 1, 1, nb * BS] bool (key in the
     sequence; every sequence has at least one). Same result as ``paged_attention``."""
@@ -248,10 +294,18 @@ def decode_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, rows: mx.a
 
 # --- kernel self-check: which variants the kernel attends, and why -------------------------------
 
+
 def _variant(q: mx.array, k_pool: mx.array, v_pool: mx.array, sinks: mx.array | None, two_pass: bool) -> KernelVariant:
     heads, kv_heads = q.shape[1], k_pool.shape[1]
-    return KernelVariant(DTYPE_NAMES[q.dtype], q.shape[3], k_pool.shape[2], heads // kv_heads, two_pass,
-                         v_pool.shape[3], sinks is not None)
+    return KernelVariant(
+        DTYPE_NAMES[q.dtype],
+        q.shape[3],
+        k_pool.shape[2],
+        heads // kv_heads,
+        two_pass,
+        v_pool.shape[3],
+        sinks is not None,
+    )
 
 
 def _kernel_passed(variant: KernelVariant) -> bool:
@@ -273,9 +327,11 @@ def _check_variants(variants: list[KernelVariant]) -> list[VariantCheck]:
 
 def fallback_warning(failed: list[VariantCheck]) -> str:
     what = "; ".join(f"{check.variant.describe()} ({check.reason})" for check in failed)
-    return (f"the Metal paged-attention kernel failed its self-check for {what}: the pure-MLX reference "
-            f"path attends for {'it' if len(failed) == 1 else 'them'} instead (correct, slower). "
-            f"Please report this with the output of `mlxpaged doctor`.")
+    return (
+        f"the Metal paged-attention kernel failed its self-check for {what}: the pure-MLX reference "
+        f"path attends for {'it' if len(failed) == 1 else 'them'} instead (correct, slower). "
+        f"Please report this with the output of `mlxpaged doctor`."
+    )
 
 
 @dataclass(frozen=True)
@@ -292,8 +348,15 @@ class PreparedAttention:
         return attention_status(self)
 
 
-def prepare_attention(dtype: mx.Dtype, head_dim: int, block_size: int, num_heads: int, num_kv_heads: int,
-                      v_dim: int | None = None, sinks: bool = False) -> PreparedAttention:
+def prepare_attention(
+    dtype: mx.Dtype,
+    head_dim: int,
+    block_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    v_dim: int | None = None,
+    sinks: bool = False,
+) -> PreparedAttention:
     """Called once per engine before its first decode: on the kernel path, self-check the variants
     this model needs (cached per process); ``v_dim`` None: V as wide as K."""
     q = mx.zeros((1, num_heads, 1, head_dim), dtype)
@@ -304,19 +367,31 @@ def prepare_attention(dtype: mx.Dtype, head_dim: int, block_size: int, num_heads
     name = DTYPE_NAMES.get(dtype, str(dtype))
     if unsupported is not None:
         return PreparedAttention(name, unsupported)
-    variants = tuple(variants_for(dtype=name, head_dim=head_dim, block_size=block_size, num_heads=num_heads,
-                                  num_kv_heads=num_kv_heads, v_dim=v_dim, sinks=sinks))
+    variants = tuple(
+        variants_for(
+            dtype=name,
+            head_dim=head_dim,
+            block_size=block_size,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            v_dim=v_dim,
+            sinks=sinks,
+        )
+    )
     if resolved_backend() == "kernel":
         _check_variants(list(variants))
     return PreparedAttention(name, None, variants)
 
 
-def prepare_model_attention(dtype: mx.Dtype, block_size: int,
-                            geometries: list[tuple[int, int, int, int, bool]]) -> PreparedAttention:
+def prepare_model_attention(
+    dtype: mx.Dtype, block_size: int, geometries: list[tuple[int, int, int, int, bool]]
+) -> PreparedAttention:
     """`prepare_attention` for each (query heads, KV heads, K width, V width, sinks) a model's pools hold
     (paged_support.attention_geometries); the result names every geometry the kernel cannot take."""
-    prepared = [prepare_attention(dtype, k_dim, block_size, heads, kv_heads, v_dim, sinks)
-                for heads, kv_heads, k_dim, v_dim, sinks in geometries]
+    prepared = [
+        prepare_attention(dtype, k_dim, block_size, heads, kv_heads, v_dim, sinks)
+        for heads, kv_heads, k_dim, v_dim, sinks in geometries
+    ]
     reasons = list(dict.fromkeys(p.unsupported for p in prepared if p.unsupported is not None))
     variants = tuple(dict.fromkeys(v for p in prepared for v in p.variants))
     return PreparedAttention(DTYPE_NAMES.get(dtype, str(dtype)), "; ".join(reasons) or None, variants)
@@ -333,13 +408,18 @@ def attention_status(prepared: PreparedAttention | None = None) -> dict:
         return _status("reference", f"forced ({ENV_VAR} or set_attention_backend)", variants)
     if backend == "fused":
         why = "forced" if forced else "a CUDA GPU (MLX's CUDA backend)"
-        return _status("fused", f"{why}: gathered pages attended by MLX's fused attention "
-                                "(no mask array at batch 1, so its decode kernels run)", variants)
+        return _status(
+            "fused",
+            f"{why}: gathered pages attended by MLX's fused attention "
+            "(no mask array at batch 1, so its decode kernels run)",
+            variants,
+        )
     if backend == "cpu":
         why = "forced" if forced else "MLX's CPU backend"
         if prepared is not None and prepared.dtype != "float32":
-            return _status("reference", f"{why}; the CPU path takes float32 K/V, this model's are {prepared.dtype}",
-                           variants)
+            return _status(
+                "reference", f"{why}; the CPU path takes float32 K/V, this model's are {prepared.dtype}", variants
+            )
         return _status("cpu", f"{why}: pages read in place", variants)
     if prepared is not None and prepared.unsupported is not None:
         return _status("reference", f"the Metal kernel cannot take this model: {prepared.unsupported}", variants)

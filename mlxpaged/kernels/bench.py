@@ -13,12 +13,12 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-import mlx.core as mx
-import numpy as np
-
 from mlxpaged.config import DEFAULT_BLOCK_SIZE
 from mlxpaged.kernels.cpu_attention import paged_attention_cpu
 from mlxpaged.kernels.reference import paged_attention_reference
+
+import mlx.core as mx
+import numpy as np
 
 DEFAULT_CONTEXTS = (512, 1024, 2048, 4096, 8192)
 DEFAULT_BATCHES = (1, 4, 16)
@@ -51,8 +51,9 @@ class KernelBenchRow:
         return self.fast_ms / self.contiguous_ms
 
 
-def time_interleaved(fns: Mapping[str, Callable[[], object]], min_seconds: float = 0.5, min_repeats: int = 5,
-                     max_repeats: int = 100) -> dict[str, float]:
+def time_interleaved(
+    fns: Mapping[str, Callable[[], object]], min_seconds: float = 0.5, min_repeats: int = 5, max_repeats: int = 100
+) -> dict[str, float]:
     """Median ms of ``mx.eval(fn())`` per function, after a warm-up call each.
 
     The functions take turns, so a noisy neighbour on a shared machine hits all of them alike
@@ -89,9 +90,13 @@ def _inputs(context: int, batch: int, shape: BenchShape, rng: np.random.Generato
     return q, keys, values, k_pool, v_pool, mx.array(tables), lens
 
 
-def run_kernel_bench(contexts: Sequence[int] = DEFAULT_CONTEXTS, batches: Sequence[int] = DEFAULT_BATCHES,
-                     shape: BenchShape = BenchShape(), min_seconds: float = 0.5,
-                     progress: Callable[[KernelBenchRow], None] | None = None) -> list[KernelBenchRow]:
+def run_kernel_bench(
+    contexts: Sequence[int] = DEFAULT_CONTEXTS,
+    batches: Sequence[int] = DEFAULT_BATCHES,
+    shape: BenchShape = BenchShape(),
+    min_seconds: float = 0.5,
+    progress: Callable[[KernelBenchRow], None] | None = None,
+) -> list[KernelBenchRow]:
     """Time every (context, batch) cell; ``progress`` sees each row as it completes."""
     rng = np.random.default_rng(0)
     rows = []
@@ -105,11 +110,13 @@ def run_kernel_bench(contexts: Sequence[int] = DEFAULT_CONTEXTS, batches: Sequen
 
 def _bench_cell(context: int, batch: int, shape: BenchShape, rng, min_seconds: float) -> KernelBenchRow:
     """One cell; its arrays are freed on return, before the next size is allocated."""
-    scale = shape.head_dim ** -0.5
+    scale = shape.head_dim**-0.5
     use_kernel = bool(mx.metal.is_available()) and mx.default_device().type == mx.gpu
     q, keys, values, k_pool, v_pool, tables, lens = _inputs(context, batch, shape, rng)
-    fns = {"contiguous": lambda: mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale),
-           "reference": lambda: paged_attention_reference(q, k_pool, v_pool, tables, lens, scale)}
+    fns = {
+        "contiguous": lambda: mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale),
+        "reference": lambda: paged_attention_reference(q, k_pool, v_pool, tables, lens, scale),
+    }
     if use_kernel:
         from mlxpaged.kernels.paged_attention import paged_attention_metal
 
@@ -124,13 +131,16 @@ def _bench_cell(context: int, batch: int, shape: BenchShape, rng, min_seconds: f
 def format_kernel_bench(rows: Sequence[KernelBenchRow], shape: BenchShape = BenchShape()) -> str:
     fast = rows[0].fast_path if rows else "cpu"
     device = "Metal GPU" if fast == "kernel" else "CPU"
-    lines = [f"paged decode attention on {device}: {shape.heads} heads / {shape.kv_heads} KV heads, "
-             f"head dim {shape.head_dim}, block size {shape.block_size}, {shape.dtype}; ratio = paged / contiguous",
-             f"{'context':>8} {'batch':>5} {'contig ms':>10} {'ref ms':>9} {'ref x':>6} "
-             f"{fast + ' ms':>10} {fast + ' x':>7}"]
+    lines = [
+        f"paged decode attention on {device}: {shape.heads} heads / {shape.kv_heads} KV heads, "
+        f"head dim {shape.head_dim}, block size {shape.block_size}, {shape.dtype}; ratio = paged / contiguous",
+        f"{'context':>8} {'batch':>5} {'contig ms':>10} {'ref ms':>9} {'ref x':>6} {fast + ' ms':>10} {fast + ' x':>7}",
+    ]
     for r in rows:
-        lines.append(f"{r.context:>8} {r.batch:>5} {r.contiguous_ms:>10.3f} {r.reference_ms:>9.3f} "
-                     f"{r.reference_ratio:>6.2f} {r.fast_ms:>10.3f} {r.fast_ratio:>7.2f}")
+        lines.append(
+            f"{r.context:>8} {r.batch:>5} {r.contiguous_ms:>10.3f} {r.reference_ms:>9.3f} "
+            f"{r.reference_ratio:>6.2f} {r.fast_ms:>10.3f} {r.fast_ratio:>7.2f}"
+        )
     return "\n".join(lines)
 
 
@@ -138,8 +148,11 @@ def print_kernel_bench(rows: Sequence[KernelBenchRow], shape: BenchShape = Bench
     print(format_kernel_bench(rows, shape))
 
 
-def main(contexts: Sequence[int] = DEFAULT_CONTEXTS, batches: Sequence[int] = DEFAULT_BATCHES,
-         shape: BenchShape = BenchShape()) -> list[KernelBenchRow]:
+def main(
+    contexts: Sequence[int] = DEFAULT_CONTEXTS,
+    batches: Sequence[int] = DEFAULT_BATCHES,
+    shape: BenchShape = BenchShape(),
+) -> list[KernelBenchRow]:
     """Run and print (the CLI's ``mlxpaged bench kernel`` entry)."""
     rows = run_kernel_bench(contexts, batches, shape)
     print_kernel_bench(rows, shape)

@@ -31,8 +31,6 @@ from __future__ import annotations
 import math
 from functools import partial
 
-import mlx.core as mx
-
 from mlxpaged.kernels.reference import (
     attend_pages,
     check_pools,
@@ -41,6 +39,8 @@ from mlxpaged.kernels.reference import (
     paged_attention_reference,
     zero_empty,
 )
+
+import mlx.core as mx
 
 # Decode calls over fewer (sequence x key) pairs than this take the reference path (gathered pages
 # + mx.fast SDPA): the copy is small there and its graph has fewer nodes to build and run. Batch-1
@@ -148,8 +148,16 @@ def _apply_mask(scores: mx.array, mask, heads: int, length: int, keys: int) -> m
     return scores + mask.astype(scores.dtype)
 
 
-def paged_attention_cpu(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_tables, context_lens,
-                        scale: float, window: int | None = None, sinks: mx.array | None = None) -> mx.array:
+def paged_attention_cpu(
+    q: mx.array,
+    k_pool: mx.array,
+    v_pool: mx.array,
+    block_tables,
+    context_lens,
+    scale: float,
+    window: int | None = None,
+    sinks: mx.array | None = None,
+) -> mx.array:
     """Decode attention, one query per sequence, read from float32 pools in place.
     Same contract as ``reference.paged_attention_reference``."""
     batch, _, qlen, _ = q.shape
@@ -168,8 +176,15 @@ def paged_attention_cpu(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_t
     return zero_empty(out, plan.lens)
 
 
-def decode_attention_cpu(q: mx.array, k_pool: mx.array, v_pool: mx.array, rows: mx.array, mask: mx.array,
-                         scale: float, sinks: mx.array | None = None) -> mx.array:
+def decode_attention_cpu(
+    q: mx.array,
+    k_pool: mx.array,
+    v_pool: mx.array,
+    rows: mx.array,
+    mask: mx.array,
+    scale: float,
+    sinks: mx.array | None = None,
+) -> mx.array:
     """Decode attention from array inputs only (compiled passes): ``rows`` [B, KVH, nb] page rows,
     ``mask`` [B, 1, 1, nb * BS] bool, at least one key per sequence; sinks [H] or None. Float32 pools."""
     batch, _, pages = rows.shape
@@ -199,8 +214,9 @@ def _gather_mm_attention(q, k_pool, v_pool, page_ids, query_ids, page_mask, scal
     total = mx.sum(mx.sum(probs, axis=-1), axis=2)  # [B, KVH, G]
     if sinks is not None:
         total = total + shifted_exp(sink, row_max).reshape(total.shape[0], kv_heads, group)
-    out = mx.gather_mm(probs.reshape(-1, group, block_size), v_pool.reshape(-1, block_size, v_dim),
-                       rhs_indices=page_ids)
+    out = mx.gather_mm(
+        probs.reshape(-1, group, block_size), v_pool.reshape(-1, block_size, v_dim), rhs_indices=page_ids
+    )
     out = mx.sum(out.reshape(batch, kv_heads, pages, group, v_dim), axis=2) / total[..., None]
     out = out.reshape(batch, heads, 1, v_dim)
     return out if q.dtype == mx.float32 else out.astype(q.dtype)

@@ -96,8 +96,9 @@ def numpy_attention_applies(q: mx.array, k: mx.array, mask) -> bool:
     return True
 
 
-def attend_numpy(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None,
-                 sinks: mx.array | None = None) -> mx.array:
+def attend_numpy(
+    q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None, sinks: mx.array | None = None
+) -> mx.array:
     """What ``cpu_attention.attend(q, k, v, scale, mask, sinks)`` returns, computed by NumPy.
 
     q [B, H, L, Dk]; k [B, KVH, K, Dk], v [B, KVH, K, Dv]; mask None, "causal" (bottom-right) or an
@@ -148,7 +149,7 @@ class _Block:
         scores = rows @ k[b, h, :end].T  # [G * n, end]
         folded = scores.reshape(g, n, end)
         if self.causal and n > 1:  # the diagonal block: query i + r sees keys up to end - n + r
-            folded[:, :, end - n:] += _upper_triangle(n)
+            folded[:, :, end - n :] += _upper_triangle(n)
         elif self.additive is not None:
             folded += self._mask_rows(b, heads, i, j)
         row_max = folded.max(axis=2, keepdims=True)
@@ -200,8 +201,9 @@ def pages_in_place_apply(q: mx.array, context: int) -> bool:
     return length <= QUERY_BLOCK and heads * length * context >= MIN_SCORES
 
 
-def attend_pages_numpy(q: mx.array, k_pool: mx.array, v_pool: mx.array, table, context: int, scale: float,
-                       sinks: mx.array | None = None) -> mx.array:
+def attend_pages_numpy(
+    q: mx.array, k_pool: mx.array, v_pool: mx.array, table, context: int, scale: float, sinks: mx.array | None = None
+) -> mx.array:
     """Causal attention of one sequence's last ``L`` positions of ``context`` over its pages.
 
     q [1, H, L, Dk] (positions context - L .. context - 1); k_pool [NB, KVH, BS, Dk], v_pool [NB, KVH, BS, Dv]
@@ -214,10 +216,12 @@ def attend_pages_numpy(q: mx.array, k_pool: mx.array, v_pool: mx.array, table, c
     qn, kp, vp = np.asarray(q32), np.asarray(k_pool), np.asarray(v_pool)
     block_size = kp.shape[2]
     pages = np.asarray(table if isinstance(table, (list, tuple)) else np.asarray(table), dtype=np.intp)
-    pages = pages.reshape(-1)[:-(-context // block_size)]
+    pages = pages.reshape(-1)[: -(-context // block_size)]
     if pages.size * block_size < context or not 1 <= qn.shape[2] <= context:
-        raise ValueError(f"{qn.shape[2]} queries ending at position {context} need {-(-context // block_size)} "
-                         f"blocks of {block_size}; the table has {pages.size}")
+        raise ValueError(
+            f"{qn.shape[2]} queries ending at position {context} need {-(-context // block_size)} "
+            f"blocks of {block_size}; the table has {pages.size}"
+        )
     sink = None if sinks is None else np.asarray(sinks.astype(f32) if sinks.dtype != f32 else sinks)
     heads, length = qn.shape[1], qn.shape[2]
     kv_heads = kp.shape[1]
@@ -230,8 +234,10 @@ def attend_pages_numpy(q: mx.array, k_pool: mx.array, v_pool: mx.array, table, c
     group = heads // kv_heads
     for n, (h, i) in enumerate(blocks):
         j = min(length, i + QUERY_BLOCK)
-        merged = _merge(parts[n * splits:(n + 1) * splits], None if sink is None else sink[h * group:(h + 1) * group])
-        out[0, h * group:(h + 1) * group, i:j] = merged.reshape(group, j - i, -1)
+        merged = _merge(
+            parts[n * splits : (n + 1) * splits], None if sink is None else sink[h * group : (h + 1) * group]
+        )
+        out[0, h * group : (h + 1) * group, i:j] = merged.reshape(group, j - i, -1)
     result = mx.array(out)
     return result if q.dtype == f32 else result.astype(q.dtype)
 
@@ -271,16 +277,16 @@ class _PagedBlock:
         end = first + n  # keys the block's last query sees
         tiles = -(-end // KEY_TILE)
         lo, hi = tiles * split // splits, tiles * (split + 1) // splits
-        rows = (q[h * g:(h + 1) * g, i:j] * self.scale).reshape(g * n, dim)
+        rows = (q[h * g : (h + 1) * g, i:j] * self.scale).reshape(g * n, dim)
         top = np.full((g * n, 1), -np.inf, np.float32)
         total = np.zeros((g * n, 1), np.float32)
         values = np.zeros((g * n, self.v_pool.shape[-1]), np.float32)
         for t in range(lo, hi):
             start, stop = t * KEY_TILE, min(end, (t + 1) * KEY_TILE)
-            ids = self.pages[start // block_size:-(-stop // block_size)]
+            ids = self.pages[start // block_size : -(-stop // block_size)]
             skip = start - start // block_size * block_size
-            keys = self._tile(self.k_pool, ids, h)[skip:skip + stop - start]
-            vals = self._tile(self.v_pool, ids, h)[skip:skip + stop - start]
+            keys = self._tile(self.k_pool, ids, h)[skip : skip + stop - start]
+            vals = self._tile(self.v_pool, ids, h)[skip : skip + stop - start]
             scores = rows @ keys.T  # [G * n, tile]
             if stop > first + 1:  # keys past the block's first query: hide each row's future
                 scores.reshape(g, n, -1)[:] += _future_mask(first, n, start, stop)

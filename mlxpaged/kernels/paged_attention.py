@@ -19,9 +19,9 @@ from collections.abc import Callable
 from functools import cache, lru_cache
 from pathlib import Path
 
-import mlx.core as mx
-
 from mlxpaged.config import VALID_BLOCK_SIZES
+
+import mlx.core as mx
 
 SOURCE_PATH = Path(__file__).with_name("paged_attention.metal")
 DTYPES = (mx.float16, mx.bfloat16, mx.float32)
@@ -53,16 +53,21 @@ def decode_kernel(partitioned: bool):
     body = f"#define PA_PARTITIONED {flag}\n{sections['paged_attention_decode']}#undef PA_PARTITIONED\n"
     outputs = ["o_part", "m_part", "l_part"] if partitioned else ["out"]
     name = "paged_attention_partitioned" if partitioned else "paged_attention_decode"
-    return mx.fast.metal_kernel(name=name, input_names=DECODE_INPUTS, output_names=outputs, source=body,
-                                header=sections["header"])
+    return mx.fast.metal_kernel(
+        name=name, input_names=DECODE_INPUTS, output_names=outputs, source=body, header=sections["header"]
+    )
 
 
 @cache
 def reduce_kernel():
     sections = source_sections()
-    return mx.fast.metal_kernel(name="paged_attention_reduce", input_names=REDUCE_INPUTS,
-                                output_names=["out"], source=sections["paged_attention_reduce"],
-                                header=sections["header"])
+    return mx.fast.metal_kernel(
+        name="paged_attention_reduce",
+        input_names=REDUCE_INPUTS,
+        output_names=["out"],
+        source=sections["paged_attention_reduce"],
+        header=sections["header"],
+    )
 
 
 def _width_reason(name: str, dim: int) -> str | None:
@@ -71,8 +76,9 @@ def _width_reason(name: str, dim: int) -> str | None:
     return None
 
 
-def unsupported_reason(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_tables, window=None,
-                       sinks: mx.array | None = None) -> str | None:
+def unsupported_reason(
+    q: mx.array, k_pool: mx.array, v_pool: mx.array, block_tables, window=None, sinks: mx.array | None = None
+) -> str | None:
     """Why the kernel cannot take these shapes (None: it can); such calls use the reference path."""
     if q.ndim != 4 or q.shape[2] != 1:
         return f"decode needs q [B, heads, 1, D], got {tuple(q.shape)}"
@@ -127,8 +133,7 @@ def tail_partials(q: mx.array, keys: mx.array, values: mx.array, scale: float) -
     top = scores.max(axis=-1, keepdims=True)
     weights = mx.exp(scores - top)
     o = weights @ values.astype(mx.float32)  # [B, KVH, G, DV]
-    return (o.reshape(batch, heads, 1, -1), top.reshape(batch, heads, 1),
-            weights.sum(axis=-1).reshape(batch, heads, 1))
+    return (o.reshape(batch, heads, 1, -1), top.reshape(batch, heads, 1), weights.sum(axis=-1).reshape(batch, heads, 1))
 
 
 # Every layer of a pass passes the same small inputs (lengths, parameters, scale): built once, not per layer.
@@ -146,11 +151,22 @@ def _gpu_launch(kernel, **call) -> list:
     return kernel(**call)
 
 
-def paged_attention_metal(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_tables: mx.array,
-                          context_lens: mx.array, scale: float, window: int | None = None,
-                          sinks: mx.array | None = None, *, two_pass: bool | None = None,
-                          partition_tokens: int = PARTITION_TOKENS, num_simdgroups: int = NUM_SIMDGROUPS,
-                          launcher: Launcher | None = None, tail: tuple | None = None) -> mx.array:
+def paged_attention_metal(
+    q: mx.array,
+    k_pool: mx.array,
+    v_pool: mx.array,
+    block_tables: mx.array,
+    context_lens: mx.array,
+    scale: float,
+    window: int | None = None,
+    sinks: mx.array | None = None,
+    *,
+    two_pass: bool | None = None,
+    partition_tokens: int = PARTITION_TOKENS,
+    num_simdgroups: int = NUM_SIMDGROUPS,
+    launcher: Launcher | None = None,
+    tail: tuple | None = None,
+) -> mx.array:
     """Decode attention with the Metal kernel; same contract as ``attention.paged_attention``.
 
     ``two_pass`` forces the variant (default: ``use_two_pass``); the two-pass variant splits the
@@ -167,8 +183,11 @@ def paged_attention_metal(q: mx.array, k_pool: mx.array, v_pool: mx.array, block
     if batch == 0:
         return mx.zeros((batch, heads, 1, v_dim), q.dtype)
     tables = block_tables.astype(mx.int32)
-    lens = _int32s(tuple(context_lens)) if isinstance(context_lens, (tuple, list)) \
+    lens = (
+        _int32s(tuple(context_lens))
+        if isinstance(context_lens, (tuple, list))
         else mx.array(context_lens).astype(mx.int32)
+    )
     max_blocks = tables.shape[1]
     span = attended_span(max_blocks, block_size, window)
     if tail is not None:
@@ -182,27 +201,50 @@ def paged_attention_metal(q: mx.array, k_pool: mx.array, v_pool: mx.array, block
     # Without sinks the kernel never reads the buffer (SINKS 0); one zero keeps the signature.
     sink_logits = _float32s((0.0,)) if sinks is None else sinks.astype(mx.float32)
     has_sinks = int(sinks is not None)
-    inputs = [q.reshape(batch, heads, head_dim), k_pool, v_pool, tables, lens, params, _float32s((scale,)),
-              sink_logits]
+    inputs = [q.reshape(batch, heads, head_dim), k_pool, v_pool, tables, lens, params, _float32s((scale,)), sink_logits]
     threads = num_simdgroups * 32
-    template = [("T", q.dtype), ("D", head_dim), ("DV", v_dim), ("BS", block_size), ("G", heads // kv_heads),
-                ("NSG", num_simdgroups), ("SINKS", has_sinks)]
+    template = [
+        ("T", q.dtype),
+        ("D", head_dim),
+        ("DV", v_dim),
+        ("BS", block_size),
+        ("G", heads // kv_heads),
+        ("NSG", num_simdgroups),
+        ("SINKS", has_sinks),
+    ]
     launch = launcher or _gpu_launch
     if not two_pass:
-        (out,) = launch(decode_kernel(False), inputs=inputs, template=template, grid=(threads, kv_heads, batch),
-                        threadgroup=(threads, 1, 1), output_shapes=[(batch, heads, v_dim)],
-                        output_dtypes=[q.dtype])
+        (out,) = launch(
+            decode_kernel(False),
+            inputs=inputs,
+            template=template,
+            grid=(threads, kv_heads, batch),
+            threadgroup=(threads, 1, 1),
+            output_shapes=[(batch, heads, v_dim)],
+            output_dtypes=[q.dtype],
+        )
         return out.reshape(batch, heads, 1, v_dim)
     part_shape = (batch, heads, partitions)
     o_part, m_part, l_part = launch(
-        decode_kernel(True), inputs=inputs, template=template, grid=(threads, kv_heads, batch * partitions),
-        threadgroup=(threads, 1, 1), output_shapes=[(*part_shape, v_dim), part_shape, part_shape],
-        output_dtypes=[mx.float32] * 3)
+        decode_kernel(True),
+        inputs=inputs,
+        template=template,
+        grid=(threads, kv_heads, batch * partitions),
+        threadgroup=(threads, 1, 1),
+        output_shapes=[(*part_shape, v_dim), part_shape, part_shape],
+        output_dtypes=[mx.float32] * 3,
+    )
     if tail is not None:  # the tail joins as partition `partitions` (the reduce reads the count from params)
         o_part = mx.concatenate([o_part, tail[0]], axis=2)
         m_part, l_part = mx.concatenate([m_part, tail[1]], axis=2), mx.concatenate([l_part, tail[2]], axis=2)
         params = _int32s((max_blocks, window or 0, partition_tokens, partitions + 1, kv_heads, heads))
-    (out,) = launch(reduce_kernel(), inputs=[o_part, m_part, l_part, params, sink_logits],
-                    template=[("T", q.dtype), ("DV", v_dim), ("SINKS", has_sinks)], grid=(32, heads, batch),
-                    threadgroup=(32, 1, 1), output_shapes=[(batch, heads, v_dim)], output_dtypes=[q.dtype])
+    (out,) = launch(
+        reduce_kernel(),
+        inputs=[o_part, m_part, l_part, params, sink_logits],
+        template=[("T", q.dtype), ("DV", v_dim), ("SINKS", has_sinks)],
+        grid=(32, heads, batch),
+        threadgroup=(32, 1, 1),
+        output_shapes=[(batch, heads, v_dim)],
+        output_dtypes=[q.dtype],
+    )
     return out.reshape(batch, heads, 1, v_dim)

@@ -24,6 +24,7 @@ import numpy as np
 # long from 2k keys on, but 5-30% slower below 1k.
 FOLD_GQA_MIN_KEYS = 2048
 
+
 def host_ints(values) -> list[int]:
     """A host list of ints from an mx.array, numpy array or sequence (a leaf array costs no compute)."""
     if isinstance(values, mx.array):
@@ -74,9 +75,16 @@ def _check_window(window: int | None) -> None:
         raise ValueError(f"window must be a positive number of tokens or None, got {window}")
 
 
-def paged_attention_reference(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_tables,
-                              context_lens, scale: float, window: int | None = None,
-                              sinks: mx.array | None = None) -> mx.array:
+def paged_attention_reference(
+    q: mx.array,
+    k_pool: mx.array,
+    v_pool: mx.array,
+    block_tables,
+    context_lens,
+    scale: float,
+    window: int | None = None,
+    sinks: mx.array | None = None,
+) -> mx.array:
     """Decode attention, one query token per sequence.
 
     q [B, H, 1, Dk]; pools K [NB, KVH, BS, Dk], V [NB, KVH, BS, Dv]; block_tables [B, max_blocks] int32;
@@ -103,9 +111,11 @@ def check_pools(q: mx.array, k_pool: mx.array, v_pool: mx.array, sinks: mx.array
     """K and V pools must share blocks, heads and block size, K must have the queries' width and
     sinks must hold one logit per query head: anything else would attend the wrong numbers."""
     if k_pool.shape[:3] != v_pool.shape[:3] or k_pool.shape[-1] != q.shape[-1]:
-        raise ValueError(f"pools K {tuple(k_pool.shape)} / V {tuple(v_pool.shape)} do not fit queries "
-                         f"{tuple(q.shape)}: K and V need the same [blocks, kv_heads, block_size] and K "
-                         f"the queries' width {q.shape[-1]}")
+        raise ValueError(
+            f"pools K {tuple(k_pool.shape)} / V {tuple(v_pool.shape)} do not fit queries "
+            f"{tuple(q.shape)}: K and V need the same [blocks, kv_heads, block_size] and K "
+            f"the queries' width {q.shape[-1]}"
+        )
     if sinks is not None and tuple(sinks.shape) != (q.shape[1],):
         raise ValueError(f"sinks {tuple(sinks.shape)} must hold one logit per query head ({q.shape[1]},)")
 
@@ -118,8 +128,15 @@ def fast_sinks(sinks: mx.array | None, dtype: mx.Dtype) -> mx.array | None:
     return sinks.astype(dtype)
 
 
-def attend_pages(q: mx.array, k_pool: mx.array, v_pool: mx.array, rows: mx.array, mask: mx.array | None,
-                 scale: float, sinks: mx.array | None = None) -> mx.array:
+def attend_pages(
+    q: mx.array,
+    k_pool: mx.array,
+    v_pool: mx.array,
+    rows: mx.array,
+    mask: mx.array | None,
+    scale: float,
+    sinks: mx.array | None = None,
+) -> mx.array:
     """Decode attention over gathered pages: ``rows`` [B, KVH, nb] from ``page_rows``, ``mask``
     [B, 1, 1, nb * BS] bool or None, ``sinks`` [H] or None. Array inputs only, so compiled passes use it too."""
     batch, heads, _, head_dim = q.shape
@@ -132,8 +149,9 @@ def attend_pages(q: mx.array, k_pool: mx.array, v_pool: mx.array, rows: mx.array
         folded = q.reshape(batch, kv_heads, heads // kv_heads, head_dim)
         out = mx.fast.scaled_dot_product_attention(folded, keys, values, scale=scale, mask=mask)
         return out.reshape(batch, heads, 1, values.shape[-1])
-    return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask,
-                                                sinks=fast_sinks(sinks, q.dtype))
+    return mx.fast.scaled_dot_product_attention(
+        q, keys, values, scale=scale, mask=mask, sinks=fast_sinks(sinks, q.dtype)
+    )
 
 
 def zero_empty(out: mx.array, lens: list[int]) -> mx.array:
@@ -172,8 +190,12 @@ def decode_plan(block_tables, context_lens, window, pool_shape, batch) -> Decode
     tuple of ints, which needs no device round trip."""
     global _last_plan
     rest = (window, tuple(pool_shape), batch)
-    if (_last_plan is not None and _last_plan[0] is block_tables and _last_plan[1] is context_lens
-            and _last_plan[2] == rest):
+    if (
+        _last_plan is not None
+        and _last_plan[0] is block_tables
+        and _last_plan[1] is context_lens
+        and _last_plan[2] == rest
+    ):
         return _last_plan[3]
     plan = _build_decode_plan(block_tables, context_lens, window, pool_shape, batch)
     if isinstance(block_tables, mx.array) and isinstance(context_lens, (mx.array, tuple)):
@@ -186,12 +208,15 @@ def _build_decode_plan(block_tables, context_lens, window, pool_shape, batch):
     tables = as_table(block_tables)
     lens = host_ints(context_lens)
     if len(lens) != batch or tables.shape[0] != batch:
-        raise ValueError(f"batch mismatch: q has {batch} sequences, block_tables {tables.shape[0]}, "
-                         f"context_lens {len(lens)}")
+        raise ValueError(
+            f"batch mismatch: q has {batch} sequences, block_tables {tables.shape[0]}, context_lens {len(lens)}"
+        )
     capacity = tables.shape[1] * block_size
     if lens and max(lens) > capacity:
-        raise ValueError(f"context length {max(lens)} exceeds the block table capacity {capacity} "
-                         f"({tables.shape[1]} blocks of {block_size})")
+        raise ValueError(
+            f"context length {max(lens)} exceeds the block table capacity {capacity} "
+            f"({tables.shape[1]} blocks of {block_size})"
+        )
     max_len = max(lens, default=0)
     if max_len == 0:
         return None
@@ -200,8 +225,9 @@ def _build_decode_plan(block_tables, context_lens, window, pool_shape, batch):
     last_block = -(-max_len // block_size)
     span = tables[:, first_block:last_block]
     # Table entries are only guaranteed valid below each sequence's own block count.
-    padded = any(-(-n // block_size) < last_block or s // block_size > first_block
-                 for n, s in zip(lens, starts, strict=True))
+    padded = any(
+        -(-n // block_size) < last_block or s // block_size > first_block for n, s in zip(lens, starts, strict=True)
+    )
     rows = page_rows(span, pool_shape, clip=padded)
     mask = _decode_mask(lens, starts, first_block * block_size, last_block * block_size)
     return DecodePlan(span, rows, mask, lens)
@@ -216,9 +242,17 @@ def _decode_mask(lens: list[int], starts: list[int], lo: int, hi: int) -> mx.arr
     return mx.array(keep[:, None, None, :])
 
 
-def paged_prefill_attention_reference(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_table,
-                                      prefix_len: int, chunk_len: int, scale: float,
-                                      window: int | None = None, sinks: mx.array | None = None) -> mx.array:
+def paged_prefill_attention_reference(
+    q: mx.array,
+    k_pool: mx.array,
+    v_pool: mx.array,
+    block_table,
+    prefix_len: int,
+    chunk_len: int,
+    scale: float,
+    window: int | None = None,
+    sinks: mx.array | None = None,
+) -> mx.array:
     """Attention for a chunk of ``chunk_len`` new tokens after ``prefix_len`` cached ones.
 
     q [1, H, chunk_len, D]. The chunk's own K/V must already be written to the pool at positions
@@ -241,8 +275,10 @@ def paged_prefill_attention_reference(q: mx.array, k_pool: mx.array, v_pool: mx.
     table = as_table(block_table).reshape(1, -1)
     total = prefix_len + chunk_len
     if total > table.shape[1] * block_size:
-        raise ValueError(f"prefix {prefix_len} + chunk {chunk_len} tokens exceed the block table "
-                         f"capacity {table.shape[1] * block_size}")
+        raise ValueError(
+            f"prefix {prefix_len} + chunk {chunk_len} tokens exceed the block table "
+            f"capacity {table.shape[1] * block_size}"
+        )
     first_key = max(0, prefix_len - window + 1) if window else 0
     first_block, last_block = first_key // block_size, -(-total // block_size)
     span = table[:, first_block:last_block]

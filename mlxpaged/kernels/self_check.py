@@ -14,11 +14,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import mlx.core as mx
-import numpy as np
-
 from mlxpaged.kernels import paged_attention as pa
 from mlxpaged.kernels.reference import paged_attention_reference
+
+import mlx.core as mx
+import numpy as np
 
 # Largest |kernel - reference| / (1 + |reference|) accepted: about 8 units in the last place of the
 # output dtype (measured through the CPU harness: float32 3e-7, float16 5e-4, bfloat16 4e-3).
@@ -49,8 +49,10 @@ class KernelVariant:
 
     def describe(self) -> str:
         widths = f"D={self.head_dim}" + ("" if self.v_dim is None else f" DV={self.v_dim}")
-        return (f"{self.dtype} {widths} BS={self.block_size} G={self.gqa}{' sinks' if self.sinks else ''} "
-                f"{'two-pass' if self.two_pass else 'one-pass'}")
+        return (
+            f"{self.dtype} {widths} BS={self.block_size} G={self.gqa}{' sinks' if self.sinks else ''} "
+            f"{'two-pass' if self.two_pass else 'one-pass'}"
+        )
 
 
 @dataclass(frozen=True)
@@ -61,8 +63,16 @@ class VariantCheck:
     seconds: float
 
 
-def variants_for(*, dtype: str, head_dim: int, block_size: int, num_heads: int, num_kv_heads: int,
-                 v_dim: int | None = None, sinks: bool = False) -> list[KernelVariant]:
+def variants_for(
+    *,
+    dtype: str,
+    head_dim: int,
+    block_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    v_dim: int | None = None,
+    sinks: bool = False,
+) -> list[KernelVariant]:
     """The one-pass and two-pass variants of one model's decode attention."""
     if dtype not in TOLERANCE:
         raise ValueError(f"kernel dtype must be one of {', '.join(TOLERANCE)}, got {dtype!r}")
@@ -112,7 +122,7 @@ def _run_check(variant: KernelVariant, launcher: Callable | None) -> VariantChec
 
 
 def failure_reason(exc: Exception) -> str:
-    """"compile error: <the compiler's first error line>" or "exception: <type>: <message>"."""
+    """ "compile error: <the compiler's first error line>" or "exception: <type>: <message>"."""
     text = str(exc)
     if any(marker in text for marker in COMPILE_ERROR_MARKERS):
         lines = [line.strip() for line in text.splitlines() if line.strip()]
@@ -129,8 +139,9 @@ def _compare(variant: KernelVariant, launcher: Callable | None) -> str | None:
         raise ValueError(f"no such kernel variant: {unsupported}")
     args, sinks = _random_case(variant)
     partition = variant.block_size * 3 // 2  # partition edges inside blocks as well as on them
-    got = pa.paged_attention_metal(*args, sinks=sinks, two_pass=variant.two_pass, partition_tokens=partition,
-                                   launcher=launcher)
+    got = pa.paged_attention_metal(
+        *args, sinks=sinks, two_pass=variant.two_pass, partition_tokens=partition, launcher=launcher
+    )
     want = paged_attention_reference(*args, sinks=sinks)
     got, want = got.astype(mx.float32), want.astype(mx.float32)
     error = float(mx.max(mx.abs(got - want) / (1.0 + mx.abs(want))))
@@ -142,8 +153,9 @@ def _compare(variant: KernelVariant, launcher: Callable | None) -> str | None:
     return None
 
 
-def _random_case(variant: KernelVariant) -> tuple[tuple[mx.array, mx.array, mx.array, mx.array, mx.array, float],
-                                                  mx.array | None]:
+def _random_case(
+    variant: KernelVariant,
+) -> tuple[tuple[mx.array, mx.array, mx.array, mx.array, mx.array, float], mx.array | None]:
     """((q, k_pool, v_pool, block_tables, context_lens, scale), sinks): 3 sequences over a shuffled pool.
     Lengths 1, BS + 1 and 3 BS + 5 cover a partial block, a block edge and several partitions; the
     tables' padding points at a block of other data, so reading past a length shows as a mismatch."""
@@ -156,7 +168,7 @@ def _random_case(variant: KernelVariant) -> tuple[tuple[mx.array, mx.array, mx.a
     tables = np.full((len(lens), max(needed)), ids[-1], dtype=np.int32)
     at = 0
     for row, n in enumerate(needed):
-        tables[row, :n] = ids[at:at + n]
+        tables[row, :n] = ids[at : at + n]
         at += n
     dtype = getattr(mx, variant.dtype)
 
@@ -169,4 +181,4 @@ def _random_case(variant: KernelVariant) -> tuple[tuple[mx.array, mx.array, mx.a
     v_pool = normal(num_blocks, CHECK_KV_HEADS, bs, variant.value_dim)
     # Sinks around the scores' range: some heads' sinks dominate, others barely count.
     sinks = mx.array(rng.standard_normal(heads).astype(np.float32) * 2 + 1) if variant.sinks else None
-    return (q, k_pool, v_pool, mx.array(tables), mx.array(lens, dtype=mx.int32), dim ** -0.5), sinks
+    return (q, k_pool, v_pool, mx.array(tables), mx.array(lens, dtype=mx.int32), dim**-0.5), sinks

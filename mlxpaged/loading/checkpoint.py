@@ -30,8 +30,23 @@ if TYPE_CHECKING:
     from mlxpaged.cache.layout import ModelLayout
 
 # safetensors dtype names (the format's spec) -> bytes per element.
-DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2,
-               "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+DTYPE_BYTES = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+}
 HALF = frozenset({"F16", "BF16"})
 FLOATING = frozenset({"F16", "BF16", "F32", "F64"})  # what nn.Module.set_dtype casts
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
@@ -80,8 +95,10 @@ def weight_files(model_dir: Path) -> list[Path]:
         shards = [model_dir / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
         missing = [path.name for path in shards if not path.exists()]
         if missing:  # an interrupted download
-            raise CheckpointError(f"{index} names {len(shards)} weight files but {len(missing)} are missing "
-                                  f"from {model_dir}: {', '.join(missing)}")
+            raise CheckpointError(
+                f"{index} names {len(shards)} weight files but {len(missing)} are missing "
+                f"from {model_dir}: {', '.join(missing)}"
+            )
         return shards
     files = sorted(model_dir.glob("model*.safetensors"))
     if not files:
@@ -138,6 +155,7 @@ def read_before_load(model_dir: Path, backend: str) -> tuple[ModelFacts, ModelLa
     loaded = as_loaded(checkpoint_tensors(model_dir), backend)
     layout = probe_layout(unweighted_model(model_dir))
     check_paged_support(layout)
-    facts = ModelFacts.from_layout(layout, sum(t.nbytes for t in loaded), kv_dtype_bytes(loaded),
-                                   context_length(config))
+    facts = ModelFacts.from_layout(
+        layout, sum(t.nbytes for t in loaded), kv_dtype_bytes(loaded), context_length(config)
+    )
     return facts, layout

@@ -23,8 +23,14 @@ if TYPE_CHECKING:
 
 GENERATION_CONFIG = "generation_config.json"
 # generation_config.json key -> SamplingParams field
-KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-        "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
 
 
 @dataclass(frozen=True)
@@ -41,8 +47,10 @@ class GenerationDefaults:
         """'temperature 0.2, top_p 0.9 (from preset smollm2-135m)', or what applies when there are none."""
         if not self.values:
             return "none: the API defaults apply" + (f" ({self.source})" if self.source != "none" else "")
-        shown = ", ".join(f"{name} {value:g}" if isinstance(value, float) else f"{name} {value}"
-                          for name, value in self.values.items())
+        shown = ", ".join(
+            f"{name} {value:g}" if isinstance(value, float) else f"{name} {value}"
+            for name, value in self.values.items()
+        )
         return f"{shown} (from {self.source})"
 
 
@@ -81,8 +89,9 @@ def read_generation_config(model_dir: Path) -> dict | None:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise GenerationConfigError(f"{path} is not valid JSON: {exc.msg} at line {exc.lineno} "
-                                    f"column {exc.colno}") from None
+        raise GenerationConfigError(
+            f"{path} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+        ) from None
     return parse_generation_config(data, str(path))
 
 

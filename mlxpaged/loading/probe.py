@@ -15,12 +15,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from mlxpaged.cache.layout import CacheListNode, KVLeaf, ModelLayout, StateLeaf, UnknownLeaf, UnusedLeaf
+from mlxpaged.errors import UnsupportedModelError
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import cache as mlx_cache
-
-from mlxpaged.cache.layout import CacheListNode, KVLeaf, ModelLayout, StateLeaf, UnknownLeaf, UnusedLeaf
-from mlxpaged.errors import UnsupportedModelError
 
 # A lazy forward evaluates nothing; a model that forces evaluation (.item(), tolist()) on lazy random
 # weights would read them all, so more growth than this means the probe cannot be trusted.
@@ -72,21 +72,36 @@ def probe_layout(model: nn.Module) -> ModelLayout:
             recorder.decoding = True
             logits = model(mx.array(DECODE), cache=caches)
     except Exception as exc:
-        raise UnsupportedModelError(f"model type {model_type!r}: running it through its own mlx-lm caches "
-                                    f"failed ({type(exc).__name__}: {exc}); it cannot be served paged") from exc
+        raise UnsupportedModelError(
+            f"model type {model_type!r}: running it through its own mlx-lm caches "
+            f"failed ({type(exc).__name__}: {exc}); it cannot be served paged"
+        ) from exc
     grown = mx.get_active_memory() - before
     if grown > MEMORY_GUARD_BYTES:
-        raise UnsupportedModelError(f"model type {model_type!r}: reading its cache layout evaluated "
-                                    f"{grown / 2**20:.0f} MB (limit {MEMORY_GUARD_BYTES / 2**20:.0f} MB): its "
-                                    "forward forces evaluation, so its layout cannot be read safely")
+        raise UnsupportedModelError(
+            f"model type {model_type!r}: reading its cache layout evaluated "
+            f"{grown / 2**20:.0f} MB (limit {MEMORY_GUARD_BYTES / 2**20:.0f} MB): its "
+            "forward forces evaluation, so its layout cannot be read safely"
+        )
     logits = logits[0] if isinstance(logits, (tuple, list)) else logits
     layout_leaves = tuple(_leaf(path, obj, recorder) for path, obj in leaves.items())
-    refuse = tuple(f"cache entry {' cache '.join(map(str, leaf.path))}: mlx-lm cache class {leaf.cache_class} has "
-                   "no paged equivalent" for leaf in layout_leaves if isinstance(leaf, UnknownLeaf))
+    refuse = tuple(
+        f"cache entry {' cache '.join(map(str, leaf.path))}: mlx-lm cache class {leaf.cache_class} has "
+        "no paged equivalent"
+        for leaf in layout_leaves
+        if isinstance(leaf, UnknownLeaf)
+    )
     layers = getattr(model, "layers", None)
-    return ModelLayout(model_type, layout_leaves, structure, int(logits.shape[-1]),
-                       hidden_size(model, int(logits.shape[-1])),
-                       len(layers) if layers is not None else None, refuse, batch_error(model, caches))
+    return ModelLayout(
+        model_type,
+        layout_leaves,
+        structure,
+        int(logits.shape[-1]),
+        hidden_size(model, int(logits.shape[-1])),
+        len(layers) if layers is not None else None,
+        refuse,
+        batch_error(model, caches),
+    )
 
 
 def batch_error(model: nn.Module, caches: list) -> str | None:
@@ -117,8 +132,9 @@ def model_type_of(model: nn.Module) -> str:
 def hidden_size(model: nn.Module, vocab_size: int) -> int:
     """Width of the token embedding (the one with `vocab_size` rows, else the largest table);
     models without one count the vocabulary instead, an over-estimate for the activation plan."""
-    tables = [(_rows(m), _width(m)) for _, m in model.named_modules()
-              if isinstance(m, (nn.Embedding, nn.QuantizedEmbedding))]
+    tables = [
+        (_rows(m), _width(m)) for _, m in model.named_modules() if isinstance(m, (nn.Embedding, nn.QuantizedEmbedding))
+    ]
     matching = [width for rows, width in tables if rows == vocab_size]
     if matching:
         return max(matching)
@@ -148,8 +164,11 @@ def _recording(rec: _Recorder):
     the duration; other threads' calls pass through unrecorded."""
     undo = [_wrap_leaf(rec, path, obj) for path, obj in rec.leaves.items()]
     loaded: list[tuple[str, Any]] = list(sys.modules.items())  # Any: modules get an attribute set
-    modules = [m for name, m in loaded
-               if name.startswith("mlx_lm.models.") and callable(getattr(m, "scaled_dot_product_attention", None))]
+    modules = [
+        m
+        for name, m in loaded
+        if name.startswith("mlx_lm.models.") and callable(getattr(m, "scaled_dot_product_attention", None))
+    ]
     originals = {m: m.scaled_dot_product_attention for m in modules}
     fast = mx.fast.scaled_dot_product_attention
     for m, original in originals.items():
@@ -245,9 +264,20 @@ def _leaf(path: tuple, obj, rec: _Recorder):
     k_shape, v_shape, dtype, _ = writes[-1]
     span = None if kind == "full" else (obj.max_size if kind == "window" else obj.chunk_size)
     consumers, routed, sinks = _consumption(path, obj, rec)
-    return KVLeaf(path, kind, span, k_shape[1], k_shape[-1], v_shape[-1], _dtype(dtype),
-                  k_is_v=all(w[3] for w in writes), q_heads=rec.q_heads.get(path), sinks=sinks,
-                  consumers=consumers, routed=routed)
+    return KVLeaf(
+        path,
+        kind,
+        span,
+        k_shape[1],
+        k_shape[-1],
+        v_shape[-1],
+        _dtype(dtype),
+        k_is_v=all(w[3] for w in writes),
+        q_heads=rec.q_heads.get(path),
+        sinks=sinks,
+        consumers=consumers,
+        routed=routed,
+    )
 
 
 def _consumption(path: tuple, obj, rec: _Recorder) -> tuple[tuple[str, ...], bool, bool]:

@@ -112,11 +112,21 @@ class Tuning:
     float32_weights: bool
 
 
-_GPU = Tuning(compiled_decode_max_batch=0, pipeline_compiled=True, queue_before_read=True, numpy_attention=False,
-              float32_weights=False)
+_GPU = Tuning(
+    compiled_decode_max_batch=0,
+    pipeline_compiled=True,
+    queue_before_read=True,
+    numpy_attention=False,
+    float32_weights=False,
+)
 TUNINGS = {
-    "cpu": Tuning(compiled_decode_max_batch=1, pipeline_compiled=False, queue_before_read=False,
-                  numpy_attention=True, float32_weights=True),
+    "cpu": Tuning(
+        compiled_decode_max_batch=1,
+        pipeline_compiled=False,
+        queue_before_read=False,
+        numpy_attention=True,
+        float32_weights=True,
+    ),
     "metal": _GPU,
     "cuda": _GPU,
 }

@@ -98,8 +98,11 @@ def load_fast_blas() -> BlasStatus:
         _status = BlasStatus("mlx-bundled", None, HINT)
         return _status
     if "mlx.core" in sys.modules:
-        warnings.warn(f"mlx was imported before mlxpaged, so OpenBLAS cannot take over; import mlxpaged first ({path})",
-                      RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"mlx was imported before mlxpaged, so OpenBLAS cannot take over; import mlxpaged first ({path})",
+            RuntimeWarning,
+            stacklevel=3,
+        )
         _status = BlasStatus("mlx-bundled (openblas loaded too late)", path, "import mlxpaged before mlx")
         return _status
     # OpenBLAS reads this once, when it loads. By default its helper threads spin for ~2^28 cycles

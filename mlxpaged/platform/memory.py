@@ -102,8 +102,9 @@ class DeviceFacts:
 
     @property
     def limit_label(self) -> str:
-        return {"metal": "Metal recommended working set", "cuda": "CUDA device memory",
-                "cpu": "available host memory"}[self.backend]
+        return {"metal": "Metal recommended working set", "cuda": "CUDA device memory", "cpu": "available host memory"}[
+            self.backend
+        ]
 
     @property
     def reserve_label(self) -> tuple[str, str]:
@@ -178,12 +179,16 @@ class MemoryPlan:
             sign = "=" if label == "left over" else "-"
             lines.append(f"  {sign} {label:<{width - 2}}{format_size(size):>10}")
         capacity = "any length" if self.token_capacity is None else f"{self.token_capacity:,} tokens"
-        lines.append(f"  {self.num_blocks:,} blocks x {self.block_size} tokens, one sequence up to {capacity}; "
-                     f"{self.bytes_per_token:,} B/token, {format_size(self.block_bytes)}/block")
+        lines.append(
+            f"  {self.num_blocks:,} blocks x {self.block_size} tokens, one sequence up to {capacity}; "
+            f"{self.bytes_per_token:,} B/token, {format_size(self.block_bytes)}/block"
+        )
         lines.append(f"  blocks: {self.reason}")
         if self.state_bytes:
-            lines.append(f"  state: {self.num_state_slots} slots + {self.num_checkpoints} checkpoints, "
-                         f"{format_size(self.state_bytes)} (not in the KV cache's blocks)")
+            lines.append(
+                f"  state: {self.num_state_slots} slots + {self.num_checkpoints} checkpoints, "
+                f"{format_size(self.state_bytes)} (not in the KV cache's blocks)"
+            )
         lines.append(f"  wired limit: {self.wired_status}")
         return "\n".join(lines)
 
@@ -202,8 +207,9 @@ def activation_bytes(model: ModelFacts, max_batch_tokens: int) -> int:
 FREE_BLOCK_TOKENS = 65536
 
 
-def _demand(model: ModelFacts, cache: CacheConfig, seqs: int, caps: Sequence[int | None],
-            free_blocks: bool) -> tuple[int | None, str]:
+def _demand(
+    model: ModelFacts, cache: CacheConfig, seqs: int, caps: Sequence[int | None], free_blocks: bool
+) -> tuple[int | None, str]:
     """Blocks the cache could ever use with `seqs` sequences at once, and why (`free_blocks`: they cost no memory)."""
     if cache.cache_tokens is not None:
         per_group = math.ceil(cache.cache_tokens / cache.block_size) + seqs
@@ -214,8 +220,9 @@ def _demand(model: ModelFacts, cache: CacheConfig, seqs: int, caps: Sequence[int
         return blocks, f"model context {model.context_length:,} x {seqs} sequences"
     if free_blocks:
         blocks = seqs * sum(table_lengths(FREE_BLOCK_TOKENS, cache.block_size, caps))
-        return blocks, (f"{FREE_BLOCK_TOKENS:,} tokens x {seqs} sequences "
-                        "(blocks of zero bytes; --cache-tokens for more)")
+        return blocks, (
+            f"{FREE_BLOCK_TOKENS:,} tokens x {seqs} sequences (blocks of zero bytes; --cache-tokens for more)"
+        )
     return None, ""
 
 
@@ -233,11 +240,16 @@ def _kv_budget(left: int, backend: str, cache: CacheConfig) -> tuple[int, str]:
                 f"{{kv_memory:{format_size(kv_memory)}}} is more than the {format_size(left)} left for the "
                 f"KV cache after weights, activations and the reserve; ask for at most {format_size(left)}, "
                 "or lower {max_batch_tokens}, or use a smaller model",
-                needed_bytes=kv_memory, available_bytes=left, param="kv_memory")
+                needed_bytes=kv_memory,
+                available_bytes=left,
+                param="kv_memory",
+            )
         return kv_memory, f"limited by --kv-memory {format_size(kv_memory)}"
     if cache.memory_fraction is not None:
-        return (int(left * cache.memory_fraction),
-                f"limited by --memory-fraction {cache.memory_fraction:g} of {format_size(left)}")
+        return (
+            int(left * cache.memory_fraction),
+            f"limited by --memory-fraction {cache.memory_fraction:g} of {format_size(left)}",
+        )
     fraction = DEFAULT_KV_FRACTION[backend]
     return int(left * fraction), f"limited by memory (default {fraction:.0%} of the {format_size(left)} left)"
 
@@ -251,11 +263,14 @@ def _check_fixed_costs(limit: int, costs: list[tuple[str, int]], label: str) -> 
     raise InsufficientMemoryError(
         f"{listed} = {format_size(limit - left)} exceed the {label} of {format_size(limit)}, leaving nothing for "
         "the KV cache; use a smaller or more quantized model, or lower {max_batch_tokens}",
-        needed_bytes=limit - left, available_bytes=limit)
+        needed_bytes=limit - left,
+        available_bytes=limit,
+    )
 
 
-def _too_small(longest: int, need_bytes: int, budget: int, fits_tokens: int,
-               cache: CacheConfig) -> InsufficientMemoryError:
+def _too_small(
+    longest: int, need_bytes: int, budget: int, fits_tokens: int, cache: CacheConfig
+) -> InsufficientMemoryError:
     """One sequence does not fit the budget; the advice follows the setting that sized it."""
     shrink = f"{{cache_tokens:{fits_tokens}}} or less" if fits_tokens > 0 else None
     if cache.kv_memory is not None:
@@ -263,12 +278,16 @@ def _too_small(longest: int, need_bytes: int, budget: int, fits_tokens: int,
         advice = f"use {{kv_memory:{size_at_least(need_bytes)}}} or more" + (f", or {shrink}" if shrink else "")
     else:
         param = "memory_fraction" if cache.memory_fraction is not None else "cache_tokens"
-        advice = (f"use {shrink}, " if shrink else "") + ("a larger {kv_memory} or {memory_fraction} if memory "
-                                                          "allows, lower {max_batch_tokens}, or a smaller model")
+        advice = (f"use {shrink}, " if shrink else "") + (
+            "a larger {kv_memory} or {memory_fraction} if memory allows, lower {max_batch_tokens}, or a smaller model"
+        )
     return InsufficientMemoryError(
         f"one {longest:,}-token sequence needs {format_size(need_bytes)} of KV cache but only {format_size(budget)} "
         f"is available for it (room for {fits_tokens:,} tokens); {advice}",
-        needed_bytes=need_bytes, available_bytes=budget, param=param)
+        needed_bytes=need_bytes,
+        available_bytes=budget,
+        param=param,
+    )
 
 
 def _wired(device: DeviceFacts, cache: CacheConfig, weights_and_kv: int) -> tuple[int | None, str]:
@@ -282,8 +301,14 @@ def _wired(device: DeviceFacts, cache: CacheConfig, weights_and_kv: int) -> tupl
     return limit, f"{format_size(limit)} (weights + KV, at most the recommended working set)"
 
 
-def plan_memory(device: DeviceFacts, model: ModelFacts, cache: CacheConfig, scheduler: SchedulerConfig | None = None,
-                *, weights_resident: bool = False) -> MemoryPlan:
+def plan_memory(
+    device: DeviceFacts,
+    model: ModelFacts,
+    cache: CacheConfig,
+    scheduler: SchedulerConfig | None = None,
+    *,
+    weights_resident: bool = False,
+) -> MemoryPlan:
     """Size the paged KV cache for `scheduler`'s step size and sequences (None: SchedulerConfig()).
     See the module docstring for the rules.
 
@@ -293,13 +318,19 @@ def plan_memory(device: DeviceFacts, model: ModelFacts, cache: CacheConfig, sche
     """
     scheduler = scheduler or SchedulerConfig()
     skip_weights = weights_resident and device.backend == "cpu"
-    fixed = [(device.reserve_label[0], os_reserve_bytes(device.total_bytes)),
-             ("model weights", 0 if skip_weights else model.weight_bytes),
-             ("activations", activation_bytes(model, scheduler.max_batch_tokens))]
+    fixed = [
+        (device.reserve_label[0], os_reserve_bytes(device.total_bytes)),
+        ("model weights", 0 if skip_weights else model.weight_bytes),
+        ("activations", activation_bytes(model, scheduler.max_batch_tokens)),
+    ]
     slots, checkpoints, state_bytes = state_plan(model, scheduler)
     if state_bytes:
-        fixed.append((f"state ({slots} slots + {checkpoints} checkpoints x "
-                      f"{format_size(model.state_bytes_per_sequence)})", state_bytes))
+        fixed.append(
+            (
+                f"state ({slots} slots + {checkpoints} checkpoints x {format_size(model.state_bytes_per_sequence)})",
+                state_bytes,
+            )
+        )
     left = _check_fixed_costs(device.limit_bytes, fixed, device.limit_label)
     budget, budget_reason = _kv_budget(left, device.backend, cache)
     kv = model.kv
@@ -318,13 +349,27 @@ def plan_memory(device: DeviceFacts, model: ModelFacts, cache: CacheConfig, sche
     kv_bytes = num_blocks * block
     wired_bytes, wired_status = _wired(device, cache, model.weight_bytes + kv_bytes)
     breakdown = _breakdown(device, model, scheduler, fixed, kv_bytes, left, skip_weights)
-    return MemoryPlan(device.backend, num_blocks, cache.block_size,
-                      sequence_capacity(num_blocks, cache.block_size, caps), kv.bytes_per_token, block, kv_bytes,
-                      breakdown, reason, wired_bytes, wired_status, state_bytes, slots, checkpoints)
+    return MemoryPlan(
+        device.backend,
+        num_blocks,
+        cache.block_size,
+        sequence_capacity(num_blocks, cache.block_size, caps),
+        kv.bytes_per_token,
+        block,
+        kv_bytes,
+        breakdown,
+        reason,
+        wired_bytes,
+        wired_status,
+        state_bytes,
+        slots,
+        checkpoints,
+    )
 
 
-def _block_count(memory_blocks: int | None, budget_reason: str, demand: int | None,
-                 demand_reason: str) -> tuple[int, str]:
+def _block_count(
+    memory_blocks: int | None, budget_reason: str, demand: int | None, demand_reason: str
+) -> tuple[int, str]:
     """The blocks to make and why: what memory allows, capped by what the cache could ever use."""
     if demand is not None and (memory_blocks is None or demand <= memory_blocks):
         allows = "any number: blocks of zero bytes" if memory_blocks is None else f"{memory_blocks:,} blocks"
@@ -344,19 +389,34 @@ def state_plan(model: ModelFacts, scheduler: SchedulerConfig) -> tuple[int, int,
     return slots, checkpoints, (slots + checkpoints) * model.state_bytes_per_sequence
 
 
-def _breakdown(device: DeviceFacts, model: ModelFacts, scheduler: SchedulerConfig, fixed: list[tuple[str, int]],
-               kv_bytes: int, left: int, skip_weights: bool) -> tuple[tuple[str, int], ...]:
+def _breakdown(
+    device: DeviceFacts,
+    model: ModelFacts,
+    scheduler: SchedulerConfig,
+    fixed: list[tuple[str, int]],
+    kv_bytes: int,
+    left: int,
+    skip_weights: bool,
+) -> tuple[tuple[str, int], ...]:
     (_, reserve), (_, weights), (_, activations), *state = fixed
     reserve_label, share_of = device.reserve_label
-    weights_label = (f"model weights ({format_size(model.weight_bytes)}, already outside available)"
-                     if skip_weights else "model weights")
+    weights_label = (
+        f"model weights ({format_size(model.weight_bytes)}, already outside available)"
+        if skip_weights
+        else "model weights"
+    )
     return (
         (device.limit_label, device.limit_bytes),
-        (f"{reserve_label} ({OS_RESERVE_FRACTION:.0%} of {format_size(device.total_bytes)} {share_of}, min 1 GiB)",
-         reserve),
+        (
+            f"{reserve_label} ({OS_RESERVE_FRACTION:.0%} of {format_size(device.total_bytes)} {share_of}, min 1 GiB)",
+            reserve,
+        ),
         (weights_label, weights),
-        (f"activations ({scheduler.max_batch_tokens} tok x {model.hidden_size + model.vocab_size:,} x "
-         f"{ACTIVATION_DTYPE_BYTES} B x {ACTIVATION_SAFETY_FACTOR})", activations),
+        (
+            f"activations ({scheduler.max_batch_tokens} tok x {model.hidden_size + model.vocab_size:,} x "
+            f"{ACTIVATION_DTYPE_BYTES} B x {ACTIVATION_SAFETY_FACTOR})",
+            activations,
+        ),
         *state,
         ("KV cache", kv_bytes),
         ("left over", left - kv_bytes),
@@ -364,8 +424,9 @@ def _breakdown(device: DeviceFacts, model: ModelFacts, scheduler: SchedulerConfi
 
 
 @contextlib.contextmanager
-def wired_limit(target: MemoryPlan | int, enabled: bool = True, mx_module=None,
-                streams: Sequence | None = None) -> Iterator[int | None]:
+def wired_limit(
+    target: MemoryPlan | int, enabled: bool = True, mx_module=None, streams: Sequence | None = None
+) -> Iterator[int | None]:
     """Wire `target` bytes (a plan's weights + KV, or a byte count) while the block runs.
 
     Never above the device's max_recommended_working_set_size (mx.set_wired_limit raises

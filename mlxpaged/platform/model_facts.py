@@ -87,8 +87,14 @@ class KVShape:
         first = geometries[0] if geometries else None
         uniform = first is not None and set(geometries) == {KVGeometry(first.kv_heads, first.k_dim, first.k_dim)}
         heads, width = (first.kv_heads, first.k_dim) if first is not None else (None, None)
-        return cls(len(geometries), heads, width, dtype_bytes, kinds if any(k is not None for k in kinds) else None,
-                   None if uniform or first is None else geometries)
+        return cls(
+            len(geometries),
+            heads,
+            width,
+            dtype_bytes,
+            kinds if any(k is not None for k in kinds) else None,
+            None if uniform or first is None else geometries,
+        )
 
 
 @dataclass(frozen=True)
@@ -111,11 +117,18 @@ class ModelFacts:
             require_int("context_length", self.context_length, low=1)
 
     @classmethod
-    def from_layout(cls, layout: ModelLayout, weight_bytes: int, kv_dtype_bytes: int,
-                    context_length: int | None = None) -> ModelFacts:
+    def from_layout(
+        cls, layout: ModelLayout, weight_bytes: int, kv_dtype_bytes: int, context_length: int | None = None
+    ) -> ModelFacts:
         """From a layout the pools can hold (paged_support.unsupported_reasons is empty)."""
-        return cls(KVShape.from_layout(layout, kv_dtype_bytes), weight_bytes, layout.hidden_size,
-                   layout.vocab_size, context_length, layout.state_bytes_per_sequence)
+        return cls(
+            KVShape.from_layout(layout, kv_dtype_bytes),
+            weight_bytes,
+            layout.hidden_size,
+            layout.vocab_size,
+            context_length,
+            layout.state_bytes_per_sequence,
+        )
 
 
 # Where configs keep the context length, in the order tried (GPT-2 style n_positions / n_ctx too).

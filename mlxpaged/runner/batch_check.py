@@ -9,10 +9,10 @@ and decided before the first request (design 14, D7), never discovered mid-reque
 
 from __future__ import annotations
 
-import mlx.core as mx
-
 from mlxpaged.cache.kv_cache import PagedKVCache
 from mlxpaged.cache.layout import ModelLayout
+
+import mlx.core as mx
 
 PROMPTS = ([1, 2, 3], [4, 5, 6, 7, 8])  # ragged on purpose: 3 and 5 tokens, then one decode step each
 TOLERANCE = {mx.float32: 1e-3}  # relative to the largest logit; half precision: HALF_TOLERANCE
@@ -43,8 +43,10 @@ def batch_mismatch(model, layout: ModelLayout, dtype: mx.Dtype, block_size: int)
 
 def _two_steps(runner, step_input, tables, together: bool) -> list[mx.array]:
     """Logits [2, V] of the prompts' prefill and of one decode step, rows run together or one by one."""
-    steps = [[step_input(p, 0, t, True) for p, t in zip(PROMPTS, tables, strict=True)],
-             [step_input([9], len(p), t, True) for p, t in zip(PROMPTS, tables, strict=True)]]
+    steps = [
+        [step_input(p, 0, t, True) for p, t in zip(PROMPTS, tables, strict=True)],
+        [step_input([9], len(p), t, True) for p, t in zip(PROMPTS, tables, strict=True)],
+    ]
     out = []
     for inputs in steps:
         # One pass of both rows (step() might give prefill chunks of unequal length passes of their own).

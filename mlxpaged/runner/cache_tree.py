@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from mlx_lm.models.cache import CacheList
-
 from mlxpaged.cache.layout import CacheListNode, Entry, ModelLayout, Path, StateLeaf
+
+from mlx_lm.models.cache import CacheList
 
 
 class UnusedCache:
@@ -24,8 +24,10 @@ class UnusedCache:
         self._where = where
 
     def __getattr__(self, name: str):
-        raise RuntimeError(f"{self._where}: the model used the cache it never used when its layout was read "
-                           f"(.{name}); no pages back it. Please report this model.")
+        raise RuntimeError(
+            f"{self._where}: the model used the cache it never used when its layout was read "
+            f"(.{name}); no pages back it. Please report this model."
+        )
 
     def __getitem__(self, index):
         raise RuntimeError(f"{self._where}: the model indexed the cache it never used when its layout was read")
@@ -34,8 +36,9 @@ class UnusedCache:
 def simple(layout: ModelLayout) -> bool:
     """One KV cache per entry, no None, CacheList or other kinds: the plain list of views is the cache."""
     kv = layout.kv_leaves
-    return len(kv) == len(layout.leaves) and [leaf.path for leaf in kv] == list(layout.structure) \
-        == [(i,) for i in range(len(layout.structure))]
+    return len(kv) == len(layout.leaves) and [leaf.path for leaf in kv] == list(layout.structure) == [
+        (i,) for i in range(len(layout.structure))
+    ]
 
 
 def leaf_caches(layout: ModelLayout, kv_views: Sequence, extra: Mapping[Path, object] | None = None) -> dict:
@@ -64,8 +67,10 @@ def _entry(layout: ModelLayout, entry: Entry, caches: Mapping[Path, object]):
     if entry not in caches:
         leaf = layout.leaf(entry)
         kind = "state" if isinstance(leaf, StateLeaf) else leaf.describe()
-        raise KeyError(f"{layout.where(entry)} ({kind}) has no cache for this pass"
-                       + (": state leaves need state slots" if isinstance(leaf, StateLeaf) else ""))
+        raise KeyError(
+            f"{layout.where(entry)} ({kind}) has no cache for this pass"
+            + (": state leaves need state slots" if isinstance(leaf, StateLeaf) else "")
+        )
     return caches[entry]
 
 
@@ -75,4 +80,3 @@ def model_cache(layout: ModelLayout | None, kv_views: list, extra: Mapping[Path,
     if layout is None or (simple(layout) and not extra):
         return kv_views
     return assemble(layout, leaf_caches(layout, kv_views, extra))
-

@@ -19,12 +19,12 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 
-import mlx.core as mx
-import mlx.nn as nn
-
 from mlxpaged.cache.kv_cache import PagedKVCache
 from mlxpaged.kernels.attention import decode_attention, resolved_backend, sdpa
 from mlxpaged.kernels.reference import gather_pages
+
+import mlx.core as mx
+import mlx.nn as nn
 
 ENV_VAR = "MLXPAGED_COMPILE"  # "0" turns compiled decode passes off (A/B runs, debugging)
 MIN_PAGES = 8  # contexts up to 128 tokens (block size 16) share one graph
@@ -47,8 +47,9 @@ class _PassState:
     """The traced inputs of one pass, shared by every layer's view; derived once per pass. A pass
     feeds L tokens per sequence (L = 1: decode; L > 1: a speculative verify chunk, causal within)."""
 
-    def __init__(self, starts: mx.array, tables: mx.array, keys: list[mx.array], values: list[mx.array],
-                 length: int = 1):
+    def __init__(
+        self, starts: mx.array, tables: mx.array, keys: list[mx.array], values: list[mx.array], length: int = 1
+    ):
         _, heads, size, _ = keys[0].shape
         batch, width = tables.shape
         self.positions = starts  # [B] position of each first new token (the RoPE offset)
@@ -126,8 +127,13 @@ class CompiledDecode:
         width = page_bucket(max(needed))
         # Padding entries repeat a valid block (masked out) so the gathers stay inside the pool.
         padded = [list(t[:n]) + [t[n - 1]] * (width - n) for t, n in zip(tables, needed, strict=True)]
-        logits, keys, values = self._forward(tokens, mx.array(list(starts), dtype=mx.int32),
-                                             mx.array(padded, dtype=mx.int32), self.kv.keys, self.kv.values)
+        logits, keys, values = self._forward(
+            tokens,
+            mx.array(list(starts), dtype=mx.int32),
+            mx.array(padded, dtype=mx.int32),
+            self.kv.keys,
+            self.kv.values,
+        )
         self.kv.keys[:], self.kv.values[:] = keys, values  # drop the old pools: the writes stay in place
         return logits
 
@@ -136,8 +142,10 @@ class CompiledDecode:
         machine (about 6 s here, cached on disk), which would otherwise stall a user's second token."""
         kv = self.kv
         # Pools of the cache's own geometry: V may be narrower than K (one geometry, K and V apart).
-        pools = [[mx.zeros((MIN_PAGES, g.kv_heads, kv.block_size, g.k_dim), kv.dtype) for g in kv.pool_geometries],
-                 [mx.zeros((MIN_PAGES, g.kv_heads, kv.block_size, g.v_dim), kv.dtype) for g in kv.pool_geometries]]
+        pools = [
+            [mx.zeros((MIN_PAGES, g.kv_heads, kv.block_size, g.k_dim), kv.dtype) for g in kv.pool_geometries],
+            [mx.zeros((MIN_PAGES, g.kv_heads, kv.block_size, g.v_dim), kv.dtype) for g in kv.pool_geometries],
+        ]
         table = mx.arange(MIN_PAGES, dtype=mx.int32)[None]
         logits, _, _ = self._forward(mx.zeros((1, 1), mx.int32), mx.zeros((1,), mx.int32), table, *pools)
         mx.eval(logits)

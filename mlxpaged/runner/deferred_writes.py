@@ -22,10 +22,10 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-import mlx.core as mx
-
 from mlxpaged.cache.kv_cache import PagedKVCache
 from mlxpaged.kernels.attention import resolved_backend
+
+import mlx.core as mx
 
 # Tokens a row may run ahead of the pools. Each step puts them into the gathered pages (small next to the
 # gather), and every MAX_PENDING steps the pipeline waits once to write them. Not measured on a GPU yet.
@@ -58,8 +58,12 @@ class PendingKV:
         if rows == list(range(len(self.request_ids))):
             return self  # the same rows: the gathered prefix stays valid
         take = mx.array(rows, dtype=mx.int32)
-        return PendingKV(tuple(self.request_ids[i] for i in rows), tuple(k[take] for k in self.keys),
-                         tuple(v[take] for v in self.values), tuple(self.slots[i] for i in rows))
+        return PendingKV(
+            tuple(self.request_ids[i] for i in rows),
+            tuple(k[take] for k in self.keys),
+            tuple(v[take] for v in self.values),
+            tuple(self.slots[i] for i in rows),
+        )
 
     def without(self, request_ids: Collection[str]) -> PendingKV | None:
         """The rows of every other request."""
@@ -87,8 +91,14 @@ def defers_writes(kv: PagedKVCache) -> bool:
 class DeferredPass:
     """What every layer of one queued-ahead decode pass shares, derived once per pass."""
 
-    def __init__(self, kv: PagedKVCache, request_ids: Sequence[str], starts: Sequence[int],
-                 tables: Sequence[Sequence[int]], pending: PendingKV | None):
+    def __init__(
+        self,
+        kv: PagedKVCache,
+        request_ids: Sequence[str],
+        starts: Sequence[int],
+        tables: Sequence[Sequence[int]],
+        pending: PendingKV | None,
+    ):
         size = kv.block_size
         held = pending.length if pending is not None else 0
         self.kv, self.pending, self.request_ids = kv, pending, tuple(request_ids)
@@ -101,11 +111,13 @@ class DeferredPass:
                 raise ValueError(f"block table of {len(table)} blocks cannot hold {n * size} tokens")
         width = max(needed)
         # Padding repeats a valid block so the gather stays inside the pool; those keys are masked out.
-        self.blocks = mx.array([list(t[:n]) + [t[n - 1]] * (width - n) for t, n in zip(tables, needed, strict=True)],
-                               dtype=mx.int32)
+        self.blocks = mx.array(
+            [list(t[:n]) + [t[n - 1]] * (width - n) for t, n in zip(tables, needed, strict=True)], dtype=mx.int32
+        )
         positions = [[start - held + i for i in range(held + 1)] for start in starts]  # the tail: pending + new
-        self.slots = tuple(tuple(t[p // size] * size + p % size for p in row)
-                           for t, row in zip(tables, positions, strict=True))
+        self.slots = tuple(
+            tuple(t[p // size] * size + p % size for p in row) for t, row in zip(tables, positions, strict=True)
+        )
         if self.batch == 1:
             self.offset: int | mx.array = starts[0]
             self.tail_start: int | None = starts[0] - held
@@ -140,8 +152,10 @@ class DeferredPass:
             k_pages[..., lo:hi, :] = keys
             v_pages[..., lo:hi, :] = values
             return k_pages[..., :hi, :], v_pages[..., :hi, :]
-        return (mx.put_along_axis(k_pages, self.tail_index, keys, axis=2),
-                mx.put_along_axis(v_pages, self.tail_index, values, axis=2))
+        return (
+            mx.put_along_axis(k_pages, self.tail_index, keys, axis=2),
+            mx.put_along_axis(v_pages, self.tail_index, values, axis=2),
+        )
 
     def _prefix(self, layer: int) -> tuple[mx.array, mx.array]:
         """Batch 1: the layer's keys and values already in the pools, from the last pass or gathered now."""
@@ -149,7 +163,7 @@ class DeferredPass:
             prefix = self.pending.prefix[layer]
         else:
             k_pages, v_pages = self.kv.gather_blocks(layer, self.blocks)
-            prefix = k_pages[..., :self.tail_start, :], v_pages[..., :self.tail_start, :]
+            prefix = k_pages[..., : self.tail_start, :], v_pages[..., : self.tail_start, :]
         self.prefix[layer] = prefix
         return prefix
 
@@ -193,8 +207,9 @@ class DeferredView:
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         if N != 1 or window_size is not None:
-            raise ValueError(f"a deferred decode pass takes one token per row on full attention, got N={N}, "
-                             f"window {window_size}")
+            raise ValueError(
+                f"a deferred decode pass takes one token per row on full attention, got N={N}, window {window_size}"
+            )
         return self._shared.mask
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
@@ -203,8 +218,13 @@ class DeferredView:
         return out
 
 
-def deferred_views(kv: PagedKVCache, request_ids: Sequence[str], starts: Sequence[int], tables: Sequence[Sequence[int]],
-                   pending: PendingKV | None) -> tuple[list[DeferredView], DeferredPass]:
+def deferred_views(
+    kv: PagedKVCache,
+    request_ids: Sequence[str],
+    starts: Sequence[int],
+    tables: Sequence[Sequence[int]],
+    pending: PendingKV | None,
+) -> tuple[list[DeferredView], DeferredPass]:
     """Views for every layer of a pass of one new token per row at `starts`, over `tables` (group 0's),
     with `pending` K/V for the same rows in the same order; and the pass, whose `pending_after` is read
     once the model has run."""

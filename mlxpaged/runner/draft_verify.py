@@ -18,9 +18,9 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import mlx.core as mx
-
 from mlxpaged.runner.sampling import SampleResult, SamplerState, sample_batch
+
+import mlx.core as mx
 
 
 @dataclass
@@ -49,8 +49,9 @@ def kept_prefix(samples: Sequence[int], drafts: Sequence[int]) -> int:
     return kept
 
 
-def sample_with_drafts(logits: mx.array, drafts: list[list[int]],
-                       rows: list[tuple[int, SamplerState]]) -> list[SampleResult]:
+def sample_with_drafts(
+    logits: mx.array, drafts: list[list[int]], rows: list[tuple[int, SamplerState]]
+) -> list[SampleResult]:
     """One result per sampling row (as `sample_batch`), from `logits` holding len(drafts[i]) + 1
     rows for sampling chunk i. A drafting row's result is the token that ends its run, with the
     kept drafts' results in `accepted`."""
@@ -70,7 +71,7 @@ def sample_with_drafts(logits: mx.array, drafts: list[list[int]],
     results = sample_batch(logits[mx.array(take)], states)
     out, at = [], 0
     for (chunk, _), n in zip(rows, spans, strict=True):
-        run = results[at:at + n]
+        run = results[at : at + n]
         at += n
         if any(r.error is not None for r in run):
             out.append(next(r for r in run if r.error is not None))

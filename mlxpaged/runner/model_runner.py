@@ -14,9 +14,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-import mlx.core as mx
-import mlx.nn as nn
-
 from mlxpaged.cache.cache_view import paged_views
 from mlxpaged.cache.kv_cache import PagedKVCache
 from mlxpaged.cache.layout import ModelLayout
@@ -30,6 +27,9 @@ from mlxpaged.runner.passes import StepInput, logit_positions, prefill_passes, s
 from mlxpaged.runner.routing import is_routed
 from mlxpaged.runner.sampling import LazySample, SampleResult, sample_batch
 from mlxpaged.runner.sampling_rows import SamplingRows
+
+import mlx.core as mx
+import mlx.nn as nn
 
 # Decode passes of up to `backend.tuning().compiled_decode_max_batch` sequences run compiled
 # (decode_pass.py); the measurements are in platform/backend.py.
@@ -58,6 +58,7 @@ class NextStepPlanner(Protocol):
 class Lookahead:
     """A decode pass queued on the previous step's lazy tokens before its own step was scheduled
     (Runner._look_ahead); the runner adopts it when the schedule asks for these rows."""
+
     rows: list[tuple[str, int]]  # (request id, position) of each row
     sample: LazySample
     state_pass: StatePass | None = None  # its state rows, stored only if the pass is adopted
@@ -85,8 +86,14 @@ class Runner:
     sequence at a time. `serial`: one sequence per pass, for models that are not exact in a ragged batch
     (paged_support.serial_reason, batch_check.py)."""
 
-    def __init__(self, model: nn.Module, kv_cache: PagedKVCache, layout: ModelLayout | None = None,
-                 state_store: StateStore | None = None, serial: bool = False):
+    def __init__(
+        self,
+        model: nn.Module,
+        kv_cache: PagedKVCache,
+        layout: ModelLayout | None = None,
+        state_store: StateStore | None = None,
+        serial: bool = False,
+    ):
         self.model = model
         self.kv = kv_cache
         self.layout, self.state_store = layout, state_store
@@ -99,13 +106,20 @@ class Runner:
         plain = layout is None or (cache_tree.simple(layout) and all(leaf.routed for leaf in layout.kv_leaves))
         compiled = state_store is None and plain and is_routed(model) and CompiledDecode.supports(kv_cache)
         self.tuning = backend.tuning()
-        self.decoder = CompiledDecode(model, kv_cache, self.head) \
-            if compiled and self.tuning.compiled_decode_max_batch else None
+        self.decoder = (
+            CompiledDecode(model, kv_cache, self.head) if compiled and self.tuning.compiled_decode_max_batch else None
+        )
         self._ahead: Lookahead | None = None  # the next step's decode pass, already queued
         # A GPU queues the next pass before reading this one; its K/V wait in `_pending` (deferred_writes.py),
         # and those of rows that left the run in `_orphans`, until nothing in flight reads the pools.
-        self.defers = self.tuning.queue_before_read and state_store is None and plain and not serial \
-            and is_routed(model) and defers_writes(kv_cache)
+        self.defers = (
+            self.tuning.queue_before_read
+            and state_store is None
+            and plain
+            and not serial
+            and is_routed(model)
+            and defers_writes(kv_cache)
+        )
         self._pending: PendingKV | None = None
         self._orphans: list[PendingKV] = []
 
@@ -159,8 +173,7 @@ class Runner:
         """An adopted deferred pass's K/V become the run's pending ones; rows the step no longer schedules
         (finished, aborted, preempted) and rows the pass skipped keep theirs until the next flush."""
         carried = set(pending.request_ids)
-        for left in (self._pending.without(carried) if self._pending is not None else None,
-                     pending.without(kept)):
+        for left in (self._pending.without(carried) if self._pending is not None else None, pending.without(kept)):
             if left is not None:
                 self._orphans.append(left)
         self._pending = pending.select(kept)
@@ -168,8 +181,19 @@ class Runner:
     def _compute(self, chunks: list, sampling: SamplingRows, planner: NextStepPlanner) -> list[SampleResult]:
         """Run the step's passes and sample; pipeline the next decode pass when it is predictable."""
         drafts = [c.drafts for c in chunks if c.samples]
-        logits = self.step([StepInput(c.token_ids, c.start, c.block_tables, c.samples, state_slot=c.state_slot,
-                                      num_logits=len(c.drafts) + 1 if c.samples else 1) for c in chunks])
+        logits = self.step(
+            [
+                StepInput(
+                    c.token_ids,
+                    c.start,
+                    c.block_tables,
+                    c.samples,
+                    state_slot=c.state_slot,
+                    num_logits=len(c.drafts) + 1 if c.samples else 1,
+                )
+                for c in chunks
+            ]
+        )
         if not sampling.rows:
             return []
         if logits is None:
@@ -217,8 +241,9 @@ class Runner:
             tables = planner.reserve_next_slot(request)
             if tables is not None:
                 picked.append(i)
-                inputs.append(StepInput([0], chunk.start + len(chunk.token_ids), tables, True,
-                                        state_slot=chunk.state_slot))
+                inputs.append(
+                    StepInput([0], chunk.start + len(chunk.token_ids), tables, True, state_slot=chunk.state_slot)
+                )
         if not picked:
             return None
         rows = [(chunks[i].request.request_id, x.start) for i, x in zip(picked, inputs, strict=True)]
@@ -235,12 +260,14 @@ class Runner:
         state_pass, self._built_state_pass = self._built_state_pass, None
         return Lookahead(rows, LazySample(logits, picked_samplers, ahead=1, launch=False), state_pass)
 
-    def _deferred_pass(self, inputs: list[StepInput], ids: list[str], tokens: mx.array,
-                       pending: PendingKV | None) -> tuple[mx.array, DeferredPass]:
+    def _deferred_pass(
+        self, inputs: list[StepInput], ids: list[str], tokens: mx.array, pending: PendingKV | None
+    ) -> tuple[mx.array, DeferredPass]:
         """A decode pass of one token per input (`tokens` [B], lazy) that writes no pages (deferred_writes.py):
         lazy float32 logits [B, V] and the pass, whose pending K/V the runner takes if it is adopted."""
-        views, deferred = deferred_views(self.kv, ids, [x.start for x in inputs],
-                                         [x.block_tables[0] for x in inputs], pending)
+        views, deferred = deferred_views(
+            self.kv, ids, [x.start for x in inputs], [x.block_tables[0] for x in inputs], pending
+        )
         cache = cache_tree.model_cache(self.layout, views, None)
         tokens = tokens.astype(mx.int32).reshape(-1, 1)
         if self.head is not None:
@@ -276,8 +303,9 @@ class Runner:
                 for i in rows:
                     firsts.append(firsts[-1] + inputs[i].num_logits)
                 where.update({i: (p, r) for i, r in zip(rows, firsts[:-1], strict=True)})  # firsts[-1]: the total
-            logits = mx.concatenate([results[where[i][0]][where[i][1]:where[i][1] + inputs[i].num_logits]
-                                     for i in wanted])
+            logits = mx.concatenate(
+                [results[where[i][0]][where[i][1] : where[i][1] + inputs[i].num_logits] for i in wanted]
+            )
         return logits.astype(mx.float32)
 
     def _compiled_pass(self, batch: list[StepInput], length: int) -> bool:
@@ -285,8 +313,9 @@ class Runner:
         at a batch size that compiles: the compiled pass returns every position's logits."""
         if not self.compiles(len(batch)):
             return False
-        return length == 1 or (length <= COMPILED_VERIFY_MAX_TOKENS
-                               and all(x.num_logits == len(x.token_ids) == length for x in batch))
+        return length == 1 or (
+            length <= COMPILED_VERIFY_MAX_TOKENS and all(x.num_logits == len(x.token_ids) == length for x in batch)
+        )
 
     def compiles(self, batch: int) -> bool:
         """True when a decode pass of `batch` sequences runs compiled (decode_pass.py)."""
@@ -313,8 +342,7 @@ class Runner:
         one). Passes run in order on one stream."""
         length = max(len(x.token_ids) for x in batch)
         if tokens is None:
-            tokens = mx.array([list(x.token_ids) + [0] * (length - len(x.token_ids)) for x in batch],
-                              dtype=mx.int32)
+            tokens = mx.array([list(x.token_ids) + [0] * (length - len(x.token_ids)) for x in batch], dtype=mx.int32)
         state_pass = None
         if self.decoder is not None and self._compiled_pass(batch, length):
             logits = self.decoder([x.start for x in batch], [x.block_tables[0] for x in batch], tokens)

@@ -30,9 +30,9 @@ class NgramDrafter:
             return []
         self._index(tokens, len(tokens) - 1)
         for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
-            start = self._next.get(tuple(tokens[len(tokens) - n:]))
+            start = self._next.get(tuple(tokens[len(tokens) - n :]))
             if start is not None:
-                return list(tokens[start:start + k])
+                return list(tokens[start : start + k])
         return []
 
     def _index(self, tokens: Sequence[int], end: int) -> None:
@@ -42,5 +42,5 @@ class NgramDrafter:
             raise ValueError(f"the sequence shrank from {self._indexed + 1} to {end + 1} tokens")
         for stop in range(self._indexed, end):  # n-gram tokens[stop - n + 1 : stop + 1]
             for n in range(self.min_n, min(self.max_n, stop + 1) + 1):
-                self._next[tuple(tokens[stop - n + 1:stop + 1])] = stop + 1
+                self._next[tuple(tokens[stop - n + 1 : stop + 1])] = stop + 1
         self._indexed = end

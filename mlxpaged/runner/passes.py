@@ -24,6 +24,7 @@ import mlx.nn as nn
 @dataclass(frozen=True)
 class StepInput:
     """One sequence's part of a step: `token_ids` fed at positions start.. (block tables per layer group)."""
+
     token_ids: Sequence[int]
     start: int
     block_tables: Sequence[list[int]]

@@ -18,9 +18,6 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-import mlx.core as mx
-import mlx.nn as nn
-
 from mlxpaged.cache.cache_view import PagedCacheView
 from mlxpaged.kernels.attention import (
     eager_sdpa,
@@ -32,6 +29,9 @@ from mlxpaged.kernels.attention import (
 )
 from mlxpaged.runner.decode_pass import DecodeView
 from mlxpaged.runner.deferred_writes import DeferredView
+
+import mlx.core as mx
+import mlx.nn as nn
 
 _ORIGINAL_SDPA: Callable[..., mx.array] | None = None  # mlx-lm's, once routed
 _ROUTED_MODULES: dict[str, object] = {}
@@ -56,16 +56,14 @@ def _routed_sdpa(queries, keys, values, cache, scale, mask, sinks=None):
         if pages is not None:
             k_pool, v_pool, table, context = pages
             length = queries.shape[2]
-            return paged_prefill_attention(queries, k_pool, v_pool, table, context - length, length, scale,
-                                           sinks=sinks)
+            return paged_prefill_attention(queries, k_pool, v_pool, table, context - length, length, scale, sinks=sinks)
         return eager_sdpa(queries, keys, values, scale, mask, sinks)  # a paged view's pass is eager
     if _ORIGINAL_SDPA is None:  # only installed once it is set
         raise RuntimeError("mlx-lm's attention was never routed")
     return _ORIGINAL_SDPA(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
 
-def pool_inputs(queries: mx.array, keys: mx.array, values: mx.array, cache: PagedCacheView,
-                mask) -> tuple | None:
+def pool_inputs(queries: mx.array, keys: mx.array, values: mx.array, cache: PagedCacheView, mask) -> tuple | None:
     """(k_pool, v_pool, block_tables, context_lens) when attending the pools is the same computation
     as attending `keys`/`values` under `mask`; else None."""
     if not reads_pools():  # the fused path attends what the view gathered, under its own (or no) mask
@@ -82,17 +80,24 @@ def pool_inputs(queries: mx.array, keys: mx.array, values: mx.array, cache: Page
     return decode
 
 
-def page_inputs(queries: mx.array, keys: mx.array, values: mx.array, cache: PagedCacheView,
-                mask) -> tuple | None:
+def page_inputs(queries: mx.array, keys: mx.array, values: mx.array, cache: PagedCacheView, mask) -> tuple | None:
     """(k_pool, v_pool, block table, context) when a batch-1 prefill chunk may attend its pages in place
     (the view's own causal mask over the K/V it returned, and faster so: `reads_pages_in_place`); else None."""
     pages = cache.prefill_pages()
-    if pages is None or not cache.returned(keys, values) \
-            or not isinstance(mask, str) or mask != "causal" or not cache.made_mask(mask):
+    if (
+        pages is None
+        or not cache.returned(keys, values)
+        or not isinstance(mask, str)
+        or mask != "causal"
+        or not cache.made_mask(mask)
+    ):
         return None
     k_pool, v_pool, _, context = pages
-    if queries.shape[-1] != k_pool.shape[-1] or queries.shape[1] % k_pool.shape[1] \
-            or values.shape[-1] != v_pool.shape[-1]:
+    if (
+        queries.shape[-1] != k_pool.shape[-1]
+        or queries.shape[1] % k_pool.shape[1]
+        or values.shape[-1] != v_pool.shape[-1]
+    ):
         return None
     return pages if reads_pages_in_place(queries, k_pool, v_pool, context) else None
 
@@ -101,11 +106,15 @@ def _check_compiled_call(keys, values, cache: DecodeView, mask) -> None:
     """A compiled pass reads the pools only (its views return the new K/V, not gathered pages), so a
     call it cannot honour must fail loudly instead of attending the wrong keys."""
     if not cache.returned(keys, values):
-        raise RuntimeError("compiled decode: the model attends K/V other than its cache returned; "
-                           "run with MLXPAGED_COMPILE=0 for this model")
+        raise RuntimeError(
+            "compiled decode: the model attends K/V other than its cache returned; "
+            "run with MLXPAGED_COMPILE=0 for this model"
+        )
     if mask is not None:
-        raise RuntimeError("compiled decode: the model passed an attention mask it built itself; "
-                           "run with MLXPAGED_COMPILE=0 for this model")
+        raise RuntimeError(
+            "compiled decode: the model passed an attention mask it built itself; "
+            "run with MLXPAGED_COMPILE=0 for this model"
+        )
 
 
 def route_paged_attention() -> int:
@@ -118,8 +127,10 @@ def route_paged_attention() -> int:
         _ORIGINAL_SDPA = base.scaled_dot_product_attention
     loaded: list[tuple[str, Any]] = list(sys.modules.items())  # Any: modules get an attribute set
     for name, module in loaded:
-        if (name.startswith("mlx_lm.models.")
-                and getattr(module, "scaled_dot_product_attention", None) is _ORIGINAL_SDPA):
+        if (
+            name.startswith("mlx_lm.models.")
+            and getattr(module, "scaled_dot_product_attention", None) is _ORIGINAL_SDPA
+        ):
             module.scaled_dot_product_attention = _routed_sdpa
             _ROUTED_MODULES[name] = module
     return len(_ROUTED_MODULES)

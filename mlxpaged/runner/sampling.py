@@ -32,6 +32,10 @@ import secrets
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from mlxpaged.kernels.reference import host_list
+from mlxpaged.sampling_params import MAX_N, SamplingParams, token_id_list
+from mlxpaged.validation import require_number
+
 import mlx.core as mx
 from mlx_lm.sample_utils import (
     apply_min_p,
@@ -42,12 +46,9 @@ from mlx_lm.sample_utils import (
     make_repetition_penalty,
 )
 
-from mlxpaged.kernels.reference import host_list
-from mlxpaged.sampling_params import MAX_N, SamplingParams, token_id_list
-from mlxpaged.validation import require_number
-
 if TYPE_CHECKING:
     from mlxpaged.constraints import BatchMask, RowConstraint
+
 
 class TokenSequence(Protocol):
     """What a sampler state reads its history from: a `Request` (request.py)."""
@@ -89,8 +90,7 @@ class SamplerState:
     def has_row_processors(self) -> bool:
         """True when penalties or user processors rewrite this row's logits (`_process_row`)."""
         p = self.params
-        return bool(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
-                    or p.logits_processors)
+        return bool(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or p.logits_processors)
 
     def key_words(self, ahead: int = 0) -> tuple[int, int]:
         """The two uint32 words of this draw's key: a hash of (seed, sequence_index, index);
@@ -154,8 +154,9 @@ def _process_row(state: SamplerState, row: mx.array) -> mx.array:
     return row
 
 
-def _processed_rows(logits: mx.array, states: list[SamplerState],
-                    errors: dict[int, Exception]) -> list[mx.array] | None:
+def _processed_rows(
+    logits: mx.array, states: list[SamplerState], errors: dict[int, Exception]
+) -> list[mx.array] | None:
     """Per-row processed logits, or None when no row has processors (the batch is used as is)."""
     if not any(state.has_row_processors for state in states):
         return None
@@ -166,8 +167,10 @@ def _processed_rows(logits: mx.array, states: list[SamplerState],
             try:
                 row = _process_row(state, row)
                 if not isinstance(row, mx.array) or row.shape != (1, logits.shape[-1]):
-                    raise ValueError(f"a logits processor returned {getattr(row, 'shape', row)!r}, "
-                                     f"expected an mx.array shaped (1, {logits.shape[-1]})")
+                    raise ValueError(
+                        f"a logits processor returned {getattr(row, 'shape', row)!r}, "
+                        f"expected an mx.array shaped (1, {logits.shape[-1]})"
+                    )
             except Exception as exc:  # user code: fail this request only
                 errors[i] = exc
                 row = logits[i : i + 1]
@@ -177,9 +180,11 @@ def _processed_rows(logits: mx.array, states: list[SamplerState],
 
 def _filter_key(params: SamplingParams, vocab: int) -> tuple:
     """(top_p, min_p, top_k), each None when it would keep every token."""
-    return (params.top_p if params.top_p < 1.0 else None,
-            params.min_p if params.min_p > 0.0 else None,
-            params.top_k if 0 < params.top_k < vocab else None)
+    return (
+        params.top_p if params.top_p < 1.0 else None,
+        params.min_p if params.min_p > 0.0 else None,
+        params.top_k if 0 < params.top_k < vocab else None,
+    )
 
 
 def _apply_filters(logprobs: mx.array, key: tuple) -> mx.array:
@@ -231,8 +236,9 @@ def _draw(logits: mx.array, states: list[SamplerState], ahead: int) -> mx.array:
 def _add_bias(logits: mx.array, states: list[SamplerState]) -> mx.array:
     """The rows' logit_bias added (OpenAI semantics: before filtering and sampling; the reported
     logprobs stay the model's own)."""
-    entries = [(row, token, bias) for row, state in enumerate(states)
-               for token, bias in state.params.logit_bias.items()]
+    entries = [
+        (row, token, bias) for row, state in enumerate(states) for token, bias in state.params.logit_bias.items()
+    ]
     if not entries:
         return logits
     rows, tokens, biases = zip(*entries, strict=True)
@@ -255,8 +261,7 @@ def _choose_tokens(processed: mx.array, states: list[SamplerState], ahead: int =
     return tokens
 
 
-def _logprob_graph(logits: mx.array, tokens: mx.array, states: list[SamplerState],
-                   rows: list[int]) -> list[mx.array]:
+def _logprob_graph(logits: mx.array, tokens: mx.array, states: list[SamplerState], rows: list[int]) -> list[mx.array]:
     """[chosen] or [chosen, top ids, top values] of the raw log-softmax of `rows`; [] if none."""
     if not rows:
         return []
@@ -283,8 +288,13 @@ def _row_result(state: SamplerState, token: int, position: int | None, lists: li
     return SampleResult(token, float(lists[0][position]), pairs)
 
 
-def _evaluate(logits: mx.array, rows: list[mx.array] | None, masks: BatchMask | None,
-              states: list[SamplerState], errors: dict[int, Exception]) -> list[SampleResult]:
+def _evaluate(
+    logits: mx.array,
+    rows: list[mx.array] | None,
+    masks: BatchMask | None,
+    states: list[SamplerState],
+    errors: dict[int, Exception],
+) -> list[SampleResult]:
     if rows is not None:
         for i in errors:
             rows[i] = logits[i : i + 1]
@@ -300,24 +310,28 @@ def _evaluate(logits: mx.array, rows: list[mx.array] | None, masks: BatchMask | 
     mx.eval(tokens, peaks, *extras)
     for i, peak in zip(custom, host_list(peaks), strict=True):
         if not math.isfinite(peak):
-            errors[i] = (masks.dead_end(i) if masks is not None and i in masks.rows else
-                         ValueError(f"logits processors left no finite logit (the largest is {peak})"))
+            errors[i] = (
+                masks.dead_end(i)
+                if masks is not None and i in masks.rows
+                else ValueError(f"logits processors left no finite logit (the largest is {peak})")
+            )
     return _read_rows(tokens, extras, asked, states, errors)
 
 
-def _read_rows(tokens: mx.array, extras: list[mx.array], asked: list[int], states: list[SamplerState],
-               errors: dict[int, Exception]) -> list[SampleResult]:
+def _read_rows(
+    tokens: mx.array, extras: list[mx.array], asked: list[int], states: list[SamplerState], errors: dict[int, Exception]
+) -> list[SampleResult]:
     """One SampleResult per row from the (evaluated or pending) token and logprob arrays."""
     token_list = host_list(tokens)
     lists = [host_list(extra) for extra in extras]
     position = {row: j for j, row in enumerate(asked)}
-    return [SampleResult(error=errors[i]) if i in errors
-            else _row_result(state, token_list[i], position.get(i), lists)
-            for i, state in enumerate(states)]
+    return [
+        SampleResult(error=errors[i]) if i in errors else _row_result(state, token_list[i], position.get(i), lists)
+        for i, state in enumerate(states)
+    ]
 
 
-def _find_eval_failures(rows: list[mx.array], states: list[SamplerState],
-                        errors: dict[int, Exception]) -> bool:
+def _find_eval_failures(rows: list[mx.array], states: list[SamplerState], errors: dict[int, Exception]) -> bool:
     """Evaluate processed rows one by one; record the ones whose graph fails. True if any did."""
     found = False
     for i, (row, state) in enumerate(zip(rows, states, strict=True)):
@@ -338,8 +352,9 @@ def sample_batch(logits: mx.array, states: list[SamplerState]) -> list[SampleRes
     the other rows are unaffected.
     """
     if not isinstance(logits, mx.array) or logits.ndim != 2:
-        raise ValueError(f"logits must be an mx.array shaped [batch, vocab], got "
-                         f"{getattr(logits, 'shape', type(logits).__name__)}")
+        raise ValueError(
+            f"logits must be an mx.array shaped [batch, vocab], got {getattr(logits, 'shape', type(logits).__name__)}"
+        )
     if logits.shape[0] != len(states):
         raise ValueError(f"logits has {logits.shape[0]} rows but states has {len(states)} entries")
     if not states:

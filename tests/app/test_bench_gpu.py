@@ -8,8 +8,6 @@ import re
 from argparse import ArgumentTypeError
 
 import mlxpaged  # noqa: F401  (OpenBLAS before mlx)
-import pytest
-
 from mlxpaged.engine.engine import Engine
 from mlxpaged.platform import backend
 from mlxpaged_app.bench.baseline import mlx_lm_side, weight_dtype
@@ -18,8 +16,12 @@ from mlxpaged_app.bench.gpu_report import SummaryRow, summary_table
 from mlxpaged_app.cli import build_parser, main
 from tests.tiny_models import write_tiny_llama_dir
 
-ROW = re.compile(r"^(?P<what>.+?)\s{2,}(?P<mlx_lm>-|\d+\.\d+)\s+(?P<ours>\d+\.\d+)\s+(?P<ratio>\d+\.\d+)(?P<unit>[x%])"
-                 r"\s+(?P<target>(?:>=|<=) [\d.]+[x%]|-)\s+(?P<met>met|missed|-)$")
+import pytest
+
+ROW = re.compile(
+    r"^(?P<what>.+?)\s{2,}(?P<mlx_lm>-|\d+\.\d+)\s+(?P<ours>\d+\.\d+)\s+(?P<ratio>\d+\.\d+)(?P<unit>[x%])"
+    r"\s+(?P<target>(?:>=|<=) [\d.]+[x%]|-)\s+(?P<met>met|missed|-)$"
+)
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +36,7 @@ def rounding(top: float, bottom: float, ratio_step: float, top_half_step: float,
 
 
 def summary_rows(out: str) -> dict[str, re.Match]:
-    table = out[out.index("\nsummary"):].splitlines()[2:]
+    table = out[out.index("\nsummary") :].splitlines()[2:]
     assert table[1].startswith("----")
     rows = [ROW.match(line) for line in table[2:]]
     assert all(rows), table
@@ -42,8 +44,20 @@ def summary_rows(out: str) -> dict[str, re.Match]:
 
 
 def test_bench_gpu_prints_every_row_with_ratios_from_its_figures(tiny_dir, capsys):
-    argv = ["bench", "gpu", "--model", str(tiny_dir), "--tokens", "4", "--runs", "1", "--sizes", "64,128",
-            "--concurrency", "2,3"]
+    argv = [
+        "bench",
+        "gpu",
+        "--model",
+        str(tiny_dir),
+        "--tokens",
+        "4",
+        "--runs",
+        "1",
+        "--sizes",
+        "64,128",
+        "--concurrency",
+        "2,3",
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert re.search(r"^device: .+ \(MLX's CPU backend", out, re.M)
@@ -52,10 +66,15 @@ def test_bench_gpu_prints_every_row_with_ratios_from_its_figures(tiny_dir, capsy
     assert "checkpoint bfloat16; mlxpaged weights float32; mlx-lm weights float32" in out
     assert "mlx-lm side: the engine's loaded model (float32" in out
     rows = summary_rows(out)
-    assert list(rows) == ["batch-1 decode, tok/s", "2 concurrent, aggregate tok/s", "3 concurrent, aggregate tok/s",
-                          "cold TTFT at 64 (23 tokens), s", "cold TTFT at 128 (87 tokens), s",
-                          "cached prefix at 64 + 8 new, TTFT s (% of cold)",
-                          "cached prefix at 128 + 8 new, TTFT s (% of cold)"]
+    assert list(rows) == [
+        "batch-1 decode, tok/s",
+        "2 concurrent, aggregate tok/s",
+        "3 concurrent, aggregate tok/s",
+        "cold TTFT at 64 (23 tokens), s",
+        "cold TTFT at 128 (87 tokens), s",
+        "cached prefix at 64 + 8 new, TTFT s (% of cold)",
+        "cached prefix at 128 + 8 new, TTFT s (% of cold)",
+    ]
     for what, row in rows.items():
         ours, ratio = float(row["ours"]), float(row["ratio"])
         assert ours > 0 and ratio > 0
@@ -97,8 +116,9 @@ def test_on_a_gpu_the_mlx_lm_side_is_its_own_untouched_load(tiny_dir):
 
 
 def test_flags_parse_and_refuse_bad_input():
-    args = build_parser().parse_args(["bench", "gpu", "--concurrency", "16,64", "--sizes", "2048,8192",
-                                      "--parts", "batch,ttft"])
+    args = build_parser().parse_args(
+        ["bench", "gpu", "--concurrency", "16,64", "--sizes", "2048,8192", "--parts", "batch,ttft"]
+    )
     assert (args.what, args.concurrency, args.sizes, args.parts) == ("gpu", (16, 64), (2048, 8192), ("batch", "ttft"))
     with pytest.raises(ArgumentTypeError, match="got '16x'"):
         parse_concurrency("16x")
@@ -109,12 +129,21 @@ def test_flags_parse_and_refuse_bad_input():
 
 
 def test_summary_verdicts_follow_the_direction_of_each_target():
-    rows = [SummaryRow("faster", "1.0", "2.0", 2.0, "x", 1.0), SummaryRow("slower", "2.0", "1.0", 0.5, "x", 1.0),
-            SummaryRow("small share", "-", "0.1", 4.0, "%", 5.0, higher_is_better=False),
-            SummaryRow("big share", "-", "0.5", 50.0, "%", 5.0, higher_is_better=False),
-            SummaryRow("context", "-", "0.5", 50.0, "%", None, higher_is_better=False)]
-    got = {what: (row["ratio"] + row["unit"], row["target"], row["met"])
-           for what, row in summary_rows("\nsummary\n" + summary_table(rows)).items()}
-    assert got == {"faster": ("2.00x", ">= 1x", "met"), "slower": ("0.50x", ">= 1x", "missed"),
-                   "small share": ("4.0%", "<= 5%", "met"), "big share": ("50.0%", "<= 5%", "missed"),
-                   "context": ("50.0%", "-", "-")}
+    rows = [
+        SummaryRow("faster", "1.0", "2.0", 2.0, "x", 1.0),
+        SummaryRow("slower", "2.0", "1.0", 0.5, "x", 1.0),
+        SummaryRow("small share", "-", "0.1", 4.0, "%", 5.0, higher_is_better=False),
+        SummaryRow("big share", "-", "0.5", 50.0, "%", 5.0, higher_is_better=False),
+        SummaryRow("context", "-", "0.5", 50.0, "%", None, higher_is_better=False),
+    ]
+    got = {
+        what: (row["ratio"] + row["unit"], row["target"], row["met"])
+        for what, row in summary_rows("\nsummary\n" + summary_table(rows)).items()
+    }
+    assert got == {
+        "faster": ("2.00x", ">= 1x", "met"),
+        "slower": ("0.50x", ">= 1x", "missed"),
+        "small share": ("4.0%", "<= 5%", "met"),
+        "big share": ("50.0%", "<= 5%", "missed"),
+        "context": ("50.0%", "-", "-"),
+    }

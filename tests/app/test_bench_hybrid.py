@@ -11,7 +11,9 @@ from mlxpaged_app.bench.hybrid import run
 def test_the_ratio_is_the_ratio_of_the_printed_medians(capsys):
     paged, mlx_lm = run(hidden=256, layers=4, tokens=4, prompt_tokens=8, rounds=2)
     out = capsys.readouterr().out
-    rounds = [tuple(map(float, m)) for m in re.findall(r"generate_step\s+([\d.]+) tok/s\s+paged engine\s+([\d.]+)", out)]
+    rounds = [
+        tuple(map(float, m)) for m in re.findall(r"generate_step\s+([\d.]+) tok/s\s+paged engine\s+([\d.]+)", out)
+    ]
     assert len(rounds) == 2 and paged > 0 and mlx_lm > 0
     assert "state" in out and "slots" in out
     last = out.strip().splitlines()[-1]

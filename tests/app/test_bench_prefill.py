@@ -5,13 +5,13 @@ import re
 from argparse import ArgumentTypeError, Namespace
 
 import mlxpaged  # noqa: F401  (OpenBLAS before mlx)
-import mlx.core as mx
-import pytest
-
 from mlxpaged.errors import ConfigError
 from mlxpaged_app.bench.prefill import APPENDED_TOKENS, FOLLOW_UPS, bench_prefill, parse_sizes, seeded_tokens
 from mlxpaged_app.bench.prefill_attention import chunked_attention, contiguous_sdpa, make_inputs, measure_attention
 from mlxpaged_app.cli import build_parser
+
+import mlx.core as mx
+import pytest
 
 
 def printed_row(out: str, size: int) -> list[float]:
@@ -78,6 +78,10 @@ def test_chunked_prefill_over_pages_equals_the_contiguous_paths(context, chunk, 
 def test_attention_line_prints_its_ratios_from_its_times():
     row = measure_attention(200, 64, heads=6, kv_heads=2, head_dim=32, block_size=16)
     numbers = [float(n) for n in re.findall(r"(\d+\.\d+)", row.line())]
-    assert numbers == [round(row.paged_s, 3), round(row.contiguous_chunks_s, 3),
-                       round(row.paged_s / row.contiguous_chunks_s, 2), round(row.fast_sdpa_s, 3),
-                       round(row.paged_s / row.fast_sdpa_s, 2)]
+    assert numbers == [
+        round(row.paged_s, 3),
+        round(row.contiguous_chunks_s, 3),
+        round(row.paged_s / row.contiguous_chunks_s, 2),
+        round(row.fast_sdpa_s, 3),
+        round(row.paged_s / row.fast_sdpa_s, 2),
+    ]

@@ -3,11 +3,11 @@
 
 from argparse import Namespace
 
-import pytest
-
 from mlxpaged_app.bench.spec import TASKS, bench_spec
 from mlxpaged_app.cli import build_parser
 from mlxpaged_app.server.flags import cache_settings
+
+import pytest
 
 
 @pytest.mark.slow
@@ -16,7 +16,7 @@ def test_bench_prints_each_task_with_equal_outputs_and_the_median_paired_ratio(c
     out = capsys.readouterr().out
     for task, (kind, _) in TASKS.items():
         line = next(line for line in out.splitlines() if line.strip().startswith(task))
-        fields = line[len(task) + 2:].split()
+        fields = line[len(task) + 2 :].split()
         assert fields[0] == kind and "equal" in fields
         ratio = float(fields[4].rstrip("x"))
         plain_steps, spec_steps = int(fields[6]), int(fields[8])  # "N -> M"

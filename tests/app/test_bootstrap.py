@@ -14,9 +14,9 @@ import sys
 import tomllib
 from pathlib import Path
 
-import pytest
-
 from mlxpaged_app import bootstrap
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 FLOOR = bootstrap.MIN_PYTHON
@@ -49,8 +49,9 @@ def run_bootstrap(python: str, repo: Path, *args: str) -> subprocess.CompletedPr
     return subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=60)
 
 
-@pytest.mark.parametrize("version", sorted({BELOW_FLOOR, (3, 9), OLDEST_PARSED}, reverse=True),
-                         ids=lambda version: "%d.%d" % version)
+@pytest.mark.parametrize(
+    "version", sorted({BELOW_FLOOR, (3, 9), OLDEST_PARSED}, reverse=True), ids=lambda version: "%d.%d" % version
+)
 @pytest.mark.parametrize("command", ["test", "chat", "check"])
 def test_below_the_floor_refuses_in_one_line_and_touches_nothing(tmp_path, version, command):
     repo = repo_copy(tmp_path)

@@ -11,17 +11,29 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlxpaged  # noqa: F401  (OpenBLAS before mlx)
-import mlx.core as mx
-import pytest
-
 from mlxpaged.platform.memory import DeviceFacts, ModelFacts, model_weight_bytes, plan_memory
 from mlxpaged.units import format_size
 from mlxpaged_app import doctor
 from mlxpaged_app.cli import main
 from mlxpaged_app.doctor import FAIL, OK, WARN, Check, ModelOnDisk
 
-SECTIONS = ["platform", "python", "mlx", "blas", "attention", "kernel", "memory", "wired memory", "model store",
-            "default model", "sampling defaults", "KV plan"]
+import mlx.core as mx
+import pytest
+
+SECTIONS = [
+    "platform",
+    "python",
+    "mlx",
+    "blas",
+    "attention",
+    "kernel",
+    "memory",
+    "wired memory",
+    "model store",
+    "default model",
+    "sampling defaults",
+    "KV plan",
+]
 SELF_CHECK = "mlxpaged.kernels.self_check"
 
 
@@ -35,6 +47,7 @@ def by_label(report: dict) -> dict[str, dict]:
 
 
 # ---- fakes of the kernel self-check interface (mlxpaged/kernels/self_check.py) -----------------
+
 
 @dataclass(frozen=True)
 class FakeVariant:
@@ -85,9 +98,11 @@ def fast_kernel(monkeypatch):
 
 # ---- the real command -------------------------------------------------------------------------
 
+
 def test_the_real_command_reports_every_section_and_exits_0_here():
-    done = subprocess.run([sys.executable, "-m", "mlxpaged_app.cli", "doctor", "--json"], capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "mlxpaged_app.cli", "doctor", "--json"], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads(done.stdout)
     assert [c["label"] for c in report["checks"]] == SECTIONS
@@ -114,9 +129,9 @@ def test_the_weight_spy_catches_a_load(monkeypatch):
 
 
 def spy_on_weight_loading(monkeypatch) -> list:
-    import mlx_lm.utils
-
     import mlxpaged.loading.loader
+
+    import mlx_lm.utils
 
     opened = []
 
@@ -124,6 +139,7 @@ def spy_on_weight_loading(monkeypatch) -> list:
         def call(*args, **kwargs):
             opened.append((what, args))
             raise AssertionError(f"weights loaded through {what}")
+
         return call
 
     monkeypatch.setattr(mx, "load", refuse("mx.load"))
@@ -134,6 +150,7 @@ def spy_on_weight_loading(monkeypatch) -> list:
 
 
 # ---- exit status and the table ----------------------------------------------------------------
+
 
 def test_a_failing_check_makes_the_exit_status_non_zero(monkeypatch, capsys, fast_kernel):
     monkeypatch.setattr(doctor, "check_blas", lambda: Check(FAIL, "blas", "injected failure"))
@@ -158,8 +175,11 @@ def test_an_unexpected_exception_is_a_fail_line_not_a_traceback(monkeypatch, cap
     monkeypatch.setattr(doctor, "check_memory", broken)
     code, report = doctor_json(capsys)
     assert code == 1
-    assert by_label(report)["memory"] == {"status": FAIL, "label": "memory",
-                                          "detail": "unexpected error: OSError: disk on fire"}
+    assert by_label(report)["memory"] == {
+        "status": FAIL,
+        "label": "memory",
+        "detail": "unexpected error: OSError: disk on fire",
+    }
     assert [c["label"] for c in report["checks"]] == SECTIONS  # the other lines still ran
 
 
@@ -178,14 +198,20 @@ def test_a_check_refuses_an_unknown_status():
 
 # ---- the kernel line --------------------------------------------------------------------------
 
+
 def test_kernel_line_checks_the_default_models_variants(monkeypatch):
     calls = fake_self_check(monkeypatch)
     model = doctor.find_default_model()
     check = doctor.check_kernel(model)
     config = model.config
-    assert calls[0] == ("variants_for", doctor.kv_dtype(model), config["head_dim"],
-                        doctor.default_cache_config().block_size, config["num_attention_heads"],
-                        config["num_key_value_heads"])
+    assert calls[0] == (
+        "variants_for",
+        doctor.kv_dtype(model),
+        config["head_dim"],
+        doctor.default_cache_config().block_size,
+        config["num_attention_heads"],
+        config["num_key_value_heads"],
+    )
     assert [c[2] for c in calls[1:]] == ["LAUNCHER", "LAUNCHER"]
     assert check.status == OK and check.detail.startswith("CPU harness: 2 variants match the reference")
     assert "two-pass" in check.detail and "0.5 s" in check.detail
@@ -230,6 +256,7 @@ def test_the_harness_loads_from_the_checkout_without_the_tests_package(monkeypat
 
 # ---- the model's facts without its weights ----------------------------------------------------
 
+
 def test_model_facts_from_disk_match_the_loaded_models(tmp_path):
     """The twin: facts from config.json and file sizes vs facts from the loaded model (as Engine reads them)."""
     import dataclasses
@@ -255,8 +282,11 @@ def test_model_facts_from_disk_match_the_loaded_models(tmp_path):
 def same_kv(a: ModelFacts, b: ModelFacts) -> bool:
     """The same KV shape and per-layer windows (None and all-None windows mean the same)."""
     shape = lambda f: (f.kv.num_layers, f.kv.num_kv_heads, f.kv.head_dim, f.kv.dtype_bytes, f.kv.layer_windows)
-    return shape(a) == shape(b) and (a.hidden_size, a.vocab_size, a.context_length) == \
-        (b.hidden_size, b.vocab_size, b.context_length)
+    return shape(a) == shape(b) and (a.hidden_size, a.vocab_size, a.context_length) == (
+        b.hidden_size,
+        b.vocab_size,
+        b.context_length,
+    )
 
 
 def _flat(model):

@@ -3,14 +3,14 @@ memory; the attention line describes each path the kernels report, and shows an 
 
 from __future__ import annotations
 
-import pytest
-
 import mlxpaged  # noqa: F401  (OpenBLAS before mlx)
 import mlxpaged.kernels.attention as attention
 from mlxpaged.platform import backend
 from mlxpaged.platform.memory import DeviceFacts
 from mlxpaged_app import doctor
 from mlxpaged_app.doctor import OK, WARN
+
+import pytest
 
 H200 = DeviceFacts("cuda", 150_754_820_096, 149_512_257_536, None, "NVIDIA H200")
 
@@ -19,8 +19,9 @@ def test_mlx_line_names_the_backend():
     assert doctor.check_mlx().detail.endswith(f", backend: {backend.describe()}")
     with backend.simulate("cuda"):
         check = doctor.check_mlx()
-    assert check.detail.endswith(", backend: CUDA GPU (MLX's CUDA backend) (simulated; MLX computes on "
-                                 f"{backend.detected()})")
+    assert check.detail.endswith(
+        f", backend: CUDA GPU (MLX's CUDA backend) (simulated; MLX computes on {backend.detected()})"
+    )
 
 
 def report_path(monkeypatch, path: str, reason: str = "why") -> None:
@@ -31,8 +32,10 @@ def report_path(monkeypatch, path: str, reason: str = "why") -> None:
 def test_attention_line_describes_the_fused_path(monkeypatch):
     report_path(monkeypatch, "fused", "MLX runs on a CUDA GPU")
     assert doctor.check_attention() == doctor.Check(
-        OK, "attention", "fused (MLX's fused attention (gathered pages, mx.fast.scaled_dot_product_attention)): "
-                         "MLX runs on a CUDA GPU")
+        OK,
+        "attention",
+        "fused (MLX's fused attention (gathered pages, mx.fast.scaled_dot_product_attention)): MLX runs on a CUDA GPU",
+    )
 
 
 @pytest.mark.parametrize("path", ["kernel", "cpu", "reference"])
@@ -45,14 +48,16 @@ def test_attention_line_shows_an_unknown_path_bare(monkeypatch):
     report_path(monkeypatch, "tensor-cores", "a path this doctor predates")
     assert doctor.check_attention() == doctor.Check(OK, "attention", "tensor-cores: a path this doctor predates")
     report_path(monkeypatch, "kernel (with reference fallback)", "self-check failed")
-    assert doctor.check_attention() == doctor.Check(WARN, "attention",
-                                                    "kernel (with reference fallback): self-check failed")
+    assert doctor.check_attention() == doctor.Check(
+        WARN, "attention", "kernel (with reference fallback): self-check failed"
+    )
 
 
 def test_memory_line_on_cuda_reports_device_memory(monkeypatch):
     monkeypatch.setattr(DeviceFacts, "detect", classmethod(lambda cls: H200))
     assert doctor.check_memory() == doctor.Check(
-        OK, "memory", "CUDA device memory 150.75 GB, free 149.51 GB (cuda backend; the KV plan starts from the total)")
+        OK, "memory", "CUDA device memory 150.75 GB, free 149.51 GB (cuda backend; the KV plan starts from the total)"
+    )
 
 
 def test_memory_line_warns_when_others_fill_the_gpu(monkeypatch):
@@ -73,8 +78,9 @@ def test_wired_line_on_cuda_touches_no_wired_limit(monkeypatch):
 
     monkeypatch.setattr(backend, "detected", lambda: "cuda")
     monkeypatch.setattr(mx, "set_wired_limit", lambda limit: pytest.fail("set_wired_limit called on CUDA"))
-    assert doctor.check_wired() == doctor.Check(OK, "wired memory",
-                                                "not applicable on CUDA (mx.set_wired_limit is Metal's)")
+    assert doctor.check_wired() == doctor.Check(
+        OK, "wired memory", "not applicable on CUDA (mx.set_wired_limit is Metal's)"
+    )
 
 
 def test_kv_plan_line_on_cuda(monkeypatch):

@@ -11,14 +11,14 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 from mlxpaged.engine.engine import StreamDelta
 from mlxpaged.errors import RequestTooLongError
 from mlxpaged.loading.generation_defaults import NO_DEFAULTS
 from mlxpaged_app.cli import main
 from mlxpaged_app.repl import PlainChat
 from mlxpaged_app.tui.settings import ChatSettings
+
+import pytest
 
 FRANCE = "What is the capital of France?"
 
@@ -58,9 +58,14 @@ def test_turns_are_kept_reset_clears_them_and_exit_stops_reading():
     system = {"role": "system", "content": "be brief"}
     assert engine.conversations == [
         [system, {"role": "user", "content": "hi"}],
-        [system, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "1:hi"},
-         {"role": "user", "content": "again"}],
-        [system, {"role": "user", "content": "new"}]]
+        [
+            system,
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "1:hi"},
+            {"role": "user", "content": "again"},
+        ],
+        [system, {"role": "user", "content": "new"}],
+    ]
     assert {(p.temperature, p.max_tokens, p.seed) for p in engine.params} == {(0.0, 9, 3)}
 
 
@@ -95,11 +100,23 @@ def test_piped_question_gets_the_engines_answer_and_eof_exits_0(default_loaded):
     # ~1,000 tokens: past the 512-token cache (768 with its per-sequence slack), so refused with the
     # numbers, and the chat goes on to EOF
     long_line = "word " * 1000
-    command = [sys.executable, "-m", "mlxpaged_app.cli", "chat", "--plain", "--temperature", "0",
-               "--max-tokens", "20", "--cache-tokens", "512"]
+    command = [
+        sys.executable,
+        "-m",
+        "mlxpaged_app.cli",
+        "chat",
+        "--plain",
+        "--temperature",
+        "0",
+        "--max-tokens",
+        "20",
+        "--cache-tokens",
+        "512",
+    ]
     env = {k: v for k, v in os.environ.items() if k != "MLXPAGED_API_KEY"}
-    done = subprocess.run(command, input=f"{FRANCE}\n{long_line}\n", capture_output=True, text=True,
-                          timeout=300, env=env)
+    done = subprocess.run(
+        command, input=f"{FRANCE}\n{long_line}\n", capture_output=True, text=True, timeout=300, env=env
+    )
     assert done.returncode == 0, done.stderr
     with Engine(default_loaded, CacheConfig(cache_tokens=512)) as engine:
         expected = engine.chat([{"role": "user", "content": FRANCE}], SamplingParams(temperature=0.0, max_tokens=20))

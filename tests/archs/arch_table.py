@@ -19,18 +19,32 @@ from tests.archs.configs import UPSTREAM_BROKEN, VLM_WRAPPERS
 from tests.archs.scenarios import SCENARIOS
 
 START, END = "<!-- arch-table:start -->", "<!-- arch-table:end -->"
-SCENARIO_TITLES = {"alone": "alone", "batched": "batched", "chunked": "chunked prefill", "prefix": "prefix hit",
-                   "preempt": "preempted", "n2": "n = 2", "empty": "pool empty"}
-HEADER = ("| architecture | layer caches | verdict | " + " | ".join(SCENARIO_TITLES[s] for s in SCENARIOS)
-          + " | prefix cache | passes | attention |\n" + "|---" * (len(SCENARIOS) + 6) + "|")
+SCENARIO_TITLES = {
+    "alone": "alone",
+    "batched": "batched",
+    "chunked": "chunked prefill",
+    "prefix": "prefix hit",
+    "preempt": "preempted",
+    "n2": "n = 2",
+    "empty": "pool empty",
+}
+HEADER = (
+    "| architecture | layer caches | verdict | "
+    + " | ".join(SCENARIO_TITLES[s] for s in SCENARIOS)
+    + " | prefix cache | passes | attention |\n"
+    + "|---" * (len(SCENARIOS) + 6)
+    + "|"
+)
 ACCEPTANCE = 0.95  # issue 14: at least this share of the architectures mlx-lm runs here pass
 
 
 def render(verdicts: dict[str, dict]) -> str:
     """The count lines and the table, in module order. Upstream-broken architectures get a fixed row:
     whether their process dies in mlx-lm or later is chance."""
-    verdicts = {m: ({"module": m, "status": "upstream-broken", "reason": UPSTREAM_BROKEN[m]}
-                    if m in UPSTREAM_BROKEN else v) for m, v in sorted(verdicts.items())}
+    verdicts = {
+        m: ({"module": m, "status": "upstream-broken", "reason": UPSTREAM_BROKEN[m]} if m in UPSTREAM_BROKEN else v)
+        for m, v in sorted(verdicts.items())
+    }
     rows = [_row(v) for v in verdicts.values()]
     return "\n".join([*summary(verdicts), "", HEADER, *rows])
 
@@ -40,15 +54,20 @@ def summary(verdicts: dict[str, dict]) -> list[str]:
     counts = Counter(v["status"] for v in verdicts.values())
     runnable = len(verdicts) - counts["cannot-run"] - counts["upstream-broken"]
     rate = counts["paged"] / runnable if runnable else 0.0
-    per_scenario = Counter(name for v in verdicts.values() for name, why in v.get("scenarios", {}).items()
-                           if why == "pass")
-    return [f"{counts['paged']} of the {runnable} architectures mlx-lm runs here ({rate:.0%}; the goal is "
-            f"{ACCEPTANCE:.0%}) are served paged with every scenario token for token equal to mlx-lm's greedy "
-            f"output; {counts['refused']} {'is' if counts['refused'] == 1 else 'are'} refused when the engine is built, naming the layer and why"
-            + _others(counts) + f"; {counts['upstream-broken']} crashes in plain mlx-lm; {counts['cannot-run']} "
-            "cannot run in mlx-lm itself here.",
-            "",
-            "Passing, per scenario: " + ", ".join(f"{SCENARIO_TITLES[s]} {per_scenario[s]}" for s in SCENARIOS) + "."]
+    per_scenario = Counter(
+        name for v in verdicts.values() for name, why in v.get("scenarios", {}).items() if why == "pass"
+    )
+    return [
+        f"{counts['paged']} of the {runnable} architectures mlx-lm runs here ({rate:.0%}; the goal is "
+        f"{ACCEPTANCE:.0%}) are served paged with every scenario token for token equal to mlx-lm's greedy "
+        f"output; {counts['refused']} {'is' if counts['refused'] == 1 else 'are'} refused when the engine is built, "
+        "naming the layer and why"
+        + _others(counts)
+        + f"; {counts['upstream-broken']} crashes in plain mlx-lm; {counts['cannot-run']} "
+        "cannot run in mlx-lm itself here.",
+        "",
+        "Passing, per scenario: " + ", ".join(f"{SCENARIO_TITLES[s]} {per_scenario[s]}" for s in SCENARIOS) + ".",
+    ]
 
 
 def _others(counts: Counter) -> str:

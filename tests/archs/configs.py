@@ -16,8 +16,21 @@ from pathlib import Path
 _CONFIGS = json.loads((Path(__file__).with_name("configs.json")).read_text())
 
 # Helpers in mlx_lm/models, not architectures.
-HELPERS = frozenset({"base", "cache", "__init__", "activations", "bitlinear_layers", "gated_delta", "mla",
-                     "pipeline", "rope_utils", "ssm", "switch_layers"})
+HELPERS = frozenset(
+    {
+        "base",
+        "cache",
+        "__init__",
+        "activations",
+        "bitlinear_layers",
+        "gated_delta",
+        "mla",
+        "pipeline",
+        "rope_utils",
+        "ssm",
+        "switch_layers",
+    }
+)
 
 # Architectures plain mlx-lm cannot run on this machine (checked without mlxpaged; design14 section 0).
 MLX_LM_CANNOT_RUN = {
@@ -30,17 +43,35 @@ MLX_LM_CANNOT_RUN = {
 # Architectures whose mlx-lm module crashes the process on this machine without mlxpaged: plain
 # generate_step on the tiny model segfaults (tests/archs/plain_mlx_lm.py; checked by test_architectures).
 UPSTREAM_BROKEN = {
-    "phi3small": "plain mlx-lm crashes running it (SIGSEGV or SIGABRT in 9 of 9 processes of 20 generate_step runs each)",
+    "phi3small": "plain mlx-lm crashes running it (SIGSEGV or SIGABRT in 9 of 9 processes of 20 generate_step runs "
+    "each)",
 }
 
 # Logit soft-capping saturates with x3 weights and makes argmax ties: keep their random init as is.
-SOFT_CAPPED = frozenset({"gemma2", "gemma3n", "gemma4", "gemma4_text", "gear", "laguna", "muse_glimmer", "nanochat",
-                         "recurrent_gemma"})
+SOFT_CAPPED = frozenset(
+    {"gemma2", "gemma3n", "gemma4", "gemma4_text", "gear", "laguna", "muse_glimmer", "nanochat", "recurrent_gemma"}
+)
 
 # Multimodal checkpoints whose mlx-lm module runs the language model only.
-VLM_WRAPPERS = frozenset({"gemma3", "gemma3n", "gemma4", "kimi_k25", "kimi_vl", "lfm2-vl", "llama4",
-                          "minimax_m3_vl", "mistral3", "muse_spark", "pixtral", "qwen2_vl", "qwen3_vl",
-                          "qwen3_vl_moe", "kimi_k3"})
+VLM_WRAPPERS = frozenset(
+    {
+        "gemma3",
+        "gemma3n",
+        "gemma4",
+        "kimi_k25",
+        "kimi_vl",
+        "lfm2-vl",
+        "llama4",
+        "minimax_m3_vl",
+        "mistral3",
+        "muse_spark",
+        "pixtral",
+        "qwen2_vl",
+        "qwen3_vl",
+        "qwen3_vl_moe",
+        "kimi_k3",
+    }
+)
 
 
 def text_modules() -> list[str]:

@@ -23,13 +23,12 @@ import sys
 import time
 
 import mlxpaged  # noqa: F401  (OpenBLAS before mlx)
-import mlx.core as mx
-from mlx.utils import tree_map
-
 from mlxpaged.kernels import numpy_attention
 from tests.archs.configs import SOFT_CAPPED, config_for
-
 from tests.archs.scenarios import NEW_TOKENS, Case, Scenarios
+
+import mlx.core as mx
+from mlx.utils import tree_map
 
 PROMPT_LENGTHS = (7, 21, 30)  # within a block, > 2 blocks of 8, and past every window and chunk of the configs
 
@@ -79,6 +78,7 @@ def run_engine(model, module: str, cases: list[Case], vocab: int) -> dict:
     from mlxpaged.errors import UnsupportedModelError
     from mlxpaged.loading.loader import LoadedModel
     from mlxpaged.loading.model_store import ModelRef
+
     from mlx_lm.utils import load_tokenizer
 
     tokenizer = load_tokenizer(_tokenizer_dir())
@@ -88,8 +88,11 @@ def run_engine(model, module: str, cases: list[Case], vocab: int) -> dict:
     except UnsupportedModelError as exc:
         return {"status": "refused", "reason": str(exc)}
     failed = {name: why for name, why in out["scenarios"].items() if why != "pass"}
-    return {"status": "fail" if failed else "paged",
-            "reason": "; ".join(f"{name}: {why}" for name, why in failed.items()), **out}
+    return {
+        "status": "fail" if failed else "paged",
+        "reason": "; ".join(f"{name}: {why}" for name, why in failed.items()),
+        **out,
+    }
 
 
 @functools.lru_cache(maxsize=1)

@@ -7,11 +7,11 @@ from __future__ import annotations
 import importlib
 import sys
 
+from tests.archs.configs import config_for
+
 import mlx.core as mx
 from mlx.utils import tree_map
 from mlx_lm.generate import generate_step
-
-from tests.archs.configs import config_for
 
 
 def main(module: str, rounds: int) -> None:

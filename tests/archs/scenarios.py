@@ -9,8 +9,8 @@ slot, where the engine reports them). A scenario's verdict is "pass" or the reas
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 BLOCK_SIZE = 8
 NEW_TOKENS = 10
@@ -73,10 +73,14 @@ class Scenarios:
         from mlxpaged.config import CacheConfig, SchedulerConfig
 
         if self._pool_bytes == 0:
-            return (CacheConfig(cache_tokens=self._longest(), block_size=BLOCK_SIZE),
-                    SchedulerConfig(max_num_seqs=len(self.cases)))
-        return (CacheConfig(cache_tokens=self._longest(), kv_memory=self._pool_bytes, block_size=BLOCK_SIZE),
-                SchedulerConfig())
+            return (
+                CacheConfig(cache_tokens=self._longest(), block_size=BLOCK_SIZE),
+                SchedulerConfig(max_num_seqs=len(self.cases)),
+            )
+        return (
+            CacheConfig(cache_tokens=self._longest(), kv_memory=self._pool_bytes, block_size=BLOCK_SIZE),
+            SchedulerConfig(),
+        )
 
     def _main(self, engine) -> None:
         self._facts(engine)
@@ -111,8 +115,11 @@ class Scenarios:
     def _facts(self, engine) -> None:
         from mlxpaged.runner.routing import is_routed
 
-        self.facts.update(prefix_cache=engine.kv_manager.enable_prefix_cache, routed=is_routed(engine.model),
-                          serial=engine.serial_reason)
+        self.facts.update(
+            prefix_cache=engine.kv_manager.enable_prefix_cache,
+            routed=is_routed(engine.model),
+            serial=engine.serial_reason,
+        )
 
     def _prompts(self) -> list[list[int]]:
         return [case.prompt for case in self.cases]
@@ -127,8 +134,11 @@ class Scenarios:
         return value
 
     def _same(self, completions, cases: list[Case]) -> str | None:
-        problems = [f"prompt of {len(case.prompt)}: {why}" for completion, case in zip(completions, cases)
-                    if (why := compare(list(completion.token_ids), case))]
+        problems = [
+            f"prompt of {len(case.prompt)}: {why}"
+            for completion, case in zip(completions, cases)
+            if (why := compare(list(completion.token_ids), case))
+        ]
         return "; ".join(problems) or None
 
     def _alone(self, engine) -> tuple[str | None, list[list[int]]]:

@@ -25,11 +25,19 @@ def sweep(modules: list[str] | None = None, workers: int = 2, backend: str | Non
     """Verdicts by module, for every text module of mlx_lm.models unless `modules` is given; `backend`
     ("cuda"): the engine takes that backend's path (harness.py --backend)."""
     modules = modules or text_modules()
-    verdicts = {m: {"module": m, "status": "cannot-run", "reason": MLX_LM_CANNOT_RUN[m]}
-                for m in modules if m in MLX_LM_CANNOT_RUN}
+    verdicts = {
+        m: {"module": m, "status": "cannot-run", "reason": MLX_LM_CANNOT_RUN[m]}
+        for m in modules
+        if m in MLX_LM_CANNOT_RUN
+    }
     todo = [m for m in modules if m not in verdicts and has_config(m)]
-    verdicts.update({m: {"module": m, "status": "fail", "reason": "no tiny config in tests/archs/configs.json"}
-                     for m in modules if m not in verdicts and not has_config(m)})
+    verdicts.update(
+        {
+            m: {"module": m, "status": "fail", "reason": "no tiny config in tests/archs/configs.json"}
+            for m in modules
+            if m not in verdicts and not has_config(m)
+        }
+    )
     shares = [todo[i::workers] for i in range(workers)]
     with ThreadPoolExecutor(workers) as pool:
         for share in pool.map(lambda share: _run_share(share, backend), shares):
@@ -49,8 +57,14 @@ def _run_process(modules: list[str], backend: str | None) -> dict[str, dict]:
     """Run until the process ends; the module it was on when it died gets a crash verdict."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
     flags = ["--backend", backend] if backend else []
-    proc = subprocess.Popen([sys.executable, "-m", "tests.archs.harness", *flags, *modules], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.archs.harness", *flags, *modules],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     stderr: list[str] = []
     threading.Thread(target=lambda: stderr.extend(proc.stderr), daemon=True).start()
     verdicts, reference_done = {}, False
@@ -80,8 +94,11 @@ def _crash(module: str, returncode: int, reference_done: bool, timed_out: bool, 
     who = "the paged engine" if reference_done else "mlx-lm's own generate_step (before mlxpaged ran)"
     upstream = not reference_done or module in UPSTREAM_BROKEN
     known = f"{UPSTREAM_BROKEN[module]}; " if module in UPSTREAM_BROKEN else ""
-    return {"module": module, "status": "upstream-crash" if upstream else "crash",
-            "reason": f"{known}{cause} in {who}; stderr: {stderr.strip()[-200:]}"}
+    return {
+        "module": module,
+        "status": "upstream-crash" if upstream else "crash",
+        "reason": f"{known}{cause} in {who}; stderr: {stderr.strip()[-200:]}",
+    }
 
 
 class _Watchdog:

@@ -2,8 +2,8 @@
 
 from mlxpaged.cache.block_pool import BlockPool
 from mlxpaged.cache.kv_cache_manager import KVCacheManager, UnknownRequestError
-from mlxpaged.engine.request import Request
 from mlxpaged.cache.specs import FullAttentionSpec, SlidingWindowSpec
+from mlxpaged.engine.request import Request
 
 BS = 8
 UNLIMITED = 1 << 30
@@ -23,8 +23,9 @@ def slots_for(manager: KVCacheManager, request: Request, start: int, end: int, g
         raise UnknownRequestError(rid)
     table = manager.managers[group]
     if not 0 <= start <= end <= request.num_tokens or table.num_new_blocks(rid, end):
-        raise ValueError(f"slot range [{start}, {end}) outside the {request.num_tokens} tokens of "
-                         f"request {rid!r} that have slots")
+        raise ValueError(
+            f"slot range [{start}, {end}) outside the {request.num_tokens} tokens of request {rid!r} that have slots"
+        )
     bs = manager.block_size
     return [table.block_at(rid, p).block_id * bs + p % bs for p in range(start, end)]
 

@@ -5,14 +5,14 @@ import inspect
 import subprocess
 import sys
 
+from mlxpaged.cache.block_pool import BlockPool, KVCacheBlock, NoFreeBlocksError
+from mlxpaged.cache.specs import FullAttentionSpec, LayerGroup, SlidingWindowSpec
+from mlxpaged_app.bench.memory import paged_blocks
+from tests.cache.kv_sequences import computed_pool, pool_of, prompt
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
-from mlxpaged_app.bench.memory import paged_blocks
-from mlxpaged.cache.block_pool import BlockPool, KVCacheBlock, NoFreeBlocksError
-from mlxpaged.cache.specs import FullAttentionSpec, LayerGroup, SlidingWindowSpec
-from tests.cache.kv_sequences import computed_pool, pool_of, prompt
 
 BS = 8
 
@@ -99,9 +99,11 @@ def test_the_block_pool_holds_no_per_request_state():
 
 
 def test_pool_manager_specs_and_scheduler_import_no_mlx():
-    code = ("import sys; import mlxpaged.cache.block_pool, mlxpaged.cache.kv_cache_manager, mlxpaged.cache.specs, "
-            "mlxpaged.engine.scheduler, mlxpaged.engine.request; "
-            "print(sorted(m for m in sys.modules if m == 'mlx' or m.startswith('mlx.')))")
+    code = (
+        "import sys; import mlxpaged.cache.block_pool, mlxpaged.cache.kv_cache_manager, mlxpaged.cache.specs, "
+        "mlxpaged.engine.scheduler, mlxpaged.engine.request; "
+        "print(sorted(m for m in sys.modules if m == 'mlx' or m.startswith('mlx.')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 

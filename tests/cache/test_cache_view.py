@@ -2,19 +2,26 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import mlxpaged  # noqa: F401  (OpenBLAS before mlx)
+from mlxpaged.cache.cache_view import PagedCacheView, paged_views
+from mlxpaged.cache.kv_cache import PagedKVCache
+from tests.tiny_models import (
+    grow_tables,
+    random_tokens,
+    shuffled_blocks,
+    tiny_gemma3,
+    tiny_hybrid_llama,
+    tiny_llama,
+    tiny_qwen3,
+)
+
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
-
-from mlxpaged.cache.cache_view import PagedCacheView, paged_views
-from mlxpaged.cache.kv_cache import PagedKVCache
-from tests.tiny_models import (grow_tables, random_tokens, shuffled_blocks, tiny_gemma3, tiny_hybrid_llama,
-                               tiny_llama, tiny_qwen3)
 
 RTOL = 1e-5  # of the logits' magnitude: float32 summation order differs between the paths
 
@@ -63,8 +70,9 @@ def make_paged_cache(
 def paged_cache_for(model, block_size: int, num_blocks: int = 96) -> PagedKVCache:
     args = model.args
     dim = args.head_dim or args.hidden_size // args.num_attention_heads
-    return PagedKVCache(len(model.layers), num_blocks, block_size, args.num_key_value_heads, dim, mx.float32,
-                        layer_windows(model))
+    return PagedKVCache(
+        len(model.layers), num_blocks, block_size, args.num_key_value_heads, dim, mx.float32, layer_windows(model)
+    )
 
 
 def assert_close(paged: mx.array, ref: mx.array) -> None:
@@ -77,7 +85,7 @@ def run_single(model, chunks: list[int], steps: int, block_size: int) -> None:
     kv = paged_cache_for(model, block_size)
     tables, free = [[] for _ in kv.groups], shuffled_blocks(kv.num_blocks)
     views, ref_cache = make_paged_cache(model, kv, [tables]), make_prompt_cache(model)
-    prompt, pos = random_tokens(sum(chunks)), 0
+    prompt, pos, token = random_tokens(sum(chunks)), 0, None  # token: the last greedy one, fed once past the prompt
     for size in chunks + [1] * steps:
         grow_tables(kv, tables, free, pos + size)
         x = mx.array([prompt[pos : pos + size]]) if pos < len(prompt) else token
@@ -110,7 +118,7 @@ def run_ragged(model, rounds: list[list[int]], steps: int, block_size: int = 8) 
     tables = [[[] for _ in kv.groups] for _ in range(batch)]
     free, refs = shuffled_blocks(kv.num_blocks), [make_prompt_cache(model) for _ in range(batch)]
     prompts = [random_tokens(sum(r[b] for r in rounds), seed=b) for b in range(batch)]
-    pos = [0] * batch
+    pos, next_token = [0] * batch, None  # next_token: set by each round, read once a row is past its prompt
     for num_new in rounds + [[1] * batch] * steps:
         rows = [prompts[b][pos[b] : pos[b] + n] or [int(next_token[b])] for b, n in enumerate(num_new)]
         for b in range(batch):
@@ -219,9 +227,11 @@ def test_layer_windows_follow_the_models_own_caches():
 @pytest.mark.slow
 def test_default_model_logits_match_mlx_lm(default_model):
     model, tokenizer = default_model
-    prompt = tokenizer.encode("Paged attention keeps the key and value cache in fixed-size blocks, so "
-                              "many requests can share one pool of memory without fragmentation. Explain in two "
-                              "short sentences why this helps a local chat server.")
+    prompt = tokenizer.encode(
+        "Paged attention keeps the key and value cache in fixed-size blocks, so "
+        "many requests can share one pool of memory without fragmentation. Explain in two "
+        "short sentences why this helps a local chat server."
+    )
     assert 35 <= len(prompt) <= 50  # three blocks of 16
     kv = paged_cache_for(model, 16, num_blocks=32)
     tables, free = [[]], shuffled_blocks(32, seed=7)

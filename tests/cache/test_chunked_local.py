@@ -3,17 +3,16 @@ the obviously correct twin (a contiguous array trimmed to the last `chunk` token
 
 from __future__ import annotations
 
+from mlxpaged.cache.cache_view import paged_views
+from mlxpaged.cache.kv_cache import PagedKVCache
+from mlxpaged.cache.specs import Chunked, ChunkedLocalSpec, SlidingWindowSpec, group_layers, sequence_capacity
+from mlxpaged.errors import ConfigError
+
 import mlx.core as mx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx_lm.models.cache import ChunkedKVCache
-
-from mlxpaged.cache.cache_view import paged_views
-from mlxpaged.cache.kv_cache import PagedKVCache
-from mlxpaged.cache.specs import (Chunked, ChunkedLocalSpec, SlidingWindowSpec, group_layers,
-                                  sequence_capacity)
-from mlxpaged.errors import ConfigError
 
 HEADS, DIM = 2, 4
 
@@ -43,8 +42,9 @@ def _ring(chunk: int, block_size: int) -> tuple[PagedKVCache, list[int]]:
     return cache, list(range(2, 2 + spec.max_blocks))  # a ring of other ids than 0..n: tables are read
 
 
-@pytest.mark.parametrize("lengths", [[5, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1], [30, 1, 1, 1, 9, 1, 17, 1, 1],
-                                     [8, 8, 8, 1, 7, 1]])
+@pytest.mark.parametrize(
+    "lengths", [[5, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1], [30, 1, 1, 1, 9, 1, 17, 1, 1], [8, 8, 8, 1, 7, 1]]
+)
 def test_view_hands_the_model_what_mlx_lm_chunked_cache_does(lengths):
     cache, table = _ring(chunk=8, block_size=8)
     for start, want_start, (k, v), (wk, wv) in _passes(cache, table, lengths):
@@ -53,8 +53,11 @@ def test_view_hands_the_model_what_mlx_lm_chunked_cache_does(lengths):
 
 
 @settings(max_examples=25, deadline=None)
-@given(chunk=st.integers(1, 20), block_size=st.sampled_from([4, 8, 16]),
-       lengths=st.lists(st.integers(1, 40), min_size=1, max_size=8))
+@given(
+    chunk=st.integers(1, 20),
+    block_size=st.sampled_from([4, 8, 16]),
+    lengths=st.lists(st.integers(1, 40), min_size=1, max_size=8),
+)
 def test_any_chunk_block_size_and_pass_lengths_match_mlx_lm(chunk, block_size, lengths):
     cache, table = _ring(chunk, block_size)
     for start, want_start, (k, _), (wk, _) in _passes(cache, table, lengths, seed=chunk):

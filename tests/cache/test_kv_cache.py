@@ -5,13 +5,13 @@ from __future__ import annotations
 import time
 
 import mlxpaged  # noqa: F401  (OpenBLAS before mlx)
-import mlx.core as mx
-import numpy as np
-import pytest
-
 from mlxpaged.cache.kv_cache import LayerGroup, PagedKVCache, block_bytes, group_layers
 from mlxpaged.cache.specs import NoKVSpec, SlidingWindowSpec
 from tests.tiny_models import shuffled_blocks
+
+import mlx.core as mx
+import numpy as np
+import pytest
 
 H, D, BS = 2, 4, 8
 

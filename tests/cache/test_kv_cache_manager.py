@@ -4,14 +4,13 @@
 tokens and computed count) and calls the manager as the scheduler does.
 """
 
-import pytest
-
-from mlxpaged.config import CacheConfig
 from mlxpaged.cache.block_pool import BlockPool, NoFreeBlocksError, sha256_block_hash
 from mlxpaged.cache.kv_cache_manager import CopyOnWrite, KVCacheManager, UnknownRequestError
 from mlxpaged.cache.specs import FullAttentionSpec, SlidingWindowSpec, sequence_capacity, table_lengths
-from tests.cache.kv_sequences import BS, Sequences, computed_pool, manager_for, pool_of, prompt  # noqa: F401  (shared)
+from mlxpaged.config import CacheConfig
+from tests.cache.kv_sequences import BS, Sequences, computed_pool, manager_for, pool_of, prompt
 
+import pytest
 
 # ---- construction -------------------------------------------------------------------
 
@@ -55,10 +54,13 @@ def test_allocate_reserves_new_slots():
     assert pool.num_free_blocks == 5
 
 
-@pytest.mark.parametrize("kwargs, needle", [
-    ({"token_ids": []}, "empty"),
-    ({"token_ids": [1], "num_new_slots": -1}, "-1"),
-])
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        ({"token_ids": []}, "empty"),
+        ({"token_ids": [1], "num_new_slots": -1}, "-1"),
+    ],
+)
 def test_allocate_validation(kwargs, needle):
     with pytest.raises(ValueError, match=needle):
         pool_of(4, BS).allocate("a", **kwargs)
@@ -309,11 +311,18 @@ def test_mark_computed_validation():
     assert pool.num_computed_tokens("a") == 9
 
 
-@pytest.mark.parametrize("call", [
-    lambda p: p.free("nope"), lambda p: p.block_tables("nope")[0], lambda p: p.append_slot("nope", 1),
-    lambda p: p.fork("nope", "c"), lambda p: p.slots_for("nope", 0, 0),
-    lambda p: p.mark_computed("nope", 0), lambda p: p.reserve_next_slot("nope"),
-])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda p: p.free("nope"),
+        lambda p: p.block_tables("nope")[0],
+        lambda p: p.append_slot("nope", 1),
+        lambda p: p.fork("nope", "c"),
+        lambda p: p.slots_for("nope", 0, 0),
+        lambda p: p.mark_computed("nope", 0),
+        lambda p: p.reserve_next_slot("nope"),
+    ],
+)
 def test_unknown_request(call):
     with pytest.raises(UnknownRequestError):
         call(pool_of(2, BS))
@@ -409,8 +418,11 @@ def test_hybrid_fork_shares_full_blocks_and_copies_rings():
     (p_ring, p_full), (c_ring, c_full) = pool.block_tables("p"), pool.block_tables("c")
     assert c_full[:3] == p_full[:3] and c_full[3] != p_full[3]
     assert not set(c_ring) & set(p_ring)
-    assert copies == [CopyOnWrite(p_ring[0], c_ring[0], BS), CopyOnWrite(p_ring[1], c_ring[1], BS),
-                      CopyOnWrite(p_full[3], c_full[3], 3)]
+    assert copies == [
+        CopyOnWrite(p_ring[0], c_ring[0], BS),
+        CopyOnWrite(p_ring[1], c_ring[1], BS),
+        CopyOnWrite(p_full[3], c_full[3], 3),
+    ]
     assert pool.ref_count(p_full[0]) == 2 and all(pool.ref_count(b) == 1 for b in p_ring + c_ring)
     short = pool_of(8, BS, enable_prefix_cache=False, group_max_blocks=(3, None))
     computed_pool(short, "p", prompt(5))  # one ring block holds KV: one copy
@@ -431,14 +443,17 @@ def test_prefix_cache_needs_a_single_full_table():
             SlidingWindowSpec(**{"block_size": BS, "window": 8, **bad})
 
 
-@pytest.mark.parametrize("num_blocks, groups, capacity", [
-    (10, (None,), 80),  # the dense case: every block holds block_size tokens of the sequence
-    (10, (None, 2), 64),  # n + min(n, 2) <= 10: n = 8
-    (5, (None, 3), 16),  # n + min(n, 3) <= 5: n = 2, before the ring is full
-    (10, (3, None, 2), 40),  # n + 5 <= 10
-    (5, (3, 2), None),  # rings only, and they fit: any length
-    (4, (3, 2), 16),  # rings only, too few blocks for both: 2 + 2 <= 4
-])
+@pytest.mark.parametrize(
+    "num_blocks, groups, capacity",
+    [
+        (10, (None,), 80),  # the dense case: every block holds block_size tokens of the sequence
+        (10, (None, 2), 64),  # n + min(n, 2) <= 10: n = 8
+        (5, (None, 3), 16),  # n + min(n, 3) <= 5: n = 2, before the ring is full
+        (10, (3, None, 2), 40),  # n + 5 <= 10
+        (5, (3, 2), None),  # rings only, and they fit: any length
+        (4, (3, 2), 16),  # rings only, too few blocks for both: 2 + 2 <= 4
+    ],
+)
 def test_capacity_is_the_longest_sequence_that_fits(num_blocks, groups, capacity):
     assert sequence_capacity(num_blocks, BS, groups) == capacity
     if capacity is not None:

@@ -5,14 +5,13 @@ a write into a shared block or a missed copy-on-write shows up as a slot holding
 not just as a broken counter.
 """
 
-from hypothesis import HealthCheck, event, settings
-from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-
 from mlxpaged.cache.block_pool import NoFreeBlocksError, sha256_block_hash
 from mlxpaged.cache.specs import table_lengths
 from tests.cache.kv_sequences import pool_of
 
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 # Per layer group, None (full attention) or a ring size: dense, and hybrids with small rings
 # that wrap after two or three blocks.
@@ -32,8 +31,9 @@ class PoolMachine(RuleBasedStateMachine):
 
     def prompts(self):
         # Whole-block segments from a tiny set so that prefixes collide often.
-        segs = st.lists(st.sampled_from([(0,) * self.bs, (1,) * self.bs, (0, 1) * (self.bs // 2)]),
-                        min_size=1, max_size=3)
+        segs = st.lists(
+            st.sampled_from([(0,) * self.bs, (1,) * self.bs, (0, 1) * (self.bs // 2)]), min_size=1, max_size=3
+        )
         tail = st.lists(st.integers(0, 2), max_size=self.bs)
         return st.tuples(segs, tail).map(lambda s: [t for seg in s[0] for t in seg] + s[1])
 
@@ -72,7 +72,7 @@ class PoolMachine(RuleBasedStateMachine):
         assert alloc.num_cached_tokens < len(tokens)
         assert sum(map(len, alloc.block_tables)) == self.pool.num_blocks_for(len(tokens) + extra)
         for pos, slot in enumerate(self.pool.slots_for(rid, 0, alloc.num_cached_tokens)):  # hits hold their KV
-            assert self.kv.get(slot) == tuple(tokens[:pos + 1]), f"cached position {pos} holds other KV"
+            assert self.kv.get(slot) == tuple(tokens[: pos + 1]), f"cached position {pos} holds other KV"
         return rid
 
     @precondition(lambda self: self.pool.requests)
@@ -87,7 +87,7 @@ class PoolMachine(RuleBasedStateMachine):
         for group in range(len(self.pool.group_max_blocks)):
             for pos, slot in zip(range(start, end), self.pool.slots_for(rid, start, end, group)):
                 assert self.pool.ref_count(slot // self.bs) == 1, "write into a shared block"
-                self.kv[slot] = tuple(tokens[:pos + 1])
+                self.kv[slot] = tuple(tokens[: pos + 1])
         self.pool.mark_computed(rid, end)
 
     @precondition(lambda self: self.pool.requests)
@@ -147,7 +147,8 @@ class PoolMachine(RuleBasedStateMachine):
         hit = self.pool.lookup_prefix(tokens)
         assert hit < len(tokens)
         assert self.pool.can_allocate(tokens) == (
-            self.pool.num_blocks_for(len(tokens)) - hit // self.bs <= self.free_besides_hits(tokens))
+            self.pool.num_blocks_for(len(tokens)) - hit // self.bs <= self.free_besides_hits(tokens)
+        )
 
     def free_besides_hits(self, tokens):
         hits = self.pool.manager._match_prefix(tokens)[0]
@@ -202,7 +203,7 @@ class PoolMachine(RuleBasedStateMachine):
                 prefix = self.kv[block_id * bs + bs - 1]  # the KV of the block's last slot names it all
                 assert len(prefix) % bs == 0 and self.chain_hash(prefix) == h
                 for off in range(bs):
-                    assert self.kv[block_id * bs + off] == prefix[:len(prefix) - bs + off + 1]
+                    assert self.kv[block_id * bs + off] == prefix[: len(prefix) - bs + off + 1]
                 in_map.add(block_id)
         assert in_map == {b.block_id for b in manager.pool.blocks if b.block_hash is not None}
 
@@ -217,12 +218,12 @@ class PoolMachine(RuleBasedStateMachine):
                 full = len(prefix) - len(tokens)
                 assert full % bs == 0 and prefix[full:] == tokens and self.chain_hash(prefix[:full]) == parent
                 for off in range(len(tokens)):
-                    assert self.kv[block_id * bs + off] == prefix[:full + off + 1]
+                    assert self.kv[block_id * bs + off] == prefix[: full + off + 1]
 
     def chain_hash(self, tokens):
         h, bs = None, self.bs
         for i in range(0, len(tokens), bs):
-            h = sha256_block_hash(h, tuple(tokens[i:i + bs]), self.pool.extra_key)
+            h = sha256_block_hash(h, tuple(tokens[i : i + bs]), self.pool.extra_key)
         return h
 
     @invariant()
@@ -236,7 +237,7 @@ class PoolMachine(RuleBasedStateMachine):
                 # table holds them all.
                 first = max(0, ((len(tokens) - 1) // bs - len(table) + 1) * bs)
                 for pos in range(first, computed):
-                    assert self.kv[slots[pos]] == tuple(tokens[:pos + 1]), "KV of another prefix"
+                    assert self.kv[slots[pos]] == tuple(tokens[: pos + 1]), "KV of another prefix"
                 for slot in slots[computed:]:
                     assert pool.ref_count(slot // bs) == 1, "pending write into a shared block"
 
@@ -251,6 +252,9 @@ class PoolMachine(RuleBasedStateMachine):
 
 
 PoolMachine.TestCase.settings = settings(
-    max_examples=150, stateful_step_count=100, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+    max_examples=150,
+    stateful_step_count=100,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
 TestPoolMachine = PoolMachine.TestCase

@@ -4,13 +4,13 @@ the same position of every group only within one geometry, and the bytes the pla
 from __future__ import annotations
 
 import mlxpaged  # noqa: F401  (OpenBLAS before mlx)
-import mlx.core as mx
-import numpy as np
-import pytest
-
 from mlxpaged.cache.kv_cache import PagedKVCache
 from mlxpaged.cache.specs import KVGeometry, assign_pools, group_layers, pool_block_bytes
 from mlxpaged.platform.model_facts import KVShape
+
+import mlx.core as mx
+import numpy as np
+import pytest
 
 BS, NB = 4, 12
 LATENT = KVGeometry(1, 8, 3)  # MLA: the latent as K, the RoPE key as "V"
@@ -38,8 +38,11 @@ def reference_gather(written: dict, table: list[int], length: int, heads: int, d
 def test_each_layer_has_pools_of_its_own_heads_and_widths():
     kv = mixed()
     shapes = [(kv.key_pool(i).shape, kv.value_pool(i).shape) for i in range(3)]
-    assert shapes == [((NB, 1, BS, 8), (NB, 1, BS, 3)), ((NB, 1, BS, 5), (NB, 1, BS, 5)),
-                      ((NB, 2, BS, 6), (NB, 2, BS, 4))]
+    assert shapes == [
+        ((NB, 1, BS, 8), (NB, 1, BS, 3)),
+        ((NB, 1, BS, 5), (NB, 1, BS, 5)),
+        ((NB, 2, BS, 6), (NB, 2, BS, 4)),
+    ]
     assert kv.value_pool(1) is kv.key_pool(1)  # K-is-V: one array
     per_block = BS * (1 * (8 + 3) + 1 * 5 + 2 * (6 + 4)) * 4
     assert kv.bytes_per_block == per_block and kv.nbytes == NB * per_block
@@ -115,8 +118,9 @@ def test_one_geometry_keeps_todays_pools():
 def test_plan_bytes_count_each_layers_real_widths():
     shape = KVShape(3, 1, 8, 4, None, (LATENT, INDEXER, WIDE))
     assert shape.bytes_per_token == (11 + 5 + 20) * 4
-    assert shape.block_bytes(BS) == mixed().bytes_per_block == pool_block_bytes([None] * 3, shape.layer_geometries,
-                                                                                  BS, 4)
+    assert (
+        shape.block_bytes(BS) == mixed().bytes_per_block == pool_block_bytes([None] * 3, shape.layer_geometries, BS, 4)
+    )
     with pytest.raises(ValueError, match="geometries has 2 entries for 3 layers"):
         KVShape(3, 1, 8, 4, None, (LATENT, WIDE))
 
@@ -135,7 +139,11 @@ def test_the_plan_sizes_blocks_in_real_bytes():
     # DeepSeek-V3-like: 61 layers caching a 512-wide latent and a 64-wide RoPE key, one "head", bf16.
     latent = KVShape(61, 1, 512, 2, None, (KVGeometry(1, 512, 64),) * 61)
     mac = DeviceFacts("metal", 64 * 2**30, 40_000_000_000, 48 * 2**30, "64 GB Mac")
-    plan = plan_memory(mac, ModelFacts(latent, 4_000_000_000, 7168, 129280, 8192), CacheConfig(kv_memory=2**30),
-                       SchedulerConfig(max_num_seqs=4))
+    plan = plan_memory(
+        mac,
+        ModelFacts(latent, 4_000_000_000, 7168, 129280, 8192),
+        CacheConfig(kv_memory=2**30),
+        SchedulerConfig(max_num_seqs=4),
+    )
     assert plan.bytes_per_token == 61 * (512 + 64) * 2 == 70_272  # not 61 x 2 x 512 (K and V of the K width)
     assert plan.block_bytes == 16 * 70_272 and plan.num_blocks == 2**30 // plan.block_bytes

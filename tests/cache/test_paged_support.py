@@ -8,8 +8,9 @@ from mlxpaged.cache.paged_support import serial_reason, unsupported_reasons
 
 
 def _layout(*leaves: KVLeaf, batch_error: str | None = None) -> ModelLayout:
-    return ModelLayout("tiny", leaves, tuple(leaf.path for leaf in leaves), 32, 16, len(leaves),
-                       batch_error=batch_error)
+    return ModelLayout(
+        "tiny", leaves, tuple(leaf.path for leaf in leaves), 32, 16, len(leaves), batch_error=batch_error
+    )
 
 
 def _leaf(i: int, kind: str, span: int | None, *consumers: str) -> KVLeaf:
@@ -17,8 +18,9 @@ def _leaf(i: int, kind: str, span: int | None, *consumers: str) -> KVLeaf:
 
 
 def test_model_built_masks_on_full_and_chunked_leaves_run_one_sequence_per_pass():
-    layout = _layout(_leaf(0, "chunked", 8, "sdpa-masked"), _leaf(1, "full", None, "sdpa-masked"),
-                     _leaf(2, "full", None))
+    layout = _layout(
+        _leaf(0, "chunked", 8, "sdpa-masked"), _leaf(1, "full", None, "sdpa-masked"), _leaf(2, "full", None)
+    )
     assert unsupported_reasons(layout) == []
     assert serial_reason(layout) == "layer 0, layer 1 attend with a mask the model builds from one sequence's positions"
 
@@ -33,5 +35,6 @@ def test_a_model_built_mask_over_a_rotating_window_is_refused_naming_the_layer()
 def test_plain_layouts_batch_and_a_failing_batched_forward_does_not():
     assert serial_reason(_layout(_leaf(0, "full", None), _leaf(1, "window", 4))) is None
     reason = serial_reason(_layout(_leaf(0, "full", None), batch_error="TypeError: only integer scalar arrays"))
-    assert reason == ("its forward fails on a batch of sequences at different offsets "
-                      "(TypeError: only integer scalar arrays)")
+    assert reason == (
+        "its forward fails on a batch of sequences at different offsets (TypeError: only integer scalar arrays)"
+    )

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import mlxpaged  # noqa: F401  (OpenBLAS before mlx)
+from mlxpaged.cache.layout import StateLeaf
+from mlxpaged.cache.state_cache import CheckpointTable, NoFreeSlotsError, StateCache, StatePass, StateStore, StateView
+
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import ArraysCache
-
-from mlxpaged.cache.layout import StateLeaf
-from mlxpaged.cache.state_cache import (CheckpointTable, NoFreeSlotsError, StateCache, StatePass, StateStore,
-                                        StateView)
 
 LEAVES = (StateLeaf((0,), (((2, 3), "float32"), ((4,), "float32"))), StateLeaf((2,), (((5,), "float32"),)))
 

@@ -20,7 +20,7 @@ def test_compare_passes_equal_tokens_and_forgives_only_near_ties():
 def test_a_healthy_model_passes_every_scenario_with_a_prefix_hit_and_a_preemption():
     verdict = run_architecture("qwen3")
     assert verdict["status"] == "paged", verdict
-    assert verdict["scenarios"] == {name: "pass" for name in SCENARIOS}
+    assert verdict["scenarios"] == dict.fromkeys(SCENARIOS, "pass")
     assert verdict["prefix_cache"] and verdict["prefix_hit_tokens"] > 0 and verdict["preemptions"] > 0
 
 

@@ -12,12 +12,12 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import pytest
-
-from tests.archs.configs import MLX_LM_CANNOT_RUN, UPSTREAM_BROKEN, has_config, text_modules
 from tests.archs.arch_table import ACCEPTANCE, render, section
+from tests.archs.configs import MLX_LM_CANNOT_RUN, UPSTREAM_BROKEN, has_config, text_modules
 from tests.archs.scenarios import SCENARIOS
 from tests.archs.sweep import ROOT, sweep
+
+import pytest
 
 MODULES = text_modules()
 # What a refusal must name: where (a layer or cache entry) or, for a model-wide reason, what fails.
@@ -64,9 +64,12 @@ def test_runs_exactly_or_is_refused_at_load(verdicts, module):
 def test_no_architecture_fails_after_load(verdicts):
     """Refuse at load, never mid-request: every architecture the engine accepted passes every scenario
     (a crash of the paged engine, a failed request or a wrong token all count as failing later)."""
-    later = {m: f"{v['status']}: {v.get('reason', '')[:160]}" for m, v in verdicts.items()
-             if v["status"] not in ("paged", "refused", "cannot-run")
-             and not (m in UPSTREAM_BROKEN and v["status"] == "upstream-crash")}
+    later = {
+        m: f"{v['status']}: {v.get('reason', '')[:160]}"
+        for m, v in verdicts.items()
+        if v["status"] not in ("paged", "refused", "cannot-run")
+        and not (m in UPSTREAM_BROKEN and v["status"] == "upstream-crash")
+    }
     assert not later, f"{len(later)} architectures fail after load: {later}"
 
 
@@ -75,8 +78,9 @@ def test_sweep_covers_the_acceptance_share(verdicts):
     runnable = {m: v for m, v in verdicts.items() if m not in MLX_LM_CANNOT_RUN and m not in UPSTREAM_BROKEN}
     passing = [m for m, v in runnable.items() if v["status"] == "paged"]
     others = {m: v.get("labels") or v.get("reason", "")[:80] for m, v in runnable.items() if v["status"] != "paged"}
-    assert len(passing) >= ACCEPTANCE * len(runnable), \
+    assert len(passing) >= ACCEPTANCE * len(runnable), (
         f"{len(passing)} of {len(runnable)} architectures pass; not yet: {others}"
+    )
 
 
 @pytest.mark.parametrize("module", sorted(UPSTREAM_BROKEN))
@@ -84,16 +88,26 @@ def test_upstream_broken_architectures_crash_without_mlxpaged(module):
     """The evidence for UPSTREAM_BROKEN: plain mlx-lm, mlxpaged never imported, dies on the model."""
     crashed = 0
     for _ in range(3):
-        run = subprocess.run([sys.executable, "-m", "tests.archs.plain_mlx_lm", module, "20"], cwd=ROOT,
-                             capture_output=True, text=True, timeout=300)
+        run = subprocess.run(
+            [sys.executable, "-m", "tests.archs.plain_mlx_lm", module, "20"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         crashed += run.returncode < 0 or run.returncode > 128  # killed by a signal
     assert crashed, f"plain mlx-lm ran {module} 3 times without crashing: take it off UPSTREAM_BROKEN"
 
 
 def test_plain_mlx_lm_runs_a_healthy_architecture():
     """The twin of the evidence test: the same script succeeds on llama, so a crash means the model."""
-    run = subprocess.run([sys.executable, "-m", "tests.archs.plain_mlx_lm", "llama", "2"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-m", "tests.archs.plain_mlx_lm", "llama", "2"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-500:]
 
 
@@ -108,9 +122,15 @@ def test_the_gpu_path_gives_the_same_verdicts(verdicts, gpu_verdicts):
     """On a GPU's path (eager decode queued before the last step is read, page writes deferred, MLX's fused
     attention) every architecture the CPU path runs gives mlx-lm's tokens in every scenario too, and the
     ones it refuses are refused the same way."""
-    differ = {m: f"cpu {verdicts[m]['status']}, gpu {v['status']}: {v.get('reason', '')[:160]}"
-              for m, v in gpu_verdicts.items() if v["status"] != verdicts[m]["status"]}
+    differ = {
+        m: f"cpu {verdicts[m]['status']}, gpu {v['status']}: {v.get('reason', '')[:160]}"
+        for m, v in gpu_verdicts.items()
+        if v["status"] != verdicts[m]["status"]
+    }
     assert not differ, f"{len(differ)} architectures differ on the GPU path: {differ}"
-    failed = {m: {name: why for name, why in v["scenarios"].items() if why != "pass"}
-              for m, v in gpu_verdicts.items() if v["status"] == "paged"}
+    failed = {
+        m: {name: why for name, why in v["scenarios"].items() if why != "pass"}
+        for m, v in gpu_verdicts.items()
+        if v["status"] == "paged"
+    }
     assert not any(failed.values()), {m: f for m, f in failed.items() if f}

@@ -14,16 +14,16 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
-
-import pytest
 
 from mlxpaged.engine.engine_thread import Abort, Add, _fail_queued
 from mlxpaged.engine.output_processor import EngineClosedError
 from mlxpaged.sampling_params import SamplingParams
 from tests.tiny_models import random_tokens, tiny_llama
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 RUNS = 5
@@ -58,9 +58,10 @@ PRELUDE = textwrap.dedent("""
 @pytest.fixture(scope="module")
 def tokenizer():
     """The default model's tokenizer, provisioned here once: the scripts must not all fetch it at once."""
-    from mlx_lm.tokenizer_utils import load as load_tokenizer
     from mlxpaged.loading.loader import default_dtype
     from mlxpaged.loading.model_store import provision, resolve
+
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     return load_tokenizer(provision(resolve(None), default_dtype()))
 
@@ -69,8 +70,12 @@ def tokenizer():
 def processes(body: str, runs: int = RUNS) -> Iterator[list[subprocess.Popen]]:
     """`runs` copies of the script, started at once; any still alive afterwards (a failed test) are killed."""
     code = PRELUDE + textwrap.dedent(body)
-    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(runs)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(runs)
+    ]
     try:
         yield procs
     finally:
@@ -91,8 +96,9 @@ def finish(proc: subprocess.Popen, timeout: float = 120) -> tuple[str, str]:
 
 def assert_clean(proc: subprocess.Popen, out: str, err: str, status: int, marker: str) -> None:
     crashes = [mark for mark in CRASH_MARKS if mark in err]
-    assert not crashes and proc.returncode == status, \
+    assert not crashes and proc.returncode == status, (
         f"exit {proc.returncode} (want {status}), {crashes}; stderr tail:\n{err[-2000:]}"
+    )
     assert marker in out, f"the script never reached {marker!r}; stderr tail:\n{err[-2000:]}"
 
 
@@ -106,15 +112,19 @@ def run_all(body: str, status: int, marker: str = "busy", runs: int = RUNS) -> l
 
 
 def test_exit_with_a_stream_half_read():
-    run_all("""
+    run_all(
+        """
         eng = engine()
         stream = half_read(eng)
         print("busy", flush=True)
-    """, status=0)
+    """,
+        status=0,
+    )
 
 
 def test_exit_with_requests_running_and_queued_on_three_engines():
-    run_all("""
+    run_all(
+        """
         import queue
         first, second, idle = engine(max_num_seqs=2), engine(), engine()
         events = queue.Queue()
@@ -124,16 +134,21 @@ def test_exit_with_requests_running_and_queued_on_three_engines():
         stream = half_read(second)
         first.submit(random_tokens(12, 9), LONG, events.put)  # most likely still in the command queue
         print("busy", first.stats()["requests_waiting"], flush=True)
-    """, status=0)
+    """,
+        status=0,
+    )
 
 
 def test_sys_exit_while_busy_keeps_its_status():
-    run_all("""
+    run_all(
+        """
         eng = engine()
         stream = half_read(eng)
         print("busy", flush=True)
         sys.exit(3)
-    """, status=3)
+    """,
+        status=3,
+    )
 
 
 def test_ctrl_c_while_generating_exits_as_a_keyboard_interrupt():
@@ -157,7 +172,8 @@ def test_ctrl_c_while_generating_exits_as_a_keyboard_interrupt():
 
 # The next two are about order, not races: fewer runs keep the file's runtime down.
 def test_exit_waits_for_a_long_step_to_end():
-    results = run_all("""
+    results = run_all(
+        """
         original = EngineCore.step
         def slow_step(self):
             time.sleep(0.5)
@@ -170,31 +186,43 @@ def test_exit_waits_for_a_long_step_to_end():
         time.sleep(0.1)  # a token arrives at a step's end: exit inside the next step's 0.5 s, not at its boundary
         print("busy", flush=True)
         sys.stderr.write("main exits\\n")
-    """, status=0, runs=2)
+    """,
+        status=0,
+        runs=2,
+    )
     for _, err in results:
         assert "step ended" in err.split("main exits")[1], "exit did not wait for the step boundary"
 
 
 def test_a_non_daemon_thread_finishes_its_generation_before_exit_closes_the_engine():
-    run_all("""
+    run_all(
+        """
         eng = engine()
         def work():
             done = eng.generate([random_tokens(12)], SamplingParams(max_tokens=60, ignore_eos=True))
             print("busy", len(done[0].token_ids), flush=True)
         threading.Thread(target=work).start()
-    """, status=0, marker="busy 60", runs=2)
+    """,
+        status=0,
+        marker="busy 60",
+        runs=2,
+    )
 
 
 @pytest.mark.slow
 def test_real_model_exit_mid_chat_keeps_its_status():
-    run_all("""
+    run_all(
+        """
         eng = Engine.from_pretrained()
         stream = eng.stream(eng.chat_tokens([{"role": "user", "content": "Tell me a long story."}]),
                             SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True))
         next(stream)
         print("busy", flush=True)
         sys.exit(3)
-    """, status=3, runs=3)  # 3, not 5: each loads 538 MB (~4 s of CPU); the tiny-model tests run 5
+    """,
+        status=3,
+        runs=3,
+    )  # 3, not 5: each loads 538 MB (~4 s of CPU); the tiny-model tests run 5
 
 
 def test_engine_dropped_mid_generation_is_collected_and_its_thread_ends(tokenizer):

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 
-import pytest
-
+from mlxpaged.cache.kv_cache import PagedKVCache
 from mlxpaged.config import CacheConfig, SchedulerConfig
 from mlxpaged.engine.core import EngineCore
-from mlxpaged.cache.kv_cache import PagedKVCache
-from mlxpaged.runner.routing import route_paged_attention
 from mlxpaged.outputs import StreamDelta
 from mlxpaged.runner.model_runner import Lookahead
+from mlxpaged.runner.routing import route_paged_attention
 from tests.engine.test_engine import GREEDY, reference_tokens, tokenizer  # noqa: F401  (the fixture, shared)
 from tests.tiny_models import random_tokens, tiny_llama
+
+import pytest
 
 PROMPTS = {"a": 5, "b": 19, "c": 40}  # request id -> prompt length
 
@@ -21,10 +21,16 @@ PROMPTS = {"a": 5, "b": 19, "c": 40}  # request id -> prompt length
 def make_core(model, tokenizer, num_blocks: int = 64, **scheduling) -> EngineCore:
     route_paged_attention()  # as Engine does: mlx-lm's attention reads the paged views
     args = model.args
-    kv = PagedKVCache(num_layers=args.num_hidden_layers, num_blocks=num_blocks, block_size=8,
-                      num_kv_heads=args.num_key_value_heads, head_dim=args.head_dim)
-    return EngineCore.create(model, tokenizer, kv, CacheConfig(block_size=8), SchedulerConfig(**scheduling),
-                             max_model_len=512)
+    kv = PagedKVCache(
+        num_layers=args.num_hidden_layers,
+        num_blocks=num_blocks,
+        block_size=8,
+        num_kv_heads=args.num_key_value_heads,
+        head_dim=args.head_dim,
+    )
+    return EngineCore.create(
+        model, tokenizer, kv, CacheConfig(block_size=8), SchedulerConfig(**scheduling), max_model_len=512
+    )
 
 
 def run_to_completion(core: EngineCore, max_steps: int = 500) -> int:

@@ -39,5 +39,8 @@ def test_acceptance_rate_is_none_before_any_draft():
     stats = SpeculationStats()
     assert stats.acceptance_rate is None and stats.snapshot()["spec_acceptance_rate"] is None
     stats.draft_tokens, stats.accepted_tokens = 8, 6
-    assert stats.snapshot() == {"spec_draft_tokens_total": 8, "spec_accepted_tokens_total": 6,
-                                "spec_acceptance_rate": 0.75}
+    assert stats.snapshot() == {
+        "spec_draft_tokens_total": 8,
+        "spec_accepted_tokens_total": 6,
+        "spec_acceptance_rate": 0.75,
+    }

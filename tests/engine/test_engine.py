@@ -6,18 +6,17 @@ import dataclasses
 import time
 from pathlib import Path
 
-import pytest
-
-import mlx.core as mx
-from mlx_lm.generate import generate_step
-
 from mlxpaged.config import CacheConfig, split_settings
 from mlxpaged.engine.engine import Engine, RequestFailedError
+from mlxpaged.errors import RequestTooLongError
 from mlxpaged.loading.loader import LoadedModel
 from mlxpaged.loading.model_store import ModelRef
 from mlxpaged.sampling_params import SamplingParams
-from mlxpaged.errors import RequestTooLongError
 from tests.tiny_models import random_tokens, tiny_llama, tiny_qwen3
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 
@@ -145,8 +144,11 @@ def test_short_prompts_share_prefill_passes_and_equal_solo_runs(tokenizer, monke
 
     shared = []
     grouping = runner_module.prefill_passes
-    monkeypatch.setattr(runner_module, "prefill_passes",
-                        lambda inputs: shared.extend(p for p in grouping(inputs) if len(p) > 1) or grouping(inputs))
+    monkeypatch.setattr(
+        runner_module,
+        "prefill_passes",
+        lambda inputs: shared.extend(p for p in grouping(inputs) if len(p) > 1) or grouping(inputs),
+    )
     with tiny_engine(tiny_llama(), tokenizer, max_num_seqs=8) as eng:
         prompts = [random_tokens(n, seed=n) for n in (30, 33, 35, 31, 40, 9, 10, 300)]
         solo = [eng.generate([p], GREEDY)[0].token_ids for p in prompts]
@@ -163,7 +165,17 @@ def test_prefill_passes_group_similar_short_chunks():
     def chunk(n, start=0):
         return StepInput(list(range(n)), start, [[0]], True)
 
-    inputs = [chunk(1), chunk(40), chunk(200), chunk(38), chunk(10), chunk(45), chunk(8), chunk(30, start=240), chunk(1)]
+    inputs = [
+        chunk(1),
+        chunk(40),
+        chunk(200),
+        chunk(38),
+        chunk(10),
+        chunk(45),
+        chunk(8),
+        chunk(30, start=240),
+        chunk(1),
+    ]
     # Decode rows (1 token) are not prefill; 10 and 8 pad to 10 (x1.11); 38, 40, 45 pad to 45 (x1.09);
     # 200 next to them would pad x3.2; the chunk ending at 270 runs alone.
     assert prefill_passes(inputs) == [[6, 4], [3, 1, 5], [2], [7]]
@@ -185,8 +197,10 @@ def test_pipelined_steps_equal_unpipelined_ones(tiny, monkeypatch):
     monkeypatch.setattr(Lookahead, "covers", lambda self, chunks: adopted.append(covers(self, chunks)) or adopted[-1])
     prompts = [random_tokens(n, seed=n) for n in (6, 21, 13)]
     compiled = tiny.runner.decoder
-    for params in (dataclasses.replace(GREEDY, max_tokens=24),
-                   SamplingParams(temperature=0.9, top_k=40, seed=7, max_tokens=24, ignore_eos=True, logprobs=True)):
+    for params in (
+        dataclasses.replace(GREEDY, max_tokens=24),
+        SamplingParams(temperature=0.9, top_k=40, seed=7, max_tokens=24, ignore_eos=True, logprobs=True),
+    ):
         sync = dataclasses.replace(params, logits_processors=[identity_processor])
         want = [tiny.generate([p], sync)[0] for p in prompts]
         assert not adopted  # the synchronous twin never pipelines

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 
-import pytest
-
 import mlxpaged.runner.model_runner as model_runner
 from tests.archs.harness import build
 from tests.engine.test_engine import GREEDY, assert_pool_empty, reference_tokens, tiny_engine
 from tests.tiny_models import random_tokens
+
+import pytest
 
 LONG = dataclasses.replace(GREEDY, max_tokens=30)
 PROMPTS = [random_tokens(n, seed=n) for n in (5, 19, 40)]

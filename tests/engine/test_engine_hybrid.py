@@ -6,12 +6,12 @@ from __future__ import annotations
 import dataclasses
 import time
 
-import pytest
-
-from mlxpaged.sampling_params import SamplingParams
 from mlxpaged.errors import RequestTooLongError
+from mlxpaged.sampling_params import SamplingParams
 from tests.engine.test_engine import GREEDY, assert_pool_empty, reference_tokens, tiny_engine
 from tests.tiny_models import random_tokens, tiny_gemma3, tiny_hybrid_llama
+
+import pytest
 
 LONG = dataclasses.replace(GREEDY, max_tokens=40)  # decodes well past either window
 
@@ -79,8 +79,7 @@ def test_hybrid_n_sequences_copy_the_rings(engine):
     alone = engine.generate([prompt], LONG)[0].token_ids
     forked = engine.generate([prompt], dataclasses.replace(LONG, n=3))
     assert [c.token_ids for c in forked] == [alone] * 3
-    sampled = engine.generate([prompt], SamplingParams(temperature=1.0, seed=3, n=3, max_tokens=12,
-                                                       ignore_eos=True))
+    sampled = engine.generate([prompt], SamplingParams(temperature=1.0, seed=3, n=3, max_tokens=12, ignore_eos=True))
     assert len({tuple(c.token_ids) for c in sampled}) == 3
     assert_pool_empty(engine)
 
@@ -108,7 +107,11 @@ def test_hybrid_too_long_request_is_rejected_with_the_ring_aware_capacity(hybrid
         capacity = eng.scheduler.capacity_tokens
         bs = eng.kv_manager.block_size
         assert capacity == eng.plan.token_capacity and capacity % bs == 0
-        assert eng.kv_manager.num_blocks_for(capacity) <= eng.kv_manager.num_blocks < eng.kv_manager.num_blocks_for(capacity + 1)
+        assert (
+            eng.kv_manager.num_blocks_for(capacity)
+            <= eng.kv_manager.num_blocks
+            < eng.kv_manager.num_blocks_for(capacity + 1)
+        )
         assert capacity > eng.kv_manager.num_blocks * bs // len(eng.kv.groups)  # rings stop at their size
         with pytest.raises(RequestTooLongError, match=f"exceeds the KV cache capacity of {capacity} tokens"):
             eng.generate([random_tokens(capacity - 19)], GREEDY)  # + 20 new tokens: one too many

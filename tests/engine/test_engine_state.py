@@ -7,10 +7,6 @@ from __future__ import annotations
 import dataclasses
 import time
 
-import pytest
-
-import mlx.core as mx
-
 from mlxpaged.cache.kv_cache import PagedKVCache
 from mlxpaged.config import CacheConfig, SchedulerConfig
 from mlxpaged.engine.core import EngineCore
@@ -19,6 +15,9 @@ from mlxpaged.runner.routing import route_paged_attention
 from tests.engine.test_core import run_to_completion, token_ids
 from tests.engine.test_engine import GREEDY, assert_pool_empty, reference_tokens, tiny_engine
 from tests.tiny_models import random_tokens, tiny_qwen3_5
+
+import mlx.core as mx
+import pytest
 
 LONG = dataclasses.replace(GREEDY, max_tokens=24)
 
@@ -46,8 +45,16 @@ def make_core(model, tokenizer) -> EngineCore:
     route_paged_attention()  # as Engine does
     layout = probe_layout(model)
     kv = PagedKVCache.for_layout(layout, 64, 8, mx.float32)
-    return EngineCore.create(model, tokenizer, kv, CacheConfig(block_size=8), SchedulerConfig(max_num_seqs=4),
-                             max_model_len=512, layout=layout, num_checkpoints=12)
+    return EngineCore.create(
+        model,
+        tokenizer,
+        kv,
+        CacheConfig(block_size=8),
+        SchedulerConfig(max_num_seqs=4),
+        max_model_len=512,
+        layout=layout,
+        num_checkpoints=12,
+    )
 
 
 def assert_empty(engine) -> None:

@@ -6,17 +6,25 @@ K != V with sinks and windows (mimo_v2_flash), two MLA caches per layer (longcat
 
 from __future__ import annotations
 
-import pytest
-
 from mlxpaged.sampling_params import SamplingParams
-from tests.archs.harness import build, prompts, reference, _vocab
+from tests.archs.harness import _vocab, build, prompts, reference
 from tests.archs.scenarios import BLOCK_SIZE, compare
 from tests.engine.test_engine import assert_pool_empty, tiny_engine
 
+import pytest
+
 NEW = 10
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
-MODULES = ["deepseek_v3", "deepseek_v32", "gemma4_text", "nemotron-nas", "gemma3n", "longcat_flash", "mimo_v2_flash",
-           "afm7"]  # afm7: one sequence per pass (runner/batch_check.py)
+MODULES = [
+    "deepseek_v3",
+    "deepseek_v32",
+    "gemma4_text",
+    "nemotron-nas",
+    "gemma3n",
+    "longcat_flash",
+    "mimo_v2_flash",
+    "afm7",
+]  # afm7: one sequence per pass (runner/batch_check.py)
 
 pytestmark = pytest.mark.slow
 

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-import pytest
-
 from mlxpaged.errors import RequestTooLongError
-from tests.engine.test_engine import GREEDY, reference_tokens, tiny_engine
-from tests.engine.test_engine import tokenizer  # noqa: F401  (the fixture, shared)
+from tests.engine.test_engine import (
+    GREEDY,
+    reference_tokens,
+    tiny_engine,
+    tokenizer,  # noqa: F401  (the fixture, shared)
+)
 from tests.tiny_models import random_tokens, tiny_llama
+
+import pytest
 
 
 def test_a_longer_context_than_the_models_own_is_served(tokenizer):

@@ -3,14 +3,17 @@ partly computed block in every pool, so the forks keep mlx-lm's greedy tokens.""
 
 from __future__ import annotations
 
-import pytest
-
 from mlxpaged.cache.kv_cache import PagedKVCache
 from mlxpaged.sampling_params import SamplingParams
-from tests.archs.harness import build, prompts, reference, _vocab
+from tests.archs.harness import _vocab, build, prompts, reference
 from tests.archs.scenarios import BLOCK_SIZE, compare
-from tests.engine.test_engine import assert_pool_empty, tiny_engine
-from tests.engine.test_engine import tokenizer  # noqa: F401  (the fixture, shared)
+from tests.engine.test_engine import (
+    assert_pool_empty,
+    tiny_engine,
+    tokenizer,  # noqa: F401  (the fixture, shared)
+)
+
+import pytest
 
 
 @pytest.mark.parametrize("module", ["deepseek_v32", "gemma4_text"])  # K-is-V + two classes; shared K/V

@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import dataclasses
 
-import pytest
-
 from mlxpaged.sampling_params import SamplingParams
-from tests.engine.test_engine import GREEDY, assert_pool_empty, reference_tokens, tiny_engine
-from tests.engine.test_engine import tokenizer  # noqa: F401  (the fixture, shared)
+from tests.engine.test_engine import (
+    GREEDY,
+    assert_pool_empty,
+    reference_tokens,
+    tiny_engine,
+    tokenizer,  # noqa: F401  (the fixture, shared)
+)
 from tests.tiny_models import random_tokens, tiny_llama
+
+import pytest
 
 
 @pytest.mark.parametrize("first", [13, 21, 30])  # 8-token blocks: 5, 5 and 6 tokens in the last one

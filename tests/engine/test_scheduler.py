@@ -10,10 +10,6 @@ or extra token changes everything after it.
 
 import zlib
 
-import pytest
-from hypothesis import HealthCheck, example, given, settings
-from hypothesis import strategies as st
-
 from mlxpaged.cache.kv_cache_manager import KVCacheManager, UnknownRequestError
 from mlxpaged.engine.scheduler import (
     Request,
@@ -23,6 +19,10 @@ from mlxpaged.engine.scheduler import (
     SchedulerOutput,
 )
 from tests.cache.kv_sequences import manager_for, slots_for
+
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
 BS = 8
 FINISHED_STOPPED, FINISHED_LENGTH = RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH
@@ -124,12 +124,15 @@ def chunk_of(out, rid):
 # ---- construction and validation ----------------------------------------------------
 
 
-@pytest.mark.parametrize("kwargs, word", [
-    (dict(max_batch_tokens=0, max_num_seqs=1, max_model_len=8), "max_batch_tokens"),
-    (dict(max_batch_tokens=4, max_num_seqs=0, max_model_len=8), "max_num_seqs"),
-    (dict(max_batch_tokens=4, max_num_seqs=1, max_model_len=0), "max_model_len"),
-    (dict(max_batch_tokens=4, max_num_seqs=5, max_model_len=8), "max_batch_tokens \\(4\\)"),
-])
+@pytest.mark.parametrize(
+    "kwargs, word",
+    [
+        (dict(max_batch_tokens=0, max_num_seqs=1, max_model_len=8), "max_batch_tokens"),
+        (dict(max_batch_tokens=4, max_num_seqs=0, max_model_len=8), "max_num_seqs"),
+        (dict(max_batch_tokens=4, max_num_seqs=1, max_model_len=0), "max_model_len"),
+        (dict(max_batch_tokens=4, max_num_seqs=5, max_model_len=8), "max_batch_tokens \\(4\\)"),
+    ],
+)
 def test_init_rejects_bad_limits(kwargs, word):
     with pytest.raises(ValueError, match=word):
         Scheduler(manager_for(4, BS), **kwargs)
@@ -532,13 +535,26 @@ def workloads(draw):
     for i in range(draw(st.integers(1, 8))):
         prefix = draw(st.sampled_from(PREFIXES))
         tail = draw(st.lists(st.integers(1, VOCAB - 1), min_size=0 if prefix else 1, max_size=20))
-        reqs.append(dict(rid=f"r{i}", prompt=prefix + tail, max_tokens=draw(st.integers(1, 24)),
-                         arrive=draw(st.integers(0, 30)),
-                         abort=draw(st.one_of(st.none(), st.integers(0, 60)))))
+        reqs.append(
+            dict(
+                rid=f"r{i}",
+                prompt=prefix + tail,
+                max_tokens=draw(st.integers(1, 24)),
+                arrive=draw(st.integers(0, 30)),
+                abort=draw(st.one_of(st.none(), st.integers(0, 60))),
+            )
+        )
     groups = draw(st.sampled_from([(None,), (None,), HYBRID]))
-    return dict(num_blocks=num_blocks + (4 if groups == HYBRID else 0), seqs=seqs, budget=budget, max_len=48,
-                prefix_cache=groups == (None,) and draw(st.booleans()), groups=groups,
-                eos=draw(st.sampled_from([None, EOS])), reqs=reqs)
+    return dict(
+        num_blocks=num_blocks + (4 if groups == HYBRID else 0),
+        seqs=seqs,
+        budget=budget,
+        max_len=48,
+        prefix_cache=groups == (None,) and draw(st.booleans()),
+        groups=groups,
+        eos=draw(st.sampled_from([None, EOS])),
+        reqs=reqs,
+    )
 
 
 def check_step(s: Scheduler, pool: KVCacheManager, out: SchedulerOutput, arrival: dict) -> None:
@@ -557,18 +573,33 @@ def check_step(s: Scheduler, pool: KVCacheManager, out: SchedulerOutput, arrival
 
 
 PREEMPT_THEN_FITS = dict(  # a victim that shares a cached block would fit again at once
-    num_blocks=4, seqs=2, budget=4, max_len=48, prefix_cache=True, groups=(None,), eos=None, reqs=[
+    num_blocks=4,
+    seqs=2,
+    budget=4,
+    max_len=48,
+    prefix_cache=True,
+    groups=(None,),
+    eos=None,
+    reqs=[
         dict(rid="r0", prompt=PREFIXES[1] + [1] * 4, max_tokens=5, arrive=1, abort=None),
         dict(rid="r1", prompt=PREFIXES[0], max_tokens=1, arrive=0, abort=None),
-        dict(rid="r2", prompt=PREFIXES[1] + [1] * 4, max_tokens=6, arrive=0, abort=None)])
+        dict(rid="r2", prompt=PREFIXES[1] + [1] * 4, max_tokens=6, arrive=0, abort=None),
+    ],
+)
 
 
 @example(PREEMPT_THEN_FITS)
 @settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads())
 def test_random_workloads(w):
-    pool, s = make(w["num_blocks"], budget=w["budget"], seqs=w["seqs"], max_len=w["max_len"],
-                   prefix_cache=w["prefix_cache"], groups=w["groups"])
+    pool, s = make(
+        w["num_blocks"],
+        budget=w["budget"],
+        seqs=w["seqs"],
+        max_len=w["max_len"],
+        prefix_cache=w["prefix_cache"],
+        groups=w["groups"],
+    )
     eng = FakeEngine(s, eos=w["eos"])
     arrival, admitted, accepted = {}, [], {}
     for step in range(2000):
@@ -587,8 +618,7 @@ def test_random_workloads(w):
         if step > 30 and not s.has_unfinished:
             break
         out = eng.step()
-        admitted += [c.request.request_id for c in out.chunks
-                     if c.request.request_id not in admitted]
+        admitted += [c.request.request_id for c in out.chunks if c.request.request_id not in admitted]
         check_step(s, pool, out, arrival)
     else:
         pytest.fail("workload did not finish")
@@ -598,6 +628,6 @@ def test_random_workloads(w):
         r, solo = eng.finished[rid], solo_output(spec["prompt"], spec["max_tokens"], w["eos"])
         assert r.num_cached_tokens < len(spec["prompt"])
         if r.status is RequestStatus.FINISHED_ABORTED:
-            assert r.output_token_ids == solo[:len(r.output_token_ids)]
+            assert r.output_token_ids == solo[: len(r.output_token_ids)]
         else:
             assert r.output_token_ids == solo

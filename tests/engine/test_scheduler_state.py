@@ -79,7 +79,7 @@ def run(state: FakeState, sched: Scheduler, max_steps: int = 2000) -> list[list]
         sampled = {}
         for chunk in out.chunks:
             r = chunk.request
-            assert state.rows[chunk.state_slot] == tuple(r.all_token_ids[:chunk.start]), r.request_id
+            assert state.rows[chunk.state_slot] == tuple(r.all_token_ids[: chunk.start]), r.request_id
             state.rows[chunk.state_slot] += tuple(chunk.token_ids)
             if chunk.samples:
                 sampled[r.request_id] = next_token(state.rows[chunk.state_slot])
@@ -182,6 +182,6 @@ def test_a_one_token_prefill_chunk_ending_at_the_last_boundary_publishes_its_che
     assert steps[:2] == [[("a", 0, 15)], [("a", 15, 1)]]  # the scheduler cut at the boundary...
     assert state.published[0] == (16, True)  # ...so the prompt's checkpoint is published there, not pending
     again = Request("b", prompt_of(21, 1), 3)  # the same prompt: resumes at 16 (a decode checkpoint at 24
-    sched.add_request(again)                    # replaced a pending one, and the prompt does not reach 24)
+    sched.add_request(again)  # replaced a pending one, and the prompt does not reach 24)
     run(state, sched)
     assert again.num_cached_tokens == 16

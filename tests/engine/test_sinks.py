@@ -6,19 +6,30 @@ from __future__ import annotations
 import dataclasses
 
 import mlxpaged  # noqa: F401  (OpenBLAS before mlx)
+from tests.engine.test_engine import GREEDY, assert_pool_empty, reference_tokens, tiny_engine
+from tests.tiny_models import random_tokens
+
 import mlx.core as mx
 import pytest
 from mlx.utils import tree_map
 from mlx_lm.models import gpt_oss
 
-from tests.engine.test_engine import GREEDY, assert_pool_empty, reference_tokens, tiny_engine
-from tests.tiny_models import random_tokens
-
 # From the tiny configs of docs/design/issue14-architectures.md (mlx-lm's own test config, shrunk; tests/archs).
-GPT_OSS = {"model_type": "gpt_oss", "hidden_size": 64, "num_hidden_layers": 4, "intermediate_size": 64,
-           "num_attention_heads": 8, "num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2,
-           "sliding_window": 8, "rope_theta": 10000, "vocab_size": 512, "head_dim": 16,
-           "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]}
+GPT_OSS = {
+    "model_type": "gpt_oss",
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "intermediate_size": 64,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "sliding_window": 8,
+    "rope_theta": 10000,
+    "vocab_size": 512,
+    "head_dim": 16,
+    "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+}
 PARAMS = dataclasses.replace(GREEDY, max_tokens=12)
 
 

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 
-import pytest
-
 from mlxpaged.runner.ngram_drafter import NgramDrafter
 from mlxpaged.sampling_params import SamplingParams
 from tests.engine.test_core import make_core, run_to_completion, token_ids
 from tests.engine.test_engine import tokenizer  # noqa: F401  (the fixture, shared)
 from tests.tiny_models import random_tokens, tiny_llama, tiny_qwen3
+
+import pytest
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=40, ignore_eos=True)
@@ -42,10 +42,11 @@ def run(model, tokenizer, prompts: dict, params, **scheduling) -> tuple[dict, ob
 def oracle(monkeypatch, continuations: list[list[int]], wrong_every: int = 3) -> None:
     """Drafts are the known continuation of whichever sequence `tokens` starts, with one token wrong
     at every `wrong_every`-th length (so some drafts are kept, some rejected); none for unknown ones."""
+
     def propose(self, tokens, k):
         for full in continuations:
-            if full[:len(tokens)] == list(tokens):
-                draft = list(full[len(tokens):len(tokens) + k])
+            if full[: len(tokens)] == list(tokens):
+                draft = list(full[len(tokens) : len(tokens) + k])
                 if draft and len(tokens) % wrong_every == 0:
                     draft[len(draft) // 2] = (draft[len(draft) // 2] + 1) % 256
                 return draft
@@ -94,8 +95,8 @@ def test_seeded_speculative_runs_reproduce(model, tokenizer, monkeypatch):
 
     def propose(self, tokens, k):  # the other reply's tokens at these output positions
         for rid, prompt in PROMPTS.items():
-            if list(tokens[:len(prompt)]) == prompt:
-                return token_ids(other[rid])[len(tokens) - len(prompt):][:k]
+            if list(tokens[: len(prompt)]) == prompt:
+                return token_ids(other[rid])[len(tokens) - len(prompt) :][:k]
         return []
 
     monkeypatch.setattr(NgramDrafter, "propose", propose)
@@ -110,10 +111,13 @@ def test_a_stop_inside_an_accepted_run_ends_the_request_there(model, tokenizer, 
     plain, _ = run(model, tokenizer, PROMPTS, GREEDY)
     tokens = token_ids(plain["b"])
     at = 9  # stop at the 10th token: drafts of 5 cover it mid-run
-    params = (dataclasses.replace(GREEDY, stop_token_ids=[tokens[at]]) if stop == "token"
-              else dataclasses.replace(GREEDY, max_tokens=at + 1))
-    expected = tokens[:tokens.index(tokens[at]) + 1]
-    oracle(monkeypatch, full_sequences(PROMPTS, plain), wrong_every=10 ** 6)  # always right: long runs
+    params = (
+        dataclasses.replace(GREEDY, stop_token_ids=[tokens[at]])
+        if stop == "token"
+        else dataclasses.replace(GREEDY, max_tokens=at + 1)
+    )
+    expected = tokens[: tokens.index(tokens[at]) + 1]
+    oracle(monkeypatch, full_sequences(PROMPTS, plain), wrong_every=10**6)  # always right: long runs
     spec, core = run(model, tokenizer, {"b": PROMPTS["b"]}, params, speculative="ngram")
     assert core.speculator.stats.accepted_tokens > 0
     assert token_ids(spec["b"]) == expected
@@ -143,14 +147,17 @@ def test_rejected_drafts_give_their_blocks_back_every_step(model, tokenizer, mon
     for rid, prompt in PROMPTS.items():
         core.add_request(rid, prompt, GREEDY, lambda event: None)
     manager = core.scheduler.kv_manager
-    blocks = lambda tokens: -(-tokens // manager.block_size)  # noqa: E731
+    blocks = lambda tokens: -(-tokens // manager.block_size)
     while core.has_unfinished:
         core.step()
         for request in core.scheduler.running:
             # slots for its tokens but the newest (given at the next schedule), or one more a pipelined
             # step reserves; never the slots of rejected drafts
-            assert blocks(request.num_tokens - 1) <= len(manager.block_tables(request.request_id)[0]) \
-                <= blocks(request.num_tokens + 1), request.request_id
+            assert (
+                blocks(request.num_tokens - 1)
+                <= len(manager.block_tables(request.request_id)[0])
+                <= blocks(request.num_tokens + 1)
+            ), request.request_id
     assert core.speculator.stats.accepted_tokens < core.speculator.stats.draft_tokens
     assert manager.stats().num_owned == 0
 
@@ -164,14 +171,16 @@ def test_the_real_model_quoting_its_prompt_keeps_drafts_and_the_plain_tokens(def
     from mlxpaged_app.bench.spec import TASKS
     from tests.engine.test_engine import assert_pool_empty
 
-    prompts = [default_loaded.tokenizer.apply_chat_template([{"role": "user", "content": TASKS[task][1]}],
-                                                            add_generation_prompt=True)
-               for task in ("code edit", "free text")]
+    prompts = [
+        default_loaded.tokenizer.apply_chat_template(
+            [{"role": "user", "content": TASKS[task][1]}], add_generation_prompt=True
+        )
+        for task in ("code edit", "free text")
+    ]
     params = SamplingParams(temperature=0.0, max_tokens=40, logprobs=True)
     results = {}
     for speculative in (None, "ngram"):
-        with Engine(default_loaded, CacheConfig(cache_tokens=4096),
-                    SchedulerConfig(speculative=speculative)) as engine:
+        with Engine(default_loaded, CacheConfig(cache_tokens=4096), SchedulerConfig(speculative=speculative)) as engine:
             results[speculative] = (engine.generate(prompts, params), engine.stats())
             assert_pool_empty(engine)
     (plain, _), (spec, stats) = results[None], results["ngram"]
@@ -187,11 +196,18 @@ def test_sliding_window_models_refuse_speculation_by_name(tokenizer):
     from mlxpaged.engine.core import EngineCore
     from mlxpaged.errors import ConfigError
 
-    kv = PagedKVCache(num_layers=4, num_blocks=16, block_size=8, num_kv_heads=2, head_dim=16,
-                      layer_windows=[8, 8, None, 8])
+    kv = PagedKVCache(
+        num_layers=4, num_blocks=16, block_size=8, num_kv_heads=2, head_dim=16, layer_windows=[8, 8, None, 8]
+    )
     with pytest.raises(ConfigError, match=r"sliding windows of \[8\] tokens") as info:
-        EngineCore.create(tiny_llama(), tokenizer, kv, CacheConfig(block_size=8, enable_prefix_cache=False),
-                          SchedulerConfig(speculative="ngram"), max_model_len=512)
+        EngineCore.create(
+            tiny_llama(),
+            tokenizer,
+            kv,
+            CacheConfig(block_size=8, enable_prefix_cache=False),
+            SchedulerConfig(speculative="ngram"),
+            max_model_len=512,
+        )
     assert info.value.param == "speculative"
 
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import pytest
-
-from mlxpaged.sampling_params import SamplingParams
 from mlxpaged.engine.text_stream import Delta, TextStream
+from mlxpaged.sampling_params import SamplingParams
+
+import pytest
 
 SENTENCE = "The capital of France is Paris."
 EOS = 2  # <|im_end|>
@@ -52,12 +52,15 @@ def test_no_stop_streams_everything_and_finish_has_no_reason(tokenizer):
     assert deltas[-1] == Delta("", True, None, None)
 
 
-@pytest.mark.parametrize("stop,before", [
-    ("France is", "The capital of "),          # spans two tokens
-    ("capital of France", "The "),              # spans three tokens
-    ("apit", "The c"),                          # inside one token
-    ("s Paris", "The capital of France i"),     # starts mid-token, ends at a token's end
-])
+@pytest.mark.parametrize(
+    "stop,before",
+    [
+        ("France is", "The capital of "),  # spans two tokens
+        ("capital of France", "The "),  # spans three tokens
+        ("apit", "The c"),  # inside one token
+        ("s Paris", "The capital of France i"),  # starts mid-token, ends at a token's end
+    ],
+)
 def test_stop_string_emits_only_the_text_before_it(tokenizer, stop, before):
     tokens = encode(tokenizer, SENTENCE)
     stream, deltas = run(tokenizer, tokens + tokens, stop=stop)

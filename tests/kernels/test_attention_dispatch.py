@@ -2,14 +2,13 @@
 backend (platform/backend.py decides which), with an override."""
 
 import mlxpaged  # noqa: F401
-import mlx.core as mx
-import pytest
-
-from tests.engine.test_engine import tokenizer  # noqa: F401  (the fixture, shared)
-
 from mlxpaged.kernels import attention, numpy_attention
 from mlxpaged.platform import backend
+from tests.engine.test_engine import tokenizer  # noqa: F401  (the fixture, shared)
 from tests.msl.oracle import make_decode_case, max_error
+
+import mlx.core as mx
+import pytest
 
 
 @pytest.mark.parametrize("name, path", [("metal", "kernel"), ("cuda", "fused"), ("cpu", "cpu")])
@@ -56,6 +55,7 @@ def test_kernel_chosen_on_metal(monkeypatch):
 def test_the_fused_path_never_computes_on_the_host(monkeypatch):
     """On a non-Metal GPU, eager prefill and cache-hit chunks stay on the device: NumPy (a sync and a copy
     to the host per layer) is the CPU backend's alone."""
+
     def host(*args, **kwargs):
         raise AssertionError("NumPy attention on a GPU")
 

@@ -6,20 +6,21 @@ import warnings
 from contextlib import contextmanager
 
 import mlxpaged  # noqa: F401
-import mlx.core as mx
-import pytest
-
 from mlxpaged.kernels import attention
 from mlxpaged.sampling_params import SamplingParams
-from tests.msl.harness import Emulator
-from tests.msl.oracle import make_decode_case, max_error
 from tests.engine.test_engine import reference_tokens, tiny_engine
 from tests.kernels.test_kernel_self_check import NOT_COMPILING, WRONG_REDUCE, WRONG_SCALE, mutate  # noqa: F401 (fixture)
+from tests.msl.harness import Emulator
+from tests.msl.oracle import make_decode_case, max_error
 from tests.tiny_models import random_tokens, tiny_llama
+
+import mlx.core as mx
+import pytest
 
 
 class CountingEmulator(Emulator):
     """The CPU harness, counting the kernel launches it runs."""
+
     calls = 0
 
     def __call__(self, kernel, **call):
@@ -64,7 +65,9 @@ def test_a_correct_kernel_is_kept_and_decodes_through_it(model, tokenizer):
     assert self_check_warnings(record) == []
     assert status["path"] == "kernel" and "self-check passed" in status["reason"]
     assert [(c.variant.describe(), c.ok) for c in status["variants"]] == [
-        ("float32 D=32 BS=8 G=2 one-pass", True), ("float32 D=32 BS=8 G=2 two-pass", True)]
+        ("float32 D=32 BS=8 G=2 one-pass", True),
+        ("float32 D=32 BS=8 G=2 two-pass", True),
+    ]
     # The self-check: one launch for one pass, two (partials + merge) for two passes; then the load-time
     # batch check's decode step (runner/batch_check.py): both rows together, then each alone, 3 layers each.
     assert checked == 3 + 3 * 3
@@ -72,8 +75,11 @@ def test_a_correct_kernel_is_kept_and_decodes_through_it(model, tokenizer):
     assert got.token_ids == reference_tokens(model, prompt, steps)
 
 
-@pytest.mark.parametrize("mutation,reason", [(WRONG_SCALE, "mismatch: max error"), (NOT_COMPILING, "compile error:")],
-                         ids=["wrong_numbers", "does_not_compile"])
+@pytest.mark.parametrize(
+    "mutation,reason",
+    [(WRONG_SCALE, "mismatch: max error"), (NOT_COMPILING, "compile error:")],
+    ids=["wrong_numbers", "does_not_compile"],
+)
 def test_a_broken_kernel_falls_back_to_the_reference(model, tokenizer, mutate, mutation, reason):
     mutate(mutation)
     launcher = CountingEmulator()

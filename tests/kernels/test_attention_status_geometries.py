@@ -1,10 +1,10 @@
 """The attention status of a model whose pools have several geometries: the kernel is prepared once per
 `attention_geometries` entry and attention.py merges their reasons into one PreparedAttention."""
 
-import mlx.core as mx
-
 from mlxpaged.kernels import attention
 from tests.kernels.test_attention_self_check import CountingEmulator, kernel_path
+
+import mlx.core as mx
 
 
 def test_a_geometry_the_kernel_cannot_take_shows_in_the_status_whatever_the_order():

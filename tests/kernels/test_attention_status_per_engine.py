@@ -2,9 +2,9 @@
 preparing a second model in the process does not change what the first one reports."""
 
 import mlxpaged  # noqa: F401
-import mlx.core as mx
-
 from mlxpaged.kernels import attention
+
+import mlx.core as mx
 
 
 def test_two_prepared_models_keep_their_own_status():
@@ -23,6 +23,10 @@ def test_a_model_lists_only_its_own_kernel_variants():
         narrow = attention.prepare_attention(mx.float32, 32, 8, 2, 1)
         wide = attention.prepare_attention(mx.float32, 64, 16, 4, 2)
         assert [c.variant.describe() for c in narrow.status()["variants"]] == [
-            "float32 D=32 BS=8 G=2 one-pass", "float32 D=32 BS=8 G=2 two-pass"]
+            "float32 D=32 BS=8 G=2 one-pass",
+            "float32 D=32 BS=8 G=2 two-pass",
+        ]
         assert [c.variant.describe() for c in wide.status()["variants"]] == [
-            "float32 D=64 BS=16 G=2 one-pass", "float32 D=64 BS=16 G=2 two-pass"]
+            "float32 D=64 BS=16 G=2 one-pass",
+            "float32 D=64 BS=16 G=2 two-pass",
+        ]

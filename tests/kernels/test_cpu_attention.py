@@ -1,15 +1,15 @@
 """The CPU attention paths (kernels/cpu_attention.py) against the NumPy float64 oracle."""
 
 import mlxpaged  # noqa: F401
-import mlx.core as mx
-import numpy as np
-import pytest
-
 from mlxpaged.kernels import cpu_attention
 from mlxpaged.kernels.cpu_attention import attend, paged_attention_cpu, shifted_exp
 from mlxpaged.kernels.numpy_attention import attend_numpy
 from tests.msl.oracle import attend as oracle_attend
 from tests.msl.oracle import causal_oracle, make_decode_case, max_error, quantize
+
+import mlx.core as mx
+import numpy as np
+import pytest
 
 
 @pytest.fixture(autouse=True)
@@ -52,8 +52,8 @@ def test_attend_causal(length, keys, heads, kv_heads, head_dim):
     q, q64 = quantize(rng.standard_normal((1, heads, length, head_dim)), "float32")
     k, k64 = quantize(rng.standard_normal((1, kv_heads, keys, head_dim)), "float32")
     v, v64 = quantize(rng.standard_normal((1, kv_heads, keys, head_dim)), "float32")
-    out = attend(q, k, v, head_dim ** -0.5, "causal")
-    expected = causal_oracle(q64[0], k64[0], v64[0], head_dim ** -0.5, query_offset=keys - length)
+    out = attend(q, k, v, head_dim**-0.5, "causal")
+    expected = causal_oracle(q64[0], k64[0], v64[0], head_dim**-0.5, query_offset=keys - length)
     assert max_error(out, expected[None]) < 1e-5
 
 
@@ -71,14 +71,18 @@ def test_attend_ragged_batch_masks(attend, mask_kind, length, keys):
     allowed[..., 0] = True  # every row sees a key
     if mask_kind == "none":
         allowed[:] = True
-    mask = {"bool": mx.array(allowed), "per_head": mx.array(allowed), "none": None,
-            "additive": mx.array(np.where(allowed, 0.0, -np.inf).astype(np.float32))}[mask_kind]
+    mask = {
+        "bool": mx.array(allowed),
+        "per_head": mx.array(allowed),
+        "none": None,
+        "additive": mx.array(np.where(allowed, 0.0, -np.inf).astype(np.float32)),
+    }[mask_kind]
     out = attend(q, k, v, 0.125, mask)
     group = heads // kv_heads
 
     def one_head(b, h):
         kv = slice(h // group, h // group + 1)
-        return oracle_attend(q64[b, h:h + 1], k64[b, kv], v64[b, kv], 0.125, allowed[b, h % allowed.shape[1]])[0]
+        return oracle_attend(q64[b, h : h + 1], k64[b, kv], v64[b, kv], 0.125, allowed[b, h % allowed.shape[1]])[0]
 
     expected = np.stack([np.stack([one_head(b, h) for h in range(heads)]) for b in range(batch)])
     assert max_error(out, expected) < 1e-5
@@ -98,8 +102,10 @@ def edge_lens(block_size: int) -> list[int]:
 
 
 @pytest.mark.parametrize("window", [None, 5, 17])
-@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(4, 4, 64, 8), (8, 4, 96, 16), (8, 2, 128, 32),
-                                                                (9, 3, 64, 16), (8, 1, 64, 32)])
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,block_size",
+    [(4, 4, 64, 8), (8, 4, 96, 16), (8, 2, 128, 32), (9, 3, 64, 16), (8, 1, 64, 32)],
+)
 def test_paged_decode_edge_lengths(heads, kv_heads, head_dim, block_size, window):
     case = make_decode_case(1, edge_lens(block_size), heads, kv_heads, head_dim, block_size, window=window)
     out = paged_attention_cpu(*case.args(), window=window)

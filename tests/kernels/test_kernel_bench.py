@@ -1,7 +1,6 @@
 """The kernel benchmark runs and prints (tiny sizes; timings are never asserted)."""
 
 import mlxpaged  # noqa: F401
-
 from mlxpaged.kernels.bench import BenchShape, format_kernel_bench, run_kernel_bench
 
 

@@ -6,12 +6,12 @@ fiber-shuffle seeds) without the full cross product; a few cases run thousands o
 """
 
 import mlxpaged  # noqa: F401
-import numpy as np
-import pytest
-
 from mlxpaged.kernels.paged_attention import paged_attention_metal
 from tests.msl.harness import Emulator
 from tests.msl.oracle import make_decode_case, max_error
+
+import numpy as np
+import pytest
 
 MATRIX = [
     # (heads, kv_heads, head_dim, block_size, dtype, window)
@@ -31,8 +31,7 @@ def edge_lens(block_size: int) -> list[int]:
 
 
 def check(case, seed: int, **options):
-    out = paged_attention_metal(*case.args(), window=case.window, launcher=Emulator(strict=True, seed=seed),
-                                **options)
+    out = paged_attention_metal(*case.args(), window=case.window, launcher=Emulator(strict=True, seed=seed), **options)
     error = max_error(out, case.expected())
     assert error < case.tolerance, f"error {error:.3g} over tolerance {case.tolerance}"
 
@@ -41,8 +40,16 @@ def check(case, seed: int, **options):
 @pytest.mark.parametrize("two_pass", [False, True], ids=["one_pass", "two_pass"])
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,dtype,window", MATRIX)
 def test_edge_lengths(heads, kv_heads, head_dim, block_size, dtype, window, two_pass, seed):
-    case = make_decode_case(seed * 1000 + heads * 7 + head_dim + block_size, edge_lens(block_size), heads, kv_heads,
-                            head_dim, block_size, dtype, window)
+    case = make_decode_case(
+        seed * 1000 + heads * 7 + head_dim + block_size,
+        edge_lens(block_size),
+        heads,
+        kv_heads,
+        head_dim,
+        block_size,
+        dtype,
+        window,
+    )
     # Partitions of 1.5 blocks: boundaries fall inside blocks as well as on them.
     check(case, seed, two_pass=two_pass, partition_tokens=block_size * 3 // 2)
 

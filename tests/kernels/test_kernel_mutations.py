@@ -1,12 +1,12 @@
 """Deliberately broken copies of the real paged-attention kernel must fail the emulated tests."""
 
 import mlxpaged  # noqa: F401
-import pytest
-
 from mlxpaged.kernels import paged_attention as pa
 from tests.kernels.test_kernel_self_check import mutate  # noqa: F401 (fixture: a patched copy of the .metal source)
 from tests.msl.harness import Emulator, MetalEmulationError
 from tests.msl.oracle import make_decode_case, max_error
+
+import pytest
 
 
 def run_case(two_pass: bool = False, seed: int = 0):
@@ -23,22 +23,51 @@ def test_unmutated_kernel_passes(mutate):
 
 MUTATIONS = [
     # (section, old, new, expected failure, two_pass)
-    ("paged_attention_decode", "  threadgroup_barrier(mem_flags::mem_threadgroup);\n}\n", "}\n",
-     "race on 'tg_out'", False),
-    ("paged_attention_decode", "    const float score = metal::simd_sum(partial);",
-     "    const float score = lane < 16 ? metal::simd_sum(partial) : partial;", "only some lanes", False),
-    ("paged_attention_decode", "t < last; t += NSG", "t <= last; t += NSG", "out-of-bounds|not inside any buffer", False),
-    ("paged_attention_decode", "    l_part[head_row * num_partitions + part] = total;\n", "",
-     "wrong answer", True),
-    ("paged_attention_decode", "if (lane == 0) {\n  for (int g = 0; g < G; g++) {",
-     "if (lane == 0 && sg > 0) {\n  for (int g = 0; g < G; g++) {", "uninitialised threadgroup memory 'tg_max'", False),
+    (
+        "paged_attention_decode",
+        "  threadgroup_barrier(mem_flags::mem_threadgroup);\n}\n",
+        "}\n",
+        "race on 'tg_out'",
+        False,
+    ),
+    (
+        "paged_attention_decode",
+        "    const float score = metal::simd_sum(partial);",
+        "    const float score = lane < 16 ? metal::simd_sum(partial) : partial;",
+        "only some lanes",
+        False,
+    ),
+    (
+        "paged_attention_decode",
+        "t < last; t += NSG",
+        "t <= last; t += NSG",
+        "out-of-bounds|not inside any buffer",
+        False,
+    ),
+    ("paged_attention_decode", "    l_part[head_row * num_partitions + part] = total;\n", "", "wrong answer", True),
+    (
+        "paged_attention_decode",
+        "if (lane == 0) {\n  for (int g = 0; g < G; g++) {",
+        "if (lane == 0 && sg > 0) {\n  for (int g = 0; g < G; g++) {",
+        "uninitialised threadgroup memory 'tg_max'",
+        False,
+    ),
     ("paged_attention_reduce", "acc[i] / total", "acc[i] / (total + 1.0f)", "wrong answer", True),
 ]
 
 
-@pytest.mark.parametrize("section,old,new,expected,two_pass", MUTATIONS,
-                         ids=["missing_barrier", "divergent_simd_sum", "off_by_one_token", "unwritten_partial_sum",
-                              "uninitialised_threadgroup", "bad_reduce"])
+@pytest.mark.parametrize(
+    "section,old,new,expected,two_pass",
+    MUTATIONS,
+    ids=[
+        "missing_barrier",
+        "divergent_simd_sum",
+        "off_by_one_token",
+        "unwritten_partial_sum",
+        "uninitialised_threadgroup",
+        "bad_reduce",
+    ],
+)
 def test_broken_kernel_is_caught(mutate, section, old, new, expected, two_pass):
     mutate((section, old, new))
     if expected == "wrong answer":

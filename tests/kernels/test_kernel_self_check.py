@@ -3,12 +3,12 @@ a mutated, racy or uncompilable one fails with a reason that says which; the Met
 checked on a Mac (`pytest -m metal`)."""
 
 import mlxpaged  # noqa: F401
-import mlx.core as mx
-import pytest
-
 from mlxpaged.kernels import paged_attention as pa
 from mlxpaged.kernels import self_check as sc
 from tests.msl.harness import Emulator
+
+import mlx.core as mx
+import pytest
 
 # Mutations of paged_attention.metal: (section, old, new).
 WRONG_SCALE = ("paged_attention_decode", "q[g * EPL + i] = scale[0] *", "q[g * EPL + i] = 0.5f * scale[0] *")
@@ -20,6 +20,7 @@ NOT_COMPILING = ("header", "// (no shared helpers", "undeclared_type broken;\n//
 @pytest.fixture
 def mutate(monkeypatch):
     """mutate((section, old, new)): the kernel wrapper builds from a patched copy of the .metal source."""
+
     def apply(mutation: tuple[str, str, str]) -> None:
         section, old, new = mutation
         sections = dict(pa.source_sections())
@@ -47,9 +48,15 @@ def test_variants_for_one_model():
         sc.variants_for(dtype="int8", head_dim=64, block_size=16, num_heads=8, num_kv_heads=2)
 
 
-@pytest.mark.parametrize("variant", [sc.KernelVariant("float32", 64, 16, 3, False),
-                                     sc.KernelVariant("float16", 128, 8, 1, True),
-                                     sc.KernelVariant("bfloat16", 96, 32, 2, True)], ids=lambda v: v.describe())
+@pytest.mark.parametrize(
+    "variant",
+    [
+        sc.KernelVariant("float32", 64, 16, 3, False),
+        sc.KernelVariant("float16", 128, 8, 1, True),
+        sc.KernelVariant("bfloat16", 96, 32, 2, True),
+    ],
+    ids=lambda v: v.describe(),
+)
 def test_correct_kernel_passes_and_is_cached(variant):
     launcher = Emulator()
     check = sc.check_variant(variant, launcher)
@@ -60,8 +67,10 @@ def test_correct_kernel_passes_and_is_cached(variant):
 
 def test_wrong_numbers_are_a_mismatch(mutate):
     mutate(WRONG_REDUCE)  # only the two-pass merge is wrong
-    one, two = (sc.check_variant(v, Emulator())
-                for v in sc.variants_for(dtype="float32", head_dim=64, block_size=16, num_heads=4, num_kv_heads=2))
+    one, two = (
+        sc.check_variant(v, Emulator())
+        for v in sc.variants_for(dtype="float32", head_dim=64, block_size=16, num_heads=4, num_kv_heads=2)
+    )
     assert one.ok and one.reason is None
     assert not two.ok
     assert two.reason.startswith("mismatch: max error ") and two.reason.endswith(" > tolerance 0.0001")
@@ -88,8 +97,10 @@ def test_unsupported_variant_says_why():
 
 
 def test_metal_compile_errors_are_named():
-    error = RuntimeError("[metal::Device] Unable to build metal library from source\n"
-                         "program_source:12:3: error: unknown type name 'undeclared_type'\n")
+    error = RuntimeError(
+        "[metal::Device] Unable to build metal library from source\n"
+        "program_source:12:3: error: unknown type name 'undeclared_type'\n"
+    )
     assert sc.failure_reason(error) == "compile error: program_source:12:3: error: unknown type name 'undeclared_type'"
     assert sc.failure_reason(ValueError("bad\nmore")) == "exception: ValueError: bad"
 
@@ -101,4 +112,6 @@ def test_every_default_variant_passes_on_the_gpu():
         for variant in sc.variants_for(dtype=dtype, head_dim=64, block_size=16, num_heads=9, num_kv_heads=3):
             check = sc.check_variant(variant)
             assert check.ok, check.reason
-            print(f"{variant.describe()}: {check.seconds:.3f} s")  # the issue's "well under a second": read, not asserted
+            print(
+                f"{variant.describe()}: {check.seconds:.3f} s"
+            )  # the issue's "well under a second": read, not asserted

@@ -3,16 +3,16 @@ oracle; broken copies (a sink per partition, none in the reduce, V read at K's s
 self-check covers the new variants."""
 
 import mlxpaged  # noqa: F401
-import mlx.core as mx
-import numpy as np
-import pytest
-
 from mlxpaged.kernels import attention
 from mlxpaged.kernels import paged_attention as pa
 from mlxpaged.kernels import self_check as sc
 from tests.kernels.test_kernel_self_check import mutate  # noqa: F401 (fixture)
 from tests.msl.harness import Emulator, MetalEmulationError
 from tests.msl.oracle import make_decode_case, max_error
+
+import mlx.core as mx
+import numpy as np
+import pytest
 
 MATRIX = [
     # (heads, kv_heads, head_dim, v_dim, block_size, dtype, window, sinks)
@@ -24,8 +24,9 @@ MATRIX = [
 
 
 def check(case, seed: int, **options):
-    out = pa.paged_attention_metal(*case.args(), window=case.window, sinks=case.sinks,
-                                   launcher=Emulator(strict=True, seed=seed), **options)
+    out = pa.paged_attention_metal(
+        *case.args(), window=case.window, sinks=case.sinks, launcher=Emulator(strict=True, seed=seed), **options
+    )
     assert out.shape == case.expected().shape
     error = max_error(out, case.expected())
     assert error < case.tolerance, f"error {error:.3g} over tolerance {case.tolerance}"
@@ -35,8 +36,9 @@ def check(case, seed: int, **options):
 @pytest.mark.parametrize("heads,kv_heads,head_dim,v_dim,block_size,dtype,window,sinks", MATRIX)
 def test_edge_lengths(heads, kv_heads, head_dim, v_dim, block_size, dtype, window, sinks, two_pass):
     lens = [0, 1, block_size, block_size + 1, 4 * block_size + 3]
-    case = make_decode_case(heads * 10 + v_dim, lens, heads, kv_heads, head_dim, block_size, dtype, window,
-                            v_dim=v_dim, sinks=sinks)
+    case = make_decode_case(
+        heads * 10 + v_dim, lens, heads, kv_heads, head_dim, block_size, dtype, window, v_dim=v_dim, sinks=sinks
+    )
     # Partitions of 1.5 blocks: several per sequence, so a sink counted per partition shows.
     check(case, heads, two_pass=two_pass, partition_tokens=block_size * 3 // 2)
 
@@ -48,25 +50,36 @@ def test_long_context_two_pass_with_sinks():
 
 def run_case(two_pass: bool, v_dim: int = 64) -> tuple[float, float]:
     case = make_decode_case(22, [0, 1, 15, 16, 17, 45], 4, 2, 64, 16, "float32", v_dim=v_dim, sinks=True)
-    out = pa.paged_attention_metal(*case.args(), sinks=case.sinks, launcher=Emulator(), two_pass=two_pass,
-                                   partition_tokens=12)
+    out = pa.paged_attention_metal(
+        *case.args(), sinks=case.sinks, launcher=Emulator(), two_pass=two_pass, partition_tokens=12
+    )
     return max_error(out, case.expected()), case.tolerance
 
 
-NO_SINK_IN_REDUCE = ("paged_attention_reduce", "if (SINKS) {\n  const float sink = sinks[head];",
-                     "if (false) {\n  const float sink = 0;")
+NO_SINK_IN_REDUCE = (
+    "paged_attention_reduce",
+    "if (SINKS) {\n  const float sink = sinks[head];",
+    "if (false) {\n  const float sink = 0;",
+)
 MUTATIONS = [
     # (section, old, new, two_pass)
     ("paged_attention_decode", "#if !PA_PARTITIONED\n  if (SINKS) {", "#if 1\n  if (SINKS) {", True),
     (*NO_SINK_IN_REDUCE, True),
     ("paged_attention_decode", "    group_max = top;\n", "", False),
-    ("paged_attention_decode", "    total = total * metal::exp(group_max - top) + metal::exp(sink - top);\n", "",
-     False),
+    (
+        "paged_attention_decode",
+        "    total = total * metal::exp(group_max - top) + metal::exp(sink - top);\n",
+        "",
+        False,
+    ),
 ]
 
 
-@pytest.mark.parametrize("section,old,new,two_pass", MUTATIONS,
-                         ids=["sink_per_partition", "no_sink_in_reduce", "sink_not_in_max", "sink_not_in_sum"])
+@pytest.mark.parametrize(
+    "section,old,new,two_pass",
+    MUTATIONS,
+    ids=["sink_per_partition", "no_sink_in_reduce", "sink_not_in_max", "sink_not_in_sum"],
+)
 def test_broken_sinks_are_caught(mutate, section, old, new, two_pass):
     mutate((section, old, new))
     error, tolerance = run_case(two_pass)
@@ -79,10 +92,15 @@ def test_value_rows_read_at_the_key_stride_are_caught(mutate):
         run_case(False, v_dim=32)  # K rows are twice as wide: the last slots read past V's buffer
 
 
-@pytest.mark.parametrize("variant", [sc.KernelVariant("float32", 64, 16, 4, False, 32, True),
-                                     sc.KernelVariant("float16", 32, 8, 2, True, 128, True),
-                                     sc.KernelVariant("bfloat16", 128, 16, 1, True, 64, False)],
-                         ids=lambda v: v.describe())
+@pytest.mark.parametrize(
+    "variant",
+    [
+        sc.KernelVariant("float32", 64, 16, 4, False, 32, True),
+        sc.KernelVariant("float16", 32, 8, 2, True, 128, True),
+        sc.KernelVariant("bfloat16", 128, 16, 1, True, 64, False),
+    ],
+    ids=lambda v: v.describe(),
+)
 def test_self_check_variants_with_sinks_and_value_width(variant):
     check = sc.check_variant(variant, Emulator())
     assert (check.ok, check.reason) == (True, None)
@@ -92,8 +110,9 @@ def test_variant_names_and_equal_widths_are_one_variant():
     variant = sc.KernelVariant("float16", 64, 16, 2, False, 32, True)
     assert variant.describe() == "float16 D=64 DV=32 BS=16 G=2 sinks one-pass"
     assert sc.KernelVariant("float16", 64, 16, 2, False, 64) == sc.KernelVariant("float16", 64, 16, 2, False)
-    one, two = sc.variants_for(dtype="float32", head_dim=64, block_size=8, num_heads=8, num_kv_heads=2, v_dim=32,
-                               sinks=True)
+    one, two = sc.variants_for(
+        dtype="float32", head_dim=64, block_size=8, num_heads=8, num_kv_heads=2, v_dim=32, sinks=True
+    )
     assert (one.value_dim, one.sinks, two.two_pass) == (32, True, True)
     assert "value head dim 48" in sc.check_variant(sc.KernelVariant("float32", 64, 16, 1, False, 48)).reason
 

@@ -2,18 +2,27 @@
 runner/deferred_writes.py), run on the CPU by the strict emulator, against the float64 oracle."""
 
 import mlxpaged  # noqa: F401
-import mlx.core as mx
-import numpy as np
-import pytest
-
 from mlxpaged.kernels import attention
 from mlxpaged.kernels.paged_attention import paged_attention_metal, tail_partials
 from tests.msl.harness import Emulator
 from tests.msl.oracle import attend, gather_sequence, make_decode_case, max_error, quantize
 
+import mlx.core as mx
+import numpy as np
+import pytest
 
-def tail_case(seed: int, lens: list[int], tail: int, heads: int, kv_heads: int, head_dim: int, block_size: int,
-              dtype: str, sinks: bool = False):
+
+def tail_case(
+    seed: int,
+    lens: list[int],
+    tail: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: str,
+    sinks: bool = False,
+):
     case = make_decode_case(seed, lens, heads, kv_heads, head_dim, block_size, dtype, sinks=sinks)
     rng = np.random.default_rng(seed + 1)
     k, k64 = quantize(rng.standard_normal((len(lens), kv_heads, tail, head_dim)), dtype)
@@ -28,19 +37,40 @@ def tail_case(seed: int, lens: list[int], tail: int, heads: int, kv_heads: int, 
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,dtype,tail,sinks", [
-    (4, 4, 64, 8, "float32", 1, False),
-    (8, 2, 128, 16, "bfloat16", 6, False),
-    (4, 2, 96, 32, "float16", 33, True),
-    (8, 1, 64, 8, "float32", 3, True),
-])
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,block_size,dtype,tail,sinks",
+    [
+        (4, 4, 64, 8, "float32", 1, False),
+        (8, 2, 128, 16, "bfloat16", 6, False),
+        (4, 2, 96, 32, "float16", 33, True),
+        (8, 1, 64, 8, "float32", 3, True),
+    ],
+)
 def test_pool_then_tail_matches_the_oracle(seed, heads, kv_heads, head_dim, block_size, dtype, tail, sinks):
-    case, k, v, expected = tail_case(seed * 100 + head_dim, [1, block_size - 1, block_size, 3 * block_size + 5],
-                                     tail, heads, kv_heads, head_dim, block_size, dtype, sinks)
+    case, k, v, expected = tail_case(
+        seed * 100 + head_dim,
+        [1, block_size - 1, block_size, 3 * block_size + 5],
+        tail,
+        heads,
+        kv_heads,
+        head_dim,
+        block_size,
+        dtype,
+        sinks,
+    )
     partials = tail_partials(case.q, k, v, case.scale)
-    out = paged_attention_metal(case.q, case.k_pool, case.v_pool, case.block_tables, case.context_lens, case.scale,
-                                sinks=case.sinks, partition_tokens=block_size * 3 // 2,
-                                launcher=Emulator(strict=True, seed=seed), tail=partials)
+    out = paged_attention_metal(
+        case.q,
+        case.k_pool,
+        case.v_pool,
+        case.block_tables,
+        case.context_lens,
+        case.scale,
+        sinks=case.sinks,
+        partition_tokens=block_size * 3 // 2,
+        launcher=Emulator(strict=True, seed=seed),
+        tail=partials,
+    )
     error = max_error(out, expected)
     assert error < case.tolerance, f"error {error:.3g} over tolerance {case.tolerance}"
 

@@ -3,19 +3,28 @@ and the dispatch that sends only big eager calls there. Ragged-batch masks: test
 the same cases through both implementations."""
 
 import mlxpaged  # noqa: F401
-import mlx.core as mx
-import numpy as np
-import pytest
-from threadpoolctl import threadpool_info
-
 from mlxpaged.kernels import attention, numpy_attention
 from mlxpaged.kernels.numpy_attention import QUERY_BLOCK, attend_numpy, numpy_attention_applies
 from tests.msl.oracle import attend as oracle_attend
 from tests.msl.oracle import causal_oracle, max_error, quantize, random_sinks
 
+import mlx.core as mx
+import numpy as np
+import pytest
+from threadpoolctl import threadpool_info
 
-def case(seed: int, batch: int, heads: int, kv_heads: int, length: int, keys: int, dim: int, v_dim: int | None = None,
-         dtype: str = "float32"):
+
+def case(
+    seed: int,
+    batch: int,
+    heads: int,
+    kv_heads: int,
+    length: int,
+    keys: int,
+    dim: int,
+    v_dim: int | None = None,
+    dtype: str = "float32",
+):
     rng = np.random.default_rng(seed)
     q, q64 = quantize(rng.standard_normal((batch, heads, length, dim)), dtype)
     k, k64 = quantize(rng.standard_normal((batch, kv_heads, keys, dim)), dtype)
@@ -23,14 +32,25 @@ def case(seed: int, batch: int, heads: int, kv_heads: int, length: int, keys: in
     return rng, (q, k, v), (q64, k64, v64)
 
 
-@pytest.mark.parametrize("length,keys", [(1, 1), (5, 5), (QUERY_BLOCK - 1, QUERY_BLOCK - 1), (QUERY_BLOCK, QUERY_BLOCK),
-                                         (QUERY_BLOCK + 1, QUERY_BLOCK + 1), (200, 200), (130, 400), (8, 1000)])
+@pytest.mark.parametrize(
+    "length,keys",
+    [
+        (1, 1),
+        (5, 5),
+        (QUERY_BLOCK - 1, QUERY_BLOCK - 1),
+        (QUERY_BLOCK, QUERY_BLOCK),
+        (QUERY_BLOCK + 1, QUERY_BLOCK + 1),
+        (200, 200),
+        (130, 400),
+        (8, 1000),
+    ],
+)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 64), (9, 3, 64), (8, 2, 128), (8, 1, 96)])
 def test_causal_across_query_blocks(length, keys, heads, kv_heads, head_dim):
     """Bottom-right causal: queries sit at the end of the keys (a chunk after a cached prefix)."""
     _, (q, k, v), (q64, k64, v64) = case(length * 1000 + keys + heads, 1, heads, kv_heads, length, keys, head_dim)
-    out = attend_numpy(q, k, v, head_dim ** -0.5, "causal")
-    expected = causal_oracle(q64[0], k64[0], v64[0], head_dim ** -0.5, query_offset=keys - length)
+    out = attend_numpy(q, k, v, head_dim**-0.5, "causal")
+    expected = causal_oracle(q64[0], k64[0], v64[0], head_dim**-0.5, query_offset=keys - length)
     assert max_error(out, expected[None]) < 1e-5
 
 
@@ -54,8 +74,9 @@ def test_a_half_precision_additive_mask():
     rng, (q, k, v), (q64, k64, v64) = case(13, 1, 4, 2, 70, 90, 32, dtype="bfloat16")
     bias, bias64 = quantize(rng.standard_normal((70, 90)), "bfloat16")
     out = attend_numpy(q, k, v, 0.2, bias)
-    expected = np.stack([oracle_attend_biased(q64[0, h], k64[0, h // 2], v64[0, h // 2], 0.2, bias64)
-                         for h in range(4)])
+    expected = np.stack(
+        [oracle_attend_biased(q64[0, h], k64[0, h // 2], v64[0, h // 2], 0.2, bias64) for h in range(4)]
+    )
     assert out.dtype == mx.bfloat16
     assert max_error(out, expected[None]) < 2e-2
 
@@ -113,16 +134,16 @@ def test_agrees_with_the_mlx_path_at_the_threshold(monkeypatch):
 
 # --- pages read in place ---------------------------------------------------------------------------
 
-from tests.kernels.test_reference_paged import write_sequence  # noqa: E402
+from tests.kernels.test_reference_paged import write_sequence
 
 PAGED_CASES = [
     # (prefix, chunk, block_size, heads, kv_heads, head_dim, key_tile)
-    (0, 37, 16, 4, 2, 64, 32),     # a cold chunk: the diagonal crosses tiles
-    (32, 8, 16, 9, 3, 64, 16),     # a hit on a block boundary, tile = one block
-    (45, 19, 8, 8, 4, 128, 24),    # mid-block, tile not a multiple of the block size
+    (0, 37, 16, 4, 2, 64, 32),  # a cold chunk: the diagonal crosses tiles
+    (32, 8, 16, 9, 3, 64, 16),  # a hit on a block boundary, tile = one block
+    (45, 19, 8, 8, 4, 128, 24),  # mid-block, tile not a multiple of the block size
     (100, 1, 32, 8, 1, 96, 4096),  # one query, one tile
-    (300, 7, 16, 9, 3, 64, 64),    # many tiles split across the workers
-    (10, 130, 16, 4, 4, 64, 48),   # three query blocks
+    (300, 7, 16, 9, 3, 64, 64),  # many tiles split across the workers
+    (10, 130, 16, 4, 4, 64, 48),  # three query blocks
 ]
 
 
@@ -131,11 +152,12 @@ def test_pages_in_place_against_the_oracle(monkeypatch, prefix, chunk, block_siz
     monkeypatch.setattr(numpy_attention, "KEY_TILE", key_tile)
     monkeypatch.setattr(numpy_attention, "worker_count", lambda: 4)  # key splits to merge on any machine
     rng = np.random.default_rng(prefix * 7 + chunk)
-    table, (k_pool, v_pool), _, (k64, v64) = write_sequence(rng, prefix + chunk, kv_heads, head_dim, block_size,
-                                                            "float32")
+    table, (k_pool, v_pool), _, (k64, v64) = write_sequence(
+        rng, prefix + chunk, kv_heads, head_dim, block_size, "float32"
+    )
     q, q64 = quantize(rng.standard_normal((1, heads, chunk, head_dim)), "float32")
-    out = numpy_attention.attend_pages_numpy(q, k_pool, v_pool, list(table), prefix + chunk, head_dim ** -0.5)
-    expected = causal_oracle(q64[0], k64, v64, head_dim ** -0.5, query_offset=prefix)
+    out = numpy_attention.attend_pages_numpy(q, k_pool, v_pool, list(table), prefix + chunk, head_dim**-0.5)
+    expected = causal_oracle(q64[0], k64, v64, head_dim**-0.5, query_offset=prefix)
     assert max_error(out, expected[None]) < 1e-5
 
 
@@ -163,11 +185,14 @@ def test_pages_in_place_equal_the_gathered_path():
     table, (k_pool, v_pool), _, _ = write_sequence(rng, prefix + chunk, 3, 64, 16, "float32")
     q = mx.array(rng.standard_normal((1, 9, chunk, 64)).astype(np.float32))
     paged = numpy_attention.attend_pages_numpy(q, k_pool, v_pool, list(table), prefix + chunk, 0.125)
-    rows = mx.array(np.asarray(table[:-(-(prefix + chunk) // 16)], dtype=np.int32)[None])
+    rows = mx.array(np.asarray(table[: -(-(prefix + chunk) // 16)], dtype=np.int32)[None])
     from mlxpaged.kernels.reference import gather_pages, page_rows
 
     rows = page_rows(rows, k_pool.shape)
-    keys, values = gather_pages(k_pool, rows)[..., :prefix + chunk, :], gather_pages(v_pool, rows)[..., :prefix + chunk, :]
+    keys, values = (
+        gather_pages(k_pool, rows)[..., : prefix + chunk, :],
+        gather_pages(v_pool, rows)[..., : prefix + chunk, :],
+    )
     assert mx.allclose(paged, attend_numpy(q, keys, values, 0.125, "causal"), atol=1e-6).item()
 
 
@@ -176,7 +201,9 @@ def test_key_splits_are_merged(monkeypatch):
     partial (max, sum, values) must merge into the one softmax."""
     splits = []
     merge = numpy_attention._merge
-    monkeypatch.setattr(numpy_attention, "_merge", lambda parts, sinks: splits.append(len(parts)) or merge(parts, sinks))
+    monkeypatch.setattr(
+        numpy_attention, "_merge", lambda parts, sinks: splits.append(len(parts)) or merge(parts, sinks)
+    )
     monkeypatch.setattr(numpy_attention, "worker_count", lambda: 4)
     monkeypatch.setattr(numpy_attention, "KEY_TILE", 32)
     rng = np.random.default_rng(4)

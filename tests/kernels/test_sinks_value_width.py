@@ -2,25 +2,35 @@
 the reference, CPU and entry-point paths, against the NumPy float64 oracle (tests/msl/oracle.py)."""
 
 import mlxpaged  # noqa: F401
+from mlxpaged.kernels import attention, cpu_attention, reference
+from mlxpaged.kernels.cpu_attention import attend, decode_attention_cpu, paged_attention_cpu
+from mlxpaged.kernels.reference import decode_plan, page_rows, paged_attention_reference
+from tests.kernels.test_reference_paged import write_sequence
+from tests.msl.oracle import (
+    DTYPES,
+    TOLERANCE,
+    causal_oracle,
+    make_decode_case,
+    max_error,
+    quantize,
+    random_sinks,
+)
+from tests.msl.oracle import (
+    attend as oracle_attend,
+)
+
 import mlx.core as mx
 import numpy as np
 import pytest
-
-from mlxpaged.kernels import attention, cpu_attention, reference
-from mlxpaged.kernels.cpu_attention import attend, decode_attention_cpu, paged_attention_cpu
-from mlxpaged.kernels.reference import decode_plan, paged_attention_reference, page_rows
-from tests.msl.oracle import (DTYPES, TOLERANCE, attend as oracle_attend, causal_oracle, make_decode_case,
-                              max_error, quantize, random_sinks)
-from tests.kernels.test_reference_paged import write_sequence
 
 DECODE_PATHS = {"reference": paged_attention_reference, "cpu": paged_attention_cpu}
 
 CASES = [
     # (heads, kv_heads, head_dim, v_dim, block_size, window, sinks)
-    (8, 2, 64, 64, 8, None, True),     # GQA 4 with sinks
-    (4, 4, 64, 32, 16, None, False),   # V narrower than K (MLA-style latent split)
-    (8, 1, 32, 96, 8, 11, True),       # V wider than K, MQA, window, sinks
-    (9, 3, 64, 16, 16, 5, True),       # odd GQA group, narrow V
+    (8, 2, 64, 64, 8, None, True),  # GQA 4 with sinks
+    (4, 4, 64, 32, 16, None, False),  # V narrower than K (MLA-style latent split)
+    (8, 1, 32, 96, 8, 11, True),  # V wider than K, MQA, window, sinks
+    (9, 3, 64, 16, 16, 5, True),  # odd GQA group, narrow V
 ]
 
 
@@ -37,8 +47,17 @@ def gather_mm_always(monkeypatch):
 @pytest.mark.parametrize("path", DECODE_PATHS)
 @pytest.mark.parametrize("heads,kv_heads,head_dim,v_dim,block_size,window,sinks", CASES)
 def test_paged_decode(gather_mm_always, path, heads, kv_heads, head_dim, v_dim, block_size, window, sinks):
-    case = make_decode_case(heads + v_dim, edge_lens(block_size), heads, kv_heads, head_dim, block_size,
-                            window=window, v_dim=v_dim, sinks=sinks)
+    case = make_decode_case(
+        heads + v_dim,
+        edge_lens(block_size),
+        heads,
+        kv_heads,
+        head_dim,
+        block_size,
+        window=window,
+        v_dim=v_dim,
+        sinks=sinks,
+    )
     out = DECODE_PATHS[path](*case.args(), window=window, sinks=case.sinks)
     assert out.shape == (len(case.lens), heads, 1, v_dim)
     assert max_error(out, case.expected()) < 1e-5
@@ -103,8 +122,8 @@ def test_sdpa_causal_with_sinks_and_narrow_values(backend, length, keys):
     v, v64 = quantize(rng.standard_normal((1, kv_heads, keys, v_dim)), "float32")
     sinks, sinks64 = random_sinks(rng, heads)
     with attention.attention_backend(backend):
-        out = attention.sdpa(q, k, v, dim ** -0.5, "causal", sinks)
-    expected = causal_oracle(q64[0], k64[0], v64[0], dim ** -0.5, query_offset=keys - length, sinks64=sinks64)
+        out = attention.sdpa(q, k, v, dim**-0.5, "causal", sinks)
+    expected = causal_oracle(q64[0], k64[0], v64[0], dim**-0.5, query_offset=keys - length, sinks64=sinks64)
     assert max_error(out, expected[None]) < 1e-5
 
 
@@ -133,9 +152,10 @@ def test_paged_prefill_with_sinks_and_narrow_values(prefix, chunk, window):
     v_pool, v64 = v_table_pool
     q, q64 = quantize(rng.standard_normal((1, heads, prefix + chunk, dim)), "float32")
     sinks, sinks64 = random_sinks(rng, heads)
-    out = attention.paged_prefill_attention(q[:, :, prefix:], k_pool, v_pool, mx.array(table), prefix, chunk,
-                                            dim ** -0.5, window, sinks)
-    whole = causal_oracle(q64[0], k64, v64, dim ** -0.5, window, sinks64=sinks64)[None, :, prefix:]
+    out = attention.paged_prefill_attention(
+        q[:, :, prefix:], k_pool, v_pool, mx.array(table), prefix, chunk, dim**-0.5, window, sinks
+    )
+    whole = causal_oracle(q64[0], k64, v64, dim**-0.5, window, sinks64=sinks64)[None, :, prefix:]
     assert max_error(out, whole) < 1e-5
 
 

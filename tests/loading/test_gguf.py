@@ -6,12 +6,12 @@ import shutil
 import zipfile
 from pathlib import Path
 
-import numpy as np
-import pytest
-
-import mlx.core as mx
 from mlxpaged.loading import model_store as models
 from mlxpaged.loading.gguf import ConversionError, convert_gguf, unpermute_rows
+
+import mlx.core as mx
+import numpy as np
+import pytest
 
 
 def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:

@@ -6,18 +6,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 import mlxpaged  # noqa: F401  (OpenBLAS before mlx)
-import mlx.core as mx
-from mlx.utils import tree_flatten
-
 from mlxpaged.loading.checkpoint import facts_before_load, kv_dtype_before_load
 from mlxpaged.loading.loader import default_dtype, load_local, locate_model
 from mlxpaged.loading.model_store import ModelRef
 from mlxpaged.platform import backend
 from tests.loading.test_plan_before_load import loaded_facts, save_tiny
 from tests.tiny_models import tiny_llama
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +31,7 @@ def bf16_dir(tmp_path_factory, tokenizer_dir) -> Path:
 
 @pytest.fixture(scope="module")
 def bf16_4bit_dir(tmp_path_factory, tokenizer_dir) -> Path:
-    return save_tiny(tmp_path_factory.mktemp("bf16-4bit"), tiny_llama(seed=5), tokenizer_dir, dtype=mx.bfloat16,
-                     bits=4)
+    return save_tiny(tmp_path_factory.mktemp("bf16-4bit"), tiny_llama(seed=5), tokenizer_dir, dtype=mx.bfloat16, bits=4)
 
 
 def load(path: Path):
@@ -59,8 +57,7 @@ def test_the_cpu_makes_bf16_weights_float32(bf16_dir):
     assert loaded.dtype == "float32"
 
 
-@pytest.mark.parametrize("name, packed, scales", [("cuda", mx.uint32, {mx.bfloat16}),
-                                                  ("cpu", mx.uint32, {mx.float32})])
+@pytest.mark.parametrize("name, packed, scales", [("cuda", mx.uint32, {mx.bfloat16}), ("cpu", mx.uint32, {mx.float32})])
 def test_quantized_weights_stay_packed_and_scales_follow_the_backend(bf16_4bit_dir, name, packed, scales):
     with backend.simulate(name):
         loaded = load(bf16_4bit_dir)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import pytest
-
 from mlxpaged.loading.loader import baseline_stream, chat_prompt
+
+import pytest
 
 
 @pytest.mark.slow
@@ -15,9 +15,9 @@ def test_default_model_knows_the_capital_of_france(default_loaded):
 
 
 def test_default_model_is_float32_on_cpu(default_loaded):
-    import mlx.core as mx
-
     from mlxpaged.platform import backend
+
+    import mlx.core as mx
 
     if backend.is_gpu():
         pytest.skip("float16 on a GPU; this checks the CPU store")

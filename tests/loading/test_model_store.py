@@ -6,9 +6,9 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 from mlxpaged.loading import model_store as models
+
+import pytest
 
 
 def test_default_is_the_embedded_model():
@@ -19,8 +19,9 @@ def test_default_is_the_embedded_model():
 
 def test_preset_hub_and_path(tmp_path):
     assert models.resolve("qwen3-0.6b").repo == "mlx-community/Qwen3-0.6B-4bit"
-    assert models.resolve("someone/Some-Model-4bit") == models.ModelRef("someone/Some-Model-4bit", "hub",
-                                                                         repo="someone/Some-Model-4bit")
+    assert models.resolve("someone/Some-Model-4bit") == models.ModelRef(
+        "someone/Some-Model-4bit", "hub", repo="someone/Some-Model-4bit"
+    )
     (tmp_path / "config.json").write_text("{}")
     ref = models.resolve(str(tmp_path))
     assert (ref.source, ref.path) == ("path", tmp_path.resolve())
@@ -62,8 +63,9 @@ def test_listing_shows_the_local_default_model():
 
 def cli(*args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "MLXPAGED_API_KEY"}
-    return subprocess.run([sys.executable, "-m", "mlxpaged_app.cli", *args], capture_output=True, text=True,
-                          timeout=300, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "mlxpaged_app.cli", *args], capture_output=True, text=True, timeout=300, env=env
+    )
 
 
 def test_cli_models_and_pull():

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import builtins
 import dataclasses
-import json
 import shutil
 import struct
 import subprocess
@@ -13,25 +12,30 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 import mlxpaged  # noqa: F401  (OpenBLAS before mlx)
-import mlx.core as mx
-import mlx.nn as nn
-import mlx_lm.utils
-from mlx_lm.utils import quantize_model, save_config, save_model
-
-from mlxpaged.loading.checkpoint import CheckpointError, checkpoint_tensors, facts_before_load, read_safetensors_header
 from mlxpaged.config import split_settings
-from mlxpaged.units import parse_size
 from mlxpaged.engine.engine import Engine
-from mlxpaged.platform.memory import (DeviceFacts, InsufficientMemoryError, ModelFacts, activation_bytes, model_weight_bytes,
-                             plan_memory)
+from mlxpaged.loading.checkpoint import CheckpointError, checkpoint_tensors, facts_before_load, read_safetensors_header
 from mlxpaged.loading.loader import activation_dtype, load_local, locate_model
 from mlxpaged.loading.model_store import ModelRef
 from mlxpaged.loading.probe import probe_layout
+from mlxpaged.platform.memory import (
+    DeviceFacts,
+    InsufficientMemoryError,
+    ModelFacts,
+    activation_bytes,
+    model_weight_bytes,
+    plan_memory,
+)
 from mlxpaged.platform.model_facts import context_length
+from mlxpaged.units import parse_size
 from tests.tiny_models import tiny_hybrid_llama, tiny_llama
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx_lm.utils
+import pytest
+from mlx_lm.utils import quantize_model, save_config, save_model
 
 GiB = 2**30
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -75,8 +79,9 @@ def loaded_facts(path: Path, backend: str) -> ModelFacts:
     """What the engine reads from the model loaded the way `backend` loads it."""
     loaded = load_local(ModelRef(str(path), "path", path=path), path, backend=backend)
     model = loaded.model
-    return ModelFacts.from_layout(probe_layout(model), model_weight_bytes(model), activation_dtype(model).size,
-                                  context_length(loaded.config))
+    return ModelFacts.from_layout(
+        probe_layout(model), model_weight_bytes(model), activation_dtype(model).size, context_length(loaded.config)
+    )
 
 
 @pytest.mark.parametrize("backend", ["cpu", "metal", "cuda"])
@@ -95,7 +100,7 @@ def test_dtype_rules_differ_by_backend(tmp_path, default_dir):
 def two_shards(weights: dict, *args) -> list[dict]:
     """mlx-lm's make_shards, splitting a tiny model in two as it splits big ones."""
     items = list(weights.items())
-    return [dict(items[: len(items) // 2]), dict(items[len(items) // 2:])]
+    return [dict(items[: len(items) // 2]), dict(items[len(items) // 2 :])]
 
 
 def test_sharded_checkpoint_counts_every_shard(tmp_path, default_dir, monkeypatch):
@@ -133,6 +138,7 @@ def test_unreadable_headers_are_refused_with_the_numbers(tmp_path):
 
 # --- the plan before loading is the engine's plan after loading ---------------------------------
 
+
 def plans_before_and_after(path: Path, monkeypatch, spare: int, **settings):
     """The plan from the files on a device with `spare` bytes for the cache, and the engine's own plan
     after loading on that device (whose available memory then no longer includes the weights)."""
@@ -169,9 +175,11 @@ def test_default_model_plan_before_load_is_the_engines(default_dir, monkeypatch)
 
 # --- refused before a single weight is read -----------------------------------------------------
 
+
 @pytest.fixture
 def no_weight_reads(monkeypatch):
     """Every way to read weights fails the test; Python reads of .safetensors files stop at the header."""
+
     def forbidden(*args, **kwargs):
         raise AssertionError("weights were read before the memory plan refused the cache")
 
@@ -261,8 +269,12 @@ def test_cli_refuses_with_one_line_naming_the_flag(tmp_path, default_dir):
     path = save_tiny(tmp_path, tiny_llama(), default_dir)
     mlxpaged_cli = Path(sys.executable).with_name("mlxpaged")
     started = time.monotonic()
-    result = subprocess.run([str(mlxpaged_cli), "serve", "--model", str(path), "--port", "0", "--kv-memory", "1KB"],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [str(mlxpaged_cli), "serve", "--model", str(path), "--port", "0", "--kv-memory", "1KB"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 1
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr

@@ -4,16 +4,10 @@ naming the layer and its cache kind (cache/paged_support.py, loader.check_paged_
 
 from __future__ import annotations
 
+import importlib
 import math
 
-import importlib
-
 import mlxpaged  # noqa: F401  (OpenBLAS before mlx)
-import mlx.core as mx
-import mlx_lm.models.base as base
-import pytest
-from mlx_lm.models import cache as mlx_cache
-
 from mlxpaged.cache.layout import CacheListNode, KVLeaf, StateLeaf, UnusedLeaf
 from mlxpaged.cache.paged_support import query_heads, serial_reason, unsupported_reasons
 from mlxpaged.errors import UnsupportedModelError
@@ -22,6 +16,11 @@ from mlxpaged.loading.probe import MEMORY_GUARD_BYTES, probe_layout
 from mlxpaged.platform.model_facts import KVShape, ModelFacts
 from tests.archs.configs import MLX_LM_CANNOT_RUN, UPSTREAM_BROKEN, config_for, has_config, text_modules
 from tests.tiny_models import tiny_gemma3, tiny_llama
+
+import mlx.core as mx
+import mlx_lm.models.base as base
+import pytest
+from mlx_lm.models import cache as mlx_cache
 
 
 def unweighted(module: str):
@@ -182,10 +181,14 @@ def test_probe_matches_mlx_lm_caches_after_a_real_forward(module):
         for i in leaf.path[1:]:
             cache = cache.caches[i]
         if isinstance(leaf, KVLeaf):
-            assert (cache.keys.shape[1], cache.keys.shape[-1], cache.values.shape[-1]) == \
-                (leaf.kv_heads, leaf.k_dim, leaf.v_dim), leaf
+            assert (cache.keys.shape[1], cache.keys.shape[-1], cache.values.shape[-1]) == (
+                leaf.kv_heads,
+                leaf.k_dim,
+                leaf.v_dim,
+            ), leaf
         elif isinstance(leaf, StateLeaf):
-            assert [None if a is None else tuple(a.shape[1:]) for a in cache.cache] == \
-                [None if a is None else a[0] for a in leaf.arrays], leaf
+            assert [None if a is None else tuple(a.shape[1:]) for a in cache.cache] == [
+                None if a is None else a[0] for a in leaf.arrays
+            ], leaf
         elif isinstance(leaf, UnusedLeaf):
             assert cache.keys is None

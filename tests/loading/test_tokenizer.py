@@ -30,8 +30,13 @@ PIECES = [
 ]
 SPECIAL_IDS = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
 ROUND_TRIP = [
-    "naïve café, Ünïcödé — “quotes” ‘single’", "emoji 🚀🦙👩‍👩‍👧 flags 🇫🇷", "tabs\tand\r\nnewlines\n\n",
-    "日本語のテキスト", "مرحبا بالعالم", "x = f(3.14159) ** 2  # code", "    indented\n        more",
+    "naïve café, Ünïcödé — “quotes” ‘single’",
+    "emoji 🚀🦙👩‍👩‍👧 flags 🇫🇷",
+    "tabs\tand\r\nnewlines\n\n",
+    "日本語のテキスト",
+    "مرحبا بالعالم",
+    "x = f(3.14159) ** 2  # code",
+    "    indented\n        more",
 ]
 
 
@@ -66,8 +71,10 @@ def test_decode_round_trips(tokenizer, text):
 def test_chat_template(tokenizer):
     messages = [{"role": "user", "content": "Hi"}]
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    assert text == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
-                    "<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    assert text == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+        "<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    )
     ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
     assert ids == tokenizer.encode(text, add_special_tokens=False)
     assert ids[0] == 1 and ids.count(2) == 2  # no BOS added; each turn ends with <|im_end|>

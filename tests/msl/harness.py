@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlxpaged  # noqa: F401  (OpenBLAS before mlx)
+
 import mlx.core as mx
 import numpy as np
 
@@ -69,6 +70,7 @@ def cache_dir() -> Path:
 
 # ---- 1. capture -------------------------------------------------------------------------
 
+
 @contextmanager
 def _stdout_fd_captured(sink: list[str]):
     libc = ctypes.CDLL(None)
@@ -98,8 +100,12 @@ _captured: dict[tuple, tuple[object, str]] = {}  # holds the kernel so its id st
 def capture_source(kernel, call: dict) -> str:
     """The Metal source MLX generates for ``kernel(**call)`` (memoized per specialization)."""
     inputs = list(call["inputs"])
-    key = (id(kernel), repr(call.get("template")), repr(call["output_dtypes"]),
-           tuple((a.dtype, a.size < 8, a.ndim) for a in inputs))
+    key = (
+        id(kernel),
+        repr(call.get("template")),
+        repr(call["output_dtypes"]),
+        tuple((a.dtype, a.size < 8, a.ndim) for a in inputs),
+    )
     if key in _captured and _captured[key][0] is kernel:
         return _captured[key][1]
     kwargs = _call_kwargs(call)
@@ -119,8 +125,9 @@ def capture_source(kernel, call: dict) -> str:
 
 # ---- 2. translate -------------------------------------------------------------------------
 
-_INSTANTIATION = re.compile(r"^template \[\[host_name\(\"\w+\"\)\]\] \[\[kernel\]\] decltype\((\w+)(<.*>)?\) .*;\s*$",
-                            re.M)
+_INSTANTIATION = re.compile(
+    r"^template \[\[host_name\(\"\w+\"\)\]\] \[\[kernel\]\] decltype\((\w+)(<.*>)?\) .*;\s*$", re.M
+)
 _SIGNATURE = re.compile(r"\[\[kernel\]\] void (\w+)\((.*?)\)\s*\{", re.S)
 _PARAM = re.compile(r"^(.*?)\s*\b(\w+)\s*\[\[(\w+(?:\(\d+\))?)\]\]$")
 _TG_DECL = re.compile(r"\bthreadgroup\s+((?:const\s+)?[A-Za-z_][\w:<>, ]*?)\s+((?:\w+\s*(?:\[[^\];]+\])+\s*,?\s*)+);")
@@ -167,12 +174,15 @@ def translation_unit(src: KernelSource) -> str:
         else:
             args.append(f"({p.type})b[{index}]")
     call = ",\n      ".join(args)
-    return (f'#include "metal_shim.h"\n#line 1 "kernel.metal"\n{body}\n#line 1 "driver.cpp"\n'
-            f'extern "C" void msl_launch(void** b, const mslrt::Attrs& a) {{\n'
-            f"  {src.function}{src.template_args}(\n      {call});\n}}\n")
+    return (
+        f'#include "metal_shim.h"\n#line 1 "kernel.metal"\n{body}\n#line 1 "driver.cpp"\n'
+        f'extern "C" void msl_launch(void** b, const mslrt::Attrs& a) {{\n'
+        f"  {src.function}{src.template_args}(\n      {call});\n}}\n"
+    )
 
 
 # ---- 3. compile ------------------------------------------------------------------------------
+
 
 def _digest(*parts: str) -> str:
     h = hashlib.sha256()
@@ -216,8 +226,9 @@ def compile_kernel(src: KernelSource) -> Path:
         return binary
     work = Path(tempfile.mkdtemp(prefix="msl-", dir=cache_dir()))
     (work / "kernel.cpp").write_text(unit)
-    _run_compiler([CXX, *CXXFLAGS, "-I", str(HERE), str(work / "kernel.cpp"), *map(str, runtime),
-                   "-o", str(work / "run")])
+    _run_compiler(
+        [CXX, *CXXFLAGS, "-I", str(HERE), str(work / "kernel.cpp"), *map(str, runtime), "-o", str(work / "run")]
+    )
     os.replace(work / "run", binary)
     (work / "kernel.cpp").unlink()
     work.rmdir()
@@ -226,8 +237,14 @@ def compile_kernel(src: KernelSource) -> Path:
 
 # ---- 4. run ------------------------------------------------------------------------------------
 
-_SIZE_TYPES = {"int": np.int32, "int32_t": np.int32, "int64_t": np.int64, "size_t": np.uint64,
-               "uint": np.uint32, "uint32_t": np.uint32}
+_SIZE_TYPES = {
+    "int": np.int32,
+    "int32_t": np.int32,
+    "int64_t": np.int64,
+    "size_t": np.uint64,
+    "uint": np.uint32,
+    "uint32_t": np.uint32,
+}
 
 
 def _raw_bytes(a: mx.array) -> bytes:
@@ -248,7 +265,7 @@ def _shape_param_bytes(p: Param, a: mx.array, kind: str) -> bytes:
     np_type = _SIZE_TYPES.get(base, np.int32)
     if kind == "ndim":
         return np.array([a.ndim], np_type).tobytes()
-    values = a.shape if kind == "shape" else [int(np.prod(a.shape[i + 1:])) for i in range(a.ndim)]
+    values = a.shape if kind == "shape" else [int(np.prod(a.shape[i + 1 :])) for i in range(a.ndim)]
     return np.array(values, np_type).tobytes()
 
 
@@ -259,7 +276,7 @@ def _buffers(src: KernelSource, call: dict) -> list[tuple[str, bytes, int]]:
     buffer_params = sorted((p for p in src.params if p.buffer_index is not None), key=lambda p: p.buffer_index)
     out, consumed, produced, last = [], 0, 0, None
     for p in buffer_params:
-        kind = p.name[len(last.name) + 1:] if last is not None and p.name.startswith(last.name + "_") else ""
+        kind = p.name[len(last.name) + 1 :] if last is not None and p.name.startswith(last.name + "_") else ""
         if last is not None and kind in ("shape", "strides", "ndim"):
             out.append((p.name, _shape_param_bytes(p, inputs[consumed - 1], kind), 2))
         elif consumed < len(inputs):
@@ -296,17 +313,18 @@ def run_kernel(kernel, *, strict: bool = True, seed: int = 0, **call) -> list[mx
     with tempfile.TemporaryDirectory(prefix="msl-run-") as tmp:
         inp, outp = Path(tmp) / "in.bin", Path(tmp) / "out.bin"
         _write_input(inp, call, buffers, seed, strict)
-        done = subprocess.run([str(binary), str(inp), str(outp)], capture_output=True, text=True,
-                              timeout=RUN_TIMEOUT_S)
+        done = subprocess.run([str(binary), str(inp), str(outp)], capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
         if done.returncode != 0:
-            message = next((line[len("MSL-ERROR: "):] for line in done.stderr.splitlines()
-                            if line.startswith("MSL-ERROR: ")), None)
+            message = next(
+                (line[len("MSL-ERROR: ") :] for line in done.stderr.splitlines() if line.startswith("MSL-ERROR: ")),
+                None,
+            )
             raise MetalEmulationError(message or f"emulator exited with {done.returncode}: {done.stderr[-2000:]}")
         data = outp.read_bytes()
     results, at = [], 0
     for shape, dtype in zip(call["output_shapes"], call["output_dtypes"]):
         size = int(np.prod(shape)) * dtype.size
-        results.append(_from_bytes(data[at:at + size], shape, dtype))
+        results.append(_from_bytes(data[at : at + size], shape, dtype))
         at += size
     return results
 
@@ -314,6 +332,7 @@ def run_kernel(kernel, *, strict: bool = True, seed: int = 0, **call) -> list[mx
 @dataclass
 class Emulator:
     """A launcher for kernel wrappers that accept one: ``launcher(kernel, **call) -> outputs``."""
+
     strict: bool = True
     seed: int = 0
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mlxpaged  # noqa: F401  (loads OpenBLAS before mlx)
+
 import mlx.core as mx
 import numpy as np
 
@@ -47,16 +48,18 @@ class DecodeCase:
         return (self.q, self.k_pool, self.v_pool, self.block_tables, self.context_lens, self.scale)
 
     def expected(self) -> np.ndarray:
-        return decode_oracle(self.q64, self.k64, self.v64, self.tables_np, self.lens, self.scale, self.window,
-                             self.sinks64)
+        return decode_oracle(
+            self.q64, self.k64, self.v64, self.tables_np, self.lens, self.scale, self.window, self.sinks64
+        )
 
     @property
     def tolerance(self) -> float:
         return TOLERANCE[self.dtype]
 
 
-def shuffled_tables(rng: np.random.Generator, lens: list[int], block_size: int, spare: int,
-                    max_blocks: int | None = None) -> tuple[np.ndarray, int]:
+def shuffled_tables(
+    rng: np.random.Generator, lens: list[int], block_size: int, spare: int, max_blocks: int | None = None
+) -> tuple[np.ndarray, int]:
     """Block tables over a shuffled pool; returns (tables [B, max_blocks], num_blocks)."""
     needed = [-(-n // block_size) for n in lens]
     width = max(max(needed, default=0), 1) if max_blocks is None else max_blocks
@@ -65,7 +68,7 @@ def shuffled_tables(rng: np.random.Generator, lens: list[int], block_size: int, 
     tables = np.full((len(lens), width), PAD_BLOCK_ID, dtype=np.int32)
     at = 0
     for b, n in enumerate(needed):
-        tables[b, :n] = ids[at:at + n]
+        tables[b, :n] = ids[at : at + n]
         at += n
     return tables, num_blocks
 
@@ -76,10 +79,20 @@ def random_sinks(rng: np.random.Generator, heads: int) -> tuple[mx.array, np.nda
     return quantize(rng.standard_normal(heads) * 2.0 + 1.0, "float32")
 
 
-def make_decode_case(seed: int, lens: list[int], heads: int, kv_heads: int, head_dim: int,
-                     block_size: int, dtype: str = "float32", window: int | None = None,
-                     spare_blocks: int = 3, max_blocks: int | None = None, v_dim: int | None = None,
-                     sinks: bool = False) -> DecodeCase:
+def make_decode_case(
+    seed: int,
+    lens: list[int],
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: str = "float32",
+    window: int | None = None,
+    spare_blocks: int = 3,
+    max_blocks: int | None = None,
+    v_dim: int | None = None,
+    sinks: bool = False,
+) -> DecodeCase:
     rng = np.random.default_rng(seed)
     tables, num_blocks = shuffled_tables(rng, lens, block_size, spare_blocks, max_blocks)
     q, q64 = quantize(rng.standard_normal((len(lens), heads, 1, head_dim)), dtype)
@@ -87,8 +100,23 @@ def make_decode_case(seed: int, lens: list[int], heads: int, kv_heads: int, head
     k, k64 = quantize(rng.standard_normal(pool_shape + (head_dim,)), dtype)
     v, v64 = quantize(rng.standard_normal(pool_shape + (v_dim or head_dim,)), dtype)
     sink, sink64 = random_sinks(rng, heads) if sinks else (None, None)
-    return DecodeCase(q, k, v, mx.array(tables), mx.array(np.asarray(lens, dtype=np.int32)),
-                      head_dim ** -0.5, window, dtype, q64, k64, v64, tables, list(lens), sink, sink64)
+    return DecodeCase(
+        q,
+        k,
+        v,
+        mx.array(tables),
+        mx.array(np.asarray(lens, dtype=np.int32)),
+        head_dim**-0.5,
+        window,
+        dtype,
+        q64,
+        k64,
+        v64,
+        tables,
+        list(lens),
+        sink,
+        sink64,
+    )
 
 
 def gather_sequence(pool64: np.ndarray, table: np.ndarray, length: int) -> np.ndarray:
@@ -100,8 +128,9 @@ def gather_sequence(pool64: np.ndarray, table: np.ndarray, length: int) -> np.nd
     return np.stack(rows, axis=1)
 
 
-def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, allowed: np.ndarray,
-           sinks: np.ndarray | None = None) -> np.ndarray:
+def attend(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, allowed: np.ndarray, sinks: np.ndarray | None = None
+) -> np.ndarray:
     """q [H, L, Dk], k [KVH, N, Dk], v [KVH, N, Dv], allowed [L, N], sinks [H] or None -> [H, L, Dv].
     A sink s_h is one more term of head h's softmax with no value:
     out = sum_i e^(x_i - m) v_i / (e^(s_h - m) + sum_i e^(x_i - m)), m = max(s_h, max_i x_i).

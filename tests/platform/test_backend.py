@@ -3,11 +3,11 @@ choices that follow it (tuning, simulate, the environment override)."""
 
 from __future__ import annotations
 
-import pytest
-
 import mlxpaged  # noqa: F401  (OpenBLAS before mlx)
 from mlxpaged.platform import backend
 from tests.platform.mx_stand_ins import stand_in_mx
+
+import pytest
 
 
 @pytest.mark.parametrize("name", ["metal", "cuda", "cpu"])

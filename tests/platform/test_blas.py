@@ -15,8 +15,9 @@ MATMUL = "import mlx.core as mx; a = mx.ones((64, 64)); mx.eval(a @ a)"
 
 
 def run_python(code: str, **env) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env={**os.environ, **env}, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **env}, timeout=120
+    )
 
 
 @linux_only
@@ -46,20 +47,23 @@ def test_without_preload_mlx_uses_its_bundled_blas():
 
 @linux_only
 def test_importing_mlx_first_warns_once():
-    code = ("import warnings, mlx.core\n"
-            "with warnings.catch_warnings(record=True) as w:\n"
-            "    warnings.simplefilter('always')\n"
-            "    import mlxpaged\n"
-            "    mlxpaged.load_fast_blas()\n"
-            "print(len(w), mlxpaged.blas_status().name)\n")
+    code = (
+        "import warnings, mlx.core\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        "    import mlxpaged\n"
+        "    mlxpaged.load_fast_blas()\n"
+        "print(len(w), mlxpaged.blas_status().name)\n"
+    )
     result = run_python(code)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["1", "mlx-bundled", "(openblas", "loaded", "too", "late)"]
 
 
 def test_status_is_reported_by_the_cli():
-    result = subprocess.run([sys.executable, "-m", "mlxpaged_app.cli", "models", "--verbose"],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "mlxpaged_app.cli", "models", "--verbose"], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     expected = "accelerate" if sys.platform == "darwin" else "openblas"
     assert f"BLAS:    {expected}" in result.stdout
@@ -96,9 +100,11 @@ def test_amd_cpus_with_avx512_get_the_skylakex_kernels():
 def test_the_core_reaches_openblas_and_a_users_choice_wins(core):
     """OpenBLAS reads OPENBLAS_CORETYPE once, when it loads: what is set (by the user here, else by
     avx512_core) is what runs, and the status says so."""
-    code = ("import ctypes, mlxpaged\n"
-            "lib = ctypes.CDLL(mlxpaged.blas_status().path); lib.openblas_get_corename.restype = ctypes.c_char_p\n"
-            "print(lib.openblas_get_corename().decode(), mlxpaged.blas_status().detail)")
+    code = (
+        "import ctypes, mlxpaged\n"
+        "lib = ctypes.CDLL(mlxpaged.blas_status().path); lib.openblas_get_corename.restype = ctypes.c_char_p\n"
+        "print(lib.openblas_get_corename().decode(), mlxpaged.blas_status().detail)"
+    )
     result = run_python(code, OPENBLAS_CORETYPE=core)
     assert result.stdout.split()[0].lower() == core.lower(), result.stderr
     assert f"OPENBLAS_CORETYPE={core}" in result.stdout

@@ -11,13 +11,8 @@ from __future__ import annotations
 
 import math
 
-import pytest
-
 import mlxpaged  # noqa: F401  (OpenBLAS before mlx)
 from mlxpaged.config import CacheConfig, SchedulerConfig
-from mlxpaged.platform.model_facts import context_length
-from mlxpaged.units import parse_size
-from tests.platform.mx_stand_ins import stand_in_mx, stand_in_psutil
 from mlxpaged.platform.memory import (
     DeviceFacts,
     InsufficientMemoryError,
@@ -30,6 +25,11 @@ from mlxpaged.platform.memory import (
     plan_memory,
     wired_limit,
 )
+from mlxpaged.platform.model_facts import context_length
+from mlxpaged.units import parse_size
+from tests.platform.mx_stand_ins import stand_in_mx, stand_in_psutil
+
+import pytest
 
 GiB = 2**30
 MAC_8 = DeviceFacts("metal", 8 * GiB, 4_000_000_000, 5_726_633_984, "8 GB Mac")
@@ -59,10 +59,22 @@ def assert_adds_up(plan: MemoryPlan) -> None:
 
 # --- config -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("text, expected", [
-    ("2GB", 2 * 10**9), ("512MiB", 512 * 2**20), ("1.5G", 1_500_000_000), ("1.5GiB", 3 * 2**29),
-    ("4096", 4096), (4096, 4096), ("2 gb", 2 * 10**9), ("100k", 100_000), ("1Ti", 2**40), (".5MB", 500_000),
-])
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("2GB", 2 * 10**9),
+        ("512MiB", 512 * 2**20),
+        ("1.5G", 1_500_000_000),
+        ("1.5GiB", 3 * 2**29),
+        ("4096", 4096),
+        (4096, 4096),
+        ("2 gb", 2 * 10**9),
+        ("100k", 100_000),
+        ("1Ti", 2**40),
+        (".5MB", 500_000),
+    ],
+)
 def test_parse_size(text, expected):
     assert parse_size(text) == expected
 
@@ -80,9 +92,16 @@ def test_cache_config_defaults_and_validation():
     assert config.wire and config.enable_prefix_cache
     with pytest.raises(ValueError, match="only one of kv_memory"):
         CacheConfig(kv_memory=2 * 10**9, memory_fraction=0.5)
-    for bad in [dict(block_size=0), dict(block_size=True), dict(cache_tokens=-1), dict(kv_memory=0),
-                dict(memory_fraction=0.0), dict(memory_fraction=1.5), dict(memory_fraction=float("nan")),
-                dict(wire="no")]:
+    for bad in [
+        dict(block_size=0),
+        dict(block_size=True),
+        dict(cache_tokens=-1),
+        dict(kv_memory=0),
+        dict(memory_fraction=0.0),
+        dict(memory_fraction=1.5),
+        dict(memory_fraction=float("nan")),
+        dict(wire="no"),
+    ]:
         with pytest.raises(ValueError):
             CacheConfig(**bad)
     for bad in [dict(max_batch_tokens=1.5), dict(max_num_seqs=0)]:
@@ -91,7 +110,9 @@ def test_cache_config_defaults_and_validation():
     assert CacheConfig(memory_fraction=1).memory_fraction == 1
 
 
-@pytest.mark.parametrize("size, expected", [("2GB", 2 * 10**9), ("512MiB", 512 * 2**20), (4096, 4096), ("1.5 G", 1_500_000_000)])
+@pytest.mark.parametrize(
+    "size, expected", [("2GB", 2 * 10**9), ("512MiB", 512 * 2**20), (4096, 4096), ("1.5 G", 1_500_000_000)]
+)
 def test_cache_config_takes_sizes_as_the_cli_does(size, expected):
     assert CacheConfig(kv_memory=size).kv_memory == expected == parse_size(size)
 
@@ -103,6 +124,7 @@ def test_cache_config_rejects_what_is_not_a_size(size):
 
 
 # --- shapes and facts -------------------------------------------------------------------
+
 
 def test_bytes_per_token():
     assert SMOL.kv.bytes_per_token == 2 * 30 * 3 * 64 * 4 == 46_080
@@ -137,6 +159,7 @@ def test_model_weight_bytes():
 
 
 # --- plans on Macs ----------------------------------------------------------------------
+
 
 def test_16gb_mac_smollm2_capped_by_max_tokens():
     plan = plan_memory(MAC_16, SMOL, CacheConfig(cache_tokens=32768))
@@ -178,7 +201,9 @@ def test_8gb_mac_llama3_8b_does_not_fit():
 
 
 def test_16gb_mac_bf16_llama3_8b_does_not_fit():
-    with pytest.raises(InsufficientMemoryError, match="16.06 GB .* exceed the Metal recommended working set of 11.45 GB"):
+    with pytest.raises(
+        InsufficientMemoryError, match="16.06 GB .* exceed the Metal recommended working set of 11.45 GB"
+    ):
         plan_memory(MAC_16, LLAMA3_8B, CacheConfig(cache_tokens=4096))
 
 
@@ -212,6 +237,7 @@ def test_wired_limit_never_above_working_set():
 
 
 # --- the demand cap and the errors ------------------------------------------------------
+
 
 def test_max_tokens_cap_is_one_partial_block_per_sequence():
     plan = plan_memory(MAC_64, SMOL, CacheConfig(cache_tokens=1000), SchedulerConfig(max_num_seqs=4))
@@ -247,6 +273,7 @@ def test_error_when_one_sequence_cannot_fit():
 
 
 # --- sliding windows --------------------------------------------------------------------
+
 
 def test_hybrid_blocks_hold_one_layer_group_and_rings_stay_small():
     windows = (512, None) * 15  # half the layers slide over 512 tokens: two groups of 15 layers
@@ -297,6 +324,7 @@ def test_hybrid_too_small_names_the_tokens_that_fit():
 
 # --- this Linux host --------------------------------------------------------------------
 
+
 def test_linux_host_injected():
     plan = plan_memory(LINUX_HOST, SMOL, CacheConfig(), weights_resident=True)
     left = 24_732_446_720 - 2_527_651_430 - SMOL_ACTIVATIONS
@@ -325,10 +353,13 @@ def test_linux_host_detected():
 
 def test_detect_reads_metal_and_cgroup(tmp_path):
     psutil = stand_in_psutil(total=17_179_869_184, available=9_000_000_000)
-    metal = stand_in_mx("metal", {"device_name": "Apple M2", "memory_size": 16 * GiB,
-                                  "max_recommended_working_set_size": 11_453_251_584})
-    assert DeviceFacts.detect(metal, psutil) == MAC_16.__class__("metal", 16 * GiB, 9_000_000_000,
-                                                                 11_453_251_584, "Apple M2")
+    metal = stand_in_mx(
+        "metal",
+        {"device_name": "Apple M2", "memory_size": 16 * GiB, "max_recommended_working_set_size": 11_453_251_584},
+    )
+    assert DeviceFacts.detect(metal, psutil) == MAC_16.__class__(
+        "metal", 16 * GiB, 9_000_000_000, 11_453_251_584, "Apple M2"
+    )
     cpu = stand_in_mx("cpu", {"device_name": "x86"})
     (tmp_path / "memory.max").write_text("4000000000\n")
     (tmp_path / "memory.current").write_text("1000000000\n")
@@ -339,6 +370,7 @@ def test_detect_reads_metal_and_cgroup(tmp_path):
 
 
 # --- wired memory -----------------------------------------------------------------------
+
 
 class FakeMx:
     """Stands in for mlx.core on a Mac: records calls, rejects limits above the working set."""

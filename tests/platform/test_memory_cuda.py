@@ -3,12 +3,12 @@ limit, the weights always count against it, no wired limit; and DeviceFacts.dete
 
 from __future__ import annotations
 
-import pytest
-
 import mlxpaged  # noqa: F401  (OpenBLAS before mlx)
 from mlxpaged.config import CacheConfig, SchedulerConfig
 from mlxpaged.platform.memory import DeviceFacts, InsufficientMemoryError, KVShape, ModelFacts, plan_memory
 from tests.platform.mx_stand_ins import CUDA_INFO, GiB, stand_in_mx, stand_in_psutil
+
+import pytest
 
 # An H200 as mx.device_info() reports it: 140.4 GiB in total, 139.2 GiB free before loading.
 H200 = DeviceFacts("cuda", 150_754_820_096, 149_512_257_536, None, "NVIDIA H200")
@@ -26,16 +26,21 @@ def test_h200_plan_starts_from_total_memory_and_counts_the_weights():
     left = 150_754_820_096 - reserve - 16_060_522_496 - LLAMA_ACTIVATIONS
     assert left == 117_450_360_423
     assert plan.num_blocks == int(left * 0.9) // BLOCK_BYTES == 50_404  # default 90% on CUDA
-    assert plan.reason == ("limited by memory (default 90% of the 117.45 GB left); --cache-tokens 1,000,000 "
-                           "would need 62,516 blocks")
-    assert plan.breakdown[:4] == (("CUDA device memory", 150_754_820_096),
-                                  ("device reserve (10% of 150.75 GB device memory, min 1 GiB)", reserve),
-                                  ("model weights", 16_060_522_496),
-                                  ("activations (2048 tok x 132,352 x 4 B x 2)", LLAMA_ACTIVATIONS))
+    assert plan.reason == (
+        "limited by memory (default 90% of the 117.45 GB left); --cache-tokens 1,000,000 would need 62,516 blocks"
+    )
+    assert plan.breakdown[:4] == (
+        ("CUDA device memory", 150_754_820_096),
+        ("device reserve (10% of 150.75 GB device memory, min 1 GiB)", reserve),
+        ("model weights", 16_060_522_496),
+        ("activations (2048 tok x 132,352 x 4 B x 2)", LLAMA_ACTIVATIONS),
+    )
     (_, limit), *parts = plan.breakdown
     assert sum(size for _, size in parts) == limit
-    assert (plan.wired_limit_bytes, plan.wired_status) == (None, "not applicable on CUDA (wired memory, "
-                                                                 "mx.set_wired_limit, is Metal's)")
+    assert (plan.wired_limit_bytes, plan.wired_status) == (
+        None,
+        "not applicable on CUDA (wired memory, mx.set_wired_limit, is Metal's)",
+    )
     assert plan.describe().startswith("KV cache plan (cuda)\n  CUDA device memory")
 
 
@@ -58,8 +63,10 @@ def test_a_16gb_card_cannot_hold_bf16_llama3_8b():
     with pytest.raises(InsufficientMemoryError) as info:
         plan_memory(GPU_16GB, LLAMA3_8B, CacheConfig())
     message = str(info.value)
-    assert message.startswith("device reserve 1.58 GB + model weights 16.06 GB + activations 2.17 GB = 19.81 GB "
-                              "exceed the CUDA device memory of 15.83 GB")
+    assert message.startswith(
+        "device reserve 1.58 GB + model weights 16.06 GB + activations 2.17 GB = 19.81 GB "
+        "exceed the CUDA device memory of 15.83 GB"
+    )
     assert info.value.available_bytes == 15_828_320_256
 
 
@@ -70,10 +77,13 @@ def test_kv_memory_beyond_what_is_left_names_the_numbers():
 
 # --- DeviceFacts.detect with stand-ins for each backend --------------------------------------------
 
+
 def refusing_psutil():
     """On CUDA the plan reads the device, never host memory."""
+
     def refuse():
         raise AssertionError("psutil read on CUDA")
+
     return type("NoPsutil", (), {"virtual_memory": staticmethod(refuse)})
 
 
@@ -97,6 +107,7 @@ def test_detect_on_cpu_reads_host_memory(tmp_path):
 
 def test_detect_follows_the_default_device_not_the_build(tmp_path):
     """A CUDA build whose default device was set to the CPU computes, and allocates, on the host."""
-    facts = DeviceFacts.detect(stand_in_mx("cuda", default_device="cpu"), stand_in_psutil(25 * GiB, 20 * GiB),
-                               cgroup_dir=str(tmp_path))
+    facts = DeviceFacts.detect(
+        stand_in_mx("cuda", default_device="cpu"), stand_in_psutil(25 * GiB, 20 * GiB), cgroup_dir=str(tmp_path)
+    )
     assert (facts.backend, facts.available_bytes) == ("cpu", 20 * GiB)

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 
-import pytest
-
 from mlxpaged.config import CacheConfig, SchedulerConfig
 from mlxpaged.platform.memory import CHECKPOINTS_PER_SEQUENCE, DeviceFacts, plan_memory
 from mlxpaged.units import format_size
 from tests.platform.test_memory import SMOL, assert_adds_up
+
+import pytest
 
 MiB = 2**20
 # Little memory, so the KV cache is sized by memory rather than by demand.

@@ -3,13 +3,13 @@ that only numbers tokens, so memory bounds none of them and demand sizes them.""
 
 from __future__ import annotations
 
-import pytest
-
 from mlxpaged.cache.specs import NoKVSpec
 from mlxpaged.config import CacheConfig, SchedulerConfig
 from mlxpaged.loading.probe import probe_layout
 from mlxpaged.platform.memory import FREE_BLOCK_TOKENS, DeviceFacts, ModelFacts, plan_memory
 from tests.archs.harness import build
+
+import pytest
 
 GiB = 2**30
 
@@ -21,8 +21,9 @@ def facts():
     return ModelFacts.from_layout(layout, 10**8, 4, None)  # mamba configs name no context length
 
 
-@pytest.mark.parametrize("cache", [CacheConfig(memory_fraction=0.5), CacheConfig(kv_memory="1GB")],
-                         ids=["memory_fraction", "kv_memory"])
+@pytest.mark.parametrize(
+    "cache", [CacheConfig(memory_fraction=0.5), CacheConfig(kv_memory="1GB")], ids=["memory_fraction", "kv_memory"]
+)
 def test_zero_byte_blocks_are_sized_by_demand_not_by_the_kv_budget(facts, cache):
     assert facts.kv.num_layers == 0 and facts.kv.table_specs(16) == (NoKVSpec(16),)
     plan = plan_memory(DeviceFacts("cpu", 64 * GiB, 32 * GiB), facts, cache, SchedulerConfig(max_num_seqs=4))
@@ -33,7 +34,8 @@ def test_zero_byte_blocks_are_sized_by_demand_not_by_the_kv_budget(facts, cache)
 
 
 def test_cache_tokens_size_zero_byte_blocks_as_any_table(facts):
-    plan = plan_memory(DeviceFacts("cpu", 64 * GiB, 32 * GiB), facts, CacheConfig(cache_tokens=1000),
-                       SchedulerConfig(max_num_seqs=4))
+    plan = plan_memory(
+        DeviceFacts("cpu", 64 * GiB, 32 * GiB), facts, CacheConfig(cache_tokens=1000), SchedulerConfig(max_num_seqs=4)
+    )
     assert plan.num_blocks == -(-1000 // 16) + 4 and plan.kv_bytes == 0
     assert plan.token_capacity == plan.num_blocks * 16

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import mlxpaged  # noqa: F401  (OpenBLAS before mlx)
-import mlx.core as mx
-
 from mlxpaged.loading.probe import probe_layout
 from mlxpaged.runner.batch_check import batch_mismatch
 from mlxpaged.runner.routing import route_paged_attention
 from tests.archs.harness import build
 from tests.tiny_models import tiny_llama
+
+import mlx.core as mx
 
 
 def check(model) -> str | None:

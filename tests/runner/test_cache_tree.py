@@ -4,11 +4,11 @@ and, on tiny mlx-lm models of those shapes, the paged engine's tokens against ml
 from __future__ import annotations
 
 import mlxpaged  # noqa: F401  (OpenBLAS before mlx)
-import pytest
-from mlx_lm.models.cache import CacheList
-
 from mlxpaged.cache.layout import CacheListNode, KVLeaf, ModelLayout, StateLeaf, UnusedLeaf
 from mlxpaged.runner.cache_tree import UnusedCache, assemble, leaf_caches, model_cache, simple
+
+import pytest
+from mlx_lm.models.cache import CacheList
 
 
 def kv(path, kind="full", span=None) -> KVLeaf:
@@ -20,8 +20,11 @@ def layout(leaves, structure, num_layers=None) -> ModelLayout:
 
 
 # cache entries != layers: a None entry (a layer reusing K/V), a KV-only CacheList, an unused cache
-NESTED = layout([kv((1,)), kv((2, 0)), kv((2, 1)), UnusedLeaf((3,), "KVCache")],
-                [None, (1,), CacheListNode(((2, 0), (2, 1))), (3,)], num_layers=5)
+NESTED = layout(
+    [kv((1,)), kv((2, 0)), kv((2, 1)), UnusedLeaf((3,), "KVCache")],
+    [None, (1,), CacheListNode(((2, 0), (2, 1))), (3,)],
+    num_layers=5,
+)
 
 
 def test_structure_is_rebuilt_with_one_cache_per_leaf_path():
@@ -64,9 +67,11 @@ def test_view_count_must_match_the_kv_leaves():
 def test_attention_geometries_name_each_class_the_kernel_may_read():
     from mlxpaged.cache.paged_support import attention_geometries
 
-    leaves = [KVLeaf((0,), "full", None, 1, 8, 3, "float32", q_heads=4),  # latent
-              KVLeaf((1,), "full", None, 1, 8, 3, "float32", q_heads=4),
-              KVLeaf((2,), "window", 8, 2, 6, 6, "float32", sinks=True),  # no SDPA call seen: q = kv heads
-              KVLeaf((3,), "full", None, 3, 4, 4, "float32", q_heads=4)]  # 4 % 3: never routed to the pools
+    leaves = [
+        KVLeaf((0,), "full", None, 1, 8, 3, "float32", q_heads=4),  # latent
+        KVLeaf((1,), "full", None, 1, 8, 3, "float32", q_heads=4),
+        KVLeaf((2,), "window", 8, 2, 6, 6, "float32", sinks=True),  # no SDPA call seen: q = kv heads
+        KVLeaf((3,), "full", None, 3, 4, 4, "float32", q_heads=4),
+    ]  # 4 % 3: never routed to the pools
     flat = layout(leaves, [(0,), (1,), (2,), (3,)])
     assert attention_geometries(flat) == [(2, 2, 6, 6, True), (4, 1, 8, 3, False)]

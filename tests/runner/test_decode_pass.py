@@ -4,24 +4,32 @@ from __future__ import annotations
 
 import dataclasses
 
+from mlxpaged.engine.engine import Engine
+from mlxpaged.engine.output_processor import OutputProcessor
+from mlxpaged.kernels import cpu_attention
+from mlxpaged.kernels.attention import attention_backend, decode_attention
+from mlxpaged.kernels.reference import page_rows
+from mlxpaged.runner.decode_pass import MIN_PAGES, CompiledDecode, page_bucket
+from mlxpaged.sampling_params import SamplingParams
+from tests.engine.test_engine import (  # noqa: F401  (the fixtures, shared)
+    GREEDY,
+    assert_pool_empty,
+    assert_same_completions,
+    reference_tokens,
+    tiny,
+    tiny_engine,
+    tokenizer,
+)
+from tests.msl.oracle import make_decode_case, max_error
+from tests.tiny_models import random_tokens, tiny_llama
+
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxpaged.kernels.attention import attention_backend, decode_attention
-from mlxpaged.runner.decode_pass import MIN_PAGES, CompiledDecode, page_bucket
-from mlxpaged.engine.engine import Engine
-from mlxpaged.kernels import cpu_attention
-from mlxpaged.kernels.reference import page_rows
-from mlxpaged.engine.output_processor import OutputProcessor
-from mlxpaged.sampling_params import SamplingParams
-from tests.msl.oracle import make_decode_case, max_error
-from tests.engine.test_engine import GREEDY, assert_pool_empty, assert_same_completions, reference_tokens, tiny_engine
-from tests.engine.test_engine import tiny, tokenizer  # noqa: F401  (the fixtures, shared)
-from tests.tiny_models import random_tokens, tiny_llama
-
-SEEDED = SamplingParams(temperature=0.9, top_k=40, seed=3, max_tokens=40, ignore_eos=True, logprobs=True,
-                        top_logprobs=2)
+SEEDED = SamplingParams(
+    temperature=0.9, top_k=40, seed=3, max_tokens=40, ignore_eos=True, logprobs=True, top_logprobs=2
+)
 
 
 def count_passes(monkeypatch) -> list[int]:
@@ -44,7 +52,7 @@ def test_page_buckets_pad_by_at_most_a_quarter_with_four_graphs_per_doubling():
     assert all(b <= 1.25 * n for n, b in zip(range(MIN_PAGES + 1, 5000), buckets[MIN_PAGES:]))
     assert buckets == sorted(buckets)
     for k in range(4, 12):
-        assert len({page_bucket(n) for n in range(2 ** k + 1, 2 ** (k + 1) + 1)}) == 4
+        assert len({page_bucket(n) for n in range(2**k + 1, 2 ** (k + 1) + 1)}) == 4
 
 
 def padded_inputs(case, width: int) -> tuple[mx.array, mx.array]:
@@ -78,7 +86,9 @@ def test_decode_attention_reads_only_unmasked_keys():
     case = make_decode_case(12, [9, 30], 8, 2, 64, 8, spare_blocks=6)
     rows, mask = padded_inputs(case, width=6)
     leaky = mx.ones_like(mask)
-    assert max_error(decode_attention(case.q, case.k_pool, case.v_pool, rows, leaky, case.scale), case.expected()) > 1e-2
+    assert (
+        max_error(decode_attention(case.q, case.k_pool, case.v_pool, rows, leaky, case.scale), case.expected()) > 1e-2
+    )
 
 
 def test_compiled_passes_equal_eager_passes(tiny, monkeypatch):
@@ -133,7 +143,6 @@ def test_decode_writes_update_the_pools_in_place(tiny, monkeypatch, compiled):
     """A pass's page writes must not copy the pools (MLX copies an array it cannot update in place,
     e.g. while anything else still refers to it): after every step, alone and batched (pipelined;
     compiled too here), the pools are still the buffers they were."""
-    from mlxpaged.runner import model_runner as runner
 
     if compiled:
         monkeypatch.setattr(tiny.runner, "tuning", dataclasses.replace(tiny.runner.tuning, compiled_decode_max_batch=2))

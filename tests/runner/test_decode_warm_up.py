@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import warnings
 
-import pytest
-
 from tests.archs.harness import build
 from tests.engine.test_engine import (
     GREEDY,
@@ -15,9 +13,11 @@ from tests.engine.test_engine import (
 )
 from tests.tiny_models import random_tokens
 
+import pytest
+
 
 @pytest.mark.parametrize("module", ["deepseek_v2", "minicpm3"])
-def test_a_model_with_v_narrower_than_k_decodes_compiled(module, tokenizer):  # noqa: F811
+def test_a_model_with_v_narrower_than_k_decodes_compiled(module, tokenizer):
     model = build(module)
     prompt = random_tokens(12, seed=5)
     with warnings.catch_warnings(record=True) as caught:  # the engine thread warns when warm-up fails

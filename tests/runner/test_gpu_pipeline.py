@@ -7,24 +7,29 @@ from __future__ import annotations
 import dataclasses
 import threading
 
-import mlx.core as mx
-import numpy as np
-import pytest
-
 from mlxpaged.engine.core import EngineCore
 from mlxpaged.platform import backend
 from mlxpaged.runner import model_runner
 from mlxpaged.sampling_params import SamplingParams
-from tests.engine.test_engine import GREEDY, assert_pool_empty, reference_tokens, tiny_engine
-from tests.engine.test_engine import tokenizer  # noqa: F401  (the fixture, shared)
+from tests.engine.test_engine import (
+    GREEDY,
+    assert_pool_empty,
+    reference_tokens,
+    tiny_engine,
+    tokenizer,  # noqa: F401  (the fixture, shared)
+)
 from tests.runner.test_decode_pass import buffer_address
 from tests.tiny_models import random_tokens, tiny_llama, tiny_qwen3
+
+import mlx.core as mx
+import numpy as np
+import pytest
 
 LONG = dataclasses.replace(GREEDY, max_tokens=40)
 
 
 @pytest.fixture(scope="module")
-def gpu_engine(tokenizer):  # noqa: F811
+def gpu_engine(tokenizer):
     model = tiny_llama()
     with backend.simulate("cuda"):
         with tiny_engine(model, tokenizer, max_num_seqs=8) as eng:
@@ -39,7 +44,7 @@ def short_run(monkeypatch):
     monkeypatch.setattr(model_runner, "MAX_PENDING", 5)
 
 
-def test_gpu_backends_pipeline_ahead_of_the_read_and_the_cpu_does_not(tokenizer):  # noqa: F811
+def test_gpu_backends_pipeline_ahead_of_the_read_and_the_cpu_does_not(tokenizer):
     for name, defers in (("cuda", True), ("metal", True), ("cpu", False)):
         with backend.simulate(name), tiny_engine(tiny_llama(), tokenizer) as eng:
             assert eng.runner.defers is defers, name
@@ -115,7 +120,7 @@ def test_requests_arriving_mid_run_stop_and_restart_the_pipeline(gpu_engine, sho
         assert got == reference_tokens(gpu_engine.model, prompt, LONG.max_tokens)
 
 
-def test_seeded_sampling_is_the_same_queued_ahead(tokenizer):  # noqa: F811
+def test_seeded_sampling_is_the_same_queued_ahead(tokenizer):
     params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=24, ignore_eos=True, logprobs=True)
     prompts = [random_tokens(10, seed=99), random_tokens(20, seed=98)]
     model = tiny_qwen3()
@@ -196,7 +201,7 @@ def test_a_decode_step_reads_once_after_queuing_the_next(gpu_engine, monkeypatch
         assert events.index("launch") < events.index("read"), events
 
 
-def test_on_metal_the_kernel_attends_the_pools_and_the_pending_tail(tokenizer, monkeypatch):  # noqa: F811
+def test_on_metal_the_kernel_attends_the_pools_and_the_pending_tail(tokenizer, monkeypatch):
     """Queued ahead on Metal, the paged kernel still reads the pages in place and merges the K/V not
     written yet as one more partition (the kernel run by the CPU harness): tokens as mlx-lm's."""
     from mlxpaged.kernels import attention

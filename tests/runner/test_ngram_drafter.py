@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Sequence
-
-import pytest
-from hypothesis import given, settings, strategies as st
+from collections.abc import Sequence
 
 from mlxpaged.errors import ConfigError
 from mlxpaged.runner.ngram_drafter import NgramDrafter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 
 def propose_by_scan(tokens: Sequence[int], k: int, min_n: int = 2, max_n: int = 4) -> list[int]:
@@ -19,8 +20,8 @@ def propose_by_scan(tokens: Sequence[int], k: int, min_n: int = 2, max_n: int = 
     for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
         suffix = tokens[-n:]
         for start in range(len(tokens) - n - 1, -1, -1):
-            if tokens[start:start + n] == suffix:
-                return tokens[start + n:start + n + k]
+            if tokens[start : start + n] == suffix:
+                return tokens[start + n : start + n + k]
     return []
 
 
@@ -54,8 +55,13 @@ def test_bad_n_gram_sizes_are_refused():
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(0, 3), min_size=1, max_size=60), st.integers(1, 6), st.integers(1, 3),
-       st.integers(0, 2), st.lists(st.integers(1, 8), min_size=1, max_size=10))
+@given(
+    st.lists(st.integers(0, 3), min_size=1, max_size=60),
+    st.integers(1, 6),
+    st.integers(1, 3),
+    st.integers(0, 2),
+    st.lists(st.integers(1, 8), min_size=1, max_size=10),
+)
 def test_the_growing_index_proposes_what_a_scan_finds(tokens, k, min_n, extra, cuts):
     """Proposals at growing prefixes (as a sequence grows step by step) equal the scanning twin's."""
     drafter = NgramDrafter(min_n=min_n, max_n=min_n + extra)

@@ -4,17 +4,17 @@ provably mlx-lm's computation; every other call attends over the K/V the model p
 from __future__ import annotations
 
 import mlxpaged  # noqa: F401  (OpenBLAS before mlx)
-import mlx.core as mx
-import pytest
-
 from mlxpaged.cache.cache_view import paged_views
 from mlxpaged.cache.kv_cache import PagedKVCache
 from mlxpaged.runner import routing
 from mlxpaged.runner.decode_pass import DecodeView, _PassState
 from tests.tiny_models import shuffled_blocks
 
+import mlx.core as mx
+import pytest
+
 HEADS, KV_HEADS, DIM, BLOCK = 8, 2, 16, 8
-SCALE = DIM ** -0.5
+SCALE = DIM**-0.5
 
 
 @pytest.fixture
@@ -52,12 +52,15 @@ def decode_view(lengths: list[int], seed: int = 0):
     longest = max(lengths)
     prefill = paged_views(kv, tables, [0] * len(lengths), lengths)[0]
     prefill.make_mask(longest)
-    prefill.update_and_fetch(mx.random.normal((len(lengths), KV_HEADS, longest, DIM)),
-                             mx.random.normal((len(lengths), KV_HEADS, longest, DIM)))
+    prefill.update_and_fetch(
+        mx.random.normal((len(lengths), KV_HEADS, longest, DIM)),
+        mx.random.normal((len(lengths), KV_HEADS, longest, DIM)),
+    )
     view = paged_views(kv, tables, lengths)[0]
     mask = view.make_mask(1)
-    keys, values = view.update_and_fetch(mx.random.normal((len(lengths), KV_HEADS, 1, DIM)),
-                                         mx.random.normal((len(lengths), KV_HEADS, 1, DIM)))
+    keys, values = view.update_and_fetch(
+        mx.random.normal((len(lengths), KV_HEADS, 1, DIM)), mx.random.normal((len(lengths), KV_HEADS, 1, DIM))
+    )
     return view, keys, values, mx.random.normal((len(lengths), HEADS, 1, DIM)), mask
 
 
@@ -133,12 +136,15 @@ def prefill_chunk(prefix: int, chunk: int, lengths_batch: int = 1, window: int |
     mx.random.seed(1)
     first = paged_views(kv, tables, [0] * lengths_batch)[0]
     first.make_mask(prefix)
-    first.update_and_fetch(mx.random.normal((lengths_batch, KV_HEADS, prefix, DIM)),
-                           mx.random.normal((lengths_batch, KV_HEADS, prefix, DIM)))
+    first.update_and_fetch(
+        mx.random.normal((lengths_batch, KV_HEADS, prefix, DIM)),
+        mx.random.normal((lengths_batch, KV_HEADS, prefix, DIM)),
+    )
     view = paged_views(kv, tables, [prefix] * lengths_batch)[0]
     mask = view.make_mask(chunk)
-    keys, values = view.update_and_fetch(mx.random.normal((lengths_batch, KV_HEADS, chunk, DIM)),
-                                         mx.random.normal((lengths_batch, KV_HEADS, chunk, DIM)))
+    keys, values = view.update_and_fetch(
+        mx.random.normal((lengths_batch, KV_HEADS, chunk, DIM)), mx.random.normal((lengths_batch, KV_HEADS, chunk, DIM))
+    )
     return view, keys, values, mx.random.normal((lengths_batch, HEADS, chunk, DIM)), mask
 
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 import dataclasses
 
 import mlxpaged  # noqa: F401  (OpenBLAS before mlx)
+from mlxpaged.engine.request import Request
+from mlxpaged.runner.sampling import SampleResult, make_state, sample_batch
+from mlxpaged.sampling_params import SamplingParams
+
 import mlx.core as mx
 import numpy as np
 import pytest
-
-from mlxpaged.engine.request import Request
-from mlxpaged.sampling_params import SamplingParams
-from mlxpaged.runner.sampling import SampleResult, make_state, sample_batch
 
 VOCAB = 2000
 
@@ -29,25 +29,57 @@ def row_logits(step: int, scale: float = 1.0) -> np.ndarray:
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
     x = x.astype(np.float64)
-    return x - np.log(np.exp(x - x.max(axis=-1, keepdims=True)).sum(axis=-1, keepdims=True)) - x.max(
-        axis=-1, keepdims=True)
+    return (
+        x
+        - np.log(np.exp(x - x.max(axis=-1, keepdims=True)).sum(axis=-1, keepdims=True))
+        - x.max(axis=-1, keepdims=True)
+    )
 
 
 # --- validation -----------------------------------------------------------------------------
 
 BAD = [
-    ("max_tokens", 0), ("max_tokens", 1.5), ("max_tokens", True),
-    ("temperature", -0.1), ("temperature", float("nan")), ("temperature", float("inf")), ("temperature", "1"),
-    ("top_p", 0.0), ("top_p", 1.01), ("top_k", -1), ("top_k", 2.0), ("min_p", -0.1), ("min_p", 1.5),
-    ("repetition_penalty", 0.0), ("repetition_penalty", -1.0),
-    ("presence_penalty", -2.01), ("presence_penalty", 3), ("frequency_penalty", 2.5),
-    ("seed", 1.5), ("seed", "7"), ("seed", True),
-    ("stop", [""]), ("stop", [3]), ("stop", 3), ("stop", ["x"] * 17),
-    ("stop_token_ids", [-1]), ("stop_token_ids", "5"), ("stop_token_ids", [1.0]),
-    ("ignore_eos", 1), ("logprobs", "yes"), ("top_logprobs", 21), ("top_logprobs", -1),
-    ("n", 0), ("n", 129), ("logits_processors", [1]), ("logits_processors", "f"),
-    ("logit_bias", {5: 101.0}), ("logit_bias", {5: float("nan")}), ("logit_bias", {-1: 1.0}),
-    ("logit_bias", {"5": 1.0}), ("logit_bias", [5]),
+    ("max_tokens", 0),
+    ("max_tokens", 1.5),
+    ("max_tokens", True),
+    ("temperature", -0.1),
+    ("temperature", float("nan")),
+    ("temperature", float("inf")),
+    ("temperature", "1"),
+    ("top_p", 0.0),
+    ("top_p", 1.01),
+    ("top_k", -1),
+    ("top_k", 2.0),
+    ("min_p", -0.1),
+    ("min_p", 1.5),
+    ("repetition_penalty", 0.0),
+    ("repetition_penalty", -1.0),
+    ("presence_penalty", -2.01),
+    ("presence_penalty", 3),
+    ("frequency_penalty", 2.5),
+    ("seed", 1.5),
+    ("seed", "7"),
+    ("seed", True),
+    ("stop", [""]),
+    ("stop", [3]),
+    ("stop", 3),
+    ("stop", ["x"] * 17),
+    ("stop_token_ids", [-1]),
+    ("stop_token_ids", "5"),
+    ("stop_token_ids", [1.0]),
+    ("ignore_eos", 1),
+    ("logprobs", "yes"),
+    ("top_logprobs", 21),
+    ("top_logprobs", -1),
+    ("n", 0),
+    ("n", 129),
+    ("logits_processors", [1]),
+    ("logits_processors", "f"),
+    ("logit_bias", {5: 101.0}),
+    ("logit_bias", {5: float("nan")}),
+    ("logit_bias", {-1: 1.0}),
+    ("logit_bias", {"5": 1.0}),
+    ("logit_bias", [5]),
 ]
 
 
@@ -91,6 +123,7 @@ def test_make_state_and_sample_batch_check_their_arguments():
 
 # --- greedy, filters, temperature -------------------------------------------------------------
 
+
 def test_greedy_is_argmax_for_every_row():
     logits = np.random.default_rng(0).normal(size=(6, VOCAB)).astype(np.float32)
     states = [make_state(SamplingParams(temperature=t), history([1])) for t in (0, 0, 1e-6, 0, 0, 0)]
@@ -105,17 +138,22 @@ def test_logit_bias_moves_the_choice_but_not_the_reported_logprobs():
 
     logits = np.random.default_rng(7).normal(size=(3, VOCAB)).astype(np.float32)
     top = np.argmax(logits, axis=-1)
-    params = [SamplingParams(temperature=0, logprobs=True, logit_bias={int(top[0]): -100.0}),
-              SamplingParams(temperature=0, logprobs=True, logit_bias={17: 100.0, 18: 99.0}),
-              SamplingParams(temperature=0, logprobs=True)]
+    params = [
+        SamplingParams(temperature=0, logprobs=True, logit_bias={int(top[0]): -100.0}),
+        SamplingParams(temperature=0, logprobs=True, logit_bias={17: 100.0, 18: 99.0}),
+        SamplingParams(temperature=0, logprobs=True),
+    ]
     second = int(np.argsort(logits[0])[-2])
-    for sample in (lambda states: sample_batch(mx.array(logits), states),
-                   lambda states: LazySample(mx.array(logits), states).results()):
+    for sample in (
+        lambda states: sample_batch(mx.array(logits), states),
+        lambda states: LazySample(mx.array(logits), states).results(),
+    ):
         results = sample([make_state(p, history([1])) for p in params])
         assert [r.token for r in results] == [second, 17, int(top[2])]
         assert results[1].logprob == pytest.approx(log_softmax(logits[1])[17], abs=1e-5)  # the model's own
-    drawn = sample_batch(mx.array(logits[:1]), [make_state(SamplingParams(temperature=1.0, seed=3,
-                                                                          logit_bias={5: 100.0}), history([1]))])
+    drawn = sample_batch(
+        mx.array(logits[:1]), [make_state(SamplingParams(temperature=1.0, seed=3, logit_bias={5: 100.0}), history([1]))]
+    )
     assert drawn[0].token == 5  # +100 dominates any draw
 
 
@@ -153,10 +191,22 @@ def test_temperature_to_zero_tends_to_argmax():
 
 # --- reproducibility ------------------------------------------------------------------------
 
-TRACKED = SamplingParams(temperature=1.0, top_p=0.95, top_k=500, min_p=0.01, repetition_penalty=1.2,
-                         presence_penalty=0.3, frequency_penalty=0.2, seed=1234)
-OTHERS = [SamplingParams(), SamplingParams(temperature=0), SamplingParams(top_p=0.5, logprobs=True),
-          SamplingParams(temperature=0.7, repetition_penalty=1.3, top_k=5)]
+TRACKED = SamplingParams(
+    temperature=1.0,
+    top_p=0.95,
+    top_k=500,
+    min_p=0.01,
+    repetition_penalty=1.2,
+    presence_penalty=0.3,
+    frequency_penalty=0.2,
+    seed=1234,
+)
+OTHERS = [
+    SamplingParams(),
+    SamplingParams(temperature=0),
+    SamplingParams(top_p=0.5, logprobs=True),
+    SamplingParams(temperature=0.7, repetition_penalty=1.3, top_k=5),
+]
 
 
 def generate(state, steps: int, batch_with: list | None = None, position: int = 0) -> list[int]:
@@ -196,8 +246,11 @@ def test_seeds_sequences_and_unseeded_requests_differ():
     assert first.seed != second.seed
     # An unseeded request resumes identically when rebuilt with the seed it drew.
     reference = generate(make_state(dataclasses.replace(unseeded, seed=first.seed), history([1])), 10)
-    assert generate(first, 5) + generate(
-        make_state(dataclasses.replace(unseeded, seed=first.seed), history([1], first.output_token_ids)), 5) == reference
+    assert (
+        generate(first, 5)
+        + generate(make_state(dataclasses.replace(unseeded, seed=first.seed), history([1], first.output_token_ids)), 5)
+        == reference
+    )
 
 
 # --- penalties and processors ---------------------------------------------------------------
@@ -221,18 +274,23 @@ def processed(**params) -> tuple[list[float], list[int], int]:
     return seen[0][1], seen[0][0], result.token
 
 
-@pytest.mark.parametrize("params,expected", [
-    ({}, LOGITS),
-    # prompt and output tokens {0, 1, 2, 3}: positive logits / 2, negative ones * 2
-    ({"repetition_penalty": 2.0}, [1.0, -2.0, 0.25, 1.5, 0.0, -2.0]),
-    # generated tokens only: 2 and 3 once each, prompt tokens 0 and 1 untouched
-    ({"presence_penalty": 0.5}, [2.0, -1.0, 0.0, 2.5, 0.0, -2.0]),
-    ({"presence_penalty": -1.0}, [2.0, -1.0, 1.5, 4.0, 0.0, -2.0]),
-    # token 2 was generated twice, token 3 once
-    ({"frequency_penalty": 0.25}, [2.0, -1.0, 0.0, 2.75, 0.0, -2.0]),
-    ({"repetition_penalty": 2.0, "presence_penalty": 0.5, "frequency_penalty": 0.25},
-     [1.0, -2.0, -0.75, 0.75, 0.0, -2.0]),
-])
+@pytest.mark.parametrize(
+    "params,expected",
+    [
+        ({}, LOGITS),
+        # prompt and output tokens {0, 1, 2, 3}: positive logits / 2, negative ones * 2
+        ({"repetition_penalty": 2.0}, [1.0, -2.0, 0.25, 1.5, 0.0, -2.0]),
+        # generated tokens only: 2 and 3 once each, prompt tokens 0 and 1 untouched
+        ({"presence_penalty": 0.5}, [2.0, -1.0, 0.0, 2.5, 0.0, -2.0]),
+        ({"presence_penalty": -1.0}, [2.0, -1.0, 1.5, 4.0, 0.0, -2.0]),
+        # token 2 was generated twice, token 3 once
+        ({"frequency_penalty": 0.25}, [2.0, -1.0, 0.0, 2.75, 0.0, -2.0]),
+        (
+            {"repetition_penalty": 2.0, "presence_penalty": 0.5, "frequency_penalty": 0.25},
+            [1.0, -2.0, -0.75, 0.75, 0.0, -2.0],
+        ),
+    ],
+)
 def test_penalties_change_logits_exactly_as_defined(params, expected):
     logits, tokens, _ = processed(**params)
     assert logits == expected
@@ -254,11 +312,13 @@ def test_a_failing_processor_fails_only_its_row():
         raise RuntimeError("boom")
 
     logits = np.random.default_rng(2).normal(size=(4, VOCAB)).astype(np.float32)
-    states = [make_state(SamplingParams(temperature=0), history([1])),
-              make_state(SamplingParams(temperature=0, logits_processors=[boom]), history([1])),
-              make_state(SamplingParams(temperature=0, logits_processors=[lambda t, x: x[0]]), history([1])),
-              make_state(SamplingParams(temperature=0, logprobs=True, repetition_penalty=1.1), history([1])),
-              make_state(SamplingParams(logits_processors=[lambda t, x: x - mx.inf]), history([1]))]
+    states = [
+        make_state(SamplingParams(temperature=0), history([1])),
+        make_state(SamplingParams(temperature=0, logits_processors=[boom]), history([1])),
+        make_state(SamplingParams(temperature=0, logits_processors=[lambda t, x: x[0]]), history([1])),
+        make_state(SamplingParams(temperature=0, logprobs=True, repetition_penalty=1.1), history([1])),
+        make_state(SamplingParams(logits_processors=[lambda t, x: x - mx.inf]), history([1])),
+    ]
     logits = np.concatenate([logits, logits[:1]])
     results = sample_batch(mx.array(logits), states)
     assert isinstance(results[1].error, RuntimeError) and results[1].token is None
@@ -285,8 +345,10 @@ def test_a_processor_failing_at_evaluation_fails_only_its_row(monkeypatch):
 
     monkeypatch.setattr(mx, "eval", flaky_eval)
     logits = np.random.default_rng(3).normal(size=(2, VOCAB)).astype(np.float32)
-    states = [make_state(SamplingParams(temperature=0, logits_processors=[lazy_boom]), history([1])),
-              make_state(SamplingParams(temperature=0, presence_penalty=1.0), history([1]))]
+    states = [
+        make_state(SamplingParams(temperature=0, logits_processors=[lazy_boom]), history([1])),
+        make_state(SamplingParams(temperature=0, presence_penalty=1.0), history([1])),
+    ]
     first, second = sample_batch(mx.array(logits), states)
     assert str(first.error) == "lazy boom"
     assert second == SampleResult(int(np.argmax(logits[1])))
@@ -294,13 +356,18 @@ def test_a_processor_failing_at_evaluation_fails_only_its_row(monkeypatch):
 
 # --- logprobs --------------------------------------------------------------------------------
 
+
 def test_logprobs_are_the_raw_log_softmax_and_top_logprobs_are_sorted():
     logits = np.random.default_rng(4).normal(size=(4, VOCAB)).astype(np.float32) * 3
-    states = [make_state(SamplingParams(logprobs=True, top_logprobs=5, temperature=0.7,
-                                        repetition_penalty=1.5, seed=1), history([int(np.argmax(logits[0]))])),
-              make_state(SamplingParams(temperature=0), history([1])),
-              make_state(SamplingParams(logprobs=True, temperature=0), history([1])),
-              make_state(SamplingParams(logprobs=True, top_logprobs=20, temperature=0), history([1]))]
+    states = [
+        make_state(
+            SamplingParams(logprobs=True, top_logprobs=5, temperature=0.7, repetition_penalty=1.5, seed=1),
+            history([int(np.argmax(logits[0]))]),
+        ),
+        make_state(SamplingParams(temperature=0), history([1])),
+        make_state(SamplingParams(logprobs=True, temperature=0), history([1])),
+        make_state(SamplingParams(logprobs=True, top_logprobs=20, temperature=0), history([1])),
+    ]
     results = sample_batch(mx.array(logits), states)
     reference = log_softmax(logits)
     for row in (0, 2, 3):

@@ -5,16 +5,16 @@ logits are compared, after a chunked prefill next to another prompt and after ba
 from __future__ import annotations
 
 import mlxpaged  # noqa: F401  (OpenBLAS before mlx)
-import mlx.core as mx
-import pytest
-from mlx_lm.models.cache import make_prompt_cache
-
 from mlxpaged.cache.kv_cache import PagedKVCache
 from mlxpaged.cache.state_cache import StateStore
 from mlxpaged.loading.probe import probe_layout
 from mlxpaged.runner.model_runner import Runner
 from mlxpaged.runner.passes import StepInput, state_model_passes
 from tests.tiny_models import grow_tables, random_tokens, shuffled_blocks, tiny_qwen3_5
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
 
 ATOL = 1e-4
 
@@ -29,7 +29,7 @@ class Sequence:
         self.ref_logits = model(mx.array([prompt]), cache=self.ref_cache)[0, -1]
 
     def chunk(self, n: int | None = None) -> StepInput:
-        tokens = self.tokens[self.start:] if n is None else self.tokens[self.start:self.start + n]
+        tokens = self.tokens[self.start :] if n is None else self.tokens[self.start : self.start + n]
         grow_tables(self.kv, self.tables, self.free, self.start + len(tokens))
         x = StepInput(tokens, self.start, self.tables, True, self.slot)
         self.start += len(tokens)

@@ -3,14 +3,14 @@ own contiguous forward pass, alone and sharing a step with a decode row and a pr
 
 from __future__ import annotations
 
-import mlx.core as mx
-import pytest
-
 from mlxpaged.cache.kv_cache import PagedKVCache
 from mlxpaged.runner.model_runner import Runner
 from mlxpaged.runner.passes import StepInput
 from mlxpaged.runner.routing import route_paged_attention
 from tests.tiny_models import random_tokens, shuffled_blocks, tiny_llama
+
+import mlx.core as mx
+import pytest
 
 
 @pytest.fixture(scope="module")
@@ -26,34 +26,54 @@ def contiguous_logits(model, tokens: list[int]) -> mx.array:
 
 def test_every_position_of_a_verify_chunk_matches_the_contiguous_forward(model):
     args = model.args
-    kv = PagedKVCache(num_layers=args.num_hidden_layers, num_blocks=32, block_size=8,
-                      num_kv_heads=args.num_key_value_heads, head_dim=args.head_dim)
+    kv = PagedKVCache(
+        num_layers=args.num_hidden_layers,
+        num_blocks=32,
+        block_size=8,
+        num_kv_heads=args.num_key_value_heads,
+        head_dim=args.head_dim,
+    )
     runner, free = Runner(model, kv), shuffled_blocks(32)
     a, b, c = random_tokens(21, seed=1), random_tokens(13, seed=2), random_tokens(9, seed=3)
     tables = {name: [[free.pop() for _ in range(4)]] for name in "abc"}
     runner.step([StepInput(a[:15], 0, tables["a"], False), StepInput(b[:12], 0, tables["b"], False)])
     # one step: a verify chunk of 6 (a), a decode row (b), a prefill chunk from scratch (c)
-    logits = runner.step([StepInput(a[15:], 15, tables["a"], True, num_logits=6),
-                          StepInput(b[12:], 12, tables["b"], True),
-                          StepInput(c, 0, tables["c"], True)])
+    logits = runner.step(
+        [
+            StepInput(a[15:], 15, tables["a"], True, num_logits=6),
+            StepInput(b[12:], 12, tables["b"], True),
+            StepInput(c, 0, tables["c"], True),
+        ]
+    )
     assert logits.shape[0] == 6 + 1 + 1
-    expected = mx.concatenate([contiguous_logits(model, a)[15:], contiguous_logits(model, b)[12:],
-                               contiguous_logits(model, c)[-1:]])
+    expected = mx.concatenate(
+        [contiguous_logits(model, a)[15:], contiguous_logits(model, b)[12:], contiguous_logits(model, c)[-1:]]
+    )
     assert mx.allclose(logits, expected, atol=1e-4, rtol=1e-4).item()
 
 
 def test_more_logits_than_tokens_is_refused(model):
     args = model.args
-    kv = PagedKVCache(num_layers=args.num_hidden_layers, num_blocks=4, block_size=8,
-                      num_kv_heads=args.num_key_value_heads, head_dim=args.head_dim)
+    kv = PagedKVCache(
+        num_layers=args.num_hidden_layers,
+        num_blocks=4,
+        block_size=8,
+        num_kv_heads=args.num_key_value_heads,
+        head_dim=args.head_dim,
+    )
     with pytest.raises(ValueError, match="num_logits 4 outside 1..3"):
         Runner(model, kv).step([StepInput([1, 2, 3], 0, [[0]], True, num_logits=4)])
 
 
 def paged_runner(model, compiled: bool) -> tuple[Runner, list[list[int]]]:
     args = model.args
-    kv = PagedKVCache(num_layers=args.num_hidden_layers, num_blocks=32, block_size=8,
-                      num_kv_heads=args.num_key_value_heads, head_dim=args.head_dim)
+    kv = PagedKVCache(
+        num_layers=args.num_hidden_layers,
+        num_blocks=32,
+        block_size=8,
+        num_kv_heads=args.num_key_value_heads,
+        head_dim=args.head_dim,
+    )
     runner = Runner(model, kv)
     if not compiled:
         runner.decoder = None  # the eager pass through the paged views: the slow twin
@@ -69,13 +89,16 @@ def test_compiled_verify_chunk_equals_the_eager_pass_and_mlx_lm_at_every_positio
     assert fast.decoder is not None
     calls = []
     original = type(fast.decoder).__call__
-    monkeypatch.setattr(type(fast.decoder), "__call__",
-                        lambda self, s, t, x: calls.append(x.shape) or original(self, s, t, x))
+    monkeypatch.setattr(
+        type(fast.decoder), "__call__", lambda self, s, t, x: calls.append(x.shape) or original(self, s, t, x)
+    )
     got = {}
     for name, runner in (("fast", fast), ("slow", slow)):
         runner.step([StepInput(tokens[:start], 0, tables, False)])
-        verify = runner.step([StepInput(tokens[start:start + length], start, tables, True, num_logits=length)])
-        after = runner.step([StepInput(tokens[start + length:], start + length, tables, True)])  # reads the chunk's writes
+        verify = runner.step([StepInput(tokens[start : start + length], start, tables, True, num_logits=length)])
+        after = runner.step(
+            [StepInput(tokens[start + length :], start + length, tables, True)]
+        )  # reads the chunk's writes
         got[name] = mx.concatenate([verify, after])
     assert calls == [(1, length), (1, 1)]  # the compiled runner ran the verify chunk and the decode compiled
     expected = contiguous_logits(model, tokens)[start:]

@@ -11,10 +11,26 @@ from __future__ import annotations
 
 import re
 
-from mlxpaged_app.server.anthropic.protocol import (CountTokensRequest, Message, MessagesRequest, OtherBlock,
-                                                    TextBlock, ToolChoice, ToolResultBlock, ToolUseBlock)
-from mlxpaged_app.server.chat.spec import (ChatRequestSpec, JsonSchemaOutput, ReasoningSpec, SamplingRequest,
-                                           ToolChoice as SpecToolChoice, ToolSpec)
+from mlxpaged_app.server.anthropic.protocol import (
+    CountTokensRequest,
+    Message,
+    MessagesRequest,
+    OtherBlock,
+    TextBlock,
+    ToolChoice,
+    ToolResultBlock,
+    ToolUseBlock,
+)
+from mlxpaged_app.server.chat.spec import (
+    ChatRequestSpec,
+    JsonSchemaOutput,
+    ReasoningSpec,
+    SamplingRequest,
+    ToolSpec,
+)
+from mlxpaged_app.server.chat.spec import (
+    ToolChoice as SpecToolChoice,
+)
 from mlxpaged_app.server.errors import invalid_param
 from mlxpaged_app.server.output_format import check_format_alone
 from mlxpaged_app.server.param_names import ANTHROPIC
@@ -35,11 +51,24 @@ def messages_spec(body: CountTokensRequest) -> ChatRequestSpec:
         output = JsonSchemaOutput(body.output_config.format.schema_, strict=True)
     check_format_alone(output, choice, "output_config.format", '{"type": "none"}')
     full = isinstance(body, MessagesRequest)
-    sampling = SamplingRequest(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                               stop=body.stop_sequences) if full else SamplingRequest()
-    return ChatRequestSpec(conversation(body), tools, choice, parallel, output, sampling, body.max_tokens,
-                           reasoning=reasoning(body),
-                           stream=bool(full and body.stream), api="anthropic", names=ANTHROPIC)
+    sampling = (
+        SamplingRequest(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, stop=body.stop_sequences)
+        if full
+        else SamplingRequest()
+    )
+    return ChatRequestSpec(
+        conversation(body),
+        tools,
+        choice,
+        parallel,
+        output,
+        sampling,
+        body.max_tokens,
+        reasoning=reasoning(body),
+        stream=bool(full and body.stream),
+        api="anthropic",
+        names=ANTHROPIC,
+    )
 
 
 def reasoning(body: CountTokensRequest) -> ReasoningSpec:
@@ -58,8 +87,11 @@ def conversation(body: CountTokensRequest) -> list[dict]:
     if not body.messages:
         raise invalid_param("messages", "'messages' must hold at least one message")
     if body.messages[-1].role == "assistant":
-        raise invalid_param("messages", "the last message is from the assistant: this server does not continue "
-                                        "a prefilled assistant turn; end with a user message")
+        raise invalid_param(
+            "messages",
+            "the last message is from the assistant: this server does not continue "
+            "a prefilled assistant turn; end with a user message",
+        )
     out: list[dict] = []
     system = system_text(body.system)
     if system:
@@ -83,8 +115,11 @@ def _turns(message: Message, where: str, call_names: dict[str, str]) -> list[dic
         elif isinstance(block, ToolResultBlock):
             results.append(_tool_result(block, message.role, at, call_names))
         elif isinstance(block, OtherBlock):
-            raise invalid_param(f"{at}.type", f"{at}: content blocks of type {block.type!r} are not supported; "
-                                              "this server takes text, tool_use and tool_result blocks")
+            raise invalid_param(
+                f"{at}.type",
+                f"{at}: content blocks of type {block.type!r} are not supported; "
+                "this server takes text, tool_use and tool_result blocks",
+            )
         # thinking / redacted_thinking blocks: dropped
     turns = results  # tool results answer the previous assistant turn: they come before the user's text
     if texts or calls or not results:
@@ -108,14 +143,18 @@ def _tool_result(block: ToolResultBlock, role: str, at: str, call_names: dict[st
     name = call_names.get(block.tool_use_id)
     if name is None:
         known = ", ".join(call_names) or "none"
-        raise invalid_param(f"{at}.tool_use_id", f"{at}.tool_use_id {block.tool_use_id!r} answers no earlier "
-                                                 f"tool_use block (tool_use ids so far: {known})")
+        raise invalid_param(
+            f"{at}.tool_use_id",
+            f"{at}.tool_use_id {block.tool_use_id!r} answers no earlier tool_use block (tool_use ids so far: {known})",
+        )
     content = block.content if block.content is not None else ""
     if not isinstance(content, str):
         for k, part in enumerate(content):
             if isinstance(part, OtherBlock):
-                raise invalid_param(f"{at}.content[{k}].type", f"{at}.content[{k}]: tool_result content of type "
-                                                               f"{part.type!r} is not supported; send text")
+                raise invalid_param(
+                    f"{at}.content[{k}].type",
+                    f"{at}.content[{k}]: tool_result content of type {part.type!r} is not supported; send text",
+                )
         content = "\n".join(part.text for part in content)
     if block.is_error:
         content = ERROR_PREFIX + content
@@ -139,18 +178,26 @@ def tool_specs(tools: list | None) -> tuple[ToolSpec, ...]:
 
 def _tool(tool, where: str) -> ToolSpec:
     if tool.type not in (None, "custom"):
-        raise invalid_param(f"{where}.type", f"{where}: tool type {tool.type!r} is one of Anthropic's server "
-                                             "tools, which this server does not run; send custom tools "
-                                             "({\"name\", \"input_schema\", \"description\"})")
+        raise invalid_param(
+            f"{where}.type",
+            f"{where}: tool type {tool.type!r} is one of Anthropic's server "
+            "tools, which this server does not run; send custom tools "
+            '({"name", "input_schema", "description"})',
+        )
     if not TOOL_NAME.match(tool.name):
-        raise invalid_param(f"{where}.name", f"{where}.name must be 1 to 64 letters, digits, '_' or '-', "
-                                             f"got {tool.name!r}")
+        raise invalid_param(
+            f"{where}.name", f"{where}.name must be 1 to 64 letters, digits, '_' or '-', got {tool.name!r}"
+        )
     if tool.input_schema is None:
-        raise invalid_param(f"{where}.input_schema", f"'{where}.input_schema' is required (a JSON schema of "
-                                                     "type 'object' for the tool's input)")
+        raise invalid_param(
+            f"{where}.input_schema",
+            f"'{where}.input_schema' is required (a JSON schema of type 'object' for the tool's input)",
+        )
     if tool.input_schema.get("type") != "object":
-        raise invalid_param(f"{where}.input_schema.type", f"{where}.input_schema must have type 'object', "
-                                                          f"got {tool.input_schema.get('type')!r}")
+        raise invalid_param(
+            f"{where}.input_schema.type",
+            f"{where}.input_schema must have type 'object', got {tool.input_schema.get('type')!r}",
+        )
     return ToolSpec(tool.name, tool.input_schema, tool.description)
 
 

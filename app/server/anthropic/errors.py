@@ -9,9 +9,16 @@ from __future__ import annotations
 import uuid
 
 PATH = "/v1/messages"
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
-               529: "overloaded_error"}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    529: "overloaded_error",
+}
 OVERLOADED = 529  # Anthropic's status for "overloaded"; this server says 503 while it drains for shutdown
 
 
@@ -33,5 +40,8 @@ def new_request_id() -> str:
 
 
 def error_body(status: int, message: str, request_id: str | None = None) -> dict:
-    return {"type": "error", "error": {"type": error_type(status), "message": message},
-            "request_id": request_id or new_request_id()}
+    return {
+        "type": "error",
+        "error": {"type": error_type(status), "message": message},
+        "request_id": request_id or new_request_id(),
+    }

@@ -43,6 +43,7 @@ class RedactedThinkingBlock(_Strict):
 
 class OtherBlock(_Strict):
     """A block type this server does not take (image, document, ...): refused in convert.py."""
+
     type: str
 
 
@@ -63,9 +64,14 @@ def _result_part_tag(value: object) -> str | None:
     return _tag(value, {"text"})
 
 
-ResultPart = Annotated[Union[Annotated[TextBlock, Tag("text")], Annotated[OtherBlock, Tag("other")]],
-                       Discriminator(_result_part_tag, custom_error_type="invalid_block",
-                                     custom_error_message="a content block must be an object with a 'type'")]
+ResultPart = Annotated[
+    Union[Annotated[TextBlock, Tag("text")], Annotated[OtherBlock, Tag("other")]],
+    Discriminator(
+        _result_part_tag,
+        custom_error_type="invalid_block",
+        custom_error_message="a content block must be an object with a 'type'",
+    ),
+]
 
 
 class ToolResultBlock(_Strict):
@@ -76,12 +82,20 @@ class ToolResultBlock(_Strict):
 
 
 ContentBlock = Annotated[
-    Union[Annotated[TextBlock, Tag("text")], Annotated[ToolUseBlock, Tag("tool_use")],
-          Annotated[ToolResultBlock, Tag("tool_result")], Annotated[ThinkingBlock, Tag("thinking")],
-          Annotated[RedactedThinkingBlock, Tag("redacted_thinking")], Annotated[OtherBlock, Tag("other")]],
-    Discriminator(_block_tag, custom_error_type="invalid_block",
-                  custom_error_message="a content block must be an object with a 'type' ('text', 'tool_use', "
-                                       "'tool_result', ...)")]
+    Union[
+        Annotated[TextBlock, Tag("text")],
+        Annotated[ToolUseBlock, Tag("tool_use")],
+        Annotated[ToolResultBlock, Tag("tool_result")],
+        Annotated[ThinkingBlock, Tag("thinking")],
+        Annotated[RedactedThinkingBlock, Tag("redacted_thinking")],
+        Annotated[OtherBlock, Tag("other")],
+    ],
+    Discriminator(
+        _block_tag,
+        custom_error_type="invalid_block",
+        custom_error_message="a content block must be an object with a 'type' ('text', 'tool_use', 'tool_result', ...)",
+    ),
+]
 
 
 class Message(_Strict):
@@ -119,6 +133,7 @@ class OutputConfig(_Strict):
 
 class CountTokensRequest(_Strict):
     """`/v1/messages/count_tokens`: what shapes the prompt (max_tokens and stream are not needed)."""
+
     model: str
     messages: list[Message]
     system: str | list[TextBlock] | None = None

@@ -6,10 +6,6 @@ generation itself, admission, cancellation and the prefix cache are the pipeline
 
 from __future__ import annotations
 
-import anyio
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-
 from mlxpaged_app.server.anthropic.convert import messages_spec
 from mlxpaged_app.server.anthropic.protocol import CountTokensRequest, MessagesRequest
 from mlxpaged_app.server.anthropic.shapes import MessageShape
@@ -18,6 +14,10 @@ from mlxpaged_app.server.chat.render import render_prompt
 from mlxpaged_app.server.chat.spec import ChatRequestSpec
 from mlxpaged_app.server.request_body import parse_request, read_body
 from mlxpaged_app.server.state import ServerState
+
+import anyio
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 
 
 async def serve_messages(request: Request, state: ServerState) -> Response:

@@ -42,8 +42,12 @@ def stop_reason(finish: Finish | None) -> str | None:
 def usage(counts: dict) -> dict:
     """From the pipeline's OpenAI-style usage counts."""
     prompt, cached = counts["prompt_tokens"], counts["prompt_tokens_details"]["cached_tokens"]
-    return {"input_tokens": prompt - cached, "output_tokens": counts["completion_tokens"],
-            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
+    return {
+        "input_tokens": prompt - cached,
+        "output_tokens": counts["completion_tokens"],
+        "cache_read_input_tokens": cached,
+        "cache_creation_input_tokens": 0,
+    }
 
 
 def content_blocks(choice: ChoiceResult) -> list[dict]:
@@ -53,19 +57,28 @@ def content_blocks(choice: ChoiceResult) -> list[dict]:
         blocks.append({"type": "thinking", "thinking": choice.reasoning, "signature": ""})
     if choice.text:
         blocks.append({"type": "text", "text": choice.text})
-    blocks += [{"type": "tool_use", "id": call.id, "name": call.name, "input": call.arguments}
-               for call in choice.tool_calls if call.arguments is not None]
+    blocks += [
+        {"type": "tool_use", "id": call.id, "name": call.name, "input": call.arguments}
+        for call in choice.tool_calls
+        if call.arguments is not None
+    ]
     return blocks
 
 
 def message_body(env: dict, choice: ChoiceResult, counts: dict) -> dict:
     finish = choice.finish
-    return {**env, "content": content_blocks(choice), "stop_reason": stop_reason(finish),
-            "stop_sequence": finish.stop_sequence if finish is not None else None, "usage": usage(counts)}
+    return {
+        **env,
+        "content": content_blocks(choice),
+        "stop_reason": stop_reason(finish),
+        "stop_sequence": finish.stop_sequence if finish is not None else None,
+        "usage": usage(counts),
+    }
 
 
 class MessageShape(ReplyShape):
     """One message, streamed or whole (Messages has a single choice)."""
+
     frame = staticmethod(named_event)
     keepalive = PING
 
@@ -77,8 +90,19 @@ class MessageShape(ReplyShape):
 
     def opening(self) -> list[dict]:
         usage_now = {"input_tokens": self.prompt_tokens, "output_tokens": 0}  # cached tokens are known at the end
-        return [{"type": "message_start", "message": {**self.envelope, "content": [], "stop_reason": None,
-                                                      "stop_sequence": None, "usage": usage_now}}, PING]
+        return [
+            {
+                "type": "message_start",
+                "message": {
+                    **self.envelope,
+                    "content": [],
+                    "stop_reason": None,
+                    "stop_sequence": None,
+                    "usage": usage_now,
+                },
+            },
+            PING,
+        ]
 
     def chunks(self, choice: int, events: list[ChatEvent]) -> list[dict]:
         out: list[dict] = []

@@ -7,8 +7,15 @@ it is generated).
 
 from __future__ import annotations
 
-from mlxpaged_app.server.chat.spec import (ChatEvent, Finish, ReasoningDelta, TextDelta, ToolCallArgs, ToolCallEnd,
-                                           ToolCallStart)
+from mlxpaged_app.server.chat.spec import (
+    ChatEvent,
+    Finish,
+    ReasoningDelta,
+    TextDelta,
+    ToolCallArgs,
+    ToolCallEnd,
+    ToolCallStart,
+)
 
 
 class BlockStream:
@@ -20,14 +27,17 @@ class BlockStream:
 
     def feed(self, event: ChatEvent) -> list[dict]:
         if isinstance(event, TextDelta):
-            return self._ensure("text", {"type": "text", "text": ""}) + \
-                self._delta({"type": "text_delta", "text": event.text})
+            return self._ensure("text", {"type": "text", "text": ""}) + self._delta(
+                {"type": "text_delta", "text": event.text}
+            )
         if isinstance(event, ReasoningDelta):
-            return self._ensure("thinking", {"type": "thinking", "thinking": "", "signature": ""}) + \
-                self._delta({"type": "thinking_delta", "thinking": event.text})
+            return self._ensure("thinking", {"type": "thinking", "thinking": "", "signature": ""}) + self._delta(
+                {"type": "thinking_delta", "thinking": event.text}
+            )
         if isinstance(event, ToolCallStart):
-            return self.close() + self._start("tool_use", {"type": "tool_use", "id": event.id, "name": event.name,
-                                                           "input": {}})
+            return self.close() + self._start(
+                "tool_use", {"type": "tool_use", "id": event.id, "name": event.name, "input": {}}
+            )
         if isinstance(event, ToolCallArgs) and self.open == "tool_use":
             return self._delta({"type": "input_json_delta", "partial_json": event.text})
         if isinstance(event, (ToolCallEnd, Finish)):

@@ -7,16 +7,24 @@ edge, so a tool-call marker inside a think block is reasoning text, never a call
 
 from __future__ import annotations
 
-from typing import Callable
-
-from mlx_lm.generate import TextStateMachine
+from collections.abc import Callable
 
 from mlxpaged.engine.engine import StreamDelta
-from mlxpaged_app.server.chat.spec import (ChatEvent, Finish, ReasoningDelta, TextDelta, TokenLogprobs, ToolCallArgs,
-                                           ToolCallEnd, ToolCallStart)
+from mlxpaged_app.server.chat.spec import (
+    ChatEvent,
+    Finish,
+    ReasoningDelta,
+    TextDelta,
+    TokenLogprobs,
+    ToolCallArgs,
+    ToolCallEnd,
+    ToolCallStart,
+)
 from mlxpaged_app.server.chat.tool_formats import ToolFormat
 from mlxpaged_app.server.chat.tool_stream import CallScanner
 from mlxpaged_app.server.formatting import delta_logprobs
+
+from mlx_lm.generate import TextStateMachine
 
 
 def transitions(think: tuple[str, str] | None, tools: ToolFormat | None) -> dict:
@@ -33,8 +41,16 @@ def transitions(think: tuple[str, str] | None, tools: ToolFormat | None) -> dict
 class OutputParser:
     """Feed it a choice's deltas in order; it returns the events each one completes."""
 
-    def __init__(self, *, think: tuple[str, str] | None, tools: ToolFormat | None, tool_dicts: list[dict],
-                 new_call_id: Callable[[], str], reasoning_open: bool = False, logprobs: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        think: tuple[str, str] | None,
+        tools: ToolFormat | None,
+        tool_dicts: list[dict],
+        new_call_id: Callable[[], str],
+        reasoning_open: bool = False,
+        logprobs: bool = False,
+    ) -> None:
         self._machine = TextStateMachine(transitions(think, tools))
         self._state = self._machine.make_state("reasoning" if reasoning_open and think else "normal")
         self._format, self._tool_dicts, self._new_call_id = tools, tool_dicts, new_call_id

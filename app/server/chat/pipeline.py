@@ -6,25 +6,34 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable
-
-import anyio
 
 from mlxpaged.sampling_params import SamplingParams
 from mlxpaged_app.server.chat.output import OutputParser
 from mlxpaged_app.server.chat.render import reasoning_open, render_prompt
-from mlxpaged_app.server.chat.spec import (ChatEvent, ChatRequestSpec, Finish, ReasoningDelta, TextDelta,
-                                           TokenLogprobs, ToolCallArgs, ToolCallEnd, ToolCallStart)
+from mlxpaged_app.server.chat.spec import (
+    ChatEvent,
+    ChatRequestSpec,
+    Finish,
+    ReasoningDelta,
+    TextDelta,
+    TokenLogprobs,
+    ToolCallArgs,
+    ToolCallEnd,
+    ToolCallStart,
+)
 from mlxpaged_app.server.chat.structure import compile_constraint, grammar_for, grammar_notes
 from mlxpaged_app.server.chat.tool_formats import ToolFormat, tool_format
 from mlxpaged_app.server.engine_client import Generation
 from mlxpaged_app.server.params import sampling_params
 from mlxpaged_app.server.reply_budget import reply_budget
 from mlxpaged_app.server.server_log import log
-from mlxpaged_app.server.serving import ReplyShape, accept, launch, respond, reply_id, sane_n
+from mlxpaged_app.server.serving import ReplyShape, accept, launch, reply_id, respond, sane_n
 from mlxpaged_app.server.state import ServerState
+
+import anyio
 
 CALL_ID_PREFIX = {"openai": "call_", "responses": "call_", "anthropic": "toolu_"}
 
@@ -32,6 +41,7 @@ CALL_ID_PREFIX = {"openai": "call_", "responses": "call_", "anthropic": "toolu_"
 @dataclass
 class Prepared:
     """What the worker thread works out before submission."""
+
     prompt: list[int]
     constraint: object | None  # mlxpaged.constraints.Constraint
     reasoning_open: bool
@@ -58,6 +68,7 @@ class CallResult:
 @dataclass
 class ChoiceResult:
     """One choice, folded from its events (what a non-streamed reply shows)."""
+
     text: str = ""
     reasoning: str = ""
     tool_calls: list[CallResult] = field(default_factory=list)
@@ -92,11 +103,17 @@ class ChatRun:
         self.grammar_warnings = prepared.constraint.warnings if prepared.constraint is not None else ()
         think = (tokenizer.think_start, tokenizer.think_end) if getattr(tokenizer, "has_thinking", False) else None
         prefix = CALL_ID_PREFIX[spec.api]
-        self.parsers = [OutputParser(think=think, tools=prepared.format if spec.parses_tools else None,
-                                     tool_dicts=[t.as_template_tool() for t in spec.tools],
-                                     new_call_id=lambda: f"{prefix}{uuid.uuid4().hex[:24]}",
-                                     reasoning_open=prepared.reasoning_open, logprobs=spec.logprobs)
-                        for _ in range(spec.n)]
+        self.parsers = [
+            OutputParser(
+                think=think,
+                tools=prepared.format if spec.parses_tools else None,
+                tool_dicts=[t.as_template_tool() for t in spec.tools],
+                new_call_id=lambda: f"{prefix}{uuid.uuid4().hex[:24]}",
+                reasoning_open=prepared.reasoning_open,
+                logprobs=spec.logprobs,
+            )
+            for _ in range(spec.n)
+        ]
 
     async def events(self) -> AsyncIterator[tuple[int, list[ChatEvent]]]:
         """(choice, the events one engine delta completed); GenerationFailed if the engine failed."""
@@ -109,16 +126,22 @@ class ChatRun:
 
 def _params(state: ServerState, spec: ChatRequestSpec, prepared: Prepared) -> SamplingParams:
     max_tokens = reply_budget(state, len(prepared.prompt), spec.max_tokens, spec.names)
-    params = sampling_params(spec.sampling, max_tokens=max_tokens, logprobs=spec.logprobs,
-                             top_logprobs=spec.top_logprobs, names=spec.names,
-                             defaults=state.config.sampling_defaults)
+    params = sampling_params(
+        spec.sampling,
+        max_tokens=max_tokens,
+        logprobs=spec.logprobs,
+        top_logprobs=spec.top_logprobs,
+        names=spec.names,
+        defaults=state.config.sampling_defaults,
+    )
     if prepared.constraint is not None:
         params = dataclasses.replace(params, constraint=prepared.constraint)
     return params
 
 
-async def start_chat(state: ServerState, spec: ChatRequestSpec, arrived: float | None = None
-                     ) -> tuple[ChatRun, ExitStack]:
+async def start_chat(
+    state: ServerState, spec: ChatRequestSpec, arrived: float | None = None
+) -> tuple[ChatRun, ExitStack]:
     """Submit the request; close the ExitStack when the reply is done (it withdraws what has not finished)."""
     arrived = time.perf_counter() if arrived is None else arrived
     prepared: list[Prepared] = []

@@ -14,9 +14,11 @@ from mlxpaged_app.server.chat.spec import ChatRequestSpec, ToolSpec, canonical_j
 from mlxpaged_app.server.chat.tool_formats import GENERIC_FORMAT
 from mlxpaged_app.server.errors import invalid_param
 
-FALLBACK_INSTRUCTIONS = ("To call functions, reply only with "
-                         '<tool_call>[{"name": <function name>, "arguments": {<arguments>}}]</tool_call>.\n'
-                         "Otherwise answer in plain text.")
+FALLBACK_INSTRUCTIONS = (
+    "To call functions, reply only with "
+    '<tool_call>[{"name": <function name>, "arguments": {<arguments>}}]</tool_call>.\n'
+    "Otherwise answer in plain text."
+)
 
 
 def tools_system_text(tools: tuple[ToolSpec, ...]) -> str:
@@ -30,8 +32,10 @@ def _call_block(calls: list[dict]) -> str:
 
 
 def _tool_response(message: dict) -> str:
-    return f"<tool_response>\n{canonical_json({'name': message.get('name'), 'content': message['content']})}\n" \
-           "</tool_response>"
+    return (
+        f"<tool_response>\n{canonical_json({'name': message.get('name'), 'content': message['content']})}\n"
+        "</tool_response>"
+    )
 
 
 def fallback_messages(messages: list[dict], tools: tuple[ToolSpec, ...]) -> list[dict]:
@@ -69,11 +73,15 @@ def render_prompt(tokenizer, spec: ChatRequestSpec) -> list[int]:
     """Prompt token ids, ready for the reply. A template that refuses the conversation is the client's 400."""
     messages, tools = template_inputs(tokenizer, spec)
     try:
-        return list(tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
-                                                  tokenize=True, **spec.reasoning.kwargs()))
+        return list(
+            tokenizer.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=True, tokenize=True, **spec.reasoning.kwargs()
+            )
+        )
     except Exception as exc:  # jinja's TemplateError, or a template's raise_exception(...)
-        raise invalid_param(spec.names.prompt, "the model's chat template cannot render these messages: "
-                                               f"{type(exc).__name__}: {exc}") from None
+        raise invalid_param(
+            spec.names.prompt, f"the model's chat template cannot render these messages: {type(exc).__name__}: {exc}"
+        ) from None
 
 
 def reasoning_open(tokenizer, prompt: list[int]) -> bool:

@@ -10,9 +10,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict
-
 from mlxpaged_app.server.param_names import OPENAI_CHAT, ParamNames
+
+from pydantic import BaseModel, ConfigDict
 
 API = Literal["openai", "anthropic", "responses"]
 
@@ -25,8 +25,11 @@ class ToolSpec:
 
     def as_template_tool(self) -> dict:
         """The OpenAI function shape every tool-aware chat template reads."""
-        function = {"name": self.name, **({"description": self.description} if self.description else {}),
-                    "parameters": self.parameters}
+        function = {
+            "name": self.name,
+            **({"description": self.description} if self.description else {}),
+            "parameters": self.parameters,
+        }
         return {"type": "function", "function": function}
 
 
@@ -59,6 +62,7 @@ EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")  # OpenAI's reas
 @dataclass(frozen=True)
 class ReasoningSpec:
     """What reaches the chat template about thinking. `template_kwargs` (chat_template_kwargs) wins."""
+
     enable_thinking: bool | None = None
     effort: str | None = None
     template_kwargs: dict = field(default_factory=dict)
@@ -79,6 +83,7 @@ class SamplingRequest(BaseModel):
     """The sampling fields the client sent (None: not sent, the server's default applies). Attribute names
     are those params.sampling_params reads, so this is what it takes for every API. OpenAI's request schemas
     extend it (openai/protocol.py): its fields are theirs, typed as strictly, so the list is written once."""
+
     model_config = ConfigDict(extra="ignore", strict=True)
 
     temperature: float | None = None
@@ -128,6 +133,7 @@ def canonical_json(value: object) -> str:
 
 
 # --- events: what a run reports per choice, in order ----------------------------------------------------
+
 
 @dataclass(frozen=True)
 class TextDelta:

@@ -38,9 +38,13 @@ def _tools_enforced(spec: ChatRequestSpec, fmt: ToolFormat, thinking: bool) -> b
     if not spec.parses_tools or (spec.tool_choice == "auto" and (thinking or not fmt.enforceable)):
         return False
     if not fmt.enforceable:
-        raise invalid_param(spec.names.tool_choice, f"tool_choice {_shown(spec.tool_choice)} needs constrained "
-                                                    f"decoding, which this model's tool-call format ({fmt.name}) "
-                                                    "does not support; use tool_choice 'auto'", "unsupported_value")
+        raise invalid_param(
+            spec.names.tool_choice,
+            f"tool_choice {_shown(spec.tool_choice)} needs constrained "
+            f"decoding, which this model's tool-call format ({fmt.name}) "
+            "does not support; use tool_choice 'auto'",
+            "unsupported_value",
+        )
     return True
 
 

@@ -9,12 +9,13 @@ a JSON grammar would contradict what the model was trained to write."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Literal
-
-from mlx_lm.tool_parsers import json_tools
+from typing import Literal
 
 from mlxpaged_app.server.chat.spec import NamedTool, ToolChoice, ToolSpec
+
+from mlx_lm.tool_parsers import json_tools
 
 GENERIC = "generic"
 
@@ -49,12 +50,17 @@ class ToolFormat:
 
 def _call_schema(tool: ToolSpec) -> dict:
     """Key order name, then arguments: the grammar forces schema order, json.dumps keeps it."""
-    return {"type": "object", "properties": {"name": {"const": tool.name}, "arguments": tool.parameters},
-            "required": ["name", "arguments"], "additionalProperties": False}
+    return {
+        "type": "object",
+        "properties": {"name": {"const": tool.name}, "arguments": tool.parameters},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
 
 
-GENERIC_FORMAT = ToolFormat(GENERIC, json_tools.tool_call_start, json_tools.tool_call_end,
-                            json_tools.parse_tool_call, "list")
+GENERIC_FORMAT = ToolFormat(
+    GENERIC, json_tools.tool_call_start, json_tools.tool_call_end, json_tools.parse_tool_call, "list"
+)
 
 
 def tool_format(tokenizer) -> ToolFormat:
@@ -63,5 +69,10 @@ def tool_format(tokenizer) -> ToolFormat:
         return GENERIC_FORMAT
     name = tokenizer.init_kwargs.get("tool_parser_type") or "native"
     # tokenizer.tool_parser is mlx_lm.tool_parsers.<name>.parse_tool_call, chosen by mlx-lm at load.
-    return ToolFormat(name, tokenizer.tool_call_start, tokenizer.tool_call_end or "", tokenizer.tool_parser,
-                      "object" if name == "json_tools" else None)
+    return ToolFormat(
+        name,
+        tokenizer.tool_call_start,
+        tokenizer.tool_call_end or "",
+        tokenizer.tool_parser,
+        "object" if name == "json_tools" else None,
+    )

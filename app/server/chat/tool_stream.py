@@ -67,7 +67,7 @@ class CallScanner:
         elif ch == "\\":
             self._escape = True
         elif ch == '"':
-            self._name, self._mode, self._text = json.loads(self._text[len(HEAD) - 1:] + '"'), "sep", '"'
+            self._name, self._mode, self._text = json.loads(self._text[len(HEAD) - 1 :] + '"'), "sep", '"'
             return
         self._text += ch
 
@@ -118,19 +118,22 @@ class CallScanner:
         untouched = self.completed == 0 and not self.open
         try:
             calls = _parsed_calls(self.fmt.parse(self.raw.strip(), self.tools))
-        except Exception as exc:  # noqa: BLE001  (each parser raises its own kinds)
+        except Exception as exc:
             log.warning("tool call text that does not parse (%s: %s): %.200r", type(exc).__name__, exc, self.raw)
             return [], self.raw if untouched else None
         return self._remaining(calls), None
 
     def _remaining(self, calls: list[dict]) -> list[tuple]:
         out: list[tuple] = []
-        for i, call in enumerate(calls[self.completed:]):
+        for i, call in enumerate(calls[self.completed :]):
             if i == 0 and self.open:
                 out.append(("end", call["arguments"]))  # its start and arguments are already out
                 continue
-            out += [("start", call["name"]), ("args", json.dumps(call["arguments"], ensure_ascii=False)),
-                    ("end", call["arguments"])]
+            out += [
+                ("start", call["name"]),
+                ("args", json.dumps(call["arguments"], ensure_ascii=False)),
+                ("end", call["arguments"]),
+            ]
         self.open, self.completed = False, len(calls)
         return out
 

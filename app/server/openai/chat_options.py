@@ -10,7 +10,7 @@ from mlxpaged_app.server.openai.protocol import ChatRequest
 from mlxpaged_app.server.output_format import check_format_alone, json_output_format
 from mlxpaged_app.server.tool_list import function_tools
 
-SCHEMA_EXAMPLE = "{\"json_schema\": {\"name\": ..., \"schema\": {<a JSON schema object>}, \"strict\": ...}}"
+SCHEMA_EXAMPLE = '{"json_schema": {"name": ..., "schema": {<a JSON schema object>}, "strict": ...}}'
 
 
 def tool_specs(tools: object) -> tuple[ToolSpec, ...]:
@@ -34,5 +34,8 @@ def check_combination(body: ChatRequest, output: OutputFormat, choice: ToolChoic
     """What cannot be enforced together."""
     check_format_alone(output, choice, "response_format", "'none'")
     if body.ignore_eos and (output is not None or choice != "none"):
-        raise invalid_param("ignore_eos", "ignore_eos cannot be combined with response_format or tool calls: "
-                                          "an enforced structure must be able to end")
+        raise invalid_param(
+            "ignore_eos",
+            "ignore_eos cannot be combined with response_format or tool calls: "
+            "an enforced structure must be able to end",
+        )

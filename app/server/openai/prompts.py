@@ -18,8 +18,11 @@ def _text_parts(content: list, where: str) -> str:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind != "text":
             shown = f"type '{kind}'" if isinstance(kind, str) else repr(part)[:40]
-            raise invalid_param(f"{where}[{j}]", f"{where}[{j}]: content part {shown} is not supported; "
-                                                   "this server takes text parts ({\"type\": \"text\", \"text\": ...})")
+            raise invalid_param(
+                f"{where}[{j}]",
+                f"{where}[{j}]: content part {shown} is not supported; "
+                'this server takes text parts ({"type": "text", "text": ...})',
+            )
         if not isinstance(part.get("text"), str):
             raise invalid_param(f"{where}[{j}].text", f"{where}[{j}].text must be a string")
         texts.append(part["text"])
@@ -34,8 +37,11 @@ def _message_text(message, where: str) -> str:
         return _text_parts(content, where)
     if content is None and message.role == "assistant":
         return ""  # an assistant turn that only called tools
-    raise invalid_param(where, f"{where} must be a string or a non-empty list of text parts"
-                               f"{' (it is required for this role)' if content is None else ''}")
+    raise invalid_param(
+        where,
+        f"{where} must be a string or a non-empty list of text parts"
+        f"{' (it is required for this role)' if content is None else ''}",
+    )
 
 
 def chat_messages(request: ChatRequest) -> list[dict]:
@@ -53,8 +59,10 @@ def chat_messages(request: ChatRequest) -> list[dict]:
         message = {"role": _CHAT_ROLES.get(m.role, m.role), "content": _message_text(m, f"{where}.content")}
         if m.tool_calls is not None:
             if m.role != "assistant":
-                raise invalid_param(f"{where}.tool_calls", f"{where}.tool_calls: only assistant messages "
-                                                           f"carry tool calls, this one has role {m.role!r}")
+                raise invalid_param(
+                    f"{where}.tool_calls",
+                    f"{where}.tool_calls: only assistant messages carry tool calls, this one has role {m.role!r}",
+                )
             message["tool_calls"] = _tool_calls(m.tool_calls, f"{where}.tool_calls", call_names)
         reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
         if reasoning and m.role == "assistant":
@@ -65,15 +73,24 @@ def chat_messages(request: ChatRequest) -> list[dict]:
 
 def _tool_result(message, where: str, call_names: dict[str, str]) -> dict:
     if message.tool_call_id is None:
-        raise invalid_param(f"{where}.tool_call_id", f"{where}.tool_call_id is required for role 'tool': "
-                                                     "it names the tool call this message answers")
+        raise invalid_param(
+            f"{where}.tool_call_id",
+            f"{where}.tool_call_id is required for role 'tool': it names the tool call this message answers",
+        )
     name = call_names.get(message.tool_call_id, message.name)
     if name is None:
         known = ", ".join(call_names) or "none"
-        raise invalid_param(f"{where}.tool_call_id", f"{where}.tool_call_id {message.tool_call_id!r} answers no "
-                                                     f"earlier assistant tool call (calls so far: {known})")
-    return {"role": "tool", "tool_call_id": message.tool_call_id, "name": name,
-            "content": _message_text(message, f"{where}.content")}
+        raise invalid_param(
+            f"{where}.tool_call_id",
+            f"{where}.tool_call_id {message.tool_call_id!r} answers no "
+            f"earlier assistant tool call (calls so far: {known})",
+        )
+    return {
+        "role": "tool",
+        "tool_call_id": message.tool_call_id,
+        "name": name,
+        "content": _message_text(message, f"{where}.content"),
+    }
 
 
 def _tool_calls(value: object, where: str, call_names: dict[str, str]) -> list[dict]:
@@ -83,13 +100,23 @@ def _tool_calls(value: object, where: str, call_names: dict[str, str]) -> list[d
     for j, call in enumerate(value):
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise invalid_param(f"{where}[{j}].function", f"{where}[{j}] must be "
-                                '{"id": ..., "type": "function", "function": {"name": ..., "arguments": "<JSON>"}}')
+            raise invalid_param(
+                f"{where}[{j}].function",
+                f"{where}[{j}] must be "
+                '{"id": ..., "type": "function", "function": {"name": ..., "arguments": "<JSON>"}}',
+            )
         call_id = call.get("id") if isinstance(call.get("id"), str) else f"call_{len(call_names)}"
         call_names[call_id] = function["name"]
-        calls.append({"id": call_id, "type": "function",
-                      "function": {"name": function["name"],
-                                   "arguments": _arguments(function.get("arguments"), f"{where}[{j}].function")}})
+        calls.append(
+            {
+                "id": call_id,
+                "type": "function",
+                "function": {
+                    "name": function["name"],
+                    "arguments": _arguments(function.get("arguments"), f"{where}[{j}].function"),
+                },
+            }
+        )
     return calls
 
 
@@ -99,19 +126,23 @@ def _arguments(value: object, where: str) -> dict:
         try:
             value = json.loads(value) if value.strip() else {}
         except json.JSONDecodeError as exc:
-            raise invalid_param(f"{where}.arguments", f"{where}.arguments is not valid JSON ({exc.msg} at "
-                                                      f"column {exc.colno}): {value[:60]!r}") from None
+            raise invalid_param(
+                f"{where}.arguments",
+                f"{where}.arguments is not valid JSON ({exc.msg} at column {exc.colno}): {value[:60]!r}",
+            ) from None
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise invalid_param(f"{where}.arguments", f"{where}.arguments must be a JSON object, got "
-                                                  f"{type(value).__name__}")
+        raise invalid_param(
+            f"{where}.arguments", f"{where}.arguments must be a JSON object, got {type(value).__name__}"
+        )
     return value
 
 
 def _is_token_list(value: object) -> bool:
-    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool)
-                                                           for t in value)
+    return (
+        isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    )
 
 
 def completion_prompts(request: CompletionRequest) -> list[str | list[int]]:
@@ -122,8 +153,10 @@ def completion_prompts(request: CompletionRequest) -> list[str | list[int]]:
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_token_list(p) for p in prompt):
         prompts = list(prompt)
     else:
-        raise invalid_param("prompt", "'prompt' must be a string, a list of strings, a non-empty list of "
-                                      "token ids, or a list of token-id lists")
+        raise invalid_param(
+            "prompt",
+            "'prompt' must be a string, a list of strings, a non-empty list of token ids, or a list of token-id lists",
+        )
     if len(prompts) > MAX_PROMPTS:
         raise invalid_param("prompt", f"'prompt' holds {len(prompts)} prompts; at most {MAX_PROMPTS} per request")
     for i, p in enumerate(prompts):

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
-
 from mlxpaged_app.server.chat.spec import SamplingRequest
+
+from pydantic import BaseModel, ConfigDict
 
 
 class _Strict(BaseModel):
@@ -35,6 +35,7 @@ class Message(_Strict):
 class _GenerationFields(SamplingRequest):
     """Fields both endpoints share: the sampling fields (chat/spec.py) and these. None means "not sent": the
     server's default applies."""
+
     model: str | None = None
     max_tokens: int | None = None
     stream: bool | None = None

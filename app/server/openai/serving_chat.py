@@ -5,21 +5,29 @@ assembles them (index, id, type and name once, then argument pieces as they are 
 
 from __future__ import annotations
 
-from starlette.requests import Request
-from starlette.responses import Response
-
 from mlxpaged_app.server.chat.pipeline import ChatRun, ChoiceResult, serve_chat_request
-from mlxpaged_app.server.chat.spec import (ChatEvent, ChatRequestSpec, Finish, ReasoningDelta, TextDelta,
-                                           TokenLogprobs, ToolCallArgs, ToolCallStart)
+from mlxpaged_app.server.chat.spec import (
+    ChatEvent,
+    ChatRequestSpec,
+    Finish,
+    ReasoningDelta,
+    TextDelta,
+    TokenLogprobs,
+    ToolCallArgs,
+    ToolCallStart,
+)
 from mlxpaged_app.server.formatting import TokenText, new_id
+from mlxpaged_app.server.openai.chat_options import check_combination, output_format, reasoning_spec, tool_specs
 from mlxpaged_app.server.openai.prompts import chat_messages
 from mlxpaged_app.server.openai.protocol import ChatRequest
 from mlxpaged_app.server.openai.shapes import Envelope, OpenAIShape, chat_logprobs
-from mlxpaged_app.server.openai.chat_options import check_combination, output_format, reasoning_spec, tool_specs
 from mlxpaged_app.server.param_names import OPENAI_CHAT, OPENAI_CHAT_MAX_COMPLETION
 from mlxpaged_app.server.params import check_chat_supported
 from mlxpaged_app.server.state import ServerState
 from mlxpaged_app.server.tool_choice import resolve_tool_choice
+
+from starlette.requests import Request
+from starlette.responses import Response
 
 CHUNK = "chat.completion.chunk"
 
@@ -34,12 +42,20 @@ def chat_spec(body: ChatRequest) -> ChatRequestSpec:
     completion = body.max_completion_tokens is not None  # OpenAI's newer name, and the one blamed when it is sent
     max_tokens = body.max_completion_tokens if completion else body.max_tokens
     return ChatRequestSpec(
-        chat_messages(body), tools, choice,
-        parallel_tool_calls=True if body.parallel_tool_calls is None else body.parallel_tool_calls, output=output,
+        chat_messages(body),
+        tools,
+        choice,
+        parallel_tool_calls=True if body.parallel_tool_calls is None else body.parallel_tool_calls,
+        output=output,
         sampling=body,  # a ChatRequest is a SamplingRequest: the sampling fields as sent
-        max_tokens=max_tokens, logprobs=bool(body.logprobs),
-        top_logprobs=0 if body.top_logprobs is None else body.top_logprobs, reasoning=reasoning_spec(body),
-        stream=bool(body.stream), api="openai", names=OPENAI_CHAT_MAX_COMPLETION if completion else OPENAI_CHAT)
+        max_tokens=max_tokens,
+        logprobs=bool(body.logprobs),
+        top_logprobs=0 if body.top_logprobs is None else body.top_logprobs,
+        reasoning=reasoning_spec(body),
+        stream=bool(body.stream),
+        api="openai",
+        names=OPENAI_CHAT_MAX_COMPLETION if completion else OPENAI_CHAT,
+    )
 
 
 async def serve_chat(request: Request, state: ServerState) -> Response:
@@ -53,10 +69,10 @@ def _shape(state: ServerState, body: ChatRequest, spec: ChatRequestSpec, run: Ch
 
 class ChatShapes(OpenAIShape):
     """OpenAI's chat bodies and chunks for one response."""
+
     chunk_object = CHUNK
 
-    def __init__(self, envelope: Envelope, token_text: TokenText, logprobs: bool, n: int,
-                 include_usage: bool) -> None:
+    def __init__(self, envelope: Envelope, token_text: TokenText, logprobs: bool, n: int, include_usage: bool) -> None:
         super().__init__(envelope, include_usage)
         self.token_text, self.logprobs = token_text, logprobs
         self.results = [ChoiceResult() for _ in range(n)]
@@ -69,18 +85,19 @@ class ChatShapes(OpenAIShape):
         self.results[choice].extend(events)
 
     def body(self, usage: dict) -> dict:
-        return self.envelope.body("chat.completion", [self._choice(i, c) for i, c in enumerate(self.results)],
-                                  usage=usage)
+        return self.envelope.body(
+            "chat.completion", [self._choice(i, c) for i, c in enumerate(self.results)], usage=usage
+        )
 
     def _choice(self, index: int, choice: ChoiceResult) -> dict:
-        message: dict = {"role": "assistant", "content": choice.text if choice.text or not choice.tool_calls
-                         else None}
+        message: dict = {"role": "assistant", "content": choice.text if choice.text or not choice.tool_calls else None}
         if choice.reasoning:
             message["reasoning_content"] = message["reasoning"] = choice.reasoning
         if choice.tool_calls:
-            message["tool_calls"] = [{"id": c.id, "type": "function",
-                                      "function": {"name": c.name, "arguments": c.arguments_text}}
-                                     for c in choice.tool_calls]
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments_text}}
+                for c in choice.tool_calls
+            ]
         logprobs = chat_logprobs(self.token_text, choice.logprobs) if self.logprobs else None
         finish = choice.finish.reason if choice.finish else None
         return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
@@ -110,8 +127,16 @@ def _delta(event: ChatEvent) -> dict | None:
     if isinstance(event, ReasoningDelta):
         return {"reasoning_content": event.text, "reasoning": event.text}
     if isinstance(event, ToolCallStart):
-        return {"tool_calls": [{"index": event.index, "id": event.id, "type": "function",
-                                "function": {"name": event.name, "arguments": ""}}]}
+        return {
+            "tool_calls": [
+                {
+                    "index": event.index,
+                    "id": event.id,
+                    "type": "function",
+                    "function": {"name": event.name, "arguments": ""},
+                }
+            ]
+        }
     if isinstance(event, ToolCallArgs):
         return {"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]}
     if isinstance(event, Finish):

@@ -3,10 +3,6 @@ or events. Choice i * n + j is sample j of prompt i, as in OpenAI."""
 
 from __future__ import annotations
 
-import anyio
-from starlette.requests import Request
-from starlette.responses import Response
-
 from mlxpaged.engine.engine import StreamDelta
 from mlxpaged.loading.generation_defaults import GenerationDefaults
 from mlxpaged.sampling_params import SamplingParams
@@ -21,6 +17,10 @@ from mlxpaged_app.server.reply_budget import reply_budget
 from mlxpaged_app.server.serving import accept, launch, respond, sane_n
 from mlxpaged_app.server.state import ServerState
 
+import anyio
+from starlette.requests import Request
+from starlette.responses import Response
+
 OBJECT = "text_completion"  # the `object` of bodies and chunks alike
 
 
@@ -30,12 +30,17 @@ async def serve_completion(request: Request, state: ServerState) -> Response:
     sources = completion_prompts(body)
     count = len(sources) * sane_n(body.n)
     usage = bool(body.stream_options and body.stream_options.include_usage)
-    shape = CompletionShape(Envelope(new_id("cmpl-"), state.model_id), state.token_text,
-                            body.logprobs is not None, body.n or 1, usage, count)
+    shape = CompletionShape(
+        Envelope(new_id("cmpl-"), state.model_id),
+        state.token_text,
+        body.logprobs is not None,
+        body.n or 1,
+        usage,
+        count,
+    )
 
     async def start() -> Generation:
-        prompts, shape.echo = await anyio.to_thread.run_sync(tokenize, state.engine.tokenizer, sources,
-                                                             bool(body.echo))
+        prompts, shape.echo = await anyio.to_thread.run_sync(tokenize, state.engine.tokenizer, sources, bool(body.echo))
         max_tokens = reply_budget(state, max(len(p) for p in prompts), body.max_tokens, OPENAI_COMPLETIONS)
         params = _params(body, max_tokens, shape.logprobs, state.config.sampling_defaults)
         generation = Generation(state.engine, state.metrics, params.n, arrived)
@@ -55,8 +60,14 @@ def tokenize(tokenizer, sources: list[str | list[int]], echo: bool) -> tuple[lis
 
 
 def _params(body: CompletionRequest, max_tokens: int, logprobs: bool, defaults: GenerationDefaults) -> SamplingParams:
-    params = sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, top_logprobs=body.logprobs or 0,
-                             names=OPENAI_COMPLETIONS, defaults=defaults)
+    params = sampling_params(
+        body,
+        max_tokens=max_tokens,
+        logprobs=logprobs,
+        top_logprobs=body.logprobs or 0,
+        names=OPENAI_COMPLETIONS,
+        defaults=defaults,
+    )
     params.trim_leading_space = False  # a completion continues the prompt's text exactly
     return params
 
@@ -64,8 +75,9 @@ def _params(body: CompletionRequest, max_tokens: int, logprobs: bool, defaults: 
 class CompletionShape(OpenAIShape):
     chunk_object = OBJECT
 
-    def __init__(self, envelope: Envelope, token_text: TokenText, logprobs: bool, n: int, include_usage: bool,
-                 count: int) -> None:
+    def __init__(
+        self, envelope: Envelope, token_text: TokenText, logprobs: bool, n: int, include_usage: bool, count: int
+    ) -> None:
         super().__init__(envelope, include_usage)
         self.token_text, self.logprobs, self.n = token_text, logprobs, n
         self.echo: list[str] | None = None  # per prompt, the text to put before the reply
@@ -83,8 +95,9 @@ class CompletionShape(OpenAIShape):
         for i, choice in enumerate(self.choices):
             prefix = self._echo(i)
             logprobs = completion_logprobs(self.token_text, choice.logprobs, len(prefix)) if self.logprobs else None
-            body.append({"index": i, "text": prefix + choice.text, "logprobs": logprobs,
-                         "finish_reason": choice.finish_reason})
+            body.append(
+                {"index": i, "text": prefix + choice.text, "logprobs": logprobs, "finish_reason": choice.finish_reason}
+            )
         return self.envelope.body(OBJECT, body, usage=usage)
 
     def opening(self) -> list[dict]:
@@ -102,5 +115,6 @@ class CompletionShape(OpenAIShape):
         return [self._chunk(choice, delta.text, logprobs, delta.finish_reason)]
 
     def _chunk(self, index: int, text: str, logprobs: dict | None, finish: str | None) -> dict:
-        return self.envelope.body(OBJECT, [{"index": index, "text": text, "logprobs": logprobs,
-                                            "finish_reason": finish}])
+        return self.envelope.body(
+            OBJECT, [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]
+        )

@@ -15,6 +15,7 @@ from mlxpaged_app.server.serving import ReplyShape
 @dataclass
 class ChoiceText:
     """One choice of a non-streamed reply, built from its deltas."""
+
     parts: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
@@ -53,26 +54,38 @@ def completion_logprobs(text: TokenText, entries: list[TokenLogprob], offset: in
         offsets.append(offset)
         tokens.append(text(entry.token_id))
         offset += len(tokens[-1])
-    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{text(t): lp for t, lp in e.top or []} for e in entries],
-            "text_offset": offsets}
+    return {
+        "tokens": tokens,
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{text(t): lp for t, lp in e.top or []} for e in entries],
+        "text_offset": offsets,
+    }
 
 
 @dataclass(frozen=True)
 class Envelope:
     """What every body and chunk of one response shares."""
+
     id: str
     model: str
     created: int = field(default_factory=lambda: int(time.time()))
 
     def body(self, object_name: str, choices: list[dict], **extra) -> dict:
-        return {"id": self.id, "object": object_name, "created": self.created, "model": self.model,
-                "system_fingerprint": None, "choices": choices, **extra}
+        return {
+            "id": self.id,
+            "object": object_name,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+            "choices": choices,
+            **extra,
+        }
 
 
 class OpenAIShape(ReplyShape):
     """What chat and completions replies share: the envelope, usage as a last chunk when the client asked for it
     (stream_options.include_usage), an engine failure in-band as OpenAI reports it, and `[DONE]` after either."""
+
     chunk_object: str  # the `object` of a streamed chunk, e.g. "chat.completion.chunk"
     trailer = ("[DONE]",)  # OpenAI's end-of-stream marker
 

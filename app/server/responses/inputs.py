@@ -31,8 +31,11 @@ def input_messages(value: object, instructions: str | None) -> list[dict]:
             conversation.add(item, f"input[{i}]")
     else:
         got = "nothing" if value is None else f"{json.dumps(value)[:40]}"
-        raise invalid_param("input", f"'input' must be a non-empty string or a non-empty list of items, got {got}",
-                            "missing_required_parameter" if value is None else "invalid_value")
+        raise invalid_param(
+            "input",
+            f"'input' must be a non-empty string or a non-empty list of items, got {got}",
+            "missing_required_parameter" if value is None else "invalid_value",
+        )
     if not any(m["role"] != "system" for m in conversation.messages):
         raise invalid_param("input", "'input' holds no user, assistant or tool turn to reply to")
     return conversation.messages
@@ -48,11 +51,18 @@ class Conversation:
         if not isinstance(item, dict):
             raise invalid_param(where, f"{where} must be an object (an input item), got {json.dumps(item)[:40]}")
         kind = item.get("type", "message" if "role" in item else None)
-        handlers = {"message": self.message, "function_call": self.function_call,
-                    "function_call_output": self.function_call_output, "reasoning": self.reasoning_item}
+        handlers = {
+            "message": self.message,
+            "function_call": self.function_call,
+            "function_call_output": self.function_call_output,
+            "reasoning": self.reasoning_item,
+        }
         if kind not in handlers:
-            raise invalid_param(f"{where}.type", f"{where}: item type {kind!r} is not supported; this server "
-                                                 f"takes {ITEM_TYPES} items", "unsupported_value")
+            raise invalid_param(
+                f"{where}.type",
+                f"{where}: item type {kind!r} is not supported; this server takes {ITEM_TYPES} items",
+                "unsupported_value",
+            )
         handlers[kind](item, where)
 
     def message(self, item: dict, where: str) -> None:
@@ -65,8 +75,11 @@ class Conversation:
         call_id, name = _string(item, "call_id", where), _string(item, "name", where)
         if item.get("namespace"):  # Codex replays a namespaced call as it got it: back to the name the model wrote
             name = flat_name(_string(item, "namespace", where), name)
-        call = {"id": call_id, "type": "function",
-                "function": {"name": name, "arguments": _arguments(item.get("arguments"), f"{where}.arguments")}}
+        call = {
+            "id": call_id,
+            "type": "function",
+            "function": {"name": name, "arguments": _arguments(item.get("arguments"), f"{where}.arguments")},
+        }
         self.call_names[call_id] = name
         last = self.messages[-1] if self.messages else None
         if last is not None and last["role"] == "assistant" and self.reasoning is None:
@@ -78,8 +91,10 @@ class Conversation:
         call_id = _string(item, "call_id", where)
         if call_id not in self.call_names:
             known = ", ".join(self.call_names) or "none"
-            raise invalid_param(f"{where}.call_id", f"{where}.call_id {call_id!r} answers no earlier function_call "
-                                                    f"item (call_ids so far: {known})")
+            raise invalid_param(
+                f"{where}.call_id",
+                f"{where}.call_id {call_id!r} answers no earlier function_call item (call_ids so far: {known})",
+            )
         output = _content_text(item.get("output"), f"{where}.output")
         self._append({"role": "tool", "tool_call_id": call_id, "name": self.call_names[call_id], "content": output})
 
@@ -102,8 +117,11 @@ class Conversation:
 def _string(item: dict, key: str, where: str) -> str:
     value = item.get(key)
     if not isinstance(value, str) or not value:
-        raise invalid_param(f"{where}.{key}", f"{where}.{key} is required for a {item.get('type')} item: a "
-                                              f"non-empty string, got {json.dumps(value)[:40]}")
+        raise invalid_param(
+            f"{where}.{key}",
+            f"{where}.{key} is required for a {item.get('type')} item: a "
+            f"non-empty string, got {json.dumps(value)[:40]}",
+        )
     return value
 
 
@@ -117,9 +135,12 @@ def _content_text(content: object, where: str) -> str:
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in TEXT_PARTS:
-            raise invalid_param(f"{where}[{j}]", f"{where}[{j}]: content part type {kind!r} is not supported; this "
-                                                 "server takes text ({\"type\": \"input_text\", \"text\": ...})",
-                                "unsupported_value")
+            raise invalid_param(
+                f"{where}[{j}]",
+                f"{where}[{j}]: content part type {kind!r} is not supported; this "
+                'server takes text ({"type": "input_text", "text": ...})',
+                "unsupported_value",
+            )
         if not isinstance(part.get("text"), str):
             raise invalid_param(f"{where}[{j}].text", f"{where}[{j}].text must be a string")
         texts.append(part["text"])
@@ -133,8 +154,9 @@ def _arguments(value: object, where: str) -> dict:
     try:
         parsed = json.loads(value) if value.strip() else {}
     except json.JSONDecodeError as exc:
-        raise invalid_param(where, f"{where} is not valid JSON ({exc.msg} at column {exc.colno}): "
-                                   f"{value[:60]!r}") from None
+        raise invalid_param(
+            where, f"{where} is not valid JSON ({exc.msg} at column {exc.colno}): {value[:60]!r}"
+        ) from None
     if not isinstance(parsed, dict):
         raise invalid_param(where, f"{where} must encode a JSON object, got {type(parsed).__name__}")
     return parsed

@@ -10,7 +10,7 @@ from mlxpaged_app.server.chat.spec import EFFORTS, OutputFormat, ReasoningSpec, 
 from mlxpaged_app.server.errors import invalid_param
 from mlxpaged_app.server.output_format import check_format_alone, json_output_format
 
-SCHEMA_EXAMPLE = "{\"type\": \"json_schema\", \"name\": ..., \"schema\": {<a JSON schema object>}}"
+SCHEMA_EXAMPLE = '{"type": "json_schema", "name": ..., "schema": {<a JSON schema object>}}'
 
 
 def output_format(text: object) -> OutputFormat:
@@ -18,8 +18,9 @@ def output_format(text: object) -> OutputFormat:
     if text is None:
         return None
     if not isinstance(text, dict):
-        raise invalid_param("text", f"'text' must be an object such as {{\"format\": {{\"type\": \"text\"}}}}, "
-                                    f"got {json.dumps(text)[:40]}")
+        raise invalid_param(
+            "text", f'\'text\' must be an object such as {{"format": {{"type": "text"}}}}, got {json.dumps(text)[:40]}'
+        )
     fmt = text.get("format")
     return None if fmt is None else json_output_format(fmt, "text.format", None, SCHEMA_EXAMPLE)
 
@@ -29,12 +30,15 @@ def reasoning_spec(reasoning: object) -> ReasoningSpec:
     if reasoning is None:
         return ReasoningSpec()
     if not isinstance(reasoning, dict):
-        raise invalid_param("reasoning", f"'reasoning' must be an object such as {{\"effort\": \"low\"}}, "
-                                         f"got {json.dumps(reasoning)[:40]}")
+        raise invalid_param(
+            "reasoning",
+            f'\'reasoning\' must be an object such as {{"effort": "low"}}, got {json.dumps(reasoning)[:40]}',
+        )
     effort = reasoning.get("effort")
     if effort is not None and effort not in EFFORTS:
-        raise invalid_param("reasoning.effort", f"reasoning.effort must be one of {', '.join(EFFORTS)}, "
-                                                f"got {json.dumps(effort)}")
+        raise invalid_param(
+            "reasoning.effort", f"reasoning.effort must be one of {', '.join(EFFORTS)}, got {json.dumps(effort)}"
+        )
     return ReasoningSpec(effort=effort)
 
 

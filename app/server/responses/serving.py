@@ -3,9 +3,6 @@ events become a response object or the Responses event stream (shapes.ResponseBu
 
 from __future__ import annotations
 
-from starlette.requests import Request
-from starlette.responses import Response
-
 from mlxpaged_app.server.chat.pipeline import ChatRun, serve_chat_request
 from mlxpaged_app.server.chat.spec import ChatRequestSpec, SamplingRequest
 from mlxpaged_app.server.param_names import RESPONSES
@@ -17,6 +14,9 @@ from mlxpaged_app.server.responses.tools import check_choice_not_hosted, respons
 from mlxpaged_app.server.server_log import log
 from mlxpaged_app.server.state import ServerState
 from mlxpaged_app.server.tool_choice import resolve_tool_choice
+
+from starlette.requests import Request
+from starlette.responses import Response
 
 
 def responses_spec(body: ResponsesRequest) -> ChatRequestSpec:
@@ -30,22 +30,50 @@ def responses_spec(body: ResponsesRequest) -> ChatRequestSpec:
     check_combination(output, choice)
     sampling = SamplingRequest(temperature=body.temperature, top_p=body.top_p)
     parallel = True if body.parallel_tool_calls is None else body.parallel_tool_calls
-    return ChatRequestSpec(messages, tools, choice, parallel, output, sampling, body.max_output_tokens,
-                           reasoning=reasoning_spec(body.reasoning), stream=bool(body.stream), api="responses",
-                           names=RESPONSES)
+    return ChatRequestSpec(
+        messages,
+        tools,
+        choice,
+        parallel,
+        output,
+        sampling,
+        body.max_output_tokens,
+        reasoning=reasoning_spec(body.reasoning),
+        stream=bool(body.stream),
+        api="responses",
+        names=RESPONSES,
+    )
 
 
 def echoed(body: ResponsesRequest, spec: ChatRequestSpec) -> dict:
     """The request settings a response object repeats back."""
-    tools = [{"type": "function", "name": t["name"], "description": t.get("description"),
-              "parameters": t.get("parameters"), "strict": t.get("strict")} if t.get("type") == "function" else t
-             for t in body.tools or []]  # namespace and hosted tools as sent
-    choice = spec.tool_choice if isinstance(spec.tool_choice, str) else {"type": "function",
-                                                                         "name": spec.tool_choice.name}
-    return {"instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
-            "temperature": body.temperature, "top_p": body.top_p, "parallel_tool_calls": spec.parallel_tool_calls,
-            "tool_choice": choice, "tools": tools, "text": body.text or {"format": {"type": "text"}},
-            "reasoning": {"effort": spec.reasoning.effort, "summary": None}, "metadata": body.metadata or {}}
+    tools = [
+        {
+            "type": "function",
+            "name": t["name"],
+            "description": t.get("description"),
+            "parameters": t.get("parameters"),
+            "strict": t.get("strict"),
+        }
+        if t.get("type") == "function"
+        else t
+        for t in body.tools or []
+    ]  # namespace and hosted tools as sent
+    choice = (
+        spec.tool_choice if isinstance(spec.tool_choice, str) else {"type": "function", "name": spec.tool_choice.name}
+    )
+    return {
+        "instructions": body.instructions,
+        "max_output_tokens": body.max_output_tokens,
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "parallel_tool_calls": spec.parallel_tool_calls,
+        "tool_choice": choice,
+        "tools": tools,
+        "text": body.text or {"format": {"type": "text"}},
+        "reasoning": {"effort": spec.reasoning.effort, "summary": None},
+        "metadata": body.metadata or {},
+    }
 
 
 async def serve_responses(request: Request, state: ServerState) -> Response:
@@ -66,5 +94,7 @@ WARNING_HEADER = "x-mlxpaged-warning"
 
 
 def hosted_tools_note(dropped: tuple[str, ...]) -> str:
-    return (f"hosted tools left out (this server runs function tools only; the model does not see these): "
-            f"{', '.join(dropped)}")
+    return (
+        f"hosted tools left out (this server runs function tools only; the model does not see these): "
+        f"{', '.join(dropped)}"
+    )

@@ -10,10 +10,17 @@ from __future__ import annotations
 
 import copy
 import time
-from typing import Callable
+from collections.abc import Callable
 
-from mlxpaged_app.server.chat.spec import (ChatEvent, Finish, ReasoningDelta, TextDelta, ToolCallArgs, ToolCallEnd,
-                                           ToolCallStart)
+from mlxpaged_app.server.chat.spec import (
+    ChatEvent,
+    Finish,
+    ReasoningDelta,
+    TextDelta,
+    ToolCallArgs,
+    ToolCallEnd,
+    ToolCallStart,
+)
 from mlxpaged_app.server.formatting import new_id
 from mlxpaged_app.server.serving import ReplyShape
 from mlxpaged_app.server.sse import named_event
@@ -25,13 +32,23 @@ ABORTED = "the server stopped generating this response (it is shutting down)"
 
 def response_head(model: str, echo: dict) -> dict:
     """The fields of a response fixed before generation: identity, and the request settings it echoes."""
-    return {"id": new_id("resp_"), "object": "response", "created_at": int(time.time()), "model": model,
-            "previous_response_id": None, "store": False, "background": False, "truncation": "disabled", **echo}
+    return {
+        "id": new_id("resp_"),
+        "object": "response",
+        "created_at": int(time.time()),
+        "model": model,
+        "previous_response_id": None,
+        "store": False,
+        "background": False,
+        "truncation": "disabled",
+        **echo,
+    }
 
 
 class ResponseBuilder(ReplyShape):
     """The reply shape of /v1/responses: every event named by its type, and no `[DONE]` (OpenAI ends the stream
     with `response.completed`, `.incomplete` or `.failed`)."""
+
     frame = staticmethod(named_event)
 
     def __init__(self, head: dict, call_fields: Callable[[str], dict] = lambda name: {"name": name}) -> None:
@@ -54,12 +71,21 @@ class ResponseBuilder(ReplyShape):
     def response(self) -> dict:
         output = copy.deepcopy(self.output)
         text = "".join(p["text"] for item in output if item["type"] == "message" for p in item["content"])
-        return {**self.head, "status": self.status, "error": self.error, "incomplete_details": self.incomplete,
-                "output": output, "output_text": text, "usage": self.usage}
+        return {
+            **self.head,
+            "status": self.status,
+            "error": self.error,
+            "incomplete_details": self.incomplete,
+            "output": output,
+            "output_text": text,
+            "usage": self.usage,
+        }
 
     def start(self) -> list[dict]:
-        return [self._event("response.created", response=self.response()),
-                self._event("response.in_progress", response=self.response())]
+        return [
+            self._event("response.created", response=self.response()),
+            self._event("response.in_progress", response=self.response()),
+        ]
 
     def feed(self, events: list[ChatEvent]) -> list[dict]:
         """The stream events for one engine delta's chat events."""
@@ -82,19 +108,22 @@ class ResponseBuilder(ReplyShape):
     def complete(self, usage: dict) -> list[dict]:
         """The last event, once the run has ended (its usage is known then)."""
         details = usage.get("prompt_tokens_details") or {}
-        self.usage = {"input_tokens": usage["prompt_tokens"],
-                      "input_tokens_details": {"cached_tokens": details.get("cached_tokens", 0),
-                                               "cache_write_tokens": 0},
-                      "output_tokens": usage["completion_tokens"],
-                      "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
-                      "total_tokens": usage["total_tokens"]}
+        self.usage = {
+            "input_tokens": usage["prompt_tokens"],
+            "input_tokens_details": {"cached_tokens": details.get("cached_tokens", 0), "cache_write_tokens": 0},
+            "output_tokens": usage["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
+            "total_tokens": usage["total_tokens"],
+        }
         return [self._event(TERMINAL[self.status], response=self.response())]
 
     def fail(self, message: str) -> list[dict]:
         """The engine failed mid-stream: an `error` event, then `response.failed`."""
         self.status, self.error = "failed", {"code": "server_error", "message": message}
-        return [self._event("error", code="server_error", message=message, param=None),
-                self._event("response.failed", response=self.response())]
+        return [
+            self._event("error", code="server_error", message=message, param=None),
+            self._event("response.failed", response=self.response()),
+        ]
 
     # --- as a serving.ReplyShape: the same state machine, streamed or whole --------------------------------------
 
@@ -128,18 +157,38 @@ class ResponseBuilder(ReplyShape):
         part = item["content"][0]
         part["text"] += event.text
         if kind == "reasoning":
-            return out + [self._event("response.reasoning_text.delta", item_id=item["id"], output_index=index,
-                                      content_index=0, delta=event.text)]
-        return out + [self._event("response.output_text.delta", item_id=item["id"], output_index=index,
-                                  content_index=0, delta=event.text, logprobs=[])]
+            return out + [
+                self._event(
+                    "response.reasoning_text.delta",
+                    item_id=item["id"],
+                    output_index=index,
+                    content_index=0,
+                    delta=event.text,
+                )
+            ]
+        return out + [
+            self._event(
+                "response.output_text.delta",
+                item_id=item["id"],
+                output_index=index,
+                content_index=0,
+                delta=event.text,
+                logprobs=[],
+            )
+        ]
 
     def _open_item(self, kind: str) -> list[dict]:
         if kind == "reasoning":
             item = {"type": "reasoning", "id": new_id("rs_"), "summary": [], "content": [], "status": "in_progress"}
             part = {"type": "reasoning_text", "text": ""}
         else:
-            item = {"type": "message", "id": new_id("msg_"), "role": "assistant", "status": "in_progress",
-                    "content": []}
+            item = {
+                "type": "message",
+                "id": new_id("msg_"),
+                "role": "assistant",
+                "status": "in_progress",
+                "content": [],
+            }
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         added = self._added(item)
         item["content"].append(part)
@@ -161,21 +210,38 @@ class ResponseBuilder(ReplyShape):
         return [done, self._event("response.content_part.done", **where, part=dict(part)), self._item_done(item)]
 
     def _call_start(self, event: ToolCallStart) -> list[dict]:
-        item = {"type": "function_call", "id": new_id("fc_"), "call_id": event.id, **self.call_fields(event.name),
-                "arguments": "", "status": "in_progress"}
+        item = {
+            "type": "function_call",
+            "id": new_id("fc_"),
+            "call_id": event.id,
+            **self.call_fields(event.name),
+            "arguments": "",
+            "status": "in_progress",
+        }
         self._calls[event.index] = item
         return [self._added(item)]
 
     def _call_args(self, event: ToolCallArgs) -> list[dict]:
         item = self._calls[event.index]
         item["arguments"] += event.text
-        return [self._event("response.function_call_arguments.delta", item_id=item["id"],
-                            output_index=self._positions[item["id"]], delta=event.text)]
+        return [
+            self._event(
+                "response.function_call_arguments.delta",
+                item_id=item["id"],
+                output_index=self._positions[item["id"]],
+                delta=event.text,
+            )
+        ]
 
     def _call_end(self, item: dict, status: str) -> list[dict]:
         item["status"] = status
-        done = self._event("response.function_call_arguments.done", item_id=item["id"],
-                           output_index=self._positions[item["id"]], name=item["name"], arguments=item["arguments"])
+        done = self._event(
+            "response.function_call_arguments.done",
+            item_id=item["id"],
+            output_index=self._positions[item["id"]],
+            name=item["name"],
+            arguments=item["arguments"],
+        )
         return [done, self._item_done(item)]
 
     def _finish(self, event: Finish) -> list[dict]:

@@ -73,8 +73,9 @@ def responses_tools(tools: object) -> ResponsesTools:
             specs.append(function_tool(tool, where, None, SHAPE))
             wheres.append(where)
     if len(specs) > MAX_TOOLS:
-        raise invalid_param("tools", f"'tools' holds {len(specs)} function tools (namespaces flattened); "
-                                     f"at most {MAX_TOOLS}")
+        raise invalid_param(
+            "tools", f"'tools' holds {len(specs)} function tools (namespaces flattened); at most {MAX_TOOLS}"
+        )
     check_unique_names(specs, wheres)
     return ResponsesTools(tuple(specs), namespaced, tuple(dropped))
 
@@ -108,6 +109,10 @@ def check_choice_not_hosted(choice: object) -> None:
     """tool_choice {"type": "web_search"} (or any hosted tool) asks for a call this server cannot make."""
     kind = choice.get("type") if isinstance(choice, dict) else None
     if is_hosted(kind):
-        raise invalid_param("tool_choice", f"tool_choice forces the hosted tool {kind!r}, which this server cannot "
-                                           "run (it runs function tools; hosted tools in 'tools' are left out); use "
-                                           "'auto' or name a function tool", "unsupported_value")
+        raise invalid_param(
+            "tool_choice",
+            f"tool_choice forces the hosted tool {kind!r}, which this server cannot "
+            "run (it runs function tools; hosted tools in 'tools' are left out); use "
+            "'auto' or name a function tool",
+            "unsupported_value",
+        )

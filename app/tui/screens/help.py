@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from mlxpaged_app.tui.keys import HELP_SECTIONS, key_label
+
 from rich.table import Table
 from rich.text import Text
 from textual.app import ComposeResult
@@ -9,8 +11,6 @@ from textual.binding import Binding
 from textual.containers import VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Static
-
-from mlxpaged_app.tui.keys import HELP_SECTIONS, key_label
 
 
 def help_table() -> Table:

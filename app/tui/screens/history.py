@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+from mlxpaged_app.tui.store import Conversation
+
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -11,8 +13,6 @@ from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import OptionList, Static
 from textual.widgets.option_list import Option
-
-from mlxpaged_app.tui.store import Conversation
 
 
 def _label(conversation: Conversation, current_id: str | None) -> Text:
@@ -33,8 +33,9 @@ class HistoryScreen(ModalScreen[str | None]):
     def compose(self) -> ComposeResult:
         with Vertical(id="history-dialog", classes="dialog"):
             yield Static("Conversations", classes="dialog-title")
-            yield OptionList(*[Option(_label(c, self.current_id), id=c.id) for c in self.conversations],
-                             id="history-list")
+            yield OptionList(
+                *[Option(_label(c, self.current_id), id=c.id) for c in self.conversations], id="history-list"
+            )
             hint = "Enter reopens; Esc cancels." if self.conversations else "No saved conversations yet."
             yield Static(hint, classes="dialog-hint")
 

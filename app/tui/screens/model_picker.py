@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
+
+from mlxpaged.units import format_size
 
 from rich.text import Text
 from textual.app import ComposeResult
@@ -12,8 +14,6 @@ from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Input, OptionList, Static
 from textual.widgets.option_list import Option
-
-from mlxpaged.units import format_size
 
 
 @dataclass(frozen=True)
@@ -31,8 +31,10 @@ def list_model_choices() -> list[ModelChoice]:
     from mlxpaged.loading.loader import default_dtype
     from mlxpaged.loading.model_store import list_models
 
-    return [ModelChoice(r.name, r.description, r.size_bytes if r.path else None, r.is_default)
-            for r in list_models(default_dtype())]
+    return [
+        ModelChoice(r.name, r.description, r.size_bytes if r.path else None, r.is_default)
+        for r in list_models(default_dtype())
+    ]
 
 
 def _label(choice: ModelChoice, current: str | None) -> Text:
@@ -56,10 +58,14 @@ class ModelPickerScreen(ModalScreen[str | None]):
         with Vertical(id="model-dialog", classes="dialog"):
             yield Static("Switch model", classes="dialog-title")
             yield OptionList(id="model-list")
-            yield Input(placeholder="…or type a preset, a model directory or a Hugging Face repo id",
-                        id="model-name", compact=True)
-            yield Static("Enter loads the model; Esc cancels. Models marked download need internet once.",
-                         classes="dialog-hint")
+            yield Input(
+                placeholder="…or type a preset, a model directory or a Hugging Face repo id",
+                id="model-name",
+                compact=True,
+            )
+            yield Static(
+                "Enter loads the model; Esc cancels. Models marked download need internet once.", classes="dialog-hint"
+            )
 
     def on_mount(self) -> None:
         options = self.query_one(OptionList)

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+from mlxpaged.loading.generation_defaults import NO_DEFAULTS, GenerationDefaults
+from mlxpaged_app.tui.settings import ChatSettings
+
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Grid, Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Static
-
-from mlxpaged.loading.generation_defaults import NO_DEFAULTS, GenerationDefaults
-from mlxpaged_app.tui.settings import ChatSettings
 
 FIELDS = (  # (input id, label, hint)
     ("temperature", "Temperature", "0 is greedy; empty: the model's"),
@@ -28,17 +28,25 @@ class SettingsScreen(ModalScreen[ChatSettings | None]):
 
     def compose(self) -> ComposeResult:
         s, model = self.settings, self.settings.sampling_params(self.defaults)
-        values = {"temperature": "" if s.temperature is None else f"{s.temperature:g}",
-                  "top_p": "" if s.top_p is None else f"{s.top_p:g}", "max_tokens": str(s.max_tokens),
-                  "seed": "" if s.seed is None else str(s.seed)}
-        placeholders = {"temperature": f"model: {model.temperature:g}", "top_p": f"model: {model.top_p:g}",
-                        "seed": "random"}
+        values = {
+            "temperature": "" if s.temperature is None else f"{s.temperature:g}",
+            "top_p": "" if s.top_p is None else f"{s.top_p:g}",
+            "max_tokens": str(s.max_tokens),
+            "seed": "" if s.seed is None else str(s.seed),
+        }
+        placeholders = {
+            "temperature": f"model: {model.temperature:g}",
+            "top_p": f"model: {model.top_p:g}",
+            "seed": "random",
+        }
         with Vertical(id="settings-dialog", classes="dialog"):
             yield Static("Sampling settings", classes="dialog-title")
             with Grid(id="settings-grid"):
                 for name, label, hint in FIELDS:
                     yield Label(label)
-                    yield Input(values[name], placeholder=placeholders.get(name, ""), id=f"setting-{name}", compact=True)
+                    yield Input(
+                        values[name], placeholder=placeholders.get(name, ""), id=f"setting-{name}", compact=True
+                    )
                     yield Label(hint, classes="dialog-hint")
             yield Static("", id="settings-error")
             with Horizontal(classes="dialog-buttons"):

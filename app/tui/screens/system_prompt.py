@@ -8,8 +8,10 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, Static, TextArea
 
-HINT = ("Sent before every turn. Empty: the model's own default. Changing it changes the prompt's "
-        "first tokens, so the next turn cannot reuse cached blocks.")
+HINT = (
+    "Sent before every turn. Empty: the model's own default. Changing it changes the prompt's "
+    "first tokens, so the next turn cannot reuse cached blocks."
+)
 
 
 class SystemPromptScreen(ModalScreen[str | None]):

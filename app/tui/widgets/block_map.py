@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from rich.style import Style
 from rich.text import Text
@@ -13,11 +13,15 @@ from textual.widget import Widget
 
 # Ascending priority: a grouped cell shows its busiest block, so one live block stays visible.
 CLASSES = ("free", "cached", "other", "shared", "current")
-LABELS = {"current": "this reply", "shared": "shared", "other": "other requests",
-          "cached": "cached (free)", "free": "free"}
+LABELS = {
+    "current": "this reply",
+    "shared": "shared",
+    "other": "other requests",
+    "cached": "cached (free)",
+    "free": "free",
+}
 LEGEND_LINES = (("current", "shared", "other"), ("cached", "free"))
-COLOURS = {"current": "#3fb950", "shared": "#d29922", "other": "#bc8cff",
-           "cached": "#388bfd", "free": "#30363d"}
+COLOURS = {"current": "#3fb950", "shared": "#d29922", "other": "#bc8cff", "cached": "#388bfd", "free": "#30363d"}
 _RANK = {name: i for i, name in enumerate(CLASSES)}
 MAX_ROWS = 8  # text rows; each holds two rows of cells (upper / lower half blocks)
 
@@ -41,7 +45,7 @@ def group_size(num_blocks: int, capacity: int) -> int:
 
 
 def group(classes: Sequence[str], size: int) -> list[str]:
-    return [max(classes[i:i + size], key=_RANK.__getitem__) for i in range(0, len(classes), size)]
+    return [max(classes[i : i + size], key=_RANK.__getitem__) for i in range(0, len(classes), size)]
 
 
 def legend(classes: Sequence[str]) -> Text:
@@ -89,7 +93,7 @@ class BlockMap(Widget):
         for pair in range(0, rows, 2):
             if pair:
                 text.append("\n")
-            top, bottom = cells[pair * width:(pair + 1) * width], cells[(pair + 1) * width:(pair + 2) * width]
+            top, bottom = cells[pair * width : (pair + 1) * width], cells[(pair + 1) * width : (pair + 2) * width]
             for i, upper in enumerate(top):
                 lower = bottom[i] if i < len(bottom) else None
                 text.append("▀", Style(color=COLOURS[upper], bgcolor=COLOURS[lower] if lower else None))

@@ -20,8 +20,15 @@ class ChatInput(TextArea):
             self.text = text
 
     def __init__(self, **kwargs):
-        super().__init__(soft_wrap=True, show_line_numbers=False, tab_behavior="focus",
-                         placeholder=PLACEHOLDER, compact=True, highlight_cursor_line=False, **kwargs)
+        super().__init__(
+            soft_wrap=True,
+            show_line_numbers=False,
+            tab_behavior="focus",
+            placeholder=PLACEHOLDER,
+            compact=True,
+            highlight_cursor_line=False,
+            **kwargs,
+        )
 
     async def _on_key(self, event: events.Key) -> None:
         if event.key == "enter":

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+from mlxpaged_app.tui.generation import ReplyStats
+
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Vertical, VerticalScroll
 from textual.widgets import Markdown, Static
 from textual.widgets.markdown import MarkdownStream
-
-from mlxpaged_app.tui.generation import ReplyStats
 
 
 class UserMessage(Vertical):
@@ -81,8 +81,12 @@ class ChatLog(VerticalScroll):
     def _widget_for(self, message: dict, model: str):
         if message["role"] == "user":
             return UserMessage(message["content"])
-        return AssistantMessage(message.get("model") or model, message["content"],
-                                ReplyStats.from_dict(message.get("stats")), message.get("stopped", False))
+        return AssistantMessage(
+            message.get("model") or model,
+            message["content"],
+            ReplyStats.from_dict(message.get("stats")),
+            message.get("stopped", False),
+        )
 
     async def add(self, widget) -> None:
         await self.mount(widget)

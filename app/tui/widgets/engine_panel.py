@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from mlxpaged.units import format_size
+from mlxpaged_app.tui.memory_use import MemoryUse
+from mlxpaged_app.tui.widgets.block_map import BlockMap, legend
+
 from rich.table import Table
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.widgets import Static
-
-from mlxpaged.units import format_size
-from mlxpaged_app.tui.widgets.block_map import BlockMap, legend
-from mlxpaged_app.tui.memory_use import MemoryUse
 
 
 class EnginePanel(VerticalScroll):
@@ -73,8 +73,17 @@ def stats_text(stats: dict) -> Text:
         rows.append(("preemptions", f"{stats['preemptions']:,}"))
     if stats.get("speculative"):  # drafts kept of drafts verified, so a user sees whether it pays
         rate = stats.get("spec_acceptance_rate")
-        rows.append(("speculative", f"{stats['speculative']} · " + ("no drafts yet" if rate is None else
-                     f"{100 * rate:.0f}% of {stats['spec_draft_tokens_total']:,} drafts kept")))
+        rows.append(
+            (
+                "speculative",
+                f"{stats['speculative']} · "
+                + (
+                    "no drafts yet"
+                    if rate is None
+                    else f"{100 * rate:.0f}% of {stats['spec_draft_tokens_total']:,} drafts kept"
+                ),
+            )
+        )
     attention = stats.get("attention")
     if attention:  # which attention path runs, so a kernel that fell back to the reference is visible
         rows.append(("attention", attention["path"]))

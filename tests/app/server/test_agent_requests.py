@@ -12,13 +12,13 @@ from __future__ import annotations
 import re
 import time
 
+from tests.app.server.test_agent_units import CODEX_TOOLS
+from tests.app.server.test_server_live import KEY, serving
+
 import anthropic
 import httpx
 import openai
 import pytest
-
-from tests.app.server.test_agent_units import CODEX_TOOLS
-from tests.app.server.test_server_live import KEY, serving
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m"
@@ -36,8 +36,15 @@ def short(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def small_steps(tmp_path_factory):
-    with serving(tmp_path_factory.mktemp("steps"), "--max-batch-tokens", "64", "--max-model-len", "8192",
-                 "--cache-tokens", "8192") as server:
+    with serving(
+        tmp_path_factory.mktemp("steps"),
+        "--max-batch-tokens",
+        "64",
+        "--max-model-len",
+        "8192",
+        "--cache-tokens",
+        "8192",
+    ) as server:
         yield server
 
 
@@ -51,9 +58,14 @@ def _anthropic(server) -> anthropic.Anthropic:
 
 # --- Codex's /v1/responses body -----------------------------------------------------------------------------------
 
-CODEX_FIELDS = dict(include=["reasoning.encrypted_content"], reasoning={"effort": "low", "summary": "auto"},
-                    store=False, parallel_tool_calls=True, prompt_cache_key="019a-codex-session",
-                    extra_body={"client_metadata": {"originator": "codex_exec"}})
+CODEX_FIELDS = dict(
+    include=["reasoning.encrypted_content"],
+    reasoning={"effort": "low", "summary": "auto"},
+    store=False,
+    parallel_tool_calls=True,
+    prompt_cache_key="019a-codex-session",
+    extra_body={"client_metadata": {"originator": "codex_exec"}},
+)
 INSTRUCTIONS = "You are a coding agent. Use the tools."
 TASK = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Start a helper."}]}]
 
@@ -61,8 +73,16 @@ TASK = [{"type": "message", "role": "user", "content": [{"type": "input_text", "
 def test_codex_stream_with_namespace_and_hosted_tools(short):
     client = _openai(short)
     with client.responses.with_streaming_response.create(
-            model=MODEL, instructions=INSTRUCTIONS, input=TASK, tools=CODEX_TOOLS, tool_choice="auto",
-            stream=True, max_output_tokens=8, temperature=0, **CODEX_FIELDS) as raw:
+        model=MODEL,
+        instructions=INSTRUCTIONS,
+        input=TASK,
+        tools=CODEX_TOOLS,
+        tool_choice="auto",
+        stream=True,
+        max_output_tokens=8,
+        temperature=0,
+        **CODEX_FIELDS,
+    ) as raw:
         warning = raw.headers["x-mlxpaged-warning"]
         kinds = [event.type for event in raw.parse()]
     assert "tools[2] (web_search)" in warning and "tools[3] (image_generation)" in warning and "mcp" in warning
@@ -72,16 +92,38 @@ def test_codex_stream_with_namespace_and_hosted_tools(short):
 def test_a_namespaced_call_and_its_replay(short):
     """Forced, so the tiny model calls; Codex reads the item's namespace and name (its router.rs)."""
     client = _openai(short)
-    first = client.responses.create(model=MODEL, instructions=INSTRUCTIONS, input=TASK, tools=CODEX_TOOLS,
-                                    tool_choice={"type": "function", "name": "multi_agent_v1__spawn_agent"},
-                                    max_output_tokens=40, temperature=0, **CODEX_FIELDS)
+    first = client.responses.create(
+        model=MODEL,
+        instructions=INSTRUCTIONS,
+        input=TASK,
+        tools=CODEX_TOOLS,
+        tool_choice={"type": "function", "name": "multi_agent_v1__spawn_agent"},
+        max_output_tokens=40,
+        temperature=0,
+        **CODEX_FIELDS,
+    )
     [call] = [item for item in first.output if item.type == "function_call"]
     assert (call.namespace, call.name) == ("multi_agent_v1", "spawn_agent"), call
-    replay = [*TASK, {"type": "function_call", "call_id": call.call_id, "namespace": call.namespace,
-                      "name": call.name, "arguments": call.arguments},
-              {"type": "function_call_output", "call_id": call.call_id, "output": "helper started"}]
-    second = client.responses.create(model=MODEL, instructions=INSTRUCTIONS, input=replay, tools=CODEX_TOOLS,
-                                     max_output_tokens=4, temperature=0, **CODEX_FIELDS)
+    replay = [
+        *TASK,
+        {
+            "type": "function_call",
+            "call_id": call.call_id,
+            "namespace": call.namespace,
+            "name": call.name,
+            "arguments": call.arguments,
+        },
+        {"type": "function_call_output", "call_id": call.call_id, "output": "helper started"},
+    ]
+    second = client.responses.create(
+        model=MODEL,
+        instructions=INSTRUCTIONS,
+        input=replay,
+        tools=CODEX_TOOLS,
+        max_output_tokens=4,
+        temperature=0,
+        **CODEX_FIELDS,
+    )
     assert second.status in ("completed", "incomplete")
     # The replayed call renders as the model wrote it: the first turn's prompt is a prefix of the second's.
     assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens - 16
@@ -89,12 +131,14 @@ def test_a_namespaced_call_and_its_replay(short):
 
 def test_forcing_a_hosted_tool_stays_a_400(short):
     with pytest.raises(openai.BadRequestError) as caught:
-        _openai(short).responses.create(model=MODEL, input=TASK, tools=CODEX_TOOLS,
-                                        tool_choice={"type": "web_search"}, max_output_tokens=4)
+        _openai(short).responses.create(
+            model=MODEL, input=TASK, tools=CODEX_TOOLS, tool_choice={"type": "web_search"}, max_output_tokens=4
+        )
     assert caught.value.body["param"] == "tool_choice" and "web_search" in caught.value.body["message"]
 
 
 # --- max_tokens past the context: clamped in every API, refused only when the prompt alone does not fit --------
+
 
 def _words(n: int) -> str:
     """A prompt `n` tokens longer than _words(0) whose reply does not end at once (a page of one repeated word
@@ -103,8 +147,9 @@ def _words(n: int) -> str:
 
 
 def _chat(server, n: int, max_tokens: int) -> tuple[str, int, int]:
-    r = _openai(server).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": _words(n)}],
-                                                max_tokens=max_tokens, temperature=0)
+    r = _openai(server).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": _words(n)}], max_tokens=max_tokens, temperature=0
+    )
     return r.choices[0].finish_reason, r.usage.prompt_tokens, r.usage.completion_tokens
 
 
@@ -114,8 +159,9 @@ def _completion(server, n: int, max_tokens: int) -> tuple[str, int, int]:
 
 
 def _messages(server, n: int, max_tokens: int) -> tuple[str, int, int]:
-    r = _anthropic(server).messages.create(model=MODEL, messages=[{"role": "user", "content": _words(n)}],
-                                           max_tokens=max_tokens, extra_body=GREEDY)
+    r = _anthropic(server).messages.create(
+        model=MODEL, messages=[{"role": "user", "content": _words(n)}], max_tokens=max_tokens, extra_body=GREEDY
+    )
     usage = r.usage
     return r.stop_reason, usage.input_tokens + (usage.cache_read_input_tokens or 0), usage.output_tokens
 
@@ -125,8 +171,12 @@ def _responses(server, n: int, max_tokens: int) -> tuple[str, int, int]:
     return r.status, r.usage.input_tokens, r.usage.output_tokens
 
 
-APIS = {"chat": (_chat, "length"), "completions": (_completion, "length"), "messages": (_messages, "max_tokens"),
-        "responses": (_responses, "incomplete")}
+APIS = {
+    "chat": (_chat, "length"),
+    "completions": (_completion, "length"),
+    "messages": (_messages, "max_tokens"),
+    "responses": (_responses, "incomplete"),
+}
 
 
 @pytest.mark.parametrize("api", APIS)
@@ -165,12 +215,16 @@ def test_refusals_and_dropped_tools_are_logged_with_the_endpoint(short):
     _refused("chat", short, CONTEXT + 50, 10)
     _openai(short).responses.create(model=MODEL, input=TASK, tools=CODEX_TOOLS, max_output_tokens=1)
     log = short.log.read_text(errors="replace")
-    assert re.search(r"refused /v1/chat/completions: 400 context_length_exceeded param=messages "
-                     r"prompt_tokens=\d+: the prompt is", log), log[-2000:]
+    assert re.search(
+        r"refused /v1/chat/completions: 400 context_length_exceeded param=messages "
+        r"prompt_tokens=\d+: the prompt is",
+        log,
+    ), log[-2000:]
     assert re.search(r"POST /v1/responses resp_\w+: hosted tools left out .*tools\[2\] \(web_search\)", log)
 
 
 # --- a client that hangs up during a long prefill ------------------------------------------------------------------
+
 
 def _metric(server, name: str) -> float:
     text = httpx.get(f"{server.url}/metrics", timeout=10).text
@@ -211,8 +265,9 @@ def _assert_stopped_mid_prefill(server, cached_before: float, seconds: float) ->
 
 def test_anthropic_stream_hung_up_during_prefill(small_steps):
     cached_before = _metric(small_steps, 'mlxpaged_kv_blocks{state="cached"}')
-    with _anthropic(small_steps).messages.stream(model=MODEL, max_tokens=32000, extra_body=GREEDY,
-                                                 messages=[{"role": "user", "content": _long_prompt("river")}]) as s:
+    with _anthropic(small_steps).messages.stream(
+        model=MODEL, max_tokens=32000, extra_body=GREEDY, messages=[{"role": "user", "content": _long_prompt("river")}]
+    ) as s:
         assert next(iter(s)).type == "message_start"
         _until_prefilling(small_steps)
     _assert_stopped_mid_prefill(small_steps, cached_before, _idle_after(small_steps))
@@ -222,6 +277,7 @@ def test_openai_whole_reply_hung_up_during_prefill(small_steps):
     cached_before = _metric(small_steps, 'mlxpaged_kv_blocks{state="cached"}')
     client = _openai(small_steps, timeout=3.0)
     with pytest.raises(openai.APITimeoutError):  # the client gives up and closes the connection
-        client.chat.completions.create(model=MODEL, max_tokens=100,
-                                       messages=[{"role": "user", "content": _long_prompt("mountain")}])
+        client.chat.completions.create(
+            model=MODEL, max_tokens=100, messages=[{"role": "user", "content": _long_prompt("mountain")}]
+        )
     _assert_stopped_mid_prefill(small_steps, cached_before, _idle_after(small_steps))

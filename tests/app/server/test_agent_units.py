@@ -7,11 +7,15 @@ import logging
 from pathlib import Path
 from types import SimpleNamespace
 
-import pytest
-from openai.types.responses import Response
-
-from mlxpaged_app.server.chat.spec import (ChatRequestSpec, Finish, JsonSchemaOutput, ToolCallArgs, ToolCallEnd,
-                                           ToolCallStart, ToolSpec)
+from mlxpaged_app.server.chat.spec import (
+    ChatRequestSpec,
+    Finish,
+    JsonSchemaOutput,
+    ToolCallArgs,
+    ToolCallEnd,
+    ToolCallStart,
+    ToolSpec,
+)
 from mlxpaged_app.server.chat.structure import grammar_notes
 from mlxpaged_app.server.errors import APIError
 from mlxpaged_app.server.param_names import ANTHROPIC, OPENAI_CHAT, RESPONSES
@@ -23,17 +27,33 @@ from mlxpaged_app.server.responses.shapes import ResponseBuilder, response_head
 from mlxpaged_app.server.responses.tools import flat_name, responses_tools
 from mlxpaged_app.server.state import LONG_SEQUENCE_WARNING, fit_tokenizer_to_context
 
-SPAWN = {"type": "function", "name": "spawn_agent", "description": "Start a helper.",
-         "parameters": {"type": "object", "properties": {"message": {"type": "string", "maxLength": 16}},
-                        "required": ["message"]}}
+import pytest
+from openai.types.responses import Response
+
+SPAWN = {
+    "type": "function",
+    "name": "spawn_agent",
+    "description": "Start a helper.",
+    "parameters": {
+        "type": "object",
+        "properties": {"message": {"type": "string", "maxLength": 16}},
+        "required": ["message"],
+    },
+}
 WAIT = {"type": "function", "name": "wait", "parameters": {"type": "object", "properties": {}}}
-SHELL = {"type": "function", "name": "shell", "parameters": {"type": "object", "properties": {
-    "command": {"type": "array", "items": {"type": "string"}}}}}
+SHELL = {
+    "type": "function",
+    "name": "shell",
+    "parameters": {"type": "object", "properties": {"command": {"type": "array", "items": {"type": "string"}}}},
+}
 # Tools as Codex 0.171 sends them by default: its own function tools, a namespace, and hosted tools.
-CODEX_TOOLS = [SHELL,
-               {"type": "namespace", "name": "multi_agent_v1", "description": "Helpers.", "tools": [SPAWN, WAIT]},
-               {"type": "web_search", "external_web_access": False}, {"type": "image_generation"},
-               {"type": "mcp", "server_label": "docs", "server_url": "https://example.invalid"}]
+CODEX_TOOLS = [
+    SHELL,
+    {"type": "namespace", "name": "multi_agent_v1", "description": "Helpers.", "tools": [SPAWN, WAIT]},
+    {"type": "web_search", "external_web_access": False},
+    {"type": "image_generation"},
+    {"type": "mcp", "server_label": "docs", "server_url": "https://example.invalid"},
+]
 
 
 def _error(call, *args) -> APIError:
@@ -43,6 +63,7 @@ def _error(call, *args) -> APIError:
 
 
 # --- Responses tools as Codex sends them ------------------------------------------------------------------------
+
 
 def test_namespaces_flatten_and_hosted_tools_are_left_out():
     tools = responses_tools(CODEX_TOOLS)
@@ -59,28 +80,47 @@ def test_flat_names_follow_codex_trimming():
 
 
 def test_codex_request_fields_are_accepted():
-    body = ResponsesRequest.model_validate({
-        "model": "m", "instructions": "You are Codex.", "input": [{"type": "message", "role": "user", "content": [
-            {"type": "input_text", "text": "List the files."}]}], "tools": CODEX_TOOLS, "tool_choice": "auto",
-        "parallel_tool_calls": True, "reasoning": {"effort": "medium", "summary": "auto"}, "store": False,
-        "stream": True, "include": ["reasoning.encrypted_content"], "prompt_cache_key": "0199-session",
-        "client_metadata": {"originator": "codex_exec"}, "text": {"verbosity": "low"}})
+    body = ResponsesRequest.model_validate(
+        {
+            "model": "m",
+            "instructions": "You are Codex.",
+            "input": [
+                {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "List the files."}]}
+            ],
+            "tools": CODEX_TOOLS,
+            "tool_choice": "auto",
+            "parallel_tool_calls": True,
+            "reasoning": {"effort": "medium", "summary": "auto"},
+            "store": False,
+            "stream": True,
+            "include": ["reasoning.encrypted_content"],
+            "prompt_cache_key": "0199-session",
+            "client_metadata": {"originator": "codex_exec"},
+            "text": {"verbosity": "low"},
+        }
+    )
     spec = responses_spec(body)
     assert [t.name for t in spec.tools] == ["shell", "multi_agent_v1__spawn_agent", "multi_agent_v1__wait"]
     assert spec.tool_choice == "auto" and spec.reasoning.effort == "medium" and spec.output is None
 
 
-@pytest.mark.parametrize("tools, choice, param", [
-    (CODEX_TOOLS, {"type": "web_search"}, "tool_choice"),
-    (CODEX_TOOLS, {"type": "web_search_preview"}, "tool_choice"),
-    (CODEX_TOOLS, {"type": "mcp", "server_label": "docs"}, "tool_choice"),
-    ([{"type": "web_search"}], "required", "tool_choice"),  # nothing left to call
-    ([{"type": "custom", "name": "apply_patch"}], None, "tools[0].type"),  # a client tool we cannot parse
-    ([{"type": "namespace", "tools": [SPAWN]}], None, "tools[0].name"),
-    ([{"type": "namespace", "name": "n", "tools": [{"type": "function"}]}], None, "tools[0].tools[0].name"),
-    ([{"type": "namespace", "name": "n", "tools": [SPAWN]}, {**SPAWN, "name": "n__spawn_agent"}], None,
-     "tools[1].name"),
-])
+@pytest.mark.parametrize(
+    "tools, choice, param",
+    [
+        (CODEX_TOOLS, {"type": "web_search"}, "tool_choice"),
+        (CODEX_TOOLS, {"type": "web_search_preview"}, "tool_choice"),
+        (CODEX_TOOLS, {"type": "mcp", "server_label": "docs"}, "tool_choice"),
+        ([{"type": "web_search"}], "required", "tool_choice"),  # nothing left to call
+        ([{"type": "custom", "name": "apply_patch"}], None, "tools[0].type"),  # a client tool we cannot parse
+        ([{"type": "namespace", "tools": [SPAWN]}], None, "tools[0].name"),
+        ([{"type": "namespace", "name": "n", "tools": [{"type": "function"}]}], None, "tools[0].tools[0].name"),
+        (
+            [{"type": "namespace", "name": "n", "tools": [SPAWN]}, {**SPAWN, "name": "n__spawn_agent"}],
+            None,
+            "tools[1].name",
+        ),
+    ],
+)
 def test_what_cannot_work_is_a_400_naming_it(tools, choice, param):
     body = ResponsesRequest.model_validate({"input": "Hi", "tools": tools, "tool_choice": choice})
     assert _error(responses_spec, body).param == param
@@ -89,12 +129,18 @@ def test_what_cannot_work_is_a_400_naming_it(tools, choice, param):
 def test_a_namespaced_call_goes_back_as_codex_parses_it():
     """Codex builds ToolName::new(namespace, name) from a function_call item (core/src/tools/router.rs)."""
     body = ResponsesRequest.model_validate({"input": "Hi", "tools": CODEX_TOOLS})
-    builder = ResponseBuilder(response_head("m", echoed(body, responses_spec(body))),
-                              responses_tools(CODEX_TOOLS).call_fields)
+    builder = ResponseBuilder(
+        response_head("m", echoed(body, responses_spec(body))), responses_tools(CODEX_TOOLS).call_fields
+    )
     builder.start()
-    events = builder.feed([ToolCallStart(0, "call_1", "multi_agent_v1__spawn_agent"),
-                           ToolCallArgs(0, '{"message": "hi"}'), ToolCallEnd(0, {"message": "hi"}),
-                           Finish("tool_calls")])
+    events = builder.feed(
+        [
+            ToolCallStart(0, "call_1", "multi_agent_v1__spawn_agent"),
+            ToolCallArgs(0, '{"message": "hi"}'),
+            ToolCallEnd(0, {"message": "hi"}),
+            Finish("tool_calls"),
+        ]
+    )
     item = builder.response()["output"][0]
     assert (item["type"], item["namespace"], item["name"]) == ("function_call", "multi_agent_v1", "spawn_agent")
     done = next(e for e in events if e["type"] == "response.output_item.done")
@@ -103,10 +149,17 @@ def test_a_namespaced_call_goes_back_as_codex_parses_it():
 
 
 def test_a_replayed_namespaced_call_renders_under_the_flat_name():
-    items = [{"role": "user", "content": "Go."},
-             {"type": "function_call", "call_id": "c1", "namespace": "multi_agent_v1", "name": "spawn_agent",
-              "arguments": '{"message": "hi"}'},
-             {"type": "function_call_output", "call_id": "c1", "output": "started"}]
+    items = [
+        {"role": "user", "content": "Go."},
+        {
+            "type": "function_call",
+            "call_id": "c1",
+            "namespace": "multi_agent_v1",
+            "name": "spawn_agent",
+            "arguments": '{"message": "hi"}',
+        },
+        {"type": "function_call_output", "call_id": "c1", "output": "started"},
+    ]
     messages = input_messages(items, None)
     assert messages[1]["tool_calls"][0]["function"]["name"] == "multi_agent_v1__spawn_agent"
     assert messages[2]["name"] == "multi_agent_v1__spawn_agent"
@@ -114,14 +167,23 @@ def test_a_replayed_namespaced_call_renders_under_the_flat_name():
 
 # --- one max_tokens rule ----------------------------------------------------------------------------------------
 
+
 def _state(limit=8192, default=1024, cache_bound=False):
     return SimpleNamespace(context_limit=limit, default_max_tokens=default, cache_limits_context=cache_bound)
 
 
-@pytest.mark.parametrize("prompt, requested, expected", [
-    (7687, 1024, 505),  # opencode against an 8k context: clamped, not refused
-    (100, 32000, 8092), (100, None, 1024), (8000, None, 192), (8191, 32000, 1), (100, 0, 0), (100, -3, -3),
-])
+@pytest.mark.parametrize(
+    "prompt, requested, expected",
+    [
+        (7687, 1024, 505),  # opencode against an 8k context: clamped, not refused
+        (100, 32000, 8092),
+        (100, None, 1024),
+        (8000, None, 192),
+        (8191, 32000, 1),
+        (100, 0, 0),
+        (100, -3, -3),
+    ],
+)
 def test_max_tokens_is_clamped_to_what_fits(prompt, requested, expected):
     assert reply_budget(_state(), prompt, requested, OPENAI_CHAT) == expected
 
@@ -140,9 +202,12 @@ def test_only_a_prompt_that_does_not_fit_is_refused_with_the_numbers_and_the_fix
 
 # --- logs a person can use ----------------------------------------------------------------------------------------
 
+
 def test_grammar_warnings_name_the_tool_they_are_about():
-    tools = (ToolSpec("Bash", {"type": "object", "properties": {"command": {"type": "string"}}}),
-             ToolSpec("Edit", {"type": "object", "propertyNames": {"pattern": "^[a-z]+$"}}))
+    tools = (
+        ToolSpec("Bash", {"type": "object", "properties": {"command": {"type": "string"}}}),
+        ToolSpec("Edit", {"type": "object", "propertyNames": {"pattern": "^[a-z]+$"}}),
+    )
     warning = 'Unimplemented keys: ["propertyNames"]'
     [note] = grammar_notes(ChatRequestSpec([], tools=tools), (warning,))
     assert "tool Edit" in note and "Bash" not in note and warning in note

@@ -10,6 +10,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tests.app.server.test_server_live import KEY, serving
+from tests.app.server.test_server_tools import SCRIPT, SCRIPTED_CALLS
+from tests.app.server.test_server_tools import TOOLS as OPENAI_TOOLS
+from tests.scripted_models import write_scripted_model
+
 import anthropic
 import httpx
 import jsonschema
@@ -17,20 +22,24 @@ import pytest
 from anthropic.types import RawMessageStreamEvent
 from pydantic import TypeAdapter
 
-from tests.app.server.test_server_live import KEY, serving
-from tests.app.server.test_server_tools import SCRIPT, SCRIPTED_CALLS, TOOLS as OPENAI_TOOLS
-from tests.scripted_models import write_scripted_model
-
 pytestmark = pytest.mark.slow
 SMOL = "smollm2-135m"
-TOOLS = [{"name": t["function"]["name"], "description": t["function"]["description"],
-          "input_schema": t["function"]["parameters"]} for t in OPENAI_TOOLS]
+TOOLS = [
+    {
+        "name": t["function"]["name"],
+        "description": t["function"]["description"],
+        "input_schema": t["function"]["parameters"],
+    }
+    for t in OPENAI_TOOLS
+]
 SCHEMAS = {t["name"]: t["input_schema"] for t in TOOLS}
 GREEDY = {"temperature": 0}  # SDK 2.x has no sampling parameters; older SDKs and Claude Code send them
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
-SYSTEM = ("You are a careful weather assistant for travellers. Use the tools to look up the weather and the "
-          "local time before you answer, and say which city each answer is about. ") * 10
+SYSTEM = (
+    "You are a careful weather assistant for travellers. Use the tools to look up the weather and the "
+    "local time before you answer, and say which city each answer is about. "
+) * 10
 
 
 def _client(server) -> anthropic.Anthropic:
@@ -58,14 +67,17 @@ def _count(server, **body) -> int:
 
 # --- the default model ------------------------------------------------------------------------------------
 
+
 def test_text_message_usage_and_cache_read(smol):
     client, server = smol
     first = client.messages.create(model=SMOL, max_tokens=20, system=SYSTEM, messages=FRANCE, extra_body=GREEDY)
     assert first.type == "message" and first.role == "assistant" and first.id.startswith("msg_")
     assert [b.type for b in first.content] == ["text"] and "Paris" in first.content[0].text
     assert first.stop_reason in ("end_turn", "max_tokens") and 0 < first.usage.output_tokens <= 20
-    follow = FRANCE + [{"role": "assistant", "content": first.content[0].text},
-                       {"role": "user", "content": "And of Italy?"}]
+    follow = FRANCE + [
+        {"role": "assistant", "content": first.content[0].text},
+        {"role": "user", "content": "And of Italy?"},
+    ]
     second = client.messages.create(model=SMOL, max_tokens=8, system=SYSTEM, messages=follow, extra_body=GREEDY)
     usage = second.usage
     total = usage.input_tokens + usage.cache_read_input_tokens
@@ -82,18 +94,22 @@ def test_stream_text_matches_the_whole_message(smol):
         final = stream.get_final_message()
     assert text == whole.content[0].text == final.content[0].text
     assert final.stop_reason == whole.stop_reason and final.usage.output_tokens == whole.usage.output_tokens
-    assert final.usage.input_tokens + final.usage.cache_read_input_tokens == \
-        whole.usage.input_tokens + whole.usage.cache_read_input_tokens
+    assert (
+        final.usage.input_tokens + final.usage.cache_read_input_tokens
+        == whole.usage.input_tokens + whole.usage.cache_read_input_tokens
+    )
 
 
 def test_stop_sequences(smol):
     client, _ = smol
-    reply = client.messages.create(model=SMOL, max_tokens=20, messages=FRANCE, extra_body=GREEDY,
-                                   stop_sequences=["zzz", "Paris"])
+    reply = client.messages.create(
+        model=SMOL, max_tokens=20, messages=FRANCE, extra_body=GREEDY, stop_sequences=["zzz", "Paris"]
+    )
     assert reply.stop_reason == "stop_sequence" and reply.stop_sequence == "Paris"
     assert "Paris" not in reply.content[0].text and reply.content[0].text
-    with client.messages.stream(model=SMOL, max_tokens=20, messages=FRANCE, extra_body=GREEDY,
-                                stop_sequences=["Paris"]) as stream:
+    with client.messages.stream(
+        model=SMOL, max_tokens=20, messages=FRANCE, extra_body=GREEDY, stop_sequences=["Paris"]
+    ) as stream:
         final = stream.get_final_message()
     assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", "Paris")
 
@@ -101,9 +117,14 @@ def test_stop_sequences(smol):
 def test_tool_use_with_tool_choice_any_validates(smol):
     """Needs constrained decoding (mlxpaged.constraints): SmolLM2's template has no tool support."""
     client, _ = smol
-    reply = client.messages.create(model=SMOL, max_tokens=80, messages=ASK, tools=TOOLS,
-                                   tool_choice={"type": "any", "disable_parallel_tool_use": True},
-                                   extra_body={"temperature": 0.8})
+    reply = client.messages.create(
+        model=SMOL,
+        max_tokens=80,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice={"type": "any", "disable_parallel_tool_use": True},
+        extra_body={"temperature": 0.8},
+    )
     calls = [b for b in reply.content if b.type == "tool_use"]
     assert reply.stop_reason == "tool_use" and len(calls) == 1 and calls[0].id.startswith("toolu_")
     jsonschema.validate(calls[0].input, SCHEMAS[calls[0].name])
@@ -113,8 +134,11 @@ def test_keys_in_either_header(smol):
     _, server = smol
     body = {"model": SMOL, "max_tokens": 2, "messages": FRANCE}
     with httpx.Client(base_url=server.url, timeout=60) as http:
-        for headers in ({"x-api-key": KEY}, {"Authorization": f"Bearer {KEY}"},
-                        {"x-api-key": KEY, "anthropic-version": "2023-06-01", "anthropic-beta": "x"}):
+        for headers in (
+            {"x-api-key": KEY},
+            {"Authorization": f"Bearer {KEY}"},
+            {"x-api-key": KEY, "anthropic-version": "2023-06-01", "anthropic-beta": "x"},
+        ):
             r = http.post("/v1/messages?beta=true", json=body, headers=headers)
             assert r.status_code == 200 and r.json()["type"] == "message", (headers, r.text)
         for headers in ({"x-api-key": "wrong"}, {"Authorization": "Bearer wrong"}, {}):
@@ -122,33 +146,46 @@ def test_keys_in_either_header(smol):
             assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", r.text
     with pytest.raises(anthropic.AuthenticationError):
         anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0).messages.create(
-            model=SMOL, max_tokens=2, messages=FRANCE)
+            model=SMOL, max_tokens=2, messages=FRANCE
+        )
 
 
 # --- the scripted model: thinking, text and tool_use blocks -------------------------------------------------
 
+
 def test_thinking_text_and_tool_use_blocks(scripted):
     client, _ = scripted
-    reply = client.messages.create(model="scripted-model", max_tokens=100, messages=ASK, tools=TOOLS,
-                                   thinking={"type": "enabled", "budget_tokens": 1024}, extra_body={"temperature": 1.0})
+    reply = client.messages.create(
+        model="scripted-model",
+        max_tokens=100,
+        messages=ASK,
+        tools=TOOLS,
+        thinking={"type": "enabled", "budget_tokens": 1024},
+        extra_body={"temperature": 1.0},
+    )
     assert [b.type for b in reply.content] == ["thinking", "text", "tool_use", "tool_use"]
     assert reply.content[0].thinking == "Maybe <tool_call> later." and reply.content[1].text == "Let me check."
     assert [(b.name, b.input) for b in reply.content[2:]] == SCRIPTED_CALLS and reply.stop_reason == "tool_use"
     with client.messages.stream(model="scripted-model", max_tokens=100, messages=ASK, tools=TOOLS) as stream:
         final = stream.get_final_message()
-    assert [b.model_dump(exclude={"id"}) for b in final.content] == \
-        [b.model_dump(exclude={"id"}) for b in reply.content]
+    assert [b.model_dump(exclude={"id"}) for b in final.content] == [
+        b.model_dump(exclude={"id"}) for b in reply.content
+    ]
 
 
 def test_tool_result_turn(scripted):
     client, server = scripted
     first = client.messages.create(model="scripted-model", max_tokens=100, messages=ASK, tools=TOOLS)
     calls = [b for b in first.content if b.type == "tool_use"]
-    results = [{"type": "tool_result", "tool_use_id": c.id, "content": [{"type": "text", "text": f"{c.name}: ok"}]}
-               for c in calls]
+    results = [
+        {"type": "tool_result", "tool_use_id": c.id, "content": [{"type": "text", "text": f"{c.name}: ok"}]}
+        for c in calls
+    ]
     results[-1]["is_error"] = True
-    messages = ASK + [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
-                      {"role": "user", "content": results}]
+    messages = ASK + [
+        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+        {"role": "user", "content": results},
+    ]
     second = client.messages.create(model="scripted-model", max_tokens=100, messages=messages, tools=TOOLS)
     assert second.stop_reason == "tool_use"
     prompt = second.usage.input_tokens + second.usage.cache_read_input_tokens
@@ -162,7 +199,7 @@ def _raw_events(text: str) -> list[tuple[str, dict]]:
     for frame in text.strip().split("\n\n"):
         lines = frame.split("\n")
         assert lines[0].startswith("event: ") and lines[1].startswith("data: "), frame
-        events.append((lines[0][len("event: "):], json.loads(lines[1][len("data: "):])))
+        events.append((lines[0][len("event: ") :], json.loads(lines[1][len("data: ") :])))
     return events
 
 
@@ -189,6 +226,7 @@ def test_raw_stream_has_event_lines_ping_and_order(scripted):
 
 # --- bad requests: each a 4xx in Anthropic's shape, and the next good request is served -------------------------
 
+
 def _user(*blocks):
     return {"messages": [{"role": "user", "content": list(blocks)}]}
 
@@ -200,8 +238,11 @@ BAD = [
     ("max-tokens-zero", {"max_tokens": 0}, 400),
     ("empty-messages", {"messages": []}, 400),
     ("role-tool", {"messages": [{"role": "tool", "content": "x"}]}, 400),
-    ("image-block", _user({"type": "image", "source": {"type": "base64", "media_type": "image/png",
-                                                       "data": "iVBORw0KGgo="}}), 400),
+    (
+        "image-block",
+        _user({"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}),
+        400,
+    ),
     ("document-block", _user({"type": "document", "source": {"type": "text", "data": "x"}}), 400),
     ("block-without-type", _user({"text": "hi"}), 400),
     ("content-number", {"messages": [{"role": "user", "content": 5}]}, 400),
@@ -221,8 +262,11 @@ BAD = [
     ("stop-sequences-a-string", {"stop_sequences": "END"}, 400),
     ("system-number", {"system": 5}, 400),
     ("thinking-bad-type", {"thinking": {"type": "sometimes"}}, 400),
-    ("output-config-bad-schema", {"output_config": {"format": {"type": "json_schema", "schema": {"type": "strin"}}}},
-     400),
+    (
+        "output-config-bad-schema",
+        {"output_config": {"format": {"type": "json_schema", "schema": {"type": "strin"}}}},
+        400,
+    ),
     ("unknown-model", {"model": "claude-sonnet-4-5"}, 404),
 ]
 
@@ -253,14 +297,31 @@ def test_bad_request_then_a_good_one(smol, name, change, status):
 
 
 RAW = [
-    ("malformed-json", "/v1/messages", b'{"model": "x", "messages": [', {"x-api-key": KEY}, 400,
-     "invalid_request_error"),
+    (
+        "malformed-json",
+        "/v1/messages",
+        b'{"model": "x", "messages": [',
+        {"x-api-key": KEY},
+        400,
+        "invalid_request_error",
+    ),
     ("no-key", "/v1/messages", b"{}", {}, 401, "authentication_error"),
-    ("body-too-large", "/v1/messages", b'{"system": "' + b"x" * 70_000 + b'"}', {"x-api-key": KEY}, 413,
-     "request_too_large"),
-    ("count-tokens-image", "/v1/messages/count_tokens",
-     json.dumps({"model": SMOL, **_user({"type": "image", "source": {}})}).encode(), {"x-api-key": KEY}, 400,
-     "invalid_request_error"),
+    (
+        "body-too-large",
+        "/v1/messages",
+        b'{"system": "' + b"x" * 70_000 + b'"}',
+        {"x-api-key": KEY},
+        413,
+        "request_too_large",
+    ),
+    (
+        "count-tokens-image",
+        "/v1/messages/count_tokens",
+        json.dumps({"model": SMOL, **_user({"type": "image", "source": {}})}).encode(),
+        {"x-api-key": KEY},
+        400,
+        "invalid_request_error",
+    ),
     ("unknown-route", "/v1/messages/batches", b"{}", {"x-api-key": KEY}, 404, "not_found_error"),
 ]
 
@@ -280,10 +341,13 @@ def test_sdk_raises_its_own_errors(smol):
 
 # --- a replayed agent loop: every turn after the first reads the previous prompt from the prefix cache ---------
 
+
 def _billing(turn: int) -> dict:
     """Claude Code's first system block: a hash that changes with every request."""
-    return {"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1.{turn}; cc_entrypoint=cli; "
-                                    f"cch={turn * 7919:05x};"}
+    return {
+        "type": "text",
+        "text": f"x-anthropic-billing-header: cc_version=2.1.{turn}; cc_entrypoint=cli; cch={turn * 7919:05x};",
+    }
 
 
 def test_replayed_agent_loop_hits_the_prefix_cache(smol):
@@ -294,17 +358,37 @@ def test_replayed_agent_loop_hits_the_prefix_cache(smol):
         system = [_billing(turn), {"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral"}}]
         if turn == 0:
             assert _count(server, model=SMOL, system=system, messages=[ASK[0]]) >= 300
-        reply = client.messages.create(model=SMOL, max_tokens=4, system=system, messages=messages, tools=TOOLS,
-                                       tool_choice={"type": "none"}, extra_body=GREEDY, metadata={"user_id": "u1"})
+        reply = client.messages.create(
+            model=SMOL,
+            max_tokens=4,
+            system=system,
+            messages=messages,
+            tools=TOOLS,
+            tool_choice={"type": "none"},
+            extra_body=GREEDY,
+            metadata={"user_id": "u1"},
+        )
         prompts.append(reply.usage.input_tokens + reply.usage.cache_read_input_tokens)
         cached.append(reply.usage.cache_read_input_tokens)
         call_id = f"toolu_{turn:02d}"
-        messages += [{"role": "assistant", "content": [
-                          {"type": "text", "text": f"Checking city {turn}."},
-                          {"type": "tool_use", "id": call_id, "name": "get_weather",
-                           "input": {"city": f"City{turn}", "unit": "celsius"}}]},
-                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call_id,
-                                                   "content": f"{10 + turn} C, cloudy"}]}]
+        messages += [
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "text", "text": f"Checking city {turn}."},
+                    {
+                        "type": "tool_use",
+                        "id": call_id,
+                        "name": "get_weather",
+                        "input": {"city": f"City{turn}", "unit": "celsius"},
+                    },
+                ],
+            },
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": call_id, "content": f"{10 + turn} C, cloudy"}],
+            },
+        ]
     rates = [c / p for c, p in zip(cached[1:], prompts)]
     print(f"\ncache_read_input_tokens / previous prompt per turn: {[f'{r:.0%}' for r in rates]}")
     assert all(rate >= 0.9 for rate in rates), list(zip(prompts, cached))
@@ -313,8 +397,8 @@ def test_replayed_agent_loop_hits_the_prefix_cache(smol):
 def test_readme_snippet_runs(smol, capsys):
     """The README's Anthropic example, pointed at this server."""
     readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
-    section = readme[readme.index("#### Anthropic Messages API"):]
-    code = section[section.index("```python\n") + len("```python\n"):section.index("```\n", 10)]
+    section = readme[readme.index("#### Anthropic Messages API") :]
+    code = section[section.index("```python\n") + len("```python\n") : section.index("```\n", 10)]
     code = code.replace("http://127.0.0.1:8000", smol[1].url).replace('api_key="unused"', f'api_key="{KEY}"')
     exec(compile(code, "README.md", "exec"), {})
     printed = capsys.readouterr().out
@@ -323,10 +407,14 @@ def test_readme_snippet_runs(smol, capsys):
 
 def test_client_leaving_mid_stream_frees_its_blocks(smol):
     _, server = smol
-    body = {"model": SMOL, "max_tokens": 400, "messages": FRANCE, "stream": True,
-            "system": "Write a long story about rivers."}
-    with httpx.stream("POST", f"{server.url}/v1/messages", json=body, headers={"x-api-key": KEY},
-                      timeout=60) as r:
+    body = {
+        "model": SMOL,
+        "max_tokens": 400,
+        "messages": FRANCE,
+        "stream": True,
+        "system": "Write a long story about rivers.",
+    }
+    with httpx.stream("POST", f"{server.url}/v1/messages", json=body, headers={"x-api-key": KEY}, timeout=60) as r:
         for line in r.iter_lines():
             if line.startswith("event: content_block_delta"):
                 break

@@ -6,22 +6,29 @@ from __future__ import annotations
 import asyncio
 import json
 
+from mlxpaged_app.server.anthropic.convert import messages_spec
+from mlxpaged_app.server.anthropic.protocol import CountTokensRequest, MessagesRequest
+from mlxpaged_app.server.anthropic.shapes import envelope, message_body
+from mlxpaged_app.server.anthropic.streaming import BlockStream
+from mlxpaged_app.server.chat.pipeline import ChoiceResult
+from mlxpaged_app.server.chat.spec import (
+    Finish,
+    NamedTool,
+    ReasoningDelta,
+    TextDelta,
+    ToolCallArgs,
+    ToolCallEnd,
+    ToolCallStart,
+)
+from mlxpaged_app.server.errors import APIError, error_response, queue_full, unavailable
+from mlxpaged_app.server.sse import with_pings
+
 import anthropic
 import httpx
 import pytest
 from anthropic.lib.streaming._messages import accumulate_event
 from anthropic.types import Message, RawMessageStreamEvent
 from pydantic import TypeAdapter
-
-from mlxpaged_app.server.anthropic.convert import messages_spec
-from mlxpaged_app.server.anthropic.protocol import CountTokensRequest, MessagesRequest
-from mlxpaged_app.server.anthropic.shapes import envelope, message_body
-from mlxpaged_app.server.anthropic.streaming import BlockStream
-from mlxpaged_app.server.sse import with_pings
-from mlxpaged_app.server.chat.pipeline import ChoiceResult
-from mlxpaged_app.server.chat.spec import (Finish, NamedTool, ReasoningDelta, TextDelta, ToolCallArgs, ToolCallEnd,
-                                           ToolCallStart)
-from mlxpaged_app.server.errors import APIError, error_response, queue_full, unavailable
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 TOOLS = [{"name": "get_weather", "input_schema": WEATHER, "description": "Weather"}]
@@ -33,36 +40,69 @@ def _spec(**body):
 
 
 def test_conversation_translates_blocks_and_drops_the_billing_header():
-    spec = _spec(system=[{"type": "text", "text": BILLING}, {"type": "text", "text": "Be brief."}], tools=TOOLS,
-                 messages=[{"role": "user", "content": "Weather?"},
-                           {"role": "assistant", "content": [
-                               {"type": "thinking", "thinking": "hm", "signature": "s"},
-                               {"type": "text", "text": "Checking."},
-                               {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Oslo"}}]},
-                           {"role": "user", "content": [
-                               {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text",
-                                                                                             "text": "rain"}]},
-                               {"type": "text", "text": "And tomorrow?"}]},
-                           {"role": "user", "content": [{"type": "text", "text": "Thanks."}]}])
+    spec = _spec(
+        system=[{"type": "text", "text": BILLING}, {"type": "text", "text": "Be brief."}],
+        tools=TOOLS,
+        messages=[
+            {"role": "user", "content": "Weather?"},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "hm", "signature": "s"},
+                    {"type": "text", "text": "Checking."},
+                    {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Oslo"}},
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "rain"}]},
+                    {"type": "text", "text": "And tomorrow?"},
+                ],
+            },
+            {"role": "user", "content": [{"type": "text", "text": "Thanks."}]},
+        ],
+    )
     assert spec.messages == [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Weather?"},
-        {"role": "assistant", "content": "Checking.", "tool_calls": [
-            {"id": "toolu_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+        {
+            "role": "assistant",
+            "content": "Checking.",
+            "tool_calls": [
+                {
+                    "id": "toolu_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": {"city": "Oslo"}},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "toolu_1", "name": "get_weather", "content": "rain"},
-        {"role": "user", "content": "And tomorrow?\nThanks."}]  # consecutive user turns merged
+        {"role": "user", "content": "And tomorrow?\nThanks."},
+    ]  # consecutive user turns merged
     assert spec.tool_choice == "auto" and spec.parallel_tool_calls
     assert spec.api == "anthropic" and spec.tools[0].parameters == WEATHER
 
 
 def test_tool_result_error_and_choices():
-    spec = _spec(tools=TOOLS, tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True},
-                 messages=[{"role": "user", "content": "x"},
-                           {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "get_weather",
-                                                              "input": {}}]},
-                           {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "is_error": True,
-                                                         "content": "timeout"}]}])
-    assert spec.messages[-1] == {"role": "tool", "tool_call_id": "t", "name": "get_weather", "content": "Error: timeout"}
+    spec = _spec(
+        tools=TOOLS,
+        tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True},
+        messages=[
+            {"role": "user", "content": "x"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "get_weather", "input": {}}]},
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": "t", "is_error": True, "content": "timeout"}],
+            },
+        ],
+    )
+    assert spec.messages[-1] == {
+        "role": "tool",
+        "tool_call_id": "t",
+        "name": "get_weather",
+        "content": "Error: timeout",
+    }
     assert spec.tool_choice == NamedTool("get_weather") and not spec.parallel_tool_calls
     ask = [{"role": "user", "content": "x"}]
     assert _spec(tools=TOOLS, tool_choice={"type": "any"}, messages=ask).tool_choice == "required"
@@ -71,25 +111,40 @@ def test_tool_result_error_and_choices():
 
 
 def test_sampling_stop_and_thinking_reach_the_spec():
-    spec = _spec(messages=[{"role": "user", "content": "x"}], temperature=0.5, top_p=0.9, top_k=5,
-                 stop_sequences=["END"], thinking={"type": "enabled", "budget_tokens": 2048}, stream=True)
+    spec = _spec(
+        messages=[{"role": "user", "content": "x"}],
+        temperature=0.5,
+        top_p=0.9,
+        top_k=5,
+        stop_sequences=["END"],
+        thinking={"type": "enabled", "budget_tokens": 2048},
+        stream=True,
+    )
     assert (spec.sampling.temperature, spec.sampling.top_p, spec.sampling.top_k) == (0.5, 0.9, 5)
     assert spec.sampling.stop == ["END"] and spec.stream and spec.reasoning.kwargs() == {"enable_thinking": True}
     off = _spec(messages=[{"role": "user", "content": "x"}], thinking={"type": "disabled"})
     assert off.reasoning.kwargs() == {"enable_thinking": False}
-    counted = messages_spec(CountTokensRequest.model_validate({"model": "m", "messages": [{"role": "user",
-                                                                                           "content": "x"}]}))
+    counted = messages_spec(
+        CountTokensRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "x"}]})
+    )
     assert counted.max_tokens is None and not counted.stream
 
 
-@pytest.mark.parametrize("messages, param", [
-    ([{"role": "user", "content": [{"type": "image", "source": {}}]}], "messages[0].content[0].type"),
-    ([{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "nope"}]}],
-     "messages[0].content[0].tool_use_id"),
-    ([{"role": "user", "content": "x"}, {"role": "assistant", "content": "prefill"}], "messages"),
-    ([{"role": "user", "content": [{"type": "tool_use", "id": "a", "name": "f", "input": {}}]}],
-     "messages[0].content[0].type"),
-])
+@pytest.mark.parametrize(
+    "messages, param",
+    [
+        ([{"role": "user", "content": [{"type": "image", "source": {}}]}], "messages[0].content[0].type"),
+        (
+            [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "nope"}]}],
+            "messages[0].content[0].tool_use_id",
+        ),
+        ([{"role": "user", "content": "x"}, {"role": "assistant", "content": "prefill"}], "messages"),
+        (
+            [{"role": "user", "content": [{"type": "tool_use", "id": "a", "name": "f", "input": {}}]}],
+            "messages[0].content[0].type",
+        ),
+    ],
+)
 def test_unusable_conversations_are_400s_naming_the_block(messages, param):
     with pytest.raises(APIError) as caught:
         _spec(messages=messages)
@@ -98,10 +153,20 @@ def test_unusable_conversations_are_400s_naming_the_block(messages, param):
 
 # --- streamed events == the whole message --------------------------------------------------------------------
 
-EVENTS = [ReasoningDelta("Let me "), ReasoningDelta("think."), TextDelta("Sure"), TextDelta(", checking."),
-          ToolCallStart(0, "toolu_a", "get_weather"), ToolCallArgs(0, '{"city": '), ToolCallArgs(0, '"Paris"}'),
-          ToolCallEnd(0, {"city": "Paris"}), ToolCallStart(1, "toolu_b", "get_weather"),
-          ToolCallArgs(1, '{"city": "Rome"}'), ToolCallEnd(1, {"city": "Rome"}), Finish("tool_calls")]
+EVENTS = [
+    ReasoningDelta("Let me "),
+    ReasoningDelta("think."),
+    TextDelta("Sure"),
+    TextDelta(", checking."),
+    ToolCallStart(0, "toolu_a", "get_weather"),
+    ToolCallArgs(0, '{"city": '),
+    ToolCallArgs(0, '"Paris"}'),
+    ToolCallEnd(0, {"city": "Paris"}),
+    ToolCallStart(1, "toolu_b", "get_weather"),
+    ToolCallArgs(1, '{"city": "Rome"}'),
+    ToolCallEnd(1, {"city": "Rome"}),
+    Finish("tool_calls"),
+]
 COUNTS = {"prompt_tokens": 50, "completion_tokens": 12, "prompt_tokens_details": {"cached_tokens": 32}}
 
 
@@ -109,20 +174,36 @@ def test_streamed_events_fold_into_the_non_streamed_message():
     env = envelope("m")
     choice = ChoiceResult()
     blocks = BlockStream()
-    payloads = [{"type": "message_start", "message": {**env, "content": [], "stop_reason": None,
-                                                      "stop_sequence": None,
-                                                      "usage": {"input_tokens": 50, "output_tokens": 0}}}]
+    payloads = [
+        {
+            "type": "message_start",
+            "message": {
+                **env,
+                "content": [],
+                "stop_reason": None,
+                "stop_sequence": None,
+                "usage": {"input_tokens": 50, "output_tokens": 0},
+            },
+        }
+    ]
     for event in EVENTS:
         choice.add(event)
         payloads += blocks.feed(event)
     whole = message_body(env, choice, COUNTS)
-    payloads += [{"type": "message_delta", "delta": {"stop_reason": whole["stop_reason"], "stop_sequence": None},
-                  "usage": whole["usage"]}, {"type": "message_stop"}]
+    payloads += [
+        {
+            "type": "message_delta",
+            "delta": {"stop_reason": whole["stop_reason"], "stop_sequence": None},
+            "usage": whole["usage"],
+        },
+        {"type": "message_stop"},
+    ]
     adapter = TypeAdapter(RawMessageStreamEvent)
     snapshot, buffers = None, {}
     for payload in payloads:
-        snapshot = accumulate_event(event=adapter.validate_python(payload), current_snapshot=snapshot,
-                                    json_bufs=buffers)
+        snapshot = accumulate_event(
+            event=adapter.validate_python(payload), current_snapshot=snapshot, json_bufs=buffers
+        )
     assert Message.model_validate(whole).model_dump() == Message.model_validate(snapshot.model_dump()).model_dump()
     assert [b["type"] for b in whole["content"]] == ["thinking", "text", "tool_use", "tool_use"]
     assert whole["stop_reason"] == "tool_use" and whole["usage"]["input_tokens"] == 18
@@ -131,8 +212,15 @@ def test_streamed_events_fold_into_the_non_streamed_message():
     assert starts == stops == [0, 1, 2, 3]
 
 
-@pytest.mark.parametrize("finish, reason", [(Finish("stop"), "end_turn"), (Finish("length"), "max_tokens"),
-                                            (Finish("stop", "END"), "stop_sequence"), (Finish("abort"), None)])
+@pytest.mark.parametrize(
+    "finish, reason",
+    [
+        (Finish("stop"), "end_turn"),
+        (Finish("length"), "max_tokens"),
+        (Finish("stop", "END"), "stop_sequence"),
+        (Finish("abort"), None),
+    ],
+)
 def test_stop_reasons(finish, reason):
     choice = ChoiceResult(text="hi", finish=finish)
     body = message_body(envelope("m"), choice, COUNTS)
@@ -154,12 +242,20 @@ def test_pings_fill_silences_without_losing_items():
 
 # --- errors: Anthropic's shape on /v1/messages*, OpenAI's elsewhere ----------------------------------------
 
-@pytest.mark.parametrize("error, status, kind", [
-    (APIError(400, "bad"), 400, "invalid_request_error"), (APIError(401, "key"), 401, "authentication_error"),
-    (APIError(404, "model"), 404, "not_found_error"), (APIError(413, "big"), 413, "request_too_large"),
-    (queue_full(80, 80, 5), 429, "rate_limit_error"), (APIError(500, "bug"), 500, "api_error"),
-    (unavailable("draining"), 529, "overloaded_error"), (APIError(405, "GET"), 405, "invalid_request_error"),
-])
+
+@pytest.mark.parametrize(
+    "error, status, kind",
+    [
+        (APIError(400, "bad"), 400, "invalid_request_error"),
+        (APIError(401, "key"), 401, "authentication_error"),
+        (APIError(404, "model"), 404, "not_found_error"),
+        (APIError(413, "big"), 413, "request_too_large"),
+        (queue_full(80, 80, 5), 429, "rate_limit_error"),
+        (APIError(500, "bug"), 500, "api_error"),
+        (unavailable("draining"), 529, "overloaded_error"),
+        (APIError(405, "GET"), 405, "invalid_request_error"),
+    ],
+)
 def test_errors_take_anthropics_shape_by_path(error, status, kind):
     response = error_response(error, "/v1/messages/count_tokens")
     body = json.loads(response.body)
@@ -174,5 +270,6 @@ def test_errors_take_anthropics_shape_by_path(error, status, kind):
 
 
 def _httpx(response) -> httpx.Response:
-    return httpx.Response(response.status_code, content=response.body,
-                          request=httpx.Request("POST", "http://x/v1/messages"))
+    return httpx.Response(
+        response.status_code, content=response.body, request=httpx.Request("POST", "http://x/v1/messages")
+    )

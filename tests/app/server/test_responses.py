@@ -11,14 +11,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tests.app.server.test_server_live import KEY, serving
+from tests.app.server.test_server_tools import PERSON, SCHEMAS, SCRIPT, SCRIPTED_CALLS, SYSTEM, TOOLS
+from tests.scripted_models import write_scripted_model
+
 import httpx
 import jsonschema
 import openai
 import pytest
-
-from tests.app.server.test_server_live import KEY, serving
-from tests.app.server.test_server_tools import PERSON, SCHEMAS, SCRIPT, SCRIPTED_CALLS, SYSTEM, TOOLS
-from tests.scripted_models import write_scripted_model
 
 pytestmark = pytest.mark.slow
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -47,16 +47,20 @@ def _collapsed(kinds: list[str]) -> list[str]:
 
 def _items(response) -> list[tuple]:
     """Output items without their ids (which differ per response)."""
-    return [(i.type, i.content[0].text) if i.type in ("message", "reasoning") else (i.type, i.name, i.arguments)
-            for i in response.output]
+    return [
+        (i.type, i.content[0].text) if i.type in ("message", "reasoning") else (i.type, i.name, i.arguments)
+        for i in response.output
+    ]
 
 
 # --- the default model ---------------------------------------------------------------------------------------
 
+
 def test_text_reply(smol):
     client, _ = smol
-    reply = client.responses.create(model=MODEL, input=FRANCE, temperature=0, max_output_tokens=20, store=True,
-                                    metadata={"run": "1"})
+    reply = client.responses.create(
+        model=MODEL, input=FRANCE, temperature=0, max_output_tokens=20, store=True, metadata={"run": "1"}
+    )
     assert "Paris" in reply.output_text and reply.status == "completed" and reply.id.startswith("resp_")
     assert [item.type for item in reply.output] == ["message"] and reply.output[0].role == "assistant"
     assert reply.store is False and reply.metadata == {"run": "1"}  # accepted, but nothing is stored
@@ -73,9 +77,16 @@ def test_stream_events_in_order_and_final_response(smol):
         final = stream.get_final_response()
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert _collapsed([e.type for e in events]) == [
-        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
-        "response.output_text.delta", "response.output_text.done", "response.content_part.done",
-        "response.output_item.done", "response.completed"]
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
     deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
     assert len(deltas) >= 2 and "".join(deltas) == final.output_text == plain.output_text
     assert final.usage.output_tokens == plain.usage.output_tokens and final.status == plain.status
@@ -86,18 +97,24 @@ def test_max_output_tokens_makes_it_incomplete(smol):
     cut = client.responses.create(model=MODEL, input="Tell me a long story about a dragon.", max_output_tokens=3)
     assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
     assert cut.usage.output_tokens == 3 and cut.output[0].status == "incomplete"
-    events = list(client.responses.create(model=MODEL, input="Tell me a long story.", max_output_tokens=3,
-                                          stream=True))
-    assert events[-1].type == "response.incomplete" and events[-1].response.incomplete_details.reason == \
-        "max_output_tokens"
+    events = list(client.responses.create(model=MODEL, input="Tell me a long story.", max_output_tokens=3, stream=True))
+    assert (
+        events[-1].type == "response.incomplete"
+        and events[-1].response.incomplete_details.reason == "max_output_tokens"
+    )
 
 
 def test_json_schema_output_validates(smol):
     """Needs mlxpaged.constraints (llguidance) in the engine."""
     client, _ = smol
     fmt = {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}
-    reply = client.responses.create(model=MODEL, input="Invent a person. Reply in JSON.", text={"format": fmt},
-                                    temperature=0.9, max_output_tokens=60)
+    reply = client.responses.create(
+        model=MODEL,
+        input="Invent a person. Reply in JSON.",
+        text={"format": fmt},
+        temperature=0.9,
+        max_output_tokens=60,
+    )
     assert reply.status == "completed", reply
     jsonschema.validate(json.loads(reply.output_text), PERSON)
 
@@ -105,14 +122,23 @@ def test_json_schema_output_validates(smol):
 def test_required_call_then_its_output(smol):
     """Needs mlxpaged.constraints: the call is enforced, the answer turn takes function_call_output."""
     client, _ = smol
-    first = client.responses.create(model=MODEL, input=ASK, tools=FLAT_TOOLS, tool_choice="required",
-                                    parallel_tool_calls=False, temperature=0.8)
+    first = client.responses.create(
+        model=MODEL, input=ASK, tools=FLAT_TOOLS, tool_choice="required", parallel_tool_calls=False, temperature=0.8
+    )
     calls = [i for i in first.output if i.type == "function_call"]
     assert len(calls) == 1 and calls[0].call_id.startswith("call_") and first.status == "completed"
     jsonschema.validate(json.loads(calls[0].arguments), SCHEMAS[calls[0].name])
-    answer = client.responses.create(model=MODEL, tools=FLAT_TOOLS, max_output_tokens=20, temperature=0, input=[
-        *ASK, *[i.model_dump(exclude_none=True) for i in first.output],
-        {"type": "function_call_output", "call_id": calls[0].call_id, "output": "21 C and sunny"}])
+    answer = client.responses.create(
+        model=MODEL,
+        tools=FLAT_TOOLS,
+        max_output_tokens=20,
+        temperature=0,
+        input=[
+            *ASK,
+            *[i.model_dump(exclude_none=True) for i in first.output],
+            {"type": "function_call_output", "call_id": calls[0].call_id, "output": "21 C and sunny"},
+        ],
+    )
     assert answer.output and answer.usage.input_tokens > first.usage.input_tokens
 
 
@@ -123,7 +149,7 @@ def test_readme_example_runs(smol):
     client, server = smol
     code = code.replace("http://127.0.0.1:8000/v1", f"{server.url}/v1").replace('"unused"', f'"{KEY}"')
     scope: dict = {}
-    exec(code, scope)  # noqa: S102  (our own README)
+    exec(code, scope)
     assert "Paris" in scope["reply"].output_text and scope["final"].status == "completed"
     assert (scope["call"].name, json.loads(scope["call"].arguments)) == ("get_weather", {"city": "Paris"})
     assert scope["answer"].usage.input_tokens_details.cached_tokens >= scope["first"].usage.input_tokens * 0.9
@@ -140,22 +166,39 @@ def test_replayed_agent_loop_hits_the_prefix_cache(smol):
     client, _ = smol
     items, usages = list(ASK), []
     for turn in range(4):
-        reply = client.responses.create(model=MODEL, instructions=SYSTEM, input=items, tools=FLAT_TOOLS,
-                                        tool_choice="none", max_output_tokens=4, temperature=0)
+        reply = client.responses.create(
+            model=MODEL,
+            instructions=SYSTEM,
+            input=items,
+            tools=FLAT_TOOLS,
+            tool_choice="none",
+            max_output_tokens=4,
+            temperature=0,
+        )
         usages.append(reply.usage)
-        items += [{"type": "function_call", "call_id": f"call_{turn}", "name": "get_weather",
-                   "arguments": json.dumps({"city": f"City{turn}", "unit": "celsius"})},
-                  {"type": "function_call_output", "call_id": f"call_{turn}", "output": f"{10 + turn} C, cloudy"}]
+        items += [
+            {
+                "type": "function_call",
+                "call_id": f"call_{turn}",
+                "name": "get_weather",
+                "arguments": json.dumps({"city": f"City{turn}", "unit": "celsius"}),
+            },
+            {"type": "function_call_output", "call_id": f"call_{turn}", "output": f"{10 + turn} C, cloudy"},
+        ]
     assert all(rate >= 0.9 for rate in _cache_rates(usages)), usages
 
 
 # --- the scripted model: reasoning, parallel calls, output items fed back ------------------------------------
 
+
 def test_reasoning_message_and_parallel_calls(scripted):
     client, _ = scripted
     reply = client.responses.create(model="scripted-model", input=ASK, tools=FLAT_TOOLS, temperature=0.7)
-    assert _items(reply) == [("reasoning", "Maybe <tool_call> later."), ("message", "Let me check."),
-                             *[("function_call", name, json.dumps(args)) for name, args in SCRIPTED_CALLS]]
+    assert _items(reply) == [
+        ("reasoning", "Maybe <tool_call> later."),
+        ("message", "Let me check."),
+        *[("function_call", name, json.dumps(args)) for name, args in SCRIPTED_CALLS],
+    ]
     assert reply.status == "completed" and reply.output_text == "Let me check."
     assert all(i.call_id.startswith("call_") and i.id.startswith("fc_") for i in reply.output[2:])
     assert reply.usage.output_tokens_details.reasoning_tokens >= 1
@@ -171,10 +214,12 @@ def test_streamed_calls_arrive_in_pieces(scripted):
     first_call = [e for e in events if e.type == "response.function_call_arguments.delta" and e.output_index == 2]
     assert len(first_call) >= 2  # as generated, not one piece at the end
     done = [e for e in events if e.type == "response.function_call_arguments.done"]
-    assert [(e.output_index, e.arguments) for e in done] == [(2 + i, json.dumps(args))
-                                                             for i, (_, args) in enumerate(SCRIPTED_CALLS)]
-    assert [e.type for e in events if e.type.startswith("response.reasoning_text")][-1] == \
-        "response.reasoning_text.done"
+    assert [(e.output_index, e.arguments) for e in done] == [
+        (2 + i, json.dumps(args)) for i, (_, args) in enumerate(SCRIPTED_CALLS)
+    ]
+    assert [e.type for e in events if e.type.startswith("response.reasoning_text")][
+        -1
+    ] == "response.reasoning_text.done"
 
 
 def test_agent_loop_feeding_output_items_back_hits_the_prefix_cache(scripted):
@@ -182,18 +227,22 @@ def test_agent_loop_feeding_output_items_back_hits_the_prefix_cache(scripted):
     instructions = " ".join(f"rule{i}" for i in range(300))  # one token per word: ~300 tokens before the talk
     items, usages = list(ASK), []
     for turn in range(4):
-        reply = client.responses.create(model="scripted-model", instructions=instructions, input=items,
-                                        tools=FLAT_TOOLS, temperature=0)
+        reply = client.responses.create(
+            model="scripted-model", instructions=instructions, input=items, tools=FLAT_TOOLS, temperature=0
+        )
         usages.append(reply.usage)
         calls = [i for i in reply.output if i.type == "function_call"]
         assert len(calls) == 2, (turn, reply.output)
         items += [i.model_dump(exclude_none=True) for i in reply.output]
-        items += [{"type": "function_call_output", "call_id": c.call_id, "output": f"result {turn} of {c.name}"}
-                  for c in calls]
+        items += [
+            {"type": "function_call_output", "call_id": c.call_id, "output": f"result {turn} of {c.name}"}
+            for c in calls
+        ]
     assert all(rate >= 0.9 for rate in _cache_rates(usages)), usages
 
 
 # --- bad requests: each a 4xx in OpenAI's error shape, and the next good request is served -----------------------
+
 
 def _call(call_id="c1", arguments="{}"):
     return {"type": "function_call", "call_id": call_id, "name": "get_weather", "arguments": arguments}
@@ -205,24 +254,35 @@ BAD = [
     ("no-input", {"input": None}, "input"),
     ("empty-input", {"input": []}, "input"),
     ("item-type-unknown", {"input": [{"type": "web_search_call", "id": "w"}]}, "input[0].type"),
-    ("output-without-call-id", {"input": [*ASK, _call(), {"type": "function_call_output", "output": "1"}]},
-     "input[2].call_id"),
-    ("output-unknown-call", {"input": [*ASK, {"type": "function_call_output", "call_id": "x", "output": "1"}]},
-     "input[1].call_id"),
+    (
+        "output-without-call-id",
+        {"input": [*ASK, _call(), {"type": "function_call_output", "output": "1"}]},
+        "input[2].call_id",
+    ),
+    (
+        "output-unknown-call",
+        {"input": [*ASK, {"type": "function_call_output", "call_id": "x", "output": "1"}]},
+        "input[1].call_id",
+    ),
     ("arguments-not-json", {"input": [*ASK, _call(arguments="{nope")]}, "input[1].arguments"),
     ("role-tool", {"input": [{"role": "tool", "content": "1"}]}, "input[0].role"),
-    ("image-part", {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
-     "input[0].content[0]"),
+    (
+        "image-part",
+        {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+        "input[0].content[0]",
+    ),
     ("instructions-number", {"instructions": 5}, "instructions"),
     ("schema-missing", {"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
     ("format-unknown", {"text": {"format": {"type": "yaml"}}}, "text.format"),
     ("custom-tool", {"tools": [{"type": "custom", "name": "apply_patch"}]}, "tools[0].type"),
-    ("choice-forces-web-search", {"tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search"}},
-     "tool_choice"),
+    (
+        "choice-forces-web-search",
+        {"tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search"}},
+        "tool_choice",
+    ),
     ("tool-without-name", {"tools": [{"type": "function", "parameters": {}}]}, "tools[0].name"),
     ("duplicate-tools", {"tools": FLAT_TOOLS[:1] * 2}, "tools[1].name"),
-    ("choice-unknown-function", {"tools": FLAT_TOOLS, "tool_choice": {"type": "function", "name": "x"}},
-     "tool_choice"),
+    ("choice-unknown-function", {"tools": FLAT_TOOLS, "tool_choice": {"type": "function", "name": "x"}}, "tool_choice"),
     ("choice-bad-string", {"tools": FLAT_TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
     ("required-without-tools", {"tool_choice": "required"}, "tool_choice"),
     ("effort-huge", {"reasoning": {"effort": "huge"}}, "reasoning.effort"),

@@ -15,10 +15,10 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import httpx
 import openai
@@ -51,8 +51,22 @@ class Server:
 
 
 def start_server(log: Path, *extra: str, timeout: float = 180.0) -> Server:
-    command = [sys.executable, "-m", "mlxpaged_app.cli", "serve", "--port", "0", "--cache-tokens", "4096",
-               "--default-max-tokens", "64", "--log-level", "warning", "--no-access-log", *extra]
+    command = [
+        sys.executable,
+        "-m",
+        "mlxpaged_app.cli",
+        "serve",
+        "--port",
+        "0",
+        "--cache-tokens",
+        "4096",
+        "--default-max-tokens",
+        "64",
+        "--log-level",
+        "warning",
+        "--no-access-log",
+        *extra,
+    ]
     with open(log, "wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + timeout
@@ -106,6 +120,7 @@ def client(server):
 
 # --- OpenAI semantics through the official client --------------------------------------------------
 
+
 def test_models_and_health(server, client):
     models = client.models.list()
     assert [m.id for m in models.data] == ["smollm2-135m"]
@@ -122,9 +137,16 @@ def test_chat_greedy(client):
 
 def test_chat_stream_matches_non_stream(client):
     plain = client.chat.completions.create(model="smollm2-135m", messages=FRANCE, max_tokens=12, temperature=0)
-    chunks = list(client.chat.completions.create(model="smollm2-135m", messages=FRANCE, max_tokens=12,
-                                                 temperature=0, stream=True,
-                                                 stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model="smollm2-135m",
+            messages=FRANCE,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == plain.choices[0].message.content
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == plain.choices[0].finish_reason
@@ -132,22 +154,30 @@ def test_chat_stream_matches_non_stream(client):
 
 
 def test_completions_stream_and_not(client):
-    plain = client.completions.create(model="smollm2-135m", prompt="The capital of France is", max_tokens=8,
-                                      temperature=0)
-    streamed = list(client.completions.create(model="smollm2-135m", prompt="The capital of France is",
-                                              max_tokens=8, temperature=0, stream=True))
+    plain = client.completions.create(
+        model="smollm2-135m", prompt="The capital of France is", max_tokens=8, temperature=0
+    )
+    streamed = list(
+        client.completions.create(
+            model="smollm2-135m", prompt="The capital of France is", max_tokens=8, temperature=0, stream=True
+        )
+    )
     assert plain.object == "text_completion" and plain.choices[0].text
     assert "".join(c.choices[0].text for c in streamed) == plain.choices[0].text
     assert plain.choices[0].finish_reason in ("stop", "length")
 
 
 def test_n_2_chat_and_stream(client):
-    reply = client.chat.completions.create(model="smollm2-135m", messages=FRANCE, max_tokens=8, n=2,
-                                           temperature=1.0, seed=3)
+    reply = client.chat.completions.create(
+        model="smollm2-135m", messages=FRANCE, max_tokens=8, n=2, temperature=1.0, seed=3
+    )
     assert sorted(c.index for c in reply.choices) == [0, 1]
     assert all(c.message.content for c in reply.choices)
-    chunks = list(client.chat.completions.create(model="smollm2-135m", messages=FRANCE, max_tokens=8, n=2,
-                                                 temperature=1.0, seed=3, stream=True))
+    chunks = list(
+        client.chat.completions.create(
+            model="smollm2-135m", messages=FRANCE, max_tokens=8, n=2, temperature=1.0, seed=3, stream=True
+        )
+    )
     streamed = {0: "", 1: ""}
     for chunk in chunks:
         for choice in chunk.choices:
@@ -156,19 +186,26 @@ def test_n_2_chat_and_stream(client):
 
 
 def test_stop_string(client):
-    reply = client.chat.completions.create(model="smollm2-135m", messages=FRANCE, max_tokens=20, temperature=0,
-                                           stop=["Paris"])
+    reply = client.chat.completions.create(
+        model="smollm2-135m", messages=FRANCE, max_tokens=20, temperature=0, stop=["Paris"]
+    )
     assert "Paris" not in reply.choices[0].message.content
     assert reply.choices[0].finish_reason == "stop"
-    listed = client.completions.create(model="smollm2-135m", prompt="1, 2, 3, 4,", max_tokens=20,
-                                       temperature=0, stop=[" 7", " 6"])
+    listed = client.completions.create(
+        model="smollm2-135m", prompt="1, 2, 3, 4,", max_tokens=20, temperature=0, stop=[" 7", " 6"]
+    )
     assert " 6" not in listed.choices[0].text and listed.choices[0].finish_reason == "stop"
 
 
 def test_seed_reproducible(client):
     def sample(seed):
-        return client.chat.completions.create(model="smollm2-135m", messages=FRANCE, max_tokens=16,
-                                              temperature=1.0, top_p=0.95, seed=seed).choices[0].message.content
+        return (
+            client.chat.completions.create(
+                model="smollm2-135m", messages=FRANCE, max_tokens=16, temperature=1.0, top_p=0.95, seed=seed
+            )
+            .choices[0]
+            .message.content
+        )
 
     assert sample(1234) == sample(1234)
 
@@ -176,16 +213,19 @@ def test_seed_reproducible(client):
 def test_second_turn_hits_the_prefix_cache(client):
     messages = [{"role": "user", "content": "Name three colors of the rainbow."}]
     first = client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=24, temperature=0)
-    messages += [{"role": "assistant", "content": first.choices[0].message.content},
-                 {"role": "user", "content": "And three animals?"}]
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "And three animals?"},
+    ]
     second = client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=8, temperature=0)
     assert second.usage.prompt_tokens_details.cached_tokens > 0
     assert second.usage.prompt_tokens_details.cached_tokens < second.usage.prompt_tokens
 
 
 def test_logprobs(client):
-    reply = client.chat.completions.create(model="smollm2-135m", messages=FRANCE, max_tokens=4, temperature=0,
-                                           logprobs=True, top_logprobs=3)
+    reply = client.chat.completions.create(
+        model="smollm2-135m", messages=FRANCE, max_tokens=4, temperature=0, logprobs=True, top_logprobs=3
+    )
     content = reply.choices[0].logprobs.content
     assert len(content) == reply.usage.completion_tokens
     assert all(len(e.top_logprobs) == 3 and e.logprob <= 0 for e in content)
@@ -197,8 +237,11 @@ PARIS, COMMA = 7042, 28  # " Paris" and "," in SmolLM2's vocabulary
 
 def test_logit_bias_bans_and_forces_tokens(client):
     def complete(**fields):
-        return client.completions.create(model="smollm2-135m", prompt="The capital of France is", temperature=0,
-                                         **fields).choices[0].text
+        return (
+            client.completions.create(model="smollm2-135m", prompt="The capital of France is", temperature=0, **fields)
+            .choices[0]
+            .text
+        )
 
     assert complete(max_tokens=1) == " Paris"  # a completion keeps the space, as OpenAI's and vLLM's do
     assert complete(max_tokens=1, logit_bias={str(PARIS): -100}) not in (" Paris", "")
@@ -228,8 +271,14 @@ BAD_INPUTS = [  # (id, path, body as dict or raw bytes, headers or None for the 
     ("unknown-role", CHAT, chat(messages=[{"role": "wizard", "content": "hi"}]), None, 400, "messages[0].role"),
     ("missing-role", CHAT, chat(messages=[{"content": "hi"}]), None, 400, "messages[0].role"),
     ("content-number", CHAT, chat(messages=[{"role": "user", "content": 5}]), None, 400, "messages[0].content"),
-    ("image-part", CHAT, chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), None, 400,
-     "messages[0].content[0]"),
+    (
+        "image-part",
+        CHAT,
+        chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]),
+        None,
+        400,
+        "messages[0].content[0]",
+    ),
     ("negative-max-tokens", CHAT, chat(max_tokens=-5), None, 400, "max_tokens"),
     ("zero-max-tokens", CHAT, chat(max_tokens=0), None, 400, "max_tokens"),
     ("string-max-tokens", CHAT, chat(max_tokens="10"), None, 400, "max_tokens"),
@@ -308,6 +357,7 @@ def test_unknown_route_and_method(http):
 
 # --- disconnects and load ---------------------------------------------------------------------------
 
+
 def test_disconnect_mid_stream_frees_blocks(server, http):
     body = {"prompt": "Write a long story about a dragon.", "max_tokens": 1000, "stream": True, "ignore_eos": True}
     with http.stream("POST", COMPLETIONS, json=body, headers=AUTH) as r:
@@ -320,8 +370,14 @@ def test_disconnect_mid_stream_frees_blocks(server, http):
 
 
 async def _one_stream(client: httpx.AsyncClient, i: int) -> tuple[int, str]:
-    body = {"model": "smollm2-135m", "messages": [{"role": "user", "content": f"Count to {i + 3}."}],
-            "max_tokens": 12, "stream": True, "temperature": 0.7, "seed": i}
+    body = {
+        "model": "smollm2-135m",
+        "messages": [{"role": "user", "content": f"Count to {i + 3}."}],
+        "max_tokens": 12,
+        "stream": True,
+        "temperature": 0.7,
+        "seed": i,
+    }
     async with client.stream("POST", CHAT, json=body, headers=AUTH) as r:
         text = "".join([line async for line in r.aiter_lines()])
         return r.status_code, text
@@ -347,15 +403,21 @@ def test_metrics_after_traffic(http):
     assert re.search(r'mlxpaged_requests_total\{route="/v1/chat/completions",status="400"\} \d+', text)
     assert re.search(r'mlxpaged_requests_total\{route="/v1/chat/completions",status="401"\} [1-9]', text)
     assert re.search(r"mlxpaged_cached_prompt_tokens_total [1-9]", text)
-    assert re.search(r'mlxpaged_time_to_first_token_seconds_count [1-9]', text)
+    assert re.search(r"mlxpaged_time_to_first_token_seconds_count [1-9]", text)
     assert 'mlxpaged_kv_blocks{state="used"} 0' in text and "mlxpaged_queue_depth 0" in text
 
 
 # --- process lifecycle --------------------------------------------------------------------------------
 
+
 def _serve(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mlxpaged_app.cli", "serve", *args], capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "MLXPAGED_API_KEY": ""})
+    return subprocess.run(
+        [sys.executable, "-m", "mlxpaged_app.cli", "serve", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "MLXPAGED_API_KEY": ""},
+    )
 
 
 def test_refuses_public_bind_without_key():
@@ -380,5 +442,5 @@ def test_sigterm_drains_then_exits_zero(tmp_path):
         srv.process.send_signal(signal.SIGTERM)
         rest = [line for line in lines if line.startswith("data: ")]
     assert rest[-1] == "data: [DONE]"
-    assert json.loads(rest[-2][len("data: "):])["choices"][0]["finish_reason"] == "abort"
+    assert json.loads(rest[-2][len("data: ") :])["choices"][0]["finish_reason"] == "abort"
     assert_clean_exit(srv.process.wait(60), srv.log)

@@ -15,22 +15,28 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
-import pytest
-
 from mlxpaged.config import SchedulerConfig
 from mlxpaged.engine.engine import RequestFailedError, StreamDelta
-from mlxpaged.kernels.self_check import KernelVariant, VariantCheck
 from mlxpaged.errors import RequestTooLongError
+from mlxpaged.kernels.self_check import KernelVariant, VariantCheck
 from mlxpaged_app.server.api_server import create_app
 from mlxpaged_app.server.flags import ServeError, check_bind, is_loopback
 from mlxpaged_app.server.sse import ClientGone, EventStream, unless_disconnected
 from mlxpaged_app.server.state import ServerConfig
 
-FAKE_ATTENTION = {"path": "kernel (with reference fallback)", "reason": 'self-check failed: "x"',
-                  "variants": [VariantCheck(KernelVariant("float16", 64, 16, 3, False), True, None, 0.01),
-                               VariantCheck(KernelVariant("float16", 64, 16, 3, True), False,
-                                            "mismatch: max error 0.31 > tolerance 0.004", 0.02)]}
+import httpx
+import pytest
+
+FAKE_ATTENTION = {
+    "path": "kernel (with reference fallback)",
+    "reason": 'self-check failed: "x"',
+    "variants": [
+        VariantCheck(KernelVariant("float16", 64, 16, 3, False), True, None, 0.01),
+        VariantCheck(
+            KernelVariant("float16", 64, 16, 3, True), False, "mismatch: max error 0.31 > tolerance 0.004", 0.02
+        ),
+    ],
+}
 
 
 class FakeTokenizer:
@@ -42,8 +48,9 @@ class FakeTokenizer:
     def decode(self, ids: list[int]) -> str:
         return bytes(max(0, i - 10) for i in ids).decode(errors="replace")
 
-    def apply_chat_template(self, messages: list[dict], tools=None, add_generation_prompt=True, tokenize=True,
-                            **kwargs) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[dict], tools=None, add_generation_prompt=True, tokenize=True, **kwargs
+    ) -> list[int]:
         if any(m["content"] == "template-error" for m in messages):
             raise RuntimeError("Conversation roles must alternate")
         return self.encode("".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>")
@@ -113,9 +120,20 @@ class FakeEngine:
             for index in range(p.n):
                 last = step == p.max_tokens - 1 or aborted
                 reason = ("abort" if aborted else "length") if last else None
-                run.sink(StreamDelta(request_id, f"w{step} ", 100 + step, -0.5 if p.logprobs else None,
-                                     [(100 + step, -0.5)] * p.top_logprobs if p.logprobs else None, reason, index,
-                                     prompt_tokens if last else 0, 3 if last else 0, step + 1 if last else 0))
+                run.sink(
+                    StreamDelta(
+                        request_id,
+                        f"w{step} ",
+                        100 + step,
+                        -0.5 if p.logprobs else None,
+                        [(100 + step, -0.5)] * p.top_logprobs if p.logprobs else None,
+                        reason,
+                        index,
+                        prompt_tokens if last else 0,
+                        3 if last else 0,
+                        step + 1 if last else 0,
+                    )
+                )
             if aborted:
                 return
             time.sleep(self.step)
@@ -126,11 +144,24 @@ class FakeEngine:
             self.runs[request_id].aborted.set()
 
     def stats(self) -> dict:
-        return {"blocks_total": 10, "blocks_free": 10, "blocks_used": 0, "blocks_cached": 2,
-                "prefix_hit_rate": 0.5, "prefix_hit_tokens": 3, "requests_running": 0, "requests_waiting": 0,
-                "generation_tokens_per_s": 1.0, "preemptions": 0, "memory_plan": self.plan,
-                "attention": FAKE_ATTENTION, "speculative": "ngram", "spec_draft_tokens_total": 40,
-                "spec_accepted_tokens_total": 30, "spec_acceptance_rate": 0.75}
+        return {
+            "blocks_total": 10,
+            "blocks_free": 10,
+            "blocks_used": 0,
+            "blocks_cached": 2,
+            "prefix_hit_rate": 0.5,
+            "prefix_hit_tokens": 3,
+            "requests_running": 0,
+            "requests_waiting": 0,
+            "generation_tokens_per_s": 1.0,
+            "preemptions": 0,
+            "memory_plan": self.plan,
+            "attention": FAKE_ATTENTION,
+            "speculative": "ngram",
+            "spec_draft_tokens_total": 40,
+            "spec_accepted_tokens_total": 30,
+            "spec_acceptance_rate": 0.75,
+        }
 
 
 def client_for(engine: FakeEngine, **config) -> httpx.AsyncClient:
@@ -142,7 +173,7 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
 
 
 def sse_events(text: str) -> list:
-    datas = [line[len("data: "):] for line in text.split("\n") if line.startswith("data: ")]
+    datas = [line[len("data: ") :] for line in text.split("\n") if line.startswith("data: ")]
     return [d if d == "[DONE]" else json.loads(d) for d in datas]
 
 
@@ -153,18 +184,28 @@ async def test_chat_reply_shape():
     body = r.json()
     assert r.status_code == 200 and body["object"] == "chat.completion"
     assert body["id"].startswith("chatcmpl-") and r.headers["x-request-id"] == body["id"]
-    assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "w0 w1 w2 "},
-                                "logprobs": None, "finish_reason": "length"}]
-    assert body["usage"] == {"prompt_tokens": len("<user>hi<assistant>"), "completion_tokens": 3,
-                             "total_tokens": len("<user>hi<assistant>") + 3,
-                             "prompt_tokens_details": {"cached_tokens": 3}}
+    assert body["choices"] == [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "w0 w1 w2 "},
+            "logprobs": None,
+            "finish_reason": "length",
+        }
+    ]
+    assert body["usage"] == {
+        "prompt_tokens": len("<user>hi<assistant>"),
+        "completion_tokens": 3,
+        "total_tokens": len("<user>hi<assistant>") + 3,
+        "prompt_tokens_details": {"cached_tokens": 3},
+    }
 
 
 @pytest.mark.asyncio
 async def test_chat_stream_events_and_usage():
     async with client_for(FakeEngine()) as client:
-        r = await client.post("/v1/chat/completions",
-                              json={**CHAT, "stream": True, "stream_options": {"include_usage": True}})
+        r = await client.post(
+            "/v1/chat/completions", json={**CHAT, "stream": True, "stream_options": {"include_usage": True}}
+        )
     assert r.headers["content-type"].startswith("text/event-stream")
     events = sse_events(r.text)
     assert events[-1] == "[DONE]"
@@ -193,12 +234,15 @@ async def test_n_samples_share_one_request():
 async def test_completion_batch_indices_and_echo():
     engine = FakeEngine()
     async with client_for(engine) as client:
-        r = await client.post("/v1/completions", json={"prompt": ["ab", "cde"], "n": 2, "max_tokens": 1,
-                                                       "echo": True})
+        r = await client.post("/v1/completions", json={"prompt": ["ab", "cde"], "n": 2, "max_tokens": 1, "echo": True})
     body = r.json()
     assert body["object"] == "text_completion"
-    assert [(c["index"], c["text"]) for c in body["choices"]] == [(0, "abw0 "), (1, "abw0 "), (2, "cdew0 "),
-                                                                  (3, "cdew0 ")]
+    assert [(c["index"], c["text"]) for c in body["choices"]] == [
+        (0, "abw0 "),
+        (1, "abw0 "),
+        (2, "cdew0 "),
+        (3, "cdew0 "),
+    ]
     assert body["usage"]["prompt_tokens"] == 5
 
 
@@ -243,8 +287,17 @@ async def test_queue_full_answers_429_with_retry_after():
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("header, ok", [(None, False), ("Bearer nope", False), ("Basic s3cret", False),
-                                        ("Bearer", False), ("Bearer s3cret", True), ("bearer s3cret", True)])
+@pytest.mark.parametrize(
+    "header, ok",
+    [
+        (None, False),
+        ("Bearer nope", False),
+        ("Basic s3cret", False),
+        ("Bearer", False),
+        ("Bearer s3cret", True),
+        ("bearer s3cret", True),
+    ],
+)
 async def test_api_key(header, ok):
     headers = {"Authorization": header} if header else {}
     async with client_for(FakeEngine(), api_key="s3cret") as client:
@@ -273,21 +326,26 @@ async def test_body_limit_declared_and_streamed():
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("body, param", [
-    ({**CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
-    ({"prompt": "x", "logprobs": 99}, "logprobs"),
-    ({**CHAT, "top_logprobs": 2}, "top_logprobs"),
-    ({**CHAT, "messages": [{"role": "user", "content": "template-error"}]}, "messages"),
-    ({**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-     "messages[0].content[0]"),
-    ({**CHAT, "tools": [{"type": "function"}]}, "tools[0].function"),
-    ({**CHAT, "logit_bias": {"abc": 1}}, "logit_bias"),
-    ({**CHAT, "logit_bias": {"5": 150}}, "logit_bias"),
-    ({"prompt": "x", "suffix": "y"}, "suffix"),
-    ({"prompt": ""}, "prompt"),
-    ({"prompt": "x" * 9000}, "prompt"),
-    ({**CHAT, "n": 0}, "n"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({**CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
+        ({"prompt": "x", "logprobs": 99}, "logprobs"),
+        ({**CHAT, "top_logprobs": 2}, "top_logprobs"),
+        ({**CHAT, "messages": [{"role": "user", "content": "template-error"}]}, "messages"),
+        (
+            {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            "messages[0].content[0]",
+        ),
+        ({**CHAT, "tools": [{"type": "function"}]}, "tools[0].function"),
+        ({**CHAT, "logit_bias": {"abc": 1}}, "logit_bias"),
+        ({**CHAT, "logit_bias": {"5": 150}}, "logit_bias"),
+        ({"prompt": "x", "suffix": "y"}, "suffix"),
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": "x" * 9000}, "prompt"),
+        ({**CHAT, "n": 0}, "n"),
+    ],
+)
 async def test_bad_parameters_name_the_field(body, param):
     path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
     async with client_for(FakeEngine()) as client:
@@ -300,8 +358,10 @@ async def test_bad_parameters_name_the_field(body, param):
 async def test_unknown_fields_are_ignored_and_aliases_accepted():
     engine = FakeEngine()
     async with client_for(engine) as client:
-        r = await client.post("/v1/chat/completions", json={**CHAT, "model": "fake-model-float32", "user": "u",
-                                                            "metadata": {"a": 1}, "future_field": [1]})
+        r = await client.post(
+            "/v1/chat/completions",
+            json={**CHAT, "model": "fake-model-float32", "user": "u", "metadata": {"a": 1}, "future_field": [1]},
+        )
         other = await client.get("/v1/models/fake-model")
     assert r.status_code == 200 and other.json()["id"] == "fake-model"
 
@@ -336,10 +396,13 @@ async def test_metrics_text_format():
     assert 'mlxpaged_kv_blocks{state="free"} 10' in text and "mlxpaged_prefix_cache_hit_rate 0.5" in text
     assert 'mlxpaged_memory_bytes{kind="kv_cache"} 1048576' in text
     assert "mlxpaged_spec_acceptance_rate 0.75" in text and "mlxpaged_spec_draft_tokens_total 40" in text
-    assert ('mlxpaged_attention_path{path="kernel (with reference fallback)",reason="self-check failed: \\"x\\""} 1'
-            in text)
-    assert ('mlxpaged_kernel_self_check_passed{variant="float16 D=64 BS=16 G=3 two-pass",'
-            'reason="mismatch: max error 0.31 > tolerance 0.004"} 0') in text
+    assert (
+        'mlxpaged_attention_path{path="kernel (with reference fallback)",reason="self-check failed: \\"x\\""} 1' in text
+    )
+    assert (
+        'mlxpaged_kernel_self_check_passed{variant="float16 D=64 BS=16 G=3 two-pass",'
+        'reason="mismatch: max error 0.31 > tolerance 0.004"} 0'
+    ) in text
     for line in text.splitlines():  # every sample line is "name{labels} number"
         if not line.startswith("#"):
             float(line.rsplit(" ", 1)[1])
@@ -435,8 +498,10 @@ def test_bind_checks():
 
 def test_the_cli_reads_serve_flags_without_loading_the_http_stack():
     """`mlxpaged --help` and every other command build the serve parser: it must stay light."""
-    code = ("import sys, mlxpaged_app.server.flags; "
-            "print(sorted({m.split('.')[0] for m in sys.modules} & {'starlette', 'uvicorn', 'pydantic', 'mlx'}))")
+    code = (
+        "import sys, mlxpaged_app.server.flags; "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'starlette', 'uvicorn', 'pydantic', 'mlx'}))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
@@ -445,9 +510,12 @@ def test_the_cli_reads_serve_flags_without_loading_the_http_stack():
 @pytest.mark.asyncio
 async def test_text_parts_and_developer_role_reach_the_template():
     engine = FakeEngine()
-    messages = [{"role": "developer", "content": "be brief"},
-                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-                {"role": "assistant", "content": None}, {"role": "user", "content": "c"}]
+    messages = [
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": None},
+        {"role": "user", "content": "c"},
+    ]
     async with client_for(engine) as client:
         r = await client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1})
     assert r.status_code == 200
@@ -456,11 +524,15 @@ async def test_text_parts_and_developer_role_reach_the_template():
 
 @pytest.mark.asyncio
 async def test_cors_only_when_asked_for():
-    preflight = {"Origin": "http://app.local", "Access-Control-Request-Method": "POST",
-                 "Access-Control-Request-Headers": "authorization,content-type"}
+    preflight = {
+        "Origin": "http://app.local",
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type",
+    }
     async with client_for(FakeEngine(), api_key="k") as client:
-        closed = await client.post("/v1/chat/completions", json=CHAT, headers={"Origin": "http://app.local",
-                                                                               "Authorization": "Bearer k"})
+        closed = await client.post(
+            "/v1/chat/completions", json=CHAT, headers={"Origin": "http://app.local", "Authorization": "Bearer k"}
+        )
     async with client_for(FakeEngine(), api_key="k", cors_origins=("http://app.local",)) as client:
         allowed = await client.options("/v1/chat/completions", headers=preflight)
         other = await client.options("/v1/chat/completions", headers={**preflight, "Origin": "http://evil.local"})

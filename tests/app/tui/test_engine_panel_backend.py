@@ -4,14 +4,14 @@
 from __future__ import annotations
 
 import mlxpaged  # noqa: F401  (OpenBLAS before mlx)
-import mlx.core as mx
-
 from mlxpaged.platform import backend
 from mlxpaged_app.tui import memory_use
 from mlxpaged_app.tui.memory_use import MemoryUse, probe_memory
 from mlxpaged_app.tui.widgets.engine_panel import memory_text, stats_text
 from tests.app.tui.tui_support import FakeEngine
 from tests.platform.mx_stand_ins import CUDA_INFO
+
+import mlx.core as mx
 
 
 def test_stats_name_the_backend_when_the_engine_reports_it():
@@ -25,8 +25,15 @@ def test_memory_shows_the_cuda_device_when_probed():
     plan = FakeEngine().plan
     host_only = MemoryUse(process_rss=10**9, host_used=8 * 10**9, host_total=25 * 10**9)
     assert "device" not in memory_text(plan, host_only).plain
-    on_cuda = MemoryUse(10**9, 8 * 10**9, 25 * 10**9, mlx_active=20 * 10**9, mlx_peak=22 * 10**9,
-                        device_used=21 * 10**9, device_total=150 * 10**9)
+    on_cuda = MemoryUse(
+        10**9,
+        8 * 10**9,
+        25 * 10**9,
+        mlx_active=20 * 10**9,
+        mlx_peak=22 * 10**9,
+        device_used=21 * 10**9,
+        device_total=150 * 10**9,
+    )
     text = memory_text(plan, on_cuda).plain
     assert "MLX active  20.00 GB (peak 22.00 GB)" in text
     assert "device      21.00 GB of 150.00 GB used" in text

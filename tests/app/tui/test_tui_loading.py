@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import threading
 
-import pytest
-from textual import events
-from textual.widgets import ProgressBar, Static
-
 from mlxpaged.loading.model_store import UnknownModelError
 from mlxpaged_app.tui.widgets.chat_view import AssistantMessage, UserMessage
 from tests.app.tui.tui_support import SIZE, FakeEngine, FakeFactory, RecordingApp, make_app, send, wait_for
+
+import pytest
+from textual import events
+from textual.widgets import ProgressBar, Static
 
 pytestmark = pytest.mark.asyncio
 
@@ -102,8 +102,9 @@ async def test_a_question_sent_while_switching_goes_to_the_new_model(tmp_path):
 
 
 async def test_a_failed_load_keeps_the_question_until_a_model_loads(tmp_path):
-    factory = FakeFactory(errors={"broken": UnknownModelError("unknown model 'broken': not a preset")},
-                          gate=threading.Event())
+    factory = FakeFactory(
+        errors={"broken": UnknownModelError("unknown model 'broken': not a preset")}, gate=threading.Event()
+    )
     app = make_app(tmp_path, factory=factory, model="broken")
     async with app.run_test(size=SIZE) as pilot:
         await send(pilot, "still there?")
@@ -135,8 +136,9 @@ async def test_a_new_chat_drops_the_waiting_question_from_the_queue(tmp_path):
 
 async def test_a_failed_switch_answers_the_waiting_question_with_the_old_model(tmp_path):
     old = FakeEngine("fake-model")
-    factory = FakeFactory(errors={"other-model": UnknownModelError("unknown model 'other-model'")},
-                          gate=threading.Event())
+    factory = FakeFactory(
+        errors={"other-model": UnknownModelError("unknown model 'other-model'")}, gate=threading.Event()
+    )
     app = make_app(tmp_path, old, factory)
     async with app.run_test(size=SIZE) as pilot:
         await pilot.press("f4")

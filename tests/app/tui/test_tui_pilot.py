@@ -6,12 +6,9 @@ import io
 import json
 import threading
 
-import pytest
-from rich.console import Console
-
 from mlxpaged.engine.engine import RequestFailedError
-from mlxpaged.loading.model_store import UnknownModelError
 from mlxpaged.engine.scheduler import MODEL_CONTEXT, RequestTooLongError
+from mlxpaged.loading.model_store import UnknownModelError
 from mlxpaged_app.tui.keys import APP_BINDINGS, key_label
 from mlxpaged_app.tui.screens.help import HelpScreen, help_table
 from mlxpaged_app.tui.screens.settings import SettingsScreen
@@ -19,6 +16,9 @@ from mlxpaged_app.tui.widgets.block_map import BlockMap
 from mlxpaged_app.tui.widgets.chat_view import AssistantMessage, UserMessage
 from mlxpaged_app.tui.widgets.engine_panel import EnginePanel
 from tests.app.tui.tui_support import SIZE, FakeEngine, FakeFactory, make_app, send, send_and_wait, wait_for
+
+import pytest
+from rich.console import Console
 
 pytestmark = pytest.mark.asyncio
 
@@ -191,7 +191,9 @@ async def test_block_map_reflects_the_scripted_pool(tmp_path):
         await wait_for(pilot, lambda: app.current_request_id is not None)
         app.refresh_engine_panel()
         block_map = app.query_one(BlockMap)
-        assert block_map.classes_by_block == ["current", "current", "shared", "cached", "cached", "other"] + ["free"] * 6
+        assert (
+            block_map.classes_by_block == ["current", "current", "shared", "cached", "cached", "other"] + ["free"] * 6
+        )
         legend = str(app.query_one("#block-legend").render())
         assert "this reply 2" in legend and "shared 1" in legend and "other 1" in legend and "cached (free) 2" in legend
         engine.gate.set()

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import threading
 
-import pytest
-
 from mlxpaged.config import CacheConfig
 from mlxpaged.engine.engine import Engine
 from mlxpaged_app.tui.settings import ChatSettings
 from tests.app.tui.tui_support import SIZE, make_app, send_and_wait, wait_for
+
+import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio]
 

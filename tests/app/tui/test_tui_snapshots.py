@@ -9,7 +9,16 @@ import threading
 
 from mlxpaged_app.tui.generation import ReplyStats
 from mlxpaged_app.tui.store import Conversation, ConversationStore
-from tests.app.tui.tui_support import FIXED_MEMORY, SIZE, FakeEngine, FakeFactory, RecordingApp, make_app, send, wait_for
+from tests.app.tui.tui_support import (
+    FIXED_MEMORY,
+    SIZE,
+    FakeEngine,
+    FakeFactory,
+    RecordingApp,
+    make_app,
+    send,
+    wait_for,
+)
 
 ANSWER = """Paris is the capital of **France**. A few facts:
 
@@ -24,11 +33,14 @@ capitals = {"France": "Paris"}
 def two_turn_conversation() -> Conversation:
     conversation = Conversation("snapshot", model="fake-model", system_prompt="You are a concise assistant.")
     conversation.add("user", "What is the capital of France?")
-    conversation.add("assistant", ANSWER, model="fake-model",
-                     stats=ReplyStats(41, 0, 52, 0.31, 17.2, "stop").to_dict())
+    conversation.add("assistant", ANSWER, model="fake-model", stats=ReplyStats(41, 0, 52, 0.31, 17.2, "stop").to_dict())
     conversation.add("user", "And of Germany?")
-    conversation.add("assistant", "Berlin is the capital of **Germany**.", model="fake-model",
-                     stats=ReplyStats(112, 96, 9, 0.08, 17.4, "stop").to_dict())
+    conversation.add(
+        "assistant",
+        "Berlin is the capital of **Germany**.",
+        model="fake-model",
+        stats=ReplyStats(112, 96, 9, 0.08, 17.4, "stop").to_dict(),
+    )
     return conversation
 
 

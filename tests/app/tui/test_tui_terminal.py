@@ -10,9 +10,9 @@ import termios
 import time
 import tty
 
-import pytest
-
 from mlxpaged_app.tui.terminal import enter_stays_enter
+
+import pytest
 
 
 @pytest.fixture

@@ -5,17 +5,24 @@ from __future__ import annotations
 import threading
 import time
 
-import pytest
-
 from mlxpaged_app.tui import generation
 from mlxpaged_app.tui.app import ChatApp
 from mlxpaged_app.tui.generation import ReplyRun, ReplyStats
-from mlxpaged_app.tui.messages import (LoadFailed, LoadProgress, ModelLoaded, ReplyDelta, ReplyFailed,
-                                       ReplyFinished, ReplyStarted)
+from mlxpaged_app.tui.messages import (
+    LoadFailed,
+    LoadProgress,
+    ModelLoaded,
+    ReplyDelta,
+    ReplyFailed,
+    ReplyFinished,
+    ReplyStarted,
+)
 from mlxpaged_app.tui.settings import ChatSettings
 from mlxpaged_app.tui.store import Conversation, ConversationStore
 from mlxpaged_app.tui.widgets.block_map import classify, group, group_size
 from tests.app.tui.tui_support import FakeEngine
+
+import pytest
 
 
 def test_classify_marks_the_current_requests_blocks():
@@ -169,8 +176,9 @@ def test_engine_panel_shows_speculation_acceptance_when_it_is_on():
 
     stats = FakeEngine().stats()
     assert "speculative" not in stats_text(stats).plain
-    stats.update(speculative="ngram", spec_draft_tokens_total=0, spec_accepted_tokens_total=0,
-                 spec_acceptance_rate=None)
+    stats.update(
+        speculative="ngram", spec_draft_tokens_total=0, spec_accepted_tokens_total=0, spec_acceptance_rate=None
+    )
     assert "ngram · no drafts yet" in stats_text(stats).plain
     stats.update(spec_draft_tokens_total=1200, spec_accepted_tokens_total=840, spec_acceptance_rate=0.7)
     assert "ngram · 70% of 1,200 drafts kept" in stats_text(stats).plain

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from textual.widgets import TextArea
-
 import asyncio
 import threading
 import time
@@ -17,6 +15,8 @@ from mlxpaged_app.tui.memory_use import MemoryUse
 from mlxpaged_app.tui.screens.model_picker import ModelChoice
 from mlxpaged_app.tui.settings import ChatSettings
 from mlxpaged_app.tui.store import ConversationStore
+
+from textual.widgets import TextArea
 
 SIZE = (120, 40)
 
@@ -37,8 +37,10 @@ class FakePlan:
         return self.num_blocks * self.block_size
 
     def describe(self) -> str:
-        return (f"KV cache plan (fake)\n  {self.num_blocks:,} blocks x {self.block_size} tokens = "
-                f"{self.token_capacity:,} tokens\n  blocks: scripted by the test")
+        return (
+            f"KV cache plan (fake)\n  {self.num_blocks:,} blocks x {self.block_size} tokens = "
+            f"{self.token_capacity:,} tokens\n  blocks: scripted by the test"
+        )
 
 
 @dataclass
@@ -86,7 +88,7 @@ class FakeEngine:
 
     def _emit(self, request_id: str, prompt_tokens: int, params, sink) -> None:
         aborted, sent = self._live[request_id], 0
-        for i, piece in enumerate(self.reply[:params.max_tokens]):
+        for i, piece in enumerate(self.reply[: params.max_tokens]):
             if aborted.is_set():
                 break
             if i == 1 and self.stream_error is not None:
@@ -101,8 +103,16 @@ class FakeEngine:
                     time.sleep(0.005)
         reason = "abort" if aborted.is_set() else ("length" if len(self.reply) > params.max_tokens else "stop")
         self._blocks.pop(request_id)
-        sink(StreamDelta(request_id, "", finish_reason=reason, prompt_tokens=prompt_tokens,
-                         cached_tokens=self.cached_tokens, completion_tokens=sent))
+        sink(
+            StreamDelta(
+                request_id,
+                "",
+                finish_reason=reason,
+                prompt_tokens=prompt_tokens,
+                cached_tokens=self.cached_tokens,
+                completion_tokens=sent,
+            )
+        )
 
     def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
@@ -111,11 +121,22 @@ class FakeEngine:
     def stats(self) -> dict:
         counts = Counter(self.states)
         used = counts["owned"] + counts["shared"]
-        return {"blocks_total": len(self.states), "blocks_free": counts["free"] + counts["cached"],
-                "blocks_used": used, "blocks_cached": counts["cached"], "prefix_hit_rate": 0.5,
-                "prefix_hit_tokens": 96, "requests_running": 1 if self._blocks else 0, "requests_waiting": 0,
-                "generation_tokens_per_s": 17.0, "processed_tokens_per_s": 250.0, "generated_tokens_total": 40,
-                "preemptions": 0, "last_time_to_first_token": 0.12, "memory_plan": self.plan}
+        return {
+            "blocks_total": len(self.states),
+            "blocks_free": counts["free"] + counts["cached"],
+            "blocks_used": used,
+            "blocks_cached": counts["cached"],
+            "prefix_hit_rate": 0.5,
+            "prefix_hit_tokens": 96,
+            "requests_running": 1 if self._blocks else 0,
+            "requests_waiting": 0,
+            "generation_tokens_per_s": 17.0,
+            "processed_tokens_per_s": 250.0,
+            "generated_tokens_total": 40,
+            "preemptions": 0,
+            "last_time_to_first_token": 0.12,
+            "memory_plan": self.plan,
+        }
 
     def block_states(self) -> list[str]:
         return list(self.states)
@@ -131,6 +152,7 @@ class FakeEngine:
 class FakeFactory:
     """An EngineFactory that hands out FakeEngines (or raises `errors[name]`) and records calls;
     with a `gate`, each load waits for it after reporting progress (a model still loading)."""
+
     engines: dict = field(default_factory=dict)
     errors: dict = field(default_factory=dict)
     calls: list = field(default_factory=list)
@@ -169,15 +191,23 @@ class RecordingApp(ChatApp):
 
 
 FIXED_MEMORY = MemoryUse(process_rss=1_234_000_000, host_used=8_100_000_000, host_total=25_300_000_000)
-CHOICES = [ModelChoice("fake-model", "the scripted default", 541_600_000, True),
-           ModelChoice("other-model", "a second scripted model", None)]
+CHOICES = [
+    ModelChoice("fake-model", "the scripted default", 541_600_000, True),
+    ModelChoice("other-model", "a second scripted model", None),
+]
 
 
 def make_app(tmp_path, engine: FakeEngine | None = None, factory: FakeFactory | None = None, **kwargs) -> RecordingApp:
     engine = engine if engine is not None or factory is not None else FakeEngine()
     kwargs.setdefault("settings", ChatSettings(temperature=0.7, max_tokens=64))
-    return RecordingApp(factory or FakeFactory(), engine=engine, store=ConversationStore(tmp_path / "chats"),
-                        model_lister=lambda: CHOICES, memory_probe=lambda _engine: FIXED_MEMORY, **kwargs)
+    return RecordingApp(
+        factory or FakeFactory(),
+        engine=engine,
+        store=ConversationStore(tmp_path / "chats"),
+        model_lister=lambda: CHOICES,
+        memory_probe=lambda _engine: FIXED_MEMORY,
+        **kwargs,
+    )
 
 
 async def wait_for(pilot, condition, timeout: float = 15.0) -> None:
@@ -196,6 +226,9 @@ async def send_and_wait(pilot, text: str, timeout: float = 15.0) -> None:
     app = pilot.app
     replies = len([m for m in app.conversation.messages if m["role"] == "assistant"])
     await send(pilot, text)
-    await wait_for(pilot, lambda: app.reply is None and
-                   len([m for m in app.conversation.messages if m["role"] == "assistant"]) > replies, timeout)
+    await wait_for(
+        pilot,
+        lambda: app.reply is None and len([m for m in app.conversation.messages if m["role"] == "assistant"]) > replies,
+        timeout,
+    )
     await asyncio.sleep(0)
