@@ -11,7 +11,7 @@ import pytest
 
 
 def test_settings_go_to_the_config_that_has_the_field():
-    cache, scheduler = split_settings(dict(block_size=8, kv_memory="2GB", max_num_seqs=4, max_batch_tokens=64))
+    cache, scheduler = split_settings({"block_size": 8, "kv_memory": "2GB", "max_num_seqs": 4, "max_batch_tokens": 64})
     assert cache == CacheConfig(block_size=8, kv_memory=2 * 10**9)
     assert scheduler == SchedulerConfig(max_batch_tokens=64, max_num_seqs=4)
     assert split_settings({}) == (CacheConfig(), SchedulerConfig())
@@ -19,14 +19,14 @@ def test_settings_go_to_the_config_that_has_the_field():
 
 def test_an_unknown_setting_is_named_before_anything_is_built():
     with pytest.raises(ConfigError, match="unknown setting 'max_tokens'; the settings are block_size, ") as info:
-        split_settings(dict(cache_tokens=64, max_tokens=64))
+        split_settings({"cache_tokens": 64, "max_tokens": 64})
     assert info.value.param == "max_tokens"
     assert "max_num_seqs" in str(info.value) and "cache_tokens" in str(info.value)
 
 
 def test_each_config_checks_its_own_fields():
     with pytest.raises(ConfigError) as info:
-        split_settings(dict(block_size=8, max_num_seqs=0))
+        split_settings({"block_size": 8, "max_num_seqs": 0})
     assert info.value.param == "max_num_seqs"
     with pytest.raises(TypeError):  # the step's settings are not the cache's
         CacheConfig(max_num_seqs=4)
@@ -46,7 +46,7 @@ def test_from_pretrained_refuses_an_unknown_setting_before_looking_for_the_model
 
 
 def test_speculative_decoding_is_a_scheduler_setting_checked_by_name():
-    assert split_settings(dict(speculative="ngram"))[1] == SchedulerConfig(speculative="ngram")
+    assert split_settings({"speculative": "ngram"})[1] == SchedulerConfig(speculative="ngram")
     with pytest.raises(ConfigError, match="must be one of") as info:
         SchedulerConfig(speculative="eagle")
     assert info.value.param == "speculative"
@@ -58,5 +58,5 @@ def test_speculative_decoding_is_a_scheduler_setting_checked_by_name():
 def test_max_model_len_is_a_positive_count_or_none():
     assert SchedulerConfig().max_model_len is None and SchedulerConfig(max_model_len=16384).max_model_len == 16384
     with pytest.raises(ConfigError, match="max_model_len") as info:
-        split_settings(dict(max_model_len=0))
+        split_settings({"max_model_len": 0})
     assert info.value.param == "max_model_len"

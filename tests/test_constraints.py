@@ -104,7 +104,7 @@ def test_json_schema_grammar_takes_exactly_the_valid_values_in_json_dumps_layout
     constraint = compiler.compile(json_schema_grammar(PERSON))
     valid = jsonschema.Draft202012Validator(PERSON).is_valid(value) and in_schema_order(value, PERSON)
     assert accepts(constraint, ids(tokenizer, json.dumps(value))) == valid
-    for layout in (dict(separators=(",", ":")), dict(indent=2)):  # any other layout is refused
+    for layout in ({"separators": (",", ":")}, {"indent": 2}):  # any other layout is refused
         assert not accepts(constraint, ids(tokenizer, json.dumps(value, **layout)))
 
 

@@ -10,16 +10,16 @@ import mlx.core as mx
 from mlx.utils import tree_map
 from mlx_lm.models import gemma3_text, llama, qwen3, qwen3_5
 
-_COMMON = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    rms_norm_eps=1e-5,
-    vocab_size=256,
-    head_dim=16,
-    max_position_embeddings=512,
-)
+_COMMON = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5,
+    "vocab_size": 256,
+    "head_dim": 16,
+    "max_position_embeddings": 512,
+}
 
 
 def _build(module, config: dict, seed: int):
@@ -68,26 +68,26 @@ def tiny_gemma3(num_layers: int = 6, window: int = 8, pattern: int = 3, seed: in
 def tiny_qwen3_5(num_layers: int = 4, full_attention_interval: int = 2, seed: int = 3):
     """Qwen 3.5-style hybrid: gated-delta linear attention layers (conv + recurrent state, an mlx-lm
     ArraysCache) and every `full_attention_interval`-th layer full attention (KV)."""
-    config = dict(
-        model_type="qwen3_5",
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_hidden_layers=num_layers,
-        rms_norm_eps=1e-5,
-        vocab_size=256,
-        max_position_embeddings=512,
-        linear_num_value_heads=4,
-        linear_num_key_heads=2,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        linear_conv_kernel_dim=3,
-        full_attention_interval=full_attention_interval,
-        partial_rotary_factor=0.5,
-        rope_theta=1000.0,
-    )
+    config = {
+        "model_type": "qwen3_5",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "num_hidden_layers": num_layers,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": 256,
+        "max_position_embeddings": 512,
+        "linear_num_value_heads": 4,
+        "linear_num_key_heads": 2,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 3,
+        "full_attention_interval": full_attention_interval,
+        "partial_rotary_factor": 0.5,
+        "rope_theta": 1000.0,
+    }
     return _build(qwen3_5, config, seed)
 
 

@@ -23,24 +23,24 @@ from mlx_lm.models import qwen3_5
 def build(hidden: int, layers: int, vocab: int = 32000):
     """Random float32 weights; 3 of every 4 layers gated-delta (state), every 4th full attention."""
     heads = hidden // 128
-    config = dict(
-        model_type="qwen3_5",
-        hidden_size=hidden,
-        intermediate_size=3 * hidden,
-        num_attention_heads=heads,
-        num_key_value_heads=max(1, heads // 4),
-        head_dim=128,
-        num_hidden_layers=layers,
-        vocab_size=vocab,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=4096,
-        linear_num_value_heads=heads,
-        linear_num_key_heads=max(1, heads // 2),
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        linear_conv_kernel_dim=4,
-        full_attention_interval=4,
-    )
+    config = {
+        "model_type": "qwen3_5",
+        "hidden_size": hidden,
+        "intermediate_size": 3 * hidden,
+        "num_attention_heads": heads,
+        "num_key_value_heads": max(1, heads // 4),
+        "head_dim": 128,
+        "num_hidden_layers": layers,
+        "vocab_size": vocab,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 4096,
+        "linear_num_value_heads": heads,
+        "linear_num_key_heads": max(1, heads // 2),
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4,
+        "full_attention_interval": 4,
+    }
     mx.random.seed(0)
     model = qwen3_5.Model(qwen3_5.ModelArgs.from_dict(config))
     mx.eval(model.parameters())

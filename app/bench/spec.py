@@ -116,7 +116,7 @@ def bench_spec(args: Namespace) -> int:
             # the median of back-to-back pairs: both runs of a pair share the machine's load
             print(
                 f"  {name:<14} {kind:<10} {r['tokens']:>6} {r['plain']:>11.1f} {r['spec']:>11.1f} "
-                f"{statistics.median(r['ratios']):>5.2f}x {accepted:>8} {'%d -> %d' % r['steps']:>12} "
+                f"{statistics.median(r['ratios']):>5.2f}x {accepted:>8} {'{} -> {}'.format(*r['steps']):>12} "
                 f"{r['cpu_ratio']:>8.2f}x  "
                 f"{'equal' if r['equal'] else 'DIFFER'}"
                 f"  (per-run ratios {', '.join(f'{x:.2f}' for x in r['ratios'])}; {r['drafted']} drafted)"

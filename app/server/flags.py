@@ -123,14 +123,14 @@ def cache_settings(args: argparse.Namespace) -> dict:
     """CacheConfig and SchedulerConfig fields from the flags (Engine.from_pretrained splits them); sizes
     stay text ("2GB"): CacheConfig reads them and its errors name the setting, which the runner renders
     as its flag (mlxpaged.errors)."""
-    settings = dict(
-        block_size=args.block_size,
-        max_batch_tokens=args.max_batch_tokens,
-        max_num_seqs=args.max_num_seqs,
-        wire=not args.no_wire,
-        enable_prefix_cache=not args.no_prefix_cache,
-        speculative=args.speculative,
-    )
+    settings = {
+        "block_size": args.block_size,
+        "max_batch_tokens": args.max_batch_tokens,
+        "max_num_seqs": args.max_num_seqs,
+        "wire": not args.no_wire,
+        "enable_prefix_cache": not args.no_prefix_cache,
+        "speculative": args.speculative,
+    }
     for name in ("cache_tokens", "memory_fraction", "kv_memory", "max_model_len"):
         if getattr(args, name) is not None:
             settings[name] = getattr(args, name)

@@ -26,7 +26,7 @@ OLDEST_PARSED = (3, 7)  # bootstrap.py must parse here: the oldest python3 macOS
 
 def find_python(version: tuple[int, int]) -> str:
     """A python{major}.{minor} interpreter from pyenv or PATH, or skip the test saying which is missing."""
-    name = "python%d.%d" % version
+    name = "python{}.{}".format(*version)
     pyenv_root = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv"))
     candidates = sorted(pyenv_root.glob(f"versions/{version[0]}.{version[1]}.*/bin/{name}"), reverse=True)
     if candidates:
@@ -50,7 +50,7 @@ def run_bootstrap(python: str, repo: Path, *args: str) -> subprocess.CompletedPr
 
 
 @pytest.mark.parametrize(
-    "version", sorted({BELOW_FLOOR, (3, 9), OLDEST_PARSED}, reverse=True), ids=lambda version: "%d.%d" % version
+    "version", sorted({BELOW_FLOOR, (3, 9), OLDEST_PARSED}, reverse=True), ids=lambda version: "{}.{}".format(*version)
 )
 @pytest.mark.parametrize("command", ["test", "chat", "check"])
 def test_below_the_floor_refuses_in_one_line_and_touches_nothing(tmp_path, version, command):
@@ -64,7 +64,7 @@ def test_below_the_floor_refuses_in_one_line_and_touches_nothing(tmp_path, versi
     assert sorted(path.name for path in repo.iterdir()) == ["app", "pyproject.toml"]  # no .venv
 
 
-@pytest.mark.parametrize("version", [FLOOR, (3, 12), (3, 13)], ids=lambda version: "%d.%d" % version)
+@pytest.mark.parametrize("version", [FLOOR, (3, 12), (3, 13)], ids=lambda version: "{}.{}".format(*version))
 def test_the_floor_and_above_pass_the_check_and_change_nothing(tmp_path, version):
     repo = repo_copy(tmp_path)
     result = run_bootstrap(find_python(version), repo, "check")
@@ -81,7 +81,7 @@ def test_a_virtualenv_made_below_the_floor_is_recreated(tmp_path, monkeypatch):
     (venv_dir / "bin" / "python").touch()
     monkeypatch.setattr(bootstrap, "VENV", venv_dir)
     monkeypatch.setattr(bootstrap, "BIN", venv_dir / "bin")
-    for made_with, action in (("3.10.13", "recreate"), ("%d.%d.0" % FLOOR, None), ("3.13.0", None)):
+    for made_with, action in (("3.10.13", "recreate"), ("{}.{}.0".format(*FLOOR), None), ("3.13.0", None)):
         (venv_dir / "pyvenv.cfg").write_text(f"home = /usr/bin\nversion = {made_with}\n")
         assert bootstrap.venv_action() == action, made_with
     (venv_dir / "pyvenv.cfg").write_text("home = /usr/bin\n")  # says no version: keep what works
@@ -91,7 +91,7 @@ def test_a_virtualenv_made_below_the_floor_is_recreated(tmp_path, monkeypatch):
 
 
 def test_the_floor_is_the_same_in_bootstrap_pyproject_and_readme():
-    floor = "%d.%d" % FLOOR
+    floor = "{}.{}".format(*FLOOR)
     requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
     assert requires == f">={floor}"
     readme = (ROOT / "README.md").read_text()

@@ -438,7 +438,7 @@ def test_prefix_cache_needs_a_single_full_table():
         KVCacheManager(BlockPool(8), [], enable_prefix_cache=False)
     with pytest.raises(ValueError, match=r"the same for every group, got \[8, 16\]"):
         KVCacheManager(BlockPool(8), [FullAttentionSpec(8), FullAttentionSpec(16)], enable_prefix_cache=False)
-    for bad in [dict(window=0), dict(window=1.5), dict(window=True), dict(block_size=-8)]:
+    for bad in [{"window": 0}, {"window": 1.5}, {"window": True}, {"block_size": -8}]:
         with pytest.raises(ValueError, match="positive integers"):
             SlidingWindowSpec(**{"block_size": BS, "window": 8, **bad})
 

@@ -90,7 +90,7 @@ def finish(proc: subprocess.Popen, timeout: float = 120) -> tuple[str, str]:
         return proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
-        out, err = proc.communicate()
+        _out, err = proc.communicate()
         pytest.fail(f"the process hung (killed after {timeout} s); stderr:\n{err[-2000:]}")
 
 

@@ -19,8 +19,8 @@ LONG = dataclasses.replace(GREEDY, max_tokens=40)  # decodes well past either wi
 # that are no multiple of the block size: with window == block_size one block is already a perfect ring,
 # and a ring that does not wrap would go unnoticed.
 HYBRIDS = {
-    "gemma3-w12-bs8": (lambda: tiny_gemma3(window=12), dict(block_size=8)),
-    "llama-w20-bs16": (lambda: tiny_hybrid_llama(window=20), dict(block_size=16)),
+    "gemma3-w12-bs8": (lambda: tiny_gemma3(window=12), {"block_size": 8}),
+    "llama-w20-bs16": (lambda: tiny_hybrid_llama(window=20), {"block_size": 16}),
 }
 
 

@@ -127,10 +127,10 @@ def chunk_of(out, rid):
 @pytest.mark.parametrize(
     "kwargs, word",
     [
-        (dict(max_batch_tokens=0, max_num_seqs=1, max_model_len=8), "max_batch_tokens"),
-        (dict(max_batch_tokens=4, max_num_seqs=0, max_model_len=8), "max_num_seqs"),
-        (dict(max_batch_tokens=4, max_num_seqs=1, max_model_len=0), "max_model_len"),
-        (dict(max_batch_tokens=4, max_num_seqs=5, max_model_len=8), "max_batch_tokens \\(4\\)"),
+        ({"max_batch_tokens": 0, "max_num_seqs": 1, "max_model_len": 8}, "max_batch_tokens"),
+        ({"max_batch_tokens": 4, "max_num_seqs": 0, "max_model_len": 8}, "max_num_seqs"),
+        ({"max_batch_tokens": 4, "max_num_seqs": 1, "max_model_len": 0}, "max_model_len"),
+        ({"max_batch_tokens": 4, "max_num_seqs": 5, "max_model_len": 8}, "max_batch_tokens \\(4\\)"),
     ],
 )
 def test_init_rejects_bad_limits(kwargs, word):
@@ -327,7 +327,7 @@ def test_preempts_newest_and_resumes_identically(prefix_cache):
 
 
 def test_request_needing_the_slot_preempts_itself_when_newest():
-    pool, s = make(num_blocks=3)
+    _pool, s = make(num_blocks=3)
     eng = FakeEngine(s)
     s.add_request(req("old", range(100, 104), 8))
     s.add_request(req("new", range(16), 8))
@@ -341,7 +341,7 @@ def test_request_needing_the_slot_preempts_itself_when_newest():
 
 
 def test_resume_recomputes_prompt_and_output_then_samples_once():
-    pool, s = make(num_blocks=3, budget=8, prefix_cache=False)
+    _pool, s = make(num_blocks=3, budget=8, prefix_cache=False)
     eng = FakeEngine(s)
     s.add_request(req("old", range(100, 104), 14))
     s.add_request(req("new", range(8), 8))
@@ -365,7 +365,7 @@ def test_resume_recomputes_prompt_and_output_then_samples_once():
 
 
 def test_prefix_cache_hit_skips_cached_tokens():
-    pool, s = make()
+    _pool, s = make()
     eng = FakeEngine(s)
     shared = list(range(1000, 1016))
     s.add_request(req("a", shared + [1, 2, 3, 4], 2))
@@ -385,7 +385,7 @@ def test_prefix_cache_hit_skips_cached_tokens():
 
 
 def test_prefix_cache_never_serves_uncomputed_kv():
-    pool, s = make(budget=16)
+    _pool, s = make(budget=16)
     eng = FakeEngine(s)
     prompt = list(range(700, 740))
     s.add_request(req("a", prompt, 3))
@@ -536,25 +536,25 @@ def workloads(draw):
         prefix = draw(st.sampled_from(PREFIXES))
         tail = draw(st.lists(st.integers(1, VOCAB - 1), min_size=0 if prefix else 1, max_size=20))
         reqs.append(
-            dict(
-                rid=f"r{i}",
-                prompt=prefix + tail,
-                max_tokens=draw(st.integers(1, 24)),
-                arrive=draw(st.integers(0, 30)),
-                abort=draw(st.one_of(st.none(), st.integers(0, 60))),
-            )
+            {
+                "rid": f"r{i}",
+                "prompt": prefix + tail,
+                "max_tokens": draw(st.integers(1, 24)),
+                "arrive": draw(st.integers(0, 30)),
+                "abort": draw(st.one_of(st.none(), st.integers(0, 60))),
+            }
         )
     groups = draw(st.sampled_from([(None,), (None,), HYBRID]))
-    return dict(
-        num_blocks=num_blocks + (4 if groups == HYBRID else 0),
-        seqs=seqs,
-        budget=budget,
-        max_len=48,
-        prefix_cache=groups == (None,) and draw(st.booleans()),
-        groups=groups,
-        eos=draw(st.sampled_from([None, EOS])),
-        reqs=reqs,
-    )
+    return {
+        "num_blocks": num_blocks + (4 if groups == HYBRID else 0),
+        "seqs": seqs,
+        "budget": budget,
+        "max_len": 48,
+        "prefix_cache": groups == (None,) and draw(st.booleans()),
+        "groups": groups,
+        "eos": draw(st.sampled_from([None, EOS])),
+        "reqs": reqs,
+    }
 
 
 def check_step(s: Scheduler, pool: KVCacheManager, out: SchedulerOutput, arrival: dict) -> None:
@@ -572,20 +572,20 @@ def check_step(s: Scheduler, pool: KVCacheManager, out: SchedulerOutput, arrival
     assert all(r.request_id not in pool for r in s.waiting)
 
 
-PREEMPT_THEN_FITS = dict(  # a victim that shares a cached block would fit again at once
-    num_blocks=4,
-    seqs=2,
-    budget=4,
-    max_len=48,
-    prefix_cache=True,
-    groups=(None,),
-    eos=None,
-    reqs=[
-        dict(rid="r0", prompt=PREFIXES[1] + [1] * 4, max_tokens=5, arrive=1, abort=None),
-        dict(rid="r1", prompt=PREFIXES[0], max_tokens=1, arrive=0, abort=None),
-        dict(rid="r2", prompt=PREFIXES[1] + [1] * 4, max_tokens=6, arrive=0, abort=None),
+PREEMPT_THEN_FITS = {  # a victim that shares a cached block would fit again at once
+    "num_blocks": 4,
+    "seqs": 2,
+    "budget": 4,
+    "max_len": 48,
+    "prefix_cache": True,
+    "groups": (None,),
+    "eos": None,
+    "reqs": [
+        {"rid": "r0", "prompt": PREFIXES[1] + [1] * 4, "max_tokens": 5, "arrive": 1, "abort": None},
+        {"rid": "r1", "prompt": PREFIXES[0], "max_tokens": 1, "arrive": 0, "abort": None},
+        {"rid": "r2", "prompt": PREFIXES[1] + [1] * 4, "max_tokens": 6, "arrive": 0, "abort": None},
     ],
-)
+}
 
 
 @example(PREEMPT_THEN_FITS)

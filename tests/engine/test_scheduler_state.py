@@ -166,7 +166,7 @@ def test_a_fork_shares_the_parents_state_or_waits_for_a_slot():
 
 
 def test_admission_waits_for_a_free_slot():
-    state, sched = make(seqs=2, slots=1)
+    _state, sched = make(seqs=2, slots=1)
     for rid in ("a", "b"):
         sched.add_request(Request(rid, prompt_of(9, ord(rid)), 3))
     out = sched.schedule()

@@ -76,7 +76,7 @@ def test_text_is_never_emitted_past_a_stop_that_is_still_forming(tokenizer):
 
 
 def test_stop_at_the_very_start(tokenizer):
-    stream, deltas = run(tokenizer, encode(tokenizer, SENTENCE), stop="The")
+    _stream, deltas = run(tokenizer, encode(tokenizer, SENTENCE), stop="The")
     assert deltas == [Delta("", True, "stop", "The")]
 
 

@@ -63,8 +63,8 @@ def save_tiny(directory: Path, model: nn.Module, tokenizer_dir: Path, dtype=None
 
 VARIANTS = {
     "float32": lambda: (tiny_llama(), {}),
-    "float16": lambda: (tiny_llama(seed=1), dict(dtype=mx.float16)),  # the CPU loader casts it to float32
-    "bfloat16-4bit": lambda: (tiny_llama(seed=2), dict(dtype=mx.bfloat16, bits=4)),  # float scales, uint32 weights
+    "float16": lambda: (tiny_llama(seed=1), {"dtype": mx.float16}),  # the CPU loader casts it to float32
+    "bfloat16-4bit": lambda: (tiny_llama(seed=2), {"dtype": mx.bfloat16, "bits": 4}),  # float scales, uint32 weights
     "hybrid": lambda: (tiny_hybrid_llama(), {}),  # sliding windows, read from mlx-lm's caches
 }
 

@@ -103,13 +103,13 @@ out[i] = acc;
 
 
 def test_missing_second_barrier_is_caught_as_write_after_read_race():
-    call = dict(
-        inputs=[mx.array([1.0, 2.0, 4.0])],
-        grid=(64, 1, 1),
-        threadgroup=(64, 1, 1),
-        output_shapes=[(64,)],
-        output_dtypes=[mx.float32],
-    )
+    call = {
+        "inputs": [mx.array([1.0, 2.0, 4.0])],
+        "grid": (64, 1, 1),
+        "threadgroup": (64, 1, 1),
+        "output_shapes": [(64,)],
+        "output_dtypes": [mx.float32],
+    }
     good = mx.fast.metal_kernel(
         name="rounds",
         input_names=["inp"],
@@ -240,9 +240,13 @@ def test_unwritten_outputs_are_poisoned_and_init_value_honoured():
         output_names=["out"],
         source="uint i = thread_position_in_grid.x; if (i % 2 == 0) out[i] = inp[i];",
     )
-    call = dict(
-        inputs=[mx.ones((8,))], grid=(8, 1, 1), threadgroup=(8, 1, 1), output_shapes=[(8,)], output_dtypes=[mx.float32]
-    )
+    call = {
+        "inputs": [mx.ones((8,))],
+        "grid": (8, 1, 1),
+        "threadgroup": (8, 1, 1),
+        "output_shapes": [(8,)],
+        "output_dtypes": [mx.float32],
+    }
     assert np.isnan(np.array(run_kernel(k, **call)[0])[1::2]).all()
     assert (np.array(run_kernel(k, init_value=3.0, **call)[0])[1::2] == 3.0).all()
 

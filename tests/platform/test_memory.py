@@ -93,18 +93,18 @@ def test_cache_config_defaults_and_validation():
     with pytest.raises(ValueError, match="only one of kv_memory"):
         CacheConfig(kv_memory=2 * 10**9, memory_fraction=0.5)
     for bad in [
-        dict(block_size=0),
-        dict(block_size=True),
-        dict(cache_tokens=-1),
-        dict(kv_memory=0),
-        dict(memory_fraction=0.0),
-        dict(memory_fraction=1.5),
-        dict(memory_fraction=float("nan")),
-        dict(wire="no"),
+        {"block_size": 0},
+        {"block_size": True},
+        {"cache_tokens": -1},
+        {"kv_memory": 0},
+        {"memory_fraction": 0.0},
+        {"memory_fraction": 1.5},
+        {"memory_fraction": float("nan")},
+        {"wire": "no"},
     ]:
         with pytest.raises(ValueError):
             CacheConfig(**bad)
-    for bad in [dict(max_batch_tokens=1.5), dict(max_num_seqs=0)]:
+    for bad in [{"max_batch_tokens": 1.5}, {"max_num_seqs": 0}]:
         with pytest.raises(ValueError):
             SchedulerConfig(**bad)
     assert CacheConfig(memory_fraction=1).memory_fraction == 1

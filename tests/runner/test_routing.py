@@ -188,7 +188,7 @@ def test_only_full_attention_layers_of_one_sequence_offer_their_pages():
 
 
 def test_a_mask_from_an_earlier_pass_is_not_this_passes():
-    view, keys, values, queries, old = decode_view([5, 20])
+    view, _keys, _values, _queries, old = decode_view([5, 20])
     new = view.make_mask(1)  # the next pass (offsets moved on) builds its own
     assert view.made_mask(new) and not view.made_mask(old)
 

@@ -58,14 +58,14 @@ def _anthropic(server) -> anthropic.Anthropic:
 
 # --- Codex's /v1/responses body -----------------------------------------------------------------------------------
 
-CODEX_FIELDS = dict(
-    include=["reasoning.encrypted_content"],
-    reasoning={"effort": "low", "summary": "auto"},
-    store=False,
-    parallel_tool_calls=True,
-    prompt_cache_key="019a-codex-session",
-    extra_body={"client_metadata": {"originator": "codex_exec"}},
-)
+CODEX_FIELDS = {
+    "include": ["reasoning.encrypted_content"],
+    "reasoning": {"effort": "low", "summary": "auto"},
+    "store": False,
+    "parallel_tool_calls": True,
+    "prompt_cache_key": "019a-codex-session",
+    "extra_body": {"client_metadata": {"originator": "codex_exec"}},
+}
 INSTRUCTIONS = "You are a coding agent. Use the tools."
 TASK = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Start a helper."}]}]
 

@@ -146,7 +146,7 @@ def test_readme_example_runs(smol):
     """The README's Responses example as written (its tool call needs mlxpaged.constraints)."""
     readme = (Path(__file__).parents[3] / "README.md").read_text()
     code = readme.split("### The Responses API", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
-    client, server = smol
+    _client, server = smol
     code = code.replace("http://127.0.0.1:8000/v1", f"{server.url}/v1").replace('"unused"', f'"{KEY}"')
     scope: dict = {}
     exec(code, scope)
