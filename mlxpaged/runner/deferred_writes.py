@@ -132,22 +132,32 @@ class DeferredPass:
         self.new_keys: list[mx.array | None] = [None] * kv.num_layers
         self.new_values: list[mx.array | None] = [None] * kv.num_layers
         self.prefix: list[tuple[mx.array, mx.array] | None] = [None] * kv.num_layers
-        # The Metal kernel reads the pages in place: a gathered prefix kept unevaluated would pin the pools
-        # (the next flush would copy them), so only the other paths keep one.
-        self.keeps_prefix = self.batch == 1 and resolved_backend() != "kernel"
+        # The Metal kernel reads the pages in place: its layers get only their tail (no gather is built on the hot
+        # path; routing.py gathers if the kernel declines a call), and no gathered prefix is kept to pin the pools.
+        self.on_kernel_path = resolved_backend() == "kernel"
+        self.keeps_prefix = self.batch == 1 and not self.on_kernel_path
 
     def attend_keys(self, layer: int, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """The layer's K/V to attend: its pages with the pending and new K/V put in their places (lazy: the
-        kernel path never evaluates the gather)."""
+        """The layer's K/V to attend: its pages with the pending and new K/V put in their places; on the kernel
+        path only the tail (pending and new), which the kernel attends after the pages."""
         if self.pending is not None:
             keys = mx.concatenate([self.pending.keys[layer], keys], axis=2)
             values = mx.concatenate([self.pending.values[layer], values], axis=2)
         self.new_keys[layer], self.new_values[layer] = keys, values
+        if self.on_kernel_path:
+            return keys, values
         if self.keeps_prefix:  # exact keys, no mask: MLX's fused decode attention takes this
             prefix = self._prefix(layer)
             return mx.concatenate([prefix[0], keys], axis=2), mx.concatenate([prefix[1], values], axis=2)
+        return self.gathered(layer)
+
+    def gathered(self, layer: int) -> tuple[mx.array, mx.array]:
+        """The layer's pages gathered with the tail put in its places (the kernel's fallback, and batch > 1)."""
+        keys, values = self.new_keys[layer], self.new_values[layer]
+        if keys is None or values is None:
+            raise RuntimeError("gathered() before this layer's update_and_fetch")
         k_pages, v_pages = self.kv.gather_blocks(layer, self.blocks)
-        if self.tail_index is None:  # batch 1, the kernel's fallback: built lazily, evaluated only if it cannot attend
+        if self.tail_index is None:  # batch 1: exact keys, no mask
             lo, hi = self.tail_start, self.ends[0]
             k_pages[..., lo:hi, :] = keys
             v_pages[..., lo:hi, :] = values
@@ -191,6 +201,15 @@ class DeferredView:
 
     def made_mask(self, mask) -> bool:
         return mask is self._shared.mask
+
+    @property
+    def on_kernel_path(self) -> bool:
+        """True when `update_and_fetch` returned only the tail, for the Metal kernel (routing.py)."""
+        return self._shared.on_kernel_path
+
+    def gathered(self) -> tuple[mx.array, mx.array]:
+        """This layer's keys and values gathered from the pages, the tail included (the kernel declined)."""
+        return self._shared.gathered(self._layer)
 
     def kernel_inputs(self) -> tuple[mx.array, mx.array, mx.array, tuple[int, ...], mx.array, mx.array]:
         """(k_pool, v_pool, block tables, keys already in the pools per row, tail K, tail V) for

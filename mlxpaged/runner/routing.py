@@ -39,10 +39,16 @@ _ROUTED_MODULES: dict[str, object] = {}
 
 def _routed_sdpa(queries, keys, values, cache, scale, mask, sinks=None):
     if isinstance(cache, DeferredView):  # a decode pass queued ahead: pages, then the K/V not written yet
-        if cache.returned(keys, values) and (mask is None or cache.made_mask(mask)):
+        if cache.on_kernel_path:  # the view returned only the tail: the kernel reads the pages in place
+            if not cache.returned(keys, values) or not (mask is None or cache.made_mask(mask)):
+                raise RuntimeError(
+                    "a decode pass queued ahead: the model attends K/V or a mask other than its "
+                    "cache gave; please report this model"
+                )
             out = kernel_attention_with_tail(queries, *cache.kernel_inputs(), scale, sinks)
             if out is not None:
                 return out
+            keys, values = cache.gathered()  # a shape or variant the kernel declines: attend the gathered pages
         return eager_sdpa(queries, keys, values, scale, mask, sinks)
     if isinstance(cache, DecodeView):  # inside a compiled decode pass
         _check_compiled_call(keys, values, cache, mask)

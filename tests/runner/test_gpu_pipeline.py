@@ -250,3 +250,18 @@ def test_a_step_that_fails_mid_run_fails_its_requests_and_the_engine_serves_on(g
     monkeypatch.undo()
     again = gpu_engine.generate([prompt + random_tokens(4, seed=13)], LONG)[0]
     assert again.token_ids == reference_tokens(gpu_engine.model, prompt + random_tokens(4, seed=13), LONG.max_tokens)
+
+
+def test_on_metal_a_shape_the_kernel_declines_attends_the_gathered_pages(tokenizer, monkeypatch):
+    """Head dim 16 is no kernel shape: the queued-ahead pass gathers the pages for the calls the kernel declines."""
+    from mlxpaged.kernels import attention
+    from tests.msl.harness import Emulator
+
+    monkeypatch.setattr(model_runner, "MAX_PENDING", 4)
+    model = tiny_llama(2)  # head_dim 16
+    prompt = random_tokens(13, seed=400)
+    params = dataclasses.replace(GREEDY, max_tokens=12)
+    with backend.simulate("metal"), attention.kernel_launcher(Emulator()), tiny_engine(model, tokenizer) as eng:
+        assert eng.runner.defers
+        got = eng.generate([prompt], params)[0]
+    assert got.token_ids == reference_tokens(model, prompt, params.max_tokens)
