@@ -65,6 +65,7 @@ from mlxpaged.cache.specs import (  # noqa: F401  (block_bytes is re-exported: t
 )
 
 import mlx.core as mx
+import numpy as np
 
 
 class PagedKVCache:
@@ -247,6 +248,48 @@ class PagedKVCache:
         mx.eval(rows)
         for pool, r in zip(pools, rows, strict=True):
             pool[dst_ids] = r
+
+    # ---- whole blocks in and out (the disk tier, cache/disk_tier.py) --------------------------------
+    # Generic over `self.pools`, so pools added for quantized pages (scales, biases) travel too.
+
+    def export_block(self, block_id: int) -> list[np.ndarray]:
+        """Block `block_id`'s pages, one host array per pool (in `pools` order)."""
+        return self.export_blocks([block_id])[0]
+
+    def export_blocks(self, block_ids: Sequence[int]) -> list[list[np.ndarray]]:
+        """Per block, its pages as host arrays, one per pool: one take per pool, evaluated here, so the copy
+        pins no pool (a pending read would make the next in-place write copy the whole pool). bfloat16 pages,
+        which numpy lacks, come out as their uint16 bits; `import_blocks` views them back."""
+        self._check_blocks(block_ids)
+        ids = mx.array(list(block_ids), dtype=mx.int32)
+        rows = [mx.take(p, ids, axis=0) for p in self.pools]
+        rows = [r.view(mx.uint16) if r.dtype == mx.bfloat16 else r for r in rows]
+        mx.eval(rows)
+        host = [np.asarray(r) for r in rows]  # views of the fresh takes, not of the pools
+        return [[h[i] for h in host] for i in range(len(block_ids))]
+
+    def import_block(self, block_id: int, arrays: Sequence[np.ndarray]) -> None:
+        """Write `export_block`'s arrays back as block `block_id`'s pages."""
+        self.import_blocks([block_id], [arrays])
+
+    def import_blocks(self, block_ids: Sequence[int], blocks: Sequence[Sequence[np.ndarray]]) -> None:
+        """Write each block's exported pages into its id, in place, and land the writes (one assignment per
+        pool). Raises ValueError when the arrays do not fit the pools (other pools, shapes or widths)."""
+        self._check_blocks(block_ids)
+        pools = self.pools
+        if len(blocks) != len(block_ids) or any(len(arrays) != len(pools) for arrays in blocks):
+            raise ValueError(f"{len(blocks)} blocks of pages for {len(block_ids)} ids; each needs {len(pools)} arrays")
+        ids = mx.array(list(block_ids), dtype=mx.int32)
+        for j, pool in enumerate(pools):
+            page = mx.array(np.stack([arrays[j] for arrays in blocks]))
+            if page.dtype != pool.dtype:
+                if page.dtype.size != pool.dtype.size:
+                    raise ValueError(f"pool {j}: pages of {page.dtype} do not fit a pool of {pool.dtype}")
+                page = page.view(pool.dtype)
+            if tuple(page.shape[1:]) != tuple(pool.shape[1:]):
+                raise ValueError(f"pool {j}: pages of shape {tuple(page.shape[1:])}, the pool holds {pool.shape[1:]}")
+            pool[ids] = page
+        mx.eval(pools)
 
     def _slot_array(self, slot_mapping: Sequence[int] | mx.array) -> mx.array:
         if isinstance(slot_mapping, mx.array):

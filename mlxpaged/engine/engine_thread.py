@@ -68,9 +68,10 @@ def _serve(ref: weakref.ref, commands: queue.SimpleQueue, core: EngineCore, plan
                 core.warm_up()
             while _turn(ref, commands, core):
                 pass
-        closed = EngineClosedError("the engine was closed")
-        core.fail_all(closed)
-        _fail_queued(commands, closed)
+            closed = EngineClosedError("the engine was closed")
+            core.fail_all(closed)
+            _fail_queued(commands, closed)
+            core.close()  # on this thread's stream: the disk tier copies its last blocks out of the pools
     finally:
         # MLX requires a thread to release its streams before it ends, or the process can
         # abort at exit ("terminate called without an active exception").
@@ -83,6 +84,7 @@ def _turn(ref: weakref.ref, commands: queue.SimpleQueue, core: EngineCore) -> bo
     if ref() is None:
         return False
     if not core.has_unfinished:
+        core.idle()
         try:
             command = commands.get(timeout=IDLE_WAIT_S)
         except queue.Empty:
