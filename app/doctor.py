@@ -275,6 +275,30 @@ def check_store() -> Check:
     return Check(OK, "model store", str(store))
 
 
+def check_kv_disk() -> Check:
+    """The prefix cache's disk tier as `chat` and `serve` use it by default: where, how full, room left."""
+    from mlxpaged.cache.disk_tier import list_entries
+    from mlxpaged.config import DEFAULT_KV_DISK_SIZE, default_kv_disk_dir
+    from mlxpaged.units import parse_size
+
+    root, limit = default_kv_disk_dir(), parse_size(DEFAULT_KV_DISK_SIZE)
+    label = "KV disk tier"
+    if not root.exists():
+        return Check(OK, label, f"{root}: empty (created on first use; --no-kv-disk keeps the prefix cache in RAM)")
+    if not os.access(root, os.W_OK):
+        return Check(WARN, label, f"{root} is not writable: chat and serve cannot keep prefixes across restarts")
+    entries = list_entries(root)
+    used = sum(e.size for e in entries)
+    free = shutil.disk_usage(root).free
+    detail = (
+        f"{root}: {len(entries):,} blocks, {format_size(used)} of the default {format_size(limit)} limit "
+        f"(all models); {format_size(free)} free on its disk"
+    )
+    if free < limit - used:
+        return Check(WARN, label, detail + f": the disk fills before the limit (--kv-disk-size {format_size(free)})")
+    return Check(OK, label, detail)
+
+
 def check_default_model(model: ModelOnDisk | None, error: str | None) -> Check:
     if model is None:
         return Check(FAIL, "default model", error or "unknown error")
@@ -424,6 +448,7 @@ def run_checks(load: bool = False) -> list[Check]:
         ("memory", check_memory),
         ("wired memory", check_wired),
         ("model store", check_store),
+        ("KV disk tier", check_kv_disk),
         ("default model", lambda: check_default_model(model, error)),
         ("sampling defaults", lambda: check_sampling_defaults(model)),
         ("KV plan", lambda: check_kv_plan(model)),
