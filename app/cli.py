@@ -195,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
             "spec",
             "hybrid",
             "gpu",
+            "restart",
         ],
         help="decode: batch-1 tok/s vs mlx-lm; batch: 16 concurrent requests vs mlx-lm "
         "batch_generate; prefix: time to first token, cached vs cold; prefill: cold and "
@@ -205,11 +206,16 @@ def build_parser() -> argparse.ArgumentParser:
         "and without prompt-lookup speculation, repetitive and free-text tasks; hybrid: batch-1 "
         "decode of a random Qwen 3.5-style hybrid (state slots + paged KV) vs mlx-lm; gpu: every "
         "issue-21 target in one run (decode, 16/64 concurrent, cold TTFT at 2k/8k, cached "
-        "8k prefix) vs plain mlx-lm on the model's own dtype, and a met/missed summary",
+        "8k prefix) vs plain mlx-lm on the model's own dtype, and a met/missed summary; restart: time to "
+        "first token of an 8k-token prompt cold, from the RAM prefix cache and from the disk tier after a "
+        "real process restart",
     )
     bench.add_argument("--model", "-m", default=None)
     bench.add_argument("--tokens", type=int, default=128, help="tokens to generate per request")
     bench.add_argument("--runs", type=int, default=3)
+    bench.add_argument(
+        "--prompt-tokens", type=int, default=None, help="restart: prompt length in tokens (default 8000)"
+    )
     bench.add_argument(
         "--sizes",
         type=prefill_sizes,

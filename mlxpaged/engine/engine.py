@@ -301,6 +301,16 @@ class Engine:
             )
         return out
 
+    def wait_disk_writes(self, timeout: float | None = None) -> bool:
+        """Wait until every block in the prefix cache so far is written to the disk tier (True at once without
+        one; False on timeout). The engine thread hands the blocks over between steps; its writer writes them."""
+        tiering = self.core.tiering
+        if tiering is None or self._closed:
+            return True
+        handed = threading.Event()
+        self._commands.put(engine_thread.Flush(handed))
+        return handed.wait(timeout) and tiering.writer.wait_idle(timeout)
+
     def block_states(self) -> list[str]:
         """Per block: "free", "owned", "shared" or "cached" (a snapshot; for the block map)."""
         return list(self.pool.block_state())

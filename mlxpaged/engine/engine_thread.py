@@ -41,11 +41,18 @@ class Abort:
 
 
 @dataclass(frozen=True)
+class Flush:
+    """Hand every block the disk tier still holds in RAM only to its writer, then set `done`."""
+
+    done: threading.Event
+
+
+@dataclass(frozen=True)
 class Close:
     """Stop at the next step boundary."""
 
 
-Command = Add | Abort | Close
+Command = Add | Abort | Flush | Close
 
 
 def start(engine, commands: queue.SimpleQueue, core: EngineCore, plan: MemoryPlan, wire: bool) -> threading.Thread:
@@ -122,6 +129,11 @@ def apply(core: EngineCore, command: Command) -> bool:
             command.sink(exc)
     elif isinstance(command, Abort):
         core.abort(command.request_id)
+    elif isinstance(command, Flush):
+        try:
+            core.idle()
+        finally:
+            command.done.set()
     return True
 
 
