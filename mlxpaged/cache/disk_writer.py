@@ -35,7 +35,9 @@ class DiskWriter:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._pending_bytes = 0
-        self._pending: set[Hashable] = set()  # hashes queued and not yet written
+        # Snapshots queued and not yet written, by hash: still readable (a block evicted from RAM before its
+        # file exists is found here).
+        self._pending: dict[Hashable, list[np.ndarray]] = {}
         self.dropped = 0  # snapshots refused because the queue was full
         self.failed = 0  # writes that raised (disk full, permissions): warned once
         self._warned = False
@@ -49,6 +51,10 @@ class DiskWriter:
     def is_pending(self, block_hash: Hashable) -> bool:
         return block_hash in self._pending
 
+    def pending(self, block_hash: Hashable) -> list[np.ndarray] | None:
+        """The queued snapshot of this block, or None (not queued, or written already)."""
+        return self._pending.get(block_hash)
+
     def submit(self, block_hash: bytes, arrays: list[np.ndarray]) -> bool:
         """Queue a block's snapshot; False (dropped, counted) when the queue holds too many bytes. Never blocks."""
         size = sum(a.nbytes for a in arrays)
@@ -59,7 +65,7 @@ class DiskWriter:
                 self.dropped += 1
                 return False
             self._pending_bytes += size
-            self._pending.add(block_hash)
+            self._pending[block_hash] = arrays
         self._queue.put((block_hash, arrays, size))
         return True
 
@@ -96,5 +102,5 @@ class DiskWriter:
                     warnings.warn(f"KV disk tier: a block write failed ({exc!r})", RuntimeWarning, stacklevel=1)
             with self._idle:
                 self._pending_bytes -= size
-                self._pending.discard(block_hash)
+                self._pending.pop(block_hash, None)
                 self._idle.notify_all()

@@ -63,6 +63,7 @@ from mlxpaged.cache.specs import (  # noqa: F401  (block_bytes is re-exported: t
     group_layers,
     pool_block_bytes,
 )
+from mlxpaged.platform import backend
 
 import mlx.core as mx
 import numpy as np
@@ -273,23 +274,43 @@ class PagedKVCache:
         self.import_blocks([block_id], [arrays])
 
     def import_blocks(self, block_ids: Sequence[int], blocks: Sequence[Sequence[np.ndarray]]) -> None:
-        """Write each block's exported pages into its id, in place, and land the writes (one assignment per
-        pool). Raises ValueError when the arrays do not fit the pools (other pools, shapes or widths)."""
+        """Write each block's exported pages into its id, in place, and land the writes. Raises ValueError when
+        the arrays do not fit the pools (other pools, shapes or widths). The caller makes sure nothing in flight
+        reads the pools (the runner settled)."""
         self._check_blocks(block_ids)
         pools = self.pools
         if len(blocks) != len(block_ids) or any(len(arrays) != len(pools) for arrays in blocks):
             raise ValueError(f"{len(blocks)} blocks of pages for {len(block_ids)} ids; each needs {len(pools)} arrays")
-        ids = mx.array(list(block_ids), dtype=mx.int32)
         for j, pool in enumerate(pools):
-            page = mx.array(np.stack([arrays[j] for arrays in blocks]))
-            if page.dtype != pool.dtype:
-                if page.dtype.size != pool.dtype.size:
-                    raise ValueError(f"pool {j}: pages of {page.dtype} do not fit a pool of {pool.dtype}")
-                page = page.view(pool.dtype)
-            if tuple(page.shape[1:]) != tuple(pool.shape[1:]):
-                raise ValueError(f"pool {j}: pages of shape {tuple(page.shape[1:])}, the pool holds {pool.shape[1:]}")
-            pool[ids] = page
+            for arrays in blocks:
+                page = arrays[j]
+                if tuple(page.shape) != tuple(pool.shape[1:]) or page.dtype.itemsize != pool.dtype.size:
+                    raise ValueError(
+                        f"pool {j}: a page of {page.dtype} {tuple(page.shape)} does not fit a pool of "
+                        f"{pool.dtype} {tuple(pool.shape[1:])}"
+                    )
         mx.eval(pools)
+        host_writes = backend.current() != "cuda"
+        for j, pool in enumerate(pools):
+            pages = [arrays[j] for arrays in blocks]
+            if not host_writes or pool.dtype == mx.bfloat16:
+                self._import_scatter(pool, block_ids, pages)
+                continue
+            # Host-addressable memory (the CPU backend, Metal's unified memory): copy straight into the pool's
+            # buffer, one memcpy per page; MLX's scatter of the same pages costs several times more on the CPU
+            # backend. In place as MLX's own writes are: the pool is evaluated, and no view of it is alive.
+            host = np.asarray(pool)
+            for block_id, page in zip(block_ids, pages, strict=True):
+                host[block_id] = page.view(host.dtype)
+            del host
+        mx.eval(self.pools)
+
+    def _import_scatter(self, pool: mx.array, block_ids: Sequence[int], pages: list[np.ndarray]) -> None:
+        """Pages into `pool` by MLX's indexed assignment (memory the host cannot write, or a dtype numpy lacks)."""
+        stacked = mx.array(np.stack(pages))
+        pool[mx.array(list(block_ids), dtype=mx.int32)] = (
+            stacked if stacked.dtype == pool.dtype else stacked.view(pool.dtype)
+        )
 
     def _slot_array(self, slot_mapping: Sequence[int] | mx.array) -> mx.array:
         if isinstance(slot_mapping, mx.array):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Hashable
+from concurrent.futures import ThreadPoolExecutor
 
 from mlxpaged.cache.block_pool import BlockPool, KVCacheBlock
 from mlxpaged.cache.disk_tier import DiskTier
@@ -28,6 +29,7 @@ from mlxpaged.cache.disk_writer import DiskWriter
 from mlxpaged.cache.kv_cache import PagedKVCache
 
 CLOSE_TIMEOUT_S = 60.0  # at most this long writing the last blocks at close
+READ_THREADS = 4  # files read and checked at once by a disk hit
 SNAPSHOT_BATCH = 64  # blocks per export (one take per pool): bounds the host copy made at once
 
 
@@ -42,17 +44,20 @@ class KVTiering:
         self.load_seconds = 0.0  # reads, checks and the copy into the pools
         self.snapshot_seconds = 0.0  # time steps spent copying pages out
         pool.on_cached = self._on_cached
+        self._readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="mlxpaged-kv-disk-reader")
 
     # ---- the cache manager's LowerTier -------------------------------------------------------------
 
     def contains(self, block_hash: Hashable) -> bool:
-        return isinstance(block_hash, bytes) and self.tier.contains(block_hash)
+        """On disk, or queued for it (the writer still holds the snapshot)."""
+        return isinstance(block_hash, bytes) and (self.writer.is_pending(block_hash) or self.tier.contains(block_hash))
 
     def load(self, block_ids: list[int], block_hashes: list[Hashable]) -> int:
         start = time.perf_counter()
         pages = []
-        for block_hash in block_hashes:
-            arrays = self.tier.read(block_hash) if isinstance(block_hash, bytes) else None
+        # Files are read and checked by a few threads (reads and CRC-32 release the GIL); the run ends at the
+        # first block missing or failing its checks.
+        for arrays in self._readers.map(self._read, block_hashes):
             if arrays is None:
                 break
             pages.append(arrays)
@@ -67,6 +72,12 @@ class KVTiering:
         self.hit_blocks += len(pages)
         self.load_seconds += time.perf_counter() - start
         return len(pages)
+
+    def _read(self, block_hash: Hashable) -> list | None:
+        if not isinstance(block_hash, bytes):
+            return None
+        queued = self.writer.pending(block_hash)  # not written yet: the snapshot itself
+        return queued if queued is not None else self.tier.read(block_hash)
 
     # ---- writing ---------------------------------------------------------------------------------
 
@@ -126,6 +137,7 @@ class KVTiering:
                     self._dirty[block.block_id] = block.block_hash
             self.persist(wait=True)
         finally:
+            self._readers.shutdown(wait=False)
             self.writer.close(CLOSE_TIMEOUT_S)
 
     # ---- stats -------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ two engines share a directory; no step waits for a write; models whose prefix ca
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import subprocess
@@ -19,6 +20,7 @@ from mlxpaged.config import split_settings
 from mlxpaged.engine.engine import Engine
 from mlxpaged.loading.loader import LoadedModel
 from mlxpaged.loading.model_store import ModelRef
+from mlxpaged.platform import backend
 from mlxpaged.sampling_params import SamplingParams
 from tests.tiny_models import random_tokens, tiny_hybrid_llama, tiny_llama, write_tiny_llama_dir
 
@@ -49,18 +51,28 @@ def disk_engine(model, tokenizer, model_dir: Path, disk: Path | bool, **settings
     return Engine(loaded, *split_settings({**base, **settings}))
 
 
-def test_export_and_import_blocks_round_trip_every_pool():
+@pytest.mark.parametrize(
+    "dtype, simulated",
+    [(mx.float32, None), (mx.float16, None), (mx.bfloat16, None), (mx.float32, "cuda")],
+    ids=["float32-host-writes", "float16-host-writes", "bfloat16-scatter", "cuda-scatter"],
+)
+def test_export_and_import_blocks_round_trip_every_pool(dtype, simulated):
+    """Both import paths (pages copied into host-addressable pools, MLX's scatter elsewhere) against the pages
+    exported: the slow obviously-right twin is a take of the source block."""
     geometries = (KVGeometry(2, 16, 16), KVGeometry(1, 24, 8), KVGeometry(1, 32, 32, k_is_v=True))
-    kv = PagedKVCache(3, 6, 8, None, None, mx.bfloat16, geometries=geometries)
+    kv = PagedKVCache(3, 6, 8, None, None, dtype, geometries=geometries)
     for j, pool in enumerate(kv.pools):
-        pool[mx.arange(6)] = mx.random.normal(pool.shape, key=mx.random.key(j)).astype(mx.bfloat16)
+        pool[mx.arange(6)] = mx.random.normal(pool.shape, key=mx.random.key(j)).astype(dtype)
     mx.eval(kv.pools)
-    pages = kv.export_block(4)
-    assert len(pages) == len(kv.pools) == 5
-    kv.import_block(1, pages)
-    for pool in kv.pools:
-        assert mx.array_equal(pool[1], pool[4]).item()
-        assert not mx.array_equal(pool[1], pool[2]).item()
+    before = [mx.array(np.array(p)) if dtype != mx.bfloat16 else p * 1 for p in kv.pools]
+    mx.eval(before)
+    pages = kv.export_blocks([4, 5])
+    assert len(pages) == 2 and len(pages[0]) == len(kv.pools) == 5
+    with backend.simulate(simulated) if simulated else contextlib.nullcontext():
+        kv.import_blocks([1, 0], pages)
+    for pool, old in zip(kv.pools, before):
+        assert mx.array_equal(pool[1], old[4]).item() and mx.array_equal(pool[0], old[5]).item()
+        assert mx.array_equal(pool[2:], old[2:]).item()  # the other blocks untouched
     with pytest.raises(ValueError, match="arrays"):
         kv.import_block(0, pages[:-1])
 
@@ -81,6 +93,27 @@ def test_a_new_engine_answers_from_disk_with_the_cold_tokens(model, tokenizer, t
     assert warm.cached_tokens == 96 and stats["disk_hit_tokens"] == 96 and stats["ram_hit_tokens"] == 0
     assert stats["disk_read_seconds"] > 0 and stats["disk_skipped_files"] == 0
     assert stats["disk_written_blocks"] <= 2  # only the reply's blocks are new
+
+
+def test_a_corrupt_block_file_ends_the_disk_hit_there_with_a_warning(model, tokenizer, tmp_path):
+    prompt = random_tokens(100, seed=12)
+    with disk_engine(model, tokenizer, tmp_path / "m", tmp_path / "kv") as first:
+        cold = first.generate(prompt, GREEDY)[0]
+        chain = [first.kv_manager.hash_fn(None, tuple(prompt[:8]), first.kv_manager.extra_key)]
+        for i in range(1, 5):
+            chain.append(
+                first.kv_manager.hash_fn(chain[-1], tuple(prompt[i * 8 : (i + 1) * 8]), first.kv_manager.extra_key)
+            )
+        path = first.core.tiering.tier.path(chain[4])
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x55  # the fifth block's payload: its checksum no longer matches
+    path.write_bytes(bytes(data))
+    with disk_engine(model, tokenizer, tmp_path / "m", tmp_path / "kv") as second:
+        with pytest.warns(RuntimeWarning, match="checksum"):
+            warm = second.generate(prompt, GREEDY)[0]
+        stats = second.stats()
+    assert warm.token_ids == cold.token_ids
+    assert warm.cached_tokens == stats["disk_hit_tokens"] == 4 * 8 and stats["disk_skipped_files"] == 1
 
 
 def test_blocks_the_pool_evicts_go_to_disk_first(model, tokenizer, tmp_path):
@@ -139,16 +172,16 @@ def test_no_step_waits_for_a_disk_write(model, tokenizer, tmp_path, monkeypatch)
         return real_write(self, block_hash, arrays)
 
     monkeypatch.setattr(DiskTier, "write", blocked_write)
-    prompt = random_tokens(200, seed=9)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     with disk_engine(model, tokenizer, tmp_path / "m", tmp_path / "kv") as eng:
+        eng.generate(random_tokens(200, seed=9), params)
+        assert entered.wait(30)  # the writer is stuck inside its first write from here on
         start = time.perf_counter()
-        out = eng.generate(prompt, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))[0]
-        took = time.perf_counter() - start
-        assert entered.is_set()  # the writer is stuck inside a write...
-        assert len(out.token_ids) == 30 and took < 30  # ...and every step ran anyway
-        assert eng.stats()["disk_pending_bytes"] > 0
+        out = eng.generate(random_tokens(200, seed=10), params)[0]  # every step of it runs while the writer waits
+        assert len(out.token_ids) == 30 and time.perf_counter() - start < 30
+        assert not release.is_set() and eng.stats()["disk_pending_bytes"] > 0
         release.set()
-    assert len(list_entries(tmp_path / "kv")) >= 199 // 8  # written once released (close waits for them)
+    assert len(list_entries(tmp_path / "kv")) >= 2 * (199 // 8)  # written once released (close waits for them)
 
 
 def test_a_model_whose_prefix_cache_is_off_runs_without_the_disk_tier(tokenizer, tmp_path):
@@ -167,7 +200,7 @@ from mlxpaged import Engine, SamplingParams
 model_dir, disk, prompt = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 with Engine.from_pretrained(model_dir, kv_disk=disk, cache_tokens=1024, block_size=16) as engine:
     out = engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))[0]
-    stats = engine.stats()
+stats = engine.stats()  # after close: every block written
 print(json.dumps({"tokens": out.token_ids, "cached": out.cached_tokens, "disk_hits": stats["disk_hit_tokens"],
                   "written": stats["disk_written_blocks"]}))
 """
