@@ -156,7 +156,8 @@ def cache_settings(args: argparse.Namespace) -> dict:
         "wire": not args.no_wire,
         "enable_prefix_cache": not args.no_prefix_cache,
         "speculative": args.speculative,
-        **kv_disk_settings(args),
+        # The disk tier is a tier of the prefix cache: with the cache off there is nothing to keep (and no warning).
+        **({"kv_disk": False} if args.no_prefix_cache else kv_disk_settings(args)),
     }
     for name in ("cache_tokens", "memory_fraction", "kv_memory", "max_model_len"):
         if getattr(args, name) is not None:

@@ -48,6 +48,8 @@ _PREFIX = struct.Struct("<8sII")  # magic, version, header length
 _CRC = struct.Struct("<I")
 LOW_WATER = 0.9  # eviction stops at this share of the limit, so each eviction is not followed by another at once
 RESCAN_SHARE = 0.05  # look at the directory again after writing this share of the limit
+STALE_TEMP_S = 3600.0  # a temporary file this old belongs to a writer that died: deleted when the directory is listed
+STALE_TEMP_S = 3600.0  # a temporary file this old belongs to a writer that died: deleted when the directory is listed  # look at the directory again after writing this share of the limit
 
 
 class BadBlockFile(Exception):
@@ -191,7 +193,7 @@ class DiskTier:
         with open(self.root / ".lock", "a+b") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
-                entries = list_entries(self.root)
+                entries = list_entries(self.root, remove_stale_temps=True)
                 total = sum(e.size for e in entries)
                 if total > self.max_bytes:
                     total = self._evict(sorted(entries, key=lambda e: e.mtime), total)
@@ -214,14 +216,21 @@ class DiskTier:
         return total
 
 
-def list_entries(root: Path) -> list[DiskEntry]:
-    """Every block file under `root` (all versions and models), with size and mtime."""
+def list_entries(root: Path, remove_stale_temps: bool = False) -> list[DiskEntry]:
+    """Every block file under `root` (all versions and models), with size and mtime. `remove_stale_temps`: also
+    delete temporary files older than STALE_TEMP_S (a process that died mid-write leaves one)."""
     found = []
+    now = time.time()
     for dirpath, _, names in os.walk(root):
         for name in names:
+            path = Path(dirpath) / name
+            if remove_stale_temps and name.startswith(".") and name.endswith(".tmp"):
+                with contextlib.suppress(OSError):
+                    if now - path.stat().st_mtime > STALE_TEMP_S:
+                        path.unlink()
+                continue
             if not name.endswith(SUFFIX) or name.startswith("."):
                 continue
-            path = Path(dirpath) / name
             with contextlib.suppress(FileNotFoundError):  # deleted meanwhile by another process
                 st = path.stat()
                 found.append(DiskEntry(path, st.st_size, st.st_mtime))

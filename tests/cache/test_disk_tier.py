@@ -176,3 +176,15 @@ def test_the_writer_never_blocks_its_caller_and_drops_past_its_budget():
     assert writer.close(5.0)
     assert store.written == [h(0), h(1), h(2)]
     assert writer.pending_bytes == 0
+
+
+def test_a_temporary_file_left_by_a_dead_writer_is_removed_once_stale(tmp_path):
+    tier = DiskTier(tmp_path, FP, 10**9)
+    tier.write(h(0), block(0))
+    stale, fresh = tier.path(h(0)).parent / ".x.kvb.1.aa.tmp", tier.path(h(0)).parent / ".y.kvb.2.bb.tmp"
+    stale.write_bytes(b"partial")
+    fresh.write_bytes(b"being written")
+    old = time.time() - 2 * disk_tier.STALE_TEMP_S
+    os.utime(stale, (old, old))
+    tier.enforce_limit()
+    assert not stale.exists() and fresh.exists() and tier.read(h(0)) is not None
