@@ -104,7 +104,7 @@ def bench_restart(args: Namespace) -> int:
     )
     print(
         f"  written                    {format_size(first['written_bytes'])} "
-        f"({first['written_per_prompt_token'] / 1024:.1f} KiB per prompt token, each block once); "
+        f"({first['written_per_prompt_token'] / 1024:.1f} KiB per prompt token computed, each block once); "
         f"steps copying pages out {first['disk_snapshot_seconds']:.3f} s; the writer finished "
         f"{first['writer_seconds']:.2f} s after the first token; close {first['close_seconds']:.2f} s"
     )

@@ -48,8 +48,7 @@ _PREFIX = struct.Struct("<8sII")  # magic, version, header length
 _CRC = struct.Struct("<I")
 LOW_WATER = 0.9  # eviction stops at this share of the limit, so each eviction is not followed by another at once
 RESCAN_SHARE = 0.05  # look at the directory again after writing this share of the limit
-STALE_TEMP_S = 3600.0  # a temporary file this old belongs to a writer that died: deleted when the directory is listed
-STALE_TEMP_S = 3600.0  # a temporary file this old belongs to a writer that died: deleted when the directory is listed  # look at the directory again after writing this share of the limit
+STALE_TEMP_S = 3600.0  # a temporary file this old belongs to a dead writer: deleted when the directory is listed
 
 
 class BadBlockFile(Exception):

@@ -278,7 +278,7 @@ class Engine:
         """Both tiers of the prefix cache: prompt tokens found in RAM (the pool) and on disk (engine/kv_tiering.py);
         `prefix_hit_*` counts both (every prompt token not prefilled)."""
         tiering = self.core.tiering
-        disk = tiering.stats(query_tokens) if tiering is not None else {}
+        disk = tiering.stats(query_tokens - ram_hit_tokens) if tiering is not None else {}
         hits = ram_hit_tokens + disk.get("disk_hit_tokens", 0)
         return {
             "prefix_hit_rate": hits / query_tokens if query_tokens else 0.0,

@@ -142,9 +142,11 @@ class KVTiering:
 
     # ---- stats -------------------------------------------------------------------------------------
 
-    def stats(self, prompt_tokens: int) -> dict:
-        """The disk tier's counters for Engine.stats (`prompt_tokens`: prompt tokens looked up so far)."""
+    def stats(self, ram_missed_tokens: int) -> dict:
+        """The disk tier's counters for Engine.stats (`ram_missed_tokens`: prompt tokens looked up so far that the
+        RAM tier did not have). Bytes written per prompt token count the tokens computed (found in neither tier)."""
         s = self.tier.stats
+        computed = ram_missed_tokens - self.hit_blocks * self.kv.block_size
         return {
             "disk_dir": str(self.tier.directory),
             "disk_limit_bytes": self.tier.max_bytes,
@@ -155,7 +157,7 @@ class KVTiering:
             "disk_read_seconds": self.load_seconds,
             "disk_written_blocks": s.written_blocks,
             "disk_written_bytes": s.written_bytes,
-            "disk_written_bytes_per_prompt_token": s.written_bytes / prompt_tokens if prompt_tokens else 0.0,
+            "disk_written_bytes_per_prompt_token": s.written_bytes / computed if computed > 0 else 0.0,
             "disk_pending_bytes": self.writer.pending_bytes,
             "disk_dropped_writes": self.writer.dropped,
             "disk_failed_writes": self.writer.failed,
