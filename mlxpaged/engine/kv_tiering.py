@@ -54,6 +54,17 @@ class KVTiering:
 
     def load(self, block_ids: list[int], block_hashes: list[Hashable]) -> int:
         start = time.perf_counter()
+        try:
+            loaded = self._load(block_ids, block_hashes)
+        except Exception as exc:  # the blocks are fresh ones: recomputing them is always correct
+            warnings.warn(f"KV disk tier: reading blocks back failed ({exc!r}); they are recomputed", RuntimeWarning, 2)
+            loaded = 0
+        self._on_disk.update(block_hashes[:loaded])
+        self.hit_blocks += loaded
+        self.load_seconds += time.perf_counter() - start
+        return loaded
+
+    def _load(self, block_ids: list[int], block_hashes: list[Hashable]) -> int:
         pages = []
         # Files are read and checked by a few threads (reads and CRC-32 release the GIL); the run ends at the
         # first block missing or failing its checks.
@@ -66,11 +77,8 @@ class KVTiering:
             try:
                 self.kv.import_blocks(block_ids[: len(pages)], pages)
             except ValueError as exc:  # a fingerprint collision of two layouts: never use such files
-                warnings.warn(f"KV disk tier: blocks do not fit the pools ({exc}); not used", RuntimeWarning, 2)
-                pages = []
-        self._on_disk.update(block_hashes[: len(pages)])
-        self.hit_blocks += len(pages)
-        self.load_seconds += time.perf_counter() - start
+                warnings.warn(f"KV disk tier: blocks do not fit the pools ({exc}); not used", RuntimeWarning, 3)
+                return 0
         return len(pages)
 
     def _read(self, block_hash: Hashable) -> list | None:
@@ -136,6 +144,8 @@ class KVTiering:
                 if isinstance(block.block_hash, bytes) and block.block_hash not in self._on_disk:
                     self._dirty[block.block_id] = block.block_hash
             self.persist(wait=True)
+        except Exception as exc:  # the engine is stopping anyway: lose these blocks, not the clean exit
+            warnings.warn(f"KV disk tier: the last blocks were not written ({exc!r})", RuntimeWarning, 2)
         finally:
             self._readers.shutdown(wait=False)
             self.writer.close(CLOSE_TIMEOUT_S)
