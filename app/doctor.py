@@ -64,8 +64,8 @@ class ModelOnDisk:
 
 
 def default_cache_config() -> CacheConfig:
-    """What `mlxpaged chat` and `Engine.from_pretrained()` use when given no cache settings."""
-    return CacheConfig(cache_tokens=DEFAULT_CACHE_TOKENS)
+    """What `mlxpaged chat` uses when given no cache settings (the prefix cache on disk as well)."""
+    return CacheConfig(cache_tokens=DEFAULT_CACHE_TOKENS, kv_disk=True)
 
 
 # ---- the checks: each returns one Check ------------------------------------------------------
@@ -376,6 +376,8 @@ def check_load() -> Check:
         for delta in engine.stream(prompt, SamplingParams(temperature=0.0, max_tokens=LOAD_TOKENS)):
             arrivals += [time.perf_counter()] if delta.token_id is not None else []
             text += delta.text
+        engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=1))  # the prefix cache's turn
+        tiers = prefix_tiers(engine.stats())
     if not arrivals:
         return Check(FAIL, "load", f"{loaded.name} loaded, but generated no token for {LOAD_PROMPT!r}")
     path, _ = attention_path(resolved_backend())
@@ -386,7 +388,18 @@ def check_load() -> Check:
         "load",
         f"{loaded.name} loaded and engine built in {ready - start:.1f} s; {len(prompt)}-token "
         f"prompt, first token in {first:.2f} s, decode {decode} over {len(arrivals)} tokens "
-        f"(greedy, attention {path}): {text.strip()!r}",
+        f"(greedy, attention {path}): {text.strip()!r}; asked again, {tiers}",
+    )
+
+
+def prefix_tiers(stats: dict) -> str:
+    """What each tier of the prefix cache saved so far (an earlier `doctor --load` or chat leaves blocks on disk)."""
+    ram = f"{stats['ram_hit_tokens']} prompt tokens came from RAM"
+    if not stats.get("disk_tier"):
+        return f"{ram} (disk tier off: {stats.get('disk_tier_off') or 'not asked for'})"
+    return (
+        f"{ram}, {stats['disk_hit_tokens']} from disk ({stats['disk_dir']}, {format_size(stats['disk_used_bytes'])} "
+        f"used, {format_size(stats['disk_written_bytes'])} written now)"
     )
 
 
