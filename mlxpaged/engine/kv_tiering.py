@@ -39,7 +39,9 @@ class KVTiering:
     def __init__(self, tier: DiskTier, writer: DiskWriter, kv: PagedKVCache, pool: BlockPool, runner):
         self.tier, self.writer, self.kv, self.pool, self.runner = tier, writer, kv, pool, runner
         self._dirty: dict[int, bytes] = {}  # block id -> hash: cached in RAM, not yet handed to the writer
-        self._on_disk: set[Hashable] = set()  # hashes this process wrote or read: never snapshotted again
+        # Block id -> the hash it held when it was written or read back: while it still holds that hash, it is on
+        # disk (bounded by the pool, unlike a set of every hash ever written).
+        self._on_disk: dict[int, bytes] = {}
         self.hit_blocks = 0
         self.load_seconds = 0.0  # reads, checks and the copy into the pools
         self.snapshot_seconds = 0.0  # time steps spent copying pages out
@@ -59,7 +61,9 @@ class KVTiering:
         except Exception as exc:  # the blocks are fresh ones: recomputing them is always correct
             warnings.warn(f"KV disk tier: reading blocks back failed ({exc!r}); they are recomputed", RuntimeWarning, 2)
             loaded = 0
-        self._on_disk.update(block_hashes[:loaded])
+        for block_id, block_hash in zip(block_ids[:loaded], block_hashes[:loaded], strict=True):
+            if isinstance(block_hash, bytes):  # what _read took (other hashes never load)
+                self._on_disk[block_id] = block_hash
         self.hit_blocks += loaded
         self.load_seconds += time.perf_counter() - start
         return loaded
@@ -90,8 +94,11 @@ class KVTiering:
     # ---- writing ---------------------------------------------------------------------------------
 
     def _on_cached(self, block: KVCacheBlock) -> None:
-        if block.block_hash not in self._on_disk and isinstance(block.block_hash, bytes):
+        if isinstance(block.block_hash, bytes) and not self._is_on_disk(block.block_id, block.block_hash):
             self._dirty[block.block_id] = block.block_hash
+
+    def _is_on_disk(self, block_id: int, block_hash: bytes) -> bool:
+        return self._on_disk.get(block_id) == block_hash
 
     def before_schedule(self) -> None:
         """Write dirty blocks the pool could evict this step (settling the pipeline if it must)."""
@@ -119,21 +126,21 @@ class KVTiering:
         start = time.perf_counter()
         live = []
         for block_id, block_hash in self._dirty.items():
-            if self.pool.blocks[block_id].block_hash != block_hash or block_hash in self._on_disk:
+            if self.pool.blocks[block_id].block_hash != block_hash or self._is_on_disk(block_id, block_hash):
                 continue  # evicted meanwhile (it was written then), or a duplicate
-            if self.tier.needs_write(block_hash):
+            if not self.writer.is_pending(block_hash) and self.tier.needs_write(block_hash):
                 live.append((block_id, block_hash))
-            else:  # another process wrote it
-                self._on_disk.add(block_hash)
+            else:  # queued or written from another block, or written by another process
+                self._on_disk[block_id] = block_hash
         self._dirty.clear()
         for i in range(0, len(live), SNAPSHOT_BATCH):
             batch = live[i : i + SNAPSHOT_BATCH]
-            for (_, block_hash), arrays in zip(batch, self.kv.export_blocks([b for b, _ in batch]), strict=True):
+            for (block_id, block_hash), arrays in zip(batch, self.kv.export_blocks([b for b, _ in batch]), strict=True):
                 accepted = self.writer.submit(block_hash, arrays)
                 if not accepted and wait and self.writer.wait_idle(CLOSE_TIMEOUT_S):
                     accepted = self.writer.submit(block_hash, arrays)
                 if accepted:
-                    self._on_disk.add(block_hash)
+                    self._on_disk[block_id] = block_hash
         self.snapshot_seconds += time.perf_counter() - start
 
     def close(self) -> None:
@@ -141,7 +148,7 @@ class KVTiering:
         try:
             self.runner.drop_look_ahead()
             for block in self.pool.blocks:
-                if isinstance(block.block_hash, bytes) and block.block_hash not in self._on_disk:
+                if isinstance(block.block_hash, bytes) and not self._is_on_disk(block.block_id, block.block_hash):
                     self._dirty[block.block_id] = block.block_hash
             self.persist(wait=True)
         except Exception as exc:  # the engine is stopping anyway: lose these blocks, not the clean exit
