@@ -86,6 +86,16 @@ def is_embedding_model(model_dir: Path, preset_options: dict | None = None) -> b
     return True
 
 
+def refuse_generation(model_dir: Path, name: str, preset_options: dict | None = None) -> None:
+    """UnsupportedModelError when `model_dir` is an embedding model: its hidden states are trained to be pooled,
+    not to predict tokens, so the Engine refuses it at load rather than generate text that means nothing."""
+    if is_embedding_model(model_dir, preset_options):
+        raise UnsupportedModelError(
+            f"{name} is an embedding model (its sentence-transformers files say how it pools), not a generative one: "
+            "serve it with `mlxpaged serve --model` for /v1/embeddings, or load it with mlxpaged.Embedder"
+        )
+
+
 def _from_modules(model_dir: Path, modules: object) -> EmbeddingSpec:
     if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
         raise UnsupportedModelError(f"{model_dir / 'modules.json'} is not a list of modules")

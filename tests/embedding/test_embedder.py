@@ -185,3 +185,11 @@ def test_a_closed_embedder_refuses_calls(model_dirs):
         assert embedder.embed(["hi"]).vectors.shape == (1, 64)
     with pytest.raises(EngineClosedError):
         embedder.embed(["hi"])
+
+
+def test_the_engine_refuses_an_embedding_model(model_dirs):
+    from mlxpaged import Engine
+    from mlxpaged.errors import UnsupportedModelError
+
+    with pytest.raises(UnsupportedModelError, match="is an embedding model .* load it with mlxpaged.Embedder"):
+        Engine.from_pretrained(str(model_dirs["last"]))
