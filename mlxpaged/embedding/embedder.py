@@ -9,7 +9,8 @@
 Inputs are tokenized (inputs.py), grouped into passes by a token budget (batching.py: many inputs in one forward
 pass, right-padded), run through the model's transformer body (body.py, forward.py), pooled as the model's
 sentence-transformers files say (model_files.py, pooling.py), then truncated to `dimensions` and normalized.
-The model is computed on the caller's thread, one call at a time (a lock): MLX work is never interleaved.
+The model is computed on the caller's thread, one call at a time (a lock): MLX work is never interleaved, and
+neither are tokenizer calls.
 """
 
 from __future__ import annotations
@@ -104,12 +105,12 @@ class Embedder:
         components and normalizes again if the model normalizes; `truncate` cuts inputs longer than the context
         instead of refusing them; `prompt_name` picks a prompt of config_sentence_transformers.json to put before
         each text (default: the model's default_prompt_name, if any)."""
-        if self._closed:
-            raise EngineClosedError("the embedder was closed")
         dimensions = self._check_dimensions(dimensions)
         prompt = self._prompt(prompt_name)
-        rows = token_rows(self.tokenizer, inputs, self.vocab_size, self.max_input_tokens, truncate, prompt)
-        with self._lock:
+        with self._lock:  # the tokenizer too: a Hugging Face tokenizer asked to truncate is not safe across threads
+            if self._closed:
+                raise EngineClosedError("the embedder was closed")
+            rows = token_rows(self.tokenizer, inputs, self.vocab_size, self.max_input_tokens, truncate, prompt)
             vectors, passes = self._embed_rows(rows)
             vectors = finish(vectors, self.spec.normalize, dimensions)
             array = np.array(vectors, dtype=np.float32)

@@ -5,6 +5,7 @@ drives a real `mlxpaged serve` with the official clients."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import dataclasses
 import re
@@ -158,3 +159,15 @@ async def test_a_generative_model_refuses_embeddings_with_the_reason(tmp_path):
     reason = "gen is not an embedding model: its directory has no sentence-transformers pooling configuration"
     assert f"The model 'fake-model' cannot embed: {reason}" in error["message"]
     assert ollama_reply.status_code == 400 and reason in ollama_reply.json()["error"]
+
+
+@pytest.mark.asyncio
+async def test_concurrent_requests_each_get_their_own_vectors(embedder):
+    """Eight requests at once (the Ollama route truncates, which a shared tokenizer must not do concurrently)."""
+    texts = [f"request {i}: " + " ".join(["word"] * (5 * i)) for i in range(8)]
+    async with client_for(embedder) as client:
+        replies = await asyncio.gather(
+            *(client.post("/api/embed", json={"model": embedder.name, "input": text}) for text in texts)
+        )
+    got = np.array([reply.json()["embeddings"][0] for reply in replies], dtype=np.float32)
+    np.testing.assert_allclose(got, embedder.embed(texts, truncate=True).vectors, atol=1e-5)
