@@ -193,3 +193,17 @@ def test_the_engine_refuses_an_embedding_model(model_dirs):
 
     with pytest.raises(UnsupportedModelError, match="is an embedding model .* load it with mlxpaged.Embedder"):
         Engine.from_pretrained(str(model_dirs["last"]))
+
+
+def test_half_precision_weights_become_float32_on_the_cpu_backend(tmp_path):
+    """As the engine's loader does (loader.fit_dtypes): float32 is the CPU backend's fast dtype; a GPU keeps
+    the checkpoint's."""
+    from mlxpaged.platform import backend
+
+    from mlx.utils import tree_flatten
+
+    embedder = Embedder.from_pretrained(str(write_tiny_embedding_dir(tmp_path / "bf16", "mean", dtype="bfloat16")))
+    expected = "float32" if backend.current() == "cpu" else "bfloat16"
+    assert embedder.loaded.dtype == expected
+    assert {v.dtype for _, v in tree_flatten(embedder.loaded.model.parameters())} == {getattr(mx, expected)}
+    assert embedder.embed(["hi"]).vectors.dtype == np.float32

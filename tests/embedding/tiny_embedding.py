@@ -49,12 +49,14 @@ def write_tiny_embedding_dir(
     context: int = 512,
     seed: int = 5,
     sentence_transformers: bool = True,
+    dtype: str = "float32",
 ) -> Path:
     """A model directory Embedder.from_pretrained loads; `sentence_transformers=False` leaves the
     sentence-transformers files out (a generative model, to be refused)."""
     out = Path(out)
     config = tiny_embedding_config(context)
     model = _build(qwen3, config, seed)
+    model.set_dtype(getattr(mx, dtype))
     if layout == "flat":
         out.mkdir(parents=True, exist_ok=True)
         weights = {k.removeprefix("model."): v for k, v in tree_flatten(model.parameters()) if not k.startswith("lm_")}
