@@ -9,13 +9,16 @@ built on, with nothing to override; pydantic (already a FastAPI dependency) stil
 bodies (protocol.py).
 
 Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/messages[/count_tokens] (Anthropic),
-POST /v1/responses, GET /v1/models[/{id}], GET /health, GET /metrics. The package's other modules are listed in its
+POST /v1/responses, POST /v1/embeddings and POST /api/embed (Ollama's), GET /v1/models[/{id}], GET /health,
+GET /metrics. The package's other modules are listed in its
 __init__.
 """
 
 from __future__ import annotations
 
 from mlxpaged_app.server.anthropic.serving import serve_count_tokens, serve_messages
+from mlxpaged_app.server.embeddings.ollama_embed import serve_ollama_embed
+from mlxpaged_app.server.embeddings.openai_embeddings import serve_embeddings
 from mlxpaged_app.server.errors import (
     APIError,
     handle_api_error,
@@ -43,6 +46,8 @@ ROUTES = (
     "/v1/completions",
     "/v1/messages",
     "/v1/responses",
+    "/v1/embeddings",
+    "/api/embed",
     "/v1/models",
     "/health",
     "/metrics",
@@ -65,6 +70,14 @@ async def completions(request: Request) -> Response:
     return await serve_completion(request, _state(request))
 
 
+async def embeddings(request: Request) -> Response:
+    return await serve_embeddings(request, _state(request))
+
+
+async def ollama_embed(request: Request) -> Response:
+    return await serve_ollama_embed(request, _state(request))
+
+
 async def messages(request: Request) -> Response:
     return await serve_messages(request, _state(request))
 
@@ -74,13 +87,17 @@ async def count_tokens(request: Request) -> Response:
 
 
 def _model_card(state: ServerState) -> dict:
-    """OpenAI's model object, plus what this server applies to requests that leave sampling fields unset."""
+    """OpenAI's model object, plus what this server applies to requests that leave sampling fields unset (for an
+    embedding model: its width and pooling)."""
+    card = {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "mlxpaged"}
+    if state.embedder is not None:
+        embedder = state.embedder
+        return card | {
+            "max_model_len": embedder.max_input_tokens,
+            "mlxpaged": {"kind": "embedding", "dimensions": embedder.dimensions, "pooling": embedder.spec.pooling},
+        }
     defaults = state.config.sampling_defaults
-    return {
-        "id": state.model_id,
-        "object": "model",
-        "created": state.created,
-        "owned_by": "mlxpaged",
+    return card | {
         "max_model_len": state.context_limit,
         "mlxpaged": {
             "sampling_defaults": defaults.values,
@@ -105,35 +122,37 @@ async def get_model(request: Request) -> Response:
 async def health(request: Request) -> Response:
     """200 while the server takes requests; 503 once it is draining for shutdown."""
     state = _state(request)
-    stats = state.engine.stats()
     body = {
         "status": "draining" if state.draining else "ok",
         "model": state.model_id,
         "requests_in_flight": state.admission.in_flight,
-        "requests_running": stats["requests_running"],
-        "requests_waiting": stats["requests_waiting"],
-        "blocks_used": stats["blocks_used"],
-        "blocks_free": stats["blocks_free"],
-        "blocks_total": stats["blocks_total"],
     }
+    if state.engine is not None:  # an embedding model has no engine: no scheduler, no KV blocks
+        stats = state.engine.stats()
+        keys = ("requests_running", "requests_waiting", "blocks_used", "blocks_free", "blocks_total")
+        body |= {key: stats[key] for key in keys}
     return JSONResponse(body, status_code=503 if state.draining else 200)
 
 
 async def metrics(request: Request) -> Response:
     state = _state(request)
-    text = state.metrics.render(state.engine.stats(), state.admission.in_flight, state.admission.capacity)
+    stats = state.engine.stats() if state.engine is not None else None
+    text = state.metrics.render(stats, state.admission.in_flight, state.admission.capacity)
     return Response(text, media_type=CONTENT_TYPE)
 
 
-def create_app(engine, config: ServerConfig | None = None) -> Starlette:
-    """The ASGI app over a loaded `Engine`; the caller owns the engine (and closes it)."""
-    state = ServerState(engine, config or ServerConfig())
+def create_app(served, config: ServerConfig | None = None) -> Starlette:
+    """The ASGI app over a loaded `Engine`, or an `Embedder` (an embedding model: the embedding routes answer, the
+    generative ones refuse); the caller owns it (and closes it)."""
+    state = ServerState(served, config or ServerConfig())
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/messages", messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
         Route("/v1/responses", responses, methods=["POST"]),
+        Route("/v1/embeddings", embeddings, methods=["POST"]),
+        Route("/api/embed", ollama_embed, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", get_model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),

@@ -70,6 +70,20 @@ def model_not_found(requested: str, served: list[str]) -> APIError:
     )
 
 
+def embedding_model_only(model: str) -> APIError:
+    return APIError(
+        400,
+        f"The model '{model}' is an embedding model: this server answers /v1/embeddings and /api/embed with it, "
+        "not chat, completions, messages or responses",
+        param="model",
+        code="model_not_supported",
+    )
+
+
+def not_an_embedding_model(model: str, reason: str) -> APIError:
+    return APIError(400, f"The model '{model}' cannot embed: {reason}", param="model", code="model_not_supported")
+
+
 def body_too_large(limit: int) -> APIError:
     return APIError(
         413,
