@@ -65,15 +65,15 @@ def model_files(path: Path, name: str) -> ModelFiles:
 
 
 def parameter_count(path: Path, config: dict) -> int:
-    """Weights, counted as the model has them: an MLX quantized checkpoint packs 32 / bits of them in each uint32
-    element, and its per-group scales and biases are not parameters."""
+    """Weights, counted as the model has them: an MLX quantized checkpoint packs `bits`-wide weights into uint32
+    elements (32 / bits to each), and its per-group scales and biases are not parameters."""
     bits = (config.get("quantization") or {}).get("bits")
     total = 0
     for tensor in checkpoint_tensors(path):
         if bits and tensor.name.endswith((".scales", ".biases")):
             continue
         packed = bits and tensor.dtype == "U32"
-        total += tensor.num_elements * (32 // bits if packed else 1)
+        total += tensor.num_elements * 32 // bits if packed else tensor.num_elements
     return total
 
 
