@@ -301,3 +301,15 @@ def test_leaving_a_stream_frees_its_blocks(smol, http):
         assert [line["done"] for line in lines] == [False] * 3
         assert server.health()["blocks_used"] > 0
     server.blocks_back()
+
+
+def test_readme_example_runs(smol):
+    """The README's Ollama example as written, pointed at this server."""
+    _, server = smol
+    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+    code = readme.split("### The Ollama API", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    code = code.replace("ollama.Client()", f"ollama.Client(host={server.url!r}, headers={AUTH!r})")
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    assert "Paris" in scope["reply"].message.content and scope["reply"].done_reason == "stop"
+    jsonschema.validate(json.loads(scope["shaped"].message.content), scope["person"])
