@@ -52,6 +52,11 @@ def done_reply(model: str, reason: str, chat: bool) -> dict:
     return {"model": model, "created_at": now(), **text, "done": True, "done_reason": reason}
 
 
+def _call(call_id: str, index: int, name: str, arguments: dict) -> dict:
+    """A tool call as Ollama writes it: the arguments an object, not OpenAI's JSON text."""
+    return {"id": call_id, "function": {"index": index, "name": name, "arguments": arguments}}
+
+
 class OllamaShape(ReplyShape):
     """What chat and generate replies share: the lines, the calls, the timings. Subclasses say where the text
     goes (`_text_fields`)."""
@@ -68,25 +73,25 @@ class OllamaShape(ReplyShape):
 
     def chunks(self, choice: int, events: list[ChatEvent]) -> list[dict]:
         self.result.extend(events)
-        text = "".join(e.text for e in events if isinstance(e, TextDelta))
-        thinking = "".join(e.text for e in events if isinstance(e, ReasoningDelta))
-        calls = [self._call(e) for e in events if isinstance(e, (ToolCallStart, ToolCallEnd))]
-        entries = [entry for e in events if isinstance(e, TokenLogprobs) for entry in e.entries]
-        calls = [c for c in calls if c is not None]
+        text, thinking, calls, entries = "", "", [], []
+        for event in events:
+            if isinstance(event, TextDelta):
+                text += event.text
+            elif isinstance(event, ReasoningDelta):
+                thinking += event.text
+            elif isinstance(event, ToolCallStart):
+                self.names[event.index] = (event.id, event.name)
+            elif isinstance(event, ToolCallEnd):  # Ollama sends a call whole, once its arguments are complete
+                call_id, name = self.names[event.index]
+                calls.append(_call(call_id, event.index, name, event.arguments))
+            elif isinstance(event, TokenLogprobs):
+                entries += event.entries
         if not (text or thinking or calls or entries):
             return []
         line = {"model": self.model, "created_at": now(), **self._text_fields(text, thinking, calls), "done": False}
         if entries:
             line["logprobs"] = chat_logprobs(self.token_text, entries)["content"]
         return [line]
-
-    def _call(self, event: ToolCallStart | ToolCallEnd) -> dict | None:
-        """A complete call (at its end: Ollama sends calls whole); None at its start."""
-        if isinstance(event, ToolCallStart):
-            self.names[event.index] = (event.id, event.name)
-            return None
-        call_id, name = self.names[event.index]
-        return {"id": call_id, "function": {"index": event.index, "name": name, "arguments": event.arguments}}
 
     def closing(self, usage: dict) -> list[dict]:
         return [self._final(self._text_fields("", "", []), usage)]
@@ -100,7 +105,7 @@ class OllamaShape(ReplyShape):
     def body(self, usage: dict) -> dict:
         r = self.result
         calls = [
-            {"id": c.id, "function": {"index": i, "name": c.name, "arguments": c.arguments}}
+            _call(c.id, i, c.name, c.arguments)
             for i, c in enumerate(r.tool_calls)
             if c.arguments is not None  # a call cut off by the reply's length never ended
         ]

@@ -278,6 +278,7 @@ def test_bad_options_are_400s_naming_the_option(smol):
         ("/api/generate", {"model": SMOL, "prompt": "x", "suffix": "y"}, "suffix"),
         ("/api/generate", {"model": SMOL, "prompt": "x", "raw": True, "system": "y"}, "raw mode"),
         ("/api/generate", {"model": SMOL, "prompt": "x", "images": ["aGk="]}, "images"),
+        ("/api/generate", {"model": SMOL, "prompt": "x", "context": [10**9]}, "out of range"),
     ],
 )
 def test_bad_input_is_a_400_in_ollamas_shape(http, path, body, said):

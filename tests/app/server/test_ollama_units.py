@@ -3,11 +3,13 @@ model descriptions, the reply budget's per-request context, and errors in Ollama
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 from types import SimpleNamespace
 
-from mlxpaged_app.server.chat.spec import JsonObjectOutput, JsonSchemaOutput
+from mlxpaged_app.server.chat.spec import JsonObjectOutput, JsonSchemaOutput, ReasoningDelta, TextDelta
+from mlxpaged_app.server.engine_client import GenerationFailed
 from mlxpaged_app.server.errors import APIError, error_response, invalid_param
 from mlxpaged_app.server.middleware import needs_key
 from mlxpaged_app.server.ollama import options as opts
@@ -15,8 +17,10 @@ from mlxpaged_app.server.ollama.convert import chat_messages
 from mlxpaged_app.server.ollama.model_info import human_number, parameter_count
 from mlxpaged_app.server.ollama.models import served_model, tagged
 from mlxpaged_app.server.ollama.protocol import ChatRequest, Message, Options
+from mlxpaged_app.server.ollama.shapes import ChatShape
 from mlxpaged_app.server.param_names import OLLAMA_CHAT
 from mlxpaged_app.server.reply_budget import reply_budget
+from mlxpaged_app.server.serving import stream_events
 from mlxpaged_app.server.state import ServerState
 from tests.tiny_models import tiny_llama
 
@@ -200,3 +204,22 @@ def test_errors_take_ollamas_shape_under_api():
     assert openai["error"]["param"] == "options.temperature"
     assert needs_key("/api/chat") and needs_key("/api/tags") and needs_key("/v1/models")
     assert not needs_key("/api/version") and not needs_key("/") and not needs_key("/health")
+
+
+def test_a_failure_mid_stream_is_one_error_line_after_the_ndjson_lines():
+    """Ollama's streamed error: the lines so far, then `{"error": ...}` (the status is out already)."""
+
+    async def items():
+        yield 0, [TextDelta("Hi"), ReasoningDelta("hm")]
+        raise GenerationFailed("generation failed: the engine stopped")
+
+    async def collect() -> list[bytes]:
+        shape = ChatShape("m", run=None, token_text=None)  # type: ignore[arg-type]  # neither is read on failure
+        return [frame async for frame in stream_events(shape, items(), usage=dict)]
+
+    frames = asyncio.run(collect())
+    assert all(frame.endswith(b"\n") and frame.count(b"\n") == 1 for frame in frames)
+    first, last = (json.loads(frame) for frame in frames)
+    assert first["message"] == {"role": "assistant", "content": "Hi", "thinking": "hm"} and first["done"] is False
+    assert last == {"error": "generation failed: the engine stopped"}
+    assert ChatShape.media_type == "application/x-ndjson"
