@@ -9,9 +9,9 @@ built on, with nothing to override; pydantic (already a FastAPI dependency) stil
 bodies (protocol.py).
 
 Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/messages[/count_tokens] (Anthropic),
-POST /v1/responses, POST /v1/embeddings and POST /api/embed (Ollama's), GET /v1/models[/{id}], GET /health,
-GET /metrics. The package's other modules are listed in its
-__init__.
+POST /v1/responses, POST /v1/embeddings, GET /v1/models[/{id}], GET /health, GET /metrics, and Ollama's: POST
+/api/chat, POST /api/generate, POST /api/embed, GET /api/tags, POST /api/show, GET /api/ps, GET /api/version, GET /
+(HEAD too where GET is). The package's other modules are listed in its __init__.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from mlxpaged_app.server.errors import (
 )
 from mlxpaged_app.server.metrics import CONTENT_TYPE
 from mlxpaged_app.server.middleware import middleware_stack
+from mlxpaged_app.server.ollama import serving as ollama
 from mlxpaged_app.server.openai.serving_chat import serve_chat
 from mlxpaged_app.server.openai.serving_completion import serve_completion
 from mlxpaged_app.server.responses.serving import serve_responses
@@ -51,6 +52,13 @@ ROUTES = (
     "/v1/models",
     "/health",
     "/metrics",
+    "/api/chat",
+    "/api/generate",
+    "/api/tags",
+    "/api/show",
+    "/api/ps",
+    "/api/version",
+    "/",
 )
 
 
@@ -84,6 +92,26 @@ async def messages(request: Request) -> Response:
 
 async def count_tokens(request: Request) -> Response:
     return await serve_count_tokens(request, _state(request))
+
+
+async def ollama_chat(request: Request) -> Response:
+    return await ollama.serve_chat(request, _state(request))
+
+
+async def ollama_generate(request: Request) -> Response:
+    return await ollama.serve_generate(request, _state(request))
+
+
+async def ollama_tags(request: Request) -> Response:
+    return await ollama.tags(request, _state(request))
+
+
+async def ollama_show(request: Request) -> Response:
+    return await ollama.show(request, _state(request))
+
+
+async def ollama_ps(request: Request) -> Response:
+    return await ollama.running(request, _state(request))
 
 
 def _model_card(state: ServerState) -> dict:
@@ -157,6 +185,13 @@ def create_app(served, config: ServerConfig | None = None) -> Starlette:
         Route("/v1/models/{model_id:path}", get_model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        Route("/api/chat", ollama_chat, methods=["POST"]),
+        Route("/api/generate", ollama_generate, methods=["POST"]),
+        Route("/api/tags", ollama_tags, methods=["GET"]),  # Starlette answers HEAD wherever GET is
+        Route("/api/show", ollama_show, methods=["POST"]),
+        Route("/api/ps", ollama_ps, methods=["GET"]),
+        Route("/api/version", ollama.version, methods=["GET"]),
+        Route("/", ollama.root, methods=["GET"]),
     ]
     handlers = {APIError: handle_api_error, HTTPException: handle_http_exception, Exception: handle_unexpected}
     app = Starlette(routes=routes, middleware=middleware_stack(state, ROUTES), exception_handlers=handlers)

@@ -14,7 +14,7 @@ from mlxpaged_app.server.param_names import OPENAI_CHAT, ParamNames
 
 from pydantic import BaseModel, ConfigDict
 
-API = Literal["openai", "anthropic", "responses"]
+API = Literal["openai", "anthropic", "responses", "ollama"]
 
 
 @dataclass(frozen=True)
@@ -115,6 +115,12 @@ class ChatRequestSpec:
     stream: bool = False
     api: API = "openai"
     names: ParamNames = OPENAI_CHAT  # the API's parameter names, for errors raised after translation
+    # The prompt, when it is not only the messages through the chat template (Ollama's /api/generate):
+    raw_prompt: str | None = None  # text sent as it is, no template (`raw`); the messages are then unused
+    prompt_prefix: tuple[int, ...] = ()  # token ids before the prompt (a previous reply's `context`)
+    # The reply's room, when the request bounds it below the server's context (Ollama's options):
+    context_limit: int | None = None  # prompt + reply at most this many tokens (`num_ctx`)
+    reply_to_context_end: bool = False  # max_tokens None means "until the context ends" (`num_predict` -1)
 
     @property
     def n(self) -> int:
