@@ -169,8 +169,8 @@ def test_markers_that_are_special_tokens_are_matched_as_those_tokens(tokenizer, 
     assert accepts(required, [begin, *good, end])
     assert not accepts(required, spelled("<|im_start|>") + good + spelled("<file_sep>"))
     lazy = compiler.compile(tagged_json_grammar("<|im_start|>", "<file_sep>", CALL, lazy=True))
-    assert accepts(lazy, ids(tokenizer, "Text, ") + [begin, *good, end] + ids(tokenizer, " more text"))
-    assert not accepts(lazy, ids(tokenizer, "Text, ") + [begin, *bad, end])
+    assert accepts(lazy, [*ids(tokenizer, "Text, "), begin, *good, end, *ids(tokenizer, " more text")])
+    assert not accepts(lazy, [*ids(tokenizer, "Text, "), begin, *bad, end])
     assert compiler.marker_pieces("<|im_start|>\nx") == [begin, "\nx"]
 
 
@@ -323,12 +323,16 @@ def test_constrained_rows_sample_allowed_tokens_and_valid_json(tokenizer, compil
     assert alone.output_token_ids == requests[2].output_token_ids
 
 
+def only_token_0(tokens, row: mx.array) -> mx.array:
+    """A logits processor that masks every token but 0: under a grammar that does not allow 0, nothing is left."""
+    return mx.where(mx.arange(row.shape[-1]) == 0, row, -mx.inf)
+
+
 def test_a_dead_end_fails_only_its_row(tokenizer, compiler, tiny):
     constraint = compiler.compile(json_schema_grammar(PERSON))
     off_grammar = Request("a", [1, 2], 20, output_token_ids=ids(tokenizer, "hello"))  # resumed with bad history
     masked = Request("b", [1, 2], 20)
     free = Request("c", [3, 4], 20)
-    only_token_0 = lambda tokens, row: mx.where(mx.arange(row.shape[-1]) == 0, row, -mx.inf)
     states = [
         make_state(SamplingParams(constraint=constraint, seed=1), off_grammar),
         make_state(SamplingParams(constraint=constraint, seed=2, logits_processors=[only_token_0]), masked),
@@ -402,7 +406,6 @@ def test_engine_structure_cut_by_max_tokens_finishes_length_and_stop_strings_sti
 
 def test_engine_dead_end_fails_only_that_request(engine):
     constraint = engine.grammar_compiler.compile(json_object_grammar())
-    only_token_0 = lambda tokens, row: mx.where(mx.arange(row.shape[-1]) == 0, row, -mx.inf)
     doomed = SamplingParams(constraint=constraint, logits_processors=[only_token_0], max_tokens=8)
     sinks = [queue.Queue(), queue.Queue()]
     engine.submit(random_tokens(6), doomed, sinks[0].put)
@@ -446,7 +449,7 @@ def test_grammar_compiler_is_built_once_and_refuses_tokenizers_it_cannot_read(en
     assert engine.grammar_compiler.vocab_size == VOCAB
 
     class SlowTokenizer:  # a Python-only tokenizer: no `tokenizers` backend to hand llguidance
-        eos_token_ids = {2}
+        eos_token_ids = frozenset({2})
 
     with pytest.raises(GrammarError, match="needs a Hugging Face fast tokenizer"):
         GrammarCompiler(SlowTokenizer(), VOCAB)

@@ -281,7 +281,10 @@ def test_model_facts_from_disk_match_the_loaded_models(tmp_path):
 
 def same_kv(a: ModelFacts, b: ModelFacts) -> bool:
     """The same KV shape and per-layer windows (None and all-None windows mean the same)."""
-    shape = lambda f: (f.kv.num_layers, f.kv.num_kv_heads, f.kv.head_dim, f.kv.dtype_bytes, f.kv.layer_windows)
+
+    def shape(f: ModelFacts) -> tuple:
+        return f.kv.num_layers, f.kv.num_kv_heads, f.kv.head_dim, f.kv.dtype_bytes, f.kv.layer_windows
+
     return shape(a) == shape(b) and (a.hidden_size, a.vocab_size, a.context_length) == (
         b.hidden_size,
         b.vocab_size,

@@ -209,7 +209,7 @@ def test_window_group_is_a_ring_of_ceil_window_over_block_plus_one():
     assert spec.key_start(5) == 0 and spec.key_start(30) == 21
     assert spec.stored_start(0, 40) == 24
     with pytest.raises(ValueError, match="at most 4"):
-        spec.check_table(table + [2], 40)
+        spec.check_table([*table, 2], 40)
     with pytest.raises(ValueError, match="need 2"):
         spec.check_table(table[:1], 5)
 

@@ -107,7 +107,7 @@ def test_prefix_cache_hit_equals_cold_output(engine):
     assert warm.cached_tokens > 0 and warm.cached_tokens >= warm.prompt_tokens - 16
     assert warm.token_ids == cold.token_ids
     # A second turn re-prefills only the new turn.
-    turn2 = messages + [{"role": "assistant", "content": warm.text}, {"role": "user", "content": "And the sun?"}]
+    turn2 = [*messages, {"role": "assistant", "content": warm.text}, {"role": "user", "content": "And the sun?"}]
     second = engine.chat(turn2, GREEDY)
     assert second.cached_tokens >= len(engine.chat_tokens(messages)) - 16
 

@@ -368,9 +368,9 @@ def test_prefix_cache_hit_skips_cached_tokens():
     _pool, s = make()
     eng = FakeEngine(s)
     shared = list(range(1000, 1016))
-    s.add_request(req("a", shared + [1, 2, 3, 4], 2))
+    s.add_request(req("a", [*shared, 1, 2, 3, 4], 2))
     eng.run()
-    s.add_request(req("b", shared + [9, 9], 3))
+    s.add_request(req("b", [*shared, 9, 9], 3))
     out = eng.step()
     c = chunk_of(out, "b")
     assert s.get("b").num_cached_tokens == 16 and (c.start, c.token_ids) == (16, [9, 9])
@@ -379,7 +379,7 @@ def test_prefix_cache_hit_skips_cached_tokens():
     c = chunk_of(eng.step(), "c")
     assert s.get("c").num_cached_tokens == 8 and c.start == 8 and len(c.token_ids) == 8
     eng.run()
-    assert eng.finished["b"].output_token_ids == solo_output(shared + [9, 9], 3)
+    assert eng.finished["b"].output_token_ids == solo_output([*shared, 9, 9], 3)
     assert eng.finished["c"].output_token_ids == solo_output(shared, 3)
     assert eng.finished["b"].num_cached_tokens == 16
 

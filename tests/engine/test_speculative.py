@@ -147,7 +147,10 @@ def test_rejected_drafts_give_their_blocks_back_every_step(model, tokenizer, mon
     for rid, prompt in PROMPTS.items():
         core.add_request(rid, prompt, GREEDY, lambda event: None)
     manager = core.scheduler.kv_manager
-    blocks = lambda tokens: -(-tokens // manager.block_size)
+
+    def blocks(tokens: int) -> int:
+        return -(-tokens // manager.block_size)
+
     while core.has_unfinished:
         core.step()
         for request in core.scheduler.running:

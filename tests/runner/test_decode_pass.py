@@ -173,8 +173,7 @@ def test_a_model_whose_pass_cannot_be_compiled_decodes_eagerly(tokenizer, monkey
     monkeypatch.setattr(CompiledDecode, "warm_up", fails)
     model = tiny_llama()
     prompt = random_tokens(12, seed=5)
-    with pytest.warns(RuntimeWarning, match="compiled decode is off"):
-        with tiny_engine(model, tokenizer) as engine:
-            got = engine.generate([prompt], GREEDY)[0].token_ids
-            assert engine.runner.decoder is None
+    with pytest.warns(RuntimeWarning, match="compiled decode is off"), tiny_engine(model, tokenizer) as engine:
+        got = engine.generate([prompt], GREEDY)[0].token_ids
+        assert engine.runner.decoder is None
     assert got == reference_tokens(model, prompt, GREEDY.max_tokens)

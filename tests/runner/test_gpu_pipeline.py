@@ -31,11 +31,10 @@ LONG = dataclasses.replace(GREEDY, max_tokens=40)
 @pytest.fixture(scope="module")
 def gpu_engine(tokenizer):
     model = tiny_llama()
-    with backend.simulate("cuda"):
-        with tiny_engine(model, tokenizer, max_num_seqs=8) as eng:
-            assert eng.runner.defers and eng.runner.decoder is None
-            yield eng
-            assert_pool_empty(eng)
+    with backend.simulate("cuda"), tiny_engine(model, tokenizer, max_num_seqs=8) as eng:
+        assert eng.runner.defers and eng.runner.decoder is None
+        yield eng
+        assert_pool_empty(eng)
 
 
 @pytest.fixture

@@ -157,16 +157,18 @@ class ResponseBuilder(ReplyShape):
         part = item["content"][0]
         part["text"] += event.text
         if kind == "reasoning":
-            return out + [
+            return [
+                *out,
                 self._event(
                     "response.reasoning_text.delta",
                     item_id=item["id"],
                     output_index=index,
                     content_index=0,
                     delta=event.text,
-                )
+                ),
             ]
-        return out + [
+        return [
+            *out,
             self._event(
                 "response.output_text.delta",
                 item_id=item["id"],
@@ -174,7 +176,7 @@ class ResponseBuilder(ReplyShape):
                 content_index=0,
                 delta=event.text,
                 logprobs=[],
-            )
+            ),
         ]
 
     def _open_item(self, kind: str) -> list[dict]:

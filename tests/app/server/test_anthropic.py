@@ -74,7 +74,8 @@ def test_text_message_usage_and_cache_read(smol):
     assert first.type == "message" and first.role == "assistant" and first.id.startswith("msg_")
     assert [b.type for b in first.content] == ["text"] and "Paris" in first.content[0].text
     assert first.stop_reason in ("end_turn", "max_tokens") and 0 < first.usage.output_tokens <= 20
-    follow = FRANCE + [
+    follow = [
+        *FRANCE,
         {"role": "assistant", "content": first.content[0].text},
         {"role": "user", "content": "And of Italy?"},
     ]
@@ -182,7 +183,8 @@ def test_tool_result_turn(scripted):
         for c in calls
     ]
     results[-1]["is_error"] = True
-    messages = ASK + [
+    messages = [
+        *ASK,
         {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
         {"role": "user", "content": results},
     ]
