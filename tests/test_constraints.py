@@ -287,7 +287,7 @@ def decode_steps(model, requests: list[Request], states: list, steps: int, check
             break
         logits = mx.concatenate([model(mx.array([requests[i].all_token_ids]))[:, -1] for i in live])
         step = sample_batch(logits, [states[i] for i in live])
-        for i, result in zip(live, step):
+        for i, result in zip(live, step, strict=True):
             if check:
                 check(i, result)
             if result.error is None:
@@ -303,7 +303,8 @@ def test_constrained_rows_sample_allowed_tokens_and_valid_json(tokenizer, compil
     constraints = [compiler.compile(json_schema_grammar(s)) for s in schemas]
     requests = [Request("a", [1, 2, 3], 80), Request("b", [7, 8, 9, 10, 11], 80), Request("c", [4, 5], 80)]
     params = [SamplingParams(constraint=c, seed=i, temperature=1.5) for i, c in enumerate(constraints)]
-    states = [make_state(p, r) for p, r in zip(params, requests)] + [make_state(SamplingParams(seed=9), requests[2])]
+    constrained = [make_state(p, r) for p, r in zip(params, requests[:2], strict=True)]
+    states = [*constrained, make_state(SamplingParams(seed=9), requests[2])]
     checkers = [c.new_row() for c in constraints]
     bitmask = llg_numpy.allocate_token_bitmask(1, VOCAB)
 
@@ -315,7 +316,7 @@ def test_constrained_rows_sample_allowed_tokens_and_valid_json(tokenizer, compil
             assert result.token in allowed_tokens(bitmask[0], VOCAB)
 
     decode_steps(tiny, requests, states, 80, check)
-    for request, schema in zip(requests, schemas):
+    for request, schema in zip(requests[:2], schemas, strict=True):  # the third, unconstrained, is checked below
         assert request.output_token_ids[-1] == 2  # EOS, allowed once the object was complete
         jsonschema.validate(json.loads(tokenizer.decode(request.output_token_ids[:-1])), schema)
     alone = Request("c", [4, 5], 80)
@@ -377,7 +378,7 @@ def test_engine_constrained_requests_match_their_solo_runs_batched_forked_and_pr
     params = [SamplingParams(constraint=constraint, seed=s, temperature=1.0, max_tokens=70) for s in range(4)]
     params[1] = dataclasses.replace(params[1], n=2)
     params[3] = SamplingParams(seed=3, max_tokens=37)  # an unconstrained neighbour of another length
-    alone = [engine.generate([p], q) for p, q in zip(prompts, params)]
+    alone = [engine.generate([p], q) for p, q in zip(prompts, params, strict=True)]
     batched = [[c] for c in engine.generate(prompts, params)]
     batched[1:3] = [batched[1] + batched[2]]  # the two sequences of the n = 2 request
     assert [[c.token_ids for c in run] for run in batched] == [[c.token_ids for c in run] for run in alone]

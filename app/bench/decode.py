@@ -69,7 +69,7 @@ def bench_decode(args: Namespace) -> int:
     engine.close()
     mr, mo = statistics.median(ref), statistics.median(ours)
     print(f"median decode: mlx-lm {mr:.1f} tok/s, mlxpaged {mo:.1f} tok/s, ratio {mo / mr:.2f}x")
-    paired = [o / r for o, r in zip(ours, ref)]  # back-to-back runs share the machine's load
+    paired = [o / r for o, r in zip(ours, ref, strict=True)]  # back-to-back runs share the machine's load
     print(
         f"paired runs: mlxpaged faster in {sum(p > 1 for p in paired)} of {len(paired)}, "
         f"median per-run ratio {statistics.median(paired):.2f}x"

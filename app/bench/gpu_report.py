@@ -84,6 +84,7 @@ def summary_table(rows: list[SummaryRow]) -> str:
     cells = [header] + [(r.what, r.mlx_lm, r.mlxpaged, r.ratio_text, r.target, r.verdict) for r in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
     lines = [
-        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in cells
+        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
+        for row in cells
     ]
     return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:]])

@@ -108,7 +108,7 @@ class Generation:
 
         notify=False: stop listening now (the consumer is gone). notify=True: keep listening, so
         the engine's final "abort" deltas end the consumer's stream properly (shutdown drain)."""
-        for request_id, still_open in zip(self._request_ids, self._open):
+        for request_id, still_open in zip(self._request_ids, self._open, strict=True):
             if still_open:
                 self.engine.abort(request_id)
         if not notify:

@@ -186,7 +186,7 @@ def test_an_unexpected_exception_is_a_fail_line_not_a_traceback(monkeypatch, cap
 def test_the_table_is_aligned():
     checks = [Check(OK, "a", "one"), Check(WARN, "longer label", "two"), Check(FAIL, "b", "three")]
     rows = doctor.format_table(checks).splitlines()[2:5]
-    assert len({row.index(detail) for row, detail in zip(rows, ["one", "two", "three"])}) == 1
+    assert len({row.index(detail) for row, detail in zip(rows, ["one", "two", "three"], strict=True)}) == 1
     assert doctor.summary(checks) == "1 OK, 1 WARN, 1 FAIL - failed: b"
     assert doctor.exit_status(checks) == 1 and doctor.exit_status(checks[:2]) == 0
 

@@ -93,7 +93,7 @@ def test_copy_blocks_copies_every_layer():
         kv.write(layer, [2 * BS + i for i in range(BS)], k, v)
     before = [np.array(p) for p in kv.keys + kv.values]
     kv.copy_blocks([(2, 9)])
-    for b, after in zip(before, kv.keys + kv.values):
+    for b, after in zip(before, kv.keys + kv.values, strict=True):
         after = np.array(after)
         np.testing.assert_array_equal(after[9], b[2])
         np.testing.assert_array_equal(np.delete(after, 9, axis=0), np.delete(b, 9, axis=0))

@@ -86,7 +86,7 @@ class FakeEngine:
         for c in out.chunks:
             end = c.start + len(c.token_ids)
             expected = c.request.all_token_ids[:end]
-            for table, cap in zip(c.block_tables, caps):
+            for table, cap in zip(c.block_tables, caps, strict=True):
                 # The last position attends to everything (full attention) or to its window.
                 first = 0 if cap is None else max(0, end - (cap - 1) * BS)
                 assert [self.kv[slot(table, cap, p)] for p in range(first, end)] == expected[first:]
@@ -510,7 +510,7 @@ def test_fork_shares_full_blocks_copies_rings_and_matches_solo(groups):
                 eng.kv[cow.dst_block * BS + off] = eng.kv[cow.src_block * BS + off]
     assert child.output_token_ids == s.get("p").output_token_ids and child.num_computed_tokens == 29
     parent_tables, child_tables = pool.block_tables("p"), pool.block_tables("c")
-    for ptable, ctable, cap in zip(parent_tables, child_tables, groups):
+    for ptable, ctable, cap in zip(parent_tables, child_tables, groups, strict=True):
         if cap is None:
             assert ctable[:3] == ptable[:3] and ctable[3] != ptable[3]  # full blocks shared
         else:

@@ -188,7 +188,7 @@ def test_the_real_model_quoting_its_prompt_keeps_drafts_and_the_plain_tokens(def
             assert_pool_empty(engine)
     (plain, _), (spec, stats) = results[None], results["ngram"]
     assert stats["spec_acceptance_rate"] > 0.3 and stats["speculative"] == "ngram"
-    for a, b in zip(plain, spec):
+    for a, b in zip(plain, spec, strict=True):
         assert b.token_ids == a.token_ids and b.text == a.text
         assert b.logprobs == pytest.approx(a.logprobs, abs=1e-3)
 

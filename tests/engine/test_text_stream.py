@@ -166,7 +166,7 @@ def test_each_stream_has_its_own_detokenizer(tokenizer):
     params = SamplingParams()
     first = TextStream(tokenizer, params, tokenizer.eos_token_ids)
     second = TextStream(tokenizer, params, tokenizer.eos_token_ids)
-    for a, b in zip(encode(tokenizer, "The capital"), encode(tokenizer, "Hello world")):
+    for a, b in zip(encode(tokenizer, "The capital"), encode(tokenizer, "Hello world"), strict=True):
         first.push(a)
         second.push(b)
     first.finish(), second.finish()

@@ -48,8 +48,8 @@ def count_passes(monkeypatch) -> list[int]:
 def test_page_buckets_pad_by_at_most_a_quarter_with_four_graphs_per_doubling():
     buckets = [page_bucket(n) for n in range(1, 5000)]
     assert buckets[:MIN_PAGES] == [MIN_PAGES] * MIN_PAGES
-    assert all(b >= n for n, b in zip(range(1, 5000), buckets))
-    assert all(b <= 1.25 * n for n, b in zip(range(MIN_PAGES + 1, 5000), buckets[MIN_PAGES:]))
+    assert all(b >= n for n, b in zip(range(1, 5000), buckets, strict=True))
+    assert all(b <= 1.25 * n for n, b in zip(range(MIN_PAGES + 1, 5000), buckets[MIN_PAGES:], strict=True))
     assert buckets == sorted(buckets)
     for k in range(4, 12):
         assert len({page_bucket(n) for n in range(2**k + 1, 2 ** (k + 1) + 1)}) == 4
@@ -59,7 +59,7 @@ def padded_inputs(case, width: int) -> tuple[mx.array, mx.array]:
     """Page rows and key mask as a compiled pass builds them: tables padded to `width` pages."""
     block_size = case.k_pool.shape[2]
     tables = []
-    for table, n in zip(case.tables_np, case.lens):
+    for table, n in zip(case.tables_np, case.lens, strict=True):
         used = list(table[: -(-n // block_size)])
         tables.append(used + [used[-1]] * (width - len(used)))
     tables = mx.array(np.asarray(tables, dtype=np.int32))

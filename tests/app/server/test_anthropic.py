@@ -391,9 +391,9 @@ def test_replayed_agent_loop_hits_the_prefix_cache(smol):
                 "content": [{"type": "tool_result", "tool_use_id": call_id, "content": f"{10 + turn} C, cloudy"}],
             },
         ]
-    rates = [c / p for c, p in zip(cached[1:], prompts)]
+    rates = [c / p for c, p in zip(cached[1:], prompts[:-1], strict=True)]
     print(f"\ncache_read_input_tokens / previous prompt per turn: {[f'{r:.0%}' for r in rates]}")
-    assert all(rate >= 0.9 for rate in rates), list(zip(prompts, cached))
+    assert all(rate >= 0.9 for rate in rates), list(zip(prompts, cached, strict=True))
 
 
 def test_readme_snippet_runs(smol, capsys):
