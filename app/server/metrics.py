@@ -30,7 +30,7 @@ class Histogram:
     def render(self) -> list[str]:
         lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
         total = 0
-        for bound, count in zip((*self.buckets, float("inf")), self.counts):
+        for bound, count in zip((*self.buckets, float("inf")), self.counts, strict=True):
             total += count
             label = "+Inf" if bound == float("inf") else repr(bound)
             lines.append(f'{self.name}_bucket{{le="{label}"}} {total}')

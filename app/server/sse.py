@@ -12,6 +12,7 @@ when the server cancels the task at shutdown.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
@@ -116,10 +117,8 @@ async def _close_quietly(events: AsyncIterator[bytes]) -> None:
     if close is None:
         return
     with anyio.CancelScope(shield=True):
-        try:
+        with contextlib.suppress(Exception):
             await close()
-        except Exception:
-            pass
 
 
 async def with_pings(items: AsyncIterator[T], interval: float) -> AsyncIterator[T | None]:

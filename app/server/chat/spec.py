@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 from mlxpaged_app.server.param_names import OPENAI_CHAT, ParamNames
 
@@ -38,7 +38,7 @@ class NamedTool:
     name: str
 
 
-ToolChoice = Union[Literal["none", "auto", "required"], NamedTool]
+ToolChoice = Literal["none", "auto", "required"] | NamedTool
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class JsonSchemaOutput:
     name: str | None = None
 
 
-OutputFormat = Union[JsonObjectOutput, JsonSchemaOutput, None]
+OutputFormat = JsonObjectOutput | JsonSchemaOutput | None
 
 
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")  # OpenAI's reasoning efforts
@@ -181,4 +181,4 @@ class Finish:
     stop_sequence: str | None = None
 
 
-ChatEvent = Union[TextDelta, ReasoningDelta, ToolCallStart, ToolCallArgs, ToolCallEnd, TokenLogprobs, Finish]
+ChatEvent = TextDelta | ReasoningDelta | ToolCallStart | ToolCallArgs | ToolCallEnd | TokenLogprobs | Finish
