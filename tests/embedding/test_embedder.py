@@ -191,7 +191,7 @@ def test_the_engine_refuses_an_embedding_model(model_dirs):
     from mlxpaged import Engine
     from mlxpaged.errors import UnsupportedModelError
 
-    with pytest.raises(UnsupportedModelError, match="is an embedding model .* load it with mlxpaged.Embedder"):
+    with pytest.raises(UnsupportedModelError, match=r"is an embedding model .* load it with mlxpaged\.Embedder"):
         Engine.from_pretrained(str(model_dirs["last"]))
 
 

@@ -101,7 +101,7 @@ def test_format_think_and_logprobs():
 
 
 def _state(*names: str):
-    state = SimpleNamespace(model_names=set(names), model_id=names[0])
+    state = SimpleNamespace(model_names=set(names), model_id=names[0], engine=object())  # a generative model
     state.check_model = lambda requested: ServerState.check_model(state, requested)
     return state
 
