@@ -51,7 +51,7 @@ def real_engine_factory(
             **(kv_disk or {}),
         )
         try:
-            engine.generation_defaults  # read now: a bad generation_config.json fails the load, not a reply
+            _ = engine.generation_defaults  # read now: a bad generation_config.json fails the load, not a reply
         except Exception:
             engine.close()
             raise

@@ -38,7 +38,7 @@ def test_a_written_block_reads_back_equal(tmp_path):
     assert tier.contains(h(0))
     got = tier.read(h(0))
     assert got is not None and len(got) == 2
-    for g, a in zip(got, arrays):
+    for g, a in zip(got, arrays, strict=True):
         assert g.dtype == a.dtype and np.array_equal(g, a)
     assert tier.write(h(0), arrays) == 0  # written once, never again
     assert tier.read(h(1)) is None
@@ -73,7 +73,7 @@ def test_a_bad_file_is_skipped_with_a_warning_and_never_used(tmp_path, damage):
     assert fresh.stats.skipped_files == 1
     assert not fresh.contains(h(0))  # never offered again in this process
     assert fresh.write(h(0), block(0)) > 0  # and a good copy replaces it
-    assert all(np.array_equal(a, b) for a, b in zip(fresh.read(h(0)), block(0)))
+    assert all(np.array_equal(a, b) for a, b in zip(fresh.read(h(0)), block(0), strict=True))
 
 
 def test_a_file_of_another_block_under_this_name_is_refused(tmp_path):
@@ -132,7 +132,7 @@ def test_two_tiers_on_one_directory_share_blocks_and_the_limit(tmp_path):
                 got = tier.read(h((i * 7) % 70))
                 if got is not None:  # a block is whole or absent, never half-written
                     want = block((i * 7) % 70)
-                    assert all(np.array_equal(x, y) for x, y in zip(got, want))
+                    assert all(np.array_equal(x, y) for x, y in zip(got, want, strict=True))
         except BaseException as exc:
             errors.append(exc)
 

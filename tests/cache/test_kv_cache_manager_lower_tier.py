@@ -37,7 +37,7 @@ def test_blocks_found_below_are_loaded_and_count_as_cached():
     assert alloc.num_cached_tokens == 4 * BS and alloc.num_lower_tier_tokens == 4 * BS
     ((ids, hashes),) = tier.loads
     assert ids == alloc.block_tables[0][:4] and hashes == chain(probe, tokens, 4)
-    assert all(seqs.pool.blocks[b].block_hash == h for b, h in zip(ids, hashes))  # now RAM hits too
+    assert all(seqs.pool.blocks[b].block_hash == h for b, h in zip(ids, hashes, strict=True))  # now RAM hits too
     assert alloc.last_block_hash == hashes[-1]
     # A second request finds them in the pool: nothing more is loaded.
     assert seqs.allocate("b", tokens).num_cached_tokens == 4 * BS and len(tier.loads) == 1

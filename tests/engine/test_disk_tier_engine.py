@@ -70,7 +70,7 @@ def test_export_and_import_blocks_round_trip_every_pool(dtype, simulated):
     assert len(pages) == 2 and len(pages[0]) == len(kv.pools) == 5
     with backend.simulate(simulated) if simulated else contextlib.nullcontext():
         kv.import_blocks([1, 0], pages)
-    for pool, old in zip(kv.pools, before):
+    for pool, old in zip(kv.pools, before, strict=True):
         assert mx.array_equal(pool[1], old[4]).item() and mx.array_equal(pool[0], old[5]).item()
         assert mx.array_equal(pool[2:], old[2:]).item()  # the other blocks untouched
     with pytest.raises(ValueError, match="arrays"):
