@@ -13,6 +13,7 @@ from mlxpaged_app.bench.kernel import bench_kernel
 from mlxpaged_app.bench.memory import bench_memory
 from mlxpaged_app.bench.prefill import bench_prefill
 from mlxpaged_app.bench.prefix import bench_prefix
+from mlxpaged_app.bench.restart import bench_restart
 from mlxpaged_app.bench.spec import bench_spec
 
 
@@ -35,6 +36,7 @@ BENCHES = {
     "spec": bench_spec,
     "hybrid": bench_hybrid,
     "gpu": bench_gpu,
+    "restart": bench_restart,
 }
 
 

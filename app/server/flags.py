@@ -6,7 +6,7 @@ import argparse
 import ipaddress
 import os
 
-from mlxpaged.config import DEFAULT_BLOCK_SIZE, SchedulerConfig
+from mlxpaged.config import DEFAULT_BLOCK_SIZE, DEFAULT_KV_DISK_SIZE, SchedulerConfig
 
 API_KEY_ENV = "MLXPAGED_API_KEY"
 SPECULATIVE_HELP = (
@@ -98,6 +98,32 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     cache.add_argument("--no-wire", action="store_true", help="leave the Metal wired limit alone")
     cache.add_argument("--no-prefix-cache", action="store_true", help="do not reuse cached prompt blocks")
     cache.add_argument("--speculative", choices=["ngram"], default=None, help=SPECULATIVE_HELP)
+    add_kv_disk_arguments(cache)
+
+
+def add_kv_disk_arguments(group) -> None:
+    """The prefix cache's disk tier, on by default in `serve` and `chat` (README: "The prefix cache on disk")."""
+    where = group.add_mutually_exclusive_group()
+    where.add_argument(
+        "--kv-disk",
+        default=None,
+        metavar="DIR",
+        help="keep the prefix cache's blocks in DIR too, across restarts (default: on, in the user cache "
+        "directory, e.g. ~/.cache/mlxpaged/kv; $MLXPAGED_KV_DISK overrides)",
+    )
+    group.add_argument(
+        "--kv-disk-size",
+        default=DEFAULT_KV_DISK_SIZE,
+        help=f"disk the prefix cache may use; least recently used blocks go past it (default: {DEFAULT_KV_DISK_SIZE})",
+    )
+    where.add_argument("--no-kv-disk", action="store_true", help="keep the prefix cache in memory only")
+
+
+def kv_disk_settings(args: argparse.Namespace) -> dict:
+    """CacheConfig's kv_disk and kv_disk_size from the flags: on unless --no-kv-disk."""
+    if args.no_kv_disk:
+        return {"kv_disk": False}
+    return {"kv_disk": args.kv_disk or True, "kv_disk_size": args.kv_disk_size}
 
 
 def is_loopback(host: str) -> bool:
@@ -130,6 +156,8 @@ def cache_settings(args: argparse.Namespace) -> dict:
         "wire": not args.no_wire,
         "enable_prefix_cache": not args.no_prefix_cache,
         "speculative": args.speculative,
+        # The disk tier is a tier of the prefix cache: with the cache off there is nothing to keep (and no warning).
+        **({"kv_disk": False} if args.no_prefix_cache else kv_disk_settings(args)),
     }
     for name in ("cache_tokens", "memory_fraction", "kv_memory", "max_model_len"):
         if getattr(args, name) is not None:

@@ -54,7 +54,20 @@ def load_engine(args: argparse.Namespace):
         return embedder
     engine = Engine.from_pretrained(args.model, **cache_settings(args))
     say(engine.plan.describe())
+    say(f"mlxpaged serve: {describe_disk_tier(engine.stats())}")
     return engine
+
+
+def describe_disk_tier(stats: dict) -> str:
+    """One line on the prefix cache's disk tier: where and how full, or why it is off."""
+    from mlxpaged.units import format_size
+
+    if stats.get("disk_tier"):
+        return (
+            f"prefix cache on disk in {stats['disk_dir']} ({format_size(stats['disk_used_bytes'])} of "
+            f"{format_size(stats['disk_limit_bytes'])}; --no-kv-disk keeps it in memory only)"
+        )
+    return f"prefix cache in memory only ({stats.get('disk_tier_off') or '--no-kv-disk'})"
 
 
 def is_embedder(served) -> bool:

@@ -63,8 +63,10 @@ from mlxpaged.cache.specs import (  # noqa: F401  (block_bytes is re-exported: t
     group_layers,
     pool_block_bytes,
 )
+from mlxpaged.platform import backend
 
 import mlx.core as mx
+import numpy as np
 
 
 class PagedKVCache:
@@ -247,6 +249,68 @@ class PagedKVCache:
         mx.eval(rows)
         for pool, r in zip(pools, rows, strict=True):
             pool[dst_ids] = r
+
+    # ---- whole blocks in and out (the disk tier, cache/disk_tier.py) --------------------------------
+    # Generic over `self.pools`, so pools added for quantized pages (scales, biases) travel too.
+
+    def export_block(self, block_id: int) -> list[np.ndarray]:
+        """Block `block_id`'s pages, one host array per pool (in `pools` order)."""
+        return self.export_blocks([block_id])[0]
+
+    def export_blocks(self, block_ids: Sequence[int]) -> list[list[np.ndarray]]:
+        """Per block, its pages as host arrays, one per pool: one take per pool, evaluated here, so the copy
+        pins no pool (a pending read would make the next in-place write copy the whole pool). bfloat16 pages,
+        which numpy lacks, come out as their uint16 bits; `import_blocks` views them back."""
+        self._check_blocks(block_ids)
+        ids = mx.array(list(block_ids), dtype=mx.int32)
+        rows = [mx.take(p, ids, axis=0) for p in self.pools]
+        rows = [r.view(mx.uint16) if r.dtype == mx.bfloat16 else r for r in rows]
+        mx.eval(rows)
+        host = [np.asarray(r) for r in rows]  # views of the fresh takes, not of the pools
+        return [[h[i] for h in host] for i in range(len(block_ids))]
+
+    def import_block(self, block_id: int, arrays: Sequence[np.ndarray]) -> None:
+        """Write `export_block`'s arrays back as block `block_id`'s pages."""
+        self.import_blocks([block_id], [arrays])
+
+    def import_blocks(self, block_ids: Sequence[int], blocks: Sequence[Sequence[np.ndarray]]) -> None:
+        """Write each block's exported pages into its id, in place, and land the writes. Raises ValueError when
+        the arrays do not fit the pools (other pools, shapes or widths). The caller makes sure nothing in flight
+        reads the pools (the runner settled)."""
+        self._check_blocks(block_ids)
+        pools = self.pools
+        if len(blocks) != len(block_ids) or any(len(arrays) != len(pools) for arrays in blocks):
+            raise ValueError(f"{len(blocks)} blocks of pages for {len(block_ids)} ids; each needs {len(pools)} arrays")
+        for j, pool in enumerate(pools):
+            for arrays in blocks:
+                page = arrays[j]
+                if tuple(page.shape) != tuple(pool.shape[1:]) or page.dtype.itemsize != pool.dtype.size:
+                    raise ValueError(
+                        f"pool {j}: a page of {page.dtype} {tuple(page.shape)} does not fit a pool of "
+                        f"{pool.dtype} {tuple(pool.shape[1:])}"
+                    )
+        mx.eval(pools)
+        host_writes = backend.current() != "cuda"
+        for j, pool in enumerate(pools):
+            pages = [arrays[j] for arrays in blocks]
+            if not host_writes or pool.dtype == mx.bfloat16:
+                self._import_scatter(pool, block_ids, pages)
+                continue
+            # Host-addressable memory (the CPU backend, Metal's unified memory): copy straight into the pool's
+            # buffer, one memcpy per page; MLX's scatter of the same pages costs several times more on the CPU
+            # backend. In place as MLX's own writes are: the pool is evaluated, and no view of it is alive.
+            host = np.asarray(pool)
+            for block_id, page in zip(block_ids, pages, strict=True):
+                host[block_id] = page.view(host.dtype)
+            del host
+        mx.eval(self.pools)
+
+    def _import_scatter(self, pool: mx.array, block_ids: Sequence[int], pages: list[np.ndarray]) -> None:
+        """Pages into `pool` by MLX's indexed assignment (memory the host cannot write, or a dtype numpy lacks)."""
+        stacked = mx.array(np.stack(pages))
+        pool[mx.array(list(block_ids), dtype=mx.int32)] = (
+            stacked if stacked.dtype == pool.dtype else stacked.view(pool.dtype)
+        )
 
     def _slot_array(self, slot_mapping: Sequence[int] | mx.array) -> mx.array:
         if isinstance(slot_mapping, mx.array):
