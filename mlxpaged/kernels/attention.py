@@ -42,6 +42,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from mlxpaged.cache.quantized_pages import Pool, QuantizedPages, is_quantized
 from mlxpaged.kernels import paged_attention as pa
 from mlxpaged.kernels.cpu_attention import attend, decode_attention_cpu, paged_attention_cpu
 from mlxpaged.kernels.numpy_attention import (
@@ -140,15 +141,17 @@ def resolved_backend() -> str:
     return name
 
 
-def _float32(k_pool: mx.array, v_pool: mx.array) -> bool:
-    """The CPU path's pools: float32, the CPU backend's fast dtype (others take the reference)."""
-    return k_pool.dtype == mx.float32 and v_pool.dtype == mx.float32
+def _float32(k_pool: Pool, v_pool: Pool) -> bool:
+    """The CPU path's pools: float32, the CPU backend's fast dtype (others take the reference), stored as
+    such: quantized pages take the reference's quantized forms (reference.py) on every backend."""
+    plain = not is_quantized(k_pool) and not is_quantized(v_pool)
+    return plain and k_pool.dtype == mx.float32 and v_pool.dtype == mx.float32
 
 
 def paged_attention(
     q: mx.array,
-    k_pool: mx.array,
-    v_pool: mx.array,
+    k_pool: Pool,
+    v_pool: Pool,
     block_tables: mx.array,
     context_lens: mx.array,
     scale: float,
@@ -164,6 +167,8 @@ def paged_attention(
     Returns [B, num_heads, 1, Dv] in q's dtype.
     """
     backend = resolved_backend()
+    if isinstance(k_pool, QuantizedPages) or isinstance(v_pool, QuantizedPages):  # on every backend
+        return paged_attention_reference(q, k_pool, v_pool, block_tables, context_lens, scale, window, sinks)
     if backend == "kernel" and pa.kernel_supports(q, k_pool, v_pool, block_tables, window, sinks):
         two_pass = pa.use_two_pass(
             q.shape[0], k_pool.shape[1], pa.attended_span(block_tables.shape[1], k_pool.shape[2], window)
@@ -188,8 +193,8 @@ def paged_attention(
 
 def kernel_attention_with_tail(
     q: mx.array,
-    k_pool: mx.array,
-    v_pool: mx.array,
+    k_pool: Pool,
+    v_pool: Pool,
     block_tables: mx.array,
     context_lens,
     tail_k: mx.array,
@@ -201,6 +206,8 @@ def kernel_attention_with_tail(
     ``tail_v`` [B, KVH, T, D] keys after them (K/V not written yet: runner/deferred_writes.py), by the
     Metal kernel with the tail merged as one more partition; None when the kernel does not attend here
     (another backend, a shape it cannot take, a variant that failed its self-check)."""
+    if isinstance(k_pool, QuantizedPages) or isinstance(v_pool, QuantizedPages):
+        return None
     if resolved_backend() != "kernel" or not pa.kernel_supports(q, k_pool, v_pool, block_tables, None, sinks):
         return None
     if not _kernel_passed(_variant(q, k_pool, v_pool, sinks, two_pass=True)):
@@ -235,7 +242,7 @@ def eager_sdpa(
     return sdpa(q, k, v, scale, mask, sinks)
 
 
-def reads_pages_in_place(q: mx.array, k_pool: mx.array, v_pool: mx.array, context: int) -> bool:
+def reads_pages_in_place(q: mx.array, k_pool: Pool, v_pool: Pool, context: int) -> bool:
     """True when a batch-1 prefill chunk over ``context`` positions is faster through
     ``paged_prefill_attention`` (pages read in place) than through ``eager_sdpa`` over gathered K/V."""
     return _numpy_allowed() and _float32(k_pool, v_pool) and pages_in_place_apply(q, context)
@@ -248,8 +255,8 @@ def _numpy_allowed() -> bool:
 
 def paged_prefill_attention(
     q: mx.array,
-    k_pool: mx.array,
-    v_pool: mx.array,
+    k_pool: Pool,
+    v_pool: Pool,
     block_table,
     prefix_len: int,
     chunk_len: int,
@@ -267,7 +274,9 @@ def paged_prefill_attention(
     varlen kernel would go).
     """
     numpy_case = window is None and q.shape[0] == 1 and q.shape[2] == chunk_len >= 1 and prefix_len >= 0
-    if numpy_case and _numpy_allowed() and _float32(k_pool, v_pool):
+    if isinstance(k_pool, QuantizedPages) or isinstance(v_pool, QuantizedPages):
+        pass  # quantized pages: the reference gathers them dequantized
+    elif numpy_case and _numpy_allowed() and _float32(k_pool, v_pool):
         check_pools(q, k_pool, v_pool, sinks)
         return attend_pages_numpy(q, k_pool, v_pool, block_table, prefix_len + chunk_len, scale, sinks)
     return paged_prefill_attention_reference(
@@ -277,8 +286,8 @@ def paged_prefill_attention(
 
 def decode_attention(
     q: mx.array,
-    k_pool: mx.array,
-    v_pool: mx.array,
+    k_pool: Pool,
+    v_pool: Pool,
     rows: mx.array,
     mask: mx.array,
     scale: float,
@@ -287,6 +296,8 @@ def decode_attention(
     """Decode attention from array inputs only, for compiled passes (no host lengths): ``rows``
     [B, KVH, nb] page rows (``reference.page_rows``), ``mask`` [B, 1, 1, nb * BS] bool (key in the
     sequence; every sequence has at least one). Same result as ``paged_attention``."""
+    if isinstance(k_pool, QuantizedPages) or isinstance(v_pool, QuantizedPages):
+        return attend_pages(q, k_pool, v_pool, rows, mask, scale, sinks)  # the packed pages' quantized matmuls
     if resolved_backend() == "cpu" and _float32(k_pool, v_pool):
         return decode_attention_cpu(q, k_pool, v_pool, rows, mask, scale, sinks)
     return attend_pages(q, k_pool, v_pool, rows, mask, scale, sinks)
@@ -295,7 +306,7 @@ def decode_attention(
 # --- kernel self-check: which variants the kernel attends, and why -------------------------------
 
 
-def _variant(q: mx.array, k_pool: mx.array, v_pool: mx.array, sinks: mx.array | None, two_pass: bool) -> KernelVariant:
+def _variant(q: mx.array, k_pool: Pool, v_pool: Pool, sinks: mx.array | None, two_pass: bool) -> KernelVariant:
     heads, kv_heads = q.shape[1], k_pool.shape[1]
     return KernelVariant(
         DTYPE_NAMES[q.dtype],
@@ -342,6 +353,7 @@ class PreparedAttention:
     dtype: str
     unsupported: str | None
     variants: tuple[KernelVariant, ...] = ()
+    quantized: bool = False  # quantized pages: the reference path's quantized forms attend on every backend
 
     def status(self) -> dict:
         """``attention_status`` for this model: the path that attends it now and why."""
@@ -384,10 +396,18 @@ def prepare_attention(
 
 
 def prepare_model_attention(
-    dtype: mx.Dtype, block_size: int, geometries: list[tuple[int, int, int, int, bool]]
+    dtype: mx.Dtype, block_size: int, geometries: list[tuple[int, int, int, int, bool]], quantized: bool = False
 ) -> PreparedAttention:
     """`prepare_attention` for each (query heads, KV heads, K width, V width, sinks) a model's pools hold
-    (paged_support.attention_geometries); the result names every geometry the kernel cannot take."""
+    (paged_support.attention_geometries); the result names every geometry the kernel cannot take.
+    `quantized`: the pools hold quantized pages, which the kernel does not read (the reference path's
+    quantized forms attend them)."""
+    if quantized:
+        return PreparedAttention(
+            DTYPE_NAMES.get(dtype, str(dtype)),
+            "quantized K/V pages (kv_bits): the kernel reads full-precision pages",
+            quantized=True,
+        )
     prepared = [
         prepare_attention(dtype, k_dim, block_size, heads, kv_heads, v_dim, sinks)
         for heads, kv_heads, k_dim, v_dim, sinks in geometries
@@ -416,6 +436,8 @@ def attention_status(prepared: PreparedAttention | None = None) -> dict:
         )
     if backend == "cpu":
         why = "forced" if forced else "MLX's CPU backend"
+        if prepared is not None and prepared.quantized:
+            return _status("reference", f"{why}; quantized pages: packed pages attended by quantized matmuls", [])
         if prepared is not None and prepared.dtype != "float32":
             return _status(
                 "reference", f"{why}; the CPU path takes float32 K/V, this model's are {prepared.dtype}", variants

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from functools import cache, lru_cache
 from pathlib import Path
 
+from mlxpaged.cache.quantized_pages import is_quantized
 from mlxpaged.config import VALID_BLOCK_SIZES
 
 import mlx.core as mx
@@ -80,6 +81,8 @@ def unsupported_reason(
     q: mx.array, k_pool: mx.array, v_pool: mx.array, block_tables, window=None, sinks: mx.array | None = None
 ) -> str | None:
     """Why the kernel cannot take these shapes (None: it can); such calls use the reference path."""
+    if is_quantized(k_pool) or is_quantized(v_pool):
+        return "quantized K/V pages (kv_bits): the kernel reads full-precision pages only"
     if q.ndim != 4 or q.shape[2] != 1:
         return f"decode needs q [B, heads, 1, D], got {tuple(q.shape)}"
     if k_pool.ndim != 4 or v_pool.ndim != 4 or k_pool.shape[:3] != v_pool.shape[:3]:
