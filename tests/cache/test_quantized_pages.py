@@ -102,8 +102,9 @@ def test_export_and_import_round_trip_every_array_of_a_block(bits, dtype):
 
 
 def test_a_k_is_v_layer_keeps_one_quantized_pool():
-    kv = PagedKVCache(1, NB, BS, None, None, mx.float32, geometries=[KVGeometry(1, 64, 64, True)],
-                      quantization=KVQuantization(8))
+    kv = PagedKVCache(
+        1, NB, BS, None, None, mx.float32, geometries=[KVGeometry(1, 64, 64, True)], quantization=KVQuantization(8)
+    )
     assert kv.value_pool(0) is kv.key_pool(0) and len(kv.pools) == 3
     k = rand(2, 1, 64, seed=7)
     kv.write(0, [0, 1], k, k)
@@ -119,8 +120,8 @@ def test_quantized_block_bytes_hold_the_promised_token_ratios():
 
 
 def test_widths_that_do_not_split_into_groups_are_refused_with_the_numbers():
-    with pytest.raises(ConfigError, match=r"widths include 48 .*multiple of 64.*kv_group_size=32"):
-        PagedKVCache(1, NB, BS, 2, 48, mx.float32, quantization=KVQuantization(8, 64))
+    with pytest.raises(ConfigError, match=r"widths include 96 .*multiple of 64.*kv_group_size=32"):
+        PagedKVCache(1, NB, BS, 2, 96, mx.float32, quantization=KVQuantization(8, 64))
     with pytest.raises(ConfigError, match="kv_bits"):
         CacheConfig(kv_bits=3)
     with pytest.raises(ConfigError, match="kv_group_size"):
