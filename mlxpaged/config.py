@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from mlxpaged.cache.kv_quant import KVQuantization, kv_quantization
+from mlxpaged.cache.kv_quant import KV_BITS, KV_GROUP_SIZES, KVQuantization, kv_quantization  # noqa: F401  (the flags read KV_BITS, KV_GROUP_SIZES here)
 from mlxpaged.errors import ConfigError
 from mlxpaged.units import parse_size
 from mlxpaged.validation import require_bool, require_int, require_number

@@ -143,9 +143,8 @@ def bench_kv(args: Namespace) -> int:
             f"groups of {group_size}; a shared 2-core machine: timings are noisy"
         )
         for bits, engine in engines.items():
-            print(
-                f"  {name(bits)}: {engine.built.attention.status()['path']} path, {format_size(engine.kv.bytes_per_block)}/block"
-            )
+            path = engine.built.attention.status()["path"]
+            print(f"  {name(bits)}: {path} path, {format_size(engine.kv.bytes_per_block)}/block")
         print(f"capacity in {CAPACITY_BUDGET} of KV memory (tokens, ratio to full precision):")
         capacity(full.facts, group_size)
         print(f"perplexity on {TEXT.name} (Book of Ruth, KJV), prefilled through quantized pages:")

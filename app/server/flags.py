@@ -6,8 +6,7 @@ import argparse
 import ipaddress
 import os
 
-from mlxpaged.cache.kv_quant import KV_BITS, KV_GROUP_SIZES
-from mlxpaged.config import DEFAULT_BLOCK_SIZE, SchedulerConfig
+from mlxpaged.config import DEFAULT_BLOCK_SIZE, KV_BITS, KV_GROUP_SIZES, SchedulerConfig
 
 API_KEY_ENV = "MLXPAGED_API_KEY"
 SPECULATIVE_HELP = (

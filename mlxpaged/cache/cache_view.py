@@ -299,6 +299,8 @@ class PagedCacheView:
             if old is not None:
                 mx.eval(old)  # a pending read would pin the pool and make the write copy it
             self._write(plan, keys, values)
+            # The new keys are attended as given: as the pages store them (quantized pages: rounded alike).
+            keys, values = self._kv.as_stored(keys), (keys if values is keys else self._kv.as_stored(values))
             if old is None:
                 out = keys, values
             else:

@@ -317,6 +317,15 @@ class PagedKVCache:
                 )
             pool[block_id] = value
 
+    def as_stored(self, x: mx.array) -> mx.array:
+        """K or V `[..., dim]` as the pages hold them once written: quantized and dequantized for quantized
+        pages (what a chunk attends when its new keys are not read back from the pages), else `x` itself."""
+        if self.quantization is None:
+            return x
+        q = self.quantization
+        parts = mx.quantize(x, group_size=q.group_size, bits=q.bits)
+        return mx.dequantize(*parts, group_size=q.group_size, bits=q.bits)
+
     def _slot_array(self, slot_mapping: Sequence[int] | mx.array) -> mx.array:
         if isinstance(slot_mapping, mx.array):
             return slot_mapping.astype(mx.int32).reshape(-1)

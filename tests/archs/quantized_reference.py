@@ -3,11 +3,12 @@ quantized pages (`kv_bits`) are checked against.
 
 mlx-lm's own QuantizedKVCache only replaces KVCache (a sliding window's RotatingKVCache cannot be quantized
 there) and mlx-lm's generate attends the prompt's prefill pass in full precision before it quantizes. So the
-twin feeds the prompt one token at a time through the model's own caches (`make_prompt_cache`), each of whose
-`update_and_fetch` receives its new K/V already quantized and dequantized (`mx.quantize` / `mx.dequantize` at
-the engine's bits and group size): every attention, prompt included, then reads exactly the values the
-engine's pages hold. For full-attention models this equals QuantizedKVCache fed token by token
-(tests/engine/test_engine_quantized.py checks both agree with the engine).
+twin runs mlx-lm's own caches (`make_prompt_cache`), each of whose `update_and_fetch` receives its new K/V
+already quantized and dequantized (`mx.quantize` / `mx.dequantize` at the engine's bits and group size): every
+attention, the prompt's prefill pass included, then reads exactly the values the engine's pages hold. The
+prompt goes in one pass (`one_at_a_time=False`, as the engine prefills it) or token by token; for
+full-attention models the latter equals QuantizedKVCache fed token by token (tests/engine/test_engine_quantized.py
+checks the engine against both).
 """
 
 from __future__ import annotations
@@ -51,14 +52,16 @@ def quantized_kv_caches(bits: int, group_size: int) -> Iterator[None]:
             cls.update_and_fetch = original
 
 
-def quantized_greedy(model, prompt: list[int], max_tokens: int, bits: int, group_size: int = 64):
-    """(tokens, top-2 log-prob gaps) of greedy decoding over quantized K/V, the prompt fed token by token."""
+def quantized_greedy(
+    model, prompt: list[int], max_tokens: int, bits: int, group_size: int = 64, one_at_a_time: bool = False
+):
+    """(tokens, top-2 log-prob gaps) of greedy decoding over quantized K/V."""
     tokens: list[int] = []
     gaps: list[float] = []
     with quantized_kv_caches(bits, group_size):
         cache = mlx_cache.make_prompt_cache(model)
-        for token in prompt[:-1]:
-            mx.eval(model(mx.array([[token]]), cache=cache))
+        for piece in [[t] for t in prompt[:-1]] if one_at_a_time else [prompt[:-1]] if len(prompt) > 1 else []:
+            mx.eval(model(mx.array([piece]), cache=cache))
         last = prompt[-1]
         for _ in range(max_tokens):
             logits = model(mx.array([[last]]), cache=cache)[0, -1].astype(mx.float32)

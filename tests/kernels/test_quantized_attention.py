@@ -80,7 +80,7 @@ def test_the_compiled_form_matches_the_oracle(params):
 
 @pytest.mark.parametrize("params", CASES)
 def test_prefill_over_quantized_pages_matches_the_causal_oracle(params):
-    heads, kv_heads, dim, size, bits, group, window, v_dim, sinks = params
+    heads, _, dim, size, bits, _, window, _, _ = params
     total, prefix = 45, 29
     exact, original = case_for(params, seed=2, lens=[total])
     q = mx.array(np.random.default_rng(3).standard_normal((1, heads, total - prefix, dim)).astype(np.float32))
@@ -105,7 +105,7 @@ def test_prefill_over_quantized_pages_matches_the_causal_oracle(params):
 
 def test_prefill_through_numpy_over_the_dequantized_gather_matches_the_oracle():
     # The CPU backend's long prefill: the view gathers the pages dequantized, eager_sdpa hands them to NumPy.
-    exact, original = case_for(CASES[0], seed=4, lens=[300])
+    exact, _ = case_for(CASES[0], seed=4, lens=[300])
     table = mx.array(exact.tables_np[:, : -(-300 // 16)])
     rows = page_rows(table, exact.k_pool.shape)
     keys, values = reference.gather_pages(exact.k_pool, rows), reference.gather_pages(exact.v_pool, rows)
@@ -132,3 +132,22 @@ def test_the_metal_kernel_declines_quantized_pages_and_says_why():
     with attention_backend("cpu"):
         status = prepared.status()
     assert status["path"] == "reference" and "quantized" in status["reason"]
+
+
+@pytest.mark.parametrize("params", [CASES[0], CASES[2], CASES[4]])
+def test_quantized_matmuls_take_several_queries_per_sequence_under_a_causal_mask(params):
+    # attend_pages with L > 1 query rows (a verify chunk's shape): mask rows broadcast over each GQA group.
+    heads, _, dim, size, bits, _, _, _, _ = params
+    exact, original = case_for(params, seed=6, lens=[40])
+    blocks = -(-40 // size)
+    rows = page_rows(mx.array(exact.tables_np[:, :blocks]), exact.k_pool.shape)
+    q = mx.array(np.random.default_rng(7).standard_normal((1, heads, 4, dim)).astype(np.float32))
+    keep = np.arange(blocks * size)[None, :] <= np.arange(36, 40)[:, None]  # queries at positions 36..39
+    out = reference.attend_pages(
+        q, exact.k_pool, exact.v_pool, rows, mx.array(keep)[None, None], exact.scale, exact.sinks
+    )
+    for case, tol in ((exact, EXACT_TOLERANCE), (original, QUANTIZATION_TOLERANCE[bits])):
+        k = gather_sequence(case.k64, exact.tables_np[0], 40)
+        v = gather_sequence(case.v64, exact.tables_np[0], 40)
+        want = causal_oracle(np.array(q, dtype=np.float64)[0], k, v, exact.scale, None, 36, case.sinks64)
+        assert max_error(out, want[None]) < tol
