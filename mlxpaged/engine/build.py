@@ -64,7 +64,7 @@ def build_core(
     kv = PagedKVCache.for_layout(layout, plan.num_blocks, cache_config.block_size, kv_dtype, cache_config.quantization)
     # Before the first decode: a Metal kernel variant that fails its self-check is replaced by the reference.
     attention = prepare_model_attention(
-        kv_dtype, cache_config.block_size, attention_geometries(layout), quantized=kv.quantized
+        kv_dtype, cache_config.block_size, attention_geometries(layout), cache_config.quantization
     )
     max_model_len = scheduler_config.max_model_len or facts.context_length or plan.token_capacity
     if max_model_len is None:  # no stated context, and a cache of rings holds any length

@@ -42,6 +42,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from mlxpaged.cache.kv_quant import KVQuantization
 from mlxpaged.cache.quantized_pages import Pool, QuantizedPages, is_quantized
 from mlxpaged.kernels import paged_attention as pa
 from mlxpaged.kernels.cpu_attention import attend, decode_attention_cpu, paged_attention_cpu
@@ -167,8 +168,6 @@ def paged_attention(
     Returns [B, num_heads, 1, Dv] in q's dtype.
     """
     backend = resolved_backend()
-    if isinstance(k_pool, QuantizedPages) or isinstance(v_pool, QuantizedPages):  # on every backend
-        return paged_attention_reference(q, k_pool, v_pool, block_tables, context_lens, scale, window, sinks)
     if backend == "kernel" and pa.kernel_supports(q, k_pool, v_pool, block_tables, window, sinks):
         two_pass = pa.use_two_pass(
             q.shape[0], k_pool.shape[1], pa.attended_span(block_tables.shape[1], k_pool.shape[2], window)
@@ -186,6 +185,8 @@ def paged_attention(
                 two_pass=two_pass,
                 launcher=_launcher,
             )
+    if isinstance(k_pool, QuantizedPages) or isinstance(v_pool, QuantizedPages):  # the quantized matmuls
+        return paged_attention_reference(q, k_pool, v_pool, block_tables, context_lens, scale, window, sinks)
     if backend == "cpu" and _float32(k_pool, v_pool):
         return paged_attention_cpu(q, k_pool, v_pool, block_tables, context_lens, scale, window, sinks)
     return paged_attention_reference(q, k_pool, v_pool, block_tables, context_lens, scale, window, sinks)
@@ -308,6 +309,7 @@ def decode_attention(
 
 def _variant(q: mx.array, k_pool: Pool, v_pool: Pool, sinks: mx.array | None, two_pass: bool) -> KernelVariant:
     heads, kv_heads = q.shape[1], k_pool.shape[1]
+    quantization = k_pool.quantization if isinstance(k_pool, QuantizedPages) else None
     return KernelVariant(
         DTYPE_NAMES[q.dtype],
         q.shape[3],
@@ -316,6 +318,8 @@ def _variant(q: mx.array, k_pool: Pool, v_pool: Pool, sinks: mx.array | None, tw
         two_pass,
         v_pool.shape[3],
         sinks is not None,
+        None if quantization is None else quantization.bits,
+        None if quantization is None else quantization.group_size,
     )
 
 
@@ -353,7 +357,7 @@ class PreparedAttention:
     dtype: str
     unsupported: str | None
     variants: tuple[KernelVariant, ...] = ()
-    quantized: bool = False  # quantized pages: the reference path's quantized forms attend on every backend
+    quantized: bool = False  # quantized pages: the kernel's quantized variant, elsewhere quantized matmuls
 
     def status(self) -> dict:
         """``attention_status`` for this model: the path that attends it now and why."""
@@ -368,17 +372,19 @@ def prepare_attention(
     num_kv_heads: int,
     v_dim: int | None = None,
     sinks: bool = False,
+    quantization: KVQuantization | None = None,
 ) -> PreparedAttention:
     """Called once per engine before its first decode: on the kernel path, self-check the variants
-    this model needs (cached per process); ``v_dim`` None: V as wide as K."""
+    this model needs (cached per process); ``v_dim`` None: V as wide as K; ``quantization``: quantized pages."""
     q = mx.zeros((1, num_heads, 1, head_dim), dtype)
-    k_pool = mx.zeros((1, num_kv_heads, block_size, head_dim), dtype)
-    v_pool = mx.zeros((1, num_kv_heads, block_size, v_dim or head_dim), dtype)
+    k_pool = _empty_pool((1, num_kv_heads, block_size, head_dim), dtype, quantization)
+    v_pool = _empty_pool((1, num_kv_heads, block_size, v_dim or head_dim), dtype, quantization)
     sink_logits = mx.zeros((num_heads,)) if sinks else None
     unsupported = pa.unsupported_reason(q, k_pool, v_pool, mx.zeros((1, 1), mx.int32), sinks=sink_logits)
     name = DTYPE_NAMES.get(dtype, str(dtype))
+    quantized = quantization is not None
     if unsupported is not None:
-        return PreparedAttention(name, unsupported)
+        return PreparedAttention(name, unsupported, quantized=quantized)
     variants = tuple(
         variants_for(
             dtype=name,
@@ -388,33 +394,35 @@ def prepare_attention(
             num_kv_heads=num_kv_heads,
             v_dim=v_dim,
             sinks=sinks,
+            quantization=quantization,
         )
     )
     if resolved_backend() == "kernel":
         _check_variants(list(variants))
-    return PreparedAttention(name, None, variants)
+    return PreparedAttention(name, None, variants, quantized)
+
+
+def _empty_pool(shape: tuple[int, int, int, int], dtype: mx.Dtype, quantization: KVQuantization | None) -> Pool:
+    return mx.zeros(shape, dtype) if quantization is None else QuantizedPages.zeros(shape, dtype, quantization)
 
 
 def prepare_model_attention(
-    dtype: mx.Dtype, block_size: int, geometries: list[tuple[int, int, int, int, bool]], quantized: bool = False
+    dtype: mx.Dtype,
+    block_size: int,
+    geometries: list[tuple[int, int, int, int, bool]],
+    quantization: KVQuantization | None = None,
 ) -> PreparedAttention:
     """`prepare_attention` for each (query heads, KV heads, K width, V width, sinks) a model's pools hold
     (paged_support.attention_geometries); the result names every geometry the kernel cannot take.
-    `quantized`: the pools hold quantized pages, which the kernel does not read (the reference path's
-    quantized forms attend them)."""
-    if quantized:
-        return PreparedAttention(
-            DTYPE_NAMES.get(dtype, str(dtype)),
-            "quantized K/V pages (kv_bits): the kernel reads full-precision pages",
-            quantized=True,
-        )
+    `quantization`: the pools hold quantized pages (the kernel's quantized variants)."""
     prepared = [
-        prepare_attention(dtype, k_dim, block_size, heads, kv_heads, v_dim, sinks)
+        prepare_attention(dtype, k_dim, block_size, heads, kv_heads, v_dim, sinks, quantization)
         for heads, kv_heads, k_dim, v_dim, sinks in geometries
     ]
     reasons = list(dict.fromkeys(p.unsupported for p in prepared if p.unsupported is not None))
     variants = tuple(dict.fromkeys(v for p in prepared for v in p.variants))
-    return PreparedAttention(DTYPE_NAMES.get(dtype, str(dtype)), "; ".join(reasons) or None, variants)
+    name = DTYPE_NAMES.get(dtype, str(dtype))
+    return PreparedAttention(name, "; ".join(reasons) or None, variants, quantization is not None)
 
 
 def attention_status(prepared: PreparedAttention | None = None) -> dict:

@@ -16,10 +16,21 @@
 // sinks (float32): [num_heads] sink logits, read only when SINKS is 1. A sink joins the softmax
 // as a key with no value: M = max(max score, sink), denominator += exp(sink - M). It enters
 // once per head: in the one-pass merge, or in the reduce, never per partition.
+//
+// Quantized pages (kv_bits): the decode kernel's quantized variant (template QBITS 8 or 4, QGROUP 32 or 64)
+// takes k_pool / v_pool as mx.quantize's packed uint32 rows [.., D * QBITS / 32] with k_scales / k_biases
+// (v_...) [.., D / QGROUP] in T, and dequantizes each element as it reads it (PA_LOAD_K / PA_LOAD_V, defined
+// by paged_attention.py per variant): element e of a row is bits [e % (32 / QBITS) * QBITS, + QBITS) of word
+// e * QBITS / 32, times its group's scale plus its bias. Everything after the loads is the same kernel.
 
 // ==== header ====
 // (no shared helpers: inputs with fewer than 8 elements are bound as `constant`, so all
-// buffer reads stay in the kernel bodies)
+// buffer reads stay in the kernel bodies; macros expand in them)
+#define PA_DEQUANT(pool, scales, biases, WIDTH, slot, e)                                              \
+  (float((pool[(slot) * ((WIDTH) * QBITS / 32) + (e) * QBITS / 32] >> (((e) % (32 / QBITS)) * QBITS)) & \
+         ((1u << QBITS) - 1u)) *                                                                       \
+       float(scales[(slot) * ((WIDTH) / QGROUP) + (e) / QGROUP]) +                                     \
+   float(biases[(slot) * ((WIDTH) / QGROUP) + (e) / QGROUP]))
 
 // ==== paged_attention_decode ====
 // Template: T, D, DV, BS, G, NSG, SINKS. PA_PARTITIONED is defined by the wrapper (0: one pass
@@ -76,10 +87,10 @@ for (int t = first + sg; t < last; t += NSG) {
   float k[EPL];
   float v[EPL_V];
   for (int i = 0; i < EPL; i++) {
-    k[i] = float(k_pool[slot * D + lane * EPL + i]);
+    k[i] = PA_LOAD_K(slot, lane * EPL + i);
   }
   for (int i = 0; i < EPL_V; i++) {
-    v[i] = float(v_pool[slot * DV + lane * EPL_V + i]);
+    v[i] = PA_LOAD_V(slot, lane * EPL_V + i);
   }
   for (int g = 0; g < G; g++) {
     float partial = 0.0f;
