@@ -19,8 +19,8 @@
 //
 // Quantized pages (kv_bits): the decode kernel's quantized variant (template QBITS 8 or 4, QGROUP 32 or 64)
 // takes k_pool / v_pool as mx.quantize's packed uint32 rows [.., D * QBITS / 32] with k_scales / k_biases
-// (v_...) [.., D / QGROUP] in T, and dequantizes each element as it reads it (PA_LOAD_K / PA_LOAD_V, defined
-// by paged_attention.py per variant): element e of a row is bits [e % (32 / QBITS) * QBITS, + QBITS) of word
+// (v_...) [.., D / QGROUP] in T, and dequantizes each element as it reads it (PA_LOAD_K / PA_LOAD_V; the
+// wrapper defines PA_QUANTIZED 1 for that kernel): element e of a row is bits [e % (32 / QBITS) * QBITS, + QBITS) of word
 // e * QBITS / 32, times its group's scale plus its bias. Everything after the loads is the same kernel.
 
 // ==== header ====
@@ -38,6 +38,13 @@
 // Grid (NSG * 32, num_kv_heads, batch * num_partitions); threadgroup (NSG * 32, 1, 1).
 constexpr int EPL = D / 32;  // key head-dim elements per lane
 constexpr int EPL_V = DV / 32;  // value head-dim elements per lane
+#if PA_QUANTIZED
+#define PA_LOAD_K(slot, e) PA_DEQUANT(k_pool, k_scales, k_biases, D, slot, e)
+#define PA_LOAD_V(slot, e) PA_DEQUANT(v_pool, v_scales, v_biases, DV, slot, e)
+#else
+#define PA_LOAD_K(slot, e) float(k_pool[(slot) * D + (e)])
+#define PA_LOAD_V(slot, e) float(v_pool[(slot) * DV + (e)])
+#endif
 threadgroup float tg_max[NSG * G];
 threadgroup float tg_sum[NSG * G];
 threadgroup float tg_out[NSG * DV];

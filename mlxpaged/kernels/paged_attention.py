@@ -38,15 +38,7 @@ Launcher = Callable[..., list]
 
 DECODE_INPUTS = ["queries", "k_pool", "v_pool", "block_tables", "context_lens", "params", "scale", "sinks"]
 QUANTIZED_INPUTS = ["k_scales", "k_biases", "v_scales", "v_biases"]  # after DECODE_INPUTS, quantized variant only
-# How each variant reads element `e` of K/V row `slot` (paged_attention.metal: PA_LOAD_K, PA_LOAD_V).
-FULL_LOADS = (
-    "#define PA_LOAD_K(slot, e) float(k_pool[(slot) * D + (e)])\n"
-    "#define PA_LOAD_V(slot, e) float(v_pool[(slot) * DV + (e)])\n"
-)
-QUANTIZED_LOADS = (
-    "#define PA_LOAD_K(slot, e) PA_DEQUANT(k_pool, k_scales, k_biases, D, slot, e)\n"
-    "#define PA_LOAD_V(slot, e) PA_DEQUANT(v_pool, v_scales, v_biases, DV, slot, e)\n"
-)
+
 REDUCE_INPUTS = ["o_part", "m_part", "l_part", "params", "sinks"]
 
 
@@ -61,10 +53,9 @@ def source_sections() -> dict[str, str]:
 def decode_kernel(partitioned: bool, quantized: bool = False):
     sections = source_sections()
     flag = int(partitioned)
-    loads = QUANTIZED_LOADS if quantized else FULL_LOADS
     body = (
-        f"#define PA_PARTITIONED {flag}\n{loads}{sections['paged_attention_decode']}"
-        "#undef PA_PARTITIONED\n#undef PA_LOAD_K\n#undef PA_LOAD_V\n"
+        f"#define PA_PARTITIONED {flag}\n#define PA_QUANTIZED {int(quantized)}\n{sections['paged_attention_decode']}"
+        "#undef PA_PARTITIONED\n#undef PA_QUANTIZED\n#undef PA_LOAD_K\n#undef PA_LOAD_V\n"
     )
     outputs = ["o_part", "m_part", "l_part"] if partitioned else ["out"]
     name = "paged_attention_partitioned" if partitioned else "paged_attention_decode"
