@@ -99,7 +99,9 @@ def agreement(engines: dict) -> None:
         replies[bits] = [c.token_ids for c in engine.generate(prompts, params)]
     for bits in BITS[1:]:
         prefix = [_common_prefix(a, b) for a, b in zip(replies[bits], replies[None], strict=True)]
-        same = sum(a == b for r, f in zip(replies[bits], replies[None], strict=True) for a, b in zip(r, f))
+        same = sum(
+            a == b for r, f in zip(replies[bits], replies[None], strict=True) for a, b in zip(r, f, strict=False)
+        )  # a reply may stop early
         total = len(AGREEMENT_PROMPTS) * AGREEMENT_TOKENS
         print(
             f"  {name(bits)}: {sum(p == AGREEMENT_TOKENS for p in prefix)}/{len(prefix)} replies identical, "

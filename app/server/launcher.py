@@ -39,18 +39,36 @@ def say(text: str) -> None:
 
 
 def load_engine(args: argparse.Namespace):
+    """The model to serve: an Embedder for an embedding model (embedding/model_files.py says which are), else an
+    Engine. The KV-cache flags do not apply to an embedder; --max-batch-tokens bounds its forward passes."""
+    from mlxpaged.embedding.embedder import Embedder
+    from mlxpaged.embedding.model_files import is_embedding_model
     from mlxpaged.engine.engine import Engine
+    from mlxpaged.loading.loader import locate_model
 
     say(f"mlxpaged serve: loading {args.model or 'the default model'}...")
+    ref, path = locate_model(args.model)
+    if is_embedding_model(path, ref.preset.options if ref.preset else None):
+        embedder = Embedder.from_pretrained(args.model, max_batch_tokens=args.max_batch_tokens)
+        say(f"mlxpaged serve: {embedder.describe()}; it answers /v1/embeddings and /api/embed")
+        return embedder
     engine = Engine.from_pretrained(args.model, **cache_settings(args))
     say(engine.plan.describe())
     return engine
+
+
+def is_embedder(served) -> bool:
+    from mlxpaged.embedding.embedder import Embedder
+
+    return isinstance(served, Embedder)
 
 
 def with_sampling_defaults(config, engine, mode: str):
     """`config` with the defaults requests get (--generation-config): the model's, read once here, or none."""
     from mlxpaged.loading.generation_defaults import GenerationDefaults
 
+    if is_embedder(engine):
+        return config  # an embedding model samples nothing
     defaults = engine.generation_defaults if mode == "auto" else GenerationDefaults({}, "--generation-config none")
     say(f"mlxpaged serve: sampling defaults: {defaults.describe()}")
     return dataclasses.replace(config, sampling_defaults=defaults)
@@ -60,6 +78,9 @@ def warm_up(engine) -> None:
     """The first step allocates and compiles; pay for it before saying "ready"."""
     from mlxpaged.sampling_params import SamplingParams
 
+    if is_embedder(engine):
+        engine.embed(["Hello"])
+        return
     engine.generate("Hello", SamplingParams(max_tokens=2, temperature=0.0))
 
 
@@ -128,11 +149,14 @@ def serve_until_signal(engine, config, sock: socket.socket, args: argparse.Names
     shown = f"[{host}]" if ":" in host else host
     url = f"http://{shown}:{port}"
     auth = "API key required" if config.api_key else "no API key"
+    kind = "embedding model" if is_embedder(engine) else "model"
     server = GracefulServer(
         uv_config,
         app.state.server,
         args.drain_timeout,
-        on_ready=lambda: say(f"mlxpaged serve: ready at {url}/v1 (model {engine.loaded.name}, {auth}; Ctrl-C to stop)"),
+        on_ready=lambda: say(
+            f"mlxpaged serve: ready at {url}/v1 ({kind} {engine.loaded.name}, {auth}; Ctrl-C to stop)"
+        ),
     )
     server.run(sockets=[sock])
 

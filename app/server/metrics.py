@@ -30,7 +30,7 @@ class Histogram:
     def render(self) -> list[str]:
         lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
         total = 0
-        for bound, count in zip((*self.buckets, float("inf")), self.counts):
+        for bound, count in zip((*self.buckets, float("inf")), self.counts, strict=True):
             total += count
             label = "+Inf" if bound == float("inf") else repr(bound)
             lines.append(f'{self.name}_bucket{{le="{label}"}} {total}')
@@ -77,7 +77,8 @@ class ServerMetrics:
         self.cached_tokens += cached
         self.generated_tokens += generated
 
-    def render(self, stats: dict, in_flight: int, capacity: int) -> str:
+    def render(self, stats: dict | None, in_flight: int, capacity: int) -> str:
+        """The text format; `stats` is the engine's (None for an embedding model: no engine gauges)."""
         lines = _metric(
             "requests_total",
             "counter",
@@ -100,15 +101,19 @@ class ServerMetrics:
             [("", self.generated_tokens)],
         )
         lines += self.ttft.render() + self.token_latency.render() + self.e2e.render()
-        lines += _engine_gauges(stats, in_flight, capacity) + _memory_gauges(stats["memory_plan"])
-        lines += _attention_gauges(stats["attention"])
+        if stats is None:
+            lines += _metric("requests_in_flight", "gauge", IN_FLIGHT_HELP, [("", in_flight)])
+        else:
+            lines += _engine_gauges(stats, in_flight, capacity) + _memory_gauges(stats["memory_plan"])
+            lines += _attention_gauges(stats["attention"])
         return "\n".join(lines) + "\n"
 
 
+IN_FLIGHT_HELP = "Requests the HTTP layer has admitted and not finished."
+
+
 def _engine_gauges(stats: dict, in_flight: int, capacity: int) -> list[str]:
-    lines = _metric(
-        "requests_in_flight", "gauge", "Requests the HTTP layer has admitted and not finished.", [("", in_flight)]
-    )
+    lines = _metric("requests_in_flight", "gauge", IN_FLIGHT_HELP, [("", in_flight)])
     lines += _metric(
         "requests_capacity", "gauge", "Admission limit: engine batch plus queue; beyond it 429.", [("", capacity)]
     )

@@ -3,7 +3,7 @@
 the reply is whole unless the client leaves first.
 
 What differs between the APIs is only how a reply looks; a `ReplyShape` says that for one reply and never sees
-the transport. OpenAI chat, completions, Anthropic Messages and Responses each have one.
+the transport. OpenAI chat, completions, Anthropic Messages, Responses and Ollama's chat and generate each have one.
 """
 
 from __future__ import annotations
@@ -17,7 +17,14 @@ from mlxpaged.sampling_params import MAX_N
 from mlxpaged_app.server.engine_client import Generation, GenerationFailed
 from mlxpaged_app.server.errors import server_error
 from mlxpaged_app.server.request_body import parse_request, read_body
-from mlxpaged_app.server.sse import ClientGone, EventStream, data_event, unless_disconnected, with_pings
+from mlxpaged_app.server.sse import (
+    EVENT_STREAM,
+    ClientGone,
+    EventStream,
+    data_event,
+    unless_disconnected,
+    with_pings,
+)
 from mlxpaged_app.server.state import ServerState
 
 from starlette.requests import Request
@@ -36,6 +43,7 @@ class ReplyShape:
 
     headers: dict[str, str]
     frame: Callable[[dict | str], bytes] = staticmethod(data_event)
+    media_type: str = EVENT_STREAM  # of a streamed reply (Ollama's: NDJSON lines)
     trailer: tuple = ()  # payloads after either ending (OpenAI's "[DONE]")
     keepalive: dict | None = None  # sent after PING_INTERVAL seconds without an event (Anthropic's ping)
 
@@ -63,13 +71,19 @@ def reply_id(shape: ReplyShape) -> str:
     return shape.headers.get("x-request-id") or shape.headers.get("request-id") or "-"
 
 
-async def accept(request: Request, state: ServerState, schema: type) -> tuple[object, float]:
+async def accept(
+    request: Request, state: ServerState, schema: type, check_model: Callable[[ServerState, str], object] | None = None
+) -> tuple[object, float]:
     """What every API does first: note the arrival, refuse while draining, read and validate the body against
-    `schema`, check the model name. Returns (body, arrived)."""
+    `schema`, check the model name (`check_model(state, name)`: an API's own lookup, as Ollama's, which takes
+    `name:latest`; default ServerState.check_model). Returns (body, arrived)."""
     arrived = time.perf_counter()
     state.check_accepting()
     body = parse_request(await read_body(request, state.config.max_body_size), schema)
-    state.check_model(body.model)
+    if check_model is None:
+        state.check_model(body.model)
+    else:
+        check_model(state, body.model)
     return body, arrived
 
 
@@ -107,7 +121,8 @@ async def respond(
     """The reply to a launched request: `items` are (choice, item) as the run produces them, `usage` its token
     counts once it has ended; `cleanup` is closed when the reply is done or the client is gone."""
     if stream:
-        return EventStream(stream_events(shape, items, usage), on_close=cleanup.close, headers=shape.headers)
+        events = stream_events(shape, items, usage)
+        return EventStream(events, on_close=cleanup.close, headers=shape.headers, media_type=shape.media_type)
     try:
         body = await reply_or_gone(request, _whole(shape, items, usage), cleanup)
     except ClientGone:

@@ -1,14 +1,15 @@
-"""What every route shares: the HTTP-side settings and the state built once per app around one Engine."""
+"""What every route shares: the HTTP-side settings and the state built once per app around one served model."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 
+from mlxpaged.embedding.embedder import Embedder
 from mlxpaged.loading.generation_defaults import NO_DEFAULTS, GenerationDefaults
 from mlxpaged_app.server.admission import Admission
 from mlxpaged_app.server.engine_client import Generation
-from mlxpaged_app.server.errors import model_not_found, unavailable
+from mlxpaged_app.server.errors import embedding_model_only, model_not_found, unavailable
 from mlxpaged_app.server.formatting import TokenText
 from mlxpaged_app.server.metrics import ServerMetrics
 
@@ -49,16 +50,23 @@ def fit_tokenizer_to_context(tokenizer, max_model_len: int) -> None:
 
 
 class ServerState:
-    """Everything a route needs, built once per app around one Engine."""
+    """Everything a route needs, built once per app around the model it serves: a generative `Engine`, or an
+    `Embedder` when the model is an embedding model (then `engine` is None: chat routes refuse in check_model, and
+    embeddings/lookup.py hands the embedder to /v1/embeddings and /api/embed)."""
 
-    def __init__(self, engine, config: ServerConfig) -> None:
-        self.engine, self.config = engine, config
+    def __init__(self, served, config: ServerConfig) -> None:
+        self.config = config
+        self.embedder: Embedder | None = served if isinstance(served, Embedder) else None
+        self.engine = None if self.embedder is not None else served
         self.metrics = ServerMetrics()
-        fit_tokenizer_to_context(engine.tokenizer, engine.max_model_len)
-        self.admission = Admission(engine.scheduler_config.max_num_seqs, config.max_queue)
-        self.token_text = TokenText(engine.tokenizer)
-        self.model_id = engine.loaded.name
-        path = getattr(engine.loaded, "path", None)
+        if self.engine is not None:
+            fit_tokenizer_to_context(self.engine.tokenizer, self.engine.max_model_len)
+        # An embedder runs one request's batch at a time; the rest wait in the queue.
+        batch = 1 if self.engine is None else self.engine.scheduler_config.max_num_seqs
+        self.admission = Admission(batch, config.max_queue)
+        self.token_text = TokenText(served.tokenizer)
+        self.model_id = served.loaded.name
+        path = getattr(served.loaded, "path", None)
         self.model_names = {self.model_id, *config.model_aliases, *((str(path), path.name) if path else ())}
         self.created = int(time.time())
         self.draining = False
@@ -90,8 +98,12 @@ class ServerState:
         return self.config.sampling_defaults.values.get("max_tokens", API_DEFAULT_MAX_TOKENS)
 
     def check_model(self, requested: str | None) -> None:
+        """The generative routes' check (chat, completions, messages, responses): the model is served, and it is
+        no embedding model."""
         if requested is not None and requested not in self.model_names:
             raise model_not_found(requested, [self.model_id])
+        if self.engine is None:
+            raise embedding_model_only(self.model_id)
 
     def check_accepting(self) -> None:
         if self.draining:

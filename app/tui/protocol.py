@@ -49,7 +49,7 @@ def real_engine_factory(cache_tokens: int, speculative: str | None = None, kv_bi
             kv_bits=kv_bits,
         )
         try:
-            engine.generation_defaults  # read now: a bad generation_config.json fails the load, not a reply
+            _ = engine.generation_defaults  # read now: a bad generation_config.json fails the load, not a reply
         except Exception:
             engine.close()
             raise

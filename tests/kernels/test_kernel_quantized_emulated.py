@@ -70,9 +70,12 @@ def test_the_engine_on_the_kernel_path_reads_quantized_pages_through_the_kernel(
     model = tiny_llama(head_dim=64)
     prompts = [random_tokens(n, seed=s) for s, n in enumerate((19, 6))]
     params = GREEDY.__class__(temperature=0.0, max_tokens=5, ignore_eos=True)
-    with attention.kernel_launcher(Emulator()), attention.attention_backend("kernel"):
-        with tiny_engine(model, tokenizer, kv_bits=8) as engine:
-            status = engine.built.attention.status()
-            got = [c.token_ids for c in engine.generate(prompts, params)]
+    with (
+        attention.kernel_launcher(Emulator()),
+        attention.attention_backend("kernel"),
+        tiny_engine(model, tokenizer, kv_bits=8) as engine,
+    ):
+        status = engine.built.attention.status()
+        got = [c.token_ids for c in engine.generate(prompts, params)]
     assert status["path"] == "kernel" and "q8/64" in status["reason"], status
     assert got == [quantized_greedy(model, p, 5, 8)[0] for p in prompts]
