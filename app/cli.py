@@ -75,6 +75,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             cache_tokens=args.cache_tokens,
             speculative=args.speculative,
             kv_disk=kv_disk_settings(args),
+            kv_bits=args.kv_bits,
         )
     except ValueError as exc:  # bad sampling settings, before the app starts
         print(f"mlxpaged chat: {user_message(exc, 'cli')}", file=sys.stderr)
@@ -95,7 +96,13 @@ def cmd_plain_chat(args: argparse.Namespace) -> int:
             temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed
         )
         return run_plain_chat(
-            args.model, settings, args.system, args.cache_tokens, args.speculative, kv_disk_settings(args)
+            args.model,
+            settings,
+            args.system,
+            args.cache_tokens,
+            args.speculative,
+            kv_disk_settings(args),
+            args.kv_bits,
         )
     except ValueError as exc:  # bad sampling or cache settings, before the first turn
         print(f"mlxpaged chat: {exc}", file=sys.stderr)
@@ -147,7 +154,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlxpaged", description="Local LLM inference on MLX with a paged KV cache.")
     parser.add_argument("--version", action="version", version=f"mlxpaged {mlxpaged.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    from mlxpaged_app.server.flags import SPECULATIVE_HELP, add_kv_disk_arguments, add_serve_arguments
+    from mlxpaged_app.server.flags import (
+        KV_BITS,
+        KV_BITS_HELP,
+        SPECULATIVE_HELP,
+        add_kv_disk_arguments,
+        add_serve_arguments,
+    )
 
     chat = sub.add_parser("chat", help="chat with a model in the terminal (a Textual app; F1 lists the keys)")
     chat.add_argument("--model", "-m", default=None, help="preset name, local path or Hugging Face repo id")
@@ -168,6 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     chat.add_argument("--cache-tokens", type=int, default=DEFAULT_CACHE_TOKENS, help="KV cache capacity in tokens")
     chat.add_argument("--speculative", choices=["ngram"], default=None, help=SPECULATIVE_HELP)
+    chat.add_argument("--kv-bits", type=int, choices=KV_BITS, default=None, help=KV_BITS_HELP)
     chat.add_argument(
         "--plain",
         action="store_true",
@@ -196,6 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
             "hybrid",
             "gpu",
             "restart",
+            "kv",
         ],
         help="decode: batch-1 tok/s vs mlx-lm; batch: 16 concurrent requests vs mlx-lm "
         "batch_generate; prefix: time to first token, cached vs cold; prefill: cold and "
@@ -208,7 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
         "issue-21 target in one run (decode, 16/64 concurrent, cold TTFT at 2k/8k, cached "
         "8k prefix) vs plain mlx-lm on the model's own dtype, and a met/missed summary; restart: time to "
         "first token of an 8k-token prompt cold, from the RAM prefix cache and from the disk tier after a "
-        "real process restart",
+        "real process restart; kv: quantized KV pages "
+        "(8 and 4 bits) vs full precision: capacity, perplexity on a held-out text, greedy agreement, decode tok/s",
     )
     bench.add_argument("--model", "-m", default=None)
     bench.add_argument("--tokens", type=int, default=128, help="tokens to generate per request")
@@ -238,6 +254,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="prefill, gpu: context in tokens instead of the model's own (16384 for the default "
         "model's 8192: RoPE extrapolates; timings only, no promise about quality)",
+    )
+    bench.add_argument(
+        "--kv-group-size",
+        type=int,
+        choices=(64, 32),
+        default=64,
+        help="kv: elements per scale and bias of the quantized pages (default 64)",
     )
     bench.add_argument(
         "--clock",

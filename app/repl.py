@@ -34,12 +34,13 @@ def run_plain_chat(
     cache_tokens: int,
     speculative: str | None = None,
     kv_disk: dict | None = None,
+    kv_bits: int | None = None,
 ) -> int:
     """Chat until EOF or /exit (exit code 0)."""
     say(f"Loading {model or 'the default model'}...")
     with Engine(
         load_model(model, progress=print_progress),
-        CacheConfig(cache_tokens=cache_tokens, **(kv_disk or {})),
+        CacheConfig(cache_tokens=cache_tokens, kv_bits=kv_bits, **(kv_disk or {})),
         SchedulerConfig(speculative=speculative),
     ) as engine:
         blas = blas_status()

@@ -35,10 +35,11 @@ EngineFactory = Callable[[str | None, Progress], ChatEngine]
 
 
 def real_engine_factory(
-    cache_tokens: int, speculative: str | None = None, kv_disk: dict | None = None
+    cache_tokens: int, speculative: str | None = None, kv_disk: dict | None = None, kv_bits: int | None = None
 ) -> EngineFactory:
     """Engines over the real model store, with a KV cache capped at `cache_tokens` tokens (and
-    `speculative` decoding, SchedulerConfig's; `kv_disk`: CacheConfig's kv_disk and kv_disk_size)."""
+    `speculative` decoding, SchedulerConfig's; `kv_disk`: CacheConfig's kv_disk and kv_disk_size; `kv_bits`:
+    quantized pages, CacheConfig's)."""
 
     def build(name: str | None, progress: Progress) -> ChatEngine:
         from mlxpaged.engine.engine import Engine
@@ -49,6 +50,7 @@ def real_engine_factory(
             cache_tokens=cache_tokens,  # refuses before loading weights
             speculative=speculative,
             **(kv_disk or {}),
+            kv_bits=kv_bits,
         )
         try:
             _ = engine.generation_defaults  # read now: a bad generation_config.json fails the load, not a reply
