@@ -95,7 +95,7 @@ def test_export_and_import_round_trip_every_array_of_a_block(bits, dtype):
         assert mx.array_equal(a[4], b[9]).item()
     assert mx.array_equal(src.gather(0, [4], BS)[0], dst.gather(0, [9], BS)[0]).item()
     assert all(np.array_equal(x, y) for x, y in zip(pages, dst.export_block(9), strict=True))
-    with pytest.raises(ValueError, match="arrays for a block"):
+    with pytest.raises(ValueError, match=r"each needs \d+ arrays"):
         dst.import_block(1, pages[:-1])
     with pytest.raises(ValueError, match="out of range"):
         dst.export_block(NB)
