@@ -96,6 +96,25 @@ def test_a_new_engine_answers_from_disk_with_the_cold_tokens(model, tokenizer, t
     assert stats["disk_written_blocks"] <= 2  # only the reply's blocks are new
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_pages_answer_from_disk_with_their_cold_tokens(tokenizer, tmp_path, bits):
+    """The disk tier stores a quantized block's packed words, scales and biases as they are: a new engine reading
+    them gives the tokens the same quantized cache gives cold (not full precision's), and another kv_bits is
+    another fingerprint, so it never reads them."""
+    model, prompt = tiny_llama(3, seed=5, head_dim=64), random_tokens(100, seed=3)
+    with disk_engine(model, tokenizer, tmp_path / "m", False, kv_bits=bits) as plain:
+        cold = plain.generate(prompt, GREEDY)[0]
+    with disk_engine(model, tokenizer, tmp_path / "m", tmp_path / "kv", kv_bits=bits) as first:
+        assert first.generate(prompt, GREEDY)[0].token_ids == cold.token_ids
+    with disk_engine(model, tokenizer, tmp_path / "m", tmp_path / "kv", kv_bits=bits) as second:
+        warm = second.generate(prompt, GREEDY)[0]
+        assert second.stats()["disk_hit_tokens"] == 96
+    assert warm.token_ids == cold.token_ids
+    with disk_engine(model, tokenizer, tmp_path / "m", tmp_path / "kv", kv_bits=12 - bits) as other:
+        other.generate(prompt, GREEDY)
+        assert other.stats()["disk_hit_tokens"] == 0
+
+
 def test_a_corrupt_block_file_ends_the_disk_hit_there_with_a_warning(model, tokenizer, tmp_path):
     prompt = random_tokens(100, seed=12)
     with disk_engine(model, tokenizer, tmp_path / "m", tmp_path / "kv") as first:
