@@ -417,10 +417,16 @@ def _size_spaces(
         raise _too_small(longest, need_bytes, budget, fitting_tokens(spaces, budget, bs, longest), cache)
     demands = [_demand(model, cache, seqs, space.group_max_blocks, free_blocks=False) for space in spaces]
     blocks, rings, per_group = size_spaces(spaces, budget, bs, seqs, longest, [d for d, _ in demands])
-    capped = " (capped by " + demands[0][1] + ")" if demands[0][0] is not None else ""
+    # Capped: a full-attention space got all its demand (the ring spaces always get theirs, or what fits).
+    capped = [
+        why
+        for (demand, why), n, space in zip(demands, blocks, spaces, strict=True)
+        if space.growing_groups and n == demand
+    ]
     return blocks, (
         f"{len(spaces)} block spaces of {', '.join(f'{n:,}' for n in blocks)} blocks: rings for {rings} "
-        f"sequences, {per_group:,} blocks per full-attention group; {budget_reason}{capped}"
+        f"sequences, {per_group:,} blocks per full-attention group; "
+        + (f"capped by {capped[0]}" if capped else budget_reason)
     )
 
 
