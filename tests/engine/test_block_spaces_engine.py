@@ -40,6 +40,7 @@ def test_two_spaces_of_their_own_size_match_mlx_lm(model, cases, tokenizer):
         kv = engine.kv
         assert len(kv.spaces) == 2 and kv.space_blocks[0] != kv.space_blocks[1]
         assert [p.num_blocks for p in engine.kv_manager.pools] == list(kv.space_blocks)
+        assert engine.stats()["blocks_total"] == sum(kv.space_blocks) == len(engine.block_states())
         check(engine.generate([c.prompt for c in cases], GREEDY), cases)
         assert_pool_empty(engine)
 
