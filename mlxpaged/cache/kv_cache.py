@@ -10,8 +10,15 @@ Geometry classes. Layers (here: the model's KV cache leaves, in layout order) ne
 heads or widths (latent MLA caches 1 "head" of the latent rank as K and the RoPE key as V, V may be
 narrower than K, head counts vary per layer, an indexer writes one array as K and V). Each layer
 has a `KVGeometry`; pools are per (geometry, position in the group) (`specs.assign_pools`), so a
-one-geometry model keeps exactly the G pools below. All classes share one block-id space
-(decision and numbers: docs/design/issue14-architectures.md, "D2 as built").
+one-geometry model keeps exactly the G pools below.
+
+Block spaces (`specs.block_spaces`). Groups that share a pool draw their block ids from one space; groups whose
+pools are disjoint (gemma4: window layers 1x256, full layers 1x512) get a space each, and each space's pools have
+that space's block count (`space_blocks`, sized by the memory plan: platform/space_plan.py). A block id of one
+space is a page in that space's pools only, so no id leaves another layer kind's page unused (one shared space
+left 56% of gemma4's pool bytes idle at 1k tokens, 34% at 128k). Most models have one geometry: one space, as
+before. Copies (`copy_blocks`) go per space; the whole-block exports serve the prefix cache, which runs with one
+group, so with one space (decision and numbers: docs/design/issue14-architectures.md, "D2 as built").
 
 Writes are in-place indexed assignment with index arrays only
 (`pool[(blocks[:, None], heads[None, :], offsets[:, None])] = rows`; MLX 0.32
@@ -24,10 +31,10 @@ evaluated. Callers must evaluate a step's outputs before the next step's writes
 
 Layer groups (specs.py, plain Python): layers of one attention type are cut into
 groups of equal size G, so one block id means "G pages, one per layer of a group"
-whatever the group's type: the block ids of all groups come from one shared space,
-and the cache holds only G key pools and G value pools (pool j serves the j-th layer
-of every group). Each request has one block table per group. A full-attention model
-is one group of all layers, i.e. one pool per layer.
+whatever the group's type: the groups of one block space share its ids, and a
+one-geometry cache holds only G key pools and G value pools (pool j serves the j-th
+layer of every group). Each request has one block table per group, its ids from the
+group's space. A full-attention model is one group of all layers, i.e. one pool per layer.
 
 Sliding-window groups. A request's table for a window-W group holds at most
 ceil(W / block_size) + 1 blocks used as a ring: logical block b lives in

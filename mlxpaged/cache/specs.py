@@ -5,8 +5,9 @@ cache manager can read them without loading MLX.
 Layer groups. Layers are grouped as the transformers continuous-batching cache did (transformers
 4.5x `group_layers_by_attn_type`): layers of one attention type (full, or sliding with a given
 window) are cut, in order, into groups of `gcd(count per type)` layers. All groups have the same
-size G, so one block id means "G pages, one per layer of a group" whatever the group's type, and all
-groups draw from one block-id space. Each request has one block table per group.
+size G, so one block id means "G pages, one per layer of a group" whatever the group's type. Groups that
+share a pool draw from one block-id space; groups whose pools are disjoint get a space each (`block_spaces`).
+Each request has one block table per group.
 
 Specs. A `KVCacheSpec` says what one group's table needs for N tokens, what it can share (prefix
 cache, n > 1 forks) and which of its blocks no query reads any more as the window slides. Full

@@ -25,7 +25,9 @@ full-attention model, a group of them when sliding-window and full attention mix
 counted in each layer's real K and V widths (latent MLA, V narrower than K, per-layer heads; a
 layer reusing another's K/V has none), one page in every pool (kv_cache.py `assign_pools`). A sequence
 of T tokens holds ceil(T / block_size) blocks per full-attention group and at most
-ceil(window / block_size) + 1 (its ring) per window group, as the block pool allocates them.
+ceil(window / block_size) + 1 (its ring) per window group, as the block pool allocates them. A model whose
+groups have disjoint pools (gemma4) has several block spaces, each sized on its own (space_plan.py); the rules
+below are those of the one space most models have.
 
 The block count is then capped by demand on every backend (mistral.rs's Metal rule: memory
 the cache can never use still competes with the OS): --cache-tokens needs
