@@ -10,8 +10,15 @@ Geometry classes. Layers (here: the model's KV cache leaves, in layout order) ne
 heads or widths (latent MLA caches 1 "head" of the latent rank as K and the RoPE key as V, V may be
 narrower than K, head counts vary per layer, an indexer writes one array as K and V). Each layer
 has a `KVGeometry`; pools are per (geometry, position in the group) (`specs.assign_pools`), so a
-one-geometry model keeps exactly the G pools below. All classes share one block-id space
-(decision and numbers: docs/design/issue14-architectures.md, "D2 as built").
+one-geometry model keeps exactly the G pools below.
+
+Block spaces (`specs.block_spaces`). Groups that share a pool draw their block ids from one space; groups whose
+pools are disjoint (gemma4: window layers 1x256, full layers 1x512) get a space each, and each space's pools have
+that space's block count (`space_blocks`, sized by the memory plan: platform/space_plan.py). A block id of one
+space is a page in that space's pools only, so no id leaves another layer kind's page unused (one shared space
+left 56% of gemma4's pool bytes idle at 1k tokens, 34% at 128k). Most models have one geometry: one space, as
+before. Copies (`copy_blocks`) go per space; the whole-block exports serve the prefix cache, which runs with one
+group, so with one space (decision and numbers: docs/design/issue14-architectures.md, "D2 as built").
 
 Writes are in-place indexed assignment with index arrays only
 (`pool[(blocks[:, None], heads[None, :], offsets[:, None])] = rows`; MLX 0.32
@@ -24,10 +31,10 @@ evaluated. Callers must evaluate a step's outputs before the next step's writes
 
 Layer groups (specs.py, plain Python): layers of one attention type are cut into
 groups of equal size G, so one block id means "G pages, one per layer of a group"
-whatever the group's type: the block ids of all groups come from one shared space,
-and the cache holds only G key pools and G value pools (pool j serves the j-th layer
-of every group). Each request has one block table per group. A full-attention model
-is one group of all layers, i.e. one pool per layer.
+whatever the group's type: the groups of one block space share its ids, and a
+one-geometry cache holds only G key pools and G value pools (pool j serves the j-th
+layer of every group). Each request has one block table per group, its ids from the
+group's space. A full-attention model is one group of all layers, i.e. one pool per layer.
 
 Sliding-window groups. A request's table for a window-W group holds at most
 ceil(W / block_size) + 1 blocks used as a ring: logical block b lives in
@@ -66,6 +73,7 @@ from mlxpaged.cache.specs import (  # noqa: F401  (block_bytes is re-exported: t
     LayerKind,
     assign_pools,
     block_bytes,
+    block_spaces,
     group_layers,
     pool_block_bytes,
 )
@@ -81,12 +89,13 @@ class PagedKVCache:
     `layer_windows`: each layer's kind (specs.LayerKind; None: every layer full attention). `geometries`: one
     KVGeometry per layer (None: every layer `num_kv_heads x head_dim` for K and V, which then must be given).
     `quantization`: pages stored quantized (kv_quant.py; None: in `dtype`). No layers: no pools, one layerless
-    group whose blocks only number tokens (specs.NoKV)."""
+    group whose blocks only number tokens (specs.NoKV). `num_blocks`: the blocks of each block space
+    (specs.block_spaces; one int: that many in every space)."""
 
     def __init__(
         self,
         num_layers: int,
-        num_blocks: int,
+        num_blocks: int | Sequence[int],
         block_size: int,
         num_kv_heads: int | None,
         head_dim: int | None,
@@ -100,8 +109,12 @@ class PagedKVCache:
             heads, dim = _check_sizes(num_kv_heads=num_kv_heads, head_dim=head_dim)
             geometries = (KVGeometry(heads, dim, dim),) * num_layers
         geometries = tuple(geometries)
-        _check_layers(num_layers, num_blocks, block_size, windows, geometries)
-        self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
+        self.groups = group_layers(windows) if len(windows) == num_layers else ()
+        self.spaces = block_spaces(self.groups, geometries) if len(geometries) == num_layers else ()
+        per_space = [num_blocks] * len(self.spaces) if isinstance(num_blocks, int) else list(num_blocks)
+        _check_layers(num_layers, per_space, len(self.spaces), block_size, windows, geometries)
+        self.space_blocks: tuple[int, ...] = tuple(per_space)  # blocks of each space
+        self.num_layers, self.block_size = num_layers, block_size
         first = geometries[0] if geometries else None
         self.num_kv_heads = first.kv_heads if first else None  # the first layer's (the only ones when uniform)
         self.head_dim, self.dtype = (first.k_dim if first else None), dtype
@@ -109,22 +122,37 @@ class PagedKVCache:
         self.quantization = quantization
         if quantization is not None:
             quantization.check_widths([w for g in geometries for w in (g.k_dim, g.v_dim)])
-        self.groups = group_layers(windows)
         self.specs: tuple[KVCacheSpec, ...] = tuple(g.spec(block_size) for g in self.groups)  # one per group
         self.group_size = len(self.groups[0].layers)
         self._group = {layer: g for g in self.groups for layer in g.layers}
         self._pool, self.pool_geometries = assign_pools(self.groups, geometries)
+        # The space of each group, layer and pool: a pool has its space's blocks, a layer's ids are its space's.
+        self.group_spaces = tuple(next(i for i, sp in enumerate(self.spaces) if g.index in sp) for g in self.groups)
+        self._layer_space = {layer: self.group_spaces[g.index] for g in self.groups for layer in g.layers}
+        pool_space = {self._pool[layer]: space for layer, space in self._layer_space.items()}
+        self.pool_spaces = tuple(pool_space[j] for j in range(len(self.pool_geometries)))
         self._heads = {h: mx.arange(h) for h in {g.kv_heads for g in geometries}}
-        self.keys: list[Pool] = [self._new_pool(g.kv_heads, g.k_dim) for g in self.pool_geometries]
+        self.keys: list[Pool] = [
+            self._new_pool(self.space_blocks[s], g.kv_heads, g.k_dim)
+            for g, s in zip(self.pool_geometries, self.pool_spaces, strict=True)
+        ]
         self.values: list[Pool] = [
-            k if g.k_is_v else self._new_pool(g.kv_heads, g.v_dim)
-            for k, g in zip(self.keys, self.pool_geometries, strict=True)
+            k if g.k_is_v else self._new_pool(self.space_blocks[s], g.kv_heads, g.v_dim)
+            for k, g, s in zip(self.keys, self.pool_geometries, self.pool_spaces, strict=True)
         ]
         self._last_slots: tuple | None = None  # (slot mapping, slots, blocks, offsets)
         mx.eval(list(self._heads.values()), self.pools)  # lazy arrays would bind to this thread's stream
 
-    def _new_pool(self, heads: int, dim: int) -> Pool:
-        shape = (self.num_blocks, heads, self.block_size, dim)
+    @property
+    def num_blocks(self) -> int:
+        """The blocks of every block space when they have the same count (one space: its count); else ask
+        `space_blocks`."""
+        if len(set(self.space_blocks)) != 1:
+            raise ValueError(f"block spaces of {self.space_blocks} blocks: ask space_blocks")
+        return self.space_blocks[0]
+
+    def _new_pool(self, num_blocks: int, heads: int, dim: int) -> Pool:
+        shape = (num_blocks, heads, self.block_size, dim)
         if self.quantization is None:
             return mx.zeros(shape, self.dtype)
         return QuantizedPages.zeros(shape, self.dtype, self.quantization)
@@ -133,7 +161,7 @@ class PagedKVCache:
     def for_layout(
         cls,
         layout: ModelLayout,
-        num_blocks: int,
+        num_blocks: int | Sequence[int],
         block_size: int,
         dtype: mx.Dtype,
         quantization: KVQuantization | None = None,
@@ -179,9 +207,14 @@ class PagedKVCache:
 
     @property
     def bytes_per_block(self) -> int:
+        """Bytes of one block id in every space together (one space: one id's)."""
         return pool_block_bytes(
             self.layer_windows, self.geometries, self.block_size, self.dtype.size, self.quantization
         )
+
+    def space_of(self, layer: int) -> int:
+        """The block space whose ids `layer`'s pages are indexed by."""
+        return self._layer_space[layer]
 
     @property
     def nbytes(self) -> int:
@@ -210,7 +243,7 @@ class PagedKVCache:
         """Write k `[num_tokens, kv_heads, k_dim]`, v `[num_tokens, kv_heads, v_dim]` into their slots, in
         place (v is not written for a K-is-V layer). Slots given as an `mx.array` are not range-checked
         (hot path); repeated slots in one call leave an unspecified winner."""
-        slots, blocks, offsets = self._indices(slot_mapping)
+        slots, blocks, offsets = self._indices(slot_mapping, self.space_blocks[self._layer_space[layer]])
         geo = self.geometries[layer]
         for name, x, dim in (("k", k, geo.k_dim), ("v", v, geo.v_dim)):
             expected = (slots.size, geo.kv_heads, dim)
@@ -228,7 +261,9 @@ class PagedKVCache:
         """Write k, v `[1, kv_heads, n, dim]` to slots offset..offset + n - 1 of `block`, in place
         (a slice update: fewer graph nodes than the indexed write, for the common single-run case)."""
         n = k.shape[2]
-        if not (0 <= block < self.num_blocks and offset >= 0 and offset + n <= self.block_size):
+        if not (
+            0 <= block < self.space_blocks[self._layer_space[layer]] and offset >= 0 and offset + n <= self.block_size
+        ):
             raise ValueError(f"run of {n} tokens at block {block}, offset {offset} is outside the pool")
         j = self._pool[layer]
         index = (slice(block, block + 1), slice(None), slice(offset, offset + n))
@@ -236,14 +271,14 @@ class PagedKVCache:
         if not self.geometries[layer].k_is_v:
             _store(self.values[j], index, v)
 
-    def _indices(self, slot_mapping: Sequence[int] | mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    def _indices(self, slot_mapping: Sequence[int] | mx.array, num_blocks: int) -> tuple[mx.array, mx.array, mx.array]:
         """(slots, block column, offset column). Every layer of a pass writes the same slot-mapping
         array, so the last one's indices are reused: matched by identity of that (immutable, held)
         mx.array; lists are converted every time, as they may change in place."""
         last = self._last_slots
         if last is not None and last[0] is slot_mapping:
             return last[1:]
-        slots = self._slot_array(slot_mapping)
+        slots = self._slot_array(slot_mapping, num_blocks)
         indices = (slots, (slots // self.block_size)[:, None], (slots % self.block_size)[:, None])
         if isinstance(slot_mapping, mx.array):
             self._last_slots = (slot_mapping, *indices)
@@ -275,17 +310,17 @@ class PagedKVCache:
         k, v = self.gather_blocks(layer, mx.array([list(block_table[:need])], dtype=mx.int32))
         return k[0, :, :length], v[0, :, :length]
 
-    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
-        """Copy every layer's pages of block `src` onto block `dst` (copy-on-write)."""
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]], space: int = 0) -> None:
+        """Copy the pages of block `src` onto block `dst` in every pool of block space `space` (copy-on-write)."""
         if not pairs:
             return
         src = [s for s, _ in pairs]
         dst = [d for _, d in pairs]
-        self._check_blocks(src + dst)
+        self._check_blocks(src + dst, space)
         if len(set(dst)) != len(dst) or set(src) & set(dst):
             raise ValueError(f"copy_blocks targets must be distinct and not sources: {list(pairs)}")
         src_ids, dst_ids = mx.array(src, dtype=mx.int32), mx.array(dst, dtype=mx.int32)
-        pools = self.pools
+        pools = self._space_pools(space)
         rows = [mx.take(p, src_ids, axis=0) for p in pools]
         # Materialize the copies first: a pending take would pin the pools and the
         # writes below would copy whole pools instead of updating them in place.
@@ -293,8 +328,16 @@ class PagedKVCache:
         for pool, r in zip(pools, rows, strict=True):
             pool[dst_ids] = r
 
+    def _space_pools(self, space: int) -> list[mx.array]:
+        """Every array of the pools of block space `space` (`pools` order)."""
+        keys = [j for j, s in enumerate(self.pool_spaces) if s == space]
+        return pool_arrays(
+            [self.keys[j] for j in keys] + [self.values[j] for j in keys if self.values[j] is not self.keys[j]]
+        )
+
     # ---- whole blocks in and out (the disk tier, cache/disk_tier.py) --------------------------------
-    # Generic over `self.pools`, so pools added for quantized pages (scales, biases) travel too.
+    # Generic over `self.pools`, so pools added for quantized pages (scales, biases) travel too. The disk tier
+    # keeps the prefix cache's blocks, and the prefix cache runs with one group, so with one block space.
 
     def export_block(self, block_id: int) -> list[np.ndarray]:
         """Block `block_id`'s pages, one host array per pool (in `pools` order)."""
@@ -364,20 +407,22 @@ class PagedKVCache:
         parts = mx.quantize(x, group_size=q.group_size, bits=q.bits)
         return mx.dequantize(*parts, group_size=q.group_size, bits=q.bits)
 
-    def _slot_array(self, slot_mapping: Sequence[int] | mx.array) -> mx.array:
+    def _slot_array(self, slot_mapping: Sequence[int] | mx.array, num_blocks: int) -> mx.array:
         if isinstance(slot_mapping, mx.array):
             return slot_mapping.astype(mx.int32).reshape(-1)
         slots = list(slot_mapping)
-        limit = self.num_blocks * self.block_size
+        limit = num_blocks * self.block_size
         bad = [s for s in slots if not 0 <= s < limit]
         if bad:
             raise ValueError(f"slots {bad[:5]} out of range [0, {limit})")
         return mx.array(slots, dtype=mx.int32)
 
-    def _check_blocks(self, blocks: Sequence[int]) -> None:
-        bad = [b for b in blocks if not 0 <= b < self.num_blocks]
+    def _check_blocks(self, blocks: Sequence[int], space: int | None = None) -> None:
+        """Ids of block space `space` (None: every space has as many; the whole-block exports take one space)."""
+        limit = self.num_blocks if space is None else self.space_blocks[space]
+        bad = [b for b in blocks if not 0 <= b < limit]
         if bad:
-            raise ValueError(f"block ids {bad[:5]} out of range [0, {self.num_blocks})")
+            raise ValueError(f"block ids {bad[:5]} out of range [0, {limit})")
 
 
 def _store(pool: Pool, index: tuple, rows: mx.array) -> None:
@@ -396,14 +441,18 @@ def _check_sizes(**sizes: object) -> list[int]:
     return [value for value in sizes.values() if isinstance(value, int)]
 
 
-def _check_layers(num_layers: int, num_blocks: int, block_size: int, windows: tuple, geometries: tuple) -> None:
+def _check_layers(
+    num_layers: int, space_blocks: list, num_spaces: int, block_size: int, windows: tuple, geometries: tuple
+) -> None:
     if not isinstance(num_layers, int) or num_layers < 0:
         raise ValueError(f"num_layers must be an integer >= 0, got {num_layers!r}")
-    _check_sizes(num_blocks=num_blocks, block_size=block_size)
+    _check_sizes(block_size=block_size, **{f"num_blocks[{i}]": n for i, n in enumerate(space_blocks)})
     if len(geometries) != num_layers:
         raise ValueError(f"geometries has {len(geometries)} entries for {num_layers} layers")
     if len(windows) != num_layers:
         raise ValueError(f"layer_windows has {len(windows)} entries for {num_layers} layers")
+    if len(space_blocks) != num_spaces:
+        raise ValueError(f"num_blocks gives {len(space_blocks)} block spaces' counts, the layers make {num_spaces}")
     bad_windows = [
         w
         for w in windows

@@ -9,12 +9,18 @@ kept, by request id.
 The prefix cache needs a single full-attention table: ring blocks of a sliding window are
 overwritten as it slides, so they can never be shared (hybrid models run with the cache off, as
 kv_cache.py explains); forks copy rings instead of sharing them.
+
+Block spaces. Each group draws its block ids from the `BlockPool` of its space (`spaces`: one index per group,
+specs.block_spaces): groups whose pages live in disjoint pools (gemma4's window and full layers) get a pool
+each, so an id one group holds never leaves another group's page unused. Every change takes from all spaces
+or none (atomic), and a request fits only when each space has its blocks. The prefix cache runs with one
+group, so it lives in that group's space (`pool`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from mlxpaged.cache.block_pool import (
@@ -25,7 +31,7 @@ from mlxpaged.cache.block_pool import (
     NoFreeBlocksError,
     sha256_block_hash,
 )
-from mlxpaged.cache.specs import KVCacheSpec, sequence_capacity
+from mlxpaged.cache.specs import KVCacheSpec, spaces_capacity
 from mlxpaged.config import VALID_BLOCK_SIZES
 from mlxpaged.engine.request import Request
 
@@ -59,6 +65,7 @@ class CopyOnWrite:
     src_block: int
     dst_block: int
     num_tokens: int
+    space: int = 0  # the block space both ids are in (specs.block_spaces)
 
 
 class SingleTypeManager:
@@ -102,9 +109,10 @@ class _CachedChain:
 class KVCacheManager:
     def __init__(
         self,
-        pool: BlockPool,
+        pool: BlockPool | Sequence[BlockPool],
         specs: Sequence[KVCacheSpec],
         *,
+        spaces: Sequence[int] | None = None,
         enable_prefix_cache: bool = True,
         extra_key: object = None,
         hash_fn: HashFn = sha256_block_hash,
@@ -113,10 +121,18 @@ class KVCacheManager:
     ):
         """`prefix_filter(hashes)`: how many leading blocks of a cached chain a request may use (models
         with state layers can resume only where their state was checkpointed); None: all of them.
-        `lower_tier`: where blocks missing from the pool may still be found (never with a prefix filter)."""
+        `lower_tier`: where blocks missing from the pool may still be found (never with a prefix filter).
+        `pool`: one BlockPool, or one per block space with `spaces` naming each group's (None: all in pool 0)."""
         specs = tuple(specs)
         if not specs:
             raise ValueError("a KV cache manager needs at least one layer group spec, got none")
+        self.pools = [pool] if isinstance(pool, BlockPool) else list(pool)
+        self.spaces = tuple(spaces) if spaces is not None else (0,) * len(specs)
+        if len(self.spaces) != len(specs) or set(self.spaces) != set(range(len(self.pools))):
+            raise ValueError(
+                f"spaces {self.spaces} must name one of the {len(self.pools)} block pools for each of the "
+                f"{len(specs)} groups, and use every pool"
+            )
         sizes = {s.block_size for s in specs}
         if len(sizes) != 1 or not sizes <= set(VALID_BLOCK_SIZES):
             raise ValueError(
@@ -127,7 +143,7 @@ class KVCacheManager:
                 f"the prefix cache needs one full-attention table per request (or a state model's "
                 f"token table), got group_max_blocks {tuple(s.max_blocks for s in specs)}"
             )
-        self.pool = pool
+        self.pool = self.pools[self.spaces[0]]  # the prefix cache's (it runs with one group)
         self.block_size = specs[0].block_size
         self.managers = [SingleTypeManager(s) for s in specs]
         self.enable_prefix_cache = enable_prefix_cache
@@ -138,8 +154,12 @@ class KVCacheManager:
             raise ValueError("a lower tier holds KV blocks only: a model with state layers cannot resume from it")
         self.lower_tier = lower_tier
         self._chains: dict[Hashable, _CachedChain] = {}
-        # The longest sequence the pool can hold (None: any length).
-        self.capacity_tokens = sequence_capacity(pool.num_blocks, self.block_size, self.group_max_blocks)
+        # The longest sequence the pools can hold (None: any length).
+        self.capacity_tokens = spaces_capacity(
+            [p.num_blocks for p in self.pools],
+            self.block_size,
+            [self._in_space(self.group_max_blocks, s) for s in range(len(self.pools))],
+        )
 
     # ---- queries ------------------------------------------------------------------
 
@@ -149,15 +169,21 @@ class KVCacheManager:
 
     @property
     def num_blocks(self) -> int:
-        return self.pool.num_blocks
+        """Blocks of every space together."""
+        return sum(p.num_blocks for p in self.pools)
 
     @property
     def num_free_blocks(self) -> int:
-        return self.pool.num_free_blocks
+        return sum(p.num_free_blocks for p in self.pools)
 
     def num_blocks_for(self, num_tokens: int) -> int:
         """Blocks one sequence of `num_tokens` tokens holds over all its tables."""
         return sum(m.spec.blocks_needed(num_tokens) for m in self.managers)
+
+    def fits_ever(self, num_tokens: int) -> bool:
+        """Whether one sequence of `num_tokens` tokens fits the pools at all (every space its blocks)."""
+        need = self._by_space([m.spec.blocks_needed(num_tokens) for m in self.managers])
+        return all(n <= p.num_blocks for n, p in zip(need, self.pools, strict=True))
 
     def __contains__(self, request_id: Hashable) -> bool:
         return request_id in self._chains
@@ -168,13 +194,23 @@ class KVCacheManager:
         return [[b.block_id for b in m.tables[request_id]] for m in self.managers]
 
     def stats(self) -> BlockPoolStats:
-        return self.pool.stats()
+        """The pools' stats, block counts summed over the spaces (the prefix cache's figures: its one pool's)."""
+        stats = [p.stats() for p in self.pools]
+        own = self.pool.stats()
+        return replace(
+            own,
+            num_blocks=sum(s.num_blocks for s in stats),
+            num_free=sum(s.num_free for s in stats),
+            num_owned=sum(s.num_owned for s in stats),
+            num_cached_free=sum(s.num_cached_free for s in stats),
+        )
 
     def can_allocate(self, request: Request, num_new_slots: int | None = None) -> bool:
         tokens = request.all_token_ids
         hits = self._match_prefix(tokens)[0]
-        needed = self.num_blocks_for(len(tokens) + (num_new_slots or 0)) - len(hits)
-        return needed <= self._available_besides(hits)
+        fresh = [m.spec.blocks_needed(len(tokens) + (num_new_slots or 0)) for m in self.managers]
+        fresh[0] -= len(hits)
+        return self._short_space(fresh, hits) is None
 
     # ---- request lifecycle --------------------------------------------------------
 
@@ -194,13 +230,11 @@ class KVCacheManager:
         partial = None if below else self._match_partial(tokens, hashes)
         fresh = [m.spec.blocks_needed(len(tokens) + extra) for m in self.managers]
         fresh[0] -= len(hits)
-        available = self._available_besides(hits)
-        if sum(fresh) > available:
-            raise NoFreeBlocksError(sum(fresh), available, self.pool.num_blocks)
+        self._check_free(fresh, hits)
         self.pool.touch(hits)
-        # The partial block is one of the free blocks counted above: it is the first fresh block.
+        # The partial block is one of the free blocks counted above: it is the first fresh block (one group).
         taken = [self.pool.take_partial_block(partial[0])] if partial else []
-        tables = _split(taken + self.pool.get_new_blocks(sum(fresh) - len(taken)), fresh)
+        tables = self._take(fresh, taken)
         if self.enable_prefix_cache:
             self.pool.record_prefix_query(len(tokens), len(hits) * self.block_size + (partial[1] if partial else 0))
         loaded = self._load_lower_tier(tables[0][: len(below)], below)  # the first fresh blocks
@@ -225,7 +259,8 @@ class KVCacheManager:
         self._check_known(rid)
         n = request.num_tokens if num_tokens is None else num_tokens
         grow = [m.num_new_blocks(rid, n) for m in self.managers]
-        for manager, blocks in zip(self.managers, _split(self.pool.get_new_blocks(sum(grow)), grow), strict=True):
+        self._check_free(grow)
+        for manager, blocks in zip(self.managers, self._take(grow), strict=True):
             manager.tables[rid] += blocks
         for manager in self.managers:
             block = manager.block_at(rid, n - 1)
@@ -246,13 +281,13 @@ class KVCacheManager:
                 f"request {rid!r}: cannot free slots below its {request.num_computed_tokens} "
                 f"computed tokens (asked to keep {num_tokens})"
             )
-        for manager in self.managers:
+        for manager, space in zip(self.managers, self.spaces, strict=True):
             if not manager.spec.rolls_back:
                 raise ValueError(f"request {rid!r}: a sliding-window ring cannot give back speculative slots")
             table = manager.tables[rid]
             keep = manager.spec.blocks_needed(num_tokens)
             if len(table) > keep:
-                self.pool.free_blocks(list(reversed(table[keep:])))
+                self.pools[space].free_blocks(list(reversed(table[keep:])))
                 del table[keep:]
 
     def cache_blocks(self, request: Request) -> None:
@@ -302,12 +337,12 @@ class KVCacheManager:
             raise ValueError(f"request {cid!r} does not start with the {computed} computed tokens of {pid!r}")
         shared = [min(m.spec.shareable_blocks(computed), len(m.tables[pid])) for m in self.managers]
         fresh = [len(m.tables[pid]) - n for m, n in zip(self.managers, shared, strict=True)]
-        taken = self.pool.get_new_blocks(sum(fresh))
+        self._check_free(fresh)
         copies: list[CopyOnWrite] = []
-        for manager, n, blocks in zip(self.managers, shared, _split(taken, fresh), strict=True):
-            self.pool.touch(manager.tables[pid][:n])
+        for manager, space, n, blocks in zip(self.managers, self.spaces, shared, self._take(fresh), strict=True):
+            self.pools[space].touch(manager.tables[pid][:n])
             manager.tables[cid], more = manager.fork(manager.tables[pid], blocks, computed)
-            copies += more
+            copies += [replace(c, space=space) for c in more]
         n_hashed = min(len(chain.block_hashes), shared[0])
         self._chains[cid] = _CachedChain(chain.block_hashes[:n_hashed], chain.epoch)
         return copies
@@ -318,7 +353,10 @@ class KVCacheManager:
         self._check_known(request_id)
         chain = self._chains.pop(request_id)
         tables = [m.tables.pop(request_id) for m in self.managers]
-        self.pool.free_blocks([b for table in tables for b in reversed(table)])
+        for space, pool in enumerate(self.pools):
+            pool.free_blocks(
+                [b for s, table in zip(self.spaces, tables, strict=True) if s == space for b in reversed(table)]
+            )
         if chain.partial is not None and chain.epoch == self.pool.cache_epoch and chain.partial[0].ref_cnt == 0:
             parent = chain.block_hashes[-1] if chain.block_hashes else None
             self.pool.cache_partial_block(chain.partial[0], parent, chain.partial[1])
@@ -369,6 +407,38 @@ class KVCacheManager:
         # Touching an evictable hit takes it out of the free pool without allocating it.
         return self.pool.num_free_blocks - sum(1 for b in hits if b.ref_cnt == 0)
 
+    def _in_space(self, per_group: Sequence, space: int) -> list:
+        """The entries of `per_group` whose group draws from `space`."""
+        return [x for x, s in zip(per_group, self.spaces, strict=True) if s == space]
+
+    def _by_space(self, counts: Sequence[int]) -> list[int]:
+        """Per-group block counts summed per space."""
+        return [sum(self._in_space(counts, s)) for s in range(len(self.pools))]
+
+    def _short_space(self, counts: Sequence[int], hits: Sequence[KVCacheBlock] = ()) -> tuple[int, int, int] | None:
+        """(needed, available, total) of the first space lacking the blocks of `counts` (per group; the prefix
+        cache's `hits` are in `pool`'s space), or None when every space has them."""
+        for need, pool in zip(self._by_space(counts), self.pools, strict=True):
+            available = self._available_besides(list(hits)) if pool is self.pool else pool.num_free_blocks
+            if need > available:
+                return need, available, pool.num_blocks
+        return None
+
+    def _check_free(self, counts: Sequence[int], hits: Sequence[KVCacheBlock] = ()) -> None:
+        """Raise NoFreeBlocksError (before anything changes) unless every space has its blocks of `counts`."""
+        short = self._short_space(counts, hits)
+        if short is not None:
+            raise NoFreeBlocksError(*short)
+
+    def _take(self, counts: Sequence[int], first: Sequence[KVCacheBlock] = ()) -> list[list[KVCacheBlock]]:
+        """Fresh blocks per group, `counts[i]` each from its space's pool, in group order (`_check_free` first);
+        `first`: blocks already taken from `pool`, handed out before its new ones."""
+        fresh = []
+        for n, pool in zip(self._by_space(counts), self.pools, strict=True):
+            given = list(first) if pool is self.pool else []
+            fresh.append(iter(given + pool.get_new_blocks(n - len(given))))
+        return [[next(fresh[s]) for _ in range(n)] for n, s in zip(counts, self.spaces, strict=True)]
+
     def _match_prefix(self, tokens: list[int]) -> tuple[list[KVCacheBlock], list[Hashable]]:
         """Longest chain of cached full blocks for `tokens` and their hashes, never covering the
         last token (the model must run at least one position to produce logits)."""
@@ -390,12 +460,3 @@ class KVCacheManager:
             usable = self.prefix_filter(hashes)
             hits, hashes = hits[:usable], hashes[:usable]
         return hits, hashes
-
-
-def _split(blocks: list[KVCacheBlock], counts: Sequence[int]) -> list[list[KVCacheBlock]]:
-    """`blocks` cut into consecutive runs of `counts[i]` blocks."""
-    tables, start = [], 0
-    for n in counts:
-        tables.append(blocks[start : start + n])
-        start += n
-    return tables

@@ -5,8 +5,9 @@ cache manager can read them without loading MLX.
 Layer groups. Layers are grouped as the transformers continuous-batching cache did (transformers
 4.5x `group_layers_by_attn_type`): layers of one attention type (full, or sliding with a given
 window) are cut, in order, into groups of `gcd(count per type)` layers. All groups have the same
-size G, so one block id means "G pages, one per layer of a group" whatever the group's type, and all
-groups draw from one block-id space. Each request has one block table per group.
+size G, so one block id means "G pages, one per layer of a group" whatever the group's type. Groups that
+share a pool draw from one block-id space; groups whose pools are disjoint get a space each (`block_spaces`).
+Each request has one block table per group.
 
 Specs. A `KVCacheSpec` says what one group's table needs for N tokens, what it can share (prefix
 cache, n > 1 forks) and which of its blocks no query reads any more as the window slides. Full
@@ -199,6 +200,43 @@ def assign_pools(groups: Sequence[LayerGroup], geometries: Sequence[KVGeometry])
     return pool_of, pools
 
 
+def block_spaces(groups: Sequence[LayerGroup], geometries: Sequence[KVGeometry]) -> tuple[tuple[int, ...], ...]:
+    """The groups (by index) of each block-id space, in group order: groups that share a pool (`assign_pools`)
+    draw their block ids from one space; groups whose pools are disjoint (gemma4's window layers and its full
+    layers of another head_dim) get a space each, so a block id of one never leaves the other's pages unused.
+    One geometry (most models), or a layerless model: one space of every group."""
+    pool_of, _ = assign_pools(groups, geometries)
+    space_of_pool: dict[int, int] = {}
+    spaces: list[set[int]] = []
+    for group in groups:
+        found = {space_of_pool[pool_of[layer]] for layer in group.layers if pool_of[layer] in space_of_pool}
+        merged = {group.index}.union(*(spaces[i] for i in found))
+        for i in found:
+            spaces[i] = set()
+        spaces.append(merged)
+        for member in merged:
+            for layer in groups[member].layers:
+                space_of_pool[pool_of[layer]] = len(spaces) - 1
+    return tuple(sorted(tuple(sorted(s)) for s in spaces if s))
+
+
+def space_block_bytes(
+    layer_windows: Sequence[LayerKind],
+    geometries: Sequence[KVGeometry],
+    block_size: int,
+    dtype_bytes: int,
+    quantization: KVQuantization | None = None,
+) -> tuple[int, ...]:
+    """Bytes one block id of each space (`block_spaces`) stands for: one page in every pool of its groups."""
+    groups = group_layers(layer_windows)
+    pool_of, pools = assign_pools(groups, geometries)
+    out = []
+    for space in block_spaces(groups, geometries):
+        used = {pool_of[layer] for g in space for layer in groups[g].layers}
+        out.append(sum(pools[j].page_bytes(block_size, dtype_bytes, quantization) for j in sorted(used)))
+    return tuple(out)
+
+
 def pool_block_bytes(
     layer_windows: Sequence[LayerKind],
     geometries: Sequence[KVGeometry],
@@ -206,8 +244,8 @@ def pool_block_bytes(
     dtype_bytes: int,
     quantization: KVQuantization | None = None,
 ) -> int:
-    """Bytes one block id stands for: one page in every pool (`assign_pools`), each of its own widths
-    (quantized pages: their packed data, scales and biases, kv_quant.py)."""
+    """Bytes of one block id in every space together: one page in every pool (`assign_pools`), each of its own
+    widths (quantized pages: their packed data, scales and biases, kv_quant.py). One space: one id's bytes."""
     _, pools = assign_pools(group_layers(layer_windows), geometries)
     return sum(pool.page_bytes(block_size, dtype_bytes, quantization) for pool in pools)
 
@@ -427,3 +465,13 @@ def sequence_capacity(num_blocks: int, block_size: int, group_max_blocks: Sequen
         mid = (low + high + 1) // 2
         low, high = (mid, high) if fits(mid) else (low, mid - 1)
     return low * block_size
+
+
+def spaces_capacity(
+    space_blocks: Sequence[int], block_size: int, space_max_blocks: Sequence[Sequence[int | None]]
+) -> int | None:
+    """Tokens of the longest sequence block spaces of `space_blocks` blocks hold (each space's groups'
+    `max_blocks` in `space_max_blocks`): the least of each space's `sequence_capacity`; None: any length."""
+    caps = [sequence_capacity(n, block_size, maxes) for n, maxes in zip(space_blocks, space_max_blocks, strict=True)]
+    known = [c for c in caps if c is not None]
+    return min(known) if known else None

@@ -67,7 +67,9 @@ def build_core(
         layout, model_weight_bytes(loaded.model), kv_dtype.size, context_length(loaded.config)
     )
     plan = plan_memory(DeviceFacts.detect(), facts, cache_config, scheduler_config, weights_resident=True)
-    kv = PagedKVCache.for_layout(layout, plan.num_blocks, cache_config.block_size, kv_dtype, cache_config.quantization)
+    kv = PagedKVCache.for_layout(  # blocks per block space (specs.block_spaces), as the plan sized them
+        layout, plan.space_blocks, cache_config.block_size, kv_dtype, cache_config.quantization
+    )
     # Before the first decode: a Metal kernel variant that fails its self-check is replaced by the reference.
     attention = prepare_model_attention(
         kv_dtype, cache_config.block_size, attention_geometries(layout), cache_config.quantization

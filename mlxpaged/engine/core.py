@@ -82,8 +82,9 @@ class EngineCore:
             table = max(0, num_checkpoints - scheduler_config.max_num_seqs) if prefix_cache else 0
             state = StateCache(StateStore(layout.state_leaves, scheduler_config.max_num_seqs), CheckpointTable(table))
         manager = KVCacheManager(
-            BlockPool(kv.num_blocks),
+            [BlockPool(n) for n in kv.space_blocks],  # one per block space (specs.block_spaces)
             specs,
+            spaces=kv.group_spaces,
             extra_key=extra_key,
             enable_prefix_cache=prefix_cache,
             prefix_filter=state.usable_blocks if state is not None else None,

@@ -255,7 +255,7 @@ class Engine:
             self._commands.put(engine_thread.Abort(request_id))
 
     def stats(self) -> dict:
-        pool = self.pool.stats()
+        pool = self.kv_manager.stats()  # block counts of every block space together
         tiers = self._tier_stats(pool.query_tokens, pool.hit_tokens)
         return {
             "blocks_total": pool.num_blocks,
@@ -315,15 +315,20 @@ class Engine:
         return handed.wait(timeout) and tiering.writer.wait_idle(timeout)
 
     def block_states(self) -> list[str]:
-        """Per block: "free", "owned", "shared" or "cached" (a snapshot; for the block map)."""
-        return list(self.pool.block_state())
+        """Per block: "free", "owned", "shared" or "cached" (a snapshot; for the block map); several block
+        spaces (specs.block_spaces) one after another."""
+        return [state for pool in self.kv_manager.pools for state in pool.block_state()]
 
     def request_blocks(self, request_id: str) -> list[int]:
-        """Block ids a live request holds in all its tables (empty once it finished); for the block map."""
+        """Block ids a live request holds in all its tables (empty once it finished), as `block_states`
+        indexes them (a later space's ids after the earlier spaces' blocks); for the block map."""
+        manager = self.kv_manager
+        offsets = [sum(p.num_blocks for p in manager.pools[:space]) for space in manager.spaces]
         try:
-            return [b for table in self.kv_manager.block_tables(request_id) for b in table]
+            tables = manager.block_tables(request_id)
         except KeyError:
             return []
+        return [offset + b for table, offset in zip(tables, offsets, strict=True) for b in table]
 
     def close(self, timeout: float = STEP_TIMEOUT_S) -> None:
         """Stop at the next step boundary and wait (at most `timeout` s) for the engine thread to end:

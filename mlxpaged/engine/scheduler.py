@@ -176,7 +176,7 @@ class Scheduler:
         if total > self.max_model_len:
             raise RequestTooLongError(num_prompt_tokens, max_tokens, self.max_model_len, MODEL_CONTEXT)
         capacity = self.capacity_tokens  # None: any length fits (rings only), so no sequence outgrows the pool
-        if capacity is not None and self.kv_manager.num_blocks_for(total) > self.kv_manager.num_blocks:
+        if capacity is not None and not self.kv_manager.fits_ever(total):  # every block space its blocks
             raise RequestTooLongError(num_prompt_tokens, max_tokens, capacity, CACHE_CAPACITY)
 
     def finish(self, request_id: str, status: RequestStatus) -> Request:

@@ -25,7 +25,9 @@ full-attention model, a group of them when sliding-window and full attention mix
 counted in each layer's real K and V widths (latent MLA, V narrower than K, per-layer heads; a
 layer reusing another's K/V has none), one page in every pool (kv_cache.py `assign_pools`). A sequence
 of T tokens holds ceil(T / block_size) blocks per full-attention group and at most
-ceil(window / block_size) + 1 (its ring) per window group, as the block pool allocates them.
+ceil(window / block_size) + 1 (its ring) per window group, as the block pool allocates them. A model whose
+groups have disjoint pools (gemma4) has several block spaces, each sized on its own (space_plan.py); the rules
+below are those of the one space most models have.
 
 The block count is then capped by demand on every backend (mistral.rs's Metal rule: memory
 the cache can never use still competes with the OS): --cache-tokens needs
@@ -45,11 +47,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlxpaged.cache.specs import sequence_capacity, table_lengths
+from mlxpaged.cache.specs import sequence_capacity, spaces_capacity, table_lengths
 from mlxpaged.config import CacheConfig, SchedulerConfig
 from mlxpaged.errors import InsufficientMemoryError
 from mlxpaged.platform.backend import detect as detect_backend
 from mlxpaged.platform.model_facts import KVShape, ModelFacts, model_weight_bytes  # noqa: F401  (re-exported)
+from mlxpaged.platform.space_plan import SpaceNeeds, fitting_tokens, size_spaces
 from mlxpaged.units import format_size, size_at_least
 from mlxpaged.validation import require_int
 
@@ -169,6 +172,9 @@ class MemoryPlan:
     state_bytes: int = 0  # state slots and checkpoints of state-space layers (none: 0)
     num_state_slots: int = 0
     num_checkpoints: int = 0
+    # Blocks and bytes per block of each block space (specs.block_spaces): one space, `num_blocks` of `block_bytes`.
+    space_blocks: tuple[int, ...] = ()
+    space_block_bytes: tuple[int, ...] = ()
 
     def describe(self) -> str:
         """A multi-line summary for the CLI and the TUI."""
@@ -183,6 +189,11 @@ class MemoryPlan:
             f"  {self.num_blocks:,} blocks x {self.block_size} tokens, one sequence up to {capacity}; "
             f"{self.bytes_per_token:,} B/token, {format_size(self.block_bytes)}/block"
         )
+        if len(self.space_blocks) > 1:
+            spaces = " + ".join(
+                f"{n:,} x {format_size(b)}" for n, b in zip(self.space_blocks, self.space_block_bytes, strict=True)
+            )
+            lines.append(f"  block spaces (layer groups of disjoint pools): {spaces}")
         lines.append(f"  blocks: {self.reason}")
         if self.state_bytes:
             lines.append(
@@ -336,24 +347,24 @@ def plan_memory(
     kv = model.kv.quantized(cache.quantization)  # quantized pages: their real bytes (data, scales, biases)
     caps = [spec.max_blocks for spec in kv.table_specs(cache.block_size)]  # as the pools take them
     block = kv.block_bytes(cache.block_size)  # every pool's page in its own K/V widths
-    memory_blocks = budget // block if block else None  # None: blocks of zero bytes, memory bounds none
     longest = _longest_sequence(model, cache, scheduler)
-    need_blocks = sum(table_lengths(longest, cache.block_size, caps))
-    if memory_blocks is not None and memory_blocks < need_blocks:
-        fits = sequence_capacity(memory_blocks, cache.block_size, caps)
-        if fits is None:  # "any length fits" cannot be: `longest` does not
-            raise ValueError(f"{memory_blocks} blocks hold any length yet not {longest} tokens")
-        raise _too_small(longest, need_blocks * block, budget, fits, cache)
-    demand, demand_reason = _demand(model, cache, scheduler.max_num_seqs, caps, free_blocks=not block)
-    num_blocks, reason = _block_count(memory_blocks, budget_reason, demand, demand_reason)
-    kv_bytes = num_blocks * block
+    spaces = [
+        SpaceNeeds(size, tuple(caps[g] for g in groups))
+        for size, groups in zip(kv.space_block_bytes(cache.block_size), kv.block_spaces, strict=True)
+    ]
+    if len(spaces) > 1:
+        space_blocks, reason = _size_spaces(spaces, budget, budget_reason, longest, model, cache, scheduler)
+    else:
+        space_blocks, reason = _size_one_space(caps, block, budget, budget_reason, longest, model, cache, scheduler)
+    num_blocks = sum(space_blocks)
+    kv_bytes = sum(n * space.block_bytes for n, space in zip(space_blocks, spaces, strict=True))
     wired_bytes, wired_status = _wired(device, cache, model.weight_bytes + kv_bytes)
     breakdown = _breakdown(device, model, scheduler, fixed, kv_bytes, left, skip_weights)
     return MemoryPlan(
         device.backend,
         num_blocks,
         cache.block_size,
-        sequence_capacity(num_blocks, cache.block_size, caps),
+        spaces_capacity(space_blocks, cache.block_size, [space.group_max_blocks for space in spaces]),
         kv.bytes_per_token,
         block,
         kv_bytes,
@@ -364,6 +375,60 @@ def plan_memory(
         state_bytes,
         slots,
         checkpoints,
+        space_blocks,
+        tuple(space.block_bytes for space in spaces),
+    )
+
+
+def _size_one_space(
+    caps: list[int | None],
+    block: int,
+    budget: int,
+    budget_reason: str,
+    longest: int,
+    model: ModelFacts,
+    cache: CacheConfig,
+    scheduler: SchedulerConfig,
+) -> tuple[tuple[int], str]:
+    """The blocks of a model's one block space (every group shares its ids) and why."""
+    memory_blocks = budget // block if block else None  # None: blocks of zero bytes, memory bounds none
+    need_blocks = sum(table_lengths(longest, cache.block_size, caps))
+    if memory_blocks is not None and memory_blocks < need_blocks:
+        fits = sequence_capacity(memory_blocks, cache.block_size, caps)
+        if fits is None:  # "any length fits" cannot be: `longest` does not
+            raise ValueError(f"{memory_blocks} blocks hold any length yet not {longest} tokens")
+        raise _too_small(longest, need_blocks * block, budget, fits, cache)
+    demand, demand_reason = _demand(model, cache, scheduler.max_num_seqs, caps, free_blocks=not block)
+    num_blocks, reason = _block_count(memory_blocks, budget_reason, demand, demand_reason)
+    return (num_blocks,), reason
+
+
+def _size_spaces(
+    spaces: list[SpaceNeeds],
+    budget: int,
+    budget_reason: str,
+    longest: int,
+    model: ModelFacts,
+    cache: CacheConfig,
+    scheduler: SchedulerConfig,
+) -> tuple[tuple[int, ...], str]:
+    """The blocks of each of several block spaces (space_plan.py's rule) and why."""
+    bs, seqs = cache.block_size, scheduler.max_num_seqs
+    need_bytes = sum(space.blocks_for(longest, bs) * space.block_bytes for space in spaces)
+    if need_bytes > budget:
+        raise _too_small(longest, need_bytes, budget, fitting_tokens(spaces, budget, bs, longest), cache)
+    demands = [_demand(model, cache, seqs, space.group_max_blocks, free_blocks=False) for space in spaces]
+    blocks, rings, per_group = size_spaces(spaces, budget, bs, seqs, longest, [d for d, _ in demands])
+    # Capped: a full-attention space got all its demand (the ring spaces always get theirs, or what fits).
+    capped = [
+        why
+        for (demand, why), n, space in zip(demands, blocks, spaces, strict=True)
+        if space.growing_groups and n == demand
+    ]
+    return blocks, (
+        f"{len(spaces)} block spaces of {', '.join(f'{n:,}' for n in blocks)} blocks: rings for {rings} "
+        f"sequences, {per_group:,} blocks per full-attention group; "
+        + (f"capped by {capped[0]}" if capped else budget_reason)
     )
 
 

@@ -13,7 +13,15 @@ from dataclasses import dataclass
 
 from mlxpaged.cache.kv_quant import KVQuantization
 from mlxpaged.cache.layout import ModelLayout
-from mlxpaged.cache.specs import KVCacheSpec, KVGeometry, LayerKind, group_layers, pool_block_bytes
+from mlxpaged.cache.specs import (
+    KVCacheSpec,
+    KVGeometry,
+    LayerKind,
+    block_spaces,
+    group_layers,
+    pool_block_bytes,
+    space_block_bytes,
+)
 from mlxpaged.validation import require_int
 
 
@@ -77,6 +85,17 @@ class KVShape:
         return pool_block_bytes(
             self.layer_windows, self.layer_geometries, block_size, self.dtype_bytes, self.quantization
         )
+
+    def space_block_bytes(self, block_size: int) -> tuple[int, ...]:
+        """Bytes of one block id of each block space (specs.block_spaces; one space: `block_bytes`)."""
+        return space_block_bytes(
+            self.layer_windows, self.layer_geometries, block_size, self.dtype_bytes, self.quantization
+        )
+
+    @property
+    def block_spaces(self) -> tuple[tuple[int, ...], ...]:
+        """The layer groups (indices) of each block space, as the pools and the cache manager take them."""
+        return block_spaces(group_layers(self.layer_windows), self.layer_geometries)
 
     def quantized(self, quantization: KVQuantization | None) -> KVShape:
         """This shape with its pages stored as `quantization` says (ConfigError: a width it cannot split)."""

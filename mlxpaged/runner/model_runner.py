@@ -158,7 +158,8 @@ class Runner:
         """Do a fork's copy-on-write copies (CopyOnWrite) and land them before the next pass writes."""
         if copies:
             self._flush_pending()  # a fork starts after a step that settled: nothing is in flight
-            self.kv.copy_blocks([(c.src_block, c.dst_block) for c in copies])
+            for space in sorted({c.space for c in copies}):  # ids of one block space per call
+                self.kv.copy_blocks([(c.src_block, c.dst_block) for c in copies if c.space == space], space)
             mx.eval(self.kv.pools)
 
     def _settle(self, ahead: Lookahead | None) -> None:

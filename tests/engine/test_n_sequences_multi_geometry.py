@@ -22,7 +22,9 @@ def test_greedy_n_sequences_on_pools_of_several_geometries_match_mlx_lm(module, 
     sequences read another class's stale pages and leave mlx-lm's greedy tokens."""
     copies = []
     real_copy = PagedKVCache.copy_blocks
-    monkeypatch.setattr(PagedKVCache, "copy_blocks", lambda kv, pairs: (copies.extend(pairs), real_copy(kv, pairs)))
+    monkeypatch.setattr(
+        PagedKVCache, "copy_blocks", lambda kv, pairs, space=0: (copies.extend(pairs), real_copy(kv, pairs, space))
+    )
     model = build(module)
     case = reference(model, prompts(_vocab(model))[0])
     assert len(case.prompt) % BLOCK_SIZE  # a partial last block, which a fork copies
