@@ -10,7 +10,7 @@ bodies (protocol.py).
 
 Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/messages[/count_tokens] (Anthropic),
 POST /v1/responses, GET /v1/models[/{id}], GET /health, GET /metrics. The package's other modules are listed in its
-__init__.
+__init__. A route gets its model through `await state.served_model(name)` (state.py), which loads it if needed.
 """
 
 from __future__ import annotations
@@ -24,12 +24,16 @@ from mlxpaged_app.server.errors import (
     model_not_found,
 )
 from mlxpaged_app.server.metrics import CONTENT_TYPE
+from mlxpaged_app.server.metrics_render import render_metrics
 from mlxpaged_app.server.middleware import middleware_stack
+from mlxpaged_app.server.model_catalog import CatalogEntry, ModelNotServable
+from mlxpaged_app.server.model_registry import ModelRegistry, single_model_registry
 from mlxpaged_app.server.openai.serving_chat import serve_chat
 from mlxpaged_app.server.openai.serving_completion import serve_completion
 from mlxpaged_app.server.responses.serving import serve_responses
 from mlxpaged_app.server.state import ServerConfig, ServerState
 
+import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -73,61 +77,91 @@ async def count_tokens(request: Request) -> Response:
     return await serve_count_tokens(request, _state(request))
 
 
-def _model_card(state: ServerState) -> dict:
-    """OpenAI's model object, plus what this server applies to requests that leave sampling fields unset."""
-    defaults = state.config.sampling_defaults
-    return {
-        "id": state.model_id,
-        "object": "model",
-        "created": state.created,
-        "owned_by": "mlxpaged",
-        "max_model_len": state.context_limit,
-        "mlxpaged": {
+def _model_card(state: ServerState, entry: CatalogEntry) -> dict:
+    """OpenAI's model object; `mlxpaged` adds whether it is loaded, its memory and requests, and for a loaded
+    model what this server applies to requests that leave sampling fields unset."""
+    served = state.registry.loaded.get(entry.name)
+    card = {"id": entry.name, "object": "model", "created": state.created, "owned_by": "mlxpaged"}
+    extra: dict = {"loaded": False, "description": entry.description}
+    if served is not None and not served.unloaded:
+        defaults = served.config.sampling_defaults
+        card["created"] = served.created
+        card["max_model_len"] = served.context_limit
+        extra = {
+            **served.status(),
+            "description": entry.description,
             "sampling_defaults": defaults.values,
             "source": defaults.source,
-            "default_max_tokens": state.default_max_tokens,
-        },
-    }
+            "default_max_tokens": served.default_max_tokens,
+        }
+    card["mlxpaged"] = extra
+    return card
+
+
+def _servable(state: ServerState) -> list[CatalogEntry]:
+    """Loaded models first (the default one leading), then what could be loaded."""
+    loaded = [s.entry for s in state.registry.loaded.values()]
+    rest = [e for e in state.registry.catalog.servable() if e.name not in state.registry.loaded]
+    return sorted(loaded, key=lambda e: e.name != state.registry.default_name) + rest
 
 
 async def list_models(request: Request) -> Response:
-    return JSONResponse({"object": "list", "data": [_model_card(_state(request))]})
+    state = _state(request)
+    entries = await anyio.to_thread.run_sync(_servable, state)  # reads the store: off the event loop
+    return JSONResponse({"object": "list", "data": [_model_card(state, e) for e in entries]})
 
 
 async def get_model(request: Request) -> Response:
+    """A model a request may name, loaded or not (asking does not load it)."""
     state = _state(request)
     model_id = request.path_params["model_id"]
-    if model_id not in state.model_names:
-        raise model_not_found(model_id, [state.model_id])
-    return JSONResponse(_model_card(state))
+    served = state.registry.find_loaded(model_id)
+    if served is not None:
+        return JSONResponse(_model_card(state, served.entry))
+    try:
+        entry = await anyio.to_thread.run_sync(state.registry.catalog.find, model_id)
+    except ModelNotServable as exc:
+        raise model_not_found(model_id, state.registry.catalog.names_served()) from exc
+    return JSONResponse(_model_card(state, entry))
 
 
 async def health(request: Request) -> Response:
-    """200 while the server takes requests; 503 once it is draining for shutdown."""
+    """200 while the server takes requests; 503 once it is draining for shutdown. Totals over the loaded models
+    at the top level, each model under `models`."""
     state = _state(request)
-    stats = state.engine.stats()
+    registry = state.registry
+    models = {}
+    for served in list(registry.loaded.values()):
+        if served.unloaded:
+            continue
+        stats = served.engine.stats()
+        models[served.model_id] = {**served.status(), **{key: stats[key] for key in ENGINE_HEALTH}}
     body = {
         "status": "draining" if state.draining else "ok",
-        "model": state.model_id,
-        "requests_in_flight": state.admission.in_flight,
-        "requests_running": stats["requests_running"],
-        "requests_waiting": stats["requests_waiting"],
-        "blocks_used": stats["blocks_used"],
-        "blocks_free": stats["blocks_free"],
-        "blocks_total": stats["blocks_total"],
+        "model": registry.default_name,
+        "requests_in_flight": sum(m["requests_in_flight"] for m in models.values()),
+        **{key: sum(m[key] for m in models.values()) for key in ENGINE_HEALTH},
+        "memory": {"budget_bytes": registry.policy.budget_bytes, "held_bytes": registry.held_bytes()},
+        "models": models,
+        "loading": sorted(registry.loading_names()),
+        "failed": dict(registry.failures),
     }
     return JSONResponse(body, status_code=503 if state.draining else 200)
 
 
+ENGINE_HEALTH = ("requests_running", "requests_waiting", "blocks_used", "blocks_free", "blocks_total")
+
+
 async def metrics(request: Request) -> Response:
-    state = _state(request)
-    text = state.metrics.render(state.engine.stats(), state.admission.in_flight, state.admission.capacity)
-    return Response(text, media_type=CONTENT_TYPE)
+    return Response(render_metrics(_state(request)), media_type=CONTENT_TYPE)
 
 
-def create_app(engine, config: ServerConfig | None = None) -> Starlette:
-    """The ASGI app over a loaded `Engine`; the caller owns the engine (and closes it)."""
-    state = ServerState(engine, config or ServerConfig())
+def create_app(models, config: ServerConfig | None = None) -> Starlette:
+    """The ASGI app over a ModelRegistry (`mlxpaged serve`: models loaded on demand; the caller closes it), or
+    over one loaded `Engine`, which it then serves alone (the caller owns the engine and closes it)."""
+    config = config or ServerConfig()
+    registry = models if isinstance(models, ModelRegistry) else single_model_registry(models, config)
+    state = ServerState(registry, config)
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),

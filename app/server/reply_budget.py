@@ -11,16 +11,16 @@ from __future__ import annotations
 
 from mlxpaged_app.server.errors import APIError, invalid_param
 from mlxpaged_app.server.param_names import ParamNames
+from mlxpaged_app.server.served_model import ServedModel
 from mlxpaged_app.server.server_log import log
-from mlxpaged_app.server.state import ServerState
 
 
-def reply_budget(state: ServerState, prompt_tokens: int, requested: int | None, names: ParamNames) -> int:
+def reply_budget(model: ServedModel, prompt_tokens: int, requested: int | None, names: ParamNames) -> int:
     """The reply's max_tokens: `requested` (None: the server's default) clamped to the room the context leaves.
     A requested value below 1 passes through for SamplingParams to refuse, naming the parameter."""
-    room = state.context_limit - prompt_tokens
+    room = model.context_limit - prompt_tokens
     if room < 1:
-        raise prompt_too_long(state, prompt_tokens, requested, names)
+        raise prompt_too_long(model, prompt_tokens, requested, names)
     if requested is not None and requested < 1:
         return requested
     if requested is not None and requested > room:
@@ -30,16 +30,16 @@ def reply_budget(state: ServerState, prompt_tokens: int, requested: int | None, 
             requested,
             room,
             prompt_tokens,
-            state.context_limit,
+            model.context_limit,
         )
         return room
-    return min(state.default_max_tokens if requested is None else requested, room)
+    return min(model.default_max_tokens if requested is None else requested, room)
 
 
-def prompt_too_long(state: ServerState, prompt_tokens: int, requested: int | None, names: ParamNames) -> APIError:
-    limit = state.context_limit
+def prompt_too_long(model: ServedModel, prompt_tokens: int, requested: int | None, names: ParamNames) -> APIError:
+    limit = model.context_limit
     sent = f"{names.max_tokens} {requested}" if requested is not None else f"no {names.max_tokens}"
-    if state.cache_limits_context:
+    if model.cache_limits_context:
         what = f"the KV cache capacity of {limit} tokens"
         fix = (
             "give the cache more room (`mlxpaged serve --cache-tokens N` or `--kv-memory SIZE`), or shorten the prompt"

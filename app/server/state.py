@@ -1,4 +1,11 @@
-"""What every route shares: the HTTP-side settings and the state built once per app around one Engine."""
+"""What every route shares: the HTTP-side settings, and the state built once per app around a model registry.
+
+Routes get a model's state through ONE call, `await state.served_model(name)` (ServerState below): it returns
+the loaded model's `ServedModel` (served_model.py: `.engine`, `.admission`, `.token_text`, `.model_id`,
+`.config`, `.metrics`, ...), loading it first if needed, and raises the API errors routes already answer with:
+404 `model_not_found` for a name the server cannot serve, 503 `unavailable` / `insufficient_memory` /
+`model_loading`, 500 `model_load_failed` with the reason.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +13,16 @@ import time
 from dataclasses import dataclass, field
 
 from mlxpaged.loading.generation_defaults import NO_DEFAULTS, GenerationDefaults
-from mlxpaged_app.server.admission import Admission
-from mlxpaged_app.server.engine_client import Generation
-from mlxpaged_app.server.errors import model_not_found, unavailable
-from mlxpaged_app.server.formatting import TokenText
+from mlxpaged_app.server.errors import APIError, model_not_found, unavailable
 from mlxpaged_app.server.metrics import ServerMetrics
+from mlxpaged_app.server.model_catalog import ModelNotServable
+from mlxpaged_app.server.model_registry import UNSET, ModelRegistry
+from mlxpaged_app.server.served_model import (  # noqa: F401  (re-exported: their home was here)
+    API_DEFAULT_MAX_TOKENS,
+    LONG_SEQUENCE_WARNING,
+    ServedModel,
+    fit_tokenizer_to_context,
+)
 
 
 @dataclass(frozen=True)
@@ -22,76 +34,41 @@ class ServerConfig:
     max_queue: int = 64
     default_max_tokens: int | None = None  # None: the model's max_new_tokens, else API_DEFAULT_MAX_TOKENS
     cors_origins: tuple[str, ...] = ()
-    model_aliases: tuple[str, ...] = field(default_factory=tuple)
-    # What requests get for the sampling fields they leave unset; `mlxpaged serve` fills it from the model
-    # (--generation-config auto). NO_DEFAULTS: the plain API defaults (temperature 1.0, top_p 1.0).
+    model_aliases: tuple[str, ...] = field(default_factory=tuple)  # more names for the first model (--model)
+    # What requests get for the sampling fields they leave unset; each model served carries its own copy of this
+    # config with its own (--generation-config auto). NO_DEFAULTS: the plain API defaults (temperature 1.0).
     sampling_defaults: GenerationDefaults = NO_DEFAULTS
 
 
-API_DEFAULT_MAX_TOKENS = 1024
-
-
-LONG_SEQUENCE_WARNING = "sequence-length-is-longer-than-the-specified-maximum"  # transformers' key for it
-
-
-def fit_tokenizer_to_context(tokenizer, max_model_len: int) -> None:
-    """transformers warns that a prompt past the tokenizer's model_max_length (the trained context) "will result
-    in indexing errors". With --max-model-len the engine runs such prompts on purpose, so the limit follows it;
-    past the engine's context nothing is indexed either (reply_budget refuses it, saying why), so the warning is
-    marked as given."""
-    inner = getattr(tokenizer, "_tokenizer", tokenizer)  # mlx-lm's TokenizerWrapper holds the Hugging Face one
-    length = getattr(inner, "model_max_length", None)
-    if isinstance(length, int) and length < max_model_len:
-        inner.model_max_length = max_model_len
-    given = getattr(inner, "deprecation_warnings", None)
-    if isinstance(given, dict):
-        given[LONG_SEQUENCE_WARNING] = True
-
-
 class ServerState:
-    """Everything a route needs, built once per app around one Engine."""
+    """Everything a route needs: the settings, the models (a ModelRegistry), draining, the HTTP counters."""
 
-    def __init__(self, engine, config: ServerConfig) -> None:
-        self.engine, self.config = engine, config
-        self.metrics = ServerMetrics()
-        fit_tokenizer_to_context(engine.tokenizer, engine.max_model_len)
-        self.admission = Admission(engine.scheduler_config.max_num_seqs, config.max_queue)
-        self.token_text = TokenText(engine.tokenizer)
-        self.model_id = engine.loaded.name
-        path = getattr(engine.loaded, "path", None)
-        self.model_names = {self.model_id, *config.model_aliases, *((str(path), path.name) if path else ())}
+    def __init__(self, registry: ModelRegistry, config: ServerConfig) -> None:
+        self.registry, self.config = registry, config
+        self.metrics = ServerMetrics()  # HTTP requests by route and status; each model has its own token counts
         self.created = int(time.time())
         self.draining = False
-        self.active: set[Generation] = set()  # for abort_all at the end of a shutdown's drain
+
+    async def served_model(self, name: str | None, keep_alive: object = UNSET) -> ServedModel:
+        """The per-model state for a request's `model` (None: the default model), loaded if needed.
+
+        `keep_alive`: seconds (None: never unload), already parsed (keep_alive.parse_keep_alive); UNSET keeps
+        the model's own. Raises APIError: 404 model_not_found, 503 (cannot fit, still loading, shutting down),
+        500 model_load_failed with the reason."""
+        self.check_accepting()
+        try:
+            return await self.registry.get(name, keep_alive)
+        except ModelNotServable as exc:
+            raise self._not_found(name, str(exc)) from None
+
+    def _not_found(self, name: str | None, why: str) -> APIError:
+        error = model_not_found(name or "(none)", self.registry.catalog.names_served())
+        error.message = f"{error.message}. {why}"
+        return error
 
     def abort_all(self) -> None:
-        """Withdraw every in-flight generation: each ends now with finish_reason "abort"."""
-        for generation in list(self.active):
-            generation.abort(notify=True)
-
-    @property
-    def context_limit(self) -> int:
-        """Prompt + reply tokens one sequence can hold: the model context, or the cache's limit if smaller."""
-        capacity = self.engine.plan.token_capacity  # None: every layer slides, the cache fits any length
-        return self.engine.max_model_len if capacity is None else min(self.engine.max_model_len, capacity)
-
-    @property
-    def cache_limits_context(self) -> bool:
-        """Whether the KV cache, not the model context, is what bounds one sequence."""
-        capacity = self.engine.plan.token_capacity
-        return capacity is not None and capacity < self.engine.max_model_len
-
-    @property
-    def default_max_tokens(self) -> int:
-        """The reply length when a request sets none (before clipping to the context): --default-max-tokens,
-        else the model's max_new_tokens, else API_DEFAULT_MAX_TOKENS."""
-        if self.config.default_max_tokens is not None:
-            return self.config.default_max_tokens
-        return self.config.sampling_defaults.values.get("max_tokens", API_DEFAULT_MAX_TOKENS)
-
-    def check_model(self, requested: str | None) -> None:
-        if requested is not None and requested not in self.model_names:
-            raise model_not_found(requested, [self.model_id])
+        """Withdraw every in-flight generation of every model: each ends now with finish_reason "abort"."""
+        self.registry.abort_all()
 
     def check_accepting(self) -> None:
         if self.draining:

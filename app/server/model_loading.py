@@ -1,0 +1,92 @@
+"""The blocking half of loading and unloading a model, run in a worker thread (never on the event loop):
+what a model will cost before any weight is read, building its Engine, and giving its memory back.
+
+The cost is the memory plan's own (platform/memory.py): weights from the safetensors headers, the KV cache and
+state slots as the plan sizes them for this machine, the step's activations. So a model that cannot fit is
+refused before loading anything, never loaded into swap.
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
+
+from mlxpaged.config import split_settings
+from mlxpaged.loading.generation_defaults import GenerationDefaults
+from mlxpaged_app.server.model_catalog import CatalogEntry
+from mlxpaged_app.server.served_model import ModelCost, engine_cost
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What every model the server loads is built with: the cache / scheduler flags and --generation-config."""
+
+    cache: dict  # CacheConfig and SchedulerConfig fields (flags.cache_settings)
+    generation_config: str = "auto"  # "auto": each model's own generation_config.json; "none": API defaults
+    warm_up: bool = True
+
+
+def estimate_cost(entry: CatalogEntry, settings: EngineSettings) -> ModelCost:
+    """The memory `entry` will hold once loaded; InsufficientMemoryError if the device cannot hold it at all."""
+    from mlxpaged.loading.checkpoint import facts_before_load
+    from mlxpaged.platform import backend
+    from mlxpaged.platform.memory import DeviceFacts, activation_bytes, plan_memory
+
+    cache, scheduler = split_settings(_with_default_cache(settings.cache))
+    facts = facts_before_load(entry.path, backend.current())
+    plan = plan_memory(DeviceFacts.detect(), facts, cache, scheduler)
+    return ModelCost(
+        facts.weight_bytes, plan.kv_bytes, plan.state_bytes, activation_bytes(facts, scheduler.max_batch_tokens)
+    )
+
+
+def _with_default_cache(cache: dict) -> dict:
+    from mlxpaged.config import DEFAULT_CACHE_TOKENS
+
+    return {"cache_tokens": DEFAULT_CACHE_TOKENS, **cache}  # as Engine.from_pretrained defaults it
+
+
+def build_engine(entry: CatalogEntry, settings: EngineSettings):
+    """Load `entry` and build its Engine, warmed up (the first step allocates and compiles). Returns
+    (engine, the sampling defaults its requests get, its cost)."""
+    from mlxpaged.engine.engine import Engine
+    from mlxpaged.loading.loader import load_local
+    from mlxpaged.sampling_params import SamplingParams
+
+    if entry.ref is None:
+        raise ValueError(f"model {entry.name!r} has no reference to load it from")
+    cache, scheduler = split_settings(_with_default_cache(settings.cache))
+    engine = Engine(load_local(entry.ref, entry.path), cache, scheduler)
+    try:
+        defaults = sampling_defaults(engine, settings.generation_config)
+        if settings.warm_up:
+            engine.generate("Hello", SamplingParams(max_tokens=2, temperature=0.0))
+    except BaseException:
+        holder = [engine]
+        del engine
+        release_engine(holder)
+        raise
+    return engine, defaults, engine_cost(engine)
+
+
+def sampling_defaults(engine, mode: str) -> GenerationDefaults:
+    """What requests leaving sampling fields unset get (--generation-config): the model's own, or none."""
+    if mode == "auto":
+        return engine.generation_defaults
+    return GenerationDefaults({}, "--generation-config none")
+
+
+def release_engine(holder: list) -> None:
+    """Stop the engine `holder` holds (its only entry) and give its memory back: the last reference goes (the
+    caller's call frames would keep an engine passed directly alive), then Python's cycles, then MLX's buffer
+    cache (freed buffers MLX keeps for reuse would otherwise still count against the process)."""
+    engine = holder.pop()
+    engine.close()
+    del engine
+    gc.collect()
+    try:
+        import mlx.core as mx
+
+        mx.clear_cache()
+    except Exception:  # memory accounting must never fail an unload
+        pass

@@ -1,0 +1,297 @@
+"""The models a running server holds: loaded on demand, unloaded when idle or to make room, within one memory
+budget for all of them together.
+
+- `get(name)` (what `ServerState.served_model` calls) returns the loaded model, or loads it: the blocking work
+  runs in a worker thread (model_loading.py), never on the event loop. Requests for a model that is loading
+  wait for that one load (at most `load_timeout` seconds, then a 503 saying so) instead of loading it again.
+- Before a load, the model's cost comes from the memory plan without reading a weight. If the budget
+  (--max-memory) cannot hold it next to what is loaded, idle models (no request in flight, not pinned) are
+  unloaded least recently used first; if it still cannot, the request is refused with the numbers (503).
+- A model idle for its keep-alive (--keep-alive, or the last request's `keep_alive`; None: never) is unloaded;
+  pinned models (--pin) never are. Unloading closes the engine and gives its memory back (release_engine).
+- A model that fails to load answers its requests with the reason (500) and changes nothing for the others.
+
+Everything here runs on the event loop's thread (no locks beyond `_room`, which orders loads' evictions).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from mlxpaged.errors import InsufficientMemoryError, MlxpagedError, user_message
+from mlxpaged.units import format_size
+from mlxpaged_app.server.errors import model_load_failed, model_memory_refused, model_still_loading
+from mlxpaged_app.server.model_catalog import CatalogEntry, ModelCatalog, ModelNotServable
+from mlxpaged_app.server.model_loading import release_engine
+from mlxpaged_app.server.served_model import ModelCost, ServedModel, engine_cost
+from mlxpaged_app.server.server_log import log
+
+import anyio
+
+UNSET = object()  # get()'s keep_alive when the request sent none: the model keeps its own
+# A model handed to a route this recently is never unloaded: the route may not have taken its queue slot yet.
+HANDOUT_GRACE_S = 0.5
+
+Estimator = Callable[[CatalogEntry], ModelCost]  # worker thread: the cost before loading (may raise)
+Builder = Callable[[CatalogEntry], tuple]  # worker thread: (engine, sampling defaults, cost)
+Releaser = Callable[[list], None]  # worker thread: closes the one engine in the list and frees its memory
+
+
+@dataclass(frozen=True)
+class RegistryPolicy:
+    budget_bytes: int | None = None  # every model together; None: no budget (one fixed model, tests)
+    keep_alive: float | None = 300.0  # seconds idle before unloading; None: never
+    pins: frozenset[str] = frozenset()  # names of models never unloaded
+    load_timeout: float = 300.0  # how long a request waits for its model to load
+
+
+class ModelRegistry:
+    def __init__(
+        self,
+        catalog: ModelCatalog,
+        config,
+        policy: RegistryPolicy,
+        *,
+        estimate: Estimator | None = None,
+        build: Builder | None = None,
+        release: Releaser = release_engine,
+    ) -> None:
+        self.catalog, self.config, self.policy = catalog, config, policy
+        self._estimate, self._build, self._release = estimate, build, release
+        self.loaded: dict[str, ServedModel] = {}
+        self.default_name: str | None = None  # what a request naming no model gets
+        self._loading: dict[str, asyncio.Task] = {}
+        self._held_aside: dict[str, int] = {}  # bytes of models loading or unloading, counted against the budget
+        self._room = asyncio.Lock()
+        self.loads: Counter = Counter()  # name -> loads done
+        self.unloads: Counter = Counter()
+        self.failures: dict[str, str] = {}  # name -> why its last load failed
+
+    # --- what routes call ----------------------------------------------------------------------------------
+    async def get(self, name: str | None, keep_alive: object = UNSET) -> ServedModel:
+        """The loaded model `name` means (None: the default model), loading it if needed. Raises
+        ModelNotServable for a name the server cannot serve, and APIErrors for a model that cannot fit (503),
+        is still loading at the timeout (503) or failed to load (500)."""
+        served = self.find_loaded(name)
+        if served is None:
+            entry = self._entry(name)
+            served = self.loaded.get(entry.name) or await self._wait_for_load(entry)
+        served.touch()
+        if keep_alive is not UNSET and not served.pinned:
+            served.keep_alive = keep_alive  # type: ignore[assignment]  # Ollama's: the last request's value holds
+        self._schedule_check(served)
+        return served
+
+    def find_loaded(self, name: str | None) -> ServedModel | None:
+        """The loaded model `name` (or an alias of it) means, None when it is not loaded."""
+        if name is None:
+            return self.loaded.get(self.default_name) if self.default_name else None
+        name = self.catalog.aliases.get(name, name)
+        return next((s for s in self.loaded.values() if name in s.model_names), None)
+
+    def loading_names(self) -> list[str]:
+        return list(self._loading)
+
+    def _entry(self, name: str | None) -> CatalogEntry:
+        if name is None:
+            if self.default_name is None:
+                raise ModelNotServable("the request names no model and the server has no default model")
+            name = self.default_name
+        return self.catalog.find(name)
+
+    # --- loading -------------------------------------------------------------------------------------------
+    def add_loaded(self, entry: CatalogEntry, engine, defaults, cost: ModelCost | None = None) -> ServedModel:
+        """A model loaded before serving (the launcher's --model and --pin): the first becomes the default."""
+        config = dataclasses.replace(self.config, sampling_defaults=defaults)
+        served = self._served(entry, engine, config, cost or engine_cost(engine))
+        self.loaded[entry.name] = served
+        self.default_name = self.default_name or entry.name
+        self.loads[entry.name] += 1
+        return served
+
+    def _served(self, entry: CatalogEntry, engine, config, cost: ModelCost) -> ServedModel:
+        pinned = bool(entry.names & self.policy.pins)
+        keep_alive = None if pinned else self.policy.keep_alive
+        return ServedModel(entry, engine, config, cost, keep_alive=keep_alive, pinned=pinned, on_idle=self._on_idle)
+
+    async def _wait_for_load(self, entry: CatalogEntry) -> ServedModel:
+        task = self._loading.get(entry.name)
+        if task is None:
+            task = asyncio.create_task(self._load(entry))  # its own task: a client leaving does not cancel it
+            self._loading[entry.name] = task
+            task.add_done_callback(lambda done: self._load_done(entry.name, done))
+        try:
+            return await asyncio.wait_for(asyncio.shield(task), self.policy.load_timeout)
+        except TimeoutError:
+            raise model_still_loading(entry.name, self.policy.load_timeout) from None
+
+    def _load_done(self, name: str, task: asyncio.Task) -> None:
+        if self._loading.get(name) is task:
+            del self._loading[name]
+        if not task.cancelled():
+            task.exception()  # retrieved: waiters that timed out must not leave it "never retrieved"
+
+    async def _load(self, entry: CatalogEntry) -> ServedModel:
+        if self._build is None or self._estimate is None:
+            raise ModelNotServable(f"this server serves only the models it started with, not {entry.name!r}")
+        cost = await self._run(entry, self._estimate)
+        async with self._room:
+            await self._make_room(entry.name, cost)
+            self._held_aside[entry.name] = cost.total
+        started = time.perf_counter()
+        try:
+            engine, defaults, measured = await self._run(entry, self._build)
+        finally:
+            del self._held_aside[entry.name]
+        config = dataclasses.replace(self.config, sampling_defaults=defaults)
+        served = self._served(entry, engine, config, measured)
+        self.loaded[entry.name] = served
+        self.loads[entry.name] += 1
+        self.failures.pop(entry.name, None)
+        log.info("model %s loaded in %.1f s: %s", entry.name, time.perf_counter() - started, measured.describe())
+        return served
+
+    async def _run(self, entry: CatalogEntry, work: Callable):
+        """`work(entry)` in a worker thread; its failure becomes the answer the waiting requests get."""
+        try:
+            return await anyio.to_thread.run_sync(work, entry)
+        except InsufficientMemoryError as exc:
+            message = f"model {entry.name!r} cannot fit in this machine's memory: {user_message(exc, 'cli')}"
+            self.failures[entry.name] = message
+            raise model_memory_refused(message) from None
+        except Exception as exc:
+            reason = user_message(exc, "cli") if isinstance(exc, MlxpagedError) else f"{type(exc).__name__}: {exc}"
+            self.failures[entry.name] = reason
+            log.warning("model %s failed to load: %s", entry.name, reason)
+            raise model_load_failed(entry.name, reason) from None
+
+    # --- the budget -----------------------------------------------------------------------------------------
+    def held_bytes(self) -> int:
+        """Bytes counted against the budget: loaded models, and those loading or unloading."""
+        return sum(s.cost.total for s in self.loaded.values()) + sum(self._held_aside.values())
+
+    async def _make_room(self, name: str, cost: ModelCost) -> None:
+        budget = self.policy.budget_bytes
+        if budget is None:
+            return
+        if cost.total > budget:
+            raise model_memory_refused(
+                f"model {name!r} needs {cost.describe()}, more than the whole memory budget of "
+                f"{format_size(budget)} (--max-memory)"
+            )
+        while self.held_bytes() + cost.total > budget:
+            victim = self._eviction_candidate()
+            if victim is None:
+                raise model_memory_refused(self._no_room(name, cost, budget))
+            await self.unload(victim, f"to make room for {name}")
+
+    def _eviction_candidate(self) -> ServedModel | None:
+        """The least recently used model that is idle, not pinned, and not just handed to a route."""
+        now = time.monotonic()
+        idle = [
+            s
+            for s in self.loaded.values()
+            if not s.pinned and not s.in_flight and now - s.handed_out >= HANDOUT_GRACE_S
+        ]
+        return min(idle, key=lambda s: s.last_used, default=None)
+
+    def _no_room(self, name: str, cost: ModelCost, budget: int) -> str:
+        held = [f"{s.model_id} {format_size(s.cost.total)} ({_why_kept(s)})" for s in self.loaded.values()]
+        held += [f"{n} {format_size(size)} (loading or unloading)" for n, size in self._held_aside.items()]
+        free = budget - self.held_bytes()
+        return (
+            f"model {name!r} needs {cost.describe()} but only {format_size(max(free, 0))} of the "
+            f"{format_size(budget)} memory budget (--max-memory) is free, and no loaded model can be unloaded: "
+            f"{'; '.join(held)}. Retry once a model is idle, or raise --max-memory"
+        )
+
+    # --- unloading ------------------------------------------------------------------------------------------
+    async def unload(self, served: ServedModel, reason: str) -> None:
+        """Take `served` out of service and free its memory (in a worker thread); its requests must be done."""
+        if self.loaded.get(served.model_id) is served:
+            del self.loaded[served.model_id]
+        if served.unloaded:
+            return
+        key = f"{served.model_id} (unloading)"
+        self._held_aside[key] = served.cost.total
+        holder = [served.release()]
+        try:
+            await anyio.to_thread.run_sync(self._release, holder)
+        finally:
+            del self._held_aside[key]
+        self.unloads[served.model_id] += 1
+        log.info("model %s unloaded %s (%s freed)", served.model_id, reason, format_size(served.cost.total))
+
+    def _on_idle(self, served: ServedModel) -> None:
+        """The model's last request just ended: its keep-alive starts now."""
+        served.last_used = time.monotonic()
+        self._schedule_check(served)
+
+    def _schedule_check(self, served: ServedModel) -> None:
+        if served.pinned or served.keep_alive is None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # before the server runs (startup): start() schedules it
+            return
+        loop.call_later(max(self._due(served) - time.monotonic(), 0.0), self._idle_check, served)
+
+    def _due(self, served: ServedModel) -> float:
+        return max(served.last_used + (served.keep_alive or 0.0), served.handed_out + HANDOUT_GRACE_S)
+
+    def _idle_check(self, served: ServedModel) -> None:
+        if self.loaded.get(served.model_id) is not served or served.pinned or served.keep_alive is None:
+            return
+        if served.in_flight:
+            return  # its last request's end schedules the next check
+        if time.monotonic() < self._due(served) - 1e-3:
+            self._schedule_check(served)  # used again since this check was scheduled
+            return
+        task = asyncio.get_running_loop().create_task(self.unload(served, f"after {served.keep_alive:g} s idle"))
+        task.add_done_callback(_log_failure)
+
+    def start(self) -> None:
+        """On the event loop, once serving: idle timers for the models loaded before it ran."""
+        for served in self.loaded.values():
+            self._schedule_check(served)
+
+    def close(self) -> None:
+        """At shutdown (the event loop has stopped): close every engine."""
+        for served in list(self.loaded.values()):
+            self._release([served.release()])
+        self.loaded.clear()
+
+    def abort_all(self) -> None:
+        for served in self.loaded.values():
+            served.abort_all()
+
+
+def _why_kept(served: ServedModel) -> str:
+    if served.pinned:
+        return "pinned"
+    if served.in_flight:
+        return f"{served.in_flight} requests in flight"
+    return "just used"
+
+
+def _log_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("unloading a model failed: %r", task.exception())
+
+
+def single_model_registry(engine, config) -> ModelRegistry:
+    """A registry serving one engine already loaded, under its name, its directory's and config.model_aliases;
+    it loads and unloads nothing (create_app over an Engine: the caller owns the engine)."""
+    name = engine.loaded.name
+    catalog = ModelCatalog(dict.fromkeys(config.model_aliases, name), use_store=False)
+    path = getattr(engine.loaded, "path", None)
+    entry = catalog.add_given(name, getattr(engine.loaded, "ref", None), path if path is not None else Path(name))
+    registry = ModelRegistry(catalog, config, RegistryPolicy(keep_alive=None), release=lambda holder: holder.clear())
+    registry.add_loaded(entry, engine, config.sampling_defaults)
+    return registry
