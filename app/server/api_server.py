@@ -141,12 +141,24 @@ async def health(request: Request) -> Response:
         "model": registry.default_name,
         "requests_in_flight": sum(m["requests_in_flight"] for m in models.values()),
         **{key: sum(m[key] for m in models.values()) for key in ENGINE_HEALTH},
-        "memory": {"budget_bytes": registry.policy.budget_bytes, "held_bytes": registry.held_bytes()},
+        "memory": {
+            "budget_bytes": registry.policy.budget_bytes,
+            "held_bytes": registry.held_bytes(),
+            **process_memory(),
+        },
         "models": models,
         "loading": sorted(registry.loading_names()),
         "failed": dict(registry.failures),
     }
     return JSONResponse(body, status_code=503 if state.draining else 200)
+
+
+def process_memory() -> dict:
+    """What the process holds now: its resident set (psutil) and the bytes of MLX arrays alive (on every backend)."""
+    import mlx.core as mx
+    import psutil
+
+    return {"process_resident_bytes": psutil.Process().memory_info().rss, "mlx_active_bytes": mx.get_active_memory()}
 
 
 ENGINE_HEALTH = ("requests_running", "requests_waiting", "blocks_used", "blocks_free", "blocks_total")

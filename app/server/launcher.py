@@ -75,9 +75,10 @@ def build_registry(args: argparse.Namespace, config):
 def _given(catalog, name: str | None):
     """A model named on the command line, provisioned now (as `mlxpaged pull` would) and added to the catalog."""
     from mlxpaged.loading.loader import locate_model
+    from mlxpaged_app.server.model_catalog import canonical_name
 
     ref, path = locate_model(name)
-    return catalog.add_given(ref.name, ref, path, ref.preset.description if ref.preset else "")
+    return catalog.add_given(canonical_name(ref, path), ref, path, ref.preset.description if ref.preset else "")
 
 
 def _preload(registry, entry, settings) -> None:

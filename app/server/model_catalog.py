@@ -36,6 +36,14 @@ class CatalogEntry:
         return self.aliases | {self.name}
 
 
+def canonical_name(ref: ModelRef, path: Path) -> str:
+    """What replies and listings call a model: a preset's name, a store directory's base name (what a request
+    names it by), else the name it was given (a repo id, a directory's path)."""
+    if ref.preset is None and ref.source == "path" and _in_store(path):
+        return path.name
+    return ref.name
+
+
 def _names_of(name: str, path: Path) -> frozenset[str]:
     """The names a model answers to besides its own: its directory's path and base name."""
     return frozenset({str(path), path.name, name})
@@ -83,7 +91,8 @@ class ModelCatalog:
                 "(the server never downloads on a request)"
             )
         description = ref.preset.description if ref.preset else ("local model directory" if ref.path else ref.source)
-        return CatalogEntry(ref.name, ref, path, _names_of(ref.name, path), description)
+        name = canonical_name(ref, path)
+        return CatalogEntry(name, ref, path, _names_of(name, path) | {ref.name}, description)
 
     def servable(self) -> list[CatalogEntry]:
         """Every model a request may name now (what /v1/models lists), the command line's first."""

@@ -226,7 +226,9 @@ class ModelRegistry:
         finally:
             del self._held_aside[key]
         self.unloads[served.model_id] += 1
-        log.info("model %s unloaded %s (%s freed)", served.model_id, reason, format_size(served.cost.total))
+        log.info(
+            "model %s unloaded %s (%s of the budget back)", served.model_id, reason, format_size(served.cost.total)
+        )
 
     def _on_idle(self, served: ServedModel) -> None:
         """The model's last request just ended: its keep-alive starts now."""
