@@ -278,7 +278,7 @@ def _why_kept(served: ServedModel) -> str:
     if served.pinned:
         return "pinned"
     if served.in_flight:
-        return f"{served.in_flight} requests in flight"
+        return f"{served.in_flight} request{'s' if served.in_flight > 1 else ''} in flight"
     return "just used"
 
 
