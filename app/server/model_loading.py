@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from mlxpaged.config import split_settings
 from mlxpaged.loading.generation_defaults import GenerationDefaults
+from mlxpaged.platform.malloc import return_freed_memory
 from mlxpaged_app.server.model_catalog import CatalogEntry
 from mlxpaged_app.server.served_model import ModelCost, engine_cost
 
@@ -78,8 +79,9 @@ def sampling_defaults(engine, mode: str) -> GenerationDefaults:
 
 def release_engine(holder: list) -> None:
     """Stop the engine `holder` holds (its only entry) and give its memory back: the last reference goes (the
-    caller's call frames would keep an engine passed directly alive), then Python's cycles, then MLX's buffer
-    cache (freed buffers MLX keeps for reuse would otherwise still count against the process)."""
+        caller's call frames would keep an engine passed directly alive), then Python's cycles, then MLX's buffer
+        cache (freed buffers MLX keeps for reuse would otherwise still count against the process), then the C heap's
+    free pages."""
     engine = holder.pop()
     engine.close()
     del engine
@@ -90,3 +92,4 @@ def release_engine(holder: list) -> None:
         mx.clear_cache()
     except Exception:  # memory accounting must never fail an unload
         pass
+    return_freed_memory()  # the CPU heap keeps freed blocks for reuse (platform/malloc.py): give them back

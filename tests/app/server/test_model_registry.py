@@ -238,7 +238,7 @@ def test_catalog_serves_the_store_and_the_command_line_only(tmp_path, monkeypatc
     with pytest.raises(ModelNotServable, match="not in the model store"):
         catalog.find(str(outside))
     with pytest.raises(ModelNotServable, match="mlxpaged pull"):
-        catalog.find("qwen3-0.6b")  # a hub preset never downloaded here 
+        catalog.find("qwen3-0.6b")  # a hub preset never downloaded here
     with pytest.raises(ModelNotServable, match="unknown model"):
         catalog.find("no such model")
     given = catalog.add_given(str(outside), None, outside)
