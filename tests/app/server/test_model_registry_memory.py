@@ -11,12 +11,11 @@ from mlxpaged_app.server.model_catalog import ModelCatalog
 from mlxpaged_app.server.model_loading import EngineSettings, build_engine, estimate_cost
 from mlxpaged_app.server.model_registry import ModelRegistry, RegistryPolicy
 from mlxpaged_app.server.state import ServerConfig
+from tests.tiny_models import write_tiny_llama_dir
 
 import mlx.core as mx
 import psutil
 import pytest
-
-from tests.tiny_models import write_tiny_llama_dir
 
 SETTINGS = EngineSettings({"cache_tokens": 512, "max_batch_tokens": 128, "max_num_seqs": 2}, "none", warm_up=True)
 

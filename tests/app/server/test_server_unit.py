@@ -401,8 +401,8 @@ async def test_metrics_text_format():
     assert f"mlxpaged_spec_draft_tokens_total{{{model}}} 40" in text
     assert f"mlxpaged_model_loaded{{{model}}} 1" in text
     assert (
-        f'mlxpaged_attention_path{{{model},path="kernel (with reference fallback)",reason="self-check failed: \\"x\\""}} 1'
-        in text
+        f'mlxpaged_attention_path{{{model},path="kernel (with reference fallback)",'
+        'reason="self-check failed: \\"x\\""} 1' in text
     )
     assert (
         f'mlxpaged_kernel_self_check_passed{{{model},variant="float16 D=64 BS=16 G=3 two-pass",'
