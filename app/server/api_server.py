@@ -148,6 +148,7 @@ async def health(request: Request) -> Response:
         },
         "models": models,
         "loading": sorted(registry.loading_names()),
+        "unloading": sorted(registry.unloading_names()),
         "failed": dict(registry.failures),
     }
     return JSONResponse(body, status_code=503 if state.draining else 200)

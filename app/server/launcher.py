@@ -75,8 +75,14 @@ def build_registry(args: argparse.Namespace, config):
 def _given(catalog, name: str | None):
     """A model named on the command line, provisioned now (as `mlxpaged pull` would) and added to the catalog."""
     from mlxpaged.loading.loader import locate_model
-    from mlxpaged_app.server.model_catalog import canonical_name
+    from mlxpaged_app.server.model_catalog import ModelNotServable, canonical_name
 
+    if name is not None:
+        try:
+            found = catalog.find(name)  # already here: a store directory by its base name too
+            return catalog.add_given(found.name, found.ref, found.path, found.description)
+        except ModelNotServable:
+            pass  # not here yet, or a directory outside the store: provision it as `mlxpaged pull` would
     ref, path = locate_model(name)
     return catalog.add_given(canonical_name(ref, path), ref, path, ref.preset.description if ref.preset else "")
 

@@ -67,7 +67,9 @@ class ModelRegistry:
         self.loaded: dict[str, ServedModel] = {}
         self.default_name: str | None = None  # what a request naming no model gets
         self._loading: dict[str, asyncio.Task] = {}
-        self._held_aside: dict[str, int] = {}  # bytes of models loading or unloading, counted against the budget
+        # Bytes of models loading or unloading (by name), counted against the budget until their memory is back.
+        self._loading_bytes: dict[str, int] = {}
+        self._unloading_bytes: dict[str, int] = {}
         self._room = asyncio.Lock()
         self.loads: Counter = Counter()  # name -> loads done
         self.unloads: Counter = Counter()
@@ -97,6 +99,10 @@ class ModelRegistry:
 
     def loading_names(self) -> list[str]:
         return list(self._loading)
+
+    def unloading_names(self) -> list[str]:
+        """Models out of service whose memory is not back yet."""
+        return list(self._unloading_bytes)
 
     def _entry(self, name: str | None) -> CatalogEntry:
         if name is None:
@@ -143,12 +149,12 @@ class ModelRegistry:
         cost = await self._run(entry, self._estimate)
         async with self._room:
             await self._make_room(entry.name, cost)
-            self._held_aside[entry.name] = cost.total
+            self._loading_bytes[entry.name] = cost.total
         started = time.perf_counter()
         try:
             engine, defaults, measured = await self._run(entry, self._build)
         finally:
-            del self._held_aside[entry.name]
+            del self._loading_bytes[entry.name]
         config = dataclasses.replace(self.config, sampling_defaults=defaults)
         served = self._served(entry, engine, config, measured)
         self.loaded[entry.name] = served
@@ -174,7 +180,8 @@ class ModelRegistry:
     # --- the budget -----------------------------------------------------------------------------------------
     def held_bytes(self) -> int:
         """Bytes counted against the budget: loaded models, and those loading or unloading."""
-        return sum(s.cost.total for s in self.loaded.values()) + sum(self._held_aside.values())
+        aside = sum(self._loading_bytes.values()) + sum(self._unloading_bytes.values())
+        return sum(s.cost.total for s in self.loaded.values()) + aside
 
     async def _make_room(self, name: str, cost: ModelCost) -> None:
         budget = self.policy.budget_bytes
@@ -203,7 +210,8 @@ class ModelRegistry:
 
     def _no_room(self, name: str, cost: ModelCost, budget: int) -> str:
         held = [f"{s.model_id} {format_size(s.cost.total)} ({_why_kept(s)})" for s in self.loaded.values()]
-        held += [f"{n} {format_size(size)} (loading or unloading)" for n, size in self._held_aside.items()]
+        held += [f"{n} {format_size(size)} (loading)" for n, size in self._loading_bytes.items()]
+        held += [f"{n} {format_size(size)} (unloading)" for n, size in self._unloading_bytes.items()]
         free = budget - self.held_bytes()
         return (
             f"model {name!r} needs {cost.describe()} but only {format_size(max(free, 0))} of the "
@@ -218,13 +226,12 @@ class ModelRegistry:
             del self.loaded[served.model_id]
         if served.unloaded:
             return
-        key = f"{served.model_id} (unloading)"
-        self._held_aside[key] = served.cost.total
+        self._unloading_bytes[served.model_id] = served.cost.total
         holder = [served.release()]
         try:
             await anyio.to_thread.run_sync(self._release, holder)
         finally:
-            del self._held_aside[key]
+            del self._unloading_bytes[served.model_id]
         self.unloads[served.model_id] += 1
         log.info(
             "model %s unloaded %s (%s of the budget back)", served.model_id, reason, format_size(served.cost.total)

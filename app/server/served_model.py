@@ -153,6 +153,7 @@ class ServedModel:
         return {
             "loaded": True,
             "memory_bytes": self.cost.total,
+            "weights_bytes": self.cost.weights,
             "memory": self.cost.describe(),
             "requests_in_flight": self.in_flight,
             "pinned": self.pinned,
