@@ -30,6 +30,7 @@ class CatalogEntry:
     path: Path
     aliases: frozenset[str] = field(default_factory=frozenset)
     description: str = ""
+    kind: str = "generate"  # what serves it (model_registry.SERVED_KINDS); "embed" is the seam for embedders
 
     @property
     def names(self) -> frozenset[str]:

@@ -37,6 +37,11 @@ import anyio
 UNSET = object()  # get()'s keep_alive when the request sent none: the model keeps its own
 # A model handed to a route this recently is never unloaded: the route may not have taken its queue slot yet.
 HANDOUT_GRACE_S = 0.5
+UNLOAD_POLL_S = 0.05
+# What wraps each kind of model the catalog names (CatalogEntry.kind) for routes. An embedding model will be
+# kind "embed": its build hook returns an Embedder, wrapped by a ServedEmbedder with ServedModel's registry-facing
+# attributes (model_id, model_names, cost, admission, keep_alive, pinned, last_used, handed_out, release()).
+SERVED_KINDS: dict[str, type] = {"generate": ServedModel}
 
 Estimator = Callable[[CatalogEntry], ModelCost]  # worker thread: the cost before loading (may raise)
 Builder = Callable[[CatalogEntry], tuple]  # worker thread: (engine, sampling defaults, cost)
@@ -124,7 +129,8 @@ class ModelRegistry:
     def _served(self, entry: CatalogEntry, engine, config, cost: ModelCost) -> ServedModel:
         pinned = bool(entry.names & self.policy.pins)
         keep_alive = None if pinned else self.policy.keep_alive
-        return ServedModel(entry, engine, config, cost, keep_alive=keep_alive, pinned=pinned, on_idle=self._on_idle)
+        served = SERVED_KINDS[entry.kind]
+        return served(entry, engine, config, cost, keep_alive=keep_alive, pinned=pinned, on_idle=self._on_idle)
 
     async def _wait_for_load(self, entry: CatalogEntry) -> ServedModel:
         task = self._loading.get(entry.name)
@@ -194,9 +200,12 @@ class ModelRegistry:
             )
         while self.held_bytes() + cost.total > budget:
             victim = self._eviction_candidate()
-            if victim is None:
+            if victim is not None:
+                await self.unload(victim, f"to make room for {name}")
+            elif self._unloading_bytes:  # memory on its way back (an idle unload): wait for it, do not refuse
+                await asyncio.sleep(UNLOAD_POLL_S)
+            else:
                 raise model_memory_refused(self._no_room(name, cost, budget))
-            await self.unload(victim, f"to make room for {name}")
 
     def _eviction_candidate(self) -> ServedModel | None:
         """The least recently used model that is idle, not pinned, and not just handed to a route."""

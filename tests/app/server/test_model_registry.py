@@ -243,3 +243,30 @@ def test_catalog_serves_the_store_and_the_command_line_only(tmp_path, monkeypatc
     given = catalog.add_given(str(outside), None, outside)
     assert catalog.find("elsewhere") is given and catalog.find(str(outside)) is given
     assert "tiny" in [e.name for e in catalog.servable()]
+
+
+@pytest.mark.asyncio
+async def test_a_load_waits_for_memory_still_being_unloaded_instead_of_refusing():
+    loads = Loads({"a": 60, "b": 60})
+    slow_release = threading.Event()
+    plain_release = loads.release
+
+    def release(holder: list) -> None:
+        slow_release.wait(10)
+        plain_release(holder)
+
+    loads.release = release
+    registry = registry_for(loads, budget_mb=100)
+    registry._release = release
+    a = await registry.get("a")
+    idle_past_grace(registry)
+    unloading = asyncio.create_task(registry.unload(a, "idle"))
+    await asyncio.sleep(0.05)
+    assert registry.unloading_names() == ["a"]
+    loading = asyncio.create_task(registry.get("b"))
+    await asyncio.sleep(0.2)
+    assert not loading.done()  # a's 60 MB are not back yet: b waits rather than being refused
+    slow_release.set()
+    assert (await loading).model_id == "b"
+    await unloading
+    assert loads.released == ["a"] and list(registry.loaded) == ["b"]
