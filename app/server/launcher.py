@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import signal
 import socket
@@ -102,6 +103,13 @@ def _preload(registry, entry, settings) -> None:
     say(engine.plan.describe())
     say(f"mlxpaged serve: sampling defaults: {defaults.describe()}")
     registry.add_loaded(entry, engine, defaults, cost)
+
+
+def with_sampling_defaults(config, engine, mode: str):
+    """`config` with the defaults requests to `engine` get (--generation-config): the model's, or none."""
+    from mlxpaged_app.server.model_loading import sampling_defaults
+
+    return dataclasses.replace(config, sampling_defaults=sampling_defaults(engine, mode))
 
 
 def memory_budget(text: str | None) -> int:
