@@ -258,12 +258,15 @@ class ModelRegistry:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # before the server runs (startup): start() schedules it
             return
-        loop.call_later(max(self._due(served) - time.monotonic(), 0.0), self._idle_check, served)
+        if served.idle_timer is not None:
+            served.idle_timer.cancel()  # one pending check per model, however many requests it had
+        served.idle_timer = loop.call_later(max(self._due(served) - time.monotonic(), 0.0), self._idle_check, served)
 
     def _due(self, served: ServedModel) -> float:
         return max(served.last_used + (served.keep_alive or 0.0), served.handed_out + HANDOUT_GRACE_S)
 
     def _idle_check(self, served: ServedModel) -> None:
+        served.idle_timer = None
         if self.loaded.get(served.model_id) is not served or served.pinned or served.keep_alive is None:
             return
         if served.in_flight:

@@ -13,6 +13,7 @@ place of the Engine (and the same admission, metrics and memory accounting); rou
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -97,11 +98,12 @@ class ServedModel:
         self.admission = Admission(engine.scheduler_config.max_num_seqs, config.max_queue, on_idle=notify)
         self.token_text = TokenText(engine.tokenizer)
         self.model_id = entry.name
-        self.model_names = entry.names | set(config.model_aliases if pinned else ())
+        self.model_names = entry.names  # aliases (catalog.aliases) are mapped to a name before the lookup
         self.created = int(time.time())
         self.loaded_at = self.last_used = self.handed_out = time.monotonic()
         self.active: set[Generation] = set()  # for abort_all at the end of a shutdown's drain
         self.unloaded = False
+        self.idle_timer: asyncio.TimerHandle | None = None  # the registry's next keep-alive check
 
     @property
     def engine(self):

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from mlxpaged.loading.generation_defaults import NO_DEFAULTS, GenerationDefaults
-from mlxpaged_app.server.errors import APIError, model_not_found, unavailable
+from mlxpaged_app.server.errors import model_not_found, unavailable
 from mlxpaged_app.server.metrics import ServerMetrics
 from mlxpaged_app.server.model_catalog import ModelNotServable
 from mlxpaged_app.server.model_registry import UNSET, ModelRegistry
@@ -23,6 +23,8 @@ from mlxpaged_app.server.served_model import (  # noqa: F401  (re-exported: thei
     ServedModel,
     fit_tokenizer_to_context,
 )
+
+import anyio
 
 
 @dataclass(frozen=True)
@@ -59,12 +61,10 @@ class ServerState:
         try:
             return await self.registry.get(name, keep_alive)
         except ModelNotServable as exc:
-            raise self._not_found(name, str(exc)) from None
-
-    def _not_found(self, name: str | None, why: str) -> APIError:
-        error = model_not_found(name or "(none)", self.registry.catalog.names_served())
-        error.message = f"{error.message}. {why}"
-        return error
+            served = await anyio.to_thread.run_sync(self.registry.catalog.names_served)  # reads the store
+            error = model_not_found(name or "(none)", served)
+            error.message = f"{error.message}. {exc}"
+            raise error from None
 
     def abort_all(self) -> None:
         """Withdraw every in-flight generation of every model: each ends now with finish_reason "abort"."""
