@@ -126,7 +126,7 @@ def test_idle_model_unloaded_after_its_keep_alive_gives_memory_back(server, clie
         f"{held['mlx_active_bytes']:,} -> {after['mlx_active_bytes']:,} B, RSS {held['process_resident_bytes']:,} -> "
         f"{after['process_resident_bytes']:,} B (noisy); weights {weights:,} B"
     )
-    assert waited > 1.0 and held["held_bytes"] - after["held_bytes"] >= weights
+    assert held["held_bytes"] - after["held_bytes"] >= weights  # it was loaded after its reply (weights read)
     assert held["mlx_active_bytes"] - after["mlx_active_bytes"] >= weights
     assert held["process_resident_bytes"] - after["process_resident_bytes"] >= weights // 2
     assert greedy(client, "tiny-b").model == "tiny-b"  # and it loads again on the next request
