@@ -270,3 +270,29 @@ async def test_a_load_waits_for_memory_still_being_unloaded_instead_of_refusing(
     assert (await loading).model_id == "b"
     await unloading
     assert loads.released == ["a"] and list(registry.loaded) == ["b"]
+
+
+def fake_hub_cache(root: Path, repo: str) -> Path:
+    """huggingface_hub's cache layout for one downloaded repo: a blob, a snapshot linking to it, refs/main."""
+    folder = root / f"models--{repo.replace('/', '--')}"
+    (folder / "blobs").mkdir(parents=True)
+    (folder / "blobs" / "c0ffee").write_text("{}")
+    snapshot = folder / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").symlink_to(folder / "blobs" / "c0ffee")
+    (folder / "refs").mkdir()
+    (folder / "refs" / "main").write_text("abc123")
+    return snapshot
+
+
+def test_a_downloaded_hub_repo_is_listed_and_servable(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLXPAGED_MODELS_DIR", str(tmp_path / "store"))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
+    snapshot = fake_hub_cache(tmp_path / "hub", "someone/tiny-chat")
+    from mlxpaged.loading.model_store import list_models
+
+    rows = {row.name: row for row in list_models("float32")}
+    assert rows["someone/tiny-chat"].path == snapshot and rows["someone/tiny-chat"].source == "hub"
+    entry = ModelCatalog().find("someone/tiny-chat")
+    assert entry.name == "someone/tiny-chat" and entry.path == snapshot
+    assert "someone/tiny-chat" in [e.name for e in ModelCatalog().servable()]
