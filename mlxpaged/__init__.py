@@ -16,6 +16,8 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "Engine": "mlxpaged.engine.engine",
+    "Embedder": "mlxpaged.embedding.embedder",
+    "EmbeddingResult": "mlxpaged.embedding.embedder",
     "Completion": "mlxpaged.outputs",
     "StreamDelta": "mlxpaged.outputs",
     "RequestFailedError": "mlxpaged.errors",

@@ -132,3 +132,27 @@ class EngineClosedError(MlxpagedError, RuntimeError):
 
 class RequestFailedError(MlxpagedError, RuntimeError):
     """A request failed inside the engine (for example its logits processor raised); the others go on."""
+
+
+# ---- embeddings (mlxpaged/embedding/) --------------------------------------------------------------
+
+
+class NotAnEmbeddingModelError(ModelError):
+    """A model asked for embeddings that is not an embedding model (embedding/model_files.py says why)."""
+
+
+class EmbeddingInputError(MlxpagedError, ValueError):
+    """An embedding request the model cannot take: no input, an empty input, a token id out of the vocabulary,
+    `dimensions` out of range. `param` names the field ("input" or "dimensions")."""
+
+
+class InputTooLongError(EmbeddingInputError):
+    """One input has more tokens than the embedding model's context (and truncation was not asked for)."""
+
+    def __init__(self, index: int, tokens: int, limit: int) -> None:
+        super().__init__(
+            f"input {index} has {tokens} tokens, more than the model's context of {limit} tokens; "
+            "shorten it or ask for truncation",
+            param="input",
+        )
+        self.index, self.tokens, self.limit = index, tokens, limit

@@ -12,6 +12,7 @@ by a `Fuse` decoder), so pieces may hold spaces and markers. The chat template m
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -71,7 +72,7 @@ def _tokenizer(vocab: list[str], pieces: list[str]) -> Tokenizer:
 
 def _weights(vocab: list[str], script: list[str]) -> dict[str, mx.array]:
     index = {p: i for i, p in enumerate(vocab)}
-    successor = {index[a]: index[b] for a, b in zip(script, script[1:])}
+    successor = {index[a]: index[b] for a, b in itertools.pairwise(script)}
     successor[index[script[-1]]] = index["<|im_end|>"]
     lm_head = mx.zeros((HIDDEN, HIDDEN))
     for token in range(HIDDEN):

@@ -169,8 +169,8 @@ def test_markers_that_are_special_tokens_are_matched_as_those_tokens(tokenizer, 
     assert accepts(required, [begin, *good, end])
     assert not accepts(required, spelled("<|im_start|>") + good + spelled("<file_sep>"))
     lazy = compiler.compile(tagged_json_grammar("<|im_start|>", "<file_sep>", CALL, lazy=True))
-    assert accepts(lazy, ids(tokenizer, "Text, ") + [begin, *good, end] + ids(tokenizer, " more text"))
-    assert not accepts(lazy, ids(tokenizer, "Text, ") + [begin, *bad, end])
+    assert accepts(lazy, [*ids(tokenizer, "Text, "), begin, *good, end, *ids(tokenizer, " more text")])
+    assert not accepts(lazy, [*ids(tokenizer, "Text, "), begin, *bad, end])
     assert compiler.marker_pieces("<|im_start|>\nx") == [begin, "\nx"]
 
 
@@ -287,7 +287,7 @@ def decode_steps(model, requests: list[Request], states: list, steps: int, check
             break
         logits = mx.concatenate([model(mx.array([requests[i].all_token_ids]))[:, -1] for i in live])
         step = sample_batch(logits, [states[i] for i in live])
-        for i, result in zip(live, step):
+        for i, result in zip(live, step, strict=True):
             if check:
                 check(i, result)
             if result.error is None:
@@ -303,7 +303,8 @@ def test_constrained_rows_sample_allowed_tokens_and_valid_json(tokenizer, compil
     constraints = [compiler.compile(json_schema_grammar(s)) for s in schemas]
     requests = [Request("a", [1, 2, 3], 80), Request("b", [7, 8, 9, 10, 11], 80), Request("c", [4, 5], 80)]
     params = [SamplingParams(constraint=c, seed=i, temperature=1.5) for i, c in enumerate(constraints)]
-    states = [make_state(p, r) for p, r in zip(params, requests)] + [make_state(SamplingParams(seed=9), requests[2])]
+    constrained = [make_state(p, r) for p, r in zip(params, requests[:2], strict=True)]
+    states = [*constrained, make_state(SamplingParams(seed=9), requests[2])]
     checkers = [c.new_row() for c in constraints]
     bitmask = llg_numpy.allocate_token_bitmask(1, VOCAB)
 
@@ -315,7 +316,7 @@ def test_constrained_rows_sample_allowed_tokens_and_valid_json(tokenizer, compil
             assert result.token in allowed_tokens(bitmask[0], VOCAB)
 
     decode_steps(tiny, requests, states, 80, check)
-    for request, schema in zip(requests, schemas):
+    for request, schema in zip(requests[:2], schemas, strict=True):  # the third, unconstrained, is checked below
         assert request.output_token_ids[-1] == 2  # EOS, allowed once the object was complete
         jsonschema.validate(json.loads(tokenizer.decode(request.output_token_ids[:-1])), schema)
     alone = Request("c", [4, 5], 80)
@@ -323,12 +324,16 @@ def test_constrained_rows_sample_allowed_tokens_and_valid_json(tokenizer, compil
     assert alone.output_token_ids == requests[2].output_token_ids
 
 
+def only_token_0(tokens, row: mx.array) -> mx.array:
+    """A logits processor that masks every token but 0: under a grammar that does not allow 0, nothing is left."""
+    return mx.where(mx.arange(row.shape[-1]) == 0, row, -mx.inf)
+
+
 def test_a_dead_end_fails_only_its_row(tokenizer, compiler, tiny):
     constraint = compiler.compile(json_schema_grammar(PERSON))
     off_grammar = Request("a", [1, 2], 20, output_token_ids=ids(tokenizer, "hello"))  # resumed with bad history
     masked = Request("b", [1, 2], 20)
     free = Request("c", [3, 4], 20)
-    only_token_0 = lambda tokens, row: mx.where(mx.arange(row.shape[-1]) == 0, row, -mx.inf)
     states = [
         make_state(SamplingParams(constraint=constraint, seed=1), off_grammar),
         make_state(SamplingParams(constraint=constraint, seed=2, logits_processors=[only_token_0]), masked),
@@ -373,7 +378,7 @@ def test_engine_constrained_requests_match_their_solo_runs_batched_forked_and_pr
     params = [SamplingParams(constraint=constraint, seed=s, temperature=1.0, max_tokens=70) for s in range(4)]
     params[1] = dataclasses.replace(params[1], n=2)
     params[3] = SamplingParams(seed=3, max_tokens=37)  # an unconstrained neighbour of another length
-    alone = [engine.generate([p], q) for p, q in zip(prompts, params)]
+    alone = [engine.generate([p], q) for p, q in zip(prompts, params, strict=True)]
     batched = [[c] for c in engine.generate(prompts, params)]
     batched[1:3] = [batched[1] + batched[2]]  # the two sequences of the n = 2 request
     assert [[c.token_ids for c in run] for run in batched] == [[c.token_ids for c in run] for run in alone]
@@ -402,7 +407,6 @@ def test_engine_structure_cut_by_max_tokens_finishes_length_and_stop_strings_sti
 
 def test_engine_dead_end_fails_only_that_request(engine):
     constraint = engine.grammar_compiler.compile(json_object_grammar())
-    only_token_0 = lambda tokens, row: mx.where(mx.arange(row.shape[-1]) == 0, row, -mx.inf)
     doomed = SamplingParams(constraint=constraint, logits_processors=[only_token_0], max_tokens=8)
     sinks = [queue.Queue(), queue.Queue()]
     engine.submit(random_tokens(6), doomed, sinks[0].put)
@@ -446,7 +450,7 @@ def test_grammar_compiler_is_built_once_and_refuses_tokenizers_it_cannot_read(en
     assert engine.grammar_compiler.vocab_size == VOCAB
 
     class SlowTokenizer:  # a Python-only tokenizer: no `tokenizers` backend to hand llguidance
-        eos_token_ids = {2}
+        eos_token_ids = frozenset({2})
 
     with pytest.raises(GrammarError, match="needs a Hugging Face fast tokenizer"):
         GrammarCompiler(SlowTokenizer(), VOCAB)

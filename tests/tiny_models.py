@@ -100,7 +100,7 @@ def shuffled_blocks(num_blocks: int, seed: int = 0) -> list[int]:
 
 def grow_tables(kv_cache, tables: list[list[int]], free: list[int], num_tokens: int) -> None:
     """Append blocks from `free` until each group's table covers `num_tokens` tokens."""
-    for spec, table in zip(kv_cache.specs, tables):
+    for spec, table in zip(kv_cache.specs, tables, strict=True):
         while len(table) < spec.blocks_needed(num_tokens):
             table.append(free.pop())
 

@@ -8,6 +8,7 @@ so a batch with one constrained row loses pipelining: the `16, 1 json` row shows
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from argparse import Namespace
@@ -62,7 +63,7 @@ def step_gaps(engine, prompt: list[int], constraints: list, tokens: int) -> list
             stamps.append(stamp)
             if event.finish_reason is not None:
                 break
-        gaps += [b - a for a, b in zip(stamps, stamps[1:])]
+        gaps += [b - a for a, b in itertools.pairwise(stamps)]
     return gaps
 
 

@@ -17,11 +17,12 @@ DECODE_PROMPT = "Write a long story about a lighthouse keeper who finds a messag
 def time_mlx_lm(loaded, prompt: list[int], tokens: int) -> tuple[float, float]:
     """(time to first token, decode tok/s) of mlx-lm's stream_generate, greedy, EOS ignored."""
     start = time.perf_counter()
-    first = None
-    for n, _ in enumerate(baseline_stream(loaded, prompt, max_tokens=tokens, ignore_eos=True), 1):
+    first, produced = None, 0
+    for _ in baseline_stream(loaded, prompt, max_tokens=tokens, ignore_eos=True):
+        produced += 1
         if first is None:
             first = time.perf_counter()
-    return first - start, (n - 1) / (time.perf_counter() - first)
+    return first - start, (produced - 1) / (time.perf_counter() - first)
 
 
 def time_engine(engine, prompt: list[int], tokens: int) -> tuple[float, float]:
@@ -68,7 +69,7 @@ def bench_decode(args: Namespace) -> int:
     engine.close()
     mr, mo = statistics.median(ref), statistics.median(ours)
     print(f"median decode: mlx-lm {mr:.1f} tok/s, mlxpaged {mo:.1f} tok/s, ratio {mo / mr:.2f}x")
-    paired = [o / r for o, r in zip(ours, ref)]  # back-to-back runs share the machine's load
+    paired = [o / r for o, r in zip(ours, ref, strict=True)]  # back-to-back runs share the machine's load
     print(
         f"paired runs: mlxpaged faster in {sum(p > 1 for p in paired)} of {len(paired)}, "
         f"median per-run ratio {statistics.median(paired):.2f}x"

@@ -12,25 +12,20 @@ COMMIT_ENV = "MLXPAGED_COMMIT"  # for checkouts copied without .git (the GPU kit
 
 def git_commit() -> str:
     """The checkout's commit (with "+dirty" when tracked files changed), else $MLXPAGED_COMMIT, else a reason."""
-    root = Path(__file__).resolve().parents[2]
     try:
-        head = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
+        head = _git("rev-parse", "--short=12", "HEAD")
+        dirty = _git("status", "--porcelain", "--untracked-files=no")
         return head + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return os.environ.get(COMMIT_ENV) or f"unknown (no git checkout here; set {COMMIT_ENV})"
+
+
+def _git(*args: str) -> str:
+    """git's output, stripped, run in this checkout; raises when git is missing or fails."""
+    root = Path(__file__).resolve().parents[2]
+    return subprocess.run(
+        ["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10, check=True
+    ).stdout.strip()
 
 
 def environment_lines() -> list[str]:
@@ -84,6 +79,7 @@ def summary_table(rows: list[SummaryRow]) -> str:
     cells = [header] + [(r.what, r.mlx_lm, r.mlxpaged, r.ratio_text, r.target, r.verdict) for r in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
     lines = [
-        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in cells
+        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
+        for row in cells
     ]
     return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:]])

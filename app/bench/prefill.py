@@ -169,7 +169,7 @@ def measure_size(engine, size: int, runs: int, clock=time.perf_counter, baseline
     seed = PROMPT_SEED * 1000 + size
     one_run(engine, baseline, size, seed - 1, clock)  # the warm-up, untimed
     timed = [one_run(engine, baseline, size, seed + run, clock) for run in range(runs)]
-    prompt_tokens, mlx_lm, cold, cached = zip(*timed)
+    prompt_tokens, mlx_lm, cold, cached = zip(*timed, strict=True)
     return PrefillRow(
         size, prompt_tokens[0], statistics.median(mlx_lm), statistics.median(cold), statistics.median(cached)
     )

@@ -32,7 +32,7 @@ def time_to_first_token(engine, messages: list[dict]) -> tuple[float, int]:
     from mlxpaged.sampling_params import SamplingParams
 
     start = time.perf_counter()
-    for delta in engine.stream(engine.chat_tokens(messages), SamplingParams(temperature=0.0, max_tokens=8)):
+    for _ in engine.stream(engine.chat_tokens(messages), SamplingParams(temperature=0.0, max_tokens=8)):
         first = time.perf_counter() - start
         break
     return first, len(engine.chat_tokens(messages))
@@ -44,7 +44,10 @@ def bench_prefix(args: Namespace) -> int:
 
     engine = Engine.from_pretrained(args.model)
     system = long_document(engine.tokenizer, 2000)
-    ask = lambda q: [{"role": "system", "content": system}, {"role": "user", "content": q}]
+
+    def ask(question: str) -> list[dict]:
+        return [{"role": "system", "content": system}, {"role": "user", "content": question}]
+
     cold, warm = [], []
     for prompt in (ask(WARM_UP_QUESTION), ask(WARM_UP_QUESTION + " Be brief.")):
         time_to_first_token(engine, prompt)  # untimed: the cold and cached paths' first calls compile

@@ -105,7 +105,7 @@ def free_port() -> int:
 def start_server(command: list[str], ready_url: str) -> subprocess.Popen:
     """Start a server (its output to a temporary file, so no pipe can fill) and wait until
     `ready_url` answers 200; fail with the end of its output."""
-    log = tempfile.TemporaryFile()
+    log = tempfile.TemporaryFile()  # noqa: SIM115  (it outlives this call: stop_server closes it)
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **BENCH_ENV})
     process.log = log
     deadline = time.monotonic() + START_TIMEOUT

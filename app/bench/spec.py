@@ -81,7 +81,7 @@ def bench_task(plain, spec, prompt: list[int], tokens: int, runs: int) -> dict:
         "cpu_ratio": statistics.median(cpu_ratios),
         "plain": statistics.median(rates["plain"]),
         "spec": statistics.median(rates["spec"]),
-        "ratios": [s / p for s, p in zip(rates["spec"], rates["plain"])],
+        "ratios": [s / p for s, p in zip(rates["spec"], rates["plain"], strict=True)],
         "equal": equal,
         "tokens": length,
         "acceptance": kept / drafted if drafted else None,

@@ -9,13 +9,17 @@ built on, with nothing to override; pydantic (already a FastAPI dependency) stil
 bodies (protocol.py).
 
 Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/messages[/count_tokens] (Anthropic),
-POST /v1/responses, GET /v1/models[/{id}], GET /health, GET /metrics. The package's other modules are listed in its
-__init__. A route gets its model through `await state.served_model(name)` (state.py), which loads it if needed.
+POST /v1/responses, POST /v1/embeddings, GET /v1/models[/{id}], GET /health, GET /metrics, and Ollama's: POST
+/api/chat, POST /api/generate, POST /api/embed, GET /api/tags, POST /api/show, GET /api/ps, GET /api/version, GET /
+(HEAD too where GET is). The package's other modules are listed in its __init__. A route gets its model through
+`await state.served_model(name)` (state.py), which loads it if needed.
 """
 
 from __future__ import annotations
 
 from mlxpaged_app.server.anthropic.serving import serve_count_tokens, serve_messages
+from mlxpaged_app.server.embeddings.ollama_embed import serve_ollama_embed
+from mlxpaged_app.server.embeddings.openai_embeddings import serve_embeddings
 from mlxpaged_app.server.errors import (
     APIError,
     handle_api_error,
@@ -28,6 +32,7 @@ from mlxpaged_app.server.metrics_render import render_metrics
 from mlxpaged_app.server.middleware import middleware_stack
 from mlxpaged_app.server.model_catalog import CatalogEntry, ModelNotServable
 from mlxpaged_app.server.model_registry import ModelRegistry, single_model_registry
+from mlxpaged_app.server.ollama import serving as ollama
 from mlxpaged_app.server.openai.serving_chat import serve_chat
 from mlxpaged_app.server.openai.serving_completion import serve_completion
 from mlxpaged_app.server.responses.serving import serve_responses
@@ -47,9 +52,18 @@ ROUTES = (
     "/v1/completions",
     "/v1/messages",
     "/v1/responses",
+    "/v1/embeddings",
+    "/api/embed",
     "/v1/models",
     "/health",
     "/metrics",
+    "/api/chat",
+    "/api/generate",
+    "/api/tags",
+    "/api/show",
+    "/api/ps",
+    "/api/version",
+    "/",
 )
 
 
@@ -69,6 +83,14 @@ async def completions(request: Request) -> Response:
     return await serve_completion(request, _state(request))
 
 
+async def embeddings(request: Request) -> Response:
+    return await serve_embeddings(request, _state(request))
+
+
+async def ollama_embed(request: Request) -> Response:
+    return await serve_ollama_embed(request, _state(request))
+
+
 async def messages(request: Request) -> Response:
     return await serve_messages(request, _state(request))
 
@@ -77,23 +99,48 @@ async def count_tokens(request: Request) -> Response:
     return await serve_count_tokens(request, _state(request))
 
 
+async def ollama_chat(request: Request) -> Response:
+    return await ollama.serve_chat(request, _state(request))
+
+
+async def ollama_generate(request: Request) -> Response:
+    return await ollama.serve_generate(request, _state(request))
+
+
+async def ollama_tags(request: Request) -> Response:
+    return await ollama.tags(request, _state(request))
+
+
+async def ollama_show(request: Request) -> Response:
+    return await ollama.show(request, _state(request))
+
+
+async def ollama_ps(request: Request) -> Response:
+    return await ollama.running(request, _state(request))
+
+
 def _model_card(state: ServerState, entry: CatalogEntry) -> dict:
-    """OpenAI's model object; `mlxpaged` adds whether it is loaded, its memory and requests, and for a loaded
-    model what this server applies to requests that leave sampling fields unset."""
+    """OpenAI's model object; `mlxpaged` adds its kind, whether it is loaded, its memory and requests, and for a
+    loaded model what this server applies to requests that leave sampling fields unset (for an embedding model:
+    its width and pooling)."""
     served = state.registry.loaded.get(entry.name)
     card = {"id": entry.name, "object": "model", "created": state.created, "owned_by": "mlxpaged"}
-    extra: dict = {"loaded": False, "description": entry.description}
+    kind = "embedding" if entry.kind == "embed" else "generative"
+    extra: dict = {"loaded": False, "kind": kind, "description": entry.description}
     if served is not None and not served.unloaded:
-        defaults = served.config.sampling_defaults
         card["created"] = served.created
         card["max_model_len"] = served.context_limit
-        extra = {
-            **served.status(),
-            "description": entry.description,
-            "sampling_defaults": defaults.values,
-            "source": defaults.source,
-            "default_max_tokens": served.default_max_tokens,
-        }
+        extra = {**served.status(), "description": entry.description}
+        if served.kind == "embed":
+            embedder = served.embedder
+            extra |= {"dimensions": embedder.dimensions, "pooling": embedder.spec.pooling}
+        else:
+            defaults = served.config.sampling_defaults
+            extra |= {
+                "sampling_defaults": defaults.values,
+                "source": defaults.source,
+                "default_max_tokens": served.default_max_tokens,
+            }
     card["mlxpaged"] = extra
     return card
 
@@ -134,7 +181,8 @@ async def health(request: Request) -> Response:
     for served in list(registry.loaded.values()):
         if served.unloaded:
             continue
-        stats = served.engine.stats()
+        # an embedding model has no engine: no scheduler, no KV blocks (its counts are 0)
+        stats = served.engine.stats() if served.kind == "generate" else dict.fromkeys(ENGINE_HEALTH, 0)
         models[served.model_id] = {**served.status(), **{key: stats[key] for key in ENGINE_HEALTH}}
     body = {
         "status": "draining" if state.draining else "ok",
@@ -171,7 +219,7 @@ async def metrics(request: Request) -> Response:
 
 def create_app(models, config: ServerConfig | None = None) -> Starlette:
     """The ASGI app over a ModelRegistry (`mlxpaged serve`: models loaded on demand; the caller closes it), or
-    over one loaded `Engine`, which it then serves alone (the caller owns the engine and closes it)."""
+    over one loaded `Engine` or `Embedder`, which it then serves alone (the caller owns it and closes it)."""
     config = config or ServerConfig()
     registry = models if isinstance(models, ModelRegistry) else single_model_registry(models, config)
     state = ServerState(registry, config)
@@ -181,10 +229,19 @@ def create_app(models, config: ServerConfig | None = None) -> Starlette:
         Route("/v1/messages", messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
         Route("/v1/responses", responses, methods=["POST"]),
+        Route("/v1/embeddings", embeddings, methods=["POST"]),
+        Route("/api/embed", ollama_embed, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", get_model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        Route("/api/chat", ollama_chat, methods=["POST"]),
+        Route("/api/generate", ollama_generate, methods=["POST"]),
+        Route("/api/tags", ollama_tags, methods=["GET"]),  # Starlette answers HEAD wherever GET is
+        Route("/api/show", ollama_show, methods=["POST"]),
+        Route("/api/ps", ollama_ps, methods=["GET"]),
+        Route("/api/version", ollama.version, methods=["GET"]),
+        Route("/", ollama.root, methods=["GET"]),
     ]
     handlers = {APIError: handle_api_error, HTTPException: handle_http_exception, Exception: handle_unexpected}
     app = Starlette(routes=routes, middleware=middleware_stack(state, ROUTES), exception_handlers=handlers)

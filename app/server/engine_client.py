@@ -10,6 +10,7 @@ its blocks at the engine's next step.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from functools import partial
@@ -61,10 +62,8 @@ class Generation:
 
     def _sink(self, prompt_index: int, event: object) -> None:
         """Runs on the engine thread."""
-        try:
+        with contextlib.suppress(RuntimeError):  # the event loop is closed: the server is gone, nobody listens
             self._loop.call_soon_threadsafe(self._events.put_nowait, (prompt_index, event))
-        except RuntimeError:  # the event loop is closed: the server is gone, nobody is listening
-            pass
 
     @property
     def finished(self) -> bool:
@@ -109,7 +108,7 @@ class Generation:
 
         notify=False: stop listening now (the consumer is gone). notify=True: keep listening, so
         the engine's final "abort" deltas end the consumer's stream properly (shutdown drain)."""
-        for request_id, still_open in zip(self._request_ids, self._open):
+        for request_id, still_open in zip(self._request_ids, self._open, strict=True):
             if still_open:
                 self.engine.abort(request_id)
         if not notify:

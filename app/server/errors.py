@@ -2,12 +2,13 @@
 
 Every failure a client can cause is raised as an `APIError` somewhere in the request path and
 turned into JSON here, so the server never answers 500 to a client mistake. On /v1/messages* the
-same error is answered in Anthropic's shape (`error_response` picks by path).
+same error is answered in Anthropic's shape, under /api/ in Ollama's (`error_response` picks by path).
 """
 
 from __future__ import annotations
 
 from mlxpaged_app.server.anthropic.errors import anthropic_status, error_body, is_anthropic_path, new_request_id
+from mlxpaged_app.server.ollama import errors as ollama
 from mlxpaged_app.server.server_log import log
 
 from starlette.exceptions import HTTPException
@@ -46,6 +47,8 @@ def error_response(exc: APIError, path: str) -> JSONResponse:
     """The error in the shape of the API the path belongs to; a refusal (4xx) gets its log line."""
     if exc.status < 500:
         log_refusal(exc, path)
+    if ollama.is_ollama_path(path):
+        return JSONResponse(ollama.error_body(exc.message), status_code=exc.status, headers=exc.headers)
     if not is_anthropic_path(path):
         return exc.response()
     request_id = new_request_id()
@@ -68,6 +71,20 @@ def model_not_found(requested: str, served: list[str]) -> APIError:
         param="model",
         code="model_not_found",
     )
+
+
+def embedding_model_only(model: str) -> APIError:
+    return APIError(
+        400,
+        f"The model '{model}' is an embedding model: this server answers /v1/embeddings and /api/embed with it, "
+        "not chat, completions, messages or responses",
+        param="model",
+        code="model_not_supported",
+    )
+
+
+def not_an_embedding_model(model: str, reason: str) -> APIError:
+    return APIError(400, f"The model '{model}' cannot embed: {reason}", param="model", code="model_not_supported")
 
 
 def body_too_large(limit: int) -> APIError:

@@ -1,6 +1,6 @@
-"""Keep-alive durations as Ollama spells them: "5m", "1h30m", "30s", "250ms", a number of seconds, 0 (unload as
-soon as the request is done) or any negative value (never unload). Plain Python: `flags.py` parses --keep-alive
-with it before any HTTP module is imported."""
+"""Keep-alive durations as Ollama spells them (Go's time.ParseDuration: "5m", "1h30m", ".5h", "30s", "250ms",
+"10us", "5ns"), a number of seconds, 0 (unload as soon as the request is done) or any negative value (never
+unload). Plain Python: `flags.py` parses --keep-alive with it before any HTTP module is imported."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import math
 import re
 
 NEVER = None  # a keep-alive of None: the model stays loaded until the server stops
-_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|h|m|s)")
-_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+_PART = re.compile(r"([0-9]*\.?[0-9]*)(ns|us|µs|μs|ms|s|m|h)")
+_UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
 class KeepAliveError(ValueError):
@@ -30,9 +30,9 @@ def parse_keep_alive(value: str | float | int) -> float | None:
     except ValueError:
         pass
     negative = text.startswith("-")
-    body = text[1:] if negative else text
+    body = text[1:] if text[:1] in "+-" else text
     parts = _PART.findall(body)
-    if not body or "".join(n + u for n, u in parts) != body:
+    if not body or "".join(n + u for n, u in parts) != body or any(n in ("", ".") for n, _ in parts):
         raise _error(value)
     total = sum(float(number) * _UNIT_SECONDS[unit] for number, unit in parts)
     return NEVER if negative and total > 0 else total

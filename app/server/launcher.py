@@ -1,9 +1,10 @@
 """The `mlxpaged serve` process: flags, safety checks, model load, uvicorn, and a clean stop.
 
 Order: check the flags (a non-loopback bind needs an API key), bind the port (a clear error if it
-is taken), load --model (the default model without it) and every --pin, each sized by the memory plan (the plan
-is printed) within --max-memory and warmed up with one tiny request, then serve (other models load on demand:
-model_registry.py), and print "ready" only once uvicorn accepts connections. SIGINT /
+is taken), load --model (the default model without it) and every --pin (an Embedder for an embedding model, an
+Engine otherwise), each sized by the memory plan (the plan is printed) within --max-memory and warmed up with one
+tiny request, then serve (other models load on demand: model_registry.py), and print "ready" only once uvicorn
+accepts connections. SIGINT /
 SIGTERM: stop accepting, give in-flight requests --drain-timeout seconds, abort the rest, close
 every engine (which restores the wired limit) and exit 0. A second Ctrl-C skips the wait.
 """
@@ -44,7 +45,7 @@ def build_registry(args: argparse.Namespace, config):
     """The model registry, with --model (None: the default model) and every --pin loaded before serving: they are
     provisioned here (a hub model may download), checked against the budget, loaded and warmed up."""
     from mlxpaged_app.server.model_catalog import ModelCatalog
-    from mlxpaged_app.server.model_loading import EngineSettings, build_engine, estimate_cost
+    from mlxpaged_app.server.model_loading import EngineSettings, build_model, estimate_cost
     from mlxpaged_app.server.model_registry import ModelRegistry, RegistryPolicy
 
     settings = EngineSettings(cache_settings(args), args.generation_config)
@@ -62,7 +63,7 @@ def build_registry(args: argparse.Namespace, config):
         config,
         policy,
         estimate=functools.partial(estimate_cost, settings=settings),
-        build=functools.partial(build_engine, settings=settings),
+        build=functools.partial(build_model, settings=settings),
     )
     try:
         for entry in {e.name: e for e in (first, *pinned)}.values():
@@ -89,8 +90,10 @@ def _given(catalog, name: str | None):
 
 
 def _preload(registry, entry, settings) -> None:
+    """Load `entry` before serving: an Engine, or an Embedder for an embedding model (embedding/model_files.py says
+    which are; the KV-cache flags do not apply to it, --max-batch-tokens bounds its forward passes)."""
     from mlxpaged.units import format_size
-    from mlxpaged_app.server.model_loading import build_engine, estimate_cost
+    from mlxpaged_app.server.model_loading import build_model, estimate_cost
 
     say(f"mlxpaged serve: loading {entry.name}...")
     cost, budget = estimate_cost(entry, settings), registry.policy.budget_bytes
@@ -99,10 +102,13 @@ def _preload(registry, entry, settings) -> None:
             f"{entry.name} needs {cost.describe()} but {format_size(budget - registry.held_bytes())} of the "
             f"{format_size(budget)} memory budget (--max-memory) is left; raise --max-memory or pin fewer models"
         )
-    engine, defaults, cost = build_engine(entry, settings)
-    say(engine.plan.describe())
-    say(f"mlxpaged serve: sampling defaults: {defaults.describe()}")
-    registry.add_loaded(entry, engine, defaults, cost)
+    model, defaults, cost = build_model(entry, settings)
+    if entry.kind == "embed":
+        say(f"mlxpaged serve: {model.describe()}; it answers /v1/embeddings and /api/embed")
+    else:
+        say(model.plan.describe())
+        say(f"mlxpaged serve: sampling defaults: {defaults.describe()}")
+    registry.add_loaded(entry, model, defaults, cost)
 
 
 def with_sampling_defaults(config, engine, mode: str):

@@ -27,7 +27,7 @@ class Histogram:
     def render(self) -> list[str]:
         lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
         total = 0
-        for bound, count in zip((*self.buckets, float("inf")), self.counts):
+        for bound, count in zip((*self.buckets, float("inf")), self.counts, strict=True):
             total += count
             label = "+Inf" if bound == float("inf") else repr(bound)
             lines.append(f'{self.name}_bucket{{le="{label}"}} {total}')
@@ -83,8 +83,9 @@ class ServerMetrics:
             [(f'{{route="{route}",status="{status}"}}', n) for (route, status), n in sorted(self.requests.items())],
         )
 
-    def render(self, stats: dict, in_flight: int, capacity: int) -> list[str]:
-        """One model's token counts, latencies and engine gauges (a served model's own ServerMetrics)."""
+    def render(self, stats: dict | None, in_flight: int, capacity: int) -> list[str]:
+        """One model's token counts, latencies and engine gauges (a served model's own ServerMetrics); `stats` is
+        the engine's (None for an embedding model)."""
         lines = _metric(
             "prompt_tokens_total", "counter", "Prompt tokens of finished requests.", [("", self.prompt_tokens)]
         )
@@ -101,17 +102,25 @@ class ServerMetrics:
             [("", self.generated_tokens)],
         )
         lines += self.ttft.render() + self.token_latency.render() + self.e2e.render()
+        if stats is None:  # an embedding model: no engine gauges
+            lines += _metric("requests_in_flight", "gauge", IN_FLIGHT_HELP, [("", in_flight)])
+            lines += _capacity(capacity)
+            return lines
         lines += _engine_gauges(stats, in_flight, capacity) + _memory_gauges(stats["memory_plan"])
         return lines + _attention_gauges(stats["attention"])
 
 
-def _engine_gauges(stats: dict, in_flight: int, capacity: int) -> list[str]:
-    lines = _metric(
-        "requests_in_flight", "gauge", "Requests the HTTP layer has admitted and not finished.", [("", in_flight)]
-    )
-    lines += _metric(
+IN_FLIGHT_HELP = "Requests the HTTP layer has admitted and not finished."
+
+
+def _capacity(capacity: int) -> list[str]:
+    return _metric(
         "requests_capacity", "gauge", "Admission limit: engine batch plus queue; beyond it 429.", [("", capacity)]
     )
+
+
+def _engine_gauges(stats: dict, in_flight: int, capacity: int) -> list[str]:
+    lines = _metric("requests_in_flight", "gauge", IN_FLIGHT_HELP, [("", in_flight)]) + _capacity(capacity)
     lines += _metric(
         "queue_depth", "gauge", "Engine requests waiting to be scheduled.", [("", stats["requests_waiting"])]
     )

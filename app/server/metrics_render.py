@@ -20,7 +20,8 @@ def render_metrics(state: ServerState) -> str:
     for served in list(state.registry.loaded.values()):
         if served.unloaded:
             continue
-        lines = served.metrics.render(served.engine.stats(), served.in_flight, served.admission.capacity)
+        stats = served.engine.stats() if served.kind == "generate" else None  # an embedder has no engine gauges
+        lines = served.metrics.render(stats, served.in_flight, served.admission.capacity)
         _merge(families, lines, f'model="{_label(served.model_id)}"')
     return "".join(line + "\n" for lines in families.values() for line in lines)
 

@@ -12,16 +12,24 @@ from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+OPEN_PATHS = ("/api/version",)  # under /api/ but public: what any client probes, as `/`, /health and /metrics
+
+
+def needs_key(path: str) -> bool:
+    """The /v1 routes, and Ollama's /api/ routes but its version."""
+    return path.startswith("/v1") or (path.startswith("/api/") and path not in OPEN_PATHS)
+
 
 class APIKeyMiddleware:
-    """Every /v1 route needs the key when one is set: `Authorization: Bearer <key>` (OpenAI, and Anthropic's
-    SDK 2.x) or `x-api-key: <key>` (Claude Code with ANTHROPIC_API_KEY, older Anthropic SDKs)."""
+    """Every /v1 and /api/ route needs the key when one is set: `Authorization: Bearer <key>` (OpenAI, Anthropic's
+    SDK 2.x, the `ollama` client given that header) or `x-api-key: <key>` (Claude Code with ANTHROPIC_API_KEY,
+    older Anthropic SDKs)."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app, self.key = app, api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+        if scope["type"] == "http" and needs_key(scope["path"]) and scope["method"] != "OPTIONS":
             headers = Headers(scope=scope)
             problem = self._problem(headers.get("authorization"), headers.get("x-api-key"))
             if problem is not None:

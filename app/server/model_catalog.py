@@ -30,7 +30,7 @@ class CatalogEntry:
     path: Path
     aliases: frozenset[str] = field(default_factory=frozenset)
     description: str = ""
-    kind: str = "generate"  # what serves it (model_registry.SERVED_KINDS); "embed" is the seam for embedders
+    kind: str = "generate"  # what serves it (model_registry.SERVED_KINDS): "generate" (an Engine) or "embed"
 
     @property
     def names(self) -> frozenset[str]:
@@ -43,6 +43,18 @@ def canonical_name(ref: ModelRef, path: Path) -> str:
     if ref.preset is None and ref.source == "path" and _in_store(path):
         return path.name
     return ref.name
+
+
+def model_kind(ref: ModelRef | None, path: Path) -> str:
+    """ "embed" for an embedding model by the embedding package's rule (sentence-transformers pooling files, or a
+    preset saying how it pools: mlxpaged/embedding/model_files.py), else "generate"."""
+    from mlxpaged.embedding.model_files import is_embedding_model
+
+    preset = ref.preset if ref is not None else None
+    try:
+        return "embed" if is_embedding_model(path, preset.options if preset else None) else "generate"
+    except OSError:
+        return "generate"
 
 
 def _names_of(name: str, path: Path) -> frozenset[str]:
@@ -59,9 +71,12 @@ class ModelCatalog:
         self.use_store = use_store  # False: only the models given (an app built around one engine)
         self._given: dict[str, CatalogEntry] = {}  # by every name: models named on the command line
 
-    def add_given(self, name: str, ref: ModelRef | None, path: Path, description: str = "") -> CatalogEntry:
-        """A model named on the command line (already provisioned): servable whatever directory it is in."""
-        entry = CatalogEntry(name, ref, path, _names_of(name, path), description)
+    def add_given(
+        self, name: str, ref: ModelRef | None, path: Path, description: str = "", kind: str | None = None
+    ) -> CatalogEntry:
+        """A model named on the command line (already provisioned): servable whatever directory it is in. `kind`:
+        None reads it from the model's files (model_kind)."""
+        entry = CatalogEntry(name, ref, path, _names_of(name, path), description, kind or model_kind(ref, path))
         for name in entry.names:
             self._given.setdefault(name, entry)
         return entry
@@ -93,7 +108,7 @@ class ModelCatalog:
             )
         description = ref.preset.description if ref.preset else ("local model directory" if ref.path else ref.source)
         name = canonical_name(ref, path)
-        return CatalogEntry(name, ref, path, _names_of(name, path) | {ref.name}, description)
+        return CatalogEntry(name, ref, path, _names_of(name, path) | {ref.name}, description, model_kind(ref, path))
 
     def servable(self) -> list[CatalogEntry]:
         """Every model a request may name now (what /v1/models lists), the command line's first."""

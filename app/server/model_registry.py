@@ -29,7 +29,7 @@ from mlxpaged.units import format_size
 from mlxpaged_app.server.errors import model_load_failed, model_memory_refused, model_still_loading
 from mlxpaged_app.server.model_catalog import CatalogEntry, ModelCatalog, ModelNotServable
 from mlxpaged_app.server.model_loading import release_engine
-from mlxpaged_app.server.served_model import ModelCost, ServedModel, engine_cost
+from mlxpaged_app.server.served_model import ModelCost, ServedEmbedder, ServedModel, model_cost
 from mlxpaged_app.server.server_log import log
 
 import anyio
@@ -38,14 +38,13 @@ UNSET = object()  # get()'s keep_alive when the request sent none: the model kee
 # A model handed to a route this recently is never unloaded: the route may not have taken its queue slot yet.
 HANDOUT_GRACE_S = 0.5
 UNLOAD_POLL_S = 0.05
-# What wraps each kind of model the catalog names (CatalogEntry.kind) for routes. An embedding model will be
-# kind "embed": its build hook returns an Embedder, wrapped by a ServedEmbedder with ServedModel's registry-facing
-# attributes (model_id, model_names, cost, admission, keep_alive, pinned, last_used, handed_out, release()).
-SERVED_KINDS: dict[str, type] = {"generate": ServedModel}
+# What wraps each kind of model the catalog names (CatalogEntry.kind) for routes: an Engine ("generate") or an
+# Embedder ("embed"); both have the registry-facing attributes of served_model.ServedBase.
+SERVED_KINDS: dict[str, type] = {"generate": ServedModel, "embed": ServedEmbedder}
 
 Estimator = Callable[[CatalogEntry], ModelCost]  # worker thread: the cost before loading (may raise)
-Builder = Callable[[CatalogEntry], tuple]  # worker thread: (engine, sampling defaults, cost)
-Releaser = Callable[[list], None]  # worker thread: closes the one engine in the list and frees its memory
+Builder = Callable[[CatalogEntry], tuple]  # worker thread: (engine or embedder, sampling defaults, cost)
+Releaser = Callable[[list], None]  # worker thread: closes the one model in the list and frees its memory
 
 
 @dataclass(frozen=True)
@@ -54,6 +53,33 @@ class RegistryPolicy:
     keep_alive: float | None = 300.0  # seconds idle before unloading; None: never
     pins: frozenset[str] = frozenset()  # names of models never unloaded
     load_timeout: float = 300.0  # how long a request waits for its model to load
+
+
+class WrongKind(Exception):
+    """A model of the other kind than the route runs: an embedding model asked to chat, or a generative one asked
+    for embeddings."""
+
+    def __init__(self, entry: CatalogEntry) -> None:
+        super().__init__(entry.name)
+        self.entry = entry
+
+    def reason(self) -> str:
+        """Why a generative model cannot embed, by the embedding package's rule (model_files.py)."""
+        from mlxpaged.embedding.model_files import embedding_spec
+
+        preset = self.entry.ref.preset if self.entry.ref is not None else None
+        try:
+            embedding_spec(self.entry.path, preset.options if preset else None)
+        except MlxpagedError as exc:
+            return str(exc)
+        except OSError:
+            pass
+        return "it is a generative model"
+
+
+def _check_kind(entry: CatalogEntry, kind: str | None) -> None:
+    if kind is not None and entry.kind != kind:
+        raise WrongKind(entry)
 
 
 class ModelRegistry:
@@ -81,18 +107,40 @@ class ModelRegistry:
         self.failures: dict[str, str] = {}  # name -> why its last load failed
 
     # --- what routes call ----------------------------------------------------------------------------------
-    async def get(self, name: str | None, keep_alive: object = UNSET) -> ServedModel:
+    async def get(self, name: str | None, keep_alive: object = UNSET, kind: str | None = None) -> ServedModel:
         """The loaded model `name` means (None: the default model), loading it if needed. Raises
-        ModelNotServable for a name the server cannot serve, and APIErrors for a model that cannot fit (503),
-        is still loading at the timeout (503) or failed to load (500)."""
+        ModelNotServable for a name the server cannot serve, WrongKind for a model that is not of `kind` (None:
+        any; checked before loading), and APIErrors for a model that cannot fit (503), is still loading at the
+        timeout (503) or failed to load (500)."""
         served = self.find_loaded(name)
         if served is None:
             entry = self._entry(name)
+            _check_kind(entry, kind)
             served = self.loaded.get(entry.name) or await self._wait_for_load(entry)
+        _check_kind(served.entry, kind)
         served.touch()
         if keep_alive is not UNSET and not served.pinned:
             served.keep_alive = keep_alive  # type: ignore[assignment]  # Ollama's: the last request's value holds
         self._schedule_check(served)
+        return served
+
+    async def expire(self, name: str | None) -> ServedModel | None:
+        """Ollama's keep_alive 0 with nothing to run: unload `name` now if it is loaded and idle, else once its
+        requests end (its keep-alive becomes 0). Pinned models stay. ModelNotServable for an unknown name; the
+        model it was, or None when it was not loaded."""
+        served = self.find_loaded(name)
+        if served is None:
+            entry = self._entry(name)
+            served = self.loaded.get(entry.name)
+        if served is None or served.pinned:
+            return served
+        served.keep_alive = 0.0
+        if served.in_flight:
+            return served  # its last request's end schedules the unload
+        if served.idle_timer is not None:
+            served.idle_timer.cancel()
+            served.idle_timer = None
+        await self.unload(served, "as a request asked (keep_alive 0)")
         return served
 
     def find_loaded(self, name: str | None) -> ServedModel | None:
@@ -120,7 +168,7 @@ class ModelRegistry:
     def add_loaded(self, entry: CatalogEntry, engine, defaults, cost: ModelCost | None = None) -> ServedModel:
         """A model loaded before serving (the launcher's --model and --pin): the first becomes the default."""
         config = dataclasses.replace(self.config, sampling_defaults=defaults)
-        served = self._served(entry, engine, config, cost or engine_cost(engine))
+        served = self._served(entry, engine, config, cost or model_cost(engine))
         self.loaded[entry.name] = served
         self.default_name = self.default_name or entry.name
         self.loads[entry.name] += 1
@@ -166,7 +214,8 @@ class ModelRegistry:
         self.loaded[entry.name] = served
         self.loads[entry.name] += 1
         self.failures.pop(entry.name, None)
-        log.info("model %s loaded in %.1f s: %s", entry.name, time.perf_counter() - started, measured.describe())
+        served.load_seconds = time.perf_counter() - started
+        log.info("model %s loaded in %.1f s: %s", entry.name, served.load_seconds, measured.describe())
         return served
 
     async def _run(self, entry: CatalogEntry, work: Callable):
@@ -307,12 +356,16 @@ def _log_failure(task: asyncio.Task) -> None:
 
 
 def single_model_registry(engine, config) -> ModelRegistry:
-    """A registry serving one engine already loaded, under its name, its directory's and config.model_aliases;
-    it loads and unloads nothing (create_app over an Engine: the caller owns the engine)."""
+    """A registry serving one engine (or Embedder) already loaded, under its name, its directory's and
+    config.model_aliases; it loads and unloads nothing (create_app over an Engine: the caller owns the engine)."""
+    from mlxpaged.embedding.embedder import Embedder
+
     name = engine.loaded.name
     catalog = ModelCatalog(dict.fromkeys(config.model_aliases, name), use_store=False)
     path = getattr(engine.loaded, "path", None)
-    entry = catalog.add_given(name, getattr(engine.loaded, "ref", None), path if path is not None else Path(name))
+    kind = "embed" if isinstance(engine, Embedder) else "generate"
+    ref = getattr(engine.loaded, "ref", None)
+    entry = catalog.add_given(name, ref, path if path is not None else Path(name), kind=kind)
     registry = ModelRegistry(catalog, config, RegistryPolicy(keep_alive=None), release=lambda holder: holder.clear())
     registry.add_loaded(entry, engine, config.sampling_defaults)
     return registry

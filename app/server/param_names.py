@@ -5,7 +5,8 @@ ParamNames instead of an API renaming errors afterwards."""
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -17,10 +18,14 @@ class ParamNames:
     response_format: str = "response_format"  # a structured-output format whose grammar cannot be built
     tools: str = "tools"
     tool_choice: str = "tool_choice"
+    context: str = "max_model_len"  # what bounds one request's context (only Ollama's num_ctx can narrow it)
+    renamed: Mapping[str, str] = field(default_factory=dict)  # SamplingParams fields the API spells otherwise
 
-    def of(self, field: str | None) -> str | None:
+    def of(self, name: str | None) -> str | None:
         """The API's name for a SamplingParams field: its own where the API spells it the same."""
-        return getattr(self, field) if field in _SAMPLING_FIELDS else field
+        if name in self.renamed:
+            return self.renamed[name]
+        return getattr(self, name) if name in _SAMPLING_FIELDS else name
 
 
 _SAMPLING_FIELDS = ("max_tokens", "logprobs", "top_logprobs")
@@ -30,3 +35,16 @@ OPENAI_CHAT_MAX_COMPLETION = dataclasses.replace(OPENAI_CHAT, max_tokens="max_co
 OPENAI_COMPLETIONS = ParamNames(prompt="prompt", top_logprobs="logprobs")  # legacy `logprobs` is the count
 ANTHROPIC = ParamNames(response_format="output_config.format")
 RESPONSES = ParamNames(prompt="input", max_tokens="max_output_tokens", response_format="text.format")
+# Ollama's sampling settings sit in `options`, under their own names (repeat_penalty is HF's repetition_penalty).
+OLLAMA_OPTIONS = {
+    name: f"options.{name}"
+    for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "seed", "stop")
+}
+OLLAMA_CHAT = ParamNames(
+    max_tokens="options.num_predict",
+    response_format="format",
+    tool_choice="tools",  # Ollama has no tool_choice: a model may call any of its tools
+    context="options.num_ctx",
+    renamed={**OLLAMA_OPTIONS, "repetition_penalty": "options.repeat_penalty"},
+)
+OLLAMA_GENERATE = dataclasses.replace(OLLAMA_CHAT, prompt="prompt")

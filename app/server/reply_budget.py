@@ -15,14 +15,28 @@ from mlxpaged_app.server.served_model import ServedModel
 from mlxpaged_app.server.server_log import log
 
 
-def reply_budget(model: ServedModel, prompt_tokens: int, requested: int | None, names: ParamNames) -> int:
-    """The reply's max_tokens: `requested` (None: the server's default) clamped to the room the context leaves.
-    A requested value below 1 passes through for SamplingParams to refuse, naming the parameter."""
-    room = model.context_limit - prompt_tokens
+def reply_budget(
+    model: ServedModel,
+    prompt_tokens: int,
+    requested: int | None,
+    names: ParamNames,
+    limit: int | None = None,
+    to_context_end: bool = False,
+) -> int:
+    """The reply's max_tokens: `requested` (None: the server's default, or with `to_context_end` all the room
+    left) clamped to the room the context leaves. `limit`: the request's own bound on prompt + reply (Ollama's
+    num_ctx), which only ever narrows the server's context. A requested value below 1 passes through for
+    SamplingParams to refuse, naming the parameter."""
+    context = model.context_limit if limit is None else min(limit, model.context_limit)
+    room = context - prompt_tokens
     if room < 1:
+        if context < model.context_limit:
+            raise request_context_too_small(model, prompt_tokens, context, names)
         raise prompt_too_long(model, prompt_tokens, requested, names)
     if requested is not None and requested < 1:
         return requested
+    if requested is None and to_context_end:
+        return room
     if requested is not None and requested > room:
         log.info(
             "clamped %s %d to %d: the prompt is %d tokens of a %d-token context",
@@ -30,10 +44,23 @@ def reply_budget(model: ServedModel, prompt_tokens: int, requested: int | None, 
             requested,
             room,
             prompt_tokens,
-            model.context_limit,
+            context,
         )
         return room
     return min(model.default_max_tokens if requested is None else requested, room)
+
+
+def request_context_too_small(model: ServedModel, prompt_tokens: int, limit: int, names: ParamNames) -> APIError:
+    """The prompt fits the server's context but not the smaller one the request asked for."""
+    error = invalid_param(
+        names.prompt,
+        f"the prompt is {prompt_tokens} tokens and does not fit in the {limit}-token context this request asked "
+        f"for with {names.context} (prompt and reply together): raise {names.context} (this server runs up to "
+        f"{model.context_limit} tokens) or shorten the prompt",
+        "context_length_exceeded",
+    )
+    error.prompt_tokens = prompt_tokens
+    return error
 
 
 def prompt_too_long(model: ServedModel, prompt_tokens: int, requested: int | None, names: ParamNames) -> APIError:

@@ -7,8 +7,10 @@ This is what `await state.served_model(name)` returns (state.py). A route reads 
 `.metrics`, `.active`, `.context_limit`, `.cache_limits_context` and `.default_max_tokens`. Once the registry
 has unloaded the model, `.engine` raises the 503 `unavailable` (a request that held it too long retries).
 
-`kind` is "generate" for an Engine. An embedding model will be another kind of entry with an Embedder in
-place of the Engine (and the same admission, metrics and memory accounting); routes check `kind`.
+`kind` is "generate" for an Engine. An embedding model is kind "embed": a `ServedEmbedder` holds its Embedder
+(`.embedder`) with the same admission (one batch at a time), metrics, keep-alive and memory accounting, all in
+`ServedBase`, which is what the registry reads. The registry hands a route only the kind it asks for
+(state.served_model's `kind`).
 """
 
 from __future__ import annotations
@@ -50,6 +52,22 @@ class ModelCost:
         return f"{format_size(self.total)} ({shown})" if shown else format_size(self.total)
 
 
+def model_cost(model) -> ModelCost:
+    """What a built Engine or Embedder holds."""
+    from mlxpaged.embedding.embedder import Embedder
+
+    return embedder_cost(model) if isinstance(model, Embedder) else engine_cost(model)
+
+
+def embedder_cost(embedder) -> ModelCost:
+    """An Embedder's weights and one pass's activations, as its own memory check counts them (no KV cache kept)."""
+    from mlxpaged.embedding.memory import embedding_costs
+    from mlxpaged.platform import backend
+
+    weights, activations = embedding_costs(embedder.loaded.path, backend.current(), embedder.max_batch_tokens)
+    return ModelCost(weights, 0, 0, activations)
+
+
 def engine_cost(engine) -> ModelCost:
     """What a built engine holds: its weights, its pools and state slots as planned, its activations."""
     from mlxpaged.platform.memory import activation_bytes
@@ -74,42 +92,40 @@ def fit_tokenizer_to_context(tokenizer, max_model_len: int) -> None:
         given[LONG_SEQUENCE_WARNING] = True
 
 
-class ServedModel:
-    """A loaded model and its per-model serving state (see the module docstring for what routes read)."""
+class ServedBase:
+    """What every loaded model has for the registry and the routes: cost, keep-alive, admission, metrics, use."""
 
-    kind = "generate"
+    kind = ""
 
     def __init__(
         self,
         entry: CatalogEntry,
-        engine,
+        model,
         config,
         cost: ModelCost,
         *,
         keep_alive: float | None,
         pinned: bool = False,
-        on_idle: Callable[[ServedModel], None] | None = None,
+        on_idle: Callable[[ServedBase], None] | None = None,
+        batch: int = 1,
     ) -> None:
-        self.entry, self._engine, self.config, self.cost = entry, engine, config, cost
+        self.entry, self._model, self.config, self.cost = entry, model, config, cost
         self.keep_alive, self.pinned = keep_alive, pinned
         self.metrics = ServerMetrics()
-        fit_tokenizer_to_context(engine.tokenizer, engine.max_model_len)
         notify = (lambda: on_idle(self)) if on_idle is not None else None
-        self.admission = Admission(engine.scheduler_config.max_num_seqs, config.max_queue, on_idle=notify)
-        self.token_text = TokenText(engine.tokenizer)
+        self.admission = Admission(batch, config.max_queue, on_idle=notify)
         self.model_id = entry.name
         self.model_names = entry.names  # aliases (catalog.aliases) are mapped to a name before the lookup
         self.created = int(time.time())
         self.loaded_at = self.last_used = self.handed_out = time.monotonic()
-        self.active: set[Generation] = set()  # for abort_all at the end of a shutdown's drain
+        self.load_seconds = 0.0  # how long the registry took to load it (0: loaded before serving)
         self.unloaded = False
         self.idle_timer: asyncio.TimerHandle | None = None  # the registry's next keep-alive check
 
-    @property
-    def engine(self):
-        if self._engine is None:
+    def _held(self):
+        if self._model is None:
             raise unavailable(f"model {self.model_id!r} was unloaded while this request waited; retry it")
-        return self._engine
+        return self._model
 
     @property
     def in_flight(self) -> int:
@@ -120,10 +136,58 @@ class ServedModel:
         self.last_used = self.handed_out = time.monotonic()
 
     def release(self):
-        """Drop the engine (the registry closes it): what still holds this object can no longer reach it."""
-        engine, self._engine, self.unloaded = self._engine, None, True
+        """Drop the model (the registry closes it): what still holds this object can no longer reach it."""
+        model, self._model, self.unloaded = self._model, None, True
+        return model
+
+    def abort_all(self) -> None:
+        """Withdraw what is in flight (generations end with "abort"; an embedding batch runs to its end)."""
+
+    @property
+    def context_limit(self) -> int | None:
+        raise NotImplementedError
+
+    def expires_in(self) -> float | None:
+        """Seconds until the keep-alive unloads it (None: never; while requests run, the full keep-alive)."""
+        if self.pinned or self.keep_alive is None:
+            return None
+        idle_for = 0.0 if self.in_flight else time.monotonic() - self.last_used
+        return max(self.keep_alive - idle_for, 0.0)
+
+    def status(self) -> dict:
+        """For /v1/models, /health and `mlxpaged models --server`: loaded, memory, requests, keep-alive."""
+        idle_for = 0.0 if self.in_flight else time.monotonic() - self.last_used
+        return {
+            "loaded": True,
+            "kind": "embedding" if self.kind == "embed" else "generative",
+            "memory_bytes": self.cost.total,
+            "weights_bytes": self.cost.weights,
+            "memory": self.cost.describe(),
+            "requests_in_flight": self.in_flight,
+            "pinned": self.pinned,
+            "keep_alive_s": self.keep_alive,
+            "idle_s": round(idle_for, 3),
+        }
+
+
+class ServedModel(ServedBase):
+    """A loaded generative model and its per-model serving state (see the module docstring for what routes read)."""
+
+    kind = "generate"
+
+    def __init__(self, entry: CatalogEntry, engine, config, cost: ModelCost, **kwargs) -> None:
+        super().__init__(entry, engine, config, cost, batch=engine.scheduler_config.max_num_seqs, **kwargs)
+        fit_tokenizer_to_context(engine.tokenizer, engine.max_model_len)
+        self.token_text = TokenText(engine.tokenizer)
+        self.active: set[Generation] = set()  # for abort_all at the end of a shutdown's drain
+
+    @property
+    def engine(self):
+        return self._held()
+
+    def release(self):
         self.token_text = TokenText(None)
-        return engine
+        return super().release()
 
     def abort_all(self) -> None:
         for generation in list(self.active):
@@ -149,16 +213,20 @@ class ServedModel:
             return self.config.default_max_tokens
         return self.config.sampling_defaults.values.get("max_tokens", API_DEFAULT_MAX_TOKENS)
 
-    def status(self) -> dict:
-        """For /v1/models, /health and `mlxpaged models --server`: loaded, memory, requests, keep-alive."""
-        idle_for = 0.0 if self.in_flight else time.monotonic() - self.last_used
-        return {
-            "loaded": True,
-            "memory_bytes": self.cost.total,
-            "weights_bytes": self.cost.weights,
-            "memory": self.cost.describe(),
-            "requests_in_flight": self.in_flight,
-            "pinned": self.pinned,
-            "keep_alive_s": self.keep_alive,
-            "idle_s": round(idle_for, 3),
-        }
+
+class ServedEmbedder(ServedBase):
+    """A loaded embedding model: `.embedder` (mlxpaged.embedding.Embedder), one batch at a time (its lock)."""
+
+    kind = "embed"
+
+    def __init__(self, entry: CatalogEntry, embedder, config, cost: ModelCost, **kwargs) -> None:
+        super().__init__(entry, embedder, config, cost, batch=1, **kwargs)  # the rest wait in the queue
+
+    @property
+    def embedder(self):
+        return self._held()
+
+    @property
+    def context_limit(self) -> int | None:
+        """The longest input it embeds (None: the config names no limit)."""
+        return self.embedder.max_input_tokens

@@ -3,7 +3,7 @@
 the reply is whole unless the client leaves first.
 
 What differs between the APIs is only how a reply looks; a `ReplyShape` says that for one reply and never sees
-the transport. OpenAI chat, completions, Anthropic Messages and Responses each have one.
+the transport. OpenAI chat, completions, Anthropic Messages, Responses and Ollama's chat and generate each have one.
 """
 
 from __future__ import annotations
@@ -19,7 +19,14 @@ from mlxpaged_app.server.errors import invalid_param, server_error
 from mlxpaged_app.server.keep_alive import KeepAliveError, parse_keep_alive
 from mlxpaged_app.server.model_registry import UNSET
 from mlxpaged_app.server.request_body import parse_request, read_body
-from mlxpaged_app.server.sse import ClientGone, EventStream, data_event, unless_disconnected, with_pings
+from mlxpaged_app.server.sse import (
+    EVENT_STREAM,
+    ClientGone,
+    EventStream,
+    data_event,
+    unless_disconnected,
+    with_pings,
+)
 from mlxpaged_app.server.state import ServedModel, ServerState
 
 from starlette.requests import Request
@@ -38,6 +45,7 @@ class ReplyShape:
 
     headers: dict[str, str]
     frame: Callable[[dict | str], bytes] = staticmethod(data_event)
+    media_type: str = EVENT_STREAM  # of a streamed reply (Ollama's: NDJSON lines)
     trailer: tuple = ()  # payloads after either ending (OpenAI's "[DONE]")
     keepalive: dict | None = None  # sent after PING_INTERVAL seconds without an event (Anthropic's ping)
 
@@ -124,7 +132,8 @@ async def respond(
     """The reply to a launched request: `items` are (choice, item) as the run produces them, `usage` its token
     counts once it has ended; `cleanup` is closed when the reply is done or the client is gone."""
     if stream:
-        return EventStream(stream_events(shape, items, usage), on_close=cleanup.close, headers=shape.headers)
+        events = stream_events(shape, items, usage)
+        return EventStream(events, on_close=cleanup.close, headers=shape.headers, media_type=shape.media_type)
     try:
         body = await reply_or_gone(request, _whole(shape, items, usage), cleanup)
     except ClientGone:

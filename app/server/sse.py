@@ -1,5 +1,6 @@
 """Server-sent events: their framing (one framer for every API), keep-alives for silent stretches, and a response
-that ends its engine request however the connection ends.
+that ends its engine request however the connection ends (it also streams Ollama's NDJSON lines: only the media
+type differs).
 
 Starlette's StreamingResponse notices a client that left only when it next writes, and never
 runs cleanup if the client leaves before the first chunk. `EventStream` watches for
@@ -11,6 +12,7 @@ when the server cancels the task at shutdown.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
@@ -66,13 +68,21 @@ async def unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:
     return task.result()
 
 
+EVENT_STREAM = "text/event-stream; charset=utf-8"
+
+
 class EventStream:
-    """An ASGI response streaming `events` (already framed bytes) as text/event-stream."""
+    """An ASGI response streaming `events` (already framed bytes), as text/event-stream unless `media_type` says
+    otherwise."""
 
     def __init__(
-        self, events: AsyncIterator[bytes], on_close: Callable[[], None], headers: dict[str, str] | None = None
+        self,
+        events: AsyncIterator[bytes],
+        on_close: Callable[[], None],
+        headers: dict[str, str] | None = None,
+        media_type: str = EVENT_STREAM,
     ) -> None:
-        self.events, self.on_close = events, on_close
+        self.events, self.on_close, self.media_type = events, on_close, media_type
         self.headers = {"cache-control": "no-cache", "x-accel-buffering": "no", **(headers or {})}
         self.status_code = 200
 
@@ -94,7 +104,7 @@ class EventStream:
         scope.cancel()
 
     async def _send_all(self, send: Send) -> None:
-        headers = [(b"content-type", b"text/event-stream; charset=utf-8")]
+        headers = [(b"content-type", self.media_type.encode("latin-1"))]
         headers += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in self.headers.items()]
         await send({"type": "http.response.start", "status": self.status_code, "headers": headers})
         async for chunk in self.events:
@@ -107,10 +117,8 @@ async def _close_quietly(events: AsyncIterator[bytes]) -> None:
     if close is None:
         return
     with anyio.CancelScope(shield=True):
-        try:
+        with contextlib.suppress(Exception):
             await close()
-        except Exception:
-            pass
 
 
 async def with_pings(items: AsyncIterator[T], interval: float) -> AsyncIterator[T | None]:

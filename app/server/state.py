@@ -4,7 +4,9 @@ Routes get a model's state through ONE call, `await state.served_model(name)` (S
 the loaded model's `ServedModel` (served_model.py: `.engine`, `.admission`, `.token_text`, `.model_id`,
 `.config`, `.metrics`, ...), loading it first if needed, and raises the API errors routes already answer with:
 404 `model_not_found` for a name the server cannot serve, 503 `unavailable` / `insufficient_memory` /
-`model_loading`, 500 `model_load_failed` with the reason.
+`model_loading`, 500 `model_load_failed` with the reason. `kind` says what the route runs: "generate" (the chat
+routes; an embedding model is refused with 400 before it is loaded), "embed" (the embedding routes get a
+`ServedEmbedder`; a generative model is refused saying why it cannot embed) or None (either: Ollama's /api/show).
 """
 
 from __future__ import annotations
@@ -13,10 +15,10 @@ import time
 from dataclasses import dataclass, field
 
 from mlxpaged.loading.generation_defaults import NO_DEFAULTS, GenerationDefaults
-from mlxpaged_app.server.errors import model_not_found, unavailable
+from mlxpaged_app.server.errors import embedding_model_only, model_not_found, not_an_embedding_model, unavailable
 from mlxpaged_app.server.metrics import ServerMetrics
 from mlxpaged_app.server.model_catalog import ModelNotServable
-from mlxpaged_app.server.model_registry import UNSET, ModelRegistry
+from mlxpaged_app.server.model_registry import UNSET, ModelRegistry, WrongKind
 from mlxpaged_app.server.served_model import (  # noqa: F401  (re-exported: their home was here)
     API_DEFAULT_MAX_TOKENS,
     LONG_SEQUENCE_WARNING,
@@ -51,20 +53,37 @@ class ServerState:
         self.created = int(time.time())
         self.draining = False
 
-    async def served_model(self, name: str | None, keep_alive: object = UNSET) -> ServedModel:
-        """The per-model state for a request's `model` (None: the default model), loaded if needed.
+    async def served_model(self, name: str | None, keep_alive: object = UNSET, kind: str | None = "generate"):
+        """The per-model state for a request's `model` (None: the default model), loaded if needed: a
+        ServedModel for kind "generate", a ServedEmbedder for "embed", either for None.
 
         `keep_alive`: seconds (None: never unload), already parsed (keep_alive.parse_keep_alive); UNSET keeps
-        the model's own. Raises APIError: 404 model_not_found, 503 (cannot fit, still loading, shutting down),
-        500 model_load_failed with the reason."""
+        the model's own. Raises APIError: 404 model_not_found, 400 for a model of the other kind (with the
+        reason), 503 (cannot fit, still loading, shutting down), 500 model_load_failed with the reason."""
         self.check_accepting()
         try:
-            return await self.registry.get(name, keep_alive)
+            return await self.registry.get(name, keep_alive, kind)
+        except WrongKind as exc:
+            if exc.entry.kind == "embed":
+                raise embedding_model_only(exc.entry.name) from None
+            raise not_an_embedding_model(exc.entry.name, exc.reason()) from None
         except ModelNotServable as exc:
-            served = await anyio.to_thread.run_sync(self.registry.catalog.names_served)  # reads the store
-            error = model_not_found(name or "(none)", served)
-            error.message = f"{error.message}. {exc}"
-            raise error from None
+            raise await self._not_found(name, exc) from None
+
+    async def expire_model(self, name: str | None) -> None:
+        """Unload `name` now if it is loaded and idle, else once its requests end (Ollama's keep_alive 0 with
+        nothing to run); a model not loaded stays so. 404 for a name the server cannot serve."""
+        self.check_accepting()
+        try:
+            await self.registry.expire(name)
+        except ModelNotServable as exc:
+            raise await self._not_found(name, exc) from None
+
+    async def _not_found(self, name: str | None, why: ModelNotServable):
+        served = await anyio.to_thread.run_sync(self.registry.catalog.names_served)  # reads the store
+        error = model_not_found(name or "(none)", served)
+        error.message = f"{error.message}. {why}"
+        return error
 
     def abort_all(self) -> None:
         """Withdraw every in-flight generation of every model: each ends now with finish_reason "abort"."""

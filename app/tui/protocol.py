@@ -48,7 +48,7 @@ def real_engine_factory(cache_tokens: int, speculative: str | None = None) -> En
             speculative=speculative,
         )
         try:
-            engine.generation_defaults  # read now: a bad generation_config.json fails the load, not a reply
+            _ = engine.generation_defaults  # read now: a bad generation_config.json fails the load, not a reply
         except Exception:
             engine.close()
             raise

@@ -18,6 +18,10 @@ except ImportError:  # no POSIX terminal here: nothing to adjust
     termios = None
 
 CR_TRANSLATIONS = ("ICRNL", "INLCR", "IGNCR")  # the input flags Textual's driver clears on start
+# What reading the settings raises where there is no terminal: piped, captured by a test, or no termios here.
+NOT_A_TERMINAL: tuple[type[Exception], ...] = (AttributeError, OSError, ValueError) + (
+    (termios.error,) if termios else ()
+)
 
 
 @contextlib.contextmanager
@@ -28,7 +32,7 @@ def enter_stays_enter(stream: IO | None = None) -> Iterator[None]:
     try:
         fd = stream.fileno()
         before = termios.tcgetattr(fd)
-    except (AttributeError, OSError, ValueError) + ((termios.error,) if termios else ()):
+    except NOT_A_TERMINAL:
         yield  # not a terminal: piped, captured by a test, or no termios on this platform
         return
     attrs = list(before)

@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from mlxpaged.config import DEFAULT_CACHE_TOKENS, CacheConfig, SchedulerConfig, split_settings
+from mlxpaged.embedding.model_files import refuse_generation
 from mlxpaged.engine import engine_thread
 from mlxpaged.engine.build import BuiltCore, build_core
 from mlxpaged.engine.drafting import SpeculationStats
@@ -80,10 +81,12 @@ class Engine:
         """A preset name, local path or hub id (None: the embedded default model); settings are CacheConfig
         and SchedulerConfig fields, split by name (kv_memory="2GB", max_num_seqs=4; any other name raises
         ConfigError). A cache that cannot fit raises InsufficientMemoryError before any weight is read
-        (once the model's files are local: a hub model is downloaded first)."""
+        (once the model's files are local: a hub model is downloaded first); an embedding model raises
+        UnsupportedModelError (mlxpaged.Embedder runs it)."""
         settings.setdefault("cache_tokens", DEFAULT_CACHE_TOKENS)
         cache, scheduler = split_settings(settings)
         ref, path = locate_model(model, progress)
+        refuse_generation(path, ref.name, ref.preset.options if ref.preset else None)
         # Memory where MLX allocates (DeviceFacts), dtypes as the loader will choose them (backend.current()).
         plan_memory(DeviceFacts.detect(), facts_before_load(path, backend.current()), cache, scheduler)
         return cls(load_local(ref, path), cache, scheduler)

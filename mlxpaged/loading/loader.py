@@ -64,10 +64,16 @@ def load_local(ref: ModelRef, path: Path, backend: str | None = None) -> LoadedM
     picks the dtypes: a GPU keeps the checkpoint's (bf16, fp16, quantized), the CPU makes half types float32."""
     loaded = mlx_lm_load(str(path))  # typed as its 2- or 3-tuple (return_config): the first two are these
     model, tokenizer = loaded[0], loaded[1]
-    if tuning(backend or current_backend()).float32_weights and _has_half_dense_weights(model):
-        model.set_dtype(mx.float32)  # CPU backend: float32 is the fast dtype (checkpoint.as_loaded counts this)
+    fit_dtypes(model, backend)
     config = json.loads((path / "config.json").read_text())
     return LoadedModel(model, tokenizer, ref, path, dtype_name(weights_dtype(model)), config)
+
+
+def fit_dtypes(model: nn.Module, backend: str | None = None) -> None:
+    """The dtypes `backend` computes in (default: platform.backend.current()): the CPU makes half types float32,
+    its fast dtype (checkpoint.as_loaded counts this); a GPU keeps the checkpoint's."""
+    if tuning(backend or current_backend()).float32_weights and _has_half_dense_weights(model):
+        model.set_dtype(mx.float32)
 
 
 def unweighted_model(model_dir: Path) -> nn.Module:

@@ -186,7 +186,7 @@ def test_an_unexpected_exception_is_a_fail_line_not_a_traceback(monkeypatch, cap
 def test_the_table_is_aligned():
     checks = [Check(OK, "a", "one"), Check(WARN, "longer label", "two"), Check(FAIL, "b", "three")]
     rows = doctor.format_table(checks).splitlines()[2:5]
-    assert len({row.index(detail) for row, detail in zip(rows, ["one", "two", "three"])}) == 1
+    assert len({row.index(detail) for row, detail in zip(rows, ["one", "two", "three"], strict=True)}) == 1
     assert doctor.summary(checks) == "1 OK, 1 WARN, 1 FAIL - failed: b"
     assert doctor.exit_status(checks) == 1 and doctor.exit_status(checks[:2]) == 0
 
@@ -281,7 +281,10 @@ def test_model_facts_from_disk_match_the_loaded_models(tmp_path):
 
 def same_kv(a: ModelFacts, b: ModelFacts) -> bool:
     """The same KV shape and per-layer windows (None and all-None windows mean the same)."""
-    shape = lambda f: (f.kv.num_layers, f.kv.num_kv_heads, f.kv.head_dim, f.kv.dtype_bytes, f.kv.layer_windows)
+
+    def shape(f: ModelFacts) -> tuple:
+        return f.kv.num_layers, f.kv.num_kv_heads, f.kv.head_dim, f.kv.dtype_bytes, f.kv.layer_windows
+
     return shape(a) == shape(b) and (a.hidden_size, a.vocab_size, a.context_length) == (
         b.hidden_size,
         b.vocab_size,

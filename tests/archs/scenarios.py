@@ -31,7 +31,7 @@ class Case:
 
 def compare(got: list[int], case: Case) -> str | None:
     """None when equal up to the first step that is a near-tie in mlx-lm's own log-probs, else why not."""
-    for step, (g, w) in enumerate(zip(got, case.tokens)):
+    for step, (g, w) in enumerate(zip(got, case.tokens, strict=False)):  # the lengths are compared below
         if g != w:
             gap = case.gaps[step]
             return None if gap < TIE_GAP else f"token {step}: {g} != mlx-lm's {w} (gap {gap:.2g})"
@@ -136,7 +136,7 @@ class Scenarios:
     def _same(self, completions, cases: list[Case]) -> str | None:
         problems = [
             f"prompt of {len(case.prompt)}: {why}"
-            for completion, case in zip(completions, cases)
+            for completion, case in zip(completions, cases, strict=True)
             if (why := compare(list(completion.token_ids), case))
         ]
         return "; ".join(problems) or None

@@ -93,7 +93,7 @@ def run_single(model, chunks: list[int], steps: int, block_size: int) -> None:
         assert_close(model(x, cache=views), ref)
         token, pos = mx.argmax(ref[:, -1:], axis=-1), pos + size
         assert views[0].offset == pos == ref_cache[0].offset
-    for spec, table in zip(kv.specs, tables):  # the ring never outgrows ceil(W / bs) + 1 blocks
+    for spec, table in zip(kv.specs, tables, strict=True):  # the ring never outgrows ceil(W / bs) + 1 blocks
         assert len(table) == spec.blocks_needed(pos)
 
 

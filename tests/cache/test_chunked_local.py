@@ -94,4 +94,4 @@ def test_start_position_is_one_sequences():
     cache, table = _ring(chunk=8, block_size=8)
     views = paged_views(cache, [[table], [table]], [3, 20], [1, 1])
     with pytest.raises(ValueError, match="holds 2"):
-        views[0].start_position
+        _ = views[0].start_position

@@ -93,7 +93,7 @@ def test_copy_blocks_copies_every_layer():
         kv.write(layer, [2 * BS + i for i in range(BS)], k, v)
     before = [np.array(p) for p in kv.keys + kv.values]
     kv.copy_blocks([(2, 9)])
-    for b, after in zip(before, kv.keys + kv.values):
+    for b, after in zip(before, kv.keys + kv.values, strict=True):
         after = np.array(after)
         np.testing.assert_array_equal(after[9], b[2])
         np.testing.assert_array_equal(np.delete(after, 9, axis=0), np.delete(b, 9, axis=0))
@@ -209,7 +209,7 @@ def test_window_group_is_a_ring_of_ceil_window_over_block_plus_one():
     assert spec.key_start(5) == 0 and spec.key_start(30) == 21
     assert spec.stored_start(0, 40) == 24
     with pytest.raises(ValueError, match="at most 4"):
-        spec.check_table(table + [2], 40)
+        spec.check_table([*table, 2], 40)
     with pytest.raises(ValueError, match="need 2"):
         spec.check_table(table[:1], 5)
 

@@ -112,7 +112,7 @@ def test_prefix_hit_shares_full_blocks_only_after_computed():
     pool.mark_computed("a", 10)
     assert pool.lookup_prefix(prompt(20)) == 8
     pool.mark_computed("a", 20)
-    alloc = pool.allocate("b", prompt(16) + [500, 501])
+    alloc = pool.allocate("b", [*prompt(16), 500, 501])
     assert alloc.num_cached_tokens == 16
     assert alloc.block_tables[0][:2] == pool.block_tables("a")[0][:2]
     assert alloc.block_tables[0][2] != pool.block_tables("a")[0][2]
@@ -136,8 +136,8 @@ def test_generated_tokens_become_cacheable():
     for i, tok in enumerate([60, 61, 62, 63]):
         pool.append_slot("a", tok)
         pool.mark_computed("a", 7 + i)
-    assert pool.lookup_prefix(prompt(6) + [60, 61, 62]) == 8
-    assert pool.lookup_prefix(prompt(6) + [60, 99, 62]) == 0
+    assert pool.lookup_prefix([*prompt(6), 60, 61, 62]) == 8
+    assert pool.lookup_prefix([*prompt(6), 60, 99, 62]) == 0
 
 
 def test_prefix_cache_disabled():
@@ -190,7 +190,7 @@ def test_a_block_is_found_by_its_chained_hash_alone():
     pool = pool_of(32, BS)
     computed_pool(pool, "x", a + b + [0])
     assert pool.lookup_prefix(c + b + [0]) == 0  # b under a different parent
-    assert pool.lookup_prefix(b + [0]) == 0  # b at the root
+    assert pool.lookup_prefix([*b, 0]) == 0  # b at the root
     assert pool.lookup_prefix(a + c + [0]) == 8
     assert pool.lookup_prefix(a + b + [0]) == 16
     computed_pool(pool, "y", c + b + [0])
@@ -222,7 +222,7 @@ def test_reset_prefix_cache():
     for i in range(7):  # b's second block fills up; it must not be registered as a root
         pool.append_slot("b", 117 + i)
         pool.mark_computed("b", 18 + i)
-    assert pool.lookup_prefix(pool.token_ids("b")[16:24] + [0]) == 0
+    assert pool.lookup_prefix([*pool.token_ids("b")[16:24], 0]) == 0
     assert pool.lookup_prefix(prompt(17, 100)) == 0
     computed_pool(pool, "c", prompt(17))
     assert pool.lookup_prefix(prompt(17)) == 16  # new requests cache again

@@ -85,7 +85,7 @@ class PoolMachine(RuleBasedStateMachine):
         start, total = self.pool.num_computed_tokens(rid), self.pool.num_tokens(rid)
         end, tokens = min(total, start + amount), self.pool.token_ids(rid)
         for group in range(len(self.pool.group_max_blocks)):
-            for pos, slot in zip(range(start, end), self.pool.slots_for(rid, start, end, group)):
+            for pos, slot in zip(range(start, end), self.pool.slots_for(rid, start, end, group), strict=True):
                 assert self.pool.ref_count(slot // self.bs) == 1, "write into a shared block"
                 self.kv[slot] = tuple(tokens[: pos + 1])
         self.pool.mark_computed(rid, end)
@@ -102,7 +102,7 @@ class PoolMachine(RuleBasedStateMachine):
             assert self.pool.num_tokens(rid) == n and self.pool.block_tables(rid) == tables
             return
         assert self.pool.num_tokens(rid) == n + 1
-        grown = [len(new) - len(old) for old, new in zip(tables, self.pool.block_tables(rid))]
+        grown = [len(new) - len(old) for old, new in zip(tables, self.pool.block_tables(rid), strict=True)]
         assert set(grown) <= {0, 1} and (n % self.bs == 0 or not any(grown))
 
     @precondition(lambda self: self.pool.requests)
@@ -188,7 +188,7 @@ class PoolMachine(RuleBasedStateMachine):
         pool = self.pool
         for rid in self.live():
             need = table_lengths(pool.num_tokens(rid), self.bs, pool.group_max_blocks)
-            for table, n, cap in zip(pool.block_tables(rid), need, pool.group_max_blocks):
+            for table, n, cap in zip(pool.block_tables(rid), need, pool.group_max_blocks, strict=True):
                 assert n <= len(table) and (cap is None or len(table) <= cap)
                 if cap is not None:
                     assert all(pool.ref_count(b) == 1 for b in table), "a shared ring block"

@@ -23,7 +23,7 @@ def test_a_longer_prompt_takes_the_partial_block_over():
 
 def test_only_the_tokens_both_prompts_share_are_taken():
     pool, table = freed_after_prefill(prompt(20))
-    diverging = prompt(18) + [99, 100, 101]
+    diverging = [*prompt(18), 99, 100, 101]
     assert pool.lookup_prefix(diverging) == 18
     alloc = pool.allocate("b", diverging)
     assert alloc.num_cached_tokens == 18 and alloc.block_tables[0][2] == table[2]

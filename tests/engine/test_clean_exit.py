@@ -106,7 +106,7 @@ def run_all(body: str, status: int, marker: str = "busy", runs: int = RUNS) -> l
     """Run the script `runs` times at once; each must exit with `status`, having printed `marker`."""
     with processes(body, runs) as procs:
         results = [finish(proc) for proc in procs]
-    for proc, (out, err) in zip(procs, results):
+    for proc, (out, err) in zip(procs, results, strict=True):
         assert_clean(proc, out, err, status, marker)
     return results
 
@@ -164,7 +164,7 @@ def test_ctrl_c_while_generating_exits_as_a_keyboard_interrupt():
             assert proc.stdout.readline().strip() == "generating"
             proc.send_signal(signal.SIGINT)
         results = [finish(proc) for proc in procs]
-    for proc, (out, err) in zip(procs, results):
+    for proc, (out, err) in zip(procs, results, strict=True):
         # CPython exits from an uncaught KeyboardInterrupt by re-raising SIGINT (a shell shows 130).
         assert_clean(proc, "generating" + out, err, -signal.SIGINT, "generating")
         assert "KeyboardInterrupt" in err

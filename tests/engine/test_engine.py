@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from pathlib import Path
 
@@ -37,7 +38,7 @@ def tiny_engine(model, tokenizer, **settings) -> Engine:
 def assert_same_completions(got: list, want: list) -> None:
     """The same tokens, and the same logprobs where they were asked for (to float32 noise)."""
     assert [c.token_ids for c in got] == [c.token_ids for c in want]
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         assert g.logprobs == pytest.approx(w.logprobs, abs=1e-4)
 
 
@@ -107,7 +108,7 @@ def test_prefix_cache_hit_equals_cold_output(engine):
     assert warm.cached_tokens > 0 and warm.cached_tokens >= warm.prompt_tokens - 16
     assert warm.token_ids == cold.token_ids
     # A second turn re-prefills only the new turn.
-    turn2 = messages + [{"role": "assistant", "content": warm.text}, {"role": "user", "content": "And the sun?"}]
+    turn2 = [*messages, {"role": "assistant", "content": warm.text}, {"role": "user", "content": "And the sun?"}]
     second = engine.chat(turn2, GREEDY)
     assert second.cached_tokens >= len(engine.chat_tokens(messages)) - 16
 
@@ -242,7 +243,7 @@ def test_stop_string_across_tokens_max_tokens_and_eos(engine):
 
 def test_abort_mid_stream_frees_blocks(engine):
     stream = engine.stream("Count from one to one hundred:", SamplingParams(temperature=0.0, max_tokens=200))
-    for _, delta in zip(range(3), stream):
+    for delta in itertools.islice(stream, 3):
         assert delta.finish_reason is None
     assert engine.stats()["blocks_used"] > 0
     stream.close()  # closing the iterator aborts the request

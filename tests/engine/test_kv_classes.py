@@ -67,6 +67,6 @@ def test_preempted_requests_match_mlx_lm(module, tokenizer):
     with tiny_engine(model, tokenizer, cache_tokens=40, max_num_seqs=3, block_size=BLOCK_SIZE) as tight:
         got = tight.generate([c.prompt for c in cases], GREEDY)
         assert tight.stats()["preemptions"] > 0
-        for completion, case in zip(got, cases):
+        for completion, case in zip(got, cases, strict=True):
             check(completion, case)
         assert_pool_empty(tight)

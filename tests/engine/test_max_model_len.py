@@ -24,6 +24,5 @@ def test_a_longer_context_than_the_models_own_is_served(tokenizer):
 
 
 def test_a_shorter_context_refuses_what_the_model_would_take(tokenizer):
-    with tiny_engine(tiny_llama(), tokenizer, max_model_len=32) as eng:
-        with pytest.raises(RequestTooLongError, match="32"):
-            eng.generate([random_tokens(13)], GREEDY)  # 13 + 20 reply tokens > 32
+    with tiny_engine(tiny_llama(), tokenizer, max_model_len=32) as eng, pytest.raises(RequestTooLongError, match="32"):
+        eng.generate([random_tokens(13)], GREEDY)  # 13 + 20 reply tokens > 32

@@ -86,7 +86,7 @@ class FakeEngine:
         for c in out.chunks:
             end = c.start + len(c.token_ids)
             expected = c.request.all_token_ids[:end]
-            for table, cap in zip(c.block_tables, caps):
+            for table, cap in zip(c.block_tables, caps, strict=True):
                 # The last position attends to everything (full attention) or to its window.
                 first = 0 if cap is None else max(0, end - (cap - 1) * BS)
                 assert [self.kv[slot(table, cap, p)] for p in range(first, end)] == expected[first:]
@@ -368,9 +368,9 @@ def test_prefix_cache_hit_skips_cached_tokens():
     _pool, s = make()
     eng = FakeEngine(s)
     shared = list(range(1000, 1016))
-    s.add_request(req("a", shared + [1, 2, 3, 4], 2))
+    s.add_request(req("a", [*shared, 1, 2, 3, 4], 2))
     eng.run()
-    s.add_request(req("b", shared + [9, 9], 3))
+    s.add_request(req("b", [*shared, 9, 9], 3))
     out = eng.step()
     c = chunk_of(out, "b")
     assert s.get("b").num_cached_tokens == 16 and (c.start, c.token_ids) == (16, [9, 9])
@@ -379,7 +379,7 @@ def test_prefix_cache_hit_skips_cached_tokens():
     c = chunk_of(eng.step(), "c")
     assert s.get("c").num_cached_tokens == 8 and c.start == 8 and len(c.token_ids) == 8
     eng.run()
-    assert eng.finished["b"].output_token_ids == solo_output(shared + [9, 9], 3)
+    assert eng.finished["b"].output_token_ids == solo_output([*shared, 9, 9], 3)
     assert eng.finished["c"].output_token_ids == solo_output(shared, 3)
     assert eng.finished["b"].num_cached_tokens == 16
 
@@ -510,7 +510,7 @@ def test_fork_shares_full_blocks_copies_rings_and_matches_solo(groups):
                 eng.kv[cow.dst_block * BS + off] = eng.kv[cow.src_block * BS + off]
     assert child.output_token_ids == s.get("p").output_token_ids and child.num_computed_tokens == 29
     parent_tables, child_tables = pool.block_tables("p"), pool.block_tables("c")
-    for ptable, ctable, cap in zip(parent_tables, child_tables, groups):
+    for ptable, ctable, cap in zip(parent_tables, child_tables, groups, strict=True):
         if cap is None:
             assert ctable[:3] == ptable[:3] and ctable[3] != ptable[3]  # full blocks shared
         else:

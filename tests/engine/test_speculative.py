@@ -147,7 +147,10 @@ def test_rejected_drafts_give_their_blocks_back_every_step(model, tokenizer, mon
     for rid, prompt in PROMPTS.items():
         core.add_request(rid, prompt, GREEDY, lambda event: None)
     manager = core.scheduler.kv_manager
-    blocks = lambda tokens: -(-tokens // manager.block_size)
+
+    def blocks(tokens: int) -> int:
+        return -(-tokens // manager.block_size)
+
     while core.has_unfinished:
         core.step()
         for request in core.scheduler.running:
@@ -185,7 +188,7 @@ def test_the_real_model_quoting_its_prompt_keeps_drafts_and_the_plain_tokens(def
             assert_pool_empty(engine)
     (plain, _), (spec, stats) = results[None], results["ngram"]
     assert stats["spec_acceptance_rate"] > 0.3 and stats["speculative"] == "ngram"
-    for a, b in zip(plain, spec):
+    for a, b in zip(plain, spec, strict=True):
         assert b.token_ids == a.token_ids and b.text == a.text
         assert b.logprobs == pytest.approx(a.logprobs, abs=1e-3)
 

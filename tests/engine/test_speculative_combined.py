@@ -149,5 +149,5 @@ def test_drafts_on_multi_geometry_cache_lists_keep_mlx_lms_greedy_tokens(module,
         stats = engine.stats()
         assert_pool_empty(engine)
     assert 0 < stats["spec_accepted_tokens_total"] < stats["spec_draft_tokens_total"]
-    for completion, case in zip(got, cases):
+    for completion, case in zip(got, cases, strict=True):
         assert compare(list(completion.token_ids), case) is None

@@ -124,7 +124,7 @@ def test_max_tokens_finishes_with_length(tokenizer):
 
 def test_eos_stops_without_its_text_and_flushes_held_text(tokenizer):
     assert tokenizer.eos_token_ids == {EOS}
-    tokens = encode(tokenizer, "The capital of France is Paris") + [EOS] + encode(tokenizer, " more")
+    tokens = [*encode(tokenizer, "The capital of France is Paris"), EOS, *encode(tokenizer, " more")]
     stream, deltas = run(tokenizer, tokens, stop="Paris!")
     assert stream.text == "The capital of France is Paris"
     assert deltas[-1] == Delta("Paris", True, "stop", None)
@@ -132,7 +132,7 @@ def test_eos_stops_without_its_text_and_flushes_held_text(tokenizer):
 
 
 def test_ignore_eos_keeps_going(tokenizer):
-    tokens = encode(tokenizer, "Paris") + [EOS] + encode(tokenizer, " again")
+    tokens = [*encode(tokenizer, "Paris"), EOS, *encode(tokenizer, " again")]
     stream, deltas = run(tokenizer, tokens, ignore_eos=True)
     assert stream.text == "Paris<|im_end|> again"  # mlx-lm's detokenizer keeps special tokens
     assert deltas[-1].finish_reason is None
@@ -166,7 +166,7 @@ def test_each_stream_has_its_own_detokenizer(tokenizer):
     params = SamplingParams()
     first = TextStream(tokenizer, params, tokenizer.eos_token_ids)
     second = TextStream(tokenizer, params, tokenizer.eos_token_ids)
-    for a, b in zip(encode(tokenizer, "The capital"), encode(tokenizer, "Hello world")):
+    for a, b in zip(encode(tokenizer, "The capital"), encode(tokenizer, "Hello world"), strict=True):
         first.push(a)
         second.push(b)
     first.finish(), second.finish()
@@ -197,7 +197,7 @@ def test_a_sentencepiece_detokenizer_keeps_the_space_too():
     from mlx_lm.tokenizer_utils import SPMStreamingDetokenizer
 
     class Vocab:  # the two calls SPMStreamingDetokenizer makes
-        pieces = ["\u2581Paris", "."]
+        pieces = ("\u2581Paris", ".")
 
         def __len__(self):
             return len(self.pieces)

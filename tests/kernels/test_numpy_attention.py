@@ -5,6 +5,7 @@ the same cases through both implementations."""
 import mlxpaged  # noqa: F401
 from mlxpaged.kernels import attention, numpy_attention
 from mlxpaged.kernels.numpy_attention import QUERY_BLOCK, attend_numpy, numpy_attention_applies
+from tests.kernels.test_reference_paged import write_sequence
 from tests.msl.oracle import attend as oracle_attend
 from tests.msl.oracle import causal_oracle, max_error, quantize, random_sinks
 
@@ -133,8 +134,6 @@ def test_agrees_with_the_mlx_path_at_the_threshold(monkeypatch):
 
 
 # --- pages read in place ---------------------------------------------------------------------------
-
-from tests.kernels.test_reference_paged import write_sequence
 
 PAGED_CASES = [
     # (prefix, chunk, block_size, heads, kv_heads, head_dim, key_tile)

@@ -29,7 +29,7 @@ DECODE_MATRIX = [
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,dtype", DECODE_MATRIX)
 def test_decode_edge_lengths(heads, kv_heads, head_dim, block_size, dtype, window):
     case = make_decode_case(
-        1, edge_lens(block_size) + [3 * block_size + 2], heads, kv_heads, head_dim, block_size, dtype, window
+        1, [*edge_lens(block_size), 3 * block_size + 2], heads, kv_heads, head_dim, block_size, dtype, window
     )
     out = paged_attention_reference(*case.args(), window=window)
     assert out.dtype == DTYPES[dtype]

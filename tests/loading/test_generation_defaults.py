@@ -136,7 +136,10 @@ def test_presets_toml_generation_table_and_the_default_model_card(tmp_path):
 def tiny_gguf(path: Path) -> Path:
     """A one-layer llama GGUF with a six-token GPT-2 vocabulary: enough for convert_gguf."""
     hidden, ff, tokens = 16, 32, ["<s>", "</s>", "<unk>", "a", "b", "ab"]
-    u32 = lambda n: mx.array(n, dtype=mx.uint32)
+
+    def u32(n: int) -> mx.array:
+        return mx.array(n, dtype=mx.uint32)
+
     meta = {
         "general.architecture": "llama",
         "llama.embedding_length": u32(hidden),
@@ -330,7 +333,10 @@ def test_plain_chat_uses_the_model_defaults_unless_told():
 
 def test_doctor_line(tmp_path):
     name, _ = models.load_presets()
-    on_disk = lambda path: ModelOnDisk(name, "float32", path, {}, 1)
+
+    def on_disk(path: Path) -> ModelOnDisk:
+        return ModelOnDisk(name, "float32", path, {}, 1)
+
     check = check_sampling_defaults(on_disk(model_dir(tmp_path, {"temperature": 0.5})))
     assert (check.status, check.detail) == (
         OK,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -34,7 +35,7 @@ def test_unknown_name_lists_presets():
 
 
 def test_directory_without_config_is_rejected(tmp_path):
-    with pytest.raises(models.UnknownModelError, match="no config.json"):
+    with pytest.raises(models.UnknownModelError, match=re.escape("no config.json")):
         models.resolve(str(tmp_path))
 
 

@@ -293,7 +293,8 @@ def _buffers(src: KernelSource, call: dict) -> list[tuple[str, bytes, int]]:
 
 def _write_input(path: Path, call: dict, buffers, seed: int, strict: bool) -> None:
     grid = list(call["grid"]) + [1] * (3 - len(call["grid"]))
-    group = [min(t, g) for t, g in zip(list(call["threadgroup"]) + [1] * 3, grid)]  # as MLX dispatches
+    threadgroup = list(call["threadgroup"]) + [1] * (3 - len(call["threadgroup"]))
+    group = [min(t, g) for t, g in zip(threadgroup, grid, strict=True)]  # as MLX dispatches
     with open(path, "wb") as f:
         f.write(b"MSLRUN1\0")
         f.write(np.array(grid + group, np.uint32).tobytes())
@@ -322,7 +323,7 @@ def run_kernel(kernel, *, strict: bool = True, seed: int = 0, **call) -> list[mx
             raise MetalEmulationError(message or f"emulator exited with {done.returncode}: {done.stderr[-2000:]}")
         data = outp.read_bytes()
     results, at = [], 0
-    for shape, dtype in zip(call["output_shapes"], call["output_dtypes"]):
+    for shape, dtype in zip(call["output_shapes"], call["output_dtypes"], strict=True):
         size = int(np.prod(shape)) * dtype.size
         results.append(_from_bytes(data[at : at + size], shape, dtype))
         at += size

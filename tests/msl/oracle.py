@@ -97,8 +97,8 @@ def make_decode_case(
     tables, num_blocks = shuffled_tables(rng, lens, block_size, spare_blocks, max_blocks)
     q, q64 = quantize(rng.standard_normal((len(lens), heads, 1, head_dim)), dtype)
     pool_shape = (num_blocks, kv_heads, block_size)
-    k, k64 = quantize(rng.standard_normal(pool_shape + (head_dim,)), dtype)
-    v, v64 = quantize(rng.standard_normal(pool_shape + (v_dim or head_dim,)), dtype)
+    k, k64 = quantize(rng.standard_normal((*pool_shape, head_dim)), dtype)
+    v, v64 = quantize(rng.standard_normal((*pool_shape, v_dim or head_dim)), dtype)
     sink, sink64 = random_sinks(rng, heads) if sinks else (None, None)
     return DecodeCase(
         q,

@@ -83,7 +83,7 @@ def test_bfloat16_rounds_to_nearest_even():
 def test_missing_barrier_is_caught(seed):
     # Depending on the fiber order the reader either finds the slot unwritten or races the writer.
     x = mx.ones((256,))
-    with pytest.raises(MetalEmulationError, match="(race on|uninitialised threadgroup memory) 'partial'"):
+    with pytest.raises(MetalEmulationError, match=r"(race on|uninitialised threadgroup memory) 'partial'"):
         run_block_sum(block_sum_kernel("block_sum_no_barrier", barrier=""), x, 256, seed=seed)
 
 
@@ -135,13 +135,13 @@ def test_missing_barrier_gives_seed_dependent_results_without_strict_checks():
 
 def test_divergent_simd_sum_is_caught():
     body = BLOCK_SUM.replace("float s = simd_sum(v);", "float s = lane < 16 ? simd_sum(v) : v;")
-    with pytest.raises(MetalEmulationError, match="simd_sum .*only some lanes"):
+    with pytest.raises(MetalEmulationError, match=r"simd_sum .*only some lanes"):
         run_block_sum(block_sum_kernel("divergent_sum", body=body), mx.ones((64,)), 64)
 
 
 def test_simd_sum_after_early_exit_is_caught():
     body = "if (thread_index_in_simdgroup >= 30) return;\n" + BLOCK_SUM
-    with pytest.raises(MetalEmulationError, match="only some lanes .* exited"):
+    with pytest.raises(MetalEmulationError, match=r"only some lanes .* exited"):
         run_block_sum(block_sum_kernel("early_exit_sum", body=body), mx.ones((64,)), 64)
 
 
@@ -184,7 +184,7 @@ def test_off_by_one_write_names_the_buffer():
         output_names=["out"],
         source="uint i = thread_position_in_grid.x; out[i + 1] = inp[i];",
     )
-    with pytest.raises(MetalEmulationError, match="out-of-bounds write .* buffer 'out'"):
+    with pytest.raises(MetalEmulationError, match=r"out-of-bounds write .* buffer 'out'"):
         run_kernel(
             k,
             inputs=[mx.ones((64,))],

@@ -10,6 +10,7 @@ Newer macOS releases report more (up to ~0.84-0.875 of RAM); the plan reads what
 from __future__ import annotations
 
 import math
+import re
 
 import mlxpaged  # noqa: F401  (OpenBLAS before mlx)
 from mlxpaged.config import CacheConfig, SchedulerConfig
@@ -137,7 +138,7 @@ def test_bytes_per_token():
 def test_facts_validation():
     with pytest.raises(ValueError, match="sliding_windows has 2 entries for 30 layers"):
         KVShape(30, 3, 64, 4, (None, 4096))
-    with pytest.raises(ValueError, match="backend must be one of .*, got 'rocm'"):
+    with pytest.raises(ValueError, match=r"backend must be one of .*, got 'rocm'"):
         DeviceFacts("rocm", GiB, GiB)
     with pytest.raises(ValueError, match="max_recommended_working_set_size"):
         DeviceFacts("metal", GiB, GiB)
@@ -202,7 +203,7 @@ def test_8gb_mac_llama3_8b_does_not_fit():
 
 def test_16gb_mac_bf16_llama3_8b_does_not_fit():
     with pytest.raises(
-        InsufficientMemoryError, match="16.06 GB .* exceed the Metal recommended working set of 11.45 GB"
+        InsufficientMemoryError, match=r"16\.06 GB .* exceed the Metal recommended working set of 11\.45 GB"
     ):
         plan_memory(MAC_16, LLAMA3_8B, CacheConfig(cache_tokens=4096))
 
@@ -253,7 +254,9 @@ def test_kv_memory_and_fraction():
     left = 48 * GiB - 6_871_947_673 - 16_060_522_496 - LLAMA_ACTIVATIONS
     plan = plan_memory(MAC_64, LLAMA3_8B, CacheConfig(memory_fraction=0.25))
     assert plan.num_blocks == int(left * 0.25) // 2_097_152
-    with pytest.raises(InsufficientMemoryError, match="kv_memory=100.00 GB is more than the 26.44 GB left") as info:
+    with pytest.raises(
+        InsufficientMemoryError, match=re.escape("kv_memory=100.00 GB is more than the 26.44 GB left")
+    ) as info:
         plan_memory(MAC_64, LLAMA3_8B, CacheConfig(kv_memory=100 * 10**9))
     assert info.value.render("cli").startswith("--kv-memory 100.00 GB is more than the 26.44 GB left")
     assert info.value.param == "kv_memory"
@@ -414,18 +417,16 @@ def test_wired_limit_clamps_to_working_set_and_syncs_streams():
 @pytest.mark.parametrize("error", [RuntimeError("boom"), KeyboardInterrupt()])
 def test_wired_limit_restores_on_exception_and_ctrl_c(error):
     mx = FakeMx(current=7)
-    with pytest.raises(type(error)):
-        with wired_limit(10**9, mx_module=mx):
-            raise error
+    with pytest.raises(type(error)), wired_limit(10**9, mx_module=mx):
+        raise error
     assert mx.limit == 7 and mx.calls[-2:] == [("sync", None), ("set", 7)]
 
 
 def test_wired_limit_restores_even_if_synchronize_fails():
     mx = FakeMx(current=7)
     mx.synchronize = lambda stream=None: (_ for _ in ()).throw(RuntimeError("sync failed"))
-    with pytest.raises(RuntimeError, match="sync failed"):
-        with wired_limit(10**9, mx_module=mx):
-            pass
+    with pytest.raises(RuntimeError, match="sync failed"), wired_limit(10**9, mx_module=mx):
+        pass
     assert mx.limit == 7
 
 

@@ -71,7 +71,7 @@ def test_a_16gb_card_cannot_hold_bf16_llama3_8b():
 
 
 def test_kv_memory_beyond_what_is_left_names_the_numbers():
-    with pytest.raises(InsufficientMemoryError, match="kv_memory=200.00 GB.* is more than the 117.45 GB left"):
+    with pytest.raises(InsufficientMemoryError, match=r"kv_memory=200\.00 GB.* is more than the 117\.45 GB left"):
         plan_memory(H200, LLAMA3_8B, CacheConfig(kv_memory=200 * 10**9))
 
 

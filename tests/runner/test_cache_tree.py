@@ -39,7 +39,7 @@ def test_structure_is_rebuilt_with_one_cache_per_leaf_path():
 def test_an_unused_cache_fails_loudly_naming_where_it_is():
     unused = assemble(NESTED, leaf_caches(NESTED, ["a", "b", "c"]))[3]
     with pytest.raises(RuntimeError, match=r"cache entry 3: .*\.offset"):
-        unused.offset
+        _ = unused.offset
     with pytest.raises(RuntimeError, match="cache entry 3"):
         unused[0]
 

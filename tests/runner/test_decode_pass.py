@@ -48,8 +48,8 @@ def count_passes(monkeypatch) -> list[int]:
 def test_page_buckets_pad_by_at_most_a_quarter_with_four_graphs_per_doubling():
     buckets = [page_bucket(n) for n in range(1, 5000)]
     assert buckets[:MIN_PAGES] == [MIN_PAGES] * MIN_PAGES
-    assert all(b >= n for n, b in zip(range(1, 5000), buckets))
-    assert all(b <= 1.25 * n for n, b in zip(range(MIN_PAGES + 1, 5000), buckets[MIN_PAGES:]))
+    assert all(b >= n for n, b in zip(range(1, 5000), buckets, strict=True))
+    assert all(b <= 1.25 * n for n, b in zip(range(MIN_PAGES + 1, 5000), buckets[MIN_PAGES:], strict=True))
     assert buckets == sorted(buckets)
     for k in range(4, 12):
         assert len({page_bucket(n) for n in range(2**k + 1, 2 ** (k + 1) + 1)}) == 4
@@ -59,7 +59,7 @@ def padded_inputs(case, width: int) -> tuple[mx.array, mx.array]:
     """Page rows and key mask as a compiled pass builds them: tables padded to `width` pages."""
     block_size = case.k_pool.shape[2]
     tables = []
-    for table, n in zip(case.tables_np, case.lens):
+    for table, n in zip(case.tables_np, case.lens, strict=True):
         used = list(table[: -(-n // block_size)])
         tables.append(used + [used[-1]] * (width - len(used)))
     tables = mx.array(np.asarray(tables, dtype=np.int32))
@@ -173,8 +173,7 @@ def test_a_model_whose_pass_cannot_be_compiled_decodes_eagerly(tokenizer, monkey
     monkeypatch.setattr(CompiledDecode, "warm_up", fails)
     model = tiny_llama()
     prompt = random_tokens(12, seed=5)
-    with pytest.warns(RuntimeWarning, match="compiled decode is off"):
-        with tiny_engine(model, tokenizer) as engine:
-            got = engine.generate([prompt], GREEDY)[0].token_ids
-            assert engine.runner.decoder is None
+    with pytest.warns(RuntimeWarning, match="compiled decode is off"), tiny_engine(model, tokenizer) as engine:
+        got = engine.generate([prompt], GREEDY)[0].token_ids
+        assert engine.runner.decoder is None
     assert got == reference_tokens(model, prompt, GREEDY.max_tokens)

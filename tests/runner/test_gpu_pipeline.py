@@ -31,11 +31,10 @@ LONG = dataclasses.replace(GREEDY, max_tokens=40)
 @pytest.fixture(scope="module")
 def gpu_engine(tokenizer):
     model = tiny_llama()
-    with backend.simulate("cuda"):
-        with tiny_engine(model, tokenizer, max_num_seqs=8) as eng:
-            assert eng.runner.defers and eng.runner.decoder is None
-            yield eng
-            assert_pool_empty(eng)
+    with backend.simulate("cuda"), tiny_engine(model, tokenizer, max_num_seqs=8) as eng:
+        assert eng.runner.defers and eng.runner.decoder is None
+        yield eng
+        assert_pool_empty(eng)
 
 
 @pytest.fixture
@@ -62,7 +61,7 @@ def test_batched_queued_ahead_decode_equals_mlx_lm_per_prompt(gpu_engine, short_
     # Different lengths: rows leave the run at different steps and their pending K/V become orphans.
     params = [dataclasses.replace(LONG, max_tokens=m) for m in (40, 13, 27, 6, 40, 21, 33, 9)]
     got = gpu_engine.generate(prompts, params)
-    for prompt, p, completion in zip(prompts, params, got):
+    for prompt, p, completion in zip(prompts, params, got, strict=True):
         assert completion.token_ids == reference_tokens(gpu_engine.model, prompt, p.max_tokens)
 
 
@@ -116,7 +115,7 @@ def test_requests_arriving_mid_run_stop_and_restart_the_pipeline(gpu_engine, sho
         started[i].wait(timeout=60)
     for t in threads:
         t.join(timeout=120)
-    for prompt, got in zip(prompts, results):
+    for prompt, got in zip(prompts, results, strict=True):
         assert got == reference_tokens(gpu_engine.model, prompt, LONG.max_tokens)
 
 
@@ -129,7 +128,7 @@ def test_seeded_sampling_is_the_same_queued_ahead(tokenizer):
     with backend.simulate("cuda"), tiny_engine(model, tokenizer) as gpu:
         got = gpu.generate(prompts, params)
     assert [c.token_ids for c in got] == [c.token_ids for c in want]
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         assert g.logprobs == pytest.approx(w.logprobs, abs=1e-4)
 
 
@@ -225,7 +224,7 @@ def test_on_metal_the_kernel_attends_the_pools_and_the_pending_tail(tokenizer, m
         assert eng.runner.defers and attention.attention_status()["path"] == "kernel"
         got = eng.generate(prompts, params)
     assert merged and all(merged)
-    for prompt, completion in zip(prompts, got):
+    for prompt, completion in zip(prompts, got, strict=True):
         assert completion.token_ids == reference_tokens(model, prompt, params.max_tokens)
 
 

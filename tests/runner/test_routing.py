@@ -218,7 +218,7 @@ def test_compiled_pass_attends_the_pools_with_sinks():
 def test_compiled_pass_refuses_calls_it_cannot_honour():
     view, keys, values = compiled_view()
     queries = mx.ones((1, HEADS, 1, DIM))
-    with pytest.raises(RuntimeError, match="mask it built itself.*MLXPAGED_COMPILE=0"):
+    with pytest.raises(RuntimeError, match=r"mask it built itself.*MLXPAGED_COMPILE=0"):
         routing._routed_sdpa(queries, keys, values, view, SCALE, mx.ones((1, 1, 1, 8), mx.bool_))
     with pytest.raises(RuntimeError, match="K/V other than its cache returned"):
         routing._routed_sdpa(queries, keys * 2, values, view, SCALE, None)

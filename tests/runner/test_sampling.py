@@ -217,9 +217,9 @@ def generate(state, steps: int, batch_with: list | None = None, position: int = 
     for _ in range(steps):
         rows = [noise.normal(size=VOCAB).astype(np.float32) for _ in others]
         rows.insert(position, row_logits(state.generation_index))
-        batch = others[:position] + [state] + others[position:]
+        batch = [*others[:position], state, *others[position:]]
         results = sample_batch(mx.array(np.stack(rows)), batch)
-        for other, result in zip(batch, results):
+        for other, result in zip(batch, results, strict=True):
             other.sequence.output_token_ids.append(result.token)  # as the scheduler does
         tokens.append(results[position].token)
     return tokens

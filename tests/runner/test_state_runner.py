@@ -44,7 +44,7 @@ def assert_state_matches(layout, store, seq) -> None:
     for leaf in layout.state_leaves:
         want = seq.ref_cache[leaf.path[0]].cache
         got = store.row(seq.slot, leaf.path)
-        for i, (w, g) in enumerate(zip(want, got)):
+        for i, (w, g) in enumerate(zip(want, got, strict=True)):
             assert g is not None and g.shape == w.shape, (leaf.path, i)
             diff = mx.abs(g - w).max().item()
             assert mx.allclose(g, w, atol=ATOL, rtol=ATOL).item(), f"{leaf.path}[{i}]: max diff {diff}"
@@ -73,11 +73,11 @@ def test_state_rows_and_logits_match_mlx_lm_through_chunked_prefill_and_batched_
     runner.step([a.chunk(10)])
     logits = runner.step([a.chunk(), b.chunk()])  # a's state carried across chunks; b fresh, in its own pass
     for _ in range(3):
-        for seq, row in zip((a, b), logits):
+        for seq, row in zip((a, b), logits, strict=True):
             assert mx.allclose(row, seq.ref_logits, atol=ATOL, rtol=ATOL).item(), mx.abs(row - seq.ref_logits).max()
             assert_state_matches(layout, store, seq)
         nxt = [int(mx.argmax(row).item()) for row in logits]
-        for seq, token in zip((a, b), nxt):
+        for seq, token in zip((a, b), nxt, strict=True):
             seq.feed(model, token)
         logits = runner.step([a.chunk(), b.chunk()])  # one batched decode pass of both
     assert store.num_free == 2

@@ -9,7 +9,7 @@ older SDKs and Claude Code send them: accepted, in Anthropic's ranges.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
@@ -65,7 +65,7 @@ def _result_part_tag(value: object) -> str | None:
 
 
 ResultPart = Annotated[
-    Union[Annotated[TextBlock, Tag("text")], Annotated[OtherBlock, Tag("other")]],
+    Annotated[TextBlock, Tag("text")] | Annotated[OtherBlock, Tag("other")],
     Discriminator(
         _result_part_tag,
         custom_error_type="invalid_block",
@@ -82,14 +82,12 @@ class ToolResultBlock(_Strict):
 
 
 ContentBlock = Annotated[
-    Union[
-        Annotated[TextBlock, Tag("text")],
-        Annotated[ToolUseBlock, Tag("tool_use")],
-        Annotated[ToolResultBlock, Tag("tool_result")],
-        Annotated[ThinkingBlock, Tag("thinking")],
-        Annotated[RedactedThinkingBlock, Tag("redacted_thinking")],
-        Annotated[OtherBlock, Tag("other")],
-    ],
+    Annotated[TextBlock, Tag("text")]
+    | Annotated[ToolUseBlock, Tag("tool_use")]
+    | Annotated[ToolResultBlock, Tag("tool_result")]
+    | Annotated[ThinkingBlock, Tag("thinking")]
+    | Annotated[RedactedThinkingBlock, Tag("redacted_thinking")]
+    | Annotated[OtherBlock, Tag("other")],
     Discriminator(
         _block_tag,
         custom_error_type="invalid_block",

@@ -117,4 +117,4 @@ class OutputParser:
         reason = delta.finish_reason
         if reason == "stop" and self._ended:
             reason = "tool_calls"
-        return events + [Finish(reason, getattr(delta, "stop_sequence", None))]
+        return [*events, Finish(reason, getattr(delta, "stop_sequence", None))]

@@ -35,7 +35,7 @@ from mlxpaged_app.server.state import ServedModel, ServerState
 
 import anyio
 
-CALL_ID_PREFIX = {"openai": "call_", "responses": "call_", "anthropic": "toolu_"}
+CALL_ID_PREFIX = {"openai": "call_", "responses": "call_", "anthropic": "toolu_", "ollama": "call_"}
 
 
 @dataclass
@@ -99,7 +99,9 @@ class ChoiceResult:
 class ChatRun:
     def __init__(self, spec: ChatRequestSpec, generation: Generation, prepared: Prepared, tokenizer) -> None:
         self.spec, self.generation = spec, generation
+        self.prompt = prepared.prompt
         self.prompt_tokens = len(prepared.prompt)  # known before any token (Anthropic's message_start reports it)
+        self.output_ids: list[list[int]] = [[] for _ in range(spec.n)]  # per choice (Ollama's `context` returns them)
         self.grammar_warnings = prepared.constraint.warnings if prepared.constraint is not None else ()
         think = (tokenizer.think_start, tokenizer.think_end) if getattr(tokenizer, "has_thinking", False) else None
         prefix = CALL_ID_PREFIX[spec.api]
@@ -118,6 +120,8 @@ class ChatRun:
     async def events(self) -> AsyncIterator[tuple[int, list[ChatEvent]]]:
         """(choice, the events one engine delta completed); GenerationFailed if the engine failed."""
         async for choice, delta in self.generation.deltas():
+            if delta.token_id is not None:
+                self.output_ids[choice].append(delta.token_id)
             yield choice, self.parsers[choice].feed(delta)
 
     def usage(self) -> dict:
@@ -125,7 +129,9 @@ class ChatRun:
 
 
 def _params(model: ServedModel, spec: ChatRequestSpec, prepared: Prepared) -> SamplingParams:
-    max_tokens = reply_budget(model, len(prepared.prompt), spec.max_tokens, spec.names)
+    max_tokens = reply_budget(
+        model, len(prepared.prompt), spec.max_tokens, spec.names, spec.context_limit, spec.reply_to_context_end
+    )
     params = sampling_params(
         spec.sampling,
         max_tokens=max_tokens,
@@ -136,6 +142,7 @@ def _params(model: ServedModel, spec: ChatRequestSpec, prepared: Prepared) -> Sa
     )
     if prepared.constraint is not None:
         params = dataclasses.replace(params, constraint=prepared.constraint)
+    params.trim_leading_space = spec.raw_prompt is None  # a raw prompt's reply continues its text exactly
     return params
 
 
@@ -171,6 +178,12 @@ async def serve_chat_request(request, state: ServerState, schema, to_spec, shape
     reply shape (`shape_for(model, body, spec, run)`); everything else is this pipeline's."""
     body, spec, arrived = await accept_chat(request, state, schema, to_spec)
     model = await model_for(state, body)
+    return await reply_to_chat(request, model, body, spec, arrived, shape_for)
+
+
+async def reply_to_chat(request, model: ServedModel, body, spec: ChatRequestSpec, arrived: float, shape_for: ShapeFor):
+    """The run and the reply of an accepted request on its model (an API that accepts in its own way, as Ollama's,
+    starts here)."""
     run, cleanup = await start_chat(model, spec, arrived)
     try:
         shape = shape_for(model, body, spec, run)

@@ -70,18 +70,21 @@ def template_inputs(tokenizer, spec: ChatRequestSpec) -> tuple[list[dict], list[
 
 
 def render_prompt(tokenizer, spec: ChatRequestSpec) -> list[int]:
-    """Prompt token ids, ready for the reply. A template that refuses the conversation is the client's 400."""
+    """Prompt token ids, ready for the reply: `prompt_prefix`, then the messages through the chat template (or
+    the raw prompt, encoded as /v1/completions encodes text). A template that refuses the conversation is the
+    client's 400."""
+    if spec.raw_prompt is not None:
+        return [*spec.prompt_prefix, *tokenizer.encode(spec.raw_prompt, add_special_tokens=False)]
     messages, tools = template_inputs(tokenizer, spec)
     try:
-        return list(
-            tokenizer.apply_chat_template(
-                messages, tools=tools, add_generation_prompt=True, tokenize=True, **spec.reasoning.kwargs()
-            )
+        rendered = tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=True, tokenize=True, **spec.reasoning.kwargs()
         )
     except Exception as exc:  # jinja's TemplateError, or a template's raise_exception(...)
         raise invalid_param(
             spec.names.prompt, f"the model's chat template cannot render these messages: {type(exc).__name__}: {exc}"
         ) from None
+    return [*spec.prompt_prefix, *rendered]
 
 
 def reasoning_open(tokenizer, prompt: list[int]) -> bool:

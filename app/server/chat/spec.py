@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 from mlxpaged_app.server.param_names import OPENAI_CHAT, ParamNames
 
 from pydantic import BaseModel, ConfigDict
 
-API = Literal["openai", "anthropic", "responses"]
+API = Literal["openai", "anthropic", "responses", "ollama"]
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class NamedTool:
     name: str
 
 
-ToolChoice = Union[Literal["none", "auto", "required"], NamedTool]
+ToolChoice = Literal["none", "auto", "required"] | NamedTool
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class JsonSchemaOutput:
     name: str | None = None
 
 
-OutputFormat = Union[JsonObjectOutput, JsonSchemaOutput, None]
+OutputFormat = JsonObjectOutput | JsonSchemaOutput | None
 
 
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")  # OpenAI's reasoning efforts
@@ -115,6 +115,12 @@ class ChatRequestSpec:
     stream: bool = False
     api: API = "openai"
     names: ParamNames = OPENAI_CHAT  # the API's parameter names, for errors raised after translation
+    # The prompt, when it is not only the messages through the chat template (Ollama's /api/generate):
+    raw_prompt: str | None = None  # text sent as it is, no template (`raw`); the messages are then unused
+    prompt_prefix: tuple[int, ...] = ()  # token ids before the prompt (a previous reply's `context`)
+    # The reply's room, when the request bounds it below the server's context (Ollama's options):
+    context_limit: int | None = None  # prompt + reply at most this many tokens (`num_ctx`)
+    reply_to_context_end: bool = False  # max_tokens None means "until the context ends" (`num_predict` -1)
 
     @property
     def n(self) -> int:
@@ -175,4 +181,4 @@ class Finish:
     stop_sequence: str | None = None
 
 
-ChatEvent = Union[TextDelta, ReasoningDelta, ToolCallStart, ToolCallArgs, ToolCallEnd, TokenLogprobs, Finish]
+ChatEvent = TextDelta | ReasoningDelta | ToolCallStart | ToolCallArgs | ToolCallEnd | TokenLogprobs | Finish

@@ -156,26 +156,10 @@ class ResponseBuilder(ReplyShape):
         item, index = self._open, self._positions[self._open["id"]]
         part = item["content"][0]
         part["text"] += event.text
+        fields = {"item_id": item["id"], "output_index": index, "content_index": 0, "delta": event.text}
         if kind == "reasoning":
-            return out + [
-                self._event(
-                    "response.reasoning_text.delta",
-                    item_id=item["id"],
-                    output_index=index,
-                    content_index=0,
-                    delta=event.text,
-                )
-            ]
-        return out + [
-            self._event(
-                "response.output_text.delta",
-                item_id=item["id"],
-                output_index=index,
-                content_index=0,
-                delta=event.text,
-                logprobs=[],
-            )
-        ]
+            return [*out, self._event("response.reasoning_text.delta", **fields)]
+        return [*out, self._event("response.output_text.delta", **fields, logprobs=[])]
 
     def _open_item(self, kind: str) -> list[dict]:
         if kind == "reasoning":

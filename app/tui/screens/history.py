@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import time
+from typing import ClassVar
 
 from mlxpaged_app.tui.store import Conversation
 
 from rich.text import Text
 from textual.app import ComposeResult
-from textual.binding import Binding
+from textual.binding import Binding, BindingType
 from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import OptionList, Static
@@ -24,7 +25,7 @@ def _label(conversation: Conversation, current_id: str | None) -> Text:
 
 
 class HistoryScreen(ModalScreen[str | None]):
-    BINDINGS = [Binding("escape", "cancel", "Cancel")]
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape", "cancel", "Cancel")]
 
     def __init__(self, conversations: list[Conversation], current_id: str | None):
         super().__init__()

@@ -3,8 +3,10 @@ inserts a newline."""
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from textual import events
-from textual.binding import Binding
+from textual.binding import Binding, BindingType
 from textual.message import Message
 from textual.widgets import TextArea
 
@@ -12,7 +14,7 @@ PLACEHOLDER = "Message — Enter sends · Ctrl+J new line · F1 all keys"
 
 
 class ChatInput(TextArea):
-    BINDINGS = [Binding("ctrl+j,shift+enter", "newline", "New line", show=False)]
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("ctrl+j,shift+enter", "newline", "New line", show=False)]
 
     class Submitted(Message):
         def __init__(self, text: str):

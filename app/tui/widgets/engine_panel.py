@@ -59,7 +59,7 @@ def stats_text(stats: dict) -> Text:
     block_size = getattr(plan, "block_size", None)
     ttft = stats.get("last_time_to_first_token")
     rows = [
-        ("KV blocks", f"{total:,}" + (f" × {block_size} tokens" if block_size else "")),
+        ("KV blocks", f"{total:,}" + (f" \N{MULTIPLICATION SIGN} {block_size} tokens" if block_size else "")),
         ("  in use", f"{stats['blocks_used']:,}"),
         ("  cached", f"{cached:,} (free, reusable)"),
         ("  empty", f"{free - cached:,}"),

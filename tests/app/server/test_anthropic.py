@@ -74,7 +74,8 @@ def test_text_message_usage_and_cache_read(smol):
     assert first.type == "message" and first.role == "assistant" and first.id.startswith("msg_")
     assert [b.type for b in first.content] == ["text"] and "Paris" in first.content[0].text
     assert first.stop_reason in ("end_turn", "max_tokens") and 0 < first.usage.output_tokens <= 20
-    follow = FRANCE + [
+    follow = [
+        *FRANCE,
         {"role": "assistant", "content": first.content[0].text},
         {"role": "user", "content": "And of Italy?"},
     ]
@@ -182,7 +183,8 @@ def test_tool_result_turn(scripted):
         for c in calls
     ]
     results[-1]["is_error"] = True
-    messages = ASK + [
+    messages = [
+        *ASK,
         {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
         {"role": "user", "content": results},
     ]
@@ -389,9 +391,9 @@ def test_replayed_agent_loop_hits_the_prefix_cache(smol):
                 "content": [{"type": "tool_result", "tool_use_id": call_id, "content": f"{10 + turn} C, cloudy"}],
             },
         ]
-    rates = [c / p for c, p in zip(cached[1:], prompts)]
+    rates = [c / p for c, p in zip(cached[1:], prompts[:-1], strict=True)]
     print(f"\ncache_read_input_tokens / previous prompt per turn: {[f'{r:.0%}' for r in rates]}")
-    assert all(rate >= 0.9 for rate in rates), list(zip(prompts, cached))
+    assert all(rate >= 0.9 for rate in rates), list(zip(prompts, cached, strict=True))
 
 
 def test_readme_snippet_runs(smol, capsys):

@@ -50,7 +50,7 @@ def parse(text: str, cuts: list[int], fmt: ToolFormat = GENERIC_FORMAT, reason: 
         think=THINK, tools=fmt, tool_dicts=[], new_call_id=iter(f"call_{i}" for i in itertools.count()).__next__
     )
     bounds = [0, *sorted(set(cuts)), len(text)]
-    pieces = [text[a:b] for a, b in zip(bounds, bounds[1:])]
+    pieces = [text[a:b] for a, b in itertools.pairwise(bounds)]
     result = ChoiceResult()
     for i, piece in enumerate(pieces):
         last = i == len(pieces) - 1

@@ -156,7 +156,7 @@ async def test_keep_alive_zero_unloads_after_the_request_and_none_never():
     await asyncio.sleep(0.2)
     assert "a" not in registry.loaded and a.unloaded and loads.released == ["a"]
     with pytest.raises(APIError) as gone:
-        a.engine
+        _ = a.engine
     assert gone.value.status == 503
     assert registry.loaded.get("b") is b and not b.unloaded
 

@@ -88,7 +88,7 @@ def test_two_models_alternately_and_concurrently_each_from_its_own_engine(server
         mixed = list(pool.map(lambda m: greedy(client, m), ["tiny-a", "tiny-b"] * 4))
     replies = alternate + mixed
     by_model: dict[str, set[str]] = {}
-    for reply, asked in zip(replies, ["tiny-a", "tiny-b"] * 6):
+    for reply, asked in zip(replies, ["tiny-a", "tiny-b"] * 6, strict=True):
         assert reply.model == asked
         by_model.setdefault(asked, set()).add(reply.choices[0].message.content)
     assert len(by_model["tiny-a"]) == len(by_model["tiny-b"]) == 1  # greedy: one engine per model, same answer

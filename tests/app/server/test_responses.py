@@ -8,6 +8,7 @@ output items back as input: exact and deterministic).
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -156,7 +157,7 @@ def test_readme_example_runs(smol):
 
 
 def _cache_rates(usages: list) -> list[float]:
-    rates = [u.input_tokens_details.cached_tokens / p.input_tokens for p, u in zip(usages, usages[1:])]
+    rates = [u.input_tokens_details.cached_tokens / p.input_tokens for p, u in itertools.pairwise(usages)]
     print(f"\ncached tokens / previous input per turn: {[f'{r:.0%}' for r in rates]}")
     return rates
 

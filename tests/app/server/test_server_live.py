@@ -7,6 +7,7 @@ One server per module (model load ~2 s); replies are kept short. Timing is repor
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import re
@@ -362,7 +363,7 @@ def test_disconnect_mid_stream_frees_blocks(server, http):
     body = {"prompt": "Write a long story about a dragon.", "max_tokens": 1000, "stream": True, "ignore_eos": True}
     with http.stream("POST", COMPLETIONS, json=body, headers=AUTH) as r:
         lines = r.iter_lines()
-        events = [line for line, _ in zip((line for line in lines if line.startswith("data: ")), range(3))]
+        events = list(itertools.islice((line for line in lines if line.startswith("data: ")), 3))
         assert len(events) == 3
         assert server.health()["blocks_used"] > 0
     elapsed = server.blocks_back()

@@ -9,6 +9,7 @@ mlxpaged.constraints (llguidance) in the engine.
 
 from __future__ import annotations
 
+import itertools
 import json
 
 from tests.app.server.test_server_live import KEY, serving
@@ -151,7 +152,7 @@ def _agent_loop(client, model: str, system: str, turns: int, **extra) -> list:
 
 
 def _assert_cached(usages: list) -> None:
-    rates = [u.prompt_tokens_details.cached_tokens / p.prompt_tokens for p, u in zip(usages, usages[1:])]
+    rates = [u.prompt_tokens_details.cached_tokens / p.prompt_tokens for p, u in itertools.pairwise(usages)]
     print(f"\ncached tokens / previous prompt per turn: {[f'{r:.0%}' for r in rates]}")
     assert all(rate >= 0.9 for rate in rates), [(u.prompt_tokens, u.prompt_tokens_details) for u in usages]
 
