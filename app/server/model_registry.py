@@ -135,8 +135,9 @@ class ModelRegistry:
         if served is None or served.pinned:
             return served
         served.keep_alive = 0.0
-        if served.in_flight:
-            return served  # its last request's end schedules the unload
+        await asyncio.sleep(max(served.handed_out + HANDOUT_GRACE_S - time.monotonic(), 0.0))  # a route's turn
+        if served.in_flight or self.loaded.get(served.model_id) is not served:
+            return served  # its last request's end schedules the unload (or it is already gone)
         if served.idle_timer is not None:
             served.idle_timer.cancel()
             served.idle_timer = None

@@ -105,7 +105,8 @@ def test_tags_show_and_ps_describe_the_served_model(smol, http):
     [loaded] = client.ps().models
     assert loaded.model == listed.model and loaded.digest == listed.digest
     assert loaded.context_length == card["max_model_len"] and loaded.size > listed.size  # weights + KV cache
-    assert loaded.expires_at > dt.datetime.now(dt.UTC) + dt.timedelta(days=365)  # held for the server's life
+    left = loaded.expires_at - dt.datetime.now(dt.UTC)  # the default keep-alive (5 minutes) after its last use
+    assert dt.timedelta(minutes=4) < left <= dt.timedelta(minutes=5, seconds=1)
     assert http.head("/api/tags").status_code == 200
 
 
