@@ -14,6 +14,7 @@ from tests.app.server.test_server_live import Server, assert_clean_exit, start_s
 from tests.tiny_models import write_tiny_llama_dir
 
 import httpx
+import ollama
 import openai
 import pytest
 
@@ -156,6 +157,9 @@ def test_a_model_that_fails_to_load_says_why_and_the_others_keep_serving(server,
         f"{server.url}/v1/messages", json={"model": "tiny-broken", "max_tokens": 4, "messages": HI}, timeout=60
     )
     assert anthropic.json()["type"] == "error" and "failed to load" in anthropic.json()["error"]["message"]
+    with pytest.raises(ollama.ResponseError, match="failed to load") as ollama_failed:  # Ollama's {"error": ...}
+        ollama.Client(host=server.url, timeout=60).chat(model="tiny-broken:latest", messages=HI)
+    assert ollama_failed.value.status_code == 500
     assert "tiny-broken" in server.health()["failed"] and "tiny-broken" not in loaded(server)
     assert greedy(client, "tiny-a").model == "tiny-a"
     with pytest.raises(openai.NotFoundError):
@@ -179,7 +183,10 @@ def test_a_model_that_cannot_fit_is_refused_with_the_numbers(store, tmp_path):
             anthropic = httpx.post(
                 f"{srv.url}/v1/messages", json={"model": "tiny-a", "max_tokens": 4, "messages": HI}, timeout=60
             )
+            ollama_reply = httpx.post(f"{srv.url}/api/chat", json={"model": "tiny-a", "messages": HI}, timeout=60)
         error = refused.value
+        assert ollama_reply.status_code == 503 and "--max-memory" in ollama_reply.json()["error"]
+        assert set(ollama_reply.json()) == {"error"}
         assert error.status_code == 503 and error.body["code"] == "insufficient_memory"
         assert re.search(
             r"needs \d+\.\d+ [MG]B .* of the 0\.06 GB memory budget \(--max-memory\)", error.body["message"]
