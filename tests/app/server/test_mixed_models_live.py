@@ -140,3 +140,7 @@ def test_ollama_keep_alive_unloads_and_load_duration_is_the_load(olla):
     with pytest.raises(ollama.ResponseError, match="does not exist") as unknown:
         olla.generate(model="llama3.2", keep_alive=0)
     assert unknown.value.status_code == 404
+    olla.chat(model="tiny-a", messages=[], keep_alive=0)
+    assert "tiny-a:latest" not in {m.model for m in olla.ps().models}
+    assert "completion" in olla.show("tiny-a").capabilities  # /api/show loads a model that is not loaded
+    assert "tiny-a:latest" in {m.model for m in olla.ps().models}
