@@ -76,6 +76,12 @@ def cmd_pull(args: argparse.Namespace) -> int:
     return 0
 
 
+def kv_disk_settings(args: argparse.Namespace) -> dict:
+    from mlxpaged_app.server.flags import kv_disk_settings as settings
+
+    return settings(args)
+
+
 def cmd_chat(args: argparse.Namespace) -> int:
     if args.plain:
         return cmd_plain_chat(args)
@@ -92,6 +98,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
             resume=args.resume,
             cache_tokens=args.cache_tokens,
             speculative=args.speculative,
+            kv_disk=kv_disk_settings(args),
+            kv_bits=args.kv_bits,
         )
     except ValueError as exc:  # bad sampling settings, before the app starts
         print(f"mlxpaged chat: {user_message(exc, 'cli')}", file=sys.stderr)
@@ -111,7 +119,15 @@ def cmd_plain_chat(args: argparse.Namespace) -> int:
         settings = ChatSettings(
             temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed
         )
-        return run_plain_chat(args.model, settings, args.system, args.cache_tokens, args.speculative)
+        return run_plain_chat(
+            args.model,
+            settings,
+            args.system,
+            args.cache_tokens,
+            args.speculative,
+            kv_disk_settings(args),
+            args.kv_bits,
+        )
     except ValueError as exc:  # bad sampling or cache settings, before the first turn
         print(f"mlxpaged chat: {exc}", file=sys.stderr)
         return 2
@@ -162,7 +178,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlxpaged", description="Local LLM inference on MLX with a paged KV cache.")
     parser.add_argument("--version", action="version", version=f"mlxpaged {mlxpaged.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    from mlxpaged_app.server.flags import SPECULATIVE_HELP, add_serve_arguments
+    from mlxpaged_app.server.flags import (
+        KV_BITS,
+        KV_BITS_HELP,
+        SPECULATIVE_HELP,
+        add_kv_disk_arguments,
+        add_serve_arguments,
+    )
 
     chat = sub.add_parser("chat", help="chat with a model in the terminal (a Textual app; F1 lists the keys)")
     chat.add_argument("--model", "-m", default=None, help="preset name, local path or Hugging Face repo id")
@@ -176,14 +198,20 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--top-p", type=float, default=None, help="default: the model's, else 1.0")
     chat.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     chat.add_argument("--system", default="", help="system prompt (default: the model's own)")
-    chat.add_argument("--resume", action="store_true", help="reopen the last saved conversation")
+    chat.add_argument(
+        "--resume",
+        action="store_true",
+        help="reopen the last saved conversation (its earlier turns' KV comes from the disk tier: no re-prefill)",
+    )
     chat.add_argument("--cache-tokens", type=int, default=DEFAULT_CACHE_TOKENS, help="KV cache capacity in tokens")
     chat.add_argument("--speculative", choices=["ngram"], default=None, help=SPECULATIVE_HELP)
+    chat.add_argument("--kv-bits", type=int, choices=KV_BITS, default=None, help=KV_BITS_HELP)
     chat.add_argument(
         "--plain",
         action="store_true",
         help="a plain line-mode chat instead of the app (for pipes and ssh; replies on stdout)",
     )
+    add_kv_disk_arguments(chat)
     chat.set_defaults(func=cmd_chat)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP endpoint on localhost")
@@ -205,6 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
             "spec",
             "hybrid",
             "gpu",
+            "restart",
+            "kv",
         ],
         help="decode: batch-1 tok/s vs mlx-lm; batch: 16 concurrent requests vs mlx-lm "
         "batch_generate; prefix: time to first token, cached vs cold; prefill: cold and "
@@ -215,11 +245,17 @@ def build_parser() -> argparse.ArgumentParser:
         "and without prompt-lookup speculation, repetitive and free-text tasks; hybrid: batch-1 "
         "decode of a random Qwen 3.5-style hybrid (state slots + paged KV) vs mlx-lm; gpu: every "
         "issue-21 target in one run (decode, 16/64 concurrent, cold TTFT at 2k/8k, cached "
-        "8k prefix) vs plain mlx-lm on the model's own dtype, and a met/missed summary",
+        "8k prefix) vs plain mlx-lm on the model's own dtype, and a met/missed summary; restart: time to "
+        "first token of an 8k-token prompt cold, from the RAM prefix cache and from the disk tier after a "
+        "real process restart; kv: quantized KV pages "
+        "(8 and 4 bits) vs full precision: capacity, perplexity on a held-out text, greedy agreement, decode tok/s",
     )
     bench.add_argument("--model", "-m", default=None)
     bench.add_argument("--tokens", type=int, default=128, help="tokens to generate per request")
     bench.add_argument("--runs", type=int, default=3)
+    bench.add_argument(
+        "--prompt-tokens", type=int, default=None, help="restart: prompt length in tokens (default 8000)"
+    )
     bench.add_argument(
         "--sizes",
         type=prefill_sizes,
@@ -242,6 +278,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="prefill, gpu: context in tokens instead of the model's own (16384 for the default "
         "model's 8192: RoPE extrapolates; timings only, no promise about quality)",
+    )
+    bench.add_argument(
+        "--kv-group-size",
+        type=int,
+        choices=(64, 32),
+        default=64,
+        help="kv: elements per scale and bias of the quantized pages (default 64)",
     )
     bench.add_argument(
         "--clock",

@@ -64,8 +64,8 @@ class ModelOnDisk:
 
 
 def default_cache_config() -> CacheConfig:
-    """What `mlxpaged chat` and `Engine.from_pretrained()` use when given no cache settings."""
-    return CacheConfig(cache_tokens=DEFAULT_CACHE_TOKENS)
+    """What `mlxpaged chat` uses when given no cache settings (the prefix cache on disk as well)."""
+    return CacheConfig(cache_tokens=DEFAULT_CACHE_TOKENS, kv_disk=True)
 
 
 # ---- the checks: each returns one Check ------------------------------------------------------
@@ -275,6 +275,30 @@ def check_store() -> Check:
     return Check(OK, "model store", str(store))
 
 
+def check_kv_disk() -> Check:
+    """The prefix cache's disk tier as `chat` and `serve` use it by default: where, how full, room left."""
+    from mlxpaged.cache.disk_tier import list_entries
+    from mlxpaged.config import DEFAULT_KV_DISK_SIZE, default_kv_disk_dir
+    from mlxpaged.units import parse_size
+
+    root, limit = default_kv_disk_dir(), parse_size(DEFAULT_KV_DISK_SIZE)
+    label = "KV disk tier"
+    if not root.exists():
+        return Check(OK, label, f"{root}: empty (created on first use; --no-kv-disk keeps the prefix cache in RAM)")
+    if not os.access(root, os.W_OK):
+        return Check(WARN, label, f"{root} is not writable: chat and serve cannot keep prefixes across restarts")
+    entries = list_entries(root)
+    used = sum(e.size for e in entries)
+    free = shutil.disk_usage(root).free
+    detail = (
+        f"{root}: {len(entries):,} blocks, {format_size(used)} of the default {format_size(limit)} limit "
+        f"(all models); {format_size(free)} free on its disk"
+    )
+    if free < limit - used:
+        return Check(WARN, label, detail + f": the disk fills before the limit (--kv-disk-size {format_size(free)})")
+    return Check(OK, label, detail)
+
+
 def check_default_model(model: ModelOnDisk | None, error: str | None) -> Check:
     if model is None:
         return Check(FAIL, "default model", error or "unknown error")
@@ -352,6 +376,8 @@ def check_load() -> Check:
         for delta in engine.stream(prompt, SamplingParams(temperature=0.0, max_tokens=LOAD_TOKENS)):
             arrivals += [time.perf_counter()] if delta.token_id is not None else []
             text += delta.text
+        engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=1))  # the prefix cache's turn
+        tiers = prefix_tiers(engine.stats())
     if not arrivals:
         return Check(FAIL, "load", f"{loaded.name} loaded, but generated no token for {LOAD_PROMPT!r}")
     path, _ = attention_path(resolved_backend())
@@ -362,7 +388,18 @@ def check_load() -> Check:
         "load",
         f"{loaded.name} loaded and engine built in {ready - start:.1f} s; {len(prompt)}-token "
         f"prompt, first token in {first:.2f} s, decode {decode} over {len(arrivals)} tokens "
-        f"(greedy, attention {path}): {text.strip()!r}",
+        f"(greedy, attention {path}): {text.strip()!r}; asked again, {tiers}",
+    )
+
+
+def prefix_tiers(stats: dict) -> str:
+    """What each tier of the prefix cache saved so far (an earlier `doctor --load` or chat leaves blocks on disk)."""
+    ram = f"{stats['ram_hit_tokens']} prompt tokens came from RAM"
+    if not stats.get("disk_tier"):
+        return f"{ram} (disk tier off: {stats.get('disk_tier_off') or 'not asked for'})"
+    return (
+        f"{ram}, {stats['disk_hit_tokens']} from disk ({stats['disk_dir']}, {format_size(stats['disk_used_bytes'])} "
+        f"used, {format_size(stats['disk_written_bytes'])} written now)"
     )
 
 
@@ -424,6 +461,7 @@ def run_checks(load: bool = False) -> list[Check]:
         ("memory", check_memory),
         ("wired memory", check_wired),
         ("model store", check_store),
+        ("KV disk tier", check_kv_disk),
         ("default model", lambda: check_default_model(model, error)),
         ("sampling defaults", lambda: check_sampling_defaults(model)),
         ("KV plan", lambda: check_kv_plan(model)),

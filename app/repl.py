@@ -28,13 +28,19 @@ def say(text: str) -> None:
 
 
 def run_plain_chat(
-    model: str | None, settings: ChatSettings, system: str, cache_tokens: int, speculative: str | None = None
+    model: str | None,
+    settings: ChatSettings,
+    system: str,
+    cache_tokens: int,
+    speculative: str | None = None,
+    kv_disk: dict | None = None,
+    kv_bits: int | None = None,
 ) -> int:
     """Chat until EOF or /exit (exit code 0)."""
     say(f"Loading {model or 'the default model'}...")
     with Engine(
         load_model(model, progress=print_progress),
-        CacheConfig(cache_tokens=cache_tokens),
+        CacheConfig(cache_tokens=cache_tokens, kv_bits=kv_bits, **(kv_disk or {})),
         SchedulerConfig(speculative=speculative),
     ) as engine:
         blas = blas_status()

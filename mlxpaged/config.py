@@ -8,10 +8,13 @@ Sizes ("2GB", CacheConfig's kv_memory as the CLI's --kv-memory) are read by mlxp
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from mlxpaged.cache.kv_quant import KV_BITS, KV_GROUP_SIZES, KVQuantization, kv_quantization  # noqa: F401  (the flags read KV_BITS, KV_GROUP_SIZES here)
 from mlxpaged.errors import ConfigError
 from mlxpaged.units import parse_size
 from mlxpaged.validation import require_bool, require_int, require_number
@@ -19,6 +22,7 @@ from mlxpaged.validation import require_bool, require_int, require_number
 VALID_BLOCK_SIZES = (8, 16, 32)  # the paged-attention kernel's block sizes
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_CACHE_TOKENS = 32768  # cap by demand: a local app rarely needs more resident context
+DEFAULT_KV_DISK_SIZE = "20GB"  # the disk tier's LRU limit (CacheConfig.kv_disk_size, --kv-disk-size)
 SPECULATIVE_METHODS = (None, "ngram")  # SchedulerConfig.speculative
 
 
@@ -31,6 +35,12 @@ class CacheConfig:
     weights, activations and the OS reserve; see mlxpaged.platform.memory). Neither: a backend default.
     `cache_tokens` caps the cache at the context you need in total across sequences (a reply's
     length is SamplingParams.max_tokens). `wire=False` leaves the Metal wired limit alone.
+    `kv_disk` keeps the prefix cache's full blocks on disk too, across processes (cache/disk_tier.py):
+    False (the library's default: no writes a script did not ask for), True (the user's cache directory,
+    `default_kv_disk_dir()`), or a directory; `kv_disk_size` bounds it (bytes or "20GB"; LRU beyond).
+    `kv_bits` 8 or 4 stores K/V pages quantized (group-wise affine, `kv_group_size` elements per scale and
+    bias, as `mx.quantize`; cache/kv_quant.py): about 1.9x / 3.5x the tokens in the same memory. None: the
+    model's KV dtype.
     How many tokens and sequences one step takes is SchedulerConfig's. Bad values raise
     ConfigError (a ValueError).
     """
@@ -41,6 +51,10 @@ class CacheConfig:
     cache_tokens: int | None = None
     wire: bool = True
     enable_prefix_cache: bool = True
+    kv_disk: bool | str | os.PathLike = False
+    kv_disk_size: int | str = DEFAULT_KV_DISK_SIZE
+    kv_bits: int | None = None
+    kv_group_size: int = 64
 
     def __post_init__(self) -> None:
         require_int("block_size", self.block_size, low=1, setting=True)
@@ -62,12 +76,34 @@ class CacheConfig:
             )
         require_bool("wire", self.wire, setting=True)
         require_bool("enable_prefix_cache", self.enable_prefix_cache, setting=True)
+        if not isinstance(self.kv_disk, bool | str | os.PathLike) or self.kv_disk == "":
+            raise ConfigError(f"{{kv_disk:{self.kv_disk!r}}} must be True, False or a directory", param="kv_disk")
+        size = parse_size(self.kv_disk_size, param="kv_disk_size")
+        if size == 0:
+            raise ConfigError(f"{{kv_disk_size:{self.kv_disk_size!r}}} must be more than 0 bytes", param="kv_disk_size")
+        object.__setattr__(self, "kv_disk_size", size)  # frozen: bytes from here on
+        if self.kv_bits is not None:
+            require_int("kv_bits", self.kv_bits, low=1, setting=True)
+        require_int("kv_group_size", self.kv_group_size, low=1, setting=True)
+        self.quantization  # noqa: B018  (checks kv_bits and kv_group_size together)
+
+    @property
+    def quantization(self) -> KVQuantization | None:
+        """The K/V pages' quantization (None: full precision)."""
+        return kv_quantization(self.kv_bits, self.kv_group_size)
 
     def _set_kv_memory(self, value: int | str) -> None:
         size = parse_size(value, param="kv_memory")
         if size == 0:
             raise ConfigError(f"{{kv_memory:{value!r}}} must be more than 0 bytes", param="kv_memory")
         object.__setattr__(self, "kv_memory", size)  # frozen: bytes from here on
+
+    @property
+    def kv_disk_dir(self) -> Path | None:
+        """The disk tier's directory, or None when it is off."""
+        if self.kv_disk is False:
+            return None
+        return default_kv_disk_dir() if self.kv_disk is True else Path(self.kv_disk).expanduser()
 
     @property
     def kv_memory_bytes(self) -> int | None:
@@ -114,6 +150,16 @@ class SchedulerConfig:
                 f"{{speculative:{self.speculative!r}}} must be one of {SPECULATIVE_METHODS}", param="speculative"
             )
         require_int("num_speculative_tokens", self.num_speculative_tokens, low=1, high=16, setting=True)
+
+
+def default_kv_disk_dir() -> Path:
+    """$MLXPAGED_KV_DISK, else `kv` in the platform's user cache directory (platformdirs)."""
+    override = os.environ.get("MLXPAGED_KV_DISK")
+    if override:
+        return Path(override).expanduser()
+    from platformdirs import user_cache_path
+
+    return user_cache_path("mlxpaged", appauthor=False) / "kv"
 
 
 def split_settings(settings: Mapping[str, Any]) -> tuple[CacheConfig, SchedulerConfig]:

@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
+import tempfile
+
 import mlxpaged  # noqa: F401  (OpenBLAS before mlx)
 
 import pytest
+
+# `serve` and `chat` keep the prefix cache on disk by default: in tests (and the servers they start, which
+# inherit the environment) that is a directory of this session's, never the user's cache.
+if "MLXPAGED_KV_DISK" not in os.environ:
+    os.environ["MLXPAGED_KV_DISK"] = tempfile.mkdtemp(prefix="mlxpaged-test-kv-")
+    atexit.register(shutil.rmtree, os.environ["MLXPAGED_KV_DISK"], ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

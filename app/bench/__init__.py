@@ -10,9 +10,11 @@ from mlxpaged_app.bench.decode import bench_decode
 from mlxpaged_app.bench.gpu import bench_gpu
 from mlxpaged_app.bench.hybrid import bench_hybrid
 from mlxpaged_app.bench.kernel import bench_kernel
+from mlxpaged_app.bench.kv import bench_kv
 from mlxpaged_app.bench.memory import bench_memory
 from mlxpaged_app.bench.prefill import bench_prefill
 from mlxpaged_app.bench.prefix import bench_prefix
+from mlxpaged_app.bench.restart import bench_restart
 from mlxpaged_app.bench.spec import bench_spec
 
 
@@ -35,6 +37,8 @@ BENCHES = {
     "spec": bench_spec,
     "hybrid": bench_hybrid,
     "gpu": bench_gpu,
+    "restart": bench_restart,
+    "kv": bench_kv,
 }
 
 

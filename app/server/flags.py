@@ -6,12 +6,17 @@ import argparse
 import ipaddress
 import os
 
-from mlxpaged.config import DEFAULT_BLOCK_SIZE, SchedulerConfig
+from mlxpaged.config import DEFAULT_BLOCK_SIZE, DEFAULT_KV_DISK_SIZE, KV_BITS, KV_GROUP_SIZES, SchedulerConfig
 
 API_KEY_ENV = "MLXPAGED_API_KEY"
 SPECULATIVE_HELP = (
     "ngram: prompt-lookup speculative decoding (drafts copied from the prompt and the reply so far, "
     "verified in one pass; same output, faster when replies quote their input)"
+)
+
+KV_BITS_HELP = (
+    "store the KV cache quantized at 8 or 4 bits per element (about 1.9x / 3.5x the tokens of float16 in the "
+    "same memory; default: the model's dtype)"
 )
 
 
@@ -99,6 +104,40 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     cache.add_argument("--no-wire", action="store_true", help="leave the Metal wired limit alone")
     cache.add_argument("--no-prefix-cache", action="store_true", help="do not reuse cached prompt blocks")
     cache.add_argument("--speculative", choices=["ngram"], default=None, help=SPECULATIVE_HELP)
+    cache.add_argument("--kv-bits", type=int, choices=KV_BITS, default=None, help=KV_BITS_HELP)
+    cache.add_argument(
+        "--kv-group-size",
+        type=int,
+        choices=KV_GROUP_SIZES,
+        default=KV_GROUP_SIZES[0],
+        help="elements per scale and bias of quantized K/V (default: 64, as mlx quantizes)",
+    )
+    add_kv_disk_arguments(cache)
+
+
+def add_kv_disk_arguments(group) -> None:
+    """The prefix cache's disk tier, on by default in `serve` and `chat` (README: "The prefix cache on disk")."""
+    where = group.add_mutually_exclusive_group()
+    where.add_argument(
+        "--kv-disk",
+        default=None,
+        metavar="DIR",
+        help="keep the prefix cache's blocks in DIR too, across restarts (default: on, in the user cache "
+        "directory, e.g. ~/.cache/mlxpaged/kv; $MLXPAGED_KV_DISK overrides)",
+    )
+    group.add_argument(
+        "--kv-disk-size",
+        default=DEFAULT_KV_DISK_SIZE,
+        help=f"disk the prefix cache may use; least recently used blocks go past it (default: {DEFAULT_KV_DISK_SIZE})",
+    )
+    where.add_argument("--no-kv-disk", action="store_true", help="keep the prefix cache in memory only")
+
+
+def kv_disk_settings(args: argparse.Namespace) -> dict:
+    """CacheConfig's kv_disk and kv_disk_size from the flags: on unless --no-kv-disk."""
+    if args.no_kv_disk:
+        return {"kv_disk": False}
+    return {"kv_disk": args.kv_disk or True, "kv_disk_size": args.kv_disk_size}
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -161,8 +200,11 @@ def cache_settings(args: argparse.Namespace) -> dict:
         "wire": not args.no_wire,
         "enable_prefix_cache": not args.no_prefix_cache,
         "speculative": args.speculative,
+        # The disk tier is a tier of the prefix cache: with the cache off there is nothing to keep (and no warning).
+        **({"kv_disk": False} if args.no_prefix_cache else kv_disk_settings(args)),
+        "kv_group_size": args.kv_group_size,
     }
-    for name in ("cache_tokens", "memory_fraction", "kv_memory", "max_model_len"):
+    for name in ("cache_tokens", "memory_fraction", "kv_memory", "max_model_len", "kv_bits"):
         if getattr(args, name) is not None:
             settings[name] = getattr(args, name)
     return settings

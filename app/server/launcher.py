@@ -107,8 +107,21 @@ def _preload(registry, entry, settings) -> None:
         say(f"mlxpaged serve: {model.describe()}; it answers /v1/embeddings and /api/embed")
     else:
         say(model.plan.describe())
+        say(f"mlxpaged serve: {describe_disk_tier(model.stats())}")
         say(f"mlxpaged serve: sampling defaults: {defaults.describe()}")
     registry.add_loaded(entry, model, defaults, cost)
+
+
+def describe_disk_tier(stats: dict) -> str:
+    """One line on the prefix cache's disk tier: where and how full, or why it is off."""
+    from mlxpaged.units import format_size
+
+    if stats.get("disk_tier"):
+        return (
+            f"prefix cache on disk in {stats['disk_dir']} ({format_size(stats['disk_used_bytes'])} of "
+            f"{format_size(stats['disk_limit_bytes'])}; --no-kv-disk keeps it in memory only)"
+        )
+    return f"prefix cache in memory only ({stats.get('disk_tier_off') or '--no-kv-disk'})"
 
 
 def with_sampling_defaults(config, engine, mode: str):

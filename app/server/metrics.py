@@ -145,6 +145,7 @@ def _engine_gauges(stats: dict, in_flight: int, capacity: int) -> list[str]:
         "Prompt tokens found in the prefix cache.",
         [("", stats["prefix_hit_tokens"])],
     )
+    lines += _prefix_tier_metrics(stats)
     lines += _metric(
         "preemptions_total", "counter", "Requests preempted for lack of blocks.", [("", stats["preemptions"])]
     )
@@ -155,6 +156,52 @@ def _engine_gauges(stats: dict, in_flight: int, capacity: int) -> list[str]:
         [("", stats["generation_tokens_per_s"])],
     )
     return lines + _speculation_metrics(stats)
+
+
+def _prefix_tier_metrics(stats: dict) -> list[str]:
+    """The prefix cache by tier (RAM: the block pool; disk: engine/kv_tiering.py), when the engine reports them."""
+    if "ram_hit_tokens" not in stats:
+        return []
+    hits = [('{tier="ram"}', stats["ram_hit_tokens"]), ('{tier="disk"}', stats.get("disk_hit_tokens", 0))]
+    lines = _metric(
+        "prefix_cache_tier_hit_tokens_total", "counter", "Prompt tokens served from each tier (not prefilled).", hits
+    )
+    if not stats.get("disk_tier"):
+        return lines
+    lines += _metric(
+        "kv_disk_bytes",
+        "gauge",
+        "The prefix cache's disk tier: bytes used (this process's estimate) and its limit.",
+        [('{kind="used"}', stats["disk_used_bytes"]), ('{kind="limit"}', stats["disk_limit_bytes"])],
+    )
+    lines += _metric(
+        "kv_disk_written_bytes_total",
+        "counter",
+        "KV bytes written to the disk tier.",
+        [("", stats["disk_written_bytes"])],
+    )
+    lines += _metric(
+        "kv_disk_read_bytes_total",
+        "counter",
+        "KV bytes read back from the disk tier.",
+        [("", stats["disk_read_bytes"])],
+    )
+    lines += _metric(
+        "kv_disk_read_seconds_total",
+        "counter",
+        "Time admissions spent reading blocks from disk into the pool.",
+        [("", stats["disk_read_seconds"])],
+    )
+    return lines + _metric(
+        "kv_disk_problems_total",
+        "counter",
+        "Disk tier blocks not kept: writes dropped (queue full) or failed, files skipped (corrupt or foreign).",
+        [
+            ('{kind="dropped_write"}', stats["disk_dropped_writes"]),
+            ('{kind="failed_write"}', stats["disk_failed_writes"]),
+            ('{kind="skipped_file"}', stats["disk_skipped_files"]),
+        ],
+    )
 
 
 def _speculation_metrics(stats: dict) -> list[str]:

@@ -18,16 +18,33 @@ def run_chat(
     resume: bool = False,
     cache_tokens: int = DEFAULT_CACHE_TOKENS,
     speculative: str | None = None,
+    kv_disk: dict | None = None,
+    kv_bits: int | None = None,
 ) -> int:
     """Run the chat app until the user quits; returns the exit code. temperature / top_p None: the model's.
+    `kv_disk`: CacheConfig's kv_disk settings (the prefix cache on disk, which `resume` answers from).
     Raises ValueError for bad sampling settings before the app starts."""
     from mlxpaged_app.tui.terminal import enter_stays_enter
 
     with enter_stays_enter():  # before the slow imports: keys typed meanwhile reach the app as typed
-        return _run_app(model, max_tokens, temperature, top_p, seed, system, resume, cache_tokens, speculative)
+        return _run_app(
+            model, max_tokens, temperature, top_p, seed, system, resume, cache_tokens, speculative, kv_disk, kv_bits
+        )
 
 
-def _run_app(model, max_tokens, temperature, top_p, seed, system, resume, cache_tokens, speculative=None) -> int:
+def _run_app(
+    model,
+    max_tokens,
+    temperature,
+    top_p,
+    seed,
+    system,
+    resume,
+    cache_tokens,
+    speculative=None,
+    kv_disk=None,
+    kv_bits=None,
+) -> int:
     from mlxpaged_app.tui.app import ChatApp
     from mlxpaged_app.tui.protocol import real_engine_factory
     from mlxpaged_app.tui.settings import ChatSettings
@@ -41,7 +58,7 @@ def _run_app(model, max_tokens, temperature, top_p, seed, system, resume, cache_
     if conversation is not None and model is None:
         model = conversation.model
     app = ChatApp(
-        real_engine_factory(cache_tokens, speculative),
+        real_engine_factory(cache_tokens, speculative, kv_disk, kv_bits),
         model=model,
         settings=settings,
         store=store,

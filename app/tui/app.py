@@ -67,6 +67,8 @@ class ChatApp(ModelLoading, ReplyFlow, App[int]):
         self.show_engine_panel = show_engine_panel
         self.init_replies()
         self.init_loading()
+        if conversation is not None and conversation.messages and conversation.messages[-1]["role"] == "user":
+            self.waiting_in = self.conversation  # reopened unanswered (`chat --resume`): answered once a model is ready
 
     # --- layout ------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:

@@ -34,9 +34,12 @@ EngineFactory = Callable[[str | None, Progress], ChatEngine]
 """Builds an engine for a model name (None: the default model), reporting download progress."""
 
 
-def real_engine_factory(cache_tokens: int, speculative: str | None = None) -> EngineFactory:
+def real_engine_factory(
+    cache_tokens: int, speculative: str | None = None, kv_disk: dict | None = None, kv_bits: int | None = None
+) -> EngineFactory:
     """Engines over the real model store, with a KV cache capped at `cache_tokens` tokens (and
-    `speculative` decoding, SchedulerConfig's)."""
+    `speculative` decoding, SchedulerConfig's; `kv_disk`: CacheConfig's kv_disk and kv_disk_size; `kv_bits`:
+    quantized pages, CacheConfig's)."""
 
     def build(name: str | None, progress: Progress) -> ChatEngine:
         from mlxpaged.engine.engine import Engine
@@ -46,6 +49,8 @@ def real_engine_factory(cache_tokens: int, speculative: str | None = None) -> En
             progress,
             cache_tokens=cache_tokens,  # refuses before loading weights
             speculative=speculative,
+            **(kv_disk or {}),
+            kv_bits=kv_bits,
         )
         try:
             _ = engine.generation_defaults  # read now: a bad generation_config.json fails the load, not a reply

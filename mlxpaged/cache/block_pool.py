@@ -85,6 +85,8 @@ class BlockPool:
         self._partial_parent: dict[int, Hashable | None] = {}  # block id -> its key in _partials
         # Bumped by reset_prefix_cache: a chain started under an older epoch must not be extended.
         self.cache_epoch = 0
+        # Called with each block entering the prefix cache (the disk tier persists it: engine/kv_tiering.py).
+        self.on_cached: Callable[[KVCacheBlock], None] | None = None
         self._queries = self._query_tokens = self._hit_tokens = self._evictions = 0
 
     # ---- queries ------------------------------------------------------------------
@@ -178,6 +180,8 @@ class BlockPool:
             )
         block.block_hash = block_hash
         self._cached.setdefault(block_hash, {})[block.block_id] = block
+        if self.on_cached is not None:
+            self.on_cached(block)
 
     def cache_partial_block(self, block: KVCacheBlock, parent_hash: Hashable | None, token_ids: tuple) -> None:
         """Make a free, unhashed block findable by the tokens whose KV its first slots hold."""

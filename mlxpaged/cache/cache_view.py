@@ -35,7 +35,8 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from mlxpaged.cache.kv_cache import KVCacheSpec, LayerGroup, PagedKVCache
+from mlxpaged.cache.kv_cache import KVCacheSpec, LayerGroup, PagedKVCache, Pool
+from mlxpaged.cache.quantized_pages import pool_arrays
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
@@ -225,16 +226,17 @@ class PagedCacheView:
         return list(self._offsets)
 
     @property
-    def state(self) -> tuple[mx.array, mx.array]:
-        """The layer's pools, so `mx.eval(view.state)` lands pending writes (mlx-lm's generate does this)."""
-        return self._kv.key_pool(self._layer), self._kv.value_pool(self._layer)
+    def state(self) -> tuple[mx.array, ...]:
+        """The layer's pool arrays, so `mx.eval(view.state)` lands pending writes (mlx-lm's generate does this)."""
+        return tuple(pool_arrays([self._kv.key_pool(self._layer), self._kv.value_pool(self._layer)]))
 
     # mlx-lm's storage attributes. Models read and assign them only to chain graph dependencies
     # (deepseek_v32: `cache.keys = mx.depends(cache.keys, ...)`, `cache.values = zeros_like(cache.keys)`);
-    # the pools are evaluated with every pass anyway, so reads give the pool and assignments are dropped.
+    # the pools are evaluated with every pass anyway, so reads give the pool (a quantized pool's packed data)
+    # and assignments are dropped.
     @property
     def keys(self) -> mx.array:
-        return self._kv.key_pool(self._layer)
+        return pool_arrays([self._kv.key_pool(self._layer)])[0]
 
     @keys.setter
     def keys(self, value) -> None:
@@ -242,7 +244,7 @@ class PagedCacheView:
 
     @property
     def values(self) -> mx.array:
-        return self._kv.value_pool(self._layer)
+        return pool_arrays([self._kv.value_pool(self._layer)])[0]
 
     @values.setter
     def values(self, value) -> None:
@@ -297,6 +299,8 @@ class PagedCacheView:
             if old is not None:
                 mx.eval(old)  # a pending read would pin the pool and make the write copy it
             self._write(plan, keys, values)
+            # The new keys are attended as given: as the pages store them (quantized pages: rounded alike).
+            keys, values = self._kv.as_stored(keys), (keys if values is keys else self._kv.as_stored(values))
             if old is None:
                 out = keys, values
             else:
@@ -324,7 +328,7 @@ class PagedCacheView:
             return self._split_out
         return self._read_written(self._last_plan)
 
-    def decode_inputs(self) -> tuple[mx.array, mx.array, mx.array, tuple[int, ...]] | None:
+    def decode_inputs(self) -> tuple[Pool, Pool, mx.array, tuple[int, ...]] | None:
         """(k_pool, v_pool, block_tables, context_lens) for `mlxpaged.kernels.attention.paged_attention`
         after a pass of one new token per sequence on a full-attention layer; else None
         (prefill, mixed batches and window layers attend through the gathered K/V)."""
@@ -333,7 +337,7 @@ class PagedCacheView:
             return None
         return self._kv.key_pool(self._layer), self._kv.value_pool(self._layer), plan.read_blocks, plan.read_ends
 
-    def prefill_pages(self) -> tuple[mx.array, mx.array, list[int], int] | None:
+    def prefill_pages(self) -> tuple[Pool, Pool, list[int], int] | None:
         """(k_pool, v_pool, block table, context) after a batch-1 pass on a full-attention layer: the
         pass's queries are the last positions of [0, context), whose K/V lie in those pages (routing.py
         may read them in place instead of the gathered copy); else None."""

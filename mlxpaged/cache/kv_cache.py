@@ -44,6 +44,10 @@ on only when every group's spec shares its blocks (`PagedKVCache.supports_prefix
 hybrid models run with it off and prefill every prompt in full. Paging,
 copy-on-write and preemption stay correct for them.
 
+Quantized pages (`quantization`, CacheConfig.kv_bits): each pool is a `QuantizedPages` (quantized_pages.py)
+in the same place, with the same block ids, holding three arrays (packed data, scales, biases) instead of
+one. Writes quantize as they store; gathers dequantize only the pages they take; `pools` lists every array.
+
 A model with no KV layers (state layers only) gets no pools at all: its one layerless group
 (specs.NoKV) numbers tokens in blocks of zero bytes.
 """
@@ -52,7 +56,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from mlxpaged.cache.kv_quant import KVQuantization
 from mlxpaged.cache.layout import ModelLayout
+from mlxpaged.cache.quantized_pages import Pool, QuantizedPages, pool_arrays
 from mlxpaged.cache.specs import (  # noqa: F401  (block_bytes is re-exported: the facts live in specs.py)
     KVCacheSpec,
     KVGeometry,
@@ -63,8 +69,10 @@ from mlxpaged.cache.specs import (  # noqa: F401  (block_bytes is re-exported: t
     group_layers,
     pool_block_bytes,
 )
+from mlxpaged.platform import backend
 
 import mlx.core as mx
+import numpy as np
 
 
 class PagedKVCache:
@@ -72,7 +80,8 @@ class PagedKVCache:
 
     `layer_windows`: each layer's kind (specs.LayerKind; None: every layer full attention). `geometries`: one
     KVGeometry per layer (None: every layer `num_kv_heads x head_dim` for K and V, which then must be given).
-    No layers: no pools, one layerless group whose blocks only number tokens (specs.NoKV)."""
+    `quantization`: pages stored quantized (kv_quant.py; None: in `dtype`). No layers: no pools, one layerless
+    group whose blocks only number tokens (specs.NoKV)."""
 
     def __init__(
         self,
@@ -84,6 +93,7 @@ class PagedKVCache:
         dtype: mx.Dtype = mx.float32,
         layer_windows: Sequence[LayerKind] | None = None,
         geometries: Sequence[KVGeometry] | None = None,
+        quantization: KVQuantization | None = None,
     ):
         windows = tuple(layer_windows) if layer_windows is not None else (None,) * num_layers
         if geometries is None:
@@ -96,31 +106,60 @@ class PagedKVCache:
         self.num_kv_heads = first.kv_heads if first else None  # the first layer's (the only ones when uniform)
         self.head_dim, self.dtype = (first.k_dim if first else None), dtype
         self.layer_windows, self.geometries = windows, geometries
+        self.quantization = quantization
+        if quantization is not None:
+            quantization.check_widths([w for g in geometries for w in (g.k_dim, g.v_dim)])
         self.groups = group_layers(windows)
         self.specs: tuple[KVCacheSpec, ...] = tuple(g.spec(block_size) for g in self.groups)  # one per group
         self.group_size = len(self.groups[0].layers)
         self._group = {layer: g for g in self.groups for layer in g.layers}
         self._pool, self.pool_geometries = assign_pools(self.groups, geometries)
         self._heads = {h: mx.arange(h) for h in {g.kv_heads for g in geometries}}
-        self.keys = [mx.zeros((num_blocks, g.kv_heads, block_size, g.k_dim), dtype) for g in self.pool_geometries]
-        self.values = [
-            k if g.k_is_v else mx.zeros((num_blocks, g.kv_heads, block_size, g.v_dim), dtype)
+        self.keys: list[Pool] = [self._new_pool(g.kv_heads, g.k_dim) for g in self.pool_geometries]
+        self.values: list[Pool] = [
+            k if g.k_is_v else self._new_pool(g.kv_heads, g.v_dim)
             for k, g in zip(self.keys, self.pool_geometries, strict=True)
         ]
         self._last_slots: tuple | None = None  # (slot mapping, slots, blocks, offsets)
         mx.eval(list(self._heads.values()), self.pools)  # lazy arrays would bind to this thread's stream
 
+    def _new_pool(self, heads: int, dim: int) -> Pool:
+        shape = (self.num_blocks, heads, self.block_size, dim)
+        if self.quantization is None:
+            return mx.zeros(shape, self.dtype)
+        return QuantizedPages.zeros(shape, self.dtype, self.quantization)
+
     @classmethod
-    def for_layout(cls, layout: ModelLayout, num_blocks: int, block_size: int, dtype: mx.Dtype) -> PagedKVCache:
+    def for_layout(
+        cls,
+        layout: ModelLayout,
+        num_blocks: int,
+        block_size: int,
+        dtype: mx.Dtype,
+        quantization: KVQuantization | None = None,
+    ) -> PagedKVCache:
         """Pools for a layout's KV leaves, in leaf order (none for a model of state layers only)."""
         return cls(
-            len(layout.kv_leaves), num_blocks, block_size, None, None, dtype, layout.layer_kinds, layout.kv_geometries
+            len(layout.kv_leaves),
+            num_blocks,
+            block_size,
+            None,
+            None,
+            dtype,
+            layout.layer_kinds,
+            layout.kv_geometries,
+            quantization,
         )
 
     @property
     def pools(self) -> list[mx.array]:
-        """Every distinct pool array (a K-is-V pool once): what to evaluate to land pending writes."""
-        return self.keys + [v for k, v in zip(self.keys, self.values, strict=True) if v is not k]
+        """Every distinct array of every pool (a K-is-V pool once; a quantized pool's data, scales and biases):
+        what to evaluate to land pending writes, and what one block's pages are spread over (`export_block`)."""
+        return pool_arrays(self.keys + [v for k, v in zip(self.keys, self.values, strict=True) if v is not k])
+
+    @property
+    def quantized(self) -> bool:
+        return self.quantization is not None
 
     @property
     def single_geometry(self) -> bool:
@@ -140,7 +179,9 @@ class PagedKVCache:
 
     @property
     def bytes_per_block(self) -> int:
-        return pool_block_bytes(self.layer_windows, self.geometries, self.block_size, self.dtype.size)
+        return pool_block_bytes(
+            self.layer_windows, self.geometries, self.block_size, self.dtype.size, self.quantization
+        )
 
     @property
     def nbytes(self) -> int:
@@ -150,7 +191,7 @@ class PagedKVCache:
         """Pool bytes per geometry class (the stats' KV memory per class)."""
         out: dict[KVGeometry, int] = {}
         for k, v, g in zip(self.keys, self.values, self.pool_geometries, strict=True):
-            out[g] = out.get(g, 0) + k.nbytes + (0 if v is k else v.nbytes)
+            out[g] = out.get(g, 0) + k.nbytes + (0 if v is k else v.nbytes)  # a quantized pool: its 3 arrays
         return out
 
     def group_of(self, layer: int) -> LayerGroup:
@@ -159,10 +200,10 @@ class PagedKVCache:
     def geometry(self, layer: int) -> KVGeometry:
         return self.geometries[layer]
 
-    def key_pool(self, layer: int) -> mx.array:
+    def key_pool(self, layer: int) -> Pool:
         return self.keys[self._pool[layer]]
 
-    def value_pool(self, layer: int) -> mx.array:
+    def value_pool(self, layer: int) -> Pool:
         return self.values[self._pool[layer]]
 
     def write(self, layer: int, slot_mapping: Sequence[int] | mx.array, k: mx.array, v: mx.array) -> None:
@@ -177,11 +218,11 @@ class PagedKVCache:
                 raise ValueError(f"layer {layer}: {name} has shape {tuple(x.shape)}, expected {expected}")
             if x.dtype != self.dtype:
                 raise ValueError(f"layer {layer}: {name} has dtype {x.dtype}, the pools hold {self.dtype}")
-        heads = self._heads[geo.kv_heads][None, :]
+        index = (blocks, self._heads[geo.kv_heads][None, :], offsets)
         j = self._pool[layer]
-        self.keys[j][(blocks, heads, offsets)] = k
+        _store(self.keys[j], index, k)
         if not geo.k_is_v:
-            self.values[j][(blocks, heads, offsets)] = v
+            _store(self.values[j], index, v)
 
     def write_run(self, layer: int, block: int, offset: int, k: mx.array, v: mx.array) -> None:
         """Write k, v `[1, kv_heads, n, dim]` to slots offset..offset + n - 1 of `block`, in place
@@ -190,9 +231,10 @@ class PagedKVCache:
         if not (0 <= block < self.num_blocks and offset >= 0 and offset + n <= self.block_size):
             raise ValueError(f"run of {n} tokens at block {block}, offset {offset} is outside the pool")
         j = self._pool[layer]
-        self.keys[j][block : block + 1, :, offset : offset + n, :] = k
+        index = (slice(block, block + 1), slice(None), slice(offset, offset + n))
+        _store(self.keys[j], index, k)
         if not self.geometries[layer].k_is_v:
-            self.values[j][block : block + 1, :, offset : offset + n, :] = v
+            _store(self.values[j], index, v)
 
     def _indices(self, slot_mapping: Sequence[int] | mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """(slots, block column, offset column). Every layer of a pass writes the same slot-mapping
@@ -209,17 +251,20 @@ class PagedKVCache:
 
     def gather_blocks(self, layer: int, block_ids: mx.array) -> tuple[mx.array, mx.array]:
         """Pages of `block_ids` `[B, n]` laid end to end: k `[B, kv_heads, n * block_size, k_dim]` and v
-        likewise with `v_dim` (the very same array for a K-is-V layer)."""
+        likewise with `v_dim` (the very same array for a K-is-V layer), in the pools' dtype (quantized pages
+        dequantized: only the pages taken)."""
         geo, j = self.geometries[layer], self._pool[layer]
         k = self._take_pages(self.keys[j], block_ids, geo.kv_heads, geo.k_dim)
         return (k, k) if geo.k_is_v else (k, self._take_pages(self.values[j], block_ids, geo.kv_heads, geo.v_dim))
 
-    def _take_pages(self, pool: mx.array, block_ids: mx.array, heads: int, dim: int) -> mx.array:
+    def _take_pages(self, pool: Pool, block_ids: mx.array, heads: int, dim: int) -> mx.array:
         # One take of whole (block, head) pages lands as [B, heads, n, size * dim]: no transpose copy.
         # The reshaped pool is a view, alive only until the take is evaluated.
         batch, n = block_ids.shape
         size = self.block_size
         rows = block_ids[:, None, :] * heads + self._heads[heads][None, :, None]
+        if isinstance(pool, QuantizedPages):
+            return pool.dequantize(pool.take_pages(rows))
         return mx.take(pool.reshape(-1, size * dim), rows, axis=0).reshape(batch, heads, n * size, dim)
 
     def gather(self, layer: int, block_table: Sequence[int], length: int) -> tuple[mx.array, mx.array]:
@@ -248,6 +293,77 @@ class PagedKVCache:
         for pool, r in zip(pools, rows, strict=True):
             pool[dst_ids] = r
 
+    # ---- whole blocks in and out (the disk tier, cache/disk_tier.py) --------------------------------
+    # Generic over `self.pools`, so pools added for quantized pages (scales, biases) travel too.
+
+    def export_block(self, block_id: int) -> list[np.ndarray]:
+        """Block `block_id`'s pages, one host array per pool (in `pools` order)."""
+        return self.export_blocks([block_id])[0]
+
+    def export_blocks(self, block_ids: Sequence[int]) -> list[list[np.ndarray]]:
+        """Per block, its pages as host arrays, one per pool: one take per pool, evaluated here, so the copy
+        pins no pool (a pending read would make the next in-place write copy the whole pool). bfloat16 pages,
+        which numpy lacks, come out as their uint16 bits; `import_blocks` views them back."""
+        self._check_blocks(block_ids)
+        ids = mx.array(list(block_ids), dtype=mx.int32)
+        rows = [mx.take(p, ids, axis=0) for p in self.pools]
+        rows = [r.view(mx.uint16) if r.dtype == mx.bfloat16 else r for r in rows]
+        mx.eval(rows)
+        host = [np.asarray(r) for r in rows]  # views of the fresh takes, not of the pools
+        return [[h[i] for h in host] for i in range(len(block_ids))]
+
+    def import_block(self, block_id: int, arrays: Sequence[np.ndarray]) -> None:
+        """Write `export_block`'s arrays back as block `block_id`'s pages."""
+        self.import_blocks([block_id], [arrays])
+
+    def import_blocks(self, block_ids: Sequence[int], blocks: Sequence[Sequence[np.ndarray]]) -> None:
+        """Write each block's exported pages into its id, in place, and land the writes. Raises ValueError when
+        the arrays do not fit the pools (other pools, shapes or widths). The caller makes sure nothing in flight
+        reads the pools (the runner settled)."""
+        self._check_blocks(block_ids)
+        pools = self.pools
+        if len(blocks) != len(block_ids) or any(len(arrays) != len(pools) for arrays in blocks):
+            raise ValueError(f"{len(blocks)} blocks of pages for {len(block_ids)} ids; each needs {len(pools)} arrays")
+        for j, pool in enumerate(pools):
+            for arrays in blocks:
+                page = arrays[j]
+                if tuple(page.shape) != tuple(pool.shape[1:]) or page.dtype.itemsize != pool.dtype.size:
+                    raise ValueError(
+                        f"pool {j}: a page of {page.dtype} {tuple(page.shape)} does not fit a pool of "
+                        f"{pool.dtype} {tuple(pool.shape[1:])}"
+                    )
+        mx.eval(pools)
+        host_writes = backend.current() != "cuda"
+        for j, pool in enumerate(pools):
+            pages = [arrays[j] for arrays in blocks]
+            if not host_writes or pool.dtype == mx.bfloat16:
+                self._import_scatter(pool, block_ids, pages)
+                continue
+            # Host-addressable memory (the CPU backend, Metal's unified memory): copy straight into the pool's
+            # buffer, one memcpy per page; MLX's scatter of the same pages costs several times more on the CPU
+            # backend. In place as MLX's own writes are: the pool is evaluated, and no view of it is alive.
+            host = np.asarray(pool)
+            for block_id, page in zip(block_ids, pages, strict=True):
+                host[block_id] = page.view(host.dtype)
+            del host
+        mx.eval(self.pools)
+
+    def _import_scatter(self, pool: mx.array, block_ids: Sequence[int], pages: list[np.ndarray]) -> None:
+        """Pages into `pool` by MLX's indexed assignment (memory the host cannot write, or a dtype numpy lacks)."""
+        stacked = mx.array(np.stack(pages))
+        pool[mx.array(list(block_ids), dtype=mx.int32)] = (
+            stacked if stacked.dtype == pool.dtype else stacked.view(pool.dtype)
+        )
+
+    def as_stored(self, x: mx.array) -> mx.array:
+        """K or V `[..., dim]` as the pages hold them once written: quantized and dequantized for quantized
+        pages (what a chunk attends when its new keys are not read back from the pages), else `x` itself."""
+        if self.quantization is None:
+            return x
+        q = self.quantization
+        parts = mx.quantize(x, group_size=q.group_size, bits=q.bits)
+        return mx.dequantize(*parts, group_size=q.group_size, bits=q.bits)
+
     def _slot_array(self, slot_mapping: Sequence[int] | mx.array) -> mx.array:
         if isinstance(slot_mapping, mx.array):
             return slot_mapping.astype(mx.int32).reshape(-1)
@@ -262,6 +378,14 @@ class PagedKVCache:
         bad = [b for b in blocks if not 0 <= b < self.num_blocks]
         if bad:
             raise ValueError(f"block ids {bad[:5]} out of range [0, {self.num_blocks})")
+
+
+def _store(pool: Pool, index: tuple, rows: mx.array) -> None:
+    """`pool[index] = rows` in place; a quantized pool stores the rows quantized."""
+    if isinstance(pool, QuantizedPages):
+        pool.store(index, rows)
+    else:
+        pool[index] = rows
 
 
 def _check_sizes(**sizes: object) -> list[int]:

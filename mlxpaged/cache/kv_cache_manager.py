@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from mlxpaged.cache.block_pool import (
     BlockPool,
@@ -33,11 +34,22 @@ class UnknownRequestError(KeyError):
     """No block table exists for this request id."""
 
 
+class LowerTier(Protocol):
+    """Full blocks kept below the pool, by chain hash (the disk tier: engine/kv_tiering.py)."""
+
+    def contains(self, block_hash: Hashable) -> bool: ...
+
+    def load(self, block_ids: list[int], block_hashes: list[Hashable]) -> int:
+        """Write the blocks' KV into `block_ids`; how many leading ones it could (the rest stay unwritten)."""
+        ...
+
+
 @dataclass
 class Allocation:
     block_tables: list[list[int]]  # one per layer group
     num_cached_tokens: int
     last_block_hash: Hashable | None = None  # of the last cached block used (None: no hit)
+    num_lower_tier_tokens: int = 0  # of num_cached_tokens, read back from the lower tier (disk)
 
 
 @dataclass(frozen=True)
@@ -97,9 +109,11 @@ class KVCacheManager:
         extra_key: object = None,
         hash_fn: HashFn = sha256_block_hash,
         prefix_filter: Callable[[list[Hashable]], int] | None = None,
+        lower_tier: LowerTier | None = None,
     ):
         """`prefix_filter(hashes)`: how many leading blocks of a cached chain a request may use (models
-        with state layers can resume only where their state was checkpointed); None: all of them."""
+        with state layers can resume only where their state was checkpointed); None: all of them.
+        `lower_tier`: where blocks missing from the pool may still be found (never with a prefix filter)."""
         specs = tuple(specs)
         if not specs:
             raise ValueError("a KV cache manager needs at least one layer group spec, got none")
@@ -120,6 +134,9 @@ class KVCacheManager:
         self.extra_key = extra_key
         self.hash_fn = hash_fn
         self.prefix_filter = prefix_filter
+        if lower_tier is not None and prefix_filter is not None:
+            raise ValueError("a lower tier holds KV blocks only: a model with state layers cannot resume from it")
+        self.lower_tier = lower_tier
         self._chains: dict[Hashable, _CachedChain] = {}
         # The longest sequence the pool can hold (None: any length).
         self.capacity_tokens = sequence_capacity(pool.num_blocks, self.block_size, self.group_max_blocks)
@@ -173,7 +190,8 @@ class KVCacheManager:
         if extra < 0:
             raise ValueError(f"num_new_slots must be >= 0, got {extra}")
         hits, hashes = self._match_prefix(tokens)  # only with the prefix cache: then one table
-        partial = self._match_partial(tokens, hashes)
+        below = self._match_lower_tier(tokens, hashes)  # blocks after the hits, in the lower tier
+        partial = None if below else self._match_partial(tokens, hashes)
         fresh = [m.spec.blocks_needed(len(tokens) + extra) for m in self.managers]
         fresh[0] -= len(hits)
         available = self._available_besides(hits)
@@ -183,17 +201,20 @@ class KVCacheManager:
         # The partial block is one of the free blocks counted above: it is the first fresh block.
         taken = [self.pool.take_partial_block(partial[0])] if partial else []
         tables = _split(taken + self.pool.get_new_blocks(sum(fresh) - len(taken)), fresh)
+        if self.enable_prefix_cache:
+            self.pool.record_prefix_query(len(tokens), len(hits) * self.block_size + (partial[1] if partial else 0))
+        loaded = self._load_lower_tier(tables[0][: len(below)], below)  # the first fresh blocks
+        hashes = hashes + below[:loaded]
         tables[0] = hits + tables[0]
         for manager, table in zip(self.managers, tables, strict=True):
             manager.tables[rid] = table
-        cached = len(hits) * self.block_size + (partial[1] if partial else 0)
-        if self.enable_prefix_cache:
-            self.pool.record_prefix_query(len(tokens), cached)
+        cached = (len(hits) + loaded) * self.block_size + (partial[1] if partial else 0)
         chain = _CachedChain(hashes, self.pool.cache_epoch)
         if partial:
             chain.partial = (taken[0], tuple(tokens[len(hits) * self.block_size : cached]))
         self._chains[rid] = chain
-        return Allocation([[b.block_id for b in t] for t in tables], cached, hashes[-1] if hits else None)
+        tables_ids = [[b.block_id for b in t] for t in tables]
+        return Allocation(tables_ids, cached, hashes[-1] if hashes else None, loaded * self.block_size)
 
     def allocate_slots(self, request: Request, num_tokens: int | None = None) -> list[list[int]]:
         """Grow the tables to hold `num_tokens` tokens (default: all of the request's; one more is
@@ -320,6 +341,29 @@ class KVCacheManager:
         if not self.enable_prefix_cache or self.prefix_filter is not None or start >= len(tokens) - 1:
             return None
         return self.pool.match_partial_block(hashes[-1] if hashes else None, tokens[start : len(tokens) - 1])
+
+    def _match_lower_tier(self, tokens: list[int], hashes: list[Hashable]) -> list[Hashable]:
+        """Hashes of the blocks right after the pool's chain that the lower tier holds (a leading run),
+        never covering the last token."""
+        if self.lower_tier is None or not self.enable_prefix_cache:
+            return []
+        bs, found = self.block_size, []
+        parent = hashes[-1] if hashes else None
+        for i in range(len(hashes), (len(tokens) - 1) // bs):
+            parent = self.hash_fn(parent, tuple(tokens[i * bs : (i + 1) * bs]), self.extra_key)
+            if not self.lower_tier.contains(parent):
+                break
+            found.append(parent)
+        return found
+
+    def _load_lower_tier(self, blocks: list[KVCacheBlock], block_hashes: list[Hashable]) -> int:
+        """Read the lower tier's blocks into fresh `blocks` and cache them as the pool's own; how many."""
+        if not blocks or self.lower_tier is None:
+            return 0
+        loaded = self.lower_tier.load([b.block_id for b in blocks], block_hashes)
+        for block, block_hash in zip(blocks[:loaded], block_hashes[:loaded], strict=True):
+            self.pool.cache_full_block(block, block_hash)
+        return loaded
 
     def _available_besides(self, hits: list[KVCacheBlock]) -> int:
         # Touching an evictable hit takes it out of the free pool without allocating it.

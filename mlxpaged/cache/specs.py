@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Union
 
+from mlxpaged.cache.kv_quant import KVQuantization
 from mlxpaged.errors import ConfigError
 from mlxpaged.validation import is_int_at_least
 
@@ -173,6 +174,13 @@ class KVGeometry:
         """Elements of one page (one block of one layer): K and, unless K is V, V."""
         return self.kv_heads * block_size * (self.k_dim if self.k_is_v else self.k_dim + self.v_dim)
 
+    def page_bytes(self, block_size: int, dtype_bytes: int, quantization: KVQuantization | None = None) -> int:
+        """Bytes of one page: `page_elements` in the dtype, or quantized rows (packed data, scales, biases)."""
+        if quantization is None:
+            return self.page_elements(block_size) * dtype_bytes
+        widths = (self.k_dim,) if self.k_is_v else (self.k_dim, self.v_dim)
+        return self.kv_heads * block_size * sum(quantization.row_bytes(w, dtype_bytes) for w in widths)
+
 
 def assign_pools(groups: Sequence[LayerGroup], geometries: Sequence[KVGeometry]) -> tuple[list[int], list[KVGeometry]]:
     """(pool index of each layer, geometry of each pool). A block id is held by one group's table at a
@@ -192,11 +200,16 @@ def assign_pools(groups: Sequence[LayerGroup], geometries: Sequence[KVGeometry])
 
 
 def pool_block_bytes(
-    layer_windows: Sequence[LayerKind], geometries: Sequence[KVGeometry], block_size: int, dtype_bytes: int
+    layer_windows: Sequence[LayerKind],
+    geometries: Sequence[KVGeometry],
+    block_size: int,
+    dtype_bytes: int,
+    quantization: KVQuantization | None = None,
 ) -> int:
-    """Bytes one block id stands for: one page in every pool (`assign_pools`), each of its own widths."""
+    """Bytes one block id stands for: one page in every pool (`assign_pools`), each of its own widths
+    (quantized pages: their packed data, scales and biases, kv_quant.py)."""
     _, pools = assign_pools(group_layers(layer_windows), geometries)
-    return sum(pool.page_elements(block_size) for pool in pools) * dtype_bytes
+    return sum(pool.page_bytes(block_size, dtype_bytes, quantization) for pool in pools)
 
 
 # ---- what a table of each kind needs, shares and frees --------------------------------------------

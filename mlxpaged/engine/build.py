@@ -10,16 +10,21 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from mlxpaged.cache.disk_fingerprint import model_fingerprint, weights_identity
+from mlxpaged.cache.disk_tier import DiskTier
+from mlxpaged.cache.disk_writer import DiskWriter
 from mlxpaged.cache.kv_cache import PagedKVCache
 from mlxpaged.cache.layout import ModelLayout
 from mlxpaged.cache.paged_support import attention_geometries, serial_reason
 from mlxpaged.config import CacheConfig, SchedulerConfig
 from mlxpaged.engine.core import EngineCore
+from mlxpaged.engine.kv_tiering import KVTiering
 from mlxpaged.engine.metrics import StatsCounter
 from mlxpaged.errors import ConfigError
 from mlxpaged.kernels.attention import PreparedAttention, prepare_model_attention
 from mlxpaged.loading.loader import LoadedModel, activation_dtype, check_paged_support
 from mlxpaged.loading.probe import probe_layout
+from mlxpaged.platform import backend
 from mlxpaged.platform.memory import DeviceFacts, MemoryPlan, ModelFacts, model_weight_bytes, plan_memory
 from mlxpaged.platform.model_facts import context_length
 from mlxpaged.runner.batch_check import batch_mismatch
@@ -40,6 +45,7 @@ class BuiltCore:
     max_model_len: int
     serial_reason: str | None  # why one sequence runs per pass (None: ragged batches are exact)
     core: EngineCore
+    disk_tier_off: str | None = None  # why the disk tier asked for is off (None: on, or not asked for)
 
 
 def build_core(
@@ -61,9 +67,11 @@ def build_core(
         layout, model_weight_bytes(loaded.model), kv_dtype.size, context_length(loaded.config)
     )
     plan = plan_memory(DeviceFacts.detect(), facts, cache_config, scheduler_config, weights_resident=True)
-    kv = PagedKVCache.for_layout(layout, plan.num_blocks, cache_config.block_size, kv_dtype)
+    kv = PagedKVCache.for_layout(layout, plan.num_blocks, cache_config.block_size, kv_dtype, cache_config.quantization)
     # Before the first decode: a Metal kernel variant that fails its self-check is replaced by the reference.
-    attention = prepare_model_attention(kv_dtype, cache_config.block_size, attention_geometries(layout))
+    attention = prepare_model_attention(
+        kv_dtype, cache_config.block_size, attention_geometries(layout), cache_config.quantization
+    )
     max_model_len = scheduler_config.max_model_len or facts.context_length or plan.token_capacity
     if max_model_len is None:  # no stated context, and a cache of rings holds any length
         raise ConfigError(
@@ -87,7 +95,48 @@ def build_core(
         has_commands=has_commands,
     )
     evaluate_model_arrays(loaded.model)  # after every forward on this thread (probe, split_head)
-    return BuiltCore(layout, facts, plan, kv, attention, max_model_len, serial, core)
+    disk_off = attach_disk_tier(core, loaded, layout, cache_config) if cache_config.kv_disk_dir else None
+    return BuiltCore(layout, facts, plan, kv, attention, max_model_len, serial, core, disk_off)
+
+
+def disk_tier_reason(core: EngineCore, layout: ModelLayout) -> str | None:
+    """Why this model's prefix cache cannot have a disk tier (None: it can)."""
+    manager = core.scheduler.kv_manager
+    if layout.state_leaves:
+        return "its state-space / linear-attention layers resume from state checkpoints, which stay in RAM"
+    if not manager.enable_prefix_cache:
+        return "its prefix cache is off (sliding-window layers, or enable_prefix_cache=False)"
+    return None
+
+
+def attach_disk_tier(core: EngineCore, loaded: LoadedModel, layout: ModelLayout, config: CacheConfig) -> str | None:
+    """Give the core's prefix cache a disk tier (cache/disk_tier.py) keyed by this model's fingerprint; the
+    reason it stays off (warned), or None."""
+    reason = disk_tier_reason(core, layout)
+    if reason is not None:
+        warnings.warn(f"the KV disk tier is off for this model: {reason}", RuntimeWarning, stacklevel=3)
+        return reason
+    kv = core.runner.kv
+    fingerprint = model_fingerprint(
+        weights_identity(loaded.path),
+        kv_dtype=str(kv.dtype),
+        kv_bits=getattr(config, "kv_bits", None),
+        block_size=kv.block_size,
+        layer_kinds=tuple(repr(k) for k in kv.layer_windows),
+        geometries=tuple(repr(g) for g in kv.geometries),
+        pools=tuple((tuple(p.shape[1:]), str(p.dtype)) for p in kv.pools),
+        model_type=layout.model_type,
+        backend=backend.current(),
+    )
+    directory = config.kv_disk_dir
+    assert directory is not None  # the caller checked
+    size = config.kv_disk_size
+    assert isinstance(size, int)  # parsed when the config was made
+    tier = DiskTier(directory, fingerprint, size)
+    # Snapshots waiting for the writer: at most a quarter of the KV pool, so a slow disk costs bounded memory.
+    writer = DiskWriter(tier, max(kv.bytes_per_block, kv.nbytes // 4))
+    core.attach_disk_tier(KVTiering(tier, writer, kv, core.scheduler.kv_manager.pool, core.runner))
+    return None
 
 
 def layout_serial_reason(layout: ModelLayout, model, dtype: mx.Dtype, block_size: int) -> str | None:

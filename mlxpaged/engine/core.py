@@ -21,6 +21,7 @@ from mlxpaged.cache.layout import ModelLayout
 from mlxpaged.cache.state_cache import CheckpointTable, StateCache, StateStore
 from mlxpaged.config import CacheConfig, SchedulerConfig
 from mlxpaged.engine.drafting import Speculator
+from mlxpaged.engine.kv_tiering import KVTiering
 from mlxpaged.engine.metrics import StatsCounter
 from mlxpaged.engine.output_processor import OutputProcessor, split_results
 from mlxpaged.engine.request import Request
@@ -47,6 +48,7 @@ class EngineCore:
         self.stats = stats or StatsCounter()
         self.outputs = OutputProcessor(scheduler, tokenizer, self.stats, fork=self._fork)
         self._has_commands = has_commands
+        self.tiering: KVTiering | None = None  # the prefix cache's disk tier, when on (attach_disk_tier)
         # Prompt-lookup speculative decoding (drafting.py), when a draft length is given.
         self.speculator = (
             None if num_speculative_tokens is None else Speculator(scheduler, num_speculative_tokens, self._can_draft)
@@ -99,6 +101,21 @@ class EngineCore:
         runner = Runner(model, kv, layout, state.store if state is not None else None, serial=serial)
         return cls(scheduler, runner, tokenizer, **kwargs)
 
+    def attach_disk_tier(self, tiering: KVTiering) -> None:
+        """Keep the prefix cache's blocks on disk too: the manager reads misses from it, the steps write to it."""
+        self.scheduler.kv_manager.lower_tier = tiering
+        self.tiering = tiering
+
+    def idle(self) -> None:
+        """Nothing to run: write the disk tier's pending blocks (the engine thread calls this while it waits)."""
+        if self.tiering is not None:
+            self.tiering.idle()
+
+    def close(self) -> None:
+        """The engine stops: the disk tier writes what it still holds in RAM only."""
+        if self.tiering is not None:
+            self.tiering.close()
+
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
@@ -130,6 +147,8 @@ class EngineCore:
         """One engine step over every unfinished request."""
         while self.outputs.pending_aborts:  # requests whose sink raised during the last step
             self.abort(self.outputs.pending_aborts.pop(0))
+        if self.tiering is not None:
+            self.tiering.before_schedule()  # blocks the pool may evict go to disk first
         out = self.scheduler.schedule()  # 1. schedule
         self.stats.preemptions += len(out.preempted)
         if not out.chunks:
@@ -149,6 +168,8 @@ class EngineCore:
         self.outputs.process(out, rows, results)  # 4. process outputs
         if self.speculator is not None:
             self.speculator.record(out, accepted)
+        if self.tiering is not None:
+            self.tiering.after_step()  # snapshots only: the writer thread writes
 
     def fail_all(self, exc: BaseException) -> None:
         """A step raised: fail every request (not the engine), and forget the pipelined pass."""

@@ -256,13 +256,13 @@ class Engine:
 
     def stats(self) -> dict:
         pool = self.pool.stats()
+        tiers = self._tier_stats(pool.query_tokens, pool.hit_tokens)
         return {
             "blocks_total": pool.num_blocks,
             "blocks_free": pool.num_free + pool.num_cached_free,
             "blocks_used": pool.num_owned,
             "blocks_cached": pool.num_cached_free,
-            "prefix_hit_rate": pool.hit_rate,
-            "prefix_hit_tokens": pool.hit_tokens,
+            **tiers,
             "requests_running": self.scheduler.num_running,
             "requests_waiting": self.scheduler.num_waiting,
             **self._stats.snapshot(),
@@ -277,6 +277,21 @@ class Engine:
             "kv_memory_by_class": {g.describe(): size for g, size in self.kv.bytes_by_class().items()},
         }
 
+    def _tier_stats(self, query_tokens: int, ram_hit_tokens: int) -> dict:
+        """Both tiers of the prefix cache: prompt tokens found in RAM (the pool) and on disk (engine/kv_tiering.py);
+        `prefix_hit_*` counts both (every prompt token not prefilled)."""
+        tiering = self.core.tiering
+        disk = tiering.stats(query_tokens - ram_hit_tokens) if tiering is not None else {}
+        hits = ram_hit_tokens + disk.get("disk_hit_tokens", 0)
+        return {
+            "prefix_hit_rate": hits / query_tokens if query_tokens else 0.0,
+            "prefix_hit_tokens": hits,
+            "ram_hit_tokens": ram_hit_tokens,
+            "disk_tier": tiering is not None,
+            "disk_tier_off": self.built.disk_tier_off,
+            **disk,
+        }
+
     def _memory_stats(self) -> dict:
         """KV memory and state-slot memory, apart: planned bytes, and for state the slots and checkpoints held."""
         out = {"kv_bytes": self.plan.kv_bytes, "state_bytes": self.plan.state_bytes}
@@ -288,6 +303,16 @@ class Engine:
                 state_checkpoints=len(state.checkpoints),
             )
         return out
+
+    def wait_disk_writes(self, timeout: float | None = None) -> bool:
+        """Wait until every block in the prefix cache so far is written to the disk tier (True at once without
+        one; False on timeout). The engine thread hands the blocks over between steps; its writer writes them."""
+        tiering = self.core.tiering
+        if tiering is None or self._closed:
+            return True
+        handed = threading.Event()
+        self._commands.put(engine_thread.Flush(handed))
+        return handed.wait(timeout) and tiering.writer.wait_idle(timeout)
 
     def block_states(self) -> list[str]:
         """Per block: "free", "owned", "shared" or "cached" (a snapshot; for the block map)."""

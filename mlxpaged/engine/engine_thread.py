@@ -41,11 +41,18 @@ class Abort:
 
 
 @dataclass(frozen=True)
+class Flush:
+    """Hand every block the disk tier still holds in RAM only to its writer, then set `done`."""
+
+    done: threading.Event
+
+
+@dataclass(frozen=True)
 class Close:
     """Stop at the next step boundary."""
 
 
-Command = Add | Abort | Close
+Command = Add | Abort | Flush | Close
 
 
 def start(engine, commands: queue.SimpleQueue, core: EngineCore, plan: MemoryPlan, wire: bool) -> threading.Thread:
@@ -68,9 +75,10 @@ def _serve(ref: weakref.ref, commands: queue.SimpleQueue, core: EngineCore, plan
                 core.warm_up()
             while _turn(ref, commands, core):
                 pass
-        closed = EngineClosedError("the engine was closed")
-        core.fail_all(closed)
-        _fail_queued(commands, closed)
+            closed = EngineClosedError("the engine was closed")
+            core.fail_all(closed)
+            _fail_queued(commands, closed)
+            core.close()  # on this thread's stream: the disk tier copies its last blocks out of the pools
     finally:
         # MLX requires a thread to release its streams before it ends, or the process can
         # abort at exit ("terminate called without an active exception").
@@ -83,6 +91,7 @@ def _turn(ref: weakref.ref, commands: queue.SimpleQueue, core: EngineCore) -> bo
     if ref() is None:
         return False
     if not core.has_unfinished:
+        core.idle()
         try:
             command = commands.get(timeout=IDLE_WAIT_S)
         except queue.Empty:
@@ -120,6 +129,11 @@ def apply(core: EngineCore, command: Command) -> bool:
             command.sink(exc)
     elif isinstance(command, Abort):
         core.abort(command.request_id)
+    elif isinstance(command, Flush):
+        try:
+            core.idle()
+        finally:
+            command.done.set()
     return True
 
 

@@ -42,6 +42,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from mlxpaged.cache.kv_quant import KVQuantization
+from mlxpaged.cache.quantized_pages import Pool, QuantizedPages, is_quantized
 from mlxpaged.kernels import paged_attention as pa
 from mlxpaged.kernels.cpu_attention import attend, decode_attention_cpu, paged_attention_cpu
 from mlxpaged.kernels.numpy_attention import (
@@ -140,15 +142,17 @@ def resolved_backend() -> str:
     return name
 
 
-def _float32(k_pool: mx.array, v_pool: mx.array) -> bool:
-    """The CPU path's pools: float32, the CPU backend's fast dtype (others take the reference)."""
-    return k_pool.dtype == mx.float32 and v_pool.dtype == mx.float32
+def _float32(k_pool: Pool, v_pool: Pool) -> bool:
+    """The CPU path's pools: float32, the CPU backend's fast dtype (others take the reference), stored as
+    such: quantized pages take the reference's quantized forms (reference.py) on every backend."""
+    plain = not is_quantized(k_pool) and not is_quantized(v_pool)
+    return plain and k_pool.dtype == mx.float32 and v_pool.dtype == mx.float32
 
 
 def paged_attention(
     q: mx.array,
-    k_pool: mx.array,
-    v_pool: mx.array,
+    k_pool: Pool,
+    v_pool: Pool,
     block_tables: mx.array,
     context_lens: mx.array,
     scale: float,
@@ -181,6 +185,8 @@ def paged_attention(
                 two_pass=two_pass,
                 launcher=_launcher,
             )
+    if isinstance(k_pool, QuantizedPages) or isinstance(v_pool, QuantizedPages):  # the quantized matmuls
+        return paged_attention_reference(q, k_pool, v_pool, block_tables, context_lens, scale, window, sinks)
     if backend == "cpu" and _float32(k_pool, v_pool):
         return paged_attention_cpu(q, k_pool, v_pool, block_tables, context_lens, scale, window, sinks)
     return paged_attention_reference(q, k_pool, v_pool, block_tables, context_lens, scale, window, sinks)
@@ -188,8 +194,8 @@ def paged_attention(
 
 def kernel_attention_with_tail(
     q: mx.array,
-    k_pool: mx.array,
-    v_pool: mx.array,
+    k_pool: Pool,
+    v_pool: Pool,
     block_tables: mx.array,
     context_lens,
     tail_k: mx.array,
@@ -201,6 +207,8 @@ def kernel_attention_with_tail(
     ``tail_v`` [B, KVH, T, D] keys after them (K/V not written yet: runner/deferred_writes.py), by the
     Metal kernel with the tail merged as one more partition; None when the kernel does not attend here
     (another backend, a shape it cannot take, a variant that failed its self-check)."""
+    if isinstance(k_pool, QuantizedPages) or isinstance(v_pool, QuantizedPages):
+        return None
     if resolved_backend() != "kernel" or not pa.kernel_supports(q, k_pool, v_pool, block_tables, None, sinks):
         return None
     if not _kernel_passed(_variant(q, k_pool, v_pool, sinks, two_pass=True)):
@@ -235,7 +243,7 @@ def eager_sdpa(
     return sdpa(q, k, v, scale, mask, sinks)
 
 
-def reads_pages_in_place(q: mx.array, k_pool: mx.array, v_pool: mx.array, context: int) -> bool:
+def reads_pages_in_place(q: mx.array, k_pool: Pool, v_pool: Pool, context: int) -> bool:
     """True when a batch-1 prefill chunk over ``context`` positions is faster through
     ``paged_prefill_attention`` (pages read in place) than through ``eager_sdpa`` over gathered K/V."""
     return _numpy_allowed() and _float32(k_pool, v_pool) and pages_in_place_apply(q, context)
@@ -248,8 +256,8 @@ def _numpy_allowed() -> bool:
 
 def paged_prefill_attention(
     q: mx.array,
-    k_pool: mx.array,
-    v_pool: mx.array,
+    k_pool: Pool,
+    v_pool: Pool,
     block_table,
     prefix_len: int,
     chunk_len: int,
@@ -267,7 +275,9 @@ def paged_prefill_attention(
     varlen kernel would go).
     """
     numpy_case = window is None and q.shape[0] == 1 and q.shape[2] == chunk_len >= 1 and prefix_len >= 0
-    if numpy_case and _numpy_allowed() and _float32(k_pool, v_pool):
+    if isinstance(k_pool, QuantizedPages) or isinstance(v_pool, QuantizedPages):
+        pass  # quantized pages: the reference gathers them dequantized
+    elif numpy_case and _numpy_allowed() and _float32(k_pool, v_pool):
         check_pools(q, k_pool, v_pool, sinks)
         return attend_pages_numpy(q, k_pool, v_pool, block_table, prefix_len + chunk_len, scale, sinks)
     return paged_prefill_attention_reference(
@@ -277,8 +287,8 @@ def paged_prefill_attention(
 
 def decode_attention(
     q: mx.array,
-    k_pool: mx.array,
-    v_pool: mx.array,
+    k_pool: Pool,
+    v_pool: Pool,
     rows: mx.array,
     mask: mx.array,
     scale: float,
@@ -287,6 +297,8 @@ def decode_attention(
     """Decode attention from array inputs only, for compiled passes (no host lengths): ``rows``
     [B, KVH, nb] page rows (``reference.page_rows``), ``mask`` [B, 1, 1, nb * BS] bool (key in the
     sequence; every sequence has at least one). Same result as ``paged_attention``."""
+    if isinstance(k_pool, QuantizedPages) or isinstance(v_pool, QuantizedPages):
+        return attend_pages(q, k_pool, v_pool, rows, mask, scale, sinks)  # the packed pages' quantized matmuls
     if resolved_backend() == "cpu" and _float32(k_pool, v_pool):
         return decode_attention_cpu(q, k_pool, v_pool, rows, mask, scale, sinks)
     return attend_pages(q, k_pool, v_pool, rows, mask, scale, sinks)
@@ -295,8 +307,9 @@ def decode_attention(
 # --- kernel self-check: which variants the kernel attends, and why -------------------------------
 
 
-def _variant(q: mx.array, k_pool: mx.array, v_pool: mx.array, sinks: mx.array | None, two_pass: bool) -> KernelVariant:
+def _variant(q: mx.array, k_pool: Pool, v_pool: Pool, sinks: mx.array | None, two_pass: bool) -> KernelVariant:
     heads, kv_heads = q.shape[1], k_pool.shape[1]
+    quantization = k_pool.quantization if isinstance(k_pool, QuantizedPages) else None
     return KernelVariant(
         DTYPE_NAMES[q.dtype],
         q.shape[3],
@@ -305,6 +318,8 @@ def _variant(q: mx.array, k_pool: mx.array, v_pool: mx.array, sinks: mx.array | 
         two_pass,
         v_pool.shape[3],
         sinks is not None,
+        None if quantization is None else quantization.bits,
+        None if quantization is None else quantization.group_size,
     )
 
 
@@ -342,6 +357,7 @@ class PreparedAttention:
     dtype: str
     unsupported: str | None
     variants: tuple[KernelVariant, ...] = ()
+    quantized: bool = False  # quantized pages: the kernel's quantized variant, elsewhere quantized matmuls
 
     def status(self) -> dict:
         """``attention_status`` for this model: the path that attends it now and why."""
@@ -356,17 +372,19 @@ def prepare_attention(
     num_kv_heads: int,
     v_dim: int | None = None,
     sinks: bool = False,
+    quantization: KVQuantization | None = None,
 ) -> PreparedAttention:
     """Called once per engine before its first decode: on the kernel path, self-check the variants
-    this model needs (cached per process); ``v_dim`` None: V as wide as K."""
+    this model needs (cached per process); ``v_dim`` None: V as wide as K; ``quantization``: quantized pages."""
     q = mx.zeros((1, num_heads, 1, head_dim), dtype)
-    k_pool = mx.zeros((1, num_kv_heads, block_size, head_dim), dtype)
-    v_pool = mx.zeros((1, num_kv_heads, block_size, v_dim or head_dim), dtype)
+    k_pool = _empty_pool((1, num_kv_heads, block_size, head_dim), dtype, quantization)
+    v_pool = _empty_pool((1, num_kv_heads, block_size, v_dim or head_dim), dtype, quantization)
     sink_logits = mx.zeros((num_heads,)) if sinks else None
     unsupported = pa.unsupported_reason(q, k_pool, v_pool, mx.zeros((1, 1), mx.int32), sinks=sink_logits)
     name = DTYPE_NAMES.get(dtype, str(dtype))
+    quantized = quantization is not None
     if unsupported is not None:
-        return PreparedAttention(name, unsupported)
+        return PreparedAttention(name, unsupported, quantized=quantized)
     variants = tuple(
         variants_for(
             dtype=name,
@@ -376,25 +394,35 @@ def prepare_attention(
             num_kv_heads=num_kv_heads,
             v_dim=v_dim,
             sinks=sinks,
+            quantization=quantization,
         )
     )
     if resolved_backend() == "kernel":
         _check_variants(list(variants))
-    return PreparedAttention(name, None, variants)
+    return PreparedAttention(name, None, variants, quantized)
+
+
+def _empty_pool(shape: tuple[int, int, int, int], dtype: mx.Dtype, quantization: KVQuantization | None) -> Pool:
+    return mx.zeros(shape, dtype) if quantization is None else QuantizedPages.zeros(shape, dtype, quantization)
 
 
 def prepare_model_attention(
-    dtype: mx.Dtype, block_size: int, geometries: list[tuple[int, int, int, int, bool]]
+    dtype: mx.Dtype,
+    block_size: int,
+    geometries: list[tuple[int, int, int, int, bool]],
+    quantization: KVQuantization | None = None,
 ) -> PreparedAttention:
     """`prepare_attention` for each (query heads, KV heads, K width, V width, sinks) a model's pools hold
-    (paged_support.attention_geometries); the result names every geometry the kernel cannot take."""
+    (paged_support.attention_geometries); the result names every geometry the kernel cannot take.
+    `quantization`: the pools hold quantized pages (the kernel's quantized variants)."""
     prepared = [
-        prepare_attention(dtype, k_dim, block_size, heads, kv_heads, v_dim, sinks)
+        prepare_attention(dtype, k_dim, block_size, heads, kv_heads, v_dim, sinks, quantization)
         for heads, kv_heads, k_dim, v_dim, sinks in geometries
     ]
     reasons = list(dict.fromkeys(p.unsupported for p in prepared if p.unsupported is not None))
     variants = tuple(dict.fromkeys(v for p in prepared for v in p.variants))
-    return PreparedAttention(DTYPE_NAMES.get(dtype, str(dtype)), "; ".join(reasons) or None, variants)
+    name = DTYPE_NAMES.get(dtype, str(dtype))
+    return PreparedAttention(name, "; ".join(reasons) or None, variants, quantization is not None)
 
 
 def attention_status(prepared: PreparedAttention | None = None) -> dict:
@@ -416,6 +444,8 @@ def attention_status(prepared: PreparedAttention | None = None) -> dict:
         )
     if backend == "cpu":
         why = "forced" if forced else "MLX's CPU backend"
+        if prepared is not None and prepared.quantized:
+            return _status("reference", f"{why}; quantized pages: packed pages attended by quantized matmuls", [])
         if prepared is not None and prepared.dtype != "float32":
             return _status(
                 "reference", f"{why}; the CPU path takes float32 K/V, this model's are {prepared.dtype}", variants

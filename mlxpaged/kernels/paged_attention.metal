@@ -16,10 +16,21 @@
 // sinks (float32): [num_heads] sink logits, read only when SINKS is 1. A sink joins the softmax
 // as a key with no value: M = max(max score, sink), denominator += exp(sink - M). It enters
 // once per head: in the one-pass merge, or in the reduce, never per partition.
+//
+// Quantized pages (kv_bits): the decode kernel's quantized variant (template QBITS 8 or 4, QGROUP 32 or 64)
+// takes k_pool / v_pool as mx.quantize's packed uint32 rows [.., D * QBITS / 32] with k_scales / k_biases
+// (v_...) [.., D / QGROUP] in T, and dequantizes each element as it reads it (PA_LOAD_K / PA_LOAD_V; the
+// wrapper defines PA_QUANTIZED 1 for that kernel): element e of a row is bits [e % (32 / QBITS) * QBITS, + QBITS) of word
+// e * QBITS / 32, times its group's scale plus its bias. Everything after the loads is the same kernel.
 
 // ==== header ====
 // (no shared helpers: inputs with fewer than 8 elements are bound as `constant`, so all
-// buffer reads stay in the kernel bodies)
+// buffer reads stay in the kernel bodies; macros expand in them)
+#define PA_DEQUANT(pool, scales, biases, WIDTH, slot, e)                                              \
+  (float((pool[(slot) * ((WIDTH) * QBITS / 32) + (e) * QBITS / 32] >> (((e) % (32 / QBITS)) * QBITS)) & \
+         ((1u << QBITS) - 1u)) *                                                                       \
+       float(scales[(slot) * ((WIDTH) / QGROUP) + (e) / QGROUP]) +                                     \
+   float(biases[(slot) * ((WIDTH) / QGROUP) + (e) / QGROUP]))
 
 // ==== paged_attention_decode ====
 // Template: T, D, DV, BS, G, NSG, SINKS. PA_PARTITIONED is defined by the wrapper (0: one pass
@@ -27,6 +38,13 @@
 // Grid (NSG * 32, num_kv_heads, batch * num_partitions); threadgroup (NSG * 32, 1, 1).
 constexpr int EPL = D / 32;  // key head-dim elements per lane
 constexpr int EPL_V = DV / 32;  // value head-dim elements per lane
+#if PA_QUANTIZED
+#define PA_LOAD_K(slot, e) PA_DEQUANT(k_pool, k_scales, k_biases, D, slot, e)
+#define PA_LOAD_V(slot, e) PA_DEQUANT(v_pool, v_scales, v_biases, DV, slot, e)
+#else
+#define PA_LOAD_K(slot, e) float(k_pool[(slot) * D + (e)])
+#define PA_LOAD_V(slot, e) float(v_pool[(slot) * DV + (e)])
+#endif
 threadgroup float tg_max[NSG * G];
 threadgroup float tg_sum[NSG * G];
 threadgroup float tg_out[NSG * DV];
@@ -76,10 +94,10 @@ for (int t = first + sg; t < last; t += NSG) {
   float k[EPL];
   float v[EPL_V];
   for (int i = 0; i < EPL; i++) {
-    k[i] = float(k_pool[slot * D + lane * EPL + i]);
+    k[i] = PA_LOAD_K(slot, lane * EPL + i);
   }
   for (int i = 0; i < EPL_V; i++) {
-    v[i] = float(v_pool[slot * DV + lane * EPL_V + i]);
+    v[i] = PA_LOAD_V(slot, lane * EPL_V + i);
   }
   for (int g = 0; g < G; g++) {
     float partial = 0.0f;

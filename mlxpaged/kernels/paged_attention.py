@@ -19,6 +19,7 @@ from collections.abc import Callable
 from functools import cache, lru_cache
 from pathlib import Path
 
+from mlxpaged.cache.quantized_pages import Pool, QuantizedPages
 from mlxpaged.config import VALID_BLOCK_SIZES
 
 import mlx.core as mx
@@ -36,6 +37,8 @@ TWO_PASS_MAX_GROUPS = 64
 Launcher = Callable[..., list]
 
 DECODE_INPUTS = ["queries", "k_pool", "v_pool", "block_tables", "context_lens", "params", "scale", "sinks"]
+QUANTIZED_INPUTS = ["k_scales", "k_biases", "v_scales", "v_biases"]  # after DECODE_INPUTS, quantized variant only
+
 REDUCE_INPUTS = ["o_part", "m_part", "l_part", "params", "sinks"]
 
 
@@ -47,14 +50,21 @@ def source_sections() -> dict[str, str]:
 
 
 @cache
-def decode_kernel(partitioned: bool):
+def decode_kernel(partitioned: bool, quantized: bool = False):
     sections = source_sections()
     flag = int(partitioned)
-    body = f"#define PA_PARTITIONED {flag}\n{sections['paged_attention_decode']}#undef PA_PARTITIONED\n"
+    body = (
+        f"#define PA_PARTITIONED {flag}\n#define PA_QUANTIZED {int(quantized)}\n{sections['paged_attention_decode']}"
+        "#undef PA_PARTITIONED\n#undef PA_QUANTIZED\n#undef PA_LOAD_K\n#undef PA_LOAD_V\n"
+    )
     outputs = ["o_part", "m_part", "l_part"] if partitioned else ["out"]
     name = "paged_attention_partitioned" if partitioned else "paged_attention_decode"
     return mx.fast.metal_kernel(
-        name=name, input_names=DECODE_INPUTS, output_names=outputs, source=body, header=sections["header"]
+        name=name + ("_quantized" if quantized else ""),
+        input_names=DECODE_INPUTS + (QUANTIZED_INPUTS if quantized else []),
+        output_names=outputs,
+        source=body,
+        header=sections["header"],
     )
 
 
@@ -77,12 +87,16 @@ def _width_reason(name: str, dim: int) -> str | None:
 
 
 def unsupported_reason(
-    q: mx.array, k_pool: mx.array, v_pool: mx.array, block_tables, window=None, sinks: mx.array | None = None
+    q: mx.array, k_pool: Pool, v_pool: Pool, block_tables, window=None, sinks: mx.array | None = None
 ) -> str | None:
-    """Why the kernel cannot take these shapes (None: it can); such calls use the reference path."""
+    """Why the kernel cannot take these shapes (None: it can); such calls use the reference path. Quantized
+    pages (QuantizedPages, K and V alike) take the quantized variant."""
+    k_quant, v_quant = (p.quantization if isinstance(p, QuantizedPages) else None for p in (k_pool, v_pool))
+    if k_quant != v_quant:
+        return f"K pages {k_quant or 'full precision'}, V pages {v_quant or 'full precision'}: need them alike"
     if q.ndim != 4 or q.shape[2] != 1:
         return f"decode needs q [B, heads, 1, D], got {tuple(q.shape)}"
-    if k_pool.ndim != 4 or v_pool.ndim != 4 or k_pool.shape[:3] != v_pool.shape[:3]:
+    if len(k_pool.shape) != 4 or len(v_pool.shape) != 4 or k_pool.shape[:3] != v_pool.shape[:3]:
         return f"K/V pools must share [blocks, kv_heads, block_size]: {k_pool.shape}, {v_pool.shape}"
     _, heads, _, head_dim = q.shape
     _, kv_heads, block_size, pool_dim = k_pool.shape
@@ -153,8 +167,8 @@ def _gpu_launch(kernel, **call) -> list:
 
 def paged_attention_metal(
     q: mx.array,
-    k_pool: mx.array,
-    v_pool: mx.array,
+    k_pool: Pool,
+    v_pool: Pool,
     block_tables: mx.array,
     context_lens: mx.array,
     scale: float,
@@ -201,7 +215,9 @@ def paged_attention_metal(
     # Without sinks the kernel never reads the buffer (SINKS 0); one zero keeps the signature.
     sink_logits = _float32s((0.0,)) if sinks is None else sinks.astype(mx.float32)
     has_sinks = int(sinks is not None)
-    inputs = [q.reshape(batch, heads, head_dim), k_pool, v_pool, tables, lens, params, _float32s((scale,)), sink_logits]
+    quantized = isinstance(k_pool, QuantizedPages) and isinstance(v_pool, QuantizedPages)
+    pools = [p.data if isinstance(p, QuantizedPages) else p for p in (k_pool, v_pool)]  # packed words, or the pool
+    inputs = [q.reshape(batch, heads, head_dim), *pools, tables, lens, params, _float32s((scale,)), sink_logits]
     threads = num_simdgroups * 32
     template = [
         ("T", q.dtype),
@@ -212,10 +228,13 @@ def paged_attention_metal(
         ("NSG", num_simdgroups),
         ("SINKS", has_sinks),
     ]
+    if isinstance(k_pool, QuantizedPages) and isinstance(v_pool, QuantizedPages):
+        inputs += [k_pool.scales, k_pool.biases, v_pool.scales, v_pool.biases]
+        template += [("QBITS", k_pool.bits), ("QGROUP", k_pool.group_size)]
     launch = launcher or _gpu_launch
     if not two_pass:
         (out,) = launch(
-            decode_kernel(False),
+            decode_kernel(False, quantized),
             inputs=inputs,
             template=template,
             grid=(threads, kv_heads, batch),
@@ -226,7 +245,7 @@ def paged_attention_metal(
         return out.reshape(batch, heads, 1, v_dim)
     part_shape = (batch, heads, partitions)
     o_part, m_part, l_part = launch(
-        decode_kernel(True),
+        decode_kernel(True, quantized),
         inputs=inputs,
         template=template,
         grid=(threads, kv_heads, batch * partitions),

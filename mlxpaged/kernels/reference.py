@@ -10,12 +10,18 @@ sequence lives at ``pool[table[t // block_size], :, t % block_size, :]``. Output
 Pages are gathered whole: the pool is viewed as ``[num_blocks * num_kv_heads, block_size * head_dim]``
 rows and one ``mx.take`` by ``table * num_kv_heads + head`` yields ``[B, num_kv_heads, tokens, D]``
 directly, with no transpose copy. Only the blocks that some query can see are gathered.
+
+Quantized pools (cache/quantized_pages.py) are taken the same way, array by array: decode attends the packed
+pages (kernels/quantized_attention.py), prefill dequantizes the pages it gathered.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+from mlxpaged.cache.quantized_pages import Pool, QuantizedPages
+from mlxpaged.kernels.quantized_attention import attend_quantized_pages
 
 import mlx.core as mx
 import numpy as np
@@ -57,8 +63,11 @@ def page_rows(tables: mx.array, pool_shape, clip: bool = True) -> mx.array:
     return tables[:, None, :] * kv_heads + mx.arange(kv_heads, dtype=mx.int32)[None, :, None]
 
 
-def gather_pages(pool: mx.array, rows: mx.array) -> mx.array:
-    """``pool`` [NB, KVH, BS, D], ``rows`` [B, KVH, nb] from ``page_rows`` -> [B, KVH, nb * BS, D]."""
+def gather_pages(pool: mx.array | QuantizedPages, rows: mx.array) -> mx.array:
+    """``pool`` [NB, KVH, BS, D], ``rows`` [B, KVH, nb] from ``page_rows`` -> [B, KVH, nb * BS, D]
+    (a quantized pool's pages dequantized to its dtype)."""
+    if isinstance(pool, QuantizedPages):
+        return pool.dequantize(pool.take_pages(rows))
     num_blocks, kv_heads, block_size, head_dim = pool.shape
     batch, _, nb = rows.shape
     flat = pool.reshape(num_blocks * kv_heads, block_size * head_dim)
@@ -77,8 +86,8 @@ def _check_window(window: int | None) -> None:
 
 def paged_attention_reference(
     q: mx.array,
-    k_pool: mx.array,
-    v_pool: mx.array,
+    k_pool: Pool,
+    v_pool: Pool,
     block_tables,
     context_lens,
     scale: float,
@@ -102,12 +111,12 @@ def paged_attention_reference(
     return zero_empty(attend_pages(q, k_pool, v_pool, plan.rows, plan.mask, scale, sinks), plan.lens)
 
 
-def output_shape(q: mx.array, v_pool: mx.array) -> tuple[int, ...]:
+def output_shape(q: mx.array, v_pool: Pool) -> tuple[int, ...]:
     """Attention outputs have the queries' shape with V's width."""
     return (*q.shape[:-1], v_pool.shape[-1])
 
 
-def check_pools(q: mx.array, k_pool: mx.array, v_pool: mx.array, sinks: mx.array | None) -> None:
+def check_pools(q: mx.array, k_pool: Pool, v_pool: Pool, sinks: mx.array | None) -> None:
     """K and V pools must share blocks, heads and block size, K must have the queries' width and
     sinks must hold one logit per query head: anything else would attend the wrong numbers."""
     if k_pool.shape[:3] != v_pool.shape[:3] or k_pool.shape[-1] != q.shape[-1]:
@@ -130,8 +139,8 @@ def fast_sinks(sinks: mx.array | None, dtype: mx.Dtype) -> mx.array | None:
 
 def attend_pages(
     q: mx.array,
-    k_pool: mx.array,
-    v_pool: mx.array,
+    k_pool: Pool,
+    v_pool: Pool,
     rows: mx.array,
     mask: mx.array | None,
     scale: float,
@@ -139,6 +148,8 @@ def attend_pages(
 ) -> mx.array:
     """Decode attention over gathered pages: ``rows`` [B, KVH, nb] from ``page_rows``, ``mask``
     [B, 1, 1, nb * BS] bool or None, ``sinks`` [H] or None. Array inputs only, so compiled passes use it too."""
+    if isinstance(k_pool, QuantizedPages) and isinstance(v_pool, QuantizedPages):
+        return attend_quantized_pages(q, k_pool, v_pool, rows, mask, scale, sinks)
     batch, heads, _, head_dim = q.shape
     kv_heads = k_pool.shape[1]
     keys, values = gather_pages(k_pool, rows), gather_pages(v_pool, rows)
@@ -244,8 +255,8 @@ def _decode_mask(lens: list[int], starts: list[int], lo: int, hi: int) -> mx.arr
 
 def paged_prefill_attention_reference(
     q: mx.array,
-    k_pool: mx.array,
-    v_pool: mx.array,
+    k_pool: Pool,
+    v_pool: Pool,
     block_table,
     prefix_len: int,
     chunk_len: int,

@@ -14,6 +14,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from mlxpaged.cache.kv_quant import KVQuantization
+from mlxpaged.cache.quantized_pages import Pool, QuantizedPages
 from mlxpaged.kernels import paged_attention as pa
 from mlxpaged.kernels.reference import paged_attention_reference
 
@@ -38,6 +40,8 @@ class KernelVariant:
     two_pass: bool
     v_dim: int | None = None  # value head dim; None (also when given equal): the same as head_dim
     sinks: bool = False  # a sink logit per query head (gpt-oss)
+    kv_bits: int | None = None  # quantized pages (the kernel's quantized variant); None: full precision
+    kv_group: int | None = None  # their group size
 
     def __post_init__(self):
         if self.v_dim == self.head_dim:
@@ -49,10 +53,15 @@ class KernelVariant:
 
     def describe(self) -> str:
         widths = f"D={self.head_dim}" + ("" if self.v_dim is None else f" DV={self.v_dim}")
+        quantized = "" if self.kv_bits is None else f" q{self.kv_bits}/{self.kv_group}"
         return (
-            f"{self.dtype} {widths} BS={self.block_size} G={self.gqa}{' sinks' if self.sinks else ''} "
+            f"{self.dtype} {widths} BS={self.block_size} G={self.gqa}{' sinks' if self.sinks else ''}{quantized} "
             f"{'two-pass' if self.two_pass else 'one-pass'}"
         )
+
+    @property
+    def quantization(self) -> KVQuantization | None:
+        return None if self.kv_bits is None else KVQuantization(self.kv_bits, self.kv_group or 64)
 
 
 @dataclass(frozen=True)
@@ -72,6 +81,7 @@ def variants_for(
     num_kv_heads: int,
     v_dim: int | None = None,
     sinks: bool = False,
+    quantization: KVQuantization | None = None,
 ) -> list[KernelVariant]:
     """The one-pass and two-pass variants of one model's decode attention."""
     if dtype not in TOLERANCE:
@@ -79,17 +89,31 @@ def variants_for(
     if num_kv_heads < 1 or num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads is not a multiple of {num_kv_heads} KV heads")
     group = num_heads // num_kv_heads
-    return [KernelVariant(dtype, head_dim, block_size, group, two_pass, v_dim, sinks) for two_pass in (False, True)]
+    bits, size = (None, None) if quantization is None else (quantization.bits, quantization.group_size)
+    return [
+        KernelVariant(dtype, head_dim, block_size, group, two_pass, v_dim, sinks, bits, size)
+        for two_pass in (False, True)
+    ]
 
 
 def unsupported_reason(variant: KernelVariant) -> str | None:
     """Why the kernel has no such variant (None: it has); the wrapper's own shape rules."""
     dtype = getattr(mx, variant.dtype)
     q = mx.zeros((1, variant.gqa, 1, variant.head_dim), dtype)
-    k_pool = mx.zeros((1, 1, variant.block_size, variant.head_dim), dtype)
-    v_pool = mx.zeros((1, 1, variant.block_size, variant.value_dim), dtype)
+    k_pool = _pool(mx.zeros((1, 1, variant.block_size, variant.head_dim), dtype), variant)
+    v_pool = _pool(mx.zeros((1, 1, variant.block_size, variant.value_dim), dtype), variant)
     sinks = mx.zeros((variant.gqa,)) if variant.sinks else None
     return pa.unsupported_reason(q, k_pool, v_pool, mx.zeros((1, 1), mx.int32), sinks=sinks)
+
+
+def _pool(pool: mx.array, variant: KernelVariant) -> Pool:
+    """`pool` as the variant's pages hold it: quantized by `mx.quantize` for a quantized variant."""
+    quantization = variant.quantization
+    if quantization is None:
+        return pool
+    blocks, heads, size, dim = pool.shape
+    pages = QuantizedPages.zeros((blocks, heads, size, dim), pool.dtype, quantization)
+    return pages.with_arrays(pages.quantize(pool))
 
 
 _results: dict[tuple[KernelVariant, int], VariantCheck] = {}
@@ -155,7 +179,7 @@ def _compare(variant: KernelVariant, launcher: Callable | None) -> str | None:
 
 def _random_case(
     variant: KernelVariant,
-) -> tuple[tuple[mx.array, mx.array, mx.array, mx.array, mx.array, float], mx.array | None]:
+) -> tuple[tuple[mx.array, Pool, Pool, mx.array, mx.array, float], mx.array | None]:
     """((q, k_pool, v_pool, block_tables, context_lens, scale), sinks): 3 sequences over a shuffled pool.
     Lengths 1, BS + 1 and 3 BS + 5 cover a partial block, a block edge and several partitions; the
     tables' padding points at a block of other data, so reading past a length shows as a mismatch."""
@@ -177,8 +201,8 @@ def _random_case(
 
     heads = variant.gqa * CHECK_KV_HEADS
     q = normal(len(lens), heads, 1, dim)
-    k_pool = normal(num_blocks, CHECK_KV_HEADS, bs, dim)
-    v_pool = normal(num_blocks, CHECK_KV_HEADS, bs, variant.value_dim)
+    k_pool = _pool(normal(num_blocks, CHECK_KV_HEADS, bs, dim), variant)
+    v_pool = _pool(normal(num_blocks, CHECK_KV_HEADS, bs, variant.value_dim), variant)
     # Sinks around the scores' range: some heads' sinks dominate, others barely count.
     sinks = mx.array(rng.standard_normal(heads).astype(np.float32) * 2 + 1) if variant.sinks else None
     return (q, k_pool, v_pool, mx.array(tables), mx.array(lens, dtype=mx.int32), dim**-0.5), sinks

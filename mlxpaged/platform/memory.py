@@ -333,7 +333,7 @@ def plan_memory(
         )
     left = _check_fixed_costs(device.limit_bytes, fixed, device.limit_label)
     budget, budget_reason = _kv_budget(left, device.backend, cache)
-    kv = model.kv
+    kv = model.kv.quantized(cache.quantization)  # quantized pages: their real bytes (data, scales, biases)
     caps = [spec.max_blocks for spec in kv.table_specs(cache.block_size)]  # as the pools take them
     block = kv.block_bytes(cache.block_size)  # every pool's page in its own K/V widths
     memory_blocks = budget // block if block else None  # None: blocks of zero bytes, memory bounds none

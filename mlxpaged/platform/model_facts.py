@@ -8,8 +8,10 @@ length only: no other config key decides a shape.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
+from mlxpaged.cache.kv_quant import KVQuantization
 from mlxpaged.cache.layout import ModelLayout
 from mlxpaged.cache.specs import KVCacheSpec, KVGeometry, LayerKind, group_layers, pool_block_bytes
 from mlxpaged.validation import require_int
@@ -30,6 +32,7 @@ class KVShape:
     # One KVGeometry per layer (KV leaf) when they differ from `num_kv_heads x head_dim` for K and V
     # (latent MLA, V narrower than K, per-layer heads, K-is-V); None: every layer is that.
     geometries: tuple[KVGeometry, ...] | None = None
+    quantization: KVQuantization | None = None  # pages stored quantized (CacheConfig.kv_bits)
 
     def __post_init__(self) -> None:
         require_int("num_layers", self.num_layers)
@@ -62,8 +65,8 @@ class KVShape:
 
     @property
     def bytes_per_token(self) -> int:
-        """Every layer's K and V of one token, in its own widths (a K-is-V layer once)."""
-        return sum(g.page_elements(1) for g in self.layer_geometries) * self.dtype_bytes
+        """Every layer's K and V of one token, in its own widths (a K-is-V layer once), quantized or not."""
+        return sum(g.page_bytes(1, self.dtype_bytes, self.quantization) for g in self.layer_geometries)
 
     @property
     def layer_windows(self) -> tuple[LayerKind, ...]:
@@ -71,7 +74,15 @@ class KVShape:
 
     def block_bytes(self, block_size: int) -> int:
         """Bytes of one block id: a page in every pool (kv_cache.py), each in its own widths (0: no pools)."""
-        return pool_block_bytes(self.layer_windows, self.layer_geometries, block_size, self.dtype_bytes)
+        return pool_block_bytes(
+            self.layer_windows, self.layer_geometries, block_size, self.dtype_bytes, self.quantization
+        )
+
+    def quantized(self, quantization: KVQuantization | None) -> KVShape:
+        """This shape with its pages stored as `quantization` says (ConfigError: a width it cannot split)."""
+        if quantization is not None:
+            quantization.check_widths([w for g in self.layer_geometries for w in (g.k_dim, g.v_dim)])
+        return dataclasses.replace(self, quantization=quantization)
 
     def table_specs(self, block_size: int) -> tuple[KVCacheSpec, ...]:
         """The spec of each layer group's table, as the pools group the layers (kv_cache.PagedKVCache.specs)."""

@@ -10,7 +10,8 @@ call replaces Python graph building. Batch-1 step of SmolLM2-135M at 130 tokens 
 mlx-lm's own step (the matmuls, most of the step, are the same OpenBLAS calls either way).
 
 The pools go in as arguments and come back as results; the cache swaps in the results before
-the pass is evaluated, so nothing else holds the old pools and the writes stay in place.
+the pass is evaluated, so nothing else holds the old pools and the writes stay in place. Quantized pools go in
+as their (data, scales, biases) arrays and are rebuilt inside (cache/quantized_pages.py `as_arguments`).
 Only models whose layers all attend fully (one layer group) take this path.
 """
 
@@ -19,7 +20,8 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 
-from mlxpaged.cache.kv_cache import PagedKVCache
+from mlxpaged.cache.kv_cache import PagedKVCache, Pool
+from mlxpaged.cache.quantized_pages import QuantizedPages, as_arguments, from_arguments
 from mlxpaged.kernels.attention import decode_attention, resolved_backend, sdpa
 from mlxpaged.kernels.reference import gather_pages
 
@@ -47,9 +49,7 @@ class _PassState:
     """The traced inputs of one pass, shared by every layer's view; derived once per pass. A pass
     feeds L tokens per sequence (L = 1: decode; L > 1: a speculative verify chunk, causal within)."""
 
-    def __init__(
-        self, starts: mx.array, tables: mx.array, keys: list[mx.array], values: list[mx.array], length: int = 1
-    ):
+    def __init__(self, starts: mx.array, tables: mx.array, keys: list[Pool], values: list[Pool], length: int = 1):
         _, heads, size, _ = keys[0].shape
         batch, width = tables.shape
         self.positions = starts  # [B] position of each first new token (the RoPE offset)
@@ -61,6 +61,14 @@ class _PassState:
         self.rows = tables[:, None, :] * heads + head_ids[None, :, None]  # [B, KVH, nb] page rows
         self.mask = (mx.arange(width * size)[None, None, :] <= new[..., None]).reshape(batch, 1, length, -1)
         self.keys, self.values = keys, values
+
+
+def _put(pool: Pool, index: tuple, rows: mx.array) -> Pool:
+    if isinstance(pool, QuantizedPages):
+        pool.store(index, rows)  # quantized as written
+    else:
+        pool[index] = rows
+    return pool
 
 
 class DecodeView:
@@ -98,11 +106,6 @@ class DecodeView:
         return sdpa(queries, keys, values, scale, s.mask, sinks)
 
 
-def _put(pool: mx.array, index: tuple, rows: mx.array) -> mx.array:
-    pool[index] = rows
-    return pool
-
-
 class CompiledDecode:
     """Runs decode passes of an all-full-attention model through one compiled function."""
 
@@ -127,14 +130,16 @@ class CompiledDecode:
         width = page_bucket(max(needed))
         # Padding entries repeat a valid block (masked out) so the gathers stay inside the pool.
         padded = [list(t[:n]) + [t[n - 1]] * (width - n) for t, n in zip(tables, needed, strict=True)]
+        kv = self.kv
         logits, keys, values = self._forward(
             tokens,
             mx.array(list(starts), dtype=mx.int32),
             mx.array(padded, dtype=mx.int32),
-            self.kv.keys,
-            self.kv.values,
+            as_arguments(kv.keys),
+            as_arguments(kv.values),
         )
-        self.kv.keys[:], self.kv.values[:] = keys, values  # drop the old pools: the writes stay in place
+        # Drop the old pools: the writes stay in place.
+        kv.keys[:], kv.values[:] = from_arguments(keys, kv.keys), from_arguments(values, kv.values)
         return logits
 
     def warm_up(self) -> None:
@@ -143,18 +148,25 @@ class CompiledDecode:
         kv = self.kv
         # Pools of the cache's own geometry: V may be narrower than K (one geometry, K and V apart).
         pools = [
-            [mx.zeros((MIN_PAGES, g.kv_heads, kv.block_size, g.k_dim), kv.dtype) for g in kv.pool_geometries],
-            [mx.zeros((MIN_PAGES, g.kv_heads, kv.block_size, g.v_dim), kv.dtype) for g in kv.pool_geometries],
+            as_arguments([self._zeros(g.kv_heads, g.k_dim) for g in kv.pool_geometries]),
+            as_arguments([self._zeros(g.kv_heads, g.v_dim) for g in kv.pool_geometries]),
         ]
         table = mx.arange(MIN_PAGES, dtype=mx.int32)[None]
         logits, _, _ = self._forward(mx.zeros((1, 1), mx.int32), mx.zeros((1,), mx.int32), table, *pools)
         mx.eval(logits)
 
+    def _zeros(self, heads: int, dim: int) -> Pool:
+        shape = (MIN_PAGES, heads, self.kv.block_size, dim)
+        if self.kv.quantization is None:
+            return mx.zeros(shape, self.kv.dtype)
+        return QuantizedPages.zeros(shape, self.kv.dtype, self.kv.quantization)
+
     def _trace(self, tokens, starts, tables, keys, values):
+        keys, values = from_arguments(keys, self.kv.keys), from_arguments(values, self.kv.values)
         state = _PassState(starts, tables, list(keys), list(values), tokens.shape[1])
         views = [DecodeView(state, layer) for layer in range(len(keys))]
         if self.head is not None:
             logits = self.head(self.model.model(tokens, cache=views))
         else:
             logits = self.model(tokens, cache=views)
-        return logits.reshape(-1, logits.shape[-1]), state.keys, state.values
+        return logits.reshape(-1, logits.shape[-1]), as_arguments(state.keys), as_arguments(state.values)

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from mlxpaged.cache.kv_cache import PagedKVCache
+from mlxpaged.cache.kv_cache import PagedKVCache, Pool
 from mlxpaged.kernels.attention import resolved_backend
 
 import mlx.core as mx
@@ -84,8 +84,10 @@ def _token_major(x: mx.array) -> mx.array:
 
 
 def defers_writes(kv: PagedKVCache) -> bool:
-    """Pools this module can pipeline: one full-attention layer group of one geometry (K and V apart)."""
-    return kv.plain_full_attention
+    """Pools this module can pipeline: one full-attention layer group of one geometry (K and V apart), stored
+    in full precision. Not quantized pages: the pending tail and the batch-1 gathered prefix would be
+    full-precision K/V kept beside them, attended unlike what the pages will hold."""
+    return kv.plain_full_attention and not kv.quantized
 
 
 class DeferredPass:
@@ -211,7 +213,7 @@ class DeferredView:
         """This layer's keys and values gathered from the pages, the tail included (the kernel declined)."""
         return self._shared.gathered(self._layer)
 
-    def kernel_inputs(self) -> tuple[mx.array, mx.array, mx.array, tuple[int, ...], mx.array, mx.array]:
+    def kernel_inputs(self) -> tuple[Pool, Pool, mx.array, tuple[int, ...], mx.array, mx.array]:
         """(k_pool, v_pool, block tables, keys already in the pools per row, tail K, tail V) for
         kernels/attention.py `kernel_attention_with_tail`, after `update_and_fetch`."""
         s, j = self._shared, self._layer

@@ -141,6 +141,12 @@ class Runner:
         self._launch_ahead()
         return [everything[i] for i in rows_of]
 
+    @property
+    def pools_settled(self) -> bool:
+        """No pass is queued ahead and no K/V waits outside the pools: reading the pools now reads every
+        computed token and pins nothing in flight (the disk tier snapshots blocks only then)."""
+        return self._ahead is None and self._pending is None and not self._orphans
+
     def drop_look_ahead(self, failed: bool = False) -> None:
         """Forget the queued pass (a step with nothing scheduled, or a failed one) and write the pending K/V:
         passes already read produced them, and their full blocks may be prefix-cache hits. After a failure

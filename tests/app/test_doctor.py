@@ -30,6 +30,7 @@ SECTIONS = [
     "memory",
     "wired memory",
     "model store",
+    "KV disk tier",
     "default model",
     "sampling defaults",
     "KV plan",
@@ -339,3 +340,16 @@ def test_store_line_warns_when_the_store_is_missing(monkeypatch, tmp_path):
     assert doctor.check_store().status == WARN
     os.makedirs(tmp_path / "missing")
     assert doctor.check_store() == Check(OK, "model store", str(tmp_path / "missing"))
+
+
+def test_the_kv_disk_tier_line_counts_every_models_blocks(tmp_path, monkeypatch):
+    from mlxpaged.cache.disk_tier import DiskTier
+
+    import numpy as np
+
+    monkeypatch.setenv("MLXPAGED_KV_DISK", str(tmp_path / "kv"))
+    assert "empty" in doctor.check_kv_disk().detail
+    for fingerprint in ("a" * 64, "b" * 64):
+        DiskTier(tmp_path / "kv", fingerprint, 10**9).write(fingerprint[:1].encode() * 32, [np.zeros(100, np.float32)])
+    check = doctor.check_kv_disk()
+    assert check.label == "KV disk tier" and str(tmp_path / "kv") in check.detail and "2 blocks" in check.detail

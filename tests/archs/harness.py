@@ -1,10 +1,16 @@
 """One tiny architecture on the paged engine against mlx-lm's own generate_step.
 
-    python -m tests.archs.harness [--backend cuda] MODULE [MODULE ...]   -> one JSON verdict line per module
+    python -m tests.archs.harness [--backend cuda] [--kv-bits 8] MODULE [MODULE ...]   -> one JSON verdict per module
 
 `--backend cuda` runs the engine on the path a GPU takes (platform/backend.py simulated: eager decode
 queued before the last step is read, deferred page writes flushed every few tokens, MLX's fused attention),
 MLX still computing on the CPU.
+
+`--kv-bits 8` runs every engine on quantized pages (groups of KV_GROUP_SIZE) against mlx-lm's greedy tokens over
+the same quantized K/V (quantized_reference.py: the prompt fed token by token through mlx-lm's own caches, each
+new K/V quantized and dequantized as the pages store it). An architecture whose K/V widths groups cannot split
+is "refused" (the engine raises ConfigError at construction, naming kv_bits and the widths) before any reference
+run, which keeps the sweep's added time to the architectures that run.
 
 Verdicts: "paged" (every scenario of scenarios.py passes: greedy tokens equal mlx-lm's alone,
 batched, with chunked prefill, on a prefix-cache hit, after preemption and for n = 2, and the pool
@@ -31,6 +37,11 @@ import mlx.core as mx
 from mlx.utils import tree_map
 
 PROMPT_LENGTHS = (7, 21, 30)  # within a block, > 2 blocks of 8, and past every window and chunk of the configs
+KV_GROUP_SIZE = 32  # the smallest group mx.quantize takes: most tiny configs' heads are 16 or 32 wide
+# Quantized K/V computed by a batched prefill and by one token at a time may round to neighbouring levels:
+# log-prob gaps below this (8-bit: a level is 1/255 of a group's range) are near-ties either way.
+QUANTIZED_TIE_GAP = 1e-2
+KV_BITS: int | None = None  # set by --kv-bits
 
 
 def build(module: str):
@@ -49,8 +60,15 @@ def prompts(vocab: int) -> list[list[int]]:
 
 
 def reference(model, prompt: list[int]) -> Case:
-    """mlx-lm's greedy tokens and, per step, the gap between its two best log-probs."""
+    """mlx-lm's greedy tokens and, per step, the gap between its two best log-probs (over quantized K/V under
+    --kv-bits, with near-ties widened to QUANTIZED_TIE_GAP)."""
     from mlx_lm.generate import generate_step
+
+    if KV_BITS is not None:
+        from tests.archs.quantized_reference import quantized_greedy
+
+        tokens, gaps = quantized_greedy(model, prompt, NEW_TOKENS, KV_BITS, KV_GROUP_SIZE)
+        return Case(list(prompt), tokens, [0.0 if g < QUANTIZED_TIE_GAP else g for g in gaps])
 
     tokens, gaps = [], []
     for token, logprobs in generate_step(mx.array(prompt), model, max_tokens=NEW_TOKENS):
@@ -84,7 +102,7 @@ def run_engine(model, module: str, cases: list[Case], vocab: int) -> dict:
     tokenizer = load_tokenizer(_tokenizer_dir())
     loaded = LoadedModel(model, tokenizer, ModelRef(module, "path"), _path(module), "float32", config_for(module))
     try:
-        out = Scenarios(loaded, cases, lambda prompt: reference(model, prompt), vocab).run()
+        out = Scenarios(loaded, cases, lambda prompt: reference(model, prompt), vocab, _cache_settings()).run()
     except UnsupportedModelError as exc:
         return {"status": "refused", "reason": str(exc)}
     failed = {name: why for name, why in out["scenarios"].items() if why != "pass"}
@@ -104,6 +122,31 @@ def _tokenizer_dir():
     return locate_model(None)[1]
 
 
+def _cache_settings() -> dict:
+    return {} if KV_BITS is None else {"kv_bits": KV_BITS, "kv_group_size": KV_GROUP_SIZE}
+
+
+def quantized_refusal(model, module: str) -> str | None:
+    """Under --kv-bits: the engine's ConfigError when it refuses the model's K/V widths at construction."""
+    from mlxpaged.config import CacheConfig
+    from mlxpaged.engine.engine import Engine
+    from mlxpaged.errors import ConfigError, UnsupportedModelError
+    from mlxpaged.loading.loader import LoadedModel
+    from mlxpaged.loading.model_store import ModelRef
+
+    from mlx_lm.utils import load_tokenizer
+
+    tokenizer = load_tokenizer(_tokenizer_dir())
+    loaded = LoadedModel(model, tokenizer, ModelRef(module, "path"), _path(module), "float32", config_for(module))
+    try:
+        Engine(loaded, CacheConfig(cache_tokens=512, block_size=8, **_cache_settings())).close()
+    except ConfigError as exc:
+        return str(exc) if exc.param == "kv_bits" else None
+    except UnsupportedModelError:
+        return None  # refused for another reason: the scenarios' run says so
+    return None
+
+
 def _path(module: str):
     from pathlib import Path
 
@@ -116,6 +159,10 @@ def run_architecture(module: str) -> dict:
     out = {"module": module}
     model = build(module)
     out.update(layout_summary(model))
+    if KV_BITS is not None and (why := quantized_refusal(model, module)) is not None:
+        print(json.dumps({"module": module, "stage": "reference-done"}), flush=True)
+        out.update(status="refused", reason=why, seconds=round(time.time() - start, 2))
+        return out
     vocab = _vocab(model)
     cases = [reference(model, p) for p in prompts(vocab)]
     print(json.dumps({"module": module, "stage": "reference-done"}), flush=True)
@@ -132,9 +179,12 @@ def _vocab(model) -> int:
 
 
 def main(argv: list[str]) -> None:
+    global KV_BITS
     simulated = None
     if argv[:1] == ["--backend"]:
         simulated, argv = argv[1], argv[2:]
+    if argv[:1] == ["--kv-bits"]:
+        KV_BITS, argv = int(argv[1]), argv[2:]
     # The engine hands NumPy only attention calls above MIN_SCORES, which these tiny prompts never reach:
     # every eager attention call of the sweep goes there, so each architecture checks that path too.
     numpy_attention.MIN_SCORES = 0

@@ -41,10 +41,18 @@ def compare(got: list[int], case: Case) -> str | None:
 class Scenarios:
     """Runs every scenario on engines over `loaded`; `reference(prompt)` is mlx-lm's Case for a prompt."""
 
-    def __init__(self, loaded, cases: list[Case], reference: Callable[[list[int]], Case], vocab: int):
+    def __init__(
+        self,
+        loaded,
+        cases: list[Case],
+        reference: Callable[[list[int]], Case],
+        vocab: int,
+        cache_settings: dict | None = None,
+    ):
         from mlxpaged.sampling_params import SamplingParams
 
         self.loaded, self.cases, self.reference, self.vocab = loaded, cases, reference, vocab
+        self.cache_settings = cache_settings or {}  # e.g. kv_bits: every engine's pages quantized
         self.params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
         self.verdicts: dict[str, str] = {}
         self.facts: dict = {}
@@ -55,7 +63,7 @@ class Scenarios:
         """Engine facts and a verdict per scenario; raises UnsupportedModelError when the model is refused."""
         from mlxpaged.config import CacheConfig, SchedulerConfig
 
-        cache = CacheConfig(cache_tokens=512, block_size=BLOCK_SIZE)
+        cache = CacheConfig(cache_tokens=512, block_size=BLOCK_SIZE, **self.cache_settings)
         with self._engine(cache) as engine:  # a refusal propagates: it is the architecture's verdict
             self._main(engine)
         self._on_engine("chunked", cache, SchedulerConfig(max_batch_tokens=CHUNK_BUDGET), self._chunked)
@@ -74,11 +82,13 @@ class Scenarios:
 
         if self._pool_bytes == 0:
             return (
-                CacheConfig(cache_tokens=self._longest(), block_size=BLOCK_SIZE),
+                CacheConfig(cache_tokens=self._longest(), block_size=BLOCK_SIZE, **self.cache_settings),
                 SchedulerConfig(max_num_seqs=len(self.cases)),
             )
         return (
-            CacheConfig(cache_tokens=self._longest(), kv_memory=self._pool_bytes, block_size=BLOCK_SIZE),
+            CacheConfig(
+                cache_tokens=self._longest(), kv_memory=self._pool_bytes, block_size=BLOCK_SIZE, **self.cache_settings
+            ),
             SchedulerConfig(),
         )
 

@@ -21,9 +21,13 @@ ROOT = Path(__file__).resolve().parents[2]
 MODULE_TIMEOUT_S = 180
 
 
-def sweep(modules: list[str] | None = None, workers: int = 2, backend: str | None = None) -> dict[str, dict]:
+def sweep(
+    modules: list[str] | None = None, workers: int = 2, backend: str | None = None, kv_bits: int | None = None
+) -> dict[str, dict]:
     """Verdicts by module, for every text module of mlx_lm.models unless `modules` is given; `backend`
-    ("cuda"): the engine takes that backend's path (harness.py --backend)."""
+    ("cuda"): the engine takes that backend's path (harness.py --backend); `kv_bits`: quantized pages
+    (harness.py --kv-bits)."""
+    flags = (["--backend", backend] if backend else []) + (["--kv-bits", str(kv_bits)] if kv_bits else [])
     modules = modules or text_modules()
     verdicts = {
         m: {"module": m, "status": "cannot-run", "reason": MLX_LM_CANNOT_RUN[m]}
@@ -40,23 +44,22 @@ def sweep(modules: list[str] | None = None, workers: int = 2, backend: str | Non
     )
     shares = [todo[i::workers] for i in range(workers)]
     with ThreadPoolExecutor(workers) as pool:
-        for share in pool.map(lambda share: _run_share(share, backend), shares):
+        for share in pool.map(lambda share: _run_share(share, flags), shares):
             verdicts.update(share)
     return {m: verdicts[m] for m in modules}
 
 
-def _run_share(modules: list[str], backend: str | None) -> dict[str, dict]:
+def _run_share(modules: list[str], flags: list[str]) -> dict[str, dict]:
     verdicts: dict[str, dict] = {}
     while len(verdicts) < len(modules):
         rest = [m for m in modules if m not in verdicts]
-        verdicts.update(_run_process(rest, backend))
+        verdicts.update(_run_process(rest, flags))
     return verdicts
 
 
-def _run_process(modules: list[str], backend: str | None) -> dict[str, dict]:
+def _run_process(modules: list[str], flags: list[str]) -> dict[str, dict]:
     """Run until the process ends; the module it was on when it died gets a crash verdict."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
-    flags = ["--backend", backend] if backend else []
     proc = subprocess.Popen(
         [sys.executable, "-m", "tests.archs.harness", *flags, *modules],
         cwd=ROOT,

@@ -87,7 +87,7 @@ def test_broken_sinks_are_caught(mutate, section, old, new, two_pass):
 
 
 def test_value_rows_read_at_the_key_stride_are_caught(mutate):
-    mutate(("paged_attention_decode", "v_pool[slot * DV + lane * EPL_V + i]", "v_pool[slot * D + lane * EPL_V + i]"))
+    mutate(("paged_attention_decode", "v_pool[(slot) * DV + (e)]", "v_pool[(slot) * D + (e)]"))
     with pytest.raises(MetalEmulationError, match=r"out-of-bounds|not inside any buffer"):
         run_case(False, v_dim=32)  # K rows are twice as wide: the last slots read past V's buffer
 

@@ -64,6 +64,7 @@ def stats_text(stats: dict) -> Text:
         ("  cached", f"{cached:,} (free, reusable)"),
         ("  empty", f"{free - cached:,}"),
         ("prefix hits", f"{100 * stats['prefix_hit_rate']:.0f}% · {stats['prefix_hit_tokens']:,} tokens"),
+        *_tier_rows(stats),
         ("requests", f"{stats['requests_running']} running · {stats['requests_waiting']} waiting"),
         ("decode", f"{stats['generation_tokens_per_s']:.1f} tok/s"),
         ("processed", f"{stats['processed_tokens_per_s']:.1f} tok/s"),
@@ -90,6 +91,27 @@ def stats_text(stats: dict) -> Text:
     if stats.get("backend_description"):  # what MLX computes on (platform/backend.py)
         rows.append(("backend", stats["backend_description"]))
     return _rows(rows)
+
+
+def _tier_rows(stats: dict) -> list[tuple[str, str]]:
+    """The prefix cache's tiers: tokens each saved, and the disk tier's bytes (when the engine has one)."""
+    if "ram_hit_tokens" not in stats:
+        return []
+    rows = [("  RAM", f"{stats['ram_hit_tokens']:,} tokens saved")]
+    if stats.get("disk_tier"):
+        rows.append(
+            ("  disk", f"{stats['disk_hit_tokens']:,} tokens saved · read {format_size(stats['disk_read_bytes'])}")
+        )
+        rows.append(
+            (
+                "disk tier",
+                f"{format_size(stats['disk_used_bytes'])} of {format_size(stats['disk_limit_bytes'])} · "
+                f"wrote {format_size(stats['disk_written_bytes'])}",
+            )
+        )
+    elif stats.get("disk_tier_off"):
+        rows.append(("disk tier", f"off: {stats['disk_tier_off']}"))
+    return rows
 
 
 def memory_text(plan: Any, memory: MemoryUse) -> Text:

@@ -1,0 +1,161 @@
+"""`mlxpaged bench kv`: what quantized KV pages (kv_bits 8 and 4) buy and cost against full precision, in one run.
+
+- capacity: tokens the memory plan fits in one KV budget per kv_bits (the pools' real bytes: packed data,
+  scales and biases), and the ratio to full precision in the model's KV dtype here, and to float16 pages (a
+  Mac's dtype, the issue's baseline);
+- perplexity on a held-out English text (tests/data/ruth_kjv.txt: the Book of Ruth, KJV, public domain),
+  prefilled through paged passes whose pages are quantized as they are written (runner/prompt_scoring.py);
+- greedy agreement on a fixed prompt set: tokens equal to full precision's, and replies equal in full;
+- batch-1 decode tok/s per kv_bits, every engine warmed up, runs alternating so each ratio is measured in
+  the same stretch of the machine's load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from argparse import Namespace
+from pathlib import Path
+
+from mlxpaged.config import CacheConfig, SchedulerConfig
+from mlxpaged.loading.loader import chat_prompt
+from mlxpaged.platform.blas import blas_status
+from mlxpaged.platform.memory import DeviceFacts, plan_memory
+from mlxpaged.units import format_size
+from mlxpaged_app.bench.decode import DECODE_PROMPT, time_engine
+from mlxpaged_app.bench.timing import after_warm_up
+
+BITS = (None, 8, 4)  # full precision first: every ratio is against it
+TEXT = Path(__file__).resolve().parents[2] / "tests" / "data" / "ruth_kjv.txt"
+CAPACITY_BUDGET = "1GB"
+AGREEMENT_PROMPTS = (
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers and explain why they are prime.",
+    "Explain what a hash table is in two sentences.",
+    "Translate 'good morning' into Spanish and German.",
+    "Give me a recipe for pancakes.",
+    "Why is the sky blue?",
+    "Write a Python function that reverses a string.",
+)
+AGREEMENT_TOKENS = 32
+
+
+def name(bits: int | None) -> str:
+    return "full" if bits is None else f"{bits}-bit"
+
+
+def held_out_text(path: Path = TEXT) -> str:
+    """The text after its first paragraph (which names the source)."""
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: the held-out text ships with the tests (a source checkout)")
+    return path.read_text().split("\n\n", 1)[1].strip()
+
+
+def capacity(facts, group_size: int) -> None:
+    """Tokens that fit in CAPACITY_BUDGET per kv_bits, in this dtype and in float16."""
+    device = DeviceFacts.detect()
+    scheduler = SchedulerConfig()
+    for label, shape in (("this dtype", facts), ("float16 pages", _as_float16(facts))):
+        tokens = {}
+        for bits in BITS:
+            cache = CacheConfig(kv_memory=CAPACITY_BUDGET, cache_tokens=10**9, kv_bits=bits, kv_group_size=group_size)
+            tokens[bits] = plan_memory(device, shape, cache, scheduler, weights_resident=True).token_capacity
+        line = ", ".join(
+            f"{name(b)} {tokens[b]:,} ({tokens[b] / tokens[None]:.2f}x)" for b in BITS if tokens[b] is not None
+        )
+        bytes_per_token = shape.kv.bytes_per_token
+        print(f"  {label} ({bytes_per_token:,} B/token full): {line}")
+
+
+def _as_float16(facts):
+    return dataclasses.replace(facts, kv=dataclasses.replace(facts.kv, dtype_bytes=2))
+
+
+def perplexities(engine, text: str, group_size: int) -> dict:
+    from mlxpaged.runner.prompt_scoring import perplexity, token_logprobs
+
+    tokens = engine.tokenizer.encode(text)
+    out = {}
+    for bits in BITS:
+        quantization = CacheConfig(kv_bits=bits, kv_group_size=group_size).quantization
+        logprobs = token_logprobs(engine.model, engine.layout, tokens, engine.kv.dtype, quantization)
+        out[bits] = perplexity(logprobs)
+    base = out[None]
+    print(
+        f"  {len(tokens):,} tokens: "
+        + ", ".join(f"{name(b)} {p:.4f} ({(p / base - 1) * 100:+.2f}%)" for b, p in out.items())
+    )
+    return out
+
+
+def agreement(engines: dict) -> None:
+    from mlxpaged.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=AGREEMENT_TOKENS, ignore_eos=True)
+    replies = {}
+    for bits, engine in engines.items():
+        prompts = [chat_prompt(engine.tokenizer, [{"role": "user", "content": p}]) for p in AGREEMENT_PROMPTS]
+        replies[bits] = [c.token_ids for c in engine.generate(prompts, params)]
+    for bits in BITS[1:]:
+        prefix = [_common_prefix(a, b) for a, b in zip(replies[bits], replies[None], strict=True)]
+        same = sum(
+            a == b for r, f in zip(replies[bits], replies[None], strict=True) for a, b in zip(r, f, strict=False)
+        )  # a reply may stop early
+        total = len(AGREEMENT_PROMPTS) * AGREEMENT_TOKENS
+        print(
+            f"  {name(bits)}: {sum(p == AGREEMENT_TOKENS for p in prefix)}/{len(prefix)} replies identical, "
+            f"{sum(prefix)}/{total} tokens before the first divergence, {same}/{total} tokens equal by position"
+        )
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def decode_speed(engines: dict, runs: int, tokens: int) -> None:
+    engine = engines[None]
+    prompt = chat_prompt(engine.tokenizer, [{"role": "user", "content": DECODE_PROMPT}])
+    rounds = after_warm_up(lambda: {b: time_engine(e, prompt, tokens)[1] for b, e in engines.items()}, runs)
+    for i, r in enumerate(rounds, 1):
+        print(f"  run {i}: " + ", ".join(f"{name(b)} {r[b]:.1f} tok/s" for b in BITS))
+    for bits in BITS[1:]:
+        paired = [r[bits] / r[None] for r in rounds]
+        print(
+            f"  {name(bits)}: median {statistics.median(r[bits] for r in rounds):.1f} tok/s vs full "
+            f"{statistics.median(r[None] for r in rounds):.1f}; median paired ratio {statistics.median(paired):.2f}x"
+        )
+
+
+def bench_kv(args: Namespace) -> int:
+    from mlxpaged.engine.engine import Engine
+
+    group_size = getattr(args, "kv_group_size", None) or 64
+    engines = {
+        bits: Engine.from_pretrained(args.model, enable_prefix_cache=False, kv_bits=bits, kv_group_size=group_size)
+        for bits in BITS
+    }
+    try:
+        full = engines[None]
+        print(
+            f"model {full.loaded.name} ({full.loaded.dtype}, KV {full.kv.dtype}), BLAS {blas_status().name}, "
+            f"groups of {group_size}; a shared 2-core machine: timings are noisy"
+        )
+        for bits, engine in engines.items():
+            path = engine.built.attention.status()["path"]
+            print(f"  {name(bits)}: {path} path, {format_size(engine.kv.bytes_per_block)}/block")
+        print(f"capacity in {CAPACITY_BUDGET} of KV memory (tokens, ratio to full precision):")
+        capacity(full.facts, group_size)
+        print(f"perplexity on {TEXT.name} (Book of Ruth, KJV), prefilled through quantized pages:")
+        perplexities(full, held_out_text(), group_size)
+        print(f"greedy agreement with full precision, {len(AGREEMENT_PROMPTS)} prompts x {AGREEMENT_TOKENS} tokens:")
+        agreement(engines)
+        print(f"batch-1 decode, {args.tokens} tokens, {args.runs} alternating runs (+1 warm-up):")
+        decode_speed(engines, args.runs, args.tokens)
+    finally:
+        for engine in engines.values():
+            engine.close()
+    return 0

@@ -1,0 +1,184 @@
+"""The prefix cache's two tiers, RAM (the block pool) and disk (cache/disk_tier.py), joined on the engine thread.
+
+Writing. A block entering the prefix cache (`BlockPool.on_cached`) is remembered as dirty. At the end of a
+step whose pools are settled (runner.pools_settled: no pass queued ahead, no K/V held outside the pools) the
+dirty blocks' pages are copied out (`PagedKVCache.export_blocks`: one take per pool, evaluated, so no pool is
+pinned) and handed to the writer thread (cache/disk_writer.py); the step never waits on the disk. Prefill
+steps are settled, so prompt blocks go at once; a block filled while decoding is pipelined waits for the
+pipeline to stop. Before a schedule, a dirty block that could be evicted (ref count 0) is written first,
+settling the pipeline if it must: under memory pressure, RAM blocks go to disk before the pool reuses them.
+At close, every cached block not yet on disk is written (the chat's last reply included).
+
+Reading. The cache manager asks `contains` for the blocks after its RAM hits and `load` for the run found:
+synchronously, at admission, before the request's prefill is scheduled. Why not in the background: the
+engine thread owns MLX, so only the file reads and checks could move; on this machine they cost well under a
+second for an 8k-token prefix (`mlxpaged bench restart`), against minutes of prefill, and the request has
+nothing to do meanwhile; the time is measured (`disk_read_seconds`). Other requests' steps do wait for it.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Hashable
+from concurrent.futures import ThreadPoolExecutor
+
+from mlxpaged.cache.block_pool import BlockPool, KVCacheBlock
+from mlxpaged.cache.disk_tier import DiskTier
+from mlxpaged.cache.disk_writer import DiskWriter
+from mlxpaged.cache.kv_cache import PagedKVCache
+
+CLOSE_TIMEOUT_S = 60.0  # at most this long writing the last blocks at close
+READ_THREADS = 4  # files read and checked at once by a disk hit
+SNAPSHOT_BATCH = 64  # blocks per export (one take per pool): bounds the host copy made at once
+
+
+class KVTiering:
+    """`runner`: the engine's Runner (its `pools_settled` and `drop_look_ahead`)."""
+
+    def __init__(self, tier: DiskTier, writer: DiskWriter, kv: PagedKVCache, pool: BlockPool, runner):
+        self.tier, self.writer, self.kv, self.pool, self.runner = tier, writer, kv, pool, runner
+        self._dirty: dict[int, bytes] = {}  # block id -> hash: cached in RAM, not yet handed to the writer
+        # Block id -> the hash it held when it was written or read back: while it still holds that hash, it is on
+        # disk (bounded by the pool, unlike a set of every hash ever written).
+        self._on_disk: dict[int, bytes] = {}
+        self.hit_blocks = 0
+        self.load_seconds = 0.0  # reads, checks and the copy into the pools
+        self.snapshot_seconds = 0.0  # time steps spent copying pages out
+        pool.on_cached = self._on_cached
+        self._readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="mlxpaged-kv-disk-reader")
+
+    # ---- the cache manager's LowerTier -------------------------------------------------------------
+
+    def contains(self, block_hash: Hashable) -> bool:
+        """On disk, or queued for it (the writer still holds the snapshot)."""
+        return isinstance(block_hash, bytes) and (self.writer.is_pending(block_hash) or self.tier.contains(block_hash))
+
+    def load(self, block_ids: list[int], block_hashes: list[Hashable]) -> int:
+        start = time.perf_counter()
+        try:
+            loaded = self._load(block_ids, block_hashes)
+        except Exception as exc:  # the blocks are fresh ones: recomputing them is always correct
+            warnings.warn(f"KV disk tier: reading blocks back failed ({exc!r}); they are recomputed", RuntimeWarning, 2)
+            loaded = 0
+        for block_id, block_hash in zip(block_ids[:loaded], block_hashes[:loaded], strict=True):
+            if isinstance(block_hash, bytes):  # what _read took (other hashes never load)
+                self._on_disk[block_id] = block_hash
+        self.hit_blocks += loaded
+        self.load_seconds += time.perf_counter() - start
+        return loaded
+
+    def _load(self, block_ids: list[int], block_hashes: list[Hashable]) -> int:
+        pages = []
+        # Files are read and checked by a few threads (reads and CRC-32 release the GIL); the run ends at the
+        # first block missing or failing its checks.
+        for arrays in self._readers.map(self._read, block_hashes):
+            if arrays is None:
+                break
+            pages.append(arrays)
+        if pages:
+            self.runner.drop_look_ahead()  # a pass in flight would make the writes below copy whole pools
+            try:
+                self.kv.import_blocks(block_ids[: len(pages)], pages)
+            except ValueError as exc:  # a fingerprint collision of two layouts: never use such files
+                warnings.warn(f"KV disk tier: blocks do not fit the pools ({exc}); not used", RuntimeWarning, 3)
+                return 0
+        return len(pages)
+
+    def _read(self, block_hash: Hashable) -> list | None:
+        if not isinstance(block_hash, bytes):
+            return None
+        queued = self.writer.pending(block_hash)  # not written yet: the snapshot itself
+        return queued if queued is not None else self.tier.read(block_hash)
+
+    # ---- writing ---------------------------------------------------------------------------------
+
+    def _on_cached(self, block: KVCacheBlock) -> None:
+        if isinstance(block.block_hash, bytes) and not self._is_on_disk(block.block_id, block.block_hash):
+            self._dirty[block.block_id] = block.block_hash
+
+    def _is_on_disk(self, block_id: int, block_hash: bytes) -> bool:
+        return self._on_disk.get(block_id) == block_hash
+
+    def before_schedule(self) -> None:
+        """Write dirty blocks the pool could evict this step (settling the pipeline if it must)."""
+        if not self._dirty:
+            return
+        if self.runner.pools_settled:
+            self.persist()
+        elif any(self.pool.ref_count(b) == 0 for b in self._dirty):
+            self.runner.drop_look_ahead()
+            self.persist()
+
+    def after_step(self) -> None:
+        if self._dirty and self.runner.pools_settled:
+            self.persist()
+
+    def idle(self) -> None:
+        """The engine has nothing to run: settle and write what is dirty."""
+        if self._dirty:
+            self.runner.drop_look_ahead()
+            self.persist()
+
+    def persist(self, wait: bool = False) -> None:
+        """Hand every dirty block still holding its hash to the writer (a full queue drops the rest, counted,
+        unless `wait`: at close)."""
+        start = time.perf_counter()
+        live = []
+        for block_id, block_hash in self._dirty.items():
+            if self.pool.blocks[block_id].block_hash != block_hash or self._is_on_disk(block_id, block_hash):
+                continue  # evicted meanwhile (it was written then), or a duplicate
+            if not self.writer.is_pending(block_hash) and self.tier.needs_write(block_hash):
+                live.append((block_id, block_hash))
+            else:  # queued or written from another block, or written by another process
+                self._on_disk[block_id] = block_hash
+        self._dirty.clear()
+        for i in range(0, len(live), SNAPSHOT_BATCH):
+            batch = live[i : i + SNAPSHOT_BATCH]
+            for (block_id, block_hash), arrays in zip(batch, self.kv.export_blocks([b for b, _ in batch]), strict=True):
+                accepted = self.writer.submit(block_hash, arrays)
+                if not accepted and wait and self.writer.wait_idle(CLOSE_TIMEOUT_S):
+                    accepted = self.writer.submit(block_hash, arrays)
+                if accepted:
+                    self._on_disk[block_id] = block_hash
+        self.snapshot_seconds += time.perf_counter() - start
+
+    def close(self) -> None:
+        """Write every cached block not on disk yet, then stop the writer (at most CLOSE_TIMEOUT_S)."""
+        try:
+            self.runner.drop_look_ahead()
+            for block in self.pool.blocks:
+                if isinstance(block.block_hash, bytes) and not self._is_on_disk(block.block_id, block.block_hash):
+                    self._dirty[block.block_id] = block.block_hash
+            self.persist(wait=True)
+        except Exception as exc:  # the engine is stopping anyway: lose these blocks, not the clean exit
+            warnings.warn(f"KV disk tier: the last blocks were not written ({exc!r})", RuntimeWarning, 2)
+        finally:
+            self._readers.shutdown(wait=False)
+            self.writer.close(CLOSE_TIMEOUT_S)
+
+    # ---- stats -------------------------------------------------------------------------------------
+
+    def stats(self, ram_missed_tokens: int) -> dict:
+        """The disk tier's counters for Engine.stats (`ram_missed_tokens`: prompt tokens looked up so far that the
+        RAM tier did not have). Bytes written per prompt token count the tokens computed (found in neither tier)."""
+        s = self.tier.stats
+        computed = ram_missed_tokens - self.hit_blocks * self.kv.block_size
+        return {
+            "disk_dir": str(self.tier.directory),
+            "disk_limit_bytes": self.tier.max_bytes,
+            "disk_used_bytes": self.tier.used_bytes,
+            "disk_hit_blocks": self.hit_blocks,
+            "disk_hit_tokens": self.hit_blocks * self.kv.block_size,
+            "disk_read_bytes": s.read_bytes,
+            "disk_read_seconds": self.load_seconds,
+            "disk_written_blocks": s.written_blocks,
+            "disk_written_bytes": s.written_bytes,
+            "disk_written_bytes_per_prompt_token": s.written_bytes / computed if computed > 0 else 0.0,
+            "disk_pending_bytes": self.writer.pending_bytes,
+            "disk_dropped_writes": self.writer.dropped,
+            "disk_failed_writes": self.writer.failed,
+            "disk_skipped_files": s.skipped_files,
+            "disk_evicted_files": s.evicted_files,
+            "disk_snapshot_seconds": self.snapshot_seconds,
+        }

@@ -1,0 +1,44 @@
+"""`mlxpaged bench kv` on the real default model, cut short (timings never asserted), and the `--kv-bits` flags."""
+
+from __future__ import annotations
+
+import re
+from argparse import Namespace
+
+from mlxpaged_app.bench import kv as bench
+from mlxpaged_app.cli import build_parser
+from mlxpaged_app.server.flags import cache_settings
+
+import pytest
+
+
+def test_kv_bits_flags_reach_the_engine_settings():
+    serve = build_parser().parse_args(["serve", "--kv-bits", "4", "--kv-group-size", "32"])
+    assert cache_settings(serve)["kv_bits"] == 4 and cache_settings(serve)["kv_group_size"] == 32
+    assert "kv_bits" not in cache_settings(build_parser().parse_args(["serve"]))
+    assert build_parser().parse_args(["chat", "--kv-bits", "8"]).kv_bits == 8
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["chat", "--kv-bits", "3"])
+
+
+def test_the_held_out_text_is_a_few_thousand_words_without_its_source_line():
+    text = bench.held_out_text()
+    assert text.startswith("Now it came to pass in the days when the judges ruled")
+    assert 2000 < len(text.split()) < 4000 and "public domain" not in text
+
+
+@pytest.mark.slow
+def test_bench_prints_capacity_perplexity_agreement_and_speed(capsys, monkeypatch):
+    short = " ".join(bench.held_out_text().split()[:150])
+    monkeypatch.setattr(bench, "held_out_text", lambda: short)
+    monkeypatch.setattr(bench, "AGREEMENT_PROMPTS", bench.AGREEMENT_PROMPTS[:2])
+    monkeypatch.setattr(bench, "AGREEMENT_TOKENS", 6)
+    assert bench.bench_kv(Namespace(model=None, tokens=6, runs=1, kv_group_size=64)) == 0
+    out = capsys.readouterr().out
+    float16 = next(line for line in out.splitlines() if "float16 pages" in line)
+    ratios = [float(r) for r in re.findall(r"\((\d+\.\d+)x\)", float16)]
+    assert ratios[0] == 1.0 and ratios[1] >= 1.88 and ratios[2] >= 3.5  # full, 8-bit, 4-bit
+    ppl = {m[0]: float(m[1]) for m in re.findall(r"(full|8-bit|4-bit) (\d+\.\d+) \(", out)}
+    assert set(ppl) == {"full", "8-bit", "4-bit"} and all(p > 1 for p in ppl.values())
+    assert re.search(r"8-bit: \d/2 replies identical, \d+/12 tokens before the first divergence", out)
+    assert "median paired ratio" in out

@@ -1,0 +1,73 @@
+"""mlx-lm's greedy decode with its K/V stored as quantized pages would store them: the twin the engine's
+quantized pages (`kv_bits`) are checked against.
+
+mlx-lm's own QuantizedKVCache only replaces KVCache (a sliding window's RotatingKVCache cannot be quantized
+there) and mlx-lm's generate attends the prompt's prefill pass in full precision before it quantizes. So the
+twin runs mlx-lm's own caches (`make_prompt_cache`), each of whose `update_and_fetch` receives its new K/V
+already quantized and dequantized (`mx.quantize` / `mx.dequantize` at the engine's bits and group size): every
+attention, the prompt's prefill pass included, then reads exactly the values the engine's pages hold. The
+prompt goes in one pass (`one_at_a_time=False`, as the engine prefills it) or token by token; for
+full-attention models the latter equals QuantizedKVCache fed token by token (tests/engine/test_engine_quantized.py
+checks the engine against both).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import mlxpaged  # noqa: F401  (OpenBLAS before mlx)
+
+import mlx.core as mx
+import mlx_lm.models.cache as mlx_cache
+
+# mlx-lm's cache classes that take new K/V (QuantizedKVCache and the batch caches are not what models make).
+_KV_CLASSES = (mlx_cache.KVCache, mlx_cache.RotatingKVCache, mlx_cache.ChunkedKVCache, mlx_cache.ConcatenateKVCache)
+
+
+def round_trip(x: mx.array, bits: int, group_size: int) -> mx.array:
+    """`x` as a quantized page holds it: quantized over its last axis, then dequantized."""
+    return mx.dequantize(*mx.quantize(x, group_size=group_size, bits=bits), group_size=group_size, bits=bits)
+
+
+@contextmanager
+def quantized_kv_caches(bits: int, group_size: int) -> Iterator[None]:
+    """While inside, every mlx-lm KV cache stores (and returns) its new K/V round-tripped through quantization."""
+    originals = {cls: cls.__dict__["update_and_fetch"] for cls in _KV_CLASSES}
+
+    def wrap(original):
+        def update_and_fetch(self, keys, values):
+            same = values is keys  # K-is-V caches pass one array twice: keep them one
+            keys = round_trip(keys, bits, group_size)
+            return original(self, keys, keys if same else round_trip(values, bits, group_size))
+
+        return update_and_fetch
+
+    try:
+        for cls, original in originals.items():
+            cls.update_and_fetch = wrap(original)
+        yield
+    finally:
+        for cls, original in originals.items():
+            cls.update_and_fetch = original
+
+
+def quantized_greedy(
+    model, prompt: list[int], max_tokens: int, bits: int, group_size: int = 64, one_at_a_time: bool = False
+):
+    """(tokens, top-2 log-prob gaps) of greedy decoding over quantized K/V."""
+    tokens: list[int] = []
+    gaps: list[float] = []
+    with quantized_kv_caches(bits, group_size):
+        cache = mlx_cache.make_prompt_cache(model)
+        for piece in [[t] for t in prompt[:-1]] if one_at_a_time else [prompt[:-1]] if len(prompt) > 1 else []:
+            mx.eval(model(mx.array([piece]), cache=cache))
+        last = prompt[-1]
+        for _ in range(max_tokens):
+            logits = model(mx.array([[last]]), cache=cache)[0, -1].astype(mx.float32)
+            logprobs = logits - mx.logsumexp(logits)
+            top2 = mx.sort(logprobs)[-2:].tolist()
+            last = int(mx.argmax(logprobs).item())
+            tokens.append(last)
+            gaps.append(top2[1] - top2[0])
+    return tokens, gaps

@@ -1,0 +1,83 @@
+"""The cache manager with a lower tier (the disk tier's part, plain Python): blocks after the pool's hits that
+the tier holds are loaded into the request's first fresh blocks and count as cached; a failed load falls back to
+prefill; the pool's own hits still come first. The tier here is a dict by hash that records what it loaded."""
+
+from tests.cache.kv_sequences import BS, Sequences, manager_for, prompt
+
+import pytest
+
+
+class DictTier:
+    def __init__(self, hashes=(), fail_after=None):
+        self.hashes, self.fail_after, self.loads = set(hashes), fail_after, []
+
+    def contains(self, block_hash):
+        return block_hash in self.hashes
+
+    def load(self, block_ids, block_hashes):
+        n = len(block_ids) if self.fail_after is None else min(self.fail_after, len(block_ids))
+        self.loads.append((list(block_ids), list(block_hashes)))
+        return n
+
+
+def chain(manager, tokens, n):
+    hashes, parent = [], None
+    for i in range(n):
+        parent = manager.hash_fn(parent, tuple(tokens[i * BS : (i + 1) * BS]), manager.extra_key)
+        hashes.append(parent)
+    return hashes
+
+
+def test_blocks_found_below_are_loaded_and_count_as_cached():
+    tokens = prompt(5 * BS + 3)
+    probe = manager_for(16, BS)
+    tier = DictTier(chain(probe, tokens, 4))  # 4 of the 5 full blocks
+    seqs = Sequences(manager_for(16, BS, lower_tier=tier))
+    alloc = seqs.allocate("a", tokens)
+    assert alloc.num_cached_tokens == 4 * BS and alloc.num_lower_tier_tokens == 4 * BS
+    ((ids, hashes),) = tier.loads
+    assert ids == alloc.block_tables[0][:4] and hashes == chain(probe, tokens, 4)
+    assert all(seqs.pool.blocks[b].block_hash == h for b, h in zip(ids, hashes, strict=True))  # now RAM hits too
+    assert alloc.last_block_hash == hashes[-1]
+    # A second request finds them in the pool: nothing more is loaded.
+    assert seqs.allocate("b", tokens).num_cached_tokens == 4 * BS and len(tier.loads) == 1
+
+
+def test_the_pools_hits_come_first_and_the_tier_continues_the_chain():
+    tokens = prompt(6 * BS + 1)
+    seqs = Sequences(manager_for(32, BS, lower_tier=DictTier()))
+    seqs.allocate("a", tokens[: 2 * BS + 1])
+    seqs.mark_computed("a", 2 * BS + 1)
+    seqs.manager.lower_tier = tier = DictTier(chain(seqs.manager, tokens, 6))
+    alloc = seqs.allocate("b", tokens)
+    assert alloc.num_cached_tokens == 6 * BS and alloc.num_lower_tier_tokens == 4 * BS
+    assert tier.loads[0][1] == chain(seqs.manager, tokens, 6)[2:]
+
+
+@pytest.mark.parametrize("fail_after", [0, 2])
+def test_a_load_that_stops_early_leaves_the_rest_to_prefill(fail_after):
+    tokens = prompt(5 * BS + 3)
+    probe = manager_for(16, BS)
+    seqs = Sequences(manager_for(16, BS, lower_tier=DictTier(chain(probe, tokens, 5), fail_after=fail_after)))
+    alloc = seqs.allocate("a", tokens)
+    assert alloc.num_cached_tokens == fail_after * BS
+    table = alloc.block_tables[0]
+    assert [seqs.pool.blocks[b].block_hash is not None for b in table] == [True] * fail_after + [False] * (
+        len(table) - fail_after
+    )
+    seqs.mark_computed("a", len(tokens))  # the prefilled rest is cached as usual
+    assert seqs.allocate("b", tokens).num_cached_tokens == 5 * BS
+
+
+def test_never_the_last_token_and_never_without_the_prefix_cache():
+    tokens = prompt(3 * BS)  # the third block holds the last token: only two may come from below
+    probe = manager_for(8, BS)
+    tier = DictTier(chain(probe, tokens, 3))
+    assert Sequences(manager_for(8, BS, lower_tier=tier)).allocate("a", tokens).num_cached_tokens == 2 * BS
+    off = Sequences(manager_for(8, BS, prefix_cache=False, lower_tier=tier))
+    assert off.allocate("a", tokens).num_cached_tokens == 0
+
+
+def test_a_state_models_filter_refuses_a_lower_tier():
+    with pytest.raises(ValueError, match="state layers"):
+        manager_for(8, BS, prefix_filter=lambda hashes: 0, lower_tier=DictTier())

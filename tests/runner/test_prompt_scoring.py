@@ -1,0 +1,57 @@
+"""Per-token log-probabilities through paged prefill passes (runner/prompt_scoring.py) against mlx-lm's own
+forward: full precision over one contiguous pass, quantized pages against the quantized twin fed token by token."""
+
+from __future__ import annotations
+
+import mlxpaged  # noqa: F401
+from mlxpaged.cache.kv_quant import KVQuantization
+from mlxpaged.loading.probe import probe_layout
+from mlxpaged.runner.prompt_scoring import perplexity, token_logprobs
+from tests.archs.quantized_reference import quantized_kv_caches
+from tests.tiny_models import random_tokens, tiny_llama
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+TOKENS = random_tokens(45, seed=11)
+
+
+def mlx_lm_logprobs(model, tokens: list[int], one_at_a_time: bool) -> np.ndarray:
+    """log p(t[i + 1] | t[: i + 1]) from mlx-lm's model and caches, the whole text at once or token by token."""
+    cache = make_prompt_cache(model)
+    if one_at_a_time:
+        logits = mx.concatenate([model(mx.array([[t]]), cache=cache)[0] for t in tokens[:-1]])
+    else:
+        logits = model(mx.array([tokens[:-1]]), cache=cache)[0]
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return np.array(mx.take_along_axis(logprobs, mx.array(tokens[1:])[:, None], axis=1)[:, 0], dtype=np.float64)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(head_dim=64)
+
+
+def test_full_precision_scores_equal_mlx_lm_over_chunks(model):
+    got = token_logprobs(model, probe_layout(model), TOKENS, mx.float32, None, block_size=8, chunk=7)
+    want = mlx_lm_logprobs(model, TOKENS, one_at_a_time=False)
+    np.testing.assert_allclose(got, want, atol=1e-4)
+    assert perplexity(got) == pytest.approx(float(np.exp(-want.mean())), rel=1e-5)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_scores_equal_the_quantized_twin(model, bits):
+    got = token_logprobs(model, probe_layout(model), TOKENS, mx.float32, KVQuantization(bits), block_size=8, chunk=16)
+    with quantized_kv_caches(bits, 64):
+        want = mlx_lm_logprobs(model, TOKENS, one_at_a_time=True)
+    np.testing.assert_allclose(got, want, atol=2e-3)
+    full = mlx_lm_logprobs(model, TOKENS, one_at_a_time=False)
+    assert np.abs(got - full).max() > 1e-4  # the quantization is really there
+
+
+def test_models_it_cannot_score_are_refused():
+    hybrid = tiny_llama(4, 0, layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=8)
+    with pytest.raises(ValueError, match="full-attention models"):
+        token_logprobs(hybrid, probe_layout(hybrid), TOKENS, mx.float32)
