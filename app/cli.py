@@ -17,16 +17,40 @@ def cmd_models(args: argparse.Namespace) -> int:
     from mlxpaged.loading.model_store import list_models, models_dir
 
     rows = list_models(default_dtype())
+    loaded = server_models(args.server) if args.server else None
     print(f"Models ({default_dtype()} store: {models_dir()})\n")
-    print(f"  {'NAME':<16} {'SOURCE':<10} {'LOCAL':<9} DESCRIPTION")
+    served = f"{'LOADED':<17} " if loaded is not None else ""
+    print(f"  {'NAME':<16} {'SOURCE':<10} {'LOCAL':<9} {served}DESCRIPTION")
     for row in rows:
         name = row.name + (" *" if row.is_default else "")
         local = format_size(row.size_bytes) if row.path else "no"
-        print(f"  {name:<16} {row.source:<10} {local:<9} {row.description}")
+        state = f"{loaded_column(loaded, row.name):<17} " if loaded is not None else ""
+        print(f"  {name:<16} {row.source:<10} {local:<9} {state}{row.description}")
     print("\n  * default model. `mlxpaged pull NAME` fetches a model; hub models need internet once.")
+    if loaded is not None:
+        print(f"  LOADED: what the server at {args.server} holds now, and the memory each model holds there.")
     if args.verbose:
         print_doctor()
     return 0
+
+
+def server_models(url: str) -> dict:
+    from mlxpaged_app.loaded_models import ServerQueryError, loaded_on_server
+
+    try:
+        return loaded_on_server(url)
+    except ServerQueryError as exc:
+        print(f"mlxpaged models: {exc}; showing the store only\n", file=sys.stderr)
+        return {}
+
+
+def loaded_column(loaded: dict, name: str) -> str:
+    from mlxpaged_app.loaded_models import find_loaded
+
+    model = find_loaded(loaded, name)
+    if model is None:
+        return "-"
+    return f"yes, {format_size(model.memory_bytes)}" + (" (pinned)" if model.pinned else "")
 
 
 def print_doctor() -> None:
@@ -273,6 +297,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     models = sub.add_parser("models", help="list presets and local models")
     models.add_argument("--verbose", "-v", action="store_true", help="also show BLAS and MLX device")
+    models.add_argument(
+        "--server",
+        nargs="?",
+        const="http://127.0.0.1:8000",
+        default=None,
+        metavar="URL",
+        help="also show which models a running `mlxpaged serve` has loaded and their memory "
+        "(default URL: http://127.0.0.1:8000; the key from $MLXPAGED_API_KEY)",
+    )
     models.set_defaults(func=cmd_models)
 
     pull = sub.add_parser("pull", help="download / convert a model into the local store")

@@ -110,7 +110,7 @@ def random_tokens(n: int, seed: int = 0, vocab: int = 256) -> list[int]:
     return [rng.randrange(vocab) for _ in range(n)]
 
 
-def write_tiny_llama_dir(out, dtype: str = "bfloat16", context: int = 2048):
+def write_tiny_llama_dir(out, dtype: str = "bfloat16", context: int = 2048, seed: int = 0, hidden: int = 64):
     """A model directory mlx-lm's load() and Engine.from_pretrained take: a 2-layer random llama with the
     default model's tokenizer and vocabulary (49,152), saved in `dtype` (the GPU kit's models are bf16)."""
     import json
@@ -126,6 +126,7 @@ def write_tiny_llama_dir(out, dtype: str = "bfloat16", context: int = 2048):
         _COMMON,
         model_type="llama",
         num_hidden_layers=2,
+        hidden_size=hidden,
         vocab_size=49152,
         max_position_embeddings=context,
         tie_word_embeddings=True,
@@ -133,7 +134,7 @@ def write_tiny_llama_dir(out, dtype: str = "bfloat16", context: int = 2048):
         eos_token_id=2,
         torch_dtype=dtype,
     )
-    model = _build(llama, config, seed=0)
+    model = _build(llama, config, seed=seed)
     model.set_dtype(getattr(mx, dtype))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,8 @@ bodies (protocol.py).
 Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/messages[/count_tokens] (Anthropic),
 POST /v1/responses, POST /v1/embeddings, GET /v1/models[/{id}], GET /health, GET /metrics, and Ollama's: POST
 /api/chat, POST /api/generate, POST /api/embed, GET /api/tags, POST /api/show, GET /api/ps, GET /api/version, GET /
-(HEAD too where GET is). The package's other modules are listed in its __init__.
+(HEAD too where GET is). The package's other modules are listed in its __init__. A route gets its model through
+`await state.served_model(name)` (state.py), which loads it if needed.
 """
 
 from __future__ import annotations
@@ -27,13 +28,17 @@ from mlxpaged_app.server.errors import (
     model_not_found,
 )
 from mlxpaged_app.server.metrics import CONTENT_TYPE
+from mlxpaged_app.server.metrics_render import render_metrics
 from mlxpaged_app.server.middleware import middleware_stack
+from mlxpaged_app.server.model_catalog import CatalogEntry, ModelNotServable
+from mlxpaged_app.server.model_registry import ModelRegistry, single_model_registry
 from mlxpaged_app.server.ollama import serving as ollama
 from mlxpaged_app.server.openai.serving_chat import serve_chat
 from mlxpaged_app.server.openai.serving_completion import serve_completion
 from mlxpaged_app.server.responses.serving import serve_responses
 from mlxpaged_app.server.state import ServerConfig, ServerState
 
+import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -114,65 +119,110 @@ async def ollama_ps(request: Request) -> Response:
     return await ollama.running(request, _state(request))
 
 
-def _model_card(state: ServerState) -> dict:
-    """OpenAI's model object, plus what this server applies to requests that leave sampling fields unset (for an
-    embedding model: its width and pooling)."""
-    card = {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "mlxpaged"}
-    if state.embedder is not None:
-        embedder = state.embedder
-        return card | {
-            "max_model_len": embedder.max_input_tokens,
-            "mlxpaged": {"kind": "embedding", "dimensions": embedder.dimensions, "pooling": embedder.spec.pooling},
-        }
-    defaults = state.config.sampling_defaults
-    return card | {
-        "max_model_len": state.context_limit,
-        "mlxpaged": {
-            "sampling_defaults": defaults.values,
-            "source": defaults.source,
-            "default_max_tokens": state.default_max_tokens,
-        },
-    }
+def _model_card(state: ServerState, entry: CatalogEntry) -> dict:
+    """OpenAI's model object; `mlxpaged` adds its kind, whether it is loaded, its memory and requests, and for a
+    loaded model what this server applies to requests that leave sampling fields unset (for an embedding model:
+    its width and pooling)."""
+    served = state.registry.loaded.get(entry.name)
+    card = {"id": entry.name, "object": "model", "created": state.created, "owned_by": "mlxpaged"}
+    kind = "embedding" if entry.kind == "embed" else "generative"
+    extra: dict = {"loaded": False, "kind": kind, "description": entry.description}
+    if served is not None and not served.unloaded:
+        card["created"] = served.created
+        card["max_model_len"] = served.context_limit
+        extra = {**served.status(), "description": entry.description}
+        if served.kind == "embed":
+            embedder = served.embedder
+            extra |= {"dimensions": embedder.dimensions, "pooling": embedder.spec.pooling}
+        else:
+            defaults = served.config.sampling_defaults
+            extra |= {
+                "sampling_defaults": defaults.values,
+                "source": defaults.source,
+                "default_max_tokens": served.default_max_tokens,
+            }
+    card["mlxpaged"] = extra
+    return card
+
+
+def _servable(state: ServerState) -> list[CatalogEntry]:
+    """Loaded models first (the default one leading), then what could be loaded."""
+    loaded = [s.entry for s in state.registry.loaded.values()]
+    rest = [e for e in state.registry.catalog.servable() if e.name not in state.registry.loaded]
+    return sorted(loaded, key=lambda e: e.name != state.registry.default_name) + rest
 
 
 async def list_models(request: Request) -> Response:
-    return JSONResponse({"object": "list", "data": [_model_card(_state(request))]})
+    state = _state(request)
+    entries = await anyio.to_thread.run_sync(_servable, state)  # reads the store: off the event loop
+    return JSONResponse({"object": "list", "data": [_model_card(state, e) for e in entries]})
 
 
 async def get_model(request: Request) -> Response:
+    """A model a request may name, loaded or not (asking does not load it)."""
     state = _state(request)
     model_id = request.path_params["model_id"]
-    if model_id not in state.model_names:
-        raise model_not_found(model_id, [state.model_id])
-    return JSONResponse(_model_card(state))
+    served = state.registry.find_loaded(model_id)
+    if served is not None:
+        return JSONResponse(_model_card(state, served.entry))
+    try:
+        entry = await anyio.to_thread.run_sync(state.registry.catalog.find, model_id)
+    except ModelNotServable as exc:
+        raise model_not_found(model_id, state.registry.catalog.names_served()) from exc
+    return JSONResponse(_model_card(state, entry))
 
 
 async def health(request: Request) -> Response:
-    """200 while the server takes requests; 503 once it is draining for shutdown."""
+    """200 while the server takes requests; 503 once it is draining for shutdown. Totals over the loaded models
+    at the top level, each model under `models`."""
     state = _state(request)
+    registry = state.registry
+    models = {}
+    for served in list(registry.loaded.values()):
+        if served.unloaded:
+            continue
+        # an embedding model has no engine: no scheduler, no KV blocks (its counts are 0)
+        stats = served.engine.stats() if served.kind == "generate" else dict.fromkeys(ENGINE_HEALTH, 0)
+        models[served.model_id] = {**served.status(), **{key: stats[key] for key in ENGINE_HEALTH}}
     body = {
         "status": "draining" if state.draining else "ok",
-        "model": state.model_id,
-        "requests_in_flight": state.admission.in_flight,
+        "model": registry.default_name,
+        "requests_in_flight": sum(m["requests_in_flight"] for m in models.values()),
+        **{key: sum(m[key] for m in models.values()) for key in ENGINE_HEALTH},
+        "memory": {
+            "budget_bytes": registry.policy.budget_bytes,
+            "held_bytes": registry.held_bytes(),
+            **process_memory(),
+        },
+        "models": models,
+        "loading": sorted(registry.loading_names()),
+        "unloading": sorted(registry.unloading_names()),
+        "failed": dict(registry.failures),
     }
-    if state.engine is not None:  # an embedding model has no engine: no scheduler, no KV blocks
-        stats = state.engine.stats()
-        keys = ("requests_running", "requests_waiting", "blocks_used", "blocks_free", "blocks_total")
-        body |= {key: stats[key] for key in keys}
     return JSONResponse(body, status_code=503 if state.draining else 200)
 
 
+def process_memory() -> dict:
+    """What the process holds now: its resident set (psutil) and the bytes of MLX arrays alive (on every backend)."""
+    import mlx.core as mx
+    import psutil
+
+    return {"process_resident_bytes": psutil.Process().memory_info().rss, "mlx_active_bytes": mx.get_active_memory()}
+
+
+ENGINE_HEALTH = ("requests_running", "requests_waiting", "blocks_used", "blocks_free", "blocks_total")
+
+
 async def metrics(request: Request) -> Response:
-    state = _state(request)
-    stats = state.engine.stats() if state.engine is not None else None
-    text = state.metrics.render(stats, state.admission.in_flight, state.admission.capacity)
-    return Response(text, media_type=CONTENT_TYPE)
+    return Response(render_metrics(_state(request)), media_type=CONTENT_TYPE)
 
 
-def create_app(served, config: ServerConfig | None = None) -> Starlette:
-    """The ASGI app over a loaded `Engine`, or an `Embedder` (an embedding model: the embedding routes answer, the
-    generative ones refuse); the caller owns it (and closes it)."""
-    state = ServerState(served, config or ServerConfig())
+def create_app(models, config: ServerConfig | None = None) -> Starlette:
+    """The ASGI app over a ModelRegistry (`mlxpaged serve`: models loaded on demand; the caller closes it), or
+    over one loaded `Engine` or `Embedder`, which it then serves alone (the caller owns it and closes it)."""
+    config = config or ServerConfig()
+    registry = models if isinstance(models, ModelRegistry) else single_model_registry(models, config)
+    state = ServerState(registry, config)
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),

@@ -113,6 +113,30 @@ def unavailable(message: str) -> APIError:
     return APIError(503, message, type="service_unavailable", code="unavailable", headers={"Retry-After": "5"})
 
 
+def model_memory_refused(message: str) -> APIError:
+    """A model that cannot fit the memory budget even after unloading idle models: 503, the numbers in `message`."""
+    return APIError(503, message, type="service_unavailable", param="model", code="insufficient_memory")
+
+
+def model_load_failed(name: str, reason: str) -> APIError:
+    """The model's files are there but loading them failed (a corrupt or unsupported directory): the server's
+    problem, not the request's; other models keep serving."""
+    return APIError(
+        500, f"model {name!r} failed to load: {reason}", type="server_error", param="model", code="model_load_failed"
+    )
+
+
+def model_still_loading(name: str, waited: float) -> APIError:
+    return APIError(
+        503,
+        f"model {name!r} is still loading after {waited:g} s (`mlxpaged serve --load-timeout`); retry shortly",
+        type="service_unavailable",
+        param="model",
+        code="model_loading",
+        headers={"Retry-After": "10"},
+    )
+
+
 def server_error(message: str) -> APIError:
     return APIError(500, message, type="server_error", code="internal_error")
 

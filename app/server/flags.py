@@ -77,6 +77,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     limits.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     limits.add_argument("--no-access-log", action="store_true", help="do not log every request")
+    add_model_arguments(parser)
     cache = parser.add_argument_group("KV cache and memory")
     cache.add_argument(
         "--cache-tokens",
@@ -137,6 +138,36 @@ def kv_disk_settings(args: argparse.Namespace) -> dict:
     if args.no_kv_disk:
         return {"kv_disk": False}
     return {"kv_disk": args.kv_disk or True, "kv_disk_size": args.kv_disk_size}
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    models = parser.add_argument_group("several models (loaded on demand by a request's `model`)")
+    models.add_argument(
+        "--max-memory",
+        default=None,
+        help="memory for all loaded models together (weights, KV caches, activations), e.g. 12GB; idle models are "
+        "unloaded to make room, and a model that cannot fit is refused (default: the machine's, as the memory "
+        "plan counts it: device limit less the OS reserve)",
+    )
+    models.add_argument(
+        "--keep-alive",
+        default="5m",
+        help="how long an idle model stays loaded: a duration (5m, 1h, 30s) or seconds; 0 unloads it after each "
+        "request, -1 never (default: 5m; a request's `keep_alive` field overrides it for its model)",
+    )
+    models.add_argument(
+        "--pin",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="load NAME at startup and never unload it (repeatable)",
+    )
+    models.add_argument(
+        "--load-timeout",
+        type=float,
+        default=300.0,
+        help="seconds a request waits for its model to load before a 503 (default: 300)",
+    )
 
 
 def is_loopback(host: str) -> bool:

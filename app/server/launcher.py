@@ -1,10 +1,12 @@
 """The `mlxpaged serve` process: flags, safety checks, model load, uvicorn, and a clean stop.
 
 Order: check the flags (a non-loopback bind needs an API key), bind the port (a clear error if it
-is taken), load the model and size the cache (the plan is printed), warm the engine up with one
-tiny request, then serve, and print "ready" only once uvicorn accepts connections. SIGINT /
+is taken), load --model (the default model without it) and every --pin (an Embedder for an embedding model, an
+Engine otherwise), each sized by the memory plan (the plan is printed) within --max-memory and warmed up with one
+tiny request, then serve (other models load on demand: model_registry.py), and print "ready" only once uvicorn
+accepts connections. SIGINT /
 SIGTERM: stop accepting, give in-flight requests --drain-timeout seconds, abort the rest, close
-the engine (which restores the wired limit) and exit 0. A second Ctrl-C skips the wait.
+every engine (which restores the wired limit) and exit 0. A second Ctrl-C skips the wait.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import signal
 import socket
 import sys
@@ -38,24 +41,75 @@ def say(text: str) -> None:
     print(text, flush=True)
 
 
-def load_engine(args: argparse.Namespace):
-    """The model to serve: an Embedder for an embedding model (embedding/model_files.py says which are), else an
-    Engine. The KV-cache flags do not apply to an embedder; --max-batch-tokens bounds its forward passes."""
-    from mlxpaged.embedding.embedder import Embedder
-    from mlxpaged.embedding.model_files import is_embedding_model
-    from mlxpaged.engine.engine import Engine
-    from mlxpaged.loading.loader import locate_model
+def build_registry(args: argparse.Namespace, config):
+    """The model registry, with --model (None: the default model) and every --pin loaded before serving: they are
+    provisioned here (a hub model may download), checked against the budget, loaded and warmed up."""
+    from mlxpaged_app.server.model_catalog import ModelCatalog
+    from mlxpaged_app.server.model_loading import EngineSettings, build_model, estimate_cost
+    from mlxpaged_app.server.model_registry import ModelRegistry, RegistryPolicy
 
-    say(f"mlxpaged serve: loading {args.model or 'the default model'}...")
-    ref, path = locate_model(args.model)
-    if is_embedding_model(path, ref.preset.options if ref.preset else None):
-        embedder = Embedder.from_pretrained(args.model, max_batch_tokens=args.max_batch_tokens)
-        say(f"mlxpaged serve: {embedder.describe()}; it answers /v1/embeddings and /api/embed")
-        return embedder
-    engine = Engine.from_pretrained(args.model, **cache_settings(args))
-    say(engine.plan.describe())
-    say(f"mlxpaged serve: {describe_disk_tier(engine.stats())}")
-    return engine
+    settings = EngineSettings(cache_settings(args), args.generation_config)
+    catalog = ModelCatalog()
+    first = _given(catalog, args.model)
+    pinned = [_given(catalog, name) for name in args.pin]
+    policy = RegistryPolicy(
+        memory_budget(args.max_memory),
+        keep_alive_flag(args.keep_alive),
+        frozenset(name for entry in pinned for name in entry.names),
+        args.load_timeout,
+    )
+    registry = ModelRegistry(
+        catalog,
+        config,
+        policy,
+        estimate=functools.partial(estimate_cost, settings=settings),
+        build=functools.partial(build_model, settings=settings),
+    )
+    try:
+        for entry in {e.name: e for e in (first, *pinned)}.values():
+            _preload(registry, entry, settings)
+    except BaseException:
+        registry.close()
+        raise
+    return registry
+
+
+def _given(catalog, name: str | None):
+    """A model named on the command line, provisioned now (as `mlxpaged pull` would) and added to the catalog."""
+    from mlxpaged.loading.loader import locate_model
+    from mlxpaged_app.server.model_catalog import ModelNotServable, canonical_name
+
+    if name is not None:
+        try:
+            found = catalog.find(name)  # already here: a store directory by its base name too
+            return catalog.add_given(found.name, found.ref, found.path, found.description)
+        except ModelNotServable:
+            pass  # not here yet, or a directory outside the store: provision it as `mlxpaged pull` would
+    ref, path = locate_model(name)
+    return catalog.add_given(canonical_name(ref, path), ref, path, ref.preset.description if ref.preset else "")
+
+
+def _preload(registry, entry, settings) -> None:
+    """Load `entry` before serving: an Engine, or an Embedder for an embedding model (embedding/model_files.py says
+    which are; the KV-cache flags do not apply to it, --max-batch-tokens bounds its forward passes)."""
+    from mlxpaged.units import format_size
+    from mlxpaged_app.server.model_loading import build_model, estimate_cost
+
+    say(f"mlxpaged serve: loading {entry.name}...")
+    cost, budget = estimate_cost(entry, settings), registry.policy.budget_bytes
+    if budget is not None and registry.held_bytes() + cost.total > budget:
+        raise ServeError(
+            f"{entry.name} needs {cost.describe()} but {format_size(budget - registry.held_bytes())} of the "
+            f"{format_size(budget)} memory budget (--max-memory) is left; raise --max-memory or pin fewer models"
+        )
+    model, defaults, cost = build_model(entry, settings)
+    if entry.kind == "embed":
+        say(f"mlxpaged serve: {model.describe()}; it answers /v1/embeddings and /api/embed")
+    else:
+        say(model.plan.describe())
+        say(f"mlxpaged serve: {describe_disk_tier(model.stats())}")
+        say(f"mlxpaged serve: sampling defaults: {defaults.describe()}")
+    registry.add_loaded(entry, model, defaults, cost)
 
 
 def describe_disk_tier(stats: dict) -> str:
@@ -70,31 +124,32 @@ def describe_disk_tier(stats: dict) -> str:
     return f"prefix cache in memory only ({stats.get('disk_tier_off') or '--no-kv-disk'})"
 
 
-def is_embedder(served) -> bool:
-    from mlxpaged.embedding.embedder import Embedder
-
-    return isinstance(served, Embedder)
-
-
 def with_sampling_defaults(config, engine, mode: str):
-    """`config` with the defaults requests get (--generation-config): the model's, read once here, or none."""
-    from mlxpaged.loading.generation_defaults import GenerationDefaults
+    """`config` with the defaults requests to `engine` get (--generation-config): the model's, or none."""
+    from mlxpaged_app.server.model_loading import sampling_defaults
 
-    if is_embedder(engine):
-        return config  # an embedding model samples nothing
-    defaults = engine.generation_defaults if mode == "auto" else GenerationDefaults({}, "--generation-config none")
-    say(f"mlxpaged serve: sampling defaults: {defaults.describe()}")
-    return dataclasses.replace(config, sampling_defaults=defaults)
+    return dataclasses.replace(config, sampling_defaults=sampling_defaults(engine, mode))
 
 
-def warm_up(engine) -> None:
-    """The first step allocates and compiles; pay for it before saying "ready"."""
-    from mlxpaged.sampling_params import SamplingParams
+def memory_budget(text: str | None) -> int:
+    """--max-memory in bytes; by default what the memory plan allows all models: the device limit (on CPU the
+    memory available now, before any model is loaded) less the OS reserve."""
+    from mlxpaged.platform.memory import DeviceFacts, os_reserve_bytes
+    from mlxpaged.units import parse_size
 
-    if is_embedder(engine):
-        engine.embed(["Hello"])
-        return
-    engine.generate("Hello", SamplingParams(max_tokens=2, temperature=0.0))
+    if text is not None:
+        return parse_size(text, param="max_memory")
+    device = DeviceFacts.detect()
+    return max(device.limit_bytes - os_reserve_bytes(device.total_bytes), 0)
+
+
+def keep_alive_flag(text: str) -> float | None:
+    from mlxpaged_app.server.keep_alive import KeepAliveError, parse_keep_alive
+
+    try:
+        return parse_keep_alive(text)
+    except KeepAliveError as exc:
+        raise ServeError(f"--keep-alive: {exc}") from None
 
 
 def _interrupt(signum, frame) -> None:
@@ -125,31 +180,26 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def _load_and_serve(args: argparse.Namespace, config, sock: socket.socket) -> int:
     try:
-        engine = load_engine(args)
-    except (ValueError, MlxpagedError) as exc:  # settings, memory, model: one line naming the flag
+        registry = build_registry(args, config)
+    except (ValueError, MlxpagedError, ServeError) as exc:  # settings, memory, model: one line naming the flag
         print(f"mlxpaged serve: {user_message(exc, 'cli')}", file=sys.stderr)
         return 1
     try:
-        config = with_sampling_defaults(config, engine, args.generation_config)
-    except (ValueError, MlxpagedError) as exc:  # a generation_config.json with bad values: named, with the file
-        engine.close()
-        print(f"mlxpaged serve: {user_message(exc, 'cli')}; --generation-config none ignores it", file=sys.stderr)
-        return 1
-    try:
-        warm_up(engine)
-        serve_until_signal(engine, config, sock, args)
+        serve_until_signal(registry, config, sock, args)
     finally:
-        engine.close()  # aborts whatever is left and restores the wired limit
+        registry.close()  # closes every engine: aborts whatever is left and restores the wired limit
     say("mlxpaged serve: stopped")
     return 0
 
 
-def serve_until_signal(engine, config, sock: socket.socket, args: argparse.Namespace) -> None:
+def serve_until_signal(registry, config, sock: socket.socket, args: argparse.Namespace) -> None:
+    from mlxpaged.units import format_size
     from mlxpaged_app.server.api_server import create_app
+    from mlxpaged_app.server.keep_alive import describe_keep_alive
     from mlxpaged_app.server.server_log import configure
 
     configure(args.log_level)
-    app = create_app(engine, config)
+    app = create_app(registry, config)
     uv_config = uvicorn.Config(
         app,
         lifespan="off",
@@ -162,14 +212,16 @@ def serve_until_signal(engine, config, sock: socket.socket, args: argparse.Names
     shown = f"[{host}]" if ":" in host else host
     url = f"http://{shown}:{port}"
     auth = "API key required" if config.api_key else "no API key"
-    kind = "embedding model" if is_embedder(engine) else "model"
+    policy = registry.policy
+    models = (
+        f"model {registry.default_name}; other models load on demand within {format_size(policy.budget_bytes)}, "
+        f"{describe_keep_alive(policy.keep_alive)}"
+    )
     server = GracefulServer(
         uv_config,
         app.state.server,
         args.drain_timeout,
-        on_ready=lambda: say(
-            f"mlxpaged serve: ready at {url}/v1 ({kind} {engine.loaded.name}, {auth}; Ctrl-C to stop)"
-        ),
+        on_ready=lambda: say(f"mlxpaged serve: ready at {url}/v1 ({models}; {auth}; Ctrl-C to stop)"),
     )
     server.run(sockets=[sock])
 
@@ -212,4 +264,5 @@ class GracefulServer(uvicorn.Server):
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets=sockets)
         if self.started and not self.should_exit:
+            self.state.registry.start()  # idle timers of the models loaded before the loop ran
             self.on_ready()

@@ -5,10 +5,7 @@ need no client library."""
 from __future__ import annotations
 
 import bisect
-import os
 from collections import Counter
-
-import psutil
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -77,15 +74,19 @@ class ServerMetrics:
         self.cached_tokens += cached
         self.generated_tokens += generated
 
-    def render(self, stats: dict | None, in_flight: int, capacity: int) -> str:
-        """The text format; `stats` is the engine's (None for an embedding model: no engine gauges)."""
-        lines = _metric(
+    def render_requests(self) -> list[str]:
+        """The HTTP counters (the server's own ServerMetrics: one for every model)."""
+        return _metric(
             "requests_total",
             "counter",
             "HTTP requests by route and status code.",
             [(f'{{route="{route}",status="{status}"}}', n) for (route, status), n in sorted(self.requests.items())],
         )
-        lines += _metric(
+
+    def render(self, stats: dict | None, in_flight: int, capacity: int) -> list[str]:
+        """One model's token counts, latencies and engine gauges (a served model's own ServerMetrics); `stats` is
+        the engine's (None for an embedding model)."""
+        lines = _metric(
             "prompt_tokens_total", "counter", "Prompt tokens of finished requests.", [("", self.prompt_tokens)]
         )
         lines += _metric(
@@ -101,22 +102,25 @@ class ServerMetrics:
             [("", self.generated_tokens)],
         )
         lines += self.ttft.render() + self.token_latency.render() + self.e2e.render()
-        if stats is None:
+        if stats is None:  # an embedding model: no engine gauges
             lines += _metric("requests_in_flight", "gauge", IN_FLIGHT_HELP, [("", in_flight)])
-        else:
-            lines += _engine_gauges(stats, in_flight, capacity) + _memory_gauges(stats["memory_plan"])
-            lines += _attention_gauges(stats["attention"])
-        return "\n".join(lines) + "\n"
+            lines += _capacity(capacity)
+            return lines
+        lines += _engine_gauges(stats, in_flight, capacity) + _memory_gauges(stats["memory_plan"])
+        return lines + _attention_gauges(stats["attention"])
 
 
 IN_FLIGHT_HELP = "Requests the HTTP layer has admitted and not finished."
 
 
-def _engine_gauges(stats: dict, in_flight: int, capacity: int) -> list[str]:
-    lines = _metric("requests_in_flight", "gauge", IN_FLIGHT_HELP, [("", in_flight)])
-    lines += _metric(
+def _capacity(capacity: int) -> list[str]:
+    return _metric(
         "requests_capacity", "gauge", "Admission limit: engine batch plus queue; beyond it 429.", [("", capacity)]
     )
+
+
+def _engine_gauges(stats: dict, in_flight: int, capacity: int) -> list[str]:
+    lines = _metric("requests_in_flight", "gauge", IN_FLIGHT_HELP, [("", in_flight)]) + _capacity(capacity)
     lines += _metric(
         "queue_depth", "gauge", "Engine requests waiting to be scheduled.", [("", stats["requests_waiting"])]
     )
@@ -222,14 +226,10 @@ def _speculation_metrics(stats: dict) -> list[str]:
 
 def _memory_gauges(plan) -> list[str]:
     (_, limit), *_ = plan.breakdown
-    samples = [
-        ('{kind="kv_cache"}', plan.kv_bytes),
-        ('{kind="device_limit"}', limit),
-        ('{kind="process_resident"}', psutil.Process(os.getpid()).memory_info().rss),
-    ]
+    samples = [('{kind="kv_cache"}', plan.kv_bytes), ('{kind="device_limit"}', limit)]
     if plan.wired_limit_bytes is not None:
         samples.append(('{kind="wired_limit"}', plan.wired_limit_bytes))
-    lines = _metric("memory_bytes", "gauge", "Memory: KV cache size, device limit, process RSS, wired limit.", samples)
+    lines = _metric("memory_bytes", "gauge", "Memory: KV cache size, device limit, wired limit.", samples)
     return lines + _metric("kv_block_bytes", "gauge", "Bytes of one KV block (all layers).", [("", plan.block_bytes)])
 
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from mlxpaged_app.server.errors import APIError, invalid_param
 from mlxpaged_app.server.param_names import ParamNames
+from mlxpaged_app.server.served_model import ServedModel
 from mlxpaged_app.server.server_log import log
-from mlxpaged_app.server.state import ServerState
 
 
 def reply_budget(
-    state: ServerState,
+    model: ServedModel,
     prompt_tokens: int,
     requested: int | None,
     names: ParamNames,
@@ -27,12 +27,12 @@ def reply_budget(
     left) clamped to the room the context leaves. `limit`: the request's own bound on prompt + reply (Ollama's
     num_ctx), which only ever narrows the server's context. A requested value below 1 passes through for
     SamplingParams to refuse, naming the parameter."""
-    context = state.context_limit if limit is None else min(limit, state.context_limit)
+    context = model.context_limit if limit is None else min(limit, model.context_limit)
     room = context - prompt_tokens
     if room < 1:
-        if context < state.context_limit:
-            raise request_context_too_small(state, prompt_tokens, context, names)
-        raise prompt_too_long(state, prompt_tokens, requested, names)
+        if context < model.context_limit:
+            raise request_context_too_small(model, prompt_tokens, context, names)
+        raise prompt_too_long(model, prompt_tokens, requested, names)
     if requested is not None and requested < 1:
         return requested
     if requested is None and to_context_end:
@@ -47,26 +47,26 @@ def reply_budget(
             context,
         )
         return room
-    return min(state.default_max_tokens if requested is None else requested, room)
+    return min(model.default_max_tokens if requested is None else requested, room)
 
 
-def request_context_too_small(state: ServerState, prompt_tokens: int, limit: int, names: ParamNames) -> APIError:
+def request_context_too_small(model: ServedModel, prompt_tokens: int, limit: int, names: ParamNames) -> APIError:
     """The prompt fits the server's context but not the smaller one the request asked for."""
     error = invalid_param(
         names.prompt,
         f"the prompt is {prompt_tokens} tokens and does not fit in the {limit}-token context this request asked "
         f"for with {names.context} (prompt and reply together): raise {names.context} (this server runs up to "
-        f"{state.context_limit} tokens) or shorten the prompt",
+        f"{model.context_limit} tokens) or shorten the prompt",
         "context_length_exceeded",
     )
     error.prompt_tokens = prompt_tokens
     return error
 
 
-def prompt_too_long(state: ServerState, prompt_tokens: int, requested: int | None, names: ParamNames) -> APIError:
-    limit = state.context_limit
+def prompt_too_long(model: ServedModel, prompt_tokens: int, requested: int | None, names: ParamNames) -> APIError:
+    limit = model.context_limit
     sent = f"{names.max_tokens} {requested}" if requested is not None else f"no {names.max_tokens}"
-    if state.cache_limits_context:
+    if model.cache_limits_context:
         what = f"the KV cache capacity of {limit} tokens"
         fix = (
             "give the cache more room (`mlxpaged serve --cache-tokens N` or `--kv-memory SIZE`), or shorten the prompt"

@@ -15,7 +15,9 @@ from typing import TypeVar
 
 from mlxpaged.sampling_params import MAX_N
 from mlxpaged_app.server.engine_client import Generation, GenerationFailed
-from mlxpaged_app.server.errors import server_error
+from mlxpaged_app.server.errors import invalid_param, server_error
+from mlxpaged_app.server.keep_alive import KeepAliveError, parse_keep_alive
+from mlxpaged_app.server.model_registry import UNSET
 from mlxpaged_app.server.request_body import parse_request, read_body
 from mlxpaged_app.server.sse import (
     EVENT_STREAM,
@@ -25,7 +27,7 @@ from mlxpaged_app.server.sse import (
     unless_disconnected,
     with_pings,
 )
-from mlxpaged_app.server.state import ServerState
+from mlxpaged_app.server.state import ServedModel, ServerState
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -71,36 +73,45 @@ def reply_id(shape: ReplyShape) -> str:
     return shape.headers.get("x-request-id") or shape.headers.get("request-id") or "-"
 
 
-async def accept(
-    request: Request, state: ServerState, schema: type, check_model: Callable[[ServerState, str], object] | None = None
-) -> tuple[object, float]:
+async def accept(request: Request, state: ServerState, schema: type) -> tuple[object, float]:
     """What every API does first: note the arrival, refuse while draining, read and validate the body against
-    `schema`, check the model name (`check_model(state, name)`: an API's own lookup, as Ollama's, which takes
-    `name:latest`; default ServerState.check_model). Returns (body, arrived)."""
+    `schema`. Returns (body, arrived); `model_for` then finds (or loads) the model it names."""
     arrived = time.perf_counter()
     state.check_accepting()
     body = parse_request(await read_body(request, state.config.max_body_size), schema)
-    if check_model is None:
-        state.check_model(body.model)
-    else:
-        check_model(state, body.model)
     return body, arrived
 
 
+async def model_for(state: ServerState, body) -> ServedModel:
+    """The model `body.model` names, with the body's `keep_alive` (Ollama's field, accepted as an extension by
+    every API: how long the model stays loaded once idle; 0 unloads it after this request, -1 never)."""
+    return await state.served_model(body.model, request_keep_alive(getattr(body, "keep_alive", None)))
+
+
+def request_keep_alive(value) -> object:
+    """A body's keep_alive, parsed (seconds, None for never); UNSET when it sent none. 400 naming it if bad."""
+    if value is None:
+        return UNSET
+    try:
+        return parse_keep_alive(value)
+    except KeepAliveError as exc:
+        raise invalid_param("keep_alive", str(exc)) from None
+
+
 async def launch(
-    state: ServerState, count: int, start: Callable[[], Awaitable[Generation]]
+    model: ServedModel, count: int, start: Callable[[], Awaitable[Generation]]
 ) -> tuple[Generation, ExitStack]:
     """Take `count` queue slots, then `start()`; the ExitStack returned withdraws whatever has not finished
     and frees the slots: every API closes it once its reply is done (or its client is gone)."""
     cleanup = ExitStack()
-    cleanup.enter_context(state.admission.slot(count))
+    cleanup.enter_context(model.admission.slot(count))
     try:
         generation = await start()
     except BaseException:
         cleanup.close()
         raise
-    state.active.add(generation)
-    cleanup.callback(state.active.discard, generation)
+    model.active.add(generation)
+    cleanup.callback(model.active.discard, generation)
     cleanup.callback(generation.abort)  # runs first: whatever has not finished is withdrawn
     return generation, cleanup
 

@@ -1,17 +1,32 @@
-"""What every route shares: the HTTP-side settings and the state built once per app around one served model."""
+"""What every route shares: the HTTP-side settings, and the state built once per app around a model registry.
+
+Routes get a model's state through ONE call, `await state.served_model(name)` (ServerState below): it returns
+the loaded model's `ServedModel` (served_model.py: `.engine`, `.admission`, `.token_text`, `.model_id`,
+`.config`, `.metrics`, ...), loading it first if needed, and raises the API errors routes already answer with:
+404 `model_not_found` for a name the server cannot serve, 503 `unavailable` / `insufficient_memory` /
+`model_loading`, 500 `model_load_failed` with the reason. `kind` says what the route runs: "generate" (the chat
+routes; an embedding model is refused with 400 before it is loaded), "embed" (the embedding routes get a
+`ServedEmbedder`; a generative model is refused saying why it cannot embed) or None (either: Ollama's /api/show).
+"""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 
-from mlxpaged.embedding.embedder import Embedder
 from mlxpaged.loading.generation_defaults import NO_DEFAULTS, GenerationDefaults
-from mlxpaged_app.server.admission import Admission
-from mlxpaged_app.server.engine_client import Generation
-from mlxpaged_app.server.errors import embedding_model_only, model_not_found, unavailable
-from mlxpaged_app.server.formatting import TokenText
+from mlxpaged_app.server.errors import embedding_model_only, model_not_found, not_an_embedding_model, unavailable
 from mlxpaged_app.server.metrics import ServerMetrics
+from mlxpaged_app.server.model_catalog import ModelNotServable
+from mlxpaged_app.server.model_registry import UNSET, ModelRegistry, WrongKind
+from mlxpaged_app.server.served_model import (  # noqa: F401  (re-exported: their home was here)
+    API_DEFAULT_MAX_TOKENS,
+    LONG_SEQUENCE_WARNING,
+    ServedModel,
+    fit_tokenizer_to_context,
+)
+
+import anyio
 
 
 @dataclass(frozen=True)
@@ -23,87 +38,56 @@ class ServerConfig:
     max_queue: int = 64
     default_max_tokens: int | None = None  # None: the model's max_new_tokens, else API_DEFAULT_MAX_TOKENS
     cors_origins: tuple[str, ...] = ()
-    model_aliases: tuple[str, ...] = field(default_factory=tuple)
-    # What requests get for the sampling fields they leave unset; `mlxpaged serve` fills it from the model
-    # (--generation-config auto). NO_DEFAULTS: the plain API defaults (temperature 1.0, top_p 1.0).
+    model_aliases: tuple[str, ...] = field(default_factory=tuple)  # more names for the first model (--model)
+    # What requests get for the sampling fields they leave unset; each model served carries its own copy of this
+    # config with its own (--generation-config auto). NO_DEFAULTS: the plain API defaults (temperature 1.0).
     sampling_defaults: GenerationDefaults = NO_DEFAULTS
 
 
-API_DEFAULT_MAX_TOKENS = 1024
-
-
-LONG_SEQUENCE_WARNING = "sequence-length-is-longer-than-the-specified-maximum"  # transformers' key for it
-
-
-def fit_tokenizer_to_context(tokenizer, max_model_len: int) -> None:
-    """transformers warns that a prompt past the tokenizer's model_max_length (the trained context) "will result
-    in indexing errors". With --max-model-len the engine runs such prompts on purpose, so the limit follows it;
-    past the engine's context nothing is indexed either (reply_budget refuses it, saying why), so the warning is
-    marked as given."""
-    inner = getattr(tokenizer, "_tokenizer", tokenizer)  # mlx-lm's TokenizerWrapper holds the Hugging Face one
-    length = getattr(inner, "model_max_length", None)
-    if isinstance(length, int) and length < max_model_len:
-        inner.model_max_length = max_model_len
-    given = getattr(inner, "deprecation_warnings", None)
-    if isinstance(given, dict):
-        given[LONG_SEQUENCE_WARNING] = True
-
-
 class ServerState:
-    """Everything a route needs, built once per app around the model it serves: a generative `Engine`, or an
-    `Embedder` when the model is an embedding model (then `engine` is None: chat routes refuse in check_model, and
-    embeddings/lookup.py hands the embedder to /v1/embeddings and /api/embed)."""
+    """Everything a route needs: the settings, the models (a ModelRegistry), draining, the HTTP counters."""
 
-    def __init__(self, served, config: ServerConfig) -> None:
-        self.config = config
-        self.embedder: Embedder | None = served if isinstance(served, Embedder) else None
-        self.engine = None if self.embedder is not None else served
-        self.metrics = ServerMetrics()
-        if self.engine is not None:
-            fit_tokenizer_to_context(self.engine.tokenizer, self.engine.max_model_len)
-        # An embedder runs one request's batch at a time; the rest wait in the queue.
-        batch = 1 if self.engine is None else self.engine.scheduler_config.max_num_seqs
-        self.admission = Admission(batch, config.max_queue)
-        self.token_text = TokenText(served.tokenizer)
-        self.model_id = served.loaded.name
-        path = getattr(served.loaded, "path", None)
-        self.model_names = {self.model_id, *config.model_aliases, *((str(path), path.name) if path else ())}
+    def __init__(self, registry: ModelRegistry, config: ServerConfig) -> None:
+        self.registry, self.config = registry, config
+        self.metrics = ServerMetrics()  # HTTP requests by route and status; each model has its own token counts
         self.created = int(time.time())
         self.draining = False
-        self.active: set[Generation] = set()  # for abort_all at the end of a shutdown's drain
+
+    async def served_model(self, name: str | None, keep_alive: object = UNSET, kind: str | None = "generate"):
+        """The per-model state for a request's `model` (None: the default model), loaded if needed: a
+        ServedModel for kind "generate", a ServedEmbedder for "embed", either for None.
+
+        `keep_alive`: seconds (None: never unload), already parsed (keep_alive.parse_keep_alive); UNSET keeps
+        the model's own. Raises APIError: 404 model_not_found, 400 for a model of the other kind (with the
+        reason), 503 (cannot fit, still loading, shutting down), 500 model_load_failed with the reason."""
+        self.check_accepting()
+        try:
+            return await self.registry.get(name, keep_alive, kind)
+        except WrongKind as exc:
+            if exc.entry.kind == "embed":
+                raise embedding_model_only(exc.entry.name) from None
+            raise not_an_embedding_model(exc.entry.name, exc.reason()) from None
+        except ModelNotServable as exc:
+            raise await self._not_found(name, exc) from None
+
+    async def expire_model(self, name: str | None) -> None:
+        """Unload `name` now if it is loaded and idle, else once its requests end (Ollama's keep_alive 0 with
+        nothing to run); a model not loaded stays so. 404 for a name the server cannot serve."""
+        self.check_accepting()
+        try:
+            await self.registry.expire(name)
+        except ModelNotServable as exc:
+            raise await self._not_found(name, exc) from None
+
+    async def _not_found(self, name: str | None, why: ModelNotServable):
+        served = await anyio.to_thread.run_sync(self.registry.catalog.names_served)  # reads the store
+        error = model_not_found(name or "(none)", served)
+        error.message = f"{error.message}. {why}"
+        return error
 
     def abort_all(self) -> None:
-        """Withdraw every in-flight generation: each ends now with finish_reason "abort"."""
-        for generation in list(self.active):
-            generation.abort(notify=True)
-
-    @property
-    def context_limit(self) -> int:
-        """Prompt + reply tokens one sequence can hold: the model context, or the cache's limit if smaller."""
-        capacity = self.engine.plan.token_capacity  # None: every layer slides, the cache fits any length
-        return self.engine.max_model_len if capacity is None else min(self.engine.max_model_len, capacity)
-
-    @property
-    def cache_limits_context(self) -> bool:
-        """Whether the KV cache, not the model context, is what bounds one sequence."""
-        capacity = self.engine.plan.token_capacity
-        return capacity is not None and capacity < self.engine.max_model_len
-
-    @property
-    def default_max_tokens(self) -> int:
-        """The reply length when a request sets none (before clipping to the context): --default-max-tokens,
-        else the model's max_new_tokens, else API_DEFAULT_MAX_TOKENS."""
-        if self.config.default_max_tokens is not None:
-            return self.config.default_max_tokens
-        return self.config.sampling_defaults.values.get("max_tokens", API_DEFAULT_MAX_TOKENS)
-
-    def check_model(self, requested: str | None) -> None:
-        """The generative routes' check (chat, completions, messages, responses): the model is served, and it is
-        no embedding model."""
-        if requested is not None and requested not in self.model_names:
-            raise model_not_found(requested, [self.model_id])
-        if self.engine is None:
-            raise embedding_model_only(self.model_id)
+        """Withdraw every in-flight generation of every model: each ends now with finish_reason "abort"."""
+        self.registry.abort_all()
 
     def check_accepting(self) -> None:
         if self.draining:

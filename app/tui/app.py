@@ -14,7 +14,12 @@ from mlxpaged_app.tui.protocol import ChatEngine, EngineFactory
 from mlxpaged_app.tui.replies import ReplyFlow
 from mlxpaged_app.tui.screens.help import HelpScreen
 from mlxpaged_app.tui.screens.history import HistoryScreen
-from mlxpaged_app.tui.screens.model_picker import ModelLister, ModelPickerScreen, list_model_choices
+from mlxpaged_app.tui.screens.model_picker import (
+    ModelLister,
+    ModelPickerScreen,
+    list_model_choices,
+    loaded_memory,
+)
 from mlxpaged_app.tui.screens.settings import SettingsScreen
 from mlxpaged_app.tui.screens.system_prompt import SystemPromptScreen
 from mlxpaged_app.tui.settings import ChatSettings
@@ -182,7 +187,8 @@ class ChatApp(ModelLoading, ReplyFlow, App[int]):
         if self.loading_model:
             self.notify("A model is loading: pick another once it is ready.", severity="warning")
             return
-        self.push_screen(ModelPickerScreen(self.model_lister, self.model_label), self.switch_model)
+        picker = ModelPickerScreen(self.model_lister, self.model_label, loaded_memory(self.engine))
+        self.push_screen(picker, self.switch_model)
 
     def switch_model(self, name: str | None) -> None:
         if name is not None:

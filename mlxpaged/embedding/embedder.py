@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 from mlxpaged.embedding.batching import plan_passes
 from mlxpaged.embedding.body import find_body
@@ -28,6 +29,7 @@ from mlxpaged.embedding.model_files import EmbeddingSpec, embedding_spec
 from mlxpaged.embedding.pooling import finish
 from mlxpaged.errors import EmbeddingInputError, EngineClosedError
 from mlxpaged.loading.loader import LoadedModel, locate_model
+from mlxpaged.loading.model_store import ModelRef
 from mlxpaged.loading.progress import Progress
 from mlxpaged.platform import backend
 from mlxpaged.platform.memory import DeviceFacts
@@ -74,6 +76,12 @@ class Embedder:
         InsufficientMemoryError before any weight is read (once its files are local)."""
         require_int("max_batch_tokens", max_batch_tokens, low=1, setting=True)
         ref, path = locate_model(model, progress)
+        return cls.from_local(ref, path, max_batch_tokens)
+
+    @classmethod
+    def from_local(cls, ref: ModelRef, path: Path, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS) -> Embedder:
+        """An embedding model already on this machine: `ref` as resolved, `path` its directory (what
+        from_pretrained does once the files are local; the server's model registry starts here)."""
         spec = embedding_spec(path, ref.preset.options if ref.preset else None)
         check_fits(path, backend.current(), max_batch_tokens, DeviceFacts.detect())
         return cls(load_embedding_model(ref, path, backend.current()), spec, max_batch_tokens)

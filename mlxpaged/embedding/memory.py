@@ -24,10 +24,7 @@ FLOAT_BYTES = 4  # temporaries are counted as float32, the CPU backend's dtype a
 def check_fits(model_dir: Path, backend: str, max_batch_tokens: int, device: DeviceFacts) -> int:
     """The bytes the model needs (weights + activations + reserve); InsufficientMemoryError with every number when
     that exceeds the device's limit."""
-    loaded = as_loaded(checkpoint_tensors(model_dir), backend)
-    weights = sum(t.nbytes for t in loaded if not t.name.startswith("lm_head."))
-    config = json.loads((model_dir / "config.json").read_text())
-    activations = max_batch_tokens * activation_bytes_per_token(config, kv_dtype_bytes(loaded))
+    weights, activations = embedding_costs(model_dir, backend, max_batch_tokens)
     costs = [
         ("model weights", weights),
         (f"activations of a {max_batch_tokens:,}-token pass", activations),
@@ -44,6 +41,15 @@ def check_fits(model_dir: Path, backend: str, max_batch_tokens: int, device: Dev
             param="max_batch_tokens",
         )
     return needed
+
+
+def embedding_costs(model_dir: Path, backend: str, max_batch_tokens: int) -> tuple[int, int]:
+    """(weights as loaded, activations of one `max_batch_tokens` pass) in bytes: what a loaded Embedder holds
+    (the server's memory budget counts it), the OS reserve aside."""
+    loaded = as_loaded(checkpoint_tensors(model_dir), backend)
+    weights = sum(t.nbytes for t in loaded if not t.name.startswith("lm_head."))
+    config = json.loads((model_dir / "config.json").read_text())
+    return weights, max_batch_tokens * activation_bytes_per_token(config, kv_dtype_bytes(loaded))
 
 
 def activation_bytes_per_token(config: dict, kv_bytes: int) -> int:

@@ -92,7 +92,7 @@ def refuse_generation(model_dir: Path, name: str, preset_options: dict | None = 
     if is_embedding_model(model_dir, preset_options):
         raise UnsupportedModelError(
             f"{name} is an embedding model (its sentence-transformers files say how it pools), not a generative one: "
-            "serve it with `mlxpaged serve --model` for /v1/embeddings, or load it with mlxpaged.Embedder"
+            "`mlxpaged serve` answers /v1/embeddings and /api/embed with it, or load it with mlxpaged.Embedder"
         )
 
 

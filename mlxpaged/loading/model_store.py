@@ -263,7 +263,8 @@ def dir_size(path: Path) -> int:
 
 
 def list_models(dtype: str) -> list[ModelListing]:
-    """Every preset (local or not) plus model directories in the store that are not presets."""
+    """Every preset (local or not), model directories in the store that are not presets, and models already in
+    the Hugging Face cache that are not presets."""
     default, presets = load_presets()
     rows, seen = [], set()
     for preset in presets.values():
@@ -284,6 +285,23 @@ def list_models(dtype: str) -> list[ModelListing]:
     for path in extra:
         if path not in seen and not path.name.startswith("."):
             rows.append(ModelListing(str(path), "path", "local model directory", path, dir_size(path)))
+    repos = {p.options.get("repo") for p in presets.values()}
+    return rows + [row for row in _downloaded_hub_models() if row.name not in repos]
+
+
+def _downloaded_hub_models() -> list[ModelListing]:
+    """Models already in the Hugging Face cache (a repo id `--model` loads without a download)."""
+    from huggingface_hub import constants, scan_cache_dir
+
+    try:
+        cache = scan_cache_dir(constants.HF_HUB_CACHE)  # read now: HF_HUB_CACHE may change after import
+    except Exception:  # no cache directory yet (CacheNotFound), or one that cannot be read: nothing downloaded
+        return []
+    rows = []
+    for repo in sorted(cache.repos, key=lambda r: r.repo_id):
+        path = _hub_cached_path(repo.repo_id) if repo.repo_type == "model" else None
+        if path is not None:
+            rows.append(ModelListing(repo.repo_id, "hub", "downloaded from Hugging Face", path, repo.size_on_disk))
     return rows
 
 

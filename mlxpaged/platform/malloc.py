@@ -34,3 +34,16 @@ def keep_freed_memory() -> bool:
     except OSError:  # not glibc (e.g. musl): leave the allocator alone
         return False
     return bool(libc.mallopt(_M_MMAP_THRESHOLD, _THRESHOLD)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, _THRESHOLD))
+
+
+def return_freed_memory() -> bool:
+    """Hand the heap's free pages back to the OS now (glibc's malloc_trim): after a model is unloaded, what
+    keep_freed_memory() lets the heap keep for reuse would otherwise stay in the process's resident set.
+    True when glibc trimmed anything; on macOS (no glibc) it does nothing."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    return bool(libc.malloc_trim(0))

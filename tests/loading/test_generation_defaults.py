@@ -259,11 +259,9 @@ async def test_models_route_shows_what_applies():
     async with client_for(FakeEngine(), sampling_defaults=MODEL) as client:
         cards = [(await client.get("/v1/models")).json()["data"][0], (await client.get("/v1/models/fake-model")).json()]
     for card in cards:
-        assert card["mlxpaged"] == {
-            "sampling_defaults": MODEL.values,
-            "source": "generation_config.json",
-            "default_max_tokens": 7,
-        }
+        shown = {key: card["mlxpaged"][key] for key in ("sampling_defaults", "source", "default_max_tokens")}
+        assert shown == {"sampling_defaults": MODEL.values, "source": "generation_config.json", "default_max_tokens": 7}
+        assert card["mlxpaged"]["loaded"] is True  # beside what the model registry reports
 
 
 class EngineWithDefaults(FakeEngine):

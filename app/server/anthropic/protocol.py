@@ -140,6 +140,7 @@ class CountTokensRequest(_Strict):
     thinking: Thinking | None = None
     output_config: OutputConfig | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
+    keep_alive: str | int | float | None = None  # Ollama's, as an extension: how long the model stays loaded
 
 
 class MessagesRequest(CountTokensRequest):

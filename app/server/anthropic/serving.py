@@ -13,7 +13,8 @@ from mlxpaged_app.server.chat.pipeline import ChatRun, serve_chat_request
 from mlxpaged_app.server.chat.render import render_prompt
 from mlxpaged_app.server.chat.spec import ChatRequestSpec
 from mlxpaged_app.server.request_body import parse_request, read_body
-from mlxpaged_app.server.state import ServerState
+from mlxpaged_app.server.serving import model_for
+from mlxpaged_app.server.state import ServedModel, ServerState
 
 import anyio
 from starlette.requests import Request
@@ -24,7 +25,7 @@ async def serve_messages(request: Request, state: ServerState) -> Response:
     return await serve_chat_request(request, state, MessagesRequest, messages_spec, _shape)
 
 
-def _shape(state: ServerState, body: MessagesRequest, spec: ChatRequestSpec, run: ChatRun) -> MessageShape:
+def _shape(model: ServedModel, body: MessagesRequest, spec: ChatRequestSpec, run: ChatRun) -> MessageShape:
     return MessageShape(body.model, run.prompt_tokens)
 
 
@@ -32,6 +33,7 @@ async def serve_count_tokens(request: Request, state: ServerState) -> Response:
     """The prompt's length, tools and system included: what `input_tokens + cache_read_input_tokens` of the
     same request will report."""
     body = parse_request(await read_body(request, state.config.max_body_size), CountTokensRequest)
-    state.check_model(body.model)
-    prompt = await anyio.to_thread.run_sync(render_prompt, state.engine.tokenizer, messages_spec(body))
+    spec = messages_spec(body)
+    model = await model_for(state, body)
+    prompt = await anyio.to_thread.run_sync(render_prompt, model.engine.tokenizer, spec)
     return JSONResponse({"input_tokens": len(prompt)})

@@ -30,8 +30,8 @@ from mlxpaged_app.server.engine_client import Generation
 from mlxpaged_app.server.params import sampling_params
 from mlxpaged_app.server.reply_budget import reply_budget
 from mlxpaged_app.server.server_log import log
-from mlxpaged_app.server.serving import ReplyShape, accept, launch, reply_id, respond, sane_n
-from mlxpaged_app.server.state import ServerState
+from mlxpaged_app.server.serving import ReplyShape, accept, launch, model_for, reply_id, respond, sane_n
+from mlxpaged_app.server.state import ServedModel, ServerState
 
 import anyio
 
@@ -128,9 +128,9 @@ class ChatRun:
         return self.generation.usage()
 
 
-def _params(state: ServerState, spec: ChatRequestSpec, prepared: Prepared) -> SamplingParams:
+def _params(model: ServedModel, spec: ChatRequestSpec, prepared: Prepared) -> SamplingParams:
     max_tokens = reply_budget(
-        state, len(prepared.prompt), spec.max_tokens, spec.names, spec.context_limit, spec.reply_to_context_end
+        model, len(prepared.prompt), spec.max_tokens, spec.names, spec.context_limit, spec.reply_to_context_end
     )
     params = sampling_params(
         spec.sampling,
@@ -138,7 +138,7 @@ def _params(state: ServerState, spec: ChatRequestSpec, prepared: Prepared) -> Sa
         logprobs=spec.logprobs,
         top_logprobs=spec.top_logprobs,
         names=spec.names,
-        defaults=state.config.sampling_defaults,
+        defaults=model.config.sampling_defaults,
     )
     if prepared.constraint is not None:
         params = dataclasses.replace(params, constraint=prepared.constraint)
@@ -147,21 +147,21 @@ def _params(state: ServerState, spec: ChatRequestSpec, prepared: Prepared) -> Sa
 
 
 async def start_chat(
-    state: ServerState, spec: ChatRequestSpec, arrived: float | None = None
+    model: ServedModel, spec: ChatRequestSpec, arrived: float | None = None
 ) -> tuple[ChatRun, ExitStack]:
     """Submit the request; close the ExitStack when the reply is done (it withdraws what has not finished)."""
     arrived = time.perf_counter() if arrived is None else arrived
     prepared: list[Prepared] = []
 
     async def start() -> Generation:
-        prepared.append(await anyio.to_thread.run_sync(prepare, state.engine, spec))
-        params = _params(state, spec, prepared[0])
-        generation = Generation(state.engine, state.metrics, params.n, arrived)
+        prepared.append(await anyio.to_thread.run_sync(prepare, model.engine, spec))
+        params = _params(model, spec, prepared[0])
+        generation = Generation(model.engine, model.metrics, params.n, arrived)
         generation.submit([prepared[0].prompt], params, spec.names.prompt)
         return generation
 
-    generation, cleanup = await launch(state, sane_n(spec.sampling.n), start)
-    return ChatRun(spec, generation, prepared[0], state.engine.tokenizer), cleanup
+    generation, cleanup = await launch(model, sane_n(spec.sampling.n), start)
+    return ChatRun(spec, generation, prepared[0], model.engine.tokenizer), cleanup
 
 
 async def accept_chat(request, state: ServerState, schema, to_spec) -> tuple[object, ChatRequestSpec, float]:
@@ -170,21 +170,23 @@ async def accept_chat(request, state: ServerState, schema, to_spec) -> tuple[obj
     return body, to_spec(body), arrived
 
 
-ShapeFor = Callable[[ServerState, object, ChatRequestSpec, ChatRun], ReplyShape]
+ShapeFor = Callable[[ServedModel, object, ChatRequestSpec, ChatRun], ReplyShape]
 
 
 async def serve_chat_request(request, state: ServerState, schema, to_spec, shape_for: ShapeFor):
     """A chat-shaped API end to end: its schema, its translation to the internal request (`to_spec`), and its
-    reply shape (`shape_for(state, body, spec, run)`); everything else is this pipeline's."""
+    reply shape (`shape_for(model, body, spec, run)`); everything else is this pipeline's."""
     body, spec, arrived = await accept_chat(request, state, schema, to_spec)
-    return await reply_to_chat(request, state, body, spec, arrived, shape_for)
+    model = await model_for(state, body)
+    return await reply_to_chat(request, model, body, spec, arrived, shape_for)
 
 
-async def reply_to_chat(request, state: ServerState, body, spec: ChatRequestSpec, arrived: float, shape_for: ShapeFor):
-    """The run and the reply of an accepted request (an API that accepts in its own way starts here)."""
-    run, cleanup = await start_chat(state, spec, arrived)
+async def reply_to_chat(request, model: ServedModel, body, spec: ChatRequestSpec, arrived: float, shape_for: ShapeFor):
+    """The run and the reply of an accepted request on its model (an API that accepts in its own way, as Ollama's,
+    starts here)."""
+    run, cleanup = await start_chat(model, spec, arrived)
     try:
-        shape = shape_for(state, body, spec, run)
+        shape = shape_for(model, body, spec, run)
     except BaseException:
         cleanup.close()
         raise

@@ -1,37 +1,26 @@
-"""Which model serves an embedding request: the one function the registry of models loaded on demand replaces.
+"""Which model serves an embedding request: the one lookup /v1/embeddings and /api/embed go through.
 
-Today `mlxpaged serve` holds one model for its lifetime (state.py): an Embedder when it is an embedding model, else
-a generative Engine, which cannot embed (the reason comes from the library's rule, mlxpaged/embedding/
-model_files.py).
+The server's model registry (state.served_model) finds the model the request names, loading it on demand as for
+every route; an embedding model (the library's rule, mlxpaged/embedding/model_files.py: catalog kind "embed")
+comes back as a ServedEmbedder, while a generative model is refused before loading, with the reason it cannot
+embed (400).
 """
 
 from __future__ import annotations
 
-from mlxpaged.embedding.embedder import Embedder
-from mlxpaged.embedding.model_files import embedding_spec
-from mlxpaged.errors import MlxpagedError
-from mlxpaged_app.server.errors import model_not_found, not_an_embedding_model
+from mlxpaged_app.server.model_registry import UNSET
+from mlxpaged_app.server.served_model import ServedEmbedder
 from mlxpaged_app.server.state import ServerState
 
 
-def embedder_for(state: ServerState, requested: str | None) -> Embedder:
-    """The Embedder for a request naming `requested` (None: the served model); 404 for a model this server does
-    not serve, 400 with the reason for one that is not an embedding model."""
-    if requested is not None and requested not in state.model_names:
-        raise model_not_found(requested, [state.model_id])
-    if state.embedder is None:
-        raise not_an_embedding_model(state.model_id, _why_not(state))
-    return state.embedder
+async def embedder_for(
+    state: ServerState, requested: str | None, keep_alive: object = UNSET, *, ollama: bool = False
+) -> ServedEmbedder:
+    """The loaded embedding model `requested` names (None: the server's default model), loaded if needed; 404 for
+    a model this server cannot serve, 400 with the reason for one that is not an embedding model. `ollama`: the
+    name may carry Ollama's `:latest` tag."""
+    if ollama:
+        from mlxpaged_app.server.ollama.models import served_model
 
-
-def _why_not(state: ServerState) -> str:
-    loaded = state.engine.loaded if state.engine is not None else None
-    path = getattr(loaded, "path", None)
-    if path is None:
-        return "it is a generative model"
-    preset = getattr(getattr(loaded, "ref", None), "preset", None)
-    try:
-        embedding_spec(path, preset.options if preset else None)
-    except MlxpagedError as exc:
-        return str(exc)
-    return "it was loaded as a generative model; start the server with it to serve embeddings"
+        return await served_model(state, requested, keep_alive, kind="embed")
+    return await state.served_model(requested, keep_alive, kind="embed")

@@ -23,16 +23,16 @@ async def serve_embeddings(request: Request, state: ServerState) -> Response:
     arrived = time.perf_counter()
     state.check_accepting()
     body = parse_request(await read_body(request, state.config.max_body_size), EmbeddingRequest)
-    embedder = embedder_for(state, body.model)
-    inputs = openai_inputs(body.input)
-    embedded = await embed(state, embedder, inputs, body.dimensions, False, arrived)
+    inputs = openai_inputs(body.input)  # a malformed input is refused before any model is loaded for it
+    served = await embedder_for(state, body.model)
+    embedded = await embed(served, inputs, body.dimensions, False, arrived)
     result = embedded.result
     data = [
         {"object": "embedding", "index": i, "embedding": encode(vector, body.encoding_format)}
         for i, vector in enumerate(result.vectors)
     ]
     usage = {"prompt_tokens": result.total_tokens, "total_tokens": result.total_tokens}
-    return JSONResponse({"object": "list", "data": data, "model": body.model or state.model_id, "usage": usage})
+    return JSONResponse({"object": "list", "data": data, "model": body.model or served.model_id, "usage": usage})
 
 
 def openai_inputs(value: str | list) -> list:

@@ -24,8 +24,8 @@ class EmbeddingRequest(_Strict):
 
 
 class OllamaEmbedRequest(_Strict):
-    """Ollama: `input` is a string or a list of strings; `truncate` defaults to true. `keep_alive` and `options`
-    are accepted and not used yet: this server holds one model for its lifetime."""
+    """Ollama: `input` is a string or a list of strings; `truncate` defaults to true; `keep_alive` as on every
+    route (serving.request_keep_alive). `options` is accepted and not used (an embedding model samples nothing)."""
 
     model: str
     input: str | list[str] | None = None

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from mlxpaged.embedding.embedder import Embedder, EmbeddingResult
 from mlxpaged.errors import EmbeddingInputError, EngineClosedError, InputTooLongError
 from mlxpaged_app.server.errors import APIError, invalid_param, unavailable
-from mlxpaged_app.server.state import ServerState
+from mlxpaged_app.server.served_model import ServedEmbedder
 
 import anyio
 
@@ -22,24 +22,24 @@ class Embedded:
 
 
 async def embed(
-    state: ServerState,
-    embedder: Embedder,
+    served: ServedEmbedder,
     inputs: str | Sequence[str] | Sequence[Sequence[int]],
     dimensions: int | None,
     truncate: bool,
     arrived: float,
 ) -> Embedded:
-    """Run `embedder` on `inputs` in a worker thread while holding one admission slot (429 when full)."""
-    with state.admission.slot(1):
+    """Run the model's Embedder on `inputs` in a worker thread while holding one of its admission slots (429 when
+    full; holding it keeps the registry from unloading the model under the request)."""
+    with served.admission.slot(1):
         try:
-            result = await anyio.to_thread.run_sync(_call, embedder, inputs, dimensions, truncate)
+            result = await anyio.to_thread.run_sync(_call, served.embedder, inputs, dimensions, truncate)
         except InputTooLongError as exc:
             raise APIError(400, str(exc), param="input", code="context_length_exceeded") from None
         except EmbeddingInputError as exc:
             raise invalid_param(exc.param, str(exc)) from None
         except EngineClosedError as exc:
             raise unavailable(str(exc)) from None
-    state.metrics.count_usage(result.total_tokens, 0, 0)
+    served.metrics.count_usage(result.total_tokens, 0, 0)
     return Embedded(result, time.perf_counter() - arrived)
 
 

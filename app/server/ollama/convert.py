@@ -19,7 +19,7 @@ from mlxpaged_app.server.errors import invalid_param
 from mlxpaged_app.server.ollama import options as opts
 from mlxpaged_app.server.ollama.protocol import ChatRequest, GenerateRequest, Message, ToolCall
 from mlxpaged_app.server.param_names import OLLAMA_CHAT, OLLAMA_GENERATE, ParamNames
-from mlxpaged_app.server.state import ServerState
+from mlxpaged_app.server.served_model import ServedModel
 from mlxpaged_app.server.tool_choice import resolve_tool_choice
 from mlxpaged_app.server.tool_list import function_tools
 
@@ -27,7 +27,7 @@ ROLES = ("system", "user", "assistant", "tool")
 TOOL_SHAPE = '{"type": "function", "function": {"name", "description", "parameters"}}'
 
 
-def chat_spec(body: ChatRequest, state: ServerState) -> ChatRequestSpec:
+def chat_spec(body: ChatRequest, model: ServedModel) -> ChatRequestSpec:
     tools = function_tools(body.tools, "function", TOOL_SHAPE)
     output = opts.output_format(body.format)
     if output is not None and tools:
@@ -36,20 +36,20 @@ def chat_spec(body: ChatRequest, state: ServerState) -> ChatRequestSpec:
             "format with tools is not supported: the format's grammar covers the whole reply, which leaves no room "
             "for tool calls; send format or tools",
         )
-    return _spec(body, state, chat_messages(body.messages or []), tools, output, OLLAMA_CHAT)
+    return _spec(body, model, chat_messages(body.messages or []), tools, output, OLLAMA_CHAT)
 
 
-def generate_spec(body: GenerateRequest, state: ServerState) -> ChatRequestSpec:
+def generate_spec(body: GenerateRequest, model: ServedModel) -> ChatRequestSpec:
     _check_generate_supported(body)
     system = [{"role": "system", "content": body.system}] if body.system else []
     messages = [*system, {"role": "user", "content": body.prompt or ""}]
-    spec = _spec(body, state, messages, (), opts.output_format(body.format), OLLAMA_GENERATE)
+    spec = _spec(body, model, messages, (), opts.output_format(body.format), OLLAMA_GENERATE)
     return replace(spec, raw_prompt=body.prompt if body.raw else None, prompt_prefix=tuple(body.context or ()))
 
 
 def _spec(
     body: ChatRequest | GenerateRequest,
-    state: ServerState,
+    model: ServedModel,
     messages: list[dict],
     tools: tuple[ToolSpec, ...],
     output: OutputFormat,
@@ -58,7 +58,7 @@ def _spec(
     """What chat and generate share: sampling, reply room, thinking, format and logprobs."""
     max_tokens, to_end = opts.reply_length(body.options)
     logprobs, top_logprobs = opts.logprobs(body.logprobs, body.top_logprobs)
-    thinks = bool(getattr(state.engine.tokenizer, "has_thinking", False))
+    thinks = bool(getattr(model.engine.tokenizer, "has_thinking", False))
     return ChatRequestSpec(
         messages,
         tools,
@@ -72,7 +72,7 @@ def _spec(
         stream=body.stream is not False,  # Ollama streams unless told not to
         api="ollama",
         names=names,
-        context_limit=opts.context_limit(body.options, state.context_limit),
+        context_limit=opts.context_limit(body.options, model.context_limit),
         reply_to_context_end=to_end,
     )
 

@@ -1,11 +1,16 @@
-"""The served model as Ollama describes a model: its /api/tags entry, its /api/show body and its /api/ps entry.
+"""Models as Ollama describes them: /api/tags entries (every servable model, read from its files, none loaded),
+the /api/show body and /api/ps entries (loaded models: a ServedModel or ServedEmbedder).
 
 What Ollama reads from a GGUF file comes here from the model directory: the architecture, sizes and context from
 config.json, the parameter count from the safetensors headers (no weight is read), the size on disk from the
-files. Ollama's `digest` is its manifest's sha256; here it is one over the model's name, config.json and weight
-files' names and sizes (stable while the files are). `<architecture>.context_length` in model_info is the context
-this server runs the model with (`--max-model-len`, or the KV cache's capacity if smaller), which is what clients
-budget their prompts by; the model's trained context is `mlxpaged.trained_context_length`.
+files, the quantization level from config.json's `quantization` or the weights' dtype as this machine loads them.
+Ollama's `digest` is its manifest's sha256; here it is one over the model's name, config.json and weight files'
+names and sizes (stable while the files are). `<architecture>.context_length` in model_info is the context this
+server runs the model with (`--max-model-len`, or the KV cache's capacity if smaller; an embedding model's input
+limit), which is what clients budget their prompts by; the model's trained context is
+`mlxpaged.trained_context_length`. /api/ps's `size` is the memory the server's budget counts for the model
+(weights, KV cache, state, activations), `size_vram` the same unless MLX computes on the CPU, and `expires_at`
+when its keep-alive will unload it.
 """
 
 from __future__ import annotations
@@ -18,13 +23,15 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlxpaged.loading.checkpoint import checkpoint_tensors, weight_files
+from mlxpaged.errors import MlxpagedError
+from mlxpaged.loading.checkpoint import as_loaded, checkpoint_tensors, kv_dtype, weight_files
+from mlxpaged.platform import backend
 from mlxpaged.platform.model_facts import context_length
+from mlxpaged_app.server.model_catalog import CatalogEntry
 from mlxpaged_app.server.ollama.models import tagged
-from mlxpaged_app.server.state import ServerState
+from mlxpaged_app.server.server_log import log
 
 FOREVER = dt.timedelta(microseconds=(2**63 - 1) // 1000)  # Ollama's expiry for "never": now + the longest duration
-_FLOAT_LEVELS = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 # Ollama's parameter names for the sampling defaults /api/show lists
 _PARAMETER_NAMES = {"repetition_penalty": "repeat_penalty", "max_tokens": "num_predict"}
 
@@ -40,15 +47,17 @@ def now() -> str:
 
 @dataclass(frozen=True)
 class ModelFiles:
-    """What the model directory says, read once per served model."""
+    """What the model directory says, read once per model (no weight is read)."""
 
     size: int
     digest: str
     modified_at: str
     parameter_count: int
+    config: dict
+    dtype: str  # the floating weights' safetensors dtype as this machine loads them: "F32", "BF16", "F16"
 
 
-@functools.cache  # once per served model: /api/tags is polled
+@functools.cache  # once per model: /api/tags is polled
 def model_files(path: Path, name: str) -> ModelFiles:
     files = weight_files(path)
     digest = hashlib.sha256(name.encode())
@@ -56,11 +65,14 @@ def model_files(path: Path, name: str) -> ModelFiles:
     for file in files:
         digest.update(f"{file.name}:{file.stat().st_size}".encode())
     newest = max(file.stat().st_mtime for file in [*files, path / "config.json"])
+    config = json.loads((path / "config.json").read_text())
     return ModelFiles(
         sum(file.stat().st_size for file in files),
         digest.hexdigest(),
         rfc3339(dt.datetime.fromtimestamp(newest, dt.UTC)),
-        parameter_count(path, json.loads((path / "config.json").read_text())),
+        parameter_count(path, config),
+        config,
+        kv_dtype(as_loaded(checkpoint_tensors(path), backend.current())),
     )
 
 
@@ -77,8 +89,8 @@ def parameter_count(path: Path, config: dict) -> int:
     return total
 
 
-def files_of(state: ServerState) -> ModelFiles:
-    return model_files(Path(state.engine.loaded.path), state.engine.loaded.name)
+def files_of(entry: CatalogEntry) -> ModelFiles:
+    return model_files(Path(entry.path), entry.name)
 
 
 def human_number(count: int) -> str:
@@ -90,49 +102,63 @@ def human_number(count: int) -> str:
     return str(count)
 
 
-def details(state: ServerState) -> dict:
-    loaded = state.engine.loaded
-    family = loaded.config.get("model_type", "unknown")
-    bits = (loaded.config.get("quantization") or {}).get("bits")
+def details(entry: CatalogEntry) -> dict:
+    files = files_of(entry)
+    family = files.config.get("model_type", "unknown")
+    bits = (files.config.get("quantization") or {}).get("bits")
     return {
         "parent_model": "",
         "format": "safetensors",
         "family": family,
         "families": [family],
-        "parameter_size": human_number(files_of(state).parameter_count),
-        "quantization_level": f"Q{bits}" if bits else _FLOAT_LEVELS.get(loaded.dtype, loaded.dtype.upper()),
+        "parameter_size": human_number(files.parameter_count),
+        "quantization_level": f"Q{bits}" if bits else files.dtype,
     }
 
 
-def tags_entry(state: ServerState) -> dict:
-    files = files_of(state)
-    name = tagged(state.model_id)
+def tags_entry(entry: CatalogEntry) -> dict:
+    files = files_of(entry)
+    name = tagged(entry.name)
     return {
         "name": name,
         "model": name,
         "modified_at": files.modified_at,
         "size": files.size,
         "digest": files.digest,
-        "details": details(state),
+        "details": details(entry),
     }
 
 
-def capabilities(state: ServerState) -> list[str]:
-    """Every model here can call tools (a template without tool support gets the generic fallback)."""
-    thinks = bool(getattr(state.engine.tokenizer, "has_thinking", False))
+def tags_entries(entries: list[CatalogEntry]) -> list[dict]:
+    """/api/tags' list; a model whose files cannot be read is left out (and logged), not the whole list."""
+    listed = []
+    for entry in entries:
+        try:
+            listed.append(tags_entry(entry))
+        except (OSError, ValueError, MlxpagedError) as exc:
+            log.info("ollama: /api/tags leaves out %s: %s", entry.name, exc)
+    return listed
+
+
+def capabilities(served) -> list[str]:
+    """An embedding model embeds; every generative model here can call tools (a template without tool support
+    gets the generic fallback), and thinks if its tokenizer has thinking tags."""
+    if served.kind == "embed":
+        return ["embedding"]
+    thinks = bool(getattr(served.engine.tokenizer, "has_thinking", False))
     return ["completion", "tools", *(["thinking"] if thinks else [])]
 
 
-def model_info(state: ServerState) -> dict:
-    loaded = state.engine.loaded
-    config = {**loaded.config, **(loaded.config.get("text_config") or {})}
+def model_info(served) -> dict:
+    files = files_of(served.entry)
+    config = {**files.config, **(files.config.get("text_config") or {})}
     arch = config.get("model_type", "unknown")
     info = {
         "general.architecture": arch,
-        "general.basename": state.model_id,
-        "general.parameter_count": files_of(state).parameter_count,
-        f"{arch}.context_length": state.context_limit,
-        "mlxpaged.trained_context_length": context_length(loaded.config),
+        "general.basename": served.model_id,
+        "general.parameter_count": files.parameter_count,
+        f"{arch}.context_length": served.context_limit or context_length(files.config),
+        "mlxpaged.trained_context_length": context_length(files.config),
     }
     for key, config_key in (
         ("embedding_length", "hidden_size"),
@@ -147,41 +173,46 @@ def model_info(state: ServerState) -> dict:
     return info
 
 
-def parameters_text(state: ServerState) -> str:
+def parameters_text(served) -> str:
     """The model's sampling defaults as Ollama lists a Modelfile's parameters ("name   value" lines)."""
-    values = state.config.sampling_defaults.values
+    values = served.config.sampling_defaults.values
     return "\n".join(f"{_PARAMETER_NAMES.get(name, name):<30} {value}" for name, value in values.items())
 
 
-def show_body(state: ServerState) -> dict:
-    loaded = state.engine.loaded
-    parameters = parameters_text(state)
-    modelfile = f"# Modelfile generated by mlxpaged\nFROM {loaded.path}\n" + "".join(
+def show_body(served) -> dict:
+    parameters = parameters_text(served)
+    modelfile = f"# Modelfile generated by mlxpaged\nFROM {served.entry.path}\n" + "".join(
         f"PARAMETER {line.split()[0]} {line.split()[1]}\n" for line in parameters.splitlines()
     )
-    template = getattr(state.engine.tokenizer, "chat_template", None)
+    template = getattr(served.engine.tokenizer, "chat_template", None) if served.kind == "generate" else None
     return {
         "license": "",
         "modelfile": modelfile,
         "parameters": parameters,
         "template": template if isinstance(template, str) else "",
-        "details": details(state),
-        "model_info": model_info(state),
-        "capabilities": capabilities(state),
-        "modified_at": files_of(state).modified_at,
+        "details": details(served.entry),
+        "model_info": model_info(served),
+        "capabilities": capabilities(served),
+        "modified_at": files_of(served.entry).modified_at,
     }
 
 
-def ps_entry(state: ServerState) -> dict:
-    """Memory as Ollama counts a loaded model's: weights and KV cache; in GPU memory unless MLX runs on the CPU."""
-    engine = state.engine
-    size = engine.facts.weight_bytes + engine.plan.kv_bytes + engine.plan.state_bytes
-    entry = tags_entry(state)
+def ps_entry(served) -> dict:
+    """A loaded model's memory as the server's budget counts it, in GPU memory unless MLX runs on the CPU, and
+    when its keep-alive unloads it."""
+    size = served.cost.total
+    entry = tags_entry(served.entry)
     del entry["modified_at"]
+    seconds = served.expires_in()
+    expires = FOREVER if seconds is None else dt.timedelta(seconds=seconds)
     return {
         **entry,
-        "expires_at": rfc3339(dt.datetime.now(dt.UTC) + FOREVER),  # held for the server's lifetime
+        "expires_at": rfc3339(dt.datetime.now(dt.UTC) + expires),
         "size": size,
-        "size_vram": 0 if engine.plan.backend == "cpu" else size,
-        "context_length": state.context_limit,
+        "size_vram": 0 if backend.current() == "cpu" else size,
+        "context_length": served.context_limit or 0,
     }
+
+
+def ps_entries(loaded: list) -> list[dict]:
+    return [ps_entry(served) for served in loaded]

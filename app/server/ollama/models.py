@@ -1,40 +1,50 @@
-"""Which served model an Ollama request names, and what its `keep_alive` does: the two seams multi-model serving
-(models loaded on demand, idle ones unloaded) changes; every Ollama route goes through them.
+"""Which model an Ollama request names, and what its `keep_alive` does; every Ollama route goes through here to
+the server's model registry (state.served_model: loaded on demand, unloaded when idle).
 
 Ollama's names carry a tag, `name:tag`, with `latest` when none is given: clients list /api/tags and send a name
-back as they saw it ("smollm2-135m:latest"), so `name:latest` means `name`.
+back as they saw it ("smollm2-135m:latest"), so `name:latest` means `name` (and a model whose own name ends in
+`:latest` is still found by it).
+
+keep_alive (parsed as on every API: keep_alive.py) is how long the model stays loaded once idle after this
+request; 0 with nothing to run (no messages, no prompt) unloads it now (`expire`), as Ollama does.
 """
 
 from __future__ import annotations
 
-import math
+from collections.abc import Awaitable, Callable
 
-from mlxpaged_app.server.errors import invalid_param
-from mlxpaged_app.server.server_log import log
+from mlxpaged_app.server.errors import APIError, invalid_param
+from mlxpaged_app.server.model_registry import UNSET
 from mlxpaged_app.server.state import ServerState
 
 LATEST = ":latest"
 
 
-def served_model(state: ServerState, requested: str | None) -> str:
-    """The id of the served model `requested` names (the client's name, its `:latest` tag optional), or the
-    server's model-name check's 404. Today the server holds one model; with models loaded on demand this is
-    where a name picks (and loads) its model."""
+async def served_model(state: ServerState, requested: str | None, keep_alive: object = UNSET, kind="generate"):
+    """The loaded model (a ServedModel; a ServedEmbedder for kind "embed"; either for None) that `requested`
+    names, its `:latest` tag optional, loaded first if needed; the registry's APIErrors (404, 400 for the other
+    kind, 503, 500) otherwise."""
+    return await _by_name(requested, lambda name: state.served_model(name, keep_alive, kind))
+
+
+async def expire(state: ServerState, requested: str | None) -> None:
+    """keep_alive 0 with nothing to run: unload the model now if it is loaded and idle (else once its requests
+    end); a model that is not loaded stays so. 404 for a name the server cannot serve."""
+    await _by_name(requested, state.expire_model)
+
+
+async def _by_name(requested: str | None, call: Callable[[str], Awaitable]):
     if not requested:
         raise invalid_param("model", "model is required")
     base = requested.removesuffix(LATEST)
-    state.check_model(base if base in state.model_names else requested)
-    return state.model_id
+    try:
+        return await call(base)
+    except APIError as exc:
+        if base == requested or exc.code != "model_not_found":
+            raise
+    return await call(requested)
 
 
 def tagged(model_id: str) -> str:
     """The model's name as Ollama lists it."""
     return model_id if ":" in model_id else model_id + LATEST
-
-
-def keep_model_alive(state: ServerState, model_id: str, seconds: float | None) -> None:
-    """Where a request's keep_alive takes effect: how long `model_id` stays loaded after this request (None: the
-    server's default; 0: unload it now; math.inf: never). The server holds its one model for its lifetime, so
-    there is nothing to schedule yet; multi-model serving replaces this body."""
-    if seconds is not None and seconds != math.inf:
-        log.debug("ollama: keep_alive %.1f s for %s: the server keeps its one model loaded", seconds, model_id)

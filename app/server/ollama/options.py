@@ -1,5 +1,6 @@
-"""Ollama's request settings as this server's: `options` (sampling, reply length, context), `keep_alive`, `think`,
-`format` and `logprobs`; every 400 names the Ollama field at fault and says what was expected.
+"""Ollama's request settings as this server's: `options` (sampling, reply length, context), `think`, `format` and
+`logprobs` (`keep_alive` is every API's: keep_alive.py, serving.request_keep_alive); every 400 names the Ollama
+field at fault and says what was expected.
 
 How the reply's room is set:
   num_predict N > 0   the reply takes at most N tokens (clamped to what the context leaves, ending with "length")
@@ -17,8 +18,6 @@ Ollama's built-in ones (temperature 0.8, top_k 40, top_p 0.9).
 from __future__ import annotations
 
 import json
-import math
-import re
 
 from mlxpaged_app.server.chat.spec import (
     JsonObjectOutput,
@@ -33,9 +32,6 @@ from mlxpaged_app.server.param_names import OLLAMA_CHAT
 from mlxpaged_app.server.server_log import log
 
 MAX_TOP_LOGPROBS = 20  # Ollama's bound
-_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
-_NUMBER = re.compile(r"[0-9]+\.?[0-9]*|\.[0-9]+")
-_DURATION = re.compile(r"([0-9]*\.?[0-9]*)(ns|us|µs|μs|ms|s|m|h)")
 _FORMAT_EXPECTED = 'expected "json" or a valid JSON Schema object'
 MAPPED = ("num_ctx", "num_predict", *(name.removeprefix("options.") for name in OLLAMA_CHAT.renamed.values()))
 _NO_EFFECT = [name for name in Options.model_fields if name not in MAPPED]
@@ -95,32 +91,6 @@ def context_limit(options: Options | None, server_context: int) -> int | None:
         )
         return None
     return num_ctx
-
-
-def keep_alive_seconds(value: float | str | None) -> float | None:
-    """Ollama's keep_alive in seconds: a number of seconds or a Go duration ("5m", "1h30m", "0"); any negative
-    value is "forever" (math.inf); None: not sent."""
-    if value is None:
-        return None
-    seconds = value if isinstance(value, float) else _duration(value)
-    return math.inf if seconds < 0 else seconds
-
-
-def _duration(text: str) -> float:
-    """A Go time.ParseDuration string ("300ms", "-1.5h", "2h45m"); a bare number is seconds here too."""
-    body = text.strip()
-    sign = -1.0 if body.startswith("-") else 1.0
-    body = body.lstrip("+-")
-    if _NUMBER.fullmatch(body):
-        return sign * float(body)  # "300", "-1", "0"
-    parts = _DURATION.findall(body)
-    if not body or "".join(n + u for n, u in parts) != body or any(n in ("", ".") for n, _ in parts):
-        raise invalid_param(
-            "keep_alive",
-            f"keep_alive {text!r} is not a duration: send seconds (a number; negative keeps the model loaded) or "
-            'a duration such as "5m", "1h30m" or "0"',
-        )
-    return sign * sum(float(number) * _UNITS[unit] for number, unit in parts)
 
 
 def reasoning(think: object, model: str, thinks: bool) -> ReasoningSpec:

@@ -95,7 +95,7 @@ class _Generation(_Strict):
     stream: bool | None = None  # None: true, as in Ollama
     format: Any = None  # "json", "" (none) or a JSON schema object: options.output_format checks it
     options: Options | None = None
-    keep_alive: float | str | None = None  # seconds, or a duration such as "5m"; options.keep_alive_seconds
+    keep_alive: float | str | None = None  # seconds, or a duration such as "5m"; serving.request_keep_alive
     think: Any = None  # true, false or a level (THINK_LEVELS): options.reasoning checks it
     logprobs: bool | None = None
     top_logprobs: Int | None = None

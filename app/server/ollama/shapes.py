@@ -9,7 +9,8 @@ line, as Ollama sends it.
 
 done_reason: "stop" (the model ended, a stop string, or tool calls: Ollama says "stop" for those too), "length"
 (num_predict or the context reached); a reply cut by server shutdown has none. Timings, in nanoseconds:
-total_duration from the request's arrival; load_duration 0 (the model was loaded at start); prompt_eval_count the
+total_duration from the request's arrival; load_duration how long the request waited for its model (its load,
+when the request found it unloaded); prompt_eval_count the
 prompt's tokens (prefix-cache hits included, as Ollama counts cache_n + prompt_n) and prompt_eval_duration from
 submission to the first token; eval_count the reply's tokens and eval_duration from the first token to the last.
 """
@@ -64,8 +65,8 @@ class OllamaShape(ReplyShape):
     frame = staticmethod(ndjson_line)
     media_type = NDJSON
 
-    def __init__(self, model: str, run: ChatRun, token_text: TokenText) -> None:
-        self.model, self.run, self.token_text = model, run, token_text
+    def __init__(self, model: str, run: ChatRun, token_text: TokenText, load_seconds: float = 0.0) -> None:
+        self.model, self.run, self.token_text, self.load_seconds = model, run, token_text, load_seconds
         self.headers: dict[str, str] = {}
         self.submitted = time.perf_counter()  # made right after the run was submitted
         self.result = ChoiceResult()
@@ -130,7 +131,7 @@ class OllamaShape(ReplyShape):
         prompt_end = end if first is None else first
         return {
             "total_duration": nanoseconds(end - self.run.generation.arrived),
-            "load_duration": 0,
+            "load_duration": nanoseconds(self.load_seconds),
             "prompt_eval_count": usage["prompt_tokens"],
             "prompt_eval_duration": nanoseconds(prompt_end - self.submitted),
             "eval_count": usage["completion_tokens"],

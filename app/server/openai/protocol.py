@@ -38,6 +38,7 @@ class _GenerationFields(SamplingRequest):
 
     model: str | None = None
     max_tokens: int | None = None
+    keep_alive: str | int | float | None = None  # Ollama's, as an extension: how long the model stays loaded
     stream: bool | None = None
     stream_options: StreamOptions | None = None
 

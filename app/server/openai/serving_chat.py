@@ -23,7 +23,7 @@ from mlxpaged_app.server.openai.protocol import ChatRequest
 from mlxpaged_app.server.openai.shapes import Envelope, OpenAIShape, chat_logprobs
 from mlxpaged_app.server.param_names import OPENAI_CHAT, OPENAI_CHAT_MAX_COMPLETION
 from mlxpaged_app.server.params import check_chat_supported
-from mlxpaged_app.server.state import ServerState
+from mlxpaged_app.server.state import ServedModel, ServerState
 from mlxpaged_app.server.tool_choice import resolve_tool_choice
 
 from starlette.requests import Request
@@ -62,9 +62,9 @@ async def serve_chat(request: Request, state: ServerState) -> Response:
     return await serve_chat_request(request, state, ChatRequest, chat_spec, _shape)
 
 
-def _shape(state: ServerState, body: ChatRequest, spec: ChatRequestSpec, run: ChatRun) -> ChatShapes:
+def _shape(model: ServedModel, body: ChatRequest, spec: ChatRequestSpec, run: ChatRun) -> ChatShapes:
     usage = bool(body.stream_options and body.stream_options.include_usage)
-    return ChatShapes(Envelope(new_id("chatcmpl-"), state.model_id), state.token_text, spec.logprobs, spec.n, usage)
+    return ChatShapes(Envelope(new_id("chatcmpl-"), model.model_id), model.token_text, spec.logprobs, spec.n, usage)
 
 
 class ChatShapes(OpenAIShape):

@@ -14,7 +14,7 @@ from mlxpaged_app.server.openai.shapes import ChoiceText, Envelope, OpenAIShape,
 from mlxpaged_app.server.param_names import OPENAI_COMPLETIONS
 from mlxpaged_app.server.params import check_completion_supported, sampling_params
 from mlxpaged_app.server.reply_budget import reply_budget
-from mlxpaged_app.server.serving import accept, launch, respond, sane_n
+from mlxpaged_app.server.serving import accept, launch, model_for, respond, sane_n
 from mlxpaged_app.server.state import ServerState
 
 import anyio
@@ -27,12 +27,13 @@ OBJECT = "text_completion"  # the `object` of bodies and chunks alike
 async def serve_completion(request: Request, state: ServerState) -> Response:
     body, arrived = await accept(request, state, CompletionRequest)
     check_completion_supported(body)
+    model = await model_for(state, body)
     sources = completion_prompts(body)
     count = len(sources) * sane_n(body.n)
     usage = bool(body.stream_options and body.stream_options.include_usage)
     shape = CompletionShape(
-        Envelope(new_id("cmpl-"), state.model_id),
-        state.token_text,
+        Envelope(new_id("cmpl-"), model.model_id),
+        model.token_text,
         body.logprobs is not None,
         body.n or 1,
         usage,
@@ -40,14 +41,14 @@ async def serve_completion(request: Request, state: ServerState) -> Response:
     )
 
     async def start() -> Generation:
-        prompts, shape.echo = await anyio.to_thread.run_sync(tokenize, state.engine.tokenizer, sources, bool(body.echo))
-        max_tokens = reply_budget(state, max(len(p) for p in prompts), body.max_tokens, OPENAI_COMPLETIONS)
-        params = _params(body, max_tokens, shape.logprobs, state.config.sampling_defaults)
-        generation = Generation(state.engine, state.metrics, params.n, arrived)
+        prompts, shape.echo = await anyio.to_thread.run_sync(tokenize, model.engine.tokenizer, sources, bool(body.echo))
+        max_tokens = reply_budget(model, max(len(p) for p in prompts), body.max_tokens, OPENAI_COMPLETIONS)
+        params = _params(body, max_tokens, shape.logprobs, model.config.sampling_defaults)
+        generation = Generation(model.engine, model.metrics, params.n, arrived)
         generation.submit(prompts, params, OPENAI_COMPLETIONS.prompt)
         return generation
 
-    generation, cleanup = await launch(state, count, start)
+    generation, cleanup = await launch(model, count, start)
     return await respond(request, shape, bool(body.stream), generation.deltas(), generation.usage, cleanup)
 
 

@@ -38,6 +38,7 @@ class ResponsesRequest(BaseModel):
     stream: bool | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None
+    keep_alive: str | int | float | None = None  # Ollama's, as an extension: how long the model stays loaded
     include: list[str] | None = None
     top_logprobs: int | None = None
     previous_response_id: Any = None

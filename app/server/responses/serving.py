@@ -12,7 +12,7 @@ from mlxpaged_app.server.responses.protocol import ResponsesRequest, check_suppo
 from mlxpaged_app.server.responses.shapes import ResponseBuilder, response_head
 from mlxpaged_app.server.responses.tools import check_choice_not_hosted, responses_tools
 from mlxpaged_app.server.server_log import log
-from mlxpaged_app.server.state import ServerState
+from mlxpaged_app.server.state import ServedModel, ServerState
 from mlxpaged_app.server.tool_choice import resolve_tool_choice
 
 from starlette.requests import Request
@@ -80,9 +80,9 @@ async def serve_responses(request: Request, state: ServerState) -> Response:
     return await serve_chat_request(request, state, ResponsesRequest, responses_spec, _shape)
 
 
-def _shape(state: ServerState, body: ResponsesRequest, spec: ChatRequestSpec, run: ChatRun) -> ResponseBuilder:
+def _shape(model: ServedModel, body: ResponsesRequest, spec: ChatRequestSpec, run: ChatRun) -> ResponseBuilder:
     tools = responses_tools(body.tools)  # checked in responses_spec already: this reads it again, cheaply
-    shape = ResponseBuilder(response_head(state.model_id, echoed(body, spec)), tools.call_fields)
+    shape = ResponseBuilder(response_head(model.model_id, echoed(body, spec)), tools.call_fields)
     if tools.dropped:
         note = hosted_tools_note(tools.dropped)
         shape.headers[WARNING_HEADER] = note

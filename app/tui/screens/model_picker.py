@@ -1,4 +1,5 @@
-"""F4: switch model: presets and local models, or any name / path / hub id typed in."""
+"""F4: switch model: presets and local models, or any name / path / hub id typed in; the model the chat has
+loaded is marked with the memory it holds (weights, KV cache and state, as its memory plan counts them)."""
 
 from __future__ import annotations
 
@@ -38,22 +39,34 @@ def list_model_choices() -> list[ModelChoice]:
     ]
 
 
-def _label(choice: ModelChoice, current: str | None) -> Text:
+def loaded_memory(engine) -> int | None:
+    """Bytes the loaded engine holds: its weights, KV cache and state slots (None without an engine)."""
+    if engine is None:
+        return None
+    try:
+        plan = engine.plan
+        return int(engine.facts.weight_bytes + plan.kv_bytes + getattr(plan, "state_bytes", 0))
+    except AttributeError:  # an engine without a plan (a test double): the label says only "loaded"
+        return None
+
+
+def _label(choice: ModelChoice, current: str | None, current_bytes: int | None = None) -> Text:
     text = Text(f"{choice.name:<18}", style="bold" if choice.name == current else "")
     where = format_size(choice.local_bytes) if choice.local_bytes is not None else "download"
     text.append(f"{where:>10}  ", style="green" if choice.local_bytes is not None else "yellow")
     text.append(choice.description, style="dim")
     if choice.name == current:
-        text.append("  (loaded)", style="italic")
+        held = f", {format_size(current_bytes)} in memory" if current_bytes is not None else ""
+        text.append(f"  (loaded{held})", style="italic")
     return text
 
 
 class ModelPickerScreen(ModalScreen[str | None]):
     BINDINGS: ClassVar[list[BindingType]] = [Binding("escape", "cancel", "Cancel")]
 
-    def __init__(self, lister: ModelLister, current: str | None):
+    def __init__(self, lister: ModelLister, current: str | None, current_bytes: int | None = None):
         super().__init__()
-        self.lister, self.current = lister, current
+        self.lister, self.current, self.current_bytes = lister, current, current_bytes
 
     def compose(self) -> ComposeResult:
         with Vertical(id="model-dialog", classes="dialog"):
@@ -75,7 +88,7 @@ class ModelPickerScreen(ModalScreen[str | None]):
         except Exception as exc:  # a broken presets file must not take the app down
             self.query_one(".dialog-hint", Static).update(f"cannot list models: {exc}")
             choices = []
-        options.add_options([Option(_label(c, self.current), id=c.name) for c in choices])
+        options.add_options([Option(_label(c, self.current, self.current_bytes), id=c.name) for c in choices])
         names = [c.name for c in choices]
         if names:
             options.highlighted = names.index(self.current) if self.current in names else 0

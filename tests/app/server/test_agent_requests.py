@@ -256,7 +256,7 @@ def _long_prompt(word: str) -> str:
 
 
 def _assert_stopped_mid_prefill(server, cached_before: float, seconds: float) -> None:
-    cached = _metric(server, 'mlxpaged_kv_blocks{state="cached"}') - cached_before
+    cached = _metric(server, 'mlxpaged_kv_blocks{model="smollm2-135m",state="cached"}') - cached_before
     print(f"\nengine idle {seconds:.2f} s after the hang-up; {cached:.0f} blocks of the prompt had been computed")
     assert seconds < 5.0
     # The blocks computed before the abort stay in the prefix cache: far fewer than the whole prompt's ~280.
@@ -264,7 +264,7 @@ def _assert_stopped_mid_prefill(server, cached_before: float, seconds: float) ->
 
 
 def test_anthropic_stream_hung_up_during_prefill(small_steps):
-    cached_before = _metric(small_steps, 'mlxpaged_kv_blocks{state="cached"}')
+    cached_before = _metric(small_steps, 'mlxpaged_kv_blocks{model="smollm2-135m",state="cached"}')
     with _anthropic(small_steps).messages.stream(
         model=MODEL, max_tokens=32000, extra_body=GREEDY, messages=[{"role": "user", "content": _long_prompt("river")}]
     ) as s:
@@ -274,7 +274,7 @@ def test_anthropic_stream_hung_up_during_prefill(small_steps):
 
 
 def test_openai_whole_reply_hung_up_during_prefill(small_steps):
-    cached_before = _metric(small_steps, 'mlxpaged_kv_blocks{state="cached"}')
+    cached_before = _metric(small_steps, 'mlxpaged_kv_blocks{model="smollm2-135m",state="cached"}')
     client = _openai(small_steps, timeout=3.0)
     with pytest.raises(openai.APITimeoutError):  # the client gives up and closes the connection
         client.chat.completions.create(

@@ -141,10 +141,12 @@ async def test_an_embedding_model_refuses_chat_and_reports_itself(embedder):
     assert chat.status_code == 400 and chat.json()["error"]["code"] == "model_not_supported"
     assert "is an embedding model: this server answers /v1/embeddings and /api/embed" in chat.json()["error"]["message"]
     assert messages.status_code == 400 and "embedding model" in messages.json()["error"]["message"]
-    assert models["data"][0]["mlxpaged"] == {"kind": "embedding", "dimensions": 64, "pooling": "last"}
+    card = models["data"][0]["mlxpaged"]
+    assert (card["kind"], card["dimensions"], card["pooling"], card["loaded"]) == ("embedding", 64, "last", True)
     assert models["data"][0]["max_model_len"] == 32
-    assert health == {"status": "ok", "model": embedder.name, "requests_in_flight": 0}
-    assert "mlxpaged_requests_in_flight 0" in metrics
+    assert (health["status"], health["model"], health["requests_in_flight"]) == ("ok", embedder.name, 0)
+    assert health["models"][embedder.name]["kind"] == "embedding" and health["blocks_total"] == 0  # no KV cache
+    assert f'mlxpaged_requests_in_flight{{model="{embedder.name}"}} 0' in metrics
 
 
 @pytest.mark.asyncio

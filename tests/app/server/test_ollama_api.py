@@ -9,7 +9,6 @@ thinking run on the scripted model in test_ollama_tools.py.
 from __future__ import annotations
 
 import datetime as dt
-import itertools
 import json
 from pathlib import Path
 
@@ -105,7 +104,8 @@ def test_tags_show_and_ps_describe_the_served_model(smol, http):
     [loaded] = client.ps().models
     assert loaded.model == listed.model and loaded.digest == listed.digest
     assert loaded.context_length == card["max_model_len"] and loaded.size > listed.size  # weights + KV cache
-    assert loaded.expires_at > dt.datetime.now(dt.UTC) + dt.timedelta(days=365)  # held for the server's life
+    left = loaded.expires_at - dt.datetime.now(dt.UTC)  # the default keep-alive (5 minutes) after its last use
+    assert dt.timedelta(minutes=4) < left <= dt.timedelta(minutes=5, seconds=1)
     assert http.head("/api/tags").status_code == 200
 
 
@@ -299,7 +299,8 @@ def test_leaving_a_stream_frees_its_blocks(smol, http):
     body = {"model": SMOL, "prompt": "Write a long story about a dragon.", "options": {"num_predict": 1000}}
     with http.stream("POST", "/api/generate", json=body) as response:
         assert response.headers["content-type"] == "application/x-ndjson"
-        lines = [json.loads(line) for line in itertools.islice(response.iter_lines(), 3)]
+        reading = response.iter_lines()  # kept: a dropped line iterator closes the connection when collected
+        lines = [json.loads(next(reading)) for _ in range(3)]
         assert [line["done"] for line in lines] == [False] * 3
         assert server.health()["blocks_used"] > 0
     server.blocks_back()

@@ -1,17 +1,17 @@
-"""The Ollama adapter's parts without a server: keep_alive durations, options, model names, message conversion,
-model descriptions, the reply budget's per-request context, and errors in Ollama's shape by path."""
+"""The Ollama adapter's parts without a server: keep_alive durations (every API's parser), options, model names,
+message conversion, model descriptions, the reply budget's per-request context, and errors in Ollama's shape by path."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import math
 from types import SimpleNamespace
 
 from mlxpaged_app.server.chat.spec import JsonObjectOutput, JsonSchemaOutput, ReasoningDelta, TextDelta
 from mlxpaged_app.server.engine_client import GenerationFailed
-from mlxpaged_app.server.errors import APIError, error_response, invalid_param
+from mlxpaged_app.server.errors import APIError, error_response, invalid_param, model_not_found
 from mlxpaged_app.server.middleware import needs_key
+from mlxpaged_app.server.model_registry import UNSET
 from mlxpaged_app.server.ollama import options as opts
 from mlxpaged_app.server.ollama.convert import chat_messages
 from mlxpaged_app.server.ollama.model_info import human_number, parameter_count
@@ -20,8 +20,7 @@ from mlxpaged_app.server.ollama.protocol import ChatRequest, Message, Options
 from mlxpaged_app.server.ollama.shapes import ChatShape
 from mlxpaged_app.server.param_names import OLLAMA_CHAT
 from mlxpaged_app.server.reply_budget import reply_budget
-from mlxpaged_app.server.serving import stream_events
-from mlxpaged_app.server.state import ServerState
+from mlxpaged_app.server.serving import request_keep_alive, stream_events
 from tests.tiny_models import tiny_llama
 
 import mlx.core as mx
@@ -43,20 +42,22 @@ from pydantic import ValidationError
         ("300", 300.0),
         (300.0, 300.0),
         (0.0, 0.0),
-        (-1.0, math.inf),
-        ("-1", math.inf),
-        ("-5m", math.inf),
-        (None, None),
+        ("10us", 1e-5),
+        ("+5m", 300.0),
+        (-1.0, None),  # never unload
+        ("-1", None),
+        ("-5m", None),
     ],
 )
 def test_keep_alive_durations(sent, seconds):
-    assert opts.keep_alive_seconds(sent) == (None if seconds is None else pytest.approx(seconds))
+    assert request_keep_alive(sent) == (None if seconds is None else pytest.approx(seconds))
+    assert request_keep_alive(None) is UNSET  # not sent: the model keeps its own
 
 
-@pytest.mark.parametrize("sent", ["", "m", "5 minutes", "5mx", "nan", "inf", "1.2.3s"])
+@pytest.mark.parametrize("sent", ["", "m", "5 minutes", "5mx", "nan", "inf", "1.2.3s", ".s"])
 def test_keep_alive_that_is_not_a_duration_is_a_400(sent):
     with pytest.raises(APIError) as refused:
-        opts.keep_alive_seconds(sent)
+        request_keep_alive(sent)
     assert refused.value.status == 400 and refused.value.param == "keep_alive"
 
 
@@ -101,18 +102,28 @@ def test_format_think_and_logprobs():
 
 
 def _state(*names: str):
-    state = SimpleNamespace(model_names=set(names), model_id=names[0], engine=object())  # a generative model
-    state.check_model = lambda requested: ServerState.check_model(state, requested)
-    return state
+    """A server whose registry knows `names` (each one model, named by itself)."""
+
+    async def lookup(name, keep_alive, kind):
+        if name not in names:
+            raise model_not_found(name, list(names))
+        return name
+
+    return SimpleNamespace(served_model=lookup)
 
 
 def test_served_model_takes_the_latest_tag():
-    state = _state("smollm2-135m", "/models/smollm2")
-    assert served_model(state, "smollm2-135m") == served_model(state, "smollm2-135m:latest") == "smollm2-135m"
+    state = _state("smollm2-135m", "odd:latest")
+
+    def served(requested):
+        return asyncio.run(served_model(state, requested))
+
+    assert served("smollm2-135m") == served("smollm2-135m:latest") == "smollm2-135m"
+    assert served("odd:latest") == "odd:latest"  # a name that has the tag itself is still found
     assert tagged("smollm2-135m") == "smollm2-135m:latest" and tagged("m:q4") == "m:q4"
     for requested, status in (("smollm2-135m:q4", 404), ("llama3.2", 404), ("", 400), (None, 400)):
         with pytest.raises(APIError) as refused:
-            served_model(state, requested)
+            served(requested)
         assert refused.value.status == status
 
 

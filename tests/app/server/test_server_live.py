@@ -403,9 +403,10 @@ def test_metrics_after_traffic(http):
     text = http.get("/metrics").text
     assert re.search(r'mlxpaged_requests_total\{route="/v1/chat/completions",status="400"\} \d+', text)
     assert re.search(r'mlxpaged_requests_total\{route="/v1/chat/completions",status="401"\} [1-9]', text)
-    assert re.search(r"mlxpaged_cached_prompt_tokens_total [1-9]", text)
-    assert re.search(r"mlxpaged_time_to_first_token_seconds_count [1-9]", text)
-    assert 'mlxpaged_kv_blocks{state="used"} 0' in text and "mlxpaged_queue_depth 0" in text
+    model = 'model="smollm2-135m"'  # every model's samples carry its name
+    assert re.search(rf"mlxpaged_cached_prompt_tokens_total{{{model}}} [1-9]", text)
+    assert re.search(rf"mlxpaged_time_to_first_token_seconds_count{{{model}}} [1-9]", text)
+    assert f'mlxpaged_kv_blocks{{{model},state="used"}} 0' in text and f"mlxpaged_queue_depth{{{model}}} 0" in text
 
 
 # --- process lifecycle --------------------------------------------------------------------------------

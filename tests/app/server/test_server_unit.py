@@ -392,17 +392,24 @@ async def test_metrics_text_format():
         text = (await client.get("/metrics")).text
     assert 'mlxpaged_requests_total{route="/v1/chat/completions",status="200"} 1' in text
     assert 'mlxpaged_requests_total{route="/v1/chat/completions",status="400"} 1' in text
-    assert 'mlxpaged_time_to_first_token_seconds_bucket{le="+Inf"} 1' in text
-    assert 'mlxpaged_kv_blocks{state="free"} 10' in text and "mlxpaged_prefix_cache_hit_rate 0.5" in text
-    assert 'mlxpaged_memory_bytes{kind="kv_cache"} 1048576' in text
-    assert "mlxpaged_spec_acceptance_rate 0.75" in text and "mlxpaged_spec_draft_tokens_total 40" in text
+    model = 'model="fake-model"'  # every model's samples carry its name
+    assert f'mlxpaged_time_to_first_token_seconds_bucket{{{model},le="+Inf"}} 1' in text
+    assert f'mlxpaged_kv_blocks{{{model},state="free"}} 10' in text
+    assert f"mlxpaged_prefix_cache_hit_rate{{{model}}} 0.5" in text
+    assert f'mlxpaged_memory_bytes{{{model},kind="kv_cache"}} 1048576' in text
+    assert f"mlxpaged_spec_acceptance_rate{{{model}}} 0.75" in text
+    assert f"mlxpaged_spec_draft_tokens_total{{{model}}} 40" in text
+    assert f"mlxpaged_model_loaded{{{model}}} 1" in text
     assert (
-        'mlxpaged_attention_path{path="kernel (with reference fallback)",reason="self-check failed: \\"x\\""} 1' in text
+        f'mlxpaged_attention_path{{{model},path="kernel (with reference fallback)",'
+        'reason="self-check failed: \\"x\\""} 1' in text
     )
     assert (
-        'mlxpaged_kernel_self_check_passed{variant="float16 D=64 BS=16 G=3 two-pass",'
+        f'mlxpaged_kernel_self_check_passed{{{model},variant="float16 D=64 BS=16 G=3 two-pass",'
         'reason="mismatch: max error 0.31 > tolerance 0.004"} 0'
     ) in text
+    families = [line.split()[2] for line in text.splitlines() if line.startswith("# HELP")]
+    assert len(families) == len(set(families))  # one HELP / TYPE per family, whatever the number of models
     for line in text.splitlines():  # every sample line is "name{labels} number"
         if not line.startswith("#"):
             float(line.rsplit(" ", 1)[1])
@@ -435,11 +442,12 @@ async def test_shutdown_abort_ends_streams_with_abort():
     app = create_app(engine)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
         task = asyncio.create_task(client.post("/v1/completions", json={"prompt": "x", "max_tokens": 500}))
-        while not app.state.server.active:
+        while not app.state.server.registry.find_loaded(None).active:
             await asyncio.sleep(0.01)
         app.state.server.abort_all()
         body = (await task).json()
-    assert body["choices"][0]["finish_reason"] == "abort" and app.state.server.admission.in_flight == 0
+    assert body["choices"][0]["finish_reason"] == "abort"
+    assert app.state.server.registry.find_loaded(None).in_flight == 0
 
 
 @pytest.mark.asyncio
