@@ -1,0 +1,27 @@
+"""Run under `mlx.launch` (or alone): greedy completions of the prompts in argv[2] (JSON), alone then
+batched; rank 0 prints them as one JSON line. test_distributed_greedy.py compares 1 and N processes."""
+
+import json
+import sys
+
+import mlxpaged  # noqa: F401  (OpenBLAS before mlx)
+from mlxpaged.distributed.start import start_engine
+from mlxpaged.sampling_params import SamplingParams
+
+model_dir, prompts, max_tokens = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+engine = start_engine(model_dir, cache_tokens=2048, block_size=16, max_num_seqs=4)
+if engine is not None:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    with engine:
+        alone = [engine.generate(p, params)[0] for p in prompts]
+        batched = engine.generate(prompts, params)
+        again = engine.generate(prompts[0], params)[0]  # the prompt's full blocks are prefix-cache hits now
+        result = {
+            "alone": [c.token_ids for c in alone],
+            "batched": [c.token_ids for c in batched],
+            "again": again.token_ids,
+            "again_cached": again.cached_tokens,
+            "kv_heads": engine.kv.pools[0].shape,
+            "num_blocks": engine.plan.num_blocks,
+        }
+    print("RESULT " + json.dumps(result), flush=True)
