@@ -1,5 +1,6 @@
 """Run under `mlx.launch` (or alone): greedy completions of the prompts in argv[2] (JSON), alone then
-batched; rank 0 prints them as one JSON line. test_distributed_greedy.py compares 1 and N processes."""
+batched, then the first again (a prefix-cache hit); rank 0 prints them as one JSON line. argv[4]: the engine's
+settings (JSON). test_distributed_greedy.py compares 1 and N processes."""
 
 import json
 import sys
@@ -8,8 +9,13 @@ import mlxpaged  # noqa: F401  (OpenBLAS before mlx)
 from mlxpaged.distributed.start import start_engine
 from mlxpaged.sampling_params import SamplingParams
 
-model_dir, prompts, max_tokens = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
-engine = start_engine(model_dir, cache_tokens=2048, block_size=16, max_num_seqs=4)
+model_dir, prompts, max_tokens, settings = (
+    sys.argv[1],
+    json.loads(sys.argv[2]),
+    int(sys.argv[3]),
+    json.loads(sys.argv[4]),
+)
+engine = start_engine(model_dir, **settings)
 if engine is not None:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     with engine:
@@ -21,7 +27,8 @@ if engine is not None:
             "batched": [c.token_ids for c in batched],
             "again": again.token_ids,
             "again_cached": again.cached_tokens,
-            "kv_heads": engine.kv.pools[0].shape,
+            "pool_shape": engine.kv.pools[0].shape,
             "num_blocks": engine.plan.num_blocks,
+            "preemptions": engine.stats()["preemptions"],
         }
     print("RESULT " + json.dumps(result), flush=True)
