@@ -18,8 +18,10 @@ import socket
 import sys
 import threading
 
+from mlxpaged.distributed.ranks import follows, launched
 from mlxpaged.errors import MlxpagedError, user_message
 from mlxpaged_app.server.flags import ServeError, cache_settings, check_bind, server_config
+from mlxpaged_app.server.ranks import distributed_settings, run_follower_rank
 
 import uvicorn
 
@@ -47,6 +49,14 @@ def load_engine(args: argparse.Namespace):
     from mlxpaged.loading.loader import locate_model
 
     say(f"mlxpaged serve: loading {args.model or 'the default model'}...")
+    if launched():  # rank 0 under mlx.launch: the other ranks hold shards and follow (server/ranks.py)
+        from mlxpaged.distributed.start import start_engine
+
+        engine = start_engine(args.model, **distributed_settings(args))
+        assert engine is not None  # rank 0 gets the engine
+        say(engine.plan.describe())
+        say(f"mlxpaged serve: tensor parallel over {engine.ranks.size} processes (rank 0 serves)")
+        return engine
     ref, path = locate_model(args.model)
     if is_embedding_model(path, ref.preset.options if ref.preset else None):
         embedder = Embedder.from_pretrained(args.model, max_batch_tokens=args.max_batch_tokens)
@@ -103,6 +113,8 @@ def _interrupt(signum, frame) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     """`mlxpaged serve`: exit 0 after SIGINT / SIGTERM, 1 when it cannot start (the reason on stderr)."""
+    if follows():  # a rank other than 0 under mlx.launch: no port, no HTTP
+        return run_follower_rank(args)
     try:
         check_bind(args.host, args.api_key, args.allow_no_key)
         config = server_config(args)

@@ -37,6 +37,11 @@ def launched() -> bool:
     return "MLX_RANK" in os.environ
 
 
+def follows() -> bool:
+    """True in a process `mlx.launch` started as a rank other than 0 (known before the group is joined)."""
+    return launched() and os.environ["MLX_RANK"] != "0"
+
+
 def join(backend: str = "any") -> Ranks | None:
     """The group `mlx.launch` set up (None when this process runs alone: a group of one)."""
     if not launched():

@@ -15,6 +15,7 @@ from mlxpaged.distributed.channel import PlanChannel
 from mlxpaged.distributed.follower import follow
 from mlxpaged.distributed.ranks import Ranks, join
 from mlxpaged.distributed.shard import shard_tensor_parallel
+from mlxpaged.embedding.model_files import refuse_generation
 from mlxpaged.engine.build import build_core
 from mlxpaged.engine.engine import Engine
 from mlxpaged.engine.metrics import StatsCounter
@@ -30,7 +31,9 @@ def start_engine(model: str | None = None, progress: Progress | None = None, **s
         return Engine.from_pretrained(model, progress, **settings)
     settings.setdefault("cache_tokens", DEFAULT_CACHE_TOKENS)
     cache, scheduler = split_settings(settings)
-    loaded = load_local(*locate_model(model, progress if ranks.leads else None))
+    ref, path = locate_model(model, progress if ranks.leads else None)
+    refuse_generation(path, ref.name, ref.preset.options if ref.preset else None)  # on every rank alike
+    loaded = load_local(ref, path)
     shard_tensor_parallel(loaded.model, loaded.config, ranks)
     if ranks.leads:
         return Engine(loaded, cache, scheduler, ranks=ranks)

@@ -58,6 +58,7 @@ class Engine:
     ):
         """`ranks`: rank 0 of a group whose other ranks run distributed.follower (distributed/start.py)."""
         self.loaded = loaded
+        self.ranks = ranks
         self.cache_config = cache_config or CacheConfig(cache_tokens=DEFAULT_CACHE_TOKENS)
         self.scheduler_config = scheduler_config or SchedulerConfig()
         # SimpleQueue (C, reentrant): its put cannot deadlock when a Ctrl-C or a finalizer (engine_thread.py)
