@@ -110,9 +110,10 @@ def random_tokens(n: int, seed: int = 0, vocab: int = 256) -> list[int]:
     return [rng.randrange(vocab) for _ in range(n)]
 
 
-def write_tiny_llama_dir(out, dtype: str = "bfloat16", context: int = 2048):
+def write_tiny_llama_dir(out, dtype: str = "bfloat16", context: int = 2048, kv_heads: int = 2):
     """A model directory mlx-lm's load() and Engine.from_pretrained take: a 2-layer random llama with the
-    default model's tokenizer and vocabulary (49,152), saved in `dtype` (the GPU kit's models are bf16)."""
+    default model's tokenizer and vocabulary (49,152), saved in `dtype` (the GPU kit's models are bf16).
+    `kv_heads`: 4 splits over 4 tensor-parallel ranks (tests/distributed/)."""
     import json
     import shutil
     from pathlib import Path
@@ -126,6 +127,7 @@ def write_tiny_llama_dir(out, dtype: str = "bfloat16", context: int = 2048):
         _COMMON,
         model_type="llama",
         num_hidden_layers=2,
+        num_key_value_heads=kv_heads,
         vocab_size=49152,
         max_position_embeddings=context,
         tie_word_embeddings=True,

@@ -33,7 +33,7 @@ def start_engine(model: str | None = None, progress: Progress | None = None, **s
     cache, scheduler = split_settings(settings)
     ref, path = locate_model(model, progress if ranks.leads else None)
     refuse_generation(path, ref.name, ref.preset.options if ref.preset else None)  # on every rank alike
-    loaded = load_local(ref, path)
+    loaded = load_local(ref, path, lazy=True)  # sharded before any weight is read, as mlx-lm's sharded_load
     shard_tensor_parallel(loaded.model, loaded.config, ranks)
     if ranks.leads:
         return Engine(loaded, cache, scheduler, ranks=ranks)

@@ -1,4 +1,4 @@
-"""The paged engine over 2 processes (mlx.launch, ring backend on loopback) decodes what it decodes in one,
+"""The paged engine over 2 and 4 processes (mlx.launch, ring backend on loopback) decodes what it decodes in one,
 token for token: prompts alone, batched, a prefix-cache hit, and preemption in a pool too small for all."""
 
 from __future__ import annotations
@@ -17,7 +17,13 @@ MAX_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    return write_tiny_llama_dir(tmp_path_factory.mktemp("dist") / "model", dtype="float32")
+    # 4 KV heads: they split over 2 and over 4 ranks
+    return write_tiny_llama_dir(tmp_path_factory.mktemp("dist") / "model", dtype="float32", kv_heads=4)
+
+
+@pytest.fixture(scope="module")
+def one_process(model_dir) -> dict:
+    return run(model_dir, 1)
 
 
 def prompts() -> list[list[int]]:
@@ -37,14 +43,15 @@ def run(
     return result_line(run_script(SCRIPT, args, processes))
 
 
-def test_two_processes_decode_what_one_does(model_dir):
-    one, two = run(model_dir, 1), run(model_dir, 2)
-    assert two["pool_shape"][1] * 2 == one["pool_shape"][1]  # each rank holds half the KV heads
-    assert two["num_blocks"] == one["num_blocks"]
-    assert two["alone"] == one["alone"]
-    assert two["batched"] == one["batched"] == one["alone"]
-    assert two["again"] == one["again"] == one["alone"][0]
-    assert two["again_cached"] == one["again_cached"] == 32  # two full blocks of the 40-token prompt
+@pytest.mark.parametrize("processes", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4 ranks on 2 cores: slow
+def test_several_processes_decode_what_one_does(model_dir, one_process, processes):
+    one, many = one_process, run(model_dir, processes)
+    assert many["pool_shape"][1] * processes == one["pool_shape"][1]  # each rank holds its share of the KV heads
+    assert many["num_blocks"] == one["num_blocks"]
+    assert many["alone"] == one["alone"]
+    assert many["batched"] == one["batched"] == one["alone"]
+    assert many["again"] == one["again"] == one["alone"][0]
+    assert many["again_cached"] == one["again_cached"] == 32  # two full blocks of the 40-token prompt
 
 
 def test_two_processes_preempt_as_one_does(model_dir):
