@@ -22,11 +22,16 @@ if engine is not None:
         alone = [engine.generate(p, params)[0] for p in prompts]
         batched = engine.generate(prompts, params)
         again = engine.generate(prompts[0], params)[0]  # the prompt's full blocks are prefix-cache hits now
+        # n = 2 forks after the first token: the fork's copy-on-write block copy goes to the followers too
+        forked = engine.generate(
+            prompts[1], SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, n=2)
+        )
         result = {
             "alone": [c.token_ids for c in alone],
             "batched": [c.token_ids for c in batched],
             "again": again.token_ids,
             "again_cached": again.cached_tokens,
+            "forked": [c.token_ids for c in forked],
             "pool_shape": engine.kv.pools[0].shape,
             "num_blocks": engine.plan.num_blocks,
             "preemptions": engine.stats()["preemptions"],

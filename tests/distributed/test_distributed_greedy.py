@@ -1,5 +1,6 @@
 """The paged engine over 2 and 4 processes (mlx.launch, ring backend on loopback) decodes what it decodes in one,
-token for token: prompts alone, batched, a prefix-cache hit, and preemption in a pool too small for all."""
+token for token: prompts alone, batched, a prefix-cache hit, n = 2 (a fork's block copy), and preemption in a
+pool too small for all."""
 
 from __future__ import annotations
 
@@ -52,6 +53,7 @@ def test_several_processes_decode_what_one_does(model_dir, one_process, processe
     assert many["batched"] == one["batched"] == one["alone"]
     assert many["again"] == one["again"] == one["alone"][0]
     assert many["again_cached"] == one["again_cached"] == 32  # two full blocks of the 40-token prompt
+    assert many["forked"] == one["forked"] == [one["alone"][1]] * 2
 
 
 def test_two_processes_preempt_as_one_does(model_dir):
