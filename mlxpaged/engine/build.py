@@ -6,7 +6,6 @@ and public API.
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from mlxpaged.cache.paged_support import attention_geometries, serial_reason
 from mlxpaged.config import CacheConfig, SchedulerConfig
 from mlxpaged.distributed.channel import PlanChannel
 from mlxpaged.distributed.leader import PlanSender
+from mlxpaged.distributed.memory import agreed_plan
 from mlxpaged.distributed.ranks import Ranks
 from mlxpaged.engine.core import EngineCore
 from mlxpaged.engine.kv_tiering import KVTiering
@@ -76,7 +76,7 @@ def build_core(
     )
     plan = plan_memory(DeviceFacts.detect(), facts, cache_config, scheduler_config, weights_resident=True)
     if ranks is not None:  # each rank planned its own memory; the block ids are shared, so are the pool sizes
-        plan = dataclasses.replace(plan, num_blocks=ranks.agree_min(plan.num_blocks))
+        plan = agreed_plan(plan, facts, ranks.agree_min(plan.num_blocks), ranks.size)
     kv = PagedKVCache.for_layout(layout, plan.num_blocks, cache_config.block_size, kv_dtype)
     # Before the first decode: a Metal kernel variant that fails its self-check is replaced by the reference.
     attention = prepare_model_attention(kv_dtype, cache_config.block_size, attention_geometries(layout))
