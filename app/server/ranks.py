@@ -25,6 +25,7 @@ def distributed_settings(args: argparse.Namespace) -> dict:
 
 def run_follower_rank(args: argparse.Namespace) -> int:
     """A rank other than 0: load, shard, follow; 0 once rank 0 closed its engine, 1 when it cannot start."""
+    from mlxpaged.distributed.follower import LeaderLostError
     from mlxpaged.distributed.start import start_engine
 
     # Ctrl-C reaches every rank; rank 0 stops the others (its engine's close sends them stop), so a follower
@@ -33,7 +34,7 @@ def run_follower_rank(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         start_engine(args.model, **distributed_settings(args))
-    except (ValueError, MlxpagedError) as exc:
+    except (ValueError, MlxpagedError, LeaderLostError) as exc:
         print(f"mlxpaged serve (follower rank): {user_message(exc, 'cli')}", file=sys.stderr)
         return 1
     return 0

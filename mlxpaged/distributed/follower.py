@@ -13,11 +13,20 @@ from mlxpaged.runner.model_runner import Runner
 import mlx.core as mx
 
 
+class LeaderLostError(RuntimeError):
+    """Rank 0 is gone (its process died, or the network to it): this rank has nobody to follow."""
+
+
 def follow(runner: Runner, channel: PlanChannel) -> int:
-    """Run rank 0's plan until it stops; returns the number of steps run."""
+    """Run rank 0's plan until it stops; returns the number of steps run. LeaderLostError when the backend
+    reports rank 0 gone (the ring backend does at once when rank 0's process dies: "connection ... lost")."""
     steps = 0
     while True:
-        message = plan.decode(channel.receive())
+        try:
+            values = channel.receive()
+        except RuntimeError as exc:  # what MLX raises for a failed collective
+            raise LeaderLostError(f"rank 0 stopped answering after {steps} steps ({exc})") from exc
+        message = plan.decode(values)
         if message.kind == plan.STOP:
             return steps
         if message.kind == plan.COPY:
