@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from tests.distributed.launch import result_line, run_script
-from tests.tiny_models import random_tokens, write_tiny_llama_dir
+from tests.tiny_models import random_tokens, write_tiny_llama_dir, write_tiny_model_dir
 
 import pytest
 
@@ -46,7 +46,17 @@ def run(
 
 @pytest.mark.parametrize("processes", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4 ranks on 2 cores: slow
 def test_several_processes_decode_what_one_does(model_dir, one_process, processes):
-    one, many = one_process, run(model_dir, processes)
+    assert_same_decoding(one_process, run(model_dir, processes), processes)
+
+
+@pytest.mark.slow  # two more architectures mlx-lm shards, 2 processes each
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe"])
+def test_qwen3_and_its_mixture_of_experts_over_two_processes(tmp_path, model_type):
+    model_dir = write_tiny_model_dir(tmp_path / model_type, model_type, dtype="float32", kv_heads=4)
+    assert_same_decoding(run(model_dir, 1), run(model_dir, 2), 2)
+
+
+def assert_same_decoding(one: dict, many: dict, processes: int) -> None:
     assert many["pool_shape"][1] * processes == one["pool_shape"][1]  # each rank holds its share of the KV heads
     assert many["num_blocks"] == one["num_blocks"]
     assert many["alone"] == one["alone"]
