@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 from mlxpaged.distributed import plan
@@ -23,7 +24,12 @@ class PlanSender:
         self.channel.send(plan.encode_copies(copies))
 
     def close(self) -> None:
-        """Once: the engine closes, the followers return."""
-        if not self.stopped:
-            self.stopped = True
+        """Once: the engine closes, the followers return. A follower already gone (the collective fails) has
+        nothing left to stop: the close goes on."""
+        if self.stopped:
+            return
+        self.stopped = True
+        try:
             self.channel.send(plan.encode_stop())
+        except RuntimeError as exc:  # what MLX raises for a failed collective
+            warnings.warn(f"could not tell the other ranks to stop ({exc})", RuntimeWarning, stacklevel=2)
