@@ -1,0 +1,17 @@
+"""A message split over the channel's one or two all_sums comes back whole, whatever its length."""
+
+from __future__ import annotations
+
+from mlxpaged.distributed.channel import FIRST_INTS, join_message, rest_length, split_message
+
+import pytest
+
+
+@pytest.mark.parametrize("length", [1, FIRST_INTS - 2, FIRST_INTS - 1, FIRST_INTS, 3 * FIRST_INTS + 5])
+def test_split_and_join_round_trip(length):
+    values = [(7 * i) % 50_000 + 1 for i in range(length)]  # no zeros: padding cannot pass for values
+    first, rest = split_message(values)
+    assert len(first) == FIRST_INTS  # every rank adds a buffer of the same shape
+    assert rest_length(first) == len(rest)
+    assert (len(rest) == 0) == (length <= FIRST_INTS - 1)  # one all_sum when it fits
+    assert join_message(first, rest) == values
