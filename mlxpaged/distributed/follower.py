@@ -7,26 +7,30 @@ rank 0 samples, and the tokens it samples come back as the next step's token ids
 from __future__ import annotations
 
 from mlxpaged.distributed import plan
-from mlxpaged.distributed.channel import PlanChannel
+from mlxpaged.distributed.channel import PlanChannel, RankLostError
 from mlxpaged.runner.model_runner import Runner
 
 import mlx.core as mx
 
 
-class LeaderLostError(RuntimeError):
+class LeaderLostError(RankLostError):
     """Rank 0 is gone (its process died, or the network to it): this rank has nobody to follow."""
 
 
 def follow(runner: Runner, channel: PlanChannel) -> int:
-    """Run rank 0's plan until it stops; returns the number of steps run. LeaderLostError when the backend
-    reports rank 0 gone (the ring backend does at once when rank 0's process dies: "connection ... lost")."""
+    """Run rank 0's plan until it stops; returns the number of steps run. LeaderLostError when rank 0 is gone:
+    the ring backend either fails the collective ("connection to a peer was lost") or, as seen here, completes
+    it with zeros, which the channel tells from a message (channel.py). Another follower gone: the same."""
     steps = 0
     while True:
         try:
             values = channel.receive()
-        except RuntimeError as exc:  # what MLX raises for a failed collective
+        except RuntimeError as exc:  # MLX's failed collective, or the channel's RankLostError
             raise LeaderLostError(f"rank 0 stopped answering after {steps} steps ({exc})") from exc
-        message = plan.decode(values)
+        try:
+            message = plan.decode(values)
+        except (ValueError, StopIteration) as exc:  # an unknown kind, or values cut short
+            raise LeaderLostError(f"rank 0's message after {steps} steps cannot be read ({exc!r})") from exc
         if message.kind == plan.STOP:
             return steps
         if message.kind == plan.COPY:
