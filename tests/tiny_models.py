@@ -110,9 +110,46 @@ def random_tokens(n: int, seed: int = 0, vocab: int = 256) -> list[int]:
     return [rng.randrange(vocab) for _ in range(n)]
 
 
-def write_tiny_llama_dir(out, dtype: str = "bfloat16", context: int = 2048, seed: int = 0, hidden: int = 64):
+def write_tiny_llama_dir(
+    out, dtype: str = "bfloat16", context: int = 2048, seed: int = 0, hidden: int = 64, kv_heads: int = 2
+):
     """A model directory mlx-lm's load() and Engine.from_pretrained take: a 2-layer random llama with the
-    default model's tokenizer and vocabulary (49,152), saved in `dtype` (the GPU kit's models are bf16)."""
+    default model's tokenizer and vocabulary (49,152), saved in `dtype` (the GPU kit's models are bf16).
+    `kv_heads`: 4 splits over 4 tensor-parallel ranks (tests/distributed/)."""
+    return write_tiny_model_dir(
+        out, "llama", dtype, context, kv_heads, seed=seed, hidden=hidden, tie_word_embeddings=True
+    )
+
+
+# What each written architecture needs beyond _COMMON (write_tiny_model_dir).
+_DIR_EXTRAS: dict[str, dict] = {
+    "llama": {},
+    "qwen3": {"rope_theta": 10000.0, "tie_word_embeddings": False},
+    "qwen3_moe": {
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "moe_intermediate_size": 64,
+        "norm_topk_prob": True,
+    },
+}
+
+
+def write_tiny_model_dir(
+    out,
+    model_type: str = "llama",
+    dtype: str = "bfloat16",
+    context: int = 2048,
+    kv_heads: int = 2,
+    seed: int = 0,
+    hidden: int = 64,
+    **extra,
+):
+    """write_tiny_llama_dir for `model_type` ("llama", "qwen3", "qwen3_moe"): a 2-layer random model."""
+    import importlib
     import json
     import shutil
     from pathlib import Path
@@ -124,17 +161,18 @@ def write_tiny_llama_dir(out, dtype: str = "bfloat16", context: int = 2048, seed
     tokenizer_dir = locate_model(None)[1]
     config = dict(
         _COMMON,
-        model_type="llama",
+        model_type=model_type,
         num_hidden_layers=2,
         hidden_size=hidden,
+        num_key_value_heads=kv_heads,
         vocab_size=49152,
         max_position_embeddings=context,
-        tie_word_embeddings=True,
         bos_token_id=1,
         eos_token_id=2,
         torch_dtype=dtype,
+        **{**_DIR_EXTRAS[model_type], **extra},
     )
-    model = _build(llama, config, seed=seed)
+    model = _build(importlib.import_module(f"mlx_lm.models.{model_type}"), config, seed=seed)
     model.set_dtype(getattr(mx, dtype))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -21,8 +21,10 @@ import socket
 import sys
 import threading
 
+from mlxpaged.distributed.ranks import follows, launched
 from mlxpaged.errors import MlxpagedError, user_message
 from mlxpaged_app.server.flags import ServeError, cache_settings, check_bind, server_config
+from mlxpaged_app.server.ranks import distributed_settings, run_follower_rank
 
 import uvicorn
 
@@ -48,8 +50,13 @@ def build_registry(args: argparse.Namespace, config):
     from mlxpaged_app.server.model_loading import EngineSettings, build_model, estimate_cost
     from mlxpaged_app.server.model_registry import ModelRegistry, RegistryPolicy
 
-    settings = EngineSettings(cache_settings(args), args.generation_config)
-    catalog = ModelCatalog()
+    across_ranks = launched()  # rank 0 under mlx.launch: the other ranks hold shards of its one model and follow
+    if across_ranks and args.pin:
+        raise ServeError("--pin: a server across mlx.launch ranks serves the one model every rank holds a shard of")
+    settings = EngineSettings(
+        distributed_settings(args) if across_ranks else cache_settings(args), args.generation_config
+    )
+    catalog = ModelCatalog(use_store=not across_ranks)  # across ranks: no other model loads on demand
     first = _given(catalog, args.model)
     pinned = [_given(catalog, name) for name in args.pin]
     policy = RegistryPolicy(
@@ -107,6 +114,8 @@ def _preload(registry, entry, settings) -> None:
         say(f"mlxpaged serve: {model.describe()}; it answers /v1/embeddings and /api/embed")
     else:
         say(model.plan.describe())
+        if model.ranks is not None:
+            say(f"mlxpaged serve: tensor parallel over {model.ranks.size} processes (rank 0 serves)")
         say(f"mlxpaged serve: {describe_disk_tier(model.stats())}")
         say(f"mlxpaged serve: sampling defaults: {defaults.describe()}")
     registry.add_loaded(entry, model, defaults, cost)
@@ -158,6 +167,8 @@ def _interrupt(signum, frame) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     """`mlxpaged serve`: exit 0 after SIGINT / SIGTERM, 1 when it cannot start (the reason on stderr)."""
+    if follows():  # a rank other than 0 under mlx.launch: no port, no HTTP
+        return run_follower_rank(args)
     try:
         check_bind(args.host, args.api_key, args.allow_no_key)
         config = server_config(args)

@@ -104,14 +104,19 @@ def build_embedder(entry: CatalogEntry, settings: EngineSettings):
 def build_engine(entry: CatalogEntry, settings: EngineSettings):
     """Load `entry` and build its Engine, warmed up (the first step allocates and compiles). Returns
     (engine, the sampling defaults its requests get, its cost)."""
+    from mlxpaged.distributed.ranks import launched
+    from mlxpaged.distributed.start import start_engine
     from mlxpaged.engine.engine import Engine
     from mlxpaged.loading.loader import load_local
     from mlxpaged.sampling_params import SamplingParams
 
     if entry.ref is None:
         raise ValueError(f"model {entry.name!r} has no reference to load it from")
-    cache, scheduler = split_settings(_with_default_cache(settings.cache))
-    engine = Engine(load_local(entry.ref, entry.path), cache, scheduler)
+    if launched():  # rank 0 under mlx.launch: every rank loads its shard and the others follow (server/ranks.py)
+        engine = start_engine(str(entry.path), **_with_default_cache(settings.cache))
+    else:
+        cache, scheduler = split_settings(_with_default_cache(settings.cache))
+        engine = Engine(load_local(entry.ref, entry.path), cache, scheduler)
     try:
         defaults = sampling_defaults(engine, settings.generation_config)
         if settings.warm_up:

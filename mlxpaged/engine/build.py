@@ -17,6 +17,10 @@ from mlxpaged.cache.kv_cache import PagedKVCache
 from mlxpaged.cache.layout import ModelLayout
 from mlxpaged.cache.paged_support import attention_geometries, serial_reason
 from mlxpaged.config import CacheConfig, SchedulerConfig
+from mlxpaged.distributed.channel import PlanChannel
+from mlxpaged.distributed.leader import PlanSender
+from mlxpaged.distributed.memory import agreed_plan
+from mlxpaged.distributed.ranks import Ranks
 from mlxpaged.engine.core import EngineCore
 from mlxpaged.engine.kv_tiering import KVTiering
 from mlxpaged.engine.metrics import StatsCounter
@@ -55,18 +59,29 @@ def build_core(
     *,
     stats: StatsCounter,
     has_commands: Callable[[], bool],
+    ranks: Ranks | None = None,
 ) -> BuiltCore:
     """Plan, allocate and check everything for `loaded`; raises (InsufficientMemoryError, an unsupported
     layout) before any request is taken. `has_commands`: whether callers queued anything (the core pipelines
-    only when nothing did)."""
+    only when nothing did). `ranks`: the processes this (sharded) model runs over, every one building the same
+    core; rank 0's runner sends its passes to the others (distributed/)."""
     layout = probe_layout(loaded.model)
     check_paged_support(layout)
+    if ranks is not None:
+        _check_distributed(layout, cache_config)
     route_paged_attention()
     kv_dtype = activation_dtype(loaded.model)  # K/V have the activations' dtype
     facts = ModelFacts.from_layout(
         layout, model_weight_bytes(loaded.model), kv_dtype.size, context_length(loaded.config)
     )
     plan = plan_memory(DeviceFacts.detect(), facts, cache_config, scheduler_config, weights_resident=True)
+    if ranks is not None:  # each rank planned its own memory; the block ids are shared, so are the pool sizes
+        if len(plan.space_blocks) > 1:
+            raise ConfigError(
+                f"this model's layer kinds keep {len(plan.space_blocks)} block spaces (specs.block_spaces); "
+                "across mlx.launch ranks only models with one are built so far"
+            )
+        plan = agreed_plan(plan, facts, ranks.agree_min(plan.num_blocks), ranks.size)
     kv = PagedKVCache.for_layout(  # blocks per block space (specs.block_spaces), as the plan sized them
         layout, plan.space_blocks, cache_config.block_size, kv_dtype, cache_config.quantization
     )
@@ -97,8 +112,21 @@ def build_core(
         has_commands=has_commands,
     )
     evaluate_model_arrays(loaded.model)  # after every forward on this thread (probe, split_head)
+    if ranks is not None and ranks.leads:
+        core.runner.mirror = PlanSender(PlanChannel(ranks))
     disk_off = attach_disk_tier(core, loaded, layout, cache_config) if cache_config.kv_disk_dir else None
     return BuiltCore(layout, facts, plan, kv, attention, max_model_len, serial, core, disk_off)
+
+
+def _check_distributed(layout: ModelLayout, config: CacheConfig) -> None:
+    """Refuse, at load, what the followers cannot mirror yet (rank 0 alone would change its pools)."""
+    if layout.state_leaves:
+        raise ConfigError(
+            "a model with state-space / linear-attention layers cannot run over several processes yet",
+            param="model",
+        )
+    if config.kv_disk_dir:
+        raise ConfigError("the KV disk tier cannot be used over several processes yet", param="kv_disk")
 
 
 def disk_tier_reason(core: EngineCore, layout: ModelLayout) -> str | None:

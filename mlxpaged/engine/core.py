@@ -113,9 +113,11 @@ class EngineCore:
             self.tiering.idle()
 
     def close(self) -> None:
-        """The engine stops: the disk tier writes what it still holds in RAM only."""
+        """The engine stops: the disk tier writes what it still holds in RAM only; other ranks stop."""
         if self.tiering is not None:
             self.tiering.close()
+        if self.runner.mirror is not None:
+            self.runner.mirror.close()
 
     @property
     def has_unfinished(self) -> bool:

@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from mlxpaged.config import DEFAULT_CACHE_TOKENS, CacheConfig, SchedulerConfig, split_settings
+from mlxpaged.distributed.ranks import Ranks
 from mlxpaged.embedding.model_files import refuse_generation
 from mlxpaged.engine import engine_thread
 from mlxpaged.engine.build import BuiltCore, build_core
@@ -53,8 +54,11 @@ class Engine:
         loaded: LoadedModel,
         cache_config: CacheConfig | None = None,
         scheduler_config: SchedulerConfig | None = None,
+        ranks: Ranks | None = None,
     ):
+        """`ranks`: rank 0 of a group whose other ranks run distributed.follower (distributed/start.py)."""
         self.loaded = loaded
+        self.ranks = ranks
         self.cache_config = cache_config or CacheConfig(cache_tokens=DEFAULT_CACHE_TOKENS)
         self.scheduler_config = scheduler_config or SchedulerConfig()
         # SimpleQueue (C, reentrant): its put cannot deadlock when a Ctrl-C or a finalizer (engine_thread.py)
@@ -73,6 +77,7 @@ class Engine:
             self.scheduler_config,
             stats=self._stats,
             has_commands=lambda: not commands.empty(),
+            ranks=ranks,
         )
         self._thread = engine_thread.start(self, commands, self.core, self.plan, self.cache_config.wire)
 

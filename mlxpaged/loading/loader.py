@@ -59,10 +59,11 @@ def load_model(name: str | None = None, progress: Progress | None = None) -> Loa
     return load_local(*locate_model(name, progress))
 
 
-def load_local(ref: ModelRef, path: Path, backend: str | None = None) -> LoadedModel:
+def load_local(ref: ModelRef, path: Path, backend: str | None = None, lazy: bool = False) -> LoadedModel:
     """Load a provisioned model; `backend` ("cpu", "metal" or "cuda"; default: platform.backend.current())
-    picks the dtypes: a GPU keeps the checkpoint's (bf16, fp16, quantized), the CPU makes half types float32."""
-    loaded = mlx_lm_load(str(path))  # typed as its 2- or 3-tuple (return_config): the first two are these
+    picks the dtypes: a GPU keeps the checkpoint's (bf16, fp16, quantized), the CPU makes half types float32.
+    `lazy`: weights are read when first evaluated (a rank of a distributed engine shards first: only its share)."""
+    loaded = mlx_lm_load(str(path), lazy=lazy)  # typed as its 2- or 3-tuple (return_config): the first two are these
     model, tokenizer = loaded[0], loaded[1]
     fit_dtypes(model, backend)
     config = json.loads((path / "config.json").read_text())

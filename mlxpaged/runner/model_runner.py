@@ -44,6 +44,18 @@ def _rows(values: mx.array, rows: list[int]) -> mx.array:
     return values if rows == list(range(values.shape[0])) else values[mx.array(rows)]
 
 
+class StepMirror(Protocol):
+    """Another process runs the same passes (distributed/leader.py): it is told each step's inputs and block
+    copies before this runner queues them, so every rank queues the same collectives in the same order."""
+
+    def before_step(self, inputs: Sequence[StepInput]) -> None: ...
+
+    def before_copy(self, copies: list[tuple[int, int]]) -> None: ...
+
+    def close(self) -> None:
+        """The engine stops: so do the other processes."""
+
+
 class NextStepPlanner(Protocol):
     """The scheduler's side of pipelining (EngineCore implements it)."""
 
@@ -122,6 +134,8 @@ class Runner:
         )
         self._pending: PendingKV | None = None
         self._orphans: list[PendingKV] = []
+        # Set on rank 0 of a distributed engine (engine/build.py): passes are mirrored, none is built ahead.
+        self.mirror: StepMirror | None = None
 
     def execute(self, chunks: list, sampling: SamplingRows, planner: NextStepPlanner) -> list[SampleResult]:
         """Run a scheduled step (ScheduledChunks) and sample it: one result per sampling row. A
@@ -158,6 +172,8 @@ class Runner:
         """Do a fork's copy-on-write copies (CopyOnWrite) and land them before the next pass writes."""
         if copies:
             self._flush_pending()  # a fork starts after a step that settled: nothing is in flight
+            if self.mirror is not None:  # across ranks there is one block space (build.py refuses several)
+                self.mirror.before_copy([(c.src_block, c.dst_block) for c in copies])
             for space in sorted({c.space for c in copies}):  # ids of one block space per call
                 self.kv.copy_blocks([(c.src_block, c.dst_block) for c in copies if c.space == space], space)
             mx.eval(self.kv.pools)
@@ -236,8 +252,8 @@ class Runner:
         step is predictable: nothing waits, and each row continues with one token. A guess that
         turns out wrong costs one pass; its page writes land in the rows' reserved next slots,
         which the real step then writes again."""
-        if not planner.predictable() or (self.serial and len(chunks) > 1):
-            return None  # a serial model's rows each need a pass of their own
+        if self.mirror is not None or not planner.predictable() or (self.serial and len(chunks) > 1):
+            return None  # a serial model's rows each need a pass of their own; a mirrored pass needs its plan
         if self.compiles(len(chunks)) and not self.tuning.pipeline_compiled:
             return None  # the CPU backend: see Tuning.pipeline_compiled
         picked, inputs = [], []
@@ -287,6 +303,8 @@ class Runner:
         """Queue the step; return float32 logits [S, V] of the inputs that sample, in order (an input's
         `num_logits` rows each). The passes run in the background (mx.async_eval): reading the logits
         waits for them."""
+        if self.mirror is not None:
+            self.mirror.before_step(inputs)
         decode = [i for i, x in enumerate(inputs) if len(x.token_ids) == 1]
         if self.serial:
             passes = [[i] for i in range(len(inputs))]

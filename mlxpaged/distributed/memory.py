@@ -1,0 +1,26 @@
+"""The pool size every rank can hold: each rank plans its own memory, rank 0's scheduler hands out the block ids,
+so every rank's pools take the smallest rank's block count (ranks.agree_min), and its plan follows from it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from mlxpaged.platform.memory import MemoryPlan, ModelFacts, sequence_capacity
+
+
+def agreed_plan(plan: MemoryPlan, facts: ModelFacts, num_blocks: int, num_ranks: int) -> MemoryPlan:
+    """`plan` cut to `num_blocks` (at most its own): the longest sequence and the KV bytes follow. The
+    breakdown's lines stay this rank's own."""
+    if num_blocks > plan.num_blocks:
+        raise ValueError(f"the ranks agreed on {num_blocks:,} blocks, more than this rank's {plan.num_blocks:,}")
+    if num_blocks == plan.num_blocks:
+        return plan
+    caps = [spec.max_blocks for spec in facts.kv.table_specs(plan.block_size)]
+    return dataclasses.replace(
+        plan,
+        num_blocks=num_blocks,
+        space_blocks=(num_blocks,),  # one block space: build.py refuses several across ranks
+        token_capacity=sequence_capacity(num_blocks, plan.block_size, caps),
+        kv_bytes=num_blocks * plan.block_bytes,
+        reason=f"the smallest of {num_ranks} ranks' caches (this rank's: {plan.num_blocks:,} blocks, {plan.reason})",
+    )

@@ -1,0 +1,50 @@
+"""This process's place among the ranks `mlx.launch` started: the group, and agreeing on one number."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """The group of processes running one engine; rank 0 serves and schedules, the others follow."""
+
+    group: mx.distributed.Group
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank()
+
+    @property
+    def size(self) -> int:
+        return self.group.size()
+
+    @property
+    def leads(self) -> bool:
+        return self.rank == 0
+
+    def agree_min(self, value: int) -> int:
+        """The smallest of every rank's `value` (each rank's memory plan sizes its own pools: they must agree)."""
+        return int(np.array(mx.distributed.all_min(mx.array([value], dtype=mx.int32), group=self.group))[0])
+
+
+def launched() -> bool:
+    """True under `mlx.launch` (it sets MLX_RANK for every backend it starts)."""
+    return "MLX_RANK" in os.environ
+
+
+def follows() -> bool:
+    """True in a process `mlx.launch` started as a rank other than 0 (known before the group is joined)."""
+    return launched() and os.environ["MLX_RANK"] != "0"
+
+
+def join(backend: str = "any") -> Ranks | None:
+    """The group `mlx.launch` set up (None when this process runs alone: a group of one)."""
+    if not launched():
+        return None
+    group = mx.distributed.init(strict=True, backend=backend)
+    return Ranks(group) if group.size() > 1 else None
