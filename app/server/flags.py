@@ -7,6 +7,7 @@ import ipaddress
 import os
 
 from mlxpaged.config import DEFAULT_BLOCK_SIZE, DEFAULT_KV_DISK_SIZE, KV_BITS, KV_GROUP_SIZES, SchedulerConfig
+from mlxpaged.distributed import DEFAULT_RANK_TIMEOUT_S
 
 API_KEY_ENV = "MLXPAGED_API_KEY"
 SPECULATIVE_HELP = (
@@ -74,6 +75,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=10.0,
         help="seconds in-flight requests get to finish at shutdown (default: 10)",
+    )
+    limits.add_argument(
+        "--rank-timeout",
+        type=float,
+        default=DEFAULT_RANK_TIMEOUT_S,
+        help="under mlx.launch: seconds rank 0 waits on the other ranks through one engine step before it fails "
+        "the requests in flight and exits non-zero (a hung rank; a killed one is seen sooner). Generous by "
+        f"default, as a long prefill chunk of a large model is one step (default: {DEFAULT_RANK_TIMEOUT_S:g})",
     )
     limits.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     limits.add_argument("--no-access-log", action="store_true", help="do not log every request")

@@ -24,7 +24,7 @@ import threading
 from mlxpaged.distributed.ranks import follows, launched
 from mlxpaged.errors import MlxpagedError, user_message
 from mlxpaged_app.server.flags import ServeError, cache_settings, check_bind, server_config
-from mlxpaged_app.server.ranks import distributed_settings, run_follower_rank
+from mlxpaged_app.server.ranks import distributed_settings, run_follower_rank, stopped_by_launcher
 
 import uvicorn
 
@@ -54,7 +54,9 @@ def build_registry(args: argparse.Namespace, config):
     if across_ranks and args.pin:
         raise ServeError("--pin: a server across mlx.launch ranks serves the one model every rank holds a shard of")
     settings = EngineSettings(
-        distributed_settings(args) if across_ranks else cache_settings(args), args.generation_config
+        distributed_settings(args) if across_ranks else cache_settings(args),
+        args.generation_config,
+        rank_timeout_s=args.rank_timeout if across_ranks else None,
     )
     catalog = ModelCatalog(use_store=not across_ranks)  # across ranks: no other model loads on demand
     first = _given(catalog, args.model)
@@ -177,7 +179,9 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"mlxpaged serve: {user_message(exc, 'cli')}", file=sys.stderr)
         return 1
     main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _interrupt) if main else None  # until uvicorn takes over
+    # Until uvicorn takes over. Rank 0 under mlx.launch gets SIGTERM when another rank failed (ranks.py), maybe
+    # while it waits in a collective of the load, where a Python handler would never run: the default action.
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL if launched() else _interrupt) if main else None
     try:
         with contextlib.closing(sock):
             return _load_and_serve(args, config, sock)
@@ -268,6 +272,8 @@ class GracefulServer(uvicorn.Server):
 
     def handle_exit(self, sig, frame) -> None:
         self.state.draining = True
+        if stopped_by_launcher(sig):  # across mlx.launch ranks: another rank failed, rank 0 exits non-zero
+            return
         if self.should_exit and sig == signal.SIGINT:
             self.force_exit = True  # a second Ctrl-C: stop waiting for in-flight requests
         self.should_exit = True

@@ -2,13 +2,20 @@
 serves (launcher.py), the other ranks load their shard and follow rank 0's plan until its engine closes.
 
     mlx.launch --backend ring -n 2 -- mlxpaged serve --model M --no-kv-disk
+
+When a rank fails (mlxpaged/distributed/watchdog.py): rank 0 fails the requests in flight and exits non-zero
+when a step across the ranks fails or outlasts --rank-timeout, and when mlx.launch sends it SIGTERM, which
+mlx.launch does (to every rank still running) once a rank has exited non-zero or was killed; a user stops the
+server with Ctrl-C (SIGINT), which rank 0 answers by stopping every rank, exit 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
+import threading
 
 from mlxpaged.errors import MlxpagedError, user_message
 from mlxpaged_app.server.flags import cache_settings
@@ -24,17 +31,38 @@ def distributed_settings(args: argparse.Namespace) -> dict:
 
 
 def run_follower_rank(args: argparse.Namespace) -> int:
-    """A rank other than 0: load, shard, follow; 0 once rank 0 closed its engine, 1 when it cannot start."""
+    """A rank other than 0: load, shard, follow; 0 once rank 0 closed its engine, 1 when it cannot start or
+    rank 0 is gone."""
     from mlxpaged.distributed.follower import LeaderLostError
     from mlxpaged.distributed.start import start_engine
 
     # Ctrl-C reaches every rank; rank 0 stops the others (its engine's close sends them stop), so a follower
-    # interrupted in mid-step would only leave rank 0 waiting on a collective. A dead rank 0: the next slice.
+    # interrupted in mid-step would only leave rank 0 waiting on a collective. SIGTERM comes from mlx.launch
+    # once a rank has failed: the default action ends this process even while it waits in a collective (a
+    # Python handler would not run until the collective returns, which it may never do).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    rank = os.environ.get("MLX_RANK", "?")
+    print(f"mlxpaged serve (follower rank {rank}): process {os.getpid()}, following rank 0", flush=True)
     try:
-        start_engine(args.model, **distributed_settings(args))
+        start_engine(args.model, rank_timeout_s=args.rank_timeout, **distributed_settings(args))
     except (ValueError, MlxpagedError, LeaderLostError) as exc:
-        print(f"mlxpaged serve (follower rank): {user_message(exc, 'cli')}", file=sys.stderr)
+        print(f"mlxpaged serve (follower rank {rank}): {user_message(exc, 'cli')}", file=sys.stderr)
         return 1
     return 0
+
+
+def stopped_by_launcher(signum: int) -> bool:
+    """Rank 0 serving across ranks got SIGTERM: mlx.launch stops the group because another rank exited
+    non-zero or was killed. Fail the requests in flight and exit non-zero (on a thread, so the event loop writes
+    the errors meanwhile); True when that is under way. False alone or for another signal: a normal stop."""
+    from mlxpaged.distributed.watchdog import give_up_everywhere, over_ranks
+
+    if signum != signal.SIGTERM or not over_ranks():
+        return False
+    message = (
+        "mlx.launch stopped rank 0 (SIGTERM), as it does when another rank exits with an error or is killed"
+        " (its line above names the rank)"
+    )
+    threading.Thread(target=give_up_everywhere, args=(message,), name="mlxpaged-rank-lost", daemon=True).start()
+    return True

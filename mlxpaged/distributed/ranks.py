@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from mlxpaged.distributed import DEFAULT_RANK_TIMEOUT_S
+from mlxpaged.errors import ConfigError
+
 import mlx.core as mx
 import numpy as np
 
@@ -14,6 +17,11 @@ class Ranks:
     """The group of processes running one engine; rank 0 serves and schedules, the others follow."""
 
     group: mx.distributed.Group
+    timeout_s: float = DEFAULT_RANK_TIMEOUT_S  # rank 0's bound on one step across the ranks (watchdog.py)
+
+    def __post_init__(self) -> None:
+        if not self.timeout_s > 0:
+            raise ConfigError(f"the rank timeout must be > 0 seconds, got {self.timeout_s}", param="rank_timeout")
 
     @property
     def rank(self) -> int:
@@ -42,9 +50,9 @@ def follows() -> bool:
     return launched() and os.environ["MLX_RANK"] != "0"
 
 
-def join(backend: str = "any") -> Ranks | None:
+def join(backend: str = "any", timeout_s: float = DEFAULT_RANK_TIMEOUT_S) -> Ranks | None:
     """The group `mlx.launch` set up (None when this process runs alone: a group of one)."""
     if not launched():
         return None
     group = mx.distributed.init(strict=True, backend=backend)
-    return Ranks(group) if group.size() > 1 else None
+    return Ranks(group, timeout_s) if group.size() > 1 else None

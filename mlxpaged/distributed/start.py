@@ -11,6 +11,7 @@ Alone (no `mlx.launch`, or a group of one) it is Engine.from_pretrained.
 from __future__ import annotations
 
 from mlxpaged.config import DEFAULT_CACHE_TOKENS, CacheConfig, SchedulerConfig, split_settings
+from mlxpaged.distributed import DEFAULT_RANK_TIMEOUT_S
 from mlxpaged.distributed.channel import PlanChannel
 from mlxpaged.distributed.follower import follow
 from mlxpaged.distributed.ranks import Ranks, join
@@ -23,10 +24,17 @@ from mlxpaged.loading.loader import LoadedModel, load_local, locate_model
 from mlxpaged.loading.progress import Progress
 
 
-def start_engine(model: str | None = None, progress: Progress | None = None, **settings) -> Engine | None:
+def start_engine(
+    model: str | None = None,
+    progress: Progress | None = None,
+    rank_timeout_s: float = DEFAULT_RANK_TIMEOUT_S,
+    **settings,
+) -> Engine | None:
     """Rank 0: the Engine over this group (or alone: Engine.from_pretrained). Other ranks: run rank 0's plan
-    until its engine closes, then return None. Settings as Engine.from_pretrained's, the same on every rank."""
-    ranks = join()
+    until its engine closes, then return None. Settings as Engine.from_pretrained's, the same on every rank, and
+    `rank_timeout_s` (rank 0's bound on one step across the ranks: past it, or when a step fails, rank 0 fails
+    the requests in flight and exits non-zero, distributed/watchdog.py)."""
+    ranks = join(timeout_s=rank_timeout_s)
     if ranks is None:
         return Engine.from_pretrained(model, progress, **settings)
     settings.setdefault("cache_tokens", DEFAULT_CACHE_TOKENS)

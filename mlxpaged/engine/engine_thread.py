@@ -112,10 +112,26 @@ def work(core: EngineCore, commands: queue.SimpleQueue) -> bool:
             return False
     if core.has_unfinished:
         try:
-            core.step()
+            with _watched(core, commands):
+                core.step()
         except Exception as exc:  # a failed step fails its requests, not the engine
             core.fail_all(exc)
     return True
+
+
+def _watched(core: EngineCore, commands: queue.SimpleQueue) -> contextlib.AbstractContextManager[None]:
+    """Across processes (distributed/leader.py) the other ranks may fail or hang a step: the mirror then fails
+    the requests in flight, and those queued, from whichever thread sees it (this one may be stuck in MLX), and
+    ends the process. It touches no MLX: the requests' sinks, the scheduler's tables, the queue."""
+    mirror = core.runner.mirror
+    if mirror is None:
+        return contextlib.nullcontext()
+
+    def tell(exc: Exception) -> None:
+        core.outputs.fail_all(exc)
+        _fail_queued(commands, exc)
+
+    return mirror.watch(tell)
 
 
 def apply(core: EngineCore, command: Command) -> bool:
@@ -137,7 +153,7 @@ def apply(core: EngineCore, command: Command) -> bool:
     return True
 
 
-def _fail_queued(commands: queue.SimpleQueue, exc: EngineClosedError) -> None:
+def _fail_queued(commands: queue.SimpleQueue, exc: Exception) -> None:
     """Requests submitted but not yet admitted when the engine stopped: their callers must not wait forever."""
     while True:
         try:

@@ -10,7 +10,8 @@ is queued (deferred_writes.py). On the CPU backend it is built ahead and launche
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -47,6 +48,11 @@ def _rows(values: mx.array, rows: list[int]) -> mx.array:
 class StepMirror(Protocol):
     """Another process runs the same passes (distributed/leader.py): it is told each step's inputs and block
     copies before this runner queues them, so every rank queues the same collectives in the same order."""
+
+    def watch(self, tell: Callable[[Exception], None]) -> AbstractContextManager[None]:
+        """Around each engine step (engine_thread.py): the other processes may fail or hang it; `tell` fails
+        the requests in flight then (the mirror ends the process: the ranks are out of step for good)."""
+        ...
 
     def before_step(self, inputs: Sequence[StepInput]) -> None: ...
 
