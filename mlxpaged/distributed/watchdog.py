@@ -69,6 +69,7 @@ def give_up(message: str, tell: Tell | None, exit: Exit = os._exit) -> None:
     sys.stderr.flush()
     time.sleep(FLUSH_S)
     exit(EXIT_STATUS)
+    _giving_up.release()  # only an `exit` that returns (tests) gets here
 
 
 def over_ranks() -> bool:
@@ -111,8 +112,8 @@ class StepWatchdog:
         except Exception as exc:
             self.in_flight = None
             give_up(
-                f"{what} failed on rank 0 ({type(exc).__name__}: {exc}): the ranks can no longer be kept in step"
-                f" ({others(self.ranks)} is gone, or missed its share of the step)",
+                f"{what} failed on rank 0 ({type(exc).__name__}: {exc}); {others(self.ranks)} is gone or missed"
+                " its share of the step, and the ranks cannot be brought back in step",
                 tell,
                 self.exit,
             )
@@ -121,21 +122,31 @@ class StepWatchdog:
             self.in_flight = None
 
     def _start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="mlxpaged-rank-watchdog", daemon=True)
+        if self._thread is None:  # the thread holds the watchdog weakly: it ends with its engine's sender
+            self._thread = threading.Thread(
+                target=_patrol, args=(weakref.ref(self),), name="mlxpaged-rank-watchdog", daemon=True
+            )
             self._thread.start()
 
-    def _run(self) -> None:
-        bound = self.ranks.timeout_s
-        while True:
-            time.sleep(min(1.0, bound / 4))
-            tell = self.in_flight
-            waited = time.monotonic() - self._since
-            if tell is not None and waited > bound:
-                give_up(
-                    f"no answer from {others(self.ranks)} in {waited:.0f} s ({self._what} on rank 0 waited on the"
-                    f" other ranks for longer than the rank timeout, {bound:g} s): a rank is hung or gone",
-                    tell,
-                    self.exit,
-                )
-                return
+    def check(self) -> bool:
+        """Give up if the step in flight outlasted the bound (True then)."""
+        tell, bound = self.in_flight, self.ranks.timeout_s
+        waited = time.monotonic() - self._since
+        if tell is None or waited <= bound:
+            return False
+        give_up(
+            f"no answer from {others(self.ranks)} in {waited:.0f} s: {self._what} on rank 0 waited on it"
+            f" longer than the rank timeout ({bound:g} s); the rank is hung or gone",
+            tell,
+            self.exit,
+        )
+        return True
+
+
+def _patrol(ref: weakref.ref[StepWatchdog]) -> None:
+    while (dog := ref()) is not None:
+        pause = min(1.0, dog.ranks.timeout_s / 4)
+        if dog.check():
+            return
+        del dog
+        time.sleep(pause)

@@ -1,0 +1,106 @@
+"""Rank 0's watchdog in one process (a stand-in group, no collectives): a step that outlasts the rank timeout or
+raises tells the requests in flight and exits non-zero; a step within the bound does neither. The real thing,
+with ranks that die, quit or hang under mlx.launch: test_rank_lost.py."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from mlxpaged.distributed import watchdog
+from mlxpaged.distributed.ranks import Ranks
+from mlxpaged.distributed.watchdog import EXIT_STATUS, RanksLostError, StepWatchdog
+from mlxpaged.errors import ConfigError, EngineClosedError
+
+import pytest
+
+
+class Group:
+    def __init__(self, size: int):
+        self._size = size
+
+    def rank(self) -> int:
+        return 0
+
+    def size(self) -> int:
+        return self._size
+
+
+class Recorder:
+    def __init__(self):
+        self.told: list[BaseException] = []
+        self.exits: list[int] = []
+        self.exited = threading.Event()
+
+    def tell(self, error: BaseException) -> None:
+        self.told.append(error)
+
+    def exit(self, status: int) -> None:
+        self.exits.append(status)
+        self.exited.set()
+
+
+@pytest.fixture(autouse=True)
+def no_flush_wait(monkeypatch):
+    monkeypatch.setattr(watchdog, "FLUSH_S", 0.0)
+
+
+def test_a_step_past_the_rank_timeout_fails_its_requests_and_exits_non_zero():
+    seen = Recorder()
+    dog = StepWatchdog(Ranks(Group(2), timeout_s=0.3), exit=seen.exit)  # type: ignore[arg-type]
+    started = time.monotonic()
+    with dog.watch("an engine step", seen.tell):
+        assert seen.exited.wait(5.0)  # the step "hangs" until the watchdog gives up
+    waited = time.monotonic() - started
+    assert 0.3 <= waited < 2.0
+    assert seen.exits == [EXIT_STATUS] and EXIT_STATUS != 0
+    [error] = seen.told
+    assert isinstance(error, RanksLostError) and isinstance(error, EngineClosedError)  # the server's 503 / stream
+    assert "no answer from rank 1 of 2" in str(error) and "rank timeout (0.3 s)" in str(error)
+
+
+def test_a_step_that_raises_fails_its_requests_with_the_reason_and_exits_non_zero():
+    seen = Recorder()
+    dog = StepWatchdog(Ranks(Group(4), timeout_s=60), exit=seen.exit)  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError), dog.watch("an engine step", seen.tell):
+        raise RuntimeError("[ring] connection to a peer was lost")
+    assert seen.exits == [EXIT_STATUS]
+    [error] = seen.told
+    assert "[ring] connection to a peer was lost" in str(error) and "one of ranks 1-3 (of 4)" in str(error)
+
+
+def test_steps_within_the_bound_are_left_alone():
+    seen = Recorder()
+    dog = StepWatchdog(Ranks(Group(2), timeout_s=0.4), exit=seen.exit)  # type: ignore[arg-type]
+    for _ in range(6):  # 6 x 0.2 s: longer than the bound in all, never in one step
+        with dog.watch("an engine step", seen.tell):
+            time.sleep(0.2)
+    time.sleep(0.6)  # idle: no step in flight
+    assert seen.told == [] and seen.exits == []
+
+
+def test_give_up_everywhere_tells_the_step_in_flight():
+    seen = Recorder()
+    dog = StepWatchdog(Ranks(Group(2), timeout_s=60), exit=seen.exit)  # type: ignore[arg-type]
+    with dog.watch("an engine step", seen.tell):
+        watchdog.give_up_everywhere("mlx.launch stopped rank 0 (SIGTERM)", exit=seen.exit)
+    assert seen.exits == [EXIT_STATUS] and "mlx.launch stopped rank 0" in str(seen.told[0])
+
+
+def test_the_rank_timeout_must_be_positive():
+    with pytest.raises(ConfigError, match="rank timeout must be > 0 seconds, got 0"):
+        Ranks(Group(2), timeout_s=0)  # type: ignore[arg-type]
+
+
+def test_a_dropped_watchdog_no_longer_counts_as_an_engine_over_ranks():
+    """(serve's SIGTERM means a lost rank only while an engine over ranks lives in the process)"""
+    import gc
+
+    dog = StepWatchdog(Ranks(Group(2), timeout_s=0.2), exit=Recorder().exit)  # type: ignore[arg-type]
+    with dog.watch("an engine step", Recorder().tell):
+        pass
+    assert watchdog.over_ranks()
+    del dog
+    gc.collect()
+    time.sleep(0.3)  # its thread notices
+    assert not watchdog.over_ranks()
