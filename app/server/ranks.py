@@ -60,9 +60,6 @@ def stopped_by_launcher(signum: int) -> bool:
 
     if signum != signal.SIGTERM or not over_ranks():
         return False
-    message = (
-        "mlx.launch stopped rank 0 (SIGTERM), as it does when another rank exits with an error or is killed"
-        " (its line above names the rank)"
-    )
+    message = "mlx.launch stopped rank 0 (SIGTERM), as it does when another rank exits with an error or is killed"
     threading.Thread(target=give_up_everywhere, args=(message,), name="mlxpaged-rank-lost", daemon=True).start()
     return True

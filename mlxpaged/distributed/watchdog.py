@@ -79,8 +79,12 @@ def over_ranks() -> bool:
 
 def give_up_everywhere(message: str, exit: Exit = os._exit) -> None:
     """Give up on every engine of this process over ranks (mlx.launch's SIGTERM): the step in flight, if any,
-    gets `message`. Call it from a thread of its own so the event loop can write the errors meanwhile."""
-    tells = [w.in_flight for w in list(_watchdogs) if w.in_flight is not None]
+    gets `message` and which ranks may be gone. Call it from a thread of its own so the event loop can write
+    the errors meanwhile."""
+    dogs = list(_watchdogs)
+    tells = [w.in_flight for w in dogs if w.in_flight is not None]
+    if dogs:
+        message = f"{message}: {others(dogs[0].ranks)} is gone"
 
     def tell_all(error: RanksLostError) -> None:
         for tell in tells:

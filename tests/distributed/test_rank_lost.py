@@ -153,7 +153,7 @@ def test_a_killed_follower_fails_the_stream_and_rank_0_exits_non_zero(tmp_path):
     assert len(outcome) > 1  # text streamed before the error
     error = outcome[-1]
     assert isinstance(error, openai.APIError), outcome[-3:]
-    assert "rank 1 of 2" in str(error) or "mlx.launch stopped rank 0" in str(error), error
+    assert "rank 1 of 2" in str(error) and "exiting" in str(error), error  # the channel's or the launcher's words
     assert "Node with rank 1 exited with code -9" in server.output
     assert re.search(r"Node with rank 0 exited with code 1\b", server.output), server.output[-3000:]
     assert took < EXIT_BOUND_S
