@@ -55,4 +55,4 @@ def join(backend: str = "any", timeout_s: float = DEFAULT_RANK_TIMEOUT_S) -> Ran
     if not launched():
         return None
     group = mx.distributed.init(strict=True, backend=backend)
-    return Ranks(group, timeout_s) if group.size() > 1 else None
+    return Ranks(group, timeout_s=timeout_s) if group.size() > 1 else None
