@@ -1,7 +1,8 @@
 """A step's plan as flat int32 values: what a follower needs to queue the very passes rank 0 queues.
 
 One message is one of: a step (the runner's StepInputs: token ids, start position, block tables, whether the
-row samples, its state slot, how many logits), block copies (a fork's copy-on-write), or stop. Sampled tokens
+row samples, its state slot, how many logits), block copies (a fork's copy-on-write), stop, or keep-alive (an
+idle rank 0 is alive: a follower that hears nothing for too long knows rank 0 hangs, watchdog.py). Sampled tokens
 need no message: they are the next step's token ids. Kept free of MLX so it can be checked on its own.
 """
 
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 
 from mlxpaged.runner.passes import StepInput
 
-STEP, COPY, STOP = 1, 2, 3
+STEP, COPY, STOP, KEEP_ALIVE = 1, 2, 3, 4
 NO_SLOT = -1
 
 
@@ -41,12 +42,16 @@ def encode_stop() -> list[int]:
     return [STOP]
 
 
+def encode_keep_alive() -> list[int]:
+    return [KEEP_ALIVE]
+
+
 def decode(values: Sequence[int]) -> Message:
     """The message `values` encode (one of encode_*'s)."""
     it = iter(int(v) for v in values)
     kind = next(it)
-    if kind == STOP:
-        return Message(STOP)
+    if kind in (STOP, KEEP_ALIVE):
+        return Message(kind)
     if kind == COPY:
         n = next(it)
         return Message(COPY, copies=tuple((next(it), next(it)) for _ in range(n)))

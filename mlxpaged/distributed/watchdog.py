@@ -28,6 +28,8 @@ from collections.abc import Callable, Iterator
 from mlxpaged.distributed.ranks import Ranks
 from mlxpaged.errors import EngineClosedError
 
+# An idle rank 0 sends a keep-alive message this often (leader.py), so its followers can bound their wait.
+KEEP_ALIVE_S = 5.0
 # Between failing the requests in flight and exiting: the HTTP server writes each client its error meanwhile.
 FLUSH_S = 1.0
 EXIT_STATUS = 1
@@ -154,3 +156,38 @@ def _patrol(ref: weakref.ref[StepWatchdog]) -> None:
             return
         del dog
         time.sleep(pause)
+
+
+class LeaderWatch:
+    """A follower's bound on rank 0's silence: it hears a message at least every step (which rank 0 gives up on
+    past the rank timeout) and every KEEP_ALIVE_S while idle. Silence for twice the rank timeout plus that
+    means rank 0 hangs outside a step (deadlocked, stopped): the follower exits non-zero (its receive waits
+    in C++, hence os._exit), and mlx.launch then stops rank 0 (SIGTERM). A rank 0 that dies is seen sooner:
+    the receive fails (follower.py)."""
+
+    def __init__(self, ranks: Ranks, exit: Exit = os._exit):
+        self.ranks, self.exit = ranks, exit
+        self.bound = 2 * ranks.timeout_s + KEEP_ALIVE_S
+        self.heard = time.monotonic()
+        self.done = threading.Event()
+        threading.Thread(target=self._run, name="mlxpaged-leader-watch", daemon=True).start()
+
+    def heard_from_leader(self) -> None:
+        self.heard = time.monotonic()
+
+    def close(self) -> None:
+        self.done.set()
+
+    def _run(self) -> None:
+        while not self.done.wait(min(1.0, self.bound / 8)):
+            silent = time.monotonic() - self.heard
+            if silent > self.bound:
+                print(
+                    f"mlxpaged (follower rank {self.ranks.rank}): rank 0 sent nothing for {silent:.0f} s (it sends"
+                    f" a message every step, at most {self.ranks.timeout_s:g} s, and a keep-alive every"
+                    f" {KEEP_ALIVE_S:g} s when idle): rank 0 hangs; exiting with status {EXIT_STATUS}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                self.exit(EXIT_STATUS)
+                return

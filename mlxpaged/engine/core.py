@@ -108,9 +108,12 @@ class EngineCore:
         self.tiering = tiering
 
     def idle(self) -> None:
-        """Nothing to run: write the disk tier's pending blocks (the engine thread calls this while it waits)."""
+        """Nothing to run: write the disk tier's pending blocks, and over ranks let the others hear rank 0 is alive
+        (the engine thread calls this while it waits)."""
         if self.tiering is not None:
             self.tiering.idle()
+        if self.runner.mirror is not None:
+            self.runner.mirror.idle()
 
     def close(self) -> None:
         """The engine stops: the disk tier writes what it still holds in RAM only; other ranks stop."""

@@ -56,6 +56,9 @@ class StepMirror(Protocol):
 
     def before_step(self, inputs: Sequence[StepInput]) -> None: ...
 
+    def idle(self) -> None:
+        """The engine waits for work: the other processes may be told it is alive."""
+
     def before_copy(self, copies: list[tuple[int, int]]) -> None: ...
 
     def close(self) -> None:

@@ -25,6 +25,7 @@ def test_copies_and_stop_round_trip():
     message = plan.decode(plan.encode_copies([(3, 4), (10, 2)]))
     assert message.kind == plan.COPY and message.copies == ((3, 4), (10, 2))
     assert plan.decode(plan.encode_stop()).kind == plan.STOP
+    assert plan.decode(plan.encode_keep_alive()).kind == plan.KEEP_ALIVE
 
 
 def test_an_unknown_kind_is_refused():

@@ -164,8 +164,7 @@ def test_a_killed_follower_fails_the_stream_and_rank_0_exits_non_zero(tmp_path):
 def test_a_follower_that_quits_or_hangs_mid_pass_ends_rank_0_within_the_rank_timeout(tmp_path, how):
     """A follower gone with exit 0 after taking a plan (mlx.launch sees nothing wrong, rank 0 waits in the
     pass's collectives) or hung there: rank 0's watchdog gives up after --rank-timeout. Non-streaming: a 5xx."""
-    script = Path(__file__).with_name("serve_follower_quits.py")
-    program = [sys.executable, str(script), how, "8"]
+    program = [sys.executable, str(Path(__file__).with_name("serve_rank_fails.py")), how, "8"]
     outcome, server, took = fail_a_rank_mid_request(
         tmp_path, program, ["--rank-timeout", str(RANK_TIMEOUT_S)], stream=False, harm=lambda server, pid: None
     )
@@ -174,6 +173,29 @@ def test_a_follower_that_quits_or_hangs_mid_pass_ends_rank_0_within_the_rank_tim
     assert isinstance(error, openai.APIStatusError) and error.status_code >= 500, outcome[-3:]
     assert_rank_0_failed(server, outcome, "longer than the rank timeout (2 s)")
     assert took < EXIT_BOUND_S
+
+
+@pytest.mark.slow
+def test_a_follower_ends_when_rank_0_hangs_outside_a_step_and_mlx_launch_then_stops_rank_0(tmp_path):
+    """Rank 0's engine thread hangs while idle (after a request that completes): no step is in flight for its own
+    watchdog, so the follower's bound ends it (2 x --rank-timeout + the keep-alive interval: 9 s here), and
+    mlx.launch's SIGTERM then makes rank 0 exit 1."""
+    model_dir = write_tiny_llama_dir(tmp_path / "model", dtype="float32")
+    program = [sys.executable, str(Path(__file__).with_name("serve_rank_fails.py")), "leader-hangs", "8"]
+    server = Server(model_dir, program, ["--rank-timeout", str(RANK_TIMEOUT_S)])
+    try:
+        url, _ = server.ready()
+        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=EXIT_BOUND_S)
+        reply = client.completions.create(model=str(model_dir), prompt="Hello", max_tokens=10, temperature=0)
+        assert reply.choices[0].text
+        server.ended_within(EXIT_BOUND_S)
+    finally:
+        server.kill()
+    assert "RANK 0 HANGS after" in server.output
+    assert re.search(r"follower rank 1\): rank 0 sent nothing for \d+ s .*: rank 0 hangs", server.output)
+    assert re.search(r"Node with rank 1 exited with code 1\b", server.output), server.output[-3000:]
+    assert "mlx.launch stopped rank 0 (SIGTERM)" in server.output
+    assert re.search(r"Node with rank 0 exited with code 1\b", server.output), server.output[-3000:]
 
 
 @pytest.mark.slow

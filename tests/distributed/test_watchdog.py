@@ -9,7 +9,7 @@ import time
 
 from mlxpaged.distributed import watchdog
 from mlxpaged.distributed.ranks import Ranks
-from mlxpaged.distributed.watchdog import EXIT_STATUS, RanksLostError, StepWatchdog
+from mlxpaged.distributed.watchdog import EXIT_STATUS, KEEP_ALIVE_S, LeaderWatch, RanksLostError, StepWatchdog
 from mlxpaged.errors import ConfigError, EngineClosedError
 
 import pytest
@@ -105,3 +105,16 @@ def test_a_dropped_watchdog_no_longer_counts_as_an_engine_over_ranks():
     gc.collect()
     time.sleep(0.3)  # its thread notices
     assert not watchdog.over_ranks()
+
+
+def test_a_follower_silent_rank_0_past_its_bound_exits_non_zero():
+    seen = Recorder()
+    watch = LeaderWatch(Ranks(Group(2), timeout_s=0.1), exit=seen.exit)  # type: ignore[arg-type]
+    assert watch.bound == 0.2 + KEEP_ALIVE_S
+    for _ in range(3):  # heard often enough: nothing happens
+        time.sleep(0.1)
+        watch.heard_from_leader()
+    assert seen.exits == []
+    watch.bound = 0.3  # (rather than wait out the keep-alive interval)
+    assert seen.exited.wait(3.0) and seen.exits == [EXIT_STATUS]
+    watch.close()
