@@ -24,7 +24,12 @@ import threading
 from mlxpaged.distributed.ranks import follows, launched
 from mlxpaged.errors import MlxpagedError, user_message
 from mlxpaged_app.server.flags import ServeError, cache_settings, check_bind, server_config
-from mlxpaged_app.server.ranks import distributed_settings, run_follower_rank, stopped_by_launcher
+from mlxpaged_app.server.ranks import (
+    distributed_settings,
+    exit_on_launcher_term,
+    run_follower_rank,
+    stopped_by_launcher,
+)
 
 import uvicorn
 
@@ -179,9 +184,9 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"mlxpaged serve: {user_message(exc, 'cli')}", file=sys.stderr)
         return 1
     main = threading.current_thread() is threading.main_thread()
-    # Until uvicorn takes over. Rank 0 under mlx.launch gets SIGTERM when another rank failed (ranks.py), maybe
-    # while it waits in a collective of the load, where a Python handler would never run: the default action.
-    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL if launched() else _interrupt) if main else None
+    if main and launched():  # SIGTERM: another rank failed; rank 0 may be waiting in a collective (ranks.py)
+        exit_on_launcher_term("rank 0")
+    previous = signal.signal(signal.SIGTERM, _interrupt) if main and not launched() else None  # until uvicorn
     try:
         with contextlib.closing(sock):
             return _load_and_serve(args, config, sock)
@@ -189,7 +194,7 @@ def run_serve(args: argparse.Namespace) -> int:
         say("mlxpaged serve: interrupted before it was ready; stopped")
         return 0
     finally:
-        if main:
+        if previous is not None:
             signal.signal(signal.SIGTERM, previous)
 
 

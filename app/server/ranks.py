@@ -14,11 +14,16 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import sys
 import threading
+import time
 
 from mlxpaged.errors import MlxpagedError, user_message
 from mlxpaged_app.server.flags import cache_settings
+
+# How long a rank told to stop by mlx.launch (SIGTERM) has to end on its own before it exits 1 anyway.
+TERM_GRACE_S = 5.0
 
 
 def distributed_settings(args: argparse.Namespace) -> dict:
@@ -38,11 +43,10 @@ def run_follower_rank(args: argparse.Namespace) -> int:
 
     # Ctrl-C reaches every rank; rank 0 stops the others (its engine's close sends them stop), so a follower
     # interrupted in mid-step would only leave rank 0 waiting on a collective. SIGTERM comes from mlx.launch
-    # once a rank has failed: the default action ends this process even while it waits in a collective (a
-    # Python handler would not run until the collective returns, which it may never do).
+    # once a rank has failed.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     rank = os.environ.get("MLX_RANK", "?")
+    exit_on_launcher_term(f"follower rank {rank}")
     print(f"mlxpaged serve (follower rank {rank}): process {os.getpid()}, following rank 0", flush=True)
     try:
         start_engine(args.model, rank_timeout_s=args.rank_timeout, **distributed_settings(args))
@@ -50,6 +54,31 @@ def run_follower_rank(args: argparse.Namespace) -> int:
         print(f"mlxpaged serve (follower rank {rank}): {user_message(exc, 'cli')}", file=sys.stderr)
         return 1
     return 0
+
+
+def exit_on_launcher_term(who: str, grace_s: float = TERM_GRACE_S) -> None:
+    """On SIGTERM (mlx.launch: another rank failed), exit 1 `grace_s` later, even while the main thread waits in
+    a collective in C++, where a Python handler would never run: the C-level handler writes the signal's number
+    to a wakeup fd that a thread reads. The grace lets a rank about to fail on its own (a model refused at load
+    on every rank) say why first. Main thread only (signal.set_wakeup_fd)."""
+    read, write = socket.socketpair()
+    write.setblocking(False)
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)  # a Python handler, so the wakeup fd is written
+    signal.set_wakeup_fd(write.fileno())
+
+    def wait_for_term() -> None:
+        while read.recv(1) != bytes([signal.SIGTERM]):  # other signals with handlers (SIGINT on rank 0) pass
+            pass
+        time.sleep(grace_s)
+        print(
+            f"mlxpaged serve ({who}): mlx.launch stopped this rank (SIGTERM), as it does when another rank exits"
+            f" with an error or is killed; exiting with status 1",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(1)
+
+    threading.Thread(target=wait_for_term, name="mlxpaged-launcher-term", daemon=True).start()
 
 
 def stopped_by_launcher(signum: int) -> bool:
