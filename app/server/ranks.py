@@ -24,6 +24,7 @@ from mlxpaged_app.server.flags import cache_settings
 
 # How long a rank told to stop by mlx.launch (SIGTERM) has to end on its own before it exits 1 anyway.
 TERM_GRACE_S = 5.0
+_wakeup: list[socket.socket] = []
 
 
 def distributed_settings(args: argparse.Namespace) -> dict:
@@ -63,6 +64,7 @@ def exit_on_launcher_term(who: str, grace_s: float = TERM_GRACE_S) -> None:
     on every rank) say why first. Main thread only (signal.set_wakeup_fd)."""
     read, write = socket.socketpair()
     write.setblocking(False)
+    _wakeup.append(write)  # held for the process's life: collected, its fd would close and be reused
     signal.signal(signal.SIGTERM, lambda signum, frame: None)  # a Python handler, so the wakeup fd is written
     signal.set_wakeup_fd(write.fileno())
 
