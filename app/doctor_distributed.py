@@ -11,6 +11,7 @@ and the engine cuts them all to the smallest (distributed/memory.py). Alone, one
 from __future__ import annotations
 
 import json
+import os
 import platform
 import socket
 from dataclasses import asdict, dataclass
@@ -35,6 +36,7 @@ class RankRecord:
 
     rank: int
     host: str
+    pid: int  # which process on its host (ranks sharing a host differ here)
     system: str  # "macOS 15.1 arm64", "Linux 6.8 x86_64"
     mlx: str
     mlxpaged: str
@@ -62,6 +64,7 @@ def local_record(rank: int) -> RankRecord:
     return RankRecord(
         rank,
         socket.gethostname(),
+        os.getpid(),
         f"{system} {platform.machine()}",
         mx.__version__,
         mlxpaged.__version__,
@@ -140,7 +143,7 @@ def mismatch(records: list[RankRecord], field: str) -> str:
 def describe(r: RankRecord) -> str:
     memory = "unified memory" if r.backend == "metal" else "device memory" if r.backend == "cuda" else "RAM"
     line = (
-        f"{r.host} ({r.system}): {r.device}, {r.backend} backend, {memory} {format_size(r.total_bytes)}, "
+        f"{r.host} pid {r.pid} ({r.system}): {r.device}, {r.backend} backend, {memory} {format_size(r.total_bytes)}, "
         f"available {format_size(r.available_bytes)}"
     )
     if r.working_set_bytes is not None:

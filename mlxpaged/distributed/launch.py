@@ -105,6 +105,17 @@ def launched_backend() -> str | None:
     return "unknown"
 
 
+def launched_alone() -> bool:
+    """True under `mlx.launch -n 1` on the ring backend: it writes an empty hostfile (a group of one), which
+    MLX's strict init refuses with a JSON parse error instead of giving a group of size 1."""
+    if launched_backend() != "ring":
+        return False
+    try:
+        return not Path(os.environ["MLX_HOSTFILE"]).read_text().strip()
+    except OSError:
+        return False
+
+
 def result_line(result: dict) -> str:
     """The line a rank-0 script prints for result_from."""
     return RESULT_PREFIX + json.dumps(result)

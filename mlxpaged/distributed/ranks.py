@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from mlxpaged.distributed.launch import launched_alone
+
 import mlx.core as mx
 import numpy as np
 
@@ -43,8 +45,8 @@ def follows() -> bool:
 
 
 def join(backend: str = "any") -> Ranks | None:
-    """The group `mlx.launch` set up (None when this process runs alone: a group of one)."""
-    if not launched():
+    """The group `mlx.launch` set up (None when this process runs alone: a group of one, `mlx.launch -n 1` too)."""
+    if not launched() or launched_alone():
         return None
     group = mx.distributed.init(strict=True, backend=backend)
     return Ranks(group) if group.size() > 1 else None

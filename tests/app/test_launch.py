@@ -49,6 +49,13 @@ def test_what_cannot_be_launched_is_refused_with_the_reason(capsys, tmp_path):
     assert "the number of processes must be at least 1, got 0" in capsys.readouterr().err
 
 
+def test_doctor_in_one_launched_process_is_alone():
+    done = subprocess.run([MLXPAGED, "launch", "-n", "1", "--", "doctor", "--json"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    last = json.loads(done.stdout)["checks"][-1]
+    assert last == {"status": "OK", "label": "distributed", "detail": "one process under mlx.launch (-n 1)"}
+
+
 def test_doctor_in_two_processes_reports_both_ranks_from_rank_0():
     command = [MLXPAGED, "launch", "-n", "2", "--starting-port", str(free_port_run(2)), "--", "doctor", "--json"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=180)
