@@ -127,9 +127,26 @@ def report(backend: str, records: list[RankRecord]) -> list[Check]:
                 f"; ranks {', '.join(map(str, ranks))} share {host} and each plans its KV cache from the host's "
                 "whole memory (capped by --cache-tokens; give each a --kv-memory share if you raise it)"
             )
+    if len(hosts) > 1:
+        detail += "; " + least_room(records)
     found = [p for p in problems if p]
-    summary = Check(WARN if found else OK, LABEL, detail + (": " + "; ".join(found) if found else ""))
+    summary = Check(WARN if found else OK, LABEL, "; ".join([detail, *found]))
     return [summary, *(Check(OK, f"rank {r.rank}", describe(r)) for r in records)]
+
+
+def least_room(records: list[RankRecord]) -> str:
+    """Which rank's memory plan starts lowest: every rank's KV pool is cut to the smallest (distributed/memory.py)."""
+    from mlxpaged.platform.memory import DeviceFacts
+
+    def facts(r: RankRecord) -> DeviceFacts:
+        return DeviceFacts(r.backend, r.total_bytes, r.available_bytes, r.working_set_bytes)
+
+    low = min(records, key=lambda r: facts(r).limit_bytes)
+    least = facts(low)
+    return (
+        f"the least room is rank {low.rank}'s ({least.limit_label} {format_size(least.limit_bytes)}): "
+        "every rank's KV pool is cut to the smallest rank's plan"
+    )
 
 
 def mismatch(records: list[RankRecord], field: str) -> str:

@@ -16,7 +16,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from argparse import Namespace
+from argparse import ArgumentTypeError, Namespace
 from pathlib import Path
 
 from mlxpaged.distributed.launch import loopback_command, result_from
@@ -40,9 +40,9 @@ def parse_processes(text: str) -> tuple[int, ...]:
     try:
         counts = {int(part) for part in text.split(",") if part.strip()}
     except ValueError as exc:
-        raise ConfigError(f"--processes takes comma-separated counts like 1,2,4, got {text!r}") from exc
+        raise ArgumentTypeError(f"comma-separated process counts like 1,2,4, got {text!r}") from exc
     if not counts or min(counts) < 1:
-        raise ConfigError(f"--processes counts must be at least 1, got {text!r}")
+        raise ArgumentTypeError(f"process counts must be at least 1, got {text!r}")
     return tuple(sorted(counts | {1}))
 
 

@@ -4,8 +4,8 @@ its table and agrees on the tokens; the verdict with fake runs whose tokens diff
 from __future__ import annotations
 
 import re
+from argparse import ArgumentTypeError
 
-from mlxpaged.errors import ConfigError
 from mlxpaged_app.bench import distributed
 from mlxpaged_app.bench.distributed import NOTE, parse_processes
 from mlxpaged_app.cli import main
@@ -56,5 +56,5 @@ def test_process_counts_always_start_with_one():
     assert parse_processes("4,2") == (1, 2, 4)
     assert parse_processes("1") == (1,)
     for bad in ("0,2", "two", ""):
-        with pytest.raises(ConfigError, match="--processes"):
+        with pytest.raises(ArgumentTypeError, match=f"got {bad!r}"):
             parse_processes(bad)

@@ -41,7 +41,7 @@ def test_the_report_has_the_setup_then_one_line_per_rank():
     other = dataclasses.replace(one, rank=1, host="mac-b", pid=one.pid + 1, available_bytes=1 << 30)
     lines = report("jaccl", [one, other])
     assert [line.label for line in lines] == ["distributed", "rank 0", "rank 1"]
-    assert lines[0].status == OK and lines[0].detail == "jaccl backend (mlx.launch), 2 ranks on 2 hosts"
+    assert lines[0].status == OK and lines[0].detail.startswith("jaccl backend (mlx.launch), 2 ranks on 2 hosts; ")
     assert lines[2].detail.startswith(f"mac-b pid {one.pid + 1} (") and "available 1.07 GB" in lines[2].detail
 
 
@@ -57,3 +57,12 @@ def test_ranks_on_different_versions_warn_with_each_ranks_version():
     lines = report("ring", [one, dataclasses.replace(one, rank=1, host="b", mlx="0.1.0")])
     assert lines[0].status == WARN
     assert f"the ranks differ in mlx: rank 0 {one.mlx}, rank 1 0.1.0" in lines[0].detail
+
+
+def test_across_hosts_the_rank_with_the_least_room_is_named():
+    one = dataclasses.replace(local_record(0), backend="metal", working_set_bytes=48 << 30, available_bytes=60 << 30)
+    small = dataclasses.replace(one, rank=1, host="b", working_set_bytes=12 << 30, available_bytes=90 << 30)
+    detail = report("ring", [one, small])[0].detail
+    # Metal plans from the working set, not from available memory: rank 1 has more free RAM but the smaller set
+    assert "the least room is rank 1's (Metal recommended working set 12.88 GB)" in detail
+    assert "every rank's KV pool is cut to the smallest rank's plan" in detail
