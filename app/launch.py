@@ -29,7 +29,7 @@ def add_launch_parser(sub, commands: list[str]) -> None:
         "mlx.distributed_config; its backend, e.g. jaccl over Thunderbolt, is used).",
     )
     where = launch.add_mutually_exclusive_group(required=True)
-    where.add_argument("-n", "--processes", type=int, default=None, help="processes on this machine")
+    where.add_argument("-n", "--processes", type=int, default=None, metavar="N", help="processes on this machine")
     where.add_argument("--hostfile", default=None, help="mlx.launch's JSON hostfile (mlx.distributed_config)")
     launch.add_argument(
         "--backend",
