@@ -14,6 +14,7 @@ import json
 import os
 import platform
 import socket
+import sys
 from dataclasses import asdict, dataclass
 
 import mlxpaged
@@ -109,9 +110,13 @@ def distributed_checks() -> list[Check]:
 
 def follower_doctor() -> int:
     """A rank other than 0: send its record to rank 0 and print nothing (rank 0 prints the report)."""
-    ranks = join()
-    if ranks is not None:
-        gather_records(ranks.group)
+    try:
+        ranks = join()
+        if ranks is not None:
+            gather_records(ranks.group)
+    except Exception as exc:  # rank 0's report then has its own FAIL line; this rank says why in one line
+        print(f"mlxpaged doctor (rank {os.environ.get('MLX_RANK')}): {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
