@@ -114,7 +114,7 @@ def follower_doctor() -> int:
         ranks = join()
         if ranks is not None:
             gather_records(ranks.group)
-    except Exception as exc:  # rank 0's report then has its own FAIL line; this rank says why in one line
+    except Exception as exc:  # one line saying why, not a traceback in the middle of rank 0's report
         print(f"mlxpaged doctor (rank {os.environ.get('MLX_RANK')}): {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     return 0
