@@ -261,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--model", "-m", default=None)
     bench.add_argument(
-        "--tokens", type=int, default=None, help="tokens to generate per request (default 128; distributed: 24)"
+        "--tokens", type=int, default=None, help="tokens to generate per request (default 128; distributed: 16)"
     )
     bench.add_argument("--runs", type=int, default=None, help="timed runs (default 3; distributed: 1)")
     bench.add_argument(

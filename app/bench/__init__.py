@@ -51,7 +51,7 @@ BENCHES = {
 
 
 # --tokens and --runs when not given: 128 and 3, except where a bench's own default keeps its run short.
-DEFAULTS = {"distributed": {"tokens": 24, "runs": 1}}
+DEFAULTS = {"distributed": {"tokens": 16, "runs": 1}}
 
 
 def run_bench(args: Namespace) -> int:

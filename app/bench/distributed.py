@@ -2,7 +2,7 @@
 loopback): time to first token and batch-1 decode tok/s, the same prompts greedy in each, and whether every
 process count gave the tokens one process gives. The comparison is 1 process vs N in the same run.
 
-    mlxpaged bench distributed [--model M] [--processes 1,2,4] [--tokens 24] [--runs 1]
+    mlxpaged bench distributed [--model M] [--processes 1,2,4] [--tokens 16] [--runs 1]
 
 On one machine's CPU more processes are slower: each step adds all-reduces between processes (two per layer,
 one for rank 0's plan) and they share the same cores. This bench is about correctness and the path to real
