@@ -88,6 +88,7 @@ class EngineCore:
             extra_key=extra_key,
             enable_prefix_cache=prefix_cache,
             prefix_filter=state.usable_blocks if state is not None else None,
+            prepare_resume=state.prepare if state is not None else None,
         )
         scheduler = Scheduler(
             manager,

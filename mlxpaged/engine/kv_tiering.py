@@ -27,6 +27,7 @@ from mlxpaged.cache.block_pool import BlockPool, KVCacheBlock
 from mlxpaged.cache.disk_tier import DiskTier
 from mlxpaged.cache.disk_writer import DiskWriter
 from mlxpaged.cache.kv_cache import PagedKVCache
+from mlxpaged.engine.state_tiering import StateTiering
 
 CLOSE_TIMEOUT_S = 60.0  # at most this long writing the last blocks at close
 READ_THREADS = 4  # files read and checked at once by a disk hit
@@ -45,6 +46,7 @@ class KVTiering:
         self.hit_blocks = 0
         self.load_seconds = 0.0  # reads, checks and the copy into the pools
         self.snapshot_seconds = 0.0  # time steps spent copying pages out
+        self.states: StateTiering | None = None  # a state model's checkpoints on disk (engine/state_tiering.py)
         pool.on_cached = self._on_cached
         self._readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="mlxpaged-kv-disk-reader")
 
@@ -54,36 +56,43 @@ class KVTiering:
         """On disk, or queued for it (the writer still holds the snapshot)."""
         return isinstance(block_hash, bytes) and (self.writer.is_pending(block_hash) or self.tier.contains(block_hash))
 
-    def load(self, block_ids: list[int], block_hashes: list[Hashable]) -> int:
+    def read(self, block_hashes: list[Hashable]) -> list[list]:
+        """The pages of the leading blocks whose files read and pass their checks (and fit the pools)."""
         start = time.perf_counter()
-        try:
-            loaded = self._load(block_ids, block_hashes)
-        except Exception as exc:  # the blocks are fresh ones: recomputing them is always correct
-            warnings.warn(f"KV disk tier: reading blocks back failed ({exc!r}); they are recomputed", RuntimeWarning, 2)
-            loaded = 0
-        for block_id, block_hash in zip(block_ids[:loaded], block_hashes[:loaded], strict=True):
-            if isinstance(block_hash, bytes):  # what _read took (other hashes never load)
-                self._on_disk[block_id] = block_hash
-        self.hit_blocks += loaded
-        self.load_seconds += time.perf_counter() - start
-        return loaded
-
-    def _load(self, block_ids: list[int], block_hashes: list[Hashable]) -> int:
         pages = []
-        # Files are read and checked by a few threads (reads and CRC-32 release the GIL); the run ends at the
-        # first block missing or failing its checks.
-        for arrays in self._readers.map(self._read, block_hashes):
-            if arrays is None:
-                break
-            pages.append(arrays)
-        if pages:
-            self.runner.drop_look_ahead()  # a pass in flight would make the writes below copy whole pools
-            try:
-                self.kv.import_blocks(block_ids[: len(pages)], pages)
-            except ValueError as exc:  # a fingerprint collision of two layouts: never use such files
-                warnings.warn(f"KV disk tier: blocks do not fit the pools ({exc}); not used", RuntimeWarning, 3)
-                return 0
-        return len(pages)
+        try:
+            # Files are read and checked by a few threads (reads and CRC-32 release the GIL); the run ends at the
+            # first block missing or failing its checks.
+            for arrays in self._readers.map(self._read, block_hashes):
+                if arrays is None or not self._fits(arrays):
+                    break
+                pages.append(arrays)
+        except Exception as exc:  # recomputing the blocks is always correct
+            warnings.warn(f"KV disk tier: reading blocks back failed ({exc!r}); they are recomputed", RuntimeWarning, 2)
+        self.load_seconds += time.perf_counter() - start
+        return pages
+
+    def write(self, block_ids: list[int], block_hashes: list[Hashable], pages: list[list]) -> None:
+        """Copy pages `read` returned into the request's fresh blocks (the engine thread: it owns MLX)."""
+        start = time.perf_counter()
+        self.runner.drop_look_ahead()  # a pass in flight would make the writes below copy whole pools
+        self.kv.import_blocks(block_ids, pages)
+        for block_id, block_hash in zip(block_ids, block_hashes, strict=True):
+            if isinstance(block_hash, bytes):  # what _read took (other hashes are never read)
+                self._on_disk[block_id] = block_hash
+        self.hit_blocks += len(block_ids)
+        self.load_seconds += time.perf_counter() - start
+
+    def _fits(self, arrays: list) -> bool:
+        """The pages fit the pools (a fingerprint covers their shapes: a mismatch is a collision, never used)."""
+        pools = self.kv.pools
+        ok = len(arrays) == len(pools) and all(
+            tuple(a.shape) == tuple(p.shape[1:]) and a.dtype.itemsize == p.dtype.size
+            for a, p in zip(arrays, pools, strict=False)
+        )
+        if not ok:
+            warnings.warn("KV disk tier: a block's pages do not fit the pools; not used", RuntimeWarning, 3)
+        return ok
 
     def _read(self, block_hash: Hashable) -> list | None:
         if not isinstance(block_hash, bytes):
@@ -113,12 +122,20 @@ class KVTiering:
     def after_step(self) -> None:
         if self._dirty and self.runner.pools_settled:
             self.persist()
+        if self.states is not None:
+            self.states.persist()  # checkpoints are not in the pools: no need to settle
 
     def idle(self) -> None:
         """The engine has nothing to run: settle and write what is dirty."""
         if self._dirty:
             self.runner.drop_look_ahead()
             self.persist()
+        if self.states is not None:
+            self.states.persist()
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until the writers wrote everything handed to them; False on timeout."""
+        return self.writer.wait_idle(timeout) and (self.states is None or self.states.writer.wait_idle(timeout))
 
     def persist(self, wait: bool = False) -> None:
         """Hand every dirty block still holding its hash to the writer (a full queue drops the rest, counted,
@@ -156,6 +173,8 @@ class KVTiering:
         finally:
             self._readers.shutdown(wait=False)
             self.writer.close(CLOSE_TIMEOUT_S)
+            if self.states is not None:
+                self.states.close()
 
     # ---- stats -------------------------------------------------------------------------------------
 
@@ -181,4 +200,5 @@ class KVTiering:
             "disk_skipped_files": s.skipped_files,
             "disk_evicted_files": s.evicted_files,
             "disk_snapshot_seconds": self.snapshot_seconds,
+            **(self.states.stats() if self.states is not None else {}),
         }

@@ -389,8 +389,11 @@ class Scheduler:
                     f"blocks free: blocks are held outside the scheduler"
                 )
             return None
+        try:
+            allocation = self.kv_manager.allocate(request)
+        except NoFreeBlocksError:  # a resume point counted above failed its checks when read: fewer hits
+            return None  # nothing changed; the next step asks again, without that file
         self._waiting.popleft()
-        allocation = self.kv_manager.allocate(request)
         if request.num_preemptions == 0:
             request.num_cached_tokens = allocation.num_cached_tokens
         request.num_computed_tokens = allocation.num_cached_tokens
