@@ -42,12 +42,22 @@ class UnknownRequestError(KeyError):
 
 class LowerTier(Protocol):
     """Full blocks kept below the pool, by chain hash (the disk tier: engine/kv_tiering.py). Reading and writing
-    are apart, so a run of blocks is read and checked before any block is taken for it."""
+    are apart, so a run of blocks is read and checked before any block is taken for it, and the reading may
+    happen in the background while the request waits (`prefetch`)."""
 
     def contains(self, block_hash: Hashable) -> bool: ...
 
-    def read(self, block_hashes: list[Hashable]) -> list:
-        """The pages of the leading blocks it could read and check (opaque here), in order: maybe fewer."""
+    def prefetch(self, key: Hashable, block_hashes: list[Hashable]) -> bool:
+        """Start reading the blocks for request `key` (if not started); whether they are read."""
+        ...
+
+    def forget(self, key: Hashable) -> None:
+        """Request `key` went away: drop what was read for it."""
+        ...
+
+    def read(self, block_hashes: list[Hashable], key: Hashable = None) -> list:
+        """The pages of the leading blocks it could read and check (opaque here), in order: maybe fewer
+        (those prefetched for `key` first)."""
         ...
 
     def write(self, block_ids: list[int], block_hashes: list[Hashable], pages: list) -> None:
@@ -221,6 +231,20 @@ class KVCacheManager:
 
     # ---- request lifecycle --------------------------------------------------------
 
+    def loading(self, request: Request) -> bool:
+        """Whether the request's blocks in the lower tier are still being read (begun here if not yet): it waits
+        to be allocated meanwhile, and other requests run."""
+        if self.lower_tier is None or not self.enable_prefix_cache:
+            return False
+        tokens = request.all_token_ids
+        below = self._match_lower_tier(tokens, self._match_prefix(tokens, filtered=False)[1])
+        return bool(below) and not self.lower_tier.prefetch(request.request_id, below)
+
+    def forget_loading(self, request_id: Hashable) -> None:
+        """A waiting request went away: what was read for it is dropped."""
+        if self.lower_tier is not None:
+            self.lower_tier.forget(request_id)
+
     def allocate(self, request: Request, num_new_slots: int | None = None) -> Allocation:
         """Give a new request tables for its tokens (plus `num_new_slots` reserved slots), sharing
         the longest cached prefix of full blocks. Atomic: on NoFreeBlocksError nothing changed."""
@@ -234,7 +258,7 @@ class KVCacheManager:
             raise ValueError(f"num_new_slots must be >= 0, got {extra}")
         hits, hashes = self._match_prefix(tokens, filtered=False)  # only with the prefix cache: then one table
         below = self._match_lower_tier(tokens, hashes)  # blocks after the hits, in the lower tier
-        pages = self.lower_tier.read(below) if below and self.lower_tier is not None else []
+        pages = self.lower_tier.read(below, rid) if below and self.lower_tier is not None else []
         below = below[: len(pages)]  # the run read and checked
         usable = self._resume_point(hashes + below)
         hits, hashes = hits[:usable], hashes[:usable]

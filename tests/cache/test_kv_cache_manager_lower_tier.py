@@ -16,7 +16,13 @@ class DictTier:
     def contains(self, block_hash):
         return block_hash in self.hashes
 
-    def read(self, block_hashes):
+    def prefetch(self, key, block_hashes):
+        return True  # read at once (the engine's tier reads in the background: tests/engine/test_disk_loads.py)
+
+    def forget(self, key):
+        pass
+
+    def read(self, block_hashes, key=None):
         n = len(block_hashes) if self.fail_after is None else min(self.fail_after, len(block_hashes))
         return [("page", h) for h in block_hashes[:n]]
 
