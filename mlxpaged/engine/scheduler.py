@@ -3,9 +3,10 @@
 Plain Python (no MLX), modelled on vLLM v1's scheduler. Each step spends at most
 `max_batch_tokens` tokens: one per decoding request first, then chunks of unfinished
 prefills (each at most a quarter of the budget while a request waits), then new admissions
-in FIFO order (a request whose blocks are being read from the disk tier waits apart, passed by the others). When the block pool runs dry the newest
-running request is preempted by recompute: its blocks are freed and it later re-prefills
-prompt + generated tokens (cheaply, if its blocks are still in the prefix cache).
+in FIFO order (a request whose blocks are being read from the disk tier waits apart, passed
+by the others). When the block pool runs dry the newest running request is preempted by
+recompute: its blocks are freed and it later re-prefills prompt + generated tokens (cheaply,
+if its blocks are still in the prefix cache).
 
 A request holds one block table per layer group (see kv_cache_manager.py); the manager sizes
 and grows all of them, so admission, preemption and capacity here count every group's blocks.
