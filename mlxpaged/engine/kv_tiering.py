@@ -58,8 +58,10 @@ class KVTiering:
         return isinstance(block_hash, bytes) and (self.writer.is_pending(block_hash) or self.tier.contains(block_hash))
 
     def prefetch(self, key: Hashable, block_hashes: list[Hashable]) -> bool:
-        """Read the blocks for request `key` in the background; whether they are read (it may be admitted)."""
-        return self.loads.start(key, block_hashes)
+        """Read the blocks for request `key` in the background (and a state model's last checkpoint among them);
+        whether they are read (it may be admitted)."""
+        ready = self.loads.start(key, block_hashes)
+        return (self.states is None or self.states.prefetch_last(block_hashes)) and ready
 
     def forget(self, key: Hashable) -> None:
         self.loads.forget(key)

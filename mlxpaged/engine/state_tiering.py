@@ -11,12 +11,17 @@ are left out); a record whose arrays do not match the leaves' shapes and dtypes 
 Reading. The cache manager's prefix filter (`StateCache.usable_blocks`) counts a checkpoint found here as a
 resume point; at allocation `StateCache.prepare` reads it back into the checkpoint table, before any block is
 taken, and a file that fails its checks is skipped with a warning: the request resumes at an earlier point.
+While a request's KV blocks are read in the background (engine/disk_loads.py), the last checkpoint among them
+is read too (`prefetch_last`, a reader thread), so `prepare` mostly finds its arrays in memory and only turns
+them into MLX arrays on the engine thread.
 """
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Hashable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from mlxpaged.cache.disk_tier import DiskTier
 from mlxpaged.cache.disk_writer import DiskWriter
@@ -27,6 +32,7 @@ import mlx.core as mx
 import numpy as np
 
 CLOSE_TIMEOUT_S = 60.0  # at most this long writing the last checkpoints at close
+MAX_PREFETCHED = 2  # checkpoints read ahead and held (one per request loading: disk_loads.MAX_LOADS)
 
 
 class StateTiering:
@@ -36,8 +42,11 @@ class StateTiering:
         self.tier, self.writer, self.leaves = tier, writer, list(leaves)
         self._dirty: dict[bytes, Snapshot] = {}  # published, not yet handed to the writer
         self.hits = 0  # checkpoints read back and used
+        self.read_ahead = 0  # of the reads, those a reader thread did while the request's blocks loaded
         self.read_seconds = 0.0
         self.copy_seconds = 0.0  # steps' time copying checkpoints out
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="mlxpaged-state-disk-reader")
+        self._prefetched: OrderedDict[bytes, Future] = OrderedDict()  # a checkpoint's arrays being read, or read
 
     # ---- StateCache's CheckpointTier -----------------------------------------------------------------
 
@@ -48,9 +57,14 @@ class StateTiering:
         if not isinstance(block_hash, bytes):
             return None
         start = time.perf_counter()
+        ahead = self._prefetched.pop(block_hash, None)
         arrays = self.writer.pending(block_hash)  # not written yet: the copy itself
         if arrays is None:
-            arrays = self.tier.read(block_hash)
+            if ahead is not None and not ahead.cancelled():
+                arrays = ahead.result()
+                self.read_ahead += 1
+            else:
+                arrays = self.tier.read(block_hash)
         snapshot = None
         if arrays is not None:
             try:
@@ -60,6 +74,19 @@ class StateTiering:
         self.read_seconds += time.perf_counter() - start
         self.hits += snapshot is not None
         return snapshot
+
+    def prefetch_last(self, block_hashes: Sequence[Hashable]) -> bool:
+        """Begin reading the last of these blocks' checkpoints found here (the resume point a request loading
+        them will want); whether it is read (True when there is none)."""
+        block_hash = next((h for h in reversed(block_hashes) if self.contains(h)), None)
+        if not isinstance(block_hash, bytes) or self.writer.is_pending(block_hash):
+            return True
+        ahead = self._prefetched.get(block_hash)
+        if ahead is None:
+            self._prefetched[block_hash] = ahead = self._reader.submit(self.tier.read, block_hash)
+            while len(self._prefetched) > MAX_PREFETCHED:  # a request gone meanwhile: its read is dropped
+                self._prefetched.popitem(last=False)
+        return ahead.done()
 
     def offer(self, block_hash: Hashable, snapshot: Snapshot) -> None:
         if isinstance(block_hash, bytes) and not self.writer.is_pending(block_hash) and block_hash not in self._dirty:
@@ -88,6 +115,8 @@ class StateTiering:
         try:
             self.persist(wait=True)
         finally:
+            self._prefetched.clear()
+            self._reader.shutdown(wait=False, cancel_futures=True)
             self.writer.close(CLOSE_TIMEOUT_S)
 
     def stats(self) -> dict:
@@ -95,6 +124,7 @@ class StateTiering:
         return {
             "disk_state_hits": self.hits,
             "disk_state_read_seconds": self.read_seconds,
+            "disk_state_read_ahead": self.read_ahead,
             "disk_state_written": s.written_blocks,
             "disk_state_written_bytes": s.written_bytes,
             "disk_state_skipped_files": s.skipped_files,

@@ -57,6 +57,7 @@ def test_a_new_engine_resumes_a_state_model_from_disk_with_the_cold_tokens(model
     assert warm.token_ids == cold.token_ids
     # The prefill ended at the prompt's last block boundary (96), checkpointed there: it resumes from it.
     assert warm.cached_tokens == 96 and stats["disk_hit_tokens"] == 96 and stats["disk_state_hits"] == 1
+    assert stats["disk_state_read_ahead"] == 1  # read by a reader thread while the blocks loaded
     assert stats["disk_skipped_files"] == stats["disk_state_skipped_files"] == 0
 
 
