@@ -1,4 +1,4 @@
-"""The `mlxpaged` command: chat | serve | bench | models | pull | doctor."""
+"""The `mlxpaged` command: chat | serve | bench | models | pull | doctor | launch."""
 
 from __future__ import annotations
 
@@ -156,6 +156,12 @@ def concurrency_levels(text: str) -> tuple[int, ...]:
     return parse_concurrency(text)
 
 
+def process_counts(text: str) -> tuple[int, ...]:
+    from mlxpaged_app.bench.distributed import parse_processes
+
+    return parse_processes(text)
+
+
 def bench_parts(text: str) -> tuple[str, ...]:
     from mlxpaged_app.bench.gpu import parse_parts
 
@@ -235,6 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
             "gpu",
             "restart",
             "kv",
+            "distributed",
         ],
         help="decode: batch-1 tok/s vs mlx-lm; batch: 16 concurrent requests vs mlx-lm "
         "batch_generate; prefix: time to first token, cached vs cold; prefill: cold and "
@@ -248,11 +255,21 @@ def build_parser() -> argparse.ArgumentParser:
         "8k prefix) vs plain mlx-lm on the model's own dtype, and a met/missed summary; restart: time to "
         "first token of an 8k-token prompt cold, from the RAM prefix cache and from the disk tier after a "
         "real process restart; kv: quantized KV pages "
-        "(8 and 4 bits) vs full precision: capacity, perplexity on a held-out text, greedy agreement, decode tok/s",
+        "(8 and 4 bits) vs full precision: capacity, perplexity on a held-out text, greedy agreement, decode tok/s; "
+        "distributed: time to first token and decode tok/s in 1, 2 and 4 processes (mlx.launch, ring backend on "
+        "loopback), and whether each gave 1 process's tokens",
     )
     bench.add_argument("--model", "-m", default=None)
-    bench.add_argument("--tokens", type=int, default=128, help="tokens to generate per request")
-    bench.add_argument("--runs", type=int, default=3)
+    bench.add_argument(
+        "--tokens", type=int, default=None, help="tokens to generate per request (default 128; distributed: 16)"
+    )
+    bench.add_argument("--runs", type=int, default=None, help="timed runs (default 3; distributed: 1)")
+    bench.add_argument(
+        "--processes",
+        type=process_counts,
+        default=None,
+        help="distributed: process counts, comma-separated (default 1,2,4; 1 always runs, the reference)",
+    )
     bench.add_argument(
         "--prompt-tokens", type=int, default=None, help="restart: prompt length in tokens (default 8000)"
     )
@@ -318,6 +335,10 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--load", action="store_true", help="also load the default model and time a short generation")
     doctor.add_argument("--json", action="store_true", help="print the checks as JSON")
     doctor.set_defaults(func=cmd_doctor)
+
+    from mlxpaged_app.launch import add_launch_parser
+
+    add_launch_parser(sub, sorted(sub.choices))  # the commands above, under mlx.launch
     return parser
 
 

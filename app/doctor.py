@@ -468,7 +468,17 @@ def run_checks(load: bool = False) -> list[Check]:
     ]
     if load:
         checks.append(("load", check_load))
-    return [guarded(label, check) for label, check in checks]
+    return [guarded(label, check) for label, check in checks] + distributed_lines()
+
+
+def distributed_lines() -> list[Check]:
+    """The distributed setup under mlx.launch (doctor_distributed.py; rank 0's lines), one line alone."""
+    from mlxpaged_app.doctor_distributed import distributed_checks
+
+    try:
+        return distributed_checks()
+    except Exception as exc:  # a group that cannot be joined is this line's FAIL, never a traceback
+        return [Check(FAIL, "distributed", f"unexpected error: {type(exc).__name__}: {exc}")]
 
 
 def summary(checks: list[Check]) -> str:
@@ -496,6 +506,12 @@ def exit_status(checks: list[Check]) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
+    from mlxpaged.distributed.ranks import follows
+
+    if follows():  # under mlx.launch, a rank other than 0 sends rank 0 its facts and prints nothing
+        from mlxpaged_app.doctor_distributed import follower_doctor
+
+        return follower_doctor()
     checks = run_checks(load=args.load)
     print(to_json(checks) if args.json else format_table(checks))
     return exit_status(checks)

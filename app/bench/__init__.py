@@ -25,6 +25,13 @@ def bench_server(args: Namespace) -> int:
     return run_server_bench(args)
 
 
+def bench_distributed(args: Namespace) -> int:
+    """Imported when run: its rank script runs as `python -m mlxpaged_app.bench.distributed_ranks`."""
+    from mlxpaged_app.bench.distributed import bench_distributed as run
+
+    return run(args)
+
+
 BENCHES = {
     "decode": bench_decode,
     "memory": bench_memory,
@@ -39,8 +46,16 @@ BENCHES = {
     "gpu": bench_gpu,
     "restart": bench_restart,
     "kv": bench_kv,
+    "distributed": bench_distributed,
 }
 
 
+# --tokens and --runs when not given: 128 and 3, except where a bench's own default keeps its run short.
+DEFAULTS = {"distributed": {"tokens": 16, "runs": 1}}
+
+
 def run_bench(args: Namespace) -> int:
+    for name, value in {"tokens": 128, "runs": 3, **DEFAULTS.get(args.what, {})}.items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
     return BENCHES[args.what](args)

@@ -21,6 +21,7 @@ import socket
 import sys
 import threading
 
+from mlxpaged.distributed.launch import launched_alone
 from mlxpaged.distributed.ranks import follows, launched
 from mlxpaged.errors import MlxpagedError, user_message
 from mlxpaged_app.server.flags import ServeError, cache_settings, check_bind, server_config
@@ -184,9 +185,10 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"mlxpaged serve: {user_message(exc, 'cli')}", file=sys.stderr)
         return 1
     main = threading.current_thread() is threading.main_thread()
-    if main and launched():  # SIGTERM: another rank failed; rank 0 may be waiting in a collective (ranks.py)
+    across = launched() and not launched_alone()  # `mlx.launch -n 1` is one process
+    if main and across:  # SIGTERM: another rank failed; rank 0 may be waiting in a collective (ranks.py)
         exit_on_launcher_term("rank 0")
-    previous = signal.signal(signal.SIGTERM, _interrupt) if main and not launched() else None  # until uvicorn
+    previous = signal.signal(signal.SIGTERM, _interrupt) if main and not across else None  # until uvicorn
     try:
         with contextlib.closing(sock):
             return _load_and_serve(args, config, sock)

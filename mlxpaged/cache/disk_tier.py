@@ -1,13 +1,17 @@
 """The prefix cache's disk tier: one file per full KV block, named by its chained block hash, in a directory
-that outlives the process. Plain Python and numpy (no MLX): the pages come in and go out as host arrays
-(`PagedKVCache.export_blocks` / `import_blocks`); engine/kv_tiering.py decides when.
+that outlives the process; for models with state layers also one file per state checkpoint (the state after the
+block of that hash ends: engine/state_tiering.py), a record of another kind beside it. Plain Python and numpy
+(no MLX): the pages come in and go out as host arrays (`PagedKVCache.export_blocks` / `import_blocks`);
+engine/kv_tiering.py decides when.
 
-Files. `<root>/v<FORMAT_VERSION>/<fingerprint[:16]>/<hash[:2]>/<hash>.kvb`: the fingerprint names the model
-(weights, dtype, kv_bits, layout, block size: disk_fingerprint.py), so two models never read each other's
-blocks. A file is: magic, format version, header length, a JSON header (fingerprint, block hash, each
-array's dtype and shape, payload length), the payload's CRC-32, then the arrays back to back. A file whose
-magic, version, fingerprint, hash, length or checksum does not match is skipped with a warning and never
-used (a later write of that block replaces it).
+Files. `<root>/v<FORMAT_VERSION>/<fingerprint[:16]>/<hash[:2]>/<hash>.kvb` (`.kvs`: a state checkpoint): the
+fingerprint names the model (weights, dtype, kv_bits, layout, block size, state layers: disk_fingerprint.py),
+so two models never read each other's blocks. A file is: magic, format version, header length, a JSON header
+(fingerprint, block hash, record kind, each array's dtype and shape, payload length), the payload's CRC-32,
+then the arrays back to back. A file whose magic, version, kind, fingerprint, hash, length or checksum does
+not match is skipped with a warning and never used (a later write of that block replaces it). The kind came
+after version 1's first files: a header without one is a KV block's (so no version bump; a build that predates
+the kind never opens a `.kvs` name, though it does not count those files in its size either).
 
 Two processes on one directory. A file appears only complete: it is written under a temporary name in its
 own directory, flushed, fsynced, then renamed over its final name (atomic on POSIX); a reader opens a final
@@ -44,6 +48,7 @@ import numpy as np
 FORMAT_VERSION = 1
 MAGIC = b"MLXPKVB\x00"
 SUFFIX = ".kvb"
+SUFFIXES = {"kv": SUFFIX, "state": ".kvs"}  # by record kind
 _PREFIX = struct.Struct("<8sII")  # magic, version, header length
 _CRC = struct.Struct("<I")
 LOW_WATER = 0.9  # eviction stops at this share of the limit, so each eviction is not followed by another at once
@@ -77,14 +82,18 @@ class DiskTierStats:
 
 
 class DiskTier:
-    """Block files of one model (`fingerprint`, hex) under `root`, LRU within `max_bytes`."""
+    """Block files of one model (`fingerprint`, hex) under `root`, LRU within `max_bytes`; `kind`: the records this
+    instance reads and writes ("kv": KV blocks, "state": state checkpoints; both count in the one size limit)."""
 
-    def __init__(self, root: str | os.PathLike, fingerprint: str, max_bytes: int):
+    def __init__(self, root: str | os.PathLike, fingerprint: str, max_bytes: int, kind: str = "kv"):
         if max_bytes < 1:
             raise ValueError(f"the disk tier needs a size limit above 0 bytes, got {max_bytes}")
+        if kind not in SUFFIXES:
+            raise ValueError(f"record kind must be one of {sorted(SUFFIXES)}, got {kind!r}")
         self.root = Path(root).expanduser()
         self.fingerprint = fingerprint
         self.max_bytes = max_bytes
+        self.kind = kind
         self.directory = self.root / f"v{FORMAT_VERSION}" / fingerprint[:16]
         self.directory.mkdir(parents=True, exist_ok=True)
         self.stats = DiskTierStats()
@@ -99,7 +108,7 @@ class DiskTier:
 
     def path(self, block_hash: bytes) -> Path:
         name = block_hash.hex()
-        return self.directory / name[:2] / f"{name}{SUFFIX}"
+        return self.directory / name[:2] / f"{name}{SUFFIXES[self.kind]}"
 
     def contains(self, block_hash: bytes) -> bool:
         """A file exists for this block (it may still fail its checks when read)."""
@@ -125,7 +134,7 @@ class DiskTier:
             self._skip(path, block_hash, f"unreadable: {exc}")
             return None
         try:
-            arrays = decode(data, self.fingerprint, block_hash)
+            arrays = decode(data, self.fingerprint, block_hash, self.kind)
         except BadBlockFile as exc:
             self._skip(path, block_hash, str(exc))
             return None
@@ -136,6 +145,10 @@ class DiskTier:
             self.stats.read_bytes += len(data)
             self.stats.read_seconds += time.perf_counter() - start
         return arrays
+
+    def reject(self, block_hash: bytes, why: str) -> None:
+        """A file that read well but must not be used (its arrays do not fit what the reader expects)."""
+        self._skip(self.path(block_hash), block_hash, why)
 
     def _skip(self, path: Path, block_hash: bytes, why: str) -> None:
         self._bad.add(block_hash)
@@ -155,7 +168,7 @@ class DiskTier:
         if not self.needs_write(block_hash):
             return 0
         path = self.path(block_hash)
-        data = encode(arrays, self.fingerprint, block_hash)
+        data = encode(arrays, self.fingerprint, block_hash, self.kind)
         path.parent.mkdir(parents=True, exist_ok=True)
         temp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
         try:
@@ -228,7 +241,7 @@ def list_entries(root: Path, remove_stale_temps: bool = False) -> list[DiskEntry
                     if now - path.stat().st_mtime > STALE_TEMP_S:
                         path.unlink()
                 continue
-            if not name.endswith(SUFFIX) or name.startswith("."):
+            if not name.endswith(tuple(SUFFIXES.values())) or name.startswith("."):
                 continue
             with contextlib.suppress(FileNotFoundError):  # deleted meanwhile by another process
                 st = path.stat()
@@ -239,7 +252,9 @@ def list_entries(root: Path, remove_stale_temps: bool = False) -> list[DiskEntry
 # ---- the file format -----------------------------------------------------------------------------------
 
 
-def encode(arrays: Sequence[np.ndarray], fingerprint: str, block_hash: bytes) -> list[bytes | memoryview]:
+def encode(
+    arrays: Sequence[np.ndarray], fingerprint: str, block_hash: bytes, kind: str = "kv"
+) -> list[bytes | memoryview]:
     """The file's bytes, in pieces (the payload's pieces are views of the arrays: no copy)."""
     payload = [np.ascontiguousarray(a) for a in arrays]
     raw = [a.reshape(-1).view(np.uint8).data for a in payload]  # byte views: no copy
@@ -247,6 +262,7 @@ def encode(arrays: Sequence[np.ndarray], fingerprint: str, block_hash: bytes) ->
         {
             "fingerprint": fingerprint,
             "block_hash": block_hash.hex(),
+            "kind": kind,
             "arrays": [{"dtype": a.dtype.str, "shape": list(a.shape)} for a in payload],
             "payload_bytes": sum(a.nbytes for a in payload),
         },
@@ -259,7 +275,7 @@ def encode(arrays: Sequence[np.ndarray], fingerprint: str, block_hash: bytes) ->
     return pieces + raw
 
 
-def decode(data: bytes, fingerprint: str, block_hash: bytes) -> list[np.ndarray]:
+def decode(data: bytes, fingerprint: str, block_hash: bytes, kind: str = "kv") -> list[np.ndarray]:
     """The arrays of a block file, after every check (BadBlockFile naming the first that fails)."""
     if len(data) < _PREFIX.size:
         raise BadBlockFile(f"truncated: {len(data)} bytes, shorter than its prefix")
@@ -281,6 +297,8 @@ def decode(data: bytes, fingerprint: str, block_hash: bytes) -> list[np.ndarray]
         raise BadBlockFile(f"another model's block (fingerprint {str(header.get('fingerprint'))[:16]}...)")
     if header.get("block_hash") != block_hash.hex():
         raise BadBlockFile("holds another block (hash mismatch)")
+    if header.get("kind", "kv") != kind:
+        raise BadBlockFile(f"a {header.get('kind')!r} record where a {kind!r} one belongs")
     if len(data) != body + payload_bytes or payload_bytes != sum(d.itemsize * int(np.prod(s)) for d, s in specs):
         raise BadBlockFile(f"truncated or padded: {len(data)} bytes, expected {body + payload_bytes}")
     (crc,) = _CRC.unpack_from(data, _PREFIX.size + header_len)

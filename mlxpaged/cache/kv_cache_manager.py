@@ -41,12 +41,27 @@ class UnknownRequestError(KeyError):
 
 
 class LowerTier(Protocol):
-    """Full blocks kept below the pool, by chain hash (the disk tier: engine/kv_tiering.py)."""
+    """Full blocks kept below the pool, by chain hash (the disk tier: engine/kv_tiering.py). Reading and writing
+    are apart, so a run of blocks is read and checked before any block is taken for it, and the reading may
+    happen in the background while the request waits (`prefetch`)."""
 
     def contains(self, block_hash: Hashable) -> bool: ...
 
-    def load(self, block_ids: list[int], block_hashes: list[Hashable]) -> int:
-        """Write the blocks' KV into `block_ids`; how many leading ones it could (the rest stay unwritten)."""
+    def prefetch(self, key: Hashable, block_hashes: list[Hashable]) -> bool:
+        """Start reading the blocks for request `key` (if not started); whether they are read."""
+        ...
+
+    def forget(self, key: Hashable) -> None:
+        """Request `key` went away: drop what was read for it."""
+        ...
+
+    def read(self, block_hashes: list[Hashable], key: Hashable = None) -> list:
+        """The pages of the leading blocks it could read and check (opaque here), in order: maybe fewer
+        (those prefetched for `key` first)."""
+        ...
+
+    def write(self, block_ids: list[int], block_hashes: list[Hashable], pages: list) -> None:
+        """Write pages `read` returned for `block_hashes` into `block_ids` (one each)."""
         ...
 
 
@@ -117,11 +132,14 @@ class KVCacheManager:
         extra_key: object = None,
         hash_fn: HashFn = sha256_block_hash,
         prefix_filter: Callable[[list[Hashable]], int] | None = None,
+        prepare_resume: Callable[[Hashable], bool] | None = None,
         lower_tier: LowerTier | None = None,
     ):
         """`prefix_filter(hashes)`: how many leading blocks of a cached chain a request may use (models
         with state layers can resume only where their state was checkpointed); None: all of them.
-        `lower_tier`: where blocks missing from the pool may still be found (never with a prefix filter).
+        `prepare_resume(hash)`: at allocation, make the resume point after that block ready (a state checkpoint
+        read from disk); False: it cannot be, resume earlier. `lower_tier`: where blocks missing from the pool
+        may still be found.
         `pool`: one BlockPool, or one per block space with `spaces` naming each group's (None: all in pool 0)."""
         specs = tuple(specs)
         if not specs:
@@ -150,8 +168,7 @@ class KVCacheManager:
         self.extra_key = extra_key
         self.hash_fn = hash_fn
         self.prefix_filter = prefix_filter
-        if lower_tier is not None and prefix_filter is not None:
-            raise ValueError("a lower tier holds KV blocks only: a model with state layers cannot resume from it")
+        self.prepare_resume = prepare_resume
         self.lower_tier = lower_tier
         self._chains: dict[Hashable, _CachedChain] = {}
         # The longest sequence the pools can hold (None: any length).
@@ -214,6 +231,20 @@ class KVCacheManager:
 
     # ---- request lifecycle --------------------------------------------------------
 
+    def loading(self, request: Request) -> bool:
+        """Whether the request's blocks in the lower tier are still being read (begun here if not yet): it waits
+        to be allocated meanwhile, and other requests run."""
+        if self.lower_tier is None or not self.enable_prefix_cache:
+            return False
+        tokens = request.all_token_ids
+        below = self._match_lower_tier(tokens, self._match_prefix(tokens, filtered=False)[1])
+        return bool(below) and not self.lower_tier.prefetch(request.request_id, below)
+
+    def forget_loading(self, request_id: Hashable) -> None:
+        """A waiting request went away: what was read for it is dropped."""
+        if self.lower_tier is not None:
+            self.lower_tier.forget(request_id)
+
     def allocate(self, request: Request, num_new_slots: int | None = None) -> Allocation:
         """Give a new request tables for its tokens (plus `num_new_slots` reserved slots), sharing
         the longest cached prefix of full blocks. Atomic: on NoFreeBlocksError nothing changed."""
@@ -225,8 +256,13 @@ class KVCacheManager:
             raise ValueError("cannot allocate an empty prompt: the model needs a token to run")
         if extra < 0:
             raise ValueError(f"num_new_slots must be >= 0, got {extra}")
-        hits, hashes = self._match_prefix(tokens)  # only with the prefix cache: then one table
+        hits, hashes = self._match_prefix(tokens, filtered=False)  # only with the prefix cache: then one table
         below = self._match_lower_tier(tokens, hashes)  # blocks after the hits, in the lower tier
+        pages = self.lower_tier.read(below, rid) if below and self.lower_tier is not None else []
+        below = below[: len(pages)]  # the run read and checked
+        usable = self._resume_point(hashes + below)
+        hits, hashes = hits[:usable], hashes[:usable]
+        below = below[: usable - len(hits)]
         partial = None if below else self._match_partial(tokens, hashes)
         fresh = [m.spec.blocks_needed(len(tokens) + extra) for m in self.managers]
         fresh[0] -= len(hits)
@@ -237,8 +273,8 @@ class KVCacheManager:
         tables = self._take(fresh, taken)
         if self.enable_prefix_cache:
             self.pool.record_prefix_query(len(tokens), len(hits) * self.block_size + (partial[1] if partial else 0))
-        loaded = self._load_lower_tier(tables[0][: len(below)], below)  # the first fresh blocks
-        hashes = hashes + below[:loaded]
+        loaded = self._write_lower_tier(tables[0][: len(below)], below, pages)  # the first fresh blocks
+        hashes = hashes + below
         tables[0] = hits + tables[0]
         for manager, table in zip(self.managers, tables, strict=True):
             manager.tables[rid] = table
@@ -394,14 +430,24 @@ class KVCacheManager:
             found.append(parent)
         return found
 
-    def _load_lower_tier(self, blocks: list[KVCacheBlock], block_hashes: list[Hashable]) -> int:
-        """Read the lower tier's blocks into fresh `blocks` and cache them as the pool's own; how many."""
+    def _write_lower_tier(self, blocks: list[KVCacheBlock], block_hashes: list[Hashable], pages: list) -> int:
+        """Write the lower tier's pages (read already) into fresh `blocks` and cache them as the pool's own."""
         if not blocks or self.lower_tier is None:
             return 0
-        loaded = self.lower_tier.load([b.block_id for b in blocks], block_hashes)
-        for block, block_hash in zip(blocks[:loaded], block_hashes[:loaded], strict=True):
+        self.lower_tier.write([b.block_id for b in blocks], block_hashes, pages[: len(blocks)])
+        for block, block_hash in zip(blocks, block_hashes, strict=True):
             self.pool.cache_full_block(block, block_hash)
-        return loaded
+        return len(blocks)
+
+    def _resume_point(self, block_hashes: list[Hashable]) -> int:
+        """How many leading blocks of the chain a request may use: all of them, or with a prefix filter the
+        longest run ending where the model can resume, whose resume point `prepare_resume` made ready."""
+        if self.prefix_filter is None:
+            return len(block_hashes)
+        usable = self.prefix_filter(block_hashes)
+        while usable and self.prepare_resume is not None and not self.prepare_resume(block_hashes[usable - 1]):
+            usable = self.prefix_filter(block_hashes[: usable - 1])
+        return usable
 
     def _available_besides(self, hits: list[KVCacheBlock]) -> int:
         # Touching an evictable hit takes it out of the free pool without allocating it.
@@ -439,9 +485,10 @@ class KVCacheManager:
             fresh.append(iter(given + pool.get_new_blocks(n - len(given))))
         return [[next(fresh[s]) for _ in range(n)] for n, s in zip(counts, self.spaces, strict=True)]
 
-    def _match_prefix(self, tokens: list[int]) -> tuple[list[KVCacheBlock], list[Hashable]]:
+    def _match_prefix(self, tokens: list[int], filtered: bool = True) -> tuple[list[KVCacheBlock], list[Hashable]]:
         """Longest chain of cached full blocks for `tokens` and their hashes, never covering the
-        last token (the model must run at least one position to produce logits)."""
+        last token (the model must run at least one position to produce logits); `filtered`: cut to
+        the prefix filter's usable run (allocate filters the pool's and the lower tier's run together)."""
         if not self.enable_prefix_cache:
             return [], []
         bs = self.block_size
@@ -456,7 +503,7 @@ class KVCacheManager:
                 break
             hits.append(block)
             hashes.append(block_hash)
-        if self.prefix_filter is not None:
+        if filtered and self.prefix_filter is not None:
             usable = self.prefix_filter(hashes)
             hits, hashes = hits[:usable], hashes[:usable]
         return hits, hashes

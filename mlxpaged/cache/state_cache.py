@@ -12,13 +12,16 @@ writes are kept for the pass. `StatePass.commit` moves them into the store only 
 really used, so a pipelined pass that is thrown away leaves the state as it was.
 
 `CheckpointTable`: snapshots of a sequence's rows at block boundaries, keyed by the block hash of
-the prefix cache, so the next chat turn resumes from the last boundary of the previous one.
+the prefix cache, so the next chat turn resumes from the last boundary of the previous one. With the
+disk tier on, `StateCache.lower` (engine/state_tiering.py) holds them below the table too: every
+published checkpoint is offered to it, and a resume point may be one found only there.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
+from typing import Protocol
 
 from mlxpaged.cache.layout import Path, StateLeaf
 
@@ -226,6 +229,20 @@ class CheckpointTable:
         self._snapshots.clear()
 
 
+class CheckpointTier(Protocol):
+    """Checkpoints kept below the table, by block hash (the disk tier: engine/state_tiering.py)."""
+
+    def contains(self, block_hash: Hashable) -> bool: ...
+
+    def read(self, block_hash: Hashable) -> Snapshot | None:
+        """The checkpoint, checked; None when it cannot be read (then `contains` answers False from now on)."""
+        ...
+
+    def offer(self, block_hash: Hashable, snapshot: Snapshot) -> None:
+        """A checkpoint just published: keep it (later, off the step)."""
+        ...
+
+
 class StateCache:
     """What the scheduler drives (it imports no MLX and sees only these methods): slots for running
     sequences and checkpoints at block boundaries. `pending` keeps each sequence's newest decode
@@ -234,6 +251,7 @@ class StateCache:
     def __init__(self, store: StateStore, checkpoints: CheckpointTable):
         self.store, self.checkpoints = store, checkpoints
         self._pending: dict[int, tuple[Hashable, Snapshot]] = {}  # by slot
+        self.lower: CheckpointTier | None = None  # the disk tier's checkpoints, when on
 
     @property
     def num_slots(self) -> int:
@@ -257,12 +275,33 @@ class StateCache:
         """Release a slot, publishing its newest decode checkpoint."""
         pending = self._pending.pop(slot, None)
         if pending is not None:
-            self.checkpoints.put(*pending)
+            self._publish(*pending)
         self.store.free(slot)
 
     def usable_blocks(self, block_hashes: Sequence[Hashable]) -> int:
-        """Leading cached blocks a new sequence can resume after (the KV manager's prefix filter)."""
-        return self.checkpoints.longest(block_hashes)
+        """Leading cached blocks a new sequence can resume after (the KV manager's prefix filter): the last
+        one ends at a checkpoint in the table or below it."""
+        if not self.checkpoints_enabled:
+            return 0
+        for n in range(len(block_hashes), 0, -1):
+            if block_hashes[n - 1] in self.checkpoints or (
+                self.lower is not None and self.lower.contains(block_hashes[n - 1])
+            ):
+                return n
+        return 0
+
+    def prepare(self, block_hash: Hashable) -> bool:
+        """Make the checkpoint after `block_hash` ready for `restore` (read into the table from below if it is
+        only there); False when it cannot be (a file that fails its checks), so the caller resumes earlier."""
+        if block_hash in self.checkpoints:
+            return True
+        snapshot = self.lower.read(block_hash) if self.lower is not None and self.checkpoints_enabled else None
+        if snapshot is None:
+            return False
+        if set(snapshot) != set(self.store.sizes):
+            return False  # another layout's: never restore it
+        self.checkpoints.put(block_hash, snapshot)
+        return True
 
     def restore(self, slot: int, block_hash: Hashable) -> None:
         self.store.restore(slot, self.checkpoints.get(block_hash))
@@ -273,9 +312,14 @@ class StateCache:
         snapshot = self.store.snapshot(slot)
         mx.async_eval([a for row in snapshot.values() for a in row if a is not None])
         if publish:
-            self.checkpoints.put(block_hash, snapshot)
+            self._publish(block_hash, snapshot)
         else:
             self._pending[slot] = (block_hash, snapshot)
+
+    def _publish(self, block_hash: Hashable, snapshot: Snapshot) -> None:
+        self.checkpoints.put(block_hash, snapshot)
+        if self.lower is not None:
+            self.lower.offer(block_hash, snapshot)
 
     def reset(self) -> None:
         """Forget every checkpoint (the prefix cache was reset)."""

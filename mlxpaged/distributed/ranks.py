@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 
 from mlxpaged.distributed import DEFAULT_RANK_TIMEOUT_S
+from mlxpaged.distributed.launch import launched_alone
 from mlxpaged.errors import ConfigError
 
 import mlx.core as mx
@@ -51,8 +52,8 @@ def follows() -> bool:
 
 
 def join(backend: str = "any", timeout_s: float = DEFAULT_RANK_TIMEOUT_S) -> Ranks | None:
-    """The group `mlx.launch` set up (None when this process runs alone: a group of one)."""
-    if not launched():
+    """The group `mlx.launch` set up (None when this process runs alone: a group of one, `mlx.launch -n 1` too)."""
+    if not launched() or launched_alone():
         return None
     group = mx.distributed.init(strict=True, backend=backend)
     return Ranks(group, timeout_s=timeout_s) if group.size() > 1 else None

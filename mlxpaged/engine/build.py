@@ -16,6 +16,7 @@ from mlxpaged.cache.disk_writer import DiskWriter
 from mlxpaged.cache.kv_cache import PagedKVCache
 from mlxpaged.cache.layout import ModelLayout
 from mlxpaged.cache.paged_support import attention_geometries, serial_reason
+from mlxpaged.cache.state_cache import StateCache
 from mlxpaged.config import CacheConfig, SchedulerConfig
 from mlxpaged.distributed.channel import PlanChannel
 from mlxpaged.distributed.leader import PlanSender
@@ -24,6 +25,7 @@ from mlxpaged.distributed.ranks import Ranks
 from mlxpaged.engine.core import EngineCore
 from mlxpaged.engine.kv_tiering import KVTiering
 from mlxpaged.engine.metrics import StatsCounter
+from mlxpaged.engine.state_tiering import StateTiering
 from mlxpaged.errors import ConfigError
 from mlxpaged.kernels.attention import PreparedAttention, prepare_model_attention
 from mlxpaged.loading.loader import LoadedModel, activation_dtype, check_paged_support
@@ -132,8 +134,9 @@ def _check_distributed(layout: ModelLayout, config: CacheConfig) -> None:
 def disk_tier_reason(core: EngineCore, layout: ModelLayout) -> str | None:
     """Why this model's prefix cache cannot have a disk tier (None: it can)."""
     manager = core.scheduler.kv_manager
-    if layout.state_leaves:
-        return "its state-space / linear-attention layers resume from state checkpoints, which stay in RAM"
+    state = core.scheduler.state
+    if layout.state_leaves and (state is None or not state.checkpoints_enabled):
+        return "its state-space / linear-attention layers have no state checkpoints to resume from"
     if not manager.enable_prefix_cache:
         return "its prefix cache is off (sliding-window layers, or enable_prefix_cache=False)"
     return None
@@ -157,6 +160,8 @@ def attach_disk_tier(core: EngineCore, loaded: LoadedModel, layout: ModelLayout,
         pools=tuple((tuple(p.shape[1:]), str(p.dtype)) for p in kv.pools),
         model_type=layout.model_type,
         backend=backend.current(),
+        # State layers' shapes and dtypes (checkpoints on disk); absent without them, so other models keep theirs.
+        **({"state_leaves": tuple(repr(leaf) for leaf in layout.state_leaves)} if layout.state_leaves else {}),
     )
     directory = config.kv_disk_dir
     assert directory is not None  # the caller checked
@@ -165,8 +170,25 @@ def attach_disk_tier(core: EngineCore, loaded: LoadedModel, layout: ModelLayout,
     tier = DiskTier(directory, fingerprint, size)
     # Snapshots waiting for the writer: at most a quarter of the KV pool, so a slow disk costs bounded memory.
     writer = DiskWriter(tier, max(kv.bytes_per_block, kv.nbytes // 4))
-    core.attach_disk_tier(KVTiering(tier, writer, kv, core.scheduler.kv_manager.pool, core.runner))
+    tiering = KVTiering(tier, writer, kv, core.scheduler.kv_manager.pool, core.runner)
+    if layout.state_leaves:
+        tiering.states = attach_state_tier(core, layout, directory, fingerprint, size, kv.nbytes // 4)
+    core.attach_disk_tier(tiering)
     return None
+
+
+def attach_state_tier(
+    core: EngineCore, layout: ModelLayout, directory, fingerprint: str, size: int, queue_bytes: int
+) -> StateTiering:
+    """State checkpoints on disk beside the blocks (engine/state_tiering.py): the state cache offers them and
+    reads them back. Its writer's queue holds at least two checkpoints, however small the KV pool."""
+    state = core.scheduler.state
+    assert isinstance(state, StateCache)  # disk_tier_reason checked it has checkpoints
+    one = sum(leaf.bytes_per_sequence() for leaf in layout.state_leaves)
+    tier = DiskTier(directory, fingerprint, size, kind="state")
+    states = StateTiering(tier, DiskWriter(tier, max(2 * one, queue_bytes)), layout.state_leaves)  # the store's order
+    state.lower = states
+    return states
 
 
 def layout_serial_reason(layout: ModelLayout, model, dtype: mx.Dtype, block_size: int) -> str | None:

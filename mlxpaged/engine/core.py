@@ -30,6 +30,8 @@ from mlxpaged.errors import ConfigError
 from mlxpaged.runner.model_runner import Runner
 from mlxpaged.sampling_params import SamplingParams
 
+LOAD_POLL_S = 0.05  # a step with nothing to run waits this long at most for a disk load (commands wait as long)
+
 
 class EngineCore:
     """`has_commands`: whether callers queued anything since the step began (a request may arrive,
@@ -88,6 +90,7 @@ class EngineCore:
             extra_key=extra_key,
             enable_prefix_cache=prefix_cache,
             prefix_filter=state.usable_blocks if state is not None else None,
+            prepare_resume=state.prepare if state is not None else None,
         )
         scheduler = Scheduler(
             manager,
@@ -159,6 +162,8 @@ class EngineCore:
         self.stats.preemptions += len(out.preempted)
         if not out.chunks:
             self.runner.drop_look_ahead()
+            if self.tiering is not None:
+                self.tiering.loads.wait(LOAD_POLL_S)  # only disk loads to wait for: not a busy loop
             return
         if self.speculator is not None:
             self.speculator.extend(out)  # decode chunks get their drafts appended

@@ -317,7 +317,7 @@ class Engine:
             return True
         handed = threading.Event()
         self._commands.put(engine_thread.Flush(handed))
-        return handed.wait(timeout) and tiering.writer.wait_idle(timeout)
+        return handed.wait(timeout) and tiering.wait_idle(timeout)
 
     def block_states(self) -> list[str]:
         """Per block: "free", "owned", "shared" or "cached" (a snapshot; for the block map); several block

@@ -9,11 +9,13 @@ pipeline to stop. Before a schedule, a dirty block that could be evicted (ref co
 settling the pipeline if it must: under memory pressure, RAM blocks go to disk before the pool reuses them.
 At close, every cached block not yet on disk is written (the chat's last reply included).
 
-Reading. The cache manager asks `contains` for the blocks after its RAM hits and `load` for the run found:
-synchronously, at admission, before the request's prefill is scheduled. Why not in the background: the
-engine thread owns MLX, so only the file reads and checks could move; on this machine they cost well under a
-second for an 8k-token prefix (`mlxpaged bench restart`), against minutes of prefill, and the request has
-nothing to do meanwhile; the time is measured (`disk_read_seconds`). Other requests' steps do wait for it.
+Reading. A waiting request whose blocks after its RAM hits are on disk is not admitted at once: the cache
+manager's `loading` asks `prefetch`, and reader threads (engine/disk_loads.py) read and check the files while
+the engine keeps stepping the other requests (which may pass it in the queue meanwhile). Once they are in host
+memory, the request is admitted: the manager's `read` takes the pages (reading here only blocks not read yet,
+such as one written since) and `write` copies them into the request's first fresh blocks, on the engine thread
+that owns MLX, before its prefill is scheduled. A run ends at the first file failing its checks: the rest is
+prefilled. State models' checkpoints are read at allocation (engine/state_tiering.py).
 """
 
 from __future__ import annotations
@@ -21,15 +23,15 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Hashable
-from concurrent.futures import ThreadPoolExecutor
 
 from mlxpaged.cache.block_pool import BlockPool, KVCacheBlock
 from mlxpaged.cache.disk_tier import DiskTier
 from mlxpaged.cache.disk_writer import DiskWriter
 from mlxpaged.cache.kv_cache import PagedKVCache
+from mlxpaged.engine.disk_loads import DiskLoads
+from mlxpaged.engine.state_tiering import StateTiering
 
 CLOSE_TIMEOUT_S = 60.0  # at most this long writing the last blocks at close
-READ_THREADS = 4  # files read and checked at once by a disk hit
 SNAPSHOT_BATCH = 64  # blocks per export (one take per pool): bounds the host copy made at once
 
 
@@ -45,8 +47,9 @@ class KVTiering:
         self.hit_blocks = 0
         self.load_seconds = 0.0  # reads, checks and the copy into the pools
         self.snapshot_seconds = 0.0  # time steps spent copying pages out
+        self.states: StateTiering | None = None  # a state model's checkpoints on disk (engine/state_tiering.py)
         pool.on_cached = self._on_cached
-        self._readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="mlxpaged-kv-disk-reader")
+        self.loads = DiskLoads(self._read, self._fits)  # disk hits read off the engine thread
 
     # ---- the cache manager's LowerTier -------------------------------------------------------------
 
@@ -54,36 +57,51 @@ class KVTiering:
         """On disk, or queued for it (the writer still holds the snapshot)."""
         return isinstance(block_hash, bytes) and (self.writer.is_pending(block_hash) or self.tier.contains(block_hash))
 
-    def load(self, block_ids: list[int], block_hashes: list[Hashable]) -> int:
-        start = time.perf_counter()
-        try:
-            loaded = self._load(block_ids, block_hashes)
-        except Exception as exc:  # the blocks are fresh ones: recomputing them is always correct
-            warnings.warn(f"KV disk tier: reading blocks back failed ({exc!r}); they are recomputed", RuntimeWarning, 2)
-            loaded = 0
-        for block_id, block_hash in zip(block_ids[:loaded], block_hashes[:loaded], strict=True):
-            if isinstance(block_hash, bytes):  # what _read took (other hashes never load)
-                self._on_disk[block_id] = block_hash
-        self.hit_blocks += loaded
-        self.load_seconds += time.perf_counter() - start
-        return loaded
+    def prefetch(self, key: Hashable, block_hashes: list[Hashable]) -> bool:
+        """Read the blocks for request `key` in the background (and a state model's last checkpoint among them);
+        whether they are read (it may be admitted)."""
+        ready = self.loads.start(key, block_hashes)
+        return (self.states is None or self.states.prefetch_last(block_hashes)) and ready
 
-    def _load(self, block_ids: list[int], block_hashes: list[Hashable]) -> int:
+    def forget(self, key: Hashable) -> None:
+        self.loads.forget(key)
+
+    def read(self, block_hashes: list[Hashable], key: Hashable = None) -> list[list]:
+        """The pages of the leading blocks whose files read and pass their checks (and fit the pools): those
+        read in the background for `key`, then any not read yet (a block written since), read here."""
+        start = time.perf_counter()
+        ready = self.loads.take(key)
         pages = []
-        # Files are read and checked by a few threads (reads and CRC-32 release the GIL); the run ends at the
-        # first block missing or failing its checks.
-        for arrays in self._readers.map(self._read, block_hashes):
-            if arrays is None:
+        for block_hash in block_hashes:
+            if block_hash not in ready:
                 break
-            pages.append(arrays)
-        if pages:
-            self.runner.drop_look_ahead()  # a pass in flight would make the writes below copy whole pools
-            try:
-                self.kv.import_blocks(block_ids[: len(pages)], pages)
-            except ValueError as exc:  # a fingerprint collision of two layouts: never use such files
-                warnings.warn(f"KV disk tier: blocks do not fit the pools ({exc}); not used", RuntimeWarning, 3)
-                return 0
-        return len(pages)
+            pages.append(ready[block_hash])
+        if len(pages) < len(block_hashes):
+            pages += self.loads.read_run(block_hashes[len(pages) :])
+        self.load_seconds += time.perf_counter() - start
+        return pages
+
+    def write(self, block_ids: list[int], block_hashes: list[Hashable], pages: list[list]) -> None:
+        """Copy pages `read` returned into the request's fresh blocks (the engine thread: it owns MLX)."""
+        start = time.perf_counter()
+        self.runner.drop_look_ahead()  # a pass in flight would make the writes below copy whole pools
+        self.kv.import_blocks(block_ids, pages)
+        for block_id, block_hash in zip(block_ids, block_hashes, strict=True):
+            if isinstance(block_hash, bytes):  # what _read took (other hashes are never read)
+                self._on_disk[block_id] = block_hash
+        self.hit_blocks += len(block_ids)
+        self.load_seconds += time.perf_counter() - start
+
+    def _fits(self, arrays: list) -> bool:
+        """The pages fit the pools (a fingerprint covers their shapes: a mismatch is a collision, never used)."""
+        pools = self.kv.pools
+        ok = len(arrays) == len(pools) and all(
+            tuple(a.shape) == tuple(p.shape[1:]) and a.dtype.itemsize == p.dtype.size
+            for a, p in zip(arrays, pools, strict=False)
+        )
+        if not ok:
+            warnings.warn("KV disk tier: a block's pages do not fit the pools; not used", RuntimeWarning, 3)
+        return ok
 
     def _read(self, block_hash: Hashable) -> list | None:
         if not isinstance(block_hash, bytes):
@@ -113,12 +131,20 @@ class KVTiering:
     def after_step(self) -> None:
         if self._dirty and self.runner.pools_settled:
             self.persist()
+        if self.states is not None:
+            self.states.persist()  # checkpoints are not in the pools: no need to settle
 
     def idle(self) -> None:
         """The engine has nothing to run: settle and write what is dirty."""
         if self._dirty:
             self.runner.drop_look_ahead()
             self.persist()
+        if self.states is not None:
+            self.states.persist()
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until the writers wrote everything handed to them; False on timeout."""
+        return self.writer.wait_idle(timeout) and (self.states is None or self.states.writer.wait_idle(timeout))
 
     def persist(self, wait: bool = False) -> None:
         """Hand every dirty block still holding its hash to the writer (a full queue drops the rest, counted,
@@ -154,8 +180,10 @@ class KVTiering:
         except Exception as exc:  # the engine is stopping anyway: lose these blocks, not the clean exit
             warnings.warn(f"KV disk tier: the last blocks were not written ({exc!r})", RuntimeWarning, 2)
         finally:
-            self._readers.shutdown(wait=False)
+            self.loads.close()
             self.writer.close(CLOSE_TIMEOUT_S)
+            if self.states is not None:
+                self.states.close()
 
     # ---- stats -------------------------------------------------------------------------------------
 
@@ -171,7 +199,9 @@ class KVTiering:
             "disk_hit_blocks": self.hit_blocks,
             "disk_hit_tokens": self.hit_blocks * self.kv.block_size,
             "disk_read_bytes": s.read_bytes,
-            "disk_read_seconds": self.load_seconds,
+            "disk_read_seconds": self.load_seconds + self.loads.background_seconds,
+            "disk_engine_read_seconds": self.load_seconds,  # of it, on the engine thread (others' steps waited)
+            "disk_background_loads": self.loads.background_loads,
             "disk_written_blocks": s.written_blocks,
             "disk_written_bytes": s.written_bytes,
             "disk_written_bytes_per_prompt_token": s.written_bytes / computed if computed > 0 else 0.0,
@@ -181,4 +211,5 @@ class KVTiering:
             "disk_skipped_files": s.skipped_files,
             "disk_evicted_files": s.evicted_files,
             "disk_snapshot_seconds": self.snapshot_seconds,
+            **(self.states.stats() if self.states is not None else {}),
         }

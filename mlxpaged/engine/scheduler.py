@@ -3,9 +3,10 @@
 Plain Python (no MLX), modelled on vLLM v1's scheduler. Each step spends at most
 `max_batch_tokens` tokens: one per decoding request first, then chunks of unfinished
 prefills (each at most a quarter of the budget while a request waits), then new admissions
-in FIFO order. When the block pool runs dry the newest
-running request is preempted by recompute: its blocks are freed and it later re-prefills
-prompt + generated tokens (cheaply, if its blocks are still in the prefix cache).
+in FIFO order (a request whose blocks are being read from the disk tier waits apart, passed
+by the others). When the block pool runs dry the newest running request is preempted by
+recompute: its blocks are freed and it later re-prefills prompt + generated tokens (cheaply,
+if its blocks are still in the prefix cache).
 
 A request holds one block table per layer group (see kv_cache_manager.py); the manager sizes
 and grows all of them, so admission, preemption and capacity here count every group's blocks.
@@ -193,6 +194,7 @@ class Scheduler:
             self._free_state(request)
         else:
             self._waiting.remove(request)
+            self.kv_manager.forget_loading(request_id)
         request.status = status
         return request
 
@@ -372,15 +374,18 @@ class Scheduler:
         return max(1, self.max_batch_tokens // LONG_PREFILL_SHARE) if admitting else self.max_batch_tokens
 
     def _admit_next(self) -> Request | None:
-        """Move the head of the waiting queue to running if it fits, else None: the first
-        request that does not fit blocks the rest (FIFO, no overtaking)."""
+        """Move the first waiting request to running if it fits, else None: the first request that
+        does not fit blocks the rest (FIFO, no overtaking). Requests whose blocks are being read
+        from disk wait apart: the others pass them meanwhile (as vLLM's requests waiting for KV)."""
         if (
             not self._waiting
             or len(self._running) >= self.max_num_seqs
             or (self.state is not None and self.state.num_free == 0)
         ):
             return None
-        request = self._waiting[0]
+        request = next((r for r in self._waiting if not self.kv_manager.loading(r)), None)
+        if request is None:
+            return None
         if not self.kv_manager.can_allocate(request):
             if not self._running:
                 raise RuntimeError(
@@ -389,8 +394,11 @@ class Scheduler:
                     f"blocks free: blocks are held outside the scheduler"
                 )
             return None
-        self._waiting.popleft()
-        allocation = self.kv_manager.allocate(request)
+        try:
+            allocation = self.kv_manager.allocate(request)
+        except NoFreeBlocksError:  # a resume point counted above failed its checks when read: fewer hits
+            return None  # nothing changed; the next step asks again, without that file
+        self._waiting.remove(request)
         if request.num_preemptions == 0:
             request.num_cached_tokens = allocation.num_cached_tokens
         request.num_computed_tokens = allocation.num_cached_tokens

@@ -34,6 +34,7 @@ SECTIONS = [
     "default model",
     "sampling defaults",
     "KV plan",
+    "distributed",  # one line alone; under mlx.launch one more per rank (test_doctor_distributed.py)
 ]
 SELF_CHECK = "mlxpaged.kernels.self_check"
 

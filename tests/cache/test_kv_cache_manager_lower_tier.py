@@ -1,6 +1,8 @@
 """The cache manager with a lower tier (the disk tier's part, plain Python): blocks after the pool's hits that
 the tier holds are loaded into the request's first fresh blocks and count as cached; a failed load falls back to
-prefill; the pool's own hits still come first. The tier here is a dict by hash that records what it loaded."""
+prefill; the pool's own hits still come first. The tier here is a dict by hash that records what it loaded.
+With a state model's prefix filter, the run ends at the last resume point (a checkpoint in RAM or below) that
+could be made ready, over the pool's hits and the tier's blocks together, before any block is taken."""
 
 from tests.cache.kv_sequences import BS, Sequences, manager_for, prompt
 
@@ -14,10 +16,19 @@ class DictTier:
     def contains(self, block_hash):
         return block_hash in self.hashes
 
-    def load(self, block_ids, block_hashes):
-        n = len(block_ids) if self.fail_after is None else min(self.fail_after, len(block_ids))
+    def prefetch(self, key, block_hashes):
+        return True  # read at once (the engine's tier reads in the background: tests/engine/test_disk_loads.py)
+
+    def forget(self, key):
+        pass
+
+    def read(self, block_hashes, key=None):
+        n = len(block_hashes) if self.fail_after is None else min(self.fail_after, len(block_hashes))
+        return [("page", h) for h in block_hashes[:n]]
+
+    def write(self, block_ids, block_hashes, pages):
+        assert pages == [("page", h) for h in block_hashes]  # what read returned, for the same blocks
         self.loads.append((list(block_ids), list(block_hashes)))
-        return n
 
 
 def chain(manager, tokens, n):
@@ -78,6 +89,66 @@ def test_never_the_last_token_and_never_without_the_prefix_cache():
     assert off.allocate("a", tokens).num_cached_tokens == 0
 
 
-def test_a_state_models_filter_refuses_a_lower_tier():
-    with pytest.raises(ValueError, match="state layers"):
-        manager_for(8, BS, prefix_filter=lambda hashes: 0, lower_tier=DictTier())
+class Checkpoints:
+    """A state model's resume points (StateCache's part): hashes with a checkpoint, some of them unreadable."""
+
+    def __init__(self, hashes=(), unreadable=()):
+        self.hashes, self.unreadable, self.prepared = set(hashes), set(unreadable), []
+
+    def usable_blocks(self, block_hashes):
+        return max((n for n in range(1, len(block_hashes) + 1) if block_hashes[n - 1] in self.hashes), default=0)
+
+    def prepare(self, block_hash):
+        self.prepared.append(block_hash)
+        if block_hash in self.unreadable:
+            self.hashes.discard(block_hash)  # as a file failing its checks: never counted again
+            return False
+        return True
+
+
+def state_manager(num_blocks, tier, points):
+    return manager_for(
+        num_blocks, BS, prefix_filter=points.usable_blocks, prepare_resume=points.prepare, lower_tier=tier
+    )
+
+
+@pytest.mark.parametrize("in_ram", [0, 2])
+def test_a_state_model_resumes_at_the_last_checkpoint_over_ram_and_disk(in_ram):
+    tokens = prompt(6 * BS + 3)
+    hashes = chain(manager_for(32, BS), tokens, 6)
+    points = Checkpoints({hashes[1], hashes[4]})  # checkpoints after blocks 2 and 5 (a chunk end, the prompt's)
+    seqs = Sequences(state_manager(32, DictTier(hashes), points))
+    if in_ram:  # the pool holds the first blocks itself
+        seqs.manager.lower_tier = None
+        seqs.allocate("warm", tokens[: in_ram * BS + 1])
+        seqs.mark_computed("warm", in_ram * BS + 1)
+        seqs.manager.lower_tier = DictTier(hashes)
+    tier = seqs.manager.lower_tier
+    alloc = seqs.allocate("a", tokens)
+    assert alloc.num_cached_tokens == 5 * BS and alloc.last_block_hash == hashes[4]
+    assert alloc.num_lower_tier_tokens == (5 - in_ram) * BS and tier.loads[0][1] == hashes[in_ram:5]
+    assert points.prepared == [hashes[4]]  # made ready before any block was taken
+
+
+def test_an_unreadable_checkpoint_resumes_earlier_and_takes_no_block_past_it():
+    tokens = prompt(6 * BS + 3)
+    hashes = chain(manager_for(32, BS), tokens, 6)
+    points = Checkpoints({hashes[1], hashes[4]}, unreadable={hashes[4]})
+    tier = DictTier(hashes)
+    seqs = Sequences(state_manager(32, tier, points))
+    alloc = seqs.allocate("a", tokens)
+    assert alloc.num_cached_tokens == 2 * BS and alloc.last_block_hash == hashes[1]
+    assert points.prepared == [hashes[4], hashes[1]]
+    assert tier.loads == [(alloc.block_tables[0][:2], hashes[:2])]  # only the blocks it resumes after
+    cached = [seqs.pool.blocks[b].block_hash is not None for b in alloc.block_tables[0]]
+    assert cached == [True, True] + [False] * (len(cached) - 2)  # the rest is prefilled, never a stale hit
+
+
+def test_a_block_that_fails_its_read_ends_the_run_at_the_checkpoint_before_it():
+    tokens = prompt(6 * BS + 3)
+    hashes = chain(manager_for(32, BS), tokens, 6)
+    points = Checkpoints({hashes[1], hashes[4]})
+    seqs = Sequences(state_manager(32, DictTier(hashes, fail_after=3), points))
+    alloc = seqs.allocate("a", tokens)
+    assert alloc.num_cached_tokens == 2 * BS and alloc.last_block_hash == hashes[1]
+    assert points.prepared == [hashes[1]]  # the checkpoint after block 5 was never a candidate
