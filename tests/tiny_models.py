@@ -125,6 +125,7 @@ def write_tiny_llama_dir(
 _DIR_EXTRAS: dict[str, dict] = {
     "llama": {},
     "qwen3": {"rope_theta": 10000.0, "tie_word_embeddings": False},
+    "qwen2": {"rope_theta": 10000.0, "tie_word_embeddings": False},  # mlx-lm pipelines it (PipelineMixin)
     "qwen3_moe": {
         "rope_theta": 10000.0,
         "tie_word_embeddings": False,
@@ -146,9 +147,11 @@ def write_tiny_model_dir(
     kv_heads: int = 2,
     seed: int = 0,
     hidden: int = 64,
+    layers: int = 2,
     **extra,
 ):
-    """write_tiny_llama_dir for `model_type` ("llama", "qwen3", "qwen3_moe"): a 2-layer random model."""
+    """write_tiny_llama_dir for `model_type` ("llama", "qwen2", "qwen3", "qwen3_moe"): a random model of
+    `layers` layers."""
     import importlib
     import json
     import shutil
@@ -162,7 +165,7 @@ def write_tiny_model_dir(
     config = dict(
         _COMMON,
         model_type=model_type,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         hidden_size=hidden,
         num_key_value_heads=kv_heads,
         vocab_size=49152,

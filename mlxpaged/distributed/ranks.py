@@ -14,6 +14,7 @@ class Ranks:
     """The group of processes running one engine; rank 0 serves and schedules, the others follow."""
 
     group: mx.distributed.Group
+    parallel: str = "tensor"  # how the model is split over the ranks: "tensor" or "pipeline" (shard.py)
 
     @property
     def rank(self) -> int:

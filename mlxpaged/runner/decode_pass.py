@@ -21,7 +21,7 @@ import os
 from collections.abc import Callable, Sequence
 
 from mlxpaged.cache.kv_cache import PagedKVCache, Pool
-from mlxpaged.cache.quantized_pages import QuantizedPages, as_arguments, from_arguments
+from mlxpaged.cache.quantized_pages import QuantizedPages, as_arguments, from_arguments, pool_arrays
 from mlxpaged.kernels.attention import decode_attention, resolved_backend, sdpa
 from mlxpaged.kernels.reference import gather_pages
 
@@ -81,6 +81,25 @@ class DecodeView:
     @property
     def offset(self) -> mx.array:
         return self._state.positions
+
+    # mlx-lm's storage attributes, as cache_view.PagedCacheView has them: models assign them only to chain graph
+    # dependencies (a pipeline stage's `cache[-1].keys = mx.depends(cache[-1].keys, sent)`); the pools come back
+    # from the compiled pass anyway, so reads give the traced pool and assignments are dropped.
+    @property
+    def keys(self) -> mx.array:
+        return pool_arrays([self._state.keys[self._layer]])[0]
+
+    @keys.setter
+    def keys(self, value) -> None:
+        pass
+
+    @property
+    def values(self) -> mx.array:
+        return pool_arrays([self._state.values[self._layer]])[0]
+
+    @values.setter
+    def values(self, value) -> None:
+        pass
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         return None  # key lengths and the causal order of a verify chunk are masked in `attend`
