@@ -8,7 +8,7 @@ import mlxpaged  # noqa: F401  (OpenBLAS before mlx)
 
 import mlx.core as mx
 from mlx.utils import tree_map
-from mlx_lm.models import gemma3_text, llama, qwen3, qwen3_5
+from mlx_lm.models import gemma3_text, llama, qwen2, qwen3, qwen3_5
 
 _COMMON = {
     "hidden_size": 64,
@@ -48,6 +48,14 @@ def tiny_qwen3(num_layers: int = 2, seed: int = 1):
         _COMMON, model_type="qwen3", num_hidden_layers=num_layers, tie_word_embeddings=False, rope_theta=10000.0
     )
     return _build(qwen3, config, seed)
+
+
+def tiny_qwen2(num_layers: int = 2, seed: int = 4, **extra):
+    """qwen2: mlx-lm both shards it (tensor parallel) and pipelines it (PipelineMixin)."""
+    config = dict(
+        _COMMON, model_type="qwen2", num_hidden_layers=num_layers, tie_word_embeddings=False, rope_theta=10000.0
+    )
+    return _build(qwen2, {**config, **extra}, seed)
 
 
 def tiny_gemma3(num_layers: int = 6, window: int = 8, pattern: int = 3, seed: int = 2):
