@@ -32,6 +32,10 @@ class Ranks:
         """The smallest of every rank's `value` (each rank's memory plan sizes its own pools: they must agree)."""
         return int(np.array(mx.distributed.all_min(mx.array([value], dtype=mx.int32), group=self.group))[0])
 
+    def all_true(self, ok: bool) -> bool:
+        """True when every rank's `ok` is (a choice every rank must make alike, as falling back to eager decoding)."""
+        return self.agree_min(int(ok)) == 1
+
 
 def launched() -> bool:
     """True under `mlx.launch` (it sets MLX_RANK for every backend it starts)."""

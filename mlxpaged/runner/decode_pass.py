@@ -161,9 +161,23 @@ class CompiledDecode:
         kv.keys[:], kv.values[:] = from_arguments(keys, kv.keys), from_arguments(values, kv.values)
         return logits
 
-    def warm_up(self) -> None:
+    def warm_up(self, all_ranks_ok: Callable[[bool], bool] | None = None) -> None:
         """Run one pass on throwaway pools: MLX compiles the fused kernels of a new graph once per
-        machine (about 6 s here, cached on disk), which would otherwise stall a user's second token."""
+        machine (about 6 s here, cached on disk), which would otherwise stall a user's second token.
+        `all_ranks_ok` (across mlx.launch ranks): whether every rank traced the pass, asked before it is
+        evaluated, as the pass's collectives need every rank: a trace that fails on some ranks only (a pipeline
+        stage's code differs by rank) raises on all of them, so all decode eagerly instead of some waiting."""
+        try:
+            logits = self._warm_up_pass()
+        except Exception:
+            if all_ranks_ok is not None:
+                all_ranks_ok(False)
+            raise
+        if all_ranks_ok is not None and not all_ranks_ok(True):
+            raise RuntimeError("the compiled decode pass failed on another rank")
+        mx.eval(logits)
+
+    def _warm_up_pass(self) -> mx.array:
         kv = self.kv
         # Pools of the cache's own geometry: V may be narrower than K (one geometry, K and V apart).
         pools = [
@@ -172,7 +186,7 @@ class CompiledDecode:
         ]
         table = mx.arange(MIN_PAGES, dtype=mx.int32)[None]
         logits, _, _ = self._forward(mx.zeros((1, 1), mx.int32), mx.zeros((1,), mx.int32), table, *pools)
-        mx.eval(logits)
+        return logits
 
     def _zeros(self, heads: int, dim: int) -> Pool:
         shape = (MIN_PAGES, heads, self.kv.block_size, dim)

@@ -10,13 +10,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.distributed.launch import free_port_run, launcher_path, run_script
-from tests.distributed.test_distributed_greedy import run
+from tests.distributed.launch import free_port_run, launcher_path, result_line, run_script
+from tests.distributed.test_distributed_greedy import MAX_TOKENS, prompts, run
 from tests.tiny_models import random_tokens, write_tiny_llama_dir, write_tiny_model_dir
 
 import pytest
 
 POOLS_SCRIPT = Path(__file__).with_name("pools_ranks.py")
+BROKEN_COMPILE_SCRIPT = Path(__file__).with_name("broken_compile_ranks.py")
 LAYERS = 4
 
 
@@ -44,6 +45,14 @@ def test_four_processes_fall_back_to_pipeline_and_decode_what_one_does(model_dir
     assert_same_decoding(one_process, four, 4)
 
 
+@pytest.mark.slow  # another architecture mlx-lm pipelines: a mixture of experts (it also shards: forced)
+def test_qwen3_moe_pipelined_over_two_processes_decodes_what_one_does(tmp_path):
+    model_dir = write_tiny_model_dir(tmp_path / "qwen3_moe", "qwen3_moe", "float32", layers=LAYERS)
+    two = run(model_dir, 2, parallel="pipeline")
+    assert two["parallel"] == "pipeline"
+    assert_same_decoding(run(model_dir, 1), two, 2)
+
+
 def assert_same_decoding(one: dict, many: dict, processes: int) -> None:
     assert many["pool_shape"] == one["pool_shape"]  # every KV head of a layer on the rank that holds it
     assert many["pools"] * processes == one["pools"]  # rank 0 holds its share of the layers' pools
@@ -64,6 +73,18 @@ def test_pipeline_preempts_as_one_does(model_dir):
     assert two["preemptions"] == one["preemptions"]
     assert two["batched"] == one["batched"] == one["alone"]
     assert two["alone"] == one["alone"]
+
+
+@pytest.mark.slow  # one more launch, for a failure no model here has any more
+def test_a_compiled_pass_failing_on_one_rank_falls_back_on_all(model_dir, one_process):
+    settings = {"cache_tokens": 2048, "block_size": 16, "max_num_seqs": 4, "parallel": "pipeline"}
+    args = [str(model_dir), json.dumps(prompts()), str(MAX_TOKENS), json.dumps(settings)]
+    done = run_script(BROKEN_COMPILE_SCRIPT, args, 2)  # rank 1's trace fails; it hung rank 0's warm-up before
+    assert result_line(done)["alone"] == one_process["alone"]
+    assert "compiled decode is off for this model (AttributeError(\"this rank's stage" in done.stderr
+    assert "compiled decode is off for this model (RuntimeError('the compiled decode pass failed on another" in (
+        done.stderr
+    )
 
 
 def test_each_rank_holds_only_its_layers_weights_pools_and_memory(model_dir):
