@@ -27,6 +27,7 @@ class EngineSettings:
     cache: dict  # CacheConfig and SchedulerConfig fields (flags.cache_settings)
     generation_config: str = "auto"  # "auto": each model's own generation_config.json; "none": API defaults
     warm_up: bool = True
+    parallel: str | None = None  # under mlx.launch: "pipeline" (--pipeline) or None (tensor where the model shards)
 
 
 def estimate_cost(entry: CatalogEntry, settings: EngineSettings) -> ModelCost:
@@ -113,7 +114,7 @@ def build_engine(entry: CatalogEntry, settings: EngineSettings):
     if entry.ref is None:
         raise ValueError(f"model {entry.name!r} has no reference to load it from")
     if launched():  # rank 0 under mlx.launch: every rank loads its shard and the others follow (server/ranks.py)
-        engine = start_engine(str(entry.path), **_with_default_cache(settings.cache))
+        engine = start_engine(str(entry.path), parallel=settings.parallel, **_with_default_cache(settings.cache))
     else:
         cache, scheduler = split_settings(_with_default_cache(settings.cache))
         engine = Engine(load_local(entry.ref, entry.path), cache, scheduler)

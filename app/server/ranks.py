@@ -23,6 +23,12 @@ def distributed_settings(args: argparse.Namespace) -> dict:
     return settings
 
 
+def parallel_setting(args: argparse.Namespace) -> str | None:
+    """start_engine's `parallel` from the flags: --pipeline forces pipeline parallel; None lets the model decide
+    (tensor parallel where it shards, else pipeline)."""
+    return "pipeline" if args.pipeline else None
+
+
 def run_follower_rank(args: argparse.Namespace) -> int:
     """A rank other than 0: load, shard, follow; 0 once rank 0 closed its engine, 1 when it cannot start."""
     from mlxpaged.distributed.follower import LeaderLostError
@@ -33,7 +39,7 @@ def run_follower_rank(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
-        start_engine(args.model, **distributed_settings(args))
+        start_engine(args.model, parallel=parallel_setting(args), **distributed_settings(args))
     except (ValueError, MlxpagedError, LeaderLostError) as exc:
         print(f"mlxpaged serve (follower rank): {user_message(exc, 'cli')}", file=sys.stderr)
         return 1
