@@ -8,7 +8,7 @@ import mlxpaged  # noqa: F401  (OpenBLAS before mlx)
 
 import mlx.core as mx
 from mlx.utils import tree_map
-from mlx_lm.models import gemma3_text, llama, qwen3, qwen3_5
+from mlx_lm.models import gemma3_text, llama, qwen2, qwen3, qwen3_5
 
 _COMMON = {
     "hidden_size": 64,
@@ -48,6 +48,14 @@ def tiny_qwen3(num_layers: int = 2, seed: int = 1):
         _COMMON, model_type="qwen3", num_hidden_layers=num_layers, tie_word_embeddings=False, rope_theta=10000.0
     )
     return _build(qwen3, config, seed)
+
+
+def tiny_qwen2(num_layers: int = 2, seed: int = 4, **extra):
+    """qwen2: mlx-lm both shards it (tensor parallel) and pipelines it (PipelineMixin)."""
+    config = dict(
+        _COMMON, model_type="qwen2", num_hidden_layers=num_layers, tie_word_embeddings=False, rope_theta=10000.0
+    )
+    return _build(qwen2, {**config, **extra}, seed)
 
 
 def tiny_gemma3(num_layers: int = 6, window: int = 8, pattern: int = 3, seed: int = 2):
@@ -125,6 +133,7 @@ def write_tiny_llama_dir(
 _DIR_EXTRAS: dict[str, dict] = {
     "llama": {},
     "qwen3": {"rope_theta": 10000.0, "tie_word_embeddings": False},
+    "qwen2": {"rope_theta": 10000.0, "tie_word_embeddings": False},  # mlx-lm pipelines it (PipelineMixin)
     "qwen3_moe": {
         "rope_theta": 10000.0,
         "tie_word_embeddings": False,
@@ -146,9 +155,11 @@ def write_tiny_model_dir(
     kv_heads: int = 2,
     seed: int = 0,
     hidden: int = 64,
+    layers: int = 2,
     **extra,
 ):
-    """write_tiny_llama_dir for `model_type` ("llama", "qwen3", "qwen3_moe"): a 2-layer random model."""
+    """write_tiny_llama_dir for `model_type` ("llama", "qwen2", "qwen3", "qwen3_moe"): a random model of
+    `layers` layers."""
     import importlib
     import json
     import shutil
@@ -162,7 +173,7 @@ def write_tiny_model_dir(
     config = dict(
         _COMMON,
         model_type=model_type,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         hidden_size=hidden,
         num_key_value_heads=kv_heads,
         vocab_size=49152,

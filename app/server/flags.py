@@ -122,6 +122,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="elements per scale and bias of quantized K/V (default: 64, as mlx quantizes)",
     )
     add_kv_disk_arguments(cache)
+    parser.add_argument_group("across processes (under mlx.launch)").add_argument(
+        "--pipeline",
+        action="store_true",
+        help="split the model by layers over the ranks (mlx-lm's pipeline parallel); default: by heads (tensor "
+        "parallel) where the model can be, else by layers",
+    )
 
 
 def add_kv_disk_arguments(group) -> None:

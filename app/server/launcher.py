@@ -28,6 +28,7 @@ from mlxpaged_app.server.flags import ServeError, cache_settings, check_bind, se
 from mlxpaged_app.server.ranks import (
     distributed_settings,
     exit_on_launcher_term,
+    parallel_setting,
     run_follower_rank,
     stopped_by_launcher,
 )
@@ -59,9 +60,12 @@ def build_registry(args: argparse.Namespace, config):
     across_ranks = launched()  # rank 0 under mlx.launch: the other ranks hold shards of its one model and follow
     if across_ranks and args.pin:
         raise ServeError("--pin: a server across mlx.launch ranks serves the one model every rank holds a shard of")
+    if args.pipeline and not across_ranks:
+        raise ServeError("--pipeline splits the model over the processes mlx.launch starts; this server runs alone")
     settings = EngineSettings(
         distributed_settings(args) if across_ranks else cache_settings(args),
         args.generation_config,
+        parallel=parallel_setting(args),
         rank_timeout_s=args.rank_timeout if across_ranks else None,
     )
     catalog = ModelCatalog(use_store=not across_ranks)  # across ranks: no other model loads on demand
@@ -123,7 +127,7 @@ def _preload(registry, entry, settings) -> None:
     else:
         say(model.plan.describe())
         if model.ranks is not None:
-            say(f"mlxpaged serve: tensor parallel over {model.ranks.size} processes (rank 0 serves)")
+            say(f"mlxpaged serve: {model.ranks.parallel} parallel over {model.ranks.size} processes (rank 0 serves)")
         say(f"mlxpaged serve: {describe_disk_tier(model.stats())}")
         say(f"mlxpaged serve: sampling defaults: {defaults.describe()}")
     registry.add_loaded(entry, model, defaults, cost)

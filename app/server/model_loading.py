@@ -27,6 +27,7 @@ class EngineSettings:
     cache: dict  # CacheConfig and SchedulerConfig fields (flags.cache_settings)
     generation_config: str = "auto"  # "auto": each model's own generation_config.json; "none": API defaults
     warm_up: bool = True
+    parallel: str | None = None  # under mlx.launch: "pipeline" (--pipeline) or None (tensor where the model shards)
     rank_timeout_s: float | None = None  # under mlx.launch: rank 0's bound on one step across the ranks
 
 
@@ -115,7 +116,9 @@ def build_engine(entry: CatalogEntry, settings: EngineSettings):
         raise ValueError(f"model {entry.name!r} has no reference to load it from")
     if launched():  # rank 0 under mlx.launch: every rank loads its shard and the others follow (server/ranks.py)
         timeout = {} if settings.rank_timeout_s is None else {"rank_timeout_s": settings.rank_timeout_s}
-        engine = start_engine(str(entry.path), **timeout, **_with_default_cache(settings.cache))
+        engine = start_engine(
+            str(entry.path), parallel=settings.parallel, **timeout, **_with_default_cache(settings.cache)
+        )
     else:
         cache, scheduler = split_settings(_with_default_cache(settings.cache))
         engine = Engine(load_local(entry.ref, entry.path), cache, scheduler)

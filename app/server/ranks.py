@@ -36,6 +36,12 @@ def distributed_settings(args: argparse.Namespace) -> dict:
     return settings
 
 
+def parallel_setting(args: argparse.Namespace) -> str | None:
+    """start_engine's `parallel` from the flags: --pipeline forces pipeline parallel; None lets the model decide
+    (tensor parallel where it shards, else pipeline)."""
+    return "pipeline" if args.pipeline else None
+
+
 def run_follower_rank(args: argparse.Namespace) -> int:
     """A rank other than 0: load, shard, follow; 0 once rank 0 closed its engine, 1 when it cannot start or
     rank 0 is gone."""
@@ -50,7 +56,12 @@ def run_follower_rank(args: argparse.Namespace) -> int:
     exit_on_launcher_term(f"follower rank {rank}")
     print(f"mlxpaged serve (follower rank {rank}): process {os.getpid()}, following rank 0", flush=True)
     try:
-        start_engine(args.model, rank_timeout_s=args.rank_timeout, **distributed_settings(args))
+        start_engine(
+            args.model,
+            parallel=parallel_setting(args),
+            rank_timeout_s=args.rank_timeout,
+            **distributed_settings(args),
+        )
     except (ValueError, MlxpagedError, LeaderLostError) as exc:
         print(f"mlxpaged serve (follower rank {rank}): {user_message(exc, 'cli')}", file=sys.stderr)
         return 1

@@ -18,6 +18,7 @@ class Ranks:
     """The group of processes running one engine; rank 0 serves and schedules, the others follow."""
 
     group: mx.distributed.Group
+    parallel: str = "tensor"  # how the model is split over the ranks: "tensor" or "pipeline" (shard.py)
     timeout_s: float = DEFAULT_RANK_TIMEOUT_S  # rank 0's bound on one step across the ranks (watchdog.py)
 
     def __post_init__(self) -> None:
@@ -39,6 +40,10 @@ class Ranks:
     def agree_min(self, value: int) -> int:
         """The smallest of every rank's `value` (each rank's memory plan sizes its own pools: they must agree)."""
         return int(np.array(mx.distributed.all_min(mx.array([value], dtype=mx.int32), group=self.group))[0])
+
+    def all_true(self, ok: bool) -> bool:
+        """True when every rank's `ok` is (a choice every rank must make alike, as falling back to eager decoding)."""
+        return self.agree_min(int(ok)) == 1
 
 
 def launched() -> bool:

@@ -15,7 +15,7 @@ from mlxpaged.distributed import DEFAULT_RANK_TIMEOUT_S
 from mlxpaged.distributed.channel import PlanChannel
 from mlxpaged.distributed.follower import follow
 from mlxpaged.distributed.ranks import Ranks, join
-from mlxpaged.distributed.shard import shard_tensor_parallel
+from mlxpaged.distributed.shard import shard_model
 from mlxpaged.embedding.model_files import refuse_generation
 from mlxpaged.engine.build import build_core
 from mlxpaged.engine.engine import Engine
@@ -27,13 +27,15 @@ from mlxpaged.loading.progress import Progress
 def start_engine(
     model: str | None = None,
     progress: Progress | None = None,
+    parallel: str | None = None,
     rank_timeout_s: float = DEFAULT_RANK_TIMEOUT_S,
     **settings,
 ) -> Engine | None:
     """Rank 0: the Engine over this group (or alone: Engine.from_pretrained). Other ranks: run rank 0's plan
-    until its engine closes, then return None. Settings as Engine.from_pretrained's, the same on every rank, and
-    `rank_timeout_s` (rank 0's bound on one step across the ranks: past it, or when a step fails, rank 0 fails
-    the requests in flight and exits non-zero, distributed/watchdog.py)."""
+    until its engine closes, then return None. Settings as Engine.from_pretrained's, the same on every rank.
+    `parallel`: "tensor" or "pipeline" to force one (shard.py); None: tensor where the model shards, else
+    pipeline. Alone it plays no part. `rank_timeout_s`: rank 0's bound on one step across the ranks (past it,
+    or when a step fails, rank 0 fails the requests in flight and exits non-zero: distributed/watchdog.py)."""
     ranks = join(timeout_s=rank_timeout_s)
     if ranks is None:
         return Engine.from_pretrained(model, progress, **settings)
@@ -42,7 +44,7 @@ def start_engine(
     ref, path = locate_model(model, progress if ranks.leads else None)
     refuse_generation(path, ref.name, ref.preset.options if ref.preset else None)  # on every rank alike
     loaded = load_local(ref, path, lazy=True)  # sharded before any weight is read, as mlx-lm's sharded_load
-    shard_tensor_parallel(loaded.model, loaded.config, ranks)
+    ranks = shard_model(loaded.model, loaded.config, ranks, parallel)
     if ranks.leads:
         return Engine(loaded, cache, scheduler, ranks=ranks)
     run_follower(loaded, cache, scheduler, ranks)

@@ -114,6 +114,8 @@ def build_core(
         has_commands=has_commands,
     )
     evaluate_model_arrays(loaded.model)  # after every forward on this thread (probe, split_head)
+    if ranks is not None:
+        core.all_ranks_ok = ranks.all_true  # the compiled pass's warm-up: every rank falls back, or none
     if ranks is not None and ranks.leads:
         core.runner.mirror = PlanSender(PlanChannel(ranks))
     disk_off = attach_disk_tier(core, loaded, layout, cache_config) if cache_config.kv_disk_dir else None

@@ -51,6 +51,8 @@ class EngineCore:
         self.outputs = OutputProcessor(scheduler, tokenizer, self.stats, fork=self._fork)
         self._has_commands = has_commands
         self.tiering: KVTiering | None = None  # the prefix cache's disk tier, when on (attach_disk_tier)
+        # Across mlx.launch ranks (set by build_core on every rank): whether every rank says True.
+        self.all_ranks_ok: Callable[[bool], bool] | None = None
         # Prompt-lookup speculative decoding (drafting.py), when a draft length is given.
         self.speculator = (
             None if num_speculative_tokens is None else Speculator(scheduler, num_speculative_tokens, self._can_draft)
@@ -135,7 +137,7 @@ class EngineCore:
         if self.runner.decoder is None:
             return
         try:
-            self.runner.decoder.warm_up()
+            self.runner.decoder.warm_up(self.all_ranks_ok)
         except Exception as exc:
             warnings.warn(
                 f"compiled decode is off for this model ({exc!r}); decoding eagerly", RuntimeWarning, stacklevel=1

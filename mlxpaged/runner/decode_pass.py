@@ -21,7 +21,7 @@ import os
 from collections.abc import Callable, Sequence
 
 from mlxpaged.cache.kv_cache import PagedKVCache, Pool
-from mlxpaged.cache.quantized_pages import QuantizedPages, as_arguments, from_arguments
+from mlxpaged.cache.quantized_pages import QuantizedPages, as_arguments, from_arguments, pool_arrays
 from mlxpaged.kernels.attention import decode_attention, resolved_backend, sdpa
 from mlxpaged.kernels.reference import gather_pages
 
@@ -81,6 +81,25 @@ class DecodeView:
     @property
     def offset(self) -> mx.array:
         return self._state.positions
+
+    # mlx-lm's storage attributes, as cache_view.PagedCacheView has them: models assign them only to chain graph
+    # dependencies (a pipeline stage's `cache[-1].keys = mx.depends(cache[-1].keys, sent)`); the pools come back
+    # from the compiled pass anyway, so reads give the traced pool and assignments are dropped.
+    @property
+    def keys(self) -> mx.array:
+        return pool_arrays([self._state.keys[self._layer]])[0]
+
+    @keys.setter
+    def keys(self, value) -> None:
+        pass
+
+    @property
+    def values(self) -> mx.array:
+        return pool_arrays([self._state.values[self._layer]])[0]
+
+    @values.setter
+    def values(self, value) -> None:
+        pass
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         return None  # key lengths and the causal order of a verify chunk are masked in `attend`
@@ -142,9 +161,23 @@ class CompiledDecode:
         kv.keys[:], kv.values[:] = from_arguments(keys, kv.keys), from_arguments(values, kv.values)
         return logits
 
-    def warm_up(self) -> None:
+    def warm_up(self, all_ranks_ok: Callable[[bool], bool] | None = None) -> None:
         """Run one pass on throwaway pools: MLX compiles the fused kernels of a new graph once per
-        machine (about 6 s here, cached on disk), which would otherwise stall a user's second token."""
+        machine (about 6 s here, cached on disk), which would otherwise stall a user's second token.
+        `all_ranks_ok` (across mlx.launch ranks): whether every rank traced the pass, asked before it is
+        evaluated, as the pass's collectives need every rank: a trace that fails on some ranks only (a pipeline
+        stage's code differs by rank) raises on all of them, so all decode eagerly instead of some waiting."""
+        try:
+            logits = self._warm_up_pass()
+        except Exception:
+            if all_ranks_ok is not None:
+                all_ranks_ok(False)
+            raise
+        if all_ranks_ok is not None and not all_ranks_ok(True):
+            raise RuntimeError("the compiled decode pass failed on another rank")
+        mx.eval(logits)
+
+    def _warm_up_pass(self) -> mx.array:
         kv = self.kv
         # Pools of the cache's own geometry: V may be narrower than K (one geometry, K and V apart).
         pools = [
@@ -153,7 +186,7 @@ class CompiledDecode:
         ]
         table = mx.arange(MIN_PAGES, dtype=mx.int32)[None]
         logits, _, _ = self._forward(mx.zeros((1, 1), mx.int32), mx.zeros((1,), mx.int32), table, *pools)
-        mx.eval(logits)
+        return logits
 
     def _zeros(self, heads: int, dim: int) -> Pool:
         shape = (MIN_PAGES, heads, self.kv.block_size, dim)

@@ -33,6 +33,8 @@ if engine is not None:
             "again_cached": again.cached_tokens,
             "forked": [c.token_ids for c in forked],
             "pool_shape": engine.kv.pools[0].shape,
+            "pools": len(engine.kv.pools),
+            "parallel": None if engine.ranks is None else engine.ranks.parallel,
             "num_blocks": engine.plan.num_blocks,
             "preemptions": engine.stats()["preemptions"],
         }

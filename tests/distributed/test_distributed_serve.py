@@ -83,11 +83,16 @@ def _wait_ready(server: subprocess.Popen) -> tuple[str, int, str]:
 
 
 def test_a_model_that_cannot_be_split_is_refused_at_load_on_every_rank(tmp_path):
-    model_dir = write_tiny_llama_dir(tmp_path / "model", dtype="float32")  # 2 KV heads: not over 4 ranks
+    # 2 KV heads: not over 4 ranks by heads, and mlx-lm has no pipeline for llama
+    model_dir = write_tiny_llama_dir(tmp_path / "model", dtype="float32")
     command = [str(Path(sys.executable).with_name("mlxpaged")), "serve", "--model", str(model_dir), "--port", "0"]
     launcher = [launcher_path(), "--backend", "ring", "-n", "4", "--starting-port", str(free_port_run(4))]
     done = subprocess.run([*launcher, "--", *command], capture_output=True, text=True, timeout=READY_TIMEOUT_S)
-    reason = "cannot run this model over 4 processes: its num_key_value_heads (2) is not divisible by the 4 ranks"
+    reason = (
+        "cannot run this model over 4 processes: tensor parallel: its num_key_value_heads (2) is not divisible by "
+        "the 4 ranks; pipeline parallel: mlx-lm has no pipeline parallelism (a pipeline() method) for model type "
+        "'llama'"
+    )
     assert f"mlxpaged serve: {reason}" in done.stderr, done.stderr[-3000:]
     assert all(f"mlxpaged serve (follower rank {rank}): {reason}" in done.stderr for rank in (1, 2, 3))
     assert "ready at" not in done.stdout
