@@ -121,5 +121,5 @@ def test_serve_pipeline_on_a_model_mlx_lm_only_shards_is_refused_on_every_rank(t
         "(a pipeline() method) for model type 'llama'"
     )
     assert f"mlxpaged serve: {reason}" in done.stderr, done.stderr[-3000:]
-    assert f"mlxpaged serve (follower rank): {reason}" in done.stderr
+    assert f"mlxpaged serve (follower rank 1): {reason}" in done.stderr
     assert "ready at" not in done.stdout
