@@ -4,9 +4,9 @@
     mlxpaged launch --hostfile hosts.json -- serve ...   # one per host of an mlx.distributed_config hostfile
 
 A thin wrapper: it puts this interpreter's `mlxpaged` executable after `--` (mlx.launch runs a command as given,
-so it needs an executable path, not a bare script) and, with `-n`, the ring backend; then it becomes
-`mlx.launch` (exec), so signals and the exit status are mlx.launch's own. On other hosts the same path must
-exist: install mlxpaged in the same directory on every machine.
+so it needs an executable path, not a bare script) and, with `-n`, the ring backend; then it runs `mlx.launch`
+as its child and exits with the ranks' status (launch_status.py: mlx.launch's own is always 0). On other hosts
+the same path must exist: install mlxpaged in the same directory on every machine.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import shlex
 import sys
 
 from mlxpaged.distributed.launch import LOOPBACK_BACKEND, launch_command, mlxpaged_command
+from mlxpaged_app.launch_status import run_launcher
 
 
 def add_launch_parser(sub, commands: list[str]) -> None:
@@ -79,4 +80,4 @@ def cmd_launch(args: argparse.Namespace) -> int:
         print(shlex.join(line))
         return 0
     sys.stdout.flush()
-    os.execv(line[0], line)  # becomes mlx.launch: Ctrl-C, the ranks' output and the exit status are its own
+    return run_launcher(line)  # mlx.launch as a child: its output passes through; its ranks' status is returned

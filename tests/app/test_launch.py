@@ -13,6 +13,7 @@ from pathlib import Path
 
 from mlxpaged.distributed.launch import free_port_run, launcher_path
 from mlxpaged_app.cli import main
+from mlxpaged_app.launch_status import exit_status, rank_statuses
 
 MLXPAGED = str(Path(sys.executable).with_name("mlxpaged"))
 
@@ -68,3 +69,24 @@ def test_doctor_in_two_processes_reports_both_ranks_from_rank_0():
     assert len(set(pids)) == 2 and os.getpid() not in pids  # each rank sent its own record
     assert all(" available " in lines[f"rank {r}"]["detail"] for r in (0, 1))
     assert "FAIL" not in {c["status"] for c in report["checks"]}, report
+
+
+def test_the_exit_status_is_rank_0s_when_it_failed_else_the_first_failed_ranks():
+    log = (
+        b"\x1b[33m[WARN] Node with rank 1 exited with code -9 \x1b[0m\n"
+        b"\x1b[33m[WARN] Node with rank 0 exited with code 1 \x1b[0m\n"
+    )
+    assert rank_statuses(log) == {1: 137, 0: 1}
+    assert exit_status(0, rank_statuses(log)) == 1  # rank 0's (the server's own), not mlx.launch's 0
+    assert exit_status(0, rank_statuses(b"[WARN] Node with rank 2 was killed\n")) == 137
+    assert exit_status(0, {}) == 0 and exit_status(3, {}) == 3  # no rank logged as failed: mlx.launch's status
+
+
+def test_a_rank_that_fails_fails_the_launch():
+    """mlx.launch itself exits 0 here; `mlxpaged launch` exits with the ranks' status and passes their reasons
+    through (every rank refuses a model directory that does not exist, at load)."""
+    command = [MLXPAGED, "launch", "-n", "2", "--starting-port", str(free_port_run(2)), "--"]
+    command += ["serve", "--model", "/nonexistent/model", "--no-kv-disk", "--port", "0"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=180)
+    assert done.returncode != 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "/nonexistent/model" in done.stderr and "Node with rank" in done.stderr, done.stderr[-3000:]
