@@ -15,6 +15,7 @@ Sinks (gpt-oss) go through either way.
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -36,8 +37,8 @@ import mlx.nn as nn
 
 _ORIGINAL_SDPA: Callable[..., mx.array] | None = None  # mlx-lm's, once routed
 _ROUTED_MODULES: dict[str, object] = {}
-# (layer, queries, keys, values, sinks): kv_calibration.py
-_RECORDER: Callable[[int, mx.array, mx.array, mx.array, mx.array | None], None] | None = None
+# The recorder of a calibration prefill on this thread (kv_calibration.py): another engine's thread may be attending.
+_RECORDING = threading.local()
 
 
 @contextmanager
@@ -46,12 +47,12 @@ def recording_attention(
 ) -> Iterator[None]:
     """Within the block, every paged view's attention call hands `recorder` its layer, queries, the K/V it attends
     (the model's own coordinates) and sinks first: what a calibration prefill measures (runner/kv_calibration.py)."""
-    global _RECORDER
-    previous, _RECORDER = _RECORDER, recorder
+    previous = getattr(_RECORDING, "recorder", None)
+    _RECORDING.recorder = recorder
     try:
         yield
     finally:
-        _RECORDER = previous
+        _RECORDING.recorder = previous
 
 
 def _routed_sdpa(queries, keys, values, cache, scale, mask, sinks=None):
@@ -71,8 +72,9 @@ def _routed_sdpa(queries, keys, values, cache, scale, mask, sinks=None):
         _check_compiled_call(keys, values, cache, mask)
         return cache.attend(queries, scale, sinks)
     if isinstance(cache, PagedCacheView):
-        if _RECORDER is not None:
-            _RECORDER(cache.layer, queries, keys, values, sinks)
+        recorder = getattr(_RECORDING, "recorder", None)
+        if recorder is not None:
+            recorder(cache.layer, queries, keys, values, sinks)
         pools = pool_inputs(queries, keys, values, cache, mask)
         pages = page_inputs(queries, keys, values, cache, mask) if pools is None else None
         if pools is None and pages is None:
