@@ -4,13 +4,13 @@ The model prefills CALIBRATION_TEXT over full-precision pages; each layer's atte
 (after RoPE) to a recorder (routing.recording_attention). Per KV head and channel, `s_c = sqrt(rms(q_c) / rms(k_c))`
 (queries pooled over the heads that share the KV head), averaged in square over each pair RoPE rotates together,
 so the balance is the same at every position, not just at the calibration text's; the centers are the mean K and V
-in the stored coordinates. A deterministic function of the
-weights (and the backend), so pages written by one process mean the same in the next (the disk tier's fingerprint
-holds the transform's digest all the same).
+in the stored coordinates. A deterministic function of the weights (and the backend), so pages written by one
+process mean the same in the next (the disk tier's fingerprint holds the transform's digest all the same).
 
 Layers it cannot transform exactly are left as they are (None): K and V one array, widths that differ from the
 queries' or from each other, a width that is not a power of two (the Hadamard rotation), a layer never seen
-attending. Models with window or state layers are not calibrated (None: pages as before).
+attending. Models with window or state layers, a cache list other than one cache per layer, or attention that
+does not go through mlx-lm's `scaled_dot_product_attention` are not calibrated (None: pages as before).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from mlxpaged.cache.cache_view import paged_views
 from mlxpaged.cache.kv_cache import PagedKVCache
 from mlxpaged.cache.kv_transform import KVTransform, hadamard
 from mlxpaged.cache.layout import ModelLayout
+from mlxpaged.runner import cache_tree
 from mlxpaged.runner.routing import recording_attention, route_paged_attention
 
 import mlx.core as mx
@@ -87,6 +88,8 @@ def calibrate_kv_transform(model, layout: ModelLayout, tokenizer, dtype: mx.Dtyp
     kv = PagedKVCache.for_layout(layout, blocks, block_size, dtype)
     if layout.state_leaves or len(kv.groups) != 1 or kv.specs[0].window is not None:
         return None
+    if not cache_tree.simple(layout) or not all(leaf.routed for leaf in layout.kv_leaves):
+        return None  # a cache list of the model's own nesting, or attention of its own: 4-bit pages as before
     route_paged_attention()
     seen: dict[int, tuple[mx.array, mx.array, mx.array, bool]] = {}
 
