@@ -72,14 +72,19 @@ def _as_float16(facts):
     return dataclasses.replace(facts, kv=dataclasses.replace(facts.kv, dtype_bytes=2))
 
 
-def perplexities(engine, text: str, group_size: int) -> dict:
+def perplexities(engine, text: str, group_size: int, transforms: dict | None = None) -> dict:
+    """Perplexity per kv_bits; `transforms[bits]`: the K/V coordinates that kv_bits' engine stores its pages in
+    (its `kv.transform`: 4-bit pages are calibrated at load, runner/kv_calibration.py)."""
     from mlxpaged.runner.prompt_scoring import perplexity, token_logprobs
 
     tokens = engine.tokenizer.encode(text)
     out = {}
     for bits in BITS:
         quantization = CacheConfig(kv_bits=bits, kv_group_size=group_size).quantization
-        logprobs = token_logprobs(engine.model, engine.layout, tokens, engine.kv.dtype, quantization)
+        transform = (transforms or {}).get(bits)
+        logprobs = token_logprobs(
+            engine.model, engine.layout, tokens, engine.kv.dtype, quantization, transform=transform
+        )
         out[bits] = perplexity(logprobs)
     base = out[None]
     print(
@@ -146,11 +151,12 @@ def bench_kv(args: Namespace) -> int:
         )
         for bits, engine in engines.items():
             path = engine.built.attention.status()["path"]
-            print(f"  {name(bits)}: {path} path, {format_size(engine.kv.bytes_per_block)}/block")
+            coordinates = "" if engine.kv.transform is None else ", K/V in calibrated coordinates (kv_transform.py)"
+            print(f"  {name(bits)}: {path} path, {format_size(engine.kv.bytes_per_block)}/block{coordinates}")
         print(f"capacity in {CAPACITY_BUDGET} of KV memory (tokens, ratio to full precision):")
         capacity(full.facts, group_size)
         print(f"perplexity on {TEXT.name} (Book of Ruth, KJV), prefilled through quantized pages:")
-        perplexities(full, held_out_text(), group_size)
+        perplexities(full, held_out_text(), group_size, {b: e.kv.transform for b, e in engines.items()})
         print(f"greedy agreement with full precision, {len(AGREEMENT_PROMPTS)} prompts x {AGREEMENT_TOKENS} tokens:")
         agreement(engines)
         print(f"batch-1 decode, {args.tokens} tokens, {args.runs} alternating runs (+1 warm-up):")

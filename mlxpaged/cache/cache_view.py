@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mlxpaged.cache.kv_cache import KVCacheSpec, LayerGroup, PagedKVCache, Pool
+from mlxpaged.cache.kv_transform import KVTransform
 from mlxpaged.cache.quantized_pages import pool_arrays
 
 import mlx.core as mx
@@ -226,6 +227,17 @@ class PagedCacheView:
         return list(self._offsets)
 
     @property
+    def layer(self) -> int:
+        """The KV layer (leaf) this view reads and writes."""
+        return self._layer
+
+    def page_coordinates(self) -> KVTransform | None:
+        """The transform the pages hold this layer's K/V in (cache/kv_transform.py), None when they hold them
+        as the model gives them: attention that reads the pools in place must take it into account."""
+        t = self._kv.transform
+        return t if t is not None and t.applies(self._layer) else None
+
+    @property
     def state(self) -> tuple[mx.array, ...]:
         """The layer's pool arrays, so `mx.eval(view.state)` lands pending writes (mlx-lm's generate does this)."""
         return tuple(pool_arrays([self._kv.key_pool(self._layer), self._kv.value_pool(self._layer)]))
@@ -300,7 +312,7 @@ class PagedCacheView:
                 mx.eval(old)  # a pending read would pin the pool and make the write copy it
             self._write(plan, keys, values)
             # The new keys are attended as given: as the pages store them (quantized pages: rounded alike).
-            keys, values = self._kv.as_stored(keys), (keys if values is keys else self._kv.as_stored(values))
+            keys, values = self._kv.as_read(self._layer, keys, values)
             if old is None:
                 out = keys, values
             else:

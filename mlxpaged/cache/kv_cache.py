@@ -64,6 +64,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from mlxpaged.cache.kv_quant import KVQuantization
+from mlxpaged.cache.kv_transform import KVTransform
 from mlxpaged.cache.layout import ModelLayout
 from mlxpaged.cache.quantized_pages import Pool, QuantizedPages, pool_arrays
 from mlxpaged.cache.specs import (  # noqa: F401  (block_bytes is re-exported: the facts live in specs.py)
@@ -103,6 +104,7 @@ class PagedKVCache:
         layer_windows: Sequence[LayerKind] | None = None,
         geometries: Sequence[KVGeometry] | None = None,
         quantization: KVQuantization | None = None,
+        transform: KVTransform | None = None,
     ):
         windows = tuple(layer_windows) if layer_windows is not None else (None,) * num_layers
         if geometries is None:
@@ -120,6 +122,12 @@ class PagedKVCache:
         self.head_dim, self.dtype = (first.k_dim if first else None), dtype
         self.layer_windows, self.geometries = windows, geometries
         self.quantization = quantization
+        # Stored K/V coordinates (kv_transform.py; None: as the model gives them). Reads map back.
+        self.transform = transform
+        if transform is not None and len(transform.layers) != num_layers:
+            raise ValueError(f"a K/V transform of {len(transform.layers)} layers for {num_layers} layers")
+        if transform is not None and any(g.k_is_v and transform.applies(i) for i, g in enumerate(geometries)):
+            raise ValueError("a K/V transform cannot apply to a layer whose K and V are one array")
         if quantization is not None:
             quantization.check_widths([w for g in geometries for w in (g.k_dim, g.v_dim)])
         self.specs: tuple[KVCacheSpec, ...] = tuple(g.spec(block_size) for g in self.groups)  # one per group
@@ -165,6 +173,7 @@ class PagedKVCache:
         block_size: int,
         dtype: mx.Dtype,
         quantization: KVQuantization | None = None,
+        transform: KVTransform | None = None,
     ) -> PagedKVCache:
         """Pools for a layout's KV leaves, in leaf order (none for a model of state layers only)."""
         return cls(
@@ -177,6 +186,7 @@ class PagedKVCache:
             layout.layer_kinds,
             layout.kv_geometries,
             quantization,
+            transform,
         )
 
     @property
@@ -253,6 +263,7 @@ class PagedKVCache:
                 raise ValueError(f"layer {layer}: {name} has dtype {x.dtype}, the pools hold {self.dtype}")
         index = (blocks, self._heads[geo.kv_heads][None, :], offsets)
         j = self._pool[layer]
+        k, v = self._stored_coordinates(layer, k, v, head_axis=-2)
         _store(self.keys[j], index, k)
         if not geo.k_is_v:
             _store(self.values[j], index, v)
@@ -267,6 +278,7 @@ class PagedKVCache:
             raise ValueError(f"run of {n} tokens at block {block}, offset {offset} is outside the pool")
         j = self._pool[layer]
         index = (slice(block, block + 1), slice(None), slice(offset, offset + n))
+        k, v = self._stored_coordinates(layer, k, v, head_axis=-3)
         _store(self.keys[j], index, k)
         if not self.geometries[layer].k_is_v:
             _store(self.values[j], index, v)
@@ -290,7 +302,20 @@ class PagedKVCache:
         dequantized: only the pages taken)."""
         geo, j = self.geometries[layer], self._pool[layer]
         k = self._take_pages(self.keys[j], block_ids, geo.kv_heads, geo.k_dim)
-        return (k, k) if geo.k_is_v else (k, self._take_pages(self.values[j], block_ids, geo.kv_heads, geo.v_dim))
+        if geo.k_is_v:
+            return k, k
+        v = self._take_pages(self.values[j], block_ids, geo.kv_heads, geo.v_dim)
+        t = self.transform
+        if t is None or not t.applies(layer):
+            return k, v
+        return t.keys_out(layer, k), t.values_out(layer, v)
+
+    def _stored_coordinates(self, layer: int, k: mx.array, v: mx.array, head_axis: int) -> tuple[mx.array, mx.array]:
+        """K/V as the pages hold them (kv_transform.py); unchanged without a transform for `layer`."""
+        t = self.transform
+        if t is None or not t.applies(layer):
+            return k, v
+        return t.keys_in(layer, k, head_axis), t.values_in(layer, v, head_axis)
 
     def _take_pages(self, pool: Pool, block_ids: mx.array, heads: int, dim: int) -> mx.array:
         # One take of whole (block, head) pages lands as [B, heads, n, size * dim]: no transpose copy.
@@ -400,12 +425,22 @@ class PagedKVCache:
 
     def as_stored(self, x: mx.array) -> mx.array:
         """K or V `[..., dim]` as the pages hold them once written: quantized and dequantized for quantized
-        pages (what a chunk attends when its new keys are not read back from the pages), else `x` itself."""
+        pages (what a chunk attends when its new keys are not read back from the pages), else `x` itself.
+        In the pages' own coordinates: see `as_read` for the K/V a read hands back."""
         if self.quantization is None:
             return x
         q = self.quantization
         parts = mx.quantize(x, group_size=q.group_size, bits=q.bits)
         return mx.dequantize(*parts, group_size=q.group_size, bits=q.bits)
+
+    def as_read(self, layer: int, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
+        """New K/V `[B, kv_heads, L, dim]` of `layer` as a read of the pages would return them once written:
+        into the stored coordinates, rounded as stored (`as_stored`), and back."""
+        t = self.transform
+        if self.geometries[layer].k_is_v or t is None or not t.applies(layer):
+            return self.as_stored(k), (k if v is k else self.as_stored(v))
+        k, v = self._stored_coordinates(layer, k, v, head_axis=-3)
+        return t.keys_out(layer, self.as_stored(k)), t.values_out(layer, self.as_stored(v))
 
     def _slot_array(self, slot_mapping: Sequence[int] | mx.array, num_blocks: int) -> mx.array:
         if isinstance(slot_mapping, mx.array):

@@ -34,6 +34,7 @@ from mlxpaged.platform import backend
 from mlxpaged.platform.memory import DeviceFacts, MemoryPlan, ModelFacts, model_weight_bytes, plan_memory
 from mlxpaged.platform.model_facts import context_length
 from mlxpaged.runner.batch_check import batch_mismatch
+from mlxpaged.runner.kv_calibration import transform_for
 from mlxpaged.runner.routing import route_paged_attention
 
 import mlx.core as mx
@@ -84,8 +85,10 @@ def build_core(
                 "across mlx.launch ranks only models with one are built so far"
             )
         plan = agreed_plan(plan, facts, ranks.agree_min(plan.num_blocks), ranks.size)
+    # 4-bit pages hold K/V in calibrated coordinates (cache/kv_transform.py): a short prefill, before the pools.
+    transform = transform_for(loaded.model, layout, loaded.tokenizer, kv_dtype, cache_config.quantization)
     kv = PagedKVCache.for_layout(  # blocks per block space (specs.block_spaces), as the plan sized them
-        layout, plan.space_blocks, cache_config.block_size, kv_dtype, cache_config.quantization
+        layout, plan.space_blocks, cache_config.block_size, kv_dtype, cache_config.quantization, transform
     )
     # Before the first decode: a Metal kernel variant that fails its self-check is replaced by the reference.
     attention = prepare_model_attention(
@@ -156,6 +159,7 @@ def attach_disk_tier(core: EngineCore, loaded: LoadedModel, layout: ModelLayout,
         weights_identity(loaded.path),
         kv_dtype=str(kv.dtype),
         kv_bits=getattr(config, "kv_bits", None),
+        kv_transform=None if kv.transform is None else kv.transform.digest(),  # what the pages' numbers mean
         block_size=kv.block_size,
         layer_kinds=tuple(repr(k) for k in kv.layer_windows),
         geometries=tuple(repr(g) for g in kv.geometries),

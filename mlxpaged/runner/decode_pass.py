@@ -21,6 +21,7 @@ import os
 from collections.abc import Callable, Sequence
 
 from mlxpaged.cache.kv_cache import PagedKVCache, Pool
+from mlxpaged.cache.kv_transform import KVTransform
 from mlxpaged.cache.quantized_pages import QuantizedPages, as_arguments, from_arguments, pool_arrays
 from mlxpaged.kernels.attention import decode_attention, resolved_backend, sdpa
 from mlxpaged.kernels.reference import gather_pages
@@ -74,8 +75,10 @@ def _put(pool: Pool, index: tuple, rows: mx.array) -> Pool:
 class DecodeView:
     """The cache an mlx-lm attention layer sees inside the compiled pass."""
 
-    def __init__(self, state: _PassState, layer: int):
+    def __init__(self, state: _PassState, layer: int, transform: KVTransform | None = None):
         self._state, self._layer = state, layer
+        # the pages' K/V coordinates (cache/kv_transform.py): writes go in, queries go in, outputs come back
+        self._transform = transform if transform is not None and transform.applies(layer) else None
         self._returned: tuple[mx.array, mx.array] | None = None
 
     @property
@@ -106,9 +109,11 @@ class DecodeView:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Write the new K/V [B, KVH, L, D] into the traced pools; attention reads the pages."""
-        s, j = self._state, self._layer
-        s.keys[j] = _put(s.keys[j], s.slot, keys.swapaxes(1, 2))
-        s.values[j] = _put(s.values[j], s.slot, values.swapaxes(1, 2))
+        s, j, t = self._state, self._layer, self._transform
+        stored_k = keys if t is None else t.keys_in(j, keys)
+        stored_v = values if t is None else t.values_in(j, values)
+        s.keys[j] = _put(s.keys[j], s.slot, stored_k.swapaxes(1, 2))
+        s.values[j] = _put(s.values[j], s.slot, stored_v.swapaxes(1, 2))
         self._returned = keys, values
         return keys, values
 
@@ -117,6 +122,12 @@ class DecodeView:
         return self._returned is not None and keys is self._returned[0] and values is self._returned[1]
 
     def attend(self, queries: mx.array, scale: float, sinks: mx.array | None = None) -> mx.array:
+        j, t = self._layer, self._transform
+        if t is not None:  # attention in the pages' coordinates, its output mapped back
+            return t.output_out(j, self._attend(t.queries_in(j, queries), scale, sinks))
+        return self._attend(queries, scale, sinks)
+
+    def _attend(self, queries: mx.array, scale: float, sinks: mx.array | None) -> mx.array:
         s, j = self._state, self._layer
         if queries.shape[2] == 1:
             return decode_attention(queries, s.keys[j], s.values[j], s.rows, s.mask, scale, sinks)
@@ -197,7 +208,7 @@ class CompiledDecode:
     def _trace(self, tokens, starts, tables, keys, values):
         keys, values = from_arguments(keys, self.kv.keys), from_arguments(values, self.kv.values)
         state = _PassState(starts, tables, list(keys), list(values), tokens.shape[1])
-        views = [DecodeView(state, layer) for layer in range(len(keys))]
+        views = [DecodeView(state, layer, self.kv.transform) for layer in range(len(keys))]
         if self.head is not None:
             logits = self.head(self.model.model(tokens, cache=views))
         else:

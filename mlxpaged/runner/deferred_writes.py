@@ -85,9 +85,9 @@ def _token_major(x: mx.array) -> mx.array:
 
 def defers_writes(kv: PagedKVCache) -> bool:
     """Pools this module can pipeline: one full-attention layer group of one geometry (K and V apart), stored
-    in full precision. Not quantized pages: the pending tail and the batch-1 gathered prefix would be
-    full-precision K/V kept beside them, attended unlike what the pages will hold."""
-    return kv.plain_full_attention and not kv.quantized
+    in full precision, in the model's coordinates (no kv_transform). Not quantized pages: the pending tail and the
+    batch-1 gathered prefix would be full-precision K/V kept beside them, attended unlike what the pages will hold."""
+    return kv.plain_full_attention and not kv.quantized and kv.transform is None
 
 
 class DeferredPass:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from mlxpaged.cache.cache_view import paged_views
 from mlxpaged.cache.kv_cache import PagedKVCache
 from mlxpaged.cache.kv_quant import KVQuantization
+from mlxpaged.cache.kv_transform import KVTransform
 from mlxpaged.cache.layout import ModelLayout
 from mlxpaged.runner.routing import route_paged_attention
 
@@ -29,14 +30,16 @@ def token_logprobs(
     quantization: KVQuantization | None = None,
     block_size: int = 16,
     chunk: int = 2048,
+    transform: KVTransform | None = None,
 ) -> np.ndarray:
     """log p(tokens[i + 1] | tokens[: i + 1]) for every i, float64 [len(tokens) - 1], the text prefilled in
-    `chunk`-token passes over fresh pools (`quantization`: quantized pages). Full-attention models of KV layers
+    `chunk`-token passes over fresh pools (`quantization`: quantized pages; `transform`: the K/V coordinates the
+    pages hold, as the engine's `kv.transform`). Full-attention models of KV layers
     only (one layer group, no state): ValueError otherwise."""
     if len(tokens) < 2:
         raise ValueError(f"scoring needs at least 2 tokens, got {len(tokens)}")
     blocks = -(-len(tokens) // block_size)
-    kv = PagedKVCache.for_layout(layout, blocks, block_size, dtype, quantization)
+    kv = PagedKVCache.for_layout(layout, blocks, block_size, dtype, quantization, transform)
     if layout.state_leaves or len(kv.groups) != 1 or kv.specs[0].window is not None:
         raise ValueError(f"scoring takes full-attention models without state layers, not {layout.model_type!r}")
     route_paged_attention()

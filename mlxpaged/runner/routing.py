@@ -15,7 +15,9 @@ Sinks (gpt-oss) go through either way.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from mlxpaged.cache.cache_view import PagedCacheView
@@ -35,6 +37,22 @@ import mlx.nn as nn
 
 _ORIGINAL_SDPA: Callable[..., mx.array] | None = None  # mlx-lm's, once routed
 _ROUTED_MODULES: dict[str, object] = {}
+# The recorder of a calibration prefill on this thread (kv_calibration.py): another engine's thread may be attending.
+_RECORDING = threading.local()
+
+
+@contextmanager
+def recording_attention(
+    recorder: Callable[[int, mx.array, mx.array, mx.array, mx.array | None], None],
+) -> Iterator[None]:
+    """Within the block, every paged view's attention call hands `recorder` its layer, queries, the K/V it attends
+    (the model's own coordinates) and sinks first: what a calibration prefill measures (runner/kv_calibration.py)."""
+    previous = getattr(_RECORDING, "recorder", None)
+    _RECORDING.recorder = recorder
+    try:
+        yield
+    finally:
+        _RECORDING.recorder = previous
 
 
 def _routed_sdpa(queries, keys, values, cache, scale, mask, sinks=None):
@@ -54,16 +72,25 @@ def _routed_sdpa(queries, keys, values, cache, scale, mask, sinks=None):
         _check_compiled_call(keys, values, cache, mask)
         return cache.attend(queries, scale, sinks)
     if isinstance(cache, PagedCacheView):
+        recorder = getattr(_RECORDING, "recorder", None)
+        if recorder is not None:
+            recorder(cache.layer, queries, keys, values, sinks)
         pools = pool_inputs(queries, keys, values, cache, mask)
+        pages = page_inputs(queries, keys, values, cache, mask) if pools is None else None
+        if pools is None and pages is None:
+            return eager_sdpa(queries, keys, values, scale, mask, sinks)  # K/V the view gathered: the model's own
+        # The pools in place: in their own K/V coordinates (cache/kv_transform.py), the output mapped back.
+        t, layer = cache.page_coordinates(), cache.layer
+        q = queries if t is None else t.queries_in(layer, queries)
         if pools is not None:
             k_pool, v_pool, tables, lens = pools
-            return paged_attention(queries, k_pool, v_pool, tables, lens, scale, sinks=sinks)
-        pages = page_inputs(queries, keys, values, cache, mask)
-        if pages is not None:
+            out = paged_attention(q, k_pool, v_pool, tables, lens, scale, sinks=sinks)
+        else:
+            assert pages is not None  # one of the two, checked above
             k_pool, v_pool, table, context = pages
-            length = queries.shape[2]
-            return paged_prefill_attention(queries, k_pool, v_pool, table, context - length, length, scale, sinks=sinks)
-        return eager_sdpa(queries, keys, values, scale, mask, sinks)  # a paged view's pass is eager
+            length = q.shape[2]
+            out = paged_prefill_attention(q, k_pool, v_pool, table, context - length, length, scale, sinks=sinks)
+        return out if t is None else t.output_out(layer, out)
     if _ORIGINAL_SDPA is None:  # only installed once it is set
         raise RuntimeError("mlx-lm's attention was never routed")
     return _ORIGINAL_SDPA(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)

@@ -17,11 +17,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import mlxpaged  # noqa: F401  (OpenBLAS before mlx)
+from mlxpaged.cache.kv_transform import KVTransform
 
 import mlx.core as mx
 import mlx_lm.models.cache as mlx_cache
 
 # mlx-lm's cache classes that take new K/V (QuantizedKVCache and the batch caches are not what models make).
+LAYER_ATTR = "_mlxpaged_twin_layer"  # the KV layer a twin's cache holds (for the transform)
 _KV_CLASSES = (mlx_cache.KVCache, mlx_cache.RotatingKVCache, mlx_cache.ChunkedKVCache, mlx_cache.ConcatenateKVCache)
 
 
@@ -31,13 +33,20 @@ def round_trip(x: mx.array, bits: int, group_size: int) -> mx.array:
 
 
 @contextmanager
-def quantized_kv_caches(bits: int, group_size: int) -> Iterator[None]:
-    """While inside, every mlx-lm KV cache stores (and returns) its new K/V round-tripped through quantization."""
+def quantized_kv_caches(bits: int, group_size: int, transform: KVTransform | None = None) -> Iterator[None]:
+    """While inside, every mlx-lm KV cache stores (and returns) its new K/V round-tripped through quantization;
+    with `transform` (the engine's `kv.transform`), a cache tagged with its layer (`LAYER_ATTR`) round-trips
+    them in the pages' coordinates: into them, quantized, dequantized, and back."""
     originals = {cls: cls.__dict__["update_and_fetch"] for cls in _KV_CLASSES}
 
     def wrap(original):
         def update_and_fetch(self, keys, values):
             same = values is keys  # K-is-V caches pass one array twice: keep them one
+            layer = getattr(self, LAYER_ATTR, None)
+            if transform is not None and layer is not None and transform.applies(layer) and not same:
+                keys = transform.keys_out(layer, round_trip(transform.keys_in(layer, keys), bits, group_size))
+                values = transform.values_out(layer, round_trip(transform.values_in(layer, values), bits, group_size))
+                return original(self, keys, values)
             keys = round_trip(keys, bits, group_size)
             return original(self, keys, keys if same else round_trip(values, bits, group_size))
 
@@ -53,13 +62,25 @@ def quantized_kv_caches(bits: int, group_size: int) -> Iterator[None]:
 
 
 def quantized_greedy(
-    model, prompt: list[int], max_tokens: int, bits: int, group_size: int = 64, one_at_a_time: bool = False
+    model,
+    prompt: list[int],
+    max_tokens: int,
+    bits: int,
+    group_size: int = 64,
+    one_at_a_time: bool = False,
+    transform: KVTransform | None = None,
 ):
-    """(tokens, top-2 log-prob gaps) of greedy decoding over quantized K/V."""
+    """(tokens, top-2 log-prob gaps) of greedy decoding over quantized K/V (`transform`: in the coordinates
+    the engine's pages hold them in; models with one KV cache per layer, in layer order, like the engine's)."""
     tokens: list[int] = []
     gaps: list[float] = []
-    with quantized_kv_caches(bits, group_size):
+    with quantized_kv_caches(bits, group_size, transform):
         cache = mlx_cache.make_prompt_cache(model)
+        if transform is not None:
+            if len(cache) != len(transform.layers):
+                raise ValueError(f"{len(cache)} caches for a transform of {len(transform.layers)} layers")
+            for layer, c in enumerate(cache):
+                setattr(c, LAYER_ATTR, layer)
         for piece in [[t] for t in prompt[:-1]] if one_at_a_time else [prompt[:-1]] if len(prompt) > 1 else []:
             mx.eval(model(mx.array([piece]), cache=cache))
         last = prompt[-1]

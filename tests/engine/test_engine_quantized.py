@@ -49,8 +49,11 @@ def test_ragged_batch_equals_mlx_lm_over_quantized_kv(model, tokenizer, bits, gr
         assert all(isinstance(p, QuantizedPages) and p.bits == bits for p in pools)
         assert engine.runner.decoder is not None  # the compiled decode pass ran on quantized pools
         assert_pool_empty(engine)
-    assert got == [quantized_greedy(model, p, GREEDY.max_tokens, bits, group)[0] for p in PROMPTS]
-    assert got == [qkv_cache_greedy(model, p, GREEDY.max_tokens, bits, group) for p in PROMPTS]
+        transform = engine.kv.transform  # 4-bit pages: K/V in calibrated coordinates (kv_transform.py)
+    assert (transform is not None) == (bits == 4)
+    assert got == [quantized_greedy(model, p, GREEDY.max_tokens, bits, group, transform=transform)[0] for p in PROMPTS]
+    if transform is None:  # mlx-lm's QuantizedKVCache stores K/V as the model gives them
+        assert got == [qkv_cache_greedy(model, p, GREEDY.max_tokens, bits, group) for p in PROMPTS]
     with tiny_engine(model, tokenizer) as full:  # and quantization did change something
         plain = full.generate(PROMPTS, scored)
     changed = [c.logprobs != pytest.approx(f.logprobs, abs=1e-5) for c, f in zip(completions, plain, strict=True)]

@@ -6,8 +6,10 @@ from __future__ import annotations
 import mlxpaged  # noqa: F401
 from mlxpaged.cache.kv_quant import KVQuantization
 from mlxpaged.loading.probe import probe_layout
+from mlxpaged.runner.kv_calibration import calibrate_kv_transform
 from mlxpaged.runner.prompt_scoring import perplexity, token_logprobs
-from tests.archs.quantized_reference import quantized_kv_caches
+from tests.archs.quantized_reference import LAYER_ATTR, quantized_kv_caches
+from tests.engine.test_engine import tokenizer  # noqa: F401
 from tests.tiny_models import random_tokens, tiny_llama
 
 import mlx.core as mx
@@ -55,3 +57,21 @@ def test_models_it_cannot_score_are_refused():
     hybrid = tiny_llama(4, 0, layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=8)
     with pytest.raises(ValueError, match="full-attention models"):
         token_logprobs(hybrid, probe_layout(hybrid), TOKENS, mx.float32)
+
+
+def test_4_bit_scores_in_calibrated_coordinates_equal_the_twin_in_them(model, tokenizer):
+    """The engine's 4-bit coordinates (runner/kv_calibration.py): the twin round-trips K/V through the same ones."""
+    layout = probe_layout(model)
+    transform = calibrate_kv_transform(model, layout, tokenizer, mx.float32)
+    quantization = KVQuantization(4)
+    got = token_logprobs(model, layout, TOKENS, mx.float32, quantization, block_size=8, chunk=16, transform=transform)
+    with quantized_kv_caches(4, 64, transform):
+        cache = make_prompt_cache(model)
+        for layer, c in enumerate(cache):
+            setattr(c, LAYER_ATTR, layer)
+        logits = mx.concatenate([model(mx.array([[t]]), cache=cache)[0] for t in TOKENS[:-1]])
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    want = np.array(mx.take_along_axis(logprobs, mx.array(TOKENS[1:])[:, None], axis=1)[:, 0], dtype=np.float64)
+    np.testing.assert_allclose(got, want, atol=2e-3)
+    plain = token_logprobs(model, layout, TOKENS, mx.float32, quantization, block_size=8, chunk=16)
+    assert np.abs(got - plain).max() > 1e-4  # the coordinates change what 4 bits keep
