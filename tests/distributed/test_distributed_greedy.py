@@ -74,3 +74,16 @@ def test_two_processes_preempt_as_one_does(model_dir):
     assert two["preemptions"] == one["preemptions"]
     assert two["batched"] == one["batched"] == one["alone"]
     assert two["alone"] == one["alone"]
+
+
+@pytest.mark.slow  # 4 launches; quantized pages over 2 processes
+@pytest.mark.parametrize("kv_bits", [8, 4])
+def test_quantized_pages_over_two_processes(tmp_path, kv_bits):
+    """Each rank quantizes its share of the KV heads as written (at 4 bits each calibrates its own heads'
+    coordinates: the same prefill on every rank, so the model's all-reduces line up)."""
+    model_dir = write_tiny_model_dir(
+        tmp_path / "llama64", "llama", dtype="float32", kv_heads=4, head_dim=64, num_attention_heads=4
+    )
+    one, two = run(model_dir, 1, kv_bits=kv_bits), run(model_dir, 2, kv_bits=kv_bits)
+    assert one["pools"] == two["pools"] == 2 * 2 * 3  # 2 layers' K and V, each data, scales and biases
+    assert_same_decoding(one, two, 2)
