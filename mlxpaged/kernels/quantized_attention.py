@@ -85,11 +85,11 @@ def attend_quantized_pages(
 #
 # Measured: 30 layers of decode attention in one compiled pass, SmolLM2's shapes (9 / 3 heads, D 64, groups of
 # 64), batch 1, CPU time (process_time) medians of 37 interleaved passes, the 2-core machine loaded (load 13):
-#     keys   8-bit: unpacked / quantized matmuls   4-bit: unpacked / quantized matmuls   full precision
-#      128            5.4 / 6.0 (ctx 40)                                                       3.6
-#      128            6.1 / 6.7                        7.5 / 6.4                               4.0
-#      256            7.2 / 9.3                        8.2 / 9.3                               5.2
-#      512                                            10.8 / 15.4                              7.7
+#     keys read (in use)   8-bit: unpacked / quantized matmuls   4-bit: unpacked / quantized matmuls   full
+#      128 (40)                     5.4 / 6.0                                                            3.6
+#      128 (120)                    6.1 / 6.7                        7.5 / 6.4                           4.0
+#      256 (250)                    7.2 / 9.3                        8.2 / 9.3                           5.2
+#      512 (500)                                                    10.8 / 15.4                          7.7
 UNPACKED_4BIT_MIN_KEYS = 256  # 4-bit pages take the unpacked form from this many keys per pass (batch x keys)
 
 
