@@ -287,7 +287,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="gpu: concurrent requests per batch run, comma-separated (default 16,64)",
     )
     bench.add_argument(
-        "--parts", type=bench_parts, default=None, help="gpu: run only some of decode,batch,ttft (default all)"
+        "--parts",
+        type=bench_parts,
+        default=None,
+        help="gpu: run only some of decode,batch,ttft (default all); kv: decode (the decode-speed part alone)",
     )
     bench.add_argument(
         "--max-model-len",

@@ -7,7 +7,7 @@
   prefilled through paged passes whose pages are quantized as they are written (runner/prompt_scoring.py);
 - greedy agreement on a fixed prompt set: tokens equal to full precision's, and replies equal in full;
 - batch-1 decode tok/s per kv_bits, every engine warmed up, runs alternating so each ratio is measured in
-  the same stretch of the machine's load.
+  the same stretch of the machine's load (`--parts decode`: this part alone).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from argparse import Namespace
 from pathlib import Path
 
 from mlxpaged.config import CacheConfig, SchedulerConfig
+from mlxpaged.errors import ConfigError
 from mlxpaged.loading.loader import chat_prompt
 from mlxpaged.platform.blas import blas_status
 from mlxpaged.platform.memory import DeviceFacts, plan_memory
@@ -139,6 +140,10 @@ def bench_kv(args: Namespace) -> int:
     from mlxpaged.engine.engine import Engine
 
     group_size = getattr(args, "kv_group_size", None) or 64
+    parts = getattr(args, "parts", None)
+    if parts is not None and set(parts) != {"decode"}:
+        raise ConfigError(f"bench kv takes --parts decode (the decode-speed part alone), got {','.join(parts)}")
+    only_decode = parts is not None
     engines = {
         bits: Engine.from_pretrained(args.model, enable_prefix_cache=False, kv_bits=bits, kv_group_size=group_size)
         for bits in BITS
@@ -153,12 +158,15 @@ def bench_kv(args: Namespace) -> int:
             path = engine.built.attention.status()["path"]
             coordinates = "" if engine.kv.transform is None else ", K/V in calibrated coordinates (kv_transform.py)"
             print(f"  {name(bits)}: {path} path, {format_size(engine.kv.bytes_per_block)}/block{coordinates}")
-        print(f"capacity in {CAPACITY_BUDGET} of KV memory (tokens, ratio to full precision):")
-        capacity(full.facts, group_size)
-        print(f"perplexity on {TEXT.name} (Book of Ruth, KJV), prefilled through quantized pages:")
-        perplexities(full, held_out_text(), group_size, {b: e.kv.transform for b, e in engines.items()})
-        print(f"greedy agreement with full precision, {len(AGREEMENT_PROMPTS)} prompts x {AGREEMENT_TOKENS} tokens:")
-        agreement(engines)
+        if not only_decode:
+            print(f"capacity in {CAPACITY_BUDGET} of KV memory (tokens, ratio to full precision):")
+            capacity(full.facts, group_size)
+            print(f"perplexity on {TEXT.name} (Book of Ruth, KJV), prefilled through quantized pages:")
+            perplexities(full, held_out_text(), group_size, {b: e.kv.transform for b, e in engines.items()})
+            print(
+                f"greedy agreement with full precision, {len(AGREEMENT_PROMPTS)} prompts x {AGREEMENT_TOKENS} tokens:"
+            )
+            agreement(engines)
         print(f"batch-1 decode, {args.tokens} tokens, {args.runs} alternating runs (+1 warm-up):")
         decode_speed(engines, args.runs, args.tokens)
     finally:

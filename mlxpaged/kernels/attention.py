@@ -21,11 +21,13 @@ Backend choice: ``set_attention_backend`` / ``attention_backend(...)`` or the en
 ``fused`` on a CUDA GPU, ``cpu`` on MLX's CPU backend), ``kernel``, ``fused`` (the K/V the cache view
 gathered, attended by ``mx.fast.scaled_dot_product_attention`` with no mask array where none is
 needed, so MLX's fused decode kernels run; never NumPy or host math), ``cpu``
-(kernels/cpu_attention.py: pages read in place with ``mx.gather_mm`` and a cheaper softmax, prefill
-in NumPy) or ``reference`` (gathered pages + ``mx.fast.scaled_dot_product_attention``).
+(kernels/cpu_attention.py: pages read in place with ``mx.gather_mm`` and a cheaper softmax, quantized
+pages' integer levels through float32 matmuls, prefill in NumPy) or ``reference`` (gathered pages +
+``mx.fast.scaled_dot_product_attention``; quantized pages: ``mx.quantized_matmul``).
 Forcing ``kernel`` without Metal raises unless a kernel launcher is installed
 (``set_kernel_launcher``: tests run the kernel through the CPU harness); shapes a fast path does not
-support (kernel: see ``kernel_supports``; cpu: pools that are not float32) run on the reference path.
+support (kernel: see ``kernel_supports``; cpu: pools that are not float32, or quantized pages whose scales
+are not) run on the reference path.
 
 Kernel self-check: before the kernel's first use, each variant a model needs is run once on a small
 case against the reference (kernels/self_check.py; the engine calls ``prepare_attention``). A variant
@@ -52,6 +54,7 @@ from mlxpaged.kernels.numpy_attention import (
     numpy_attention_applies,
     pages_in_place_apply,
 )
+from mlxpaged.kernels.quantized_attention import UNPACKED_4BIT_MIN_KEYS
 from mlxpaged.kernels.reference import (
     attend_pages,
     check_pools,
@@ -143,10 +146,19 @@ def resolved_backend() -> str:
 
 
 def _float32(k_pool: Pool, v_pool: Pool) -> bool:
-    """The CPU path's pools: float32, the CPU backend's fast dtype (others take the reference), stored as
-    such: quantized pages take the reference's quantized forms (reference.py) on every backend."""
+    """The NumPy prefill paths' pools: float32, the CPU backend's fast dtype, stored as such (quantized pages
+    are gathered dequantized by the reference's prefill instead)."""
     plain = not is_quantized(k_pool) and not is_quantized(v_pool)
     return plain and k_pool.dtype == mx.float32 and v_pool.dtype == mx.float32
+
+
+def _cpu_decode_pools(k_pool: Pool, v_pool: Pool) -> bool:
+    """The CPU decode path's pools: float32 (others take the reference), or quantized pages of float32 scales
+    both (kernels/quantized_attention.py `attend_quantized_unpacked`, or the quantized matmuls where faster)."""
+    if is_quantized(k_pool) or is_quantized(v_pool):
+        both = is_quantized(k_pool) and is_quantized(v_pool)
+        return both and k_pool.dtype == mx.float32 and v_pool.dtype == mx.float32
+    return _float32(k_pool, v_pool)
 
 
 def paged_attention(
@@ -185,9 +197,7 @@ def paged_attention(
                 two_pass=two_pass,
                 launcher=_launcher,
             )
-    if isinstance(k_pool, QuantizedPages) or isinstance(v_pool, QuantizedPages):  # the quantized matmuls
-        return paged_attention_reference(q, k_pool, v_pool, block_tables, context_lens, scale, window, sinks)
-    if backend == "cpu" and _float32(k_pool, v_pool):
+    if backend == "cpu" and _cpu_decode_pools(k_pool, v_pool):
         return paged_attention_cpu(q, k_pool, v_pool, block_tables, context_lens, scale, window, sinks)
     return paged_attention_reference(q, k_pool, v_pool, block_tables, context_lens, scale, window, sinks)
 
@@ -297,11 +307,9 @@ def decode_attention(
     """Decode attention from array inputs only, for compiled passes (no host lengths): ``rows``
     [B, KVH, nb] page rows (``reference.page_rows``), ``mask`` [B, 1, 1, nb * BS] bool (key in the
     sequence; every sequence has at least one). Same result as ``paged_attention``."""
-    if isinstance(k_pool, QuantizedPages) or isinstance(v_pool, QuantizedPages):
-        return attend_pages(q, k_pool, v_pool, rows, mask, scale, sinks)  # the packed pages' quantized matmuls
-    if resolved_backend() == "cpu" and _float32(k_pool, v_pool):
+    if resolved_backend() == "cpu" and _cpu_decode_pools(k_pool, v_pool):
         return decode_attention_cpu(q, k_pool, v_pool, rows, mask, scale, sinks)
-    return attend_pages(q, k_pool, v_pool, rows, mask, scale, sinks)
+    return attend_pages(q, k_pool, v_pool, rows, mask, scale, sinks)  # quantized pages: the quantized matmuls
 
 
 # --- kernel self-check: which variants the kernel attends, and why -------------------------------
@@ -444,11 +452,17 @@ def attention_status(prepared: PreparedAttention | None = None) -> dict:
         )
     if backend == "cpu":
         why = "forced" if forced else "MLX's CPU backend"
-        if prepared is not None and prepared.quantized:
-            return _status("reference", f"{why}; quantized pages: packed pages attended by quantized matmuls", [])
         if prepared is not None and prepared.dtype != "float32":
+            what = "quantized pages of float32 scales" if prepared.quantized else "float32 K/V"
             return _status(
-                "reference", f"{why}; the CPU path takes float32 K/V, this model's are {prepared.dtype}", variants
+                "reference", f"{why}; the CPU path takes {what}, this model's are {prepared.dtype}", variants
+            )
+        if prepared is not None and prepared.quantized:
+            return _status(
+                "cpu",
+                f"{why}: quantized pages taken packed, their integer levels attended by float32 matmuls with the "
+                f"scales and biases folded around them (4-bit below {UNPACKED_4BIT_MIN_KEYS} keys: quantized matmuls)",
+                variants,
             )
         return _status("cpu", f"{why}: pages read in place", variants)
     if prepared is not None and prepared.unsupported is not None:

@@ -24,6 +24,10 @@ Decode does not gather pages: ``mx.gather_mm`` multiplies each (sequence, KV hea
 with each of its pages where the page lies in the pool, for scores and again for the weighted
 values. Gathering B=16 sequences x 512 tokens copies 12 MB per layer first; without the copy
 decode attention takes 2.3 ms per layer instead of 4.1 (measured, block size 16).
+
+Quantized pages (of float32 scales) are taken packed and attended by ``attend_quantized_unpacked``
+(kernels/quantized_attention.py: integer levels through float32 matmuls, scales and biases folded around
+them) where it is faster than the reference's quantized matmuls (``unpacked_applies``), else by those.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from __future__ import annotations
 import math
 from functools import partial
 
+from mlxpaged.cache.quantized_pages import Pool, QuantizedPages
+from mlxpaged.kernels.quantized_attention import attend_quantized_unpacked, unpacked_applies
 from mlxpaged.kernels.reference import (
     attend_pages,
     check_pools,
@@ -150,16 +156,16 @@ def _apply_mask(scores: mx.array, mask, heads: int, length: int, keys: int) -> m
 
 def paged_attention_cpu(
     q: mx.array,
-    k_pool: mx.array,
-    v_pool: mx.array,
+    k_pool: Pool,
+    v_pool: Pool,
     block_tables,
     context_lens,
     scale: float,
     window: int | None = None,
     sinks: mx.array | None = None,
 ) -> mx.array:
-    """Decode attention, one query per sequence, read from float32 pools in place.
-    Same contract as ``reference.paged_attention_reference``."""
+    """Decode attention, one query per sequence, read from float32 pools in place (quantized pages of float32
+    scales: taken packed, see the module docstring). Same contract as ``reference.paged_attention_reference``."""
     batch, _, qlen, _ = q.shape
     if qlen != 1:
         raise ValueError(f"decode takes one query token per sequence: q is {tuple(q.shape)}")
@@ -169,6 +175,9 @@ def paged_attention_cpu(
     plan = decode_plan(block_tables, context_lens, window, k_pool.shape, batch)
     if plan is None:
         return mx.zeros(output_shape(q, v_pool), dtype=q.dtype)
+    if isinstance(k_pool, QuantizedPages) and isinstance(v_pool, QuantizedPages):
+        out = _quantized_decode(q, k_pool, v_pool, plan.rows, plan.mask, scale, sinks)
+        return zero_empty(out, plan.lens)
     if batch * plan.rows.shape[2] * k_pool.shape[2] < GATHER_MM_MIN_KEYS:
         return paged_attention_reference(q, k_pool, v_pool, block_tables, context_lens, scale, window, sinks)
     page_ids, query_ids, page_mask = plan.derived("cpu", lambda p: _page_arrays(p.rows, p.mask))
@@ -178,20 +187,40 @@ def paged_attention_cpu(
 
 def decode_attention_cpu(
     q: mx.array,
-    k_pool: mx.array,
-    v_pool: mx.array,
+    k_pool: Pool,
+    v_pool: Pool,
     rows: mx.array,
     mask: mx.array,
     scale: float,
     sinks: mx.array | None = None,
 ) -> mx.array:
     """Decode attention from array inputs only (compiled passes): ``rows`` [B, KVH, nb] page rows,
-    ``mask`` [B, 1, 1, nb * BS] bool, at least one key per sequence; sinks [H] or None. Float32 pools."""
+    ``mask`` [B, 1, 1, nb * BS] bool, at least one key per sequence; sinks [H] or None. Float32 pools, or
+    quantized pages of float32 scales."""
+    if isinstance(k_pool, QuantizedPages) and isinstance(v_pool, QuantizedPages):
+        return _quantized_decode(q, k_pool, v_pool, rows, mask, scale, sinks)
     batch, _, pages = rows.shape
     if batch * pages * k_pool.shape[2] < GATHER_MM_MIN_KEYS:
         return attend_pages(q, k_pool, v_pool, rows, mask, scale, sinks)
     page_ids, query_ids, page_mask = _page_arrays(rows, mask)
     return _gather_mm_attention(q, k_pool, v_pool, page_ids, query_ids, page_mask, scale, sinks)
+
+
+def _quantized_decode(
+    q: mx.array,
+    k_pages: QuantizedPages,
+    v_pages: QuantizedPages,
+    rows: mx.array,
+    mask: mx.array | None,
+    scale: float,
+    sinks: mx.array | None,
+) -> mx.array:
+    """Decode over quantized pages: the unpacked form where it is the faster, else the reference's quantized
+    matmuls (its twin; both read the same packed pages)."""
+    keys = rows.shape[0] * rows.shape[2] * k_pages.shape[2]
+    if unpacked_applies(k_pages.bits, keys) and unpacked_applies(v_pages.bits, keys):
+        return attend_quantized_unpacked(q, k_pages, v_pages, rows, mask, scale, sinks)
+    return attend_pages(q, k_pages, v_pages, rows, mask, scale, sinks)
 
 
 def _gather_mm_attention(q, k_pool, v_pool, page_ids, query_ids, page_mask, scale, sinks=None) -> mx.array:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from argparse import Namespace
 
+from mlxpaged.errors import ConfigError
 from mlxpaged_app.bench import kv as bench
 from mlxpaged_app.cli import build_parser
 from mlxpaged_app.server.flags import cache_settings
@@ -42,3 +43,17 @@ def test_bench_prints_capacity_perplexity_agreement_and_speed(capsys, monkeypatc
     assert set(ppl) == {"full", "8-bit", "4-bit"} and all(p > 1 for p in ppl.values())
     assert re.search(r"8-bit: \d/2 replies identical, \d+/12 tokens before the first divergence", out)
     assert "median paired ratio" in out
+
+
+def test_parts_decode_is_the_only_part_bench_kv_takes():
+    assert build_parser().parse_args(["bench", "kv", "--parts", "decode"]).parts == ("decode",)
+    with pytest.raises(ConfigError, match="--parts decode"):
+        bench.bench_kv(Namespace(model=None, tokens=6, runs=1, kv_group_size=64, parts=("decode", "batch")))
+
+
+@pytest.mark.slow
+def test_parts_decode_prints_the_decode_speed_alone(capsys):
+    assert bench.bench_kv(Namespace(model=None, tokens=4, runs=1, kv_group_size=64, parts=("decode",))) == 0
+    out = capsys.readouterr().out
+    assert "median paired ratio" in out and "8-bit: cpu path" in out
+    assert "perplexity" not in out and "capacity" not in out and "agreement" not in out

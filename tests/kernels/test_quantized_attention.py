@@ -117,7 +117,7 @@ def test_prefill_through_numpy_over_the_dequantized_gather_matches_the_oracle():
     assert max_error(out, causal_oracle(np.array(q, dtype=np.float64)[0], k, v, exact.scale)[None]) < EXACT_TOLERANCE
 
 
-def test_the_cpu_status_names_the_quantized_matmuls_and_the_deferred_tail_is_declined():
+def test_the_cpu_status_names_the_unpacked_levels_and_the_deferred_tail_is_declined():
     exact, _ = case_for(CASES[0])
     tail = mx.zeros((len(LENS), 3, 1, 64))
     assert (
@@ -129,7 +129,11 @@ def test_the_cpu_status_names_the_quantized_matmuls_and_the_deferred_tail_is_dec
     prepared = prepare_model_attention(mx.float32, 16, [(9, 3, 64, 64, False)], KVQuantization(8))
     with attention_backend("cpu"):
         status = prepared.status()
-    assert status["path"] == "reference" and "quantized" in status["reason"]
+    assert status["path"] == "cpu" and "quantized pages" in status["reason"] and "integer levels" in status["reason"]
+    half = prepare_model_attention(mx.float16, 16, [(9, 3, 64, 64, False)], KVQuantization(8))
+    with attention_backend("cpu"):
+        status = half.status()
+    assert status["path"] == "reference" and "float32 scales" in status["reason"]
 
 
 @pytest.mark.parametrize("params", [CASES[0], CASES[2], CASES[4]])
