@@ -83,10 +83,10 @@ def test_the_exit_status_is_rank_0s_when_it_failed_else_the_first_failed_ranks()
 
 
 def test_a_rank_that_fails_fails_the_launch():
-    """mlx.launch itself exits 0 here; `mlxpaged launch` exits with the ranks' status and passes their reasons
-    through (every rank refuses a model directory that does not exist, at load)."""
-    command = [MLXPAGED, "launch", "-n", "2", "--starting-port", str(free_port_run(2)), "--"]
-    command += ["serve", "--model", "/nonexistent/model", "--no-kv-disk", "--port", "0"]
+    """mlx.launch itself exits 0 here; `mlxpaged launch` exits with rank 0's status (1: an unknown model) and
+    passes the ranks' reasons through."""
+    command = [MLXPAGED, "launch", "-n", "2", "--starting-port", str(free_port_run(2)), "--", "pull", "no-such-model"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=180)
-    assert done.returncode != 0, done.stdout[-2000:] + done.stderr[-3000:]
-    assert "/nonexistent/model" in done.stderr and "Node with rank" in done.stderr, done.stderr[-3000:]
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "unknown model 'no-such-model'" in done.stderr, done.stderr[-3000:]
+    assert "Node with rank 0 exited with code 1" in done.stderr, done.stderr[-3000:]
