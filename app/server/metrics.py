@@ -192,6 +192,19 @@ def _prefix_tier_metrics(stats: dict) -> list[str]:
         "Time admissions spent reading blocks from disk into the pool.",
         [("", stats["disk_read_seconds"])],
     )
+    if "disk_state_hits" in stats:  # a state model's checkpoints, kept beside its blocks (state_tiering.py)
+        lines += _metric(
+            "kv_disk_state_checkpoints_total",
+            "counter",
+            "State-layer checkpoints written to the disk tier, and requests resumed from one read back.",
+            [('{kind="written"}', stats["disk_state_written"]), ('{kind="resumed"}', stats["disk_state_hits"])],
+        )
+        lines += _metric(
+            "kv_disk_state_written_bytes_total",
+            "counter",
+            "State-layer checkpoint bytes written to the disk tier (apart from the KV bytes).",
+            [("", stats["disk_state_written_bytes"])],
+        )
     return lines + _metric(
         "kv_disk_problems_total",
         "counter",

@@ -7,7 +7,7 @@ from mlxpaged.sampling_params import SamplingParams
 from mlxpaged_app.server.metrics import ServerMetrics
 from mlxpaged_app.tui.widgets.engine_panel import stats_text
 from tests.engine.test_disk_tier_engine import disk_engine
-from tests.tiny_models import random_tokens, tiny_llama
+from tests.tiny_models import random_tokens, tiny_llama, tiny_qwen3_5
 
 import pytest
 
@@ -43,3 +43,18 @@ def test_the_engine_panel_says_why_the_disk_tier_is_off():
     stats |= {"generation_tokens_per_s": 0.0, "processed_tokens_per_s": 0.0, "disk_tier": False}
     stats["disk_tier_off"] = "its prefix cache is off"
     assert "disk tier   off: its prefix cache is off" in stats_text(stats).plain
+
+
+def test_a_state_models_checkpoints_on_disk_show_in_the_panel_and_metrics(tokenizer, tmp_path):
+    model, prompt = tiny_qwen3_5(), random_tokens(40, seed=5)
+    with disk_engine(model, tokenizer, tmp_path / "m", tmp_path / "kv") as first:
+        first.generate(prompt, GREEDY)
+    written = first.stats()["disk_state_written"]  # after close: every checkpoint on disk
+    with disk_engine(model, tokenizer, tmp_path / "m", tmp_path / "kv") as second:
+        second.generate(prompt, GREEDY)  # resumed from a checkpoint on disk
+        stats = second.stats()
+    assert written >= 1 and stats["disk_state_hits"] == 1
+    assert "  states    1 resumed from disk · 0 written" in stats_text(stats).plain
+    metrics = ServerMetrics().render(stats, 0, 1)
+    assert 'mlxpaged_kv_disk_state_checkpoints_total{kind="resumed"} 1' in metrics
+    assert 'mlxpaged_kv_disk_state_checkpoints_total{kind="written"} 0' in metrics

@@ -109,6 +109,14 @@ def _tier_rows(stats: dict) -> list[tuple[str, str]]:
                 f"wrote {format_size(stats['disk_written_bytes'])}",
             )
         )
+        if "disk_state_hits" in stats:  # a state model's checkpoints, kept beside its blocks (state_tiering.py)
+            rows.append(
+                (
+                    "  states",
+                    f"{stats['disk_state_hits']:,} resumed from disk · {stats['disk_state_written']:,} written "
+                    f"({format_size(stats['disk_state_written_bytes'])})",
+                )
+            )
     elif stats.get("disk_tier_off"):
         rows.append(("disk tier", f"off: {stats['disk_tier_off']}"))
     return rows
