@@ -129,8 +129,8 @@ def report(backend: str, records: list[RankRecord]) -> list[Check]:
     for host, ranks in hosts.items():
         if len(ranks) > 1:  # loopback: fine for trying; a real run puts one rank on each machine
             detail += (
-                f"; ranks {', '.join(map(str, ranks))} share {host} and each plans its KV cache from the host's "
-                "whole memory (capped by --cache-tokens; give each a --kv-memory share if you raise it)"
+                f"; ranks {', '.join(map(str, ranks))} share {host} and each plans its KV cache from a "
+                f"1/{len(ranks)} share of its memory (unless each has a GPU of its own: CUDA)"
             )
     if len(hosts) > 1:
         detail += "; " + least_room(records)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import socket
+import zlib
 from dataclasses import dataclass
 
 from mlxpaged.distributed import DEFAULT_RANK_TIMEOUT_S
@@ -20,6 +22,7 @@ class Ranks:
     group: mx.distributed.Group
     parallel: str = "tensor"  # how the model is split over the ranks: "tensor" or "pipeline" (shard.py)
     timeout_s: float = DEFAULT_RANK_TIMEOUT_S  # rank 0's bound on one step across the ranks (watchdog.py)
+    on_host: int = 1  # ranks on this rank's host, itself included (their memory plans share it: memory.py)
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
@@ -61,4 +64,14 @@ def join(backend: str = "any", timeout_s: float = DEFAULT_RANK_TIMEOUT_S) -> Ran
     if not launched() or launched_alone():
         return None
     group = mx.distributed.init(strict=True, backend=backend)
-    return Ranks(group, timeout_s=timeout_s) if group.size() > 1 else None
+    if group.size() == 1:
+        return None
+    return Ranks(group, timeout_s=timeout_s, on_host=ranks_on_this_host(group))
+
+
+def ranks_on_this_host(group: mx.distributed.Group) -> int:
+    """How many of the group's ranks run on this host (one all_gather of each rank's hostname checksum, at join:
+    every rank joins at the same point, so the collective lines up)."""
+    mine = zlib.crc32(socket.gethostname().encode()) & 0x7FFFFFFF
+    every = np.array(mx.distributed.all_gather(mx.array([mine], dtype=mx.int32), group=group))
+    return int((every == mine).sum())

@@ -20,7 +20,7 @@ from mlxpaged.cache.state_cache import StateCache
 from mlxpaged.config import CacheConfig, SchedulerConfig
 from mlxpaged.distributed.channel import PlanChannel
 from mlxpaged.distributed.leader import PlanSender
-from mlxpaged.distributed.memory import agreed_plan
+from mlxpaged.distributed.memory import agreed_plan, host_share
 from mlxpaged.distributed.ranks import Ranks
 from mlxpaged.engine.core import EngineCore
 from mlxpaged.engine.kv_tiering import KVTiering
@@ -77,7 +77,10 @@ def build_core(
     facts = ModelFacts.from_layout(
         layout, model_weight_bytes(loaded.model), kv_dtype.size, context_length(loaded.config)
     )
-    plan = plan_memory(DeviceFacts.detect(), facts, cache_config, scheduler_config, weights_resident=True)
+    device = DeviceFacts.detect()
+    if ranks is not None:  # ranks on one host share its memory
+        device = host_share(device, ranks.on_host)
+    plan = plan_memory(device, facts, cache_config, scheduler_config, weights_resident=True)
     if ranks is not None:  # each rank planned its own memory; the block ids are shared, so are the pool sizes
         if len(plan.space_blocks) > 1:
             raise ConfigError(

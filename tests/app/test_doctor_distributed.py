@@ -49,7 +49,10 @@ def test_ranks_sharing_a_host_are_named():
     one = local_record(0)
     lines = report("ring", [one, dataclasses.replace(one, rank=1), dataclasses.replace(one, rank=2, host="b")])
     assert lines[0].status == OK
-    assert f"3 ranks on 2 hosts; ranks 0, 1 share {one.host} and each plans its KV cache" in lines[0].detail
+    assert (
+        f"3 ranks on 2 hosts; ranks 0, 1 share {one.host} and each plans its KV cache from a 1/2 share"
+        in lines[0].detail
+    )
 
 
 def test_ranks_on_different_versions_warn_with_each_ranks_version():
