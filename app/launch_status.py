@@ -4,9 +4,10 @@ mlx.launch (mlx 0.32) always exits 0: when a rank fails it only logs `Node with 
 `Node with rank R was killed`) on its stderr, stops the other ranks, and returns. A service manager or a script
 running `mlxpaged launch -- serve` needs to see the failure (issue 26: a lost rank ends the server "with a clear
 error and exit status"), so the launcher runs as a child here, its stderr passes through unchanged as it comes,
-and those lines are read on the way: the exit status is rank 0's when it failed, else the first failed rank's,
-else mlx.launch's own. Reading a log line is the only interface mlx.launch offers; if its wording changes, the
-status falls back to mlx.launch's (0) and nothing else breaks.
+and those lines are read on the way: the exit status is rank 0's when it failed, else the lowest failed rank's,
+else mlx.launch's own (a rank mlx.launch itself terminated counts last). Reading a log line is the only
+interface mlx.launch offers; if its wording changes, the status falls back to mlx.launch's (0) and nothing
+else breaks.
 
 Signals: Ctrl-C in a terminal reaches the whole process group (mlx.launch and the ranks stop themselves), so
 SIGINT is ignored here while the child runs; a SIGTERM sent to this process is passed on to mlx.launch.
@@ -35,11 +36,14 @@ def rank_statuses(stderr_text: bytes) -> dict[int, int]:
 
 
 def exit_status(launcher_status: int, statuses: dict[int, int]) -> int:
-    """Rank 0's failure first (the server's own), else the lowest failed rank's, else mlx.launch's status."""
+    """Rank 0's failure first (the server's own), else the lowest failed rank's, else mlx.launch's status. A rank
+    ended by SIGTERM (143) counts only when no rank failed otherwise: mlx.launch terminates the ranks still
+    running once one fails, so that is the effect, and the other rank's status the cause."""
     failed = {rank: status for rank, status in statuses.items() if status != 0}
     if not failed:
         return launcher_status
-    return failed.get(0, failed[min(failed)])
+    causes = {rank: status for rank, status in failed.items() if status != 128 + signal.SIGTERM} or failed
+    return causes.get(0, causes[min(causes)])
 
 
 def run_launcher(line: list[str]) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -80,13 +81,19 @@ def test_the_exit_status_is_rank_0s_when_it_failed_else_the_first_failed_ranks()
     assert exit_status(0, rank_statuses(log)) == 1  # rank 0's (the server's own), not mlx.launch's 0
     assert exit_status(0, rank_statuses(b"[WARN] Node with rank 2 was killed\n")) == 137
     assert exit_status(0, {}) == 0 and exit_status(3, {}) == 3  # no rank logged as failed: mlx.launch's status
+    # rank 1 failed first and mlx.launch terminated rank 0 (-15): the cause, rank 1's status, not the SIGTERM
+    assert (
+        exit_status(0, rank_statuses(b"Node with rank 1 exited with code 2\nNode with rank 0 exited with code -15"))
+        == 2
+    )
+    assert exit_status(0, {0: 143, 1: 143}) == 143
 
 
 def test_a_rank_that_fails_fails_the_launch():
-    """mlx.launch itself exits 0 here; `mlxpaged launch` exits with rank 0's status (1: an unknown model) and
-    passes the ranks' reasons through."""
+    """mlx.launch itself exits 0 here; `mlxpaged launch` exits with the failing rank's status (1: an unknown
+    model; whichever rank fails first, mlx.launch terminates the other) and passes the reasons through."""
     command = [MLXPAGED, "launch", "-n", "2", "--starting-port", str(free_port_run(2)), "--", "pull", "no-such-model"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=180)
     assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-3000:]
     assert "unknown model 'no-such-model'" in done.stderr, done.stderr[-3000:]
-    assert "Node with rank 0 exited with code 1" in done.stderr, done.stderr[-3000:]
+    assert re.search(r"Node with rank [01] exited with code 1\b", done.stderr), done.stderr[-3000:]
