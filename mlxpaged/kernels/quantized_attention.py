@@ -46,17 +46,7 @@ def attend_quantized_pages(
     scores = mx.quantized_matmul(
         queries, k_data, k_scales, k_biases, transpose=True, group_size=k_pages.group_size, bits=k_pages.bits
     ).astype(mx.float32)
-    if mask is not None:  # [B, 1, L or 1, N]: the same rows for every query head of a KV head
-        if length > 1:
-            mask = mx.broadcast_to(mask[:, :, None], (batch, 1, group, length, mask.shape[-1]))
-            mask = mask.reshape(batch, 1, group * length, -1)
-        scores = mx.where(mask, scores, mx.array(-mx.inf, mx.float32))
-    if sinks is not None:
-        sink = sinks.astype(mx.float32).reshape(1, kv_heads, group, 1)
-        sink = mx.broadcast_to(sink, (batch, kv_heads, group, length)).reshape(batch, kv_heads, group * length, 1)
-        weights = mx.softmax(mx.concatenate([sink, scores], axis=-1), axis=-1)[..., 1:]
-    else:
-        weights = mx.softmax(scores, axis=-1)
+    weights = _folded_softmax(scores, mask, sinks, group, length)
     out = mx.quantized_matmul(
         weights.astype(q.dtype),
         v_data,
@@ -93,6 +83,25 @@ def attend_quantized_pages(
 UNPACKED_4BIT_MIN_KEYS = 256  # 4-bit pages take the unpacked form from this many keys per pass (batch x keys)
 
 
+def _folded_softmax(
+    scores: mx.array, mask: mx.array | None, sinks: mx.array | None, group: int, length: int
+) -> mx.array:
+    """Attention weights from float32 scores [B, KVH, G * L, N] (GQA folded: a KV head's G query heads, L
+    queries each), `mask` [B, 1, L or 1, N] bool or None (the same for every query head of a KV head), sinks
+    [H] or None (one more softmax column with no value)."""
+    batch, kv_heads = scores.shape[:2]
+    if mask is not None:
+        if length > 1:
+            mask = mx.broadcast_to(mask[:, :, None], (batch, 1, group, length, mask.shape[-1]))
+            mask = mask.reshape(batch, 1, group * length, -1)
+        scores = mx.where(mask, scores, mx.array(-mx.inf, mx.float32))
+    if sinks is None:
+        return mx.softmax(scores, axis=-1)
+    sink = sinks.astype(mx.float32).reshape(1, kv_heads, group, 1)
+    sink = mx.broadcast_to(sink, (batch, kv_heads, group, length)).reshape(batch, kv_heads, group * length, 1)
+    return mx.softmax(mx.concatenate([sink, scores], axis=-1), axis=-1)[..., 1:]
+
+
 def unpacked_applies(bits: int, keys: int) -> bool:
     """True when `attend_quantized_unpacked` beats the quantized matmuls on the CPU backend for a decode pass
     over `keys` (batch x keys each sequence reads) at `bits` (table above)."""
@@ -119,13 +128,7 @@ def attend_quantized_unpacked(
     v_data, v_scales, v_biases = v_pages.take_pages(rows)
     queries = (q * scale).reshape(batch, kv_heads, group, k_dim)  # GQA: R = G query rows
     scores = _scores(queries, k_data, k_scales, k_biases, k_pages.bits, k_pages.group_size)  # [B, KVH, G, N]
-    if mask is not None:  # [B, 1, 1, N]
-        scores = mx.where(mask, scores, mx.array(-mx.inf, mx.float32))
-    if sinks is not None:
-        sink = mx.broadcast_to(sinks.astype(mx.float32).reshape(1, kv_heads, group, 1), (batch, kv_heads, group, 1))
-        weights = mx.softmax(mx.concatenate([sink, scores], axis=-1), axis=-1)[..., 1:]
-    else:
-        weights = mx.softmax(scores, axis=-1)
+    weights = _folded_softmax(scores, mask, sinks, group, 1)
     out = _weighted_values(weights, v_data, v_scales, v_biases, v_pages.bits, v_pages.group_size)
     return out.reshape(batch, heads, 1, v_pages.shape[-1]).astype(q.dtype)
 
