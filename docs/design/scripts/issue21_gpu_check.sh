@@ -6,9 +6,12 @@
 set -u
 OUT=${OUT:-/tmp/gpu/out}
 step() { local limit=$1 name=$2; shift 2; echo "=== $name ($(date +%T), limit ${limit}s)"; timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.txt"; }
+# Most telling first: a call cut short by the device's limit still brings back what ran.
 step 60 correctness python3 docs/design/scripts/issue21_gpu_tokens.py /tmp/models/135m
-step 200 bench_1.7b_decode_batch python3 -m mlxpaged_app.cli bench gpu --model /tmp/models/1.7b --parts decode,batch \
-     --tokens 128 --runs 3 --concurrency 16,64
-step 120 bench_1.7b_ttft python3 -m mlxpaged_app.cli bench gpu --model /tmp/models/1.7b --parts ttft --sizes 2048,8192 --runs 1
-step 80 bench_135m_decode python3 -m mlxpaged_app.cli bench gpu --model /tmp/models/135m --parts decode --tokens 128 --runs 3
+step 80 bench_1.7b_decode python3 -m mlxpaged_app.cli bench gpu --model /tmp/models/1.7b --parts decode --tokens 128 --runs 3
+step 110 bench_1.7b_ttft python3 -m mlxpaged_app.cli bench gpu --model /tmp/models/1.7b --parts ttft --sizes 2048,8192 --runs 1
+step 150 bench_1.7b_batch python3 -m mlxpaged_app.cli bench gpu --model /tmp/models/1.7b --parts batch --tokens 128 --runs 2 \
+     --concurrency 16,64
+step 60 bench_135m_decode python3 -m mlxpaged_app.cli bench gpu --model /tmp/models/135m --parts decode --tokens 128 --runs 3
+step 45 profile_135m python3 docs/design/scripts/issue21_gpu_profile.py /tmp/models/135m 256
 step 60 native_mlx_lm python3 .gpu/p2/native_mlx_lm.py /tmp/models/1.7b
