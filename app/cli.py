@@ -300,6 +300,13 @@ def build_parser() -> argparse.ArgumentParser:
         "model's 8192: RoPE extrapolates; timings only, no promise about quality)",
     )
     bench.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=None,
+        help="gpu: tokens one engine step may take, prefill chunks included (default the engine's, 2048): "
+        "to measure another chunk size on a GPU",
+    )
+    bench.add_argument(
         "--kv-group-size",
         type=int,
         choices=(64, 32),

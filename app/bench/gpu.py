@@ -139,6 +139,8 @@ def engine_settings(args: Namespace, concurrency: tuple[int, ...], sizes: tuple[
     }
     if getattr(args, "max_model_len", None):
         settings["max_model_len"] = args.max_model_len
+    if getattr(args, "max_batch_tokens", None):
+        settings["max_batch_tokens"] = args.max_batch_tokens
     return settings
 
 
@@ -157,7 +159,8 @@ def bench_gpu(args: Namespace) -> int:
         checkpoint = KV_DTYPE_NAMES[kv_dtype(checkpoint_tensors(engine.loaded.path))]
         print(
             f"model {engine.loaded.name}: checkpoint {checkpoint}; mlxpaged weights "
-            f"{weight_dtype(engine.loaded.model)}; mlx-lm weights {weight_dtype(side.loaded.model)}\n{side.note}"
+            f"{weight_dtype(engine.loaded.model)}; mlx-lm weights {weight_dtype(side.loaded.model)}\n{side.note}\n"
+            f"engine: at most {engine.scheduler_config.max_batch_tokens} tokens per step (prefill chunks included)"
         )
         rows = decode_rows(engine, side.loaded, args.tokens, args.runs) if "decode" in parts else []
         if "batch" in parts:

@@ -235,22 +235,38 @@ def reads_pools(backend: str | None = None) -> bool:
     return (backend or resolved_backend()) != "fused"
 
 
-def sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None, sinks: mx.array | None = None) -> mx.array:
+def sdpa(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    scale: float,
+    mask=None,
+    sinks: mx.array | None = None,
+    backend: str | None = None,
+) -> mx.array:
     """Attention over contiguous K/V (prefill over the K/V a cache view gathered), with
-    ``mx.fast.scaled_dot_product_attention``'s contract; ``cpu_attention.attend`` on the cpu path."""
-    if resolved_backend() == "cpu":
+    ``mx.fast.scaled_dot_product_attention``'s contract; ``cpu_attention.attend`` on the cpu path.
+    ``backend``: `resolved_backend()` when the caller already has it (a pass resolves it once, not per layer)."""
+    if (backend or resolved_backend()) == "cpu":
         return attend(q, k, v, scale, mask, sinks)
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=fast_sinks(sinks, q.dtype))
 
 
 def eager_sdpa(
-    q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None, sinks: mx.array | None = None
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    scale: float,
+    mask=None,
+    sinks: mx.array | None = None,
+    backend: str | None = None,
 ) -> mx.array:
     """``sdpa`` for eager passes (never inside ``mx.compile``): on the cpu backend a call big enough
     to pay for a sync is computed by NumPy (numpy_attention.py), ~3.5x faster on long prefills."""
-    if _numpy_allowed() and numpy_attention_applies(q, k, mask):
+    backend = backend or resolved_backend()
+    if _numpy_allowed(backend) and numpy_attention_applies(q, k, mask):
         return attend_numpy(q, k, v, scale, mask, sinks)
-    return sdpa(q, k, v, scale, mask, sinks)
+    return sdpa(q, k, v, scale, mask, sinks, backend)
 
 
 def reads_pages_in_place(q: mx.array, k_pool: Pool, v_pool: Pool, context: int) -> bool:
@@ -259,9 +275,9 @@ def reads_pages_in_place(q: mx.array, k_pool: Pool, v_pool: Pool, context: int) 
     return _numpy_allowed() and _float32(k_pool, v_pool) and pages_in_place_apply(q, context)
 
 
-def _numpy_allowed() -> bool:
+def _numpy_allowed(backend: str | None = None) -> bool:
     """NumPy attention only on the cpu path of MLX's CPU backend: on a GPU it would sync and copy to the host."""
-    return resolved_backend() == "cpu" and compute_backend.tuning().numpy_attention
+    return (backend or resolved_backend()) == "cpu" and compute_backend.tuning().numpy_attention
 
 
 def paged_prefill_attention(

@@ -9,10 +9,14 @@ backend: 23 -> 69 ms a step and peak memory +512 MiB for a 512 MiB pool, wheneve
 So a pass queued ahead writes nothing. Each layer attends its pages up to the last write and, after them, the
 K/V of the tokens computed since (`PendingKV`, a few small arrays the runner holds) and its own new K/V, which
 join the pending ones. The Metal kernel reads the pages in place and merges that tail as one more partition of
-its two-pass reduce (kernels/attention.py `kernel_attention_with_tail`); other paths gather the pages, put the
-tail into the gathered copy and attend it with MLX's fused attention (no mask at batch 1). Pending K/V go into
+its two-pass reduce (kernels/attention.py `kernel_attention_with_tail`). Other paths at batch 1 keep each layer's
+K/V in one contiguous buffer per run, as mlx-lm's KVCache does: gathered from the pages once, then each pass
+writes its token into the next column and attends the filled columns with MLX's fused attention, no mask (one
+update per layer, as many ops as mlx-lm's step; measured on an H200 before it: ~8 copy kernels per layer, 0.87x
+mlx-lm). Batch > 1 gathers the pages each pass and puts the tail into the gathered copy. Pending K/V go into
 their slots (`flush`) when nothing is in flight: when the pipeline stops (a step the look-ahead does not cover)
-and every MAX_PENDING tokens, where the runner reads a step before queuing the next (one wait per MAX_PENDING steps).
+and every MAX_PENDING tokens (MAX_PENDING_BUFFERED at batch 1), where the runner reads a step before queuing the
+next (one wait per so many steps).
 Rows that leave the run (finished, aborted, preempted) keep their pending K/V in the runner's queue until
 then: their full blocks may be in the prefix cache, and they are written before any other pass reads them.
 """
@@ -27,27 +31,41 @@ from mlxpaged.kernels.attention import resolved_backend
 
 import mlx.core as mx
 
-# Tokens a row may run ahead of the pools. Each step puts them into the gathered pages (small next to the
-# gather), and every MAX_PENDING steps the pipeline waits once to write them. Not measured on a GPU yet.
+# Tokens a row may run ahead of the pools; every so many steps the pipeline waits once (a step's host time with
+# the GPU idle) to write them. Batch > 1 copies its pending tail into the gathered pages each step, so it stays
+# short there; a batch-1 buffer holds the tail already (it costs nothing per step), so the wait comes 8x rarer.
 MAX_PENDING = 32
+MAX_PENDING_BUFFERED = 256
+
+
+# Columns a batch-1 buffer grows by (mlx-lm's KVCache.step): one concatenate per 256 tokens.
+BUFFER_STEP = 256
 
 
 @dataclass(frozen=True)
 class PendingKV:
-    """The K/V of each row's newest tokens not yet in the pools: per layer [B, KVH, R, D], R tokens per row
-    (every row of a pipelined run advances together), and each row's R slots."""
+    """The K/V of each row's newest tokens not yet in the pools, and each row's slots for them (every row of a
+    pipelined run advances together, so each row has `length` of them). Batch > 1: per layer the tail itself,
+    [B, KVH, R, D]. Batch 1: per layer a buffer [1, KVH, capacity, D] holding every key of the sequence so far,
+    the tail being columns `buffer_start:buffer_start + length`."""
 
     request_ids: tuple[str, ...]
-    keys: tuple[mx.array, ...]
-    values: tuple[mx.array, ...]
     slots: tuple[tuple[int, ...], ...]
-    # Batch 1: each layer's K and V already in the pools, gathered once per run of queued passes (the next
-    # pass reuses them instead of gathering its pages again: as many ops per layer as mlx-lm's step).
-    prefix: tuple[tuple[mx.array, mx.array], ...] | None = None
+    tails: tuple[tuple[mx.array, mx.array], ...] = ()
+    buffers: tuple[tuple[mx.array, mx.array], ...] = ()
+    buffer_start: int = 0
 
     @property
     def length(self) -> int:
         return len(self.slots[0]) if self.slots else 0
+
+    def tail(self, layer: int) -> tuple[mx.array, mx.array]:
+        """The layer's pending K and V, [B, KVH, length, D]."""
+        if self.buffers:
+            k, v = self.buffers[layer]
+            lo, hi = self.buffer_start, self.buffer_start + self.length
+            return k[..., lo:hi, :], v[..., lo:hi, :]
+        return self.tails[layer]
 
     def select(self, request_ids: Sequence[str]) -> PendingKV | None:
         """The rows of these requests (in that order), or None when none of them has pending K/V."""
@@ -56,13 +74,13 @@ class PendingKV:
         if not rows:
             return None
         if rows == list(range(len(self.request_ids))):
-            return self  # the same rows: the gathered prefix stays valid
+            return self  # the same rows: a batch-1 buffer stays valid
         take = mx.array(rows, dtype=mx.int32)
+        tails = [self.tail(layer) for layer in range(self.num_layers)]
         return PendingKV(
             tuple(self.request_ids[i] for i in rows),
-            tuple(k[take] for k in self.keys),
-            tuple(v[take] for v in self.values),
             tuple(self.slots[i] for i in rows),
+            tails=tuple((k[take], v[take]) for k, v in tails),
         )
 
     def without(self, request_ids: Collection[str]) -> PendingKV | None:
@@ -70,10 +88,15 @@ class PendingKV:
         gone = set(request_ids)
         return self.select([rid for rid in self.request_ids if rid not in gone])
 
+    @property
+    def num_layers(self) -> int:
+        return len(self.buffers or self.tails)
+
     def flush(self, kv: PagedKVCache) -> None:
         """Write every pending token into its slot (lazily: the next pass evaluates the writes in place)."""
         slots = mx.array([s for row in self.slots for s in row], dtype=mx.int32)
-        for layer, (k, v) in enumerate(zip(self.keys, self.values, strict=True)):
+        for layer in range(self.num_layers):
+            k, v = self.tail(layer)
             kv.write(layer, slots, _token_major(k), _token_major(v))
 
 
@@ -86,7 +109,7 @@ def _token_major(x: mx.array) -> mx.array:
 def defers_writes(kv: PagedKVCache) -> bool:
     """Pools this module can pipeline: one full-attention layer group of one geometry (K and V apart), stored
     in full precision, in the model's coordinates (no kv_transform). Not quantized pages: the pending tail and the
-    batch-1 gathered prefix would be full-precision K/V kept beside them, attended unlike what the pages will hold."""
+    batch-1 buffers would be full-precision K/V kept beside them, attended unlike what the pages will hold."""
     return kv.plain_full_attention and not kv.quantized and kv.transform is None
 
 
@@ -133,24 +156,27 @@ class DeferredPass:
             self.mask = (keys < mx.array(self.ends)[:, None])[:, None, None, :]  # [B, 1, 1, keys]
         self.new_keys: list[mx.array | None] = [None] * kv.num_layers
         self.new_values: list[mx.array | None] = [None] * kv.num_layers
-        self.prefix: list[tuple[mx.array, mx.array] | None] = [None] * kv.num_layers
+        self.buffers: list[tuple[mx.array, mx.array] | None] = [None] * kv.num_layers
+        # Resolved once per pass, not per layer (an environment read each): the attention every layer takes.
+        self.backend = resolved_backend()
         # The Metal kernel reads the pages in place: its layers get only their tail (no gather is built on the hot
-        # path; routing.py gathers if the kernel declines a call), and no gathered prefix is kept to pin the pools.
-        self.on_kernel_path = resolved_backend() == "kernel"
-        self.keeps_prefix = self.batch == 1 and not self.on_kernel_path
+        # path; routing.py gathers if the kernel declines a call), and no buffer is kept to pin the pools.
+        self.on_kernel_path = self.backend == "kernel"
+        self.buffered = self.batch == 1 and not self.on_kernel_path
 
     def attend_keys(self, layer: int, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """The layer's K/V to attend: its pages with the pending and new K/V put in their places; on the kernel
-        path only the tail (pending and new), which the kernel attends after the pages."""
+        """The layer's K/V to attend: batch 1, the filled columns of its buffer, the new K/V written into it;
+        batch > 1, its pages with the pending and new K/V put in their places; on the kernel path only the tail
+        (pending and new), which the kernel attends after the pages."""
+        if self.buffered:
+            return self._buffered(layer, keys, values)
         if self.pending is not None:
-            keys = mx.concatenate([self.pending.keys[layer], keys], axis=2)
-            values = mx.concatenate([self.pending.values[layer], values], axis=2)
+            pending_k, pending_v = self.pending.tail(layer)
+            keys = mx.concatenate([pending_k, keys], axis=2)
+            values = mx.concatenate([pending_v, values], axis=2)
         self.new_keys[layer], self.new_values[layer] = keys, values
         if self.on_kernel_path:
             return keys, values
-        if self.keeps_prefix:  # exact keys, no mask: MLX's fused decode attention takes this
-            prefix = self._prefix(layer)
-            return mx.concatenate([prefix[0], keys], axis=2), mx.concatenate([prefix[1], values], axis=2)
         return self.gathered(layer)
 
     def gathered(self, layer: int) -> tuple[mx.array, mx.array]:
@@ -169,25 +195,55 @@ class DeferredPass:
             mx.put_along_axis(v_pages, self.tail_index, values, axis=2),
         )
 
-    def _prefix(self, layer: int) -> tuple[mx.array, mx.array]:
-        """Batch 1: the layer's keys and values already in the pools, from the last pass or gathered now."""
-        if self.pending is not None and self.pending.prefix is not None:
-            prefix = self.pending.prefix[layer]
+    def _buffered(self, layer: int, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Batch 1: write the new K/V into the layer's buffer at the token's position and attend every column up
+        to it: exact keys, no mask, so MLX's fused decode attention runs."""
+        position = self.ends[0] - 1
+        k_buffer, v_buffer = self._buffer(layer, position)
+        # Written through the very array object, as mlx-lm's KVCache does (MLX updates in place when nothing else
+        # holds the buffer; a copy to a fresh object, `mx.array(k_buffer)`, would copy the whole buffer every pass).
+        # The last pass's pending K/V hold the same object: they only ever read its columns before `position`.
+        k_buffer[..., position : position + 1, :] = keys
+        v_buffer[..., position : position + 1, :] = values
+        self.buffers[layer] = (k_buffer, v_buffer)
+        return k_buffer[..., : position + 1, :], v_buffer[..., : position + 1, :]
+
+    def _buffer(self, layer: int, position: int) -> tuple[mx.array, mx.array]:
+        """The layer's buffer with columns `:position` filled and room at `position`: the last pass's, grown by
+        BUFFER_STEP columns when full, or made from the pages and the pending tail at the start of a run."""
+        pending = self.pending
+        if pending is not None and pending.buffers:
+            k, v = pending.buffers[layer]
+            if k.shape[2] > position:
+                return k, v
+            filled = [(k[..., :position, :], v[..., :position, :])]
         else:
             k_pages, v_pages = self.kv.gather_blocks(layer, self.blocks)
-            prefix = k_pages[..., : self.tail_start, :], v_pages[..., : self.tail_start, :]
-        self.prefix[layer] = prefix
-        return prefix
+            written = self.written[0]
+            filled = [(k_pages[..., :written, :], v_pages[..., :written, :])]
+            if pending is not None:
+                filled.append(pending.tail(layer))
+        capacity = -(-(position + 1) // BUFFER_STEP) * BUFFER_STEP
+        k0, v0 = filled[0]
+        room_k = mx.zeros((*k0.shape[:2], capacity - position, k0.shape[3]), dtype=k0.dtype)
+        room_v = mx.zeros((*v0.shape[:2], capacity - position, v0.shape[3]), dtype=v0.dtype)
+        return (
+            mx.concatenate([k for k, _ in filled] + [room_k], axis=2),
+            mx.concatenate([v for _, v in filled] + [room_v], axis=2),
+        )
 
     def pending_after(self) -> PendingKV:
         """The pending K/V once this pass is adopted: the old ones and this pass's new token."""
+        if self.buffered:
+            buffers = tuple(b for b in self.buffers if b is not None)
+            if len(buffers) < len(self.buffers):
+                raise RuntimeError("a deferred pass was read before every layer attended")
+            return PendingKV(self.request_ids, self.slots, buffers=buffers, buffer_start=self.written[0])
         keys = tuple(k for k in self.new_keys if k is not None)
         values = tuple(v for v in self.new_values if v is not None)
         if len(keys) < len(self.new_keys) or len(values) < len(self.new_values):
             raise RuntimeError("a deferred pass was read before every layer attended")
-        prefixes = tuple(p for p in self.prefix if p is not None)
-        prefix = prefixes if self.keeps_prefix and len(prefixes) == len(self.prefix) else None
-        return PendingKV(self.request_ids, keys, values, self.slots, prefix)
+        return PendingKV(self.request_ids, self.slots, tails=tuple(zip(keys, values, strict=True)))
 
 
 class DeferredView:
@@ -208,6 +264,11 @@ class DeferredView:
     def on_kernel_path(self) -> bool:
         """True when `update_and_fetch` returned only the tail, for the Metal kernel (routing.py)."""
         return self._shared.on_kernel_path
+
+    @property
+    def backend(self) -> str:
+        """The attention backend of the whole pass (kernels/attention.py `resolved_backend`, read once)."""
+        return self._shared.backend
 
     def gathered(self) -> tuple[mx.array, mx.array]:
         """This layer's keys and values gathered from the pages, the tail included (the kernel declined)."""

@@ -22,7 +22,14 @@ from mlxpaged.cache.state_cache import StatePass, StateStore
 from mlxpaged.platform import backend
 from mlxpaged.runner import cache_tree
 from mlxpaged.runner.decode_pass import CompiledDecode
-from mlxpaged.runner.deferred_writes import MAX_PENDING, DeferredPass, PendingKV, deferred_views, defers_writes
+from mlxpaged.runner.deferred_writes import (
+    MAX_PENDING,
+    MAX_PENDING_BUFFERED,
+    DeferredPass,
+    PendingKV,
+    deferred_views,
+    defers_writes,
+)
 from mlxpaged.runner.draft_verify import sample_with_drafts
 from mlxpaged.runner.passes import StepInput, logit_positions, prefill_passes, split_head, state_model_passes
 from mlxpaged.runner.routing import is_routed
@@ -280,14 +287,14 @@ class Runner:
             return None
         rows = [(chunks[i].request.request_id, x.start) for i, x in zip(picked, inputs, strict=True)]
         picked_samplers = [samplers[i] for i in picked]
-        if self.defers and (self._pending is None or self._pending.length < MAX_PENDING):
+        if self.defers and (self._pending is None or self._pending.length < _pending_limit(self._pending)):
             # Queued now, before this step is read: it writes no pages, so nothing in flight is copied.
             ids = [rid for rid, _ in rows]
             pending = self._pending.select(ids) if self._pending is not None else None
             logits, deferred = self._deferred_pass(inputs, ids, _rows(tokens, picked), pending)
             return Lookahead(rows, LazySample(logits, picked_samplers, ahead=1), deferred=deferred)
         if self.defers:
-            self._flush_pending()  # every MAX_PENDING tokens: launched after this step is read, in place
+            self._flush_pending()  # every _pending_limit tokens: launched after this step is read, in place
         logits = self.decode_ahead(inputs, _rows(tokens, picked))
         state_pass, self._built_state_pass = self._built_state_pass, None
         return Lookahead(rows, LazySample(logits, picked_samplers, ahead=1, launch=False), state_pass)
@@ -407,3 +414,8 @@ class Runner:
             hidden = self.model.model(tokens, cache=views)
             return self.head(hidden[rows, columns]), state_pass
         return self.model(tokens, cache=views)[rows, columns], state_pass
+
+
+def _pending_limit(pending: PendingKV) -> int:
+    """Tokens a run may keep off the pools before it waits once to write them (deferred_writes.py)."""
+    return MAX_PENDING_BUFFERED if pending.buffers else MAX_PENDING

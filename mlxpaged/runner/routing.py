@@ -67,7 +67,7 @@ def _routed_sdpa(queries, keys, values, cache, scale, mask, sinks=None):
             if out is not None:
                 return out
             keys, values = cache.gathered()  # a shape or variant the kernel declines: attend the gathered pages
-        return eager_sdpa(queries, keys, values, scale, mask, sinks)
+        return eager_sdpa(queries, keys, values, scale, mask, sinks, cache.backend)
     if isinstance(cache, DecodeView):  # inside a compiled decode pass
         _check_compiled_call(keys, values, cache, mask)
         return cache.attend(queries, scale, sinks)

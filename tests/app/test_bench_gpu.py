@@ -102,7 +102,15 @@ def test_bench_gpu_prints_every_row_with_ratios_from_its_figures(tiny_dir, capsy
 
 def test_parts_runs_only_what_is_named(tiny_dir, capsys):
     assert main(["bench", "gpu", "--model", str(tiny_dir), "--tokens", "2", "--runs", "1", "--parts", "decode"]) == 0
-    assert list(summary_rows(capsys.readouterr().out)) == ["batch-1 decode, tok/s"]
+    out = capsys.readouterr().out
+    assert list(summary_rows(out)) == ["batch-1 decode, tok/s"]
+    assert "engine: at most 2048 tokens per step" in out
+
+
+def test_max_batch_tokens_sets_the_engines_step_budget(tiny_dir, capsys):
+    command = ["bench", "gpu", "--model", str(tiny_dir), "--tokens", "2", "--runs", "1", "--parts", "decode"]
+    assert main([*command, "--max-batch-tokens", "4096"]) == 0
+    assert "engine: at most 4096 tokens per step" in capsys.readouterr().out
 
 
 def test_on_a_gpu_the_mlx_lm_side_is_its_own_untouched_load(tiny_dir):

@@ -9,7 +9,7 @@ import threading
 
 from mlxpaged.engine.core import EngineCore
 from mlxpaged.platform import backend
-from mlxpaged.runner import model_runner
+from mlxpaged.runner import deferred_writes, model_runner
 from mlxpaged.sampling_params import SamplingParams
 from tests.engine.test_engine import (
     GREEDY,
@@ -41,6 +41,7 @@ def gpu_engine(tokenizer):
 def short_run(monkeypatch):
     """Flush the pending K/V every 5 tokens, so a reply crosses several flushes."""
     monkeypatch.setattr(model_runner, "MAX_PENDING", 5)
+    monkeypatch.setattr(model_runner, "MAX_PENDING_BUFFERED", 5)
 
 
 def test_gpu_backends_pipeline_ahead_of_the_read_and_the_cpu_does_not(tokenizer):
@@ -54,6 +55,34 @@ def test_queued_ahead_decode_matches_mlx_lm(gpu_engine, short_run, length):
     prompt = random_tokens(length, seed=length)
     got = gpu_engine.generate([prompt], LONG)[0]
     assert got.token_ids == reference_tokens(gpu_engine.model, prompt, LONG.max_tokens)
+
+
+def test_a_batch_one_buffer_that_grows_mid_run_matches_mlx_lm(gpu_engine, monkeypatch):
+    """Batch 1 keeps each layer's K/V in one buffer per run: grown every 3 columns here (256 in use) and flushed
+    every 11 tokens, the reply crosses many growths, flushes and buffers made again from the pages."""
+    monkeypatch.setattr(deferred_writes, "BUFFER_STEP", 3)
+    monkeypatch.setattr(model_runner, "MAX_PENDING_BUFFERED", 11)
+    prompt = random_tokens(14, seed=41)
+    assert gpu_engine.generate([prompt], LONG)[0].token_ids == reference_tokens(gpu_engine.model, prompt, 40)
+
+
+def test_a_batch_one_pass_attends_its_buffer_unmasked(gpu_engine, monkeypatch):
+    """The K/V a buffered batch-1 layer returns are exactly the sequence's (no padding, so no mask is needed):
+    the pages gathered once, then one column written per pass."""
+    prompt = random_tokens(9, seed=42)
+    seen = []
+    original = deferred_writes.DeferredPass._buffered
+
+    def spy(self, layer, keys, values):
+        out = original(self, layer, keys, values)
+        if layer == 0:
+            seen.append((self.ends[0], out[0].shape[2], self.buffers[0][0].shape[2]))
+        return out
+
+    monkeypatch.setattr(deferred_writes.DeferredPass, "_buffered", spy)
+    gpu_engine.generate([prompt], dataclasses.replace(LONG, max_tokens=12))
+    assert seen, "no buffered pass ran"
+    assert all(attended == end and capacity % deferred_writes.BUFFER_STEP == 0 for end, attended, capacity in seen)
 
 
 def test_batched_queued_ahead_decode_equals_mlx_lm_per_prompt(gpu_engine, short_run):
@@ -208,6 +237,7 @@ def test_on_metal_the_kernel_attends_the_pools_and_the_pending_tail(tokenizer, m
     from tests.msl.harness import Emulator
 
     monkeypatch.setattr(model_runner, "MAX_PENDING", 4)
+    monkeypatch.setattr(model_runner, "MAX_PENDING_BUFFERED", 4)
     merged = []
     original = routing.kernel_attention_with_tail
 
@@ -257,6 +287,7 @@ def test_on_metal_a_shape_the_kernel_declines_attends_the_gathered_pages(tokeniz
     from tests.msl.harness import Emulator
 
     monkeypatch.setattr(model_runner, "MAX_PENDING", 4)
+    monkeypatch.setattr(model_runner, "MAX_PENDING_BUFFERED", 4)
     model = tiny_llama(2)  # head_dim 16
     prompt = random_tokens(13, seed=400)
     params = dataclasses.replace(GREEDY, max_tokens=12)
