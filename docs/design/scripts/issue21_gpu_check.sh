@@ -1,17 +1,30 @@
 #!/usr/bin/env bash
 # Issue 21 on a lent GPU, in one device call (after the kit's call 1, ../shared/gpu/README.md):
-#   bash .gpu/p2/run.sh bash docs/design/scripts/issue21_gpu_check.sh
-# Every step has its own time limit and writes under $OUT, so a step that runs long costs only itself.
-# Set MLXPAGED_COMMIT=<sha> in front: the copy on the GPU machine has no .git.
+#   MLXPAGED_COMMIT=<sha> bash .gpu/p2/run.sh bash docs/design/scripts/issue21_gpu_check.sh [STEP ...]
+# With no STEP, every step in order (about 5 minutes on an H200); else only the steps named, e.g.
+# `correctness decode_1.7b profile_batch16`. Every step has its own time limit and writes under $OUT, so a step
+# that runs long costs only itself, and a call cut short by the device's limit still brings back what ran.
+# MLXPAGED_COMMIT: the copy on the GPU machine has no .git.
 set -u
 OUT=${OUT:-/tmp/gpu/out}
-step() { local limit=$1 name=$2; shift 2; echo "=== $name ($(date +%T), limit ${limit}s)"; timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.txt"; }
-# Most telling first: a call cut short by the device's limit still brings back what ran.
-step 60 correctness python3 docs/design/scripts/issue21_gpu_tokens.py /tmp/models/135m
-step 80 bench_1.7b_decode python3 -m mlxpaged_app.cli bench gpu --model /tmp/models/1.7b --parts decode --tokens 128 --runs 3
-step 110 bench_1.7b_ttft python3 -m mlxpaged_app.cli bench gpu --model /tmp/models/1.7b --parts ttft --sizes 2048,8192 --runs 1
-step 150 bench_1.7b_batch python3 -m mlxpaged_app.cli bench gpu --model /tmp/models/1.7b --parts batch --tokens 128 --runs 2 \
-     --concurrency 16,64
-step 60 bench_135m_decode python3 -m mlxpaged_app.cli bench gpu --model /tmp/models/135m --parts decode --tokens 128 --runs 3
-step 45 profile_135m python3 docs/design/scripts/issue21_gpu_profile.py /tmp/models/135m 256
-step 60 native_mlx_lm python3 .gpu/p2/native_mlx_lm.py /tmp/models/1.7b
+M=${MODELS:-/tmp/models}
+BENCH="python3 -m mlxpaged_app.cli bench gpu"
+run_step() {
+  local name=$1
+  case $1 in
+    correctness) limit=60; set -- python3 docs/design/scripts/issue21_gpu_tokens.py $M/135m ;;
+    decode_1.7b) limit=80; set -- $BENCH --model $M/1.7b --parts decode --tokens 128 --runs 4 ;;
+    decode_135m) limit=60; set -- $BENCH --model $M/135m --parts decode --tokens 128 --runs 4 ;;
+    ttft_1.7b) limit=110; set -- $BENCH --model $M/1.7b --parts ttft --sizes 2048,8192 --runs 1 ;;
+    ttft_1.7b_chunk8k) limit=80; set -- $BENCH --model $M/1.7b --parts ttft --sizes 8192 --runs 1 --max-batch-tokens 8192 ;;
+    batch_1.7b) limit=150; set -- $BENCH --model $M/1.7b --parts batch --tokens 128 --runs 2 --concurrency 16,64 ;;
+    profile_135m) limit=45; set -- python3 docs/design/scripts/issue21_gpu_profile.py $M/135m 256 ;;
+    profile_batch16) limit=60; set -- python3 docs/design/scripts/issue21_gpu_profile.py $M/1.7b 64 16 ;;
+    native) limit=60; set -- python3 .gpu/p2/native_mlx_lm.py $M/1.7b ;;
+    *) echo "unknown step $1"; return 2 ;;
+  esac
+  echo "=== $name ($(date +%T), limit ${limit}s)"
+  timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.txt"
+}
+ALL="correctness decode_1.7b ttft_1.7b batch_1.7b decode_135m ttft_1.7b_chunk8k profile_135m native"
+for name in ${*:-$ALL}; do run_step "$name"; done
