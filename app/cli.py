@@ -303,7 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-batch-tokens",
         type=int,
         default=None,
-        help="gpu: tokens one engine step may take, prefill chunks included (default the engine's, 2048): "
+        help="gpu: tokens one engine step may take, prefill chunks included (default the backend's: 2048, CUDA 8192): "
         "to measure another chunk size on a GPU",
     )
     bench.add_argument(

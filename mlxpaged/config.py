@@ -16,6 +16,7 @@ from typing import Any
 
 from mlxpaged.cache.kv_quant import KV_BITS, KV_GROUP_SIZES, KVQuantization, kv_quantization  # noqa: F401  (the flags read KV_BITS, KV_GROUP_SIZES here)
 from mlxpaged.errors import ConfigError
+from mlxpaged.platform import backend
 from mlxpaged.units import parse_size
 from mlxpaged.validation import require_bool, require_int, require_number
 
@@ -123,7 +124,8 @@ class SchedulerConfig:
     request; None: the model's own): longer than the model was trained on runs, as RoPE extrapolates,
     with no promise about quality. Bad values raise ConfigError (a ValueError)."""
 
-    max_batch_tokens: int = 2048
+    # Default: the backend's (platform/backend.py `Tuning.max_batch_tokens`: 2048 on the CPU and Metal, 8192 on CUDA).
+    max_batch_tokens: int = dataclasses.field(default_factory=lambda: backend.tuning().max_batch_tokens)
     max_num_seqs: int = 16
     speculative: str | None = None
     # 7: the verify chunk [last, d1..d7] is 8 tokens, the compiled pass's largest, and OpenBLAS's gemm

@@ -98,7 +98,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     cache.add_argument("--memory-fraction", type=float, default=None, help="share of free memory for the cache")
     cache.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     cache.add_argument(
-        "--max-batch-tokens", type=int, default=SchedulerConfig.max_batch_tokens, help="tokens per engine step"
+        "--max-batch-tokens",
+        type=int,
+        default=None,
+        help="tokens per engine step, prefill chunks included (default: 2048; 8192 on CUDA)",
     )
     cache.add_argument(
         "--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs, help="sequences decoded together"
@@ -210,7 +213,6 @@ def cache_settings(args: argparse.Namespace) -> dict:
     as its flag (mlxpaged.errors)."""
     settings = {
         "block_size": args.block_size,
-        "max_batch_tokens": args.max_batch_tokens,
         "max_num_seqs": args.max_num_seqs,
         "wire": not args.no_wire,
         "enable_prefix_cache": not args.no_prefix_cache,
@@ -219,7 +221,7 @@ def cache_settings(args: argparse.Namespace) -> dict:
         **({"kv_disk": False} if args.no_prefix_cache else kv_disk_settings(args)),
         "kv_group_size": args.kv_group_size,
     }
-    for name in ("cache_tokens", "memory_fraction", "kv_memory", "max_model_len", "kv_bits"):
+    for name in ("cache_tokens", "memory_fraction", "kv_memory", "max_model_len", "kv_bits", "max_batch_tokens"):
         if getattr(args, name) is not None:
             settings[name] = getattr(args, name)
     return settings

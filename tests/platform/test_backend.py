@@ -49,3 +49,13 @@ def test_unknown_backends_are_refused():
         backend.tuning("rocm")
     with pytest.raises(ValueError, match="got 'rocm'"), backend.simulate("rocm"):
         pass
+
+
+@pytest.mark.parametrize("name, tokens", [("cpu", 2048), ("metal", 2048), ("cuda", 8192)])
+def test_the_step_budget_defaults_to_the_backends_and_a_setting_wins(name, tokens):
+    from mlxpaged.config import SchedulerConfig, split_settings
+
+    with backend.simulate(name):
+        assert SchedulerConfig().max_batch_tokens == tokens == backend.tuning().max_batch_tokens
+        assert split_settings({})[1].max_batch_tokens == tokens
+        assert split_settings({"max_batch_tokens": 512})[1].max_batch_tokens == 512
