@@ -117,6 +117,7 @@ def build_core(
         serial=serial is not None,
         layout=layout,
         num_checkpoints=plan.num_checkpoints,
+        buffer_budget=plan.spare_bytes,
         has_commands=has_commands,
     )
     evaluate_model_arrays(loaded.model)  # after every forward on this thread (probe, split_head)

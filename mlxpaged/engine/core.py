@@ -72,12 +72,14 @@ class EngineCore:
         serial: bool = False,
         layout: ModelLayout | None = None,
         num_checkpoints: int = 0,
+        buffer_budget: int | None = None,
         **kwargs,
     ) -> EngineCore:
         """A core over `kv`'s blocks: block pool, cache manager (one spec per layer group), scheduler, runner
         (`layout`: the model's cache layout, which the runner assembles its cache list from; `serial`: one
         sequence per pass). A `layout` with state layers also gets max_num_seqs state slots and
-        `num_checkpoints` checkpoints (the memory plan's: pending ones included)."""
+        `num_checkpoints` checkpoints (the memory plan's: pending ones included). `buffer_budget`: bytes the runner's
+        decode buffers may take (the memory plan's spare; None: no limit)."""
         specs = kv.specs  # one per layer group: how each table grows, shares and frees
         prefix_cache = cache_config.enable_prefix_cache and kv.supports_prefix_cache
         state = None
@@ -104,7 +106,9 @@ class EngineCore:
         if scheduler_config.speculative is not None:
             _check_speculation(scheduler_config.speculative, kv, state is not None)
             kwargs["num_speculative_tokens"] = scheduler_config.num_speculative_tokens
-        runner = Runner(model, kv, layout, state.store if state is not None else None, serial=serial)
+        runner = Runner(
+            model, kv, layout, state.store if state is not None else None, serial=serial, buffer_budget=buffer_budget
+        )
         return cls(scheduler, runner, tokenizer, **kwargs)
 
     def attach_disk_tier(self, tiering: KVTiering) -> None:

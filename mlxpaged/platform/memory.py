@@ -175,6 +175,9 @@ class MemoryPlan:
     # Blocks and bytes per block of each block space (specs.block_spaces): one space, `num_blocks` of `block_bytes`.
     space_blocks: tuple[int, ...] = ()
     space_block_bytes: tuple[int, ...] = ()
+    # The KV budget the pool did not take (capped by demand): a GPU's decode buffers, copies of the running rows'
+    # K/V (runner/decode_buffers.py), may use it.
+    spare_bytes: int = 0
 
     def describe(self) -> str:
         """A multi-line summary for the CLI and the TUI."""
@@ -377,6 +380,7 @@ def plan_memory(
         checkpoints,
         space_blocks,
         tuple(space.block_bytes for space in spaces),
+        max(0, budget - kv_bytes),
     )
 
 

@@ -9,11 +9,11 @@ backend: 23 -> 69 ms a step and peak memory +512 MiB for a 512 MiB pool, wheneve
 So a pass queued ahead writes nothing. Each layer attends its pages up to the last write and, after them, the
 K/V of the tokens computed since (`PendingKV`, a few small arrays the runner holds) and its own new K/V, which
 join the pending ones. The Metal kernel reads the pages in place and merges that tail as one more partition of
-its two-pass reduce (kernels/attention.py `kernel_attention_with_tail`). Other paths at batch 1 keep each layer's
-K/V in one contiguous buffer per run, as mlx-lm's KVCache does: gathered from the pages once, then each pass
-writes its token into the next column and attends the filled columns with MLX's fused attention, no mask (one
-update per layer, as many ops as mlx-lm's step; measured on an H200 before it: ~8 copy kernels per layer, 0.87x
-mlx-lm). Batch > 1 gathers the pages each pass and puts the tail into the gathered copy. Pending K/V go into
+its two-pass reduce (kernels/attention.py `kernel_attention_with_tail`). Other paths keep each layer's K/V in one
+buffer per run (decode_buffers.py, mlx-lm's KVCache and BatchKVCache layout): gathered from the pages once, then
+each pass writes its tokens into the next column and attends the filled columns with MLX's fused attention (no
+mask at batch 1). Where the buffers would not fit the memory the plan left spare, each pass gathers its pages and
+puts the tail into the gathered copy instead. Pending K/V go into
 their slots (`flush`) when nothing is in flight: when the pipeline stops (a step the look-ahead does not cover)
 and every MAX_PENDING tokens (MAX_PENDING_BUFFERED at batch 1), where the runner reads a step before queuing the
 next (one wait per so many steps).
@@ -28,32 +28,30 @@ from dataclasses import dataclass
 
 from mlxpaged.cache.kv_cache import PagedKVCache, Pool
 from mlxpaged.kernels.attention import resolved_backend
+from mlxpaged.runner import decode_buffers
+from mlxpaged.runner.decode_buffers import Alignment
 
 import mlx.core as mx
 
 # Tokens a row may run ahead of the pools; every so many steps the pipeline waits once (a step's host time with
-# the GPU idle) to write them. Batch > 1 copies its pending tail into the gathered pages each step, so it stays
-# short there; a batch-1 buffer holds the tail already (it costs nothing per step), so the wait comes 8x rarer.
+# the GPU idle) to write them. Gathered passes copy their pending tail into the gathered pages each step, so it
+# stays short there; a buffer holds the tail already (it costs nothing per step), so the wait comes 8x rarer.
 MAX_PENDING = 32
 MAX_PENDING_BUFFERED = 256
-
-
-# Columns a batch-1 buffer grows by (mlx-lm's KVCache.step): one concatenate per 256 tokens.
-BUFFER_STEP = 256
 
 
 @dataclass(frozen=True)
 class PendingKV:
     """The K/V of each row's newest tokens not yet in the pools, and each row's slots for them (every row of a
-    pipelined run advances together, so each row has `length` of them). Batch > 1: per layer the tail itself,
-    [B, KVH, R, D]. Batch 1: per layer a buffer [1, KVH, capacity, D] holding every key of the sequence so far,
-    the tail being columns `buffer_start:buffer_start + length`."""
+    pipelined run advances together, so each row has `length` of them): per layer either the tail itself
+    [B, KVH, R, D] (`tails`), or a buffer holding every key of the rows so far (`buffers`, decode_buffers.py),
+    the tail being the `length` columns up to `alignment.column`."""
 
     request_ids: tuple[str, ...]
     slots: tuple[tuple[int, ...], ...]
     tails: tuple[tuple[mx.array, mx.array], ...] = ()
     buffers: tuple[tuple[mx.array, mx.array], ...] = ()
-    buffer_start: int = 0
+    alignment: Alignment | None = None
 
     @property
     def length(self) -> int:
@@ -62,9 +60,10 @@ class PendingKV:
     def tail(self, layer: int) -> tuple[mx.array, mx.array]:
         """The layer's pending K and V, [B, KVH, length, D]."""
         if self.buffers:
+            assert self.alignment is not None  # set with the buffers
             k, v = self.buffers[layer]
-            lo, hi = self.buffer_start, self.buffer_start + self.length
-            return k[..., lo:hi, :], v[..., lo:hi, :]
+            end = self.alignment.column + 1
+            return k[..., end - self.length : end, :], v[..., end - self.length : end, :]
         return self.tails[layer]
 
     def select(self, request_ids: Sequence[str]) -> PendingKV | None:
@@ -74,14 +73,15 @@ class PendingKV:
         if not rows:
             return None
         if rows == list(range(len(self.request_ids))):
-            return self  # the same rows: a batch-1 buffer stays valid
+            return self  # the same rows: the buffers stay valid
         take = mx.array(rows, dtype=mx.int32)
-        tails = [self.tail(layer) for layer in range(self.num_layers)]
-        return PendingKV(
-            tuple(self.request_ids[i] for i in rows),
-            tuple(self.slots[i] for i in rows),
-            tails=tuple((k[take], v[take]) for k, v in tails),
-        )
+        ids, slots = tuple(self.request_ids[i] for i in rows), tuple(self.slots[i] for i in rows)
+        if self.buffers:  # the rows' buffers, without the leading columns none of them uses any more
+            assert self.alignment is not None
+            alignment, trim = self.alignment.select(rows)
+            buffers = tuple((k[take][..., trim:, :], v[take][..., trim:, :]) for k, v in self.buffers)
+            return PendingKV(ids, slots, buffers=buffers, alignment=alignment)
+        return PendingKV(ids, slots, tails=tuple((k[take], v[take]) for k, v in self.tails))
 
     def without(self, request_ids: Collection[str]) -> PendingKV | None:
         """The rows of every other request."""
@@ -114,7 +114,8 @@ def defers_writes(kv: PagedKVCache) -> bool:
 
 
 class DeferredPass:
-    """What every layer of one queued-ahead decode pass shares, derived once per pass."""
+    """What every layer of one queued-ahead decode pass shares, derived once per pass. `buffer_budget`: bytes its
+    buffers may take (decode_buffers.py; None: no limit); a pass whose buffers would not fit gathers its pages."""
 
     def __init__(
         self,
@@ -123,6 +124,7 @@ class DeferredPass:
         starts: Sequence[int],
         tables: Sequence[Sequence[int]],
         pending: PendingKV | None,
+        buffer_budget: int | None = None,
     ):
         size = kv.block_size
         held = pending.length if pending is not None else 0
@@ -143,17 +145,7 @@ class DeferredPass:
         self.slots = tuple(
             tuple(t[p // size] * size + p % size for p in row) for t, row in zip(tables, positions, strict=True)
         )
-        if self.batch == 1:
-            self.offset: int | mx.array = starts[0]
-            self.tail_start: int | None = starts[0] - held
-            self.tail_index: mx.array | None = None
-            self.mask: mx.array | None = None
-        else:
-            self.offset = mx.array(list(starts))
-            self.tail_start = None
-            self.tail_index = mx.array(positions, dtype=mx.int32)[:, None, :, None]  # [B, 1, R + 1, 1]
-            keys = mx.arange(width * size)[None, :]
-            self.mask = (keys < mx.array(self.ends)[:, None])[:, None, None, :]  # [B, 1, 1, keys]
+        self.offset: int | mx.array = starts[0] if self.batch == 1 else mx.array(list(starts))
         self.new_keys: list[mx.array | None] = [None] * kv.num_layers
         self.new_values: list[mx.array | None] = [None] * kv.num_layers
         self.buffers: list[tuple[mx.array, mx.array] | None] = [None] * kv.num_layers
@@ -162,11 +154,29 @@ class DeferredPass:
         # The Metal kernel reads the pages in place: its layers get only their tail (no gather is built on the hot
         # path; routing.py gathers if the kernel declines a call), and no buffer is kept to pin the pools.
         self.on_kernel_path = self.backend == "kernel"
-        self.buffered = self.batch == 1 and not self.on_kernel_path
+        # Buffers: the last pass's when these rows continue in them, else new ones right-aligned.
+        carried = pending.alignment if pending is not None and pending.buffers else None
+        self.alignment = carried.next() if carried is not None else Alignment.right_aligned(starts)
+        if not self.alignment.holds(starts):
+            raise RuntimeError(f"buffered rows at {list(starts)} are not where their buffers put them")
+        self.capacity = decode_buffers.capacity_for(self.alignment.column)
+        if pending is not None and pending.buffers:
+            self.capacity = max(self.capacity, pending.buffers[0][0].shape[2])
+        fits = buffer_budget is None or self.batch * self.capacity * decode_buffers.token_bytes(kv) <= buffer_budget
+        self.buffered = not self.on_kernel_path and fits
+        if self.buffered:
+            self.tail_index: mx.array | None = None
+            self.mask = self.alignment.mask()
+        elif self.batch == 1:  # gathered: exact keys, no mask
+            self.tail_index, self.mask = None, None
+        else:
+            self.tail_index = mx.array(positions, dtype=mx.int32)[:, None, :, None]  # [B, 1, R + 1, 1]
+            keys = mx.arange(width * size)[None, :]
+            self.mask = (keys < mx.array(self.ends)[:, None])[:, None, None, :]  # [B, 1, 1, keys]
 
     def attend_keys(self, layer: int, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """The layer's K/V to attend: batch 1, the filled columns of its buffer, the new K/V written into it;
-        batch > 1, its pages with the pending and new K/V put in their places; on the kernel path only the tail
+        """The layer's K/V to attend: buffered, the filled columns of its buffer with the new K/V written in;
+        gathered, its pages with the pending and new K/V put in their places; on the kernel path only the tail
         (pending and new), which the kernel attends after the pages."""
         if self.buffered:
             return self._buffered(layer, keys, values)
@@ -180,13 +190,14 @@ class DeferredPass:
         return self.gathered(layer)
 
     def gathered(self, layer: int) -> tuple[mx.array, mx.array]:
-        """The layer's pages gathered with the tail put in its places (the kernel's fallback, and batch > 1)."""
+        """The layer's pages gathered with the tail put in its places (the kernel's fallback, and passes whose
+        buffers would not fit)."""
         keys, values = self.new_keys[layer], self.new_values[layer]
         if keys is None or values is None:
             raise RuntimeError("gathered() before this layer's update_and_fetch")
         k_pages, v_pages = self.kv.gather_blocks(layer, self.blocks)
         if self.tail_index is None:  # batch 1: exact keys, no mask
-            lo, hi = self.tail_start, self.ends[0]
+            lo, hi = self.written[0], self.ends[0]
             k_pages[..., lo:hi, :] = keys
             v_pages[..., lo:hi, :] = values
             return k_pages[..., :hi, :], v_pages[..., :hi, :]
@@ -196,40 +207,32 @@ class DeferredPass:
         )
 
     def _buffered(self, layer: int, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Batch 1: write the new K/V into the layer's buffer at the token's position and attend every column up
-        to it: exact keys, no mask, so MLX's fused decode attention runs."""
-        position = self.ends[0] - 1
-        k_buffer, v_buffer = self._buffer(layer, position)
-        # Written through the very array object, as mlx-lm's KVCache does (MLX updates in place when nothing else
+        """Write the new K/V [B, KVH, 1, D] into the layer's buffers at the run's column and attend every column up
+        to it (under the alignment's mask, none when no row is padded)."""
+        column = self.alignment.column
+        k_buffer, v_buffer = self._buffer(layer)
+        # Written through the very array object, as mlx-lm's caches do (MLX updates in place when nothing else
         # holds the buffer; a copy to a fresh object, `mx.array(k_buffer)`, would copy the whole buffer every pass).
-        # The last pass's pending K/V hold the same object: they only ever read its columns before `position`.
-        k_buffer[..., position : position + 1, :] = keys
-        v_buffer[..., position : position + 1, :] = values
+        # The last pass's pending K/V hold the same object: they only ever read its columns before `column`.
+        k_buffer[..., column : column + 1, :] = keys
+        v_buffer[..., column : column + 1, :] = values
         self.buffers[layer] = (k_buffer, v_buffer)
-        return k_buffer[..., : position + 1, :], v_buffer[..., : position + 1, :]
+        return k_buffer[..., : column + 1, :], v_buffer[..., : column + 1, :]
 
-    def _buffer(self, layer: int, position: int) -> tuple[mx.array, mx.array]:
-        """The layer's buffer with columns `:position` filled and room at `position`: the last pass's, grown by
-        BUFFER_STEP columns when full, or made from the pages and the pending tail at the start of a run."""
+    def _buffer(self, layer: int) -> tuple[mx.array, mx.array]:
+        """The layer's buffers with room at the run's column: the last pass's (grown when full), or made from the
+        pages and the pending tail at the start of a run."""
         pending = self.pending
         if pending is not None and pending.buffers:
             k, v = pending.buffers[layer]
-            if k.shape[2] > position:
-                return k, v
-            filled = [(k[..., :position, :], v[..., :position, :])]
-        else:
-            k_pages, v_pages = self.kv.gather_blocks(layer, self.blocks)
-            written = self.written[0]
-            filled = [(k_pages[..., :written, :], v_pages[..., :written, :])]
-            if pending is not None:
-                filled.append(pending.tail(layer))
-        capacity = -(-(position + 1) // BUFFER_STEP) * BUFFER_STEP
-        k0, v0 = filled[0]
-        room_k = mx.zeros((*k0.shape[:2], capacity - position, k0.shape[3]), dtype=k0.dtype)
-        room_v = mx.zeros((*v0.shape[:2], capacity - position, v0.shape[3]), dtype=v0.dtype)
+            if k.shape[2] < self.capacity:
+                k, v = decode_buffers.grown(k, self.capacity), decode_buffers.grown(v, self.capacity)
+            return k, v
+        k_pages, v_pages = self.kv.gather_blocks(layer, self.blocks)
+        tail_k, tail_v = pending.tail(layer) if pending is not None else (None, None)
         return (
-            mx.concatenate([k for k, _ in filled] + [room_k], axis=2),
-            mx.concatenate([v for _, v in filled] + [room_v], axis=2),
+            decode_buffers.from_pages(k_pages, self.alignment, tail_k, self.capacity),
+            decode_buffers.from_pages(v_pages, self.alignment, tail_v, self.capacity),
         )
 
     def pending_after(self) -> PendingKV:
@@ -238,7 +241,7 @@ class DeferredPass:
             buffers = tuple(b for b in self.buffers if b is not None)
             if len(buffers) < len(self.buffers):
                 raise RuntimeError("a deferred pass was read before every layer attended")
-            return PendingKV(self.request_ids, self.slots, buffers=buffers, buffer_start=self.written[0])
+            return PendingKV(self.request_ids, self.slots, buffers=buffers, alignment=self.alignment)
         keys = tuple(k for k in self.new_keys if k is not None)
         values = tuple(v for v in self.new_values if v is not None)
         if len(keys) < len(self.new_keys) or len(values) < len(self.new_values):
@@ -306,11 +309,12 @@ def deferred_views(
     starts: Sequence[int],
     tables: Sequence[Sequence[int]],
     pending: PendingKV | None,
+    buffer_budget: int | None = None,
 ) -> tuple[list[DeferredView], DeferredPass]:
     """Views for every layer of a pass of one new token per row at `starts`, over `tables` (group 0's),
     with `pending` K/V for the same rows in the same order; and the pass, whose `pending_after` is read
     once the model has run."""
     if pending is not None and pending.request_ids != tuple(request_ids):
         raise ValueError(f"pending K/V of rows {pending.request_ids} for a pass of rows {tuple(request_ids)}")
-    shared = DeferredPass(kv, request_ids, starts, tables, pending)
+    shared = DeferredPass(kv, request_ids, starts, tables, pending, buffer_budget)
     return [DeferredView(shared, layer) for layer in range(kv.num_layers)], shared

@@ -121,6 +121,7 @@ class Runner:
         layout: ModelLayout | None = None,
         state_store: StateStore | None = None,
         serial: bool = False,
+        buffer_budget: int | None = None,
     ):
         self.model = model
         self.kv = kv_cache
@@ -150,6 +151,9 @@ class Runner:
         )
         self._pending: PendingKV | None = None
         self._orphans: list[PendingKV] = []
+        # Bytes the queued-ahead passes' decode buffers may take (decode_buffers.py; the memory plan's spare): None,
+        # no limit. Above it a pass gathers its pages instead.
+        self.buffer_budget = buffer_budget
         # Set on rank 0 of a distributed engine (engine/build.py): passes are mirrored, none is built ahead.
         self.mirror: StepMirror | None = None
 
@@ -305,7 +309,7 @@ class Runner:
         """A decode pass of one token per input (`tokens` [B], lazy) that writes no pages (deferred_writes.py):
         lazy float32 logits [B, V] and the pass, whose pending K/V the runner takes if it is adopted."""
         views, deferred = deferred_views(
-            self.kv, ids, [x.start for x in inputs], [x.block_tables[0] for x in inputs], pending
+            self.kv, ids, [x.start for x in inputs], [x.block_tables[0] for x in inputs], pending, self.buffer_budget
         )
         cache = cache_tree.model_cache(self.layout, views, None)
         tokens = tokens.astype(mx.int32).reshape(-1, 1)

@@ -193,11 +193,11 @@ def main(argv: list[str]) -> None:
             print(json.dumps(run_architecture(module)), flush=True)
         return
     from mlxpaged.platform import backend
-    from mlxpaged.runner import deferred_writes, model_runner
+    from mlxpaged.runner import decode_buffers, model_runner
 
     # Pending K/V written every 3 tokens and batch-1 buffers grown every 4: each scenario crosses several of both.
     model_runner.MAX_PENDING = model_runner.MAX_PENDING_BUFFERED = 3
-    deferred_writes.BUFFER_STEP = 4
+    decode_buffers.BUFFER_STEP = 4
     _tokenizer_dir()
     with backend.simulate(simulated):
         for module in argv:

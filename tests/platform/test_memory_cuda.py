@@ -111,3 +111,12 @@ def test_detect_follows_the_default_device_not_the_build(tmp_path):
         stand_in_mx("cuda", default_device="cpu"), stand_in_psutil(25 * GiB, 20 * GiB), cgroup_dir=str(tmp_path)
     )
     assert (facts.backend, facts.available_bytes) == ("cpu", 20 * GiB)
+
+
+def test_the_kv_budget_a_pool_capped_by_demand_leaves_is_spare_for_decode_buffers():
+    """MemoryPlan.spare_bytes: what runner/decode_buffers.py may copy the running rows' K/V into."""
+    capped = plan_memory(H200, LLAMA3_8B, CacheConfig(), SchedulerConfig())
+    left = 150_754_820_096 - 15_075_482_009 - 16_060_522_496 - LLAMA_ACTIVATIONS
+    assert capped.spare_bytes == int(left * 0.9) - capped.kv_bytes == int(left * 0.9) - 8192 * BLOCK_BYTES
+    full = plan_memory(H200, LLAMA3_8B, CacheConfig(cache_tokens=1_000_000))  # limited by memory: no spare
+    assert 0 <= full.spare_bytes < BLOCK_BYTES

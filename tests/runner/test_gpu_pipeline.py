@@ -9,7 +9,7 @@ import threading
 
 from mlxpaged.engine.core import EngineCore
 from mlxpaged.platform import backend
-from mlxpaged.runner import deferred_writes, model_runner
+from mlxpaged.runner import decode_buffers, deferred_writes, model_runner
 from mlxpaged.sampling_params import SamplingParams
 from tests.engine.test_engine import (
     GREEDY,
@@ -60,7 +60,7 @@ def test_queued_ahead_decode_matches_mlx_lm(gpu_engine, short_run, length):
 def test_a_batch_one_buffer_that_grows_mid_run_matches_mlx_lm(gpu_engine, monkeypatch):
     """Batch 1 keeps each layer's K/V in one buffer per run: grown every 3 columns here (256 in use) and flushed
     every 11 tokens, the reply crosses many growths, flushes and buffers made again from the pages."""
-    monkeypatch.setattr(deferred_writes, "BUFFER_STEP", 3)
+    monkeypatch.setattr(decode_buffers, "BUFFER_STEP", 3)
     monkeypatch.setattr(model_runner, "MAX_PENDING_BUFFERED", 11)
     prompt = random_tokens(14, seed=41)
     assert gpu_engine.generate([prompt], LONG)[0].token_ids == reference_tokens(gpu_engine.model, prompt, 40)
@@ -82,7 +82,7 @@ def test_a_batch_one_pass_attends_its_buffer_unmasked(gpu_engine, monkeypatch):
     monkeypatch.setattr(deferred_writes.DeferredPass, "_buffered", spy)
     gpu_engine.generate([prompt], dataclasses.replace(LONG, max_tokens=12))
     assert seen, "no buffered pass ran"
-    assert all(attended == end and capacity % deferred_writes.BUFFER_STEP == 0 for end, attended, capacity in seen)
+    assert all(attended == end and capacity % decode_buffers.BUFFER_STEP == 0 for end, attended, capacity in seen)
 
 
 def test_batched_queued_ahead_decode_equals_mlx_lm_per_prompt(gpu_engine, short_run):
