@@ -21,6 +21,7 @@ run_step() {
     profile_135m) limit=45; set -- python3 docs/design/scripts/issue21_gpu_profile.py $M/135m 256 ;;
     profile_batch16) limit=60; set -- python3 docs/design/scripts/issue21_gpu_profile.py $M/1.7b 64 16 ;;
     native) limit=60; set -- python3 .gpu/p2/native_mlx_lm.py $M/1.7b ;;
+    encode_cost) limit=45; set -- python3 docs/design/scripts/issue21_encode_cost.py $M/1.7b ;;
     *) echo "unknown step $1"; return 2 ;;
   esac
   echo "=== $name ($(date +%T), limit ${limit}s)"
