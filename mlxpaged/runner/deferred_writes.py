@@ -23,6 +23,7 @@ then: their full blocks may be in the prefix cache, and they are written before 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
@@ -138,9 +139,7 @@ class DeferredPass:
                 raise ValueError(f"block table of {len(table)} blocks cannot hold {n * size} tokens")
         width = max(needed)
         # Padding repeats a valid block so the gather stays inside the pool; those keys are masked out.
-        self.blocks = mx.array(
-            [list(t[:n]) + [t[n - 1]] * (width - n) for t, n in zip(tables, needed, strict=True)], dtype=mx.int32
-        )
+        self._tables = [list(t[:n]) + [t[n - 1]] * (width - n) for t, n in zip(tables, needed, strict=True)]
         positions = [[start - held + i for i in range(held + 1)] for start in starts]  # the tail: pending + new
         self.slots = tuple(
             tuple(t[p // size] * size + p % size for p in row) for t, row in zip(tables, positions, strict=True)
@@ -173,6 +172,12 @@ class DeferredPass:
             self.tail_index = mx.array(positions, dtype=mx.int32)[:, None, :, None]  # [B, 1, R + 1, 1]
             keys = mx.arange(width * size)[None, :]
             self.mask = (keys < mx.array(self.ends)[:, None])[:, None, None, :]  # [B, 1, 1, keys]
+
+    @functools.cached_property
+    def blocks(self) -> mx.array:
+        """[B, blocks] each row's blocks, padded: built only when pages are read (a run's first buffered pass, the
+        gathered passes, the kernel)."""
+        return mx.array(self._tables, dtype=mx.int32)
 
     def attend_keys(self, layer: int, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """The layer's K/V to attend: buffered, the filled columns of its buffer with the new K/V written in;
