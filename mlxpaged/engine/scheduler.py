@@ -423,7 +423,7 @@ class Scheduler:
         start = request.num_computed_tokens
         num_tokens = request.num_tokens
         end = min(num_tokens, start + budget)
-        if self.state is not None and self._checkpoints_on():
+        if self._checkpoints_on():
             # End a prefill at the prompt's last block boundary, so its state is checkpointed there.
             boundary = (num_tokens - 1) // self.kv_manager.block_size * self.kv_manager.block_size
             end = boundary if start < boundary < end else end

@@ -3,16 +3,20 @@
 A 24-layer, 64-wide llama (SmolLM2-1.7B's depth, compute next to nothing) under `backend.simulate("cuda")`:
 `--batch` greedy requests of `--tokens` new tokens each go in at once (engine.generate, as `bench gpu`'s batch
 rows do); every engine step on the engine thread is timed, and the steady decode steps (every request running,
-none waiting) give the median ms per step. mlx-lm's BatchGenerator runs the same prompts for comparison (its
-`next_generated()` per step). `--profile` adds a cProfile of the engine thread's steps (top entries by own time;
-MLX's nanobind calls show as the own time of the Python function calling them).
+none waiting) give the median wall and engine-thread CPU ms per step (CPU: time.thread_time, so waits for MLX's
+stream are left out). mlx-lm's BatchGenerator runs the same prompts for comparison (`next_generated()` per step).
+`--model DIR`: a real model on this machine's own backend instead (a GPU: a step's wall time far above its CPU
+time means the device bounds it, not the host). `--profile` adds a cProfile of the engine thread's steps by CPU
+time (MLX's nanobind calls show as the own time of the Python function calling them).
 
     python docs/design/scripts/issue21_batch_host.py [--batch 64] [--tokens 64] [--runs 3] [--profile]
+    python docs/design/scripts/issue21_batch_host.py --model /tmp/models/1.7b --batch 64 --tokens 128 --runs 1
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import pstats
 import statistics
@@ -73,23 +77,40 @@ class StepTimer:
                 self.cpu.append(time.thread_time() - start_cpu)
 
 
+def build(args):
+    """(engine, model, prompts, what): the tiny model under simulate("cuda"), or with --model a real one on
+    this machine's own backend (bench gpu's batch prompts: 256-512 random tokens)."""
+    if args.model is None:
+        model = tiny_llama(num_layers=args.layers)
+        prompts = [random_tokens(20 + i % 16, seed=i) for i in range(args.batch)]
+        settings = {"max_num_seqs": max(8, args.batch), "cache_tokens": args.batch * (64 + args.tokens) + 512}
+        engine = tiny_engine(model, load_model().tokenizer, max_batch_tokens=max(256, args.batch), **settings)
+        return engine, model, prompts, f"{args.layers}-layer 64-wide llama (simulated cuda)"
+    from mlxpaged.engine.engine import Engine
+    from mlxpaged_app.bench.batch import random_prompts
+
+    tokens = args.batch * (512 + args.tokens + 32)
+    engine = Engine.from_pretrained(args.model, max_num_seqs=args.batch, cache_tokens=max(tokens, 16384))
+    prompts = random_prompts(args.batch, 256, 512, engine.loaded.config["vocab_size"])
+    return engine, engine.loaded.model, prompts, f"{engine.loaded.name} on {backend.describe()}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--model", help="a model directory: time it on this machine's backend (a GPU run)")
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--no-mlx-lm", action="store_true", help="skip BatchGenerator")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--calls", action="store_true", help="also the top entries by call count")
     args = parser.parse_args()
-    model = tiny_llama(num_layers=args.layers)
-    tokenizer = load_model().tokenizer
-    prompts = [random_tokens(20 + i % 16, seed=i) for i in range(args.batch)]
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
-    settings = {"max_num_seqs": max(8, args.batch), "cache_tokens": args.batch * (64 + args.tokens) + 512}
-    with backend.simulate("cuda"):  # the simulation must hold while the engine runs, not only when built
-        engine = tiny_engine(model, tokenizer, max_batch_tokens=max(256, args.batch), **settings)
+    # The simulation must hold while the engine runs, not only when it is built.
+    with backend.simulate("cuda") if args.model is None else contextlib.nullcontext():
+        engine, model, prompts, what = build(args)
         engine.generate(prompts, params)  # warm-up: every shape once
         timer = StepTimer(engine.core, args.batch)
         ours = []
@@ -99,7 +120,7 @@ def main() -> None:
             engine.generate(prompts, params)
             ours.append((statistics.median(timer.times) * 1000, statistics.median(timer.cpu) * 1000))
         if args.profile:
-            # Timed by the thread's CPU clock: waits for the device (here MLX's CPU stream) are left out.
+            # Timed by the thread's CPU clock: waits for the device (or MLX's CPU stream) are left out.
             profile = cProfile.Profile(time.thread_time)
             timer.profile = profile
             timer.times = []
@@ -107,11 +128,13 @@ def main() -> None:
             engine.generate(prompts, params)
             profiled_steps = len(timer.times)
         engine.close()
-    mlx_lm_step_ms(model, prompts, args.tokens)  # warm-up
-    theirs = [mlx_lm_step_ms(model, prompts, args.tokens) for _ in range(args.runs)]
-    print(f"{args.layers}-layer 64-wide llama, batch {args.batch}, {args.tokens} tokens, {args.runs} runs:")
-    for name, rows in (("engine (simulated cuda)", ours), ("mlx-lm BatchGenerator", theirs)):
-        walls, cpus = [w for w, _ in rows], [c for _, c in rows]
+    rows = {"engine": ours}
+    if not args.no_mlx_lm:
+        mlx_lm_step_ms(model, prompts, args.tokens)  # warm-up
+        rows["mlx-lm BatchGenerator"] = [mlx_lm_step_ms(model, prompts, args.tokens) for _ in range(args.runs)]
+    print(f"{what}, batch {args.batch}, {args.tokens} tokens, {args.runs} runs, steady decode steps:")
+    for name, values in rows.items():
+        walls, cpus = [w for w, _ in values], [c for _, c in values]
         print(
             f"  {name:<24} wall {statistics.median(walls):6.2f} ms/step, engine-thread CPU "
             f"{statistics.median(cpus):6.2f} ms/step  (CPU per run: {', '.join(f'{v:.2f}' for v in cpus)})"
