@@ -171,6 +171,9 @@ class KVCacheManager:
         self.prepare_resume = prepare_resume
         self.lower_tier = lower_tier
         self._chains: dict[Hashable, _CachedChain] = {}
+        # block_tables' answer per request, read once per change of its tables (dropped by every change): the
+        # engine asks for every running request's tables twice a step, and rebuilding them is O(context).
+        self._table_ids: dict[Hashable, list[list[int]]] = {}
         # The longest sequence the pools can hold (None: any length).
         self.capacity_tokens = spaces_capacity(
             [p.num_blocks for p in self.pools],
@@ -206,7 +209,15 @@ class KVCacheManager:
         return request_id in self._chains
 
     def block_tables(self, request_id: Hashable) -> list[list[int]]:
-        """The request's block ids, one table per layer group."""
+        """The request's block ids, one table per layer group (fresh lists: the caller may keep or change them)."""
+        ids = self._table_ids.get(request_id)
+        if ids is None:
+            self._check_known(request_id)
+            ids = self._table_ids[request_id] = self.read_block_tables(request_id)
+        return [list(table) for table in ids]
+
+    def read_block_tables(self, request_id: Hashable) -> list[list[int]]:
+        """`block_tables` read from the tables themselves (its slow twin, which tests compare it with)."""
         self._check_known(request_id)
         return [[b.block_id for b in m.tables[request_id]] for m in self.managers]
 
@@ -278,6 +289,7 @@ class KVCacheManager:
         tables[0] = hits + tables[0]
         for manager, table in zip(self.managers, tables, strict=True):
             manager.tables[rid] = table
+        self._table_ids.pop(rid, None)
         cached = (len(hits) + loaded) * self.block_size + (partial[1] if partial else 0)
         chain = _CachedChain(hashes, self.pool.cache_epoch)
         if partial:
@@ -291,13 +303,21 @@ class KVCacheManager:
         room for a token not sampled yet, which a pipelined step writes early). A full table takes
         a block every block_size tokens, a full ring wraps. Returns the tables. Atomic: on
         NoFreeBlocksError nothing changed."""
+        self.ensure_slots(request, num_tokens)
+        return self.block_tables(request.request_id)
+
+    def ensure_slots(self, request: Request, num_tokens: int | None = None) -> None:
+        """`allocate_slots` without building the tables to return (the scheduler grows every running request
+        each step and reads the tables later). Most steps grow nothing: the pool is then not asked."""
         rid = request.request_id
         self._check_known(rid)
         n = request.num_tokens if num_tokens is None else num_tokens
         grow = [m.num_new_blocks(rid, n) for m in self.managers]
-        self._check_free(grow)
-        for manager, blocks in zip(self.managers, self._take(grow), strict=True):
-            manager.tables[rid] += blocks
+        if any(grow):
+            self._check_free(grow)
+            for manager, blocks in zip(self.managers, self._take(grow), strict=True):
+                manager.tables[rid] += blocks
+            self._table_ids.pop(rid, None)
         for manager in self.managers:
             block = manager.block_at(rid, n - 1)
             if block.ref_cnt != 1:  # only computed full blocks are shared, so this is a manager bug
@@ -305,7 +325,6 @@ class KVCacheManager:
                     f"position {n - 1} of {rid!r} would be written into block "
                     f"{block.block_id}, which has ref count {block.ref_cnt}"
                 )
-        return self.block_tables(rid)
 
     def free_slots_after(self, request: Request, num_tokens: int) -> None:
         """Shrink full-attention tables to the blocks `num_tokens` tokens need: the slots of rejected
@@ -325,6 +344,7 @@ class KVCacheManager:
             if len(table) > keep:
                 self.pools[space].free_blocks(list(reversed(table[keep:])))
                 del table[keep:]
+                self._table_ids.pop(rid, None)
 
     def cache_blocks(self, request: Request) -> None:
         """Enter the request's full computed blocks into the prefix cache (the scheduler calls this
@@ -378,6 +398,7 @@ class KVCacheManager:
         for manager, space, n, blocks in zip(self.managers, self.spaces, shared, self._take(fresh), strict=True):
             self.pools[space].touch(manager.tables[pid][:n])
             manager.tables[cid], more = manager.fork(manager.tables[pid], blocks, computed)
+            self._table_ids.pop(cid, None)
             copies += [replace(c, space=space) for c in more]
         n_hashed = min(len(chain.block_hashes), shared[0])
         self._chains[cid] = _CachedChain(chain.block_hashes[:n_hashed], chain.epoch)
@@ -389,6 +410,7 @@ class KVCacheManager:
         self._check_known(request_id)
         chain = self._chains.pop(request_id)
         tables = [m.tables.pop(request_id) for m in self.managers]
+        self._table_ids.pop(request_id, None)
         for space, pool in enumerate(self.pools):
             pool.free_blocks(
                 [b for s, table in zip(self.spaces, tables, strict=True) if s == space for b in reversed(table)]

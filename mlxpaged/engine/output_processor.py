@@ -104,18 +104,25 @@ class OutputProcessor:
     def process(self, out: SchedulerOutput, rows: SamplingRows[Tracked], results: list[SampleResult]) -> None:
         """Hand a step's samples (already recorded by the scheduler) to their requests: fail the
         ones whose sampling failed, start forks, deliver tokens and finish what stops."""
+        ok, generated = [], 0  # one pass over the rows: this runs for every request on every step
         for tracked, result in zip(rows.sequences, results, strict=True):
             if result.error is not None:  # the scheduler skipped its chunk
                 self.fail(tracked.caller_id, RequestFailedError(f"sampling failed: {result.error!r}"))
-        ok = [(t, r) for t, r in zip(rows.sequences, results, strict=True) if r.error is None]
-        self.stats.add_tokens(sum(1 + len(r.accepted) for _, r in ok), sum(len(c.token_ids) for c in out.chunks))
+            else:
+                ok.append((tracked, result))
+                generated += 1 + len(result.accepted)
+        self.stats.add_tokens(generated, sum(len(c.token_ids) for c in out.chunks))
         new_forks = [(t, r) for t, r in ok if t.sequence_id not in self._tracked]
         for tracked, result in new_forks:  # first: delivering the parent's token may finish it
             self._start_fork(tracked, result)
         started = {id(t) for t, _ in new_forks}  # their first token was delivered by _start_fork
         for tracked, result in ok:
-            if id(tracked) not in started:
+            if id(tracked) in started:
+                continue
+            if result.accepted:
                 self._deliver_run(tracked.sequence_id, result)
+            else:  # the common case: one token, no run to walk
+                self._deliver(tracked.sequence_id, result)
 
     def _deliver_run(self, sequence_id: str, result: SampleResult) -> None:
         """Deliver a row's accepted drafts, then its sampled token, until one of them finishes it."""

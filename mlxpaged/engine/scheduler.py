@@ -271,8 +271,13 @@ class Scheduler:
         self._check_not_over_length()
         preempted = self._append_pending_slots()
         budget = self.max_batch_tokens
-        decodes = [r for r in self._running if r.num_tokens - r.num_computed_tokens == 1]
-        prefills = [r for r in self._running if r.num_tokens - r.num_computed_tokens > 1]
+        decodes, prefills = [], []
+        for r in self._running:  # one pass: this runs for every request on every step
+            left = len(r.prompt_token_ids) + len(r.output_token_ids) - r.num_computed_tokens
+            if left == 1:
+                decodes.append(r)
+            elif left > 1:
+                prefills.append(r)
         chunks: list[ScheduledChunk] = []
         cap = self._prefill_cap(preempted)
         for request in decodes + prefills:
@@ -309,20 +314,24 @@ class Scheduler:
             if chunk.samples and request.request_id not in sampled:
                 raise ValueError(f"no sampled token for request {request.request_id!r}")
         for chunk in live:
-            request = chunk.request
-            kept = accepted.get(request.request_id, []) if chunk.drafts else []
-            if kept != chunk.drafts[: len(kept)]:
-                raise ValueError(
-                    f"request {request.request_id!r}: accepted {kept} are not a prefix of its drafts {chunk.drafts}"
-                )
-            request.output_token_ids.extend(kept)  # first: the computed count may not pass the known tokens
-            request.num_computed_tokens += len(chunk.token_ids) - len(chunk.drafts) + len(kept)
+            request, drafts = chunk.request, chunk.drafts
+            if drafts:
+                kept = accepted.get(request.request_id, [])
+                if kept != drafts[: len(kept)]:
+                    raise ValueError(
+                        f"request {request.request_id!r}: accepted {kept} are not a prefix of its drafts {drafts}"
+                    )
+                request.output_token_ids.extend(kept)  # first: the computed count may not pass the known tokens
+                request.num_computed_tokens += len(chunk.token_ids) - len(drafts) + len(kept)
+            else:
+                request.num_computed_tokens += len(chunk.token_ids)
             self.kv_manager.cache_blocks(request)  # hashes only blocks of kept tokens
-            # A chunk that does not sample is prefill, even of one token (cut one short of a boundary).
-            self._checkpoint(request, publish=not chunk.samples or len(chunk.token_ids) - len(chunk.drafts) > 1)
+            if self.state is not None:
+                # A chunk that does not sample is prefill, even of one token (cut one short of a boundary).
+                self._checkpoint(request, publish=not chunk.samples or len(chunk.token_ids) - len(drafts) > 1)
             if chunk.samples:
                 request.output_token_ids.append(sampled[request.request_id])
-            if chunk.drafts:  # roll back: blocks past the sequence return to the pool
+            if drafts:  # roll back: blocks past the sequence return to the pool
                 self.kv_manager.free_slots_after(request, request.num_tokens)
 
     # ---- internals ----------------------------------------------------------------
@@ -343,7 +352,7 @@ class Scheduler:
         for request in list(self._running):
             while request.status is RequestStatus.RUNNING:
                 try:
-                    self.kv_manager.allocate_slots(request)
+                    self.kv_manager.ensure_slots(request)
                     break
                 except NoFreeBlocksError:
                     victim = self._running[-1]  # newest; may be `request` itself
@@ -412,17 +421,18 @@ class Scheduler:
 
     def _chunk(self, request: Request, budget: int) -> ScheduledChunk:
         start = request.num_computed_tokens
-        end = min(request.num_tokens, start + budget)
+        num_tokens = request.num_tokens
+        end = min(num_tokens, start + budget)
         if self._checkpoints_on():
             # End a prefill at the prompt's last block boundary, so its state is checkpointed there.
-            boundary = (request.num_tokens - 1) // self.kv_manager.block_size * self.kv_manager.block_size
+            boundary = (num_tokens - 1) // self.kv_manager.block_size * self.kv_manager.block_size
             end = boundary if start < boundary < end else end
         return ScheduledChunk(
             request,
             start,
             request.token_ids_between(start, end),
             self.kv_manager.block_tables(request.request_id),
-            samples=end == request.num_tokens,
+            samples=end == num_tokens,
             state_slot=request.state_slot,
         )
 

@@ -121,6 +121,13 @@ class TextStream:
         self._held += self._detokenizer.last_segment
 
     def _release(self) -> Delta:
+        if not self._stops:  # nothing to hold back: what `_release_stops` does with no stop strings
+            text, self._held = self._held, ""
+            self._emitted.append(text)
+            return Delta(text)
+        return self._release_stops()
+
+    def _release_stops(self) -> Delta:
         if _earliest_stop(self._held, self._stops) is not None:
             return self._end("stop")
         keep = _held_back_length(self._held, self._stops, self._longest_stop)

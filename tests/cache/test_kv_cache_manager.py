@@ -284,6 +284,25 @@ def test_append_slot_slots_and_new_blocks():
     assert pool.slots_for("a", 3, 3) == []
 
 
+def test_ensure_slots_grows_as_allocate_slots_does_and_tables_come_back_fresh():
+    """The scheduler's ensure_slots is allocate_slots without the tables: the same blocks, taken only when a
+    table must grow; block_tables answers with lists of its own (a caller's change cannot reach the next answer)."""
+    pools = [pool_of(12, BS, enable_prefix_cache=False, group_max_blocks=(None, 2)) for _ in range(2)]
+    for pool in pools:
+        pool.allocate("a", prompt(BS - 1))
+    for n in range(BS, 3 * BS + 2):
+        grown = pools[0].manager.allocate_slots(pools[0].request("a"), n)
+        pools[1].manager.ensure_slots(pools[1].request("a"), n)
+        assert pools[1].block_tables("a") == grown and pools[1].num_free_blocks == pools[0].num_free_blocks
+    tables = pools[1].block_tables("a")
+    tables[0].append(99)
+    tables[1].clear()
+    assert pools[1].block_tables("a") == grown == pools[1].manager.read_block_tables("a")
+    with pytest.raises(NoFreeBlocksError):
+        pools[1].manager.ensure_slots(pools[1].request("a"), 13 * BS)
+    assert pools[1].block_tables("a") == grown and pools[1].num_free_blocks == pools[0].num_free_blocks
+
+
 def test_append_slot_exhausted():
     pool = pool_of(1, BS)
     pool.allocate("a", prompt(8))

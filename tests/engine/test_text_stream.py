@@ -215,3 +215,16 @@ def test_a_sentencepiece_detokenizer_keeps_the_space_too():
         for token in (0, 1):
             stream.push(token)
         assert stream.finish() is not None and stream.text == text
+
+
+@pytest.mark.parametrize("text", [SENTENCE, "naïve café 你好 🙂 end", " leading  spaces\n\nand lines "])
+def test_without_stop_strings_release_is_the_stop_string_path(tokenizer, text):
+    """With no stop strings `_release` hands over all held text at once; the general path (`_release_stops`,
+    which looks for stops and holds back their prefixes) must give the same deltas."""
+    tokens = encode(tokenizer, text)
+    fast, fast_deltas = run(tokenizer, tokens, max_tokens=len(tokens) + 1)
+    slow = TextStream(tokenizer, SamplingParams(max_tokens=len(tokens) + 1), tokenizer.eos_token_ids)
+    slow._release = slow._release_stops  # type: ignore[method-assign]
+    slow_deltas = [slow.push(token) for token in tokens] + [slow.finish()]
+    assert fast_deltas == slow_deltas and fast.text == slow.text
+    assert fast.text.strip() == text.strip()  # the first word's space may be trimmed (trim_leading_space)
