@@ -275,7 +275,8 @@ class Scheduler:
         decodes = [r for r in self._running if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in self._running if r.num_tokens - r.num_computed_tokens > 1]
         chunks: list[ScheduledChunk] = []
-        cap = self._prefill_cap(preempted)
+        # Asked only when a prefill runs: it matches the waiting head's prefix (O(prompt) lookups).
+        cap = self._prefill_cap(preempted) if prefills else self.max_batch_tokens
         for request in decodes + prefills:
             if budget == 0:
                 break
