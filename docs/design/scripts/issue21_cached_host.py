@@ -15,7 +15,8 @@ llama (SmolLM2-1.7B's depth, compute next to nothing), split into:
 - add: the engine thread taking the request (Request, sampler state, text stream);
 - update + process: computed counts, caching blocks, detokenizing, delivering the token;
 - step_rest: the rest of the engine's steps;
-- queue: the rest of submit -> first token (the command queue, the threads waking).
+- queue: the rest of submit -> first token (the command queue, the threads waking);
+- sha256: block hashes computed per follow-up (calls of the hash function).
 
 The cold prompt before the follow-ups runs under `simulate("cpu")` (NumPy attention): it only fills the
 prefix cache, and the GPU path's attention is far slower on this CPU.
@@ -89,6 +90,16 @@ def instrument(engine, timers: Timers) -> None:
             timers.spent["compute"] += time.perf_counter() - start
 
     sampling.LazySample.results = timed_results
+    # Block hashes computed (sha256 calls): the manager's own hash function, or its BlockHashes' where it has one.
+    manager = core.scheduler.kv_manager
+    owner = getattr(manager, "hashes", manager)
+    hash_fn = owner.hash_fn
+
+    def counted(*args):
+        timers.spent["sha256"] += 1
+        return hash_fn(*args)
+
+    owner.hash_fn = counted
 
 
 def follow_ups(engine, size: int, seed: int, timers: Timers) -> list[dict[str, float]]:
@@ -114,6 +125,7 @@ def follow_ups(engine, size: int, seed: int, timers: Timers) -> list[dict[str, f
         row["compute"] += spent.get("launch", 0.0)
         row["step_rest"] = spent["step"] - sum(row[p] for p in ("schedule", "build", "compute", "update", "process"))
         row["total"] = 1000 * total
+        row["sha256"] = timers.spent.get("sha256", 0)
         row["queue"] = row["total"] - sum(row[p] for p in PARTS)
         rows.append(row)
     timers.in_follow_up = False
@@ -144,12 +156,16 @@ def main() -> None:
             f"backend {backend.describe()} (simulated cuda), {args.layers} layers, medians in ms of "
             f"{args.runs} runs x {FOLLOW_UPS} follow-ups of {APPENDED_TOKENS} new tokens"
         )
-        print(f"{'size':>6} {'total':>7} " + " ".join(f"{p:>8}" for p in (*PARTS, "queue")))
+        print(f"{'size':>6} {'total':>7} " + " ".join(f"{p:>8}" for p in (*PARTS, "queue", "sha256")))
         for size in sizes:
             follow_ups(engine, size, 1, timers)  # warm-up: shapes compile, caches fill
             rows = [row for run in range(args.runs) for row in follow_ups(engine, size, 100 + run, timers)]
             med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
-            print(f"{size:>6} {med['total']:>7.2f} " + " ".join(f"{med[p]:>8.2f}" for p in (*PARTS, "queue")))
+            print(
+                f"{size:>6} {med['total']:>7.2f} "
+                + " ".join(f"{med[p]:>8.2f}" for p in (*PARTS, "queue"))
+                + f" {med['sha256']:>8.0f}"
+            )
         if args.profile:
             profile = cProfile.Profile()
             step = engine.core.step
