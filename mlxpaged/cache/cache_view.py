@@ -164,7 +164,7 @@ def _read_blocks(spec: KVCacheSpec, tables, starts, ends) -> tuple[mx.array | No
         return None, bases
     matrix = []
     for table, first, count in zip(tables, firsts, counts, strict=True):
-        row = [spec.physical_block(table, first + i) for i in range(count)]
+        row = spec.physical_blocks(table, first, count)
         # Padding entries are masked out; any valid block keeps the gather in range.
         matrix.append(row + [row[-1] if row else table[0]] * (width - count))
     return mx.array(matrix, dtype=mx.int32), bases

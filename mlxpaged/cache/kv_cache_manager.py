@@ -23,6 +23,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+from mlxpaged.cache.block_hashes import BlockHashes
 from mlxpaged.cache.block_pool import (
     BlockPool,
     BlockPoolStats,
@@ -167,6 +168,7 @@ class KVCacheManager:
         self.enable_prefix_cache = enable_prefix_cache
         self.extra_key = extra_key
         self.hash_fn = hash_fn
+        self.hashes = BlockHashes(self.block_size, hash_fn, extra_key)  # each request's, computed once
         self.prefix_filter = prefix_filter
         self.prepare_resume = prepare_resume
         self.lower_tier = lower_tier
@@ -234,9 +236,8 @@ class KVCacheManager:
         )
 
     def can_allocate(self, request: Request, num_new_slots: int | None = None) -> bool:
-        tokens = request.all_token_ids
-        hits = self._match_prefix(tokens)[0]
-        fresh = [m.spec.blocks_needed(len(tokens) + (num_new_slots or 0)) for m in self.managers]
+        hits = self._match_prefix(request)[0]
+        fresh = [m.spec.blocks_needed(request.num_tokens + (num_new_slots or 0)) for m in self.managers]
         fresh[0] -= len(hits)
         return self._short_space(fresh, hits) is None
 
@@ -247,8 +248,7 @@ class KVCacheManager:
         to be allocated meanwhile, and other requests run."""
         if self.lower_tier is None or not self.enable_prefix_cache:
             return False
-        tokens = request.all_token_ids
-        below = self._match_lower_tier(tokens, self._match_prefix(tokens, filtered=False)[1])
+        below = self._match_lower_tier(request, self._match_prefix(request, filtered=False)[1])
         return bool(below) and not self.lower_tier.prefetch(request.request_id, below)
 
     def forget_loading(self, request_id: Hashable) -> None:
@@ -259,23 +259,23 @@ class KVCacheManager:
     def allocate(self, request: Request, num_new_slots: int | None = None) -> Allocation:
         """Give a new request tables for its tokens (plus `num_new_slots` reserved slots), sharing
         the longest cached prefix of full blocks. Atomic: on NoFreeBlocksError nothing changed."""
-        rid, tokens = request.request_id, request.all_token_ids
+        rid, num_tokens = request.request_id, request.num_tokens
         extra = 0 if num_new_slots is None else num_new_slots
         if rid in self._chains:
             raise ValueError(f"request {rid!r} already has blocks")
-        if not tokens:
+        if not num_tokens:
             raise ValueError("cannot allocate an empty prompt: the model needs a token to run")
         if extra < 0:
             raise ValueError(f"num_new_slots must be >= 0, got {extra}")
-        hits, hashes = self._match_prefix(tokens, filtered=False)  # only with the prefix cache: then one table
-        below = self._match_lower_tier(tokens, hashes)  # blocks after the hits, in the lower tier
+        hits, hashes = self._match_prefix(request, filtered=False)  # only with the prefix cache: then one table
+        below = self._match_lower_tier(request, hashes)  # blocks after the hits, in the lower tier
         pages = self.lower_tier.read(below, rid) if below and self.lower_tier is not None else []
         below = below[: len(pages)]  # the run read and checked
         usable = self._resume_point(hashes + below)
         hits, hashes = hits[:usable], hashes[:usable]
         below = below[: usable - len(hits)]
-        partial = None if below else self._match_partial(tokens, hashes)
-        fresh = [m.spec.blocks_needed(len(tokens) + extra) for m in self.managers]
+        partial = None if below else self._match_partial(request, hashes)
+        fresh = [m.spec.blocks_needed(num_tokens + extra) for m in self.managers]
         fresh[0] -= len(hits)
         self._check_free(fresh, hits)
         self.pool.touch(hits)
@@ -283,7 +283,7 @@ class KVCacheManager:
         taken = [self.pool.take_partial_block(partial[0])] if partial else []
         tables = self._take(fresh, taken)
         if self.enable_prefix_cache:
-            self.pool.record_prefix_query(len(tokens), len(hits) * self.block_size + (partial[1] if partial else 0))
+            self.pool.record_prefix_query(num_tokens, len(hits) * self.block_size + (partial[1] if partial else 0))
         loaded = self._write_lower_tier(tables[0][: len(below)], below, pages)  # the first fresh blocks
         hashes = hashes + below
         tables[0] = hits + tables[0]
@@ -293,7 +293,7 @@ class KVCacheManager:
         cached = (len(hits) + loaded) * self.block_size + (partial[1] if partial else 0)
         chain = _CachedChain(hashes, self.pool.cache_epoch)
         if partial:
-            chain.partial = (taken[0], tuple(tokens[len(hits) * self.block_size : cached]))
+            chain.partial = (taken[0], tuple(request.token_ids_between(len(hits) * self.block_size, cached)))
         self._chains[rid] = chain
         tables_ids = [[b.block_id for b in t] for t in tables]
         return Allocation(tables_ids, cached, hashes[-1] if hashes else None, loaded * self.block_size)
@@ -363,9 +363,8 @@ class KVCacheManager:
         if not self.enable_prefix_cache or chain.epoch != self.pool.cache_epoch:
             return
         table = self.managers[0].tables[rid]
-        for i in range(len(chain.block_hashes), computed // bs):
-            parent = chain.block_hashes[-1] if chain.block_hashes else None
-            block_hash = self.hash_fn(parent, tuple(request.token_ids_between(i * bs, (i + 1) * bs)), self.extra_key)
+        first = len(chain.block_hashes)  # the chain is a prefix of the request's hashes
+        for i, block_hash in enumerate(self.hashes.iter(request, first, computed // bs), start=first):
             if table[i].block_hash is None:
                 self.pool.cache_full_block(table[i], block_hash)
             chain.block_hashes.append(block_hash)
@@ -429,27 +428,25 @@ class KVCacheManager:
         self._check_known(request_id)
         return self._chains[request_id]
 
-    def _match_partial(self, tokens: list[int], hashes: list[Hashable]) -> tuple[int, int] | None:
+    def _match_partial(self, request: Request, hashes: list[Hashable]) -> tuple[int, int] | None:
         """(block id, n): a free partial block holding the KV of the n tokens after the matched full
         blocks, never covering the last token; None without the prefix cache or a match. Never with a
         prefix filter: state layers resume from checkpoints at block boundaries only (state_cache.py)."""
-        start = len(hashes) * self.block_size
-        if not self.enable_prefix_cache or self.prefix_filter is not None or start >= len(tokens) - 1:
+        start, last = len(hashes) * self.block_size, request.num_tokens - 1
+        if not self.enable_prefix_cache or self.prefix_filter is not None or start >= last:
             return None
-        return self.pool.match_partial_block(hashes[-1] if hashes else None, tokens[start : len(tokens) - 1])
+        return self.pool.match_partial_block(hashes[-1] if hashes else None, request.token_ids_between(start, last))
 
-    def _match_lower_tier(self, tokens: list[int], hashes: list[Hashable]) -> list[Hashable]:
+    def _match_lower_tier(self, request: Request, hashes: list[Hashable]) -> list[Hashable]:
         """Hashes of the blocks right after the pool's chain that the lower tier holds (a leading run),
         never covering the last token."""
         if self.lower_tier is None or not self.enable_prefix_cache:
             return []
-        bs, found = self.block_size, []
-        parent = hashes[-1] if hashes else None
-        for i in range(len(hashes), (len(tokens) - 1) // bs):
-            parent = self.hash_fn(parent, tuple(tokens[i * bs : (i + 1) * bs]), self.extra_key)
-            if not self.lower_tier.contains(parent):
+        found = []
+        for block_hash in self.hashes.iter(request, len(hashes), (request.num_tokens - 1) // self.block_size):
+            if not self.lower_tier.contains(block_hash):
                 break
-            found.append(parent)
+            found.append(block_hash)
         return found
 
     def _write_lower_tier(self, blocks: list[KVCacheBlock], block_hashes: list[Hashable], pages: list) -> int:
@@ -507,19 +504,15 @@ class KVCacheManager:
             fresh.append(iter(given + pool.get_new_blocks(n - len(given))))
         return [[next(fresh[s]) for _ in range(n)] for n, s in zip(counts, self.spaces, strict=True)]
 
-    def _match_prefix(self, tokens: list[int], filtered: bool = True) -> tuple[list[KVCacheBlock], list[Hashable]]:
-        """Longest chain of cached full blocks for `tokens` and their hashes, never covering the
-        last token (the model must run at least one position to produce logits); `filtered`: cut to
+    def _match_prefix(self, request: Request, filtered: bool = True) -> tuple[list[KVCacheBlock], list[Hashable]]:
+        """Longest chain of cached full blocks for the request's tokens and their hashes, never covering
+        the last token (the model must run at least one position to produce logits); `filtered`: cut to
         the prefix filter's usable run (allocate filters the pool's and the lower tier's run together)."""
         if not self.enable_prefix_cache:
             return [], []
-        bs = self.block_size
         hits: list[KVCacheBlock] = []
         hashes: list[Hashable] = []
-        for i in range((len(tokens) - 1) // bs):
-            block_hash = self.hash_fn(
-                hashes[-1] if hashes else None, tuple(tokens[i * bs : (i + 1) * bs]), self.extra_key
-            )
+        for block_hash in self.hashes.iter(request, 0, (request.num_tokens - 1) // self.block_size):
             block = self.pool.get_cached_block(block_hash)
             if block is None:
                 break

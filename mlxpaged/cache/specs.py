@@ -321,6 +321,13 @@ class KVCacheSpec(ABC):
     def physical_block(self, table: Sequence[int], logical: int) -> int:
         return table[logical if self.max_blocks is None else logical % self.max_blocks]
 
+    def physical_blocks(self, table: Sequence[int], first: int, count: int) -> list[int]:
+        """`physical_block` of logical blocks first .. first + count - 1; a growing table's are a slice of it
+        (each pass reads every block of its context: 509 Python calls at 8k otherwise)."""
+        if self.max_blocks is None:
+            return list(table[first : first + count])
+        return [table[(first + i) % self.max_blocks] for i in range(count)]
+
     def slots(self, table: Sequence[int], start: int, end: int) -> list[int]:
         """Physical slots of positions [start, end)."""
         bs = self.block_size

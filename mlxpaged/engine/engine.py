@@ -364,12 +364,17 @@ class Engine:
     def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
             return list(self.tokenizer.encode(prompt, add_special_tokens=False))
-        tokens = [int(t) for t in prompt]
+        # A list of plain ints (the usual prompt) is copied in C; anything else (NumPy ints) converted one by one.
+        tokens = (
+            list(prompt) if isinstance(prompt, list) and set(map(type, prompt)) <= {int} else list(map(int, prompt))
+        )
         self._check_token_ids("prompt", tokens)
         return tokens
 
     def _check_token_ids(self, param: str, tokens) -> None:
         vocab = self.facts.vocab_size  # the logits' width
+        if not tokens or (min(tokens) >= 0 and not (vocab and max(tokens) >= vocab)):
+            return  # min and max in C: an 8k prompt is checked on the caller's thread before it is queued
         bad = [t for t in tokens if t < 0 or (vocab and t >= vocab)]
         if bad:
             raise ConfigError(f"{param} token ids out of range [0, {vocab}): {bad[:5]}", param=param)

@@ -207,6 +207,7 @@ class Scheduler:
                 f"request {request_id!r}: cannot drop {count} of its {len(request.output_token_ids)} output tokens"
             )
         del request.output_token_ids[-count:]
+        self.kv_manager.hashes.trim(request)  # its kept block hashes must not outlive those tokens
 
     def abort(self, request_id: str) -> Request | None:
         """finish(..., FINISHED_ABORTED); None if the id is unknown or already finished."""
@@ -279,7 +280,8 @@ class Scheduler:
             elif left > 1:
                 prefills.append(r)
         chunks: list[ScheduledChunk] = []
-        cap = self._prefill_cap(preempted)
+        # Asked only when a prefill runs: it matches the waiting head's prefix (O(prompt) lookups).
+        cap = self._prefill_cap(preempted) if prefills else self.max_batch_tokens
         for request in decodes + prefills:
             if budget == 0:
                 break

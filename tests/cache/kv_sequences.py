@@ -32,9 +32,9 @@ def slots_for(manager: KVCacheManager, request: Request, start: int, end: int, g
 
 def lookup_prefix(manager: KVCacheManager, token_ids) -> int:
     """Tokens allocate() would take from the cache now (the manager's own matching); no side effects, no stats."""
-    tokens = list(token_ids)
-    hits, hashes = manager._match_prefix(tokens)
-    partial = manager._match_partial(tokens, hashes)
+    probe = Request("probe", list(token_ids), UNLIMITED)
+    hits, hashes = manager._match_prefix(probe)
+    partial = manager._match_partial(probe, hashes)
     return len(hits) * manager.block_size + (partial[1] if partial else 0)
 
 

@@ -128,6 +128,21 @@ def test_full_attention_grows_shares_computed_blocks_and_frees_nothing(n, bs):
     assert spec.table_index(n, n + 1) == n and spec.max_blocks is None
 
 
+@given(
+    window=st.one_of(st.none(), st.integers(1, 100)),
+    bs=st.sampled_from([8, 16, 32]),
+    table_length=st.integers(1, 40),
+    data=st.data(),
+)
+def test_physical_blocks_are_physical_block_of_each(window, bs, table_length, data):
+    """The slice (full attention) and the ring's wrap, against the one-block lookup they replace."""
+    spec = FullAttentionSpec(bs) if window is None else SlidingWindowSpec(bs, window)
+    table = list(range(100, 100 + (table_length if spec.max_blocks is None else spec.max_blocks)))
+    first = data.draw(st.integers(0, 60 if spec.max_blocks is not None else len(table)))
+    count = data.draw(st.integers(0, 60 if spec.max_blocks is not None else len(table) - first))
+    assert spec.physical_blocks(table, first, count) == [spec.physical_block(table, first + i) for i in range(count)]
+
+
 def test_layer_group_facts_are_importable_from_kv_cache_too():
     from mlxpaged.cache import kv_cache, specs
 

@@ -7,7 +7,8 @@ not just as a broken counter.
 
 from mlxpaged.cache.block_pool import NoFreeBlocksError, sha256_block_hash
 from mlxpaged.cache.specs import table_lengths
-from tests.cache.kv_sequences import pool_of
+from mlxpaged.engine.request import Request
+from tests.cache.kv_sequences import UNLIMITED, pool_of
 
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
@@ -151,7 +152,7 @@ class PoolMachine(RuleBasedStateMachine):
         )
 
     def free_besides_hits(self, tokens):
-        hits = self.pool.manager._match_prefix(tokens)[0]
+        hits = self.pool.manager._match_prefix(Request("probe", tokens, UNLIMITED))[0]
         return self.pool.num_free_blocks - sum(1 for b in hits if b.ref_cnt == 0)
 
     @rule()
@@ -226,6 +227,16 @@ class PoolMachine(RuleBasedStateMachine):
                 assert full % bs == 0 and prefix[full:] == tokens and self.chain_hash(prefix[:full]) == parent
                 for off in range(len(tokens)):
                     assert self.kv[block_id * bs + off] == prefix[: full + off + 1]
+
+    @invariant()
+    def memoized_hashes_are_the_chain_of_the_tokens_now(self):
+        """Each live request's kept hashes (BlockHashes, computed once) equal a fresh chain over its tokens."""
+        manager, bs = self.pool.manager, self.bs
+        for rid in self.live():
+            request = self.pool.request(rid)
+            kept = manager.hashes.first(request, request.num_tokens // bs)
+            tokens = request.all_token_ids
+            assert kept == [self.chain_hash(tokens[: (i + 1) * bs]) for i in range(len(kept))]
 
     def chain_hash(self, tokens):
         h, bs = None, self.bs
