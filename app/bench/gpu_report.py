@@ -11,13 +11,17 @@ COMMIT_ENV = "MLXPAGED_COMMIT"  # for checkouts copied without .git (the GPU kit
 
 
 def git_commit() -> str:
-    """The checkout's commit (with "+dirty" when tracked files changed), else $MLXPAGED_COMMIT, else a reason."""
+    """$MLXPAGED_COMMIT when set (the caller knows: a copied checkout may carry a stale .git, as the GPU kit's did,
+    which printed an old commit "+dirty"), else the checkout's commit ("+dirty" when tracked files changed), else a
+    reason."""
+    if os.environ.get(COMMIT_ENV):
+        return os.environ[COMMIT_ENV]
     try:
         head = _git("rev-parse", "--short=12", "HEAD")
         dirty = _git("status", "--porcelain", "--untracked-files=no")
         return head + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
-        return os.environ.get(COMMIT_ENV) or f"unknown (no git checkout here; set {COMMIT_ENV})"
+        return f"unknown (no git checkout here; set {COMMIT_ENV})"
 
 
 def _git(*args: str) -> str:

@@ -12,7 +12,7 @@ from mlxpaged.engine.engine import Engine
 from mlxpaged.platform import backend
 from mlxpaged_app.bench.baseline import mlx_lm_side, weight_dtype
 from mlxpaged_app.bench.gpu import parse_concurrency, parse_parts
-from mlxpaged_app.bench.gpu_report import SummaryRow, summary_table
+from mlxpaged_app.bench.gpu_report import COMMIT_ENV, SummaryRow, git_commit, summary_table
 from mlxpaged_app.cli import build_parser, main
 from tests.tiny_models import write_tiny_llama_dir
 
@@ -155,3 +155,11 @@ def test_summary_verdicts_follow_the_direction_of_each_target():
         "big share": ("50.0%", "<= 5%", "missed"),
         "context": ("50.0%", "-", "-"),
     }
+
+
+def test_the_named_commit_wins_over_a_copied_checkouts_git(monkeypatch):
+    """The GPU kit's copy carried a stale .git: the header printed an old commit "+dirty" instead of the one run."""
+    monkeypatch.delenv(COMMIT_ENV, raising=False)
+    assert re.fullmatch(r"[0-9a-f]{12}(\+dirty)?", git_commit())  # this checkout's own
+    monkeypatch.setenv(COMMIT_ENV, "66d19eb")
+    assert git_commit() == "66d19eb"
