@@ -22,11 +22,16 @@ The cold prompt before the follow-ups runs under `simulate("cpu")` (NumPy attent
 prefix cache, and the GPU path's attention is far slower on this CPU.
 
     python docs/design/scripts/issue21_cached_host.py [--sizes 2048,8192] [--layers 24] [--profile]
+                                                      [--model DIR]
+
+`--model DIR`: that model on the backend MLX really computes on (a GPU machine: the kit's /tmp/models/1.7b), no
+simulation; the "compute" column is then the real device's work.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import pstats
 import statistics
@@ -102,14 +107,15 @@ def instrument(engine, timers: Timers) -> None:
     owner.hash_fn = counted
 
 
-def follow_ups(engine, size: int, seed: int, timers: Timers) -> list[dict[str, float]]:
+def follow_ups(engine, size: int, seed: int, timers: Timers, simulated: bool = True) -> list[dict[str, float]]:
     """A cold prompt of `size - 1 - FOLLOW_UPS * APPENDED_TOKENS` tokens, then its follow-ups: each one's
     total and parts in ms."""
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     text = random_tokens(size - 1, seed=seed)
     prompt = text[: -APPENDED_TOKENS * FOLLOW_UPS]
     engine.pool.reset_prefix_cache()
-    with backend.simulate("cpu"):  # the cold prefill only fills the cache: the CPU's attention is faster here
+    # The cold prefill only fills the cache: simulated, the CPU's own attention is faster for it.
+    with backend.simulate("cpu") if simulated else contextlib.nullcontext():
         next(iter(engine.stream(prompt, params)))
     rows = []
     timers.in_follow_up = True
@@ -138,28 +144,33 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="cProfile the engine thread's steps of the last size")
+    parser.add_argument("--model", default=None, help="a model directory, on the real backend (no simulation)")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
-    tokenizer = load_model().tokenizer
-    with backend.simulate("cuda"):
-        engine = tiny_engine(
-            tiny_llama(num_layers=args.layers),
-            tokenizer,
-            cache_tokens=4 * max(sizes),
-            block_size=16,
-            max_model_len=2 * max(sizes),
-            max_num_seqs=16,
-        )
+    simulated = args.model is None
+    with backend.simulate("cuda") if simulated else contextlib.nullcontext():
+        settings = {"cache_tokens": 4 * max(sizes), "max_model_len": 2 * max(sizes), "max_num_seqs": 16}
+        if simulated:
+            engine = tiny_engine(
+                tiny_llama(num_layers=args.layers), load_model().tokenizer, block_size=16, **settings
+            )
+        else:
+            from mlxpaged.engine.engine import Engine
+
+            engine = Engine.from_pretrained(args.model, **settings)
         timers = Timers()
         instrument(engine, timers)
+        what = f"{args.layers}-layer tiny llama, simulated cuda" if simulated else args.model
         print(
-            f"backend {backend.describe()} (simulated cuda), {args.layers} layers, medians in ms of "
+            f"backend {backend.describe()}, {what}, medians in ms of "
             f"{args.runs} runs x {FOLLOW_UPS} follow-ups of {APPENDED_TOKENS} new tokens"
         )
         print(f"{'size':>6} {'total':>7} " + " ".join(f"{p:>8}" for p in (*PARTS, "queue", "sha256")))
         for size in sizes:
-            follow_ups(engine, size, 1, timers)  # warm-up: shapes compile, caches fill
-            rows = [row for run in range(args.runs) for row in follow_ups(engine, size, 100 + run, timers)]
+            follow_ups(engine, size, 1, timers, simulated)  # warm-up: shapes compile, caches fill
+            rows = [
+                row for run in range(args.runs) for row in follow_ups(engine, size, 100 + run, timers, simulated)
+            ]
             med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
             print(
                 f"{size:>6} {med['total']:>7.2f} "
@@ -180,7 +191,7 @@ def main() -> None:
                     profile.disable()
 
             engine.core.step = profiled_step
-            follow_ups(engine, sizes[-1], 7, timers)
+            follow_ups(engine, sizes[-1], 7, timers, simulated)
             stats = pstats.Stats(profile)
             stats.sort_stats("tottime").print_stats(25)
             stats.sort_stats("cumulative").print_stats(40)

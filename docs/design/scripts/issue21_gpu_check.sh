@@ -22,6 +22,8 @@ run_step() {
     profile_batch16) limit=60; set -- python3 docs/design/scripts/issue21_gpu_profile.py $M/1.7b 64 16 ;;
     native) limit=60; set -- python3 .gpu/p2/native_mlx_lm.py $M/1.7b ;;
     encode_cost) limit=45; set -- python3 docs/design/scripts/issue21_encode_cost.py $M/1.7b ;;
+    cached_parts) limit=60; set -- python3 docs/design/scripts/issue21_cached_host.py --model $M/1.7b --runs 2 ;;
+    batch_host) limit=90; set -- python3 docs/design/scripts/issue21_batch_host.py --model $M/1.7b --batch 64 --tokens 128 --runs 1 ;;
     *) echo "unknown step $1"; return 2 ;;
   esac
   echo "=== $name ($(date +%T), limit ${limit}s)"
