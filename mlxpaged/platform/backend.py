@@ -111,11 +111,12 @@ class Tuning:
     numpy_attention: bool
     # Float32 weights: the CPU backend's fast dtype (half precision matmuls are 3-40x slower there).
     float32_weights: bool
-    # Tokens one engine step may take, prefill chunks included (SchedulerConfig's default). CPU: 2048 (issue 16's
-    # chunk measurements). CUDA: 8192, H200 with SmolLM2-1.7B's shape (bf16), cold time to first token of an
-    # 8,151-token prompt 0.135 s in 2048-token chunks against 0.107 s in one (mlx-lm's stream_generate 0.119 and
-    # 0.139 s in the same runs). Metal: the CPU's value until it is measured on a Mac (a bigger step also reserves
-    # 4x the activation memory, which a 16 GB Mac feels).
+    # Tokens one engine step may take, prefill chunks included (SchedulerConfig's default). CPU: 2048, the value
+    # the engine always had (mlx-lm's prefill_step_size; not measured against other sizes there). CUDA: 8192: on an
+    # H200 with SmolLM2-1.7B's shape (bf16), cold time to first token of an 8,151-token prompt was 0.135 s in
+    # 2048-token chunks against 0.107 s in one (mlx-lm's stream_generate 0.119 and 0.139 s in the same runs).
+    # Metal: the CPU's value until it is measured on a Mac (a bigger step also reserves 4x the activation memory,
+    # which a 16 GB Mac feels).
     max_batch_tokens: int
 
 

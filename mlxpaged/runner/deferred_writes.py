@@ -15,8 +15,8 @@ each pass writes its tokens into the next column and attends the filled columns 
 mask at batch 1). Where the buffers would not fit the memory the plan left spare, each pass gathers its pages and
 puts the tail into the gathered copy instead. Pending K/V go into
 their slots (`flush`) when nothing is in flight: when the pipeline stops (a step the look-ahead does not cover)
-and every MAX_PENDING tokens (MAX_PENDING_BUFFERED at batch 1), where the runner reads a step before queuing the
-next (one wait per so many steps).
+and every MAX_PENDING tokens (MAX_PENDING_BUFFERED when buffered), where the runner reads a step before queuing
+the next (one wait per so many steps).
 Rows that leave the run (finished, aborted, preempted) keep their pending K/V in the runner's queue until
 then: their full blocks may be in the prefix cache, and they are written before any other pass reads them.
 """
