@@ -203,6 +203,11 @@ class MemoryPlan:
                 f"  state: {self.num_state_slots} slots + {self.num_checkpoints} checkpoints, "
                 f"{format_size(self.state_bytes)} (not in the KV cache's blocks)"
             )
+        if self.backend == "cuda" and self.spare_bytes:
+            lines.append(
+                f"  decode buffers: up to {format_size(self.spare_bytes)} of the left over, copies of the decoding "
+                "rows' K/V while they run (runner/decode_buffers.py)"
+            )
         lines.append(f"  wired limit: {self.wired_status}")
         return "\n".join(lines)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import mlxpaged  # noqa: F401  (OpenBLAS before mlx)
 from mlxpaged.config import CacheConfig, SchedulerConfig
 from mlxpaged.platform.memory import DeviceFacts, InsufficientMemoryError, KVShape, ModelFacts, plan_memory
+from mlxpaged.units import format_size
 from tests.platform.mx_stand_ins import CUDA_INFO, GiB, stand_in_mx, stand_in_psutil
 
 import pytest
@@ -118,5 +119,6 @@ def test_the_kv_budget_a_pool_capped_by_demand_leaves_is_spare_for_decode_buffer
     capped = plan_memory(H200, LLAMA3_8B, CacheConfig(), SchedulerConfig())
     left = 150_754_820_096 - 15_075_482_009 - 16_060_522_496 - LLAMA_ACTIVATIONS
     assert capped.spare_bytes == int(left * 0.9) - capped.kv_bytes == int(left * 0.9) - 8192 * BLOCK_BYTES
+    assert f"decode buffers: up to {format_size(capped.spare_bytes)} of the left over" in capped.describe()
     full = plan_memory(H200, LLAMA3_8B, CacheConfig(cache_tokens=1_000_000))  # limited by memory: no spare
     assert 0 <= full.spare_bytes < BLOCK_BYTES
