@@ -115,8 +115,9 @@ def defers_writes(kv: PagedKVCache) -> bool:
 
 
 class DeferredPass:
-    """What every layer of one queued-ahead decode pass shares, derived once per pass. `buffer_budget`: bytes its
-    buffers may take (decode_buffers.py; None: no limit); a pass whose buffers would not fit gathers its pages."""
+    """What every layer of one queued-ahead decode pass shares, derived once per pass. `buffer_columns`: the row
+    columns (one token of one row, every layer) its buffers may hold (decode_buffers.py; None: no limit); a pass
+    whose buffers would not fit gathers its pages."""
 
     def __init__(
         self,
@@ -125,7 +126,7 @@ class DeferredPass:
         starts: Sequence[int],
         tables: Sequence[Sequence[int]],
         pending: PendingKV | None,
-        buffer_budget: int | None = None,
+        buffer_columns: int | None = None,
     ):
         size = kv.block_size
         held = pending.length if pending is not None else 0
@@ -161,7 +162,7 @@ class DeferredPass:
         self.capacity = decode_buffers.capacity_for(self.alignment.column)
         if pending is not None and pending.buffers:
             self.capacity = max(self.capacity, pending.buffers[0][0].shape[2])
-        fits = buffer_budget is None or self.batch * self.capacity * decode_buffers.token_bytes(kv) <= buffer_budget
+        fits = buffer_columns is None or self.batch * self.capacity <= buffer_columns
         self.buffered = not self.on_kernel_path and fits
         if self.buffered:
             self.tail_index: mx.array | None = None
@@ -314,12 +315,12 @@ def deferred_views(
     starts: Sequence[int],
     tables: Sequence[Sequence[int]],
     pending: PendingKV | None,
-    buffer_budget: int | None = None,
+    buffer_columns: int | None = None,
 ) -> tuple[list[DeferredView], DeferredPass]:
     """Views for every layer of a pass of one new token per row at `starts`, over `tables` (group 0's),
     with `pending` K/V for the same rows in the same order; and the pass, whose `pending_after` is read
     once the model has run."""
     if pending is not None and pending.request_ids != tuple(request_ids):
         raise ValueError(f"pending K/V of rows {pending.request_ids} for a pass of rows {tuple(request_ids)}")
-    shared = DeferredPass(kv, request_ids, starts, tables, pending, buffer_budget)
+    shared = DeferredPass(kv, request_ids, starts, tables, pending, buffer_columns)
     return [DeferredView(shared, layer) for layer in range(kv.num_layers)], shared

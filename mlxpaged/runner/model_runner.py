@@ -20,7 +20,7 @@ from mlxpaged.cache.kv_cache import PagedKVCache
 from mlxpaged.cache.layout import ModelLayout
 from mlxpaged.cache.state_cache import StatePass, StateStore
 from mlxpaged.platform import backend
-from mlxpaged.runner import cache_tree
+from mlxpaged.runner import cache_tree, decode_buffers
 from mlxpaged.runner.decode_pass import CompiledDecode
 from mlxpaged.runner.deferred_writes import (
     MAX_PENDING,
@@ -151,9 +151,12 @@ class Runner:
         )
         self._pending: PendingKV | None = None
         self._orphans: list[PendingKV] = []
-        # Bytes the queued-ahead passes' decode buffers may take (decode_buffers.py; the memory plan's spare): None,
-        # no limit. Above it a pass gathers its pages instead.
-        self.buffer_budget = buffer_budget
+        # Row columns (one token of one row, all layers) the queued-ahead passes' decode buffers may hold: the memory
+        # plan's spare bytes over a column's bytes, worked out once here rather than per pass (decode_buffers.py).
+        # None: no limit. Above it a pass gathers its pages instead.
+        self.buffer_columns = (
+            None if buffer_budget is None else buffer_budget // max(1, decode_buffers.token_bytes(kv_cache))
+        )
         # Set on rank 0 of a distributed engine (engine/build.py): passes are mirrored, none is built ahead.
         self.mirror: StepMirror | None = None
 
@@ -309,7 +312,7 @@ class Runner:
         """A decode pass of one token per input (`tokens` [B], lazy) that writes no pages (deferred_writes.py):
         lazy float32 logits [B, V] and the pass, whose pending K/V the runner takes if it is adopted."""
         views, deferred = deferred_views(
-            self.kv, ids, [x.start for x in inputs], [x.block_tables[0] for x in inputs], pending, self.buffer_budget
+            self.kv, ids, [x.start for x in inputs], [x.block_tables[0] for x in inputs], pending, self.buffer_columns
         )
         cache = cache_tree.model_cache(self.layout, views, None)
         tokens = tokens.astype(mx.int32).reshape(-1, 1)

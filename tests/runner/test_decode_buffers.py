@@ -74,7 +74,7 @@ def test_rows_of_different_lengths_decode_from_padded_buffers_as_mlx_lm(gpu_engi
 
 
 def test_over_the_memory_budget_each_pass_gathers_its_pages(gpu_engine, monkeypatch):
-    monkeypatch.setattr(gpu_engine.runner, "buffer_budget", 0)
+    monkeypatch.setattr(gpu_engine.runner, "buffer_columns", 0)
     seen = _spy_passes(monkeypatch)
     prompts = [random_tokens(n, seed=300 + n) for n in (6, 21)]
     got = gpu_engine.generate(prompts, LONG) + gpu_engine.generate([prompts[0]], LONG)
