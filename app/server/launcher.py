@@ -22,7 +22,7 @@ import sys
 import threading
 
 from mlxpaged.distributed.launch import launched_alone
-from mlxpaged.distributed.ranks import follows, launched
+from mlxpaged.distributed.ranks import follows, join_group, launched
 from mlxpaged.errors import MlxpagedError, user_message
 from mlxpaged_app.server.flags import ServeError, cache_settings, check_bind, server_config
 from mlxpaged_app.server.ranks import (
@@ -53,11 +53,13 @@ def say(text: str) -> None:
 def build_registry(args: argparse.Namespace, config):
     """The model registry, with --model (None: the default model) and every --pin loaded before serving: they are
     provisioned here (a hub model may download), checked against the budget, loaded and warmed up."""
+    across_ranks = launched()  # rank 0 under mlx.launch: the other ranks hold shards of its one model and follow
+    if across_ranks:
+        join_group()  # before importing the engine or provisioning anything: the ranks must join together
     from mlxpaged_app.server.model_catalog import ModelCatalog
     from mlxpaged_app.server.model_loading import EngineSettings, build_model, estimate_cost
     from mlxpaged_app.server.model_registry import ModelRegistry, RegistryPolicy
 
-    across_ranks = launched()  # rank 0 under mlx.launch: the other ranks hold shards of its one model and follow
     if across_ranks and args.pin:
         raise ServeError("--pin: a server across mlx.launch ranks serves the one model every rank holds a shard of")
     if args.pipeline and not across_ranks:

@@ -45,8 +45,7 @@ def parallel_setting(args: argparse.Namespace) -> str | None:
 def run_follower_rank(args: argparse.Namespace) -> int:
     """A rank other than 0: load, shard, follow; 0 once rank 0 closed its engine, 1 when it cannot start or
     rank 0 is gone."""
-    from mlxpaged.distributed.follower import LeaderLostError
-    from mlxpaged.distributed.start import start_engine
+    from mlxpaged.distributed.ranks import join_group
 
     # Ctrl-C reaches every rank; rank 0 stops the others (its engine's close sends them stop), so a follower
     # interrupted in mid-step would only leave rank 0 waiting on a collective. SIGTERM comes from mlx.launch
@@ -55,6 +54,14 @@ def run_follower_rank(args: argparse.Namespace) -> int:
     rank = os.environ.get("MLX_RANK", "?")
     exit_on_launcher_term(f"follower rank {rank}")
     print(f"mlxpaged serve (follower rank {rank}): process {os.getpid()}, following rank 0", flush=True)
+    try:
+        join_group()  # before importing the engine or loading anything: the ranks must join together
+    except MlxpagedError as exc:
+        print(f"mlxpaged serve (follower rank {rank}): {user_message(exc, 'cli')}", file=sys.stderr)
+        return 1
+    from mlxpaged.distributed.follower import LeaderLostError
+    from mlxpaged.distributed.start import start_engine
+
     try:
         start_engine(
             args.model,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import socket
 import sys
@@ -18,6 +19,7 @@ from pathlib import Path
 
 LOOPBACK_BACKEND = "ring"  # the backend that runs on one machine's loopback (MPI needs mpirun installed)
 RESULT_PREFIX = "RESULT "  # a rank-0 script's one line of JSON (result_from reads it back)
+FIRST_PICKED_PORT = 20000  # free_port_run picks from here to the ephemeral range: above most well-known services
 
 
 def launcher_path() -> str:
@@ -71,15 +73,25 @@ def loopback_command(command: list[str], processes: int) -> list[str]:
 
 
 def free_port_run(count: int) -> int:
-    """A first port with `count` free ports from it (the ring backend listens on port + rank): best effort,
-    so runs side by side do not take each other's ports."""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            first = probe.getsockname()[1]
-        if first + count < 65536 and all(_free(first + i) for i in range(count)):
+    """A first port with `count` free ports from it (the ring backend listens on port + rank): best effort, so
+    runs side by side do not take each other's ports. Picked below the system's ephemeral range, so no outgoing
+    connection (another rank's, a client's) is handed one of them between this check and the ranks' bind."""
+    top = _ephemeral_floor() - count
+    if top <= FIRST_PICKED_PORT:  # a system that hands out (nearly) every port: pick anywhere
+        top = 65536 - count
+    for _ in range(100):
+        first = random.randrange(FIRST_PICKED_PORT, top)
+        if all(_free(first + i) for i in range(count)):
             return first
-    raise RuntimeError(f"no run of {count} free ports on loopback")
+    raise RuntimeError(f"no run of {count} free ports on loopback between {FIRST_PICKED_PORT} and {top + count}")
+
+
+def _ephemeral_floor() -> int:
+    """The lowest port the system hands out to outgoing connections (Linux's setting; else IANA's 49152, macOS's)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 49152
 
 
 def _free(port: int) -> bool:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from mlxpaged.distributed import DEFAULT_RANK_TIMEOUT_S
 from mlxpaged.distributed.launch import launched_alone
-from mlxpaged.errors import ConfigError
+from mlxpaged.errors import ConfigError, MlxpagedError
 
 import mlx.core as mx
 import numpy as np
@@ -59,12 +59,34 @@ def follows() -> bool:
     return launched() and os.environ["MLX_RANK"] != "0"
 
 
-def join(backend: str = "any", timeout_s: float = DEFAULT_RANK_TIMEOUT_S) -> Ranks | None:
-    """The group `mlx.launch` set up (None when this process runs alone: a group of one, `mlx.launch -n 1` too)."""
+class JoinError(MlxpagedError):
+    """This process could not connect to the others `mlx.launch` started."""
+
+
+def join_group(backend: str = "any") -> mx.distributed.Group | None:
+    """Connect to the other processes `mlx.launch` started, now (None alone). Call it first, before any slow
+    work: MLX's ring backend gives a rank about 15 s (5 tries, 1 + 2 + 4 + 8 s apart) to find its neighbour
+    listening, so a rank still importing, provisioning a model or starved of CPU fails the others' join. Later
+    calls return the same group (MLX keeps it per backend), so `join` may follow at any point."""
     if not launched() or launched_alone():
         return None
-    group = mx.distributed.init(strict=True, backend=backend)
-    if group.size() == 1:
+    try:
+        return mx.distributed.init(strict=True, backend=backend)
+    except RuntimeError as exc:
+        hint = ""
+        if "connect" in str(exc).lower():  # the ring backend's connect window ran out
+            hint = (
+                "; MLX's ring backend waits about 15 s for each neighbour to listen, so a rank that starts much "
+                "later than the others, or a port another program holds, fails the join"
+            )
+        rank = os.environ.get("MLX_RANK", "?")
+        raise JoinError(f"rank {rank} could not join the processes mlx.launch started ({exc}){hint}") from exc
+
+
+def join(backend: str = "any", timeout_s: float = DEFAULT_RANK_TIMEOUT_S) -> Ranks | None:
+    """The group `mlx.launch` set up (None when this process runs alone: a group of one, `mlx.launch -n 1` too)."""
+    group = join_group(backend)
+    if group is None or group.size() == 1:
         return None
     return Ranks(group, timeout_s=timeout_s, on_host=ranks_on_this_host(group))
 

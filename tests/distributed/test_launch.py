@@ -3,7 +3,11 @@ environment mlx.launch exports), `-n 1`'s empty ring hostfile read as one proces
 
 from __future__ import annotations
 
+import socket
+
+from mlxpaged.distributed import launch
 from mlxpaged.distributed.launch import (
+    free_port_run,
     launch_command,
     launched_alone,
     launched_backend,
@@ -12,7 +16,7 @@ from mlxpaged.distributed.launch import (
     result_from,
     result_line,
 )
-from mlxpaged.distributed.ranks import join
+from mlxpaged.distributed.ranks import JoinError, join, join_group
 
 import pytest
 
@@ -65,3 +69,24 @@ def test_the_result_line_round_trips_and_must_be_alone():
     assert result_from(f"noise\n{line}\nmore\n") == {"a": [1, 2]}
     with pytest.raises(ValueError, match="expected one RESULT line, found 2"):
         result_from(f"{line}\n{line}\n")
+
+
+def test_a_group_that_cannot_be_joined_says_which_rank_and_why(env, tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text('[["127.0.0.1:notaport"], ["127.0.0.1:5001"]]\n')
+    env.setenv("MLX_RANK", "0")
+    env.setenv("MLX_HOSTFILE", str(hostfile))
+    with pytest.raises(JoinError, match=r"rank 0 could not join the processes mlx.launch started \(.*notaport"):
+        join_group()
+
+
+def test_free_ports_are_picked_below_the_ephemeral_range_and_skip_taken_ones(monkeypatch):
+    """Below the range the system hands outgoing connections, so none of them takes a rank's port before it binds."""
+    floor = launch._ephemeral_floor()
+    first = free_port_run(4)
+    assert first >= launch.FIRST_PICKED_PORT and first + 4 <= floor
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", first + 2))
+        picks = iter([first, *range(first + 4, first + 400, 4)])
+        monkeypatch.setattr(launch.random, "randrange", lambda low, high: next(picks))
+        assert free_port_run(4) >= first + 4  # first's run holds a taken port
