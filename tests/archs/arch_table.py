@@ -155,7 +155,7 @@ def main(argv: list[str]) -> None:
     else:
         from tests.archs.sweep import sweep
 
-        verdicts = sweep()
+        verdicts = sweep()["cpu"]
     table = render(verdicts)
     print(table)
     if args.readme:

@@ -1,32 +1,38 @@
 """One tiny architecture on the paged engine against mlx-lm's own generate_step.
 
-    python -m tests.archs.harness [--backend cuda] [--kv-bits 8] MODULE [MODULE ...]   -> one JSON verdict per module
+    python -m tests.archs.harness [--variants cpu,cuda,kv8] MODULE [MODULE ...]   -> one JSON verdict per module
+                                                                                     and variant
 
-`--backend cuda` runs the engine on the path a GPU takes (platform/backend.py simulated: eager decode
-queued before the last step is read, deferred page writes flushed every few tokens, MLX's fused attention),
-MLX still computing on the CPU.
+Each variant runs the module's scenarios on engines of its own; the model is built once per module, and mlx-lm's
+full-precision reference once for the variants that compare with it (VARIANTS):
 
-`--kv-bits 8` runs every engine on quantized pages (groups of KV_GROUP_SIZE) against mlx-lm's greedy tokens over
-the same quantized K/V (quantized_reference.py: the prompt fed token by token through mlx-lm's own caches, each
-new K/V quantized and dequantized as the pages store it). An architecture whose K/V widths groups cannot split
-is "refused" (the engine raises ConfigError at construction, naming kv_bits and the widths) before any reference
-run, which keeps the sweep's added time to the architectures that run.
+- `cpu`: the engine on this machine's backend (MLX's CPU backend);
+- `cuda`: the engine on the path a GPU takes (platform/backend.py simulated: eager decode queued before the last
+  step is read, deferred page writes flushed every few tokens, MLX's fused attention), MLX still computing on
+  the CPU;
+- `kv8`: every engine on quantized pages (8 bits, groups of KV_GROUP_SIZE) against mlx-lm's greedy tokens over
+  the same quantized K/V (quantized_reference.py: the prompt fed token by token through mlx-lm's own caches, each
+  new K/V quantized and dequantized as the pages store it). An architecture whose K/V widths groups cannot split
+  is "refused" (the engine raises ConfigError at construction, naming kv_bits and the widths) before any
+  reference run, which keeps the variant's added time to the architectures that run.
 
 Verdicts: "paged" (every scenario of scenarios.py passes: greedy tokens equal mlx-lm's alone,
 batched, with chunked prefill, on a prefix-cache hit, after preemption and for n = 2, and the pool
 empty afterwards), "refused" (Engine construction raised UnsupportedModelError), "fail" (anything
 else: a mismatch, a request that failed, another error at load); "scenarios" holds each scenario's
-verdict. A line {"module", "stage": "reference-done"} is printed once mlx-lm's own run is over, so a
-process that dies before it shows an upstream crash (sweep.py).
+verdict. A line {"module", "variant", "stage": "reference-done"} is printed once mlx-lm's own run for that
+variant is over, so a process that dies before it shows an upstream crash (sweep.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import json
 import sys
 import time
+from dataclasses import dataclass
 
 import mlxpaged  # noqa: F401  (OpenBLAS before mlx)
 from mlxpaged.kernels import numpy_attention
@@ -41,7 +47,17 @@ KV_GROUP_SIZE = 32  # the smallest group mx.quantize takes: most tiny configs' h
 # Quantized K/V computed by a batched prefill and by one token at a time may round to neighbouring levels:
 # log-prob gaps below this (8-bit: a level is 1/255 of a group's range) are near-ties either way.
 QUANTIZED_TIE_GAP = 1e-2
-KV_BITS: int | None = None  # set by --kv-bits
+
+
+@dataclass(frozen=True)
+class Variant:
+    """The backend the engine takes (None: this machine's) and its pages' kv_bits (None: full precision)."""
+
+    backend: str | None = None
+    kv_bits: int | None = None
+
+
+VARIANTS = {"cpu": Variant(), "cuda": Variant(backend="cuda"), "kv8": Variant(kv_bits=8)}
 
 
 def build(module: str):
@@ -59,15 +75,15 @@ def prompts(vocab: int) -> list[list[int]]:
     return [[(7 * i + 3 * n) % (vocab - 1) + 1 for i in range(n)] for n in PROMPT_LENGTHS]
 
 
-def reference(model, prompt: list[int]) -> Case:
-    """mlx-lm's greedy tokens and, per step, the gap between its two best log-probs (over quantized K/V under
-    --kv-bits, with near-ties widened to QUANTIZED_TIE_GAP)."""
+def reference(model, prompt: list[int], kv_bits: int | None = None) -> Case:
+    """mlx-lm's greedy tokens and, per step, the gap between its two best log-probs (over quantized K/V for
+    `kv_bits`, with near-ties widened to QUANTIZED_TIE_GAP)."""
     from mlx_lm.generate import generate_step
 
-    if KV_BITS is not None:
+    if kv_bits is not None:
         from tests.archs.quantized_reference import quantized_greedy
 
-        tokens, gaps = quantized_greedy(model, prompt, NEW_TOKENS, KV_BITS, KV_GROUP_SIZE)
+        tokens, gaps = quantized_greedy(model, prompt, NEW_TOKENS, kv_bits, KV_GROUP_SIZE)
         return Case(list(prompt), tokens, [0.0 if g < QUANTIZED_TIE_GAP else g for g in gaps])
 
     tokens, gaps = [], []
@@ -91,7 +107,7 @@ def layout_summary(model) -> dict:
     return {"kinds": layout.kinds(), "all_routed": all(leaf.routed for leaf in layout.kv_leaves), "labels": labels}
 
 
-def run_engine(model, module: str, cases: list[Case], vocab: int) -> dict:
+def run_engine(model, module: str, cases: list[Case], vocab: int, kv_bits: int | None = None) -> dict:
     """Every scenario's verdict; "paged" when all pass, "refused" when the engine refuses the model."""
     from mlxpaged.errors import UnsupportedModelError
     from mlxpaged.loading.loader import LoadedModel
@@ -102,7 +118,9 @@ def run_engine(model, module: str, cases: list[Case], vocab: int) -> dict:
     tokenizer = load_tokenizer(_tokenizer_dir())
     loaded = LoadedModel(model, tokenizer, ModelRef(module, "path"), _path(module), "float32", config_for(module))
     try:
-        out = Scenarios(loaded, cases, lambda prompt: reference(model, prompt), vocab, _cache_settings()).run()
+        out = Scenarios(
+            loaded, cases, lambda prompt: reference(model, prompt, kv_bits), vocab, _cache_settings(kv_bits)
+        ).run()
     except UnsupportedModelError as exc:
         return {"status": "refused", "reason": str(exc)}
     failed = {name: why for name, why in out["scenarios"].items() if why != "pass"}
@@ -122,12 +140,12 @@ def _tokenizer_dir():
     return locate_model(None)[1]
 
 
-def _cache_settings() -> dict:
-    return {} if KV_BITS is None else {"kv_bits": KV_BITS, "kv_group_size": KV_GROUP_SIZE}
+def _cache_settings(kv_bits: int | None) -> dict:
+    return {} if kv_bits is None else {"kv_bits": kv_bits, "kv_group_size": KV_GROUP_SIZE}
 
 
-def quantized_refusal(model, module: str) -> str | None:
-    """Under --kv-bits: the engine's ConfigError when it refuses the model's K/V widths at construction."""
+def quantized_refusal(model, module: str, kv_bits: int) -> str | None:
+    """The engine's ConfigError when it refuses the model's K/V widths for `kv_bits` at construction."""
     from mlxpaged.config import CacheConfig
     from mlxpaged.engine.engine import Engine
     from mlxpaged.errors import ConfigError, UnsupportedModelError
@@ -139,7 +157,7 @@ def quantized_refusal(model, module: str) -> str | None:
     tokenizer = load_tokenizer(_tokenizer_dir())
     loaded = LoadedModel(model, tokenizer, ModelRef(module, "path"), _path(module), "float32", config_for(module))
     try:
-        Engine(loaded, CacheConfig(cache_tokens=512, block_size=8, **_cache_settings())).close()
+        Engine(loaded, CacheConfig(cache_tokens=512, block_size=8, **_cache_settings(kv_bits))).close()
     except ConfigError as exc:
         return str(exc) if exc.param == "kv_bits" else None
     except UnsupportedModelError:
@@ -153,25 +171,56 @@ def _path(module: str):
     return Path(f"tiny-{module}")
 
 
-def run_architecture(module: str) -> dict:
-    """Reference first (then the "reference-done" line), then the engine; every error is a verdict."""
+def run_architecture(module: str, variants: dict[str, Variant]) -> None:
+    """Each variant's verdict on one line (after its "reference-done" line); every error is a verdict. The model
+    and mlx-lm's full-precision reference are made once for every variant that uses them."""
     start = time.time()
-    out = {"module": module}
     model = build(module)
-    out.update(layout_summary(model))
-    if KV_BITS is not None and (why := quantized_refusal(model, module)) is not None:
-        print(json.dumps({"module": module, "stage": "reference-done"}), flush=True)
-        out.update(status="refused", reason=why, seconds=round(time.time() - start, 2))
-        return out
+    layout = layout_summary(model)
     vocab = _vocab(model)
-    cases = [reference(model, p) for p in prompts(vocab)]
-    print(json.dumps({"module": module, "stage": "reference-done"}), flush=True)
+    references: dict[int | None, list[Case]] = {}
+    for name, variant in variants.items():
+        out = {"module": module, "variant": name, **layout}
+        with _on_path(variant.backend):
+            if variant.kv_bits is not None and (why := quantized_refusal(model, module, variant.kv_bits)) is not None:
+                _print({"module": module, "variant": name, "stage": "reference-done"})
+                _print({**out, "status": "refused", "reason": why, "seconds": round(time.time() - start, 2)})
+                start = time.time()
+                continue
+            if variant.kv_bits not in references:
+                references[variant.kv_bits] = [reference(model, p, variant.kv_bits) for p in prompts(vocab)]
+            _print({"module": module, "variant": name, "stage": "reference-done"})
+            try:
+                out.update(run_engine(model, module, references[variant.kv_bits], vocab, variant.kv_bits))
+            except Exception as exc:  # a request failing mid-way, or an error at load that is no refusal
+                out.update(status="fail", reason=f"{type(exc).__name__}: {str(exc)[:300]}")
+        out["seconds"] = round(time.time() - start, 2)
+        start = time.time()
+        _print(out)
+
+
+@contextlib.contextmanager
+def _on_path(simulated: str | None):
+    """The engine on `simulated`'s path (None: this machine's). A GPU's path writes its pending K/V every 3 tokens
+    and grows batch-1 buffers every 4, so each scenario crosses several of both."""
+    if simulated is None:
+        yield
+        return
+    from mlxpaged.platform import backend
+    from mlxpaged.runner import decode_buffers, model_runner
+
+    saved = model_runner.MAX_PENDING, model_runner.MAX_PENDING_BUFFERED, decode_buffers.BUFFER_STEP
+    model_runner.MAX_PENDING = model_runner.MAX_PENDING_BUFFERED = 3
+    decode_buffers.BUFFER_STEP = 4
     try:
-        out.update(run_engine(model, module, cases, vocab))
-    except Exception as exc:  # a request failing mid-way, or an error at load that is no refusal
-        out.update(status="fail", reason=f"{type(exc).__name__}: {str(exc)[:300]}")
-    out["seconds"] = round(time.time() - start, 2)
-    return out
+        with backend.simulate(simulated):
+            yield
+    finally:
+        model_runner.MAX_PENDING, model_runner.MAX_PENDING_BUFFERED, decode_buffers.BUFFER_STEP = saved
+
+
+def _print(record: dict) -> None:
+    print(json.dumps(record), flush=True)
 
 
 def _vocab(model) -> int:
@@ -179,29 +228,16 @@ def _vocab(model) -> int:
 
 
 def main(argv: list[str]) -> None:
-    global KV_BITS
-    simulated = None
-    if argv[:1] == ["--backend"]:
-        simulated, argv = argv[1], argv[2:]
-    if argv[:1] == ["--kv-bits"]:
-        KV_BITS, argv = int(argv[1]), argv[2:]
+    names = ["cpu"]
+    if argv[:1] == ["--variants"]:
+        names, argv = argv[1].split(","), argv[2:]
+    variants = {name: VARIANTS[name] for name in names}
     # The engine hands NumPy only attention calls above MIN_SCORES, which these tiny prompts never reach:
     # every eager attention call of the sweep goes there, so each architecture checks that path too.
     numpy_attention.MIN_SCORES = 0
-    if simulated is None:
-        for module in argv:
-            print(json.dumps(run_architecture(module)), flush=True)
-        return
-    from mlxpaged.platform import backend
-    from mlxpaged.runner import decode_buffers, model_runner
-
-    # Pending K/V written every 3 tokens and batch-1 buffers grown every 4: each scenario crosses several of both.
-    model_runner.MAX_PENDING = model_runner.MAX_PENDING_BUFFERED = 3
-    decode_buffers.BUFFER_STEP = 4
-    _tokenizer_dir()
-    with backend.simulate(simulated):
-        for module in argv:
-            print(json.dumps(run_architecture(module)), flush=True)
+    _tokenizer_dir()  # before a simulated backend would ask the store for that backend's dtype
+    for module in argv:
+        run_architecture(module, variants)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """Run the harness over many architectures in a few worker processes; a native crash becomes a verdict.
 
-Each worker runs its share of modules in one process (imports paid once) and is restarted after the
-module it died on. A death before that module's "reference-done" line is mlx-lm's own crash
-("upstream-crash"); after it, the engine's ("crash").
+Each worker runs its share of modules in one process (imports paid once), every variant of a module in turn
+(harness.VARIANTS: the model and mlx-lm's reference made once for all), and is restarted after the module it
+died on. A death before a variant's "reference-done" line is mlx-lm's own crash ("upstream-crash"); after it,
+the engine's ("crash"); the module's variants not run yet get the same verdict.
 """
 
 from __future__ import annotations
@@ -22,46 +23,47 @@ MODULE_TIMEOUT_S = 180
 
 
 def sweep(
-    modules: list[str] | None = None, workers: int = 2, backend: str | None = None, kv_bits: int | None = None
-) -> dict[str, dict]:
-    """Verdicts by module, for every text module of mlx_lm.models unless `modules` is given; `backend`
-    ("cuda"): the engine takes that backend's path (harness.py --backend); `kv_bits`: quantized pages
-    (harness.py --kv-bits)."""
-    flags = (["--backend", backend] if backend else []) + (["--kv-bits", str(kv_bits)] if kv_bits else [])
+    modules: list[str] | None = None, workers: int = 2, variants: tuple[str, ...] = ("cpu",)
+) -> dict[str, dict[str, dict]]:
+    """Verdicts by variant (harness.VARIANTS: "cpu", "cuda", "kv8"), then by module, for every text module of
+    mlx_lm.models unless `modules` is given."""
     modules = modules or text_modules()
-    verdicts = {
+    settled = {
         m: {"module": m, "status": "cannot-run", "reason": MLX_LM_CANNOT_RUN[m]}
         for m in modules
         if m in MLX_LM_CANNOT_RUN
     }
-    todo = [m for m in modules if m not in verdicts and has_config(m)]
-    verdicts.update(
+    todo = [m for m in modules if m not in settled and has_config(m)]
+    settled.update(
         {
             m: {"module": m, "status": "fail", "reason": "no tiny config in tests/archs/configs.json"}
             for m in modules
-            if m not in verdicts and not has_config(m)
+            if m not in settled and not has_config(m)
         }
     )
+    verdicts = {v: {m: {**verdict, "variant": v} for m, verdict in settled.items()} for v in variants}
     shares = [todo[i::workers] for i in range(workers)]
     with ThreadPoolExecutor(workers) as pool:
-        for share in pool.map(lambda share: _run_share(share, flags), shares):
-            verdicts.update(share)
-    return {m: verdicts[m] for m in modules}
+        for share in pool.map(lambda share: _run_share(share, variants), shares):
+            for (module, variant), verdict in share.items():
+                verdicts[variant][module] = verdict
+    return {v: {m: verdicts[v][m] for m in modules} for v in variants}
 
 
-def _run_share(modules: list[str], flags: list[str]) -> dict[str, dict]:
-    verdicts: dict[str, dict] = {}
-    while len(verdicts) < len(modules):
-        rest = [m for m in modules if m not in verdicts]
-        verdicts.update(_run_process(rest, flags))
+def _run_share(modules: list[str], variants: tuple[str, ...]) -> dict[tuple[str, str], dict]:
+    verdicts: dict[tuple[str, str], dict] = {}
+    while len(verdicts) < len(modules) * len(variants):
+        rest = [m for m in modules if any((m, v) not in verdicts for v in variants)]
+        verdicts.update(_run_process(rest, variants))
     return verdicts
 
 
-def _run_process(modules: list[str], flags: list[str]) -> dict[str, dict]:
-    """Run until the process ends; the module it was on when it died gets a crash verdict."""
+def _run_process(modules: list[str], variants: tuple[str, ...]) -> dict[tuple[str, str], dict]:
+    """Run until the process ends; the variant it was on when it died gets a crash verdict, and so do the
+    variants of that module after it."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.archs.harness", *flags, *modules],
+        [sys.executable, "-m", "tests.archs.harness", "--variants", ",".join(variants), *modules],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
@@ -70,7 +72,8 @@ def _run_process(modules: list[str], flags: list[str]) -> dict[str, dict]:
     )
     stderr: list[str] = []
     threading.Thread(target=lambda: stderr.extend(proc.stderr), daemon=True).start()
-    verdicts, reference_done = {}, False
+    verdicts: dict[tuple[str, str], dict] = {}
+    reference_done = False
     watchdog = _Watchdog(proc)
     for line in proc.stdout:
         if not line.startswith("{"):
@@ -80,13 +83,17 @@ def _run_process(modules: list[str], flags: list[str]) -> dict[str, dict]:
         if record.get("stage") == "reference-done":
             reference_done = True
         else:
-            verdicts[record["module"]] = record
+            verdicts[(record["module"], record["variant"])] = record
             reference_done = False
     proc.wait()
     watchdog.cancel()
-    if len(verdicts) < len(modules):
-        current = modules[len(verdicts)]
-        verdicts[current] = _crash(current, proc.returncode, reference_done, watchdog.fired, "".join(stderr))
+    done = len(verdicts)
+    if done < len(modules) * len(variants):
+        module, first = modules[done // len(variants)], done % len(variants)
+        crash = _crash(module, proc.returncode, reference_done, watchdog.fired, "".join(stderr))
+        for i, variant in enumerate(variants[first:]):
+            where = "" if i == 0 else f" (not run: the process died in variant {variants[first]})"
+            verdicts[(module, variant)] = {**crash, "variant": variant, "reason": crash["reason"] + where}
     return verdicts
 
 
@@ -127,5 +134,5 @@ class _Watchdog:
 
 
 if __name__ == "__main__":
-    for verdict in sweep(sys.argv[1:] or None).values():
+    for verdict in sweep(sys.argv[1:] or None)["cpu"].values():
         print(json.dumps(verdict))

@@ -27,22 +27,29 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="session")
-def verdicts() -> dict[str, dict]:
-    return sweep(MODULES)
+def all_verdicts() -> dict[str, dict[str, dict]]:
+    """One sweep, every variant of a module in one process (the model and mlx-lm's reference made once): about
+    2 minutes on 2 cores, where three sweeps took 3."""
+    return sweep(MODULES, variants=("cpu", "cuda", "kv8"))
 
 
 @pytest.fixture(scope="session")
-def kv_verdicts() -> dict[str, dict]:
-    """The same sweep with quantized pages (kv_bits=8, groups of 32) against mlx-lm over the same quantized K/V
-    (tests/archs/quantized_reference.py). Measured: 90 s wall on the shared 2-core machine (265 s under heavy
+def verdicts(all_verdicts) -> dict[str, dict]:
+    return all_verdicts["cpu"]
+
+
+@pytest.fixture(scope="session")
+def kv_verdicts(all_verdicts) -> dict[str, dict]:
+    """The same with quantized pages (kv_bits=8, groups of 32) against mlx-lm over the same quantized K/V
+    (tests/archs/quantized_reference.py); measured alone: 90 s wall on the shared 2-core machine (265 s under heavy
     load): 44 run, 76 refused for their widths in about a second each."""
-    return sweep(MODULES, kv_bits=8)
+    return all_verdicts["kv8"]
 
 
 @pytest.fixture(scope="session")
-def gpu_verdicts() -> dict[str, dict]:
-    """The same sweep on the path a GPU takes (platform/backend.py simulating CUDA)."""
-    return sweep(MODULES, backend="cuda")
+def gpu_verdicts(all_verdicts) -> dict[str, dict]:
+    """The same on the path a GPU takes (platform/backend.py simulating CUDA)."""
+    return all_verdicts["cuda"]
 
 
 def test_every_architecture_has_a_config_or_a_reason():
