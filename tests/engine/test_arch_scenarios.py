@@ -18,7 +18,7 @@ def test_compare_passes_equal_tokens_and_forgives_only_near_ties():
 
 
 def test_a_healthy_model_passes_every_scenario_with_a_prefix_hit_and_a_preemption():
-    verdict = run_architecture("qwen3")
+    verdict = run_architecture("qwen3")["cpu"]
     assert verdict["status"] == "paged", verdict
     assert verdict["scenarios"] == dict.fromkeys(SCENARIOS, "pass")
     assert verdict["prefix_cache"] and verdict["prefix_hit_tokens"] > 0 and verdict["preemptions"] > 0
@@ -27,7 +27,7 @@ def test_a_healthy_model_passes_every_scenario_with_a_prefix_hit_and_a_preemptio
 def test_batched_failures_are_named_per_scenario(monkeypatch):
     # llama4 batched (no serial passes): every scenario that shares a pass must fail, alone must not.
     monkeypatch.setattr(build_module, "layout_serial_reason", lambda *args: None)
-    verdict = run_architecture("llama4")
+    verdict = run_architecture("llama4")["cpu"]
     scenarios = verdict["scenarios"]
     assert verdict["status"] == "fail" and scenarios["alone"] == "pass" and scenarios["prefix"] == "pass"
     for name in ("batched", "chunked", "preempt", "n2"):
@@ -37,5 +37,5 @@ def test_batched_failures_are_named_per_scenario(monkeypatch):
 
 
 def test_the_chunked_model_passes_every_scenario_one_sequence_per_pass():
-    verdict = run_architecture("llama4")
+    verdict = run_architecture("llama4")["cpu"]
     assert verdict["status"] == "paged" and verdict["serial"], verdict
