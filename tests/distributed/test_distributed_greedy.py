@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from mlxpaged.engine.engine import Engine
+from tests.distributed.greedy_ranks import completions
 from tests.distributed.launch import result_line, run_script
 from tests.tiny_models import random_tokens, write_tiny_llama_dir, write_tiny_model_dir
 
@@ -39,7 +41,13 @@ def prompts() -> list[list[int]]:
 def run(
     model_dir: Path, processes: int, batch: list[list[int]] | None = None, max_tokens: int = MAX_TOKENS, **settings
 ) -> dict:
+    """greedy_ranks.py's result over `processes` ranks; one process runs in this one (start_engine alone is
+    Engine.from_pretrained), which spares an interpreter's start and imports."""
     settings = {"cache_tokens": 2048, "block_size": 16, "max_num_seqs": 4, **settings}
+    if processes == 1:
+        settings.pop("parallel", None)  # start_engine ignores it alone
+        with Engine.from_pretrained(str(model_dir), **settings) as engine:
+            return completions(engine, batch or prompts(), max_tokens)
     args = [str(model_dir), json.dumps(batch or prompts()), str(max_tokens), json.dumps(settings)]
     return result_line(run_script(SCRIPT, args, processes))
 
