@@ -6,6 +6,8 @@ rank 0 samples, and the tokens it samples come back as the next step's token ids
 
 from __future__ import annotations
 
+import time
+
 from mlxpaged.distributed import plan
 from mlxpaged.distributed.channel import PlanChannel, RankLostError
 from mlxpaged.distributed.watchdog import LeaderWatch
@@ -45,6 +47,7 @@ def _follow(runner: Runner, channel: PlanChannel, watch: LeaderWatch) -> int:
         if message.kind == plan.STOP:
             return steps
         if message.kind == plan.KEEP_ALIVE:
+            time.sleep(message.nap_ms / 1000)  # rank 0 idles: sleep, not poll in the next collective (leader.py)
             continue
         if message.kind == plan.COPY:
             runner.kv.copy_blocks(list(message.copies))

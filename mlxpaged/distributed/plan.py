@@ -22,6 +22,7 @@ class Message:
     kind: int
     inputs: tuple[StepInput, ...] = ()
     copies: tuple[tuple[int, int], ...] = ()
+    nap_ms: int = 0  # a keep-alive's: how long the followers sleep before their next collective
 
 
 def encode_step(inputs: Sequence[StepInput]) -> list[int]:
@@ -42,16 +43,18 @@ def encode_stop() -> list[int]:
     return [STOP]
 
 
-def encode_keep_alive() -> list[int]:
-    return [KEEP_ALIVE]
+def encode_keep_alive(nap_ms: int = 0) -> list[int]:
+    return [KEEP_ALIVE, nap_ms]
 
 
 def decode(values: Sequence[int]) -> Message:
     """The message `values` encode (one of encode_*'s)."""
     it = iter(int(v) for v in values)
     kind = next(it)
-    if kind in (STOP, KEEP_ALIVE):
+    if kind == STOP:
         return Message(kind)
+    if kind == KEEP_ALIVE:
+        return Message(kind, nap_ms=next(it, 0))
     if kind == COPY:
         n = next(it)
         return Message(COPY, copies=tuple((next(it), next(it)) for _ in range(n)))

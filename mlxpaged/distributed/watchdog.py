@@ -28,7 +28,8 @@ from collections.abc import Callable, Iterator
 from mlxpaged.distributed.ranks import Ranks
 from mlxpaged.errors import EngineClosedError
 
-# An idle rank 0 sends a keep-alive message this often (leader.py), so its followers can bound their wait.
+# An idle rank 0 sends a keep-alive message at least this often (leader.py: every IDLE_TICK_S), so its followers
+# can bound their wait.
 KEEP_ALIVE_S = 5.0
 # Between failing the requests in flight and exiting: the HTTP server writes each client its error meanwhile.
 FLUSH_S = 1.0
@@ -184,7 +185,7 @@ class LeaderWatch:
             if silent > self.bound:
                 print(
                     f"mlxpaged (follower rank {self.ranks.rank}): rank 0 sent nothing for {silent:.0f} s (it sends"
-                    f" a message every step, at most {self.ranks.timeout_s:g} s, and a keep-alive every"
+                    f" a message every step, at most {self.ranks.timeout_s:g} s, and a keep-alive at least every"
                     f" {KEEP_ALIVE_S:g} s when idle): rank 0 hangs; exiting with status {EXIT_STATUS}",
                     file=sys.stderr,
                     flush=True,

@@ -132,6 +132,12 @@ class EngineCore:
             self.runner.mirror.close()
 
     @property
+    def idle_wait_s(self) -> float | None:
+        """How long the idle engine thread may wait for a command before calling `idle` again (None: its own
+        default): across ranks, rank 0's keep-alive tick (distributed/leader.py)."""
+        return self.runner.mirror.idle_tick_s if self.runner.mirror is not None else None
+
+    @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
 

@@ -93,7 +93,7 @@ def _turn(ref: weakref.ref, commands: queue.SimpleQueue, core: EngineCore) -> bo
     if not core.has_unfinished:
         core.idle()
         try:
-            command = commands.get(timeout=IDLE_WAIT_S)
+            command = commands.get(timeout=core.idle_wait_s or IDLE_WAIT_S)
         except queue.Empty:
             return True
         if ref() is None or not apply(core, command):

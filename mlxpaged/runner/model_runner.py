@@ -63,6 +63,8 @@ class StepMirror(Protocol):
 
     def before_step(self, inputs: Sequence[StepInput]) -> None: ...
 
+    idle_tick_s: float  # how often `idle` is called while the engine waits for work
+
     def idle(self) -> None:
         """The engine waits for work: the other processes may be told it is alive."""
 

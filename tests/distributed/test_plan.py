@@ -26,6 +26,7 @@ def test_copies_and_stop_round_trip():
     assert message.kind == plan.COPY and message.copies == ((3, 4), (10, 2))
     assert plan.decode(plan.encode_stop()).kind == plan.STOP
     assert plan.decode(plan.encode_keep_alive()).kind == plan.KEEP_ALIVE
+    assert plan.decode(plan.encode_keep_alive(90)) == plan.Message(plan.KEEP_ALIVE, nap_ms=90)
 
 
 def test_an_unknown_kind_is_refused():
