@@ -6,12 +6,14 @@ one-token request takes after 1 s of idling (it may wait for the followers' nap:
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
@@ -19,7 +21,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 from mlxpaged.distributed.launch import free_port_run, launcher_path
 from tests.tiny_models import write_tiny_llama_dir
 
-import openai
 import psutil
 
 IDLE_S = 5.0
@@ -47,12 +48,15 @@ def main() -> None:
             rank = c.environ().get("MLX_RANK")
             user, system = b.user - a.user, b.system - a.system
             print(f"rank {rank}: CPU over {IDLE_S:g} s idle: user {user:.2f} s, sys {system:.2f} s")
-        client = openai.OpenAI(base_url=url, api_key="none")
-        name = client.models.list().data[0].id
+        with urllib.request.urlopen(f"{url}/models") as reply:
+            name = json.load(reply)["data"][0]["id"]
+        body = json.dumps({"model": name, "prompt": "Hello", "max_tokens": 1}).encode()
         for _ in range(3):
             time.sleep(1.0)
             start = time.perf_counter()
-            client.completions.create(model=name, prompt="Hello", max_tokens=1)
+            request = urllib.request.Request(f"{url}/completions", body, {"Content-Type": "application/json"})
+            with urllib.request.urlopen(request) as reply:
+                reply.read()
             print(f"a one-token request after 1 s idle: {time.perf_counter() - start:.3f} s")
     finally:
         os.killpg(proc.pid, signal.SIGINT)
