@@ -63,10 +63,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from mlxpaged.cache import group_fit
 from mlxpaged.cache.kv_quant import KVQuantization
 from mlxpaged.cache.kv_transform import KVTransform
 from mlxpaged.cache.layout import ModelLayout
-from mlxpaged.cache.quantized_pages import Pool, QuantizedPages, pool_arrays
+from mlxpaged.cache.quantized_pages import Pool, QuantizedPages, pool_arrays, store, store_pair
 from mlxpaged.cache.specs import (  # noqa: F401  (block_bytes is re-exported: the facts live in specs.py)
     KVCacheSpec,
     KVGeometry,
@@ -264,9 +265,10 @@ class PagedKVCache:
         index = (blocks, self._heads[geo.kv_heads][None, :], offsets)
         j = self._pool[layer]
         k, v = self._stored_coordinates(layer, k, v, head_axis=-2)
-        _store(self.keys[j], index, k)
-        if not geo.k_is_v:
-            _store(self.values[j], index, v)
+        if geo.k_is_v:
+            store(self.keys[j], index, k)
+        else:
+            store_pair(self.keys[j], self.values[j], index, k, v)
 
     def write_run(self, layer: int, block: int, offset: int, k: mx.array, v: mx.array) -> None:
         """Write k, v `[1, kv_heads, n, dim]` to slots offset..offset + n - 1 of `block`, in place
@@ -279,9 +281,10 @@ class PagedKVCache:
         j = self._pool[layer]
         index = (slice(block, block + 1), slice(None), slice(offset, offset + n))
         k, v = self._stored_coordinates(layer, k, v, head_axis=-3)
-        _store(self.keys[j], index, k)
-        if not self.geometries[layer].k_is_v:
-            _store(self.values[j], index, v)
+        if self.geometries[layer].k_is_v:
+            store(self.keys[j], index, k)
+        else:
+            store_pair(self.keys[j], self.values[j], index, k, v)
 
     def _indices(self, slot_mapping: Sequence[int] | mx.array, num_blocks: int) -> tuple[mx.array, mx.array, mx.array]:
         """(slots, block column, offset column). Every layer of a pass writes the same slot-mapping
@@ -429,9 +432,7 @@ class PagedKVCache:
         In the pages' own coordinates: see `as_read` for the K/V a read hands back."""
         if self.quantization is None:
             return x
-        q = self.quantization
-        parts = mx.quantize(x, group_size=q.group_size, bits=q.bits)
-        return mx.dequantize(*parts, group_size=q.group_size, bits=q.bits)
+        return group_fit.round_trip(x, self.quantization)
 
     def as_read(self, layer: int, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
         """New K/V `[B, kv_heads, L, dim]` of `layer` as a read of the pages would return them once written:
@@ -458,14 +459,6 @@ class PagedKVCache:
         bad = [b for b in blocks if not 0 <= b < limit]
         if bad:
             raise ValueError(f"block ids {bad[:5]} out of range [0, {limit})")
-
-
-def _store(pool: Pool, index: tuple, rows: mx.array) -> None:
-    """`pool[index] = rows` in place; a quantized pool stores the rows quantized."""
-    if isinstance(pool, QuantizedPages):
-        pool.store(index, rows)
-    else:
-        pool[index] = rows
 
 
 def _check_sizes(**sizes: object) -> list[int]:

@@ -1,7 +1,8 @@
 """Quantized page pools: one pool's packed data, scales and biases, written by quantizing as tokens arrive.
 
 A `QuantizedPages` stands where a full-precision pool array stands (`PagedKVCache.keys[j]`): the same block
-ids, heads and block size, its three arrays laid out as `mx.quantize` lays out the pool's rows (kv_quant.py).
+ids, heads and block size, its three arrays laid out as `mx.quantize` lays out the pool's rows (kv_quant.py;
+the rows quantized by group_fit.py: mx.quantize's groups, or least-squares fitted ones for 4-bit pages).
 It has the logical `shape` and `dtype` of the pool it replaces, so shape checks read alike for both. Writes
 quantize the new rows and assign each array in place (the same indexed assignment as full pools, so the
 same rule holds: no other live view of an array, or MLX copies it). Reads take whole pages of all three
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from mlxpaged.cache import group_fit
 from mlxpaged.cache.kv_quant import KVQuantization
 
 import mlx.core as mx
@@ -68,8 +70,7 @@ class QuantizedPages:
 
     def quantize(self, rows: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """`rows` [..., dim] in the pool's dtype as (data, scales, biases), as they are stored."""
-        data, scales, biases = mx.quantize(rows, group_size=self.group_size, bits=self.bits)
-        return data, scales, biases
+        return group_fit.quantize(rows, self.quantization)
 
     def store(self, index: tuple, rows: mx.array) -> None:
         """`pool[index] = rows`, quantized: each array assigned in place at the same index."""
@@ -95,6 +96,38 @@ class QuantizedPages:
 
 
 Pool = mx.array | QuantizedPages  # one pool: a full-precision array, or its quantized pages
+
+
+def store(pool: Pool, index: tuple, rows: mx.array) -> None:
+    """`pool[index] = rows` in place; a quantized pool stores the rows quantized."""
+    if isinstance(pool, QuantizedPages):
+        pool.store(index, rows)
+    else:
+        pool[index] = rows
+
+
+def store_pair(keys: Pool, values: Pool, index: tuple, k: mx.array, v: mx.array) -> None:
+    """A layer's new K and V rows into its two pools at one index. Two quantized pools of one quantization and
+    width quantize their rows in one call, side by side (a group never crosses the seam: the width is whole
+    groups), then split: the same numbers in half the ops, which a decode step on the CPU pays per op (fitted
+    4-bit groups are some 30 small ops a call: group_fit.py)."""
+    paired = (
+        isinstance(keys, QuantizedPages)
+        and isinstance(values, QuantizedPages)
+        and keys.quantization == values.quantization
+        and k.shape == v.shape
+        and k.dtype == v.dtype
+    )
+    if not paired:
+        store(keys, index, k)
+        store(values, index, v)
+        return
+    for key_array, value_array, part in zip(
+        keys.arrays, values.arrays, keys.quantize(mx.concatenate([k, v], axis=-1)), strict=True
+    ):
+        half = part.shape[-1] // 2
+        key_array[index] = part[..., :half]
+        value_array[index] = part[..., half:]
 
 
 def is_quantized(pool: object) -> bool:

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 
 from mlxpaged.cache.kv_cache import PagedKVCache, Pool
 from mlxpaged.cache.kv_transform import KVTransform
-from mlxpaged.cache.quantized_pages import QuantizedPages, as_arguments, from_arguments, pool_arrays
+from mlxpaged.cache.quantized_pages import QuantizedPages, as_arguments, from_arguments, pool_arrays, store_pair
 from mlxpaged.kernels.attention import decode_attention, resolved_backend, sdpa
 from mlxpaged.kernels.reference import gather_pages
 
@@ -62,14 +62,6 @@ class _PassState:
         self.rows = tables[:, None, :] * heads + head_ids[None, :, None]  # [B, KVH, nb] page rows
         self.mask = (mx.arange(width * size)[None, None, :] <= new[..., None]).reshape(batch, 1, length, -1)
         self.keys, self.values = keys, values
-
-
-def _put(pool: Pool, index: tuple, rows: mx.array) -> Pool:
-    if isinstance(pool, QuantizedPages):
-        pool.store(index, rows)  # quantized as written
-    else:
-        pool[index] = rows
-    return pool
 
 
 class DecodeView:
@@ -112,8 +104,7 @@ class DecodeView:
         s, j, t = self._state, self._layer, self._transform
         stored_k = keys if t is None else t.keys_in(j, keys)
         stored_v = values if t is None else t.values_in(j, values)
-        s.keys[j] = _put(s.keys[j], s.slot, stored_k.swapaxes(1, 2))
-        s.values[j] = _put(s.values[j], s.slot, stored_v.swapaxes(1, 2))
+        store_pair(s.keys[j], s.values[j], s.slot, stored_k.swapaxes(1, 2), stored_v.swapaxes(1, 2))  # in place
         self._returned = keys, values
         return keys, values
 

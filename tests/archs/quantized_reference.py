@@ -4,7 +4,7 @@ quantized pages (`kv_bits`) are checked against.
 mlx-lm's own QuantizedKVCache only replaces KVCache (a sliding window's RotatingKVCache cannot be quantized
 there) and mlx-lm's generate attends the prompt's prefill pass in full precision before it quantizes. So the
 twin runs mlx-lm's own caches (`make_prompt_cache`), each of whose `update_and_fetch` receives its new K/V
-already quantized and dequantized (`mx.quantize` / `mx.dequantize` at the engine's bits and group size): every
+already quantized and dequantized (as the pages quantize, at the engine's bits and group size): every
 attention, the prompt's prefill pass included, then reads exactly the values the engine's pages hold. The
 prompt goes in one pass (`one_at_a_time=False`, as the engine prefills it) or token by token; for
 full-attention models the latter equals QuantizedKVCache fed token by token (tests/engine/test_engine_quantized.py
@@ -17,6 +17,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import mlxpaged  # noqa: F401  (OpenBLAS before mlx)
+from mlxpaged.cache import group_fit
+from mlxpaged.cache.kv_quant import KVQuantization
 from mlxpaged.cache.kv_transform import KVTransform
 
 import mlx.core as mx
@@ -28,8 +30,10 @@ _KV_CLASSES = (mlx_cache.KVCache, mlx_cache.RotatingKVCache, mlx_cache.ChunkedKV
 
 
 def round_trip(x: mx.array, bits: int, group_size: int) -> mx.array:
-    """`x` as a quantized page holds it: quantized over its last axis, then dequantized."""
-    return mx.dequantize(*mx.quantize(x, group_size=group_size, bits=bits), group_size=group_size, bits=bits)
+    """`x` as a quantized page holds it: quantized over its last axis as the pages quantize it (`mx.quantize`'s
+    groups, or least-squares fitted 4-bit groups: cache/group_fit.py, checked against its NumPy twin in
+    tests/cache/test_group_fit.py), then dequantized."""
+    return group_fit.round_trip(x, KVQuantization(bits, group_size))
 
 
 @contextmanager

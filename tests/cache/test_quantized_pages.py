@@ -4,9 +4,10 @@ bytes per block, and the settings' checks."""
 from __future__ import annotations
 
 import mlxpaged  # noqa: F401  (OpenBLAS before mlx)
+from mlxpaged.cache import group_fit
 from mlxpaged.cache.kv_cache import PagedKVCache
 from mlxpaged.cache.kv_quant import KVQuantization
-from mlxpaged.cache.quantized_pages import QuantizedPages
+from mlxpaged.cache.quantized_pages import QuantizedPages, store, store_pair
 from mlxpaged.cache.specs import KVGeometry
 from mlxpaged.config import CacheConfig
 from mlxpaged.errors import ConfigError
@@ -29,7 +30,8 @@ def rand(*shape, seed=0, dtype=mx.float32) -> mx.array:
 
 
 def round_trip(x: mx.array, bits: int, group: int = 64) -> mx.array:
-    return mx.dequantize(*mx.quantize(x, group_size=group, bits=bits), group_size=group, bits=bits)
+    """As the pages quantize (group_fit.py, checked against its float64 twin in test_group_fit.py)."""
+    return group_fit.round_trip(x, KVQuantization(bits, group))
 
 
 @pytest.mark.parametrize("bits,group", [(8, 64), (4, 64), (4, 32)])
@@ -128,3 +130,17 @@ def test_widths_that_do_not_split_into_groups_are_refused_with_the_numbers():
         CacheConfig(kv_bits=8, kv_group_size=16)
     assert CacheConfig(kv_bits=4, kv_group_size=32).quantization == KVQuantization(4, 32)
     assert CacheConfig().quantization is None
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_k_and_v_quantized_in_one_call_equal_each_stored_alone(bits):
+    """store_pair quantizes a layer's K and V side by side in one call: the same arrays as two stores."""
+    paired, apart = cache(bits), cache(bits)
+    index = (mx.array([[3], [7]]), mx.arange(H)[None, :], mx.array([[1], [5]]))
+    k, v = rand(2, H, D, seed=11), rand(2, H, D, seed=12) * 4
+    store_pair(paired.key_pool(0), paired.value_pool(0), index, k, v)
+    store(apart.key_pool(0), index, k)
+    store(apart.value_pool(0), index, v)
+    for x, y in zip(paired.pools, apart.pools, strict=True):
+        np.testing.assert_array_equal(np.array(x), np.array(y))
+    assert not np.array_equal(np.array(paired.key_pool(0).data), np.array(paired.value_pool(0).data))
