@@ -7,6 +7,8 @@ import dataclasses
 
 import mlxpaged  # noqa: F401
 from mlxpaged.cache.quantized_pages import QuantizedPages
+from mlxpaged.config import CacheConfig
+from mlxpaged.engine.engine import Engine
 from mlxpaged.errors import ConfigError
 from mlxpaged.kernels import cpu_attention, quantized_attention
 from mlxpaged.platform import backend
@@ -149,3 +151,20 @@ def test_gpu_paths_keep_no_full_precision_tail_and_equal_the_twin(model, tokeniz
         assert engine.built.attention.status()["path"] in ("fused", "reference")
         got = [c.token_ids for c in engine.generate(PROMPTS, GREEDY)]
     assert got == [quantized_greedy(model, p, GREEDY.max_tokens, 8)[0] for p in PROMPTS]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_embedded_model_on_quantized_pages_still_answers_a_plain_question(default_loaded, bits):
+    """Seen by hand in session 9: with min-max 4-bit groups the embedded model answered "What is the capital of
+    France?" with "La femme de France, ..." (full precision and 8-bit: "The capital of France is Paris."); with
+    least-squares groups (cache/group_fit.py) it answers as at full precision."""
+    tokenizer = default_loaded.tokenizer
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=True
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    with Engine(default_loaded, CacheConfig(cache_tokens=1024, kv_bits=bits)) as engine:
+        assert engine.kv.quantization is not None and engine.kv.quantization.bits == bits
+        reply = tokenizer.decode(engine.generate([prompt], params)[0].token_ids)
+    assert "Paris" in reply, reply
