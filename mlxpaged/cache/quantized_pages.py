@@ -111,14 +111,13 @@ def store_pair(keys: Pool, values: Pool, index: tuple, k: mx.array, v: mx.array)
     width quantize their rows in one call, side by side (a group never crosses the seam: the width is whole
     groups), then split: the same numbers in half the ops, which a decode step on the CPU pays per op (fitted
     4-bit groups are some 30 small ops a call: group_fit.py)."""
-    paired = (
+    if not (
         isinstance(keys, QuantizedPages)
         and isinstance(values, QuantizedPages)
         and keys.quantization == values.quantization
         and k.shape == v.shape
         and k.dtype == v.dtype
-    )
-    if not paired:
+    ):
         store(keys, index, k)
         store(values, index, v)
         return
