@@ -28,6 +28,7 @@ from mlxpaged.engine.metrics import StatsCounter
 from mlxpaged.engine.state_tiering import StateTiering
 from mlxpaged.errors import ConfigError
 from mlxpaged.kernels.attention import PreparedAttention, prepare_model_attention
+from mlxpaged.loading.fused_projections import fuse_projections
 from mlxpaged.loading.loader import LoadedModel, activation_dtype, check_paged_support
 from mlxpaged.loading.probe import probe_layout
 from mlxpaged.platform import backend
@@ -68,6 +69,8 @@ def build_core(
     layout) before any request is taken. `has_commands`: whether callers queued anything (the core pipelines
     only when nothing did). `ranks`: the processes this (sharded) model runs over, every one building the same
     core; rank 0's runner sends its passes to the others (distributed/)."""
+    if backend.tuning().fused_projections:
+        fuse_projections(loaded.model)  # before the probe and every pass: the layout is the same either way
     layout = probe_layout(loaded.model)
     check_paged_support(layout)
     if ranks is not None:

@@ -118,6 +118,16 @@ class Tuning:
     # Metal: the CPU's value until it is measured on a Mac (a bigger step also reserves 4x the activation memory,
     # which a 16 GB Mac feels).
     max_batch_tokens: int
+    # q/k/v and gate/up projections as one matmul each (loading/fused_projections.py): a GPU step is bounded by
+    # launching kernels (H200, SmolLM2-1.7B's shape: mlx-lm's batch-16 step is 10.2 ms, all of it building and
+    # encoding the graph). CPU: no; its step is the matmuls' work, and its benches share the engine's model with
+    # the mlx-lm side, which must stay mlx-lm's own.
+    fused_projections: bool
+    # A batch-1 prefill chunk of at most this many tokens attends its pages gathered to a bucketed length under a
+    # mask (kernels/bucketed_prefill.py), so cuDNN's per-shape plans are reused. CUDA: 256, a hypothesis from an
+    # H200's cached follow-up (8 new tokens after an 8k prefix: 21 ms, 13 of them launching and computing a pass
+    # whose work is ~1-2 ms). Metal (its kernel) and the CPU (NumPy): 0, never.
+    bucketed_chunk_keys: int
 
 
 _GPU = Tuning(
@@ -127,6 +137,8 @@ _GPU = Tuning(
     numpy_attention=False,
     float32_weights=False,
     max_batch_tokens=2048,
+    fused_projections=True,
+    bucketed_chunk_keys=0,
 )
 TUNINGS = {
     "cpu": Tuning(
@@ -136,9 +148,11 @@ TUNINGS = {
         numpy_attention=True,
         float32_weights=True,
         max_batch_tokens=2048,
+        fused_projections=False,
+        bucketed_chunk_keys=0,
     ),
     "metal": _GPU,
-    "cuda": dataclasses.replace(_GPU, max_batch_tokens=8192),
+    "cuda": dataclasses.replace(_GPU, max_batch_tokens=8192, bucketed_chunk_keys=256),
 }
 
 
