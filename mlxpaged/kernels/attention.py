@@ -47,7 +47,6 @@ from dataclasses import dataclass
 from mlxpaged.cache.kv_quant import KVQuantization
 from mlxpaged.cache.quantized_pages import Pool, QuantizedPages, is_quantized
 from mlxpaged.kernels import paged_attention as pa
-from mlxpaged.kernels.bucketed_prefill import bucketed_prefill_attention
 from mlxpaged.kernels.cpu_attention import attend, decode_attention_cpu, paged_attention_cpu
 from mlxpaged.kernels.numpy_attention import (
     attend_numpy,
@@ -272,16 +271,8 @@ def eager_sdpa(
 
 def reads_pages_in_place(q: mx.array, k_pool: Pool, v_pool: Pool, context: int) -> bool:
     """True when a batch-1 prefill chunk over ``context`` positions is faster through
-    ``paged_prefill_attention`` (pages read in place) than through ``eager_sdpa`` over gathered K/V; on a GPU,
-    when its key length is rounded up to a bucket (`buckets_chunk_keys`)."""
-    return buckets_chunk_keys(q) or (_numpy_allowed() and _float32(k_pool, v_pool) and pages_in_place_apply(q, context))
-
-
-def buckets_chunk_keys(q: mx.array) -> bool:
-    """True when a batch-1 chunk's attention gathers its pages rounded up to a bucket (bucketed_prefill.py): a
-    short chunk on a backend whose fused attention plans per shape (`Tuning.bucketed_chunk_keys`)."""
-    limit = compute_backend.tuning().bucketed_chunk_keys
-    return resolved_backend() != "cpu" and q.shape[0] == 1 and 1 <= q.shape[2] <= limit
+    ``paged_prefill_attention`` (pages read in place) than through ``eager_sdpa`` over gathered K/V."""
+    return _numpy_allowed() and _float32(k_pool, v_pool) and pages_in_place_apply(q, context)
 
 
 def _numpy_allowed(backend: str | None = None) -> bool:
@@ -310,8 +301,6 @@ def paged_prefill_attention(
     varlen kernel would go).
     """
     numpy_case = window is None and q.shape[0] == 1 and q.shape[2] == chunk_len >= 1 and prefix_len >= 0
-    if numpy_case and buckets_chunk_keys(q):
-        return bucketed_prefill_attention(q, k_pool, v_pool, block_table, prefix_len, chunk_len, scale, sinks)
     if isinstance(k_pool, QuantizedPages) or isinstance(v_pool, QuantizedPages):
         pass  # quantized pages: the reference gathers them dequantized
     elif numpy_case and _numpy_allowed() and _float32(k_pool, v_pool):

@@ -119,15 +119,12 @@ class Tuning:
     # which a 16 GB Mac feels).
     max_batch_tokens: int
     # q/k/v and gate/up projections as one matmul each (loading/fused_projections.py): a GPU step is bounded by
-    # launching kernels (H200, SmolLM2-1.7B's shape: mlx-lm's batch-16 step is 10.2 ms, all of it building and
-    # encoding the graph). CPU: no; its step is the matmuls' work, and its benches share the engine's model with
-    # the mlx-lm side, which must stay mlx-lm's own.
+    # launching kernels. H200, SmolLM2-1.7B's shape, bf16 (docs/design/scripts/issue21_step_cost.py): mlx-lm's own
+    # decode step at batch 1 / 16 / 64 took 6.06 / 11.30 / 10.90 ms, fused 5.53 / 9.33 / 6.69; the engine's 64
+    # requests 2131 -> 2640 tok/s (16: 1720 -> 1683, within noise). Metal: the same choice, unmeasured (fewer
+    # dispatches). CPU: no; its step is the matmuls' work, and its benches share the engine's model with the mlx-lm
+    # side, which must stay mlx-lm's own.
     fused_projections: bool
-    # A batch-1 prefill chunk of at most this many tokens attends its pages gathered to a bucketed length under a
-    # mask (kernels/bucketed_prefill.py), so cuDNN's per-shape plans are reused. CUDA: 256, a hypothesis from an
-    # H200's cached follow-up (8 new tokens after an 8k prefix: 21 ms, 13 of them launching and computing a pass
-    # whose work is ~1-2 ms). Metal (its kernel) and the CPU (NumPy): 0, never.
-    bucketed_chunk_keys: int
 
 
 _GPU = Tuning(
@@ -138,7 +135,6 @@ _GPU = Tuning(
     float32_weights=False,
     max_batch_tokens=2048,
     fused_projections=True,
-    bucketed_chunk_keys=0,
 )
 TUNINGS = {
     "cpu": Tuning(
@@ -149,10 +145,9 @@ TUNINGS = {
         float32_weights=True,
         max_batch_tokens=2048,
         fused_projections=False,
-        bucketed_chunk_keys=0,
     ),
     "metal": _GPU,
-    "cuda": dataclasses.replace(_GPU, max_batch_tokens=8192, bucketed_chunk_keys=256),
+    "cuda": dataclasses.replace(_GPU, max_batch_tokens=8192),
 }
 
 

@@ -8,10 +8,12 @@ the current one is read, and the host's time to build and `mx.async_eval` a step
   fixed-capacity K/V buffers (written with a dynamic `slice_update`, attended under a mask over the capacity),
   the shape of a compiled engine pass.
 - `engine`: `bench gpu`'s batch rows (16 and 64 requests of 256-512 random tokens, 128 new each, aggregate
-  tok/s) through the engine with each `Tuning` variant in VARIANTS.
+  tok/s) and an 8k prompt's cold and cached (+ 8 tokens) time to first token, through the engine with each
+  `Tuning` variant in VARIANTS.
 - `sdpa_shapes`: one layer's attention of an 8-token chunk over an ~8k cached prefix (the cached follow-up of
   `bench gpu --parts ttft`), mask "causal": every call a new key length (as follow-ups are), the same length
-  repeated, and new lengths through plain matmuls and softmax.
+  repeated, new lengths through plain matmuls and softmax, and new lengths padded to one bucketed length under a
+  mask.
 
     python docs/design/scripts/issue21_step_cost.py MODEL_DIR [plain] [compiled] [engine] [sdpa_shapes]
 """
@@ -34,13 +36,12 @@ from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
 CONTEXT, CAPACITY = 400, 640
-# The engine's Tuning variants the `engine` part runs (session 13's first GPU run: the compiled paged pass at
-# every batch size, launched after the read, gave 868 / 1110 tok/s at 16 / 64 requests against 1155 / 2716 as is).
-VARIANTS: dict[str, dict] = {
-    "apart, exact keys (before)": {"fused_projections": False, "bucketed_chunk_keys": 0},
-    "fused, exact keys": {"bucketed_chunk_keys": 0},
-    "fused, bucketed keys (as is)": {},
-}
+# The engine's Tuning variants the `engine` part runs. Session 13's GPU runs (H200) tried two more, both dropped:
+# the compiled paged pass at every batch size, launched after the read (868 / 1110 tok/s at 16 / 64 requests
+# against 1155 / 2716 as it was), and short prefill chunks attending pages gathered to a bucketed key length under a
+# mask (cuDNN plans reused; 8k cached + 8 tokens 30.5 ms against 24.4 ms at exact lengths, 16 requests 1235 against
+# 1683 tok/s: a plan per chunk length and bucket, and a masked plan is slower).
+VARIANTS: dict[str, dict] = {"projections apart": {"fused_projections": False}, "as is": {}}
 
 
 class StaticCache:
@@ -188,7 +189,7 @@ def sdpa_shapes(model) -> None:
     def fast(q, k, v):
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal")
 
-    def bucketed(q, k, v):  # the keys padded to 8704 (a bucket), the padding masked (kernels/bucketed_prefill.py)
+    def bucketed(q, k, v):  # the keys padded to 8704 (a bucket), the padding masked (tried in the engine, dropped)
         n = k.shape[2]
         padded = mx.concatenate([k, mx.zeros((1, kv_heads, 8704 - n, dim), k.dtype)], axis=2)
         keep = mx.arange(8704)[None, :] <= (mx.arange(8) + n - 8)[:, None]
