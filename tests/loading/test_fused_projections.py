@@ -90,14 +90,16 @@ def test_groups_that_cannot_be_one_matmul_are_left_alone():
     class Adapted(nn.Linear):  # a subclass (a LoRA or sharded linear): its call is its own
         pass
 
-    model = tiny_llama(num_layers=2)
-    first, second = model.layers[0], model.layers[1]
+    model = tiny_llama(num_layers=3)
+    first, second, third = model.layers
     first.self_attn.k_proj = Adapted(*reversed(first.self_attn.k_proj.weight.shape), bias=False)
-    second.mlp.up_proj = nn.Linear(second.mlp.up_proj.weight.shape[1], second.mlp.up_proj.weight.shape[0], bias=True)
-    nn.quantize(model, group_size=32, bits=4, class_predicate=lambda path, m: path == "layers.1.mlp.gate_proj")
-    assert fuse_projections(model) == 2  # layer 0's gate/up, layer 1's q/k/v
-    assert isinstance(first.mlp.gate_proj, ProjectionSlice) and isinstance(second.self_attn.q_proj, ProjectionSlice)
-    assert type(first.self_attn.q_proj) is nn.Linear and type(second.mlp.up_proj) is nn.Linear
+    nn.quantize(model, group_size=32, bits=4, class_predicate=lambda path, m: path == "model.layers.1.mlp.gate_proj")
+    assert isinstance(second.mlp.gate_proj, nn.QuantizedLinear)  # beside a plain up_proj
+    third.mlp.up_proj = nn.Linear(*reversed(third.mlp.up_proj.weight.shape), bias=True)  # gate_proj has none
+    assert fuse_projections(model) == 3  # layer 0's gate/up, layer 1's and 2's q/k/v
+    assert isinstance(first.mlp.gate_proj, ProjectionSlice) and type(first.self_attn.q_proj) is nn.Linear
+    assert isinstance(second.self_attn.q_proj, ProjectionSlice) and type(second.mlp.up_proj) is nn.Linear
+    assert isinstance(third.self_attn.v_proj, ProjectionSlice) and type(third.mlp.gate_proj) is nn.Linear
 
 
 def test_only_a_gpu_path_engine_fuses_and_it_decodes_as_the_unfused_engine():
