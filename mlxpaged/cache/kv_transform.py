@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
@@ -56,16 +56,41 @@ def rope_pairs_equal(scale: np.ndarray, traditional: bool) -> bool:
 @dataclass(frozen=True)
 class LayerTransform:
     """One layer's coordinates: `key_scale` [kv_heads, D] (float32), the rotation H [D, D], and the centers
-    `key_center`, `value_center` [kv_heads, D] subtracted in the rotated coordinates."""
+    `key_center`, `value_center` [kv_heads, D] subtracted in the rotated coordinates.
+
+    A decode pass maps each layer's queries in and its attention output back: the query's per-head scale and
+    the rotation are folded into one matrix per query head, and the value center into the output's shift, built
+    once here, so each is one matmul per call instead of a repeat, a scale and a matmul (on the CPU a batch-1
+    decode step pays per op). The K/V writes and reads keep the scale and the 2-D rotation apart: pages written
+    by any path (decode, prefill, mlx-lm's twin in the tests) must round to the same levels, and a per-head
+    batched matmul sums in another order than one matmul over every row."""
 
     key_scale: mx.array
     rotation: mx.array
     key_center: mx.array
     value_center: mx.array
+    _by_group: dict = field(init=False, repr=False, compare=False)  # query heads per KV head -> the two below
+
+    def __post_init__(self):
+        object.__setattr__(self, "_by_group", {})
 
     @property
     def kv_heads(self) -> int:
         return self.key_scale.shape[0]
+
+    def per_query_head(self, group: int) -> tuple[mx.array, mx.array]:
+        """For `group` query heads per KV head (query head i reads KV head i // group): the queries' matrices
+        diag(1/s) H [heads, D, D] and the output's shift c_v H [heads, 1, D]. Built once per group size, in NumPy
+        (float64, then float32): it is first asked inside a compiled pass's trace, where MLX ops would be traced
+        into every call."""
+        if group not in self._by_group:
+            s, h, c_v = (np.asarray(a, dtype=np.float64) for a in (self.key_scale, self.rotation, self.value_center))
+            query_in = (1.0 / s)[:, :, None] * h[None]
+            shift = (c_v @ h)[:, None, :]
+            self._by_group[group] = tuple(
+                mx.array(np.repeat(a, group, axis=0).astype(np.float32)) for a in (query_in, shift)
+            )
+        return self._by_group[group]
 
 
 class KVTransform:
@@ -137,19 +162,18 @@ class KVTransform:
         t = self.layers[layer]
         if t is None:
             return q
-        group = q.shape[1] // t.kv_heads
-        inverse = mx.repeat(1.0 / t.key_scale, group, axis=0)[:, None, :]  # query head i reads KV head i // group
-        return _rotate(q.astype(mx.float32) * inverse, t.rotation).astype(q.dtype)
+        matrix, _ = t.per_query_head(q.shape[1] // t.kv_heads)
+        return (q.astype(mx.float32) @ matrix).astype(q.dtype)  # (q / s) H
 
     def output_out(self, layer: int, out: mx.array) -> mx.array:
         """Attention output over stored values `[B, heads, L, D]` back to the model's coordinates: the value
-        center comes back whole because the weights of a softmax sum to one (no sinks: see kv_calibration)."""
+        center comes back whole because the weights of a softmax sum to one (no sinks: see kv_calibration);
+        `(o + c_v) H = o H + c_v H`."""
         t = self.layers[layer]
         if t is None:
             return out
-        group = out.shape[1] // t.kv_heads
-        center = mx.repeat(t.value_center, group, axis=0)[:, None, :]
-        return _rotate(out.astype(mx.float32) + center, t.rotation).astype(out.dtype)
+        _, center = t.per_query_head(out.shape[1] // t.kv_heads)
+        return (_rotate(out.astype(mx.float32), t.rotation) + center).astype(out.dtype)
 
 
 def _per_head(x: mx.array, head_axis: int) -> mx.array:
