@@ -69,10 +69,8 @@ class LayerTransform:
     rotation: mx.array
     key_center: mx.array
     value_center: mx.array
-    _by_group: dict = field(init=False, repr=False, compare=False)  # query heads per KV head -> the two below
-
-    def __post_init__(self):
-        object.__setattr__(self, "_by_group", {})
+    # query heads per KV head -> `per_query_head`'s two arrays
+    _by_group: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def kv_heads(self) -> int:
