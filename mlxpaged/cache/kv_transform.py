@@ -15,8 +15,10 @@ queries, `s_c = sqrt(rms(q_c) / rms(k_c))` over a short calibration prefill (run
 products' error spreads over channels instead of riding on a few; H, a Sylvester-Hadamard matrix over the head
 width, then spreads what is left of the outliers over the whole row. The centers `c` are the calibration's mean
 K and V in those coordinates: SmolLM2's keys carry a common component of 70-85% of their RMS, which one affine
-scale per row cannot take out. Measured: docs/design/issue24-quantized-pages.md. Layers whose attention has sinks
-(a softmax column with no value) get zero centers: there neither shift is exact.
+scale per row cannot take out; each is then moved by about half a 4-bit level at most, so that a typical
+position-0 row (the attention sink) is stored exactly (runner/kv_calibration.py, `sink_shift`). Measured:
+docs/design/issue24-quantized-pages.md. Layers whose attention has sinks (a softmax column with no value) get zero
+centers: there neither shift is exact.
 
 The pages hold K/V in these coordinates. Every read that hands K/V to the model (`PagedKVCache.gather_blocks`,
 `as_stored`) maps them back; attention that reads the pools in place (kernels) takes `queries_in` and maps its

@@ -4,6 +4,8 @@ ships with the tests, and two read from this machine when present (Esther, KJV, 
 `bible -f "Esther 1:1-10:3"`, verse numbers removed; the GPL-3 text in /usr/share/common-licenses), 4,096 tokens
 each. mlx-lm's own model, with caches that round-trip K/V through the engine's calibrated coordinates
 (runner/kv_calibration.py) and the given groups, read back rounded within each 2048-token chunk as the pages are.
+Three settings: min-max groups and fitted groups in the engine's coordinates, and fitted groups with the centers
+the plain means of the calibration's K/V (`quantization=None`: position 0 not put on the grid).
 
     python docs/design/scripts/issue24_fit_quality.py
 """
@@ -81,15 +83,22 @@ def texts() -> dict[str, str]:
 def main() -> None:
     loaded = load_model(None)
     model, tokenizer = loaded.model, loaded.tokenizer
-    transform = calibrate_kv_transform(model, probe_layout(model), tokenizer, mx.float32, 16)
+    layout = probe_layout(model)
+    transform = calibrate_kv_transform(model, layout, tokenizer, mx.float32, 16)
+    mean_centers = calibrate_kv_transform(model, layout, tokenizer, mx.float32, 16, quantization=None)
     layers = len(model.layers)
-    lines = {"min-max": [], "fitted": []}
+    settings = (
+        ("min-max", transform, min_max),
+        ("fitted, mean centers", mean_centers, fitted),
+        ("fitted", transform, fitted),
+    )
+    lines: dict[str, list[str]] = {label: [] for label, _, _ in settings}
     for name, text in texts().items():
         tokens = tokenizer.encode(text)[:LIMIT]
         full = list(log_probs(model, tokens, [KVCache() for _ in range(layers)]))
         full_nll = np.concatenate([-rows[np.arange(len(nxt)), nxt] for rows, nxt in full])
-        for label, rounding in (("min-max", min_max), ("fitted", fitted)):
-            caches = [RoundedCache(i, transform, rounding) for i in range(layers)]
+        for label, coordinates, rounding in settings:
+            caches = [RoundedCache(i, coordinates, rounding) for i in range(layers)]
             nll, kl = [], []
             for (rows, nxt), (full_rows, _) in zip(log_probs(model, tokens, caches), full, strict=True):
                 nll.append(-rows[np.arange(len(nxt)), nxt])
@@ -100,7 +109,7 @@ def main() -> None:
             )
             print(f"{label}: {lines[label][-1]}", flush=True)
     for label, parts in lines.items():
-        print(f"{label:8s} " + " | ".join(parts))
+        print(f"{label:20s} " + " | ".join(parts))
 
 
 if __name__ == "__main__":
