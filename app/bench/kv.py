@@ -4,7 +4,9 @@
   scales and biases), and the ratio to full precision in the model's KV dtype here, and to float16 pages (a
   Mac's dtype, the issue's baseline);
 - perplexity on a held-out English text (tests/data/ruth_kjv.txt: the Book of Ruth, KJV, public domain),
-  prefilled through paged passes whose pages are quantized as they are written (runner/prompt_scoring.py);
+  prefilled through paged passes whose pages are quantized as they are written (runner/prompt_scoring.py),
+  and the mean KL of each quantized setting's next-token distributions from full precision's over the same
+  passes: one text's perplexity ratio moves by a few tenths of a point with float rounding alone, the KL less;
 - greedy agreement on a fixed prompt set: tokens equal to full precision's, and replies equal in full;
 - batch-1 decode tok/s per kv_bits, every engine warmed up, runs alternating so each ratio is measured in
   the same stretch of the machine's load (`--parts decode`: this part alone).
@@ -74,23 +76,28 @@ def _as_float16(facts):
 
 
 def perplexities(engine, text: str, group_size: int, transforms: dict | None = None) -> dict:
-    """Perplexity per kv_bits; `transforms[bits]`: the K/V coordinates that kv_bits' engine stores its pages in
-    (its `kv.transform`: 4-bit pages are calibrated at load, runner/kv_calibration.py)."""
-    from mlxpaged.runner.prompt_scoring import perplexity, token_logprobs
+    """Perplexity per kv_bits, and the mean KL of each quantized setting's next-token distributions from full
+    precision's; `transforms[bits]`: the K/V coordinates that kv_bits' engine stores its pages in (its
+    `kv.transform`: 4-bit pages are calibrated at load, runner/kv_calibration.py)."""
+    from mlxpaged.runner.prompt_scoring import PageSetting, compare_scores, perplexity
 
     tokens = engine.tokenizer.encode(text)
-    out = {}
-    for bits in BITS:
-        quantization = CacheConfig(kv_bits=bits, kv_group_size=group_size).quantization
-        transform = (transforms or {}).get(bits)
-        logprobs = token_logprobs(
-            engine.model, engine.layout, tokens, engine.kv.dtype, quantization, transform=transform
-        )
-        out[bits] = perplexity(logprobs)
+    settings = [
+        PageSetting(CacheConfig(kv_bits=bits, kv_group_size=group_size).quantization, (transforms or {}).get(bits))
+        for bits in BITS
+    ]
+    scores = dict(
+        zip(BITS, compare_scores(engine.model, engine.layout, tokens, engine.kv.dtype, settings), strict=True)
+    )
+    out = {bits: perplexity(s.logprobs) for bits, s in scores.items()}
     base = out[None]
     print(
         f"  {len(tokens):,} tokens: "
         + ", ".join(f"{name(b)} {p:.4f} ({(p / base - 1) * 100:+.2f}%)" for b, p in out.items())
+    )
+    print(
+        "  mean KL(full || quantized) per token, nats: "
+        + ", ".join(f"{name(b)} {scores[b].kl.mean():.5f}" for b in BITS[1:])
     )
     return out
 

@@ -41,6 +41,8 @@ def test_bench_prints_capacity_perplexity_agreement_and_speed(capsys, monkeypatc
     assert ratios[0] == 1.0 and ratios[1] >= 1.88 and ratios[2] >= 3.5  # full, 8-bit, 4-bit
     ppl = {m[0]: float(m[1]) for m in re.findall(r"(full|8-bit|4-bit) (\d+\.\d+) \(", out)}
     assert set(ppl) == {"full", "8-bit", "4-bit"} and all(p > 1 for p in ppl.values())
+    kl = re.search(r"mean KL\(full \|\| quantized\) per token, nats: 8-bit (\d+\.\d+), 4-bit (\d+\.\d+)", out)
+    assert kl is not None and 0 < float(kl[1]) < float(kl[2])  # 4-bit pages are further from full precision
     assert re.search(r"8-bit: \d/2 replies identical, \d+/12 tokens before the first divergence", out)
     assert "median paired ratio" in out
 

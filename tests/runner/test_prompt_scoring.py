@@ -1,5 +1,6 @@
 """Per-token log-probabilities through paged prefill passes (runner/prompt_scoring.py) against mlx-lm's own
-forward: full precision over one contiguous pass, quantized pages against the quantized twin fed token by token."""
+forward: full precision over one contiguous pass, quantized pages against the quantized twin fed token by token;
+the KL between settings against the same two, in float64."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import mlxpaged  # noqa: F401
 from mlxpaged.cache.kv_quant import KVQuantization
 from mlxpaged.loading.probe import probe_layout
 from mlxpaged.runner.kv_calibration import calibrate_kv_transform
-from mlxpaged.runner.prompt_scoring import perplexity, token_logprobs
+from mlxpaged.runner.prompt_scoring import PageSetting, compare_scores, perplexity, token_logprobs
 from tests.archs.quantized_reference import LAYER_ATTR, quantized_kv_caches
 from tests.engine.test_engine import tokenizer  # noqa: F401
 from tests.tiny_models import random_tokens, tiny_llama
@@ -20,15 +21,23 @@ from mlx_lm.models.cache import make_prompt_cache
 TOKENS = random_tokens(45, seed=11)
 
 
-def mlx_lm_logprobs(model, tokens: list[int], one_at_a_time: bool) -> np.ndarray:
-    """log p(t[i + 1] | t[: i + 1]) from mlx-lm's model and caches, the whole text at once or token by token."""
+def mlx_lm_rows(model, tokens: list[int], one_at_a_time: bool) -> np.ndarray:
+    """Every position's log-softmax [len(tokens) - 1, vocab] (float64) from mlx-lm's model and caches, the whole
+    text at once or token by token."""
     cache = make_prompt_cache(model)
     if one_at_a_time:
         logits = mx.concatenate([model(mx.array([[t]]), cache=cache)[0] for t in tokens[:-1]])
     else:
         logits = model(mx.array([tokens[:-1]]), cache=cache)[0]
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    return np.array(mx.take_along_axis(logprobs, mx.array(tokens[1:])[:, None], axis=1)[:, 0], dtype=np.float64)
+    rows = np.array(logits.astype(mx.float32), dtype=np.float64)
+    top = rows.max(axis=1, keepdims=True)
+    return rows - top - np.log(np.exp(rows - top).sum(axis=1, keepdims=True))
+
+
+def mlx_lm_logprobs(model, tokens: list[int], one_at_a_time: bool) -> np.ndarray:
+    """log p(t[i + 1] | t[: i + 1]) from mlx-lm's model and caches, the whole text at once or token by token."""
+    rows = mlx_lm_rows(model, tokens, one_at_a_time)
+    return rows[np.arange(len(tokens) - 1), tokens[1:]]
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +60,24 @@ def test_quantized_scores_equal_the_quantized_twin(model, bits):
     np.testing.assert_allclose(got, want, atol=2e-3)
     full = mlx_lm_logprobs(model, TOKENS, one_at_a_time=False)
     assert np.abs(got - full).max() > 1e-4  # the quantization is really there
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_kl_from_full_precision_equals_float64_over_mlx_lm_and_the_twin(model, bits):
+    layout = probe_layout(model)
+    full, quantized = compare_scores(
+        model, layout, TOKENS, mx.float32, [PageSetting(), PageSetting(KVQuantization(bits))], block_size=8, chunk=16
+    )
+    reference = mlx_lm_rows(model, TOKENS, one_at_a_time=False)
+    with quantized_kv_caches(bits, 64):
+        twin = mlx_lm_rows(model, TOKENS, one_at_a_time=True)
+    want = (np.exp(reference) * (reference - twin)).sum(axis=1)
+    assert not full.kl.any()  # the reference against itself
+    np.testing.assert_allclose(quantized.kl, want, atol=5e-5, rtol=0)  # KL(twin || full) misses by 4e-4 at 8 bits
+    assert want.mean() > 1e-4  # there is a distance to measure
+    np.testing.assert_allclose(full.logprobs, token_logprobs(model, layout, TOKENS, mx.float32, None, 8, 16), atol=1e-6)
+    quantized_alone = token_logprobs(model, layout, TOKENS, mx.float32, KVQuantization(bits), 8, 16)
+    np.testing.assert_allclose(quantized.logprobs, quantized_alone, atol=1e-6)  # side by side changes nothing
 
 
 def test_models_it_cannot_score_are_refused():
