@@ -84,18 +84,18 @@ def test_on_the_real_model_first_tokens_the_probe_never_saw_are_stored_near_exac
     first = [tokenizer.encode("Naomi")[0], chat_prompt(tokenizer, [{"role": "user", "content": "hi"}])[0]]
     assert not {tokenizer.encode(word)[0] for word in kv_calibration.SINK_PROBE_WORDS} & set(first)
     rows = first_position_rows(model, layout, first, mx.float32, 16)
-    shifted = 0
+    moved_layers = {"keys": 0, "values": 0}
     for layer, (new, old) in enumerate(zip(moved.layers, plain.layers, strict=True)):
         assert new is not None and old is not None
         assert np.array_equal(np.array(new.key_scale), np.array(old.key_scale))
-        if np.array_equal(np.array(new.key_center), np.array(old.key_center)):
-            continue
-        shifted += 1
         k0, v0 = (mx.array(a.astype(np.float32))[:, :, None] for a in rows[layer])  # [N, kv_heads, 1, D]
-        for name, stored in (
-            ("keys", [np.array(t.keys_in(layer, k0), np.float64) for t in (moved, plain)]),
-            ("values", [np.array(t.values_in(layer, v0), np.float64) for t in (moved, plain)]),
+        for name, centers, stored in (
+            ("keys", (new.key_center, old.key_center), [t.keys_in(layer, k0) for t in (moved, plain)]),
+            ("values", (new.value_center, old.value_center), [t.values_in(layer, v0) for t in (moved, plain)]),
         ):
-            new_error, plain_error = (np.sqrt(np.mean((rounded(x) - x) ** 2)) for x in stored)
+            if np.array_equal(np.array(centers[0]), np.array(centers[1])):
+                continue  # this layer's rows spread too much: its centers stay the means
+            moved_layers[name] += 1
+            new_error, plain_error = (np.sqrt(np.mean((rounded(x) - x) ** 2)) for x in map(np.array, stored))
             assert new_error < plain_error * bound[name], (layer, name, new_error, plain_error)
-    assert shifted >= len(moved.layers) // 2  # SmolLM2-135M: every layer from 12 on
+    assert min(moved_layers.values()) >= len(moved.layers) // 2  # SmolLM2-135M: every layer from 12 on
