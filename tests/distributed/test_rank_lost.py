@@ -171,10 +171,14 @@ def test_a_follower_that_quits_or_hangs_mid_pass_ends_rank_0_within_the_rank_tim
     assert f"FOLLOWER {how.upper()} after plan 8" in server.output
     error = outcome[-1]
     assert isinstance(error, openai.APIStatusError) and error.status_code >= 500, outcome[-3:]
-    lost = "an engine step failed on rank 0 (RuntimeError: [ring] connection to a peer was lost"
-    if how == "quits" and lost in str(error):
-        # A peer that quits may be seen by the ring's own socket before the watchdog's timeout (CI saw it once):
-        # the step raises instead, which ends rank 0 the same way (a 5xx, "exiting", status 1).
+    seen_early = (
+        "an engine step failed on rank 0 (RuntimeError: [ring] connection to a peer was lost",
+        "an engine step failed on rank 0 (RankLostError: 0 of the 1 other ranks took part",
+    )
+    if how == "quits" and any(seen in str(error) for seen in seen_early):
+        # A peer that quits may be seen before the watchdog's timeout, by the ring's own socket (CI saw it once) or
+        # by the next plan message's presence count (distributed/channel.py; CI saw it once): the step raises
+        # instead, which ends rank 0 the same way (a 5xx, "exiting", status 1).
         assert "exiting" in str(error), error
         assert re.search(r"Node with rank 0 exited with code 1\b", server.output), server.output[-3000:]
     else:
