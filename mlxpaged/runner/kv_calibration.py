@@ -113,22 +113,12 @@ def calibrate_kv_transform(
     """The KVTransform for `model`'s pages (None when the model is not one this calibrates: see the module);
     the centers put position 0 on `quantization`'s grid where that row is typical (None: the plain means)."""
     tokens = _in_vocabulary(model, tokenizer.encode(CALIBRATION_TEXT))
-    blocks = -(-len(tokens) // block_size)
-    kv = PagedKVCache.for_layout(layout, blocks, block_size, dtype)
-    if layout.state_leaves or len(kv.groups) != 1 or kv.specs[0].window is not None:
-        return None
-    if not cache_tree.simple(layout) or not all(leaf.routed for leaf in layout.kv_leaves):
+    if layout.state_leaves or not cache_tree.simple(layout) or not all(leaf.routed for leaf in layout.kv_leaves):
         return None  # a cache list of the model's own nesting, or attention of its own: 4-bit pages as before
-    route_paged_attention()
-    seen: dict[int, tuple[mx.array, mx.array, mx.array, bool]] = {}
-
-    def record(layer: int, queries: mx.array, keys: mx.array, values: mx.array, sinks) -> None:
-        q, k, v = (a[0].astype(mx.float32) for a in (queries, keys, values))
-        seen[layer] = q, k, v, sinks is not None
-
-    with recording_attention(record):
-        model(mx.array([tokens]), cache=paged_views(kv, [[list(range(blocks))]]))
-    mx.eval([got[:3] for got in seen.values()])
+    kv, recorded = _recorded_forward(model, layout, [tokens], dtype, block_size)
+    if kv is None:
+        return None
+    seen = {layer: (q[0], k[0], v[0], sinks) for layer, (q, k, v, sinks) in recorded.items()}
     traditional = rope_traditional(model)
     layers: list[tuple[np.ndarray, np.ndarray, np.ndarray] | None] = []
     for layer, geo in enumerate(kv.geometries):
@@ -186,17 +176,35 @@ def first_position_rows(
 ) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     """Per layer, the K and V [len(tokens), kv_heads, D] (float64, the model's coordinates) at position 0 of
     one-token sequences of `tokens`, from one batched forward over full-precision pages."""
-    kv = PagedKVCache.for_layout(layout, len(tokens), block_size, dtype)
+    _, recorded = _recorded_forward(model, layout, [[t] for t in tokens], dtype, block_size)
+    return {
+        layer: (np.array(k[:, :, 0], dtype=np.float64), np.array(v[:, :, 0], dtype=np.float64))
+        for layer, (_, k, v, _) in recorded.items()
+    }
+
+
+def _recorded_forward(
+    model, layout: ModelLayout, rows: list[list[int]], dtype: mx.Dtype, block_size: int
+) -> tuple[PagedKVCache | None, dict[int, tuple[mx.array, mx.array, mx.array, bool]]]:
+    """One forward of `rows` (token lists of one length, each its own sequence) over fresh full-precision pages:
+    per layer, the queries, keys and values its attention was handed (float32, [rows, heads, length, D]) and
+    whether it has sinks. (None, {}) for a model of more than one full-attention layer group."""
+    blocks = -(-len(rows[0]) // block_size)
+    kv = PagedKVCache.for_layout(layout, blocks * len(rows), block_size, dtype)
+    if len(kv.groups) != 1 or kv.specs[0].window is not None:
+        return None, {}
     route_paged_attention()
-    got: dict[int, tuple[mx.array, mx.array]] = {}
+    got: dict[int, tuple[mx.array, mx.array, mx.array, bool]] = {}
 
     def record(layer: int, queries: mx.array, keys: mx.array, values: mx.array, sinks) -> None:
-        got[layer] = keys[:, :, 0].astype(mx.float32), values[:, :, 0].astype(mx.float32)  # position 0 of each row
+        q, k, v = (a.astype(mx.float32) for a in (queries, keys, values))
+        got[layer] = q, k, v, sinks is not None
 
+    tables = [[list(range(i * blocks, (i + 1) * blocks))] for i in range(len(rows))]
     with recording_attention(record):
-        model(mx.array([[t] for t in tokens]), cache=paged_views(kv, [[[b]] for b in range(len(tokens))]))
-    mx.eval(list(got.values()))
-    return {layer: (np.array(k, dtype=np.float64), np.array(v, dtype=np.float64)) for layer, (k, v) in got.items()}
+        model(mx.array(rows), cache=paged_views(kv, tables))
+    mx.eval([arrays[:3] for arrays in got.values()])
+    return kv, got
 
 
 def sink_shift(rows: np.ndarray, quantization: KVQuantization, dtype: mx.Dtype) -> np.ndarray:
