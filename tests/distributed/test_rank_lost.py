@@ -192,17 +192,19 @@ def test_a_follower_ends_when_rank_0_hangs_outside_a_step_and_mlx_launch_then_st
     watchdog, so the follower's bound ends it (2 x --rank-timeout + the keep-alive interval: 9 s here), and
     mlx.launch's SIGTERM then makes rank 0 exit 1."""
     model_dir = write_tiny_llama_dir(tmp_path / "model", dtype="float32")
-    program = [sys.executable, str(Path(__file__).with_name("serve_rank_fails.py")), "leader-hangs", "8"]
+    hang_flag = tmp_path / "hang-now"
+    program = [sys.executable, str(Path(__file__).with_name("serve_rank_fails.py")), "leader-hangs", str(hang_flag)]
     server = Server(model_dir, program, ["--rank-timeout", str(RANK_TIMEOUT_S)])
     try:
         url, _ = server.ready()
         client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=EXIT_BOUND_S)
         reply = client.completions.create(model=str(model_dir), prompt="Hello", max_tokens=10, temperature=0)
         assert reply.choices[0].text
+        hang_flag.touch()
         server.ended_within(EXIT_BOUND_S)
     finally:
         server.kill()
-    assert "RANK 0 HANGS after" in server.output
+    assert "RANK 0 HANGS while idle" in server.output
     assert re.search(r"follower rank 1\): rank 0 sent nothing for \d+ s .*: rank 0 hangs", server.output)
     assert re.search(r"Node with rank 1 exited with code 1\b", server.output), server.output[-3000:]
     assert "mlx.launch stopped rank 0 (SIGTERM)" in server.output
