@@ -271,7 +271,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="distributed: process counts, comma-separated (default 1,2,4; 1 always runs, the reference)",
     )
     bench.add_argument(
-        "--prompt-tokens", type=int, default=None, help="restart: prompt length in tokens (default 8000)"
+        "--prompt-tokens",
+        type=int,
+        default=None,
+        help="restart: prompt length in tokens (default 8000); kv: the long-prompt decode line's prompt (default "
+        "2048 tokens of the held-out text; 0: only the short prompt)",
     )
     bench.add_argument(
         "--sizes",

@@ -9,7 +9,9 @@
   passes: one text's perplexity ratio moves by a few tenths of a point with float rounding alone, the KL less;
 - greedy agreement on a fixed prompt set: tokens equal to full precision's, and replies equal in full;
 - batch-1 decode tok/s per kv_bits, every engine warmed up, runs alternating so each ratio is measured in
-  the same stretch of the machine's load (`--parts decode`: this part alone).
+  the same stretch of the machine's load (`--parts decode`: this part alone): after a short chat prompt, and
+  after a long prompt (`--prompt-tokens`, default 2,048 tokens of the held-out text), since what quantized
+  pages cost a decode step grows with the keys it reads on the paths that unpack them.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ AGREEMENT_PROMPTS = (
     "Write a Python function that reverses a string.",
 )
 AGREEMENT_TOKENS = 32
+LONG_PROMPT_TOKENS = 2048  # the long-prompt decode line's default (an agent's prompt is longer still)
 
 
 def name(bits: int | None) -> str:
@@ -129,9 +132,7 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def decode_speed(engines: dict, runs: int, tokens: int) -> None:
-    engine = engines[None]
-    prompt = chat_prompt(engine.tokenizer, [{"role": "user", "content": DECODE_PROMPT}])
+def decode_speed(engines: dict, runs: int, tokens: int, prompt: list[int]) -> None:
     rounds = after_warm_up(lambda: {b: time_engine(e, prompt, tokens)[1] for b, e in engines.items()}, runs)
     for i, r in enumerate(rounds, 1):
         print(f"  run {i}: " + ", ".join(f"{name(b)} {r[b]:.1f} tok/s" for b in BITS))
@@ -141,6 +142,15 @@ def decode_speed(engines: dict, runs: int, tokens: int) -> None:
             f"  {name(bits)}: median {statistics.median(r[bits] for r in rounds):.1f} tok/s vs full "
             f"{statistics.median(r[None] for r in rounds):.1f}; median paired ratio {statistics.median(paired):.2f}x"
         )
+
+
+def decode_prompts(engine, long_tokens: int) -> dict[str, list[int]]:
+    """The decode lines' prompts by their description: the short chat prompt, then (unless `long_tokens` is 0)
+    the held-out text's first `long_tokens` tokens, as many as it has."""
+    prompts = {"the chat prompt": chat_prompt(engine.tokenizer, [{"role": "user", "content": DECODE_PROMPT}])}
+    if long_tokens > 0:
+        prompts["a prompt of the held-out text"] = engine.tokenizer.encode(held_out_text())[:long_tokens]
+    return prompts
 
 
 def bench_kv(args: Namespace) -> int:
@@ -174,8 +184,13 @@ def bench_kv(args: Namespace) -> int:
                 f"greedy agreement with full precision, {len(AGREEMENT_PROMPTS)} prompts x {AGREEMENT_TOKENS} tokens:"
             )
             agreement(engines)
-        print(f"batch-1 decode, {args.tokens} tokens, {args.runs} alternating runs (+1 warm-up):")
-        decode_speed(engines, args.runs, args.tokens)
+        long_tokens = getattr(args, "prompt_tokens", None)
+        for label, prompt in decode_prompts(full, LONG_PROMPT_TOKENS if long_tokens is None else long_tokens).items():
+            print(
+                f"batch-1 decode, {args.tokens} tokens after {label} ({len(prompt):,} tokens), {args.runs} "
+                "alternating runs (+1 warm-up):"
+            )
+            decode_speed(engines, args.runs, args.tokens, prompt)
     finally:
         for engine in engines.values():
             engine.close()

@@ -34,7 +34,7 @@ def test_bench_prints_capacity_perplexity_agreement_and_speed(capsys, monkeypatc
     monkeypatch.setattr(bench, "held_out_text", lambda: short)
     monkeypatch.setattr(bench, "AGREEMENT_PROMPTS", bench.AGREEMENT_PROMPTS[:2])
     monkeypatch.setattr(bench, "AGREEMENT_TOKENS", 6)
-    assert bench.bench_kv(Namespace(model=None, tokens=6, runs=1, kv_group_size=64)) == 0
+    assert bench.bench_kv(Namespace(model=None, tokens=6, runs=1, kv_group_size=64, prompt_tokens=0)) == 0
     out = capsys.readouterr().out
     float16 = next(line for line in out.splitlines() if "float16 pages" in line)
     ratios = [float(r) for r in re.findall(r"\((\d+\.\d+)x\)", float16)]
@@ -44,7 +44,7 @@ def test_bench_prints_capacity_perplexity_agreement_and_speed(capsys, monkeypatc
     kl = re.search(r"mean KL\(full \|\| quantized\) per token, nats: 8-bit (\d+\.\d+), 4-bit (\d+\.\d+)", out)
     assert kl is not None and 0 < float(kl[1]) < float(kl[2])  # 4-bit pages are further from full precision
     assert re.search(r"8-bit: \d/2 replies identical, \d+/12 tokens before the first divergence", out)
-    assert "median paired ratio" in out
+    assert out.count("median paired ratio") == 2 and "after a prompt of the held-out text" not in out  # 8, 4 bits
 
 
 def test_parts_decode_is_the_only_part_bench_kv_takes():
@@ -55,7 +55,11 @@ def test_parts_decode_is_the_only_part_bench_kv_takes():
 
 @pytest.mark.slow
 def test_parts_decode_prints_the_decode_speed_alone(capsys):
-    assert bench.bench_kv(Namespace(model=None, tokens=4, runs=1, kv_group_size=64, parts=("decode",))) == 0
+    args = Namespace(model=None, tokens=4, runs=1, kv_group_size=64, parts=("decode",), prompt_tokens=40)
+    assert bench.bench_kv(args) == 0
     out = capsys.readouterr().out
-    assert "median paired ratio" in out and "8-bit: cpu path" in out
+    assert "8-bit: cpu path" in out
+    short, long = out.split("batch-1 decode, 4 tokens after ")[1:]  # the chat prompt's line, then the long one's
+    assert short.startswith("the chat prompt (") and short.count("median paired ratio") == 2
+    assert long.startswith("a prompt of the held-out text (40 tokens)") and long.count("median paired ratio") == 2
     assert "perplexity" not in out and "capacity" not in out and "agreement" not in out
