@@ -162,9 +162,13 @@ def _per_group(a: mx.array) -> mx.array:
 
 
 def _scores(x: mx.array, data: mx.array, scales: mx.array, biases: mx.array, bits: int, group_size: int) -> mx.array:
-    """x [B, KVH, R, D] against the taken keys -> [B, KVH, R, N]: sum_g s_g (x_g . u_g) + b_g sum(x_g)."""
+    """x [B, KVH, R, D] against the taken keys -> [B, KVH, R, N]: sum_g s_g (x_g . u_g) + b_g sum(x_g).
+    The products as levels @ x^T, x^T made contiguous: OpenBLAS multiplies a few rows by a transposed
+    [N, c] operand ~3x slower (8-bit, 4,096 keys, one layer: 0.75 against 0.23 ms; the whole decode step
+    of SmolLM2 there, CPU time: 136 -> 121 ms at 8 bits, 177 -> 156 ms at 4, full precision 114 and 136 ms
+    beside them in those two runs)."""
     parts = [
-        rows @ levels.swapaxes(-1, -2)
+        (levels @ mx.contiguous(rows.swapaxes(-1, -2))).swapaxes(-1, -2)
         for rows, levels in zip(_split_rows(x, bits, group_size), _levels(data, bits, group_size), strict=True)
     ]
     raw = parts[0] if len(parts) == 1 else parts[0] + parts[1]  # [B, KVH, (groups,) R, N]
