@@ -26,7 +26,7 @@ run_step() {
     batch_host16) limit=60; set -- python3 docs/design/scripts/issue21_batch_host.py --model $M/1.7b --batch 16 --tokens 64 --runs 1 --no-mlx-lm --profile ;;
     step_cost) limit=210; set -- python3 docs/design/scripts/issue21_step_cost.py $M/1.7b sdpa_shapes plain engine ;;
     engine_nographs) limit=150; set -- env MLX_USE_CUDA_GRAPHS=0 $BENCH --model $M/1.7b --parts decode,batch --tokens 128 --runs 2 --concurrency 16,64 ;;
-    kv_decode) limit=150; set -- python3 -m mlxpaged_app.cli bench kv --model $M/1.7b --parts decode --tokens 128 --runs 3 ;;
+    kv_decode) limit=240; set -- python3 -m mlxpaged_app.cli bench kv --model $M/1.7b --parts decode --tokens 128 --runs 3 ;;
     plain_nographs) limit=60; set -- env MLX_USE_CUDA_GRAPHS=0 python3 docs/design/scripts/issue21_step_cost.py $M/1.7b plain ;;
     batch_host) limit=90; set -- python3 docs/design/scripts/issue21_batch_host.py --model $M/1.7b --batch 64 --tokens 128 --runs 1 ;;
     *) echo "unknown step $1"; return 2 ;;
