@@ -144,10 +144,12 @@ def decode_speed(engines: dict, runs: int, tokens: int, prompt: list[int]) -> No
         )
 
 
-def decode_prompts(engine, long_tokens: int) -> dict[str, list[int]]:
+def decode_prompts(engine, long_tokens: int, tokens: int) -> dict[str, list[int]]:
     """The decode lines' prompts by their description: the short chat prompt, then (unless `long_tokens` is 0)
-    the held-out text's first `long_tokens` tokens, as many as it has."""
+    the held-out text's first `long_tokens` tokens, as many as it has and the model's context leaves room for
+    with `tokens` decoded after them."""
     prompts = {"the chat prompt": chat_prompt(engine.tokenizer, [{"role": "user", "content": DECODE_PROMPT}])}
+    long_tokens = min(long_tokens, engine.max_model_len - tokens)
     if long_tokens > 0:
         prompts["a prompt of the held-out text"] = engine.tokenizer.encode(held_out_text())[:long_tokens]
     return prompts
@@ -185,7 +187,8 @@ def bench_kv(args: Namespace) -> int:
             )
             agreement(engines)
         long_tokens = getattr(args, "prompt_tokens", None)
-        for label, prompt in decode_prompts(full, LONG_PROMPT_TOKENS if long_tokens is None else long_tokens).items():
+        prompts = decode_prompts(full, LONG_PROMPT_TOKENS if long_tokens is None else long_tokens, args.tokens)
+        for label, prompt in prompts.items():
             print(
                 f"batch-1 decode, {args.tokens} tokens after {label} ({len(prompt):,} tokens), {args.runs} "
                 "alternating runs (+1 warm-up):"

@@ -63,3 +63,22 @@ def test_parts_decode_prints_the_decode_speed_alone(capsys):
     assert short.startswith("the chat prompt (") and short.count("median paired ratio") == 2
     assert long.startswith("a prompt of the held-out text (40 tokens)") and long.count("median paired ratio") == 2
     assert "perplexity" not in out and "capacity" not in out and "agreement" not in out
+
+
+def test_the_long_prompt_leaves_room_for_the_decoded_tokens_in_the_models_context(monkeypatch):
+    class Tokenizer:
+        def encode(self, text: str) -> list[int]:
+            return list(range(len(text.split())))
+
+    class Engine:
+        tokenizer = Tokenizer()
+        max_model_len = 100
+
+    monkeypatch.setattr(bench, "chat_prompt", lambda tokenizer, messages: [7, 8, 9])
+    prompts = bench.decode_prompts(Engine(), 2048, tokens=10)
+    assert list(prompts) == ["the chat prompt", "a prompt of the held-out text"]
+    assert len(prompts["a prompt of the held-out text"]) == 90
+    assert len(bench.decode_prompts(Engine(), 40, tokens=10)["a prompt of the held-out text"]) == 40
+    Engine.max_model_len = 10
+    assert list(bench.decode_prompts(Engine(), 2048, tokens=10)) == ["the chat prompt"]  # no room: no long line
+    assert list(bench.decode_prompts(Engine(), 0, tokens=10)) == ["the chat prompt"]
