@@ -8,6 +8,7 @@ import shutil
 import tempfile
 
 import mlxpaged  # noqa: F401  (OpenBLAS before mlx)
+from tests.archs import background
 
 import pytest
 
@@ -30,3 +31,16 @@ def default_loaded():
 def default_model(default_loaded):
     """(model, tokenizer) of the embedded default model."""
     return default_loaded.model, default_loaded.tokenizer
+
+
+def pytest_collection_finish(session):
+    """Start the architecture sweep in the background when a selected test needs its verdicts
+    (tests/archs/background.py says why)."""
+    if session.config.option.collectonly:
+        return
+    if any("all_verdicts" in getattr(item, "fixturenames", ()) for item in session.items):
+        background.start()
+
+
+def pytest_sessionfinish(session):
+    background.stop()

@@ -12,10 +12,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
+from tests.archs import background
 from tests.archs.arch_table import ACCEPTANCE, render, section
 from tests.archs.configs import MLX_LM_CANNOT_RUN, UPSTREAM_BROKEN, has_config, text_modules
 from tests.archs.scenarios import SCENARIOS
-from tests.archs.sweep import ROOT, sweep
+from tests.archs.sweep import ROOT
 
 import pytest
 
@@ -36,8 +37,9 @@ def upstream_crash(module: str, verdict: dict) -> bool:
 @pytest.fixture(scope="session")
 def all_verdicts() -> dict[str, dict[str, dict]]:
     """One sweep, every variant of a module in one process (the model and mlx-lm's reference made once): about
-    2 minutes on 2 cores, where three sweeps took 3."""
-    return sweep(MODULES, variants=("cpu", "cuda", "kv8"))
+    2 minutes on 2 cores, where three sweeps took 3; started in the background of the session (conftest.py,
+    tests/archs/background.py)."""
+    return background.verdicts()
 
 
 @pytest.fixture(scope="session")
