@@ -94,29 +94,22 @@ def stats_text(stats: dict) -> Text:
 
 
 def _tier_rows(stats: dict) -> list[tuple[str, str]]:
-    """The prefix cache's tiers: tokens each saved, and the disk tier's bytes (when the engine has one)."""
+    """The prefix cache's tiers: tokens each saved, and the disk tier's bytes (when the engine has one). One figure
+    or two a row: the panel has 46 columns of text, and a longer row wraps its last word to the line's start."""
     if "ram_hit_tokens" not in stats:
         return []
     rows = [("  RAM", f"{stats['ram_hit_tokens']:,} tokens saved")]
     if stats.get("disk_tier"):
-        rows.append(
-            ("  disk", f"{stats['disk_hit_tokens']:,} tokens saved · read {format_size(stats['disk_read_bytes'])}")
-        )
-        rows.append(
-            (
-                "disk tier",
-                f"{format_size(stats['disk_used_bytes'])} of {format_size(stats['disk_limit_bytes'])} · "
-                f"wrote {format_size(stats['disk_written_bytes'])}",
-            )
-        )
+        rows.append(("  disk", f"{stats['disk_hit_tokens']:,} tokens saved"))
+        used, limit = format_size(stats["disk_used_bytes"]), format_size(stats["disk_limit_bytes"])
+        rows.append(("disk tier", f"{used} of {limit}"))
+        rows.append(("  read", format_size(stats["disk_read_bytes"])))
+        written = format_size(stats["disk_written_bytes"])
         if "disk_state_hits" in stats:  # a state model's checkpoints, kept beside its blocks (state_tiering.py)
-            rows.append(
-                (
-                    "  states",
-                    f"{stats['disk_state_hits']:,} resumed from disk · {stats['disk_state_written']:,} written "
-                    f"({format_size(stats['disk_state_written_bytes'])})",
-                )
-            )
+            rows.append(("  written", f"{written} · states {format_size(stats['disk_state_written_bytes'])}"))
+            rows.append(("  states", f"{stats['disk_state_hits']:,} resumed · {stats['disk_state_written']:,} written"))
+        else:
+            rows.append(("  written", written))
     elif stats.get("disk_tier_off"):
         rows.append(("disk tier", f"off: {stats['disk_tier_off']}"))
     return rows

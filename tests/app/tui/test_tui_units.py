@@ -182,3 +182,19 @@ def test_engine_panel_shows_speculation_acceptance_when_it_is_on():
     assert "ngram · no drafts yet" in stats_text(stats).plain
     stats.update(spec_draft_tokens_total=1200, spec_accepted_tokens_total=840, spec_acceptance_rate=0.7)
     assert "ngram · 70% of 1,200 drafts kept" in stats_text(stats).plain
+
+
+def test_engine_panel_rows_fit_the_panel_with_large_disk_tier_figures():
+    """app.tcss gives #engine-panel 50 columns: 46 for text after its border, padding and scrollbar. A row longer
+    than that wraps its last word to the start of the next line (seen by hand in tmux with the disk tier's row)."""
+    from mlxpaged_app.tui.widgets.engine_panel import stats_text
+
+    stats = FakeEngine().stats()
+    stats |= {"ram_hit_tokens": 12_345_678, "disk_tier": True, "disk_hit_tokens": 12_345_678}
+    stats |= {"disk_read_bytes": 999 * 2**30, "disk_used_bytes": 999 * 2**30, "disk_limit_bytes": 1000 * 2**30}
+    stats |= {"disk_written_bytes": 9_999 * 2**30, "disk_state_hits": 99_999, "disk_state_written": 99_999}
+    stats |= {"disk_state_written_bytes": 999 * 2**30}
+    stats.update(speculative="ngram", spec_draft_tokens_total=99_999, spec_acceptance_rate=0.7)
+    lines = stats_text(stats).plain.splitlines()
+    assert any(line.startswith("disk tier") for line in lines)
+    assert [line for line in lines if len(line) > 46] == []
