@@ -53,6 +53,30 @@ def python_too_old(argv: list[str]) -> str | None:
     )
 
 
+# The terminal's input flags as `chat` found them, for the app to restore when it ends (app/tui/terminal.py).
+TERMINAL_IFLAG_ENV = "MLXPAGED_TERMINAL_IFLAG"
+
+
+def enter_stays_enter_from_now(stream=None):
+    """`chat`: checking the install and the model takes a second or more before the app starts. Clear the
+    terminal's CR/LF input translations now, as app/tui/terminal.py does once the app is imported, so an Enter
+    typed meanwhile reaches the app as Enter rather than Ctrl+J (a new line). The flags found are handed to the
+    app, which restores them at its end; the function returned restores them if this script stops first."""
+    stream = sys.stdin if stream is None else stream
+    try:
+        import termios
+
+        fd = stream.fileno()
+        before = termios.tcgetattr(fd)
+    except Exception:  # no termios here, or not a terminal (piped, captured): nothing to adjust
+        return lambda: None
+    attrs = list(before)
+    attrs[0] &= ~(termios.ICRNL | termios.INLCR | termios.IGNCR)
+    termios.tcsetattr(fd, termios.TCSANOW, attrs)
+    os.environ[TERMINAL_IFLAG_ENV] = str(before[0])
+    return lambda: termios.tcsetattr(fd, termios.TCSANOW, before)
+
+
 def step(message: str) -> None:
     print(f"==> {message}", flush=True)
 
@@ -173,19 +197,23 @@ def main(argv: list[str]) -> int:
     command, rest = argv[0], argv[1:]
     if command == "check":
         return check()
-    ensure_openblas()
-    ensure_venv()
-    ensure_installed("dev" if command == "test" else "")
-    ensure_default_model()
-    if command == "chat":
-        step("starting mlxpaged chat")
-        cmd = [str(BIN / "mlxpaged"), "chat", *rest]
-    else:
-        step("running the test suite")
-        cmd = [str(BIN / "python"), "-m", "pytest", *rest]
-    sys.stdout.flush()
-    os.chdir(ROOT)
-    os.execv(cmd[0], cmd)  # hand the terminal and signals straight to the command
+    restore_terminal = enter_stays_enter_from_now() if command == "chat" else (lambda: None)
+    try:
+        ensure_openblas()
+        ensure_venv()
+        ensure_installed("dev" if command == "test" else "")
+        ensure_default_model()
+        if command == "chat":
+            step("starting mlxpaged chat")
+            cmd = [str(BIN / "mlxpaged"), "chat", *rest]
+        else:
+            step("running the test suite")
+            cmd = [str(BIN / "python"), "-m", "pytest", *rest]
+        sys.stdout.flush()
+        os.chdir(ROOT)
+        os.execv(cmd[0], cmd)  # hand the terminal and signals straight to the command
+    finally:  # reached only when a step failed or the command could not start
+        restore_terminal()
     return 1  # not reached
 
 

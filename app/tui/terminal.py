@@ -8,6 +8,7 @@ from the start, as the app will, keeps it an Enter; the text typed stays echoed 
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from collections.abc import Iterator
 from typing import IO
@@ -18,6 +19,8 @@ except ImportError:  # no POSIX terminal here: nothing to adjust
     termios = None
 
 CR_TRANSLATIONS = ("ICRNL", "INLCR", "IGNCR")  # the input flags Textual's driver clears on start
+# Set by app/bootstrap.py, which cleared the translations before this process started: the input flags it found.
+BOOTSTRAP_IFLAG_ENV = "MLXPAGED_TERMINAL_IFLAG"
 # What reading the settings raises where there is no terminal: piped, captured by a test, or no termios here.
 NOT_A_TERMINAL: tuple[type[Exception], ...] = (AttributeError, OSError, ValueError) + (
     (termios.error,) if termios else ()
@@ -27,14 +30,18 @@ NOT_A_TERMINAL: tuple[type[Exception], ...] = (AttributeError, OSError, ValueErr
 @contextlib.contextmanager
 def enter_stays_enter(stream: IO | None = None) -> Iterator[None]:
     """Clear the CR/LF input translations now; restore the terminal's own settings on the way out
-    (the app restores the ones it found, i.e. ours)."""
+    (the app restores the ones it found, i.e. ours), with the input flags app/bootstrap.py found where it
+    cleared them first."""
     stream = sys.stdin if stream is None else stream
+    found = os.environ.pop(BOOTSTRAP_IFLAG_ENV, "")  # popped: not for the processes the app starts
     try:
         fd = stream.fileno()
         before = termios.tcgetattr(fd)
     except NOT_A_TERMINAL:
         yield  # not a terminal: piped, captured by a test, or no termios on this platform
         return
+    if found.isdigit():
+        before[0] = int(found)
     attrs = list(before)
     for name in CR_TRANSLATIONS:
         attrs[0] &= ~getattr(termios, name)

@@ -1,5 +1,6 @@
-"""enter_stays_enter: Enter typed before the app takes the terminal reaches it as Enter (CR), not
-Ctrl+J (LF), and the terminal's own settings come back afterwards. Driven through a real pty."""
+"""enter_stays_enter (and app/bootstrap.py's part, before the app's process starts): Enter typed before the app
+takes the terminal reaches it as Enter (CR), not Ctrl+J (LF), and the terminal's own settings come back
+afterwards. Driven through a real pty."""
 
 from __future__ import annotations
 
@@ -10,13 +11,15 @@ import termios
 import time
 import tty
 
-from mlxpaged_app.tui.terminal import enter_stays_enter
+from mlxpaged_app import bootstrap
+from mlxpaged_app.tui.terminal import BOOTSTRAP_IFLAG_ENV, enter_stays_enter
 
 import pytest
 
 
 @pytest.fixture
-def pty_pair():
+def pty_pair(monkeypatch):
+    monkeypatch.delenv(BOOTSTRAP_IFLAG_ENV, raising=False)  # whatever a test sets is undone
     main_fd, terminal_fd = os.openpty()
     yield main_fd, terminal_fd
     os.close(main_fd)
@@ -64,3 +67,42 @@ def test_the_terminal_settings_come_back(pty_pair):
 def test_not_a_terminal_is_left_alone():
     with enter_stays_enter(io.StringIO("piped")):  # no fileno: nothing to adjust, no error
         pass
+
+
+def test_bootstrap_keeps_enter_from_its_own_start(pty_pair):
+    """`python3 app/bootstrap.py chat` checks the install and the model for a second or more before the app
+    starts: an Enter typed then stays Enter too."""
+    main_fd, terminal_fd = pty_pair
+    with open(terminal_fd, closefd=False) as stream:
+        bootstrap.enter_stays_enter_from_now(stream)
+        assert typed_then_read_as_the_app_does(main_fd, terminal_fd, b"hi?\r") == b"hi?\r"
+
+
+def test_the_app_restores_the_flags_bootstrap_found(pty_pair):
+    """bootstrap.py execs the app, which finds the translations already cleared: it restores the input flags
+    bootstrap found (handed over in the environment, not passed on to the app's own children)."""
+    _, terminal_fd = pty_pair
+    before = termios.tcgetattr(terminal_fd)
+    assert before[0] & termios.ICRNL  # a pty starts with it, as a terminal does
+    with open(terminal_fd, closefd=False) as stream:
+        bootstrap.enter_stays_enter_from_now(stream)
+        assert os.environ[BOOTSTRAP_IFLAG_ENV] == str(before[0])
+        with enter_stays_enter(stream):
+            assert not termios.tcgetattr(terminal_fd)[0] & termios.ICRNL
+            assert BOOTSTRAP_IFLAG_ENV not in os.environ
+    assert termios.tcgetattr(terminal_fd) == before
+
+
+def test_bootstrap_restores_the_terminal_when_it_stops_before_the_app(pty_pair):
+    _, terminal_fd = pty_pair
+    before = termios.tcgetattr(terminal_fd)
+    with open(terminal_fd, closefd=False) as stream:
+        restore = bootstrap.enter_stays_enter_from_now(stream)
+    restore()
+    assert termios.tcgetattr(terminal_fd) == before
+
+
+def test_bootstrap_leaves_a_pipe_alone(monkeypatch):
+    monkeypatch.delenv(BOOTSTRAP_IFLAG_ENV, raising=False)
+    bootstrap.enter_stays_enter_from_now(io.StringIO("piped"))()
+    assert BOOTSTRAP_IFLAG_ENV not in os.environ
