@@ -55,6 +55,7 @@ def python_too_old(argv: list[str]) -> str | None:
 
 # The terminal's input flags as `chat` found them, for the app to restore when it ends (app/tui/terminal.py).
 TERMINAL_IFLAG_ENV = "MLXPAGED_TERMINAL_IFLAG"
+CR_TRANSLATIONS = ("ICRNL", "INLCR", "IGNCR")  # the input flags Textual's driver clears on start
 
 
 def enter_stays_enter_from_now(stream=None):
@@ -71,7 +72,8 @@ def enter_stays_enter_from_now(stream=None):
     except Exception:  # no termios here, or not a terminal (piped, captured): nothing to adjust
         return lambda: None
     attrs = list(before)
-    attrs[0] &= ~(termios.ICRNL | termios.INLCR | termios.IGNCR)
+    for name in CR_TRANSLATIONS:
+        attrs[0] &= ~getattr(termios, name)
     termios.tcsetattr(fd, termios.TCSANOW, attrs)
     os.environ[TERMINAL_IFLAG_ENV] = str(before[0])
     return lambda: termios.tcsetattr(fd, termios.TCSANOW, before)

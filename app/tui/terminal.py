@@ -13,14 +13,14 @@ import sys
 from collections.abc import Iterator
 from typing import IO
 
+# TERMINAL_IFLAG_ENV: the input flags bootstrap.py found, where it cleared the translations before this process began.
+from mlxpaged_app.bootstrap import CR_TRANSLATIONS, TERMINAL_IFLAG_ENV
+
 try:
     import termios
 except ImportError:  # no POSIX terminal here: nothing to adjust
     termios = None
 
-CR_TRANSLATIONS = ("ICRNL", "INLCR", "IGNCR")  # the input flags Textual's driver clears on start
-# Set by app/bootstrap.py, which cleared the translations before this process started: the input flags it found.
-BOOTSTRAP_IFLAG_ENV = "MLXPAGED_TERMINAL_IFLAG"
 # What reading the settings raises where there is no terminal: piped, captured by a test, or no termios here.
 NOT_A_TERMINAL: tuple[type[Exception], ...] = (AttributeError, OSError, ValueError) + (
     (termios.error,) if termios else ()
@@ -33,7 +33,7 @@ def enter_stays_enter(stream: IO | None = None) -> Iterator[None]:
     (the app restores the ones it found, i.e. ours), with the input flags app/bootstrap.py found where it
     cleared them first."""
     stream = sys.stdin if stream is None else stream
-    found = os.environ.pop(BOOTSTRAP_IFLAG_ENV, "")  # popped: not for the processes the app starts
+    found = os.environ.pop(TERMINAL_IFLAG_ENV, "")  # popped: not for the processes the app starts
     try:
         fd = stream.fileno()
         before = termios.tcgetattr(fd)

@@ -12,14 +12,15 @@ import time
 import tty
 
 from mlxpaged_app import bootstrap
-from mlxpaged_app.tui.terminal import BOOTSTRAP_IFLAG_ENV, enter_stays_enter
+from mlxpaged_app.bootstrap import TERMINAL_IFLAG_ENV
+from mlxpaged_app.tui.terminal import enter_stays_enter
 
 import pytest
 
 
 @pytest.fixture
 def pty_pair(monkeypatch):
-    monkeypatch.delenv(BOOTSTRAP_IFLAG_ENV, raising=False)  # whatever a test sets is undone
+    monkeypatch.delenv(TERMINAL_IFLAG_ENV, raising=False)  # whatever a test sets is undone
     main_fd, terminal_fd = os.openpty()
     yield main_fd, terminal_fd
     os.close(main_fd)
@@ -86,10 +87,10 @@ def test_the_app_restores_the_flags_bootstrap_found(pty_pair):
     assert before[0] & termios.ICRNL  # a pty starts with it, as a terminal does
     with open(terminal_fd, closefd=False) as stream:
         bootstrap.enter_stays_enter_from_now(stream)
-        assert os.environ[BOOTSTRAP_IFLAG_ENV] == str(before[0])
+        assert os.environ[TERMINAL_IFLAG_ENV] == str(before[0])
         with enter_stays_enter(stream):
             assert not termios.tcgetattr(terminal_fd)[0] & termios.ICRNL
-            assert BOOTSTRAP_IFLAG_ENV not in os.environ
+            assert TERMINAL_IFLAG_ENV not in os.environ
     assert termios.tcgetattr(terminal_fd) == before
 
 
@@ -103,6 +104,6 @@ def test_bootstrap_restores_the_terminal_when_it_stops_before_the_app(pty_pair):
 
 
 def test_bootstrap_leaves_a_pipe_alone(monkeypatch):
-    monkeypatch.delenv(BOOTSTRAP_IFLAG_ENV, raising=False)
+    monkeypatch.delenv(TERMINAL_IFLAG_ENV, raising=False)
     bootstrap.enter_stays_enter_from_now(io.StringIO("piped"))()
-    assert BOOTSTRAP_IFLAG_ENV not in os.environ
+    assert TERMINAL_IFLAG_ENV not in os.environ
