@@ -314,8 +314,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-group-size",
         type=int,
         choices=(64, 32),
-        default=64,
-        help="kv: elements per scale and bias of the quantized pages (default 64)",
+        default=None,
+        help="kv: elements per scale and bias of the quantized pages (default: 32 at 8 bits, 64 at 4)",
     )
     bench.add_argument(
         "--clock",

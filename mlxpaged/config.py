@@ -40,8 +40,8 @@ class CacheConfig:
     False (the library's default: no writes a script did not ask for), True (the user's cache directory,
     `default_kv_disk_dir()`), or a directory; `kv_disk_size` bounds it (bytes or "20GB"; LRU beyond).
     `kv_bits` 8 or 4 stores K/V pages quantized (group-wise affine, `kv_group_size` elements per scale and
-    bias, as `mx.quantize`; cache/kv_quant.py): about 1.9x / 3.5x the tokens in the same memory. None: the
-    model's KV dtype.
+    bias, as `mx.quantize`; cache/kv_quant.py): about 1.8x / 3.5x the tokens in the same memory. None: the
+    model's KV dtype. `kv_group_size` None: 32 for 8-bit pages, 64 for 4-bit ones (kv_quant.py says why).
     How many tokens and sequences one step takes is SchedulerConfig's. Bad values raise
     ConfigError (a ValueError).
     """
@@ -55,7 +55,7 @@ class CacheConfig:
     kv_disk: bool | str | os.PathLike = False
     kv_disk_size: int | str = DEFAULT_KV_DISK_SIZE
     kv_bits: int | None = None
-    kv_group_size: int = 64
+    kv_group_size: int | None = None
 
     def __post_init__(self) -> None:
         require_int("block_size", self.block_size, low=1, setting=True)
@@ -85,7 +85,8 @@ class CacheConfig:
         object.__setattr__(self, "kv_disk_size", size)  # frozen: bytes from here on
         if self.kv_bits is not None:
             require_int("kv_bits", self.kv_bits, low=1, setting=True)
-        require_int("kv_group_size", self.kv_group_size, low=1, setting=True)
+        if self.kv_group_size is not None:
+            require_int("kv_group_size", self.kv_group_size, low=1, setting=True)
         self.quantization  # noqa: B018  (checks kv_bits and kv_group_size together)
 
     @property

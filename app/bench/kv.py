@@ -58,7 +58,7 @@ def held_out_text(path: Path = TEXT) -> str:
     return path.read_text().split("\n\n", 1)[1].strip()
 
 
-def capacity(facts, group_size: int) -> None:
+def capacity(facts, group_size: int | None) -> None:
     """Tokens that fit in CAPACITY_BUDGET per kv_bits, in this dtype and in float16."""
     device = DeviceFacts.detect()
     scheduler = SchedulerConfig()
@@ -78,7 +78,7 @@ def _as_float16(facts):
     return dataclasses.replace(facts, kv=dataclasses.replace(facts.kv, dtype_bytes=2))
 
 
-def perplexities(engine, text: str, group_size: int, transforms: dict | None = None) -> dict:
+def perplexities(engine, text: str, group_size: int | None, transforms: dict | None = None) -> dict:
     """Perplexity per kv_bits, and the mean KL of each quantized setting's next-token distributions from full
     precision's; `transforms[bits]`: the K/V coordinates that kv_bits' engine stores its pages in (its
     `kv.transform`: 4-bit pages are calibrated at load, runner/kv_calibration.py)."""
@@ -158,7 +158,7 @@ def decode_prompts(engine, long_tokens: int, tokens: int) -> dict[str, list[int]
 def bench_kv(args: Namespace) -> int:
     from mlxpaged.engine.engine import Engine
 
-    group_size = getattr(args, "kv_group_size", None) or 64
+    group_size = getattr(args, "kv_group_size", None)  # None: each kv_bits' default (cache/kv_quant.py)
     parts = getattr(args, "parts", None)
     if parts is not None and set(parts) != {"decode"}:
         raise ConfigError(f"bench kv takes --parts decode (the decode-speed part alone), got {','.join(parts)}")
@@ -170,13 +170,14 @@ def bench_kv(args: Namespace) -> int:
     try:
         full = engines[None]
         print(
-            f"model {full.loaded.name} ({full.loaded.dtype}, KV {full.kv.dtype}), BLAS {blas_status().name}, "
-            f"groups of {group_size}; a shared 2-core machine: timings are noisy"
+            f"model {full.loaded.name} ({full.loaded.dtype}, KV {full.kv.dtype}), BLAS {blas_status().name}; "
+            "a shared 2-core machine: timings are noisy"
         )
         for bits, engine in engines.items():
             path = engine.built.attention.status()["path"]
+            groups = "" if engine.kv.quantization is None else f", groups of {engine.kv.quantization.group_size}"
             coordinates = "" if engine.kv.transform is None else ", K/V in calibrated coordinates (kv_transform.py)"
-            print(f"  {name(bits)}: {path} path, {format_size(engine.kv.bytes_per_block)}/block{coordinates}")
+            print(f"  {name(bits)}: {path} path, {format_size(engine.kv.bytes_per_block)}/block{groups}{coordinates}")
         if not only_decode:
             print(f"capacity in {CAPACITY_BUDGET} of KV memory (tokens, ratio to full precision):")
             capacity(full.facts, group_size)

@@ -121,8 +121,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-group-size",
         type=int,
         choices=KV_GROUP_SIZES,
-        default=KV_GROUP_SIZES[0],
-        help="elements per scale and bias of quantized K/V (default: 64, as mlx quantizes)",
+        default=None,
+        help="elements per scale and bias of quantized K/V (default: 32 for --kv-bits 8, 64 for --kv-bits 4)",
     )
     add_kv_disk_arguments(cache)
     parser.add_argument_group("across processes (under mlx.launch)").add_argument(

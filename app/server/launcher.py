@@ -221,6 +221,7 @@ def _load_and_serve(args: argparse.Namespace, config, sock: socket.socket) -> in
 
 
 def serve_until_signal(registry, config, sock: socket.socket, args: argparse.Namespace) -> None:
+    from mlxpaged.distributed.watchdog import count_responses_with
     from mlxpaged.units import format_size
     from mlxpaged_app.server.api_server import create_app
     from mlxpaged_app.server.keep_alive import describe_keep_alive
@@ -228,6 +229,8 @@ def serve_until_signal(registry, config, sock: socket.socket, args: argparse.Nam
 
     configure(args.log_level)
     app = create_app(registry, config)
+    # Across ranks, rank 0 giving up on a lost rank exits once the clients have their errors (watchdog.py).
+    count_responses_with(lambda: app.state.server.responses_in_progress)
     uv_config = uvicorn.Config(
         app,
         lifespan="off",

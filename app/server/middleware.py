@@ -55,7 +55,8 @@ class APIKeyMiddleware:
 
 
 class StatusCountMiddleware:
-    """Counts responses by route and status for /metrics (unknown paths pooled as "other")."""
+    """Counts responses by route and status for /metrics (unknown paths pooled as "other"), and those in progress
+    (`state.responses_in_progress`: a server across ranks that gives up waits for them to end, watchdog.py)."""
 
     def __init__(self, app: ASGIApp, state: ServerState, routes: tuple[str, ...]) -> None:
         self.app, self.state, self.routes = app, state, routes
@@ -72,7 +73,11 @@ class StatusCountMiddleware:
                 self.state.metrics.count_request(route, message["status"])
             await send(message)
 
-        await self.app(scope, receive, counting_send)
+        self.state.responses_in_progress += 1
+        try:
+            await self.app(scope, receive, counting_send)
+        finally:
+            self.state.responses_in_progress -= 1
 
 
 def middleware_stack(state: ServerState, routes: tuple[str, ...]) -> list[Middleware]:

@@ -52,6 +52,7 @@ class ServerState:
         self.metrics = ServerMetrics()  # HTTP requests by route and status; each model has its own token counts
         self.created = int(time.time())
         self.draining = False
+        self.responses_in_progress = 0  # HTTP requests whose response has not ended (middleware.py counts them)
 
     async def served_model(self, name: str | None, keep_alive: object = UNSET, kind: str | None = "generate"):
         """The per-model state for a request's `model` (None: the default model), loaded if needed: a

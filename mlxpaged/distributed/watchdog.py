@@ -31,8 +31,13 @@ from mlxpaged.errors import EngineClosedError
 # An idle rank 0 sends a keep-alive message at least this often (leader.py: every IDLE_TICK_S), so its followers
 # can bound their wait.
 KEEP_ALIVE_S = 5.0
-# Between failing the requests in flight and exiting: the HTTP server writes each client its error meanwhile.
+# Between failing the requests in flight and exiting, the HTTP server writes each client its error. With a server
+# that counts its responses in progress (`count_responses_with`), the exit waits until none is left, at most
+# FLUSH_MAX_S (a client that reads slowly must not keep a broken server up), rather than a fixed second that a
+# loaded machine's event loop may need more than. Without a server (no one to write to but queues), FLUSH_S.
 FLUSH_S = 1.0
+FLUSH_MAX_S = 10.0
+FLUSH_POLL_S = 0.02
 EXIT_STATUS = 1
 
 
@@ -54,6 +59,25 @@ def others(ranks: Ranks) -> str:
 
 _giving_up = threading.Lock()  # one give-up per process: the first reason is the one reported
 _watchdogs: weakref.WeakSet[StepWatchdog] = weakref.WeakSet()
+_responses_in_progress: Callable[[], int] | None = None
+
+
+def count_responses_with(count: Callable[[], int] | None) -> None:
+    """How the exit knows the clients have their errors: `count()` is the server's responses not yet ended (it is
+    read from another thread; None: no server, wait FLUSH_S)."""
+    global _responses_in_progress
+    _responses_in_progress = count
+
+
+def _flush() -> None:
+    """Wait while the server writes the errors: until no response is in progress, or FLUSH_MAX_S."""
+    count = _responses_in_progress
+    if count is None:
+        time.sleep(FLUSH_S)
+        return
+    deadline = time.monotonic() + FLUSH_MAX_S
+    while count() > 0 and time.monotonic() < deadline:
+        time.sleep(FLUSH_POLL_S)
 
 
 def give_up(message: str, tell: Tell | None, exit: Exit = os._exit) -> None:
@@ -70,7 +94,7 @@ def give_up(message: str, tell: Tell | None, exit: Exit = os._exit) -> None:
     print(f"mlxpaged: {message}; failed the requests in flight, exiting with status {EXIT_STATUS}", file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
-    time.sleep(FLUSH_S)
+    _flush()
     exit(EXIT_STATUS)
     _giving_up.release()  # only an `exit` that returns (tests) gets here
 

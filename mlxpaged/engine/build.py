@@ -175,6 +175,8 @@ def attach_disk_tier(core: EngineCore, loaded: LoadedModel, layout: ModelLayout,
         backend=backend.current(),
         # State layers' shapes and dtypes (checkpoints on disk); absent without them, so other models keep theirs.
         **({"state_leaves": tuple(repr(leaf) for leaf in layout.state_leaves)} if layout.state_leaves else {}),
+        # Quantized pages' group size (a pool's logical shape is the same for 32 and 64); absent at full precision.
+        **({"kv_group_size": kv.quantization.group_size} if kv.quantization is not None else {}),
     )
     directory = config.kv_disk_dir
     assert directory is not None  # the caller checked

@@ -61,7 +61,7 @@ class KernelVariant:
 
     @property
     def quantization(self) -> KVQuantization | None:
-        return None if self.kv_bits is None else KVQuantization(self.kv_bits, self.kv_group or 64)
+        return None if self.kv_bits is None else KVQuantization(self.kv_bits, self.kv_group)
 
 
 @dataclass(frozen=True)

@@ -125,3 +125,19 @@ def load_fast_blas() -> BlasStatus:
 
 def blas_status() -> BlasStatus:
     return load_fast_blas()
+
+
+def openblas_core() -> str | None:
+    """The kernel family the loaded OpenBLAS runs ("Haswell", "SkylakeX", ...), None without OpenBLAS. Its float
+    rounding is the family's (issue 41: Haswell's sgemm rounds a row by how many rows share the call), so bug
+    reports name it (`mlxpaged doctor`)."""
+    status = load_fast_blas()
+    if status.name != "openblas" or status.path is None:
+        return None
+    try:
+        name = ctypes.CDLL(status.path).openblas_get_corename
+    except (OSError, AttributeError):
+        return None
+    name.restype = ctypes.c_char_p
+    core = name()
+    return core.decode() if core else None

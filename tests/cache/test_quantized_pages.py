@@ -20,7 +20,7 @@ import pytest
 H, D, BS, NB = 2, 64, 8, 12
 
 
-def cache(bits: int | None = 8, group: int = 64, dtype=mx.float32, layers: int = 2, **kw) -> PagedKVCache:
+def cache(bits: int | None = 8, group: int | None = None, dtype=mx.float32, layers: int = 2, **kw) -> PagedKVCache:
     quant = None if bits is None else KVQuantization(bits, group)
     return PagedKVCache(layers, NB, BS, H, D, dtype, quantization=quant, **kw)
 
@@ -29,12 +29,12 @@ def rand(*shape, seed=0, dtype=mx.float32) -> mx.array:
     return mx.array(np.random.default_rng(seed).standard_normal(shape).astype(np.float32)).astype(dtype)
 
 
-def round_trip(x: mx.array, bits: int, group: int = 64) -> mx.array:
+def round_trip(x: mx.array, bits: int, group: int | None = None) -> mx.array:
     """As the pages quantize (group_fit.py, checked against its float64 twin in test_group_fit.py)."""
     return group_fit.round_trip(x, KVQuantization(bits, group))
 
 
-@pytest.mark.parametrize("bits,group", [(8, 64), (4, 64), (4, 32)])
+@pytest.mark.parametrize("bits,group", [(8, 32), (8, 64), (4, 64), (4, 32)])
 def test_pools_are_laid_out_as_mx_quantize_lays_them_out(bits, group):
     kv = cache(bits, group, mx.float16)
     pool = kv.key_pool(0)
@@ -116,9 +116,10 @@ def test_a_k_is_v_layer_keeps_one_quantized_pool():
 
 def test_quantized_block_bytes_hold_the_promised_token_ratios():
     full = cache(None, dtype=mx.float16).bytes_per_block
-    ratio8, ratio4 = (full / cache(b, dtype=mx.float16).bytes_per_block for b in (8, 4))
-    assert ratio8 == pytest.approx(16 / 8.5) and ratio8 >= 1.88  # 8 bits + a 16-bit scale and bias per 64
-    assert ratio4 == pytest.approx(16 / 4.5) and ratio4 >= 3.5
+    ratio8, ratio4 = (full / cache(b, dtype=mx.float16).bytes_per_block for b in (8, 4))  # each kv_bits' groups
+    assert ratio8 == pytest.approx(16 / 9) and ratio8 >= 1.77  # 8 bits + a 16-bit scale and bias per 32
+    assert ratio4 == pytest.approx(16 / 4.5) and ratio4 >= 3.5  # 4 bits + a 16-bit scale and bias per 64
+    assert full / cache(8, 64, dtype=mx.float16).bytes_per_block == pytest.approx(16 / 8.5)
 
 
 def test_widths_that_do_not_split_into_groups_are_refused_with_the_numbers():
@@ -130,6 +131,9 @@ def test_widths_that_do_not_split_into_groups_are_refused_with_the_numbers():
         CacheConfig(kv_bits=8, kv_group_size=16)
     assert CacheConfig(kv_bits=4, kv_group_size=32).quantization == KVQuantization(4, 32)
     assert CacheConfig().quantization is None
+    # Unset, each kv_bits takes its own groups: 32 at 8 bits (issue 41: cache/kv_quant.py), 64 at 4.
+    assert CacheConfig(kv_bits=8).quantization == KVQuantization(8) == KVQuantization(8, 32)
+    assert CacheConfig(kv_bits=4).quantization == KVQuantization(4) == KVQuantization(4, 64)
 
 
 @pytest.mark.parametrize("bits", [8, 4])

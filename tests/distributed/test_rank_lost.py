@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from tests.distributed.launch import free_port_run, launcher_path
+from tests.foreground import as_foreground
 from tests.tiny_models import write_tiny_llama_dir
 
 import openai
@@ -35,7 +36,7 @@ class Server:
         command += ["--no-kv-disk", *flags]
         launcher = [launcher_path(), "--backend", "ring", "-n", "2", "--starting-port", str(free_port_run(2))]
         self.process = subprocess.Popen(
-            [*launcher, "--", *command],
+            as_foreground([*launcher, "--", *command]),  # SIGINT at its default, as a terminal starts a command
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -109,13 +110,17 @@ def ask(url: str, model: str, stream: bool, outcome: list, first_tokens: threadi
         outcome.append(exc)
 
 
-def fail_a_rank_mid_request(tmp_path: Path, program: list[str], flags: list[str], stream: bool, harm) -> tuple:
-    """Serve, send a request, `harm(server, follower pid)` once it is under way; the client's outcome, the
-    server, and the seconds from the harm to the launcher's end."""
+def fail_a_rank_mid_request(
+    tmp_path: Path, program: list[str], flags: list[str], stream: bool, harm, arm=None
+) -> tuple:
+    """Serve, `arm()` (if given) just before the request, send it, `harm(server, follower pid)` once it is under
+    way; the client's outcome, the server, and the seconds from the harm to the launcher's end."""
     model_dir = write_tiny_llama_dir(tmp_path / "model", dtype="float32")
     server = Server(model_dir, program, flags)
     try:
         url, follower = server.ready()
+        if arm is not None:
+            arm()
         outcome: list = []
         first_tokens = threading.Event()
         client = threading.Thread(target=ask, args=(url, str(model_dir), stream, outcome, first_tokens), daemon=True)
@@ -164,11 +169,17 @@ def test_a_killed_follower_fails_the_stream_and_rank_0_exits_non_zero(tmp_path):
 def test_a_follower_that_quits_or_hangs_mid_pass_ends_rank_0_within_the_rank_timeout(tmp_path, how):
     """A follower gone with exit 0 after taking a plan (mlx.launch sees nothing wrong, rank 0 waits in the
     pass's collectives) or hung there: rank 0's watchdog gives up after --rank-timeout. Non-streaming: a 5xx."""
-    program = [sys.executable, str(Path(__file__).with_name("serve_rank_fails.py")), how, "8"]
+    flag = tmp_path / "request-sent"  # the follower fails on the request's third step plan (serve_rank_fails.py)
+    program = [sys.executable, str(Path(__file__).with_name("serve_rank_fails.py")), how, str(flag), "3"]
     outcome, server, took = fail_a_rank_mid_request(
-        tmp_path, program, ["--rank-timeout", str(RANK_TIMEOUT_S)], stream=False, harm=lambda server, pid: None
+        tmp_path,
+        program,
+        ["--rank-timeout", str(RANK_TIMEOUT_S)],
+        stream=False,
+        harm=lambda server, pid: None,
+        arm=flag.touch,
     )
-    assert f"FOLLOWER {how.upper()} after plan 8" in server.output
+    assert f"FOLLOWER {how.upper()} after step plan 3 of the request" in server.output, server.output[-3000:]
     error = outcome[-1]
     assert isinstance(error, openai.APIStatusError) and error.status_code >= 500, outcome[-3:]
     seen_early = (

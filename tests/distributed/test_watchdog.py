@@ -118,3 +118,34 @@ def test_a_follower_silent_rank_0_past_its_bound_exits_non_zero():
     watch.bound = 0.3  # (rather than wait out the keep-alive interval)
     assert seen.exited.wait(3.0) and seen.exits == [EXIT_STATUS]
     watch.close()
+
+
+def test_giving_up_waits_until_the_server_has_ended_its_responses(monkeypatch):
+    """The clients get their errors before the exit: give_up waits while the server counts responses in progress
+    (not a fixed second, which a loaded machine's event loop may need more than), and the wait is bounded."""
+    monkeypatch.setattr(watchdog, "FLUSH_MAX_S", 5.0)
+    seen = Recorder()
+    in_progress = [2]
+    ended = threading.Event()
+
+    def respond_later() -> None:  # the event loop writing the two errors, slowly
+        for _ in range(2):
+            time.sleep(0.3)
+            in_progress[0] -= 1
+        ended.set()
+
+    monkeypatch.setattr(watchdog, "_giving_up", threading.Lock())
+    watchdog.count_responses_with(lambda: in_progress[0])
+    try:
+        threading.Thread(target=respond_later, daemon=True).start()
+        started = time.monotonic()
+        watchdog.give_up("a rank is gone", seen.tell, exit=seen.exit)
+        took = time.monotonic() - started
+        assert ended.is_set() and seen.exits == [EXIT_STATUS] and 0.5 <= took < 3.0, took
+        monkeypatch.setattr(watchdog, "FLUSH_MAX_S", 0.4)  # a response that never ends: the exit still comes
+        in_progress[0] = 1
+        started = time.monotonic()
+        watchdog.give_up("a rank is gone", seen.tell, exit=seen.exit)
+        assert seen.exits == [EXIT_STATUS] * 2 and 0.4 <= time.monotonic() - started < 2.0
+    finally:
+        watchdog.count_responses_with(None)

@@ -21,6 +21,7 @@ from pathlib import Path
 from mlxpaged.engine.engine_thread import Abort, Add, _fail_queued
 from mlxpaged.engine.output_processor import EngineClosedError
 from mlxpaged.sampling_params import SamplingParams
+from tests.foreground import as_foreground
 from tests.tiny_models import random_tokens, tiny_llama
 
 import pytest
@@ -71,8 +72,12 @@ def processes(body: str, runs: int = RUNS) -> Iterator[list[subprocess.Popen]]:
     """`runs` copies of the script, started at once; any still alive afterwards (a failed test) are killed."""
     code = PRELUDE + textwrap.dedent(body)
     procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        subprocess.Popen(  # as a terminal starts it: the Ctrl-C test needs SIGINT at its default
+            as_foreground([sys.executable, "-c", code]),
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         for _ in range(runs)
     ]

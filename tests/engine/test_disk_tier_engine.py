@@ -113,6 +113,11 @@ def test_quantized_pages_answer_from_disk_with_their_cold_tokens(tokenizer, tmp_
     with disk_engine(model, tokenizer, tmp_path / "m", tmp_path / "kv", kv_bits=12 - bits) as other:
         other.generate(prompt, GREEDY)
         assert other.stats()["disk_hit_tokens"] == 0
+    # Nor does the same kv_bits in other groups: a pool's logical shape is the same for groups of 32 and 64.
+    other_groups = 96 - second.kv.quantization.group_size
+    with disk_engine(model, tokenizer, tmp_path / "m", tmp_path / "kv", kv_bits=bits, kv_group_size=other_groups) as e:
+        e.generate(prompt, GREEDY)
+        assert e.stats()["disk_hit_tokens"] == 0
 
 
 def test_a_corrupt_block_file_ends_the_disk_hit_there_with_a_warning(model, tokenizer, tmp_path):

@@ -13,7 +13,7 @@ from mlxpaged.errors import ConfigError
 from mlxpaged.kernels import cpu_attention, quantized_attention
 from mlxpaged.platform import backend
 from mlxpaged.sampling_params import SamplingParams
-from tests.archs.quantized_reference import quantized_greedy
+from tests.archs.quantized_reference import assert_equal_up_to_near_ties, assert_greedy_matches
 from tests.engine.test_engine import GREEDY, assert_pool_empty, tiny_engine, tokenizer  # noqa: F401
 from tests.engine.test_speculative import oracle
 from tests.tiny_models import random_tokens, tiny_llama
@@ -25,16 +25,20 @@ from mlx_lm.models.cache import QuantizedKVCache
 PROMPTS = [random_tokens(n, seed=s) for s, n in enumerate((30, 9, 21))]
 
 
-def qkv_cache_greedy(model, prompt: list[int], max_tokens: int, bits: int, group: int = 64) -> list[int]:
-    """mlx-lm's own QuantizedKVCache from the first token (the prompt fed token by token)."""
+def qkv_cache_greedy(model, prompt: list[int], max_tokens: int, bits: int, group: int) -> tuple[list[int], list]:
+    """mlx-lm's own QuantizedKVCache from the first token (the prompt fed token by token): greedy tokens and
+    each step's top-2 log-prob gap."""
     cache = [QuantizedKVCache(group_size=group, bits=bits) for _ in model.layers]
     for token in prompt[:-1]:
         model(mx.array([[token]]), cache=cache)
-    out, last = [], prompt[-1]
+    out, gaps, last = [], [], prompt[-1]
     for _ in range(max_tokens):
-        last = int(mx.argmax(model(mx.array([[last]]), cache=cache)[0, -1]).item())
+        logits = model(mx.array([[last]]), cache=cache)[0, -1]
+        top2 = mx.sort(logits - mx.logsumexp(logits))[-2:].tolist()
+        last = int(mx.argmax(logits).item())
         out.append(last)
-    return out
+        gaps.append(top2[1] - top2[0])
+    return out, gaps
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +46,7 @@ def model():
     return tiny_llama(head_dim=64)
 
 
-@pytest.mark.parametrize("bits,group", [(8, 64), (4, 64), (4, 32)])
+@pytest.mark.parametrize("bits,group", [(8, 32), (8, 64), (4, 64), (4, 32)])
 def test_ragged_batch_equals_mlx_lm_over_quantized_kv(model, tokenizer, bits, group):
     scored = dataclasses.replace(GREEDY, logprobs=True)
     with tiny_engine(model, tokenizer, kv_bits=bits, kv_group_size=group) as engine:
@@ -54,48 +58,68 @@ def test_ragged_batch_equals_mlx_lm_over_quantized_kv(model, tokenizer, bits, gr
         assert_pool_empty(engine)
         transform = engine.kv.transform  # 4-bit pages: K/V in calibrated coordinates (kv_transform.py)
     assert (transform is not None) == (bits == 4)
-    assert got == [quantized_greedy(model, p, GREEDY.max_tokens, bits, group, transform=transform)[0] for p in PROMPTS]
+    # Up to near-ties: the engine prefills the three prompts in one ragged pass, the twins one prompt a pass.
+    assert_greedy_matches(got, model, PROMPTS, bits, group_size=group, transform=transform)
     if transform is None:  # mlx-lm's QuantizedKVCache stores K/V as the model gives them
-        assert got == [qkv_cache_greedy(model, p, GREEDY.max_tokens, bits, group) for p in PROMPTS]
+        mlx_lm_own = [qkv_cache_greedy(model, p, GREEDY.max_tokens, bits, group) for p in PROMPTS]
+        assert_equal_up_to_near_ties(got, mlx_lm_own, bits)
     with tiny_engine(model, tokenizer) as full:  # and quantization did change something
         plain = full.generate(PROMPTS, scored)
     changed = [c.logprobs != pytest.approx(f.logprobs, abs=1e-5) for c, f in zip(completions, plain, strict=True)]
     assert any(changed)
 
 
-@pytest.mark.parametrize("bits,group", [(8, 64), (4, 64), (4, 32)])
-def test_the_cpu_paths_unpacked_levels_give_the_quantized_matmuls_tokens(model, tokenizer, bits, group, monkeypatch):
+@pytest.mark.parametrize("bits,group", [(8, 32), (8, 64), (4, 64), (4, 32)])
+def test_the_cpu_paths_unpacked_levels_give_the_quantized_matmuls_output_over_the_engines_own_pages(
+    model, tokenizer, bits, group, monkeypatch
+):
     """The CPU path's decode over quantized pages (integer levels through float32 matmuls; 4-bit at every length
-    here) against its twin, the reference path's quantized matmuls: the same greedy tokens and log-probs, batched
-    (eager passes) and batch 1 (the compiled pass)."""
-    scored = dataclasses.replace(GREEDY, logprobs=True)
-    monkeypatch.setenv("MLXPAGED_ATTENTION", "reference")
-    with tiny_engine(model, tokenizer, kv_bits=bits, kv_group_size=group) as twin:
-        want = twin.generate(PROMPTS, scored) + [twin.generate([p], scored)[0] for p in PROMPTS]
+    here) against its twin, the reference path's quantized matmuls, over the same pages: at every decode call of a
+    real run (batched, then batch 1), both forms attend the engine's own pages and must agree to float32 rounding.
+
+    Not two engines side by side: their pages differ. The forms differ by ~1e-7 in a layer's output, and a K/V
+    element near a level boundary then rounds to the other level when the next token is written (4-bit: log-probs
+    0.09 apart after a few tokens under OpenBLAS's Haswell kernels, issue 41), so two runs compare their
+    rounding, not the forms. tests/kernels/test_quantized_unpacked.py compares them on random pages too."""
     monkeypatch.setenv("MLXPAGED_ATTENTION", "cpu")
+    monkeypatch.setenv("MLXPAGED_COMPILE", "0")  # eager passes: each call's output can be read where it is made
+    monkeypatch.setattr(quantized_attention, "UNPACKED_4BIT_MIN_KEYS", 0)
+    errors: list[float] = []
+    real = cpu_attention.attend_quantized_unpacked
+
+    def both_forms(q, k_pages, v_pages, rows, mask, scale, sinks=None):
+        unpacked = real(q, k_pages, v_pages, rows, mask, scale, sinks)
+        twin = quantized_attention.attend_quantized_pages(q, k_pages, v_pages, rows, mask, scale, sinks)
+        errors.append((mx.abs(unpacked - twin).max() / mx.maximum(mx.abs(twin).max(), 1.0)).item())
+        return unpacked
+
+    monkeypatch.setattr(cpu_attention, "attend_quantized_unpacked", both_forms)
+    with tiny_engine(model, tokenizer, kv_bits=bits, kv_group_size=group) as engine:
+        assert engine.built.attention.status()["path"] == "cpu" and engine.kv.quantization.group_size == group
+        batched = engine.generate(PROMPTS, GREEDY)
+        calls = len(errors)
+        alone = [engine.generate([p], GREEDY)[0] for p in PROMPTS]
+        assert_pool_empty(engine)
+    assert calls >= GREEDY.max_tokens and len(errors) >= calls + len(PROMPTS) * GREEDY.max_tokens  # every layer too
+    assert max(errors) < 1e-5, max(errors)  # relative to the call's largest output (float32 sums over 64-256 keys)
+    assert all(len(c.token_ids) == GREEDY.max_tokens for c in batched + alone)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_eager_decode_equals_the_compiled_pass(model, tokenizer, bits, monkeypatch):
+    """The compiled decode pass (the unpacked levels traced into it on the CPU path) gives the eager passes' tokens:
+    the same code over the same pages, fused."""
     monkeypatch.setattr(quantized_attention, "UNPACKED_4BIT_MIN_KEYS", 0)
     calls = []
     real = cpu_attention.attend_quantized_unpacked
     monkeypatch.setattr(cpu_attention, "attend_quantized_unpacked", lambda *a, **k: calls.append(1) or real(*a, **k))
-    with tiny_engine(model, tokenizer, kv_bits=bits, kv_group_size=group) as engine:
-        assert engine.built.attention.status()["path"] == "cpu" and engine.runner.decoder is not None
-        got = engine.generate(PROMPTS, scored) + [engine.generate([p], scored)[0] for p in PROMPTS]
-    assert calls  # the unpacked form attended
-    assert [c.token_ids for c in got] == [c.token_ids for c in want]
-    # Log-probs within 1e-2, not float32 rounding: the two forms differ by ~1e-7 in a layer's output, and a K/V
-    # element that lies near a level boundary then rounds to the other level when the next token is written
-    # (seen: 1.2e-3 at 4 bits; 3.0e-2 at 4 bits in calibrated coordinates, kv_transform.py, whose rotation spreads
-    # a flipped level over the whole row). tests/kernels/test_quantized_unpacked.py compares them over the same
-    # pages to 1e-5.
-    for c, w in zip(got, want, strict=True):
-        assert c.logprobs == pytest.approx(w.logprobs, abs=1e-2 if bits == 8 else 6e-2)
-
-
-def test_eager_decode_equals_the_compiled_pass(model, tokenizer, monkeypatch):
-    with tiny_engine(model, tokenizer, kv_bits=8) as engine:
+    with tiny_engine(model, tokenizer, kv_bits=bits) as engine:
+        assert engine.runner.decoder is not None
         compiled = [c.token_ids for c in engine.generate(PROMPTS, GREEDY)]
+        on_cpu_path = engine.built.attention.status()["path"] == "cpu"
+    assert bool(calls) == on_cpu_path
     monkeypatch.setenv("MLXPAGED_COMPILE", "0")
-    with tiny_engine(model, tokenizer, kv_bits=8) as engine:
+    with tiny_engine(model, tokenizer, kv_bits=bits) as engine:
         assert engine.runner.decoder is None
         assert [c.token_ids for c in engine.generate(PROMPTS, GREEDY)] == compiled
 
@@ -133,11 +157,11 @@ def test_a_hybrid_window_model_equals_its_quantized_twin(tokenizer):
     with tiny_engine(hybrid, tokenizer, kv_bits=8) as engine:
         got = [c.token_ids for c in engine.generate(PROMPTS, GREEDY)]
         assert {spec.window for spec in engine.kv.specs} == {None, 8}  # window and full layers
-    assert got == [quantized_greedy(hybrid, p, GREEDY.max_tokens, 8)[0] for p in PROMPTS]
+    assert_greedy_matches(got, hybrid, PROMPTS, 8)
 
 
 def test_a_head_width_that_groups_cannot_split_is_refused_before_the_pools(tokenizer):
-    with pytest.raises(ConfigError, match=r"widths include 16 .*multiple of 64"):
+    with pytest.raises(ConfigError, match=r"widths include 16 .*multiple of 32"):  # 8-bit pages: groups of 32
         tiny_engine(tiny_llama(), tokenizer, kv_bits=8)
 
 
@@ -150,7 +174,7 @@ def test_gpu_paths_keep_no_full_precision_tail_and_equal_the_twin(model, tokeniz
         assert not engine.runner.defers and engine.runner.decoder is None
         assert engine.built.attention.status()["path"] in ("fused", "reference")
         got = [c.token_ids for c in engine.generate(PROMPTS, GREEDY)]
-    assert got == [quantized_greedy(model, p, GREEDY.max_tokens, 8)[0] for p in PROMPTS]
+    assert_greedy_matches(got, model, PROMPTS, 8)
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ from mlxpaged.loading.probe import probe_layout
 from mlxpaged.runner.kv_calibration import calibrate_kv_transform
 from mlxpaged.runner.prompt_scoring import token_logprobs
 from mlxpaged.runner.routing import route_paged_attention
-from tests.archs.quantized_reference import quantized_greedy
+from tests.archs.quantized_reference import assert_greedy_matches
 from tests.engine.test_disk_tier_engine import disk_engine
 from tests.engine.test_engine import GREEDY, tiny_engine, tokenizer  # noqa: F401
 from tests.msl.quantized_oracle import dequantize64
@@ -169,7 +169,7 @@ def test_engine_on_4_bit_pages_equals_mlx_lm_over_the_same_coordinates(model, to
         got = [c.token_ids for c in engine.generate(PROMPTS, GREEDY)]
         transform = engine.kv.transform
     assert transform is not None
-    assert got == [quantized_greedy(model, p, GREEDY.max_tokens, 4, 64, transform=transform)[0] for p in PROMPTS]
+    assert_greedy_matches(got, model, PROMPTS, 4, group_size=64, transform=transform)
 
 
 def test_the_disk_fingerprint_names_the_coordinates(model, tokenizer, tmp_path, monkeypatch):

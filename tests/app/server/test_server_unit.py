@@ -567,3 +567,25 @@ def test_serve_max_model_len_reaches_the_engine_settings_only_when_given():
     given = cache_settings(parser.parse_args(["--max-model-len", "16384"]))
     assert given["max_model_len"] == 16384 and split_settings(given)[1].max_model_len == 16384
     assert "max_model_len" not in cache_settings(parser.parse_args([]))
+
+
+@pytest.mark.asyncio
+async def test_responses_in_progress_are_counted_until_each_ends():
+    """What rank 0 giving up on a lost rank waits on before it exits (distributed/watchdog.py): a request held by the
+    engine counts until its response has ended, an error response too."""
+    engine = FakeEngine()
+    engine.gate.clear()
+    app = create_app(engine, ServerConfig())
+    state = app.state.server
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+        held = asyncio.create_task(client.post("/v1/chat/completions", json=CHAT))
+        for _ in range(200):
+            if engine.submitted:
+                break
+            await asyncio.sleep(0.01)
+        assert state.responses_in_progress == 1
+        assert (await client.post("/v1/chat/completions", json={"messages": []})).status_code == 400
+        assert state.responses_in_progress == 1  # the error ended, the held request did not
+        engine.gate.set()
+        assert (await held).status_code == 200
+    assert state.responses_in_progress == 0
