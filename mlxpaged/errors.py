@@ -156,3 +156,13 @@ class InputTooLongError(EmbeddingInputError):
             param="input",
         )
         self.index, self.tokens, self.limit = index, tokens, limit
+
+
+class ImageInputError(MlxpagedError, ValueError):
+    """An image a request cannot take: undecodable or truncated data, an unsupported format, too many images or
+    pixels, a URL that failed or is too large, a path outside the allowed directory. `param` is "images"."""
+
+
+class ImagesNotSupportedError(ImageInputError):
+    """Images sent to a model that takes none (a text model), or where the vision extra is not installed: the
+    message names the model, or the install command."""

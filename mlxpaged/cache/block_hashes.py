@@ -35,8 +35,9 @@ class BlockHashes:
     def __init__(self, block_size: int, hash_fn: HashFn, extra_key: object, max_recent: int = MAX_RECENT):
         self.block_size, self.hash_fn, self.extra_key = block_size, hash_fn, extra_key
         self._memo: weakref.WeakKeyDictionary[Request, list[Hashable]] = weakref.WeakKeyDictionary()
-        # (parent hash, token ids) -> hash of the blocks hashed lately, any request's; emptied when full.
-        self._recent: dict[tuple[Hashable | None, tuple], Hashable] = {}
+        # (parent hash, token ids, image digests) -> hash of the blocks hashed lately, any request's; emptied when
+        # full.
+        self._recent: dict[tuple[Hashable | None, tuple, tuple], Hashable] = {}
         self.max_recent = max_recent
 
     def iter(self, request: Request, start: int = 0, stop: int | None = None) -> Iterator[Hashable]:
@@ -68,10 +69,15 @@ class BlockHashes:
 
     def _hash(self, request: Request, index: int, parent: Hashable | None) -> Hashable:
         bs = self.block_size
-        key = (parent, tuple(request.token_ids_between(index * bs, (index + 1) * bs)))
+        tokens = tuple(request.token_ids_between(index * bs, (index + 1) * bs))
+        images = request.block_images(index, bs) if request.images else ()
+        key = (parent, tokens, images)
         block_hash = self._recent.get(key)
         if block_hash is None:
             if len(self._recent) >= self.max_recent:
                 self._recent.clear()  # a miss only costs a hash again
-            block_hash = self._recent[key] = self.hash_fn(*key, self.extra_key)
+            # A block where an image starts hashes its digest too (the image's tokens are the same for any
+            # image of its size); text blocks keep the hash they always had.
+            extra = (self.extra_key, images) if images else self.extra_key
+            block_hash = self._recent[key] = self.hash_fn(parent, tokens, extra)
         return block_hash

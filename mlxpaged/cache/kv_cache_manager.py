@@ -369,9 +369,9 @@ class KVCacheManager:
                 self.pool.cache_full_block(table[i], block_hash)
             chain.block_hashes.append(block_hash)
         start = len(chain.block_hashes) * bs  # == computed // bs * bs
-        chain.partial = (
-            (table[start // bs], tuple(request.token_ids_between(start, computed))) if computed > start else None
-        )
+        # A partial block is kept by its tokens only: not one where an image starts (another image, same tokens).
+        partial = computed > start and not request.images_start_between(start, computed)
+        chain.partial = (table[start // bs], tuple(request.token_ids_between(start, computed))) if partial else None
 
     def block_hash(self, request_id: Hashable, num_blocks: int) -> Hashable | None:
         """The chain hash of the request's first `num_blocks` blocks, once they are cached (else None)."""
@@ -434,6 +434,8 @@ class KVCacheManager:
         prefix filter: state layers resume from checkpoints at block boundaries only (state_cache.py)."""
         start, last = len(hashes) * self.block_size, request.num_tokens - 1
         if not self.enable_prefix_cache or self.prefix_filter is not None or start >= last:
+            return None
+        if request.images_start_between(start, last):  # a partial block is keyed by its tokens only
             return None
         return self.pool.match_partial_block(hashes[-1] if hashes else None, request.token_ids_between(start, last))
 

@@ -24,7 +24,7 @@ from mlxpaged.engine.drafting import Speculator
 from mlxpaged.engine.kv_tiering import KVTiering
 from mlxpaged.engine.metrics import StatsCounter
 from mlxpaged.engine.output_processor import OutputProcessor, split_results
-from mlxpaged.engine.request import Request
+from mlxpaged.engine.request import ImageSpan, Request
 from mlxpaged.engine.scheduler import Scheduler
 from mlxpaged.errors import ConfigError
 from mlxpaged.runner.model_runner import Runner
@@ -154,9 +154,18 @@ class EngineCore:
             )
             self.runner.decoder = None
 
-    def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams, sink) -> None:
-        """Queue a request; its events (StreamDelta, or an exception) go to `sink`. Raises on bad input."""
-        request = Request(request_id, token_ids, params.max_tokens)
+    def add_request(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        sink,
+        images: tuple[ImageSpan, ...] = (),
+        multimodal: object | None = None,
+    ) -> None:
+        """Queue a request; its events (StreamDelta, or an exception) go to `sink`. Raises on bad input. A prompt
+        with images comes with where they are and what its prefill is fed (engine/request.py)."""
+        request = Request(request_id, token_ids, params.max_tokens, images=images, multimodal=multimodal)
         self.scheduler.add_request(request)
         self.outputs.add(request, params, sink)
 

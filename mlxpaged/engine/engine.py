@@ -32,7 +32,12 @@ from mlxpaged.engine.build import BuiltCore, build_core
 from mlxpaged.engine.drafting import SpeculationStats
 from mlxpaged.engine.metrics import StatsCounter
 from mlxpaged.engine.shutdown import STEP_TIMEOUT_S
-from mlxpaged.errors import ConfigError, EngineClosedError, RequestFailedError  # noqa: F401  (re-exported)
+from mlxpaged.errors import (  # noqa: F401  (re-exported)
+    ConfigError,
+    EngineClosedError,
+    ImagesNotSupportedError,
+    RequestFailedError,
+)
 from mlxpaged.loading.checkpoint import facts_before_load
 from mlxpaged.loading.generation_defaults import GenerationDefaults, load_defaults
 from mlxpaged.loading.loader import LoadedModel, chat_prompt, load_local, locate_model
@@ -41,9 +46,14 @@ from mlxpaged.outputs import Completion, StreamDelta, collect, drain
 from mlxpaged.platform import backend
 from mlxpaged.platform.memory import DeviceFacts, plan_memory
 from mlxpaged.sampling_params import SamplingParams
+from mlxpaged.vision.embedding import PromptEmbedding
+from mlxpaged.vision.prompt import ImagePrompt
+
+Prompt = str | Sequence[int] | ImagePrompt  # what submit, generate and stream take
 
 if TYPE_CHECKING:
     from mlxpaged.constraints import GrammarCompiler
+    from mlxpaged.vision.loading import VisionParts
 
 
 class Engine:
@@ -174,17 +184,37 @@ class Engine:
         return self.kv_manager.pool
 
     # --- public API ----------------------------------------------------------------------------
-    def submit(self, prompt: str | Sequence[int], params: SamplingParams | None, sink: Callable[[object], None]) -> str:
-        """Queue a request; events (StreamDelta, or an exception) go to `sink` from the engine thread."""
+    def submit(self, prompt: Prompt, params: SamplingParams | None, sink: Callable[[object], None]) -> str:
+        """Queue a request; events (StreamDelta, or an exception) go to `sink` from the engine thread. A prompt is
+        text, token ids, or an ImagePrompt (vision/prompt.py: a vision-language model's prompt with images)."""
         if self._closed:
             raise EngineClosedError("the engine is closed")
         params = params or SamplingParams()
+        images: tuple = ()
+        multimodal = None
+        if isinstance(prompt, ImagePrompt):
+            images, multimodal = prompt.images, self._image_inputs(prompt)
+            prompt = prompt.token_ids
         tokens = self._tokenize(prompt)
         self._check_token_ids("logit_bias", params.logit_bias)
         self._check_fits(len(tokens), params.max_tokens)
         request_id = f"req-{next(self._ids)}"
-        self._commands.put(engine_thread.Add(request_id, tokens, params, sink))
+        self._commands.put(engine_thread.Add(request_id, tokens, params, sink, images, multimodal))
         return request_id
+
+    def _image_inputs(self, prompt: ImagePrompt) -> PromptEmbedding:
+        """What the engine thread feeds the prompt's prefill: the model computes it there, on first use."""
+        if self.core.runner.mirror is not None:
+            raise ConfigError("images across mlx.launch ranks are not supported yet", param="images")
+        return PromptEmbedding(self._vision().model, prompt.token_ids, prompt.arrays)
+
+    def _vision(self) -> VisionParts:
+        """The model's vision parts; ImagesNotSupportedError naming the model when it takes no images."""
+        if self.loaded.vision is None:
+            raise ImagesNotSupportedError(
+                f"model {self.loaded.name!r} takes no images: it is a text model", param="images"
+            )
+        return self.loaded.vision
 
     def generate(
         self, prompts: str | Sequence[int] | list, params: SamplingParams | Sequence[SamplingParams] | None = None
@@ -192,7 +222,7 @@ class Engine:
         """Run prompts (text or token-id lists) concurrently; return their completions in order
         (with n > 1, a prompt's n completions follow each other, by index).
         `params` is one SamplingParams for all prompts, or one per prompt."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str | ImagePrompt) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         per_prompt = [params] * len(prompts) if params is None or isinstance(params, SamplingParams) else list(params)
         if len(per_prompt) != len(prompts):
@@ -212,12 +242,25 @@ class Engine:
         return out
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None) -> Completion:
-        return self.generate([self.chat_tokens(messages)], params)[0]
+        """Reply to `messages` (content a string, or parts: {"type": "text", "text": ...} and, for a
+        vision-language model, {"type": "image", "image": <a path, bytes, a data URL or a PIL image>})."""
+        return self.generate([self.chat_prompt(messages)], params)[0]
+
+    def chat_prompt(self, messages: list[dict]) -> Prompt:
+        """The prompt `messages` make with the model's chat template: token ids, or an ImagePrompt when they
+        hold images (vision/chat.py)."""
+        from mlxpaged.vision.chat import has_images
+
+        if not has_images(messages):
+            return self.chat_tokens(messages)
+        from mlxpaged.vision.chat import chat_image_prompt
+
+        return chat_image_prompt(self._vision(), messages)
 
     def chat_tokens(self, messages: list[dict]) -> list[int]:
         return chat_prompt(self.tokenizer, messages)
 
-    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Iterator[StreamDelta]:
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[StreamDelta]:
         """Yield deltas as tokens arrive. Closing the iterator early aborts the request."""
         sink: queue.Queue = queue.Queue()
         request_id = self.submit(prompt, params, sink.put)
@@ -230,9 +273,7 @@ class Engine:
             if remaining:
                 self.abort(request_id)
 
-    async def astream(
-        self, prompt: str | Sequence[int], params: SamplingParams | None = None
-    ) -> AsyncIterator[StreamDelta]:
+    async def astream(self, prompt: Prompt, params: SamplingParams | None = None) -> AsyncIterator[StreamDelta]:
         """Async version of stream(); cancelling the consuming task aborts the request."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from mlxpaged.engine import shutdown
 from mlxpaged.engine.core import EngineCore
+from mlxpaged.engine.request import ImageSpan
 from mlxpaged.errors import EngineClosedError
 from mlxpaged.platform.memory import MemoryPlan, wired_limit
 from mlxpaged.sampling_params import SamplingParams
@@ -27,12 +28,15 @@ IDLE_WAIT_S = 0.5  # how long an idle engine thread waits for a command before l
 
 @dataclass(frozen=True)
 class Add:
-    """Start a request; its events (StreamDelta, or an exception) go to `sink`."""
+    """Start a request; its events (StreamDelta, or an exception) go to `sink`. A prompt with images: where they
+    are and what its prefill is fed (engine/request.py)."""
 
     request_id: str
     token_ids: list[int]
     params: SamplingParams
     sink: Callable[[object], None]
+    images: tuple[ImageSpan, ...] = ()
+    multimodal: object | None = None
 
 
 @dataclass(frozen=True)
@@ -140,7 +144,9 @@ def apply(core: EngineCore, command: Command) -> bool:
         return False
     if isinstance(command, Add):
         try:
-            core.add_request(command.request_id, command.token_ids, command.params, command.sink)
+            core.add_request(
+                command.request_id, command.token_ids, command.params, command.sink, command.images, command.multimodal
+            )
         except Exception as exc:
             command.sink(exc)
     elif isinstance(command, Abort):

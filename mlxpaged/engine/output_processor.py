@@ -76,12 +76,19 @@ class OutputProcessor:
         forks waiting for its prompt."""
         caller_id = request.request_id
         tracked = self._new(request, params, sink, 0, caller_id)
-        tokens = request.prompt_token_ids
-        tracked.forks = [
-            self._new(Request(f"{caller_id}.{i}", tokens, params.max_tokens), params, sink, i, caller_id)
-            for i in range(1, params.n)
-        ]
+        tracked.forks = [self._new(self._fork_of(request, i), params, sink, i, caller_id) for i in range(1, params.n)]
         self._tracked[caller_id] = tracked
+
+    @staticmethod
+    def _fork_of(request: Request, index: int) -> Request:
+        """Sequence `index` of an n > 1 request: the same prompt (its images too), its own id and tokens."""
+        return Request(
+            f"{request.request_id}.{index}",
+            request.prompt_token_ids,
+            request.max_tokens,
+            images=request.images,
+            multimodal=request.multimodal,
+        )
 
     def _new(self, request: Request, params: SamplingParams, sink, index: int, caller_id: str) -> Tracked:
         sampler = make_state(params, request, sequence_index=index)

@@ -33,6 +33,16 @@ _FINISHED = frozenset(
 )
 
 
+@dataclass(frozen=True)
+class ImageSpan:
+    """One image's tokens in a prompt: where they start, how many, and the image's content digest (what the
+    prefix cache tells images apart by: the same tokens with another image are other blocks)."""
+
+    start: int
+    length: int
+    digest: str
+
+
 @dataclass(eq=False)
 class Request:
     request_id: str
@@ -44,6 +54,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
     state_slot: int | None = None  # its state slot while running, for models with state layers
+    images: tuple[ImageSpan, ...] = ()  # the prompt's images, in order (vision-language models)
+    # What the runner feeds for the prompt's image positions (vision/embedding.py); opaque to the scheduler.
+    multimodal: object | None = None
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -65,3 +78,13 @@ class Request:
         if start >= n_prompt:
             return self.output_token_ids[start - n_prompt : end - n_prompt]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - n_prompt]
+
+    def block_images(self, index: int, block_size: int) -> tuple[str, ...]:
+        """Digests of the images whose first token lies in block `index`: part of that block's hash, so the
+        chain of every block from there on names the image too."""
+        start = index * block_size
+        return tuple(image.digest for image in self.images if start <= image.start < start + block_size)
+
+    def images_start_between(self, start: int, end: int) -> bool:
+        """True when an image's first token lies in positions [start, end)."""
+        return any(start <= image.start < end for image in self.images)

@@ -429,6 +429,10 @@ class Scheduler:
             # End a prefill at the prompt's last block boundary, so its state is checkpointed there.
             boundary = (num_tokens - 1) // self.kv_manager.block_size * self.kv_manager.block_size
             end = boundary if start < boundary < end else end
+        if request.images and start < len(request.prompt_token_ids) < end:
+            # A prompt with images prefills from its merged embeddings, which end with the prompt: the tokens a
+            # preempted request had generated go in the next chunk (vision/embedding.py).
+            end = len(request.prompt_token_ids)
         return ScheduledChunk(
             request,
             start,

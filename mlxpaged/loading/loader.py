@@ -10,6 +10,7 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mlxpaged.cache.layout import ModelLayout
 from mlxpaged.cache.paged_support import unsupported_reasons
@@ -18,6 +19,7 @@ from mlxpaged.loading.model_store import ModelRef, provision, resolve
 from mlxpaged.loading.progress import Progress
 from mlxpaged.platform.backend import current as current_backend
 from mlxpaged.platform.backend import tuning
+from mlxpaged.vision.checkpoint import loads_with_images
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -25,6 +27,9 @@ from mlx_lm import stream_generate
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load as mlx_lm_load
+
+if TYPE_CHECKING:
+    from mlxpaged.vision.loading import VisionParts
 
 
 @dataclass
@@ -35,6 +40,9 @@ class LoadedModel:
     path: Path
     dtype: str  # as loaded: "float32" on the CPU backend, the checkpoint's ("bfloat16", ...) on a GPU
     config: dict  # the model's config.json
+    # A vision-language model: its vision tower and processor (vision/loading.py); `model` is then its language
+    # model as the engine runs it (vision/language.py). None: a text model.
+    vision: VisionParts | None = None
 
     @property
     def name(self) -> str:
@@ -62,12 +70,27 @@ def load_model(name: str | None = None, progress: Progress | None = None) -> Loa
 def load_local(ref: ModelRef, path: Path, backend: str | None = None, lazy: bool = False) -> LoadedModel:
     """Load a provisioned model; `backend` ("cpu", "metal" or "cuda"; default: platform.backend.current())
     picks the dtypes: a GPU keeps the checkpoint's (bf16, fp16, quantized), the CPU makes half types float32.
-    `lazy`: weights are read when first evaluated (a rank of a distributed engine shards first: only its share)."""
+    `lazy`: weights are read when first evaluated (a rank of a distributed engine shards first: only its share).
+    A vision-language checkpoint loads through mlx-vlm where it can (vision/loading.py), else as a text model."""
+    config = json.loads((path / "config.json").read_text())
+    if not lazy and loads_with_images(config):
+        return _load_vision(ref, path, config, backend)
     loaded = mlx_lm_load(str(path), lazy=lazy)  # typed as its 2- or 3-tuple (return_config): the first two are these
     model, tokenizer = loaded[0], loaded[1]
     fit_dtypes(model, backend)
-    config = json.loads((path / "config.json").read_text())
     return LoadedModel(model, tokenizer, ref, path, dtype_name(weights_dtype(model)), config)
+
+
+def _load_vision(ref: ModelRef, path: Path, config: dict, backend: str | None) -> LoadedModel:
+    from mlxpaged.vision.loading import load_vision_model, vision_parts
+
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    vlm, processor = load_vision_model(path)
+    fit_dtypes(vlm, backend)  # the tower too: the CPU computes in float32
+    model, vision = vision_parts(vlm, processor)
+    tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    return LoadedModel(model, tokenizer, ref, path, dtype_name(weights_dtype(model)), config, vision=vision)
 
 
 def fit_dtypes(model: nn.Module, backend: str | None = None) -> None:
@@ -79,10 +102,15 @@ def fit_dtypes(model: nn.Module, backend: str | None = None) -> None:
 
 def unweighted_model(model_dir: Path) -> nn.Module:
     """mlx-lm's model for `model_dir`'s config.json, never given weights: its parameters are lazy
-    (random init, never evaluated), so building it costs no memory. For reading shapes and caches."""
+    (random init, never evaluated), so building it costs no memory. For reading shapes and caches. A
+    vision-language checkpoint that loads with its images: its language model as the engine runs it."""
     from mlx_lm.utils import _get_classes, load_config  # load_model's own class lookup
 
     config = load_config(model_dir)
+    if loads_with_images(config):
+        from mlxpaged.vision.loading import unweighted_vision_model
+
+        return unweighted_vision_model(model_dir)
     model_class, args_class = _get_classes(config)
     return model_class(args_class.from_dict(config))
 

@@ -167,7 +167,8 @@ def _recording(rec: _Recorder):
     modules = [
         m
         for name, m in loaded
-        if name.startswith("mlx_lm.models.") and callable(getattr(m, "scaled_dot_product_attention", None))
+        if name.startswith(("mlx_lm.models.", "mlx_vlm.models."))  # mlx-vlm's language models (vision/language.py)
+        and callable(getattr(m, "scaled_dot_product_attention", None))
     ]
     originals = {m: m.scaled_dot_product_attention for m in modules}
     fast = mx.fast.scaled_dot_product_attention

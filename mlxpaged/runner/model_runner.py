@@ -35,6 +35,7 @@ from mlxpaged.runner.passes import StepInput, logit_positions, prefill_passes, s
 from mlxpaged.runner.routing import is_routed
 from mlxpaged.runner.sampling import LazySample, SampleResult, sample_batch
 from mlxpaged.runner.sampling_rows import SamplingRows
+from mlxpaged.vision.embedding import chunk_embedding
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -238,6 +239,7 @@ class Runner:
                     c.samples,
                     state_slot=c.state_slot,
                     num_logits=len(c.drafts) + 1 if c.samples else 1,
+                    embedding=chunk_embedding(c.request, c.start, len(c.token_ids)),
                 )
                 for c in chunks
             ]
@@ -330,7 +332,7 @@ class Runner:
         waits for them."""
         if self.mirror is not None:
             self.mirror.before_step(inputs)
-        decode = [i for i, x in enumerate(inputs) if len(x.token_ids) == 1]
+        decode = [i for i, x in enumerate(inputs) if len(x.token_ids) == 1 and x.embedding is None]
         if self.serial:
             passes = [[i] for i in range(len(inputs))]
         elif self.state_store is not None:
@@ -361,7 +363,7 @@ class Runner:
     def _compiled_pass(self, batch: list[StepInput], length: int) -> bool:
         """A decode pass, or a verify chunk (every position's logits) of at most COMPILED_VERIFY_MAX_TOKENS,
         at a batch size that compiles: the compiled pass returns every position's logits."""
-        if not self.compiles(len(batch)):
+        if not self.compiles(len(batch)) or any(x.embedding is not None for x in batch):
             return False
         return length == 1 or (
             length <= COMPILED_VERIFY_MAX_TOKENS and all(x.num_logits == len(x.token_ids) == length for x in batch)
@@ -419,6 +421,10 @@ class Runner:
             state_pass = StatePass(self.state_store, slots, num_new)
         views = cache_tree.model_cache(self.layout, views, state_pass.views if state_pass is not None else None)
         rows, columns = logit_positions(batch)
+        embedding = batch[0].embedding  # a chunk with one runs alone (passes.py)
+        if embedding is not None:  # a vision-language model's own language model (vision/language.py)
+            logits = self.model(tokens, cache=views, inputs_embeds=embedding.inputs_embeds, **embedding.arguments)
+            return logits[rows, columns], state_pass
         if self.head is not None:
             hidden = self.model.model(tokens, cache=views)
             return self.head(hidden[rows, columns]), state_pass

@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from mlxpaged.vision.embedding import ChunkEmbedding
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -31,6 +33,9 @@ class StepInput:
     samples: bool
     state_slot: int | None = None  # models with state layers: the sequence's state slot
     num_logits: int = 1  # logits of this many last positions (a chunk with speculative drafts: all)
+    # A prompt chunk with images: the model's merged embeddings and arguments for it (vision/embedding.py);
+    # such a chunk runs in a pass of its own.
+    embedding: ChunkEmbedding | None = None
 
 
 def split_head(model: nn.Module) -> Callable[[mx.array], mx.array] | None:
@@ -71,11 +76,11 @@ def prefill_passes(inputs: Sequence[StepInput]) -> list[list[int]]:
     alone: list[list[int]] = []
     groups: list[list[int]] = []
     totals: list[int] = []
-    chunks = [i for i, x in enumerate(inputs) if len(x.token_ids) > 1]
+    chunks = [i for i, x in enumerate(inputs) if len(x.token_ids) > 1 or x.embedding is not None]
     for i in sorted(chunks, key=lambda i: len(inputs[i].token_ids)):
         x = inputs[i]
         width = len(x.token_ids)  # the longest so far: sorted by length
-        if x.start + width > SHARED_PREFILL_MAX_END:
+        if x.start + width > SHARED_PREFILL_MAX_END or x.embedding is not None:
             alone.append([i])
         elif groups and width * (len(groups[-1]) + 1) <= SHARED_PREFILL_PADDING * (totals[-1] + width):
             groups[-1].append(i)
@@ -90,7 +95,7 @@ def state_model_passes(inputs: Sequence[StepInput]) -> list[list[int]]:
     """Passes of a model with state layers: decode rows (one token after existing state) together,
     every other chunk alone. A ragged prefill pass is exact only for models that mask their state by
     `lengths` (design 14, finding 4), and a fresh row (state None) must not meet rows with state."""
-    decode = [i for i, x in enumerate(inputs) if len(x.token_ids) == 1 and x.start > 0]
+    decode = [i for i, x in enumerate(inputs) if len(x.token_ids) == 1 and x.start > 0 and x.embedding is None]
     alone = [[i] for i, x in enumerate(inputs) if i not in decode]
     return ([decode] if decode else []) + alone
 

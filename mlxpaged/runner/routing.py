@@ -1,8 +1,9 @@
-"""Routing mlx-lm attention to the paged cache.
+"""Routing mlx-lm (and mlx-vlm) attention to the paged cache.
 
 mlx-lm model modules import `scaled_dot_product_attention` from `mlx_lm.models.base` by name,
-so each module's binding is replaced. The wrapper only acts on paged cache views; every other
-cache (mlx-lm's own) goes to the original function untouched.
+and mlx-vlm's from `mlx_vlm.models.base` (same signature), so each module's binding is replaced.
+The wrapper only acts on paged cache views; every other cache (the library's own) goes to that
+library's original function untouched.
 
 The rule (design14 D4) never trusts a guess about the model: a decode call reads the page pools
 directly only when that is provably what mlx-lm would compute - the K/V passed are the very arrays
@@ -37,6 +38,7 @@ import mlx.nn as nn
 
 _ORIGINAL_SDPA: Callable[..., mx.array] | None = None  # mlx-lm's, once routed
 _ROUTED_MODULES: dict[str, object] = {}
+_VLM_ROUTED: Callable[..., mx.array] | None = None  # the dispatcher for mlx-vlm's modules (falls back to its SDPA)
 # The recorder of a calibration prefill on this thread (kv_calibration.py): another engine's thread may be attending.
 _RECORDING = threading.local()
 
@@ -56,6 +58,29 @@ def recording_attention(
 
 
 def _routed_sdpa(queries, keys, values, cache, scale, mask, sinks=None):
+    out = _paged_sdpa(queries, keys, values, cache, scale, mask, sinks)
+    if out is not None:
+        return out
+    if _ORIGINAL_SDPA is None:  # only installed once it is set
+        raise RuntimeError("mlx-lm's attention was never routed")
+    return _ORIGINAL_SDPA(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+
+def _routed_for(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
+    """The dispatcher for another library's modules: paged views as `_routed_sdpa`, every other cache to
+    `original` (that library's own SDPA, which knows its own cache kinds)."""
+
+    def routed(queries, keys, values, cache, scale, mask, sinks=None):
+        out = _paged_sdpa(queries, keys, values, cache, scale, mask, sinks)
+        if out is not None:
+            return out
+        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+    return routed
+
+
+def _paged_sdpa(queries, keys, values, cache, scale, mask, sinks) -> mx.array | None:
+    """Attention through a paged view of any kind; None for any other cache."""
     if isinstance(cache, DeferredView):  # a decode pass queued ahead: pages, then the K/V not written yet
         if cache.on_kernel_path:  # the view returned only the tail: the kernel reads the pages in place
             if not cache.returned(keys, values) or not (mask is None or cache.made_mask(mask)):
@@ -91,9 +116,7 @@ def _routed_sdpa(queries, keys, values, cache, scale, mask, sinks=None):
             length = q.shape[2]
             out = paged_prefill_attention(q, k_pool, v_pool, table, context - length, length, scale, sinks=sinks)
         return out if t is None else t.output_out(layer, out)
-    if _ORIGINAL_SDPA is None:  # only installed once it is set
-        raise RuntimeError("mlx-lm's attention was never routed")
-    return _ORIGINAL_SDPA(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+    return None
 
 
 def pool_inputs(queries: mx.array, keys: mx.array, values: mx.array, cache: PagedCacheView, mask) -> tuple | None:
@@ -151,25 +174,36 @@ def _check_compiled_call(keys, values, cache: DecodeView, mask) -> None:
 
 
 def route_paged_attention() -> int:
-    """Point every loaded mlx-lm model module at the paged dispatcher; returns how many were patched.
-    Idempotent; call after loading a model (its module is imported lazily by mlx-lm)."""
-    global _ORIGINAL_SDPA
+    """Point every loaded mlx-lm (and mlx-vlm, when it is imported) model module at the paged dispatcher;
+    returns how many were patched. Idempotent; call after loading a model (its module is imported lazily)."""
+    global _ORIGINAL_SDPA, _VLM_ROUTED
     import mlx_lm.models.base as base
 
     if _ORIGINAL_SDPA is None:
         _ORIGINAL_SDPA = base.scaled_dot_product_attention
+    vlm_base = sys.modules.get("mlx_vlm.models.base")
+    if vlm_base is not None and _VLM_ROUTED is None:
+        _VLM_ROUTED = _routed_for(vlm_base.scaled_dot_product_attention)
+    # Each library's SDPA -> its dispatcher (a module of either library may import either's by name).
+    routes: list[tuple[Callable[..., mx.array], Callable[..., mx.array]]] = [(_ORIGINAL_SDPA, _routed_sdpa)]
+    if vlm_base is not None and _VLM_ROUTED is not None:
+        routes.append((vlm_base.scaled_dot_product_attention, _VLM_ROUTED))
     loaded: list[tuple[str, Any]] = list(sys.modules.items())  # Any: modules get an attribute set
     for name, module in loaded:
-        if (
-            name.startswith("mlx_lm.models.")
-            and getattr(module, "scaled_dot_product_attention", None) is _ORIGINAL_SDPA
-        ):
-            module.scaled_dot_product_attention = _routed_sdpa
-            _ROUTED_MODULES[name] = module
+        if not name.startswith(("mlx_lm.models.", "mlx_vlm.models.")):
+            continue
+        bound = getattr(module, "scaled_dot_product_attention", None)
+        for original, routed in routes:
+            if bound is original:
+                module.scaled_dot_product_attention = routed
+                _ROUTED_MODULES[name] = module
     return len(_ROUTED_MODULES)
 
 
 def is_routed(model: nn.Module) -> bool:
-    """True when `model`'s attention layers call the paged dispatcher (their module was patched)."""
-    module = sys.modules.get(type(model).__module__)
-    return module is not None and getattr(module, "scaled_dot_product_attention", None) is _routed_sdpa
+    """True when `model`'s attention layers call the paged dispatcher (their module was patched); a
+    vision-language model's (vision/language.py) are its language model's."""
+    attending = getattr(model, "language_model", model)
+    module = sys.modules.get(type(attending).__module__)
+    bound = getattr(module, "scaled_dot_product_attention", None) if module is not None else None
+    return bound is not None and bound in (_routed_sdpa, _VLM_ROUTED)

@@ -1,0 +1,77 @@
+"""What the runner feeds a vision-language model for a prompt with images: the model's own merged embeddings.
+
+mlx-vlm's generate computes `model.get_input_embeddings(input_ids, pixel_values, **processor_arrays)` once for
+the whole prompt (the vision tower, the projector, the image features placed at the image tokens, and for
+M-RoPE models the 3-D positions and their delta) and feeds the language model slices of it, chunk by chunk,
+with the other outputs and the processor's arrays as keyword arguments (the model slices what it needs by its
+cache's offset). The engine does the same: `PromptEmbedding` is that computation, done on the first prefill
+chunk that needs it and kept until the request ends (a preempted request prefills again), and `chunk` gives a
+pass its slice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+# Processor outputs that are not the model's keyword arguments: the prompt itself and what goes to the tower.
+_NOT_ARGUMENTS = ("input_ids", "attention_mask", "pixel_values")
+
+
+@dataclass(frozen=True)
+class ChunkEmbedding:
+    """A prefill pass's inputs besides its tokens: `inputs_embeds` [1, n, hidden] and the language model's
+    keyword arguments for this prompt."""
+
+    inputs_embeds: mx.array
+    arguments: Mapping[str, object]
+
+
+class PromptEmbedding:
+    """The merged embeddings of one prompt with images, computed by the model on first use."""
+
+    def __init__(self, vlm: nn.Module, token_ids: Sequence[int], arrays: Mapping[str, mx.array]):
+        self._vlm = vlm
+        self._token_ids = list(token_ids)
+        self._arrays = dict(arrays)  # pixel_values and whatever else the processor returned for the images
+        self._embeds: mx.array | None = None
+        self._arguments: dict[str, object] = {}
+
+    @property
+    def computed(self) -> bool:
+        return self._embeds is not None
+
+    def compute(self) -> None:
+        """Run the vision tower and merge (once)."""
+        if self._embeds is not None:
+            return
+        extra = {k: v for k, v in self._arrays.items() if k not in _NOT_ARGUMENTS}
+        out = self._vlm.get_input_embeddings(
+            mx.array([self._token_ids]),
+            self._arrays.get("pixel_values"),
+            mask=self._arrays.get("attention_mask"),
+            **extra,
+        )
+        fields = out.to_dict() if hasattr(out, "to_dict") else {"inputs_embeds": out}
+        self._embeds = fields.pop("inputs_embeds")
+        self._arguments = {**extra, **{k: v for k, v in fields.items() if v is not None}}
+        mx.eval(self._embeds, *(v for v in self._arguments.values() if isinstance(v, mx.array)))
+
+    def chunk(self, start: int, end: int) -> ChunkEmbedding:
+        """The inputs of a prefill pass over prompt positions [start, end)."""
+        self.compute()
+        assert self._embeds is not None  # computed just now
+        return ChunkEmbedding(self._embeds[:, start:end], {**self._arguments, "n_to_process": end - start})
+
+
+def chunk_embedding(request, start: int, length: int) -> ChunkEmbedding | None:
+    """What a prefill chunk of `request` at [start, start + length) is fed besides its tokens: its prompt's
+    merged embeddings where the prompt has images (engine/request.py `multimodal`), else None (the scheduler ends
+    such a prompt's chunks at the prompt's end: the tokens after it are text)."""
+    multimodal = request.multimodal
+    if not isinstance(multimodal, PromptEmbedding) or start >= len(request.prompt_token_ids):
+        return None
+    return multimodal.chunk(start, start + length)

@@ -1,0 +1,112 @@
+"""Images as requests give them: decoded, checked against the limits, and named by their content.
+
+A request's image is a path, raw bytes (a file's, or a data URL's once its base64 is read), or a PIL image. It
+is decoded fully here (a truncated file fails here, not in the vision tower), converted to RGB, and named by
+the sha256 of its pixels, so the same picture sent as PNG or as a file path is the same image to the prefix cache.
+The processor does its own resizing (the model's min / max pixels); these limits only bound what a request may
+send at all.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+from dataclasses import dataclass
+from pathlib import Path
+
+from mlxpaged.errors import ImageInputError
+
+from PIL import Image, UnidentifiedImageError
+
+MAX_IMAGES = 16  # per request
+MAX_PIXELS = 50_000_000  # per image, before the processor resizes it (a 8k x 6k photo is 48 MP)
+
+
+@dataclass(frozen=True)
+class ImageLimits:
+    max_images: int = MAX_IMAGES
+    max_pixels: int = MAX_PIXELS
+
+
+DEFAULT_LIMITS = ImageLimits()
+
+
+@dataclass(frozen=True)
+class DecodedImage:
+    image: Image.Image  # RGB
+    digest: str  # sha256 of the pixels (hex)
+
+
+def decode_data_url(url: str) -> bytes:
+    """The bytes of a `data:<type>;base64,<data>` URL; ImageInputError for anything else."""
+    head, sep, data = url.partition(",")
+    if not sep or not head.startswith("data:") or not head.endswith(";base64"):
+        raise ImageInputError("an image data URL must look like 'data:image/png;base64,<data>'", param="images")
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ImageInputError(f"an image data URL's base64 is invalid ({exc})", param="images") from None
+
+
+def decode_image(source: object, index: int = 0, limits: ImageLimits = DEFAULT_LIMITS) -> DecodedImage:
+    """Image `index` of a request (a path, bytes, a data URL or a PIL image) decoded to RGB, with its digest."""
+    which = f"image {index + 1}"
+    if isinstance(source, Image.Image):
+        image = source
+    else:
+        if isinstance(source, str) and source.startswith("data:"):
+            source = decode_data_url(source)
+        if isinstance(source, str | Path):
+            try:
+                source = Path(source).read_bytes()
+            except OSError as exc:
+                raise ImageInputError(
+                    f"{which}: cannot read {str(source)!r} ({exc.strerror})", param="images"
+                ) from None
+        if not isinstance(source, bytes | bytearray):
+            raise ImageInputError(
+                f"{which}: expected a path, bytes or a PIL image, got {type(source).__name__}", param="images"
+            )
+        image = _open(bytes(source), which, limits)
+    if image.width * image.height > limits.max_pixels:
+        raise ImageInputError(
+            f"{which} has {image.width}x{image.height} = {image.width * image.height:,} pixels, more than the "
+            f"limit of {limits.max_pixels:,}",
+            param="images",
+        )
+    rgb = image.convert("RGB")
+    digest = hashlib.sha256(f"{rgb.width}x{rgb.height}|".encode() + rgb.tobytes()).hexdigest()
+    return DecodedImage(rgb, digest)
+
+
+def _open(data: bytes, which: str, limits: ImageLimits) -> Image.Image:
+    try:
+        image = Image.open(io.BytesIO(data))
+    except UnidentifiedImageError:
+        raise ImageInputError(
+            f"{which}: {len(data):,} bytes that are not an image in a format this server reads "
+            "(PNG, JPEG, WebP, GIF, BMP, TIFF, ...)",
+            param="images",
+        ) from None
+    if image.width * image.height > limits.max_pixels:  # before decoding the pixels: a decompression bomb stops here
+        raise ImageInputError(
+            f"{which} has {image.width}x{image.height} = {image.width * image.height:,} pixels, more than the "
+            f"limit of {limits.max_pixels:,}",
+            param="images",
+        )
+    try:
+        image.load()
+    except (OSError, ValueError, Image.DecompressionBombError) as exc:
+        raise ImageInputError(
+            f"{which}: the {image.format} data is damaged or truncated ({exc})", param="images"
+        ) from None
+    return image
+
+
+def check_count(count: int, limits: ImageLimits = DEFAULT_LIMITS) -> None:
+    if count > limits.max_images:
+        raise ImageInputError(
+            f"{count} images in one request, more than the limit of {limits.max_images}", param="images"
+        )

@@ -1,0 +1,63 @@
+"""The language half of a vision-language model, as the engine runs every model: mlx-lm's calling convention.
+
+mlx-vlm's language models (`Model.language_model`) take `inputs_embeds`, return a LanguageModelOutput and make
+mlx-vlm's own cache classes. The engine calls `model(tokens, cache=views)` for logits and reads the cache layout
+from mlx-lm's caches (loading/probe.py), so this wraps the language model: logits out; `make_cache()` gives
+mlx-lm's class for each cache mlx-vlm's would be (the same kinds: the probe records what each is written and
+read, not its class); a prefill pass's image embeddings and the model's own per-prompt arguments (M-RoPE
+positions, ...) are passed through. The paged views stand in for mlx-vlm's caches as they do for mlx-lm's
+(`offset`, `update_and_fetch`, `make_mask`), and its attention is routed the same way (runner/routing.py).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import cache as mlx_cache
+
+
+class VisionLanguageModel(nn.Module):
+    """mlx-vlm's `vlm.language_model` with mlx-lm's interface; `vlm` itself (the vision tower, the projector)
+    is not a child: the engine's passes, probes and GPU rewrites (fused projections) see the language model
+    only."""
+
+    def __init__(self, language_model: nn.Module, model_type: str):
+        super().__init__()
+        self.language_model = language_model
+        self.args = SimpleNamespace(model_type=model_type)  # what loading/probe.py names the model by
+
+    def __call__(self, inputs: mx.array, cache=None, inputs_embeds: mx.array | None = None, **kwargs) -> mx.array:
+        out = self.language_model(inputs, inputs_embeds=inputs_embeds, cache=cache, **kwargs)
+        return out.logits if hasattr(out, "logits") else out
+
+    @property
+    def layers(self) -> list:
+        inner = getattr(self.language_model, "model", None)
+        layers = getattr(inner, "layers", None) if inner is not None else None
+        return layers if layers is not None else self.language_model.layers
+
+    def make_cache(self) -> list:
+        from mlx_vlm.models.cache import make_prompt_cache
+
+        return [as_mlx_lm_cache(c) for c in make_prompt_cache(self.language_model)]
+
+
+def as_mlx_lm_cache(cache):
+    """mlx-lm's cache of the same kind as mlx-vlm's `cache` (by class name and settings); a kind mlx-lm has not
+    is kept as it is, and the probe refuses it by its class name (no paged equivalent)."""
+    if cache is None:
+        return None
+    kind = type(cache).__name__
+    if kind == "KVCache":
+        return mlx_cache.KVCache()
+    if kind == "RotatingKVCache":
+        return mlx_cache.RotatingKVCache(cache.max_size, keep=cache.keep)
+    if kind == "ChunkedKVCache":
+        return mlx_cache.ChunkedKVCache(cache.chunk_size)
+    if kind == "ArraysCache":
+        return mlx_cache.ArraysCache(len(cache.cache))
+    if kind == "CacheList":
+        return mlx_cache.CacheList(*(as_mlx_lm_cache(c) for c in cache.caches))
+    return cache

@@ -1,0 +1,78 @@
+"""Loading a vision-language checkpoint through mlx-vlm: the whole model, its processor, and the language model
+wrapped as the engine runs every model (language.py). Which checkpoints load here: checkpoint.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from mlxpaged.errors import UnsupportedModelError
+from mlxpaged.vision.checkpoint import POSITIONS_NOT_YET
+from mlxpaged.vision.language import VisionLanguageModel
+
+import mlx.core as mx
+import mlx.nn as nn
+
+
+@dataclass
+class VisionParts:
+    """What a prompt's images go through: `model`, mlx-vlm's whole model (`get_input_embeddings`: the tower,
+    the projector, the merge), and `processor`, the checkpoint's own (None for a model built in code)."""
+
+    model: nn.Module
+    processor: object | None
+    image_token_id: int
+
+
+def image_token_id(vlm: nn.Module) -> int:
+    """The id the processor expands each image into (mlx-vlm's configs name it one of two ways)."""
+    config = vlm.config
+    for name in ("image_token_id", "image_token_index"):
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    raise ValueError(f"model type {config.model_type!r}: no image token id in its config")
+
+
+def positions_reason(vlm: nn.Module) -> str | None:
+    """Why this model is not served with images yet (None: it is): a language model whose positions come from
+    the prompt's images, seen as `rope_deltas` in what `get_input_embeddings` returns for a text prompt."""
+    out = vlm.get_input_embeddings(mx.array([[1, 2, 3]]))
+    return POSITIONS_NOT_YET if getattr(out, "rope_deltas", None) is not None else None
+
+
+def vision_parts(vlm: nn.Module, processor: object | None) -> tuple[VisionLanguageModel, VisionParts]:
+    """The engine's model and the vision parts of an mlx-vlm model (built or loaded)."""
+    return VisionLanguageModel(vlm.language_model, vlm.config.model_type), VisionParts(
+        vlm, processor, image_token_id(vlm)
+    )
+
+
+def unweighted_vision_model(model_dir: Path) -> VisionLanguageModel:
+    """The language model as the engine runs it, built from config.json and never given weights (lazy random
+    parameters): for reading shapes and caches before any weight is read (loading/checkpoint.py)."""
+    from mlx_vlm.utils import get_model_and_args, load_config, update_module_configs
+
+    config = load_config(model_dir)
+    model_class, _ = get_model_and_args(config=config, model_path=model_dir)
+    config.setdefault("text_config", config.pop("llm_config", {}))
+    config.setdefault("vision_config", {})
+    config.setdefault("audio_config", {})
+    model_config = model_class.ModelConfig.from_dict(config)
+    model_config = update_module_configs(
+        model_config, model_class, config, ["text", "vision", "perceiver", "projector", "audio"]
+    )
+    return vision_parts(model_class.Model(model_config), None)[0]
+
+
+def load_vision_model(path: Path) -> tuple[nn.Module, object]:
+    """mlx-vlm's model and processor from a local directory (no network). UnsupportedModelError when the model
+    is one whose positions come from its images (a kind MROPE_MODEL_TYPES should name)."""
+    from mlx_vlm.utils import load_model, load_processor
+
+    vlm = load_model(path)
+    reason = positions_reason(vlm)
+    if reason is not None:
+        raise UnsupportedModelError(f"model type {vlm.config.model_type!r}: {reason}; images are not served yet")
+    processor = load_processor(path, add_detokenizer=False)
+    return vlm, processor

@@ -1,0 +1,67 @@
+"""A prompt with images as the engine takes it: token ids with each image's placeholder expanded, where each
+image's tokens are, and the processor's arrays for the model.
+
+The processor expands an image's placeholder into the model's image tokens (one id repeated, sometimes with row
+or tile markers between runs of it). The engine needs where each image starts (the prefix cache hashes the
+image's digest into the block it starts in) and the model needs the arrays (pixel_values, grids, masks). The
+spans are read from the token ids: one run of image tokens per image in the common case (Qwen, Gemma, LLaVA);
+where an image takes several runs (tiles, row breaks) the caller gives each image's count of image tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from mlxpaged.engine.request import ImageSpan
+
+import mlx.core as mx
+
+
+@dataclass(frozen=True)
+class ImagePrompt:
+    """`token_ids` with every image expanded; `images` where each one's tokens are (in order, with its content
+    digest); `arrays`, the processor's outputs for the model (pixel_values, ...)."""
+
+    token_ids: list[int]
+    images: tuple[ImageSpan, ...]
+    arrays: Mapping[str, mx.array] = field(default_factory=dict)
+
+
+def image_runs(token_ids: Sequence[int], image_token_id: int) -> list[tuple[int, int]]:
+    """(start, length) of every maximal run of `image_token_id`, in order."""
+    runs: list[tuple[int, int]] = []
+    for position, token in enumerate(token_ids):
+        if token != image_token_id:
+            continue
+        if runs and runs[-1][0] + runs[-1][1] == position:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((position, 1))
+    return runs
+
+
+def image_spans(
+    token_ids: Sequence[int], image_token_id: int, digests: Sequence[str], counts: Sequence[int] | None = None
+) -> tuple[ImageSpan, ...]:
+    """Each image's span (from its first image token to its last) and digest. Without `counts` each image must be
+    one run of image tokens; with them, image i owns the next `counts[i]` image tokens. ValueError when the
+    prompt's image tokens do not add up to the images."""
+    runs = image_runs(token_ids, image_token_id)
+    if counts is None:
+        if len(runs) != len(digests):
+            raise ValueError(
+                f"{len(digests)} images but {len(runs)} runs of image token {image_token_id}: give each image's count"
+            )
+        return tuple(ImageSpan(start, length, d) for (start, length), d in zip(runs, digests, strict=True))
+    positions = [p for start, length in runs for p in range(start, start + length)]
+    if len(counts) != len(digests) or sum(counts) != len(positions):
+        raise ValueError(
+            f"{len(positions)} image tokens in the prompt for {len(digests)} images of {list(counts)} tokens"
+        )
+    spans, taken = [], 0
+    for count, digest in zip(counts, digests, strict=True):
+        first, last = positions[taken], positions[taken + count - 1]
+        spans.append(ImageSpan(first, last - first + 1, digest))
+        taken += count
+    return tuple(spans)

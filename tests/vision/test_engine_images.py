@@ -1,0 +1,110 @@
+"""Prompts with images on the paged engine against mlx-vlm's own generate, token for token: alone, batched beside
+a text request, on a prefix-cache hit past the image, and never hitting the cache past the text before another
+image (tiny random models; tests/vision/tiny_vlms.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import mlxpaged  # noqa: F401  (OpenBLAS before mlx)
+from mlxpaged.config import split_settings
+from mlxpaged.engine.engine import Engine
+from mlxpaged.errors import ImagesNotSupportedError
+from mlxpaged.loading.loader import LoadedModel
+from mlxpaged.loading.model_store import ModelRef
+from mlxpaged.vision.loading import vision_parts
+from mlxpaged.vision.prompt import ImagePrompt
+from tests.engine.test_engine import GREEDY, assert_pool_empty, tiny_engine, tokenizer  # noqa: F401
+from tests.tiny_models import random_tokens, tiny_llama
+from tests.vision.tiny_vlms import image_prompt, tiny_idefics3
+
+import mlx.core as mx
+import pytest
+from mlx_vlm.generate.ar import generate_step
+
+BLOCK = 8
+
+
+def vlm_engine(vlm, tokenizer, **settings) -> Engine:
+    model, vision = vision_parts(vlm, None)
+    loaded = LoadedModel(model, tokenizer, ModelRef("tiny-vlm", "path"), Path("tiny-vlm"), "float32", {}, vision=vision)
+    return Engine(loaded, *split_settings({"cache_tokens": 2048, "block_size": BLOCK, **settings}))
+
+
+def mlx_vlm_greedy(vlm, prompt: ImagePrompt | list[int], max_tokens: int) -> list[int]:
+    """mlx-vlm's own generate_step, greedy, over the same token ids and pixels."""
+    if isinstance(prompt, ImagePrompt):
+        arrays = dict(prompt.arrays)
+        ids, pixel_values = prompt.token_ids, arrays.pop("pixel_values")
+    else:
+        ids, pixel_values, arrays = prompt, None, {}
+    steps = generate_step(mx.array([ids]), vlm, pixel_values, None, max_tokens=max_tokens, temperature=0.0, **arrays)
+    return [int(token) for token, _ in steps]
+
+
+@pytest.fixture(scope="module")
+def vlm():
+    return tiny_idefics3()
+
+
+def test_an_image_prompt_alone_and_beside_a_text_request_equals_mlx_vlm(vlm, tokenizer):
+    prompt = image_prompt(vlm, random_tokens(11, seed=1), random_tokens(9, seed=2), seed=0)
+    text = random_tokens(13, seed=3)
+    want = mlx_vlm_greedy(vlm, prompt, GREEDY.max_tokens)
+    with vlm_engine(vlm, tokenizer) as engine:
+        alone = engine.generate([prompt], GREEDY)[0]
+        both = engine.generate([prompt, text], GREEDY)
+        assert_pool_empty(engine)
+    assert alone.token_ids == want
+    assert both[0].token_ids == want
+    assert both[1].token_ids == mlx_vlm_greedy(vlm, text, GREEDY.max_tokens)
+    assert alone.prompt_tokens == len(prompt.token_ids)  # the image's tokens count, as mlx-vlm counts them
+
+
+def test_the_same_image_hits_the_prefix_cache_and_another_image_does_not(vlm, tokenizer):
+    before, after = random_tokens(21, seed=4), random_tokens(12, seed=5)  # the image starts in the third block
+    first = image_prompt(vlm, before, after, seed=0)
+    other = image_prompt(vlm, before, after, seed=1)  # the same token ids, other pixels
+    turn = dataclasses.replace(first, token_ids=first.token_ids + random_tokens(10, seed=6))  # a next turn
+    with vlm_engine(vlm, tokenizer) as engine:
+        cold = engine.generate([first], GREEDY)[0]
+        warm = engine.generate([first], GREEDY)[0]
+        assert warm.token_ids == cold.token_ids
+        assert warm.cached_tokens >= 4 * BLOCK  # the blocks holding the image's tokens came from the cache
+        swapped = engine.generate([other], GREEDY)[0]
+        assert swapped.cached_tokens <= len(before) // BLOCK * BLOCK  # nothing from the block the image starts in
+        assert swapped.token_ids == mlx_vlm_greedy(vlm, other, GREEDY.max_tokens)
+        follow = engine.generate([turn], GREEDY)[0]
+        assert follow.cached_tokens >= 4 * BLOCK
+        assert follow.token_ids == mlx_vlm_greedy(vlm, turn, GREEDY.max_tokens)
+        assert_pool_empty(engine)
+    assert cold.token_ids == mlx_vlm_greedy(vlm, first, GREEDY.max_tokens)
+
+
+def test_chunked_prefill_and_preemption_of_an_image_prompt_equal_mlx_vlm(vlm, tokenizer):
+    prompts = [
+        image_prompt(vlm, random_tokens(5 + 7 * s, seed=s), random_tokens(9, seed=9 + s), seed=s) for s in range(3)
+    ]
+    want = [mlx_vlm_greedy(vlm, p, GREEDY.max_tokens) for p in prompts]
+    with vlm_engine(vlm, tokenizer, max_batch_tokens=8, max_num_seqs=4) as chunked:  # images split across chunks
+        assert [c.token_ids for c in chunked.generate(prompts, GREEDY)] == want
+    with vlm_engine(vlm, tokenizer, cache_tokens=96, max_num_seqs=3, enable_prefix_cache=False) as tight:
+        assert [c.token_ids for c in tight.generate(prompts, GREEDY)] == want
+        assert tight.stats()["preemptions"] > 0
+
+
+def test_an_image_sent_to_a_text_model_is_refused_naming_it(vlm, tokenizer):
+    prompt = image_prompt(vlm, random_tokens(5), random_tokens(5), seed=0)
+    with tiny_engine(tiny_llama(), tokenizer) as engine:
+        with pytest.raises(ImagesNotSupportedError, match="model 'tiny' takes no images"):
+            engine.generate([prompt], GREEDY)
+        assert engine.generate([random_tokens(5)], GREEDY)[0].token_ids  # and it serves on
+
+
+def test_decoding_after_an_image_takes_the_compiled_pass(vlm, tokenizer):
+    """Batch-1 decode of a vision-language model's language model runs compiled on the CPU, as a text model's."""
+    prompt = image_prompt(vlm, random_tokens(6), random_tokens(6, seed=1), seed=2)
+    with vlm_engine(vlm, tokenizer) as engine:
+        assert engine.runner.decoder is not None and engine.built.layout.kv_leaves[0].routed
+        assert engine.generate([prompt], GREEDY)[0].token_ids == mlx_vlm_greedy(vlm, prompt, GREEDY.max_tokens)
