@@ -46,6 +46,7 @@ from mlxpaged.outputs import Completion, StreamDelta, collect, drain
 from mlxpaged.platform import backend
 from mlxpaged.platform.memory import DeviceFacts, plan_memory
 from mlxpaged.sampling_params import SamplingParams
+from mlxpaged.vision.checkpoint import images_refused
 from mlxpaged.vision.embedding import PromptEmbedding
 from mlxpaged.vision.prompt import ImagePrompt
 
@@ -211,9 +212,7 @@ class Engine:
     def _vision(self) -> VisionParts:
         """The model's vision parts; ImagesNotSupportedError naming the model when it takes no images."""
         if self.loaded.vision is None:
-            raise ImagesNotSupportedError(
-                f"model {self.loaded.name!r} takes no images: it is a text model", param="images"
-            )
+            raise ImagesNotSupportedError(images_refused(self.loaded.name, self.loaded.config), param="images")
         return self.loaded.vision
 
     def generate(
@@ -251,11 +250,13 @@ class Engine:
         hold images (vision/chat.py)."""
         from mlxpaged.vision.chat import has_images
 
-        if not has_images(messages):
+        if not has_images(messages) and self.loaded.vision is None:
             return self.chat_tokens(messages)
         from mlxpaged.vision.chat import chat_image_prompt
 
-        return chat_image_prompt(self._vision(), messages)
+        # A vision-language model renders every chat with its processor's template (text-only ones too).
+        prompt = chat_image_prompt(self._vision(), messages)
+        return prompt if prompt.images else prompt.token_ids
 
     def chat_tokens(self, messages: list[dict]) -> list[int]:
         return chat_prompt(self.tokenizer, messages)

@@ -19,7 +19,7 @@ from mlxpaged.loading.model_store import ModelRef, provision, resolve
 from mlxpaged.loading.progress import Progress
 from mlxpaged.platform.backend import current as current_backend
 from mlxpaged.platform.backend import tuning
-from mlxpaged.vision.checkpoint import loads_with_images
+from mlxpaged.vision.checkpoint import loads_with_images, text_load_refused
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -111,7 +111,13 @@ def unweighted_model(model_dir: Path) -> nn.Module:
         from mlxpaged.vision.loading import unweighted_vision_model
 
         return unweighted_vision_model(model_dir)
-    model_class, args_class = _get_classes(config)
+    try:
+        model_class, args_class = _get_classes(config)
+    except ValueError as exc:  # mlx-lm does not know the type: say so, and why not with its images when it has them
+        reason = text_load_refused(config)
+        if reason is None:
+            raise
+        raise UnsupportedModelError(reason) from exc
     return model_class(args_class.from_dict(config))
 
 

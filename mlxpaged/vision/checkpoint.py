@@ -41,3 +41,18 @@ def serves_images(config: dict) -> str | None:
 def loads_with_images(config: dict) -> bool:
     """True when the checkpoint of `config` loads with its vision tower (else through mlx-lm, text only)."""
     return is_vision_checkpoint(config) and serves_images(config) is None
+
+
+def images_refused(name: str, config: dict) -> str:
+    """Why model `name` (its config.json `config`), loaded without a vision tower, takes no images."""
+    if not is_vision_checkpoint(config):
+        return f"model {name!r} takes no images: it is a text model"
+    return f"model {name!r} was loaded as a text model, so it takes no images: {serves_images(config)}"
+
+
+def text_load_refused(config: dict) -> str | None:
+    """For a checkpoint mlx-lm cannot load: why, when it is a vision-language one that would load here with its
+    vision tower but for `serves_images` (None: it is not such a checkpoint)."""
+    if not is_vision_checkpoint(config):
+        return None
+    return f"model type {config.get('model_type')!r} is a vision-language model: {serves_images(config)}"

@@ -13,6 +13,7 @@ import base64
 import binascii
 import hashlib
 import io
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,7 +84,9 @@ def decode_image(source: object, index: int = 0, limits: ImageLimits = DEFAULT_L
 
 def _open(data: bytes, which: str, limits: ImageLimits) -> Image.Image:
     try:
-        image = Image.open(io.BytesIO(data))
+        with warnings.catch_warnings():  # PIL's own bomb warning: the limit below says it with our numbers
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data))
     except UnidentifiedImageError:
         raise ImageInputError(
             f"{which}: {len(data):,} bytes that are not an image in a format this server reads "

@@ -1,0 +1,166 @@
+"""Chats with images through the Python API on a tiny SmolVLM checkpoint on disk, against mlx-vlm's own
+`stream_generate` on the same directory: the same tokens, the same prompt length; an image given as a path, bytes,
+a data URL or a PIL image is the same image; the next turn reads the image's tokens from the prefix cache; and
+every bad image is refused with a message that says what is wrong."""
+
+from __future__ import annotations
+
+import base64
+import io
+import zlib
+
+import mlxpaged  # noqa: F401  (OpenBLAS before mlx)
+from mlxpaged.engine.engine import Engine
+from mlxpaged.errors import ImageInputError, UnsupportedModelError
+from mlxpaged.sampling_params import SamplingParams
+from mlxpaged.vision import checkpoint
+from tests.vision.tiny_vlm_dirs import write_tiny_smolvlm_dir
+
+import numpy as np
+import pytest
+from PIL import Image
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+def picture(seed: int, size: tuple[int, int] = (50, 40)) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
+
+
+def png(image: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def image(source) -> dict:
+    return {"type": "image", "image": source}
+
+
+def ask(*parts) -> list[dict]:
+    """One user message: strings are text, anything else an image (or a part given whole)."""
+    content = [
+        p if isinstance(p, dict) else {"type": "text", "text": p} if isinstance(p, str) else image(p) for p in parts
+    ]
+    return [{"role": "user", "content": content}]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_tiny_smolvlm_dir(tmp_path_factory.mktemp("smolvlm"))
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    with Engine.from_pretrained(str(model_dir), cache_tokens=1024, block_size=8) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    """mlx-vlm's own reply to a conversation: (tokens, prompt tokens)."""
+    from mlx_vlm import load
+    from mlx_vlm.generate.dispatch import stream_generate
+    from mlx_vlm.prompt_utils import apply_chat_template
+
+    vlm, processor = load(str(model_dir))
+
+    def reply(messages: list[dict]) -> tuple[list[int], int]:
+        images = [p["image"] for m in messages if isinstance(m["content"], list) for p in m["content"] if "image" in p]
+        bare = [
+            {**m, "content": [{"type": "image"} if "image" in p else p for p in m["content"]]}
+            if isinstance(m["content"], list)
+            else m
+            for m in messages
+        ]
+        prompt = apply_chat_template(processor, vlm.config, bare, num_images=len(images))
+        steps = list(
+            stream_generate(vlm, processor, prompt, image=images, max_tokens=GREEDY.max_tokens, temperature=0.0)
+        )
+        return [s.token for s in steps][: GREEDY.max_tokens], steps[0].prompt_tokens
+
+    return reply
+
+
+def test_a_chat_with_two_images_equals_mlx_vlm_token_for_token(engine, reference):
+    messages = ask("Look at", picture(0), "and at", picture(1, (30, 56)), "What differs?")
+    got = engine.chat(messages, GREEDY)
+    tokens, prompt_tokens = reference(messages)
+    assert got.token_ids == tokens
+    assert got.prompt_tokens == prompt_tokens  # the images' tokens counted as mlx-vlm counts them
+    other = engine.chat(ask("Look at", picture(2), "and at", picture(1, (30, 56)), "What differs?"), GREEDY)
+    assert other.token_ids != got.token_ids  # the reply depends on the image
+
+
+def test_a_path_bytes_a_data_url_and_a_pil_image_are_the_same_image(engine, tmp_path):
+    photo = picture(3)
+    path = tmp_path / "picture.png"
+    path.write_bytes(png(photo))
+    data_url = "data:image/png;base64," + base64.b64encode(png(photo)).decode()
+    sources = (str(path), path, png(photo), data_url, photo)
+    prompts = [engine.chat_prompt(ask("Describe", image(source))) for source in sources]
+    assert len({p.images[0].digest for p in prompts}) == 1
+    assert len({tuple(p.token_ids) for p in prompts}) == 1
+    jpeg = io.BytesIO()
+    photo.save(jpeg, format="JPEG", quality=70)  # lossy: other pixels, another image
+    assert engine.chat_prompt(ask("Describe", jpeg.getvalue())).images[0].digest != prompts[0].images[0].digest
+
+
+def test_the_next_turn_with_the_same_image_reads_its_tokens_from_the_cache(engine, reference):
+    first = ask("What is in", picture(4), "this picture?")
+    reply = engine.chat(first, GREEDY)
+    follow = [*first, {"role": "assistant", "content": reply.text}, {"role": "user", "content": "And its colour?"}]
+    prompt = engine.chat_prompt(follow)
+    again = engine.chat(follow, GREEDY)
+    image = prompt.images[0]
+    assert again.cached_tokens >= image.start + image.length  # the image's tokens came from the cache
+    assert again.token_ids == reference(follow)[0]
+
+
+def test_a_text_only_chat_on_a_vision_model_equals_mlx_vlm(engine, reference):
+    messages = [{"role": "user", "content": "Say something."}]
+    assert engine.chat(messages, GREEDY).token_ids == reference(messages)[0]
+
+
+def truncated_png() -> bytes:
+    data = png(picture(5))
+    return data[: len(data) // 2]
+
+
+def huge_png_header() -> bytes:
+    """A real PNG whose header claims 10,000 x 10,000 pixels (its CRC fixed): refused before decoding."""
+    data = bytearray(png(picture(6, (8, 8))))
+    ihdr = data.index(b"IHDR")
+    data[ihdr + 4 : ihdr + 12] = (10_000).to_bytes(4, "big") * 2
+    data[ihdr + 17 : ihdr + 21] = zlib.crc32(bytes(data[ihdr : ihdr + 17])).to_bytes(4, "big")
+    return bytes(data)
+
+
+@pytest.mark.parametrize(
+    "source, message",
+    [
+        (b"definitely not an image", r"image 1: 23 bytes that are not an image in a format this server reads"),
+        (truncated_png(), r"image 1: the PNG data is damaged or truncated"),
+        (huge_png_header(), r"image 1 has 10000x10000 = 100,000,000 pixels, more than the limit of 50,000,000"),
+        ("/nonexistent/picture.png", r"image 1: cannot read '/nonexistent/picture.png' \(No such file or directory\)"),
+        ("data:image/png;base64,@@@", r"an image data URL's base64 is invalid"),
+        (3.5, r"image 1: expected a path, bytes or a PIL image, got float"),
+    ],
+    ids=["not-an-image", "truncated", "too-many-pixels", "missing-file", "bad-base64", "wrong-type"],
+)
+def test_bad_images_are_refused_with_what_is_wrong_and_the_engine_serves_on(engine, source, message):
+    with pytest.raises(ImageInputError, match=message):
+        engine.chat(ask("Describe", image(source)), GREEDY)
+    assert engine.chat(ask("Describe", picture(7)), GREEDY).token_ids
+
+
+def test_too_many_images_are_refused(engine):
+    with pytest.raises(ImageInputError, match="17 images in one request, more than the limit of 16"):
+        engine.chat_prompt(ask(*[picture(i, (8, 8)) for i in range(17)]))
+
+
+def test_without_the_vision_extra_the_checkpoint_is_refused_naming_the_install(model_dir, monkeypatch):
+    monkeypatch.setattr(checkpoint, "vision_installed", lambda: False)
+    with pytest.raises(UnsupportedModelError, match=r"idefics3.*vision-language.*pip install 'mlxpaged\[vision\]'"):
+        Engine.from_pretrained(str(model_dir), cache_tokens=256)
