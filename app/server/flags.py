@@ -47,7 +47,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="ORIGIN",
         help="allow browser requests from ORIGIN (repeatable; default: no CORS)",
     )
-    net.add_argument("--max-body-size", default="4MB", help="largest request body, e.g. 4MB (default: 4MB)")
+    net.add_argument(
+        "--max-body-size",
+        default="50MB",
+        help="largest request body, e.g. 4MB (default: 50MB: images come base64 in the body)",
+    )
+    add_image_arguments(parser.add_argument_group("images (vision-language models)"))
     limits = parser.add_argument_group("requests")
     limits.add_argument(
         "--max-queue",
@@ -227,6 +232,46 @@ def cache_settings(args: argparse.Namespace) -> dict:
     return settings
 
 
+def add_image_arguments(group) -> None:
+    group.add_argument(
+        "--no-image-urls",
+        action="store_true",
+        help="do not fetch http(s) image URLs in requests (data URLs still work)",
+    )
+    group.add_argument(
+        "--image-dir",
+        default=None,
+        metavar="DIR",
+        help="let requests name local image files under DIR (file:// URLs or paths; default: none)",
+    )
+    group.add_argument("--max-images", type=int, default=16, help="images one request may send (default: 16)")
+    group.add_argument(
+        "--max-image-pixels",
+        type=int,
+        default=50_000_000,
+        help="pixels of one image before the model's processor resizes it (default: 50,000,000)",
+    )
+
+
+def image_policy(args: argparse.Namespace):
+    from pathlib import Path
+
+    from mlxpaged_app.server.images import ImagePolicy
+
+    for flag in ("max_images", "max_image_pixels"):
+        if getattr(args, flag) < 1:
+            raise ServeError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    image_dir = None if args.image_dir is None else Path(args.image_dir).expanduser()
+    if image_dir is not None and not image_dir.is_dir():
+        raise ServeError(f"--image-dir {args.image_dir}: not a directory")
+    return ImagePolicy(
+        fetch_urls=not args.no_image_urls,
+        image_dir=image_dir,
+        max_images=args.max_images,
+        max_pixels=args.max_image_pixels,
+    )
+
+
 def server_config(args: argparse.Namespace):
     from mlxpaged.units import parse_size
     from mlxpaged_app.server.state import ServerConfig
@@ -244,4 +289,5 @@ def server_config(args: argparse.Namespace):
         max_queue=args.max_queue,
         default_max_tokens=args.default_max_tokens,
         cors_origins=tuple(args.cors_origin),
+        images=image_policy(args),
     )

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from mlxpaged.loading.generation_defaults import NO_DEFAULTS, GenerationDefaults
 from mlxpaged_app.server.errors import embedding_model_only, model_not_found, not_an_embedding_model, unavailable
+from mlxpaged_app.server.images import ImagePolicy
 from mlxpaged_app.server.metrics import ServerMetrics
 from mlxpaged_app.server.model_catalog import ModelNotServable
 from mlxpaged_app.server.model_registry import UNSET, ModelRegistry, WrongKind
@@ -34,7 +35,7 @@ class ServerConfig:
     """HTTP-side settings (the engine has its own CacheConfig and SchedulerConfig)."""
 
     api_key: str | None = None
-    max_body_size: int = 4_000_000
+    max_body_size: int = 50_000_000  # images come base64 in the body
     max_queue: int = 64
     default_max_tokens: int | None = None  # None: the model's max_new_tokens, else API_DEFAULT_MAX_TOKENS
     cors_origins: tuple[str, ...] = ()
@@ -42,6 +43,7 @@ class ServerConfig:
     # What requests get for the sampling fields they leave unset; each model served carries its own copy of this
     # config with its own (--generation-config auto). NO_DEFAULTS: the plain API defaults (temperature 1.0).
     sampling_defaults: GenerationDefaults = NO_DEFAULTS
+    images: ImagePolicy = field(default_factory=ImagePolicy)  # what a request's images may be (server/images.py)
 
 
 class ServerState:

@@ -54,6 +54,7 @@ Prompt = str | Sequence[int] | ImagePrompt  # what submit, generate and stream t
 
 if TYPE_CHECKING:
     from mlxpaged.constraints import GrammarCompiler
+    from mlxpaged.vision.images import ImageLimits
     from mlxpaged.vision.loading import VisionParts
 
 
@@ -245,17 +246,19 @@ class Engine:
         vision-language model, {"type": "image", "image": <a path, bytes, a data URL or a PIL image>})."""
         return self.generate([self.chat_prompt(messages)], params)[0]
 
-    def chat_prompt(self, messages: list[dict]) -> Prompt:
+    def chat_prompt(self, messages: list[dict], limits: ImageLimits | None = None, **template_options) -> Prompt:
         """The prompt `messages` make with the model's chat template: token ids, or an ImagePrompt when they
-        hold images (vision/chat.py)."""
+        hold images (vision/chat.py; `limits` bound them, `template_options` such as tools= go to the
+        template). ImagesNotSupportedError for images to a text model, ImageInputError for a bad image."""
         from mlxpaged.vision.chat import has_images
 
         if not has_images(messages) and self.loaded.vision is None:
-            return self.chat_tokens(messages)
+            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_options))
         from mlxpaged.vision.chat import chat_image_prompt
+        from mlxpaged.vision.images import DEFAULT_LIMITS
 
         # A vision-language model renders every chat with its processor's template (text-only ones too).
-        prompt = chat_image_prompt(self._vision(), messages)
+        prompt = chat_image_prompt(self._vision(), messages, limits or DEFAULT_LIMITS, **template_options)
         return prompt if prompt.images else prompt.token_ids
 
     def chat_tokens(self, messages: list[dict]) -> list[int]:

@@ -16,10 +16,12 @@ import io
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mlxpaged.errors import ImageInputError
 
-from PIL import Image, UnidentifiedImageError
+if TYPE_CHECKING:  # Pillow comes with the vision extra: imported where an image is decoded
+    from PIL import Image
 
 MAX_IMAGES = 16  # per request
 MAX_PIXELS = 50_000_000  # per image, before the processor resizes it (a 8k x 6k photo is 48 MP)
@@ -53,6 +55,8 @@ def decode_data_url(url: str) -> bytes:
 
 def decode_image(source: object, index: int = 0, limits: ImageLimits = DEFAULT_LIMITS) -> DecodedImage:
     """Image `index` of a request (a path, bytes, a data URL or a PIL image) decoded to RGB, with its digest."""
+    from PIL import Image
+
     which = f"image {index + 1}"
     if isinstance(source, Image.Image):
         image = source
@@ -83,6 +87,8 @@ def decode_image(source: object, index: int = 0, limits: ImageLimits = DEFAULT_L
 
 
 def _open(data: bytes, which: str, limits: ImageLimits) -> Image.Image:
+    from PIL import Image, UnidentifiedImageError
+
     try:
         with warnings.catch_warnings():  # PIL's own bomb warning: the limit below says it with our numbers
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)

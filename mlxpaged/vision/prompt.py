@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from mlxpaged.engine.request import ImageSpan
+from mlxpaged.errors import ImageInputError
 
 import mlx.core as mx
 
@@ -65,3 +66,20 @@ def image_spans(
         spans.append(ImageSpan(first, last - first + 1, digest))
         taken += count
     return tuple(spans)
+
+
+def with_prefix(prompt: ImagePrompt, prefix: Sequence[int]) -> ImagePrompt:
+    """`prefix` token ids before the prompt (Ollama's `context`: an earlier exchange's tokens), spans shifted.
+    ValueError when the prefix holds image tokens: their images are not in this request."""
+    image_tokens = {prompt.token_ids[image.start] for image in prompt.images}
+    if image_tokens & set(prefix):
+        raise ImageInputError(
+            "an earlier context that holds images cannot be continued with new images", param="images"
+        )
+    shift = len(prefix)
+    images = tuple(ImageSpan(i.start + shift, i.length, i.digest) for i in prompt.images)
+    arrays = dict(prompt.arrays)
+    if "attention_mask" in arrays:  # the processor's mask covers its own tokens: the prefix is attended too
+        mask = arrays["attention_mask"]
+        arrays["attention_mask"] = mx.concatenate([mx.ones((mask.shape[0], shift), dtype=mask.dtype), mask], axis=1)
+    return ImagePrompt([*prefix, *prompt.token_ids], images, arrays)

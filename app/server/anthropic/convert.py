@@ -12,7 +12,9 @@ from __future__ import annotations
 import re
 
 from mlxpaged_app.server.anthropic.protocol import (
+    Base64ImageSource,
     CountTokensRequest,
+    ImageBlock,
     Message,
     MessagesRequest,
     OtherBlock,
@@ -105,11 +107,14 @@ def conversation(body: CountTokensRequest) -> list[dict]:
 
 def _turns(message: Message, where: str, call_names: dict[str, str]) -> list[dict]:
     blocks = [TextBlock(type="text", text=message.content)] if isinstance(message.content, str) else message.content
-    texts, calls, results = [], [], []
+    texts: list[str | dict] = []  # text, and image parts where the user put them
+    calls, results = [], []
     for j, block in enumerate(blocks):
         at = f"{where}.content[{j}]"
         if isinstance(block, TextBlock):
             texts.append(block.text)
+        elif isinstance(block, ImageBlock):
+            texts.append(_image(block, message.role, at))
         elif isinstance(block, ToolUseBlock):
             calls.append(_tool_use(block, message.role, at, call_names))
         elif isinstance(block, ToolResultBlock):
@@ -118,16 +123,33 @@ def _turns(message: Message, where: str, call_names: dict[str, str]) -> list[dic
             raise invalid_param(
                 f"{at}.type",
                 f"{at}: content blocks of type {block.type!r} are not supported; "
-                "this server takes text, tool_use and tool_result blocks",
+                "this server takes text, image, tool_use and tool_result blocks",
             )
         # thinking / redacted_thinking blocks: dropped
     turns = results  # tool results answer the previous assistant turn: they come before the user's text
     if texts or calls or not results:
-        turn: dict = {"role": message.role, "content": "\n".join(texts)}
+        turn: dict = {"role": message.role, "content": _content(texts)}
         if calls:
             turn["tool_calls"] = calls
         turns.append(turn)
     return turns
+
+
+def _image(block: ImageBlock, role: str, at: str) -> dict:
+    """An image block as the pipeline's image part (base64 as a data URL; a URL as it is: server/images.py)."""
+    if role != "user":
+        raise invalid_param(f"{at}.type", f"{at}: image blocks belong to user messages, not {role!r}")
+    source = block.source
+    if isinstance(source, Base64ImageSource):
+        return {"type": "image", "image": f"data:{source.media_type};base64,{source.data}"}
+    return {"type": "image", "image": source.url}
+
+
+def _content(texts: list[str | dict]) -> str | list[dict]:
+    """A turn's text, joined; with images, the parts in order (text parts and image parts)."""
+    if all(isinstance(t, str) for t in texts):
+        return "\n".join(t for t in texts if isinstance(t, str))
+    return [{"type": "text", "text": t} if isinstance(t, str) else t for t in texts]
 
 
 def _tool_use(block: ToolUseBlock, role: str, at: str, call_names: dict[str, str]) -> dict:
@@ -167,9 +189,18 @@ def _append(out: list[dict], turn: dict) -> None:
     if last is None or turn["role"] == "tool" or last["role"] != turn["role"] or last["role"] == "system":
         out.append(turn)
         return
-    last["content"] = "\n".join(t for t in (last["content"], turn["content"]) if t)
+    if isinstance(last["content"], list) or isinstance(turn["content"], list):  # parts with images: kept in order
+        last["content"] = [*_as_parts(last["content"]), *_as_parts(turn["content"])]
+    else:
+        last["content"] = "\n".join(t for t in (last["content"], turn["content"]) if t)
     if turn.get("tool_calls"):
         last["tool_calls"] = last.get("tool_calls", []) + turn["tool_calls"]
+
+
+def _as_parts(content: str | list[dict]) -> list[dict]:
+    if isinstance(content, list):
+        return content
+    return [{"type": "text", "text": content}] if content else []
 
 
 def tool_specs(tools: list | None) -> tuple[ToolSpec, ...]:

@@ -2,7 +2,7 @@
 
 Types are checked strictly, as in ../protocol.py; unknown fields are ignored (Claude Code sends `metadata`,
 `context_management`, `cache_control` on blocks, beta fields), so newer clients keep working. Content blocks
-this server cannot use (image, document, server tool results) validate here as `OtherBlock` and are refused
+this server cannot use (document, server tool results) validate here as `OtherBlock` and are refused
 by convert.py with a message naming their type. temperature / top_p / top_k are not in SDK 2.x's params but
 older SDKs and Claude Code send them: accepted, in Anthropic's ranges.
 """
@@ -42,12 +42,28 @@ class RedactedThinkingBlock(_Strict):
 
 
 class OtherBlock(_Strict):
-    """A block type this server does not take (image, document, ...): refused in convert.py."""
+    """A block type this server does not take (document, ...): refused in convert.py."""
 
     type: str
 
 
-KNOWN_BLOCKS = {"text", "tool_use", "tool_result", "thinking", "redacted_thinking"}
+class Base64ImageSource(_Strict):
+    type: Literal["base64"]
+    media_type: str
+    data: str
+
+
+class UrlImageSource(_Strict):
+    type: Literal["url"]
+    url: str
+
+
+class ImageBlock(_Strict):
+    type: Literal["image"]
+    source: Annotated[Base64ImageSource | UrlImageSource, Field(discriminator="type")]
+
+
+KNOWN_BLOCKS = {"text", "image", "tool_use", "tool_result", "thinking", "redacted_thinking"}
 
 
 def _tag(value: object, known: set[str]) -> str | None:
@@ -83,6 +99,7 @@ class ToolResultBlock(_Strict):
 
 ContentBlock = Annotated[
     Annotated[TextBlock, Tag("text")]
+    | Annotated[ImageBlock, Tag("image")]
     | Annotated[ToolUseBlock, Tag("tool_use")]
     | Annotated[ToolResultBlock, Tag("tool_result")]
     | Annotated[ThinkingBlock, Tag("thinking")]

@@ -6,11 +6,12 @@ generation itself, admission, cancellation and the prefix cache are the pipeline
 
 from __future__ import annotations
 
+from mlxpaged.vision.prompt import ImagePrompt
 from mlxpaged_app.server.anthropic.convert import messages_spec
 from mlxpaged_app.server.anthropic.protocol import CountTokensRequest, MessagesRequest
 from mlxpaged_app.server.anthropic.shapes import MessageShape
 from mlxpaged_app.server.chat.pipeline import ChatRun, serve_chat_request
-from mlxpaged_app.server.chat.render import render_prompt
+from mlxpaged_app.server.chat.render_images import render_chat
 from mlxpaged_app.server.chat.spec import ChatRequestSpec
 from mlxpaged_app.server.request_body import parse_request, read_body
 from mlxpaged_app.server.serving import model_for
@@ -35,5 +36,5 @@ async def serve_count_tokens(request: Request, state: ServerState) -> Response:
     body = parse_request(await read_body(request, state.config.max_body_size), CountTokensRequest)
     spec = messages_spec(body)
     model = await model_for(state, body)
-    prompt = await anyio.to_thread.run_sync(render_prompt, model.engine.tokenizer, spec)
-    return JSONResponse({"input_tokens": len(prompt)})
+    prompt = await anyio.to_thread.run_sync(render_chat, model.engine, spec, model.config.images)
+    return JSONResponse({"input_tokens": len(prompt.token_ids if isinstance(prompt, ImagePrompt) else prompt)})

@@ -11,8 +11,10 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 
 from mlxpaged.sampling_params import SamplingParams
+from mlxpaged.vision.prompt import ImagePrompt
 from mlxpaged_app.server.chat.output import OutputParser
-from mlxpaged_app.server.chat.render import reasoning_open, render_prompt
+from mlxpaged_app.server.chat.render import reasoning_open
+from mlxpaged_app.server.chat.render_images import render_chat
 from mlxpaged_app.server.chat.spec import (
     ChatEvent,
     ChatRequestSpec,
@@ -27,6 +29,7 @@ from mlxpaged_app.server.chat.spec import (
 from mlxpaged_app.server.chat.structure import compile_constraint, grammar_for, grammar_notes
 from mlxpaged_app.server.chat.tool_formats import ToolFormat, tool_format
 from mlxpaged_app.server.engine_client import Generation
+from mlxpaged_app.server.images import ImagePolicy
 from mlxpaged_app.server.params import sampling_params
 from mlxpaged_app.server.reply_budget import reply_budget
 from mlxpaged_app.server.server_log import log
@@ -46,15 +49,18 @@ class Prepared:
     constraint: object | None  # mlxpaged.constraints.Constraint
     reasoning_open: bool
     format: ToolFormat
+    submitted: list[int] | ImagePrompt  # what the engine is given: the prompt, or it with its images
 
 
-def prepare(engine, spec: ChatRequestSpec) -> Prepared:
-    """Runs in a worker thread: template rendering and a grammar's first compile take real time."""
+def prepare(engine, spec: ChatRequestSpec, images: ImagePolicy) -> Prepared:
+    """Runs in a worker thread: template rendering (image URLs fetched, images processed) and a grammar's first
+    compile take real time."""
     tokenizer = engine.tokenizer
     fmt = tool_format(tokenizer)
-    prompt = render_prompt(tokenizer, spec)
+    submitted = render_chat(engine, spec, images)
+    prompt = submitted.token_ids if isinstance(submitted, ImagePrompt) else submitted
     grammar = grammar_for(spec, fmt, thinking=bool(getattr(tokenizer, "has_thinking", False)))
-    return Prepared(prompt, compile_constraint(engine, grammar), reasoning_open(tokenizer, prompt), fmt)
+    return Prepared(prompt, compile_constraint(engine, grammar), reasoning_open(tokenizer, prompt), fmt, submitted)
 
 
 @dataclass
@@ -154,10 +160,10 @@ async def start_chat(
     prepared: list[Prepared] = []
 
     async def start() -> Generation:
-        prepared.append(await anyio.to_thread.run_sync(prepare, model.engine, spec))
+        prepared.append(await anyio.to_thread.run_sync(prepare, model.engine, spec, model.config.images))
         params = _params(model, spec, prepared[0])
         generation = Generation(model.engine, model.metrics, params.n, arrived)
-        generation.submit([prepared[0].prompt], params, spec.names.prompt)
+        generation.submit([prepared[0].submitted], params, spec.names.prompt)
         return generation
 
     generation, cleanup = await launch(model, sane_n(spec.sampling.n), start)

@@ -6,12 +6,16 @@ Chat messages become the dicts chat templates take: roles lower-cased (as Ollama
 that name. Tools are OpenAI's function tools (Ollama's own shape); a model may call any of them (Ollama has no
 tool_choice). /api/generate is a chat of one user turn (after `system`, if sent), as Ollama renders it, unless
 `raw`: then the prompt goes to the model as it is. Its `context` (a previous reply's token ids) comes before the
-new prompt. Images, `suffix` (fill-in-the-middle) and `template` (a Go template replacing the model's) are refused:
-this server runs text models through their own chat templates.
+new prompt. A message's `images` (base64, as Ollama takes them) come before its text, as Ollama puts them; a
+vision-language model reads them (a text model refuses them when the prompt is rendered). `suffix`
+(fill-in-the-middle) and `template` (a Go template replacing the model's) are refused: this server renders
+prompts with the model's own chat template.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 from dataclasses import replace
 
 from mlxpaged_app.server.chat.spec import ChatRequestSpec, OutputFormat, ToolSpec
@@ -42,7 +46,7 @@ def chat_spec(body: ChatRequest, model: ServedModel) -> ChatRequestSpec:
 def generate_spec(body: GenerateRequest, model: ServedModel) -> ChatRequestSpec:
     _check_generate_supported(body)
     system = [{"role": "system", "content": body.system}] if body.system else []
-    messages = [*system, {"role": "user", "content": body.prompt or ""}]
+    messages = [*system, {"role": "user", "content": _with_images(body.prompt or "", body.images, "images")}]
     spec = _spec(body, model, messages, (), opts.output_format(body.format), OLLAMA_GENERATE)
     return replace(spec, raw_prompt=body.prompt if body.raw else None, prompt_prefix=tuple(body.context or ()))
 
@@ -78,8 +82,8 @@ def _spec(
 
 
 def _check_generate_supported(body: GenerateRequest) -> None:
-    if body.images:
-        raise invalid_param("images", "images are not supported: this server runs text models")
+    if body.images and body.raw:
+        raise invalid_param("images", "images with raw: true are not supported: the chat template places them")
     if body.suffix:
         raise invalid_param(
             "suffix", "suffix (fill-in-the-middle) is not supported by this server; send the prompt alone"
@@ -104,12 +108,12 @@ def chat_messages(messages: list[Message]) -> list[dict]:
             raise invalid_param(
                 f"{where}.role", f"{where}.role must be one of {', '.join(ROLES)}, got {message.role!r}"
             )
-        if message.images:
-            raise invalid_param(f"{where}.images", f"{where}.images: this server runs text models, send text only")
+        if message.images and role != "user":
+            raise invalid_param(f"{where}.images", f"{where}.images: only user messages carry images, not {role!r}")
         if role == "tool":
             out.append(_tool_result(message, where, call_ids))
             continue
-        turn: dict = {"role": role, "content": message.content}
+        turn: dict = {"role": role, "content": _with_images(message.content, message.images, f"{where}.images")}
         if message.tool_calls:
             if role != "assistant":
                 raise invalid_param(
@@ -120,6 +124,21 @@ def chat_messages(messages: list[Message]) -> list[dict]:
             turn["reasoning_content"] = message.thinking
         out.append(turn)
     return out
+
+
+def _with_images(text: str, images: list | None, where: str) -> str | list[dict]:
+    """`text`, or with images the parts: each image (its base64 decoded), then the text."""
+    if not images:
+        return text
+    parts: list[dict] = []
+    for k, data in enumerate(images):
+        if not isinstance(data, str):
+            raise invalid_param(f"{where}[{k}]", f"{where}[{k}] must be a base64 string")
+        try:
+            parts.append({"type": "image", "image": base64.b64decode(data, validate=True)})
+        except (binascii.Error, ValueError) as exc:
+            raise invalid_param(f"{where}[{k}]", f"{where}[{k}] is not valid base64 ({exc})") from None
+    return [*parts, {"type": "text", "text": text}] if text else parts
 
 
 def _call(call: ToolCall, call_ids: dict[str, str]) -> dict:

@@ -82,7 +82,7 @@ class Message(_Strict):
     role: str  # lower-cased and checked in convert.py (Ollama lower-cases it)
     content: str = ""
     thinking: str | None = None
-    images: list[Any] | None = None  # refused in convert.py when not empty: this server runs text models
+    images: list[Any] | None = None  # base64 strings: a vision-language model reads them (convert.py)
     tool_calls: list[ToolCall] | None = None
     tool_name: str | None = None
     tool_call_id: str | None = None

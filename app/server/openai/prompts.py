@@ -12,34 +12,49 @@ MAX_PROMPTS = 64  # prompts in one /v1/completions batch
 _CHAT_ROLES = {"developer": "system"}  # OpenAI's newer name for the system role; templates know "system"
 
 
-def _text_parts(content: list, where: str) -> str:
-    texts = []
+def _content_parts(content: list, where: str, images: bool) -> str | list[dict]:
+    """Text parts joined; with image parts (`images`: where the role may send them) the parts in order, as
+    {"type": "text", "text": ...} and {"type": "image", "image": <its URL>} (server/images.py reads the URL)."""
+    parts: list[dict] = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "image_url" and images:
+            parts.append({"type": "image", "image": _image_url(part.get("image_url"), f"{where}[{j}].image_url")})
+            continue
         if kind != "text":
             shown = f"type '{kind}'" if isinstance(kind, str) else repr(part)[:40]
+            taken = "text and image_url parts" if images else "text parts"
             raise invalid_param(
                 f"{where}[{j}]",
-                f"{where}[{j}]: content part {shown} is not supported; "
-                'this server takes text parts ({"type": "text", "text": ...})',
+                f"{where}[{j}]: content part {shown} is not supported here; this server takes {taken}",
             )
         if not isinstance(part.get("text"), str):
             raise invalid_param(f"{where}[{j}].text", f"{where}[{j}].text must be a string")
-        texts.append(part["text"])
-    return "\n".join(texts)
+        parts.append({"type": "text", "text": part["text"]})
+    if any(p["type"] == "image" for p in parts):
+        return parts
+    return "\n".join(p["text"] for p in parts)
 
 
-def _message_text(message, where: str) -> str:
+def _image_url(value: object, where: str) -> str:
+    """An image_url part's URL: {"url": ...} (OpenAI's), or the URL alone (some clients send it so)."""
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str) or not url:
+        raise invalid_param(where, f'{where} must be {{"url": "<a data URL or an http(s) URL>"}}')
+    return url
+
+
+def _message_text(message, where: str) -> str | list[dict]:
     content = message.content
     if isinstance(content, str):
         return content
     if isinstance(content, list) and content:
-        return _text_parts(content, where)
+        return _content_parts(content, where, images=message.role == "user")
     if content is None and message.role == "assistant":
         return ""  # an assistant turn that only called tools
     raise invalid_param(
         where,
-        f"{where} must be a string or a non-empty list of text parts"
+        f"{where} must be a string or a non-empty list of content parts"
         f"{' (it is required for this role)' if content is None else ''}",
     )
 

@@ -69,7 +69,8 @@ class Conversation:
         role = item.get("role")
         if role not in ROLES:
             raise invalid_param(f"{where}.role", f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}")
-        self._append({"role": ROLES[role], "content": _content_text(item.get("content"), f"{where}.content")})
+        content = _content(item.get("content"), f"{where}.content", images=ROLES[role] == "user")
+        self._append({"role": ROLES[role], "content": content})
 
     def function_call(self, item: dict, where: str) -> None:
         call_id, name = _string(item, "call_id", where), _string(item, "name", where)
@@ -127,24 +128,43 @@ def _string(item: dict, key: str, where: str) -> str:
 
 def _content_text(content: object, where: str) -> str:
     """A string, or text parts (input_text / output_text) joined by newlines as the chat API joins them."""
+    text = _content(content, where, images=False)
+    assert isinstance(text, str)  # no image parts where images=False
+    return text
+
+
+def _content(content: object, where: str, images: bool) -> str | list[dict]:
+    """_content_text, and where a user sends them (`images`), input_image parts: then the parts in order, as
+    {"type": "text", "text": ...} and {"type": "image", "image": <its URL>} (server/images.py reads the URL)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list) or not content:
         raise invalid_param(where, f"{where} must be a string or a non-empty list of input_text parts")
-    texts = []
+    parts: list[dict] = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "input_image" and images:
+            url = part.get("image_url")
+            if not isinstance(url, str) or not url:
+                raise invalid_param(
+                    f"{where}[{j}].image_url",
+                    f"{where}[{j}].image_url must be a data URL or an http(s) URL (file_id is not supported)",
+                )
+            parts.append({"type": "image", "image": url})
+            continue
         if kind not in TEXT_PARTS:
+            taken = "text and input_image parts" if images else 'text ({"type": "input_text", "text": ...})'
             raise invalid_param(
                 f"{where}[{j}]",
-                f"{where}[{j}]: content part type {kind!r} is not supported; this "
-                'server takes text ({"type": "input_text", "text": ...})',
+                f"{where}[{j}]: content part type {kind!r} is not supported here; this server takes {taken}",
                 "unsupported_value",
             )
         if not isinstance(part.get("text"), str):
             raise invalid_param(f"{where}[{j}].text", f"{where}[{j}].text must be a string")
-        texts.append(part["text"])
-    return "\n".join(texts)
+        parts.append({"type": "text", "text": part["text"]})
+    if any(p["type"] == "image" for p in parts):
+        return parts
+    return "\n".join(p["text"] for p in parts)
 
 
 def _arguments(value: object, where: str) -> dict:

@@ -133,7 +133,7 @@ def test_sampling_stop_and_thinking_reach_the_spec():
 @pytest.mark.parametrize(
     "messages, param",
     [
-        ([{"role": "user", "content": [{"type": "image", "source": {}}]}], "messages[0].content[0].type"),
+        ([{"role": "user", "content": [{"type": "document", "source": {}}]}], "messages[0].content[0].type"),
         (
             [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "nope"}]}],
             "messages[0].content[0].tool_use_id",
@@ -273,3 +273,38 @@ def _httpx(response) -> httpx.Response:
     return httpx.Response(
         response.status_code, content=response.body, request=httpx.Request("POST", "http://x/v1/messages")
     )
+
+
+def test_image_blocks_become_image_parts_where_the_user_put_them():
+    """base64 as a data URL, a url source as it is (server/images.py reads both), text around them in order;
+    consecutive user turns merge their parts."""
+    png = {"type": "base64", "media_type": "image/png", "data": "aGk="}
+    spec = messages_spec(
+        MessagesRequest.model_validate(
+            {
+                "model": "m",
+                "max_tokens": 5,
+                "messages": [
+                    {"role": "user", "content": [{"type": "text", "text": "Look:"}, {"type": "image", "source": png}]},
+                    {
+                        "role": "user",
+                        "content": [{"type": "image", "source": {"type": "url", "url": "http://x/a.png"}}],
+                    },
+                ],
+            }
+        )
+    )
+    assert spec.messages == [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "Look:"},
+                {"type": "image", "image": "data:image/png;base64,aGk="},
+                {"type": "image", "image": "http://x/a.png"},
+            ],
+        }
+    ]
+    assistant = {"role": "assistant", "content": [{"type": "image", "source": png}]}
+    body = {"model": "m", "max_tokens": 5, "messages": [assistant, {"role": "user", "content": "x"}]}
+    with pytest.raises(APIError, match="image blocks belong to user messages"):
+        messages_spec(MessagesRequest.model_validate(body))

@@ -154,8 +154,13 @@ def test_chat_messages_tie_tool_results_to_their_calls():
     assert time_ == {"role": "tool", "content": "14:05", "tool_call_id": "t1", "name": "get_time"}
     with pytest.raises(APIError):
         chat_messages([Message(role="robot", content="x")])
-    with pytest.raises(APIError):
-        chat_messages([Message(role="user", content="x", images=["aGk="])])
+    # Images (base64) come before the text, decoded; a vision model reads them, a text model refuses them at render.
+    [turn] = chat_messages([Message(role="user", content="x", images=["aGk="])])
+    assert turn["content"] == [{"type": "image", "image": b"hi"}, {"type": "text", "text": "x"}]
+    with pytest.raises(APIError, match=r"messages\[0\]\.images\[0\] is not valid base64"):
+        chat_messages([Message(role="user", content="x", images=["@@"])])
+    with pytest.raises(APIError, match="only user messages carry images"):
+        chat_messages([Message(role="assistant", content="x", images=["aGk="])])
 
 
 @pytest.mark.parametrize(

@@ -235,3 +235,16 @@ def test_request_fields_reach_the_chat_spec():
     fmt = {"type": "json_schema", "name": "p", "schema": {"type": "object"}, "strict": True}
     spec = responses_spec(ResponsesRequest.model_validate({"input": "Hi", "text": {"format": fmt}}))
     assert spec.output == JsonSchemaOutput({"type": "object"}, True, "p") and spec.tool_choice == "none"
+
+
+def test_input_images_become_image_parts_of_user_turns():
+    image = {"type": "input_image", "image_url": "data:image/png;base64,aGk="}
+    [turn] = input_messages([{"role": "user", "content": [image, {"type": "input_text", "text": "What?"}]}], None)
+    assert turn["content"] == [
+        {"type": "image", "image": "data:image/png;base64,aGk="},
+        {"type": "text", "text": "What?"},
+    ]
+    with pytest.raises(APIError, match="not supported here"):
+        input_messages([{"role": "assistant", "content": [image]}, {"role": "user", "content": "x"}], None)
+    with pytest.raises(APIError, match="file_id is not supported"):
+        input_messages([{"role": "user", "content": [{"type": "input_image", "file_id": "f1"}]}], None)

@@ -335,6 +335,10 @@ async def test_body_limit_declared_and_streamed():
         ({**CHAT, "messages": [{"role": "user", "content": "template-error"}]}, "messages"),
         (
             {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            "messages[0].content[0].image_url",
+        ),
+        (
+            {**CHAT, "messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
             "messages[0].content[0]",
         ),
         ({**CHAT, "tools": [{"type": "function"}]}, "tools[0].function"),
