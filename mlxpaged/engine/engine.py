@@ -208,7 +208,8 @@ class Engine:
         """What the engine thread feeds the prompt's prefill: the model computes it there, on first use."""
         if self.core.runner.mirror is not None:
             raise ConfigError("images across mlx.launch ranks are not supported yet", param="images")
-        return PromptEmbedding(self._vision().model, prompt.token_ids, prompt.arrays)
+        images_end = max((image.start + image.length for image in prompt.images), default=0)
+        return PromptEmbedding(self._vision().model, prompt.token_ids, prompt.arrays, images_end)
 
     def _vision(self) -> VisionParts:
         """The model's vision parts; ImagesNotSupportedError naming the model when it takes no images."""

@@ -31,12 +31,18 @@ class ChunkEmbedding:
 
 
 class PromptEmbedding:
-    """The merged embeddings of one prompt with images, computed by the model on first use."""
+    """The merged embeddings of one prompt with images, computed by the model on first use. A chunk that starts
+    after the prompt's last image (its image tokens all came from the prefix cache: an agent's next turn) is
+    embedded as text alone: the vision tower does not run for it."""
 
-    def __init__(self, vlm: nn.Module, token_ids: Sequence[int], arrays: Mapping[str, mx.array]):
+    def __init__(
+        self, vlm: nn.Module, token_ids: Sequence[int], arrays: Mapping[str, mx.array], images_end: int | None = None
+    ):
         self._vlm = vlm
         self._token_ids = list(token_ids)
         self._arrays = dict(arrays)  # pixel_values and whatever else the processor returned for the images
+        # Where the prompt's last image token ends (None: anywhere, so every chunk takes the merged embeddings).
+        self._images_end = len(self._token_ids) if images_end is None else images_end
         self._embeds: mx.array | None = None
         self._arguments: dict[str, object] = {}
 
@@ -62,9 +68,18 @@ class PromptEmbedding:
 
     def chunk(self, start: int, end: int) -> ChunkEmbedding:
         """The inputs of a prefill pass over prompt positions [start, end)."""
+        if self._embeds is None and start >= self._images_end:
+            return self._text_chunk(start, end)
         self.compute()
         assert self._embeds is not None  # computed just now
         return ChunkEmbedding(self._embeds[:, start:end], {**self._arguments, "n_to_process": end - start})
+
+    def _text_chunk(self, start: int, end: int) -> ChunkEmbedding:
+        """A chunk past every image, embedded by the model as the text it is (no pixels, no tower)."""
+        out = self._vlm.get_input_embeddings(mx.array([self._token_ids[start:end]]))
+        fields = out.to_dict() if hasattr(out, "to_dict") else {"inputs_embeds": out}
+        embeds = fields.pop("inputs_embeds")
+        return ChunkEmbedding(embeds, {k: v for k, v in fields.items() if v is not None})
 
 
 def chunk_embedding(request, start: int, length: int) -> ChunkEmbedding | None:

@@ -108,3 +108,25 @@ def test_decoding_after_an_image_takes_the_compiled_pass(vlm, tokenizer):
     with vlm_engine(vlm, tokenizer) as engine:
         assert engine.runner.decoder is not None and engine.built.layout.kv_leaves[0].routed
         assert engine.generate([prompt], GREEDY)[0].token_ids == mlx_vlm_greedy(vlm, prompt, GREEDY.max_tokens)
+
+
+def test_a_next_turn_whose_image_is_cached_does_not_run_the_vision_tower(vlm, tokenizer, monkeypatch):
+    """An agent re-sends the same screenshot every turn: once its tokens come from the prefix cache, the turn's
+    new tokens are embedded as text (vision/embedding.py); the reply is still mlx-vlm's."""
+    first = image_prompt(vlm, random_tokens(9, seed=7), random_tokens(12, seed=8), seed=3)
+    turn = dataclasses.replace(first, token_ids=first.token_ids + random_tokens(11, seed=9))
+    towers = []
+    real = vlm.get_input_embeddings
+
+    def counting(input_ids, pixel_values=None, **kwargs):
+        towers.append(pixel_values is not None)
+        return real(input_ids, pixel_values, **kwargs)
+
+    with vlm_engine(vlm, tokenizer) as engine:
+        monkeypatch.setattr(vlm, "get_input_embeddings", counting)
+        engine.generate([first], GREEDY)
+        assert towers == [True]
+        follow = engine.generate([turn], GREEDY)[0]
+        assert towers == [True, False] and follow.cached_tokens >= first.images[0].start + first.images[0].length
+    monkeypatch.undo()
+    assert follow.token_ids == mlx_vlm_greedy(vlm, turn, GREEDY.max_tokens)
