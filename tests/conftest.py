@@ -8,6 +8,7 @@ import shutil
 import tempfile
 
 import mlxpaged  # noqa: F401  (OpenBLAS before mlx)
+from tests import background_runs
 from tests.archs import background
 
 import pytest
@@ -35,12 +36,18 @@ def default_model(default_loaded):
 
 def pytest_collection_finish(session):
     """Start the architecture sweep in the background when a selected test needs its verdicts
-    (tests/archs/background.py says why)."""
+    (tests/archs/background.py says why), and the whole-process runs selected tests read (background_runs.py)."""
     if session.config.option.collectonly:
         return
     if any("all_verdicts" in getattr(item, "fixturenames", ()) for item in session.items):
         background.start()
+    for item in session.items:
+        marker = item.get_closest_marker("background_run")
+        if marker is not None:
+            name = marker.args[0]
+            background_runs.start(name, item.module.BACKGROUND_RUNS[name])
 
 
 def pytest_sessionfinish(session):
     background.stop()
+    background_runs.stop_all()

@@ -32,6 +32,7 @@ from mlxpaged.kernels.attention import (
 )
 from mlxpaged.runner.decode_pass import DecodeView
 from mlxpaged.runner.deferred_writes import DeferredView
+from mlxpaged.vision.language import VisionLanguageModel
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -203,7 +204,7 @@ def route_paged_attention() -> int:
 def is_routed(model: nn.Module) -> bool:
     """True when `model`'s attention layers call the paged dispatcher (their module was patched); a
     vision-language model's (vision/language.py) are its language model's."""
-    attending = getattr(model, "language_model", model)
+    attending = model.language_model if isinstance(model, VisionLanguageModel) else model
     module = sys.modules.get(type(attending).__module__)
     bound = getattr(module, "scaled_dot_product_attention", None) if module is not None else None
     return bound is not None and bound in (_routed_sdpa, _VLM_ROUTED)

@@ -37,6 +37,11 @@ class Server:
         launcher = [launcher_path(), "--backend", "ring", "-n", "2", "--starting-port", str(free_port_run(2))]
         self.process = subprocess.Popen(
             as_foreground([*launcher, "--", *command]),  # SIGINT at its default, as a terminal starts a command
+            # An open pipe nobody writes, as a terminal nobody types into. Not the test run's own stdin: at EOF
+            # (/dev/null in CI) mlx.launch's main thread spins putting b"" on each rank's stdin queue, and a
+            # SIGINT landing inside that queue's lock leaves it held: the rank threads then block on it and the
+            # interpreter's exit waits on them for ever (CI, 2026-11-29: "still running after 30 s").
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -86,6 +91,8 @@ class Server:
         if self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
+        assert self.process.stdin is not None
+        self.process.stdin.close()
 
 
 def ask(url: str, model: str, stream: bool, outcome: list, first_tokens: threading.Event) -> None:

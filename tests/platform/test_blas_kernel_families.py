@@ -15,13 +15,11 @@ import os
 import platform
 import subprocess
 import sys
-from pathlib import Path
 
 from mlxpaged.platform.blas import _read_cpuinfo
+from tests import background_runs
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
 
 # OpenBLAS's x86-64 kernel families with distinct sgemm kernels, newest first, and the CPU flags each executes.
 X86_FAMILIES = (
@@ -76,11 +74,23 @@ def test_families_follow_the_cpu_flags():
 
 
 FAMILIES_HERE = runnable_families(_read_cpuinfo(), platform.machine()) if sys.platform.startswith("linux") else []
+# Each family's run is a whole pytest process (~25 s on 2 cores): in the background of the suite
+# (tests/background_runs.py). `-p no:cacheprovider`: the runs beside each other and the suite write no cache.
+BACKGROUND_RUNS = {
+    f"kernel-family-{family}": background_runs.Run(
+        (sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *QUANTIZED_CPU_TESTS),
+        {"OPENBLAS_CORETYPE": family},
+    )
+    for family in FAMILIES_HERE
+}
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not FAMILIES_HERE, reason="OpenBLAS's kernel families are chosen on Linux (macOS: Accelerate)")
-@pytest.mark.parametrize("family", FAMILIES_HERE or ["none"])
+@pytest.mark.parametrize(
+    "family",
+    [pytest.param(f, marks=pytest.mark.background_run(f"kernel-family-{f}")) for f in FAMILIES_HERE] or ["none"],
+)
 def test_the_quantized_cpu_paths_pass_under_each_openblas_kernel_family(family):
     env = {**os.environ, "OPENBLAS_CORETYPE": family}
     probe = subprocess.run(
@@ -91,12 +101,6 @@ def test_the_quantized_cpu_paths_pass_under_each_openblas_kernel_family(family):
         timeout=120,
     )
     assert same_family(probe.stdout.strip(), family), (probe.stdout, probe.stderr[-2000:])
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *QUANTIZED_CPU_TESTS],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=env,
-        timeout=900,
-    )
+    name = f"kernel-family-{family}"
+    run = background_runs.result(name, BACKGROUND_RUNS[name])
     assert run.returncode == 0, f"under OpenBLAS's {family} kernels:\n{run.stdout[-6000:]}\n{run.stderr[-2000:]}"

@@ -7,6 +7,7 @@ to the template as render.py passes them to a text model's. Text-only chats to s
 from __future__ import annotations
 
 from mlxpaged.errors import ImageInputError
+from mlxpaged.vision.checkpoint import images_refused
 from mlxpaged.vision.prompt import ImagePrompt, with_prefix
 from mlxpaged_app.server.chat.render import render_prompt, template_inputs
 from mlxpaged_app.server.chat.spec import ChatRequestSpec
@@ -18,7 +19,9 @@ def render_chat(engine, spec: ChatRequestSpec, policy: ImagePolicy) -> list[int]
     """What a chat request submits: token ids, or an ImagePrompt when its messages hold images. Runs in a worker
     thread (it may fetch image URLs)."""
     vision = getattr(engine.loaded, "vision", None)  # an engine of a text model may predate vision parts
-    if (vision is None and not has_images(spec.messages)) or spec.raw_prompt is not None:
+    if vision is None and has_images(spec.messages):  # refused before any image URL is fetched
+        raise invalid_param(spec.names.prompt, images_refused(engine.loaded.name, engine.loaded.config))
+    if vision is None or spec.raw_prompt is not None:
         return render_prompt(engine.tokenizer, spec)
     messages, tools = template_inputs(engine.tokenizer, spec)
     options = {**spec.reasoning.kwargs(), **({"tools": tools} if tools else {})}

@@ -268,9 +268,14 @@ BAD = [
     ("arguments-not-json", {"input": [*ASK, _call(arguments="{nope")]}, "input[1].arguments"),
     ("role-tool", {"input": [{"role": "tool", "content": "1"}]}, "input[0].role"),
     (
-        "image-part",
+        "image-to-a-text-model",
         {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
-        "input[0].content[0]",
+        "input",
+    ),
+    (
+        "image-without-url",
+        {"input": [{"role": "user", "content": [{"type": "input_image"}]}]},
+        "input[0].content[0].image_url",
     ),
     ("instructions-number", {"instructions": 5}, "instructions"),
     ("schema-missing", {"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),

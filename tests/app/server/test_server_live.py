@@ -273,12 +273,20 @@ BAD_INPUTS = [  # (id, path, body as dict or raw bytes, headers or None for the 
     ("missing-role", CHAT, chat(messages=[{"content": "hi"}]), None, 400, "messages[0].role"),
     ("content-number", CHAT, chat(messages=[{"role": "user", "content": 5}]), None, 400, "messages[0].content"),
     (
-        "image-part",
+        "image-part-without-url",
         CHAT,
         chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]),
         None,
         400,
-        "messages[0].content[0]",
+        "messages[0].content[0].image_url",
+    ),
+    (
+        "image-to-a-text-model",
+        CHAT,
+        chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}]),
+        None,
+        400,
+        "messages",
     ),
     ("negative-max-tokens", CHAT, chat(max_tokens=-5), None, 400, "max_tokens"),
     ("zero-max-tokens", CHAT, chat(max_tokens=0), None, 400, "max_tokens"),
@@ -340,6 +348,13 @@ def test_bad_input_then_a_normal_request(http, name, path, body, headers, status
     assert error["param"] == param, error
     ok = http.post(COMPLETIONS, json={"prompt": "Hi", "max_tokens": 1}, headers=AUTH)
     assert ok.status_code == 200 and ok.json()["choices"][0]["text"] is not None
+
+
+def test_an_image_to_the_text_model_is_refused_naming_it_before_any_url_is_fetched(http):
+    image = {"type": "image_url", "image_url": {"url": "http://192.0.2.1/never-fetched.png"}}  # TEST-NET: no host
+    body = {"model": "smollm2-135m", "messages": [{"role": "user", "content": [image]}], "max_tokens": 2}
+    r = http.post("/v1/chat/completions", json=body, headers=AUTH)
+    assert r.status_code == 400 and "model 'smollm2-135m' takes no images: it is a text model" in r.text, r.text
 
 
 def test_error_messages_carry_the_numbers(http):
