@@ -1,7 +1,7 @@
-"""Run under `mlx.launch` (or alone): greedy completions of the prompts in argv[2] (JSON), alone then
-batched, then the first again (a prefix-cache hit); rank 0 prints them as one JSON line. argv[4]: the engine's
-settings (JSON). test_distributed_greedy.py compares 1 and N processes (1 process in the test's own, through
-`completions`)."""
+"""Run over several ranks (tests/distributed/launch.py sets them up as mlx.launch does) or alone: greedy
+completions of the prompts in argv[2] (JSON), alone then batched, then the first again (a prefix-cache hit); rank 0
+prints them as one JSON line. argv[4]: the engine's settings (JSON). test_distributed_greedy.py compares 1 and N
+processes (1 process in the test's own, through `completions`)."""
 
 import json
 import sys

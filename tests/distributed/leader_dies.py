@@ -1,4 +1,4 @@
-"""Run under `mlx.launch`: rank 0 decodes once, then its process dies; the other ranks must notice and stop
+"""Run over 2 ranks (tests/distributed/launch.py): rank 0 decodes once, then its process dies; the other ranks must notice and stop
 (test_leader_lost.py)."""
 
 import os
@@ -17,6 +17,6 @@ except LeaderLostError as exc:
 if engine is not None:
     engine.generate([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=4))
     print("RANK 0 DIES", flush=True)
-    # No close: the followers get no stop message. Status 0, or mlx.launch would SIGTERM them itself (it stops
-    # the job when a rank fails), racing their own detection, which is what the test checks.
+    # No close: the followers get no stop message. Status 0, or the launcher would SIGTERM them itself (mlx.launch
+    # and run_script stop the job when a rank fails), racing their own detection, which is what the test checks.
     os._exit(0)

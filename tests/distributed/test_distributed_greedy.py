@@ -1,4 +1,4 @@
-"""The paged engine over 2 and 4 processes (mlx.launch, ring backend on loopback) decodes what it decodes in one,
+"""The paged engine over 2 and 4 processes (the ring backend on loopback) decodes what it decodes in one,
 token for token: prompts alone, batched, a prefix-cache hit, n = 2 (a fork's block copy), and preemption in a
 pool too small for all."""
 

@@ -1,5 +1,5 @@
 """Pipeline parallel (mlx-lm's pipeline(): each rank keeps a run of whole layers) over 2 and 4 processes
-(mlx.launch, ring backend on loopback) decodes what one process does, token for token: prompts alone, batched, a
+(the ring backend on loopback) decodes what one process does, token for token: prompts alone, batched, a
 prefix-cache hit, n = 2, preemption; each rank's pools and memory plan hold its own layers only; and a model that
 cannot be split as asked is refused at load on every rank with the reason."""
 
