@@ -1,5 +1,5 @@
-"""Run over 2 ranks (tests/distributed/launch.py): rank 0 decodes once, then its process dies; the other ranks must notice and stop
-(test_leader_lost.py)."""
+"""Run over 2 ranks (tests/distributed/launch.py): rank 0 decodes once, then its process dies; the other ranks
+must notice and stop (test_leader_lost.py)."""
 
 import os
 import sys
