@@ -39,6 +39,7 @@ from mlxpaged.runner.kv_calibration import transform_for
 from mlxpaged.runner.routing import route_paged_attention
 
 import mlx.core as mx
+import mlx.nn as nn
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,8 @@ def build_core(
         has_commands=has_commands,
     )
     evaluate_model_arrays(loaded.model)  # after every forward on this thread (probe, split_head)
+    if loaded.vision is not None:  # the vision tower and projector run on the engine thread too
+        evaluate_model_arrays(loaded.vision.model)
     if ranks is not None:
         core.all_ranks_ok = ranks.all_true  # the compiled pass's warm-up: every rank falls back, or none
     if ranks is not None and ranks.leads:
@@ -227,15 +230,22 @@ def layout_serial_reason(layout: ModelLayout, model, dtype: mx.Dtype, block_size
 
 
 def evaluate_model_arrays(model) -> None:
-    """Evaluate what the lazy forwards on this thread left lazy in the model: gemma3n reassigns its altup
-    weights (`weight = mx.clip(weight, ...)`) in every forward and keeps `_std_multiplier` outside its
-    parameters. First evaluated on the engine thread they fail ("no Stream(cpu, 0) in current thread")."""
-    mx.eval(
-        model.parameters(),
-        [
-            value
-            for module in model.modules()
-            for key, value in module.items()
-            if key.startswith("_") and isinstance(value, mx.array)
-        ],
-    )
+    """Evaluate what this thread left lazy in the model: gemma3n reassigns its altup weights (`weight =
+    mx.clip(weight, ...)`) in every forward and keeps `_std_multiplier` outside its parameters; Pixtral's vision
+    tower keeps its rotary table in a plain object (`PixtralRotaryEmbedding.inv_freq`), built lazily when the
+    model is. First evaluated on the engine thread they fail ("no Stream(cpu, 0) in current thread")."""
+    private = [
+        value
+        for module in model.modules()
+        for key, value in module.items()
+        if key.startswith("_") and isinstance(value, mx.array)
+    ]
+    held = [
+        value
+        for module in model.modules()
+        for kept in vars(module).values()
+        if not isinstance(kept, nn.Module | mx.array) and hasattr(kept, "__dict__")
+        for value in vars(kept).values()
+        if isinstance(value, mx.array)
+    ]
+    mx.eval(model.parameters(), private, held)

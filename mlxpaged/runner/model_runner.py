@@ -35,7 +35,8 @@ from mlxpaged.runner.passes import StepInput, logit_positions, prefill_passes, s
 from mlxpaged.runner.routing import is_routed
 from mlxpaged.runner.sampling import LazySample, SampleResult, sample_batch
 from mlxpaged.runner.sampling_rows import SamplingRows
-from mlxpaged.vision.embedding import chunk_embedding
+from mlxpaged.vision.embedding import chunk_embedding, position_delta
+from mlxpaged.vision.positions import row_positions
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -134,9 +135,18 @@ class Runner:
             raise ValueError("a model with state layers needs a state store, and only such a model")
         self._built_state_pass: StatePass | None = None  # of the last pass built without launching
         self.head = split_head(model)
+        # M-RoPE: every pass gives the model its rows' positions (vision/positions.py); the compiled and the
+        # deferred decode passes do not yet.
+        self.takes_positions = bool(getattr(model, "takes_positions", False))
         # The compiled pass reads the pools only: every leaf must be attended by the routed SDPA alone.
         plain = layout is None or (cache_tree.simple(layout) and all(leaf.routed for leaf in layout.kv_leaves))
-        compiled = state_store is None and plain and is_routed(model) and CompiledDecode.supports(kv_cache)
+        compiled = (
+            state_store is None
+            and plain
+            and is_routed(model)
+            and CompiledDecode.supports(kv_cache)
+            and not self.takes_positions
+        )
         self.tuning = backend.tuning()
         self.decoder = (
             CompiledDecode(model, kv_cache, self.head) if compiled and self.tuning.compiled_decode_max_batch else None
@@ -151,6 +161,7 @@ class Runner:
             and not serial
             and is_routed(model)
             and defers_writes(kv_cache)
+            and not self.takes_positions
         )
         self._pending: PendingKV | None = None
         self._orphans: list[PendingKV] = []
@@ -240,6 +251,7 @@ class Runner:
                     state_slot=c.state_slot,
                     num_logits=len(c.drafts) + 1 if c.samples else 1,
                     embedding=chunk_embedding(c.request, c.start, len(c.token_ids)),
+                    position_delta=position_delta(c.request) if self.takes_positions else 0,
                 )
                 for c in chunks
             ]
@@ -291,9 +303,9 @@ class Runner:
             tables = planner.reserve_next_slot(request)
             if tables is not None:
                 picked.append(i)
-                inputs.append(
-                    StepInput([0], chunk.start + len(chunk.token_ids), tables, True, state_slot=chunk.state_slot)
-                )
+                delta = position_delta(request) if self.takes_positions else 0
+                start = chunk.start + len(chunk.token_ids)
+                inputs.append(StepInput([0], start, tables, True, state_slot=chunk.state_slot, position_delta=delta))
         if not picked:
             return None
         rows = [(chunks[i].request.request_id, x.start) for i, x in zip(picked, inputs, strict=True)]
@@ -424,6 +436,10 @@ class Runner:
         embedding = batch[0].embedding  # a chunk with one runs alone (passes.py)
         if embedding is not None:  # a vision-language model's own language model (vision/language.py)
             logits = self.model(tokens, cache=views, inputs_embeds=embedding.inputs_embeds, **embedding.arguments)
+            return logits[rows, columns], state_pass
+        if self.takes_positions:
+            starts, deltas = [x.start for x in batch], [x.position_delta for x in batch]
+            logits = self.model(tokens, cache=views, position_ids=row_positions(starts, deltas, tokens.shape[1]))
             return logits[rows, columns], state_pass
         if self.head is not None:
             hidden = self.model.model(tokens, cache=views)

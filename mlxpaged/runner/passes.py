@@ -36,6 +36,9 @@ class StepInput:
     # A prompt chunk with images: the model's merged embeddings and arguments for it (vision/embedding.py);
     # such a chunk runs in a pass of its own.
     embedding: ChunkEmbedding | None = None
+    # A model whose positions come from the images (vision/positions.py): the request's delta, added to the
+    # positions of its rows that are not prompt chunks with images.
+    position_delta: int = 0
 
 
 def split_head(model: nn.Module) -> Callable[[mx.array], mx.array] | None:

@@ -12,12 +12,22 @@ import importlib.util
 
 EXTRA = "mlxpaged[vision]"
 INSTALL_HINT = f"install the vision extra: pip install '{EXTRA}' (in a checkout: pip install -e '.[vision]')"
-# Language models whose positions come from the prompt's images (M-RoPE: Qwen2-VL and after): every pass would
-# pass them, which the engine does not do yet. They load as text models where mlx-lm has them.
-POSITIONS_NOT_YET = "its language model takes 3-D (M-RoPE) positions from the prompt's images"
+# Language models whose positions come from the prompt's images (M-RoPE: Qwen2-VL and after). Every pass gives
+# them their positions (vision/positions.py); the kinds checked against mlx-vlm load with their tower, the others
+# load as text models where mlx-lm has them.
+POSITIONS_CHECKED = frozenset({"qwen2_5_vl", "qwen3_vl"})
+POSITIONS_NOT_YET = (
+    "its language model takes 3-D (M-RoPE) positions from the prompt's images, which the engine gives only "
+    f"{', '.join(sorted(POSITIONS_CHECKED))} so far"
+)
 MROPE_MODEL_TYPES = frozenset(
     {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "qwen3_omni_moe", "glm4v"}
 )
+# PaliGemma attends both ways over its whole prompt (a prefix-LM; mlx-vlm and transformers default to it when the
+# config is silent), Gemma 4 within each image when its text config says "vision". A block's keys and values
+# then depend on tokens after it: neither chunked prefill nor the prefix cache (which reuses a prefix computed
+# without what follows) holds that.
+BOTH_WAYS_DEFAULT = {"paligemma": True}
 
 
 def is_vision_checkpoint(config: dict) -> bool:
@@ -33,9 +43,25 @@ def serves_images(config: dict) -> str | None:
     if not vision_installed():
         return f"the vision extra is not installed ({INSTALL_HINT})"
     model_type = str(config.get("model_type", ""))
-    if model_type in MROPE_MODEL_TYPES:
-        return f"model type {model_type!r}: {POSITIONS_NOT_YET}, which the engine does not pass yet"
+    if model_type in MROPE_MODEL_TYPES - POSITIONS_CHECKED:
+        return f"model type {model_type!r}: {POSITIONS_NOT_YET}"
+    both_ways = attends_both_ways(config)
+    if both_ways:
+        return (
+            f"model type {model_type!r}: its language model attends both ways (use_bidirectional_attention: "
+            f"{both_ways!r}), so keys and values in the prompt depend on the tokens after them, which the paged "
+            "engine's chunked prefill and prefix cache do not compute"
+        )
     return None
+
+
+def attends_both_ways(config: dict) -> object:
+    """The config's `use_bidirectional_attention` as mlx-vlm reads it (text config first, else the top level,
+    else the model type's default); falsy when the language model is causal throughout."""
+    text = config.get("text_config")
+    text = text if isinstance(text, dict) else {}
+    value = text.get("use_bidirectional_attention", config.get("use_bidirectional_attention"))
+    return BOTH_WAYS_DEFAULT.get(str(config.get("model_type", "")), False) if value is None else value
 
 
 def loads_with_images(config: dict) -> bool:

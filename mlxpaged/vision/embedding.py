@@ -14,11 +14,16 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from mlxpaged.vision.positions import prompt_positions, takes_positions
+
 import mlx.core as mx
 import mlx.nn as nn
 
 # Processor outputs that are not the model's keyword arguments: the prompt itself and what goes to the tower.
 _NOT_ARGUMENTS = ("input_ids", "attention_mask", "pixel_values")
+# What get_input_embeddings returns for the whole prompt that a chunk is given as its own slice instead
+# (positions.py): the model would keep them as state.
+_WHOLE_PROMPT_POSITIONS = ("position_ids", "rope_deltas")
 
 
 @dataclass(frozen=True)
@@ -45,10 +50,23 @@ class PromptEmbedding:
         self._images_end = len(self._token_ids) if images_end is None else images_end
         self._embeds: mx.array | None = None
         self._arguments: dict[str, object] = {}
+        self._takes_positions = takes_positions(vlm.language_model)
+        self._positions: tuple[mx.array, int] | None = None  # the prompt's M-RoPE positions and delta, once read
 
     @property
     def computed(self) -> bool:
         return self._embeds is not None
+
+    @property
+    def position_delta(self) -> int:
+        """How far the prompt's positions end from its length (positions.py); 0 for a model without M-RoPE."""
+        return self._prompt_positions()[1] if self._takes_positions else 0
+
+    def _prompt_positions(self) -> tuple[mx.array, int]:
+        if self._positions is None:
+            self._positions = prompt_positions(self._vlm.language_model, self._token_ids, self._arrays)
+            mx.eval(self._positions[0])
+        return self._positions
 
     def compute(self) -> None:
         """Run the vision tower and merge (once)."""
@@ -63,7 +81,8 @@ class PromptEmbedding:
         )
         fields = out.to_dict() if hasattr(out, "to_dict") else {"inputs_embeds": out}
         self._embeds = fields.pop("inputs_embeds")
-        self._arguments = {**extra, **{k: v for k, v in fields.items() if v is not None}}
+        fields = {k: v for k, v in fields.items() if v is not None and k not in _WHOLE_PROMPT_POSITIONS}
+        self._arguments = {**extra, **fields}
         mx.eval(self._embeds, *(v for v in self._arguments.values() if isinstance(v, mx.array)))
 
     def chunk(self, start: int, end: int) -> ChunkEmbedding:
@@ -72,14 +91,22 @@ class PromptEmbedding:
             return self._text_chunk(start, end)
         self.compute()
         assert self._embeds is not None  # computed just now
-        return ChunkEmbedding(self._embeds[:, start:end], {**self._arguments, "n_to_process": end - start})
+        arguments = {**self._arguments, "n_to_process": end - start, **self._positions_of(start, end)}
+        return ChunkEmbedding(self._embeds[:, start:end], arguments)
+
+    def _positions_of(self, start: int, end: int) -> dict[str, mx.array]:
+        """A chunk's slice of the prompt's positions, for a model that takes them (else nothing)."""
+        if not self._takes_positions:
+            return {}
+        return {"position_ids": self._prompt_positions()[0][..., start:end]}
 
     def _text_chunk(self, start: int, end: int) -> ChunkEmbedding:
         """A chunk past every image, embedded by the model as the text it is (no pixels, no tower)."""
         out = self._vlm.get_input_embeddings(mx.array([self._token_ids[start:end]]))
         fields = out.to_dict() if hasattr(out, "to_dict") else {"inputs_embeds": out}
         embeds = fields.pop("inputs_embeds")
-        return ChunkEmbedding(embeds, {k: v for k, v in fields.items() if v is not None})
+        fields = {k: v for k, v in fields.items() if v is not None and k not in _WHOLE_PROMPT_POSITIONS}
+        return ChunkEmbedding(embeds, {**fields, **self._positions_of(start, end)})
 
 
 def chunk_embedding(request, start: int, length: int) -> ChunkEmbedding | None:
@@ -90,3 +117,9 @@ def chunk_embedding(request, start: int, length: int) -> ChunkEmbedding | None:
     if not isinstance(multimodal, PromptEmbedding) or start >= len(request.prompt_token_ids):
         return None
     return multimodal.chunk(start, start + length)
+
+
+def position_delta(request) -> int:
+    """The delta of `request`'s positions (vision/positions.py): its prompt's, 0 for a prompt without images."""
+    multimodal = request.multimodal
+    return multimodal.position_delta if isinstance(multimodal, PromptEmbedding) else 0

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from mlxpaged.vision.positions import takes_positions
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import cache as mlx_cache
@@ -27,6 +29,7 @@ class VisionLanguageModel(nn.Module):
         super().__init__()
         self.language_model = language_model
         self.args = SimpleNamespace(model_type=model_type)  # what loading/probe.py names the model by
+        self.takes_positions = takes_positions(language_model)  # M-RoPE: every pass passes position_ids
 
     def __call__(self, inputs: mx.array, cache=None, inputs_embeds: mx.array | None = None, **kwargs) -> mx.array:
         out = self.language_model(inputs, inputs_embeds=inputs_embeds, cache=cache, **kwargs)

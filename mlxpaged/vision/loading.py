@@ -7,10 +7,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mlxpaged.errors import UnsupportedModelError
-from mlxpaged.vision.checkpoint import POSITIONS_NOT_YET
+from mlxpaged.vision.checkpoint import POSITIONS_CHECKED, POSITIONS_NOT_YET
 from mlxpaged.vision.language import VisionLanguageModel
+from mlxpaged.vision.positions import takes_positions
 
-import mlx.core as mx
 import mlx.nn as nn
 
 
@@ -32,13 +32,6 @@ def image_token_id(vlm: nn.Module) -> int:
         if isinstance(value, int):
             return value
     raise ValueError(f"model type {config.model_type!r}: no image token id in its config")
-
-
-def positions_reason(vlm: nn.Module) -> str | None:
-    """Why this model is not served with images yet (None: it is): a language model whose positions come from
-    the prompt's images, seen as `rope_deltas` in what `get_input_embeddings` returns for a text prompt."""
-    out = vlm.get_input_embeddings(mx.array([[1, 2, 3]]))
-    return POSITIONS_NOT_YET if getattr(out, "rope_deltas", None) is not None else None
 
 
 def vision_parts(vlm: nn.Module, processor: object | None) -> tuple[VisionLanguageModel, VisionParts]:
@@ -67,12 +60,12 @@ def unweighted_vision_model(model_dir: Path) -> VisionLanguageModel:
 
 def load_vision_model(path: Path) -> tuple[nn.Module, object]:
     """mlx-vlm's model and processor from a local directory (no network). UnsupportedModelError when the model
-    is one whose positions come from its images (a kind MROPE_MODEL_TYPES should name)."""
+    takes its positions from its images and is not of a kind checked so (one MROPE_MODEL_TYPES should name)."""
     from mlx_vlm.utils import load_model, load_processor
 
     vlm = load_model(path)
-    reason = positions_reason(vlm)
-    if reason is not None:
-        raise UnsupportedModelError(f"model type {vlm.config.model_type!r}: {reason}; images are not served yet")
+    model_type = vlm.config.model_type
+    if takes_positions(vlm.language_model) and model_type not in POSITIONS_CHECKED:
+        raise UnsupportedModelError(f"model type {model_type!r}: {POSITIONS_NOT_YET}; images are not served yet")
     processor = load_processor(path, add_detokenizer=False)
     return vlm, processor

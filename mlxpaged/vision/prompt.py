@@ -28,6 +28,11 @@ class ImagePrompt:
     images: tuple[ImageSpan, ...]
     arrays: Mapping[str, mx.array] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        # Evaluated here, on the thread that made them: MLX's streams are per thread, so a lazy array built on a
+        # request's thread fails on the engine's ("There is no Stream(cpu, 0) in current thread").
+        mx.eval(*self.arrays.values())
+
 
 def image_runs(token_ids: Sequence[int], image_token_id: int) -> list[tuple[int, int]]:
     """(start, length) of every maximal run of `image_token_id`, in order."""

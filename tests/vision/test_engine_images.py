@@ -1,6 +1,6 @@
-"""Prompts with images on the paged engine against mlx-vlm's own generate, token for token: alone, batched beside
-a text request, on a prefix-cache hit past the image, and never hitting the cache past the text before another
-image (tiny random models; tests/vision/tiny_vlms.py)."""
+"""Prompts with images on the paged engine against mlx-vlm's own generate, token for token, for each architecture
+(tiny random models; tests/vision/tiny_vlms.py): alone, batched beside a text request, chunked, preempted, on a
+prefix-cache hit past the image, and never hitting the cache past the text before another image."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from mlxpaged.loading.model_store import ModelRef
 from mlxpaged.vision.loading import vision_parts
 from mlxpaged.vision.prompt import ImagePrompt
 from tests.engine.test_engine import GREEDY, assert_pool_empty, tiny_engine, tokenizer  # noqa: F401
-from tests.tiny_models import random_tokens, tiny_llama
-from tests.vision.tiny_vlms import image_prompt, tiny_idefics3
+from tests.tiny_models import tiny_llama
+from tests.vision.tiny_vlms import ARCHITECTURES, image_prompt, text_tokens
 
 import mlx.core as mx
 import pytest
@@ -32,25 +32,35 @@ def vlm_engine(vlm, tokenizer, **settings) -> Engine:
     return Engine(loaded, *split_settings({"cache_tokens": 2048, "block_size": BLOCK, **settings}))
 
 
+def caches_prefixes(engine: Engine) -> bool:
+    """False for a model whose prefix cache is off (sliding-window layers: gemma3), whose turns all run cold."""
+    return engine.core.scheduler.kv_manager.enable_prefix_cache
+
+
+def full_blocks(prompt: ImagePrompt) -> int:
+    """The tokens of a prompt's full blocks before its last token (which a hit always computes)."""
+    return (len(prompt.token_ids) - 1) // BLOCK * BLOCK
+
+
 def mlx_vlm_greedy(vlm, prompt: ImagePrompt | list[int], max_tokens: int) -> list[int]:
     """mlx-vlm's own generate_step, greedy, over the same token ids and pixels."""
     if isinstance(prompt, ImagePrompt):
         arrays = dict(prompt.arrays)
-        ids, pixel_values = prompt.token_ids, arrays.pop("pixel_values")
+        ids, pixel_values, mask = prompt.token_ids, arrays.pop("pixel_values"), arrays.pop("attention_mask", None)
     else:
-        ids, pixel_values, arrays = prompt, None, {}
-    steps = generate_step(mx.array([ids]), vlm, pixel_values, None, max_tokens=max_tokens, temperature=0.0, **arrays)
+        ids, pixel_values, mask, arrays = prompt, None, None, {}
+    steps = generate_step(mx.array([ids]), vlm, pixel_values, mask, max_tokens=max_tokens, temperature=0.0, **arrays)
     return [int(token) for token, _ in steps]
 
 
-@pytest.fixture(scope="module")
-def vlm():
-    return tiny_idefics3()
+@pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
+def vlm(request):
+    return ARCHITECTURES[request.param].build()
 
 
 def test_an_image_prompt_alone_and_beside_a_text_request_equals_mlx_vlm(vlm, tokenizer):
-    prompt = image_prompt(vlm, random_tokens(11, seed=1), random_tokens(9, seed=2), seed=0)
-    text = random_tokens(13, seed=3)
+    prompt = image_prompt(vlm, text_tokens(11, seed=1), text_tokens(9, seed=2), seed=0)
+    text = text_tokens(13, seed=3)
     want = mlx_vlm_greedy(vlm, prompt, GREEDY.max_tokens)
     with vlm_engine(vlm, tokenizer) as engine:
         alone = engine.generate([prompt], GREEDY)[0]
@@ -63,29 +73,28 @@ def test_an_image_prompt_alone_and_beside_a_text_request_equals_mlx_vlm(vlm, tok
 
 
 def test_the_same_image_hits_the_prefix_cache_and_another_image_does_not(vlm, tokenizer):
-    before, after = random_tokens(21, seed=4), random_tokens(12, seed=5)  # the image starts in the third block
+    before, after = text_tokens(21, seed=4), text_tokens(12, seed=5)  # the image starts in the third block
     first = image_prompt(vlm, before, after, seed=0)
     other = image_prompt(vlm, before, after, seed=1)  # the same token ids, other pixels
-    turn = dataclasses.replace(first, token_ids=first.token_ids + random_tokens(10, seed=6))  # a next turn
+    turn = dataclasses.replace(first, token_ids=first.token_ids + text_tokens(10, seed=6))  # a next turn
     with vlm_engine(vlm, tokenizer) as engine:
+        hits = caches_prefixes(engine)
         cold = engine.generate([first], GREEDY)[0]
         warm = engine.generate([first], GREEDY)[0]
         assert warm.token_ids == cold.token_ids
-        assert warm.cached_tokens >= 4 * BLOCK  # the blocks holding the image's tokens came from the cache
+        assert warm.cached_tokens >= full_blocks(first) if hits else warm.cached_tokens == 0  # the image's too
         swapped = engine.generate([other], GREEDY)[0]
         assert swapped.cached_tokens <= len(before) // BLOCK * BLOCK  # nothing from the block the image starts in
         assert swapped.token_ids == mlx_vlm_greedy(vlm, other, GREEDY.max_tokens)
         follow = engine.generate([turn], GREEDY)[0]
-        assert follow.cached_tokens >= 4 * BLOCK
+        assert follow.cached_tokens >= full_blocks(first) if hits else follow.cached_tokens == 0
         assert follow.token_ids == mlx_vlm_greedy(vlm, turn, GREEDY.max_tokens)
         assert_pool_empty(engine)
     assert cold.token_ids == mlx_vlm_greedy(vlm, first, GREEDY.max_tokens)
 
 
 def test_chunked_prefill_and_preemption_of_an_image_prompt_equal_mlx_vlm(vlm, tokenizer):
-    prompts = [
-        image_prompt(vlm, random_tokens(5 + 7 * s, seed=s), random_tokens(9, seed=9 + s), seed=s) for s in range(3)
-    ]
+    prompts = [image_prompt(vlm, text_tokens(5 + 7 * s, seed=s), text_tokens(9, seed=9 + s), seed=s) for s in range(3)]
     want = [mlx_vlm_greedy(vlm, p, GREEDY.max_tokens) for p in prompts]
     with vlm_engine(vlm, tokenizer, max_batch_tokens=8, max_num_seqs=4) as chunked:  # images split across chunks
         assert [c.token_ids for c in chunked.generate(prompts, GREEDY)] == want
@@ -95,26 +104,32 @@ def test_chunked_prefill_and_preemption_of_an_image_prompt_equal_mlx_vlm(vlm, to
 
 
 def test_an_image_sent_to_a_text_model_is_refused_naming_it(vlm, tokenizer):
-    prompt = image_prompt(vlm, random_tokens(5), random_tokens(5), seed=0)
+    prompt = image_prompt(vlm, text_tokens(5), text_tokens(5), seed=0)
     with tiny_engine(tiny_llama(), tokenizer) as engine:
         with pytest.raises(ImagesNotSupportedError, match="model 'tiny' takes no images"):
             engine.generate([prompt], GREEDY)
-        assert engine.generate([random_tokens(5)], GREEDY)[0].token_ids  # and it serves on
+        assert engine.generate([text_tokens(5)], GREEDY)[0].token_ids  # and it serves on
 
 
 def test_decoding_after_an_image_takes_the_compiled_pass(vlm, tokenizer):
-    """Batch-1 decode of a vision-language model's language model runs compiled on the CPU, as a text model's."""
-    prompt = image_prompt(vlm, random_tokens(6), random_tokens(6, seed=1), seed=2)
+    """Batch-1 decode of a vision-language model's language model runs compiled on the CPU where a text model's
+    of the same layers would (full attention only: not gemma3's window layers); not yet one whose positions come
+    from the images (M-RoPE: the compiled pass takes no positions)."""
+    prompt = image_prompt(vlm, text_tokens(6), text_tokens(6, seed=1), seed=2)
     with vlm_engine(vlm, tokenizer) as engine:
-        assert engine.runner.decoder is not None and engine.built.layout.kv_leaves[0].routed
+        leaves = engine.built.layout.kv_leaves
+        assert engine.runner.takes_positions == (vlm.config.model_type in ("qwen2_5_vl", "qwen3_vl"))
+        full_only = all(leaf.kind == "full" for leaf in leaves)
+        assert (engine.runner.decoder is not None) == (full_only and not engine.runner.takes_positions)
+        assert all(leaf.routed for leaf in leaves)
         assert engine.generate([prompt], GREEDY)[0].token_ids == mlx_vlm_greedy(vlm, prompt, GREEDY.max_tokens)
 
 
 def test_a_next_turn_whose_image_is_cached_does_not_run_the_vision_tower(vlm, tokenizer, monkeypatch):
     """An agent re-sends the same screenshot every turn: once its tokens come from the prefix cache, the turn's
     new tokens are embedded as text (vision/embedding.py); the reply is still mlx-vlm's."""
-    first = image_prompt(vlm, random_tokens(9, seed=7), random_tokens(12, seed=8), seed=3)
-    turn = dataclasses.replace(first, token_ids=first.token_ids + random_tokens(11, seed=9))
+    first = image_prompt(vlm, text_tokens(9, seed=7), text_tokens(12, seed=8), seed=3)
+    turn = dataclasses.replace(first, token_ids=first.token_ids + text_tokens(11, seed=9))
     towers = []
     real = vlm.get_input_embeddings
 
@@ -127,6 +142,9 @@ def test_a_next_turn_whose_image_is_cached_does_not_run_the_vision_tower(vlm, to
         engine.generate([first], GREEDY)
         assert towers == [True]
         follow = engine.generate([turn], GREEDY)[0]
-        assert towers == [True, False] and follow.cached_tokens >= first.images[0].start + first.images[0].length
+        if caches_prefixes(engine):
+            assert towers == [True, False] and follow.cached_tokens >= first.images[0].start + first.images[0].length
+        else:
+            assert towers == [True, True] and follow.cached_tokens == 0
     monkeypatch.undo()
     assert follow.token_ids == mlx_vlm_greedy(vlm, turn, GREEDY.max_tokens)

@@ -1,69 +1,310 @@
 """Tiny random vision-language models of mlx-vlm's architectures, built in code (float32, seeded), and prompts
-for them: the image tokens expanded as each model's processor would, and random pixels."""
+for them: each image's tokens expanded as the model's processor would, and random pixels in the layout its
+processor gives.
+
+Every model shares the vocabulary: ids below TEXT_VOCAB are text, the image token is VOCAB - 1.
+"""
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import mlxpaged  # noqa: F401  (OpenBLAS before mlx)
 from mlxpaged.vision.loading import image_token_id
 from mlxpaged.vision.prompt import ImagePrompt, image_spans
+from tests.tiny_models import random_tokens
 
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_map
 
 VOCAB = 256
-IMAGE_SIZE, PATCH = 56, 14  # 16 patches; idefics3's pixel shuffle (scale 2) makes 4 image tokens of them
+TEXT_VOCAB = VOCAB - 16  # the ids above are the models' special ones (the image token is VOCAB - 1)
+IMAGE_SIZE, PATCH = 56, 14  # a 4 x 4 grid of patches
 
 
-def tiny_idefics3():
+@dataclass(frozen=True)
+class TinyVLM:
+    """An architecture's tiny model: `build()` makes it; an image is `tokens_per_image` image tokens between
+    `around` (the markers its processor puts before and after them), and a prompt of `length` tokens with one
+    image of `pixels` [3, H, W] takes the arrays `arrays(pixels, length)`."""
+
+    name: str
+    build: Callable[[], object]
+    tokens_per_image: int
+    arrays: Callable[[np.ndarray, int], dict[str, mx.array]]
+    around: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
+
+
+def _idefics3():
     from mlx_vlm.models import idefics3
 
-    config = idefics3.ModelConfig(
-        text_config=idefics3.TextConfig(
-            model_type="idefics3",
-            hidden_size=64,
-            num_hidden_layers=2,
-            intermediate_size=128,
-            num_attention_heads=4,
-            vocab_size=VOCAB,
-            num_key_value_heads=2,
-            rms_norm_eps=1e-5,
-        ),
-        vision_config=idefics3.VisionConfig(
-            model_type="idefics3",
-            num_hidden_layers=1,
-            hidden_size=32,
-            intermediate_size=64,
-            num_attention_heads=2,
-            image_size=IMAGE_SIZE,
-            patch_size=PATCH,
-            num_channels=3,
-        ),
+    text = idefics3.TextConfig(
         model_type="idefics3",
-        image_token_id=VOCAB - 1,
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        num_attention_heads=4,
+        vocab_size=VOCAB,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
     )
+    vision = idefics3.VisionConfig(
+        model_type="idefics3",
+        num_hidden_layers=1,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=2,
+        image_size=IMAGE_SIZE,
+        patch_size=PATCH,
+        num_channels=3,
+    )
+    config = idefics3.ModelConfig(
+        text_config=text, vision_config=vision, model_type="idefics3", image_token_id=VOCAB - 1
+    )
+    return _seeded(lambda: idefics3.Model(config))
+
+
+def _gemma3():
+    from mlx_vlm.models import gemma3
+
+    text = gemma3.TextConfig(
+        model_type="gemma3_text",
+        hidden_size=64,
+        num_hidden_layers=3,
+        intermediate_size=128,
+        num_attention_heads=4,
+        head_dim=16,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        query_pre_attn_scalar=16,
+        sliding_window=8,  # window layers, then a full one: the hybrid pattern of the real ones
+        sliding_window_pattern=3,
+        mm_tokens_per_image=4,  # the 4 x 4 patches pooled 2 x 2
+    )
+    vision = gemma3.VisionConfig(
+        model_type="siglip_vision_model",
+        num_hidden_layers=1,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=2,
+        patch_size=PATCH,
+        image_size=IMAGE_SIZE,
+    )
+    config = gemma3.ModelConfig(
+        text_config=text,
+        vision_config=vision,
+        model_type="gemma3",
+        image_token_index=VOCAB - 1,
+        hidden_size=64,
+        vocab_size=VOCAB,
+    )
+    return _seeded(lambda: gemma3.Model(config))
+
+
+def _llava():
+    from mlx_vlm.models import llava
+
+    text = llava.TextConfig(
+        model_type="llama",
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+    )
+    vision = llava.VisionConfig(
+        model_type="clip_vision_model",
+        num_hidden_layers=2,  # the features come from the second-to-last layer
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=2,
+        image_size=IMAGE_SIZE,
+        patch_size=PATCH,
+        projection_dim=32,
+    )
+    config = llava.ModelConfig(
+        text_config=text, vision_config=vision, model_type="llava", image_token_index=VOCAB - 1, vocab_size=VOCAB
+    )
+    return _seeded(lambda: llava.Model(config))
+
+
+def _mistral3():
+    from mlx_vlm.models import mistral3, pixtral
+
+    text = mistral3.TextConfig(
+        model_type="mistral",
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        rms_norm_eps=1e-5,
+        head_dim=16,
+        rope_theta=10000.0,
+    )
+    vision = pixtral.VisionConfig(
+        num_hidden_layers=1,
+        hidden_size=32,
+        head_dim=16,
+        intermediate_size=64,
+        num_attention_heads=2,
+        image_size=IMAGE_SIZE,
+        patch_size=PATCH,
+    )
+    config = mistral3.ModelConfig(
+        text_config=text, vision_config=vision, model_type="mistral3", image_token_index=VOCAB - 1, vocab_size=VOCAB
+    )
+    return _seeded(lambda: mistral3.Model(config))
+
+
+# Qwen's markers around an image's tokens (its get_rope_index finds images by the start marker).
+QWEN_START, QWEN_END, QWEN_VIDEO = VOCAB - 3, VOCAB - 4, VOCAB - 2
+
+
+def _qwen_ids() -> dict:
+    return {
+        "image_token_id": VOCAB - 1,
+        "video_token_id": QWEN_VIDEO,
+        "vision_start_token_id": QWEN_START,
+        "vision_end_token_id": QWEN_END,
+        "vocab_size": VOCAB,
+    }
+
+
+def _qwen2_5_vl():
+    from mlx_vlm.models import qwen2_5_vl
+
+    text = qwen2_5_vl.TextConfig(
+        model_type="qwen2_5_vl",
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-6,
+        vocab_size=VOCAB,
+        rope_scaling={"type": "mrope", "mrope_section": [4, 2, 2]},  # time, rows, columns of head_dim 16 / 2
+        tie_word_embeddings=False,
+    )
+    vision = qwen2_5_vl.VisionConfig(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        out_hidden_size=64,
+        num_heads=2,
+        patch_size=PATCH,
+        window_size=2 * PATCH,  # windows of one merged token (2 x 2 patches): windowed and full layers differ
+        fullatt_block_indexes=[1],
+    )
+    config = qwen2_5_vl.ModelConfig(text_config=text, vision_config=vision, model_type="qwen2_5_vl", **_qwen_ids())
+    return _seeded(lambda: qwen2_5_vl.Model(config))
+
+
+def _qwen3_vl():
+    from mlx_vlm.models import qwen3_vl
+
+    text = qwen3_vl.TextConfig(
+        model_type="qwen3_vl",
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        rms_norm_eps=1e-6,
+        vocab_size=VOCAB,
+        num_key_value_heads=2,
+        head_dim=16,
+        rope_theta=5_000_000.0,
+        max_position_embeddings=4096,
+        rope_scaling={"type": "default", "mrope_section": [4, 2, 2]},
+    )
+    vision = qwen3_vl.VisionConfig(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        out_hidden_size=64,
+        num_heads=2,
+        patch_size=PATCH,
+        num_position_embeddings=16,
+        deepstack_visual_indexes=[0],  # the first layer's features go into the language model's first layer too
+    )
+    config = qwen3_vl.ModelConfig(text_config=text, vision_config=vision, model_type="qwen3_vl", **_qwen_ids())
+    return _seeded(lambda: qwen3_vl.Model(config))
+
+
+def _qwen_patches(pixels: np.ndarray, length: int) -> dict[str, mx.array]:
+    """Qwen's processor's layout: the image as flattened patches [t * h * w, channels * 2 * 14 * 14] (the frame
+    twice: its temporal patch is 2) and its grid (t, h, w) in patches."""
+    channels, height, width = pixels.shape
+    rows, columns = height // PATCH, width // PATCH
+    frames = np.stack([pixels, pixels])  # [2, C, H, W]
+    patches = frames.reshape(2, channels, rows, PATCH, columns, PATCH).transpose(2, 4, 1, 0, 3, 5)
+    return {
+        "pixel_values": mx.array(patches.reshape(rows * columns, -1)),
+        "image_grid_thw": mx.array([[1, rows, columns]]),
+    }
+
+
+def _seeded(make, scale: float = 3.0):
+    """The model of `make()` from seed 0, float32, matrices x3 so attention is far from uniform (as tests/archs
+    does for text models)."""
     mx.random.seed(0)
-    return _scaled(idefics3.Model(config))
-
-
-def _scaled(model, scale: float = 3.0):
-    """float32, matrices x3 so attention is far from uniform (as tests/archs does for text models)."""
+    model = make()
     model.update(tree_map(lambda p: p.astype(mx.float32) * (scale if p.ndim == 2 else 1.0), model.parameters()))
     mx.eval(model.parameters())
     return model
 
 
-def pixels(seed: int) -> mx.array:
-    """One image's pixel_values [1, 1, 3, H, W] (idefics3's layout: batch, images, channels, height, width)."""
-    rng = np.random.default_rng(seed)
-    return mx.array(rng.uniform(-1, 1, (1, 1, 3, IMAGE_SIZE, IMAGE_SIZE)).astype(np.float32))
+def _pixel_values(pixels: np.ndarray, length: int) -> dict[str, mx.array]:
+    return {"pixel_values": mx.array(pixels[None])}  # [images, channels, height, width]
 
 
-def image_prompt(vlm, before: list[int], after: list[int], seed: int, tokens_per_image: int = 4) -> ImagePrompt:
+ARCHITECTURES = {
+    arch.name: arch
+    for arch in (
+        # idefics3 / SmolVLM: [batch, images, channels, H, W]; its pixel shuffle (scale 2) makes 4 tokens
+        TinyVLM("idefics3", _idefics3, 4, lambda pixels, length: {"pixel_values": mx.array(pixels[None, None])}),
+        # gemma3 takes the processor's attention mask over the prompt too (its merge builds a 4-D mask of it)
+        TinyVLM(
+            "gemma3",
+            _gemma3,
+            4,
+            lambda pixels, length: {**_pixel_values(pixels, length), "attention_mask": mx.ones((1, length), mx.int32)},
+        ),
+        TinyVLM("llava", _llava, 16, _pixel_values),  # one token per patch
+        # mistral3 / pixtral: each image's size in pixels; 2 x 2 patches merged per token
+        TinyVLM(
+            "mistral3",
+            _mistral3,
+            4,
+            lambda pixels, length: {**_pixel_values(pixels, length), "image_sizes": mx.array([list(pixels.shape[1:])])},
+        ),
+        # M-RoPE (vision/positions.py): a 4 x 4 grid, 2 x 2 patches merged per token
+        TinyVLM("qwen2_5_vl", _qwen2_5_vl, 4, _qwen_patches, ((QWEN_START,), (QWEN_END,))),
+        TinyVLM("qwen3_vl", _qwen3_vl, 4, _qwen_patches, ((QWEN_START,), (QWEN_END,))),
+    )
+}
+
+
+def text_tokens(n: int, seed: int = 0) -> list[int]:
+    """Random text ids (never a model's image token)."""
+    return random_tokens(n, seed=seed, vocab=TEXT_VOCAB)
+
+
+def pixels(seed: int) -> np.ndarray:
+    """One image's pixels [3, H, W] in [-1, 1] (as the processors normalize them)."""
+    return np.random.default_rng(seed).uniform(-1, 1, (3, IMAGE_SIZE, IMAGE_SIZE)).astype(np.float32)
+
+
+def image_prompt(vlm, before: list[int], after: list[int], seed: int) -> ImagePrompt:
     """`before` + one image's tokens + `after`, the image random pixels of `seed` (its digest names the seed)."""
+    arch = ARCHITECTURES[vlm.config.model_type]
     image = image_token_id(vlm)
-    token_ids = before + [image] * tokens_per_image + after
+    token_ids = [*before, *arch.around[0], *([image] * arch.tokens_per_image), *arch.around[1], *after]
+    arrays = arch.arrays(pixels(seed), len(token_ids))
     digest = hashlib.sha256(f"pixels-{seed}".encode()).hexdigest()
-    return ImagePrompt(token_ids, image_spans(token_ids, image, [digest]), {"pixel_values": pixels(seed)})
+    return ImagePrompt(token_ids, image_spans(token_ids, image, [digest]), arrays)
