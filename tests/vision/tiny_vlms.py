@@ -222,7 +222,36 @@ def _qwen3_vl():
         max_position_embeddings=4096,
         rope_scaling={"type": "default", "mrope_section": [4, 2, 2]},
     )
-    vision = qwen3_vl.VisionConfig(
+    config = qwen3_vl.ModelConfig(
+        text_config=text, vision_config=_qwen3_vl_vision(qwen3_vl), model_type="qwen3_vl", **_qwen_ids()
+    )
+    return _seeded(lambda: qwen3_vl.Model(config))
+
+
+def _qwen2_vl():
+    from mlx_vlm.models import qwen2_vl
+
+    text = qwen2_vl.TextConfig(
+        model_type="qwen2_vl",
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        num_attention_heads=4,
+        rms_norm_eps=1e-6,
+        vocab_size=VOCAB,
+        num_key_value_heads=2,
+        rope_scaling={"type": "mrope", "mrope_section": [4, 2, 2]},
+        tie_word_embeddings=False,
+    )
+    vision = qwen2_vl.VisionConfig(depth=2, embed_dim=32, hidden_size=64, num_heads=2, patch_size=PATCH)
+    ids = {k: v for k, v in _qwen_ids().items() if k != "vision_end_token_id"}  # its config has no end marker
+    config = qwen2_vl.ModelConfig(text_config=text, vision_config=vision, model_type="qwen2_vl", **ids)
+    return _seeded(lambda: qwen2_vl.Model(config))
+
+
+def _qwen3_vl_vision(module):
+    """Qwen3-VL's tower."""
+    return module.VisionConfig(
         depth=2,
         hidden_size=32,
         intermediate_size=64,
@@ -232,8 +261,33 @@ def _qwen3_vl():
         num_position_embeddings=16,
         deepstack_visual_indexes=[0],  # the first layer's features go into the language model's first layer too
     )
-    config = qwen3_vl.ModelConfig(text_config=text, vision_config=vision, model_type="qwen3_vl", **_qwen_ids())
-    return _seeded(lambda: qwen3_vl.Model(config))
+
+
+def _qwen3_vl_moe():
+    from mlx_vlm.models import qwen3_vl_moe
+
+    text = qwen3_vl_moe.TextConfig(
+        model_type="qwen3_vl_moe",
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        moe_intermediate_size=32,
+        rms_norm_eps=1e-6,
+        vocab_size=VOCAB,
+        num_key_value_heads=2,
+        head_dim=16,
+        rope_theta=5_000_000.0,
+        max_position_embeddings=4096,
+        rope_scaling={"type": "default", "mrope_section": [4, 2, 2]},
+    )
+    vision = _qwen3_vl_vision(qwen3_vl_moe)
+    config = qwen3_vl_moe.ModelConfig(text_config=text, vision_config=vision, model_type="qwen3_vl_moe", **_qwen_ids())
+    return _seeded(lambda: qwen3_vl_moe.Model(config))
 
 
 def _qwen_patches(pixels: np.ndarray, length: int) -> dict[str, mx.array]:
@@ -286,6 +340,8 @@ ARCHITECTURES = {
         # M-RoPE (vision/positions.py): a 4 x 4 grid, 2 x 2 patches merged per token
         TinyVLM("qwen2_5_vl", _qwen2_5_vl, 4, _qwen_patches, ((QWEN_START,), (QWEN_END,))),
         TinyVLM("qwen3_vl", _qwen3_vl, 4, _qwen_patches, ((QWEN_START,), (QWEN_END,))),
+        TinyVLM("qwen2_vl", _qwen2_vl, 4, _qwen_patches, ((QWEN_START,), (QWEN_END,))),
+        TinyVLM("qwen3_vl_moe", _qwen3_vl_moe, 4, _qwen_patches, ((QWEN_START,), (QWEN_END,))),
     )
 }
 
