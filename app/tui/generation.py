@@ -85,8 +85,8 @@ class ReplyRun:
         """The worker thread's body: posts ReplyStarted, ReplyDelta..., then ReplyFinished or ReplyFailed."""
         started = time.perf_counter()
         try:
-            prompt = self.engine.chat_tokens(self.messages)
-            self.prompt_tokens = len(prompt)
+            prompt = self.engine.chat_prompt(self.messages)  # token ids, or an ImagePrompt with images
+            self.prompt_tokens = len(getattr(prompt, "token_ids", prompt))
             self.request_id = self.engine.submit(prompt, self.params, self._events.put)
         except Exception as exc:  # too long, bad settings, engine closed: the UI says why
             self._send(ReplyFailed(self, exc, rejected=True))

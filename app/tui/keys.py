@@ -29,6 +29,7 @@ HELP_SECTIONS = [
             ("ctrl+l", "edit the last message: it goes back into the input, its reply is dropped"),
             ("ctrl+n", "new chat (the current one is saved)"),
             ("ctrl+o", "open a saved conversation"),
+            ("/image PATH", "attach an image to your next message (a vision-language model reads it)"),
         ],
     ),
     (
@@ -63,5 +64,8 @@ _NAMES = {"escape": "Esc", "enter": "Enter", "tab": "Tab", "ctrl": "Ctrl", "shif
 
 
 def key_label(key: str) -> str:
-    """ "ctrl+j" -> "Ctrl+J", "escape" -> "Esc", "f1" -> "F1"."""
+    """ "ctrl+j" -> "Ctrl+J", "escape" -> "Esc", "f1" -> "F1"; a command typed in the input ("/image PATH") as it
+    is typed."""
+    if key.startswith("/"):
+        return key
     return "+".join(_NAMES.get(part, part.upper() if len(part) <= 3 else part.capitalize()) for part in key.split("+"))

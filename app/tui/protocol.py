@@ -15,7 +15,7 @@ class ChatEngine(Protocol):
     max_model_len: int
     generation_defaults: Any  # GenerationDefaults: the model's sampling defaults (.values, .source)
 
-    def chat_tokens(self, messages: list[dict]) -> list[int]: ...
+    def chat_prompt(self, messages: list[dict]) -> Any: ...  # token ids, or an ImagePrompt (images attached)
 
     def submit(self, prompt: Sequence[int], params: Any, sink: Callable[[object], None]) -> str: ...
 

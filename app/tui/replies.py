@@ -5,11 +5,13 @@ ReplyFinished / ReplyFailed Messages; the `on_reply_...` handlers below take the
 Every handler checks that its run is still the current one, so a reply abandoned by "new chat" or
 "open conversation" cannot write into the next conversation.
 A message sent while the model loads waits in its conversation and is answered once an engine is ready.
+`/image PATH` in the input attaches an image to the next message (the engine reads it when the reply starts).
 """
 
 from __future__ import annotations
 
 from functools import partial
+from pathlib import Path
 
 from mlxpaged_app.tui.errors import error_text
 from mlxpaged_app.tui.generation import ReplyRun
@@ -21,12 +23,15 @@ from mlxpaged_app.tui.widgets.chat_view import AssistantMessage, UserMessage
 from textual import work
 from textual.worker import Worker, WorkerState
 
+ATTACH_COMMAND = "/image"
+
 
 class ReplyFlow:
     def init_replies(self) -> None:
         self.reply: ReplyRun | None = None
         self.reply_view: AssistantMessage | None = None
         self.waiting_in: Conversation | None = None  # whose last message waits for the model to load
+        self.attached: list[str] = []  # images (absolute paths) that go with the next message
 
     @property
     def waiting_question(self) -> bool:
@@ -60,15 +65,38 @@ class ReplyFlow:
         text = message.text.strip()
         if not text:
             return
+        if text.split(maxsplit=1)[0] == ATTACH_COMMAND:
+            self._attach(text[len(ATTACH_COMMAND) :].strip())
+            return
         if self.loading_model:
             await self._hold_until_loaded(text)
             return
         if self.busy("sending another message"):
             return
         self.chat_input.clear()
-        self.conversation.add("user", text)
-        await self.chat_log.add(UserMessage(text))
+        await self._add_user_message(text)
         await self.start_reply()
+
+    def _attach(self, path: str) -> None:
+        """`/image PATH`: the image goes with the next message. Checked as a file here; decoded, checked as an
+        image and refused by a text model when the reply starts (the message then comes back to the input)."""
+        if not path:
+            self.notify(f"Say which image: {ATTACH_COMMAND} PATH (a file on this machine).", severity="warning")
+            return
+        file = Path(path.strip("'\"")).expanduser()
+        if not file.is_file():
+            self.notify(f"No image file at {file}.", severity="error")
+            return
+        self.attached.append(str(file.resolve()))
+        self.chat_input.clear()
+        if not self.reply_running:
+            self.update_status()
+
+    async def _add_user_message(self, text: str) -> None:
+        """The message, with the images attached so far, into the conversation and the transcript."""
+        images, self.attached = self.attached, []
+        self.conversation.add("user", text, **({"images": images} if images else {}))
+        await self.chat_log.add(UserMessage(text, images))
 
     async def _hold_until_loaded(self, text: str) -> None:
         """Show and save the message now; answer_waiting_question sends it when an engine is ready."""
@@ -76,8 +104,7 @@ class ReplyFlow:
             self.notify("Your last message waits for the model; send this one once it is answered.", severity="warning")
             return
         self.chat_input.clear()
-        self.conversation.add("user", text)
-        await self.chat_log.add(UserMessage(text))
+        await self._add_user_message(text)
         self.waiting_in = self.conversation
         self.save_conversation()
         self.update_status()
@@ -198,6 +225,7 @@ class ReplyFlow:
         whatever is being typed there."""
         index = self.conversation.last_index("user")
         text = self.conversation.messages[index]["content"]
+        self.attached = [*self.conversation.messages[index].get("images", []), *self.attached]  # attached again
         del self.conversation.messages[index:]
         await self.chat_log.remove_from(index)
         draft = self.chat_input.text.strip()

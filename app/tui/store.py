@@ -15,8 +15,9 @@ TITLE_CHARS = 60
 
 @dataclass
 class Conversation:
-    """A chat: the system prompt and the turns. Messages are {"role", "content"} dicts;
-    assistant messages may carry "stats" (a ReplyStats dict) and "stopped"."""
+    """A chat: the system prompt and the turns. Messages are {"role", "content"} dicts; user messages may carry
+    "images" (the paths of the images attached to them), assistant messages "stats" (a ReplyStats dict) and
+    "stopped"."""
 
     id: str
     model: str | None = None
@@ -43,12 +44,16 @@ class Conversation:
     def chat_messages(self) -> list[dict]:
         """What the model sees: the system prompt (if any) and every turn, without our extras."""
         system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt.strip() else []
-        return system + [{"role": m["role"], "content": m["content"]} for m in self.messages]
+        return system + [{"role": m["role"], "content": _content(m)} for m in self.messages]
 
     def add(self, role: str, content: str, **extra) -> dict:
         message = {"role": role, "content": content, **extra}
         self.messages.append(message)
         return message
+
+    @property
+    def has_images(self) -> bool:
+        return any(m.get("images") for m in self.messages)
 
     def last_index(self, role: str) -> int | None:
         for i in range(len(self.messages) - 1, -1, -1):
@@ -64,6 +69,14 @@ class Conversation:
         data = json.loads(text)
         known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
         return cls(**known)
+
+
+def _content(message: dict) -> str | list[dict]:
+    """A message's content as the engine takes it: its images (Engine.chat's image parts, by path) before its text."""
+    images = message.get("images")
+    if not images:
+        return message["content"]
+    return [*({"type": "image", "image": path} for path in images), {"type": "text", "text": message["content"]}]
 
 
 class ConversationStore:

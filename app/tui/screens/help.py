@@ -22,7 +22,8 @@ def help_table() -> Table:
     for i, (section, keys) in enumerate(HELP_SECTIONS):
         table.add_row("", Text(section, style="bold underline"), end_section=False)
         for key, what in keys:
-            table.add_row(" / ".join(key_label(k.strip()) for k in key.split("/")), what)
+            keys = [key] if key.startswith("/") else [k.strip() for k in key.split("/")]
+            table.add_row(" / ".join(key_label(k) for k in keys), what)
         if i < len(HELP_SECTIONS) - 1:
             table.add_row("", "")
     return table

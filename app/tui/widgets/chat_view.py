@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from pathlib import Path
+
 from mlxpaged_app.tui.generation import ReplyStats
 
 from rich.text import Text
@@ -12,13 +15,23 @@ from textual.widgets.markdown import MarkdownStream
 
 
 class UserMessage(Vertical):
-    def __init__(self, text: str):
+    def __init__(self, text: str, images: Sequence[str] = ()):
         super().__init__(classes="message user")
-        self.text = text
+        self.text, self.images = text, list(images)
 
     def compose(self) -> ComposeResult:
         yield Static("You", classes="role")
+        for path in self.images:
+            yield Static(attachment_line(path), classes="attachment")
         yield Static(Text(self.text), classes="body")
+
+
+def attachment_line(path: str) -> Text:
+    """How the transcript shows an attached image: its file name, and where it is."""
+    line = Text("[image] ", style="bold")
+    line.append(Path(path).name)
+    line.append(f"  {Path(path).parent}", style="dim")
+    return line
 
 
 class AssistantMessage(Vertical):
@@ -80,7 +93,7 @@ class ChatLog(VerticalScroll):
 
     def _widget_for(self, message: dict, model: str):
         if message["role"] == "user":
-            return UserMessage(message["content"])
+            return UserMessage(message["content"], message.get("images") or ())
         return AssistantMessage(
             message.get("model") or model,
             message["content"],

@@ -67,7 +67,7 @@ async def test_typing_while_the_model_loads_is_kept_and_the_question_answered(tm
         factory.gate.set()
         await wait_for(pilot, lambda: len(app.conversation.messages) == 2 and app.reply is None)
         engine = factory.engines[None]
-        assert engine.submitted[0].prompt == engine.chat_tokens([{"role": "user", "content": "hi there"}])
+        assert engine.submitted[0].prompt == engine.chat_prompt([{"role": "user", "content": "hi there"}])
         assert [v.text for v in app.query(AssistantMessage)] == ["Hello **world**!"]
         assert app.chat_input.text == "next"
 

@@ -36,7 +36,7 @@ async def test_send_streams_markdown_reply(tmp_path):
         assert user.text == "hi there"
         assert reply.text == "Hello **world**!"
         assert "world" in reply.markdown.source
-        assert engine.submitted[0].prompt == engine.chat_tokens([{"role": "user", "content": "hi there"}])
+        assert engine.submitted[0].prompt == engine.chat_prompt([{"role": "user", "content": "hi there"}])
         assert app.conversation.messages[-1]["content"] == "Hello **world**!"
         assert "3 out" in str(reply.query_one(".reply-stats").render())
         assert app.chat_input.text == ""
@@ -260,5 +260,5 @@ async def test_system_prompt_is_sent(tmp_path):
         await pilot.pause()
         assert app.conversation.system_prompt == "be brief"
         await send_and_wait(pilot, "hi")
-        expected = engine.chat_tokens([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
+        expected = engine.chat_prompt([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
         assert engine.submitted[-1].prompt == expected

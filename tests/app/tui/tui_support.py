@@ -69,12 +69,19 @@ class FakeEngine:
         self.stream_error: Exception | None = None
         self.script_blocks: list[int] | None = None
         self.cached_tokens = 0
+        self.images_seen: list[str] = []
         self.first_piece_sent = threading.Event()
         self._live: dict[str, threading.Event] = {}
         self._blocks: dict[str, list[int]] = {}
 
-    def chat_tokens(self, messages: list[dict]) -> list[int]:
-        return [len(word) for m in messages for word in f"{m['role']} {m['content']}".split()]
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        """A token per word; image parts are recorded in `images_seen` (the real engine reads them here)."""
+        texts = []
+        for m in messages:
+            parts = m["content"] if isinstance(m["content"], list) else [{"type": "text", "text": m["content"]}]
+            self.images_seen += [p["image"] for p in parts if p["type"] == "image"]
+            texts.append(" ".join([m["role"], *(p["text"] for p in parts if p["type"] == "text")]))
+        return [len(word) for text in texts for word in text.split()]
 
     def submit(self, prompt, params, sink) -> str:
         if self.submit_error is not None:
