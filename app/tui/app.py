@@ -124,9 +124,9 @@ class ChatApp(ModelLoading, ReplyFlow, App[int]):
                 text = "No model loaded: F4 picks one."
             else:
                 text = f"Ready · {self.settings.describe(self.engine.generation_defaults)}"
-            if self.attached:
+            if self.attached:  # first: a narrow status line cuts its end
                 names = ", ".join(Path(path).name for path in self.attached)
-                text += f" · attached: {names} (goes with your next message)"
+                text = f"Attached {names}: it goes with your next message · {text}"
         self.status_line.update(text)
 
     def refresh_engine_panel(self) -> None:

@@ -44,11 +44,11 @@ async def test_an_attached_image_goes_with_the_next_message_and_stays_in_the_tra
     async with app.run_test(size=SIZE) as pilot:
         await type_command(pilot, f"/image {picture}")
         assert app.attached == [str(picture.resolve())] and app.chat_input.text == ""
-        assert "attached: cat.png" in status(app)
+        assert "Attached cat.png: it goes with your next message" in status(app)
         assert engine.submitted == []  # nothing is sent until the message is
         await send_and_wait(pilot, "what is this")
         assert engine.images_seen == [str(picture.resolve())]
-        assert app.attached == [] and "attached" not in status(app)
+        assert app.attached == [] and "Attached" not in status(app)
         [user] = app.query(UserMessage)
         assert user.images == [str(picture.resolve())] and user.text == "what is this"
         assert "[image] cat.png" in str(user.query_one(".attachment").render())
@@ -98,7 +98,7 @@ async def test_an_image_the_model_refuses_comes_back_with_its_message(tmp_path):
         await wait_for(pilot, lambda: app.reply is None and app.chat_input.text == "what is this")
         assert app.conversation.messages == [] and list(app.query(UserMessage)) == []
         assert app.attached == [str(picture.resolve())]  # attached again, for another model or another try
-        assert "attached: cat.png" in status(app)
+        assert "Attached cat.png: it goes with your next message" in status(app)
 
 
 @pytest.mark.slow
