@@ -230,3 +230,41 @@ def test_the_same_image_after_a_restart_comes_from_the_disk_tier(model_dir, tmp_
         assert_clean_exit(stop_server(server), tmp_path / "two.log")
     assert again.choices[0].message.content == first.choices[0].message.content
     assert again.usage.prompt_tokens_details.cached_tokens >= (first.usage.prompt_tokens - 1) // 8 * 8
+
+
+def test_an_image_a_tool_returned_reaches_the_model(server):
+    """An agent's tool that reads an image file (Claude Code's Read) answers with an image block inside its
+    tool_result: the model's prompt holds the image's tokens (as many as the same image sent by the user adds)."""
+    claude = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+    call = {"type": "tool_use", "id": "toolu_1", "name": "Read", "input": {"file_path": "shot.png"}}
+    block = {
+        "type": "image",
+        "source": {"type": "base64", "media_type": "image/png", "data": data_url(4).split(",")[1]},
+    }
+
+    def ask(result_content: list) -> anthropic.types.Message:
+        result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": result_content}
+        return claude.messages.create(
+            model=served(server.url),
+            max_tokens=MAX_TOKENS,
+            messages=[
+                {"role": "user", "content": "Read shot.png"},
+                {"role": "assistant", "content": [call]},
+                {"role": "user", "content": [result, {"type": "text", "text": QUESTION}]},
+            ],
+            extra_body={"temperature": 0},
+        )
+
+    with_image, without = (
+        ask([{"type": "text", "text": "shot.png:"}, block]),
+        ask([{"type": "text", "text": "shot.png:"}]),
+    )
+    by_user = chat(server, [image_part(data_url(4)), {"type": "text", "text": QUESTION}])
+    alone = chat(server, [{"type": "text", "text": QUESTION}])
+    image_tokens = by_user.usage.prompt_tokens - alone.usage.prompt_tokens
+    assert image_tokens > 4
+    assert with_image.usage.input_tokens + with_image.usage.cache_read_input_tokens == (
+        without.usage.input_tokens + without.usage.cache_read_input_tokens + image_tokens
+    )
+    assert with_image.content[0].text
+    server.blocks_back()

@@ -3,8 +3,9 @@
 The conversation becomes the dicts chat templates take: the system prompt first (Claude Code's per-request
 `x-anthropic-billing-header:` block dropped: it changes every request and would sit before the whole
 conversation, so no prefix would ever be cached), assistant `tool_use` blocks as `tool_calls`, user
-`tool_result` blocks as `tool` messages ahead of the user's own text, thinking blocks dropped (templates drop
-past reasoning anyway), consecutive turns of one role merged as Anthropic's API does.
+`tool_result` blocks as `tool` messages ahead of the user's own text (the images a tool returned in a user turn
+right after them: chat templates render a tool turn as text), thinking blocks dropped (templates drop past
+reasoning anyway), consecutive turns of one role merged as Anthropic's API does.
 """
 
 from __future__ import annotations
@@ -109,6 +110,7 @@ def _turns(message: Message, where: str, call_names: dict[str, str]) -> list[dic
     blocks = [TextBlock(type="text", text=message.content)] if isinstance(message.content, str) else message.content
     texts: list[str | dict] = []  # text, and image parts where the user put them
     calls, results = [], []
+    shown: list[dict] = []  # the images tool results returned, as image parts
     for j, block in enumerate(blocks):
         at = f"{where}.content[{j}]"
         if isinstance(block, TextBlock):
@@ -118,7 +120,9 @@ def _turns(message: Message, where: str, call_names: dict[str, str]) -> list[dic
         elif isinstance(block, ToolUseBlock):
             calls.append(_tool_use(block, message.role, at, call_names))
         elif isinstance(block, ToolResultBlock):
-            results.append(_tool_result(block, message.role, at, call_names))
+            result, images = _tool_result(block, message.role, at, call_names)
+            results.append(result)
+            shown += images
         elif isinstance(block, OtherBlock):
             raise invalid_param(
                 f"{at}.type",
@@ -127,6 +131,8 @@ def _turns(message: Message, where: str, call_names: dict[str, str]) -> list[dic
             )
         # thinking / redacted_thinking blocks: dropped
     turns = results  # tool results answer the previous assistant turn: they come before the user's text
+    if shown:  # chat templates render a tool turn's content as text: its images follow it in a user turn
+        turns.append({"role": "user", "content": shown})
     if texts or calls or not results:
         turn: dict = {"role": message.role, "content": _content(texts)}
         if calls:
@@ -159,7 +165,9 @@ def _tool_use(block: ToolUseBlock, role: str, at: str, call_names: dict[str, str
     return {"id": block.id, "type": "function", "function": {"name": block.name, "arguments": block.input}}
 
 
-def _tool_result(block: ToolResultBlock, role: str, at: str, call_names: dict[str, str]) -> dict:
+def _tool_result(block: ToolResultBlock, role: str, at: str, call_names: dict[str, str]) -> tuple[dict, list[dict]]:
+    """The `tool` message of a tool_result block (its text), and its images as image parts (a screenshot or an
+    image file an agent's tool read): they go to the model in the user turn after the tool messages."""
     if role != "user":
         raise invalid_param(f"{at}.type", f"{at}: tool_result blocks belong to user messages, not {role!r}")
     name = call_names.get(block.tool_use_id)
@@ -170,17 +178,21 @@ def _tool_result(block: ToolResultBlock, role: str, at: str, call_names: dict[st
             f"{at}.tool_use_id {block.tool_use_id!r} answers no earlier tool_use block (tool_use ids so far: {known})",
         )
     content = block.content if block.content is not None else ""
+    images: list[dict] = []
     if not isinstance(content, str):
         for k, part in enumerate(content):
             if isinstance(part, OtherBlock):
                 raise invalid_param(
                     f"{at}.content[{k}].type",
-                    f"{at}.content[{k}]: tool_result content of type {part.type!r} is not supported; send text",
+                    f"{at}.content[{k}]: tool_result content of type {part.type!r} is not supported; "
+                    "send text and images",
                 )
-        content = "\n".join(part.text for part in content)
+            if isinstance(part, ImageBlock):
+                images.append(_image(part, role, f"{at}.content[{k}]"))
+        content = "\n".join(part.text for part in content if isinstance(part, TextBlock))
     if block.is_error:
         content = ERROR_PREFIX + content
-    return {"role": "tool", "tool_call_id": block.tool_use_id, "name": name, "content": content}
+    return {"role": "tool", "tool_call_id": block.tool_use_id, "name": name, "content": content}, images
 
 
 def _append(out: list[dict], turn: dict) -> None:

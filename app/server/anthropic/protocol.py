@@ -77,11 +77,11 @@ def _block_tag(value: object) -> str | None:
 
 
 def _result_part_tag(value: object) -> str | None:
-    return _tag(value, {"text"})
+    return _tag(value, {"text", "image"})
 
 
 ResultPart = Annotated[
-    Annotated[TextBlock, Tag("text")] | Annotated[OtherBlock, Tag("other")],
+    Annotated[TextBlock, Tag("text")] | Annotated[ImageBlock, Tag("image")] | Annotated[OtherBlock, Tag("other")],
     Discriminator(
         _result_part_tag,
         custom_error_type="invalid_block",

@@ -308,3 +308,38 @@ def test_image_blocks_become_image_parts_where_the_user_put_them():
     body = {"model": "m", "max_tokens": 5, "messages": [assistant, {"role": "user", "content": "x"}]}
     with pytest.raises(APIError, match="image blocks belong to user messages"):
         messages_spec(MessagesRequest.model_validate(body))
+
+
+def test_images_a_tool_returned_follow_its_tool_message_in_a_user_turn():
+    """Claude Code's Read of an image file answers with an image block in the tool_result: the tool message keeps
+    the result's text, its images go to the model in the user turn right after, before the user's own text."""
+    png = {"type": "base64", "media_type": "image/png", "data": "aGk="}
+    call = {"type": "tool_use", "id": "toolu_1", "name": "Read", "input": {"file_path": "/tmp/shot.png"}}
+    result = {
+        "type": "tool_result",
+        "tool_use_id": "toolu_1",
+        "content": [{"type": "text", "text": "the screenshot:"}, {"type": "image", "source": png}],
+    }
+    body = {
+        "model": "m",
+        "max_tokens": 5,
+        "messages": [
+            {"role": "user", "content": "Read my screenshot"},
+            {"role": "assistant", "content": [call]},
+            {"role": "user", "content": [result, {"type": "text", "text": "What does it show?"}]},
+        ],
+    }
+    spec = messages_spec(MessagesRequest.model_validate(body))
+    assert spec.messages[2:] == [
+        {"role": "tool", "tool_call_id": "toolu_1", "name": "Read", "content": "the screenshot:"},
+        {
+            "role": "user",
+            "content": [
+                {"type": "image", "image": "data:image/png;base64,aGk="},
+                {"type": "text", "text": "What does it show?"},
+            ],
+        },
+    ]
+    result["content"] = [{"type": "document", "source": {}}]
+    with pytest.raises(APIError, match=r"tool_result content of type 'document' is not supported; send text and"):
+        messages_spec(MessagesRequest.model_validate(body))
