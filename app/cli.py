@@ -242,6 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
             "restart",
             "kv",
             "distributed",
+            "vision",
         ],
         help="decode: batch-1 tok/s vs mlx-lm; batch: 16 concurrent requests vs mlx-lm "
         "batch_generate; prefix: time to first token, cached vs cold; prefill: cold and "
@@ -257,7 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
         "real process restart; kv: quantized KV pages "
         "(8 and 4 bits) vs full precision: capacity, perplexity on a held-out text, greedy agreement, decode tok/s; "
         "distributed: time to first token and decode tok/s in 1, 2 and 4 processes (mlx.launch, ring backend on "
-        "loopback), and whether each gave 1 process's tokens",
+        "loopback), and whether each gave 1 process's tokens; vision (--model: a vision-language model's directory): "
+        "cold time to first token of an image prompt, the same image's next turn, and 8 concurrent image requests, "
+        "each vs mlx-vlm's own generate / batch_generate",
     )
     bench.add_argument("--model", "-m", default=None)
     bench.add_argument(

@@ -16,6 +16,7 @@ from mlxpaged_app.bench.prefill import bench_prefill
 from mlxpaged_app.bench.prefix import bench_prefix
 from mlxpaged_app.bench.restart import bench_restart
 from mlxpaged_app.bench.spec import bench_spec
+from mlxpaged_app.bench.vision import bench_vision
 
 
 def bench_server(args: Namespace) -> int:
@@ -47,11 +48,12 @@ BENCHES = {
     "restart": bench_restart,
     "kv": bench_kv,
     "distributed": bench_distributed,
+    "vision": bench_vision,
 }
 
 
 # --tokens and --runs when not given: 128 and 3, except where a bench's own default keeps its run short.
-DEFAULTS = {"distributed": {"tokens": 16, "runs": 1}}
+DEFAULTS = {"distributed": {"tokens": 16, "runs": 1}, "vision": {"tokens": 32}}
 
 
 def run_bench(args: Namespace) -> int:
