@@ -5,7 +5,8 @@
 
 A thin wrapper: it puts this interpreter's `mlxpaged` executable after `--` (mlx.launch runs a command as given,
 so it needs an executable path, not a bare script) and, with `-n`, the ring backend; then it runs `mlx.launch`
-as its child and exits with the ranks' status (launch_status.py: mlx.launch's own is always 0). On other hosts
+as its child (mlx.launch's own code without its busy wait: distributed/quiet_launch.py) and exits with the
+ranks' status (launch_status.py: mlx.launch's own is always 0). On other hosts
 the same path must exist: install mlxpaged in the same directory on every machine.
 """
 
@@ -16,7 +17,7 @@ import os
 import shlex
 import sys
 
-from mlxpaged.distributed.launch import LOOPBACK_BACKEND, launch_command, mlxpaged_command
+from mlxpaged.distributed.launch import LOOPBACK_BACKEND, launch_command, mlxpaged_command, without_busy_wait
 from mlxpaged_app.launch_status import run_launcher
 
 
@@ -80,4 +81,6 @@ def cmd_launch(args: argparse.Namespace) -> int:
         print(shlex.join(line))
         return 0
     sys.stdout.flush()
-    return run_launcher(line)  # mlx.launch as a child: its output passes through; its ranks' status is returned
+    # mlx.launch as a child (its own code, without its busy wait): its output passes through; its ranks' status
+    # is returned
+    return run_launcher(without_busy_wait(line))

@@ -65,6 +65,13 @@ def launch_command(
     return [*line, "--", *command]
 
 
+def without_busy_wait(line: list[str]) -> list[str]:
+    """An mlx.launch command `line` run by mlx.launch's own code without its busy wait (quiet_launch.py)."""
+    if line and line[0] == launcher_path():
+        return [sys.executable, "-m", "mlxpaged.distributed.quiet_launch", *line[1:]]
+    return list(line)
+
+
 def loopback_command(command: list[str], processes: int) -> list[str]:
     """`command` alone (1 process: no launcher) or under the ring backend on loopback, on free ports."""
     if processes == 1:

@@ -4,6 +4,7 @@ environment mlx.launch exports), `-n 1`'s empty ring hostfile read as one proces
 from __future__ import annotations
 
 import socket
+import sys
 
 from mlxpaged.distributed import launch
 from mlxpaged.distributed.launch import (
@@ -15,6 +16,7 @@ from mlxpaged.distributed.launch import (
     loopback_command,
     result_from,
     result_line,
+    without_busy_wait,
 )
 from mlxpaged.distributed.ranks import JoinError, join, join_group
 
@@ -90,3 +92,10 @@ def test_free_ports_are_picked_below_the_ephemeral_range_and_skip_taken_ones(mon
         picks = iter([first, *range(first + 4, first + 400, 4)])
         monkeypatch.setattr(launch.random, "randrange", lambda low, high: next(picks))
         assert free_port_run(4) >= first + 4  # first's run holds a taken port
+
+
+def test_mlxpaged_launch_runs_mlx_launchs_code_without_its_busy_wait():
+    line = launch_command(["x"], 2, starting_port=30000)
+    quiet = without_busy_wait(line)
+    assert quiet[:3] == [sys.executable, "-m", "mlxpaged.distributed.quiet_launch"] and quiet[3:] == line[1:]
+    assert without_busy_wait(["other-launcher", "x"]) == ["other-launcher", "x"]
