@@ -63,18 +63,13 @@ class MlxVlm:
         self.model, self.processor = load(path)
 
     def prompt(self, messages: list[dict]) -> str:
+        """The messages through the checkpoint's template, as mlx-vlm's own server renders them."""
+        from mlxpaged.vision.images import image_parts, placeholders
+
         from mlx_vlm.prompt_utils import apply_chat_template
 
-        template = [
-            {**m, "content": [{"type": "image"} if p["type"] == "image" else p for p in m["content"]]}
-            if isinstance(m["content"], list)
-            else m
-            for m in messages
-        ]
-        images = sum(
-            1 for m in messages if isinstance(m["content"], list) for p in m["content"] if p["type"] == "image"
-        )
-        return apply_chat_template(self.processor, self.model.config, template, num_images=images)
+        template = [placeholders(message) for message in messages]
+        return apply_chat_template(self.processor, self.model.config, template, num_images=len(image_parts(messages)))
 
     def first_token_s(self, messages: list[dict], images: list) -> float:
         from mlx_vlm.generate.dispatch import stream_generate

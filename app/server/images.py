@@ -37,16 +37,6 @@ class ImagePolicy:
         return ImageLimits(self.max_images, self.max_pixels)
 
 
-def has_images(messages: list[dict]) -> bool:
-    """Whether a conversation (the pipeline's messages) holds an image part."""
-    return any(
-        isinstance(part, dict) and part.get("type") == "image"
-        for message in messages
-        if isinstance(message.get("content"), list)
-        for part in message["content"]
-    )
-
-
 def resolve_images(messages: list[dict], policy: ImagePolicy) -> list[dict]:
     """`messages` with every image part's source a data URL, bytes or an allowed local path."""
     out = []

@@ -251,7 +251,7 @@ class Engine:
         """The prompt `messages` make with the model's chat template: token ids, or an ImagePrompt when they
         hold images (vision/chat.py; `limits` bound them, `template_options` such as tools= go to the
         template). ImagesNotSupportedError for images to a text model, ImageInputError for a bad image."""
-        from mlxpaged.vision.chat import has_images
+        from mlxpaged.vision.images import has_images
 
         if not has_images(messages) and self.loaded.vision is None:
             return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_options))

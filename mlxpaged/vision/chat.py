@@ -11,29 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from mlxpaged.vision.images import DEFAULT_LIMITS, ImageLimits, check_count, decode_image
+from mlxpaged.vision.images import DEFAULT_LIMITS, ImageLimits, check_count, decode_image, image_parts, placeholders
 from mlxpaged.vision.loading import VisionParts
 from mlxpaged.vision.prompt import ImagePrompt, image_runs, image_spans
 
 import mlx.core as mx
 import numpy as np
-
-IMAGE_PART_TYPES = ("image",)
-
-
-def image_parts(messages: Sequence[dict]) -> list[object]:
-    """Every image of the conversation, in order (what each image part holds)."""
-    return [
-        part["image"]
-        for message in messages
-        if isinstance(message.get("content"), list)
-        for part in message["content"]
-        if isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES
-    ]
-
-
-def has_images(messages: Sequence[dict]) -> bool:
-    return bool(image_parts(messages))
 
 
 def chat_image_prompt(
@@ -48,7 +31,7 @@ def chat_image_prompt(
     check_count(len(sources), limits)
     decoded = [decode_image(source, i, limits) for i, source in enumerate(sources)]
     config = vision.model.config
-    template_messages = [_placeholders(message) for message in messages]
+    template_messages = [placeholders(message) for message in messages]
     text = apply_chat_template(vision.processor, config, template_messages, num_images=len(decoded), **template_options)
     inputs = prepare_inputs(
         vision.processor,
@@ -65,15 +48,6 @@ def chat_image_prompt(
     if len(image_runs(token_ids, vision.image_token_id)) != len(decoded):  # several runs an image: count each one
         counts = [_image_token_count(vision, d.image, config, should_add_special_tokens) for d in decoded]
     return ImagePrompt(token_ids, image_spans(token_ids, vision.image_token_id, digests, counts), arrays)
-
-
-def _placeholders(message: dict) -> dict:
-    """The message with its image parts as bare `{"type": "image"}` placeholders (the template's input)."""
-    content = message.get("content")
-    if not isinstance(content, list):
-        return message
-    parts = [{"type": "image"} if p.get("type") in IMAGE_PART_TYPES else p for p in content if isinstance(p, dict)]
-    return {**message, "content": parts}
 
 
 def _image_token_count(vision: VisionParts, image, config, should_add_special_tokens) -> int:

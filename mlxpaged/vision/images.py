@@ -14,6 +14,7 @@ import binascii
 import hashlib
 import io
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -119,3 +120,31 @@ def check_count(count: int, limits: ImageLimits = DEFAULT_LIMITS) -> None:
         raise ImageInputError(
             f"{count} images in one request, more than the limit of {limits.max_images}", param="images"
         )
+
+
+# --- image parts of a conversation (Engine.chat's messages) ---------------------------------------------------------
+IMAGE_PART_TYPES = ("image",)
+
+
+def image_parts(messages: Sequence[dict]) -> list[object]:
+    """Every image of the conversation, in order (what each image part holds)."""
+    return [
+        part["image"]
+        for message in messages
+        if isinstance(message.get("content"), list)
+        for part in message["content"]
+        if isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES
+    ]
+
+
+def has_images(messages: Sequence[dict]) -> bool:
+    return bool(image_parts(messages))
+
+
+def placeholders(message: dict) -> dict:
+    """The message with its image parts as bare `{"type": "image"}` placeholders (a chat template's input)."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    parts = [{"type": "image"} if p.get("type") in IMAGE_PART_TYPES else p for p in content if isinstance(p, dict)]
+    return {**message, "content": parts}

@@ -8,6 +8,7 @@ Every model shares the vocabulary: ids below TEXT_VOCAB are text, the image toke
 from __future__ import annotations
 
 import hashlib
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -38,256 +39,107 @@ class TinyVLM:
     around: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
 
 
-def _idefics3():
-    from mlx_vlm.models import idefics3
+# What every tiny language model and tower share; each architecture adds its own.
+TEXT = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": VOCAB,
+}
+TOWER = {"hidden_size": 32, "intermediate_size": 64, "patch_size": PATCH}
+QWEN2_TEXT = {"rms_norm_eps": 1e-6, "tie_word_embeddings": False}
+QWEN3_TEXT = {"rms_norm_eps": 1e-6, "head_dim": 16, "rope_theta": 5_000_000.0, "max_position_embeddings": 4096}
+# Qwen's markers around an image's tokens (its get_rope_index finds images by the start marker).
+QWEN_START, QWEN_END, QWEN_VIDEO = VOCAB - 3, VOCAB - 4, VOCAB - 2
+QWEN_IDS = {"image_token_id": VOCAB - 1, "video_token_id": QWEN_VIDEO, "vision_start_token_id": QWEN_START}
 
-    text = idefics3.TextConfig(
-        model_type="idefics3",
-        hidden_size=64,
-        num_hidden_layers=2,
-        intermediate_size=128,
-        num_attention_heads=4,
-        vocab_size=VOCAB,
-        num_key_value_heads=2,
-        rms_norm_eps=1e-5,
+
+def _built(model_type: str, text: dict, vision: dict, **config):
+    """mlx-vlm's model of `model_type`: its language model TEXT updated with `text`, its tower `vision`, seeded."""
+    module = importlib.import_module(f"mlx_vlm.models.{model_type}")
+    model_config = module.ModelConfig(
+        text_config=module.TextConfig(**{**TEXT, **text}),
+        vision_config=module.VisionConfig(**vision),
+        model_type=model_type,
+        **config,
     )
-    vision = idefics3.VisionConfig(
-        model_type="idefics3",
-        num_hidden_layers=1,
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=2,
-        image_size=IMAGE_SIZE,
-        patch_size=PATCH,
-        num_channels=3,
-    )
-    config = idefics3.ModelConfig(
-        text_config=text, vision_config=vision, model_type="idefics3", image_token_id=VOCAB - 1
-    )
-    return _seeded(lambda: idefics3.Model(config))
+    return _seeded(lambda: module.Model(model_config))
+
+
+def _mrope(kind: str) -> dict:
+    """Qwen's positions in three sections (time, rows, columns) of a 16-wide head's 8 rotated pairs (a new dict
+    each time: configs rewrite theirs)."""
+    return {"rope_scaling": {"type": kind, "mrope_section": [4, 2, 2]}}
+
+
+def _idefics3():
+    text = {"model_type": "idefics3", "rms_norm_eps": 1e-5}
+    vision = {**TOWER, "model_type": "idefics3", "num_hidden_layers": 1, "num_attention_heads": 2}
+    return _built("idefics3", text, {**vision, "image_size": IMAGE_SIZE, "num_channels": 3}, image_token_id=VOCAB - 1)
 
 
 def _gemma3():
-    from mlx_vlm.models import gemma3
-
-    text = gemma3.TextConfig(
-        model_type="gemma3_text",
-        hidden_size=64,
-        num_hidden_layers=3,
-        intermediate_size=128,
-        num_attention_heads=4,
-        head_dim=16,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        query_pre_attn_scalar=16,
-        sliding_window=8,  # window layers, then a full one: the hybrid pattern of the real ones
-        sliding_window_pattern=3,
-        mm_tokens_per_image=4,  # the 4 x 4 patches pooled 2 x 2
-    )
-    vision = gemma3.VisionConfig(
-        model_type="siglip_vision_model",
-        num_hidden_layers=1,
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=2,
-        patch_size=PATCH,
-        image_size=IMAGE_SIZE,
-    )
-    config = gemma3.ModelConfig(
-        text_config=text,
-        vision_config=vision,
-        model_type="gemma3",
+    text = {
+        "model_type": "gemma3_text",
+        "num_hidden_layers": 3,
+        "head_dim": 16,
+        "query_pre_attn_scalar": 16,
+        "sliding_window": 8,  # window layers, then a full one: the hybrid pattern of the real ones
+        "sliding_window_pattern": 3,
+        "mm_tokens_per_image": 4,  # the 4 x 4 patches pooled 2 x 2
+    }
+    vision = {**TOWER, "model_type": "siglip_vision_model", "num_hidden_layers": 1, "num_attention_heads": 2}
+    return _built(
+        "gemma3",
+        text,
+        {**vision, "image_size": IMAGE_SIZE},
         image_token_index=VOCAB - 1,
         hidden_size=64,
         vocab_size=VOCAB,
     )
-    return _seeded(lambda: gemma3.Model(config))
 
 
 def _llava():
-    from mlx_vlm.models import llava
-
-    text = llava.TextConfig(
-        model_type="llama",
-        hidden_size=64,
-        num_hidden_layers=2,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-    )
-    vision = llava.VisionConfig(
-        model_type="clip_vision_model",
-        num_hidden_layers=2,  # the features come from the second-to-last layer
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=2,
-        image_size=IMAGE_SIZE,
-        patch_size=PATCH,
-        projection_dim=32,
-    )
-    config = llava.ModelConfig(
-        text_config=text, vision_config=vision, model_type="llava", image_token_index=VOCAB - 1, vocab_size=VOCAB
-    )
-    return _seeded(lambda: llava.Model(config))
+    vision = {**TOWER, "model_type": "clip_vision_model", "num_attention_heads": 2, "image_size": IMAGE_SIZE}
+    vision |= {"num_hidden_layers": 2, "projection_dim": 32}  # the features come from the second-to-last layer
+    return _built("llava", {"model_type": "llama"}, vision, image_token_index=VOCAB - 1, vocab_size=VOCAB)
 
 
 def _mistral3():
-    from mlx_vlm.models import mistral3, pixtral
-
-    text = mistral3.TextConfig(
-        model_type="mistral",
-        hidden_size=64,
-        num_hidden_layers=2,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        rms_norm_eps=1e-5,
-        head_dim=16,
-        rope_theta=10000.0,
-    )
-    vision = pixtral.VisionConfig(
-        num_hidden_layers=1,
-        hidden_size=32,
-        head_dim=16,
-        intermediate_size=64,
-        num_attention_heads=2,
-        image_size=IMAGE_SIZE,
-        patch_size=PATCH,
-    )
-    config = mistral3.ModelConfig(
-        text_config=text, vision_config=vision, model_type="mistral3", image_token_index=VOCAB - 1, vocab_size=VOCAB
-    )
-    return _seeded(lambda: mistral3.Model(config))
-
-
-# Qwen's markers around an image's tokens (its get_rope_index finds images by the start marker).
-QWEN_START, QWEN_END, QWEN_VIDEO = VOCAB - 3, VOCAB - 4, VOCAB - 2
-
-
-def _qwen_ids() -> dict:
-    return {
-        "image_token_id": VOCAB - 1,
-        "video_token_id": QWEN_VIDEO,
-        "vision_start_token_id": QWEN_START,
-        "vision_end_token_id": QWEN_END,
-        "vocab_size": VOCAB,
-    }
-
-
-def _qwen2_5_vl():
-    from mlx_vlm.models import qwen2_5_vl
-
-    text = qwen2_5_vl.TextConfig(
-        model_type="qwen2_5_vl",
-        hidden_size=64,
-        num_hidden_layers=2,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        rms_norm_eps=1e-6,
-        vocab_size=VOCAB,
-        rope_scaling={"type": "mrope", "mrope_section": [4, 2, 2]},  # time, rows, columns of head_dim 16 / 2
-        tie_word_embeddings=False,
-    )
-    vision = qwen2_5_vl.VisionConfig(
-        depth=2,
-        hidden_size=32,
-        intermediate_size=64,
-        out_hidden_size=64,
-        num_heads=2,
-        patch_size=PATCH,
-        window_size=2 * PATCH,  # windows of one merged token (2 x 2 patches): windowed and full layers differ
-        fullatt_block_indexes=[1],
-    )
-    config = qwen2_5_vl.ModelConfig(text_config=text, vision_config=vision, model_type="qwen2_5_vl", **_qwen_ids())
-    return _seeded(lambda: qwen2_5_vl.Model(config))
-
-
-def _qwen3_vl():
-    from mlx_vlm.models import qwen3_vl
-
-    text = qwen3_vl.TextConfig(
-        model_type="qwen3_vl",
-        num_hidden_layers=2,
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        rms_norm_eps=1e-6,
-        vocab_size=VOCAB,
-        num_key_value_heads=2,
-        head_dim=16,
-        rope_theta=5_000_000.0,
-        max_position_embeddings=4096,
-        rope_scaling={"type": "default", "mrope_section": [4, 2, 2]},
-    )
-    config = qwen3_vl.ModelConfig(
-        text_config=text, vision_config=_qwen3_vl_vision(qwen3_vl), model_type="qwen3_vl", **_qwen_ids()
-    )
-    return _seeded(lambda: qwen3_vl.Model(config))
+    text = {"model_type": "mistral", "rms_norm_eps": 1e-5, "head_dim": 16, "rope_theta": 10000.0}
+    vision = {**TOWER, "num_hidden_layers": 1, "head_dim": 16, "num_attention_heads": 2, "image_size": IMAGE_SIZE}
+    return _built("mistral3", text, vision, image_token_index=VOCAB - 1, vocab_size=VOCAB)  # Pixtral's tower
 
 
 def _qwen2_vl():
-    from mlx_vlm.models import qwen2_vl
-
-    text = qwen2_vl.TextConfig(
-        model_type="qwen2_vl",
-        hidden_size=64,
-        num_hidden_layers=2,
-        intermediate_size=128,
-        num_attention_heads=4,
-        rms_norm_eps=1e-6,
-        vocab_size=VOCAB,
-        num_key_value_heads=2,
-        rope_scaling={"type": "mrope", "mrope_section": [4, 2, 2]},
-        tie_word_embeddings=False,
-    )
-    vision = qwen2_vl.VisionConfig(depth=2, embed_dim=32, hidden_size=64, num_heads=2, patch_size=PATCH)
-    ids = {k: v for k, v in _qwen_ids().items() if k != "vision_end_token_id"}  # its config has no end marker
-    config = qwen2_vl.ModelConfig(text_config=text, vision_config=vision, model_type="qwen2_vl", **ids)
-    return _seeded(lambda: qwen2_vl.Model(config))
+    vision = {"depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "patch_size": PATCH}
+    text = {"model_type": "qwen2_vl", **QWEN2_TEXT, **_mrope("mrope")}
+    return _built("qwen2_vl", text, vision, **QWEN_IDS, vocab_size=VOCAB)  # its config has no end marker
 
 
-def _qwen3_vl_vision(module):
-    """Qwen3-VL's tower."""
-    return module.VisionConfig(
-        depth=2,
-        hidden_size=32,
-        intermediate_size=64,
-        out_hidden_size=64,
-        num_heads=2,
-        patch_size=PATCH,
-        num_position_embeddings=16,
-        deepstack_visual_indexes=[0],  # the first layer's features go into the language model's first layer too
-    )
+def _qwen2_5_vl():
+    vision = {**TOWER, "depth": 2, "out_hidden_size": 64, "num_heads": 2, "fullatt_block_indexes": [1]}
+    vision["window_size"] = 2 * PATCH  # windows of one merged token (2 x 2 patches): windowed and full layers differ
+    text = {"model_type": "qwen2_5_vl", **QWEN2_TEXT, **_mrope("mrope")}
+    return _built("qwen2_5_vl", text, vision, **QWEN_IDS, vision_end_token_id=QWEN_END, vocab_size=VOCAB)
+
+
+# Qwen3-VL's tower, deepstack included: its first layer's features go into the language model's first layer too
+QWEN3_TOWER = {**TOWER, "depth": 2, "out_hidden_size": 64, "num_heads": 2, "num_position_embeddings": 16}
+QWEN3_TOWER["deepstack_visual_indexes"] = [0]
+
+
+def _qwen3_vl():
+    text = {"model_type": "qwen3_vl", **QWEN3_TEXT, **_mrope("default")}
+    return _built("qwen3_vl", text, QWEN3_TOWER, **QWEN_IDS, vision_end_token_id=QWEN_END, vocab_size=VOCAB)
 
 
 def _qwen3_vl_moe():
-    from mlx_vlm.models import qwen3_vl_moe
-
-    text = qwen3_vl_moe.TextConfig(
-        model_type="qwen3_vl_moe",
-        num_hidden_layers=2,
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_experts=4,
-        num_experts_per_tok=2,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-        moe_intermediate_size=32,
-        rms_norm_eps=1e-6,
-        vocab_size=VOCAB,
-        num_key_value_heads=2,
-        head_dim=16,
-        rope_theta=5_000_000.0,
-        max_position_embeddings=4096,
-        rope_scaling={"type": "default", "mrope_section": [4, 2, 2]},
-    )
-    vision = _qwen3_vl_vision(qwen3_vl_moe)
-    config = qwen3_vl_moe.ModelConfig(text_config=text, vision_config=vision, model_type="qwen3_vl_moe", **_qwen_ids())
-    return _seeded(lambda: qwen3_vl_moe.Model(config))
+    experts = {"num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 1, "mlp_only_layers": []}
+    text = {"model_type": "qwen3_vl_moe", **QWEN3_TEXT, **_mrope("default"), **experts, "moe_intermediate_size": 32}
+    return _built("qwen3_vl_moe", text, QWEN3_TOWER, **QWEN_IDS, vision_end_token_id=QWEN_END, vocab_size=VOCAB)
 
 
 def _qwen_patches(pixels: np.ndarray, length: int) -> dict[str, mx.array]:

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from mlxpaged.errors import ImageInputError
 from mlxpaged.vision.checkpoint import images_refused
+from mlxpaged.vision.images import has_images
 from mlxpaged.vision.prompt import ImagePrompt, with_prefix
 from mlxpaged_app.server.chat.render import render_prompt, template_inputs
 from mlxpaged_app.server.chat.spec import ChatRequestSpec
 from mlxpaged_app.server.errors import invalid_param
-from mlxpaged_app.server.images import ImagePolicy, has_images, resolve_images
+from mlxpaged_app.server.images import ImagePolicy, resolve_images
 
 
 def render_chat(engine, spec: ChatRequestSpec, policy: ImagePolicy) -> list[int] | ImagePrompt:
