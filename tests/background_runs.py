@@ -2,10 +2,10 @@
 
 Some tests are one long subprocess whose work the rest of the suite does not wait on: mypy over the library, the
 quantized tests under each OpenBLAS kernel family. Run in the foreground they add their whole time to the suite;
-started as collection ends (tests/conftest.py), under `nice -n 19`, they take the CPU the suite leaves idle while
-it waits on live servers, ranks and subprocesses (as the architecture sweep does: tests/archs/background.py),
-and the test that reads a result waits for it only if it is not done yet. A test run on its own (or one whose
-run was not started) runs its command then, in the foreground.
+started as collection ends (tests/conftest.py), at the lowest CPU priority (tests/lowest_priority.py), they take
+the CPU the suite leaves idle while it waits on live servers, ranks and subprocesses (as the architecture sweep
+does: tests/archs/background.py), and the test that reads a result waits for it only if it is not done yet. A
+test run on its own (or one whose run was not started) runs its command then, in the foreground.
 
 A test module lists its runs in `BACKGROUND_RUNS` (name -> `Run`); its tests read them with `result(name)`.
 """
@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.lowest_priority import at_lowest_priority
+
 ROOT = Path(__file__).resolve().parents[1]
-LOWEST_PRIORITY = 19
 
 
 @dataclass(frozen=True)
@@ -33,11 +33,11 @@ class Run:
 
 
 class _Started:
-    def __init__(self, run: Run, niceness: int):
+    def __init__(self, run: Run, background: bool):
         self.run = run
         self._done = threading.Event()
         self._result: subprocess.CompletedProcess | None = None
-        argv = ["nice", "-n", str(niceness), *run.argv] if niceness and sys.platform != "win32" else list(run.argv)
+        argv = at_lowest_priority(list(run.argv)) if background else list(run.argv)
         self._process = subprocess.Popen(
             argv,
             cwd=ROOT,
@@ -76,7 +76,7 @@ def start(name: str, run: Run) -> None:
     """Start `run` in the background under `name` (once)."""
     with _lock:
         if name not in _started:
-            _started[name] = _Started(run, LOWEST_PRIORITY)
+            _started[name] = _Started(run, background=True)
 
 
 def result(name: str, run: Run) -> subprocess.CompletedProcess:
@@ -84,7 +84,7 @@ def result(name: str, run: Run) -> subprocess.CompletedProcess:
     with _lock:
         started = _started.get(name)
     if started is None:
-        started = _Started(run, 0)
+        started = _Started(run, background=False)
     return started.result()
 
 

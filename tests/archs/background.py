@@ -15,7 +15,6 @@ from tests.archs.configs import text_modules
 from tests.archs.sweep import Stop, sweep
 
 VARIANTS = ("cpu", "cuda", "kv8")  # the engine's CPU path, the path a GPU takes, quantized pages
-LOWEST_PRIORITY = 19
 
 
 class BackgroundSweep:
@@ -28,7 +27,7 @@ class BackgroundSweep:
 
     def _run(self) -> None:
         try:
-            self._verdicts = sweep(text_modules(), variants=VARIANTS, niceness=LOWEST_PRIORITY, stop=self._stop)
+            self._verdicts = sweep(text_modules(), variants=VARIANTS, background=True, stop=self._stop)
         except BaseException as error:  # re-raised in the test session's thread by verdicts()
             self._error = error
         finally:

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from tests.archs.configs import MLX_LM_CANNOT_RUN, UPSTREAM_BROKEN, has_config, text_modules
+from tests.lowest_priority import at_lowest_priority
 
 ROOT = Path(__file__).resolve().parents[2]
 MODULE_TIMEOUT_S = 180
@@ -62,13 +63,13 @@ def sweep(
     modules: list[str] | None = None,
     workers: int = 2,
     variants: tuple[str, ...] = ("cpu",),
-    niceness: int = 0,
+    background: bool = False,
     stop: Stop | None = None,
 ) -> dict[str, dict[str, dict]]:
     """Verdicts by variant (harness.VARIANTS: "cpu", "cuda", "kv8"), then by module, for every text module of
-    mlx_lm.models unless `modules` is given. `niceness` > 0 runs the workers at that lower CPU priority (with
+    mlx_lm.models unless `modules` is given. `background` runs the workers at the lowest CPU priority (with
     BACKGROUND_MODULE_TIMEOUT_S); after `stop()` the verdicts are incomplete and not to be read."""
-    run = _Runner(variants, niceness, stop or Stop())
+    run = _Runner(variants, background, stop or Stop())
     modules = modules or text_modules()
     settled = {
         m: {"module": m, "status": "cannot-run", "reason": MLX_LM_CANNOT_RUN[m]}
@@ -95,9 +96,9 @@ def sweep(
 class _Runner:
     """Runs shares of modules in worker processes of one priority, restarting a worker after a module it died on."""
 
-    def __init__(self, variants: tuple[str, ...], niceness: int, stop: Stop):
-        self.variants, self.niceness, self.stop = variants, niceness, stop
-        self.module_timeout_s = BACKGROUND_MODULE_TIMEOUT_S if niceness > 0 else MODULE_TIMEOUT_S
+    def __init__(self, variants: tuple[str, ...], background: bool, stop: Stop):
+        self.variants, self.background, self.stop = variants, background, stop
+        self.module_timeout_s = BACKGROUND_MODULE_TIMEOUT_S if background else MODULE_TIMEOUT_S
 
     def share(self, modules: list[str]) -> dict[tuple[str, str], dict]:
         verdicts: dict[tuple[str, str], dict] = {}
@@ -112,8 +113,8 @@ class _Runner:
         variants = self.variants
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
         command = [sys.executable, "-m", "tests.archs.harness", "--variants", ",".join(variants)]
-        if self.niceness > 0:
-            command = ["nice", "-n", str(self.niceness), *command]
+        if self.background:
+            command = at_lowest_priority(command)
         proc = subprocess.Popen(
             [*command, *modules], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
