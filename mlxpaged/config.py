@@ -135,6 +135,10 @@ class SchedulerConfig:
     # (the summary's decode steps 33 -> 29).
     num_speculative_tokens: int = 7
     max_model_len: int | None = None
+    # Milliseconds a step with decoding streams in it may take: prefill chunks are sized to fit, by what they were
+    # measured to cost (engine/step_budget.py). None: chunks are bounded by max_batch_tokens only. Default: the
+    # backend's (platform/backend.py `Tuning.step_budget_ms`).
+    step_budget_ms: float | None = dataclasses.field(default_factory=lambda: backend.tuning().step_budget_ms)
 
     def __post_init__(self) -> None:
         require_int("max_batch_tokens", self.max_batch_tokens, low=1, setting=True)
@@ -153,6 +157,8 @@ class SchedulerConfig:
                 f"{{speculative:{self.speculative!r}}} must be one of {SPECULATIVE_METHODS}", param="speculative"
             )
         require_int("num_speculative_tokens", self.num_speculative_tokens, low=1, high=16, setting=True)
+        if self.step_budget_ms is not None:
+            require_number("step_budget_ms", self.step_budget_ms, 0, low_open=True, setting=True)
 
 
 def default_kv_disk_dir() -> Path:

@@ -109,6 +109,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="tokens per engine step, prefill chunks included (default: 2048; 8192 on CUDA)",
     )
     cache.add_argument(
+        "--step-budget-ms",
+        type=float,
+        default=None,
+        help="milliseconds a step with streams decoding may take: a long prompt's prefill chunks are sized to "
+        "fit, as measured while serving (default 750 on the CPU, 250 on a GPU; 0: chunks bounded by "
+        "--max-batch-tokens only)",
+    )
+    cache.add_argument(
         "--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs, help="sequences decoded together"
     )
     cache.add_argument(
@@ -229,6 +237,8 @@ def cache_settings(args: argparse.Namespace) -> dict:
     for name in ("cache_tokens", "memory_fraction", "kv_memory", "max_model_len", "kv_bits", "max_batch_tokens"):
         if getattr(args, name) is not None:
             settings[name] = getattr(args, name)
+    if args.step_budget_ms is not None:
+        settings["step_budget_ms"] = args.step_budget_ms or None  # 0: no budget
     return settings
 
 

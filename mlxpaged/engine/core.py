@@ -11,6 +11,7 @@ queue and calls `step()`; tests drive it directly.
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Callable
 
@@ -25,7 +26,8 @@ from mlxpaged.engine.kv_tiering import KVTiering
 from mlxpaged.engine.metrics import StatsCounter
 from mlxpaged.engine.output_processor import OutputProcessor, split_results
 from mlxpaged.engine.request import ImageSpan, Request
-from mlxpaged.engine.scheduler import Scheduler
+from mlxpaged.engine.scheduler import Scheduler, SchedulerOutput
+from mlxpaged.engine.step_budget import Chunk, StepBudget
 from mlxpaged.errors import ConfigError
 from mlxpaged.runner.model_runner import Runner
 from mlxpaged.sampling_params import SamplingParams
@@ -81,6 +83,7 @@ class EngineCore:
         `num_checkpoints` checkpoints (the memory plan's: pending ones included). `buffer_budget`: bytes the runner's
         decode buffers may take (the memory plan's spare; None: no limit)."""
         specs = kv.specs  # one per layer group: how each table grows, shares and frees
+        budget_ms = scheduler_config.step_budget_ms
         prefix_cache = cache_config.enable_prefix_cache and kv.supports_prefix_cache
         state = None
         if layout is not None and layout.state_leaves:
@@ -102,6 +105,7 @@ class EngineCore:
             max_num_seqs=scheduler_config.max_num_seqs,
             max_model_len=max_model_len,
             state=state,
+            step_budget=None if budget_ms is None else StepBudget(budget_ms / 1000),
         )
         if scheduler_config.speculative is not None:
             _check_speculation(scheduler_config.speculative, kv, state is not None)
@@ -179,6 +183,7 @@ class EngineCore:
             self.abort(self.outputs.pending_aborts.pop(0))
         if self.tiering is not None:
             self.tiering.before_schedule()  # blocks the pool may evict go to disk first
+        started = time.perf_counter()
         out = self.scheduler.schedule()  # 1. schedule
         self.stats.preemptions += len(out.preempted)
         if not out.chunks:
@@ -200,6 +205,8 @@ class EngineCore:
         self.outputs.process(out, rows, results)  # 4. process outputs
         if self.speculator is not None:
             self.speculator.record(out, accepted)
+        if self.scheduler.step_budget is not None:
+            _record_cost(self.scheduler.step_budget, out, time.perf_counter() - started)
         if self.tiering is not None:
             self.tiering.after_step()  # snapshots only: the writer thread writes
 
@@ -234,6 +241,12 @@ class EngineCore:
     def _fork(self, parent_id: str, child: Request, first_token: int) -> None:
         """Start an n > 1 sequence: the scheduler shares the parent's blocks, the runner copies the rest."""
         self.runner.copy_blocks(self.scheduler.fork(parent_id, child, first_token))
+
+
+def _record_cost(budget: StepBudget, out: SchedulerOutput, seconds: float) -> None:
+    """What the step cost, for the next steps' chunks: a chunk of more than one new token (drafts aside) prefills."""
+    prefills = [Chunk(c.start, len(c.token_ids)) for c in out.chunks if len(c.token_ids) - len(c.drafts) > 1]
+    budget.record(seconds, decoding=len(prefills) < len(out.chunks), prefills=prefills)
 
 
 def _check_speculation(method: str, kv: PagedKVCache, has_state: bool) -> None:

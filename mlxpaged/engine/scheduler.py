@@ -4,9 +4,11 @@ Plain Python (no MLX), modelled on vLLM v1's scheduler. Each step spends at most
 `max_batch_tokens` tokens: one per decoding request first, then chunks of unfinished
 prefills (each at most a quarter of the budget while a request waits), then new admissions
 in FIFO order (a request whose blocks are being read from the disk tier waits apart, passed
-by the others). When the block pool runs dry the newest running request is preempted by
-recompute: its blocks are freed and it later re-prefills prompt + generated tokens (cheaply,
-if its blocks are still in the prefix cache).
+by the others). With a step budget (step_budget.py) prefill chunks also take only the tokens
+that end the step in time, as measured while the engine runs: decoding streams never wait long.
+When the block pool runs dry the newest running request is preempted by recompute: its blocks
+are freed and it later re-prefills prompt + generated tokens (cheaply, if its blocks are still
+in the prefix cache).
 
 A request holds one block table per layer group (see kv_cache_manager.py); the manager sizes
 and grows all of them, so admission, preemption and capacity here count every group's blocks.
@@ -25,6 +27,7 @@ from typing import Protocol
 from mlxpaged.cache.block_pool import NoFreeBlocksError
 from mlxpaged.cache.kv_cache_manager import CopyOnWrite, KVCacheManager, UnknownRequestError
 from mlxpaged.engine.request import Request, RequestStatus
+from mlxpaged.engine.step_budget import StepBudget
 from mlxpaged.errors import RequestTooLongError
 from mlxpaged.validation import require_int
 
@@ -93,6 +96,7 @@ class Scheduler:
         max_num_seqs: int,
         max_model_len: int,
         state: StateSlots | None = None,
+        step_budget: StepBudget | None = None,
     ):
         for name, value in (
             ("max_batch_tokens", max_batch_tokens),
@@ -105,6 +109,7 @@ class Scheduler:
             raise ValueError(f"max_batch_tokens ({max_batch_tokens}) must be >= max_num_seqs ({max_num_seqs})")
         self.kv_manager = kv_manager
         self.state = state
+        self.step_budget = step_budget  # prefill chunks sized to end the step in time (None: tokens bound them only)
         self.max_batch_tokens = max_batch_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -279,17 +284,26 @@ class Scheduler:
                 decodes.append(r)
             elif left > 1:
                 prefills.append(r)
-        chunks: list[ScheduledChunk] = []
+        chunks = [self._chunk(request, 1) for request in decodes[:budget]]
+        budget -= len(chunks)
         # Asked only when a prefill runs: it matches the waiting head's prefix (O(prompt) lookups).
         cap = self._prefill_cap(preempted) if prefills else self.max_batch_tokens
-        for request in decodes + prefills:
-            if budget == 0:
+        time = self.step_budget.plan(decoding=bool(decodes)) if self.step_budget is not None else None
+        for request in prefills:
+            if budget == 0 or (time is not None and not time.has_time):
                 break
-            chunks.append(self._chunk(request, min(budget, cap)))
+            most = min(budget, cap)
+            chunks.append(self._chunk(request, most if time is None else time.take(request.num_computed_tokens, most)))
             budget -= len(chunks[-1].token_ids)
         # As in vLLM: a step that had to preempt admits nothing, or it would thrash.
-        while not preempted and budget > 0 and (admitted := self._admit_next()) is not None:
-            chunks.append(self._chunk(admitted, budget))
+        while (
+            not preempted
+            and budget > 0
+            and (time is None or time.has_time)
+            and (admitted := self._admit_next()) is not None
+        ):
+            most = budget if time is None else time.take(admitted.num_computed_tokens, budget)
+            chunks.append(self._chunk(admitted, most))
             budget -= len(chunks[-1].token_ids)
         return SchedulerOutput(chunks, preempted, self.max_batch_tokens - budget)
 

@@ -125,6 +125,13 @@ class Tuning:
     # dispatches). CPU: no; its step is the matmuls' work, and its benches share the engine's model with the mlx-lm
     # side, which must stay mlx-lm's own.
     fused_projections: bool
+    # The time a step with decoding streams in it may take, prefill chunks included (SchedulerConfig's
+    # step_budget_ms default; engine/step_budget.py). CPU: 750 ms, under issue 38's 1 s inter-token target: three
+    # streams beside a 4,000-token prompt waited at most 0.85 s for a token (12.7 s in 2,048-token chunks), the
+    # prompt's own first token 40.9 s instead of 21.6 s (docs/design/scripts/issue38_step_budget.py). Metal and
+    # CUDA: 250 ms, not measured on a GPU yet (a chunk there takes well under a second; 250 ms keeps four tokens a
+    # second flowing to every stream beside a 100k-token prompt).
+    step_budget_ms: float
 
 
 _GPU = Tuning(
@@ -135,6 +142,7 @@ _GPU = Tuning(
     float32_weights=False,
     max_batch_tokens=2048,
     fused_projections=True,
+    step_budget_ms=250.0,
 )
 TUNINGS = {
     "cpu": Tuning(
@@ -145,6 +153,7 @@ TUNINGS = {
         float32_weights=True,
         max_batch_tokens=2048,
         fused_projections=False,
+        step_budget_ms=750.0,
     ),
     "metal": _GPU,
     "cuda": dataclasses.replace(_GPU, max_batch_tokens=8192),

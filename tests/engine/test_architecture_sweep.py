@@ -3,6 +3,9 @@ priority and can be stopped; its verdicts are the foreground's."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import sys
 import threading
 import time
 
@@ -22,15 +25,27 @@ def _first_worker(stop: Stop, deadline_s: float = 60.0):
     return stop.running()[0]
 
 
+def assert_lowest_priority(pid: int) -> None:
+    """SCHED_IDLE on Linux (tests/lowest_priority.py), else nice 19; `chrt` sets it just after the worker starts."""
+    idle = sys.platform.startswith("linux") and shutil.which("chrt") is not None
+    deadline = time.monotonic() + 10
+    while True:
+        lowest = os.sched_getscheduler(pid) == os.SCHED_IDLE if idle else psutil.Process(pid).nice() == 19
+        if lowest or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    assert lowest, "the background worker runs at a normal priority"
+
+
 def test_a_background_sweep_runs_at_the_lowest_priority_and_stops_with_its_workers():
     stop = Stop()
     done = threading.Event()
     thread = threading.Thread(
-        target=lambda: (sweep(["llama", "qwen2", "gemma"], workers=1, niceness=19, stop=stop), done.set())
+        target=lambda: (sweep(["llama", "qwen2", "gemma"], workers=1, background=True, stop=stop), done.set())
     )
     thread.start()
     worker = _first_worker(stop)
-    assert psutil.Process(worker.pid).nice() == 19
+    assert_lowest_priority(worker.pid)
     stop()
     assert done.wait(30), "the sweep went on after stop()"
     assert worker.poll() is not None and not stop.running()
@@ -44,11 +59,11 @@ def test_a_stopped_sweep_starts_no_worker():
     assert time.monotonic() - start < 30 and not stop.running()
 
 
-def test_a_niced_sweep_gives_the_foregrounds_verdicts():
-    def verdict(niceness: int) -> dict:
-        verdict = sweep(["llama"], workers=1, niceness=niceness)["cpu"]["llama"]
+def test_a_background_sweep_gives_the_foregrounds_verdicts():
+    def verdict(background: bool) -> dict:
+        verdict = sweep(["llama"], workers=1, background=background)["cpu"]["llama"]
         del verdict["seconds"]  # how long it took
         return verdict
 
-    foreground = verdict(0)
-    assert foreground == verdict(19) and foreground["status"] == "paged", foreground
+    foreground = verdict(False)
+    assert foreground == verdict(True) and foreground["status"] == "paged", foreground

@@ -573,6 +573,21 @@ def test_serve_max_model_len_reaches_the_engine_settings_only_when_given():
     assert "max_model_len" not in cache_settings(parser.parse_args([]))
 
 
+def test_serve_step_budget_reaches_the_engine_settings_and_0_turns_it_off():
+    import argparse
+
+    from mlxpaged.config import split_settings
+    from mlxpaged.platform import backend
+    from mlxpaged_app.server.flags import add_serve_arguments, cache_settings
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    assert split_settings(cache_settings(parser.parse_args(["--step-budget-ms", "300"])))[1].step_budget_ms == 300
+    assert split_settings(cache_settings(parser.parse_args(["--step-budget-ms", "0"])))[1].step_budget_ms is None
+    default = split_settings(cache_settings(parser.parse_args([])))[1].step_budget_ms
+    assert default == backend.tuning().step_budget_ms
+
+
 @pytest.mark.asyncio
 async def test_responses_in_progress_are_counted_until_each_ends():
     """What rank 0 giving up on a lost rank waits on before it exits (distributed/watchdog.py): a request held by the

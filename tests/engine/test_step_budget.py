@@ -1,0 +1,130 @@
+"""The step budget (engine/step_budget.py): prefill chunks sized by what steps were measured to cost, so decoding
+streams keep getting tokens beside a long prompt and a hang-up is let go within one step."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+
+from mlxpaged.engine.step_budget import FIRST_CHUNK, MIN_CHUNK, Chunk, StepBudget
+from mlxpaged.errors import ConfigError
+from mlxpaged.sampling_params import SamplingParams
+from tests.engine.test_core import make_core, token_ids
+from tests.engine.test_engine import reference_tokens, tiny_engine, tokenizer  # noqa: F401  (the fixture, shared)
+from tests.tiny_models import random_tokens, tiny_llama
+
+import pytest
+
+TOKEN_S = 2**-9  # seconds per prefill token in the made-up measurements (exact in binary)
+
+
+def measured(budget_s: float = 0.5, decode_s: float = 0.25) -> StepBudget:
+    """A budget that saw a step decode alone in `decode_s`, then one that also prefilled 128 tokens at TOKEN_S each."""
+    budget = StepBudget(budget_s)
+    budget.record(decode_s, decoding=True, prefills=[])
+    budget.record(decode_s + 128 * TOKEN_S, decoding=True, prefills=[Chunk(0, 128)])
+    return budget
+
+
+def test_before_anything_is_measured_a_prompt_alone_takes_all_it_may_and_beside_streams_a_first_chunk():
+    assert StepBudget(0.5).plan(decoding=False).take(0, 2048) == 2048  # the first prompt of an engine's life
+    assert StepBudget(0.5).plan(decoding=True).take(0, 2048) == FIRST_CHUNK
+
+
+def test_a_chunk_beside_streams_takes_what_their_part_leaves_of_the_budget():
+    budget = measured()
+    beside = budget.plan(decoding=True)
+    assert beside.take(100, 2048) == 128  # (0.5 - 0.25) s / TOKEN_S
+    assert not beside.has_time  # a second prompt waits for the next step
+    assert budget.plan(decoding=False).take(100, 2048) == 512  # alone: 2 budgets, no decode part
+    assert budget.plan(decoding=False).take(100, 300) == 300  # never more than the scheduler allows
+
+
+def test_a_bucket_not_measured_yet_takes_its_nearest_measured_neighbours_cost():
+    budget = measured()
+    assert budget.per_token_s(3000) == TOKEN_S  # bucket 2 from bucket 0
+    budget.record(128 * 3 * TOKEN_S, decoding=False, prefills=[Chunk(2900, 128)])  # bucket 2 measured: 3x
+    assert budget.plan(decoding=True).take(2900, 2048) == int(0.25 / (3 * TOKEN_S))
+    assert budget.per_token_s(5000) == 3 * TOKEN_S and budget.per_token_s(1500) == TOKEN_S  # the nearest before
+    later = StepBudget(0.5)
+    later.record(128 * TOKEN_S, decoding=False, prefills=[Chunk(4096, 128)])
+    assert later.per_token_s(100) == TOKEN_S  # nothing before: the nearest after
+
+
+def test_a_step_over_budget_still_advances_its_first_prompt_by_a_few_tokens_and_admits_no_other():
+    plan = measured(budget_s=0.5, decode_s=0.6).plan(decoding=True)
+    assert plan.take(0, 2048) == MIN_CHUNK and not plan.has_time
+    assert measured(decode_s=0.6).plan(decoding=True).take(0, 5) == 5
+
+
+def test_a_step_faster_than_its_decode_part_teaches_nothing():
+    budget = measured()
+    budget.record(0.1, decoding=True, prefills=[Chunk(0, 64)])
+    assert budget.per_token_s(10) == TOKEN_S
+
+
+def test_the_budget_must_be_positive():
+    with pytest.raises(ValueError, match="must be > 0 seconds"):
+        StepBudget(0)
+    from mlxpaged.config import SchedulerConfig
+
+    with pytest.raises(ConfigError, match="step_budget_ms"):
+        SchedulerConfig(step_budget_ms=-5)
+    assert SchedulerConfig(step_budget_ms=None).step_budget_ms is None
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama()
+
+
+def test_a_long_prompt_beside_a_decoding_stream_is_prefilled_a_few_tokens_a_step_and_the_stream_never_waits(
+    model, tokenizer
+):
+    # A budget no step can meet: beside the stream every step prefills MIN_CHUNK tokens of the long prompt.
+    core = make_core(model, tokenizer, max_batch_tokens=2048, max_num_seqs=4, step_budget_ms=1e-3)
+    stream, long = [], []
+    core.add_request("stream", random_tokens(5, seed=1), SamplingParams(temperature=0, max_tokens=40), stream.append)
+    while not stream:
+        core.step()  # its prompt prefills alone, in one chunk: the first measurement
+    prompt = random_tokens(300, seed=2)
+    core.add_request("long", prompt, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), long.append)
+    request = core.scheduler.get("long")
+    steps, computed = 0, [0]
+    while not long:
+        before = len(token_ids(stream))
+        core.step()
+        steps += 1
+        assert len(token_ids(stream)) == before + 1  # the stream got its token in this step too
+        computed.append(request.num_computed_tokens)
+    chunks = [b - a for a, b in itertools.pairwise(computed)]
+    assert chunks == [MIN_CHUNK] * (len(prompt) // MIN_CHUNK) + [len(prompt) % MIN_CHUNK], chunks
+    while core.has_unfinished:
+        core.step()
+    assert token_ids(long) == reference_tokens(model, prompt, 5)  # small chunks, the same tokens
+
+
+def test_a_hang_up_during_a_long_prefill_is_let_go_within_one_step(model, tokenizer):
+    with tiny_engine(model, tokenizer, max_batch_tokens=2048, step_budget_ms=1e-3) as engine:
+        engine.generate([random_tokens(4, seed=3)], SamplingParams(temperature=0, max_tokens=1))  # measured once
+        steps, left = [0, 0], threading.Event()
+        step = engine.core.step
+
+        def counted() -> None:  # the third step of the prompt ends only once its client has left
+            step()
+            steps[left.is_set()] += 1
+            if steps[0] == 3:
+                assert left.wait(60)
+
+        engine.core.step = counted  # the engine thread looks it up every step
+        request_id = engine.submit(random_tokens(480, seed=4), SamplingParams(max_tokens=1), lambda event: None)
+        deadline = time.monotonic() + 60
+        while steps[0] < 3 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        engine.abort(request_id)
+        left.set()
+        while engine.stats()["blocks_used"] and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert engine.stats()["blocks_used"] == 0
+        assert steps == [3, 0]  # 3 chunks of MIN_CHUNK tokens of 480, and no step after the one running
