@@ -20,6 +20,7 @@ from mlxpaged.errors import ConfigError, RequestTooLongError
 from mlxpaged.sampling_params import SamplingParams
 from mlxpaged_app.server.errors import APIError, invalid_param, unavailable
 from mlxpaged_app.server.metrics import ServerMetrics
+from mlxpaged_app.server.server_log import log
 
 
 class GenerationFailed(RuntimeError):
@@ -49,6 +50,8 @@ class Generation:
         self._last_token: dict[int, float] = {}
         self.first_token_at: float | None = None
         self.prompt_tokens = self.cached_tokens = self.completion_tokens = 0
+        self.left_at: float | None = None  # when the client left before the reply ended (`left`)
+        self.route = ""
 
     def submit(self, prompts: list[list[int]], params: SamplingParams, prompt_param: str) -> None:
         """Queue every prompt, or none: a prompt the engine refuses withdraws the ones before it."""
@@ -63,7 +66,32 @@ class Generation:
     def _sink(self, prompt_index: int, event: object) -> None:
         """Runs on the engine thread."""
         with contextlib.suppress(RuntimeError):  # the event loop is closed: the server is gone, nobody listens
-            self._loop.call_soon_threadsafe(self._events.put_nowait, (prompt_index, event))
+            self._loop.call_soon_threadsafe(self._deliver, prompt_index, event)
+
+    def _deliver(self, prompt_index: int, event: object) -> None:
+        """On the event loop: to the consumer, or, once its client has left, straight to the counts."""
+        if self.left_at is None:
+            self._events.put_nowait((prompt_index, event))
+        else:
+            self._settle(prompt_index, event)
+
+    def left(self, route: str) -> None:
+        """The reply's consumer is done (`launch`'s cleanup): whatever has not finished was left by its client. It
+        is withdrawn, and its last events (the engine's "abort" deltas) are counted and logged as left."""
+        if self.finished or self.left_at is not None:
+            return
+        self.left_at, self.route = time.perf_counter(), route
+        while not self._events.empty():  # events the consumer never read: a sequence may have ended among them
+            self._settle(*self._events.get_nowait())
+        self.abort(notify=True)  # its listening goes on in _settle
+
+    def _settle(self, prompt_index: int, event: object) -> None:
+        if self._open[prompt_index] == 0:
+            return
+        if isinstance(event, BaseException):
+            self._open[prompt_index] = 0
+        elif event.finish_reason is not None:
+            self._close_sequence(prompt_index, event)
 
     @property
     def finished(self) -> bool:
@@ -99,9 +127,21 @@ class Generation:
             self.cached_tokens += delta.cached_tokens
         self._open[prompt_index] -= 1
         self.completion_tokens += delta.completion_tokens
-        if self.finished:
-            self.metrics.count_usage(self.prompt_tokens, self.cached_tokens, self.completion_tokens)
+        if not self.finished:
+            return
+        self.metrics.count_usage(self.prompt_tokens, self.cached_tokens, self.completion_tokens)
+        if self.left_at is None:
             self.metrics.e2e.observe(time.perf_counter() - self.arrived)
+            return
+        self.metrics.abandoned[self.route] += 1
+        log.info(
+            "client left %s %.1f s after it asked: withdrawn with %d prompt tokens (%d cached) and %d generated",
+            self.route,
+            self.left_at - self.arrived,
+            self.prompt_tokens,
+            self.cached_tokens,
+            self.completion_tokens,
+        )
 
     def abort(self, notify: bool = False) -> None:
         """Withdraw whatever has not finished (idempotent; the engine ignores unknown ids).

@@ -112,9 +112,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--step-budget-ms",
         type=float,
         default=None,
-        help="milliseconds a step with streams decoding may take: a long prompt's prefill chunks are sized to "
-        "fit, as measured while serving (default 750 on the CPU, 250 on a GPU; 0: chunks bounded by "
-        "--max-batch-tokens only)",
+        help="milliseconds one engine step may take: a long prompt's prefill chunks are sized to fit beside the "
+        "streams decoding, as measured while serving (default 2000 on the CPU, 1000 on a GPU; 0: chunks bounded "
+        "by --max-batch-tokens only)",
     )
     cache.add_argument(
         "--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs, help="sequences decoded together"

@@ -27,7 +27,7 @@ from mlxpaged.errors import MlxpagedError, user_message
 from mlxpaged_app.server.flags import ServeError, cache_settings, check_bind, server_config
 from mlxpaged_app.server.ranks import (
     distributed_settings,
-    exit_on_launcher_term,
+    join_group_then_watch_for_term,
     parallel_setting,
     run_follower_rank,
     stopped_by_launcher,
@@ -193,7 +193,11 @@ def run_serve(args: argparse.Namespace) -> int:
     main = threading.current_thread() is threading.main_thread()
     across = launched() and not launched_alone()  # `mlx.launch -n 1` is one process
     if main and across:  # SIGTERM: another rank failed; rank 0 may be waiting in a collective (ranks.py)
-        exit_on_launcher_term("rank 0")
+        try:
+            join_group_then_watch_for_term("rank 0")
+        except MlxpagedError as exc:
+            print(f"mlxpaged serve: {user_message(exc, 'cli')}", file=sys.stderr)
+            return 1
     previous = signal.signal(signal.SIGTERM, _interrupt) if main and not across else None  # until uvicorn
     try:
         with contextlib.closing(sock):

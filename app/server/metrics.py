@@ -57,6 +57,7 @@ class ServerMetrics:
 
     def __init__(self) -> None:
         self.requests: Counter = Counter()  # (route, status code) -> count
+        self.abandoned: Counter = Counter()  # route -> requests whose client left before the reply ended
         self.prompt_tokens = self.cached_tokens = self.generated_tokens = 0
         self.ttft = Histogram(
             f"{PREFIX}_time_to_first_token_seconds", "Request arrival to its first generated token.", TTFT_BUCKETS
@@ -87,7 +88,16 @@ class ServerMetrics:
         """One model's token counts, latencies and engine gauges (a served model's own ServerMetrics); `stats` is
         the engine's (None for an embedding model)."""
         lines = _metric(
-            "prompt_tokens_total", "counter", "Prompt tokens of finished requests.", [("", self.prompt_tokens)]
+            "prompt_tokens_total",
+            "counter",
+            "Prompt tokens of finished requests, and of those their clients left.",
+            [("", self.prompt_tokens)],
+        )
+        lines += _metric(
+            "requests_abandoned_total",
+            "counter",
+            "Requests whose client left before the reply ended (their work was withdrawn).",
+            [(f'{{route="{_label(route)}"}}', n) for route, n in sorted(self.abandoned.items())],
         )
         lines += _metric(
             "cached_prompt_tokens_total",
@@ -98,7 +108,7 @@ class ServerMetrics:
         lines += _metric(
             "generation_tokens_total",
             "counter",
-            "Generated tokens of finished requests.",
+            "Generated tokens of finished requests, and of those their clients left.",
             [("", self.generated_tokens)],
         )
         lines += self.ttft.render() + self.token_latency.render() + self.e2e.render()

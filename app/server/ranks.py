@@ -45,17 +45,14 @@ def parallel_setting(args: argparse.Namespace) -> str | None:
 def run_follower_rank(args: argparse.Namespace) -> int:
     """A rank other than 0: load, shard, follow; 0 once rank 0 closed its engine, 1 when it cannot start or
     rank 0 is gone."""
-    from mlxpaged.distributed.ranks import join_group
-
     # Ctrl-C reaches every rank; rank 0 stops the others (its engine's close sends them stop), so a follower
     # interrupted in mid-step would only leave rank 0 waiting on a collective. SIGTERM comes from mlx.launch
-    # once a rank has failed.
+    # once a rank has failed, or to the whole launch from a service manager.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     rank = os.environ.get("MLX_RANK", "?")
-    exit_on_launcher_term(f"follower rank {rank}")
     print(f"mlxpaged serve (follower rank {rank}): process {os.getpid()}, following rank 0", flush=True)
     try:
-        join_group()  # before importing the engine or loading anything: the ranks must join together
+        join_group_then_watch_for_term(f"follower rank {rank}")  # first: the ranks must join together
     except MlxpagedError as exc:
         print(f"mlxpaged serve (follower rank {rank}): {user_message(exc, 'cli')}", file=sys.stderr)
         return 1
@@ -73,6 +70,18 @@ def run_follower_rank(args: argparse.Namespace) -> int:
         print(f"mlxpaged serve (follower rank {rank}): {user_message(exc, 'cli')}", file=sys.stderr)
         return 1
     return 0
+
+
+def join_group_then_watch_for_term(who: str) -> None:
+    """Join the ranks, then `exit_on_launcher_term`. Not before: MLX's join holds the GIL while it waits for the
+    other ranks (for ever when rank 0 is gone), so the thread that ends the process could not run, and a SIGTERM
+    to the whole launch while the ranks joined left a follower waiting on its own (seen: still there 30 s later,
+    its parent gone). Until the join returns SIGTERM keeps its default: it ends the process at once, and there is
+    nothing to say yet. Raises JoinError (a MlxpagedError) when the ranks cannot join."""
+    from mlxpaged.distributed.ranks import join_group
+
+    join_group()
+    exit_on_launcher_term(who)
 
 
 def exit_on_launcher_term(who: str, grace_s: float = TERM_GRACE_S) -> None:

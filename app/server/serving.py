@@ -99,10 +99,11 @@ def request_keep_alive(value) -> object:
 
 
 async def launch(
-    model: ServedModel, count: int, start: Callable[[], Awaitable[Generation]]
+    model: ServedModel, count: int, start: Callable[[], Awaitable[Generation]], route: str
 ) -> tuple[Generation, ExitStack]:
     """Take `count` queue slots, then `start()`; the ExitStack returned withdraws whatever has not finished
-    and frees the slots: every API closes it once its reply is done (or its client is gone)."""
+    and frees the slots: every API closes it once its reply is done (or its client is gone: what it left is
+    counted and logged under `route`, the request's path)."""
     cleanup = ExitStack()
     cleanup.enter_context(model.admission.slot(count))
     try:
@@ -112,7 +113,7 @@ async def launch(
         raise
     model.active.add(generation)
     cleanup.callback(model.active.discard, generation)
-    cleanup.callback(generation.abort)  # runs first: whatever has not finished is withdrawn
+    cleanup.callback(generation.left, route)  # runs first: whatever has not finished is withdrawn
     return generation, cleanup
 
 

@@ -4,9 +4,10 @@ A prefill chunk is the engine's unit of latency: every decoding stream waits for
 client that hung up is let go only when that step ends. `StepBudget` learns what steps cost as the engine runs, on
 this backend with this model: how long a step that only decodes takes, and how long a step takes per prefill token
 at each context (a token late in a long prompt attends to more keys; a chunk also pays once for the context it
-reads). The scheduler asks it for the chunk that fits: within `budget_s` when streams decode beside it, within
-`alone_factor` budgets when a prompt prefills alone (big enough chunks to prefill at full speed, a hang-up still
-let go within that one step).
+reads). The scheduler asks it for the chunk that fits the budget, less the decoding streams' part when they
+decode beside it. Alone, a long prompt prefills nearly at full speed in such chunks: the embedded model on this
+CPU, a 5,000-token prompt, took 30.1-30.9 s in chunks of 2,048 tokens, 29.3 s in 512, 34.6 s in 128 (each chunk
+also reads the whole context once), 31.6-34.7 s in steps of 2 s.
 
 Plain Python, no MLX (the scheduler's rules; tests drive it with made-up times).
 """
@@ -19,9 +20,6 @@ CONTEXT_BUCKET = 1024  # tokens: a cost per prefill token is kept per bucket of 
 SMOOTHING = 0.5  # the weight of the newest measurement: costs move with the machine's load
 MIN_CHUNK = 16  # a prompt always advances: the first prefill chunk of a step takes at least this many tokens
 FIRST_CHUNK = 256  # tokens of a chunk beside decoding streams before any prefill was measured
-# Alone, a chunk may take this many budgets. CPU, the embedded model, a 5,000-token prompt: 162 tok/s in chunks of
-# 2,048, 170 in 512, 145 in 128 (each chunk also reads the whole context once), so chunks must not get too small.
-ALONE_FACTOR = 2.0
 
 
 @dataclass(frozen=True)
@@ -39,20 +37,16 @@ class Chunk:
 class StepBudget:
     """What steps cost here, learnt from the steps run (`record`), and the chunks that fit a step (`plan`)."""
 
-    def __init__(self, budget_s: float, alone_factor: float = ALONE_FACTOR):
+    def __init__(self, budget_s: float):
         if not budget_s > 0:
             raise ValueError(f"the step budget must be > 0 seconds, got {budget_s}")
         self.budget_s = budget_s
-        self.alone_factor = alone_factor
         self.decode_s: float | None = None  # a step that only decodes (the rows running now)
         self._per_token_s: dict[int, float] = {}  # bucket of a chunk's end -> seconds per prefill token
 
     def plan(self, decoding: bool) -> StepPlan:
-        """The time this step's prefill chunks may take: the budget less the decoding rows' part, or, with no
-        stream decoding, `alone_factor` budgets."""
-        if not decoding:
-            return StepPlan(self, self.budget_s * self.alone_factor, decoding)
-        return StepPlan(self, self.budget_s - (self.decode_s or 0.0), decoding)
+        """The time this step's prefill chunks may take: the budget, less the decoding rows' part."""
+        return StepPlan(self, self.budget_s - (self.decode_s or 0.0) if decoding else self.budget_s, decoding)
 
     def record(self, seconds: float, decoding: bool, prefills: list[Chunk]) -> None:
         """A step took `seconds`: it decoded (or not) and fed these prefill chunks."""

@@ -2,7 +2,8 @@
 hangs while the official openai client has a request in flight: the client gets an error naming the lost rank
 (an SSE error event while streaming, a 500 otherwise), not a hang, and rank 0 exits non-zero well within 30 s
 (mlx.launch's own exit status is always 0: its line "Node with rank 0 exited with code 1" carries rank 0's). And
-Ctrl-C on the launcher's terminal (SIGINT to its process group) still stops every rank."""
+Ctrl-C on the launcher's terminal (SIGINT to its process group) still stops every rank, as SIGTERM to that group
+does while the ranks load, idle or stream."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from tests.foreground import as_foreground
 from tests.tiny_models import write_tiny_llama_dir
 
 import openai
+import psutil
 import pytest
 
 READY_TIMEOUT_S = 120
@@ -262,3 +264,37 @@ def process_state(pid: int) -> str:
     except OSError as error:
         return f"(no /proc entry: {error})"
     return "; ".join(line for line in status.splitlines() if line.startswith(("Name:", "State:", "PPid:")))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("when", ["loading", "idle", "streaming"])
+def test_sigterm_to_the_launchers_process_group_ends_every_rank(tmp_path, when):
+    """What a service manager or `kill -TERM -PGID` does: every process of the launch gets SIGTERM at once. Rank 0
+    cannot tell it from mlx.launch stopping it after another rank failed: it fails what is in flight and exits 1,
+    the follower exits 1 after its grace; nothing is left running, nor holding the port."""
+    model_dir = write_tiny_llama_dir(tmp_path / "model", dtype="float32")
+    server = Server(model_dir, mlxpaged(), [])
+    busy = when == "streaming"
+    try:
+        if when == "loading":  # the follower has started: both ranks are joining the group or loading
+            follower = int(server.wait_for(r"follower rank 1\): process (\d+)").group(1))
+            [rank0] = [p.pid for p in psutil.Process(server.process.pid).children() if p.pid != follower]
+        else:
+            url, follower = server.ready()
+            rank0 = int(server.wait_for(r"Started server process \[(\d+)\]").group(1))
+        outcome: list = []
+        if busy:
+            first_tokens = threading.Event()
+            client = threading.Thread(target=ask, args=(url, str(model_dir), True, outcome, first_tokens), daemon=True)
+            client.start()
+            assert first_tokens.wait(60), server.output[-3000:]
+        os.killpg(server.process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + EXIT_BOUND_S
+        while any(process_exists(pid) and "zombie" not in process_state(pid) for pid in (rank0, follower)):
+            assert time.monotonic() < deadline, [process_state(pid) for pid in (rank0, follower)]
+            time.sleep(0.1)
+    finally:
+        server.kill()
+    if busy:
+        assert isinstance(outcome[-1], openai.APIError), outcome[-3:]
+        assert "SIGTERM" in str(outcome[-1]), outcome[-1]

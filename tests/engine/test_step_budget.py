@@ -37,8 +37,8 @@ def test_a_chunk_beside_streams_takes_what_their_part_leaves_of_the_budget():
     beside = budget.plan(decoding=True)
     assert beside.take(100, 2048) == 128  # (0.5 - 0.25) s / TOKEN_S
     assert not beside.has_time  # a second prompt waits for the next step
-    assert budget.plan(decoding=False).take(100, 2048) == 512  # alone: 2 budgets, no decode part
-    assert budget.plan(decoding=False).take(100, 300) == 300  # never more than the scheduler allows
+    assert budget.plan(decoding=False).take(100, 2048) == 256  # alone: the whole budget
+    assert budget.plan(decoding=False).take(100, 200) == 200  # never more than the scheduler allows
 
 
 def test_a_bucket_not_measured_yet_takes_its_nearest_measured_neighbours_cost():

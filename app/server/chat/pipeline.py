@@ -153,9 +153,10 @@ def _params(model: ServedModel, spec: ChatRequestSpec, prepared: Prepared) -> Sa
 
 
 async def start_chat(
-    model: ServedModel, spec: ChatRequestSpec, arrived: float | None = None
+    model: ServedModel, spec: ChatRequestSpec, route: str, arrived: float | None = None
 ) -> tuple[ChatRun, ExitStack]:
-    """Submit the request; close the ExitStack when the reply is done (it withdraws what has not finished)."""
+    """Submit the request (`route`: its path); close the ExitStack when the reply is done (it withdraws what has
+    not finished)."""
     arrived = time.perf_counter() if arrived is None else arrived
     prepared: list[Prepared] = []
 
@@ -166,7 +167,7 @@ async def start_chat(
         generation.submit([prepared[0].submitted], params, spec.names.prompt)
         return generation
 
-    generation, cleanup = await launch(model, sane_n(spec.sampling.n), start)
+    generation, cleanup = await launch(model, sane_n(spec.sampling.n), start, route)
     return ChatRun(spec, generation, prepared[0], model.engine.tokenizer), cleanup
 
 
@@ -190,7 +191,7 @@ async def serve_chat_request(request, state: ServerState, schema, to_spec, shape
 async def reply_to_chat(request, model: ServedModel, body, spec: ChatRequestSpec, arrived: float, shape_for: ShapeFor):
     """The run and the reply of an accepted request on its model (an API that accepts in its own way, as Ollama's,
     starts here)."""
-    run, cleanup = await start_chat(model, spec, arrived)
+    run, cleanup = await start_chat(model, spec, request.url.path, arrived)
     try:
         shape = shape_for(model, body, spec, run)
     except BaseException:

@@ -48,7 +48,7 @@ async def serve_completion(request: Request, state: ServerState) -> Response:
         generation.submit(prompts, params, OPENAI_COMPLETIONS.prompt)
         return generation
 
-    generation, cleanup = await launch(model, count, start)
+    generation, cleanup = await launch(model, count, start, request.url.path)
     return await respond(request, shape, bool(body.stream), generation.deltas(), generation.usage, cleanup)
 
 

@@ -44,6 +44,8 @@ def small_steps(tmp_path_factory):
         "8192",
         "--cache-tokens",
         "8192",
+        "--log-level",
+        "info",
     ) as server:
         yield server
 
@@ -255,29 +257,51 @@ def _long_prompt(word: str) -> str:
     return " ".join(f"{word} {i}" for i in range(1500))  # ~4,500 tokens: tens of 64-token steps
 
 
-def _assert_stopped_mid_prefill(server, cached_before: float, seconds: float) -> None:
+def _abandoned(server, route: str) -> float:
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    found = re.search(rf'^mlxpaged_requests_abandoned_total{{model="{MODEL}",route="{route}"}} (\S+)$', text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def _assert_stopped_mid_prefill(server, route: str, before: tuple[float, float, int], seconds: float) -> None:
+    cached_before, prompt_before, lines_before = before
     cached = _metric(server, 'mlxpaged_kv_blocks{model="smollm2-135m",state="cached"}') - cached_before
     print(f"\nengine idle {seconds:.2f} s after the hang-up; {cached:.0f} blocks of the prompt had been computed")
     assert seconds < 5.0
     # The blocks computed before the abort stay in the prefix cache: far fewer than the whole prompt's ~280.
     assert cached < 100
+    # Logged as left (not only as its 200), and counted: its prompt's ~4,500 tokens among /metrics' prompt tokens.
+    deadline = time.monotonic() + 10
+    while _abandoned(server, route) < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _metric(server, f'mlxpaged_prompt_tokens_total{{model="{MODEL}"}}') - prompt_before > 4000
+    left = [line for line in server.log.read_text().splitlines()[lines_before:] if "client left" in line]
+    assert len(left) == 1 and f"client left {route} " in left[0] and "withdrawn with" in left[0], left
+
+
+def _before(server) -> tuple[float, float, int]:
+    return (
+        _metric(server, 'mlxpaged_kv_blocks{model="smollm2-135m",state="cached"}'),
+        _metric(server, f'mlxpaged_prompt_tokens_total{{model="{MODEL}"}}'),
+        len(server.log.read_text().splitlines()),
+    )
 
 
 def test_anthropic_stream_hung_up_during_prefill(small_steps):
-    cached_before = _metric(small_steps, 'mlxpaged_kv_blocks{model="smollm2-135m",state="cached"}')
+    before = _before(small_steps)
     with _anthropic(small_steps).messages.stream(
         model=MODEL, max_tokens=32000, extra_body=GREEDY, messages=[{"role": "user", "content": _long_prompt("river")}]
     ) as s:
         assert next(iter(s)).type == "message_start"
         _until_prefilling(small_steps)
-    _assert_stopped_mid_prefill(small_steps, cached_before, _idle_after(small_steps))
+    _assert_stopped_mid_prefill(small_steps, "/v1/messages", before, _idle_after(small_steps))
 
 
 def test_openai_whole_reply_hung_up_during_prefill(small_steps):
-    cached_before = _metric(small_steps, 'mlxpaged_kv_blocks{model="smollm2-135m",state="cached"}')
+    before = _before(small_steps)
     client = _openai(small_steps, timeout=3.0)
     with pytest.raises(openai.APITimeoutError):  # the client gives up and closes the connection
         client.chat.completions.create(
             model=MODEL, max_tokens=100, messages=[{"role": "user", "content": _long_prompt("mountain")}]
         )
-    _assert_stopped_mid_prefill(small_steps, cached_before, _idle_after(small_steps))
+    _assert_stopped_mid_prefill(small_steps, "/v1/chat/completions", before, _idle_after(small_steps))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import subprocess
 import sys
 import threading
@@ -19,8 +20,11 @@ from mlxpaged.config import SchedulerConfig
 from mlxpaged.engine.engine import RequestFailedError, StreamDelta
 from mlxpaged.errors import RequestTooLongError
 from mlxpaged.kernels.self_check import KernelVariant, VariantCheck
+from mlxpaged.sampling_params import SamplingParams
 from mlxpaged_app.server.api_server import create_app
+from mlxpaged_app.server.engine_client import Generation
 from mlxpaged_app.server.flags import ServeError, check_bind, is_loopback
+from mlxpaged_app.server.metrics import ServerMetrics
 from mlxpaged_app.server.sse import ClientGone, EventStream, unless_disconnected
 from mlxpaged_app.server.state import ServerConfig
 
@@ -571,6 +575,30 @@ def test_serve_max_model_len_reaches_the_engine_settings_only_when_given():
     given = cache_settings(parser.parse_args(["--max-model-len", "16384"]))
     assert given["max_model_len"] == 16384 and split_settings(given)[1].max_model_len == 16384
     assert "max_model_len" not in cache_settings(parser.parse_args([]))
+
+
+@pytest.mark.asyncio
+async def test_a_request_its_client_left_is_withdrawn_counted_and_logged_once(caplog):
+    engine, metrics = FakeEngine(step=0.01), ServerMetrics()
+    generation = Generation(engine, metrics, 1, time.perf_counter())
+    generation.submit([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=1000), "messages")
+    await generation.deltas().__anext__()  # a token read, then the client goes
+    with caplog.at_level(logging.INFO, logger="mlxpaged.server"):
+        generation.left("/v1/chat/completions")
+        for _ in range(1000):
+            if metrics.abandoned:
+                break
+            await asyncio.sleep(0.01)
+        generation.left("/v1/chat/completions")
+    assert engine.aborted == ["req-0"] and metrics.abandoned == {"/v1/chat/completions": 1}
+    assert metrics.prompt_tokens == 5 and metrics.cached_tokens == 3 and metrics.generated_tokens >= 1
+    [line] = [r.getMessage() for r in caplog.records if "client left" in r.getMessage()]
+    assert line.startswith("client left /v1/chat/completions ") and "with 5 prompt tokens (3 cached)" in line
+    whole = Generation(engine, metrics, 1, time.perf_counter())
+    whole.submit([[1, 2]], SamplingParams(max_tokens=2), "messages")
+    assert len([d async for d in whole.deltas()]) == 2
+    whole.left("/v1/chat/completions")  # its reply had ended: nothing was left
+    assert metrics.abandoned == {"/v1/chat/completions": 1} and engine.aborted == ["req-0"]
 
 
 def test_serve_step_budget_reaches_the_engine_settings_and_0_turns_it_off():
