@@ -135,9 +135,9 @@ class SchedulerConfig:
     # (the summary's decode steps 33 -> 29).
     num_speculative_tokens: int = 7
     max_model_len: int | None = None
-    # Milliseconds a step with decoding streams in it may take: prefill chunks are sized to fit, by what they were
-    # measured to cost (engine/step_budget.py). None: chunks are bounded by max_batch_tokens only. Default: the
-    # backend's (platform/backend.py `Tuning.step_budget_ms`).
+    # Milliseconds one step may take, the decoding streams' tokens included: prefill chunks are sized to fit, by
+    # what they were measured to cost (engine/step_budget.py). None: chunks are bounded by max_batch_tokens only.
+    # Default: the backend's (platform/backend.py `Tuning.step_budget_ms`).
     step_budget_ms: float | None = dataclasses.field(default_factory=lambda: backend.tuning().step_budget_ms)
 
     def __post_init__(self) -> None:
