@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 
+from mlxpaged.distributed.watchdog import say_on_stderr
 from mlxpaged.errors import MlxpagedError, user_message
 from mlxpaged_app.server.flags import cache_settings
 
@@ -99,13 +100,13 @@ def exit_on_launcher_term(who: str, grace_s: float = TERM_GRACE_S) -> None:
         while read.recv(1) != bytes([signal.SIGTERM]):  # other signals with handlers (SIGINT on rank 0) pass
             pass
         time.sleep(grace_s)
-        print(
-            f"mlxpaged serve ({who}): mlx.launch stopped this rank (SIGTERM), as it does when another rank exits"
-            f" with an error or is killed; exiting with status 1",
-            file=sys.stderr,
-            flush=True,
-        )
-        os._exit(1)
+        try:  # mlx.launch may be gone with its pipes (SIGTERM to the whole group): the exit must not depend on them
+            say_on_stderr(
+                f"mlxpaged serve ({who}): mlx.launch stopped this rank (SIGTERM), as it does when another rank exits"
+                f" with an error or is killed; exiting with status 1"
+            )
+        finally:
+            os._exit(1)
 
     threading.Thread(target=wait_for_term, name="mlxpaged-launcher-term", daemon=True).start()
 

@@ -91,12 +91,22 @@ def give_up(message: str, tell: Tell | None, exit: Exit = os._exit) -> None:
     if tell is not None:
         with contextlib.suppress(Exception):  # a sink's consumer may be gone: the exit goes on
             tell(error)
-    print(f"mlxpaged: {message}; failed the requests in flight, exiting with status {EXIT_STATUS}", file=sys.stderr)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    _flush()
-    exit(EXIT_STATUS)
+    try:
+        say_on_stderr(f"mlxpaged: {message}; failed the requests in flight, exiting with status {EXIT_STATUS}")
+        _flush()
+    finally:
+        exit(EXIT_STATUS)
     _giving_up.release()  # only an `exit` that returns (tests) gets here
+
+
+def say_on_stderr(line: str) -> None:
+    """Print `line` to stderr if anyone still reads it. Under mlx.launch stdout and stderr are pipes to the
+    launcher: stopped with the rest of its process group it may be gone already, and the BrokenPipeError of a print
+    would end the thread that was to exit the process (seen: both ranks left running, orphaned, 1 run in 4)."""
+    with contextlib.suppress(OSError):
+        print(line, file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
 
 
 def over_ranks() -> bool:

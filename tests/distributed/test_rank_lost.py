@@ -267,11 +267,7 @@ def process_state(pid: int) -> str:
 
 
 @pytest.mark.slow
-# While the ranks load only, for now: SIGTERM to an idle or a streaming 2-rank launch left both ranks running
-# (orphaned, sleeping) in some runs (idle: 1 of 4, one a clean-clone suite run; streaming: 1 of 5; 2026-11-29,
-# docs/design/issue38-load.md): the open defect of issue 38 part 4. "idle" and "streaming" join the parameters here
-# once it is fixed (the body handles them).
-@pytest.mark.parametrize("when", ["loading"])
+@pytest.mark.parametrize("when", ["loading", "idle", "streaming"])
 def test_sigterm_to_the_launchers_process_group_ends_every_rank(tmp_path, when):
     """What a service manager or `kill -TERM -PGID` does: every process of the launch gets SIGTERM at once. Rank 0
     cannot tell it from mlx.launch stopping it after another rank failed: it fails what is in flight and exits 1,
