@@ -9,14 +9,26 @@ Elsewhere (macOS has no SCHED_IDLE) `nice -n 19`.
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
+
+import psutil
+
+
+def _sched_idle() -> bool:
+    return sys.platform.startswith("linux") and shutil.which("chrt") is not None
 
 
 def at_lowest_priority(argv: list[str]) -> list[str]:
     """`argv` prefixed to run at the lowest CPU priority this platform offers."""
-    if sys.platform.startswith("linux") and shutil.which("chrt"):
+    if _sched_idle():
         return ["chrt", "--idle", "0", *argv]
     if sys.platform != "win32":
         return ["nice", "-n", "19", *argv]
     return list(argv)
+
+
+def runs_at_lowest_priority(pid: int) -> bool:
+    """Whether process `pid` runs as `at_lowest_priority` starts a command."""
+    return os.sched_getscheduler(pid) == os.SCHED_IDLE if _sched_idle() else psutil.Process(pid).nice() == 19

@@ -3,15 +3,12 @@ priority and can be stopped; its verdicts are the foreground's."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import sys
 import threading
 import time
 
 from tests.archs.sweep import Stop, sweep
+from tests.lowest_priority import runs_at_lowest_priority
 
-import psutil
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -26,11 +23,10 @@ def _first_worker(stop: Stop, deadline_s: float = 60.0):
 
 
 def assert_lowest_priority(pid: int) -> None:
-    """SCHED_IDLE on Linux (tests/lowest_priority.py), else nice 19; `chrt` sets it just after the worker starts."""
-    idle = sys.platform.startswith("linux") and shutil.which("chrt") is not None
+    """tests/lowest_priority.py's priority; `chrt` sets it just after the worker starts."""
     deadline = time.monotonic() + 10
     while True:
-        lowest = os.sched_getscheduler(pid) == os.SCHED_IDLE if idle else psutil.Process(pid).nice() == 19
+        lowest = runs_at_lowest_priority(pid)
         if lowest or time.monotonic() > deadline:
             break
         time.sleep(0.01)
