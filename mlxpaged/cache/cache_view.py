@@ -296,6 +296,28 @@ class PagedCacheView:
         without a window: the keys it admits are exactly the sequence's cached ones."""
         return any(mask is made for made in self._planner.full_masks)
 
+    def widened(self, mask, keys: mx.array, values: mx.array):
+        """`mask` as wide as the K/V this view returned when the model cut it short of padding only: mlx-vlm's
+        Qwen3.5 keeps max(offset) + L + 1 columns of its mask, while a ragged pass gathers every row's keys in
+        whole blocks. The columns cut off lie past every row's last key, so they come back admitting nothing.
+        Any other mask is returned as it is (attention then fails on its shape, loudly)."""
+        plan = self._last_plan
+        if (
+            not isinstance(mask, mx.array)
+            or mask.ndim < 2
+            or plan is None
+            or plan.split  # the new keys follow the pages: a cut would have dropped them
+            or not self.returned(keys, values)
+        ):
+            return mask
+        width, wanted = mask.shape[-1], keys.shape[-2]
+        last_key = max(end - base for end, base in zip(plan.read_ends, plan.bases, strict=True))
+        if not last_key <= width < wanted:
+            return mask
+        nothing = False if mask.dtype == mx.bool_ else mx.finfo(mask.dtype).min
+        padding = mx.full((*mask.shape[:-1], wanted - width), nothing, dtype=mask.dtype)
+        return mx.concatenate([mask, padding], axis=-1)
+
     def returned(self, keys: mx.array, values: mx.array) -> bool:
         """True when `keys` and `values` are the very arrays the last `update_and_fetch` returned."""
         if self._fetched is None:

@@ -24,6 +24,7 @@ from collections.abc import Hashable, Sequence
 from typing import Protocol
 
 from mlxpaged.cache.layout import Path, StateLeaf
+from mlxpaged.cache.state_updates import StateUpdates
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
@@ -103,9 +104,10 @@ class StateStore:
             )
 
 
-class StateView(ArraysCache):
+class StateView(StateUpdates, ArraysCache):
     """The ArraysCache an mlx-lm state layer sees for one pass over `slots` (ArraysCache.__init__ is
-    not called: there is no batch array of its own). `lengths` is set only for a ragged pass."""
+    not called: there is no batch array of its own). `lengths` is set only for a ragged pass. mlx-vlm's
+    layers write it through `StateUpdates` too."""
 
     def __init__(self, store: StateStore, path: Path, slots: Sequence[int], lengths: mx.array | None):
         self.store, self.path, self.slots = store, path, list(slots)

@@ -98,6 +98,7 @@ def _paged_sdpa(queries, keys, values, cache, scale, mask, sinks) -> mx.array | 
         _check_compiled_call(keys, values, cache, mask)
         return cache.attend(queries, scale, sinks)
     if isinstance(cache, PagedCacheView):
+        mask = cache.widened(mask, keys, values)
         recorder = getattr(_RECORDING, "recorder", None)
         if recorder is not None:
             recorder(cache.layer, queries, keys, values, sinks)

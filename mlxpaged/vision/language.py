@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from mlxpaged.cache.state_updates import StateUpdates
 from mlxpaged.vision.positions import takes_positions
 
 import mlx.core as mx
@@ -47,6 +48,10 @@ class VisionLanguageModel(nn.Module):
         return [as_mlx_lm_cache(c) for c in make_prompt_cache(self.language_model)]
 
 
+class ArraysCacheWithUpdates(StateUpdates, mlx_cache.ArraysCache):
+    """mlx-lm's ArraysCache that also takes mlx-vlm's state updates (Qwen3.5's gated-delta layers write so)."""
+
+
 def as_mlx_lm_cache(cache):
     """mlx-lm's cache of the same kind as mlx-vlm's `cache` (by class name and settings); a kind mlx-lm has not
     is kept as it is, and the probe refuses it by its class name (no paged equivalent)."""
@@ -60,7 +65,7 @@ def as_mlx_lm_cache(cache):
     if kind == "ChunkedKVCache":
         return mlx_cache.ChunkedKVCache(cache.chunk_size)
     if kind == "ArraysCache":
-        return mlx_cache.ArraysCache(len(cache.cache))
+        return ArraysCacheWithUpdates(len(cache.cache))
     if kind == "CacheList":
         return mlx_cache.CacheList(*(as_mlx_lm_cache(c) for c in cache.caches))
     return cache

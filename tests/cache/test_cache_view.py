@@ -181,6 +181,23 @@ def test_ragged_mask_shape_and_padding_rows():
     assert mask[1, 0, 0].tolist() == mask[1, 0, 1].tolist() == [True] * 10 + [False] * 2
 
 
+def test_a_mask_cut_short_of_the_block_padding_is_widened_with_columns_that_admit_nothing():
+    """mlx-vlm's Qwen3.5 attention keeps max(offset) + L + 1 columns of its mask; the keys come in whole blocks."""
+    kv = PagedKVCache(1, 16, 4, 1, 8, mx.float32)
+    views = paged_views(kv, [[[0, 1]], [[2, 3, 4]]], offsets=[3, 9], num_new=[2, 1])
+    mask = views[0].make_mask(2)
+    keys, values = views[0].update_and_fetch(mx.zeros((2, 1, 2, 8)), mx.zeros((2, 1, 2, 8)))
+    assert keys.shape[-2] == mask.shape[-1] == 12
+    cut = mask[..., : 9 + 2 + 1]
+    assert mx.array_equal(views[0].widened(cut, keys, values), mask)
+    additive = mx.where(cut, 0.0, -1e9)
+    assert mx.array_equal(views[0].widened(additive, keys, values) == 0.0, mask)
+    assert views[0].widened(mask[..., :10], keys, values).shape[-1] == 12  # every row's keys kept
+    assert views[0].widened(mask[..., :9], keys, values).shape[-1] == 9  # cuts a row's last key: left to fail
+    assert views[0].widened(cut, mx.array(keys), values) is cut  # K/V the view did not return
+    assert views[0].widened("causal", keys, values) == "causal" and views[0].widened(None, keys, values) is None
+
+
 def test_decode_step_writes_pools_in_place():
     model = tiny_gemma3()
     kv = paged_cache_for(model, 8, num_blocks=16384)  # 16 MiB pools

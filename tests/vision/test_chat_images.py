@@ -1,4 +1,5 @@
-"""Chats with images through the Python API on a tiny SmolVLM checkpoint on disk, against mlx-vlm's own
+"""Chats with images through the Python API on tiny checkpoints on disk (SmolVLM; Qwen3.5, whose language model
+mixes gated-delta layers with M-RoPE attention), each with its own processor, against mlx-vlm's own
 `stream_generate` on the same directory: the same tokens, the same prompt length; an image given as a path, bytes,
 a data URL or a PIL image is the same image; the next turn reads the image's tokens from the prefix cache; and
 every bad image is refused with a message that says what is wrong."""
@@ -7,14 +8,15 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import zlib
 
 import mlxpaged  # noqa: F401  (OpenBLAS before mlx)
 from mlxpaged.engine.engine import Engine
-from mlxpaged.errors import ImageInputError, UnsupportedModelError
+from mlxpaged.errors import ImageInputError, ImagesNotSupportedError, UnsupportedModelError
 from mlxpaged.sampling_params import SamplingParams
 from mlxpaged.vision import checkpoint
-from tests.vision.tiny_vlm_dirs import write_tiny_smolvlm_dir
+from tests.vision.tiny_vlm_dirs import write_tiny_qwen3_5_dir, write_tiny_smolvlm_dir
 
 import numpy as np
 import pytest
@@ -46,9 +48,12 @@ def ask(*parts) -> list[dict]:
     return [{"role": "user", "content": content}]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return write_tiny_smolvlm_dir(tmp_path_factory.mktemp("smolvlm"))
+WRITERS = {"smolvlm": write_tiny_smolvlm_dir, "qwen3_5": write_tiny_qwen3_5_dir}
+
+
+@pytest.fixture(scope="module", params=sorted(WRITERS))
+def model_dir(request, tmp_path_factory):
+    return WRITERS[request.param](tmp_path_factory.mktemp(request.param))
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +165,18 @@ def test_too_many_images_are_refused(engine):
         engine.chat_prompt(ask(*[picture(i, (8, 8)) for i in range(17)]))
 
 
-def test_without_the_vision_extra_the_checkpoint_is_refused_naming_the_install(model_dir, monkeypatch):
+def test_without_the_vision_extra_an_image_is_refused_naming_the_install(model_dir, reference, monkeypatch):
+    """mlx-lm has no idefics3: SmolVLM is refused at load. It has Qwen3.5's language model: the checkpoint loads as
+    a text model, answers text as mlx-vlm does, and refuses an image naming the install."""
     monkeypatch.setattr(checkpoint, "vision_installed", lambda: False)
-    with pytest.raises(UnsupportedModelError, match=r"idefics3.*vision-language.*pip install 'mlxpaged\[vision\]'"):
-        Engine.from_pretrained(str(model_dir), cache_tokens=256)
+    kind = json.loads((model_dir / "config.json").read_text())["model_type"]
+    install = r"pip install 'mlxpaged\[vision\]'"
+    if kind == "idefics3":
+        with pytest.raises(UnsupportedModelError, match=rf"{kind}.*vision-language.*{install}"):
+            Engine.from_pretrained(str(model_dir), cache_tokens=256)
+        return
+    with Engine.from_pretrained(str(model_dir), cache_tokens=256) as text_only:
+        with pytest.raises(ImagesNotSupportedError, match=rf"loaded as a text model.*{install}"):
+            text_only.chat(ask("Describe", picture(8)), GREEDY)
+        text = [{"role": "user", "content": "Say something."}]
+        assert text_only.chat(text, GREEDY).token_ids == reference(text)[0]

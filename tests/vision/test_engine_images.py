@@ -63,6 +63,7 @@ def test_an_image_prompt_alone_and_beside_a_text_request_equals_mlx_vlm(vlm, tok
     text = text_tokens(13, seed=3)
     want = mlx_vlm_greedy(vlm, prompt, GREEDY.max_tokens)
     with vlm_engine(vlm, tokenizer) as engine:
+        assert not engine.core.runner.serial  # ragged batches are exact (runner/batch_check.py)
         alone = engine.generate([prompt], GREEDY)[0]
         both = engine.generate([prompt, text], GREEDY)
         assert_pool_empty(engine)
@@ -142,8 +143,9 @@ def test_a_next_turn_whose_image_is_cached_does_not_run_the_vision_tower(vlm, to
         engine.generate([first], GREEDY)
         assert towers == [True]
         follow = engine.generate([turn], GREEDY)[0]
-        if caches_prefixes(engine):
-            assert towers == [True, False] and follow.cached_tokens >= first.images[0].start + first.images[0].length
+        if caches_prefixes(engine):  # state models (Qwen3.5) embed it in two chunks: one ends at the last boundary
+            assert towers[:2] == [True, False] and not any(towers[2:]), towers
+            assert follow.cached_tokens >= first.images[0].start + first.images[0].length
         else:
             assert towers == [True, True] and follow.cached_tokens == 0
     monkeypatch.undo()

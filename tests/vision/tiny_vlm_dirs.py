@@ -4,6 +4,10 @@ image tokens added, and the processor (its chat template and image processor), a
 
 SmolVLM (idefics3): SmolLM2's tokenizer is SmolVLM's own text tokenizer, images of at most 56 px become one tile
 of 4 image tokens (pixel shuffle 2 over 4x4 patches of 14 px), between SmolVLM's markers.
+
+Qwen3.5: gated-delta layers and full attention with M-RoPE positions, Qwen3-VL's tower; SmolLM2's tokenizer with
+Qwen's vision tokens, mlx-vlm's own (torch-free) Qwen3-VL processor; an image is resized to at most 64 x 64 px,
+patches of 16 px merged 2 x 2 (one token per 32 x 32 px), between Qwen's start and end markers.
 """
 
 from __future__ import annotations
@@ -25,6 +29,86 @@ SMOLVLM_TEMPLATE = (
     "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
 )
 SMOLVLM_TOKENS = ["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>"]
+
+
+QWEN_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
+    "{{ message['content'] }}{% else %}{% for part in message['content'] %}{% if part['type'] == 'image' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+QWEN_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+
+
+def write_tiny_qwen3_5_dir(out: Path, seed: int = 0) -> Path:
+    """A 4-layer random Qwen3.5 checkpoint in `out` (two gated-delta layers, each before a full-attention one)."""
+    from mlx_vlm.models import qwen3_5
+    from transformers import AutoTokenizer
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(locate_model(None)[1])
+    tokenizer.add_special_tokens({"additional_special_tokens": QWEN_TOKENS})
+    tokenizer.chat_template = QWEN_TEMPLATE
+    tokenizer.save_pretrained(out)
+    (out / "chat_template.jinja").write_text(QWEN_TEMPLATE)
+    images = {"patch_size": 16, "temporal_patch_size": 2, "merge_size": 2, "min_pixels": 32 * 32}
+    images |= {"max_pixels": 64 * 64, "image_mean": [0.5] * 3, "image_std": [0.5] * 3}
+    (out / "preprocessor_config.json").write_text(json.dumps(images, indent=2) + "\n")
+    (out / "processor_config.json").write_text(json.dumps({"image_processor": images}, indent=2) + "\n")
+    (out / "video_preprocessor_config.json").write_text(json.dumps(images, indent=2) + "\n")
+    ids = {
+        name: tokenizer.convert_tokens_to_ids(token)
+        for name, token in zip(
+            ("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"),
+            QWEN_TOKENS,
+            strict=True,
+        )
+    }
+    rope = {"type": "default", "mrope_section": [2, 1, 1], "rope_theta": 100000, "partial_rotary_factor": 0.5}
+    text = {
+        "model_type": "qwen3_5",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 4,
+        "full_attention_interval": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "linear_num_value_heads": 4,
+        "linear_num_key_heads": 2,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": len(tokenizer),
+        "max_position_embeddings": 2048,
+        "rope_parameters": rope,
+    }
+    vision = {
+        "model_type": "qwen3_5",
+        "depth": 2,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "out_hidden_size": 64,
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "num_position_embeddings": 16,
+        "deepstack_visual_indexes": [],
+    }
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    config = {"model_type": "qwen3_5", **ids, "eos_token_id": eos, "text_config": text, "vision_config": vision}
+    model_config = qwen3_5.ModelConfig.from_dict(config)
+    mx.random.seed(seed)
+    model = qwen3_5.Model(model_config)
+    model.update(tree_map(lambda p: p * (3.0 if p.ndim == 2 else 1.0), model.parameters()))
+    mx.save_safetensors(
+        str(out / "model.safetensors"), dict(tree_flatten(model.parameters())), metadata={"format": "mlx"}
+    )
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
 
 
 def write_tiny_smolvlm_dir(out: Path, seed: int = 0) -> Path:

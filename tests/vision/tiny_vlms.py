@@ -57,10 +57,11 @@ QWEN_IDS = {"image_token_id": VOCAB - 1, "video_token_id": QWEN_VIDEO, "vision_s
 
 
 def _built(model_type: str, text: dict, vision: dict, **config):
-    """mlx-vlm's model of `model_type`: its language model TEXT updated with `text`, its tower `vision`, seeded."""
+    """mlx-vlm's model of `model_type`: its language model TEXT updated with `text` (None: a key its config has
+    not), its tower `vision`, seeded."""
     module = importlib.import_module(f"mlx_vlm.models.{model_type}")
     model_config = module.ModelConfig(
-        text_config=module.TextConfig(**{**TEXT, **text}),
+        text_config=module.TextConfig(**{k: v for k, v in {**TEXT, **text}.items() if v is not None}),
         vision_config=module.VisionConfig(**vision),
         model_type=model_type,
         **config,
@@ -142,6 +143,24 @@ def _qwen3_vl_moe():
     return _built("qwen3_vl_moe", text, QWEN3_TOWER, **QWEN_IDS, vision_end_token_id=QWEN_END, vocab_size=VOCAB)
 
 
+def _qwen3_5(model_type: str = "qwen3_5", **extra):
+    """Qwen3.5: gated-delta (state) layers with one full-attention layer after them, M-RoPE on a quarter of the
+    head, Qwen3-VL's tower without deepstack."""
+    rope = {"type": "default", "mrope_section": [2, 1, 1], "rope_theta": 100000, "partial_rotary_factor": 0.5}
+    text = {"model_type": model_type, "rms_norm_eps": 1e-6, "head_dim": 16, "max_position_embeddings": 4096}
+    text |= {"rope_parameters": rope, "num_hidden_layers": 4}
+    text |= {"linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 16}
+    text |= {"linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "full_attention_interval": 2, **extra}
+    tower = {**QWEN3_TOWER, "deepstack_visual_indexes": []}
+    return _built(model_type, text, tower, **QWEN_IDS, vision_end_token_id=QWEN_END, vocab_size=VOCAB)
+
+
+def _qwen3_5_moe():
+    experts = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+    experts |= {"shared_expert_intermediate_size": 32, "intermediate_size": None}  # experts only
+    return _qwen3_5("qwen3_5_moe", **experts)
+
+
 def _qwen_patches(pixels: np.ndarray, length: int) -> dict[str, mx.array]:
     """Qwen's processor's layout: the image as flattened patches [t * h * w, channels * 2 * 14 * 14] (the frame
     twice: its temporal patch is 2) and its grid (t, h, w) in patches."""
@@ -194,6 +213,8 @@ ARCHITECTURES = {
         TinyVLM("qwen3_vl", _qwen3_vl, 4, _qwen_patches, ((QWEN_START,), (QWEN_END,))),
         TinyVLM("qwen2_vl", _qwen2_vl, 4, _qwen_patches, ((QWEN_START,), (QWEN_END,))),
         TinyVLM("qwen3_vl_moe", _qwen3_vl_moe, 4, _qwen_patches, ((QWEN_START,), (QWEN_END,))),
+        TinyVLM("qwen3_5", _qwen3_5, 4, _qwen_patches, ((QWEN_START,), (QWEN_END,))),
+        TinyVLM("qwen3_5_moe", _qwen3_5_moe, 4, _qwen_patches, ((QWEN_START,), (QWEN_END,))),
     )
 }
 
