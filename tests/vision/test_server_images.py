@@ -232,20 +232,22 @@ def test_the_same_image_after_a_restart_comes_from_the_disk_tier(model_dir, tmp_
     assert again.usage.prompt_tokens_details.cached_tokens >= (first.usage.prompt_tokens - 1) // 8 * 8
 
 
-def test_an_image_a_tool_returned_reaches_the_model(server):
-    """An agent's tool that reads an image file (Claude Code's Read) answers with an image block inside its
-    tool_result: the model's prompt holds the image's tokens (as many as the same image sent by the user adds)."""
+def test_an_image_a_tool_returned_reaches_the_model_in_every_api(server):
+    """An agent's tool that reads an image file or takes a screenshot answers with an image inside its result:
+    Anthropic's tool_result, an OpenAI tool message, a Responses function_call_output, an Ollama tool message. The
+    model's prompt holds the image's tokens (as many as the same image sent by the user adds)."""
+    model, url = served(server.url), data_url(4)
     claude = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
-    call = {"type": "tool_use", "id": "toolu_1", "name": "Read", "input": {"file_path": "shot.png"}}
-    block = {
-        "type": "image",
-        "source": {"type": "base64", "media_type": "image/png", "data": data_url(4).split(",")[1]},
-    }
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    local = ollama.Client(host=server.url)
 
-    def ask(result_content: list) -> anthropic.types.Message:
-        result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": result_content}
-        return claude.messages.create(
-            model=served(server.url),
+    def anthropic_tokens(image: bool) -> int:
+        call = {"type": "tool_use", "id": "toolu_1", "name": "Read", "input": {"file_path": "shot.png"}}
+        block = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": url.split(",")[1]}}
+        result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "shot.png:"}]}
+        result["content"] += [block] if image else []
+        reply = claude.messages.create(
+            model=model,
             max_tokens=MAX_TOKENS,
             messages=[
                 {"role": "user", "content": "Read shot.png"},
@@ -254,17 +256,62 @@ def test_an_image_a_tool_returned_reaches_the_model(server):
             ],
             extra_body={"temperature": 0},
         )
+        assert reply.content[0].text
+        return reply.usage.input_tokens + reply.usage.cache_read_input_tokens
 
-    with_image, without = (
-        ask([{"type": "text", "text": "shot.png:"}, block]),
-        ask([{"type": "text", "text": "shot.png:"}]),
-    )
-    by_user = chat(server, [image_part(data_url(4)), {"type": "text", "text": QUESTION}])
+    def openai_tokens(image: bool) -> int:
+        call = {"id": "c1", "type": "function", "function": {"name": "screenshot", "arguments": "{}"}}
+        content = [{"type": "text", "text": "taken:"}, *([image_part(url)] if image else [])]
+        reply = client.chat.completions.create(
+            model=model,
+            messages=[
+                {"role": "user", "content": "Take a screenshot"},
+                {"role": "assistant", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": content},
+                {"role": "user", "content": QUESTION},
+            ],
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+        )
+        return reply.usage.prompt_tokens
+
+    def responses_tokens(image: bool) -> int:
+        output = [
+            {"type": "input_text", "text": "taken:"},
+            *([{"type": "input_image", "image_url": url}] if image else []),
+        ]
+        reply = client.responses.create(
+            model=model,
+            input=[
+                {"role": "user", "content": "Take a screenshot"},
+                {"type": "function_call", "call_id": "c1", "name": "screenshot", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c1", "output": output},
+                {"role": "user", "content": QUESTION},
+            ],
+            max_output_tokens=MAX_TOKENS,
+            temperature=0,
+        )
+        return reply.usage.input_tokens
+
+    def ollama_tokens(image: bool) -> int:
+        call = {"function": {"name": "screenshot", "arguments": {}}}
+        shot = {"images": [url.split(",")[1]]} if image else {}
+        reply = local.chat(
+            model=model,
+            messages=[
+                {"role": "user", "content": "Take a screenshot"},
+                {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "content": "taken:", "tool_name": "screenshot", **shot},
+                {"role": "user", "content": QUESTION},
+            ],
+            options={"temperature": 0, "num_predict": MAX_TOKENS},
+        )
+        return reply.prompt_eval_count
+
+    by_user = chat(server, [image_part(url), {"type": "text", "text": QUESTION}])
     alone = chat(server, [{"type": "text", "text": QUESTION}])
     image_tokens = by_user.usage.prompt_tokens - alone.usage.prompt_tokens
     assert image_tokens > 4
-    assert with_image.usage.input_tokens + with_image.usage.cache_read_input_tokens == (
-        without.usage.input_tokens + without.usage.cache_read_input_tokens + image_tokens
-    )
-    assert with_image.content[0].text
+    for api in (anthropic_tokens, openai_tokens, responses_tokens, ollama_tokens):
+        assert api(True) == api(False) + image_tokens, api.__name__
     server.blocks_back()

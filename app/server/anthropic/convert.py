@@ -3,8 +3,8 @@
 The conversation becomes the dicts chat templates take: the system prompt first (Claude Code's per-request
 `x-anthropic-billing-header:` block dropped: it changes every request and would sit before the whole
 conversation, so no prefix would ever be cached), assistant `tool_use` blocks as `tool_calls`, user
-`tool_result` blocks as `tool` messages ahead of the user's own text (the images a tool returned in a user turn
-right after them: chat templates render a tool turn as text), thinking blocks dropped (templates drop past
+`tool_result` blocks as `tool` messages ahead of the user's own text (the images a tool returned after them:
+chat/tool_images.py), thinking blocks dropped (templates drop past
 reasoning anyway), consecutive turns of one role merged as Anthropic's API does.
 """
 
@@ -34,6 +34,7 @@ from mlxpaged_app.server.chat.spec import (
 from mlxpaged_app.server.chat.spec import (
     ToolChoice as SpecToolChoice,
 )
+from mlxpaged_app.server.chat.tool_images import images_after_tool_turns
 from mlxpaged_app.server.errors import invalid_param
 from mlxpaged_app.server.output_format import check_format_alone
 from mlxpaged_app.server.param_names import ANTHROPIC
@@ -103,14 +104,13 @@ def conversation(body: CountTokensRequest) -> list[dict]:
     for i, message in enumerate(body.messages):
         for turn in _turns(message, f"messages[{i}]", call_names):
             _append(out, turn)
-    return out
+    return images_after_tool_turns(out)
 
 
 def _turns(message: Message, where: str, call_names: dict[str, str]) -> list[dict]:
     blocks = [TextBlock(type="text", text=message.content)] if isinstance(message.content, str) else message.content
     texts: list[str | dict] = []  # text, and image parts where the user put them
     calls, results = [], []
-    shown: list[dict] = []  # the images tool results returned, as image parts
     for j, block in enumerate(blocks):
         at = f"{where}.content[{j}]"
         if isinstance(block, TextBlock):
@@ -120,9 +120,7 @@ def _turns(message: Message, where: str, call_names: dict[str, str]) -> list[dic
         elif isinstance(block, ToolUseBlock):
             calls.append(_tool_use(block, message.role, at, call_names))
         elif isinstance(block, ToolResultBlock):
-            result, images = _tool_result(block, message.role, at, call_names)
-            results.append(result)
-            shown += images
+            results.append(_tool_result(block, message.role, at, call_names))
         elif isinstance(block, OtherBlock):
             raise invalid_param(
                 f"{at}.type",
@@ -131,8 +129,6 @@ def _turns(message: Message, where: str, call_names: dict[str, str]) -> list[dic
             )
         # thinking / redacted_thinking blocks: dropped
     turns = results  # tool results answer the previous assistant turn: they come before the user's text
-    if shown:  # chat templates render a tool turn's content as text: its images follow it in a user turn
-        turns.append({"role": "user", "content": shown})
     if texts or calls or not results:
         turn: dict = {"role": message.role, "content": _content(texts)}
         if calls:
@@ -165,9 +161,9 @@ def _tool_use(block: ToolUseBlock, role: str, at: str, call_names: dict[str, str
     return {"id": block.id, "type": "function", "function": {"name": block.name, "arguments": block.input}}
 
 
-def _tool_result(block: ToolResultBlock, role: str, at: str, call_names: dict[str, str]) -> tuple[dict, list[dict]]:
-    """The `tool` message of a tool_result block (its text), and its images as image parts (a screenshot or an
-    image file an agent's tool read): they go to the model in the user turn after the tool messages."""
+def _tool_result(block: ToolResultBlock, role: str, at: str, call_names: dict[str, str]) -> dict:
+    """The `tool` message of a tool_result block: its text, with its images (a screenshot or an image file an
+    agent's tool read) as image parts in order, which chat/tool_images.py moves after the tool turns."""
     if role != "user":
         raise invalid_param(f"{at}.type", f"{at}: tool_result blocks belong to user messages, not {role!r}")
     name = call_names.get(block.tool_use_id)
@@ -178,7 +174,7 @@ def _tool_result(block: ToolResultBlock, role: str, at: str, call_names: dict[st
             f"{at}.tool_use_id {block.tool_use_id!r} answers no earlier tool_use block (tool_use ids so far: {known})",
         )
     content = block.content if block.content is not None else ""
-    images: list[dict] = []
+    parts: list[dict] = []
     if not isinstance(content, str):
         for k, part in enumerate(content):
             if isinstance(part, OtherBlock):
@@ -188,11 +184,15 @@ def _tool_result(block: ToolResultBlock, role: str, at: str, call_names: dict[st
                     "send text and images",
                 )
             if isinstance(part, ImageBlock):
-                images.append(_image(part, role, f"{at}.content[{k}]"))
-        content = "\n".join(part.text for part in content if isinstance(part, TextBlock))
+                parts.append(_image(part, role, f"{at}.content[{k}]"))
+            elif isinstance(part, TextBlock):
+                parts.append({"type": "text", "text": part.text})
+        content = "\n".join(p["text"] for p in parts if p["type"] == "text")
     if block.is_error:
         content = ERROR_PREFIX + content
-    return {"role": "tool", "tool_call_id": block.tool_use_id, "name": name, "content": content}, images
+    images = [p for p in parts if p["type"] == "image"]
+    message = {"role": "tool", "tool_call_id": block.tool_use_id, "name": name, "content": content}
+    return message if not images else {**message, "content": [{"type": "text", "text": content}, *images]}
 
 
 def _append(out: list[dict], turn: dict) -> None:

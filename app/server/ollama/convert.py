@@ -6,10 +6,10 @@ Chat messages become the dicts chat templates take: roles lower-cased (as Ollama
 that name. Tools are OpenAI's function tools (Ollama's own shape); a model may call any of them (Ollama has no
 tool_choice). /api/generate is a chat of one user turn (after `system`, if sent), as Ollama renders it, unless
 `raw`: then the prompt goes to the model as it is. Its `context` (a previous reply's token ids) comes before the
-new prompt. A message's `images` (base64, as Ollama takes them) come before its text, as Ollama puts them; a
-vision-language model reads them (a text model refuses them when the prompt is rendered). `suffix`
-(fill-in-the-middle) and `template` (a Go template replacing the model's) are refused: this server renders
-prompts with the model's own chat template.
+new prompt. A message's `images` (base64, as Ollama takes them) come before its text, as Ollama puts them (a tool
+message's follow the tool turns: chat/tool_images.py); a vision-language model reads them (a text model refuses
+them when the prompt is rendered). `suffix` (fill-in-the-middle) and `template` (a Go template replacing the
+model's) are refused: this server renders prompts with the model's own chat template.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import binascii
 from dataclasses import replace
 
 from mlxpaged_app.server.chat.spec import ChatRequestSpec, OutputFormat, ToolSpec
+from mlxpaged_app.server.chat.tool_images import images_after_tool_turns
 from mlxpaged_app.server.errors import invalid_param
 from mlxpaged_app.server.ollama import options as opts
 from mlxpaged_app.server.ollama.protocol import ChatRequest, GenerateRequest, Message, ToolCall
@@ -108,8 +109,10 @@ def chat_messages(messages: list[Message]) -> list[dict]:
             raise invalid_param(
                 f"{where}.role", f"{where}.role must be one of {', '.join(ROLES)}, got {message.role!r}"
             )
-        if message.images and role != "user":
-            raise invalid_param(f"{where}.images", f"{where}.images: only user messages carry images, not {role!r}")
+        if message.images and role not in ("user", "tool"):
+            raise invalid_param(
+                f"{where}.images", f"{where}.images: only user and tool messages carry images, not {role!r}"
+            )
         if role == "tool":
             out.append(_tool_result(message, where, call_ids))
             continue
@@ -123,7 +126,7 @@ def chat_messages(messages: list[Message]) -> list[dict]:
         if message.thinking and role == "assistant":
             turn["reasoning_content"] = message.thinking
         out.append(turn)
-    return out
+    return images_after_tool_turns(out)
 
 
 def _with_images(text: str, images: list | None, where: str) -> str | list[dict]:
@@ -157,7 +160,7 @@ def _tool_result(message: Message, where: str, call_ids: dict[str, str]) -> dict
     if call_id is None and message.tool_name is not None:
         call_id = next((i for i, name in reversed(call_ids.items()) if name == message.tool_name), None)
     name = call_ids.get(call_id, message.tool_name) if call_id is not None else message.tool_name
-    result: dict = {"role": "tool", "content": message.content}
+    result: dict = {"role": "tool", "content": _with_images(message.content, message.images, f"{where}.images")}
     if call_id is not None:
         result["tool_call_id"] = call_id
     if name is not None:

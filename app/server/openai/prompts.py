@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+from mlxpaged_app.server.chat.tool_images import images_after_tool_turns
 from mlxpaged_app.server.errors import invalid_param
 from mlxpaged_app.server.openai.protocol import ChatRequest, CompletionRequest
 
@@ -49,7 +50,7 @@ def _message_text(message, where: str) -> str | list[dict]:
     if isinstance(content, str):
         return content
     if isinstance(content, list) and content:
-        return _content_parts(content, where, images=message.role == "user")
+        return _content_parts(content, where, images=message.role in ("user", "tool"))
     if content is None and message.role == "assistant":
         return ""  # an assistant turn that only called tools
     raise invalid_param(
@@ -61,7 +62,8 @@ def _message_text(message, where: str) -> str | list[dict]:
 
 def chat_messages(request: ChatRequest) -> list[dict]:
     """The conversation for the chat template: {role, content} dicts, assistant `tool_calls` with their
-    arguments as dicts, tool results with the name of the call they answer."""
+    arguments as dicts, tool results with the name of the call they answer (their images after them:
+    chat/tool_images.py)."""
     if not request.messages:
         raise invalid_param("messages", "'messages' must hold at least one message")
     out: list[dict] = []
@@ -83,7 +85,7 @@ def chat_messages(request: ChatRequest) -> list[dict]:
         if reasoning and m.role == "assistant":
             message["reasoning_content"] = reasoning
         out.append(message)
-    return out
+    return images_after_tool_turns(out)
 
 
 def _tool_result(message, where: str, call_names: dict[str, str]) -> dict:

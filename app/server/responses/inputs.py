@@ -1,16 +1,18 @@
 """A Responses `input` (and `instructions`) as the chat pipeline's messages (chat/spec.py).
 
 Items: messages (role user / assistant / system / developer, content a string or input_text / output_text
-parts), function_call, function_call_output and reasoning. A function_call joins the assistant turn before it
-and the reasoning item before a turn becomes its `reasoning_content`, so a replayed reply renders as the one
-assistant turn the model generated (and the next turn's prompt extends the last: prefix cache hits); a call
-with a `namespace` is named as the model saw it (tools.flat_name).
+parts), function_call, function_call_output (text, and input_image parts: chat/tool_images.py) and reasoning. A
+function_call joins the assistant turn before it and the reasoning item before a turn becomes its
+`reasoning_content`, so a replayed reply renders as the one assistant turn the model generated (and the next
+turn's prompt extends the last: prefix cache hits); a call with a `namespace` is named as the model saw it
+(tools.flat_name).
 """
 
 from __future__ import annotations
 
 import json
 
+from mlxpaged_app.server.chat.tool_images import images_after_tool_turns
 from mlxpaged_app.server.errors import invalid_param
 from mlxpaged_app.server.responses.tools import flat_name
 
@@ -38,7 +40,7 @@ def input_messages(value: object, instructions: str | None) -> list[dict]:
         )
     if not any(m["role"] != "system" for m in conversation.messages):
         raise invalid_param("input", "'input' holds no user, assistant or tool turn to reply to")
-    return conversation.messages
+    return images_after_tool_turns(conversation.messages)
 
 
 class Conversation:
@@ -96,7 +98,7 @@ class Conversation:
                 f"{where}.call_id",
                 f"{where}.call_id {call_id!r} answers no earlier function_call item (call_ids so far: {known})",
             )
-        output = _content_text(item.get("output"), f"{where}.output")
+        output = _content(item.get("output"), f"{where}.output", images=True)  # a screenshot a tool took
         self._append({"role": "tool", "tool_call_id": call_id, "name": self.call_names[call_id], "content": output})
 
     def reasoning_item(self, item: dict, where: str) -> None:
@@ -126,15 +128,9 @@ def _string(item: dict, key: str, where: str) -> str:
     return value
 
 
-def _content_text(content: object, where: str) -> str:
-    """A string, or text parts (input_text / output_text) joined by newlines as the chat API joins them."""
-    text = _content(content, where, images=False)
-    assert isinstance(text, str)  # no image parts where images=False
-    return text
-
-
 def _content(content: object, where: str, images: bool) -> str | list[dict]:
-    """_content_text, and where a user sends them (`images`), input_image parts: then the parts in order, as
+    """A string, or text parts (input_text / output_text) joined by newlines as the chat API joins them; where a
+    user or a tool sends them (`images`), input_image parts too: then the parts in order, as
     {"type": "text", "text": ...} and {"type": "image", "image": <its URL>} (server/images.py reads the URL)."""
     if isinstance(content, str):
         return content

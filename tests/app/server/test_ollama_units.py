@@ -159,7 +159,7 @@ def test_chat_messages_tie_tool_results_to_their_calls():
     assert turn["content"] == [{"type": "image", "image": b"hi"}, {"type": "text", "text": "x"}]
     with pytest.raises(APIError, match=r"messages\[0\]\.images\[0\] is not valid base64"):
         chat_messages([Message(role="user", content="x", images=["@@"])])
-    with pytest.raises(APIError, match="only user messages carry images"):
+    with pytest.raises(APIError, match="only user and tool messages carry images"):
         chat_messages([Message(role="assistant", content="x", images=["aGk="])])
 
 
