@@ -32,7 +32,7 @@ from mlxpaged.loading.fused_projections import fuse_projections
 from mlxpaged.loading.loader import LoadedModel, activation_dtype, check_paged_support
 from mlxpaged.loading.probe import probe_layout
 from mlxpaged.platform import backend
-from mlxpaged.platform.memory import DeviceFacts, MemoryPlan, ModelFacts, model_weight_bytes, plan_memory
+from mlxpaged.platform.memory import DeviceFacts, MemoryPlan, ModelFacts, plan_memory
 from mlxpaged.platform.model_facts import context_length
 from mlxpaged.runner.batch_check import batch_mismatch
 from mlxpaged.runner.kv_calibration import transform_for
@@ -78,9 +78,7 @@ def build_core(
         _check_distributed(layout, cache_config)
     route_paged_attention()
     kv_dtype = activation_dtype(loaded.model)  # K/V have the activations' dtype
-    facts = ModelFacts.from_layout(
-        layout, model_weight_bytes(loaded.model), kv_dtype.size, context_length(loaded.config)
-    )
+    facts = ModelFacts.from_layout(layout, loaded.weight_bytes, kv_dtype.size, context_length(loaded.config))
     device = DeviceFacts.detect()
     if ranks is not None:  # ranks on one host share its memory
         device = host_share(device, ranks.on_host)

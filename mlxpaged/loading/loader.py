@@ -19,6 +19,7 @@ from mlxpaged.loading.model_store import ModelRef, provision, resolve
 from mlxpaged.loading.progress import Progress
 from mlxpaged.platform.backend import current as current_backend
 from mlxpaged.platform.backend import tuning
+from mlxpaged.platform.model_facts import model_weight_bytes
 from mlxpaged.vision.checkpoint import loads_with_images, text_load_refused
 
 import mlx.core as mx
@@ -47,6 +48,12 @@ class LoadedModel:
     @property
     def name(self) -> str:
         return self.ref.name
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of every weight loaded, what the memory plan counts: a vision-language model's tower and projector
+        too (`vision.model` is mlx-vlm's whole model, its language model included), as its checkpoint holds them."""
+        return model_weight_bytes(self.vision.model if self.vision is not None else self.model)
 
 
 def default_dtype() -> str:

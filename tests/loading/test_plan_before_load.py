@@ -81,13 +81,27 @@ def loaded_facts(path: Path, backend: str) -> ModelFacts:
     loaded = load_local(ModelRef(str(path), "path", path=path), path, backend=backend)
     model = loaded.model
     return ModelFacts.from_layout(
-        probe_layout(model), model_weight_bytes(model), activation_dtype(model).size, context_length(loaded.config)
+        probe_layout(model), loaded.weight_bytes, activation_dtype(model).size, context_length(loaded.config)
     )
 
 
 @pytest.mark.parametrize("backend", ["cpu", "metal", "cuda"])
 def test_facts_before_load_equal_the_loaded_models(tiny_dir, backend):
     assert facts_before_load(tiny_dir, backend) == loaded_facts(tiny_dir, backend)
+
+
+@pytest.mark.parametrize("kind", ["smolvlm", "qwen3_5"])
+def test_a_vision_checkpoints_facts_before_load_count_its_tower_as_the_loaded_model_does(kind, tmp_path):
+    """The plan before load reads every tensor of the checkpoint; the engine's, once loaded, the whole mlx-vlm
+    model (the tower and projector beside the language model the engine runs)."""
+    from tests.vision.tiny_vlm_dirs import write_tiny_qwen3_5_dir, write_tiny_smolvlm_dir
+
+    path = {"smolvlm": write_tiny_smolvlm_dir, "qwen3_5": write_tiny_qwen3_5_dir}[kind](tmp_path / kind)
+    before = facts_before_load(path, "cpu")
+    with Engine.from_pretrained(str(path), cache_tokens=256) as engine:
+        tower = engine.facts.weight_bytes - model_weight_bytes(engine.loaded.model)
+        assert engine.facts == before
+    assert tower > 100_000  # the tower's and projector's weights
 
 
 def test_dtype_rules_differ_by_backend(tmp_path, default_dir):
