@@ -24,6 +24,7 @@ VALID_BLOCK_SIZES = (8, 16, 32)  # the paged-attention kernel's block sizes
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_CACHE_TOKENS = 32768  # cap by demand: a local app rarely needs more resident context
 DEFAULT_KV_DISK_SIZE = "20GB"  # the disk tier's LRU limit (CacheConfig.kv_disk_size, --kv-disk-size)
+DEFAULT_IMAGE_CACHE_SIZE = "256MB"  # encoded images kept by a vision model (CacheConfig.image_cache_size)
 SPECULATIVE_METHODS = (None, "ngram")  # SchedulerConfig.speculative
 
 
@@ -42,7 +43,8 @@ class CacheConfig:
     `kv_bits` 8 or 4 stores K/V pages quantized (group-wise affine, `kv_group_size` elements per scale and
     bias, as `mx.quantize`; cache/kv_quant.py): about 1.8x / 3.5x the tokens in the same memory. None: the
     model's KV dtype. `kv_group_size` None: 32 for 8-bit pages, 64 for 4-bit ones (kv_quant.py says why).
-    How many tokens and sequences one step takes is SchedulerConfig's. Bad values raise
+    `image_cache_size` bounds the images a vision-language model keeps encoded (bytes or "256MB"; 0: none kept;
+    vision/encoded_images.py). How many tokens and sequences one step takes is SchedulerConfig's. Bad values raise
     ConfigError (a ValueError).
     """
 
@@ -56,6 +58,7 @@ class CacheConfig:
     kv_disk_size: int | str = DEFAULT_KV_DISK_SIZE
     kv_bits: int | None = None
     kv_group_size: int | None = None
+    image_cache_size: int | str = DEFAULT_IMAGE_CACHE_SIZE
 
     def __post_init__(self) -> None:
         require_int("block_size", self.block_size, low=1, setting=True)
@@ -83,6 +86,7 @@ class CacheConfig:
         if size == 0:
             raise ConfigError(f"{{kv_disk_size:{self.kv_disk_size!r}}} must be more than 0 bytes", param="kv_disk_size")
         object.__setattr__(self, "kv_disk_size", size)  # frozen: bytes from here on
+        object.__setattr__(self, "image_cache_size", parse_size(self.image_cache_size, param="image_cache_size"))
         if self.kv_bits is not None:
             require_int("kv_bits", self.kv_bits, low=1, setting=True)
         if self.kv_group_size is not None:

@@ -6,7 +6,14 @@ import argparse
 import ipaddress
 import os
 
-from mlxpaged.config import DEFAULT_BLOCK_SIZE, DEFAULT_KV_DISK_SIZE, KV_BITS, KV_GROUP_SIZES, SchedulerConfig
+from mlxpaged.config import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_IMAGE_CACHE_SIZE,
+    DEFAULT_KV_DISK_SIZE,
+    KV_BITS,
+    KV_GROUP_SIZES,
+    SchedulerConfig,
+)
 from mlxpaged.distributed import DEFAULT_RANK_TIMEOUT_S
 
 API_KEY_ENV = "MLXPAGED_API_KEY"
@@ -239,6 +246,8 @@ def cache_settings(args: argparse.Namespace) -> dict:
             settings[name] = getattr(args, name)
     if args.step_budget_ms is not None:
         settings["step_budget_ms"] = args.step_budget_ms or None  # 0: no budget
+    if getattr(args, "image_cache_size", None) is not None:  # serve's image flags
+        settings["image_cache_size"] = args.image_cache_size
     return settings
 
 
@@ -260,6 +269,13 @@ def add_image_arguments(group) -> None:
         type=int,
         default=50_000_000,
         help="pixels of one image before the model's processor resizes it (default: 50,000,000)",
+    )
+    group.add_argument(
+        "--image-cache-size",
+        default=DEFAULT_IMAGE_CACHE_SIZE,
+        metavar="SIZE",
+        help="memory for images the model encoded, kept so an image sent again is not encoded again; "
+        f"0 keeps none (default: {DEFAULT_IMAGE_CACHE_SIZE})",
     )
 
 

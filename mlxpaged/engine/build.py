@@ -78,7 +78,9 @@ def build_core(
         _check_distributed(layout, cache_config)
     route_paged_attention()
     kv_dtype = activation_dtype(loaded.model)  # K/V have the activations' dtype
-    facts = ModelFacts.from_layout(layout, loaded.weight_bytes, kv_dtype.size, context_length(loaded.config))
+    facts = ModelFacts.from_layout(
+        layout, loaded.weight_bytes, kv_dtype.size, context_length(loaded.config), loaded.vision is not None
+    )
     device = DeviceFacts.detect()
     if ranks is not None:  # ranks on one host share its memory
         device = host_share(device, ranks.on_host)

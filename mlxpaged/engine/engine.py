@@ -48,6 +48,7 @@ from mlxpaged.platform.memory import DeviceFacts, plan_memory
 from mlxpaged.sampling_params import SamplingParams
 from mlxpaged.vision.checkpoint import images_refused
 from mlxpaged.vision.embedding import PromptEmbedding
+from mlxpaged.vision.encoded_images import EncodedImages
 from mlxpaged.vision.prompt import ImagePrompt
 
 Prompt = str | Sequence[int] | ImagePrompt  # what submit, generate and stream take
@@ -91,6 +92,9 @@ class Engine:
             has_commands=lambda: not commands.empty(),
             ranks=ranks,
         )
+        # Images the model encoded, by digest (read and written on the engine thread only: embedding.py).
+        keep = self.cache_config.image_cache_size
+        self._encoded_images = EncodedImages(keep) if loaded.vision is not None and keep else None
         self._thread = engine_thread.start(self, commands, self.core, self.plan, self.cache_config.wire)
 
     @classmethod
@@ -208,8 +212,9 @@ class Engine:
         """What the engine thread feeds the prompt's prefill: the model computes it there, on first use."""
         if self.core.runner.mirror is not None:
             raise ConfigError("images across mlx.launch ranks are not supported yet", param="images")
-        images_end = max((image.start + image.length for image in prompt.images), default=0)
-        return PromptEmbedding(self._vision().model, prompt.token_ids, prompt.arrays, images_end)
+        return PromptEmbedding(
+            self._vision().model, prompt.token_ids, prompt.arrays, prompt.images, self._encoded_images
+        )
 
     def _vision(self) -> VisionParts:
         """The model's vision parts; ImagesNotSupportedError naming the model when it takes no images."""

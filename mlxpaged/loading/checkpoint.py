@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 from mlxpaged.errors import CheckpointError
 from mlxpaged.platform.backend import tuning
 from mlxpaged.platform.model_facts import ModelFacts, context_length
+from mlxpaged.vision.checkpoint import loads_with_images
 
 if TYPE_CHECKING:
     from mlxpaged.cache.layout import ModelLayout
@@ -156,6 +157,6 @@ def read_before_load(model_dir: Path, backend: str) -> tuple[ModelFacts, ModelLa
     layout = probe_layout(unweighted_model(model_dir))
     check_paged_support(layout)
     facts = ModelFacts.from_layout(
-        layout, sum(t.nbytes for t in loaded), kv_dtype_bytes(loaded), context_length(config)
+        layout, sum(t.nbytes for t in loaded), kv_dtype_bytes(loaded), context_length(config), loads_with_images(config)
     )
     return facts, layout

@@ -16,6 +16,8 @@ How the plan is sized (all in bytes):
   - activations    max_batch_tokens x (hidden + vocab) x 4 B (float32 logits) x 2: the peak
                    per-token activation of transformers' PagedAttentionMemoryHandler, doubled
                    as its safety factor does (sampling makes a second vocab-sized array).
+  - encoded images a vision-language model's images as it encoded them, kept so an image sent again is not
+                   encoded again (CacheConfig.image_cache_size, --image-cache-size; vision/encoded_images.py)
   = left for KV    then: --kv-memory (must fit), --memory-fraction x left, or a default
                    fraction of it (Metal and CUDA 0.9, the slack MLX's buffer cache needs; CPU
                    0.5, because the pool is touched up front and a host with no swap OOM-kills).
@@ -342,6 +344,8 @@ def plan_memory(
         ("model weights", 0 if skip_weights else model.weight_bytes),
         ("activations", activation_bytes(model, scheduler.max_batch_tokens)),
     ]
+    if model.takes_images and cache.image_cache_size:
+        fixed.append(("encoded images (image_cache_size)", int(cache.image_cache_size)))
     slots, checkpoints, state_bytes = state_plan(model, scheduler)
     if state_bytes:
         fixed.append(

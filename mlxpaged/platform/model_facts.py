@@ -137,6 +137,7 @@ class ModelFacts:
     vocab_size: int
     context_length: int | None = None  # max_position_embeddings
     state_bytes_per_sequence: int = 0  # state-space layers' state of one sequence (state slots)
+    takes_images: bool = False  # a vision-language model loaded with its tower (it keeps encoded images)
 
     def __post_init__(self) -> None:
         require_int("weight_bytes", self.weight_bytes)
@@ -148,7 +149,12 @@ class ModelFacts:
 
     @classmethod
     def from_layout(
-        cls, layout: ModelLayout, weight_bytes: int, kv_dtype_bytes: int, context_length: int | None = None
+        cls,
+        layout: ModelLayout,
+        weight_bytes: int,
+        kv_dtype_bytes: int,
+        context_length: int | None = None,
+        takes_images: bool = False,
     ) -> ModelFacts:
         """From a layout the pools can hold (paged_support.unsupported_reasons is empty)."""
         return cls(
@@ -158,6 +164,7 @@ class ModelFacts:
             layout.vocab_size,
             context_length,
             layout.state_bytes_per_sequence,
+            takes_images,
         )
 
 

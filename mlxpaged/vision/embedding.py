@@ -6,7 +6,8 @@ M-RoPE models the 3-D positions and their delta) and feeds the language model sl
 with the other outputs and the processor's arrays as keyword arguments (the model slices what it needs by its
 cache's offset). The engine does the same: `PromptEmbedding` is that computation, done on the first prefill
 chunk that needs it and kept until the request ends (a preempted request prefills again), and `chunk` gives a
-pass its slice.
+pass its slice. Where every image of the prompt was encoded before (encoded_images.py), the embeddings are put
+together from the text's and those images' rows instead: the vision tower does not run.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from mlxpaged.engine.request import ImageSpan
+from mlxpaged.vision.encoded_images import EncodedImages
 from mlxpaged.vision.positions import prompt_positions, takes_positions
 
 import mlx.core as mx
@@ -41,13 +44,20 @@ class PromptEmbedding:
     embedded as text alone: the vision tower does not run for it."""
 
     def __init__(
-        self, vlm: nn.Module, token_ids: Sequence[int], arrays: Mapping[str, mx.array], images_end: int | None = None
+        self,
+        vlm: nn.Module,
+        token_ids: Sequence[int],
+        arrays: Mapping[str, mx.array],
+        images: Sequence[ImageSpan] = (),
+        encoded: EncodedImages | None = None,
     ):
         self._vlm = vlm
         self._token_ids = list(token_ids)
         self._arrays = dict(arrays)  # pixel_values and whatever else the processor returned for the images
-        # Where the prompt's last image token ends (None: anywhere, so every chunk takes the merged embeddings).
-        self._images_end = len(self._token_ids) if images_end is None else images_end
+        self._images = tuple(images)  # where each image's tokens are, and its digest
+        self._encoded = encoded  # images encoded before, by digest (None: encode every prompt's)
+        # Where the prompt's last image token ends (no spans: anywhere, so every chunk takes the merged embeddings).
+        self._images_end = max((i.start + i.length for i in self._images), default=len(self._token_ids))
         self._embeds: mx.array | None = None
         self._arguments: dict[str, object] = {}
         self._takes_positions = takes_positions(vlm.language_model)
@@ -69,10 +79,15 @@ class PromptEmbedding:
         return self._positions
 
     def compute(self) -> None:
-        """Run the vision tower and merge (once)."""
+        """Run the vision tower and merge (once), or put the embeddings together from images encoded before."""
         if self._embeds is not None:
             return
         extra = {k: v for k, v in self._arrays.items() if k not in _NOT_ARGUMENTS}
+        kept = self._encoded.rows([i.digest for i in self._images]) if self._encoded is not None else None
+        if kept is not None:
+            self._embeds, self._arguments = self._with_rows(kept), extra
+            mx.eval(self._embeds)
+            return
         out = self._vlm.get_input_embeddings(
             mx.array([self._token_ids]),
             self._arrays.get("pixel_values"),
@@ -84,6 +99,25 @@ class PromptEmbedding:
         fields = {k: v for k, v in fields.items() if v is not None and k not in _WHOLE_PROMPT_POSITIONS}
         self._arguments = {**extra, **fields}
         mx.eval(self._embeds, *(v for v in self._arguments.values() if isinstance(v, mx.array)))
+        if self._encoded is not None and not fields:  # the rows are all the images give the language model
+            for image in self._images:
+                self._encoded.keep(image.digest, self._embeds[0, image.start : image.start + image.length])
+
+    def _with_rows(self, rows: Sequence[mx.array]) -> mx.array:
+        """The prompt embedded as text, each image's span replaced by its kept rows."""
+        text = self._text_embeddings(mx.array([self._token_ids]))[0]
+        pieces, at = [], 0
+        for image, image_rows in zip(self._images, rows, strict=True):
+            pieces += [text[:, at : image.start], image_rows[None]]
+            at = image.start + image.length
+        return mx.concatenate([*pieces, text[:, at:]], axis=1)
+
+    def _text_embeddings(self, ids: mx.array) -> tuple[mx.array, dict[str, object]]:
+        """`ids` embedded by the model as the text they are (no pixels, no tower), and what else it returned."""
+        out = self._vlm.get_input_embeddings(ids)
+        fields = out.to_dict() if hasattr(out, "to_dict") else {"inputs_embeds": out}
+        embeds = fields.pop("inputs_embeds")
+        return embeds, {k: v for k, v in fields.items() if v is not None and k not in _WHOLE_PROMPT_POSITIONS}
 
     def chunk(self, start: int, end: int) -> ChunkEmbedding:
         """The inputs of a prefill pass over prompt positions [start, end)."""
@@ -102,10 +136,7 @@ class PromptEmbedding:
 
     def _text_chunk(self, start: int, end: int) -> ChunkEmbedding:
         """A chunk past every image, embedded by the model as the text it is (no pixels, no tower)."""
-        out = self._vlm.get_input_embeddings(mx.array([self._token_ids[start:end]]))
-        fields = out.to_dict() if hasattr(out, "to_dict") else {"inputs_embeds": out}
-        embeds = fields.pop("inputs_embeds")
-        fields = {k: v for k, v in fields.items() if v is not None and k not in _WHOLE_PROMPT_POSITIONS}
+        embeds, fields = self._text_embeddings(mx.array([self._token_ids[start:end]]))
         return ChunkEmbedding(embeds, {**fields, **self._positions_of(start, end)})
 
 

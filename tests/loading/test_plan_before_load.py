@@ -93,14 +93,16 @@ def test_facts_before_load_equal_the_loaded_models(tiny_dir, backend):
 @pytest.mark.parametrize("kind", ["smolvlm", "qwen3_5"])
 def test_a_vision_checkpoints_facts_before_load_count_its_tower_as_the_loaded_model_does(kind, tmp_path):
     """The plan before load reads every tensor of the checkpoint; the engine's, once loaded, the whole mlx-vlm
-    model (the tower and projector beside the language model the engine runs)."""
+    model (the tower and projector beside the language model the engine runs). Both set the encoded images'
+    memory aside."""
     from tests.vision.tiny_vlm_dirs import write_tiny_qwen3_5_dir, write_tiny_smolvlm_dir
 
     path = {"smolvlm": write_tiny_smolvlm_dir, "qwen3_5": write_tiny_qwen3_5_dir}[kind](tmp_path / kind)
     before = facts_before_load(path, "cpu")
-    with Engine.from_pretrained(str(path), cache_tokens=256) as engine:
+    with Engine.from_pretrained(str(path), cache_tokens=256, image_cache_size="1MB") as engine:
         tower = engine.facts.weight_bytes - model_weight_bytes(engine.loaded.model)
-        assert engine.facts == before
+        assert engine.facts == before and before.takes_images
+        assert ("encoded images (image_cache_size)", 1_000_000) in engine.plan.breakdown
     assert tower > 100_000  # the tower's and projector's weights
 
 

@@ -150,3 +150,33 @@ def test_a_next_turn_whose_image_is_cached_does_not_run_the_vision_tower(vlm, to
             assert towers == [True, True] and follow.cached_tokens == 0
     monkeypatch.undo()
     assert follow.token_ids == mlx_vlm_greedy(vlm, turn, GREEDY.max_tokens)
+
+
+# Their get_input_embeddings returns more than the merged rows (Qwen3-VL: deepstack features for later layers;
+# Gemma 3: a 4-D mask over the prompt), so their images are encoded for every prompt that needs them
+# (vision/encoded_images.py).
+ENCODED_EVERY_TIME = {"gemma3", "qwen3_vl", "qwen3_vl_moe"}
+
+
+@pytest.mark.parametrize("keep", [True, False], ids=["kept", "off"])
+def test_an_image_sent_again_after_other_text_is_not_encoded_again(vlm, tokenizer, monkeypatch, keep):
+    """The same image after other text misses the prefix cache; its rows, kept by digest, stand in for the
+    tower's output (the reply is still mlx-vlm's). `image_cache_size=0` keeps none."""
+    first = image_prompt(vlm, text_tokens(9, seed=10), text_tokens(7, seed=11), seed=5)
+    again = image_prompt(vlm, text_tokens(14, seed=12), text_tokens(5, seed=13), seed=5)  # other text first: a miss
+    towers = []
+    real = vlm.get_input_embeddings
+
+    def counting(input_ids, pixel_values=None, **kwargs):
+        towers.append(pixel_values is not None)
+        return real(input_ids, pixel_values, **kwargs)
+
+    with vlm_engine(vlm, tokenizer, **({} if keep else {"image_cache_size": 0})) as engine:
+        monkeypatch.setattr(vlm, "get_input_embeddings", counting)
+        engine.generate([first], GREEDY)
+        reply = engine.generate([again], GREEDY)[0]
+        assert reply.cached_tokens == 0
+    monkeypatch.undo()
+    encoded_again = not keep or vlm.config.model_type in ENCODED_EVERY_TIME
+    assert towers == [True, True] if encoded_again else towers == [True, False]  # the text alone, embedded
+    assert reply.token_ids == mlx_vlm_greedy(vlm, again, GREEDY.max_tokens)
