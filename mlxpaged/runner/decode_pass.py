@@ -12,7 +12,9 @@ mlx-lm's own step (the matmuls, most of the step, are the same OpenBLAS calls ei
 The pools go in as arguments and come back as results; the cache swaps in the results before
 the pass is evaluated, so nothing else holds the old pools and the writes stay in place. Quantized pools go in
 as their (data, scales, biases) arrays and are rebuilt inside (cache/quantized_pages.py `as_arguments`).
-Only models whose layers all attend fully (one layer group) take this path.
+Only models whose layers all attend fully (one layer group) take this path. A model whose positions come from
+its prompt's images (M-RoPE: vision/positions.py) gets each row's offset plus its request's delta as a traced
+array too, so its passes share the graphs a text model's do.
 """
 
 from __future__ import annotations
@@ -77,6 +79,14 @@ class DecodeView:
     def offset(self) -> mx.array:
         return self._state.positions
 
+    @property
+    def _idx(self) -> int:
+        """mlx-vlm's `cache_position_offset` asks a batched cache for its shared timeline as a Python int, to slice
+        metadata of a whole prompt (positions longer than the pass, an image mask). A compiled pass holds none of
+        that (M-RoPE rows get their L positions each) and has no int to give, only traced offsets: 0 slices
+        nothing."""
+        return 0
+
     # mlx-lm's storage attributes, as cache_view.PagedCacheView has them: models assign them only to chain graph
     # dependencies (a pipeline stage's `cache[-1].keys = mx.depends(cache[-1].keys, sent)`); the pools come back
     # from the compiled pass anyway, so reads give the traced pool and assignments are dropped.
@@ -130,8 +140,15 @@ class DecodeView:
 class CompiledDecode:
     """Runs decode passes of an all-full-attention model through one compiled function."""
 
-    def __init__(self, model: nn.Module, kv: PagedKVCache, head: Callable[[mx.array], mx.array] | None):
+    def __init__(
+        self,
+        model: nn.Module,
+        kv: PagedKVCache,
+        head: Callable[[mx.array], mx.array] | None,
+        takes_positions: bool = False,
+    ):
         self.model, self.kv, self.head = model, kv, head
+        self.takes_positions = takes_positions  # M-RoPE: position_ids [3, B, L] from each row's start and delta
         self._forward = mx.compile(self._trace)
 
     @staticmethod
@@ -140,9 +157,16 @@ class CompiledDecode:
         reads host lengths, so it stays on the eager path)."""
         return compile_enabled() and kv.plain_full_attention and resolved_backend() != "kernel"
 
-    def __call__(self, starts: Sequence[int], tables: Sequence[Sequence[int]], tokens: mx.array) -> mx.array:
-        """Build the pass of `tokens` [B, L] at positions `starts`.. over block `tables`; returns lazy logits
-        [B * L, V] (every position, row-major) and leaves the pools' pending writes in `kv.keys` / `kv.values`."""
+    def __call__(
+        self,
+        starts: Sequence[int],
+        tables: Sequence[Sequence[int]],
+        tokens: mx.array,
+        deltas: Sequence[int] | None = None,
+    ) -> mx.array:
+        """Build the pass of `tokens` [B, L] at positions `starts`.. over block `tables` (a model that takes
+        positions: each row's shifted by its `deltas`); returns lazy logits [B * L, V] (every position, row-major)
+        and leaves the pools' pending writes in `kv.keys` / `kv.values`."""
         size, length = self.kv.block_size, tokens.shape[1]
         needed = [(start + length - 1) // size + 1 for start in starts]
         for table, n in zip(tables, needed, strict=True):
@@ -156,6 +180,7 @@ class CompiledDecode:
             tokens,
             mx.array(list(starts), dtype=mx.int32),
             mx.array(padded, dtype=mx.int32),
+            mx.array(list(deltas) if deltas is not None else [0] * len(starts), dtype=mx.int32),
             as_arguments(kv.keys),
             as_arguments(kv.values),
         )
@@ -187,7 +212,8 @@ class CompiledDecode:
             as_arguments([self._zeros(g.kv_heads, g.v_dim) for g in kv.pool_geometries]),
         ]
         table = mx.arange(MIN_PAGES, dtype=mx.int32)[None]
-        logits, _, _ = self._forward(mx.zeros((1, 1), mx.int32), mx.zeros((1,), mx.int32), table, *pools)
+        start = mx.zeros((1,), mx.int32)
+        logits, _, _ = self._forward(mx.zeros((1, 1), mx.int32), start, table, start, *pools)
         return logits
 
     def _zeros(self, heads: int, dim: int) -> Pool:
@@ -196,11 +222,15 @@ class CompiledDecode:
             return mx.zeros(shape, self.kv.dtype)
         return QuantizedPages.zeros(shape, self.kv.dtype, self.kv.quantization)
 
-    def _trace(self, tokens, starts, tables, keys, values):
+    def _trace(self, tokens, starts, tables, deltas, keys, values):
         keys, values = from_arguments(keys, self.kv.keys), from_arguments(values, self.kv.values)
         state = _PassState(starts, tables, list(keys), list(values), tokens.shape[1])
         views = [DecodeView(state, layer, self.kv.transform) for layer in range(len(keys))]
-        if self.head is not None:
+        if self.takes_positions:
+            rows = (starts + deltas)[:, None] + mx.arange(tokens.shape[1], dtype=mx.int32)[None, :]
+            position_ids = mx.broadcast_to(rows[None], (3, *rows.shape))  # as positions.row_positions
+            logits = self.model(tokens, cache=views, position_ids=position_ids)
+        elif self.head is not None:
             logits = self.head(self.model.model(tokens, cache=views))
         else:
             logits = self.model(tokens, cache=views)

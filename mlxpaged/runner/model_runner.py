@@ -135,21 +135,16 @@ class Runner:
             raise ValueError("a model with state layers needs a state store, and only such a model")
         self._built_state_pass: StatePass | None = None  # of the last pass built without launching
         self.head = split_head(model)
-        # M-RoPE: every pass gives the model its rows' positions (vision/positions.py); the compiled and the
-        # deferred decode passes do not yet.
+        # M-RoPE: every pass gives the model its rows' positions (vision/positions.py).
         self.takes_positions = bool(getattr(model, "takes_positions", False))
         # The compiled pass reads the pools only: every leaf must be attended by the routed SDPA alone.
         plain = layout is None or (cache_tree.simple(layout) and all(leaf.routed for leaf in layout.kv_leaves))
-        compiled = (
-            state_store is None
-            and plain
-            and is_routed(model)
-            and CompiledDecode.supports(kv_cache)
-            and not self.takes_positions
-        )
+        compiled = state_store is None and plain and is_routed(model) and CompiledDecode.supports(kv_cache)
         self.tuning = backend.tuning()
         self.decoder = (
-            CompiledDecode(model, kv_cache, self.head) if compiled and self.tuning.compiled_decode_max_batch else None
+            CompiledDecode(model, kv_cache, self.head, self.takes_positions)
+            if compiled and self.tuning.compiled_decode_max_batch
+            else None
         )
         self._ahead: Lookahead | None = None  # the next step's decode pass, already queued
         # A GPU queues the next pass before reading this one; its K/V wait in `_pending` (deferred_writes.py),
@@ -161,7 +156,6 @@ class Runner:
             and not serial
             and is_routed(model)
             and defers_writes(kv_cache)
-            and not self.takes_positions
         )
         self._pending: PendingKV | None = None
         self._orphans: list[PendingKV] = []
@@ -332,7 +326,10 @@ class Runner:
         )
         cache = cache_tree.model_cache(self.layout, views, None)
         tokens = tokens.astype(mx.int32).reshape(-1, 1)
-        if self.head is not None:
+        if self.takes_positions:
+            starts, deltas = [x.start for x in inputs], [x.position_delta for x in inputs]
+            logits = self.model(tokens, cache=cache, position_ids=row_positions(starts, deltas, 1))[:, -1]
+        elif self.head is not None:
             logits = self.head(self.model.model(tokens, cache=cache)[:, -1])
         else:
             logits = self.model(tokens, cache=cache)[:, -1]
@@ -409,7 +406,8 @@ class Runner:
             tokens = mx.array([list(x.token_ids) + [0] * (length - len(x.token_ids)) for x in batch], dtype=mx.int32)
         state_pass = None
         if self.decoder is not None and self._compiled_pass(batch, length):
-            logits = self.decoder([x.start for x in batch], [x.block_tables[0] for x in batch], tokens)
+            deltas = [x.position_delta for x in batch] if self.takes_positions else None
+            logits = self.decoder([x.start for x in batch], [x.block_tables[0] for x in batch], tokens, deltas)
         else:
             logits, state_pass = self._forward(batch, tokens)
         if not launch:

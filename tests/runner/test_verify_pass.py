@@ -92,7 +92,9 @@ def test_compiled_verify_chunk_equals_the_eager_pass_and_mlx_lm_at_every_positio
     calls = []
     original = type(fast.decoder).__call__
     monkeypatch.setattr(
-        type(fast.decoder), "__call__", lambda self, s, t, x: calls.append(x.shape) or original(self, s, t, x)
+        type(fast.decoder),
+        "__call__",
+        lambda self, s, t, x, d=None: calls.append(x.shape) or original(self, s, t, x, d),
     )
     got = {}
     for name, runner in (("fast", fast), ("slow", slow)):

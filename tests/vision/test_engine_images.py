@@ -114,16 +114,37 @@ def test_an_image_sent_to_a_text_model_is_refused_naming_it(vlm, tokenizer):
 
 def test_decoding_after_an_image_takes_the_compiled_pass(vlm, tokenizer):
     """Batch-1 decode of a vision-language model's language model runs compiled on the CPU where a text model's
-    of the same layers would (full attention only: not gemma3's window layers); not yet one whose positions come
-    from the images (M-RoPE: the compiled pass takes no positions)."""
+    of the same layers would (full attention only: not gemma3's window layers, nor Qwen3.5's state layers); a model
+    whose positions come from the images (M-RoPE) gets each row's start plus its delta as a traced array."""
     prompt = image_prompt(vlm, text_tokens(6), text_tokens(6, seed=1), seed=2)
     with vlm_engine(vlm, tokenizer) as engine:
         leaves = engine.built.layout.kv_leaves
         assert engine.runner.takes_positions == vlm.config.model_type.startswith("qwen")
-        full_only = all(leaf.kind == "full" for leaf in leaves)
-        assert (engine.runner.decoder is not None) == (full_only and not engine.runner.takes_positions)
+        full_only = all(leaf.kind == "full" for leaf in leaves) and not engine.built.layout.state_leaves
+        assert (engine.runner.decoder is not None) == full_only
         assert all(leaf.routed for leaf in leaves)
         assert engine.generate([prompt], GREEDY)[0].token_ids == mlx_vlm_greedy(vlm, prompt, GREEDY.max_tokens)
+
+
+def test_on_the_path_a_gpu_takes_decode_queued_ahead_gets_each_rows_positions(vlm, tokenizer, monkeypatch):
+    """A GPU queues the next decode pass before reading the last (runner/deferred_writes.py, simulated as CUDA on
+    the CPU): M-RoPE rows get their start plus their request's delta there too; batched beside a text request."""
+    from mlxpaged.platform import backend
+    from mlxpaged.runner import model_runner
+
+    monkeypatch.setattr(model_runner, "MAX_PENDING", 5)  # flush the pending K/V mid-reply
+    monkeypatch.setattr(model_runner, "MAX_PENDING_BUFFERED", 5)
+    prompt = image_prompt(vlm, text_tokens(7, seed=20), text_tokens(6, seed=21), seed=6)
+    text = text_tokens(9, seed=22)
+    long = dataclasses.replace(GREEDY, max_tokens=16)
+    with backend.simulate("cuda"), vlm_engine(vlm, tokenizer) as engine:
+        layout = engine.built.layout
+        assert engine.runner.defers == (
+            all(leaf.kind == "full" for leaf in layout.kv_leaves) and not layout.state_leaves
+        )
+        both = engine.generate([prompt, text], long)
+    assert both[0].token_ids == mlx_vlm_greedy(vlm, prompt, long.max_tokens)
+    assert both[1].token_ids == mlx_vlm_greedy(vlm, text, long.max_tokens)
 
 
 def test_a_next_turn_whose_image_is_cached_does_not_run_the_vision_tower(vlm, tokenizer, monkeypatch):
