@@ -245,7 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
             "vision",
         ],
         help="decode: batch-1 tok/s vs mlx-lm; batch: 16 concurrent requests vs mlx-lm "
-        "batch_generate; prefix: time to first token, cached vs cold; prefill: cold and "
+        "batch_generate (--lengths skewed: 16 and 64 of 128-8k tokens); prefix: time to first token, cached vs "
+        "cold; prefill: cold and "
         "cached time to first token at 1k-16k tokens vs mlx-lm; memory: KV bytes "
         "paged vs mlx-lm; kernel: paged attention vs contiguous SDPA; server: "
         "mlxpaged serve vs mlx_lm.server at 1/8/32 clients; constraints: decode step "
@@ -291,7 +292,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--concurrency",
         type=concurrency_levels,
         default=None,
-        help="gpu: concurrent requests per batch run, comma-separated (default 16,64)",
+        help="gpu, batch: concurrent requests per batch run, comma-separated (gpu default 16,64; batch default 16, "
+        "with --lengths skewed 16,64)",
+    )
+    bench.add_argument(
+        "--lengths",
+        choices=["uniform", "skewed"],
+        default="uniform",
+        help="batch: prompt lengths uniform over 256-512 tokens (default) or skewed, log-uniform over 128-8192 "
+        "(an agent fleet's mix)",
     )
     bench.add_argument(
         "--parts",
