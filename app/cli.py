@@ -243,6 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
             "kv",
             "distributed",
             "vision",
+            "fleet",
         ],
         help="decode: batch-1 tok/s vs mlx-lm; batch: 16 concurrent requests vs mlx-lm "
         "batch_generate (--lengths skewed: 16 and 64 of 128-8k tokens); prefix: time to first token, cached vs "
@@ -261,7 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
         "distributed: time to first token and decode tok/s in 1, 2 and 4 processes (mlx.launch, ring backend on "
         "loopback), and whether each gave 1 process's tokens; vision (--model: a vision-language model's directory): "
         "cold time to first token of an image prompt, the same image's next turn, and 8 concurrent image requests, "
-        "each vs mlx-vlm's own generate / batch_generate",
+        "each vs mlx-vlm's own generate / batch_generate; fleet: an agent fleet (a shared long system prompt, "
+        "several turns each, streaming) against mlxpaged serve, mlx_lm.server and mlx-vlm's server, one after "
+        "another: wall time, time to first token, inter-token latency, tok/s, peak memory",
     )
     bench.add_argument("--model", "-m", default=None)
     bench.add_argument(
@@ -294,6 +297,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="gpu, batch: concurrent requests per batch run, comma-separated (gpu default 16,64; batch default 16, "
         "with --lengths skewed 16,64)",
+    )
+    bench.add_argument("--agents", type=int, default=None, help="fleet: agents at once (default 8)")
+    bench.add_argument("--turns", type=int, default=None, help="fleet: turns per agent (default 4)")
+    bench.add_argument(
+        "--long",
+        action="store_true",
+        help="fleet: one more agent sends a prompt of 3/4 of the context once the fleet is under way",
+    )
+    bench.add_argument(
+        "--servers",
+        type=lambda text: tuple(text.split(",")),
+        default=None,
+        help="fleet: which servers, comma-separated, of mlxpaged,mlx_lm.server,mlx-vlm (default all installed)",
     )
     bench.add_argument(
         "--lengths",

@@ -7,6 +7,7 @@ from argparse import Namespace
 from mlxpaged_app.bench.batch import bench_batch
 from mlxpaged_app.bench.constraints import bench_constraints
 from mlxpaged_app.bench.decode import bench_decode
+from mlxpaged_app.bench.fleet import bench_fleet
 from mlxpaged_app.bench.gpu import bench_gpu
 from mlxpaged_app.bench.hybrid import bench_hybrid
 from mlxpaged_app.bench.kernel import bench_kernel
@@ -49,11 +50,12 @@ BENCHES = {
     "kv": bench_kv,
     "distributed": bench_distributed,
     "vision": bench_vision,
+    "fleet": bench_fleet,
 }
 
 
 # --tokens and --runs when not given: 128 and 3, except where a bench's own default keeps its run short.
-DEFAULTS = {"distributed": {"tokens": 16, "runs": 1}, "vision": {"tokens": 32}}
+DEFAULTS = {"distributed": {"tokens": 16, "runs": 1}, "vision": {"tokens": 32}, "fleet": {"tokens": 64}}
 
 
 def run_bench(args: Namespace) -> int:

@@ -1,0 +1,57 @@
+"""`mlxpaged bench fleet`'s own logic on a tiny random model (timings never asserted): the agents' prompts, the
+quantiles, and a short fleet against `mlxpaged serve` and mlx_lm.server as live processes, with a long prompt."""
+
+from __future__ import annotations
+
+import re
+from argparse import Namespace
+
+from mlxpaged_app.bench import fleet
+from mlxpaged_app.cli import build_parser
+from tests.tiny_models import write_tiny_llama_dir
+
+import pytest
+
+
+def test_every_agent_shares_the_system_prompt_and_gets_its_own_task_and_tool_results():
+    system = fleet.system_prompt()
+    assert 1500 <= len(system.split()) < 1700 and all(name in system for name, _, _ in fleet.TOOLS)
+    assert fleet.system_prompt() == system  # one cacheable prefix for every agent and turn
+    assert fleet.tool_result(0, 1) != fleet.tool_result(1, 1) != fleet.tool_result(1, 2)
+    assert len(fleet.long_prompt(6000).split()) > 3000
+
+
+def test_quantiles_by_nearest_rank():
+    values = [float(v) for v in range(1, 101)]
+    assert (fleet.quantile(values, 0.5), fleet.quantile(values, 0.95), fleet.quantile(values, 0.99)) == (50, 95, 99)
+    assert fleet.quantile([3.0], 0.99) == 3.0
+    assert fleet.quantile([], 0.5) != fleet.quantile([], 0.5)  # NaN
+
+
+def test_the_flags():
+    args = build_parser().parse_args(
+        ["bench", "fleet", "--agents", "3", "--turns", "2", "--long", "--servers", "mlxpaged,mlx_lm.server"]
+    )
+    assert (args.agents, args.turns, args.long, args.servers) == (3, 2, True, ("mlxpaged", "mlx_lm.server"))
+
+
+@pytest.mark.slow
+def test_a_short_fleet_against_mlxpaged_and_mlx_lm_server(tmp_path, capsys):
+    model = write_tiny_llama_dir(tmp_path / "tiny", dtype="float32")
+    args = Namespace(
+        model=str(model),
+        agents=2,
+        turns=2,
+        tokens=4,
+        long=True,
+        servers=("mlxpaged", "mlx_lm.server"),
+        system_words=120,
+    )
+    assert fleet.bench_fleet(args) == 0
+    out = capsys.readouterr().out
+    assert "2 agents x 2 turns" in out and "a long prompt of ~1536 tokens" in out
+    for server in ("mlxpaged", "mlx_lm.server"):
+        row = re.search(rf"^{re.escape(server)} +(\d+\.\d) +(\d+\.\d\d)s .* +(\d+)  (\d+\.\d+)s$", out, re.M)
+        assert row is not None, out
+        assert float(row[1]) > 0 and row[3] == "0"  # wall time; no failed turn
+    assert re.search(r"mlxpaged against the better peer \(mlx_lm.server\): wall \d+\.\d\dx faster", out)
