@@ -79,14 +79,6 @@ class DecodeView:
     def offset(self) -> mx.array:
         return self._state.positions
 
-    @property
-    def _idx(self) -> int:
-        """mlx-vlm's `cache_position_offset` asks a batched cache for its shared timeline as a Python int, to slice
-        metadata of a whole prompt (positions longer than the pass, an image mask). A compiled pass holds none of
-        that (M-RoPE rows get their L positions each) and has no int to give, only traced offsets: 0 slices
-        nothing."""
-        return 0
-
     # mlx-lm's storage attributes, as cache_view.PagedCacheView has them: models assign them only to chain graph
     # dependencies (a pipeline stage's `cache[-1].keys = mx.depends(cache[-1].keys, sent)`); the pools come back
     # from the compiled pass anyway, so reads give the traced pool and assignments are dropped.
@@ -135,6 +127,18 @@ class DecodeView:
         # A verify chunk: its few queries attend the gathered pages under the causal mask, like a prefill chunk.
         keys, values = gather_pages(s.keys[j], s.rows), gather_pages(s.values[j], s.rows)
         return sdpa(queries, keys, values, scale, s.mask, sinks)
+
+
+class PositionedDecodeView(DecodeView):
+    """The view of a compiled pass that gives the model its positions (M-RoPE)."""
+
+    @property
+    def _idx(self) -> int:
+        """mlx-vlm's `cache_position_offset` asks a batched cache for its shared timeline as a Python int, to slice
+        metadata of a whole prompt (positions longer than the pass, an image mask). This pass holds none of that
+        (every row gets its L positions) and has no int to give, only traced offsets: 0 slices nothing. Only these
+        views answer: other mlx-vlm models take `_idx` as a sign of a batched cache of their own."""
+        return 0
 
 
 class CompiledDecode:
@@ -225,7 +229,8 @@ class CompiledDecode:
     def _trace(self, tokens, starts, tables, deltas, keys, values):
         keys, values = from_arguments(keys, self.kv.keys), from_arguments(values, self.kv.values)
         state = _PassState(starts, tables, list(keys), list(values), tokens.shape[1])
-        views = [DecodeView(state, layer, self.kv.transform) for layer in range(len(keys))]
+        view = PositionedDecodeView if self.takes_positions else DecodeView
+        views = [view(state, layer, self.kv.transform) for layer in range(len(keys))]
         if self.takes_positions:
             rows = (starts + deltas)[:, None] + mx.arange(tokens.shape[1], dtype=mx.int32)[None, :]
             position_ids = mx.broadcast_to(rows[None], (3, *rows.shape))  # as positions.row_positions
