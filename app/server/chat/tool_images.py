@@ -3,7 +3,8 @@
 Chat templates render a tool turn's content as text, so a tool message's image parts are taken out of it: the
 tool message keeps its text, and the images go to the model in a user turn right after the run of tool messages
 (at the start of the user's own turn when one follows), in the order the tools returned them. Anthropic's
-tool_result blocks, OpenAI's tool messages and Responses' function_call_output items all come through here.
+tool_result blocks, OpenAI's and Ollama's tool messages and Responses' function_call_output items all come through
+here.
 """
 
 from __future__ import annotations
