@@ -156,6 +156,19 @@ def concurrency_levels(text: str) -> tuple[int, ...]:
     return parse_concurrency(text)
 
 
+def soak_duration(text: str) -> float:
+    """`--soak`'s duration in seconds ("30m", "1h", "90s" or seconds)."""
+    from mlxpaged_app.server.keep_alive import KeepAliveError, parse_keep_alive
+
+    try:
+        seconds = parse_keep_alive(text)
+    except KeepAliveError:
+        seconds = None
+    if seconds is None or seconds <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration: use 30m, 1h, 90s or seconds")
+    return seconds
+
+
 def process_counts(text: str) -> tuple[int, ...]:
     from mlxpaged_app.bench.distributed import parse_processes
 
@@ -304,6 +317,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--long",
         action="store_true",
         help="fleet: one more agent sends a prompt of 3/4 of the context once the fleet is under way",
+    )
+    bench.add_argument(
+        "--soak",
+        type=soak_duration,
+        default=None,
+        metavar="DURATION",
+        help="fleet: run mlxpaged serve alone under the fleet for DURATION (30m, 90s), clients hanging up at random; "
+        "report memory growth, blocks left owned, failures and 5xx",
     )
     bench.add_argument(
         "--servers",

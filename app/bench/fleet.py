@@ -9,13 +9,17 @@ first token p50 / p95, inter-token latency p50 / p99 (between streamed content c
 (the server's processes' RSS, sampled), failed turns; then mlxpaged's ratios to the better of the others.
 
 `--long`: one more agent sends a prompt of most of the context once the fleet is under way (a pasted file), and
-the other agents' inter-token latency p99 is reported alone. Measured, never asserted.
+the other agents' inter-token latency p99 is reported alone. `--soak DURATION`: `mlxpaged serve` alone runs the
+fleet round after round for that long, each turn's client hanging up mid-reply one time in five, and the bench
+reports the server's memory growth after the first round, the KV blocks still owned once it is idle, failed
+turns and 5xx answers. Measured, never asserted.
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib.util
+import random
 import sys
 import threading
 import time
@@ -32,6 +36,7 @@ AGENTS, TURNS, MAX_TOKENS = 8, 4, 64
 LONG_SHARE = 0.75  # of the model's context, the long agent's prompt
 LONG_AFTER_S = 2.0  # the long agent starts once the fleet has been running this long
 REQUEST_TIMEOUT = 1800.0
+HANG_UP_SHARE = 0.2  # --soak: turns whose client hangs up mid-reply
 
 TOOLS = [
     ("read_file", "Read a file of the repository and return its text.", "path"),
@@ -105,6 +110,8 @@ class Turn:
     gaps: list[float] = field(default_factory=list)  # seconds between streamed content chunks
     tokens: int = 0
     error: str | None = None
+    status: int | None = None  # the HTTP status of a failed turn, when the server answered one
+    hung_up: bool = False  # the client left mid-reply on purpose (--soak)
 
 
 @dataclass
@@ -117,12 +124,12 @@ class FleetRun:
 
     @property
     def ok(self) -> list[Turn]:
-        return [t for t in self.turns if t.error is None]
+        return [t for t in self.turns if t.error is None and not t.hung_up]
 
     @property
     def complete(self) -> bool:
-        """Every turn answered."""
-        return len(self.ok) == len(self.turns)
+        """Every turn answered (or left on purpose)."""
+        return all(t.error is None for t in self.turns)
 
     def ttft(self, q: float) -> float:
         return quantile([t.ttft for t in self.ok if t.agent != self.long_agent], q)
@@ -144,8 +151,13 @@ def quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered)) - 1))]
 
 
-async def stream_turn(client, model: str, messages: list[dict], max_tokens: int, agent: int) -> tuple[Turn, str]:
-    """One streamed chat turn: its timings and the reply's text."""
+async def stream_turn(
+    client, model: str, messages: list[dict], max_tokens: int, agent: int, hang_up_after: int | None = None
+) -> tuple[Turn, str]:
+    """One streamed chat turn: its timings and the reply's text; the client hangs up after `hang_up_after`
+    content chunks when given."""
+    import openai
+
     turn, text, last = Turn(agent), [], None
     start = time.perf_counter()
     try:
@@ -171,20 +183,29 @@ async def stream_turn(client, model: str, messages: list[dict], max_tokens: int,
                 turn.gaps.append(now - last)
             last, chunks = now, chunks + 1
             text.append(content)
+            if hang_up_after is not None and chunks >= hang_up_after:
+                await stream.close()  # the connection drops mid-reply, as a client that went away
+                turn.hung_up = True
+                break
         turn.tokens = turn.tokens or chunks
     except Exception as exc:  # a dropped connection, a 5xx, a timeout: counted as failed, not timed
         turn.error = f"{type(exc).__name__}: {str(exc)[:200]}"
+        turn.status = exc.status_code if isinstance(exc, openai.APIStatusError) else None
     return turn, "".join(text)
 
 
-async def run_agent(client, model: str, agent: int, turns: int, max_tokens: int, system: str) -> list[Turn]:
-    """An agent's turns: each resends the conversation so far plus the last tool result."""
+async def run_agent(
+    client, model: str, agent: int, turns: int, max_tokens: int, system: str, hang_ups: random.Random | None = None
+) -> list[Turn]:
+    """An agent's turns: each resends the conversation so far plus the last tool result. With `hang_ups`, a turn
+    in five hangs up after a few chunks, which ends the agent's conversation."""
     messages = [{"role": "system", "content": system}, {"role": "user", "content": TASKS[agent % len(TASKS)]}]
     done = []
     for t in range(turns):
-        turn, reply = await stream_turn(client, model, messages, max_tokens, agent)
+        leave = hang_ups.randint(1, 3) if hang_ups is not None and hang_ups.random() < HANG_UP_SHARE else None
+        turn, reply = await stream_turn(client, model, messages, max_tokens, agent, leave)
         done.append(turn)
-        if turn.error is not None:
+        if turn.error is not None or turn.hung_up:
             break
         messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": tool_result(agent, t)}]
     return done
@@ -196,15 +217,27 @@ async def run_long_agent(client, model: str, agent: int, tokens: int, max_tokens
     return [turn]
 
 
-async def run_fleet(url: str, model: str, fleet: Namespace) -> tuple[float, list[Turn]]:
-    """(wall seconds, every turn) of the fleet against the server at `url`."""
+async def run_fleet(url: str, model: str, fleet: Namespace, hang_ups: int | None = None) -> tuple[float, list[Turn]]:
+    """(wall seconds, every turn) of the fleet against the server at `url`; `hang_ups`: the seed of the turns
+    whose clients hang up (--soak), None for none."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=REQUEST_TIMEOUT)
     system = system_prompt(fleet.system_words)
     await stream_turn(client, model, [{"role": "user", "content": "Say hello."}], 4, -1)  # warm-up, untimed
     start = time.perf_counter()
-    work = [run_agent(client, model, i, fleet.turns, fleet.max_tokens, system) for i in range(fleet.agents)]
+    work = [
+        run_agent(
+            client,
+            model,
+            i,
+            fleet.turns,
+            fleet.max_tokens,
+            system,
+            None if hang_ups is None else random.Random(hang_ups * 1000 + i),
+        )
+        for i in range(fleet.agents)
+    ]
     if fleet.long_tokens:
         work.append(run_long_agent(client, model, fleet.agents, fleet.long_tokens, fleet.max_tokens))
     results = await asyncio.gather(*work)
@@ -225,14 +258,17 @@ class PeakMemory:
         self._thread.start()
 
     def _sample(self) -> None:
+        while not self._stop.wait(0.2):
+            self.peak = max(self.peak, self.current())
+
+    def current(self) -> int:
+        """The processes' RSS now (0 once they are gone)."""
         import psutil
 
-        while not self._stop.wait(0.2):
-            try:
-                processes = [self._process, *self._process.children(recursive=True)]
-                self.peak = max(self.peak, sum(p.memory_info().rss for p in processes))
-            except psutil.Error:
-                pass
+        try:
+            return sum(p.memory_info().rss for p in [self._process, *self._process.children(recursive=True)])
+        except psutil.Error:
+            return 0
 
     def stop(self) -> int:
         self._stop.set()
@@ -273,6 +309,55 @@ def run_server(name: str, path: str, fleet: Namespace) -> FleetRun:
     finally:
         stop_server(process)
     return FleetRun(name, wall, turns, peak, fleet.agents if fleet.long_tokens else None)
+
+
+def kv_blocks_used(url: str) -> int | None:
+    """`mlxpaged serve`'s KV blocks owned by requests (its /metrics, every model's), once no request runs (None:
+    unread)."""
+    import re
+
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+        running = re.findall(r"^mlxpaged_requests_running(?:\{[^}]*\})? (\S+)$", metrics, re.M)
+        used = re.findall(r'^mlxpaged_kv_blocks\{[^}]*state="used"[^}]*\} (\S+)$', metrics, re.M)
+        if running and not any(float(v) for v in running):
+            return int(sum(float(v) for v in used)) if used else None
+        time.sleep(0.5)
+    return None
+
+
+def soak(path: str, fleet: Namespace, seconds: float) -> int:
+    """`mlxpaged serve` under the fleet, round after round for `seconds`, clients hanging up at random."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    command, ready = server_command("mlxpaged", path, port)
+    process = start_server(command, f"{url}{ready}")
+    turns: list[Turn] = []
+    try:
+        model, memory = served_name(url, path), PeakMemory(process.pid)
+        end, rounds, after_first = time.monotonic() + seconds, 0, 0
+        while rounds == 0 or time.monotonic() < end:
+            _, done = asyncio.run(run_fleet(url, model, fleet, hang_ups=rounds))
+            turns += done
+            rounds += 1
+            after_first = after_first or memory.current()
+            print(f"  round {rounds}: {len(done)} turns, RSS {memory.current() / 2**20:,.0f} MiB", flush=True)
+        last, peak, owned = memory.current(), memory.stop(), kv_blocks_used(url)
+    finally:
+        stop_server(process)
+    failed = [t for t in turns if t.error is not None]
+    fives = [t for t in failed if t.status is not None and t.status >= 500]
+    growth = (last - after_first) / after_first if after_first else float("nan")
+    print(
+        f"soak: {rounds} rounds, {len(turns)} turns ({sum(t.hung_up for t in turns)} hung up on purpose), "
+        f"{len(failed)} failed, {len(fives)} answered 5xx; RSS after the first round {after_first / 2**20:,.0f} MiB, "
+        f"at the end {last / 2**20:,.0f} MiB ({growth:+.1%}), peak {peak / 2**20:,.0f} MiB; KV blocks still owned "
+        f"once idle: {owned if owned is not None else 'unread'}"
+    )
+    for turn in failed[:3]:
+        print(f"  failed: {turn.error}")
+    return 0 if not failed and owned == 0 else 1
 
 
 def available_servers(names: tuple[str, ...]) -> list[str]:
@@ -324,6 +409,12 @@ def bench_fleet(args: Namespace) -> int:
         system_words=getattr(args, "system_words", None) or 1500,
         long_tokens=int(LONG_SHARE * context) if args.long else 0,
     )
+    if getattr(args, "soak", None):
+        print(
+            f"model {path.name}; soak of {args.soak:g} s: {fleet.agents} agents x {fleet.turns} turns a round, "
+            f"{HANG_UP_SHARE:.0%} of turns hang up mid-reply; mlxpaged serve alone, default settings"
+        )
+        return soak(str(path), fleet, args.soak)
     servers = available_servers(tuple(args.servers or SERVERS))
     print(
         f"model {path.name}; {fleet.agents} agents x {fleet.turns} turns, a shared system prompt of "

@@ -33,11 +33,19 @@ def test_the_flags():
         ["bench", "fleet", "--agents", "3", "--turns", "2", "--long", "--servers", "mlxpaged,mlx_lm.server"]
     )
     assert (args.agents, args.turns, args.long, args.servers) == (3, 2, True, ("mlxpaged", "mlx_lm.server"))
+    assert build_parser().parse_args(["bench", "fleet", "--soak", "30m"]).soak == 1800
+    for bad in ("1x", "0", "-5m"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["bench", "fleet", "--soak", bad])
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return write_tiny_llama_dir(tmp_path_factory.mktemp("tiny"), dtype="float32")
 
 
 @pytest.mark.slow
-def test_a_short_fleet_against_mlxpaged_and_mlx_lm_server(tmp_path, capsys):
-    model = write_tiny_llama_dir(tmp_path / "tiny", dtype="float32")
+def test_a_short_fleet_against_mlxpaged_and_mlx_lm_server(model, capsys):
     args = Namespace(
         model=str(model),
         agents=2,
@@ -55,3 +63,13 @@ def test_a_short_fleet_against_mlxpaged_and_mlx_lm_server(tmp_path, capsys):
         assert row is not None, out
         assert float(row[1]) > 0 and row[3] == "0"  # wall time; no failed turn
     assert re.search(r"mlxpaged against the better peer \(mlx_lm.server\): wall \d+\.\d\dx faster", out)
+
+
+@pytest.mark.slow
+def test_a_soak_with_clients_hanging_up_leaves_no_block_owned(model, capsys):
+    args = Namespace(model=str(model), agents=3, turns=3, tokens=6, long=False, soak=0.1, system_words=120)
+    assert fleet.bench_fleet(args) == 0  # one round at least; no failed turn, no block owned once idle
+    out = capsys.readouterr().out
+    summary = re.search(r"soak: 1 rounds, (\d+) turns \((\d+) hung up on purpose\), 0 failed, 0 answered 5xx", out)
+    assert summary is not None, out
+    assert "KV blocks still owned once idle: 0" in out
