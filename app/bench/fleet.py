@@ -224,7 +224,10 @@ async def run_fleet(url: str, model: str, fleet: Namespace, hang_ups: int | None
 
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=REQUEST_TIMEOUT)
     system = system_prompt(fleet.system_words)
-    await stream_turn(client, model, [{"role": "user", "content": "Say hello."}], 4, -1)  # warm-up, untimed
+    # Warm-up, untimed: a prompt about as long as an agent's first turn that shares none of its prefix (a first
+    # prefill of such a length compiles and allocates what the timed turns would otherwise pay for).
+    warm = [{"role": "user", "content": long_prompt(len(system.split()) * 4 // 3)}]
+    await stream_turn(client, model, warm, 8, -1)
     start = time.perf_counter()
     work = [
         run_agent(
