@@ -397,6 +397,9 @@ def print_runs(runs: list[FleetRun], fleet: Namespace) -> None:
 
 
 def bench_fleet(args: Namespace) -> int:
+    if importlib.util.find_spec("openai") is None:
+        print("bench fleet drives the servers with the official OpenAI client: pip install 'mlxpaged[bench]'")
+        return 2
     import json
 
     from mlxpaged.loading.loader import default_dtype

@@ -93,7 +93,7 @@ class Engine:
             ranks=ranks,
         )
         # Images the model encoded, by digest (read and written on the engine thread only: embedding.py).
-        keep = self.cache_config.image_cache_size
+        keep = int(self.cache_config.image_cache_size)  # bytes: CacheConfig parsed it
         self._encoded_images = EncodedImages(keep) if loaded.vision is not None and keep else None
         self._thread = engine_thread.start(self, commands, self.core, self.plan, self.cache_config.wire)
 

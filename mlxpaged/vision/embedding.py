@@ -82,7 +82,7 @@ class PromptEmbedding:
         """Run the vision tower and merge (once), or put the embeddings together from images encoded before."""
         if self._embeds is not None:
             return
-        extra = {k: v for k, v in self._arrays.items() if k not in _NOT_ARGUMENTS}
+        extra: dict[str, object] = {k: v for k, v in self._arrays.items() if k not in _NOT_ARGUMENTS}
         kept = self._encoded.rows([i.digest for i in self._images]) if self._encoded is not None else None
         if kept is not None:
             self._embeds, self._arguments = self._with_rows(kept), extra
