@@ -100,15 +100,7 @@ def write_tiny_qwen3_5_dir(out: Path, seed: int = 0) -> Path:
     }
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     config = {"model_type": "qwen3_5", **ids, "eos_token_id": eos, "text_config": text, "vision_config": vision}
-    model_config = qwen3_5.ModelConfig.from_dict(config)
-    mx.random.seed(seed)
-    model = qwen3_5.Model(model_config)
-    model.update(tree_map(lambda p: p * (3.0 if p.ndim == 2 else 1.0), model.parameters()))
-    mx.save_safetensors(
-        str(out / "model.safetensors"), dict(tree_flatten(model.parameters())), metadata={"format": "mlx"}
-    )
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return out
+    return _save_random(out, qwen3_5.Model, qwen3_5.ModelConfig.from_dict(config), config, seed)
 
 
 def write_tiny_smolvlm_dir(out: Path, seed: int = 0) -> Path:
@@ -158,8 +150,13 @@ def write_tiny_smolvlm_dir(out: Path, seed: int = 0) -> Path:
     model_config = idefics3.ModelConfig.from_dict(config)
     model_config.text_config = idefics3.TextConfig.from_dict(text)
     model_config.vision_config = idefics3.VisionConfig.from_dict(vision)
+    return _save_random(out, idefics3.Model, model_config, config, seed)
+
+
+def _save_random(out: Path, model_class, model_config, config: dict, seed: int) -> Path:
+    """`model_class(model_config)` from `seed`, saved in `out` with `config` as its config.json."""
     mx.random.seed(seed)
-    model = idefics3.Model(model_config)
+    model = model_class(model_config)
     # Matrices x3: attention far from uniform, so the greedy tokens depend on what the image is.
     model.update(tree_map(lambda p: p * (3.0 if p.ndim == 2 else 1.0), model.parameters()))
     mx.save_safetensors(
