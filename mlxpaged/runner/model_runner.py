@@ -351,7 +351,16 @@ class Runner:
             drafting = {i for i, x in enumerate(inputs) if x.num_logits > 1}
             prefill = [[i for i in rows if i not in drafting] for rows in prefill_passes(inputs)]
             passes = [rows for rows in [decode, sorted(drafting), *prefill] if rows]
-        results = [self._pass([inputs[i] for i in rows]) for rows in passes]
+        results: list[mx.array] = []
+        for rows in passes:
+            logits, state_pass = self._build([inputs[i] for i in rows])
+            if results:
+                # Queued while the pass before still reads the pools (or the state store), this pass's writes
+                # would copy each one it writes (whole pools: on a GPU, on every step that mixes decode rows and a
+                # prefill chunk). Built meanwhile, it is launched once that pass is done.
+                mx.eval(results[-1])
+            self._launch_pass(logits, state_pass)
+            results.append(logits)
         wanted = [i for i, x in enumerate(inputs) if x.samples]
         if not wanted:
             return None
@@ -401,22 +410,27 @@ class Runner:
         """Build one forward pass and its cache writes, and launch it unless told not to; returns
         the logits of each row's last `num_logits` positions, rows in order ([B, V] when each wants
         one). Passes run in order on one stream."""
-        length = max(len(x.token_ids) for x in batch)
-        if tokens is None:
-            tokens = mx.array([list(x.token_ids) + [0] * (length - len(x.token_ids)) for x in batch], dtype=mx.int32)
-        state_pass = None
-        if self.decoder is not None and self._compiled_pass(batch, length):
-            deltas = [x.position_delta for x in batch] if self.takes_positions else None
-            logits = self.decoder([x.start for x in batch], [x.block_tables[0] for x in batch], tokens, deltas)
-        else:
-            logits, state_pass = self._forward(batch, tokens)
+        logits, state_pass = self._build(batch, tokens)
         if not launch:
             self._built_state_pass = state_pass  # stored only if the pass is adopted (Lookahead.state_pass)
             return logits
+        self._launch_pass(logits, state_pass)
+        return logits
+
+    def _build(self, batch: list[StepInput], tokens: mx.array | None = None) -> tuple[mx.array, StatePass | None]:
+        """One forward pass and its cache writes as a lazy graph: its logits (see `_pass`) and its state pass."""
+        length = max(len(x.token_ids) for x in batch)
+        if tokens is None:
+            tokens = mx.array([list(x.token_ids) + [0] * (length - len(x.token_ids)) for x in batch], dtype=mx.int32)
+        if self.decoder is not None and self._compiled_pass(batch, length):
+            deltas = [x.position_delta for x in batch] if self.takes_positions else None
+            return self.decoder([x.start for x in batch], [x.block_tables[0] for x in batch], tokens, deltas), None
+        return self._forward(batch, tokens)
+
+    def _launch_pass(self, logits: mx.array, state_pass: StatePass | None) -> None:
         if state_pass is not None:
             state_pass.commit()  # a launched pass is used: its rows are the sequences' state now
         self.launch(logits, *(state_pass.new_arrays() if state_pass is not None else ()))
-        return logits
 
     def _forward(self, batch: list[StepInput], tokens: mx.array) -> tuple[mx.array, StatePass | None]:
         """The model over `batch` through paged KV views (and state views): lazy logits of each row's last
