@@ -143,6 +143,12 @@ class SchedulerConfig:
     # what they were measured to cost (engine/step_budget.py). None: chunks are bounded by max_batch_tokens only.
     # Default: the backend's (platform/backend.py `Tuning.step_budget_ms`).
     step_budget_ms: float | None = dataclasses.field(default_factory=lambda: backend.tuning().step_budget_ms)
+    # Milliseconds a step may take when it carries a chunk of a long prompt (more prefill left than max_batch_tokens)
+    # beside decoding streams, at most step_budget_ms; applies only with a step budget. None: the step budget.
+    # Default: the backend's (platform/backend.py `Tuning.long_prompt_step_budget_ms`).
+    long_prompt_step_budget_ms: float | None = dataclasses.field(
+        default_factory=lambda: backend.tuning().long_prompt_step_budget_ms
+    )
 
     def __post_init__(self) -> None:
         require_int("max_batch_tokens", self.max_batch_tokens, low=1, setting=True)
@@ -161,8 +167,9 @@ class SchedulerConfig:
                 f"{{speculative:{self.speculative!r}}} must be one of {SPECULATIVE_METHODS}", param="speculative"
             )
         require_int("num_speculative_tokens", self.num_speculative_tokens, low=1, high=16, setting=True)
-        if self.step_budget_ms is not None:
-            require_number("step_budget_ms", self.step_budget_ms, 0, low_open=True, setting=True)
+        for name in ("step_budget_ms", "long_prompt_step_budget_ms"):
+            if getattr(self, name) is not None:
+                require_number(name, getattr(self, name), 0, low_open=True, setting=True)
 
 
 def default_kv_disk_dir() -> Path:

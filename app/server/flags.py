@@ -124,6 +124,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "by --max-batch-tokens only)",
     )
     cache.add_argument(
+        "--long-prompt-step-budget-ms",
+        type=float,
+        default=None,
+        help="milliseconds a step may take when it carries a chunk of a long prompt (more than --max-batch-tokens "
+        "left to prefill) beside streams decoding, at most --step-budget-ms (default 750 on the CPU, the step "
+        "budget on a GPU; 0: the step budget)",
+    )
+    cache.add_argument(
         "--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs, help="sequences decoded together"
     )
     cache.add_argument(
@@ -246,6 +254,8 @@ def cache_settings(args: argparse.Namespace) -> dict:
             settings[name] = getattr(args, name)
     if args.step_budget_ms is not None:
         settings["step_budget_ms"] = args.step_budget_ms or None  # 0: no budget
+    if args.long_prompt_step_budget_ms is not None:
+        settings["long_prompt_step_budget_ms"] = args.long_prompt_step_budget_ms or None  # 0: the step budget
     if getattr(args, "image_cache_size", None) is not None:  # serve's image flags
         settings["image_cache_size"] = args.image_cache_size
     return settings

@@ -293,7 +293,9 @@ class Scheduler:
             if budget == 0 or (time is not None and not time.has_time):
                 break
             most = min(budget, cap)
-            chunks.append(self._chunk(request, most if time is None else time.take(request.num_computed_tokens, most)))
+            if time is not None:
+                most = time.take(request.num_computed_tokens, most, self._long_prompt(request))
+            chunks.append(self._chunk(request, most))
             budget -= len(chunks[-1].token_ids)
         # As in vLLM: a step that had to preempt admits nothing, or it would thrash.
         while (
@@ -302,7 +304,9 @@ class Scheduler:
             and (time is None or time.has_time)
             and (admitted := self._admit_next()) is not None
         ):
-            most = budget if time is None else time.take(admitted.num_computed_tokens, budget)
+            most = (
+                budget if time is None else time.take(admitted.num_computed_tokens, budget, self._long_prompt(admitted))
+            )
             chunks.append(self._chunk(admitted, most))
             budget -= len(chunks[-1].token_ids)
         return SchedulerOutput(chunks, preempted, self.max_batch_tokens - budget)
@@ -385,6 +389,11 @@ class Scheduler:
         request.num_preemptions += 1
         # Newest preempted first, each pushed to the front: the queue stays in arrival order.
         self._waiting.appendleft(request)
+
+    def _long_prompt(self, request: Request) -> bool:
+        """More prefill left than one step's tokens: it takes several steps whatever their size (step_budget.py)."""
+        left = len(request.prompt_token_ids) + len(request.output_token_ids) - request.num_computed_tokens
+        return left > self.max_batch_tokens
 
     def _prefill_cap(self, preempted: list[Request]) -> int:
         """Tokens one running prefill may take this step: a share of the budget while the head of

@@ -9,6 +9,10 @@ decode beside it. Alone, a long prompt prefills nearly at full speed in such chu
 CPU, a 5,000-token prompt, took 30.1-30.9 s in chunks of 2,048 tokens, 29.3 s in 512, 34.6 s in 128 (each chunk
 also reads the whole context once), 31.6-34.7 s in steps of 2 s.
 
+A long prompt (more prefill left than one step's tokens, `max_batch_tokens`) may get a tighter budget beside decoding
+streams (`long_prompt_s`): it takes many steps whatever their size, so what its steps cost the streams is what
+matters there, while a short one (an agent's next turn, a burst of new requests) is best prefilled in few steps.
+
 Plain Python, no MLX (the scheduler's rules; tests drive it with made-up times).
 """
 
@@ -37,16 +41,23 @@ class Chunk:
 class StepBudget:
     """What steps cost here, learnt from the steps run (`record`), and the chunks that fit a step (`plan`)."""
 
-    def __init__(self, budget_s: float):
-        if not budget_s > 0:
-            raise ValueError(f"the step budget must be > 0 seconds, got {budget_s}")
+    def __init__(self, budget_s: float, long_prompt_s: float | None = None):
+        for name, seconds in (("step budget", budget_s), ("long prompts' step budget", long_prompt_s)):
+            if seconds is not None and not seconds > 0:
+                raise ValueError(f"the {name} must be > 0 seconds, got {seconds}")
         self.budget_s = budget_s
+        # A step that carries a long prompt's chunk beside decoding streams: at most this (never above the budget).
+        self.long_prompt_s = budget_s if long_prompt_s is None else min(budget_s, long_prompt_s)
         self.decode_s: float | None = None  # a step that only decodes (the rows running now)
         self._per_token_s: dict[int, float] = {}  # bucket of a chunk's end -> seconds per prefill token
 
     def plan(self, decoding: bool) -> StepPlan:
-        """The time this step's prefill chunks may take: the budget, less the decoding rows' part."""
-        return StepPlan(self, self.budget_s - (self.decode_s or 0.0) if decoding else self.budget_s, decoding)
+        """The time this step's prefill chunks may take: the budget, less the decoding rows' part (and beside them,
+        for a long prompt's chunk, the long prompts' budget less that part)."""
+        if not decoding:
+            return StepPlan(self, self.budget_s, self.budget_s, decoding)
+        decode_s = self.decode_s or 0.0
+        return StepPlan(self, self.budget_s - decode_s, self.long_prompt_s - decode_s, decoding)
 
     def record(self, seconds: float, decoding: bool, prefills: list[Chunk]) -> None:
         """A step took `seconds`: it decoded (or not) and fed these prefill chunks."""
@@ -98,9 +109,10 @@ class StepBudget:
 class StepPlan:
     """One step's time for prefill chunks: each chunk `take`s its tokens from it, in the scheduler's order."""
 
-    def __init__(self, budget: StepBudget, seconds: float, decoding: bool):
+    def __init__(self, budget: StepBudget, seconds: float, long_prompt_seconds: float, decoding: bool):
         self.budget = budget
         self.seconds_left = seconds
+        self.long_prompt_seconds_left = long_prompt_seconds
         self.decoding = decoding
         self.num_chunks = 0
 
@@ -109,16 +121,20 @@ class StepPlan:
         """Whether another chunk may start (the first always may: a prompt must advance)."""
         return self.num_chunks == 0 or self.seconds_left > 0
 
-    def take(self, start: int, most: int) -> int:
-        """Tokens for a prefill chunk starting at `start` (ask `has_time` first), at most `most`: the first chunk
-        of a step at least MIN_CHUNK (or `most`, if smaller), a later one at least 1. Before any prefill was
-        measured, `most` alone (the first prompt of an engine's life), FIRST_CHUNK beside decoding streams."""
-        tokens = self.budget.tokens_within(max(self.seconds_left, 0.0), start, most)
+    def take(self, start: int, most: int, long_prompt: bool = False) -> int:
+        """Tokens for a prefill chunk starting at `start` (ask `has_time` first), at most `most`, of a long prompt or
+        not: the first chunk of a step at least MIN_CHUNK (or `most`, if smaller), a later one at least 1. Before any
+        prefill was measured, `most` alone (the first prompt of an engine's life), FIRST_CHUNK beside decoding
+        streams."""
+        seconds = self.long_prompt_seconds_left if long_prompt else self.seconds_left
+        tokens = self.budget.tokens_within(max(seconds, 0.0), start, most)
         if tokens is None:
             tokens = min(most, FIRST_CHUNK) if self.decoding else most
         tokens = max(tokens, min(MIN_CHUNK if self.num_chunks == 0 else 1, most))
         self.num_chunks += 1
-        self.seconds_left -= self.budget.cost_s(Chunk(start, tokens))
+        cost = self.budget.cost_s(Chunk(start, tokens))
+        self.seconds_left -= cost
+        self.long_prompt_seconds_left -= cost
         return tokens
 
 

@@ -135,6 +135,12 @@ class Tuning:
     # not measured on a GPU yet: a 2,048-token chunk of a small model fits in it, a 100k-token prompt's late
     # chunks do not.
     step_budget_ms: float
+    # A step carrying a chunk of a long prompt (more prefill left than max_batch_tokens) beside decoding streams
+    # (SchedulerConfig's long_prompt_step_budget_ms default): what the streams wait for a token while someone's
+    # pasted file prefills. CPU: 750 ms (above: 0.85 s the longest wait at 750 ms; the fleet bench's other agents
+    # waited 2.145 s at p99 beside a 6,144-token prompt with the 2 s budget), while short prompts keep the 2 s budget
+    # and bench batch its throughput. Metal and CUDA: the step budget (1000 ms), not measured on a GPU.
+    long_prompt_step_budget_ms: float
 
 
 _GPU = Tuning(
@@ -146,6 +152,7 @@ _GPU = Tuning(
     max_batch_tokens=2048,
     fused_projections=True,
     step_budget_ms=1000.0,
+    long_prompt_step_budget_ms=1000.0,
 )
 TUNINGS = {
     "cpu": Tuning(
@@ -157,6 +164,7 @@ TUNINGS = {
         max_batch_tokens=2048,
         fused_projections=False,
         step_budget_ms=2000.0,
+        long_prompt_step_budget_ms=750.0,
     ),
     "metal": _GPU,
     "cuda": dataclasses.replace(_GPU, max_batch_tokens=8192),

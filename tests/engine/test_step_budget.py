@@ -41,6 +41,19 @@ def test_a_chunk_beside_streams_takes_what_their_part_leaves_of_the_budget():
     assert budget.plan(decoding=False).take(100, 200) == 200  # never more than the scheduler allows
 
 
+def test_a_long_prompts_chunk_beside_streams_takes_what_their_part_leaves_of_the_long_prompts_budget():
+    budget = StepBudget(0.5, long_prompt_s=0.375)
+    budget.record(0.25, decoding=True, prefills=[])
+    budget.record(0.25 + 128 * TOKEN_S, decoding=True, prefills=[Chunk(0, 128)])
+    beside = budget.plan(decoding=True)
+    assert beside.take(100, 2048, long_prompt=True) == 64  # (0.375 - 0.25) s / TOKEN_S
+    assert beside.take(200, 2048) == 64  # a short prompt beside it gets the rest of the whole budget
+    assert not beside.has_time
+    assert budget.plan(decoding=True).take(100, 2048) == 128  # a short prompt alone beside streams: the budget
+    assert budget.plan(decoding=False).take(100, 2048, long_prompt=True) == 256  # no streams: the whole budget
+    assert StepBudget(0.5, long_prompt_s=2.0).long_prompt_s == 0.5  # never above the budget
+
+
 def test_a_bucket_not_measured_yet_takes_its_nearest_measured_neighbours_cost():
     budget = measured()
     assert budget.per_token_s(3000) == TOKEN_S  # bucket 2 from bucket 0
@@ -67,11 +80,15 @@ def test_a_step_faster_than_its_decode_part_teaches_nothing():
 def test_the_budget_must_be_positive():
     with pytest.raises(ValueError, match="must be > 0 seconds"):
         StepBudget(0)
+    with pytest.raises(ValueError, match="long prompts' step budget must be > 0 seconds"):
+        StepBudget(1, long_prompt_s=0)
     from mlxpaged.config import SchedulerConfig
 
     with pytest.raises(ConfigError, match="step_budget_ms"):
         SchedulerConfig(step_budget_ms=-5)
     assert SchedulerConfig(step_budget_ms=None).step_budget_ms is None
+    with pytest.raises(ConfigError, match="long_prompt_step_budget_ms"):
+        SchedulerConfig(long_prompt_step_budget_ms=0)
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +120,33 @@ def test_a_long_prompt_beside_a_decoding_stream_is_prefilled_a_few_tokens_a_step
     while core.has_unfinished:
         core.step()
     assert token_ids(long) == reference_tokens(model, prompt, 5)  # small chunks, the same tokens
+
+
+def test_beside_a_decoding_stream_a_long_prompt_keeps_to_its_budget_and_a_short_one_to_the_steps(model, tokenizer):
+    # No step can meet the long prompts' budget, every step meets the budget: a prompt with more than a step's
+    # tokens (64) left prefills MIN_CHUNK tokens a step, then the rest at once; a short one in one step.
+    core = make_core(
+        model, tokenizer, max_batch_tokens=64, max_num_seqs=4, step_budget_ms=60_000, long_prompt_step_budget_ms=1e-3
+    )
+    stream, long, short = [], [], []
+    core.add_request("stream", random_tokens(5, seed=1), SamplingParams(temperature=0, max_tokens=60), stream.append)
+    while not stream:
+        core.step()  # measured once
+    prompt = random_tokens(150, seed=5)
+    core.add_request("long", prompt, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), long.append)
+    request, computed = core.scheduler.get("long"), [0]
+    while not long:
+        core.step()
+        computed.append(request.num_computed_tokens)
+    chunks = [b - a for a, b in itertools.pairwise(computed)]
+    long_steps = -(-(len(prompt) - 64) // MIN_CHUNK)  # until at most 64 are left
+    assert chunks == [MIN_CHUNK] * long_steps + [len(prompt) - MIN_CHUNK * long_steps], chunks
+    core.add_request("short", random_tokens(40, seed=6), SamplingParams(temperature=0, max_tokens=1), short.append)
+    core.step()
+    assert short  # prefilled whole, its token sampled, in the one step
+    while core.has_unfinished:
+        core.step()
+    assert token_ids(long) == reference_tokens(model, prompt, 3)
 
 
 def test_a_hang_up_during_a_long_prefill_is_let_go_within_one_step(model, tokenizer):

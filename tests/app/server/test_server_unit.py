@@ -612,8 +612,13 @@ def test_serve_step_budget_reaches_the_engine_settings_and_0_turns_it_off():
     add_serve_arguments(parser)
     assert split_settings(cache_settings(parser.parse_args(["--step-budget-ms", "300"])))[1].step_budget_ms == 300
     assert split_settings(cache_settings(parser.parse_args(["--step-budget-ms", "0"])))[1].step_budget_ms is None
-    default = split_settings(cache_settings(parser.parse_args([])))[1].step_budget_ms
-    assert default == backend.tuning().step_budget_ms
+    default = split_settings(cache_settings(parser.parse_args([])))[1]
+    assert default.step_budget_ms == backend.tuning().step_budget_ms
+    assert default.long_prompt_step_budget_ms == backend.tuning().long_prompt_step_budget_ms
+    long_prompt = split_settings(cache_settings(parser.parse_args(["--long-prompt-step-budget-ms", "500"])))[1]
+    assert long_prompt.long_prompt_step_budget_ms == 500
+    off = split_settings(cache_settings(parser.parse_args(["--long-prompt-step-budget-ms", "0"])))[1]
+    assert off.long_prompt_step_budget_ms is None  # the step budget then
 
 
 @pytest.mark.asyncio
