@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import math
 import random
 import sys
 import threading
@@ -133,6 +134,11 @@ class FleetRun:
 
     def ttft(self, q: float) -> float:
         return quantile([t.ttft for t in self.ok if t.agent != self.long_agent], q)
+
+    @property
+    def long_ttft(self) -> float:
+        """The long prompt's time to its first token (nan without one, or when it failed)."""
+        return next((t.ttft for t in self.ok if t.agent == self.long_agent), math.nan)
 
     def gap(self, q: float, others_only: bool = False) -> float:
         turns = [t for t in self.ok if not others_only or t.agent != self.long_agent]
@@ -373,13 +379,14 @@ def print_runs(runs: list[FleetRun], fleet: Namespace) -> None:
 
     print(
         f"\n{'server':<14} {'wall s':>7} {'TTFT p50':>9} {'TTFT p95':>9} {'ITL p50':>8} {'ITL p99':>8} "
-        f"{'tok/s':>6} {'peak mem':>9} {'failed':>6}" + ("  others' ITL p99" if fleet.long_tokens else "")
+        f"{'tok/s':>6} {'peak mem':>9} {'failed':>6}" + ("  others' ITL p99  long TTFT" if fleet.long_tokens else "")
     )
     for r in runs:
         print(
             f"{r.server:<14} {r.wall:>7.1f} {r.ttft(0.5):>8.2f}s {r.ttft(0.95):>8.2f}s {r.gap(0.5):>7.3f}s "
             f"{r.gap(0.99):>7.3f}s {r.tokens_per_s:>6.1f} {format_size(r.peak_rss):>9} "
-            f"{len(r.turns) - len(r.ok):>6}" + (f"  {r.gap(0.99, others_only=True):.3f}s" if fleet.long_tokens else "")
+            f"{len(r.turns) - len(r.ok):>6}"
+            + (f"  {r.gap(0.99, others_only=True):>15.3f}s {r.long_ttft:>9.1f}s" if fleet.long_tokens else "")
         )
     ours = next((r for r in runs if r.server == "mlxpaged" and r.complete), None)
     peers = [r for r in runs if r.server != "mlxpaged" and r.complete]  # a server that failed turns is no peer
