@@ -137,8 +137,8 @@ class Tuning:
     step_budget_ms: float
     # A step carrying a chunk of a long prompt (more prefill left than max_batch_tokens) beside decoding streams
     # (SchedulerConfig's long_prompt_step_budget_ms default): what the streams wait for a token while someone's
-    # pasted file prefills. CPU: 750 ms (above: 0.85 s the longest wait at 750 ms; the fleet bench's other agents
-    # waited 2.145 s at p99 beside a 6,144-token prompt with the 2 s budget), while short prompts keep the 2 s budget
+    # pasted file prefills. CPU: 750 ms (above: 0.85 s the longest wait at 750 ms; bench fleet --long's other agents'
+    # inter-token p99 2.145 s with the 2 s budget, 1.086 s with this one), while short prompts keep the 2 s budget
     # and bench batch its throughput. Metal and CUDA: the step budget (1000 ms), not measured on a GPU.
     long_prompt_step_budget_ms: float
 
