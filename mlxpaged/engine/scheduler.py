@@ -392,8 +392,7 @@ class Scheduler:
 
     def _long_prompt(self, request: Request) -> bool:
         """More prefill left than one step's tokens: it takes several steps whatever their size (step_budget.py)."""
-        left = len(request.prompt_token_ids) + len(request.output_token_ids) - request.num_computed_tokens
-        return left > self.max_batch_tokens
+        return request.num_tokens - request.num_computed_tokens > self.max_batch_tokens
 
     def _prefill_cap(self, preempted: list[Request]) -> int:
         """Tokens one running prefill may take this step: a share of the budget while the head of
