@@ -166,3 +166,18 @@ class ImageInputError(MlxpagedError, ValueError):
 class ImagesNotSupportedError(ImageInputError):
     """Images sent to a model that takes none (a text model), or where the vision extra is not installed: the
     message names the model, or the install command."""
+
+
+class AdapterError(MlxpagedError, ValueError):
+    """A LoRA / DoRA adapter that cannot be served: missing or corrupt files, a format not supported, or weights
+    that do not fit the loaded model (its shapes, or its layers). Refused when the adapter is loaded."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, param="adapters")
+
+
+class UnknownAdapterError(MlxpagedError, ValueError):
+    """A request names an adapter this engine was not given."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, param="adapter")

@@ -145,6 +145,25 @@ def _model_card(state: ServerState, entry: CatalogEntry) -> dict:
     return card
 
 
+def _adapter_card(state: ServerState, name: str, base: CatalogEntry) -> dict:
+    """An adapter (--lora) as vLLM lists a LoRA module: its own id, `parent` the model it runs on, `root` its
+    directory; `mlxpaged` adds its kind, rank and scale once the model is loaded."""
+    card = {
+        "id": name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "mlxpaged",
+        "parent": base.name,
+        "root": dict(base.adapters)[name],
+    }
+    served = state.registry.loaded.get(base.name)
+    extra: dict = {"kind": "adapter", "base_model": base.name, "loaded": served is not None and not served.unloaded}
+    if extra["loaded"] and served.engine.adapters is not None:
+        extra |= served.engine.adapters.describe()[name]
+    card["mlxpaged"] = extra
+    return card
+
+
 def _servable(state: ServerState) -> list[CatalogEntry]:
     """Loaded models first (the default one leading), then what could be loaded."""
     loaded = [s.entry for s in state.registry.loaded.values()]
@@ -155,13 +174,19 @@ def _servable(state: ServerState) -> list[CatalogEntry]:
 async def list_models(request: Request) -> Response:
     state = _state(request)
     entries = await anyio.to_thread.run_sync(_servable, state)  # reads the store: off the event loop
-    return JSONResponse({"object": "list", "data": [_model_card(state, e) for e in entries]})
+    cards = [_model_card(state, e) for e in entries]
+    cards += [_adapter_card(state, name, base) for name, base in state.registry.catalog.adapter_entries()]
+    return JSONResponse({"object": "list", "data": cards})
 
 
 async def get_model(request: Request) -> Response:
     """A model a request may name, loaded or not (asking does not load it)."""
     state = _state(request)
     model_id = request.path_params["model_id"]
+    target = state.registry.catalog.adapter_target(model_id)
+    if target is not None:
+        base = next(entry for name, entry in state.registry.catalog.adapter_entries() if name == target[1])
+        return JSONResponse(_adapter_card(state, target[1], base))
     served = state.registry.find_loaded(model_id)
     if served is not None:
         return JSONResponse(_model_card(state, served.entry))

@@ -41,8 +41,9 @@ def submit_error(exc: Exception, prompt_param: str) -> APIError:
 class Generation:
     """One API request's engine work: one engine request per prompt, each with `n` sequences."""
 
-    def __init__(self, engine, metrics: ServerMetrics, n: int, arrived: float) -> None:
+    def __init__(self, engine, metrics: ServerMetrics, n: int, arrived: float, adapter: str | None = None) -> None:
         self.engine, self.metrics, self.n, self.arrived = engine, metrics, n, arrived
+        self.adapter = adapter  # the name of the engine's adapter every prompt runs with (None: the base model)
         self._loop = asyncio.get_running_loop()
         self._events: asyncio.Queue = asyncio.Queue()
         self._request_ids: list[str] = []
@@ -57,7 +58,7 @@ class Generation:
         """Queue every prompt, or none: a prompt the engine refuses withdraws the ones before it."""
         try:
             for i, tokens in enumerate(prompts):
-                self._request_ids.append(self.engine.submit(tokens, params, partial(self._sink, i)))
+                self._request_ids.append(self.engine.submit(tokens, params, partial(self._sink, i), self.adapter))
                 self._open.append(self.n)
         except Exception as exc:
             self.abort()

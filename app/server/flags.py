@@ -209,6 +209,15 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         help="load NAME at startup and never unload it (repeatable)",
     )
     models.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="serve the LoRA / DoRA adapter in directory PATH (mlx_lm.lora's adapters.safetensors and "
+        "adapter_config.json) on --model as the model NAME (also BASE:NAME); a bare PATH is named after its "
+        "directory (repeatable: requests for every adapter and the base model share each batch)",
+    )
+    models.add_argument(
         "--load-timeout",
         type=float,
         default=300.0,
@@ -327,3 +336,19 @@ def server_config(args: argparse.Namespace):
         cors_origins=tuple(args.cors_origin),
         images=image_policy(args),
     )
+
+
+def lora_flags(values: list[str]) -> dict[str, str]:
+    """--lora NAME=PATH (or a bare PATH, named after its directory) -> {NAME: PATH}; ValueError for a name given
+    twice."""
+    adapters: dict[str, str] = {}
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep:
+            name, path = os.path.basename(os.path.normpath(value)), value
+        if not name or not path:
+            raise ValueError(f"--lora {value!r}: expected NAME=PATH or PATH")
+        if name in adapters:
+            raise ValueError(f"--lora: the name {name!r} is given twice")
+        adapters[name] = path
+    return adapters

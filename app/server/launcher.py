@@ -24,7 +24,7 @@ import threading
 from mlxpaged.distributed.launch import launched_alone
 from mlxpaged.distributed.ranks import follows, join_group, launched
 from mlxpaged.errors import MlxpagedError, user_message
-from mlxpaged_app.server.flags import ServeError, cache_settings, check_bind, server_config
+from mlxpaged_app.server.flags import ServeError, cache_settings, check_bind, lora_flags, server_config
 from mlxpaged_app.server.ranks import (
     distributed_settings,
     join_group_then_watch_for_term,
@@ -62,6 +62,9 @@ def build_registry(args: argparse.Namespace, config):
 
     if across_ranks and args.pin:
         raise ServeError("--pin: a server across mlx.launch ranks serves the one model every rank holds a shard of")
+    adapters = lora_flags(args.lora)
+    if across_ranks and adapters:
+        raise ServeError("--lora: adapters across mlx.launch ranks are not supported yet")
     if args.pipeline and not across_ranks:
         raise ServeError("--pipeline splits the model over the processes mlx.launch starts; this server runs alone")
     settings = EngineSettings(
@@ -72,6 +75,8 @@ def build_registry(args: argparse.Namespace, config):
     )
     catalog = ModelCatalog(use_store=not across_ranks)  # across ranks: no other model loads on demand
     first = _given(catalog, args.model)
+    if adapters:  # before it loads: its engine is built with them
+        first = catalog.add_adapters(first, adapters)
     pinned = [_given(catalog, name) for name in args.pin]
     policy = RegistryPolicy(
         memory_budget(args.max_memory),

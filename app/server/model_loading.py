@@ -10,6 +10,7 @@ a model that cannot fit is refused before loading anything, never loaded into sw
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 from dataclasses import dataclass
 
@@ -41,6 +42,11 @@ def estimate_cost(entry: CatalogEntry, settings: EngineSettings) -> ModelCost:
         return _embedder_estimate(entry, settings)
     cache, scheduler = split_settings(_with_default_cache(settings.cache))
     facts = facts_before_load(entry.path, backend.current())
+    if entry.adapters:  # read (and refused, if broken) before the model; they count as weights
+        from mlxpaged.adapters.adapter_set import read_adapters
+
+        adapters = read_adapters(dict(entry.adapters))
+        facts = dataclasses.replace(facts, weight_bytes=facts.weight_bytes + sum(a.nbytes for a in adapters.values()))
     plan = plan_memory(DeviceFacts.detect(), facts, cache, scheduler)
     return ModelCost(
         facts.weight_bytes, plan.kv_bytes, plan.state_bytes, activation_bytes(facts, scheduler.max_batch_tokens)
@@ -121,7 +127,7 @@ def build_engine(entry: CatalogEntry, settings: EngineSettings):
         )
     else:
         cache, scheduler = split_settings(_with_default_cache(settings.cache))
-        engine = Engine(load_local(entry.ref, entry.path), cache, scheduler)
+        engine = Engine(load_local(entry.ref, entry.path), cache, scheduler, adapters=dict(entry.adapters))
     try:
         defaults = sampling_defaults(engine, settings.generation_config)
         if settings.warm_up:

@@ -4,7 +4,8 @@ keep-alive, requests in flight).
 
 This is what `await state.served_model(name)` returns (state.py). A route reads `.engine`, `.admission`,
 `.token_text`, `.model_id`, `.config` (the server's settings with this model's sampling defaults),
-`.metrics`, `.active`, `.context_limit`, `.cache_limits_context` and `.default_max_tokens`. Once the registry
+`.metrics`, `.active`, `.context_limit`, `.cache_limits_context`, `.default_max_tokens` and `.adapter` (the adapter
+its generations run with: None, or for an adapter's name an `AdaptedModel` over the base). Once the registry
 has unloaded the model, `.engine` raises the 503 `unavailable` (a request that held it too long retries).
 
 `kind` is "generate" for an Engine. An embedding model is kind "embed": a `ServedEmbedder` holds its Embedder
@@ -174,6 +175,7 @@ class ServedModel(ServedBase):
     """A loaded generative model and its per-model serving state (see the module docstring for what routes read)."""
 
     kind = "generate"
+    adapter: str | None = None  # the base model: no adapter
 
     def __init__(self, entry: CatalogEntry, engine, config, cost: ModelCost, **kwargs) -> None:
         super().__init__(entry, engine, config, cost, batch=engine.scheduler_config.max_num_seqs, **kwargs)
@@ -230,3 +232,14 @@ class ServedEmbedder(ServedBase):
     def context_limit(self) -> int | None:
         """The longest input it embeds (None: the config names no limit)."""
         return self.embedder.max_input_tokens
+
+
+class AdaptedModel:
+    """A loaded model as a request for one of its adapters (--lora) sees it: replies name the adapter, generations
+    run with it, and everything else (engine, queue, metrics, keep-alive) is the base model's own, read through."""
+
+    def __init__(self, base: ServedModel, adapter: str) -> None:
+        self.base, self.adapter, self.model_id = base, adapter, adapter
+
+    def __getattr__(self, name: str):
+        return getattr(self.base, name)

@@ -23,6 +23,7 @@ from mlxpaged_app.server.model_registry import UNSET, ModelRegistry, WrongKind
 from mlxpaged_app.server.served_model import (  # noqa: F401  (re-exported: their home was here)
     API_DEFAULT_MAX_TOKENS,
     LONG_SEQUENCE_WARNING,
+    AdaptedModel,
     ServedModel,
     fit_tokenizer_to_context,
 )
@@ -64,6 +65,9 @@ class ServerState:
         the model's own. Raises APIError: 404 model_not_found, 400 for a model of the other kind (with the
         reason), 503 (cannot fit, still loading, shutting down), 500 model_load_failed with the reason."""
         self.check_accepting()
+        target = self.registry.catalog.adapter_target(name) if kind != "embed" else None
+        if target is not None:  # an adapter (--lora): its base model, running it
+            return AdaptedModel(await self.served_model(target[0], keep_alive, kind), target[1])
         try:
             return await self.registry.get(name, keep_alive, kind)
         except WrongKind as exc:

@@ -35,9 +35,9 @@ class BlockHashes:
     def __init__(self, block_size: int, hash_fn: HashFn, extra_key: object, max_recent: int = MAX_RECENT):
         self.block_size, self.hash_fn, self.extra_key = block_size, hash_fn, extra_key
         self._memo: weakref.WeakKeyDictionary[Request, list[Hashable]] = weakref.WeakKeyDictionary()
-        # (parent hash, token ids, image digests) -> hash of the blocks hashed lately, any request's; emptied when
-        # full.
-        self._recent: dict[tuple[Hashable | None, tuple, tuple], Hashable] = {}
+        # (parent hash, token ids, image digests, adapter id) -> hash of the blocks hashed lately, any request's;
+        # emptied when full.
+        self._recent: dict[tuple[Hashable | None, tuple, tuple, str | None], Hashable] = {}
         self.max_recent = max_recent
 
     def iter(self, request: Request, start: int = 0, stop: int | None = None) -> Iterator[Hashable]:
@@ -71,13 +71,16 @@ class BlockHashes:
         bs = self.block_size
         tokens = tuple(request.token_ids_between(index * bs, (index + 1) * bs))
         images = request.block_images(index, bs) if request.images else ()
-        key = (parent, tokens, images)
+        key = (parent, tokens, images, request.adapter)
         block_hash = self._recent.get(key)
         if block_hash is None:
             if len(self._recent) >= self.max_recent:
                 self._recent.clear()  # a miss only costs a hash again
             # A block where an image starts hashes its digest too (the image's tokens are the same for any
-            # image of its size); text blocks keep the hash they always had.
+            # image of its size); text blocks keep the hash they always had. Every block of a sequence run with an
+            # adapter hashes the adapter's id: its K/V are the adapted model's, never the base model's or another's.
             extra = (self.extra_key, images) if images else self.extra_key
+            if request.adapter is not None:
+                extra = (extra, "adapter", request.adapter)
             block_hash = self._recent[key] = self.hash_fn(parent, tokens, extra)
         return block_hash

@@ -120,6 +120,11 @@ class _CachedChain:
     block_hashes: list[Hashable]  # of the request's leading blocks in the prefix cache
     epoch: int  # the pool's cache epoch when the chain began
     partial: tuple[KVCacheBlock, tuple] | None = None  # the block after the chain and its computed tokens
+    root: Hashable | None = None  # what a partial block with no full block before it is kept under (_partial_root)
+
+    @property
+    def partial_parent(self) -> Hashable | None:
+        return self.block_hashes[-1] if self.block_hashes else self.root
 
 
 class KVCacheManager:
@@ -291,7 +296,7 @@ class KVCacheManager:
             manager.tables[rid] = table
         self._table_ids.pop(rid, None)
         cached = (len(hits) + loaded) * self.block_size + (partial[1] if partial else 0)
-        chain = _CachedChain(hashes, self.pool.cache_epoch)
+        chain = _CachedChain(hashes, self.pool.cache_epoch, root=_partial_root(request))
         if partial:
             chain.partial = (taken[0], tuple(request.token_ids_between(len(hits) * self.block_size, cached)))
         self._chains[rid] = chain
@@ -400,7 +405,7 @@ class KVCacheManager:
             self._table_ids.pop(cid, None)
             copies += [replace(c, space=space) for c in more]
         n_hashed = min(len(chain.block_hashes), shared[0])
-        self._chains[cid] = _CachedChain(chain.block_hashes[:n_hashed], chain.epoch)
+        self._chains[cid] = _CachedChain(chain.block_hashes[:n_hashed], chain.epoch, root=chain.root)
         return copies
 
     def free(self, request_id: Hashable) -> None:
@@ -415,8 +420,7 @@ class KVCacheManager:
                 [b for s, table in zip(self.spaces, tables, strict=True) if s == space for b in reversed(table)]
             )
         if chain.partial is not None and chain.epoch == self.pool.cache_epoch and chain.partial[0].ref_cnt == 0:
-            parent = chain.block_hashes[-1] if chain.block_hashes else None
-            self.pool.cache_partial_block(chain.partial[0], parent, chain.partial[1])
+            self.pool.cache_partial_block(chain.partial[0], chain.partial_parent, chain.partial[1])
 
     # ---- internals ----------------------------------------------------------------
 
@@ -437,7 +441,8 @@ class KVCacheManager:
             return None
         if request.images_start_between(start, last):  # a partial block is keyed by its tokens only
             return None
-        return self.pool.match_partial_block(hashes[-1] if hashes else None, request.token_ids_between(start, last))
+        parent = hashes[-1] if hashes else _partial_root(request)
+        return self.pool.match_partial_block(parent, request.token_ids_between(start, last))
 
     def _match_lower_tier(self, request: Request, hashes: list[Hashable]) -> list[Hashable]:
         """Hashes of the blocks right after the pool's chain that the lower tier holds (a leading run),
@@ -524,3 +529,9 @@ class KVCacheManager:
             usable = self.prefix_filter(hashes)
             hits, hashes = hits[:usable], hashes[:usable]
         return hits, hashes
+
+
+def _partial_root(request: Request) -> Hashable | None:
+    """The key of a request's partial block when no full block comes before it: a full block's hash names the
+    adapter the request runs with (block_hashes.py), so a partial block with none before it names it here."""
+    return None if request.adapter is None else ("adapter", request.adapter)

@@ -7,9 +7,10 @@ and public API.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from mlxpaged.adapters.adapter_set import AdapterSet, AdapterSource
 from mlxpaged.cache.disk_fingerprint import model_fingerprint, weights_identity
 from mlxpaged.cache.disk_tier import DiskTier
 from mlxpaged.cache.disk_writer import DiskWriter
@@ -55,6 +56,7 @@ class BuiltCore:
     serial_reason: str | None  # why one sequence runs per pass (None: ragged batches are exact)
     core: EngineCore
     disk_tier_off: str | None = None  # why the disk tier asked for is off (None: on, or not asked for)
+    adapters: AdapterSet | None = None  # the LoRA / DoRA adapters requests may name (adapters/)
 
 
 def build_core(
@@ -65,11 +67,18 @@ def build_core(
     stats: StatsCounter,
     has_commands: Callable[[], bool],
     ranks: Ranks | None = None,
+    adapters: Mapping[str, AdapterSource] | None = None,
 ) -> BuiltCore:
     """Plan, allocate and check everything for `loaded`; raises (InsufficientMemoryError, an unsupported
     layout) before any request is taken. `has_commands`: whether callers queued anything (the core pipelines
     only when nothing did). `ranks`: the processes this (sharded) model runs over, every one building the same
-    core; rank 0's runner sends its passes to the others (distributed/)."""
+    core; rank 0's runner sends its passes to the others (distributed/). `adapters`: name -> adapter directory (or
+    its files, read already), attached to the model's layers here, before anything else wraps or fuses them."""
+    adapter_set = None
+    if adapters:
+        if ranks is not None:
+            raise ConfigError("adapters across mlx.launch ranks are not supported yet", param="adapters")
+        adapter_set = AdapterSet(loaded.model, adapters)  # AdapterError before anything is planned
     if backend.tuning().fused_projections:
         fuse_projections(loaded.model)  # before the probe and every pass: the layout is the same either way
     layout = probe_layout(loaded.model)
@@ -78,8 +87,9 @@ def build_core(
         _check_distributed(layout, cache_config)
     route_paged_attention()
     kv_dtype = activation_dtype(loaded.model)  # K/V have the activations' dtype
+    weight_bytes = loaded.weight_bytes + (adapter_set.nbytes if adapter_set is not None else 0)
     facts = ModelFacts.from_layout(
-        layout, loaded.weight_bytes, kv_dtype.size, context_length(loaded.config), loaded.vision is not None
+        layout, weight_bytes, kv_dtype.size, context_length(loaded.config), loaded.vision is not None
     )
     device = DeviceFacts.detect()
     if ranks is not None:  # ranks on one host share its memory
@@ -131,8 +141,10 @@ def build_core(
         core.all_ranks_ok = ranks.all_true  # the compiled pass's warm-up: every rank falls back, or none
     if ranks is not None and ranks.leads:
         core.runner.mirror = PlanSender(PlanChannel(ranks))
+    if adapter_set is not None:
+        core.runner.adapter_rows = adapter_set.rows
     disk_off = attach_disk_tier(core, loaded, layout, cache_config) if cache_config.kv_disk_dir else None
-    return BuiltCore(layout, facts, plan, kv, attention, max_model_len, serial, core, disk_off)
+    return BuiltCore(layout, facts, plan, kv, attention, max_model_len, serial, core, disk_off, adapter_set)
 
 
 def _check_distributed(layout: ModelLayout, config: CacheConfig) -> None:

@@ -167,10 +167,14 @@ class EngineCore:
         sink,
         images: tuple[ImageSpan, ...] = (),
         multimodal: object | None = None,
+        adapter: str | None = None,
     ) -> None:
         """Queue a request; its events (StreamDelta, or an exception) go to `sink`. Raises on bad input. A prompt
-        with images comes with where they are and what its prefill is fed (engine/request.py)."""
-        request = Request(request_id, token_ids, params.max_tokens, images=images, multimodal=multimodal)
+        with images comes with where they are and what its prefill is fed (engine/request.py); `adapter` is the id of
+        the adapter it runs with (adapters/), None for the base model."""
+        request = Request(
+            request_id, token_ids, params.max_tokens, images=images, multimodal=multimodal, adapter=adapter
+        )
         self.scheduler.add_request(request)
         self.outputs.add(request, params, sink)
 

@@ -17,13 +17,15 @@ from state checkpoints at block boundaries.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import itertools
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from mlxpaged.adapters.adapter_set import AdapterSet, AdapterSource, read_adapters
 from mlxpaged.config import DEFAULT_CACHE_TOKENS, CacheConfig, SchedulerConfig, split_settings
 from mlxpaged.distributed.ranks import Ranks
 from mlxpaged.embedding.model_files import refuse_generation
@@ -37,6 +39,7 @@ from mlxpaged.errors import (  # noqa: F401  (re-exported)
     EngineClosedError,
     ImagesNotSupportedError,
     RequestFailedError,
+    UnknownAdapterError,
 )
 from mlxpaged.loading.checkpoint import facts_before_load
 from mlxpaged.loading.generation_defaults import GenerationDefaults, load_defaults
@@ -68,8 +71,11 @@ class Engine:
         cache_config: CacheConfig | None = None,
         scheduler_config: SchedulerConfig | None = None,
         ranks: Ranks | None = None,
+        adapters: Mapping[str, AdapterSource] | None = None,
     ):
-        """`ranks`: rank 0 of a group whose other ranks run distributed.follower (distributed/start.py)."""
+        """`ranks`: rank 0 of a group whose other ranks run distributed.follower (distributed/start.py).
+        `adapters`: name -> LoRA / DoRA adapter directory (mlx_lm.lora's output), which requests pick by name
+        (`adapter=`); each is checked against the model here (AdapterError), never mid-request."""
         self.loaded = loaded
         self.ranks = ranks
         self.cache_config = cache_config or CacheConfig(cache_tokens=DEFAULT_CACHE_TOKENS)
@@ -91,6 +97,7 @@ class Engine:
             stats=self._stats,
             has_commands=lambda: not commands.empty(),
             ranks=ranks,
+            adapters=adapters,
         )
         # Images the model encoded, by digest (read and written on the engine thread only: embedding.py).
         keep = int(self.cache_config.image_cache_size)  # bytes: CacheConfig parsed it
@@ -98,19 +105,29 @@ class Engine:
         self._thread = engine_thread.start(self, commands, self.core, self.plan, self.cache_config.wire)
 
     @classmethod
-    def from_pretrained(cls, model: str | None = None, progress: Progress | None = None, **settings) -> Engine:
+    def from_pretrained(
+        cls,
+        model: str | None = None,
+        progress: Progress | None = None,
+        adapters: Mapping[str, AdapterSource] | None = None,
+        **settings,
+    ) -> Engine:
         """A preset name, local path or hub id (None: the embedded default model); settings are CacheConfig
         and SchedulerConfig fields, split by name (kv_memory="2GB", max_num_seqs=4; any other name raises
         ConfigError). A cache that cannot fit raises InsufficientMemoryError before any weight is read
         (once the model's files are local: a hub model is downloaded first); an embedding model raises
-        UnsupportedModelError (mlxpaged.Embedder runs it)."""
+        UnsupportedModelError (mlxpaged.Embedder runs it). `adapters`: name -> adapter directory (see __init__);
+        their files are read and counted in the memory plan before the model is."""
         settings.setdefault("cache_tokens", DEFAULT_CACHE_TOKENS)
         cache, scheduler = split_settings(settings)
+        files = read_adapters(adapters or {})  # AdapterError for a missing or corrupt one, before the model
         ref, path = locate_model(model, progress)
         refuse_generation(path, ref.name, ref.preset.options if ref.preset else None)
         # Memory where MLX allocates (DeviceFacts), dtypes as the loader will choose them (backend.current()).
-        plan_memory(DeviceFacts.detect(), facts_before_load(path, backend.current()), cache, scheduler)
-        return cls(load_local(ref, path), cache, scheduler)
+        facts = facts_before_load(path, backend.current())
+        facts = dataclasses.replace(facts, weight_bytes=facts.weight_bytes + sum(f.nbytes for f in files.values()))
+        plan_memory(DeviceFacts.detect(), facts, cache, scheduler)
+        return cls(load_local(ref, path), cache, scheduler, adapters=files)
 
     @property
     def model(self):
@@ -165,6 +182,11 @@ class Engine:
         return self.built.max_model_len
 
     @property
+    def adapters(self) -> AdapterSet | None:
+        """The adapters requests may name (None: none were given)."""
+        return self.built.adapters
+
+    @property
     def serial_reason(self) -> str | None:
         return self.built.serial_reason
 
@@ -190,11 +212,15 @@ class Engine:
         return self.kv_manager.pool
 
     # --- public API ----------------------------------------------------------------------------
-    def submit(self, prompt: Prompt, params: SamplingParams | None, sink: Callable[[object], None]) -> str:
+    def submit(
+        self, prompt: Prompt, params: SamplingParams | None, sink: Callable[[object], None], adapter: str | None = None
+    ) -> str:
         """Queue a request; events (StreamDelta, or an exception) go to `sink` from the engine thread. A prompt is
-        text, token ids, or an ImagePrompt (vision/prompt.py: a vision-language model's prompt with images)."""
+        text, token ids, or an ImagePrompt (vision/prompt.py: a vision-language model's prompt with images).
+        `adapter`: the name of one of the engine's adapters to run it with (None: the base model)."""
         if self._closed:
             raise EngineClosedError("the engine is closed")
+        adapter_id = self._adapter_id(adapter)
         params = params or SamplingParams()
         images: tuple = ()
         multimodal = None
@@ -205,8 +231,16 @@ class Engine:
         self._check_token_ids("logit_bias", params.logit_bias)
         self._check_fits(len(tokens), params.max_tokens)
         request_id = f"req-{next(self._ids)}"
-        self._commands.put(engine_thread.Add(request_id, tokens, params, sink, images, multimodal))
+        self._commands.put(engine_thread.Add(request_id, tokens, params, sink, images, multimodal, adapter_id))
         return request_id
+
+    def _adapter_id(self, name: str | None) -> str | None:
+        """The id of the adapter called `name` (None: the base model); UnknownAdapterError for another name."""
+        if name is None:
+            return None
+        if self.adapters is None:
+            raise UnknownAdapterError(f"unknown adapter {name!r}: this engine was given no adapters")
+        return self.adapters.resolve(name).id
 
     def _image_inputs(self, prompt: ImagePrompt) -> PromptEmbedding:
         """What the engine thread feeds the prompt's prefill: the model computes it there, on first use."""
@@ -223,21 +257,28 @@ class Engine:
         return self.loaded.vision
 
     def generate(
-        self, prompts: str | Sequence[int] | list, params: SamplingParams | Sequence[SamplingParams] | None = None
+        self,
+        prompts: str | Sequence[int] | list,
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        adapter: str | Sequence[str | None] | None = None,
     ) -> list[Completion]:
         """Run prompts (text or token-id lists) concurrently; return their completions in order
         (with n > 1, a prompt's n completions follow each other, by index).
-        `params` is one SamplingParams for all prompts, or one per prompt."""
+        `params` is one SamplingParams for all prompts, or one per prompt; `adapter` one adapter name (None: the
+        base model) for all, or one per prompt."""
         if isinstance(prompts, str | ImagePrompt) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         per_prompt = [params] * len(prompts) if params is None or isinstance(params, SamplingParams) else list(params)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"{len(per_prompt)} SamplingParams for {len(prompts)} prompts")
+        adapters = [adapter] * len(prompts) if adapter is None or isinstance(adapter, str) else list(adapter)
+        if len(adapters) != len(prompts):
+            raise ValueError(f"{len(adapters)} adapters for {len(prompts)} prompts")
         sinks: list[queue.Queue] = [queue.Queue() for _ in prompts]
         ids = []
         try:
-            for prompt, p, sink in zip(prompts, per_prompt, sinks, strict=True):
-                ids.append(self.submit(prompt, p, sink.put))
+            for prompt, p, sink, name in zip(prompts, per_prompt, sinks, adapters, strict=True):
+                ids.append(self.submit(prompt, p, sink.put, adapter=name))
         except Exception:
             for request_id in ids:  # a bad prompt in the list: the ones already queued are withdrawn
                 self.abort(request_id)
@@ -247,10 +288,12 @@ class Engine:
             out += collect(rid, drain(sink, (p or SamplingParams()).n))
         return out
 
-    def chat(self, messages: list[dict], params: SamplingParams | None = None) -> Completion:
+    def chat(
+        self, messages: list[dict], params: SamplingParams | None = None, adapter: str | None = None
+    ) -> Completion:
         """Reply to `messages` (content a string, or parts: {"type": "text", "text": ...} and, for a
         vision-language model, {"type": "image", "image": <a path, bytes, a data URL or a PIL image>})."""
-        return self.generate([self.chat_prompt(messages)], params)[0]
+        return self.generate([self.chat_prompt(messages)], params, adapter)[0]
 
     def chat_prompt(self, messages: list[dict], limits: ImageLimits | None = None, **template_options) -> Prompt:
         """The prompt `messages` make with the model's chat template: token ids, or an ImagePrompt when they
@@ -270,10 +313,12 @@ class Engine:
     def chat_tokens(self, messages: list[dict]) -> list[int]:
         return chat_prompt(self.tokenizer, messages)
 
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[StreamDelta]:
+    def stream(
+        self, prompt: Prompt, params: SamplingParams | None = None, adapter: str | None = None
+    ) -> Iterator[StreamDelta]:
         """Yield deltas as tokens arrive. Closing the iterator early aborts the request."""
         sink: queue.Queue = queue.Queue()
-        request_id = self.submit(prompt, params, sink.put)
+        request_id = self.submit(prompt, params, sink.put, adapter=adapter)
         remaining = (params or SamplingParams()).n
         try:
             for delta in drain(sink, remaining):
@@ -283,7 +328,9 @@ class Engine:
             if remaining:
                 self.abort(request_id)
 
-    async def astream(self, prompt: Prompt, params: SamplingParams | None = None) -> AsyncIterator[StreamDelta]:
+    async def astream(
+        self, prompt: Prompt, params: SamplingParams | None = None, adapter: str | None = None
+    ) -> AsyncIterator[StreamDelta]:
         """Async version of stream(); cancelling the consuming task aborts the request."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
@@ -291,7 +338,7 @@ class Engine:
         def put(event: object) -> None:
             loop.call_soon_threadsafe(events.put_nowait, event)
 
-        request_id = self.submit(prompt, params, put)
+        request_id = self.submit(prompt, params, put, adapter=adapter)
         remaining = (params or SamplingParams()).n
         try:
             while remaining:
@@ -330,6 +377,7 @@ class Engine:
             "backend": backend.current(),
             "backend_description": backend.describe(),  # platform/backend.py
             "serial": self.serial_reason,  # why one sequence runs per pass (None: batched)
+            "adapters": self.adapters.describe() if self.adapters is not None else {},
             "kv_memory_by_class": {g.describe(): size for g, size in self.kv.bytes_by_class().items()},
         }
 

@@ -37,6 +37,7 @@ class Add:
     sink: Callable[[object], None]
     images: tuple[ImageSpan, ...] = ()
     multimodal: object | None = None
+    adapter: str | None = None  # the id of the adapter it runs with (adapters/), None: the base model
 
 
 @dataclass(frozen=True)
@@ -145,7 +146,13 @@ def apply(core: EngineCore, command: Command) -> bool:
     if isinstance(command, Add):
         try:
             core.add_request(
-                command.request_id, command.token_ids, command.params, command.sink, command.images, command.multimodal
+                command.request_id,
+                command.token_ids,
+                command.params,
+                command.sink,
+                command.images,
+                command.multimodal,
+                command.adapter,
             )
         except Exception as exc:
             command.sink(exc)

@@ -81,13 +81,14 @@ class OutputProcessor:
 
     @staticmethod
     def _fork_of(request: Request, index: int) -> Request:
-        """Sequence `index` of an n > 1 request: the same prompt (its images too), its own id and tokens."""
+        """Sequence `index` of an n > 1 request: the same prompt (its images and adapter too), its own id and tokens."""
         return Request(
             f"{request.request_id}.{index}",
             request.prompt_token_ids,
             request.max_tokens,
             images=request.images,
             multimodal=request.multimodal,
+            adapter=request.adapter,
         )
 
     def _new(self, request: Request, params: SamplingParams, sink, index: int, caller_id: str) -> Tracked:

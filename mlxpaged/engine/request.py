@@ -57,6 +57,8 @@ class Request:
     images: tuple[ImageSpan, ...] = ()  # the prompt's images, in order (vision-language models)
     # What the runner feeds for the prompt's image positions (vision/embedding.py); opaque to the scheduler.
     multimodal: object | None = None
+    # The id of the adapter it runs with (adapters/adapter_set.py; None: the base model): its blocks hash it too.
+    adapter: str | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

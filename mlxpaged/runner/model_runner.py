@@ -11,10 +11,11 @@ is queued (deferred_writes.py). On the CPU backend it is built ahead and launche
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Protocol
 
+from mlxpaged.adapters.layers import PassRows
 from mlxpaged.cache.cache_view import paged_views
 from mlxpaged.cache.kv_cache import PagedKVCache
 from mlxpaged.cache.layout import ModelLayout
@@ -167,6 +168,8 @@ class Runner:
         )
         # Set on rank 0 of a distributed engine (engine/build.py): passes are mirrored, none is built ahead.
         self.mirror: StepMirror | None = None
+        # Set when the model serves adapters (engine/build.py): each pass tells the adapted layers its rows' adapters.
+        self.adapter_rows: PassRows | None = None
 
     def execute(self, chunks: list, sampling: SamplingRows, planner: NextStepPlanner) -> list[SampleResult]:
         """Run a scheduled step (ScheduledChunks) and sample it: one result per sampling row. A
@@ -246,6 +249,7 @@ class Runner:
                     num_logits=len(c.drafts) + 1 if c.samples else 1,
                     embedding=chunk_embedding(c.request, c.start, len(c.token_ids)),
                     position_delta=position_delta(c.request) if self.takes_positions else 0,
+                    adapter=c.request.adapter,
                 )
                 for c in chunks
             ]
@@ -299,7 +303,17 @@ class Runner:
                 picked.append(i)
                 delta = position_delta(request) if self.takes_positions else 0
                 start = chunk.start + len(chunk.token_ids)
-                inputs.append(StepInput([0], start, tables, True, state_slot=chunk.state_slot, position_delta=delta))
+                inputs.append(
+                    StepInput(
+                        [0],
+                        start,
+                        tables,
+                        True,
+                        state_slot=chunk.state_slot,
+                        position_delta=delta,
+                        adapter=request.adapter,
+                    )
+                )
         if not picked:
             return None
         rows = [(chunks[i].request.request_id, x.start) for i, x in zip(picked, inputs, strict=True)]
@@ -326,6 +340,10 @@ class Runner:
         )
         cache = cache_tree.model_cache(self.layout, views, None)
         tokens = tokens.astype(mx.int32).reshape(-1, 1)
+        with self._adapted(inputs):
+            return self._deferred_logits(inputs, tokens, cache), deferred
+
+    def _deferred_logits(self, inputs: list[StepInput], tokens: mx.array, cache) -> mx.array:
         if self.takes_positions:
             starts, deltas = [x.start for x in inputs], [x.position_delta for x in inputs]
             logits = self.model(tokens, cache=cache, position_ids=row_positions(starts, deltas, 1))[:, -1]
@@ -333,7 +351,7 @@ class Runner:
             logits = self.head(self.model.model(tokens, cache=cache)[:, -1])
         else:
             logits = self.model(tokens, cache=cache)[:, -1]
-        return logits.astype(mx.float32), deferred
+        return logits.astype(mx.float32)
 
     def step(self, inputs: Sequence[StepInput]) -> mx.array | None:
         """Queue the step; return float32 logits [S, V] of the inputs that sample, in order (an input's
@@ -381,8 +399,8 @@ class Runner:
     def _compiled_pass(self, batch: list[StepInput], length: int) -> bool:
         """A decode pass, or a verify chunk (every position's logits) of at most COMPILED_VERIFY_MAX_TOKENS,
         at a batch size that compiles: the compiled pass returns every position's logits."""
-        if not self.compiles(len(batch)) or any(x.embedding is not None for x in batch):
-            return False
+        if not self.compiles(len(batch)) or any(x.embedding is not None or x.adapter is not None for x in batch):
+            return False  # the compiled graph holds the base model's layers only (its trace saw no adapter rows)
         return length == 1 or (
             length <= COMPILED_VERIFY_MAX_TOKENS and all(x.num_logits == len(x.token_ids) == length for x in batch)
         )
@@ -425,7 +443,14 @@ class Runner:
         if self.decoder is not None and self._compiled_pass(batch, length):
             deltas = [x.position_delta for x in batch] if self.takes_positions else None
             return self.decoder([x.start for x in batch], [x.block_tables[0] for x in batch], tokens, deltas), None
-        return self._forward(batch, tokens)
+        with self._adapted(batch):
+            return self._forward(batch, tokens)
+
+    def _adapted(self, batch: Sequence[StepInput]) -> AbstractContextManager[None]:
+        """Around building a pass: the adapted layers apply each row's adapter (adapters/layers.py)."""
+        if self.adapter_rows is None:
+            return nullcontext()
+        return self.adapter_rows.building([x.adapter for x in batch], max(len(x.token_ids) for x in batch))
 
     def _launch_pass(self, logits: mx.array, state_pass: StatePass | None) -> None:
         if state_pass is not None:

@@ -39,6 +39,7 @@ class StepInput:
     # A model whose positions come from the images (vision/positions.py): the request's delta, added to the
     # positions of its rows that are not prompt chunks with images.
     position_delta: int = 0
+    adapter: str | None = None  # the id of the adapter the sequence runs with (adapters/), None: the base model
 
 
 def split_head(model: nn.Module) -> Callable[[mx.array], mx.array] | None:

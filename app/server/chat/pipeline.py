@@ -163,7 +163,7 @@ async def start_chat(
     async def start() -> Generation:
         prepared.append(await anyio.to_thread.run_sync(prepare, model.engine, spec, model.config.images))
         params = _params(model, spec, prepared[0])
-        generation = Generation(model.engine, model.metrics, params.n, arrived)
+        generation = Generation(model.engine, model.metrics, params.n, arrived, model.adapter)
         generation.submit([prepared[0].submitted], params, spec.names.prompt)
         return generation
 

@@ -20,6 +20,7 @@ import functools
 import hashlib
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -129,14 +130,35 @@ def tags_entry(entry: CatalogEntry) -> dict:
     }
 
 
-def tags_entries(entries: list[CatalogEntry]) -> list[dict]:
-    """/api/tags' list; a model whose files cannot be read is left out (and logged), not the whole list."""
+def adapter_tags_entry(name: str, base: CatalogEntry) -> dict:
+    """An adapter (--lora) as Ollama lists a model made FROM a base with an ADAPTER: its own name and files, the
+    base model's details with `parent_model` naming the base."""
+    directory = Path(dict(base.adapters)[name])
+    files = [directory / "adapters.safetensors", directory / "adapter_config.json"]
+    digest = hashlib.sha256(name.encode())
+    for file in files:
+        digest.update(file.read_bytes())
+    newest = max(file.stat().st_mtime for file in files)
+    return {
+        "name": tagged(name),
+        "model": tagged(name),
+        "modified_at": rfc3339(dt.datetime.fromtimestamp(newest, dt.UTC)),
+        "size": sum(file.stat().st_size for file in files),
+        "digest": digest.hexdigest(),
+        "details": {**details(base), "parent_model": tagged(base.name)},
+    }
+
+
+def tags_entries(entries: list[CatalogEntry], adapters: Sequence[tuple[str, CatalogEntry]] = ()) -> list[dict]:
+    """/api/tags' list, models then adapters; one whose files cannot be read is left out (and logged), not the whole
+    list."""
+    jobs = [(e.name, tags_entry, (e,)) for e in entries] + [(n, adapter_tags_entry, (n, b)) for n, b in adapters]
     listed = []
-    for entry in entries:
+    for name, make, args in jobs:
         try:
-            listed.append(tags_entry(entry))
+            listed.append(make(*args))
         except (OSError, ValueError, MlxpagedError) as exc:
-            log.info("ollama: /api/tags leaves out %s: %s", entry.name, exc)
+            log.info("ollama: /api/tags leaves out %s: %s", name, exc)
     return listed
 
 

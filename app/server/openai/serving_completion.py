@@ -44,7 +44,7 @@ async def serve_completion(request: Request, state: ServerState) -> Response:
         prompts, shape.echo = await anyio.to_thread.run_sync(tokenize, model.engine.tokenizer, sources, bool(body.echo))
         max_tokens = reply_budget(model, max(len(p) for p in prompts), body.max_tokens, OPENAI_COMPLETIONS)
         params = _params(body, max_tokens, shape.logprobs, model.config.sampling_defaults)
-        generation = Generation(model.engine, model.metrics, params.n, arrived)
+        generation = Generation(model.engine, model.metrics, params.n, arrived, model.adapter)
         generation.submit(prompts, params, OPENAI_COMPLETIONS.prompt)
         return generation
 

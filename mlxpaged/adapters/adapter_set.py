@@ -1,0 +1,140 @@
+"""The adapters an engine serves, by name, attached to its model: each is checked against the model's layers
+(every layer it names exists, is linear, and has the widths its weights were trained on) before any layer is
+wrapped, so an adapter for another base model is refused whole, with the layers that do not fit, at load.
+
+Attaching wraps each adapted layer once (layers.py `AdaptedLinear`), whatever number of adapters adapt it; a
+request names its adapter and the runner tells the wrapped layers which rows use which (`rows`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from mlxpaged.adapters.files import AdapterFiles, read_adapter
+from mlxpaged.adapters.layers import AdaptedLinear, LinearBase, LowRankUpdate, PassRows, linear_dims
+from mlxpaged.errors import AdapterError, UnknownAdapterError
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_unflatten
+
+AdapterSource = str | Path | AdapterFiles  # an adapter directory, or one read already (read_adapter)
+_SHOWN = 6  # problems listed in a refusal; the rest are counted
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """One served adapter: its name, what its files hold, and how many layers it adapts in this model."""
+
+    name: str
+    files: AdapterFiles
+
+    @property
+    def id(self) -> str:
+        """What requests and the prefix cache know it by: its files' digest (a retrained adapter is another one)."""
+        return self.files.digest
+
+    def describe(self) -> dict:
+        f = self.files
+        return {
+            "path": str(f.path),
+            "fine_tune_type": f.kind,  # mlx-lm's name for it
+            "rank": f.rank,
+            "scale": f.scale,
+            "layers": len(f.modules),
+            "bytes": f.nbytes,
+            "trained_on": f.base_model,
+            "digest": f.digest,
+        }
+
+
+def read_adapters(adapters: Mapping[str, AdapterSource]) -> dict[str, AdapterFiles]:
+    """Each adapter's files read and checked on their own (AdapterError naming the bad one)."""
+    out = {}
+    for name, source in adapters.items():
+        if not isinstance(name, str) or not name.strip() or name != name.strip():
+            raise AdapterError(f"adapter name {name!r}: a name is a non-empty string without surrounding spaces")
+        out[name] = source if isinstance(source, AdapterFiles) else read_adapter(source)
+    return out
+
+
+class AdapterSet:
+    """Adapters attached to one model's layers, by name."""
+
+    def __init__(self, model: nn.Module, adapters: Mapping[str, AdapterSource]):
+        self.rows = PassRows()
+        self._by_name: dict[str, Adapter] = {}
+        chosen = [Adapter(name, files) for name, files in read_adapters(adapters).items()]
+        bases = [self._fitting_layers(model, adapter) for adapter in chosen]  # every one checked before any is attached
+        for adapter, layers in zip(chosen, bases, strict=True):
+            self._attach(model, adapter, layers)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._by_name)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.files.nbytes for a in {a.id: a for a in self._by_name.values()}.values())
+
+    def __len__(self) -> int:
+        return len(self._by_name)
+
+    def resolve(self, name: str) -> Adapter:
+        """The adapter called `name`; UnknownAdapterError listing the ones there are."""
+        adapter = self._by_name.get(name)
+        if adapter is None:
+            known = ", ".join(repr(n) for n in self._by_name) or "none"
+            raise UnknownAdapterError(f"unknown adapter {name!r}; this engine serves: {known}")
+        return adapter
+
+    def describe(self) -> dict[str, dict]:
+        return {name: adapter.describe() for name, adapter in self._by_name.items()}
+
+    def _fitting_layers(self, model: nn.Module, adapter: Adapter) -> dict[str, LinearBase]:
+        """The base layer of each module the adapter names; AdapterError listing those that do not fit."""
+        files = adapter.files
+        layers = dict(model.named_modules())
+        bases: dict[str, LinearBase] = {}
+        problems = []
+        for path, update in files.modules.items():
+            layer = layers.get(path)
+            base = layer.linear if isinstance(layer, AdaptedLinear) else layer
+            if layer is None:
+                problems.append(f"{path}: this model has no such layer")
+            elif path.rsplit(".", 1)[-1] == "lm_head":  # it reads the sampled positions only, not the pass's rows
+                problems.append(f"{path}: adapters of the LM head are not served yet")
+            elif not isinstance(base, nn.Linear | nn.QuantizedLinear):
+                problems.append(f"{path}: a {type(base).__name__}, not a linear layer")
+            else:
+                width, out = linear_dims(base)
+                got = (int(update.lora_a.shape[0]), int(update.lora_b.shape[1]))
+                if got != (width, out):
+                    problems.append(f"{path}: takes {width} inputs to {out} outputs, the adapter {got[0]} to {got[1]}")
+                bases[path] = base
+        if problems:
+            more = f"\n  ... and {len(problems) - _SHOWN} more" if len(problems) > _SHOWN else ""
+            named = f", trained on {files.base_model!r}" if files.base_model else ""
+            raise AdapterError(
+                f"adapter {adapter.name!r} ({files.path}{named}) does not fit this model:\n  "
+                + "\n  ".join(problems[:_SHOWN])
+                + more
+            )
+        return bases
+
+    def _attach(self, model: nn.Module, adapter: Adapter, bases: dict[str, LinearBase]) -> None:
+        files, layers = adapter.files, dict(model.named_modules())
+        wrapped = []
+        for path, base in bases.items():
+            layer = layers[path]
+            if not isinstance(layer, AdaptedLinear):
+                layer = AdaptedLinear(base, self.rows)
+                wrapped.append((path, layer))
+            update = LowRankUpdate(files.modules[path], files.scale, files.kind == "dora", base)
+            mx.eval(update.arrays())  # on the caller's thread, as the model's own weights are
+            layer.updates.add(adapter.id, update)
+        if wrapped:
+            model.update_modules(tree_unflatten(wrapped))
+        self._by_name[adapter.name] = adapter

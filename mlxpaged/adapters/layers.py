@@ -1,0 +1,173 @@
+"""Linear layers that add, row by row of a batch, the low-rank update of the adapter that row's request asked for.
+
+A pass over a batch whose rows use several adapters (and the base model) computes the base layer once for every
+row, then each adapter's update on its own rows: the rows are grouped by adapter when the pass is built (the runner
+knows each row's adapter then, `PassRows.building`), so each group is two small matmuls of mlx-lm's own shape and
+order, and rows of the base model cost nothing more. No weight is ever merged, so any mix of adapters can share a pass.
+
+The update is mlx-lm's, operation for operation (mlx_lm/tuner/lora.py `LoRALinear`, dora.py `DoRALinear`), so a row
+computes what `load(base, adapter_path=...)` computes: LoRA `y + (scale * ((x @ A) @ B)).astype(x.dtype)`; DoRA
+`(m / |W + scale * (A @ B).T|).astype(x.dtype) * (x @ W.T + scale * ((x @ A) @ B)) + bias`, whose norm depends on the
+weights only and is computed once, when the adapter is attached.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+from mlxpaged.adapters.files import ModuleUpdate
+
+import mlx.core as mx
+import mlx.nn as nn
+
+LinearBase = nn.Linear | nn.QuantizedLinear
+
+
+def linear_dims(linear: LinearBase) -> tuple[int, int]:
+    """(input width, output width) of a linear layer, quantized or not (as mlx-lm's LoRALinear.from_base reads them)."""
+    out, width = linear.weight.shape
+    if isinstance(linear, nn.QuantizedLinear):
+        width = width * 32 // linear.bits
+    return int(width), int(out)
+
+
+def _weight(linear: LinearBase) -> mx.array:
+    """The layer's weight [out, in] in its dtype, dequantized if quantized (DoRALinear._dequantized_weight)."""
+    if isinstance(linear, nn.QuantizedLinear):
+        return mx.dequantize(
+            linear.weight,
+            linear.scales,
+            linear.biases,
+            group_size=linear.group_size,
+            bits=linear.bits,
+            mode=linear.mode,
+        )
+    return linear.weight
+
+
+class LowRankUpdate:
+    """One adapter's update of one layer (a plain object: its arrays are not the model's parameters)."""
+
+    def __init__(self, update: ModuleUpdate, scale: float, dora: bool, linear: LinearBase):
+        self.lora_a, self.lora_b, self.scale = update.lora_a, update.lora_b, scale
+        self.norm_scale: mx.array | None = None  # DoRA: m / |adapted weight rows|
+        if dora:
+            weight = _weight(linear)
+            m = update.m if update.m is not None else mx.linalg.norm(weight.astype(mx.float32), axis=1)
+            adapted = weight + (scale * self.lora_b.T) @ self.lora_a.T
+            self.norm_scale = m / mx.linalg.norm(adapted, axis=1)
+        # y = linear(x) is already x @ W.T exactly when the layer is a plain Linear without a bias.
+        self._reuses_base = isinstance(linear, nn.Linear) and "bias" not in linear
+
+    def arrays(self) -> list[mx.array]:
+        return [a for a in (self.lora_a, self.lora_b, self.norm_scale) if a is not None]
+
+    def __call__(self, x: mx.array, y: mx.array, linear: LinearBase) -> mx.array:
+        """The adapted output of rows `x`, whose base output is `y`."""
+        z = (x @ self.lora_a) @ self.lora_b
+        if self.norm_scale is None:
+            return y + (self.scale * z).astype(x.dtype)
+        plain = y if self._reuses_base else x @ _weight(linear).T
+        out = self.norm_scale.astype(x.dtype) * (plain + (self.scale * z).astype(x.dtype))
+        return out + linear.bias if "bias" in linear else out
+
+
+class PassRows:
+    """Which adapter each row of the pass being built uses, read by every adapted layer of one model while the
+    runner builds that pass (the arrays then hold it; nothing here is read when the pass runs)."""
+
+    def __init__(self) -> None:
+        self.adapters: list[str | None] = []  # each row's adapter id, in batch order
+        self.length = 0  # positions per row
+        self.groups: list[tuple[str | None, mx.array | None]] | None = None  # (adapter id, its rows) per group
+        self.inverse: mx.array | None = None  # the rows back in batch order after the groups are concatenated
+        self._by_token: tuple[list[tuple[str | None, mx.array | None]], mx.array] | None = None
+
+    @property
+    def batch(self) -> int:
+        return len(self.adapters)
+
+    @contextmanager
+    def building(self, adapters: Sequence[str | None], length: int) -> Iterator[None]:
+        """Around building a pass of `length` positions per row whose row i uses adapter `adapters[i]` (None: the
+        base model)."""
+        if all(a is None for a in adapters):
+            yield
+            return
+        self.adapters, self.length = list(adapters), length
+        if len(set(adapters)) == 1:
+            self.groups, self.inverse = [(adapters[0], None)], None
+        else:
+            self.groups, self.inverse = _grouped(self.adapters)
+        try:
+            yield
+        finally:
+            self.groups, self.inverse, self._by_token = None, None, None
+
+    def tokens(self) -> tuple[list[tuple[str | None, mx.array | None]], mx.array]:
+        """The groups and inverse order by position, for a layer that sees the pass flattened to [rows * length, D]
+        (mixture-of-experts blocks do)."""
+        if self._by_token is None:
+            self._by_token = _grouped([a for a in self.adapters for _ in range(self.length)])
+        return self._by_token
+
+
+def _grouped(adapters: list[str | None]) -> tuple[list[tuple[str | None, mx.array | None]], mx.array]:
+    """(adapter, its rows) for each distinct adapter, and the order that puts the groups' rows back."""
+    distinct = list(dict.fromkeys(adapters))
+    rows = [[i for i, a in enumerate(adapters) if a == adapter] for adapter in distinct]
+    order = [i for group in rows for i in group]
+    groups: list[tuple[str | None, mx.array | None]] = [(a, mx.array(r)) for a, r in zip(distinct, rows, strict=True)]
+    return groups, mx.array(sorted(range(len(order)), key=order.__getitem__))
+
+
+class AdaptedLinear(nn.Module):
+    """A linear layer and the updates of the adapters that adapt it, applied to the rows that asked for them."""
+
+    def __init__(self, linear: LinearBase, rows: PassRows):
+        super().__init__()
+        self.linear = linear
+        self.rows = rows  # plain objects (not arrays, dicts or lists): neither is a parameter
+        self.updates = AdapterUpdates()
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = self.linear(x)
+        groups = self.rows.groups
+        if groups is None or not any(adapter in self.updates for adapter, _ in groups):
+            return y
+        if len(groups) == 1:
+            return self.updates[groups[0][0]](x, y, self.linear)
+        inverse = self.rows.inverse
+        if x.shape[0] != self.rows.batch:
+            if x.shape[0] != self.rows.batch * self.rows.length:
+                raise RuntimeError(f"an adapted layer got input {x.shape} in a pass of {self.rows.batch} rows")
+            groups, inverse = self.rows.tokens()
+        pieces = []
+        for adapter, rows in groups:
+            update = self.updates.get(adapter)
+            pieces.append(y[rows] if update is None else update(x[rows], y[rows], self.linear))
+        return mx.concatenate(pieces, axis=0)[inverse]
+
+
+class AdapterUpdates:
+    """Adapter id -> its LowRankUpdate of one layer. A plain object, not a dict: MLX takes a module's dict attributes
+    for children, and their arrays for the model's parameters."""
+
+    def __init__(self) -> None:
+        self._by_adapter: dict[str, LowRankUpdate] = {}
+
+    def __contains__(self, adapter: object) -> bool:
+        return adapter in self._by_adapter
+
+    def __getitem__(self, adapter: str) -> LowRankUpdate:
+        return self._by_adapter[adapter]
+
+    def get(self, adapter: str | None) -> LowRankUpdate | None:
+        return self._by_adapter.get(adapter) if adapter is not None else None
+
+    def add(self, adapter: str, update: LowRankUpdate) -> None:
+        self._by_adapter[adapter] = update
+
+    def remove(self, adapter: str) -> None:
+        self._by_adapter.pop(adapter, None)

@@ -1,0 +1,129 @@
+"""The engine with LoRA / DoRA adapters against mlx-lm's own `generate_step` on the adapted model (load_adapters),
+token for token; requests for several adapters and the base model in one batch, each as if alone; a prefix cache
+that never serves one adapter's blocks to another; and adapters that do not fit, refused at load."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from pathlib import Path
+
+from mlxpaged.config import split_settings
+from mlxpaged.engine.engine import Engine
+from mlxpaged.errors import AdapterError, UnknownAdapterError
+from mlxpaged.loading.loader import LoadedModel
+from mlxpaged.loading.model_store import ModelRef
+from mlxpaged.sampling_params import SamplingParams
+from tests.tiny_adapters import adapted_reference, reference_tokens, write_adapter
+from tests.tiny_models import tiny_llama, tiny_qwen3
+
+import pytest
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+PROMPTS = [
+    [5, 17, 99, 3, 42, 7, 8, 1, 250, 64, 9, 11, 13, 14, 15, 16, 17, 18, 19],
+    [2, 4, 6, 8, 10, 12, 14],
+    [200, 100, 50, 25, 12, 6, 3, 1, 0, 1, 3, 6, 12, 25, 50, 100, 200, 100, 50, 25, 12, 6, 3],
+]
+
+
+def adapted_engine(make, tokenizer, adapters: dict, **settings) -> Engine:
+    model = make()
+    config = {k: v for k, v in dataclasses.asdict(model.args).items() if v is not None}
+    loaded = LoadedModel(model, tokenizer, ModelRef("tiny", "path"), Path("tiny"), "float32", config)
+    cache, scheduler = split_settings({"cache_tokens": 2048, "block_size": 8, **settings})
+    return Engine(loaded, cache, scheduler, adapters=adapters)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_loaded):
+    return default_loaded.tokenizer
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def setup(request, tokenizer, tmp_path_factory):
+    """An engine serving a LoRA and a DoRA adapter of a tiny model, and mlx-lm's adapted twins of it."""
+    make = functools.partial(tiny_llama, 3) if request.param == "llama" else tiny_qwen3
+    root = tmp_path_factory.mktemp(request.param)
+    paths = {
+        "lora": write_adapter(make, root / "lora", "lora", seed=1, rank=4, scale=4.0, num_layers=2),
+        "dora": write_adapter(make, root / "dora", "dora", seed=2, rank=8, keys=["self_attn.v_proj", "mlp.up_proj"]),
+    }
+    references = {None: make(), **{name: adapted_reference(make, path) for name, path in paths.items()}}
+    with adapted_engine(make, tokenizer, paths) as engine:
+        yield engine, references
+
+
+def test_each_adapter_decodes_as_mlx_lm_does_with_it(setup):
+    engine, references = setup
+    for name, reference in references.items():
+        for prompt in PROMPTS:
+            got = engine.generate([prompt], GREEDY, adapter=name)[0].token_ids
+            assert got == reference_tokens(reference, prompt, GREEDY.max_tokens), (name, prompt)
+
+
+def test_requests_for_several_adapters_share_the_batch_each_as_if_alone(setup):
+    engine, references = setup
+    names = [None, "lora", "dora", "lora", None, "dora"]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(names))]
+    engine.pool.reset_prefix_cache()
+    together = engine.generate(prompts, GREEDY, adapter=names)
+    for prompt, name, got in zip(prompts, names, together, strict=True):
+        assert got.token_ids == reference_tokens(references[name], prompt, GREEDY.max_tokens), name
+    # the adapters do change what is generated: the test can tell them apart
+    assert len({tuple(c.token_ids) for c in together[:3]}) == 3
+
+
+def test_the_prefix_cache_serves_each_adapter_its_own_blocks_only(setup):
+    engine, references = setup
+    prompt = PROMPTS[2]
+    engine.pool.reset_prefix_cache()
+    first = engine.generate([prompt], GREEDY, adapter="lora")[0]
+    assert first.cached_tokens == 0
+    for other in [None, "dora"]:  # the same tokens under another adapter (or none) hit nothing
+        cold = engine.generate([prompt], GREEDY, adapter=other)[0]
+        assert cold.cached_tokens == 0, other
+    again = engine.generate([prompt], GREEDY, adapter="lora")[0]
+    assert again.cached_tokens >= 16  # its own blocks: a hit, and the same tokens as cold
+    assert again.token_ids == first.token_ids == reference_tokens(references["lora"], prompt, GREEDY.max_tokens)
+
+
+def test_a_partial_block_is_not_served_across_adapters_either(setup):
+    engine, references = setup
+    short, params = [2, 4, 6], dataclasses.replace(GREEDY, max_tokens=4)  # 7 tokens: all in one partial block of 8
+    engine.pool.reset_prefix_cache()
+    engine.generate([short], params)  # the base model leaves a partial block holding its tokens
+    for name in ["lora", "dora", None]:
+        got = engine.generate([short], params, adapter=name)[0]
+        assert got.cached_tokens == (len(short) - 1 if name is None else 0), name
+        assert got.token_ids == reference_tokens(references[name], short, params.max_tokens), name
+    assert engine.generate([short], params, adapter="lora")[0].cached_tokens == len(short) - 1
+
+
+def test_n_sequences_of_an_adapted_request_all_use_its_adapter(setup):
+    engine, references = setup
+    params = dataclasses.replace(GREEDY, n=2)
+    got = engine.generate([PROMPTS[1]], params, adapter="dora")
+    want = reference_tokens(references["dora"], PROMPTS[1], GREEDY.max_tokens)
+    assert [c.token_ids for c in got] == [want, want]
+
+
+def test_an_unknown_adapter_is_refused_at_submission(setup):
+    engine, _ = setup
+    with pytest.raises(UnknownAdapterError, match=r"'nope'; this engine serves: '(lora|dora)', '(lora|dora)'"):
+        engine.generate([PROMPTS[0]], GREEDY, adapter="nope")
+    assert engine.generate([PROMPTS[1]], GREEDY)[0].token_ids  # and the engine goes on
+
+
+def test_an_engine_without_adapters_refuses_one_by_name(tokenizer):
+    with adapted_engine(tiny_qwen3, tokenizer, {}) as engine, pytest.raises(UnknownAdapterError, match="no adapters"):
+        engine.generate([PROMPTS[0]], GREEDY, adapter="lora")
+
+
+def test_an_adapter_for_another_model_is_refused_at_load_with_its_layers(tokenizer, tmp_path):
+    deeper = write_adapter(functools.partial(tiny_llama, 4), tmp_path / "deep", num_layers=1)  # adapts layer 3
+    with pytest.raises(AdapterError, match=r"does not fit this model:\n  model\.layers\.3\..*no such layer"):
+        adapted_engine(functools.partial(tiny_llama, 3), tokenizer, {"deep": deeper})
+    other = write_adapter(tiny_qwen3, tmp_path / "qwen3", num_layers=1, keys=["self_attn.q_proj"])
+    with pytest.raises(AdapterError, match=r"q_proj: takes 32 inputs to 64 outputs, the adapter 64 to 64"):
+        adapted_engine(functools.partial(tiny_llama, 3, hidden_size=32), tokenizer, {"qwen3": other})
