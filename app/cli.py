@@ -100,6 +100,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             speculative=args.speculative,
             kv_disk=kv_disk_settings(args),
             kv_bits=args.kv_bits,
+            lora=args.lora,
         )
     except ValueError as exc:  # bad sampling settings, before the app starts
         print(f"mlxpaged chat: {user_message(exc, 'cli')}", file=sys.stderr)
@@ -127,6 +128,7 @@ def cmd_plain_chat(args: argparse.Namespace) -> int:
             args.speculative,
             kv_disk_settings(args),
             args.kv_bits,
+            args.lora,
         )
     except ValueError as exc:  # bad sampling or cache settings, before the first turn
         print(f"mlxpaged chat: {exc}", file=sys.stderr)
@@ -218,6 +220,12 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     chat.add_argument("--system", default="", help="system prompt (default: the model's own)")
     chat.add_argument(
+        "--lora",
+        default=None,
+        metavar="PATH",
+        help="chat with the LoRA / DoRA adapter in PATH (mlx_lm.lora's adapter directory) on the model",
+    )
+    chat.add_argument(
         "--resume",
         action="store_true",
         help="reopen the last saved conversation (its earlier turns' KV comes from the disk tier: no re-prefill)",
@@ -257,6 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
             "distributed",
             "vision",
             "fleet",
+            "lora",
         ],
         help="decode: batch-1 tok/s vs mlx-lm; batch: 16 concurrent requests vs mlx-lm "
         "batch_generate (--lengths skewed: 16 and 64 of 128-8k tokens); prefix: time to first token, cached vs "
@@ -277,7 +286,9 @@ def build_parser() -> argparse.ArgumentParser:
         "cold time to first token of an image prompt, the same image's next turn, and 8 concurrent image requests, "
         "each vs mlx-vlm's own generate / batch_generate; fleet: an agent fleet (a shared long system prompt, "
         "several turns each, streaming) against mlxpaged serve, mlx_lm.server and mlx-vlm's server, one after "
-        "another: wall time, time to first token, inter-token latency, tok/s, peak memory",
+        "another: wall time, time to first token, inter-token latency, tok/s, peak memory; lora: 16 concurrent "
+        "requests over 1, 4 and 16 LoRA adapters vs the base model alone, and batch-1 decode with an adapter vs "
+        "mlx-lm's generate_step on load(model, adapter_path)",
     )
     bench.add_argument("--model", "-m", default=None)
     bench.add_argument(

@@ -18,6 +18,7 @@ from mlxpaged.loading.loader import load_model
 from mlxpaged.loading.progress import print_progress
 from mlxpaged.platform.blas import blas_status
 from mlxpaged_app.tui.generation import ReplyStats
+from mlxpaged_app.tui.protocol import adapter_name
 from mlxpaged_app.tui.settings import ChatSettings
 
 HELP = "Type a message and press Enter. /reset starts a new chat, /exit (or Ctrl-D) quits; Ctrl-C stops a reply."
@@ -35,13 +36,16 @@ def run_plain_chat(
     speculative: str | None = None,
     kv_disk: dict | None = None,
     kv_bits: int | None = None,
+    lora: str | None = None,
 ) -> int:
-    """Chat until EOF or /exit (exit code 0)."""
+    """Chat until EOF or /exit (exit code 0); `lora`: an adapter directory every turn runs with."""
     say(f"Loading {model or 'the default model'}...")
+    adapter = adapter_name(lora) if lora else None
     with Engine(
         load_model(model, progress=print_progress),
         CacheConfig(cache_tokens=cache_tokens, kv_bits=kv_bits, **(kv_disk or {})),
         SchedulerConfig(speculative=speculative),
+        adapters={adapter: lora} if adapter and lora else None,
     ) as engine:
         blas = blas_status()
         say(
@@ -53,15 +57,16 @@ def run_plain_chat(
         interactive = sys.stdin.isatty()
         if interactive:
             say(HELP)
-        PlainChat(engine, settings, system).run(sys.stdin, sys.stdout, interactive)
+        PlainChat(engine, settings, system, adapter).run(sys.stdin, sys.stdout, interactive)
     return 0
 
 
 class PlainChat:
     """The conversation and its loop: read a line, stream the reply, keep both turns."""
 
-    def __init__(self, engine, settings: ChatSettings, system: str) -> None:
+    def __init__(self, engine, settings: ChatSettings, system: str, adapter: str | None = None) -> None:
         self.engine, self.params = engine, settings.sampling_params(engine.generation_defaults)
+        self.adapter = adapter  # the engine's adapter every turn runs with (chat --lora)
         self.system = [{"role": "system", "content": system}] if system.strip() else []  # as the chat app does
         self.turns: list[dict] = []
 
@@ -78,7 +83,7 @@ class PlainChat:
     def reply(self, text: str, out: TextIO, interactive: bool) -> None:
         """Stream one reply and keep both turns; a refused or failed turn is dropped, and said why."""
         messages = self.system + self.turns + [{"role": "user", "content": text}]
-        stream = self.engine.stream(self.engine.chat_tokens(messages), self.params)
+        stream = self.engine.stream(self.engine.chat_tokens(messages), self.params, adapter=self.adapter)
         try:
             reply, stats = _stream_to(out, stream, "bot> " if interactive else "")
         except (ValueError, RequestFailedError) as exc:  # too long for the context or the cache; an engine failure

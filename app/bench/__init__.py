@@ -12,6 +12,7 @@ from mlxpaged_app.bench.gpu import bench_gpu
 from mlxpaged_app.bench.hybrid import bench_hybrid
 from mlxpaged_app.bench.kernel import bench_kernel
 from mlxpaged_app.bench.kv import bench_kv
+from mlxpaged_app.bench.lora import bench_lora
 from mlxpaged_app.bench.memory import bench_memory
 from mlxpaged_app.bench.prefill import bench_prefill
 from mlxpaged_app.bench.prefix import bench_prefix
@@ -51,11 +52,17 @@ BENCHES = {
     "distributed": bench_distributed,
     "vision": bench_vision,
     "fleet": bench_fleet,
+    "lora": bench_lora,
 }
 
 
 # --tokens and --runs when not given: 128 and 3, except where a bench's own default keeps its run short.
-DEFAULTS = {"distributed": {"tokens": 16, "runs": 1}, "vision": {"tokens": 32}, "fleet": {"tokens": 64}}
+DEFAULTS = {
+    "distributed": {"tokens": 16, "runs": 1},
+    "vision": {"tokens": 32},
+    "fleet": {"tokens": 64},
+    "lora": {"tokens": 64},
+}
 
 
 def run_bench(args: Namespace) -> int:

@@ -58,7 +58,9 @@ class Generation:
         """Queue every prompt, or none: a prompt the engine refuses withdraws the ones before it."""
         try:
             for i, tokens in enumerate(prompts):
-                self._request_ids.append(self.engine.submit(tokens, params, partial(self._sink, i), self.adapter))
+                self._request_ids.append(
+                    self.engine.submit(tokens, params, partial(self._sink, i), adapter=self.adapter)
+                )
                 self._open.append(self.n)
         except Exception as exc:
             self.abort()

@@ -20,15 +20,28 @@ def run_chat(
     speculative: str | None = None,
     kv_disk: dict | None = None,
     kv_bits: int | None = None,
+    lora: str | None = None,
 ) -> int:
     """Run the chat app until the user quits; returns the exit code. temperature / top_p None: the model's.
-    `kv_disk`: CacheConfig's kv_disk settings (the prefix cache on disk, which `resume` answers from).
+    `kv_disk`: CacheConfig's kv_disk settings (the prefix cache on disk, which `resume` answers from); `lora`: an
+    adapter directory every turn runs with.
     Raises ValueError for bad sampling settings before the app starts."""
     from mlxpaged_app.tui.terminal import enter_stays_enter
 
     with enter_stays_enter():  # before the slow imports: keys typed meanwhile reach the app as typed
         return _run_app(
-            model, max_tokens, temperature, top_p, seed, system, resume, cache_tokens, speculative, kv_disk, kv_bits
+            model,
+            max_tokens,
+            temperature,
+            top_p,
+            seed,
+            system,
+            resume,
+            cache_tokens,
+            speculative,
+            kv_disk,
+            kv_bits,
+            lora,
         )
 
 
@@ -44,6 +57,7 @@ def _run_app(
     speculative=None,
     kv_disk=None,
     kv_bits=None,
+    lora=None,
 ) -> int:
     from mlxpaged_app.tui.app import ChatApp
     from mlxpaged_app.tui.protocol import real_engine_factory
@@ -58,7 +72,7 @@ def _run_app(
     if conversation is not None and model is None:
         model = conversation.model
     app = ChatApp(
-        real_engine_factory(cache_tokens, speculative, kv_disk, kv_bits),
+        real_engine_factory(cache_tokens, speculative, kv_disk, kv_bits, lora),
         model=model,
         settings=settings,
         store=store,

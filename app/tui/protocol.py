@@ -3,6 +3,7 @@ scripted fake engine, `mlxpaged chat` with the real one."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -35,18 +36,24 @@ EngineFactory = Callable[[str | None, Progress], ChatEngine]
 
 
 def real_engine_factory(
-    cache_tokens: int, speculative: str | None = None, kv_disk: dict | None = None, kv_bits: int | None = None
+    cache_tokens: int,
+    speculative: str | None = None,
+    kv_disk: dict | None = None,
+    kv_bits: int | None = None,
+    lora: str | None = None,
 ) -> EngineFactory:
     """Engines over the real model store, with a KV cache capped at `cache_tokens` tokens (and
     `speculative` decoding, SchedulerConfig's; `kv_disk`: CacheConfig's kv_disk and kv_disk_size; `kv_bits`:
-    quantized pages, CacheConfig's)."""
+    quantized pages, CacheConfig's; `lora`: an adapter directory every turn runs with)."""
 
     def build(name: str | None, progress: Progress) -> ChatEngine:
         from mlxpaged.engine.engine import Engine
 
+        adapters = {adapter_name(lora): lora} if lora else None
         engine = Engine.from_pretrained(
             name,
             progress,
+            adapters,
             cache_tokens=cache_tokens,  # refuses before loading weights
             speculative=speculative,
             **(kv_disk or {}),
@@ -57,6 +64,24 @@ def real_engine_factory(
         except Exception:
             engine.close()
             raise
-        return engine
+        return AdaptedChatEngine(engine, adapter_name(lora)) if lora else engine
 
     return build
+
+
+def adapter_name(path: str) -> str:
+    """What `chat --lora PATH` calls its adapter: the directory's name."""
+    return os.path.basename(os.path.normpath(path)) or path
+
+
+class AdaptedChatEngine:
+    """An engine whose every turn runs with one of its adapters (`chat --lora`); the rest is the engine's own."""
+
+    def __init__(self, engine, adapter: str) -> None:
+        self.engine, self.adapter = engine, adapter
+
+    def submit(self, prompt, params, sink: Callable[[object], None]) -> str:
+        return self.engine.submit(prompt, params, sink, adapter=self.adapter)
+
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)

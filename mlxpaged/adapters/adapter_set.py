@@ -3,7 +3,9 @@
 wrapped, so an adapter for another base model is refused whole, with the layers that do not fit, at load.
 
 Attaching wraps each adapted layer once (layers.py `AdaptedLinear`), whatever number of adapters adapt it; a
-request names its adapter and the runner tells the wrapped layers which rows use which (`rows`).
+request names its adapter and the runner tells the wrapped layers which rows use which (`rows`). Adapters may be
+added and removed while the engine runs (`add`, `remove`), on the engine thread between steps (Engine.add_adapter):
+a pass already built holds the arrays it read, and a layer wrapped later was the same base layer before.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 from mlxpaged.adapters.files import AdapterFiles, read_adapter
 from mlxpaged.adapters.layers import AdaptedLinear, LinearBase, LowRankUpdate, PassRows, linear_dims
 from mlxpaged.errors import AdapterError, UnknownAdapterError
+from mlxpaged.loading.fused_projections import ProjectionSlice
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -63,13 +66,36 @@ def read_adapters(adapters: Mapping[str, AdapterSource]) -> dict[str, AdapterFil
 class AdapterSet:
     """Adapters attached to one model's layers, by name."""
 
-    def __init__(self, model: nn.Module, adapters: Mapping[str, AdapterSource]):
+    def __init__(self, model: nn.Module, adapters: Mapping[str, AdapterSource] | None = None):
         self.rows = PassRows()
+        self._model = model
         self._by_name: dict[str, Adapter] = {}
-        chosen = [Adapter(name, files) for name, files in read_adapters(adapters).items()]
+        chosen = [Adapter(name, files) for name, files in read_adapters(adapters or {}).items()]
         bases = [self._fitting_layers(model, adapter) for adapter in chosen]  # every one checked before any is attached
         for adapter, layers in zip(chosen, bases, strict=True):
             self._attach(model, adapter, layers)
+
+    def add(self, name: str, source: AdapterSource) -> Adapter:
+        """Attach one more adapter (AdapterError if its name is taken or it does not fit: nothing changes then)."""
+        if name in self._by_name:
+            raise AdapterError(f"an adapter named {name!r} is served already")
+        adapter = Adapter(name, read_adapters({name: source})[name])
+        self._attach(self._model, adapter, self._fitting_layers(self._model, adapter))
+        return adapter
+
+    def remove(self, name: str) -> Adapter:
+        """Detach the adapter `name` (UnknownAdapterError if there is none); its layers stay wrapped, and compute
+        the base model's output for rows without an adapter of theirs."""
+        adapter = self.resolve(name)
+        del self._by_name[name]
+        if not any(other.id == adapter.id for other in self._by_name.values()):  # the same files under another name
+            for module in self._model.modules():
+                if isinstance(module, AdaptedLinear):
+                    module.updates.remove(adapter.id)
+        return adapter
+
+    def has_id(self, adapter_id: str) -> bool:
+        return any(adapter.id == adapter_id for adapter in self._by_name.values())
 
     @property
     def names(self) -> list[str]:
@@ -104,6 +130,11 @@ class AdapterSet:
             base = layer.linear if isinstance(layer, AdaptedLinear) else layer
             if layer is None:
                 problems.append(f"{path}: this model has no such layer")
+            elif isinstance(layer, ProjectionSlice):
+                problems.append(
+                    f"{path}: fused with its group's projections for speed on this GPU (loading/fused_projections.py); "
+                    "give the adapter when the model loads (adapters=, serve --lora) and its group stays apart"
+                )
             elif path.rsplit(".", 1)[-1] == "lm_head":  # it reads the sampled positions only, not the pass's rows
                 problems.append(f"{path}: adapters of the LM head are not served yet")
             elif not isinstance(base, nn.Linear | nn.QuantizedLinear):

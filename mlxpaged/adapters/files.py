@@ -77,6 +77,7 @@ def read_adapter(path: str | Path) -> AdapterFiles:
     if not isinstance(weights, dict) or not weights:
         raise AdapterError(f"{path / WEIGHTS_FILE} holds no tensors")
     modules = _modules(path, weights, kind)
+    mx.eval(list(weights.values()))  # read now, on this thread: an engine thread may attach it later, on its stream
     digest = hashlib.sha256(config_bytes)
     with open(path / WEIGHTS_FILE, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):

@@ -56,7 +56,7 @@ class BuiltCore:
     serial_reason: str | None  # why one sequence runs per pass (None: ragged batches are exact)
     core: EngineCore
     disk_tier_off: str | None = None  # why the disk tier asked for is off (None: on, or not asked for)
-    adapters: AdapterSet | None = None  # the LoRA / DoRA adapters requests may name (adapters/)
+    adapters: AdapterSet | None = None  # the LoRA / DoRA adapters requests may name (adapters/); None across ranks
 
 
 def build_core(
@@ -74,11 +74,10 @@ def build_core(
     only when nothing did). `ranks`: the processes this (sharded) model runs over, every one building the same
     core; rank 0's runner sends its passes to the others (distributed/). `adapters`: name -> adapter directory (or
     its files, read already), attached to the model's layers here, before anything else wraps or fuses them."""
-    adapter_set = None
-    if adapters:
-        if ranks is not None:
-            raise ConfigError("adapters across mlx.launch ranks are not supported yet", param="adapters")
-        adapter_set = AdapterSet(loaded.model, adapters)  # AdapterError before anything is planned
+    if adapters and ranks is not None:
+        raise ConfigError("adapters across mlx.launch ranks are not supported yet", param="adapters")
+    # Adapters may be added later too (Engine.add_adapter), not across ranks; AdapterError before anything is planned.
+    adapter_set = AdapterSet(loaded.model, adapters) if ranks is None else None
     if backend.tuning().fused_projections:
         fuse_projections(loaded.model)  # before the probe and every pass: the layout is the same either way
     layout = probe_layout(loaded.model)
@@ -142,7 +141,7 @@ def build_core(
     if ranks is not None and ranks.leads:
         core.runner.mirror = PlanSender(PlanChannel(ranks))
     if adapter_set is not None:
-        core.runner.adapter_rows = adapter_set.rows
+        core.runner.adapter_rows, core.adapters = adapter_set.rows, adapter_set
     disk_off = attach_disk_tier(core, loaded, layout, cache_config) if cache_config.kv_disk_dir else None
     return BuiltCore(layout, facts, plan, kv, attention, max_model_len, serial, core, disk_off, adapter_set)
 

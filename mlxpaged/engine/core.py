@@ -15,6 +15,7 @@ import time
 import warnings
 from collections.abc import Callable
 
+from mlxpaged.adapters.adapter_set import AdapterSet
 from mlxpaged.cache.block_pool import BlockPool
 from mlxpaged.cache.kv_cache import PagedKVCache
 from mlxpaged.cache.kv_cache_manager import KVCacheManager
@@ -28,7 +29,7 @@ from mlxpaged.engine.output_processor import OutputProcessor, split_results
 from mlxpaged.engine.request import ImageSpan, Request
 from mlxpaged.engine.scheduler import Scheduler, SchedulerOutput
 from mlxpaged.engine.step_budget import Chunk, StepBudget
-from mlxpaged.errors import ConfigError
+from mlxpaged.errors import ConfigError, UnknownAdapterError
 from mlxpaged.runner.model_runner import Runner
 from mlxpaged.sampling_params import SamplingParams
 
@@ -53,6 +54,8 @@ class EngineCore:
         self.outputs = OutputProcessor(scheduler, tokenizer, self.stats, fork=self._fork)
         self._has_commands = has_commands
         self.tiering: KVTiering | None = None  # the prefix cache's disk tier, when on (attach_disk_tier)
+        # The adapters requests may run with (set by build_core; None across ranks): checked as each request comes in.
+        self.adapters: AdapterSet | None = None
         # Across mlx.launch ranks (set by build_core on every rank): whether every rank says True.
         self.all_ranks_ok: Callable[[bool], bool] | None = None
         # Prompt-lookup speculative decoding (drafting.py), when a draft length is given.
@@ -172,11 +175,17 @@ class EngineCore:
         """Queue a request; its events (StreamDelta, or an exception) go to `sink`. Raises on bad input. A prompt
         with images comes with where they are and what its prefill is fed (engine/request.py); `adapter` is the id of
         the adapter it runs with (adapters/), None for the base model."""
+        if adapter is not None and (self.adapters is None or not self.adapters.has_id(adapter)):
+            raise UnknownAdapterError(f"the adapter the request named ({adapter}) was removed before it started")
         request = Request(
             request_id, token_ids, params.max_tokens, images=images, multimodal=multimodal, adapter=adapter
         )
         self.scheduler.add_request(request)
         self.outputs.add(request, params, sink)
+
+    def requests_with_adapter(self, adapter: str) -> int:
+        """How many unfinished requests run with the adapter of id `adapter`."""
+        return sum(1 for request in self.scheduler.unfinished() if request.adapter == adapter)
 
     def abort(self, request_id: str) -> None:
         """Stop every sequence of a request now and free its blocks (unknown ids are ignored)."""

@@ -17,6 +17,7 @@ from state checkpoints at block boundaries.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import functools
 import itertools
@@ -35,6 +36,7 @@ from mlxpaged.engine.drafting import SpeculationStats
 from mlxpaged.engine.metrics import StatsCounter
 from mlxpaged.engine.shutdown import STEP_TIMEOUT_S
 from mlxpaged.errors import (  # noqa: F401  (re-exported)
+    AdapterError,
     ConfigError,
     EngineClosedError,
     ImagesNotSupportedError,
@@ -183,7 +185,7 @@ class Engine:
 
     @property
     def adapters(self) -> AdapterSet | None:
-        """The adapters requests may name (None: none were given)."""
+        """The adapters requests may name (None across mlx.launch ranks, which serve none)."""
         return self.built.adapters
 
     @property
@@ -234,12 +236,48 @@ class Engine:
         self._commands.put(engine_thread.Add(request_id, tokens, params, sink, images, multimodal, adapter_id))
         return request_id
 
+    def add_adapter(self, name: str, source: AdapterSource, timeout: float | None = STEP_TIMEOUT_S) -> dict:
+        """Serve one more adapter (a directory, as `adapters=` takes them) from now on: its files are read here, then
+        attached on the engine thread between steps. AdapterError (nothing changed) for one that cannot be served.
+        Its memory is not in the plan made at load; the caller counts it (`describe()["bytes"]`)."""
+        adapters = self._adapter_set()
+        files = read_adapters({name: source})[name]  # read and checked on the caller's thread
+        return self._on_engine_thread(lambda: adapters.add(name, files), timeout).describe()
+
+    def remove_adapter(self, name: str, timeout: float | None = STEP_TIMEOUT_S) -> None:
+        """Stop serving the adapter `name`: UnknownAdapterError if there is none, AdapterError while unfinished
+        requests run with it (nothing changes then)."""
+        adapters = self._adapter_set()
+
+        def remove() -> None:
+            in_flight = self.core.requests_with_adapter(adapters.resolve(name).id)
+            if in_flight:
+                raise AdapterError(f"adapter {name!r} has {in_flight} unfinished request(s); remove it once they end")
+            adapters.remove(name)
+
+        self._on_engine_thread(remove, timeout)
+
+    def _adapter_set(self) -> AdapterSet:
+        if self._closed:
+            raise EngineClosedError("the engine is closed")
+        if self.adapters is None:
+            raise ConfigError("adapters across mlx.launch ranks are not supported yet", param="adapters")
+        return self.adapters
+
+    def _on_engine_thread(self, fn: Callable[[], object], timeout: float | None):
+        """`fn()` run on the engine thread between steps; its result, or its exception raised here."""
+        result: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(engine_thread.Call(fn, result))
+        return result.result(timeout)
+
     def _adapter_id(self, name: str | None) -> str | None:
         """The id of the adapter called `name` (None: the base model); UnknownAdapterError for another name."""
         if name is None:
             return None
         if self.adapters is None:
-            raise UnknownAdapterError(f"unknown adapter {name!r}: this engine was given no adapters")
+            raise UnknownAdapterError(
+                f"unknown adapter {name!r}: adapters across mlx.launch ranks are not supported yet"
+            )
         return self.adapters.resolve(name).id
 
     def _image_inputs(self, prompt: ImagePrompt) -> PromptEmbedding:

@@ -7,6 +7,7 @@ queues a close command, which ends this thread. At interpreter exit, shutdown.py
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import queue
 import threading
@@ -57,7 +58,16 @@ class Close:
     """Stop at the next step boundary."""
 
 
-Command = Add | Abort | Flush | Close
+@dataclass(frozen=True)
+class Call:
+    """Run `fn` on the engine thread between steps (what changes the model, such as attaching an adapter, must not
+    run while a pass is being built) and put its result, or its exception, in `result`."""
+
+    fn: Callable[[], object]
+    result: concurrent.futures.Future
+
+
+Command = Add | Abort | Flush | Close | Call
 
 
 def start(engine, commands: queue.SimpleQueue, core: EngineCore, plan: MemoryPlan, wire: bool) -> threading.Thread:
@@ -163,6 +173,11 @@ def apply(core: EngineCore, command: Command) -> bool:
             core.idle()
         finally:
             command.done.set()
+    elif isinstance(command, Call):
+        try:
+            command.result.set_result(command.fn())
+        except Exception as exc:
+            command.result.set_exception(exc)
     return True
 
 
@@ -176,3 +191,5 @@ def _fail_queued(commands: queue.SimpleQueue, exc: Exception) -> None:
         if isinstance(command, Add):
             with contextlib.suppress(Exception):  # its consumer is gone (e.g. a closed event loop): nobody to tell
                 command.sink(exc)
+        elif isinstance(command, Call):
+            command.result.set_exception(exc)

@@ -125,6 +125,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
+    def unfinished(self) -> list[Request]:
+        """Every unfinished request, waiting or running."""
+        return list(self._requests.values())
+
     @property
     def num_waiting(self) -> int:
         return len(self._waiting)

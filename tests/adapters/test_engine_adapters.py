@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import queue
+import time
 from pathlib import Path
 
 from mlxpaged.config import split_settings
+from mlxpaged.engine import engine_thread
 from mlxpaged.engine.engine import Engine
 from mlxpaged.errors import AdapterError, UnknownAdapterError
 from mlxpaged.loading.loader import LoadedModel
@@ -116,8 +119,43 @@ def test_an_unknown_adapter_is_refused_at_submission(setup):
 
 
 def test_an_engine_without_adapters_refuses_one_by_name(tokenizer):
-    with adapted_engine(tiny_qwen3, tokenizer, {}) as engine, pytest.raises(UnknownAdapterError, match="no adapters"):
+    with adapted_engine(tiny_qwen3, tokenizer, {}) as engine, pytest.raises(UnknownAdapterError, match="serves: none"):
         engine.generate([PROMPTS[0]], GREEDY, adapter="lora")
+
+
+def test_adapters_added_and_removed_while_the_engine_serves(tokenizer, tmp_path):
+    make = tiny_qwen3
+    lora = write_adapter(make, tmp_path / "lora", seed=4)
+    misfit = write_adapter(functools.partial(tiny_llama, 3), tmp_path / "misfit", seed=5)
+    with adapted_engine(make, tokenizer, {}) as engine:
+        base = engine.generate([PROMPTS[0]], GREEDY)[0].token_ids
+        assert engine.add_adapter("late", lora)["fine_tune_type"] == "lora"
+        want = reference_tokens(adapted_reference(make, lora), PROMPTS[0], GREEDY.max_tokens)
+        assert engine.generate([PROMPTS[0]], GREEDY, adapter="late")[0].token_ids == want != base
+        with pytest.raises(AdapterError, match="does not fit this model"):
+            engine.add_adapter("misfit", misfit)
+        with pytest.raises(AdapterError, match="served already"):
+            engine.add_adapter("late", lora)
+        stream = engine.stream(PROMPTS[1], dataclasses.replace(GREEDY, max_tokens=200), adapter="late")
+        next(stream)  # a request runs with it: it stays
+        with pytest.raises(AdapterError, match="1 unfinished request"):
+            engine.remove_adapter("late")
+        stream.close()
+        deadline = time.monotonic() + 10
+        while engine.stats()["requests_running"] + engine.stats()["requests_waiting"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        engine.remove_adapter("late")
+        with pytest.raises(UnknownAdapterError):
+            engine.generate([PROMPTS[0]], GREEDY, adapter="late")
+        assert engine.generate([PROMPTS[0]], GREEDY)[0].token_ids == base  # the base model, unchanged throughout
+
+
+def test_a_request_for_an_adapter_removed_before_it_started_fails_alone(setup):
+    engine, _ = setup
+    got: queue.Queue = queue.Queue()
+    engine._commands.put(engine_thread.Add("late-req", PROMPTS[0], GREEDY, got.put, adapter="no-such-digest"))
+    assert isinstance(got.get(timeout=10), UnknownAdapterError)
+    assert engine.generate([PROMPTS[1]], GREEDY, adapter="lora")[0].token_ids  # the others go on
 
 
 def test_an_adapter_for_another_model_is_refused_at_load_with_its_layers(tokenizer, tmp_path):

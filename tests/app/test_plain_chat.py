@@ -27,16 +27,17 @@ class FakeEngine:
     """Replies "<n>:<last user text>" in two deltas; a user text in `refuse` is too long, as the engine says."""
 
     def __init__(self, refuse: tuple[str, ...] = ()) -> None:
-        self.refuse, self.conversations, self.params = refuse, [], []
+        self.refuse, self.conversations, self.params, self.adapters = refuse, [], [], []
         self.generation_defaults = NO_DEFAULTS
 
     def chat_tokens(self, messages: list[dict]) -> list[dict]:
         self.conversations.append(messages)
         return messages
 
-    def stream(self, prompt: list[dict], params):
+    def stream(self, prompt: list[dict], params, adapter: str | None = None):
         """A generator, like Engine.stream: the request is checked at the first `next`."""
         self.params.append(params)
+        self.adapters.append(adapter)
         text = prompt[-1]["content"]
         if text in self.refuse:
             raise RequestTooLongError(5000, params.max_tokens, 4096, "model context")

@@ -101,7 +101,7 @@ class FakeEngine:
             raise RuntimeError("Conversation roles must alternate")
         return self.tokenizer.encode("".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>")
 
-    def submit(self, prompt, params, sink) -> str:
+    def submit(self, prompt, params, sink, adapter=None) -> str:
         tokens = list(prompt)
         if not tokens:
             raise ValueError("the prompt is empty")

@@ -83,7 +83,7 @@ class FakeEngine:
             texts.append(" ".join([m["role"], *(p["text"] for p in parts if p["type"] == "text")]))
         return [len(word) for text in texts for word in text.split()]
 
-    def submit(self, prompt, params, sink) -> str:
+    def submit(self, prompt, params, sink, adapter=None) -> str:
         if self.submit_error is not None:
             raise self.submit_error
         request_id = f"fake-{len(self.submitted)}"
