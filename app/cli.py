@@ -14,7 +14,7 @@ from mlxpaged.units import format_size
 
 def cmd_models(args: argparse.Namespace) -> int:
     from mlxpaged.loading.loader import default_dtype
-    from mlxpaged.loading.model_store import list_models, models_dir
+    from mlxpaged.loading.model_store import list_adapters, list_models, models_dir
 
     rows = list_models(default_dtype())
     loaded = server_models(args.server) if args.server else None
@@ -26,6 +26,11 @@ def cmd_models(args: argparse.Namespace) -> int:
         local = format_size(row.size_bytes) if row.path else "no"
         state = f"{loaded_column(loaded, row.name):<17} " if loaded is not None else ""
         print(f"  {name:<16} {row.source:<10} {local:<9} {state}{row.description}")
+    adapters = list_adapters()
+    if adapters:
+        print(f"\n  {'ADAPTER':<16} {'BASE':<26} {'LOCAL':<9} (a request names it as its model: NAME or BASE:NAME)")
+        for adapter in adapters:
+            print(f"  {adapter.name:<16} {adapter.base or '(names none)':<26} {format_size(adapter.size_bytes):<9}")
     print("\n  * default model. `mlxpaged pull NAME` fetches a model; hub models need internet once.")
     if loaded is not None:
         print(f"  LOADED: what the server at {args.server} holds now, and the memory each model holds there.")

@@ -17,6 +17,7 @@ POST /v1/responses, POST /v1/embeddings, GET /v1/models[/{id}], GET /health, GET
 
 from __future__ import annotations
 
+from mlxpaged_app.server.adapter_catalog import AdapterTarget
 from mlxpaged_app.server.anthropic.serving import serve_count_tokens, serve_messages
 from mlxpaged_app.server.embeddings.ollama_embed import serve_ollama_embed
 from mlxpaged_app.server.embeddings.openai_embeddings import serve_embeddings
@@ -145,22 +146,18 @@ def _model_card(state: ServerState, entry: CatalogEntry) -> dict:
     return card
 
 
-def _adapter_card(state: ServerState, name: str, base: CatalogEntry) -> dict:
-    """An adapter (--lora) as vLLM lists a LoRA module: its own id, `parent` the model it runs on, `root` its
-    directory; `mlxpaged` adds its kind, rank and scale once the model is loaded."""
-    card = {
-        "id": name,
-        "object": "model",
-        "created": state.created,
-        "owned_by": "mlxpaged",
-        "parent": base.name,
-        "root": dict(base.adapters)[name],
-    }
-    served = state.registry.loaded.get(base.name)
-    extra: dict = {"kind": "adapter", "base_model": base.name, "loaded": served is not None and not served.unloaded}
-    if extra["loaded"] and served.engine.adapters is not None:
-        extra |= served.engine.adapters.describe()[name]
-    card["mlxpaged"] = extra
+def _adapter_card(state: ServerState, adapter: AdapterTarget) -> dict:
+    """An adapter as vLLM lists a LoRA module: its own id, `parent` the model it runs on, `root` its directory;
+    `mlxpaged` adds where it comes from and, once attached, its type, rank and scale."""
+    base = adapter.base.name
+    card = {"id": adapter.name, "object": "model", "created": state.created, "owned_by": "mlxpaged"}
+    card |= {"parent": base, "root": adapter.path}
+    served = state.registry.loaded.get(base)
+    attached = served is not None and not served.unloaded and served.engine.adapters is not None
+    described = served.engine.adapters.describe().get(adapter.name) if attached else None
+    source = "--lora" if adapter.given else "model store"
+    extra: dict = {"kind": "adapter", "base_model": base, "source": source, "loaded": described is not None}
+    card["mlxpaged"] = extra | (described or {})
     return card
 
 
@@ -175,7 +172,8 @@ async def list_models(request: Request) -> Response:
     state = _state(request)
     entries = await anyio.to_thread.run_sync(_servable, state)  # reads the store: off the event loop
     cards = [_model_card(state, e) for e in entries]
-    cards += [_adapter_card(state, name, base) for name, base in state.registry.catalog.adapter_entries()]
+    adapters = await anyio.to_thread.run_sync(state.registry.catalog.adapters.listed)  # reads the store too
+    cards += [_adapter_card(state, adapter) for adapter in adapters]
     return JSONResponse({"object": "list", "data": cards})
 
 
@@ -183,10 +181,9 @@ async def get_model(request: Request) -> Response:
     """A model a request may name, loaded or not (asking does not load it)."""
     state = _state(request)
     model_id = request.path_params["model_id"]
-    target = state.registry.catalog.adapter_target(model_id)
+    target = await anyio.to_thread.run_sync(state.registry.catalog.adapters.target, model_id)
     if target is not None:
-        base = next(entry for name, entry in state.registry.catalog.adapter_entries() if name == target[1])
-        return JSONResponse(_adapter_card(state, target[1], base))
+        return JSONResponse(_adapter_card(state, target))
     served = state.registry.find_loaded(model_id)
     if served is not None:
         return JSONResponse(_model_card(state, served.entry))

@@ -126,6 +126,18 @@ def model_load_failed(name: str, reason: str) -> APIError:
     )
 
 
+def adapter_load_failed(name: str, reason: str) -> APIError:
+    """An adapter in the model store cannot be served (corrupt files, or not fitting its model): the server's problem,
+    not the request's; the model and its other adapters keep serving."""
+    return APIError(
+        500,
+        f"adapter {name!r} cannot be served: {reason}",
+        type="server_error",
+        param="model",
+        code="adapter_load_failed",
+    )
+
+
 def model_still_loading(name: str, waited: float) -> APIError:
     return APIError(
         503,

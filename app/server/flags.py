@@ -218,6 +218,14 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "directory (repeatable: requests for every adapter and the base model share each batch)",
     )
     models.add_argument(
+        "--max-loras",
+        type=int,
+        default=8,
+        metavar="N",
+        help="adapters from the model store one model keeps attached at once; past it the least recently used idle "
+        "one is detached (default: 8; --lora adapters stay and are not counted)",
+    )
+    models.add_argument(
         "--load-timeout",
         type=float,
         default=300.0,
@@ -328,6 +336,8 @@ def server_config(args: argparse.Namespace):
             )
     if args.drain_timeout < 0:
         raise ServeError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
+    if args.max_loras < 1:
+        raise ServeError(f"--max-loras must be >= 1, got {args.max_loras}")
     return ServerConfig(
         api_key=args.api_key,
         max_body_size=parse_size(args.max_body_size, param="max_body_size"),
@@ -335,6 +345,7 @@ def server_config(args: argparse.Namespace):
         default_max_tokens=args.default_max_tokens,
         cors_origins=tuple(args.cors_origin),
         images=image_policy(args),
+        max_loras=args.max_loras,
     )
 
 

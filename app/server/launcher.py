@@ -76,7 +76,7 @@ def build_registry(args: argparse.Namespace, config):
     catalog = ModelCatalog(use_store=not across_ranks)  # across ranks: no other model loads on demand
     first = _given(catalog, args.model)
     if adapters:  # before it loads: its engine is built with them
-        first = catalog.add_adapters(first, adapters)
+        first = catalog.adapters.add_given(first, adapters)
     pinned = [_given(catalog, name) for name in args.pin]
     policy = RegistryPolicy(
         memory_budget(args.max_memory),

@@ -2,8 +2,7 @@
 downloaded or converted, a model directory in the store, a Hugging Face repo id already in the hub cache), the
 models named on the command line (--model, --pin: any directory there), and --alias names.
 
-Adapters (--lora NAME=PATH) are served on the model they were given with: a request names one as `NAME`, or
-Ollama-style as `BASE:NAME` (`adapter_target`), and gets the base model's engine running that adapter.
+Adapters are named beside models (adapter_catalog.py): a request naming one gets its base model running it.
 
 A request never triggers a download or a conversion, and never loads an arbitrary directory it names: a
 client of the server chooses among what the person running it has put on this machine. `mlxpaged pull NAME`
@@ -12,12 +11,13 @@ adds a model; the catalog sees it on the next request, without a restart.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from mlxpaged.errors import MlxpagedError, UnknownModelError
 from mlxpaged.loading.loader import default_dtype
 from mlxpaged.loading.model_store import ModelRef, list_models, local_path, models_dir, resolve
+from mlxpaged_app.server.adapter_catalog import AdapterCatalog
 
 
 class ModelNotServable(LookupError):
@@ -74,7 +74,7 @@ class ModelCatalog:
         self.aliases = dict(aliases or {})  # alias -> a name the catalog knows
         self.use_store = use_store  # False: only the models given (an app built around one engine)
         self._given: dict[str, CatalogEntry] = {}  # by every name: models named on the command line
-        self._adapters: dict[str, str] = {}  # adapter name -> the name of the model it is served on
+        self.adapters = AdapterCatalog(self)  # the adapters requests may name, by name (adapter_catalog.py)
 
     def add_given(
         self, name: str, ref: ModelRef | None, path: Path, description: str = "", kind: str | None = None
@@ -86,33 +86,14 @@ class ModelCatalog:
             self._given.setdefault(name, entry)
         return entry
 
-    def add_adapters(self, base: CatalogEntry, adapters: dict[str, str]) -> CatalogEntry:
-        """Serve `adapters` (name -> directory) on the given model `base`; its entry, now naming them. ValueError for
-        a name that is already a model's or another adapter's."""
-        taken = [n for n in adapters if n in self._given or n in self._adapters or n in self.aliases]
-        if taken:
-            raise ValueError(f"--lora: {', '.join(map(repr, taken))} already names a model or an adapter")
-        entry = replace(base, adapters=base.adapters + tuple(adapters.items()))
+    def replace_given(self, entry: CatalogEntry) -> None:
+        """A given model's entry changed (adapters.py: the adapters it loads with): every name now means this one."""
         for name in entry.names:
             self._given[name] = entry
-        self._adapters.update(dict.fromkeys(adapters, entry.name))
-        return entry
 
-    def adapter_target(self, name: str | None) -> tuple[str, str] | None:
-        """(model name, adapter name) when `name` is an adapter's: `NAME` or `BASE:NAME`; None otherwise."""
-        if not name:
-            return None
-        if name in self._adapters:
-            return self._adapters[name], name
-        base, _, adapter = name.rpartition(":")
-        entry = self._given.get(self.aliases.get(base, base))
-        if entry is not None and self._adapters.get(adapter) == entry.name:
-            return entry.name, adapter
-        return None
-
-    def adapter_entries(self) -> list[tuple[str, CatalogEntry]]:
-        """(adapter name, the model it is served on) for every adapter, in the order given."""
-        return [(name, self._given[base]) for name, base in self._adapters.items()]
+    def given(self) -> list[CatalogEntry]:
+        """The models named on the command line, each once."""
+        return list({entry.name: entry for entry in self._given.values()}.values())
 
     def find(self, name: str) -> CatalogEntry:
         """The entry `name` means; ModelNotServable saying why when there is none."""
@@ -162,7 +143,7 @@ class ModelCatalog:
 
     def names_served(self) -> list[str]:
         """For a 404's message: what a request may name (aliases and adapters included)."""
-        return [*(e.name for e in self.servable()), *self.aliases, *self._adapters]
+        return [*(e.name for e in self.servable()), *self.aliases, *(a.name for a in self.adapters.listed())]
 
 
 def _in_store(path: Path | None) -> bool:

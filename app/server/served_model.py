@@ -19,15 +19,19 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from mlxpaged.errors import MlxpagedError, user_message
 from mlxpaged.units import format_size
 from mlxpaged_app.server.admission import Admission
 from mlxpaged_app.server.engine_client import Generation
-from mlxpaged_app.server.errors import unavailable
+from mlxpaged_app.server.errors import adapter_load_failed, unavailable
 from mlxpaged_app.server.formatting import TokenText
 from mlxpaged_app.server.metrics import ServerMetrics
 from mlxpaged_app.server.model_catalog import CatalogEntry
+from mlxpaged_app.server.server_log import log
+
+import anyio
 
 API_DEFAULT_MAX_TOKENS = 1024
 LONG_SEQUENCE_WARNING = "sequence-length-is-longer-than-the-specified-maximum"  # transformers' key for it
@@ -182,6 +186,8 @@ class ServedModel(ServedBase):
         fit_tokenizer_to_context(engine.tokenizer, engine.max_model_len)
         self.token_text = TokenText(engine.tokenizer)
         self.active: set[Generation] = set()  # for abort_all at the end of a shutdown's drain
+        self._store_adapters: dict[str, float] = {}  # store adapters attached on demand -> when last asked for
+        self._adapter_lock = asyncio.Lock()
 
     @property
     def engine(self):
@@ -190,6 +196,39 @@ class ServedModel(ServedBase):
     def release(self):
         self.token_text = TokenText(None)
         return super().release()
+
+    async def use_adapter(self, name: str, path: str) -> None:
+        """Attach the store's adapter `name` (directory `path`) to this model's engine if it is not yet, detaching
+        the least recently used idle one past --max-loras first. A 500 `adapter_load_failed` with the reason for one
+        that cannot be served (the model and its other adapters go on), a 503 when every slot is busy."""
+        async with self._adapter_lock:
+            if name not in self._store_adapters:
+                while len(self._store_adapters) >= self.config.max_loras:
+                    await self._detach_idle_adapter()
+                try:
+                    described = await anyio.to_thread.run_sync(self.engine.add_adapter, name, path)
+                except MlxpagedError as exc:
+                    raise adapter_load_failed(name, user_message(exc, "cli")) from None
+                self.cost = replace(self.cost, weights=self.cost.weights + described["bytes"])
+                log.info("adapter %s attached to %s (%s)", name, self.model_id, format_size(described["bytes"]))
+            self._store_adapters[name] = time.monotonic()
+
+    async def _detach_idle_adapter(self) -> None:
+        for name in sorted(self._store_adapters, key=self._store_adapters.__getitem__):
+            try:
+                described = self.engine.adapters.resolve(name).describe()
+                await anyio.to_thread.run_sync(self.engine.remove_adapter, name)
+            except MlxpagedError:
+                continue  # requests run with it: try the next
+            del self._store_adapters[name]
+            self.cost = replace(self.cost, weights=self.cost.weights - described["bytes"])
+            log.info(
+                "adapter %s detached from %s to make room (--max-loras %d)", name, self.model_id, self.config.max_loras
+            )
+            return
+        raise unavailable(
+            f"all {self.config.max_loras} adapter slots of {self.model_id!r} (--max-loras) have requests in flight"
+        )
 
     def abort_all(self) -> None:
         for generation in list(self.active):

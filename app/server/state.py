@@ -45,6 +45,7 @@ class ServerConfig:
     # config with its own (--generation-config auto). NO_DEFAULTS: the plain API defaults (temperature 1.0).
     sampling_defaults: GenerationDefaults = NO_DEFAULTS
     images: ImagePolicy = field(default_factory=ImagePolicy)  # what a request's images may be (server/images.py)
+    max_loras: int = 8  # store adapters one model keeps attached at once (adapter_catalog.py); --lora ones not counted
 
 
 class ServerState:
@@ -65,9 +66,12 @@ class ServerState:
         the model's own. Raises APIError: 404 model_not_found, 400 for a model of the other kind (with the
         reason), 503 (cannot fit, still loading, shutting down), 500 model_load_failed with the reason."""
         self.check_accepting()
-        target = self.registry.catalog.adapter_target(name) if kind != "embed" else None
-        if target is not None:  # an adapter (--lora): its base model, running it
-            return AdaptedModel(await self.served_model(target[0], keep_alive, kind), target[1])
+        target = self.registry.catalog.adapters.target(name) if kind != "embed" else None
+        if target is not None:  # an adapter: its base model, running it (attached first if it is the store's)
+            served = await self.served_model(target.base.name, keep_alive, kind)
+            if not target.given:
+                await served.use_adapter(target.name, target.path)
+            return AdaptedModel(served, target.name)
         try:
             return await self.registry.get(name, keep_alive, kind)
         except WrongKind as exc:

@@ -289,6 +289,34 @@ def list_models(dtype: str) -> list[ModelListing]:
     return rows + [row for row in _downloaded_hub_models() if row.name not in repos]
 
 
+@dataclass(frozen=True)
+class AdapterListing:
+    """An adapter directory in the store (mlx_lm.lora's adapter_config.json + adapters.safetensors)."""
+
+    name: str  # its directory's name: what a request calls it
+    base: str | None  # the model its config names (mlx_lm.lora's --model), None when it names none
+    path: Path
+    size_bytes: int
+
+
+def list_adapters() -> list[AdapterListing]:
+    """The adapter directories in the store; one whose config cannot be read is listed with no base."""
+    import json
+
+    store = models_dir()
+    found = sorted(p for p in store.iterdir() if (p / "adapter_config.json").is_file()) if store.exists() else []
+    rows = []
+    for path in found:
+        if path.name.startswith("."):
+            continue
+        try:
+            base = json.loads((path / "adapter_config.json").read_text()).get("model")
+        except (OSError, ValueError, AttributeError):
+            base = None
+        rows.append(AdapterListing(path.name, base if isinstance(base, str) else None, path, dir_size(path)))
+    return rows
+
+
 def _downloaded_hub_models() -> list[ModelListing]:
     """Models already in the Hugging Face cache (a repo id `--model` loads without a download)."""
     from huggingface_hub import constants, scan_cache_dir

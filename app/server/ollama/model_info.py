@@ -28,6 +28,7 @@ from mlxpaged.errors import MlxpagedError
 from mlxpaged.loading.checkpoint import as_loaded, checkpoint_tensors, kv_dtype, weight_files
 from mlxpaged.platform import backend
 from mlxpaged.platform.model_facts import context_length
+from mlxpaged_app.server.adapter_catalog import AdapterTarget
 from mlxpaged_app.server.model_catalog import CatalogEntry
 from mlxpaged_app.server.ollama.models import tagged
 from mlxpaged_app.server.server_log import log
@@ -130,10 +131,10 @@ def tags_entry(entry: CatalogEntry) -> dict:
     }
 
 
-def adapter_tags_entry(name: str, base: CatalogEntry) -> dict:
-    """An adapter (--lora) as Ollama lists a model made FROM a base with an ADAPTER: its own name and files, the
-    base model's details with `parent_model` naming the base."""
-    directory = Path(dict(base.adapters)[name])
+def adapter_tags_entry(adapter: AdapterTarget) -> dict:
+    """An adapter as Ollama lists a model made FROM a base with an ADAPTER: its own name and files, the base model's
+    details with `parent_model` naming the base."""
+    name, base, directory = adapter.name, adapter.base, Path(adapter.path)
     files = [directory / "adapters.safetensors", directory / "adapter_config.json"]
     digest = hashlib.sha256(name.encode())
     for file in files:
@@ -149,10 +150,10 @@ def adapter_tags_entry(name: str, base: CatalogEntry) -> dict:
     }
 
 
-def tags_entries(entries: list[CatalogEntry], adapters: Sequence[tuple[str, CatalogEntry]] = ()) -> list[dict]:
+def tags_entries(entries: list[CatalogEntry], adapters: Sequence[AdapterTarget] = ()) -> list[dict]:
     """/api/tags' list, models then adapters; one whose files cannot be read is left out (and logged), not the whole
     list."""
-    jobs = [(e.name, tags_entry, (e,)) for e in entries] + [(n, adapter_tags_entry, (n, b)) for n, b in adapters]
+    jobs = [(e.name, tags_entry, (e,)) for e in entries] + [(a.name, adapter_tags_entry, (a,)) for a in adapters]
     listed = []
     for name, make, args in jobs:
         try:

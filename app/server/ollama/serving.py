@@ -65,7 +65,7 @@ async def _serve(request: Request, state: ServerState, schema: type, chat: bool)
 async def tags(request: Request, state: ServerState) -> Response:
     """Every model this server can serve (what /v1/models lists), loaded or not; reading them loads none."""
     entries = await anyio.to_thread.run_sync(state.registry.catalog.servable)  # reads the store
-    adapters = state.registry.catalog.adapter_entries()
+    adapters = await anyio.to_thread.run_sync(state.registry.catalog.adapters.listed)
     listed = await anyio.to_thread.run_sync(model_info.tags_entries, entries, adapters)  # and the safetensors headers
     return JSONResponse({"models": listed})
 

@@ -1,11 +1,14 @@
-"""Adapters (--lora) behind a live `mlxpaged serve`, driven by the official `openai` and `ollama` clients: listed as
-models of their own, chosen by a request's `model`, each equal to mlx-lm's own greedy decode on
-`load(base, adapter_path=...)`; the base model and two adapters interleaved and concurrent; prefix hits that never
-cross adapters; and adapters that cannot be served refused at startup with the reason."""
+"""Adapters behind a live `mlxpaged serve`, driven by the official `openai` and `ollama` clients: given with --lora
+and found in the model store, listed as models of their own, chosen by a request's `model`, each equal to mlx-lm's
+own greedy decode on `load(base, adapter_path=...)`; the base model and two adapters interleaved and concurrent;
+prefix hits that never cross adapters; store adapters attached on demand within --max-loras; and adapters that
+cannot be served refused with the reason: at startup (--lora), or per request (the store's), the server serving on."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -37,6 +40,12 @@ def store(tmp_path_factory) -> Path:
     write_adapter(make, adapters / "fr", "lora", seed=1, rank=8, scale=6.0, base=str(base))
     write_adapter(make, adapters / "pirate", "dora", seed=2, keys=["self_attn.v_proj", "mlp.down_proj"])
     write_adapter(lambda: load(str(root / "tiny-wide"))[0], adapters / "wide", seed=3, num_layers=1)
+    # In the store itself: served on the model their config names, attached when first asked for.
+    write_adapter(make, root / "shanty", "lora", seed=4, rank=4, base="tiny-a")
+    write_adapter(make, root / "sea", "dora", seed=5, rank=4, base="tiny-a")
+    write_adapter(lambda: load(str(root / "tiny-wide"))[0], root / "misfit", seed=6, num_layers=1, base="tiny-a")
+    corrupt = write_adapter(make, root / "corrupt", seed=7, base="tiny-a")
+    (corrupt / "adapters.safetensors").write_bytes(b"\x00" * 64)
     return root
 
 
@@ -47,7 +56,7 @@ def adapter_dir(store: Path, name: str) -> Path:
 @pytest.fixture(scope="module")
 def server(store, tmp_path_factory):
     lora = ["--lora", f"fr={adapter_dir(store, 'fr')}", "--lora", str(adapter_dir(store, "pirate"))]
-    flags = ("--cache-tokens", "1024", "--default-max-tokens", "8", "--no-kv-disk", *lora)
+    flags = ("--cache-tokens", "1024", "--default-max-tokens", "8", "--no-kv-disk", "--max-loras", "1", *lora)
     with serving_store(store, tmp_path_factory.mktemp("serve") / "server.log", *flags) as srv:
         yield srv
 
@@ -61,10 +70,10 @@ def client(server):
 def references(store) -> dict:
     """mlx-lm's greedy text for each prompt, by model name: the base model and each adapter loaded by mlx-lm."""
     out = {}
-    for name, adapter in [("tiny-a", None), ("fr", "fr"), ("pirate", "pirate")]:
-        model, tokenizer = load(
-            str(store / "tiny-a"), adapter_path=str(adapter_dir(store, adapter)) if adapter else None
-        )
+    paths = {"fr": adapter_dir(store, "fr"), "pirate": adapter_dir(store, "pirate")}
+    paths |= {"shanty": store / "shanty", "sea": store / "sea"}
+    for name, adapter in [("tiny-a", None), *paths.items()]:
+        model, tokenizer = load(str(store / "tiny-a"), adapter_path=str(adapter) if adapter else None)
         texts = []
         for prompt in PROMPTS:
             tokens = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=MAX_TOKENS)]
@@ -95,7 +104,7 @@ def test_each_adapter_answers_as_mlx_lm_does_with_it(server, client, references)
         for prompt, want in zip(PROMPTS, references[name], strict=True):
             reply = complete(client, name, prompt)
             assert reply.model == name and reply.choices[0].text == want, name
-    assert len({references[n][0] for n in references}) == 3  # three different answers: the test can tell them apart
+    assert len({references[n][0] for n in references}) == len(references)  # the test can tell them all apart
     ollama_reply = ollama.Client(host=server.url).generate(
         model="tiny-a:fr", prompt="Hello", options={"temperature": 0, "num_predict": 4}
     )
@@ -118,6 +127,25 @@ def test_prefix_hits_never_cross_adapters(server, client):
     cached = lambda r: (r.usage.prompt_tokens_details.cached_tokens or 0) if r.usage.prompt_tokens_details else 0  # noqa: E731
     assert cached(first) == 0 and [cached(r) for r in others] == [0, 0]
     assert cached(again) >= 32 and again.choices[0].text == first.choices[0].text
+
+
+def test_store_adapters_are_attached_on_demand_within_max_loras(server, client, references):
+    cards = {m.id: m for m in client.models.list().data}
+    assert cards["shanty"].parent == "tiny-a" and cards["shanty"].mlxpaged["source"] == "model store"
+    for name in ["shanty", "sea", "shanty", "tiny-a:sea"]:  # --max-loras 1: each detaches the other
+        reply = complete(client, name, PROMPTS[0])
+        assert reply.choices[0].text == references[name.removeprefix("tiny-a:")][0], name
+    loaded = {m.id: m.mlxpaged["loaded"] for m in client.models.list().data}
+    assert loaded["sea"] and not loaded["shanty"] and loaded["fr"]  # --lora adapters stay and do not count
+    assert complete(client, "fr", PROMPTS[0]).choices[0].text == references["fr"][0]
+
+
+@pytest.mark.parametrize(("name", "reason"), [("corrupt", "cannot be read as safetensors"), ("misfit", "does not fit")])
+def test_a_store_adapter_that_cannot_be_served_fails_its_request_alone(server, client, references, name, reason):
+    with pytest.raises(openai.InternalServerError, match=reason) as failed:
+        complete(client, name, PROMPTS[1])
+    assert failed.value.body["code"] == "adapter_load_failed"
+    assert complete(client, "pirate", PROMPTS[1]).choices[0].text == references["pirate"][1]  # the server serves on
 
 
 def test_an_unknown_adapter_name_is_a_404_naming_the_adapters(server, client):
@@ -144,3 +172,14 @@ def test_an_adapter_that_cannot_be_served_is_refused_at_startup(store, tmp_path,
     done = subprocess.run([*command, "--lora", f"x={path}"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 1, done.stderr[-2000:]
     assert message in done.stderr and "Traceback" not in done.stderr
+
+
+def test_mlxpaged_models_lists_the_stores_adapters_with_their_base(store):
+    env = {**os.environ, "MLXPAGED_MODELS_DIR": str(store)}
+    done = subprocess.run(
+        [sys.executable, "-m", "mlxpaged_app.cli", "models"], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    listed = done.stdout[done.stdout.index("ADAPTER") :]
+    for name in ("shanty", "sea", "corrupt", "misfit"):
+        assert re.search(rf"^  {name}\s+tiny-a\s", listed, re.M), listed
