@@ -136,8 +136,9 @@ class AdaptedLinear(nn.Module):
         groups = self.rows.groups
         if groups is None or not any(adapter in self.updates for adapter, _ in groups):
             return y
-        if len(groups) == 1:
-            return self.updates[groups[0][0]](x, y, self.linear)
+        if len(groups) == 1:  # every row runs with this layer's one adapter (the check above)
+            update = self.updates.get(groups[0][0])
+            return y if update is None else update(x, y, self.linear)
         inverse = self.rows.inverse
         if x.shape[0] != self.rows.batch:
             if x.shape[0] != self.rows.batch * self.rows.length:
@@ -159,9 +160,6 @@ class AdapterUpdates:
 
     def __contains__(self, adapter: object) -> bool:
         return adapter in self._by_adapter
-
-    def __getitem__(self, adapter: str) -> LowRankUpdate:
-        return self._by_adapter[adapter]
 
     def get(self, adapter: str | None) -> LowRankUpdate | None:
         return self._by_adapter.get(adapter) if adapter is not None else None
