@@ -34,6 +34,8 @@ from mlxpaged_app.server.server_log import log
 import anyio
 
 API_DEFAULT_MAX_TOKENS = 1024
+ADAPTER_SLOT_WAIT_S = 30.0  # how long a request for a store adapter waits for a --max-loras slot to be idle
+ADAPTER_HANDOUT_GRACE_S = 1.0  # an adapter just handed to a request is not detached before it submits
 LONG_SEQUENCE_WARNING = "sequence-length-is-longer-than-the-specified-maximum"  # transformers' key for it
 
 
@@ -199,22 +201,37 @@ class ServedModel(ServedBase):
 
     async def use_adapter(self, name: str, path: str) -> None:
         """Attach the store's adapter `name` (directory `path`) to this model's engine if it is not yet, detaching
-        the least recently used idle one past --max-loras first. A 500 `adapter_load_failed` with the reason for one
-        that cannot be served (the model and its other adapters go on), a 503 when every slot is busy."""
+        the least recently used idle one past --max-loras first (waiting up to ADAPTER_SLOT_WAIT_S for one to be idle).
+        A 500 `adapter_load_failed` with the reason for one that cannot be served (the model and its other adapters go
+        on), a 503 when every slot stays busy."""
         async with self._adapter_lock:
             if name not in self._store_adapters:
-                while len(self._store_adapters) >= self.config.max_loras:
-                    await self._detach_idle_adapter()
+                try:  # read and checked first: one that cannot be served detaches nothing
+                    files = await anyio.to_thread.run_sync(self.engine.check_adapter, name, path)
+                except MlxpagedError as exc:
+                    raise adapter_load_failed(name, user_message(exc, "cli")) from None
+                deadline = time.monotonic() + ADAPTER_SLOT_WAIT_S
+                while len(self._store_adapters) >= self.config.max_loras and not await self._detach_idle_adapter():
+                    if time.monotonic() > deadline:
+                        raise unavailable(
+                            f"all {self.config.max_loras} adapter slots of {self.model_id!r} (--max-loras) are in use"
+                        )
+                    await asyncio.sleep(0.05)
                 try:
-                    described = await anyio.to_thread.run_sync(self.engine.add_adapter, name, path)
+                    described = await anyio.to_thread.run_sync(self.engine.add_adapter, name, files)
                 except MlxpagedError as exc:
                     raise adapter_load_failed(name, user_message(exc, "cli")) from None
                 self.cost = replace(self.cost, weights=self.cost.weights + described["bytes"])
                 log.info("adapter %s attached to %s (%s)", name, self.model_id, format_size(described["bytes"]))
             self._store_adapters[name] = time.monotonic()
 
-    async def _detach_idle_adapter(self) -> None:
+    async def _detach_idle_adapter(self) -> bool:
+        """Detach the least recently used store adapter no request runs with, nor was just handed to one (it is about
+        to submit); False when there is none."""
+        handed = time.monotonic() - ADAPTER_HANDOUT_GRACE_S
         for name in sorted(self._store_adapters, key=self._store_adapters.__getitem__):
+            if self._store_adapters[name] > handed:
+                continue
             try:
                 described = self.engine.adapters.resolve(name).describe()
                 await anyio.to_thread.run_sync(self.engine.remove_adapter, name)
@@ -223,12 +240,10 @@ class ServedModel(ServedBase):
             del self._store_adapters[name]
             self.cost = replace(self.cost, weights=self.cost.weights - described["bytes"])
             log.info(
-                "adapter %s detached from %s to make room (--max-loras %d)", name, self.model_id, self.config.max_loras
+                "adapter %s detached from %s for room (--max-loras %d)", name, self.model_id, self.config.max_loras
             )
-            return
-        raise unavailable(
-            f"all {self.config.max_loras} adapter slots of {self.model_id!r} (--max-loras) have requests in flight"
-        )
+            return True
+        return False
 
     def abort_all(self) -> None:
         for generation in list(self.active):

@@ -20,6 +20,12 @@ from mlxpaged.adapters.files import ModuleUpdate
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
+
+# A pass whose rows use at least this many different adapters of one layer applies them as one stacked update (two
+# matmuls over every adapter's columns, each row masked to its own) instead of group by group (measured: see
+# docs/design/issue40-adapters.md).
+STACK_MIN_GROUPS = 3
 
 LinearBase = nn.Linear | nn.QuantizedLinear
 
@@ -83,6 +89,7 @@ class PassRows:
         self.groups: list[tuple[str | None, mx.array | None]] | None = None  # (adapter id, its rows) per group
         self.inverse: mx.array | None = None  # the rows back in batch order after the groups are concatenated
         self._by_token: tuple[list[tuple[str | None, mx.array | None]], mx.array] | None = None
+        self._masks: dict[tuple, mx.array] = {}  # the pass's column masks by stack layout (stacked_mask)
 
     @property
     def batch(self) -> int:
@@ -103,7 +110,23 @@ class PassRows:
         try:
             yield
         finally:
-            self.groups, self.inverse, self._by_token = None, None, None
+            self.groups, self.inverse, self._by_token, self._masks = None, None, None, {}
+
+    def stacked_mask(self, stack: StackedUpdates, flat: bool) -> mx.array:
+        """Each row's scale on its own adapter's columns of `stack`, zero elsewhere: [B, 1, R], or [B * L, R] for a
+        layer fed the pass flattened. One per stack layout and pass, shared by the layers of that layout."""
+        key = (stack.layout, flat)
+        mask = self._masks.get(key)
+        if mask is None:
+            rows = np.zeros((self.batch, stack.width), np.float32)
+            for i, adapter in enumerate(self.adapters):
+                if adapter in stack.columns:
+                    start, stop, scale = stack.columns[adapter]
+                    rows[i, start:stop] = scale
+            if flat:
+                rows = np.repeat(rows, self.length, axis=0)
+            mask = self._masks[key] = mx.array(rows if flat else rows[:, None, :]).astype(stack.lora_a.dtype)
+        return mask
 
     def tokens(self) -> tuple[list[tuple[str | None, mx.array | None]], mx.array]:
         """The groups and inverse order by position, for a layer that sees the pass flattened to [rows * length, D]
@@ -139,6 +162,8 @@ class AdaptedLinear(nn.Module):
         if len(groups) == 1:  # every row runs with this layer's one adapter (the check above)
             update = self.updates.get(groups[0][0])
             return y if update is None else update(x, y, self.linear)
+        if sum(adapter in self.updates for adapter, _ in groups) >= STACK_MIN_GROUPS and not self.updates.any_dora:
+            return self._stacked(x, y)
         inverse = self.rows.inverse
         if x.shape[0] != self.rows.batch:
             if x.shape[0] != self.rows.batch * self.rows.length:
@@ -150,6 +175,32 @@ class AdaptedLinear(nn.Module):
             pieces.append(y[rows] if update is None else update(x[rows], y[rows], self.linear))
         return mx.concatenate(pieces, axis=0)[inverse]
 
+    def _stacked(self, x: mx.array, y: mx.array) -> mx.array:
+        """Every row's LoRA update at once: x @ [A_1 .. A_n], each row's columns scaled by its adapter's scale and
+        the others zeroed, @ [B_1 .. B_n]. Rows of the base model (or of an adapter not adapting this layer) get 0."""
+        stack = self.updates.stacked()
+        flat = x.shape[0] != self.rows.batch
+        if flat and x.shape[0] != self.rows.batch * self.rows.length:
+            raise RuntimeError(f"an adapted layer got input {x.shape} in a pass of {self.rows.batch} rows")
+        z = (x @ stack.lora_a) * self.rows.stacked_mask(stack, flat)
+        return y + (z @ stack.lora_b).astype(x.dtype)
+
+
+class StackedUpdates:
+    """The LoRA updates of one layer side by side: lora_a [in, R], lora_b [R, out], and each adapter's columns."""
+
+    def __init__(self, updates: dict[str, LowRankUpdate]):
+        self.columns: dict[str, tuple[int, int, float]] = {}  # adapter id -> (first column, past the last, scale)
+        start = 0
+        for adapter, update in updates.items():
+            rank = int(update.lora_a.shape[1])
+            self.columns[adapter] = (start, start + rank, update.scale)
+            start += rank
+        self.width = start
+        self.layout = tuple(self.columns.items())  # what the pass's mask depends on
+        self.lora_a = mx.concatenate([u.lora_a for u in updates.values()], axis=1)
+        self.lora_b = mx.concatenate([u.lora_b for u in updates.values()], axis=0)
+
 
 class AdapterUpdates:
     """Adapter id -> its LowRankUpdate of one layer. A plain object, not a dict: MLX takes a module's dict attributes
@@ -157,6 +208,16 @@ class AdapterUpdates:
 
     def __init__(self) -> None:
         self._by_adapter: dict[str, LowRankUpdate] = {}
+        self._stacked: StackedUpdates | None = None  # built on first use after a change
+
+    @property
+    def any_dora(self) -> bool:
+        return any(u.norm_scale is not None for u in self._by_adapter.values())
+
+    def stacked(self) -> StackedUpdates:
+        if self._stacked is None:
+            self._stacked = StackedUpdates(self._by_adapter)
+        return self._stacked
 
     def __contains__(self, adapter: object) -> bool:
         return adapter in self._by_adapter
@@ -166,6 +227,8 @@ class AdapterUpdates:
 
     def add(self, adapter: str, update: LowRankUpdate) -> None:
         self._by_adapter[adapter] = update
+        self._stacked = None
 
     def remove(self, adapter: str) -> None:
         self._by_adapter.pop(adapter, None)
+        self._stacked = None

@@ -244,6 +244,13 @@ class Engine:
         files = read_adapters({name: source})[name]  # read and checked on the caller's thread
         return self._on_engine_thread(lambda: adapters.add(name, files), timeout).describe()
 
+    def check_adapter(self, name: str, source: AdapterSource, timeout: float | None = STEP_TIMEOUT_S):
+        """The adapter `add_adapter` would attach (its AdapterFiles), checked against the model without attaching it:
+        AdapterError saying why it cannot be served."""
+        adapters = self._adapter_set()
+        files = read_adapters({name: source})[name]
+        return self._on_engine_thread(lambda: adapters.check(name, files), timeout).files
+
     def remove_adapter(self, name: str, timeout: float | None = STEP_TIMEOUT_S) -> None:
         """Stop serving the adapter `name`: UnknownAdapterError if there is none, AdapterError while unfinished
         requests run with it (nothing changes then)."""

@@ -291,8 +291,9 @@ class Runner:
         which the real step then writes again."""
         if self.mirror is not None or not planner.predictable() or (self.serial and len(chunks) > 1):
             return None  # a serial model's rows each need a pass of their own; a mirrored pass needs its plan
-        if self.compiles(len(chunks)) and not self.tuning.pipeline_compiled:
-            return None  # the CPU backend: see Tuning.pipeline_compiled
+        compiled = self.compiles(len(chunks)) and not any(c.request.adapter is not None for c in chunks)
+        if compiled and not self.tuning.pipeline_compiled:
+            return None  # the CPU backend: see Tuning.pipeline_compiled (rows with an adapter run eagerly)
         picked, inputs = [], []
         for i, chunk in enumerate(chunks):
             request = chunk.request

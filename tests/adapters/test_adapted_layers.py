@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 
 from mlxpaged.adapters.adapter_set import AdapterSet
-from mlxpaged.adapters.layers import AdaptedLinear
+from mlxpaged.adapters.layers import STACK_MIN_GROUPS, AdaptedLinear
 from tests.tiny_adapters import adapted_reference, write_adapter
 from tests.tiny_models import tiny_llama, tiny_qwen2
 
@@ -91,3 +91,28 @@ def test_a_layer_fed_the_pass_flattened_to_positions_applies_each_rows_adapter(t
     assert mx.array_equal(flat.reshape(3, 4, -1), by_row)
     assert mx.allclose(by_row[0], layer.linear(x[0]), atol=1e-5).item()  # a base row
     assert not mx.allclose(by_row[1], layer.linear(x[1]), atol=1e-2).item()  # the adapted row
+
+
+def test_many_adapters_in_one_pass_are_applied_stacked_each_row_as_if_alone(tmp_path):
+    """At STACK_MIN_GROUPS adapters or more a layer applies them as one stacked update: the same numbers as each
+    row's own adapter alone (to float32 noise), base rows untouched."""
+    make = functools.partial(tiny_llama, 2)
+    names = [f"a{i}" for i in range(STACK_MIN_GROUPS + 1)]
+    paths = {n: write_adapter(make, tmp_path / n, seed=i, rank=2 + 2 * i, scale=1.0 + i) for i, n in enumerate(names)}
+    model = make()
+    adapters = AdapterSet(model, paths)
+    rows = [adapters.resolve(n).id for n in names] + [None]
+    tokens = mx.concatenate([TOKENS, TOKENS[:2]])
+    layer = model.model.layers[1].self_attn.q_proj
+    calls = []
+    original = type(layer)._stacked
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(type(layer), "_stacked", lambda self, x, y: calls.append(1) or original(self, x, y))
+        with adapters.rows.building(rows, tokens.shape[1]):
+            got = model(tokens)
+    assert calls  # the stacked path ran
+    references = [adapted_reference(make, paths[n]) for n in names] + [make()]
+    for i, reference in enumerate(references):
+        alone = reference(tokens[i : i + 1])[0]
+        assert mx.allclose(got[i], alone, atol=1e-4, rtol=1e-5).item(), i
+        assert mx.abs(references[(i + 1) % len(references)](tokens[i : i + 1])[0] - alone).max().item() > 1e-2

@@ -77,6 +77,18 @@ def test_requests_for_several_adapters_share_the_batch_each_as_if_alone(setup):
     assert len({tuple(c.token_ids) for c in together[:3]}) == 3
 
 
+def test_requests_over_many_lora_adapters_share_a_stacked_batch_each_as_if_alone(tokenizer, tmp_path):
+    make = functools.partial(tiny_llama, 3)
+    paths = {f"a{i}": write_adapter(make, tmp_path / f"a{i}", seed=10 + i, rank=4 + i) for i in range(4)}
+    names = [None, "a0", "a1", "a2", "a3", "a1", None, "a3"]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(names))]
+    references = {None: make(), **{n: adapted_reference(make, p) for n, p in paths.items()}}
+    with adapted_engine(make, tokenizer, paths) as engine:
+        together = engine.generate(prompts, GREEDY, adapter=names)
+    for prompt, name, got in zip(prompts, names, together, strict=True):
+        assert got.token_ids == reference_tokens(references[name], prompt, GREEDY.max_tokens), name
+
+
 def test_the_prefix_cache_serves_each_adapter_its_own_blocks_only(setup):
     engine, references = setup
     prompt = PROMPTS[2]

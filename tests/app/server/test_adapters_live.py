@@ -142,10 +142,13 @@ def test_store_adapters_are_attached_on_demand_within_max_loras(server, client, 
 
 @pytest.mark.parametrize(("name", "reason"), [("corrupt", "cannot be read as safetensors"), ("misfit", "does not fit")])
 def test_a_store_adapter_that_cannot_be_served_fails_its_request_alone(server, client, references, name, reason):
+    complete(client, "sea", PROMPTS[1])  # holds the one --max-loras slot
     with pytest.raises(openai.InternalServerError, match=reason) as failed:
         complete(client, name, PROMPTS[1])
     assert failed.value.body["code"] == "adapter_load_failed"
     assert complete(client, "pirate", PROMPTS[1]).choices[0].text == references["pirate"][1]  # the server serves on
+    loaded = {m.id: m.mlxpaged["loaded"] for m in client.models.list().data}
+    assert loaded["sea"] and not loaded[name]  # the attached store adapter was not detached for it
 
 
 def test_an_unknown_adapter_name_is_a_404_naming_the_adapters(server, client):
