@@ -18,9 +18,10 @@ from mlxpaged.loading.loader import LoadedModel
 from mlxpaged.loading.model_store import ModelRef
 from mlxpaged.sampling_params import SamplingParams
 from tests.tiny_adapters import adapted_reference, reference_tokens, write_adapter
-from tests.tiny_models import tiny_llama, tiny_qwen3
+from tests.tiny_models import tiny_llama, tiny_qwen3, tiny_qwen3_5, write_tiny_model_dir
 
 import pytest
+from mlx_lm import load
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 PROMPTS = [
@@ -87,6 +88,32 @@ def test_requests_over_many_lora_adapters_share_a_stacked_batch_each_as_if_alone
         together = engine.generate(prompts, GREEDY, adapter=names)
     for prompt, name, got in zip(prompts, names, together, strict=True):
         assert got.token_ids == reference_tokens(references[name], prompt, GREEDY.max_tokens), name
+
+
+def tiny_moe(directory: Path):
+    """A tiny qwen3_moe model directory, loaded by mlx-lm (the same random weights every time)."""
+    if not (directory / "config.json").exists():
+        write_tiny_model_dir(directory, "qwen3_moe", dtype="float32", seed=6)
+    return load(str(directory))[0]
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5-hybrid", "qwen3_moe"])
+def test_adapters_on_a_hybrid_and_a_moe_model_decode_as_mlx_lm_does(tokenizer, tmp_path, arch):
+    """A hybrid (gated-delta state layers beside attention: every linear layer of its last two layers adapted, as
+    mlx_lm.lora does by default) and a mixture-of-experts model (its attention adapted: LoRA on the switch layers
+    is refused, tests/adapters/test_adapter_files.py)."""
+    if arch == "qwen3_5-hybrid":
+        make, keys = tiny_qwen3_5, None
+    else:
+        make, keys = functools.partial(tiny_moe, tmp_path / "moe"), ["self_attn.q_proj", "self_attn.v_proj"]
+    path = write_adapter(make, tmp_path / "adapter", seed=3, keys=keys)
+    references = {None: make(), "a": adapted_reference(make, path)}
+    with adapted_engine(make, tokenizer, {"a": path}) as engine:
+        names = ["a", None, "a"]
+        together = engine.generate(PROMPTS, GREEDY, adapter=names)
+    for prompt, name, got in zip(PROMPTS, names, together, strict=True):
+        assert got.token_ids == reference_tokens(references[name], prompt, GREEDY.max_tokens), name
+    assert together[0].token_ids != reference_tokens(references[None], PROMPTS[0], GREEDY.max_tokens)
 
 
 def test_the_prefix_cache_serves_each_adapter_its_own_blocks_only(setup):

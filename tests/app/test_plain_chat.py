@@ -124,3 +124,29 @@ def test_piped_question_gets_the_engines_answer_and_eof_exits_0(default_loaded):
     assert "Paris" in expected.text
     assert done.stdout == expected.text + "\n"
     assert "exceeds the" in done.stderr and "tok/s" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_every_turn_runs_with_the_chats_adapter():
+    """`chat --plain --lora PATH`: each turn names the adapter; without one, none."""
+    engine = FakeEngine()
+    PlainChat(engine, ChatSettings(), "", adapter="pirate").run(io.StringIO("hi\nagain\n"), io.StringIO(), False)
+    chat(engine, "plain\n")
+    assert engine.adapters == ["pirate", "pirate", None]
+
+
+def test_the_chat_apps_engine_submits_every_turn_with_its_adapter():
+    """`chat --lora PATH` (the Textual app): the engine it gets submits with the adapter, named after the directory."""
+    from mlxpaged_app.tui.protocol import AdaptedChatEngine, adapter_name
+
+    submitted = []
+
+    class Engine:
+        loaded = "the model"
+
+        def submit(self, prompt, params, sink, adapter=None):
+            submitted.append((prompt, adapter))
+            return "req-1"
+
+    engine = AdaptedChatEngine(Engine(), adapter_name("/adapters/pirate/"))
+    assert engine.submit([1, 2], None, print) == "req-1" and submitted == [([1, 2], "pirate")]
+    assert engine.loaded == "the model"  # the rest is the engine's own
