@@ -289,7 +289,7 @@ class ServedEmbedder(ServedBase):
 
 
 class AdaptedModel:
-    """A loaded model as a request for one of its adapters (--lora) sees it: replies name the adapter, generations
+    """A loaded model as a request for one of its adapters sees it: replies name the adapter, generations
     run with it, and everything else (engine, queue, metrics, keep-alive) is the base model's own, read through."""
 
     def __init__(self, base: ServedModel, adapter: str) -> None:
