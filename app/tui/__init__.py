@@ -37,28 +37,18 @@ def run_chat(
             seed,
             system,
             resume,
-            cache_tokens,
-            speculative,
-            kv_disk,
-            kv_bits,
-            lora,
+            {
+                "cache_tokens": cache_tokens,
+                "speculative": speculative,
+                "kv_disk": kv_disk,
+                "kv_bits": kv_bits,
+                "lora": lora,
+            },
         )
 
 
-def _run_app(
-    model,
-    max_tokens,
-    temperature,
-    top_p,
-    seed,
-    system,
-    resume,
-    cache_tokens,
-    speculative=None,
-    kv_disk=None,
-    kv_bits=None,
-    lora=None,
-) -> int:
+def _run_app(model, max_tokens, temperature, top_p, seed, system, resume, engine_settings: dict) -> int:
+    """`engine_settings`: real_engine_factory's arguments."""
     from mlxpaged_app.tui.app import ChatApp
     from mlxpaged_app.tui.protocol import real_engine_factory
     from mlxpaged_app.tui.settings import ChatSettings
@@ -72,7 +62,7 @@ def _run_app(
     if conversation is not None and model is None:
         model = conversation.model
     app = ChatApp(
-        real_engine_factory(cache_tokens, speculative, kv_disk, kv_bits, lora),
+        real_engine_factory(**engine_settings),
         model=model,
         settings=settings,
         store=store,

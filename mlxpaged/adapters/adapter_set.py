@@ -77,17 +77,19 @@ class AdapterSet:
 
     def add(self, name: str, source: AdapterSource) -> Adapter:
         """Attach one more adapter (AdapterError if its name is taken or it does not fit: nothing changes then)."""
-        adapter = self.check(name, source)
-        self._attach(self._model, adapter, self._fitting_layers(self._model, adapter))
+        adapter, layers = self._checked(name, source)
+        self._attach(self._model, adapter, layers)
         return adapter
 
     def check(self, name: str, source: AdapterSource) -> Adapter:
         """The adapter `add` would attach, checked against the model without attaching it (AdapterError)."""
+        return self._checked(name, source)[0]
+
+    def _checked(self, name: str, source: AdapterSource) -> tuple[Adapter, dict[str, LinearBase]]:
         if name in self._by_name:
             raise AdapterError(f"an adapter named {name!r} is served already")
         adapter = Adapter(name, read_adapters({name: source})[name])
-        self._fitting_layers(self._model, adapter)
-        return adapter
+        return adapter, self._fitting_layers(self._model, adapter)
 
     def remove(self, name: str) -> Adapter:
         """Detach the adapter `name` (UnknownAdapterError if there is none); its layers stay wrapped, and compute
