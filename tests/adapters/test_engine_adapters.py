@@ -116,6 +116,20 @@ def test_adapters_on_a_hybrid_and_a_moe_model_decode_as_mlx_lm_does(tokenizer, t
     assert together[0].token_ids != reference_tokens(references[None], PROMPTS[0], GREEDY.max_tokens)
 
 
+def test_preempted_adapted_requests_resume_as_mlx_lm_decodes_them(tokenizer, tmp_path):
+    make = functools.partial(tiny_llama, 3)
+    paths = {"a": write_adapter(make, tmp_path / "a", seed=21), "b": write_adapter(make, tmp_path / "b", seed=22)}
+    references = {None: make(), **{n: adapted_reference(make, p) for n, p in paths.items()}}
+    prompts, names = [list(range(30 + 7 * i, 50 + 7 * i)) for i in range(4)], ["a", None, "b", "a"]
+    params = dataclasses.replace(GREEDY, max_tokens=40)
+    # 4 x 60 tokens need 32 blocks of 8; this pool has 8 + 4 = 12.
+    with adapted_engine(make, tokenizer, paths, cache_tokens=64, max_num_seqs=4) as tight:
+        got = tight.generate(prompts, params, adapter=names)
+        assert tight.stats()["preemptions"] > 0
+    for prompt, name, completion in zip(prompts, names, got, strict=True):
+        assert completion.token_ids == reference_tokens(references[name], prompt, params.max_tokens), name
+
+
 def test_the_prefix_cache_serves_each_adapter_its_own_blocks_only(setup):
     engine, references = setup
     prompt = PROMPTS[2]
