@@ -15,7 +15,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from tests.archs.configs import UPSTREAM_BROKEN, VLM_WRAPPERS
+from tests.archs.configs import VLM_WRAPPERS
 from tests.archs.scenarios import SCENARIOS
 
 START, END = "<!-- arch-table:start -->", "<!-- arch-table:end -->"
@@ -39,12 +39,8 @@ ACCEPTANCE = 0.95  # issue 14: at least this share of the architectures mlx-lm r
 
 
 def render(verdicts: dict[str, dict]) -> str:
-    """The count lines and the table, in module order. Upstream-broken architectures get a fixed row:
-    whether their process dies in mlx-lm or later is chance."""
-    verdicts = {
-        m: ({"module": m, "status": "upstream-broken", "reason": UPSTREAM_BROKEN[m]} if m in UPSTREAM_BROKEN else v)
-        for m, v in sorted(verdicts.items())
-    }
+    """The count lines and the table, in module order."""
+    verdicts = dict(sorted(verdicts.items()))
     rows = [_row(v) for v in verdicts.values()]
     return "\n".join([*summary(verdicts), "", HEADER, *rows])
 
@@ -52,7 +48,7 @@ def render(verdicts: dict[str, dict]) -> str:
 def summary(verdicts: dict[str, dict]) -> list[str]:
     """The pass-rate line (over the architectures mlx-lm itself runs here) and the per-scenario counts."""
     counts = Counter(v["status"] for v in verdicts.values())
-    runnable = len(verdicts) - counts["cannot-run"] - counts["upstream-broken"]
+    runnable = len(verdicts) - counts["cannot-run"]
     rate = counts["paged"] / runnable if runnable else 0.0
     per_scenario = Counter(
         name for v in verdicts.values() for name, why in v.get("scenarios", {}).items() if why == "pass"
@@ -61,9 +57,7 @@ def summary(verdicts: dict[str, dict]) -> list[str]:
         f"{counts['paged']} of the {runnable} architectures mlx-lm runs here ({rate:.0%}; the goal is "
         f"{ACCEPTANCE:.0%}) are served paged with every scenario token for token equal to mlx-lm's greedy "
         f"output; {counts['refused']} {'is' if counts['refused'] == 1 else 'are'} refused when the engine is built, "
-        "naming the layer and why"
-        + _others(counts)
-        + f"; {counts['upstream-broken']} crashes in plain mlx-lm; {counts['cannot-run']} "
+        "naming the layer and why" + _others(counts) + f"; {counts['cannot-run']} "
         "cannot run in mlx-lm itself here.",
         "",
         "Passing, per scenario: " + ", ".join(f"{SCENARIO_TITLES[s]} {per_scenario[s]}" for s in SCENARIOS) + ".",
@@ -71,7 +65,7 @@ def summary(verdicts: dict[str, dict]) -> list[str]:
 
 
 def _others(counts: Counter) -> str:
-    others = {k: n for k, n in counts.items() if k not in ("paged", "refused", "cannot-run", "upstream-broken")}
+    others = {k: n for k, n in counts.items() if k not in ("paged", "refused", "cannot-run")}
     return "".join(f"; {n} {status}" for status, n in sorted(others.items()))
 
 
@@ -97,8 +91,6 @@ def _verdict(v: dict) -> str:
         return "refused: " + ", ".join(v.get("labels") or ["see error"])
     if status == "cannot-run":
         return "mlx-lm cannot run it here: " + v["reason"]
-    if status == "upstream-broken":
-        return "upstream: " + v["reason"]
     return status if status == "paged" else f"{status}: {v.get('reason', '')[:120].replace('|', '/')}"
 
 

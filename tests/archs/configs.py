@@ -40,13 +40,6 @@ MLX_LM_CANNOT_RUN = {
     "prism_hadamard_qwen35": "loads only from a 2-bit Hadamard-quantized pack with its manifest; no float config",
 }
 
-# Architectures whose mlx-lm module crashes the process on this machine without mlxpaged: plain
-# generate_step on the tiny model segfaults (tests/archs/plain_mlx_lm.py; checked by test_architectures).
-UPSTREAM_BROKEN = {
-    "phi3small": "plain mlx-lm crashes running it (SIGSEGV or SIGABRT in 9 of 9 processes of 20 generate_step runs "
-    "each)",
-}
-
 # Logit soft-capping saturates with x3 weights and makes argmax ties: keep their random init as is.
 SOFT_CAPPED = frozenset(
     {"gemma2", "gemma3n", "gemma4", "gemma4_text", "gear", "laguna", "muse_glimmer", "nanochat", "recurrent_gemma"}

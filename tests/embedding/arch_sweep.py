@@ -24,7 +24,7 @@ from mlxpaged.embedding.model_files import EmbeddingSpec
 from mlxpaged.errors import UnsupportedModelError
 from mlxpaged.loading.loader import LoadedModel
 from mlxpaged.loading.model_store import ModelRef
-from tests.archs.configs import MLX_LM_CANNOT_RUN, UPSTREAM_BROKEN, config_for, has_config, text_modules
+from tests.archs.configs import MLX_LM_CANNOT_RUN, config_for, has_config, text_modules
 from tests.archs.harness import build
 
 import mlx.core as mx
@@ -91,7 +91,7 @@ def check_architecture(module: str) -> dict:
 
 
 def runnable_modules() -> list[str]:
-    skip = set(MLX_LM_CANNOT_RUN) | set(UPSTREAM_BROKEN)
+    skip = set(MLX_LM_CANNOT_RUN)
     return [m for m in text_modules() if has_config(m) and m not in skip]
 
 

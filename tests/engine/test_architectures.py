@@ -14,7 +14,7 @@ import sys
 
 from tests.archs import background
 from tests.archs.arch_table import ACCEPTANCE, render, section
-from tests.archs.configs import MLX_LM_CANNOT_RUN, UPSTREAM_BROKEN, has_config, text_modules
+from tests.archs.configs import MLX_LM_CANNOT_RUN, has_config, text_modules
 from tests.archs.scenarios import SCENARIOS
 from tests.archs.sweep import ROOT
 
@@ -25,13 +25,6 @@ MODULES = text_modules()
 NAMES_WHERE = ("layer", "cache entry", "cache list", "forward fails", "keeps no key/value")
 
 pytestmark = pytest.mark.slow
-
-
-def upstream_crash(module: str, verdict: dict) -> bool:
-    """The process died on a module that crashes plain mlx-lm too (configs.UPSTREAM_BROKEN: a native crash at
-    random, in any variant's run): mlx-lm's bug, not a verdict on the paged engine (the evidence is
-    test_upstream_broken_architectures_crash_without_mlxpaged)."""
-    return module in UPSTREAM_BROKEN and verdict["status"] == "upstream-crash"
 
 
 @pytest.fixture(scope="session")
@@ -73,8 +66,6 @@ def test_runs_exactly_or_is_refused_at_load(verdicts, module):
     if module in MLX_LM_CANNOT_RUN:
         assert status == "cannot-run", verdict
         return
-    if upstream_crash(module, verdict):
-        return
     assert status in ("paged", "refused"), f"{module}: {status}: {reason}"
     if status == "refused":
         assert "model type " in reason and any(word in reason for word in NAMES_WHERE), reason
@@ -92,9 +83,7 @@ def test_quantized_pages_run_exactly_or_are_refused_at_load(verdicts, kv_verdict
     of 32 (ConfigError naming kv_bits and the widths); one refused at full precision is refused here too."""
     verdict, full = kv_verdicts[module], verdicts[module]
     status, reason = verdict["status"], verdict.get("reason", "")
-    if upstream_crash(module, verdict):
-        return
-    if full["status"] != "paged" and not upstream_crash(module, full):
+    if full["status"] != "paged":
         assert status == full["status"] or (status == "refused" and "kv_group_size" in reason), (full, verdict)
         return
     assert status in ("paged", "refused"), f"{module}: {status}: {reason}"
@@ -116,14 +105,14 @@ def test_no_architecture_fails_after_load(verdicts):
     later = {
         m: f"{v['status']}: {v.get('reason', '')[:160]}"
         for m, v in verdicts.items()
-        if v["status"] not in ("paged", "refused", "cannot-run") and not upstream_crash(m, v)
+        if v["status"] not in ("paged", "refused", "cannot-run")
     }
     assert not later, f"{len(later)} architectures fail after load: {later}"
 
 
 def test_sweep_covers_the_acceptance_share(verdicts):
     """At least 95% of the architectures mlx-lm runs here pass; the rest are listed with their reason."""
-    runnable = {m: v for m, v in verdicts.items() if m not in MLX_LM_CANNOT_RUN and m not in UPSTREAM_BROKEN}
+    runnable = {m: v for m, v in verdicts.items() if m not in MLX_LM_CANNOT_RUN}
     passing = [m for m, v in runnable.items() if v["status"] == "paged"]
     others = {m: v.get("labels") or v.get("reason", "")[:80] for m, v in runnable.items() if v["status"] != "paged"}
     assert len(passing) >= ACCEPTANCE * len(runnable), (
@@ -131,32 +120,20 @@ def test_sweep_covers_the_acceptance_share(verdicts):
     )
 
 
-@pytest.mark.parametrize("module", sorted(UPSTREAM_BROKEN))
-def test_upstream_broken_architectures_crash_without_mlxpaged(module):
-    """The evidence for UPSTREAM_BROKEN: plain mlx-lm, mlxpaged never imported, dies on the model."""
-    crashed = 0
-    for _ in range(3):
-        run = subprocess.run(
-            [sys.executable, "-m", "tests.archs.plain_mlx_lm", module, "20"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        crashed += run.returncode < 0 or run.returncode > 128  # killed by a signal
-    assert crashed, f"plain mlx-lm ran {module} 3 times without crashing: take it off UPSTREAM_BROKEN"
-
-
-def test_plain_mlx_lm_runs_a_healthy_architecture():
-    """The twin of the evidence test: the same script succeeds on llama, so a crash means the model."""
+@pytest.mark.parametrize("module", ["llama", "phi3small"])
+def test_plain_mlx_lm_runs_the_tiny_config(module):
+    """mlx-lm alone (mlxpaged never imported) runs the tiny model 20 rounds: the config is sound. phi3small's first
+    config (vocab 1000) crashed this process in 9 of 9 runs (SIGSEGV, SIGABRT, SIGBUS, at random) and sometimes
+    corrupted a later matmul instead: the model sets the logits of token ids 100256..100351 to -inf, a scatter out
+    of bounds of a 1000-wide vocab. Its config now has vocab 100352."""
     run = subprocess.run(
-        [sys.executable, "-m", "tests.archs.plain_mlx_lm", "llama", "2"],
+        [sys.executable, "-m", "tests.archs.plain_mlx_lm", module, "20"],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=300,
     )
-    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-500:]
+    assert run.returncode == 0 and run.stdout.strip() == "ok", (run.returncode, run.stderr[-500:])
 
 
 def test_readme_table_is_the_sweeps(verdicts):
@@ -173,7 +150,7 @@ def test_the_gpu_path_gives_the_same_verdicts(verdicts, gpu_verdicts):
     differ = {
         m: f"cpu {verdicts[m]['status']}, gpu {v['status']}: {v.get('reason', '')[:160]}"
         for m, v in gpu_verdicts.items()
-        if v["status"] != verdicts[m]["status"] and not (upstream_crash(m, v) or upstream_crash(m, verdicts[m]))
+        if v["status"] != verdicts[m]["status"]
     }
     assert not differ, f"{len(differ)} architectures differ on the GPU path: {differ}"
     failed = {

@@ -14,7 +14,7 @@ from mlxpaged.errors import UnsupportedModelError
 from mlxpaged.loading.loader import check_paged_support
 from mlxpaged.loading.probe import MEMORY_GUARD_BYTES, probe_layout
 from mlxpaged.platform.model_facts import KVShape, ModelFacts
-from tests.archs.configs import MLX_LM_CANNOT_RUN, UPSTREAM_BROKEN, config_for, has_config, text_modules
+from tests.archs.configs import MLX_LM_CANNOT_RUN, config_for, has_config, text_modules
 from tests.tiny_models import tiny_gemma3, tiny_llama
 
 import mlx.core as mx
@@ -166,7 +166,7 @@ def test_batched_offsets_failure_runs_one_sequence_per_pass():
     assert serial_reason(probe_layout(unweighted("llama"))) is None
 
 
-RUNNABLE = [m for m in text_modules() if has_config(m) and m not in MLX_LM_CANNOT_RUN and m not in UPSTREAM_BROKEN]
+RUNNABLE = [m for m in text_modules() if has_config(m) and m not in MLX_LM_CANNOT_RUN]
 
 
 @pytest.mark.parametrize("module", RUNNABLE)
