@@ -24,3 +24,26 @@ def test_a_plain_model_is_exact_in_a_ragged_batch():
 def test_a_model_taking_rope_offsets_from_the_key_count_is_not():
     # afm7's KV-reuse layers rope queries at keys.shape[2] - L: padded page gathers shift them.
     assert "logits differ by" in check(build("afm7"))
+
+
+class PinnedLogits:
+    """A model that sets some logits to `value` after its forward, as phi3small sets its reserved ids' to -inf."""
+
+    def __init__(self, model, ids: list[int], value: float):
+        self.inner, self.ids, self.value = model, mx.array(ids), value
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __call__(self, inputs, cache=None):
+        out = self.inner(inputs, cache=cache)
+        out[..., self.ids] = self.value
+        return out
+
+
+def test_logits_pinned_to_minus_infinity_agree():
+    assert check(PinnedLogits(tiny_llama(), [0, 5, 7], -float("inf"))) is None  # inf - inf is no difference
+
+
+def test_nan_logits_never_agree():
+    assert "not finite" in check(PinnedLogits(tiny_llama(), [3], float("nan")))
