@@ -260,7 +260,9 @@ class Engine:
             in_flight = self.core.requests_with_adapter(adapters.resolve(name).id)
             if in_flight:
                 raise AdapterError(f"adapter {name!r} has {in_flight} unfinished request(s); remove it once they end")
-            adapters.remove(name)
+            removed = adapters.remove(name)
+            if self.core.runner.decoder is not None and not adapters.has_id(removed.id):
+                self.core.runner.decoder.forget_adapter(removed.id)
 
         self._on_engine_thread(remove, timeout)
 

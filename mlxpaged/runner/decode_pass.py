@@ -15,13 +15,22 @@ as their (data, scales, biases) arrays and are rebuilt inside (cache/quantized_p
 Only models whose layers all attend fully (one layer group) take this path. A model whose positions come from
 its prompt's images (M-RoPE: vision/positions.py) gets each row's offset plus its request's delta as a traced
 array too, so its passes share the graphs a text model's do.
+
+A pass whose rows all run with one LoRA / DoRA adapter (adapters/) takes a compiled function of its own for that
+adapter: the trace applies the adapter's update in every layer it adapts, its arrays held by the graph as the base
+weights are. Batch-1 decode with an adapter is the case mlx-lm serves (`generate --adapter-path`), and eager it ran at
+0.85x mlx-lm here (docs/design/issue40-adapters.md). Rows of several adapters in one pass run eagerly (the graphs
+would multiply with the mixes); at most MAX_ADAPTER_GRAPHS adapters keep a function, the least recently used go.
 """
 
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from functools import partial
 
+from mlxpaged.adapters.layers import PassRows
 from mlxpaged.cache.kv_cache import PagedKVCache, Pool
 from mlxpaged.cache.kv_transform import KVTransform
 from mlxpaged.cache.quantized_pages import QuantizedPages, as_arguments, from_arguments, pool_arrays, store_pair
@@ -33,6 +42,7 @@ import mlx.nn as nn
 
 ENV_VAR = "MLXPAGED_COMPILE"  # "0" turns compiled decode passes off (A/B runs, debugging)
 MIN_PAGES = 8  # contexts up to 128 tokens (block size 16) share one graph
+MAX_ADAPTER_GRAPHS = 16  # adapters whose compiled pass is kept (each holds its traced graphs, one per page bucket)
 
 
 def page_bucket(pages: int) -> int:
@@ -154,6 +164,8 @@ class CompiledDecode:
         self.model, self.kv, self.head = model, kv, head
         self.takes_positions = takes_positions  # M-RoPE: position_ids [3, B, L] from each row's start and delta
         self._forward = mx.compile(self._trace)
+        # adapter id -> the compiled pass whose rows all run with it, most recently used last
+        self._adapted: OrderedDict[str, Callable] = OrderedDict()
 
     @staticmethod
     def supports(kv: PagedKVCache) -> bool:
@@ -167,10 +179,13 @@ class CompiledDecode:
         tables: Sequence[Sequence[int]],
         tokens: mx.array,
         deltas: Sequence[int] | None = None,
+        adapter: str | None = None,
+        rows: PassRows | None = None,
     ) -> mx.array:
         """Build the pass of `tokens` [B, L] at positions `starts`.. over block `tables` (a model that takes
         positions: each row's shifted by its `deltas`); returns lazy logits [B * L, V] (every position, row-major)
-        and leaves the pools' pending writes in `kv.keys` / `kv.values`."""
+        and leaves the pools' pending writes in `kv.keys` / `kv.values`. `adapter`: the id of the adapter every row
+        runs with, told to the adapted layers through `rows` (the model's PassRows) while the pass is traced."""
         size, length = self.kv.block_size, tokens.shape[1]
         needed = [(start + length - 1) // size + 1 for start in starts]
         for table, n in zip(tables, needed, strict=True):
@@ -180,7 +195,8 @@ class CompiledDecode:
         # Padding entries repeat a valid block (masked out) so the gathers stay inside the pool.
         padded = [list(t[:n]) + [t[n - 1]] * (width - n) for t, n in zip(tables, needed, strict=True)]
         kv = self.kv
-        logits, keys, values = self._forward(
+        forward = self._forward if adapter is None else self._adapted_forward(adapter, rows)
+        logits, keys, values = forward(
             tokens,
             mx.array(list(starts), dtype=mx.int32),
             mx.array(padded, dtype=mx.int32),
@@ -191,6 +207,26 @@ class CompiledDecode:
         # Drop the old pools: the writes stay in place.
         kv.keys[:], kv.values[:] = from_arguments(keys, kv.keys), from_arguments(values, kv.values)
         return logits
+
+    def _adapted_forward(self, adapter: str, rows: PassRows | None) -> Callable:
+        if rows is None:
+            raise ValueError("a pass with an adapter needs the model's PassRows")
+        forward = self._adapted.pop(adapter, None)
+        if forward is None:
+            forward = mx.compile(partial(self._trace, adapter=adapter, rows=rows))
+            while len(self._adapted) >= MAX_ADAPTER_GRAPHS:
+                self._adapted.popitem(last=False)
+        self._adapted[adapter] = forward  # most recently used
+        return forward
+
+    @property
+    def compiled_adapters(self) -> tuple[str, ...]:
+        """The adapters with a compiled pass, least recently used first."""
+        return tuple(self._adapted)
+
+    def forget_adapter(self, adapter: str) -> None:
+        """Drop the compiled pass of an adapter the engine no longer serves (its graphs hold the adapter's arrays)."""
+        self._adapted.pop(adapter, None)
 
     def warm_up(self, all_ranks_ok: Callable[[bool], bool] | None = None) -> None:
         """Run one pass on throwaway pools: MLX compiles the fused kernels of a new graph once per
@@ -226,7 +262,10 @@ class CompiledDecode:
             return mx.zeros(shape, self.kv.dtype)
         return QuantizedPages.zeros(shape, self.kv.dtype, self.kv.quantization)
 
-    def _trace(self, tokens, starts, tables, deltas, keys, values):
+    def _trace(self, tokens, starts, tables, deltas, keys, values, adapter=None, rows=None):
+        if adapter is not None:
+            with rows.building([adapter] * tokens.shape[0], tokens.shape[1]):
+                return self._trace(tokens, starts, tables, deltas, keys, values)
         keys, values = from_arguments(keys, self.kv.keys), from_arguments(values, self.kv.values)
         state = _PassState(starts, tables, list(keys), list(values), tokens.shape[1])
         view = PositionedDecodeView if self.takes_positions else DecodeView

@@ -291,9 +291,9 @@ class Runner:
         which the real step then writes again."""
         if self.mirror is not None or not planner.predictable() or (self.serial and len(chunks) > 1):
             return None  # a serial model's rows each need a pass of their own; a mirrored pass needs its plan
-        compiled = self.compiles(len(chunks)) and not any(c.request.adapter is not None for c in chunks)
+        compiled = self.compiles(len(chunks)) and len({c.request.adapter for c in chunks}) == 1
         if compiled and not self.tuning.pipeline_compiled:
-            return None  # the CPU backend: see Tuning.pipeline_compiled (rows with an adapter run eagerly)
+            return None  # the CPU backend: see Tuning.pipeline_compiled (rows of several adapters run eagerly)
         picked, inputs = [], []
         for i, chunk in enumerate(chunks):
             request = chunk.request
@@ -400,8 +400,10 @@ class Runner:
     def _compiled_pass(self, batch: list[StepInput], length: int) -> bool:
         """A decode pass, or a verify chunk (every position's logits) of at most COMPILED_VERIFY_MAX_TOKENS,
         at a batch size that compiles: the compiled pass returns every position's logits."""
-        if not self.compiles(len(batch)) or any(x.embedding is not None or x.adapter is not None for x in batch):
-            return False  # the compiled graph holds the base model's layers only (its trace saw no adapter rows)
+        if not self.compiles(len(batch)) or any(x.embedding is not None for x in batch):
+            return False
+        if len({x.adapter for x in batch}) > 1:
+            return False  # a compiled pass applies one adapter (or none) to every row (decode_pass.py)
         return length == 1 or (
             length <= COMPILED_VERIFY_MAX_TOKENS and all(x.num_logits == len(x.token_ids) == length for x in batch)
         )
@@ -443,7 +445,8 @@ class Runner:
             tokens = mx.array([list(x.token_ids) + [0] * (length - len(x.token_ids)) for x in batch], dtype=mx.int32)
         if self.decoder is not None and self._compiled_pass(batch, length):
             deltas = [x.position_delta for x in batch] if self.takes_positions else None
-            return self.decoder([x.start for x in batch], [x.block_tables[0] for x in batch], tokens, deltas), None
+            starts, tables = [x.start for x in batch], [x.block_tables[0] for x in batch]
+            return self.decoder(starts, tables, tokens, deltas, batch[0].adapter, self.adapter_rows), None
         with self._adapted(batch):
             return self._forward(batch, tokens)
 

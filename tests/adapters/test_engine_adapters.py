@@ -66,6 +66,29 @@ def test_each_adapter_decodes_as_mlx_lm_does_with_it(setup):
             assert got == reference_tokens(reference, prompt, GREEDY.max_tokens), (name, prompt)
 
 
+def test_batch_one_decode_with_an_adapter_runs_its_compiled_pass(setup):
+    """Batch-1 decode with an adapter runs the adapter's compiled pass (runner/decode_pass.py), a batch of several
+    adapters the eager one: both give mlx-lm's tokens (the tests beside this one)."""
+    engine, _ = setup
+    decoder = engine.core.runner.decoder
+    assert decoder is not None, "the CPU backend compiles batch-1 decode"
+    for name in ("lora", "dora"):
+        engine.generate([PROMPTS[1]], dataclasses.replace(GREEDY, max_tokens=3), adapter=name)
+        assert engine.adapters.resolve(name).id in decoder.compiled_adapters
+
+
+def test_speculation_with_an_adapter_gives_its_greedy_tokens(tokenizer, tmp_path):
+    """Prompt-lookup drafts verified by the adapted model (compiled verify chunks at batch 1): mlx-lm's tokens."""
+    make = functools.partial(tiny_llama, 3)
+    lora = write_adapter(make, tmp_path / "lora", seed=4, rank=4, scale=4.0)
+    prompt = [11, 12, 13, 14, 15] * 3 + [11, 12]  # its last tokens occurred before: prompt lookup drafts 13, 14, ...
+    params = dataclasses.replace(GREEDY, max_tokens=24)
+    want = reference_tokens(adapted_reference(make, lora), prompt, params.max_tokens)
+    with adapted_engine(make, tokenizer, {"lora": lora}, speculative="ngram", num_speculative_tokens=4) as engine:
+        assert engine.generate([prompt], params, adapter="lora")[0].token_ids == want
+        assert engine.stats()["spec_draft_tokens_total"] > 0  # verify chunks of drafts ran
+
+
 def test_requests_for_several_adapters_share_the_batch_each_as_if_alone(setup):
     engine, references = setup
     names = [None, "lora", "dora", "lora", None, "dora"]
@@ -185,6 +208,8 @@ def test_adapters_added_and_removed_while_the_engine_serves(tokenizer, tmp_path)
         assert engine.add_adapter("late", lora)["fine_tune_type"] == "lora"
         want = reference_tokens(adapted_reference(make, lora), PROMPTS[0], GREEDY.max_tokens)
         assert engine.generate([PROMPTS[0]], GREEDY, adapter="late")[0].token_ids == want != base
+        decoder, late_id = engine.core.runner.decoder, engine.adapters.resolve("late").id
+        assert late_id in decoder.compiled_adapters  # batch-1 decode with it ran compiled
         with pytest.raises(AdapterError, match="does not fit this model"):
             engine.add_adapter("misfit", misfit)
         with pytest.raises(AdapterError, match="served already"):
@@ -198,6 +223,7 @@ def test_adapters_added_and_removed_while_the_engine_serves(tokenizer, tmp_path)
         while engine.stats()["requests_running"] + engine.stats()["requests_waiting"] and time.monotonic() < deadline:
             time.sleep(0.01)
         engine.remove_adapter("late")
+        assert late_id not in decoder.compiled_adapters  # its graphs (holding its arrays) went with it
         with pytest.raises(UnknownAdapterError):
             engine.generate([PROMPTS[0]], GREEDY, adapter="late")
         assert engine.generate([PROMPTS[0]], GREEDY)[0].token_ids == base  # the base model, unchanged throughout
