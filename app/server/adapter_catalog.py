@@ -31,6 +31,7 @@ class AdapterTarget:
     base: CatalogEntry
     path: str
     given: bool
+    trained_on: str | None = None  # a store adapter's config's `model`, which the catalog matched to `base`
 
 
 class AdapterCatalog:
@@ -84,7 +85,7 @@ class AdapterCatalog:
             if base is None:
                 log.info("adapter %s in the model store is not served: no model here is %r", row.name, row.base)
             elif row.name not in self._given:
-                found[row.name] = AdapterTarget(row.name, base, str(row.path), given=False)
+                found[row.name] = AdapterTarget(row.name, base, str(row.path), given=False, trained_on=row.base)
         return found
 
     def _base_entry(self, named: str) -> CatalogEntry | None:

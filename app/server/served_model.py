@@ -190,6 +190,7 @@ class ServedModel(ServedBase):
         self.active: set[Generation] = set()  # for abort_all at the end of a shutdown's drain
         self._store_adapters: dict[str, float] = {}  # store adapters attached on demand -> when last asked for
         self._adapter_lock = asyncio.Lock()
+        self._adapter_timers: dict[str, asyncio.TimerHandle] = {}  # each store adapter's next keep-alive check
 
     @property
     def engine(self):
@@ -197,15 +198,21 @@ class ServedModel(ServedBase):
 
     def release(self):
         self.token_text = TokenText(None)
+        for timer in self._adapter_timers.values():
+            timer.cancel()
+        self._adapter_timers.clear()
         return super().release()
 
-    async def use_adapter(self, name: str, path: str) -> None:
+    async def use_adapter(self, name: str, path: str, trained_on: str | None = None) -> None:
         """Attach the store's adapter `name` (directory `path`) to this model's engine if it is not yet, detaching
         the least recently used idle one past --max-loras first (waiting up to ADAPTER_SLOT_WAIT_S for one to be idle).
-        A 500 `adapter_load_failed` with the reason for one that cannot be served (the model and its other adapters go
-        on), a 503 when every slot stays busy."""
+        `trained_on`: the base its config names, which the catalog matched to this model (so the engine knows the
+        model by that name too). A 500 `adapter_load_failed` with the reason for one that cannot be served (the model
+        and its other adapters go on), a 503 when every slot stays busy."""
         async with self._adapter_lock:
             if name not in self._store_adapters:
+                if trained_on is not None:
+                    self.engine.adapters.known_as([trained_on])
                 try:  # read and checked first: one that cannot be served detaches nothing
                     files = await anyio.to_thread.run_sync(self.engine.check_adapter, name, path)
                 except MlxpagedError as exc:
@@ -224,26 +231,64 @@ class ServedModel(ServedBase):
                 self.cost = replace(self.cost, weights=self.cost.weights + described["bytes"])
                 log.info("adapter %s attached to %s (%s)", name, self.model_id, format_size(described["bytes"]))
             self._store_adapters[name] = time.monotonic()
+            self._check_adapter_later(name)
+
+    def generation_ended(self, adapter: str | None) -> None:
+        """A request ran with `adapter` (None: the base model) until now: a store adapter's keep-alive starts again."""
+        if adapter in self._store_adapters:
+            self._store_adapters[adapter] = time.monotonic()
+            self._check_adapter_later(adapter)
+
+    def _check_adapter_later(self, name: str) -> None:
+        """Detach the store adapter `name` once it has gone unused for the model's keep-alive (as the model itself is
+        unloaded after it; never when the model has none)."""
+        if self.keep_alive is None or self.unloaded:
+            return
+        if (timer := self._adapter_timers.pop(name, None)) is not None:
+            timer.cancel()
+        due = self._store_adapters[name] + self.keep_alive + ADAPTER_HANDOUT_GRACE_S
+        loop = asyncio.get_running_loop()
+        self._adapter_timers[name] = loop.call_later(max(due - time.monotonic(), 0.0), self._start_check, name)
+
+    def _start_check(self, name: str) -> None:
+        task = asyncio.get_running_loop().create_task(self._adapter_idle_check(name))
+        task.add_done_callback(_log_check_failure)
+
+    async def _adapter_idle_check(self, name: str) -> None:
+        self._adapter_timers.pop(name, None)
+        async with self._adapter_lock:
+            if name not in self._store_adapters or self.unloaded or self.keep_alive is None:
+                return
+            if time.monotonic() < self._store_adapters[name] + self.keep_alive:
+                self._check_adapter_later(name)  # used again since the check was set
+            elif not await self._detach(name, f"after {self.keep_alive:g} s idle"):
+                self._store_adapters[name] = time.monotonic()  # requests run with it: their end sets the next check
+                self._check_adapter_later(name)
 
     async def _detach_idle_adapter(self) -> bool:
         """Detach the least recently used store adapter no request runs with, nor was just handed to one (it is about
         to submit); False when there is none."""
         handed = time.monotonic() - ADAPTER_HANDOUT_GRACE_S
         for name in sorted(self._store_adapters, key=self._store_adapters.__getitem__):
-            if self._store_adapters[name] > handed:
-                continue
-            try:
-                described = self.engine.adapters.resolve(name).describe()
-                await anyio.to_thread.run_sync(self.engine.remove_adapter, name)
-            except MlxpagedError:
-                continue  # requests run with it: try the next
-            del self._store_adapters[name]
-            self.cost = replace(self.cost, weights=self.cost.weights - described["bytes"])
-            log.info(
-                "adapter %s detached from %s for room (--max-loras %d)", name, self.model_id, self.config.max_loras
-            )
-            return True
+            if self._store_adapters[name] <= handed and await self._detach(
+                name, f"for room (--max-loras {self.config.max_loras})"
+            ):
+                return True
         return False
+
+    async def _detach(self, name: str, why: str) -> bool:
+        """Detach the store adapter `name`; False (nothing changed) while requests run with it."""
+        try:
+            described = self.engine.adapters.resolve(name).describe()
+            await anyio.to_thread.run_sync(self.engine.remove_adapter, name)
+        except MlxpagedError:
+            return False
+        del self._store_adapters[name]
+        if (timer := self._adapter_timers.pop(name, None)) is not None:
+            timer.cancel()
+        self.cost = replace(self.cost, weights=self.cost.weights - described["bytes"])
+        log.info("adapter %s detached from %s %s", name, self.model_id, why)
+        return True
 
     def abort_all(self) -> None:
         for generation in list(self.active):
@@ -297,3 +342,8 @@ class AdaptedModel:
 
     def __getattr__(self, name: str):
         return getattr(self.base, name)
+
+
+def _log_check_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("detaching an idle adapter failed: %r", task.exception())

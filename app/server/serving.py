@@ -112,6 +112,7 @@ async def launch(
         cleanup.close()
         raise
     model.active.add(generation)
+    cleanup.callback(model.generation_ended, model.adapter)  # a store adapter's keep-alive starts then
     cleanup.callback(model.active.discard, generation)
     cleanup.callback(generation.left, route)  # runs first: whatever has not finished is withdrawn
     return generation, cleanup

@@ -70,7 +70,7 @@ class ServerState:
         if target is not None:  # an adapter: its base model, running it (attached first if it is the store's)
             served = await self.served_model(target.base.name, keep_alive, kind)
             if not target.given:
-                await served.use_adapter(target.name, target.path)
+                await served.use_adapter(target.name, target.path, target.trained_on)
             return AdaptedModel(served, target.name)
         try:
             return await self.registry.get(name, keep_alive, kind)

@@ -4,8 +4,10 @@ checked on their own (before any model is touched), the way mlx-lm's `load_adapt
 The config says the kind (`fine_tune_type`: "lora" or "dora"; a "full" fine-tune is a model, not an adapter), the
 scale of the low-rank update (`lora_parameters.scale`) and, where mlx_lm.lora saved its arguments, the base model it
 was trained on (`model`). The weights name the layers they adapt: `<module path>.lora_a` [in, r],
-`<module path>.lora_b` [r, out] and, for DoRA, `<module path>.m` [out]. Those names are what is adapted: mlx-lm
-wraps the layers its config picks and loads this file into them, so the file and the wrapped layers agree.
+`<module path>.lora_b` [r, out] and, for DoRA, `<module path>.m` [out]; a mixture-of-experts switch layer
+(mlx-lm's `LoRASwitchLinear`, LoRA only) has one update per expert: lora_a [experts, r, in], lora_b [experts, out, r].
+Those names are what is adapted: mlx-lm wraps the layers its config picks and loads this file into them, so the file
+and the wrapped layers agree.
 """
 
 from __future__ import annotations
@@ -28,15 +30,28 @@ _LEAVES = ("lora_a", "lora_b", "m")
 @dataclass(frozen=True)
 class ModuleUpdate:
     """One layer's low-rank update: lora_a [in, r], lora_b [r, out] and DoRA's magnitude m [out] (None: LoRA, or a
-    DoRA layer the file has no magnitude for, which mlx-lm starts at the base weight's row norms)."""
+    DoRA layer the file has no magnitude for, which mlx-lm starts at the base weight's row norms). A switch layer's:
+    lora_a [experts, r, in], lora_b [experts, out, r]."""
 
     lora_a: mx.array
     lora_b: mx.array
     m: mx.array | None = None
 
     @property
+    def experts(self) -> int | None:
+        """The experts of the switch layer it adapts; None for a linear layer."""
+        return int(self.lora_a.shape[0]) if self.lora_a.ndim == 3 else None
+
+    @property
+    def dims(self) -> tuple[int, int]:
+        """(input width, output width) of the layer it was trained on."""
+        if self.experts is not None:
+            return int(self.lora_a.shape[2]), int(self.lora_b.shape[1])
+        return int(self.lora_a.shape[0]), int(self.lora_b.shape[1])
+
+    @property
     def rank(self) -> int:
-        return int(self.lora_a.shape[-1])
+        return int(self.lora_a.shape[1] if self.experts is not None else self.lora_a.shape[-1])
 
 
 @dataclass(frozen=True)
@@ -121,13 +136,18 @@ def _modules(path: Path, weights: dict[str, mx.array], kind: str) -> dict[str, M
         a, b, m = parts.get("lora_a"), parts.get("lora_b"), parts.get("m")
         if a is None or b is None:
             raise AdapterError(f"{path / WEIGHTS_FILE}: {module} has {'lora_b' if a is None else 'lora_a'} only")
-        if a.ndim != 2 or b.ndim != 2:
-            what = "a mixture-of-experts (switch) layer" if a.ndim == 3 else f"{a.ndim}-d lora_a"
-            raise AdapterError(f"{path}: {module} adapts {what}; mlxpaged serves adapters of linear layers only so far")
-        if a.shape[1] != b.shape[0]:
+        if a.ndim not in (2, 3) or b.ndim != a.ndim:
+            raise AdapterError(
+                f"{path / WEIGHTS_FILE}: {module}'s lora_a {tuple(a.shape)} and lora_b {tuple(b.shape)} are neither a "
+                "linear layer's update (2-d) nor a switch layer's (3-d, one per expert)"
+            )
+        if a.ndim == 3 and kind == "dora":
+            raise AdapterError(f"{path}: {module} is a switch (mixture-of-experts) layer, which DoRA does not adapt")
+        agree = a.shape[1] == b.shape[0] if a.ndim == 2 else (a.shape[0] == b.shape[0] and a.shape[1] == b.shape[2])
+        if not agree:
             raise AdapterError(
                 f"{path / WEIGHTS_FILE}: {module}'s lora_a {tuple(a.shape)} and lora_b {tuple(b.shape)} disagree on "
-                "the rank"
+                "the rank" + (" or the experts" if a.ndim == 3 else "")
             )
         if m is not None and tuple(m.shape) != (b.shape[1],):
             raise AdapterError(f"{path / WEIGHTS_FILE}: {module}'s m {tuple(m.shape)} is not [{b.shape[1]}]")

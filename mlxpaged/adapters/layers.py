@@ -9,18 +9,25 @@ The update is mlx-lm's, operation for operation (mlx_lm/tuner/lora.py `LoRALinea
 computes what `load(base, adapter_path=...)` computes: LoRA `y + (scale * ((x @ A) @ B)).astype(x.dtype)`; DoRA
 `(m / |W + scale * (A @ B).T|).astype(x.dtype) * (x @ W.T + scale * ((x @ A) @ B)) + bias`, whose norm depends on the
 weights only and is computed once, when the adapter is attached.
+
+A mixture-of-experts switch layer (`AdaptedSwitchLinear`) adds mlx-lm's `LoRASwitchLinear` update: each token's
+expert's own lora_a and lora_b, gathered as the base layer gathers its experts. Its block sorts the pass's tokens by
+expert before calling it, so it cannot tell which row a token came from: a model whose adapters adapt switch layers
+runs one adapter per pass (`PassRows.one_adapter_per_pass`; the runner splits a step's rows by adapter).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Generic, TypeVar
 
 from mlxpaged.adapters.files import ModuleUpdate
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
 # A pass whose rows use at least this many different adapters of one layer applies them as one stacked update (two
 # matmuls over every adapter's columns, each row masked to its own) instead of group by group (measured: see
@@ -28,6 +35,7 @@ import numpy as np
 STACK_MIN_GROUPS = 3
 
 LinearBase = nn.Linear | nn.QuantizedLinear
+SwitchBase = SwitchLinear | QuantizedSwitchLinear
 
 
 def linear_dims(linear: LinearBase) -> tuple[int, int]:
@@ -79,6 +87,24 @@ class LowRankUpdate:
         return out + linear.bias if "bias" in linear else out
 
 
+class SwitchUpdate:
+    """One adapter's update of one switch layer: each expert's lora_a [E, r, in] and lora_b [E, out, r]."""
+
+    norm_scale = None  # LoRA only (mlx-lm has no DoRA of switch layers)
+
+    def __init__(self, update: ModuleUpdate, scale: float):
+        self.lora_a, self.lora_b, self.scale = update.lora_a, update.lora_b, scale
+
+    def arrays(self) -> list[mx.array]:
+        return [self.lora_a, self.lora_b]
+
+    def __call__(self, x: mx.array, y: mx.array, indices: mx.array, sorted_indices: bool) -> mx.array:
+        """mlx-lm's LoRASwitchLinear: the tokens' experts' updates, gathered as the base layer's weights are."""
+        z = mx.gather_mm(x, self.lora_a.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
+        z = mx.gather_mm(z, self.lora_b.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
+        return y + (self.scale * z).astype(x.dtype)
+
+
 class PassRows:
     """Which adapter each row of the pass being built uses, read by every adapted layer of one model while the
     runner builds that pass (the arrays then hold it; nothing here is read when the pass runs)."""
@@ -90,6 +116,8 @@ class PassRows:
         self.inverse: mx.array | None = None  # the rows back in batch order after the groups are concatenated
         self._by_token: tuple[list[tuple[str | None, mx.array | None]], mx.array] | None = None
         self._masks: dict[tuple, mx.array] = {}  # the pass's column masks by stack layout (stacked_mask)
+        # Set while an adapter of a switch layer is attached: every pass's rows then run one adapter (or none).
+        self.one_adapter_per_pass = False
 
     @property
     def batch(self) -> int:
@@ -145,6 +173,42 @@ def _grouped(adapters: list[str | None]) -> tuple[list[tuple[str | None, mx.arra
     return groups, mx.array(sorted(range(len(order)), key=order.__getitem__))
 
 
+U = TypeVar("U", LowRankUpdate, SwitchUpdate)
+
+
+class AdapterUpdates(Generic[U]):
+    """Adapter id -> its update of one layer. A plain object, not a dict: MLX takes a module's dict attributes for
+    children, and their arrays for the model's parameters."""
+
+    def __init__(self) -> None:
+        self._by_adapter: dict[str, U] = {}
+        self.version = 0  # bumped on every change (what a layer's stacked updates were built from)
+
+    @property
+    def any_dora(self) -> bool:
+        return any(u.norm_scale is not None for u in self._by_adapter.values())
+
+    def items(self) -> list[tuple[str, U]]:
+        return list(self._by_adapter.items())
+
+    def __contains__(self, adapter: object) -> bool:
+        return adapter in self._by_adapter
+
+    def __bool__(self) -> bool:
+        return bool(self._by_adapter)
+
+    def get(self, adapter: str | None) -> U | None:
+        return self._by_adapter.get(adapter) if adapter is not None else None
+
+    def add(self, adapter: str, update: U) -> None:
+        self._by_adapter[adapter] = update
+        self.version += 1
+
+    def remove(self, adapter: str) -> None:
+        self._by_adapter.pop(adapter, None)
+        self.version += 1
+
+
 class AdaptedLinear(nn.Module):
     """A linear layer and the updates of the adapters that adapt it, applied to the rows that asked for them."""
 
@@ -152,7 +216,8 @@ class AdaptedLinear(nn.Module):
         super().__init__()
         self.linear = linear
         self.rows = rows  # plain objects (not arrays, dicts or lists): neither is a parameter
-        self.updates = AdapterUpdates()
+        self.updates: AdapterUpdates[LowRankUpdate] = AdapterUpdates()
+        self._stack: tuple[int, StackedUpdates] | None = None  # (updates.version it was built at, the stack)
 
     def __call__(self, x: mx.array) -> mx.array:
         y = self.linear(x)
@@ -178,7 +243,9 @@ class AdaptedLinear(nn.Module):
     def _stacked(self, x: mx.array, y: mx.array) -> mx.array:
         """Every row's LoRA update at once: x @ [A_1 .. A_n], each row's columns scaled by its adapter's scale and
         the others zeroed, @ [B_1 .. B_n]. Rows of the base model (or of an adapter not adapting this layer) get 0."""
-        stack = self.updates.stacked()
+        if self._stack is None or self._stack[0] != self.updates.version:
+            self._stack = (self.updates.version, StackedUpdates(self.updates.items()))
+        stack = self._stack[1]
         flat = x.shape[0] != self.rows.batch
         if flat and x.shape[0] != self.rows.batch * self.rows.length:
             raise RuntimeError(f"an adapted layer got input {x.shape} in a pass of {self.rows.batch} rows")
@@ -189,46 +256,35 @@ class AdaptedLinear(nn.Module):
 class StackedUpdates:
     """The LoRA updates of one layer side by side: lora_a [in, R], lora_b [R, out], and each adapter's columns."""
 
-    def __init__(self, updates: dict[str, LowRankUpdate]):
+    def __init__(self, updates: list[tuple[str, LowRankUpdate]]):
         self.columns: dict[str, tuple[int, int, float]] = {}  # adapter id -> (first column, past the last, scale)
         start = 0
-        for adapter, update in updates.items():
+        for adapter, update in updates:
             rank = int(update.lora_a.shape[1])
             self.columns[adapter] = (start, start + rank, update.scale)
             start += rank
         self.width = start
         self.layout = tuple(self.columns.items())  # what the pass's mask depends on
-        self.lora_a = mx.concatenate([u.lora_a for u in updates.values()], axis=1)
-        self.lora_b = mx.concatenate([u.lora_b for u in updates.values()], axis=0)
+        self.lora_a = mx.concatenate([u.lora_a for _, u in updates], axis=1)
+        self.lora_b = mx.concatenate([u.lora_b for _, u in updates], axis=0)
 
 
-class AdapterUpdates:
-    """Adapter id -> its LowRankUpdate of one layer. A plain object, not a dict: MLX takes a module's dict attributes
-    for children, and their arrays for the model's parameters."""
+class AdaptedSwitchLinear(nn.Module):
+    """A mixture-of-experts switch layer (mlx-lm's SwitchLinear, quantized or not) and its adapters' updates. It sees
+    the pass's tokens sorted by expert, not by row, so the pass runs one adapter (PassRows.one_adapter_per_pass)."""
 
-    def __init__(self) -> None:
-        self._by_adapter: dict[str, LowRankUpdate] = {}
-        self._stacked: StackedUpdates | None = None  # built on first use after a change
+    def __init__(self, linear: SwitchBase, rows: PassRows):
+        super().__init__()
+        self.linear = linear
+        self.rows = rows
+        self.updates: AdapterUpdates[SwitchUpdate] = AdapterUpdates()
 
-    @property
-    def any_dora(self) -> bool:
-        return any(u.norm_scale is not None for u in self._by_adapter.values())
-
-    def stacked(self) -> StackedUpdates:
-        if self._stacked is None:
-            self._stacked = StackedUpdates(self._by_adapter)
-        return self._stacked
-
-    def __contains__(self, adapter: object) -> bool:
-        return adapter in self._by_adapter
-
-    def get(self, adapter: str | None) -> LowRankUpdate | None:
-        return self._by_adapter.get(adapter) if adapter is not None else None
-
-    def add(self, adapter: str, update: LowRankUpdate) -> None:
-        self._by_adapter[adapter] = update
-        self._stacked = None
-
-    def remove(self, adapter: str) -> None:
-        self._by_adapter.pop(adapter, None)
-        self._stacked = None
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        y = self.linear(x, indices, sorted_indices=sorted_indices)
+        groups = self.rows.groups
+        if groups is None or not any(adapter in self.updates for adapter, _ in groups):
+            return y
+        if len(groups) > 1:
+            raise RuntimeError("a pass of several adapters reached an adapted switch layer (one adapter per pass)")
+        update = self.updates.get(groups[0][0])
+        return y if update is None else update(x, y, indices, sorted_indices)

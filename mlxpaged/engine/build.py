@@ -77,7 +77,7 @@ def build_core(
     if adapters and ranks is not None:
         raise ConfigError("adapters across mlx.launch ranks are not supported yet", param="adapters")
     # Adapters may be added later too (Engine.add_adapter), not across ranks; AdapterError before anything is planned.
-    adapter_set = AdapterSet(loaded.model, adapters) if ranks is None else None
+    adapter_set = AdapterSet(loaded.model, adapters, loaded.names, loaded.path) if ranks is None else None
     if backend.tuning().fused_projections:
         fuse_projections(loaded.model)  # before the probe and every pass: the layout is the same either way
     layout = probe_layout(loaded.model)

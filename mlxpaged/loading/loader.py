@@ -50,6 +50,15 @@ class LoadedModel:
         return self.ref.name
 
     @property
+    def names(self) -> tuple[str, ...]:
+        """What the model is known by: its name, its hub repository, its directory, the file it was converted from,
+        the name its config keeps (an adapter's config names its base by one of these: adapters/base_model.py)."""
+        options = self.ref.preset.options if self.ref.preset is not None else {}
+        found = [self.ref.name, self.ref.repo, str(self.path), options.get("repo"), options.get("file")]
+        found.append(self.config.get("_name_or_path"))
+        return tuple(dict.fromkeys(n for n in found if isinstance(n, str) and n))
+
+    @property
     def weight_bytes(self) -> int:
         """Bytes of every weight loaded, what the memory plan counts: a vision-language model's tower and projector
         too (`vision.model` is mlx-vlm's whole model, its language model included), as its checkpoint holds them."""

@@ -50,6 +50,14 @@ import mlx.nn as nn
 COMPILED_VERIFY_MAX_TOKENS = 8
 
 
+def _by_adapter(rows: list[int], inputs: Sequence[StepInput]) -> list[list[int]]:
+    """`rows` split into one list per adapter (the base model's too), in order of first appearance."""
+    groups: dict[str | None, list[int]] = {}
+    for i in rows:
+        groups.setdefault(inputs[i].adapter, []).append(i)
+    return list(groups.values())
+
+
 def _rows(values: mx.array, rows: list[int]) -> mx.array:
     """`values[rows]`, without a gather when `rows` is every row in order."""
     return values if rows == list(range(values.shape[0])) else values[mx.array(rows)]
@@ -291,6 +299,8 @@ class Runner:
         which the real step then writes again."""
         if self.mirror is not None or not planner.predictable() or (self.serial and len(chunks) > 1):
             return None  # a serial model's rows each need a pass of their own; a mirrored pass needs its plan
+        if self._one_adapter_per_pass and len({c.request.adapter for c in chunks}) > 1:
+            return None  # the rows need a pass per adapter (adapters of switch layers: adapters/layers.py)
         compiled = self.compiles(len(chunks)) and len({c.request.adapter for c in chunks}) == 1
         if compiled and not self.tuning.pipeline_compiled:
             return None  # the CPU backend: see Tuning.pipeline_compiled (rows of several adapters run eagerly)
@@ -370,6 +380,8 @@ class Runner:
             drafting = {i for i, x in enumerate(inputs) if x.num_logits > 1}
             prefill = [[i for i in rows if i not in drafting] for rows in prefill_passes(inputs)]
             passes = [rows for rows in [decode, sorted(drafting), *prefill] if rows]
+        if self._one_adapter_per_pass:
+            passes = [group for rows in passes for group in _by_adapter(rows, inputs)]
         results: list[mx.array] = []
         for rows in passes:
             logits, state_pass = self._build([inputs[i] for i in rows])
@@ -396,6 +408,10 @@ class Runner:
                 [results[where[i][0]][where[i][1] : where[i][1] + inputs[i].num_logits] for i in wanted]
             )
         return logits.astype(mx.float32)
+
+    @property
+    def _one_adapter_per_pass(self) -> bool:
+        return self.adapter_rows is not None and self.adapter_rows.one_adapter_per_pass
 
     def _compiled_pass(self, batch: list[StepInput], length: int) -> bool:
         """A decode pass, or a verify chunk (every position's logits) of at most COMPILED_VERIFY_MAX_TOKENS,

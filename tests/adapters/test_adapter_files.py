@@ -78,12 +78,35 @@ def test_a_missing_directory_is_refused(tmp_path):
             "disagree on the rank",
         ),
         (
-            {"layers.0.experts.lora_a": mx.zeros((4, 2, 64)), "layers.0.experts.lora_b": mx.zeros((4, 64, 2))},
-            "mixture-of-experts",
+            {"layers.0.experts.lora_a": mx.zeros((4, 2, 64)), "layers.0.experts.lora_b": mx.zeros((3, 64, 2))},
+            "disagree on the rank or the experts",
+        ),
+        (
+            {"layers.0.experts.lora_a": mx.zeros((4, 2, 64)), "layers.0.experts.lora_b": mx.zeros((64, 2))},
+            "neither a linear layer's update",
         ),
     ],
 )
 def test_tensors_that_are_not_an_adapters_are_refused(lora, weights, message):
     mx.save_safetensors(str(lora / "adapters.safetensors"), weights)
     with pytest.raises(AdapterError, match=message):
+        read_adapter(lora)
+
+
+def test_a_switch_layers_update_is_read_per_expert(lora):
+    mx.save_safetensors(
+        str(lora / "adapters.safetensors"),
+        {"layers.0.experts.lora_a": mx.zeros((4, 2, 64)), "layers.0.experts.lora_b": mx.zeros((4, 32, 2))},
+    )
+    update = read_adapter(lora).modules["layers.0.experts"]
+    assert (update.experts, update.rank, update.dims) == (4, 2, (64, 32))
+
+
+def test_dora_of_a_switch_layer_is_refused_as_mlx_lm_refuses_it(lora):
+    edit_config(lora, fine_tune_type="dora")
+    mx.save_safetensors(
+        str(lora / "adapters.safetensors"),
+        {"layers.0.experts.lora_a": mx.zeros((4, 2, 64)), "layers.0.experts.lora_b": mx.zeros((4, 32, 2))},
+    )
+    with pytest.raises(AdapterError, match="which DoRA does not adapt"):
         read_adapter(lora)

@@ -20,6 +20,7 @@ from mlxpaged.sampling_params import SamplingParams
 from tests.tiny_adapters import adapted_reference, reference_tokens, write_adapter
 from tests.tiny_models import tiny_llama, tiny_qwen3, tiny_qwen3_5, write_tiny_model_dir
 
+import mlx.core as mx
 import pytest
 from mlx_lm import load
 
@@ -120,16 +121,11 @@ def tiny_moe(directory: Path):
     return load(str(directory))[0]
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5-hybrid", "qwen3_moe"])
-def test_adapters_on_a_hybrid_and_a_moe_model_decode_as_mlx_lm_does(tokenizer, tmp_path, arch):
-    """A hybrid (gated-delta state layers beside attention: every linear layer of its last two layers adapted, as
-    mlx_lm.lora does by default) and a mixture-of-experts model (its attention adapted: LoRA on the switch layers
-    is refused, tests/adapters/test_adapter_files.py)."""
-    if arch == "qwen3_5-hybrid":
-        make, keys = tiny_qwen3_5, None
-    else:
-        make, keys = functools.partial(tiny_moe, tmp_path / "moe"), ["self_attn.q_proj", "self_attn.v_proj"]
-    path = write_adapter(make, tmp_path / "adapter", seed=3, keys=keys)
+def test_adapters_on_a_hybrid_model_decode_as_mlx_lm_does(tokenizer, tmp_path):
+    """A hybrid (gated-delta state layers beside attention): every linear layer of its last two layers adapted, as
+    mlx_lm.lora does by default."""
+    make = tiny_qwen3_5
+    path = write_adapter(make, tmp_path / "adapter", seed=3)
     references = {None: make(), "a": adapted_reference(make, path)}
     with adapted_engine(make, tokenizer, {"a": path}) as engine:
         names = ["a", None, "a"]
@@ -137,6 +133,38 @@ def test_adapters_on_a_hybrid_and_a_moe_model_decode_as_mlx_lm_does(tokenizer, t
     for prompt, name, got in zip(PROMPTS, names, together, strict=True):
         assert got.token_ids == reference_tokens(references[name], prompt, GREEDY.max_tokens), name
     assert together[0].token_ids != reference_tokens(references[None], PROMPTS[0], GREEDY.max_tokens)
+
+
+def test_adapters_of_moe_switch_layers_decode_as_mlx_lm_does(tokenizer, tmp_path):
+    """A mixture-of-experts model adapted as mlx_lm.lora adapts it by default: attention, router and the switch layers
+    of the experts (LoRASwitchLinear, an update per expert). Requests for two such adapters and the base model run
+    together, each as alone (the step runs a pass per adapter); a 40-token prompt has its tokens sorted by expert."""
+    make = functools.partial(tiny_moe, tmp_path / "moe")
+    paths = {"a": write_adapter(make, tmp_path / "a", seed=3), "b": write_adapter(make, tmp_path / "b", seed=8)}
+    assert any(".switch_mlp." in name for name in mx.load(str(paths["a"] / "adapters.safetensors")))
+    references = {None: make(), **{n: adapted_reference(make, p) for n, p in paths.items()}}
+    prompts = [*PROMPTS, list(range(3, 43))]
+    names = ["a", None, "b", "a"]
+    with adapted_engine(make, tokenizer, paths) as engine:
+        assert engine.adapters.rows.one_adapter_per_pass
+        together = engine.generate(prompts, GREEDY, adapter=names)
+        alone = engine.generate([prompts[3]], GREEDY, adapter="b")[0].token_ids  # compiled batch-1 decode
+    for prompt, name, got in zip(prompts, names, together, strict=True):
+        assert got.token_ids == reference_tokens(references[name], prompt, GREEDY.max_tokens), name
+    assert alone == reference_tokens(references["b"], prompts[3], GREEDY.max_tokens)
+    assert together[0].token_ids != reference_tokens(references[None], PROMPTS[0], GREEDY.max_tokens)
+
+
+def test_an_adapter_of_a_switch_layer_with_other_experts_is_refused(tokenizer, tmp_path):
+    make = functools.partial(tiny_moe, tmp_path / "moe")
+    path = write_adapter(make, tmp_path / "a", seed=3)
+    weights = mx.load(str(path / "adapters.safetensors"))
+    name = next(n for n in weights if ".switch_mlp." in n and n.endswith("lora_a"))
+    weights[name] = weights[name][:-1]
+    weights[name.replace("lora_a", "lora_b")] = weights[name.replace("lora_a", "lora_b")][:-1]
+    mx.save_safetensors(str(path / "adapters.safetensors"), weights)
+    with pytest.raises(AdapterError, match=r"experts of .* the adapter's"):
+        adapted_engine(make, tokenizer, {"a": path})
 
 
 def test_preempted_adapted_requests_resume_as_mlx_lm_decodes_them(tokenizer, tmp_path):

@@ -23,8 +23,8 @@ def setup(default_loaded, tmp_path_factory):
     root = tmp_path_factory.mktemp("adapters")
     make = lambda: load(str(path))[0]  # noqa: E731
     paths = {
-        "lora": write_adapter(make, root / "lora", "lora", seed=1, rank=8, scale=2.0, num_layers=4),
-        "dora": write_adapter(make, root / "dora", "dora", seed=2, rank=4, scale=2.0, num_layers=4),
+        "lora": write_adapter(make, root / "lora", "lora", seed=1, rank=8, scale=2.0, num_layers=4, base=str(path)),
+        "dora": write_adapter(make, root / "dora", "dora", seed=2, rank=4, scale=2.0, num_layers=4, base=str(path)),
     }
     references = {None: default_loaded.model}
     references.update({name: load(str(path), adapter_path=str(p))[0] for name, p in paths.items()})

@@ -7,8 +7,10 @@ cannot be served refused with the reason: at startup (--lora), or per request (t
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -38,7 +40,7 @@ def store(tmp_path_factory) -> Path:
     make = lambda: load(str(base))[0]  # noqa: E731
     adapters = root.parent / (root.name + "-adapters")
     write_adapter(make, adapters / "fr", "lora", seed=1, rank=8, scale=6.0, base=str(base))
-    write_adapter(make, adapters / "pirate", "dora", seed=2, keys=["self_attn.v_proj", "mlp.down_proj"])
+    write_adapter(make, adapters / "pirate", "dora", seed=2, keys=["self_attn.v_proj", "mlp.down_proj"], base="tiny-a")
     write_adapter(lambda: load(str(root / "tiny-wide"))[0], adapters / "wide", seed=3, num_layers=1)
     # In the store itself: served on the model their config names, attached when first asked for.
     write_adapter(make, root / "shanty", "lora", seed=4, rank=4, base="tiny-a")
@@ -162,6 +164,7 @@ def test_an_unknown_adapter_name_is_a_404_naming_the_adapters(server, client):
     [
         ("wide", "does not fit this model"),
         ("corrupt", "cannot be read as safetensors"),
+        ("elsewhere", "was trained on 'Qwen/Qwen3-4B'"),  # its shapes fit: the base its config names does not
     ],
 )
 def test_an_adapter_that_cannot_be_served_is_refused_at_startup(store, tmp_path, spoil, message):
@@ -171,6 +174,11 @@ def test_an_adapter_that_cannot_be_served_is_refused_at_startup(store, tmp_path,
         path.mkdir()
         (path / "adapter_config.json").write_bytes((adapter_dir(store, "fr") / "adapter_config.json").read_bytes())
         (path / "adapters.safetensors").write_bytes(b"\x00" * 64)
+    elif spoil == "elsewhere":
+        path = tmp_path / "elsewhere"
+        shutil.copytree(adapter_dir(store, "fr"), path)
+        config = json.loads((path / "adapter_config.json").read_text())
+        (path / "adapter_config.json").write_text(json.dumps({**config, "model": "Qwen/Qwen3-4B"}))
     command = [sys.executable, "-m", "mlxpaged_app.cli", "serve", "--port", "0", "--model", str(store / "tiny-a")]
     done = subprocess.run([*command, "--lora", f"x={path}"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 1, done.stderr[-2000:]
