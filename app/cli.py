@@ -359,7 +359,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--parts",
         type=bench_parts,
         default=None,
-        help="gpu: run only some of decode,batch,ttft (default all); kv: decode (the decode-speed part alone)",
+        help="gpu: run only some of decode,batch,ttft (default all); kv: decode (the decode-speed part alone); lora: "
+        "batch or decode",
     )
     bench.add_argument(
         "--max-model-len",

@@ -1,6 +1,7 @@
 """`mlxpaged bench lora`: serving adapters. 16 concurrent requests spread over 1, 4 and 16 LoRA adapters against the
 same 16 on the base model alone (aggregate tok/s, the ratio is the cost of the adapters), and batch-1 decode with
-one adapter against mlx-lm's own `generate_step` on `load(model, adapter_path=...)`.
+one adapter against mlx-lm's own `generate_step` on `load(model, adapter_path=...)`, the two alternating run by run
+(a pair shares the machine's load: the median of the pairs' ratios is the figure; `--parts decode`: that alone).
 
 The adapters are written for the model here, as `mlx_lm.lora` writes them (adapters.safetensors +
 adapter_config.json): rank 8 on every linear layer of the last 16 layers (mlx_lm.lora's defaults), random weights (a
@@ -16,6 +17,7 @@ import time
 from argparse import Namespace
 from pathlib import Path
 
+from mlxpaged.errors import ConfigError
 from mlxpaged.platform.blas import blas_status
 from mlxpaged_app.bench.batch import random_prompts
 from mlxpaged_app.bench.timing import after_warm_up
@@ -98,6 +100,9 @@ def bench_lora(args: Namespace) -> int:
     from mlx_lm import load
 
     runs, tokens = args.runs or 3, args.tokens or 64
+    parts = getattr(args, "parts", None) or ("batch", "decode")
+    if not set(parts) <= {"batch", "decode"}:
+        raise ConfigError("bench lora takes --parts batch, decode or both", param="parts")
     with tempfile.TemporaryDirectory(prefix="mlxpaged-bench-lora-") as tmp:
         probe = Engine.from_pretrained(args.model, max_num_seqs=CONCURRENT)
         paths = {f"lora-{i}": write_adapter(probe.model, Path(tmp) / f"lora-{i}", seed=i) for i in range(max(SPREADS))}
@@ -106,28 +111,43 @@ def bench_lora(args: Namespace) -> int:
         engine = Engine.from_pretrained(args.model, adapters=paths, max_num_seqs=CONCURRENT)
         prompts = random_prompts(CONCURRENT, 256, 512, config["vocab_size"])
         print(f"bench lora: {engine.loaded.name} ({engine.loaded.dtype}), BLAS: {blas_status().name}")
-        print(f"{CONCURRENT} concurrent requests of 256-512 prompt tokens, {tokens} new each; median of {runs} runs")
+        if "batch" in parts:
+            print(
+                f"{CONCURRENT} concurrent requests of 256-512 prompt tokens, {tokens} new each; median of {runs} runs"
+            )
 
-        def aggregate(adapters: list[str | None]) -> float:
-            results = after_warm_up(lambda: time_batch(engine, prompts, adapters, tokens), runs)
-            return statistics.median(generated / wall for wall, generated in results)
+            def aggregate(adapters: list[str | None]) -> float:
+                results = after_warm_up(lambda: time_batch(engine, prompts, adapters, tokens), runs)
+                return statistics.median(generated / wall for wall, generated in results)
 
-        base = aggregate([None] * CONCURRENT)
-        print(f"  {'base model alone':<28s}{base:8.1f} tok/s")
-        for spread in SPREADS:
-            names = [f"lora-{i % spread}" for i in range(CONCURRENT)]
-            got = aggregate(names)
-            label = f"over {spread} adapter{'s' if spread > 1 else ''}"
-            print(f"  {label:<28s}{got:8.1f} tok/s  {got / base:5.2f}x base")
-        prompt = prompts[0]
-        ours = statistics.median(after_warm_up(lambda: engine_decode(engine, prompt, "lora-0", tokens), runs))
+            base = aggregate([None] * CONCURRENT)
+            print(f"  {'base model alone':<28s}{base:8.1f} tok/s")
+            for spread in SPREADS:
+                names = [f"lora-{i % spread}" for i in range(CONCURRENT)]
+                got = aggregate(names)
+                label = f"over {spread} adapter{'s' if spread > 1 else ''}"
+                print(f"  {label:<28s}{got:8.1f} tok/s  {got / base:5.2f}x base")
+        if "decode" in parts:
+            reference, _ = load(str(path), adapter_path=str(paths["lora-0"]))
+            if not backend.is_gpu():  # the engine runs float32 on MLX's CPU backend (its fast dtype): mlx-lm too here
+                reference.set_dtype(mx.float32)
+            paired_adapter_decode(engine, reference, prompts[0], tokens, runs)
         engine.close()
-        reference, _ = load(str(path), adapter_path=str(paths["lora-0"]))
-        if not backend.is_gpu():  # the engine runs float32 on MLX's CPU backend (its fast dtype): so does mlx-lm here
-            reference.set_dtype(mx.float32)
-        theirs = statistics.median(after_warm_up(lambda: mlx_lm_decode(reference, prompt, tokens), runs))
-        print(
-            f"batch-1 decode with one adapter: mlxpaged {ours:.1f} tok/s, mlx-lm generate_step {theirs:.1f} tok/s "
-            f"({ours / theirs:.2f}x)"
-        )
     return 0
+
+
+def paired_adapter_decode(engine, reference, prompt: list[int], tokens: int, runs: int) -> None:
+    """Batch-1 decode with one adapter, mlxpaged and mlx-lm alternating after one untimed pair; prints each pair,
+    the medians and the median of the pairs' ratios."""
+    print(f"batch-1 decode with one adapter, {len(prompt)}-token prompt, {tokens} new, {runs} pairs (+1 warm-up pair)")
+    pairs = after_warm_up(
+        lambda: (engine_decode(engine, prompt, "lora-0", tokens), mlx_lm_decode(reference, prompt, tokens)), runs
+    )
+    for run, (ours, theirs) in enumerate(pairs, 1):
+        print(f"  run {run}: mlxpaged {ours:6.1f} tok/s   mlx-lm {theirs:6.1f} tok/s", flush=True)
+    ours, theirs = statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
+    paired = statistics.median(o / t for o, t in pairs)
+    print(
+        f"batch-1 decode with one adapter: mlxpaged {ours:.1f} tok/s, mlx-lm generate_step {theirs:.1f} tok/s "
+        f"({ours / theirs:.2f}x); median paired ratio {paired:.2f}x"
+    )

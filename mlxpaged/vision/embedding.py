@@ -12,11 +12,13 @@ together from the text's and those images' rows instead: the vision tower does n
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cache
 
 from mlxpaged.engine.request import ImageSpan
-from mlxpaged.vision.encoded_images import EncodedImages
+from mlxpaged.vision.encoded_images import EncodedImage, EncodedImages
 from mlxpaged.vision.positions import prompt_positions, takes_positions
 
 import mlx.core as mx
@@ -27,6 +29,28 @@ _NOT_ARGUMENTS = ("input_ids", "attention_mask", "pixel_values")
 # What get_input_embeddings returns for the whole prompt that a chunk is given as its own slice instead
 # (positions.py): the model would keep them as state.
 _WHOLE_PROMPT_POSITIONS = ("position_ids", "rope_deltas")
+# Qwen3-VL's deepstack: image features added to the hidden states of its first layers, at the visual positions.
+_DEEPSTACK = frozenset({"visual_pos_masks", "deepstack_visual_embeds"})
+
+
+@cache
+def _forward_source(cls: type) -> str:
+    try:
+        return inspect.getsource(cls.__call__)
+    except (OSError, TypeError):
+        return ""
+
+
+def reads_argument(language_model: nn.Module, name: str) -> bool:
+    """Whether the language model's forward reads the keyword argument `name`: a parameter of that name, a body that
+    names it (`kwargs.pop("attention_mask_4d")`), or one that passes its **kwargs on. Gemma 3's takes **kwargs and
+    reads none of them: the 4-D mask its get_input_embeddings returns is dropped there (mlx-vlm's generate passes it
+    the same way), so it is no input of the pass, and an image's merged rows are all the language model gets of it.
+    Unsure (no source): read."""
+    if name in inspect.signature(language_model.__call__).parameters:
+        return True
+    source = _forward_source(type(language_model))
+    return not source or name in source or source.count("**kwargs") > 1
 
 
 @dataclass(frozen=True)
@@ -83,9 +107,12 @@ class PromptEmbedding:
         if self._embeds is not None:
             return
         extra: dict[str, object] = {k: v for k, v in self._arrays.items() if k not in _NOT_ARGUMENTS}
-        kept = self._encoded.rows([i.digest for i in self._images]) if self._encoded is not None else None
+        kept = None
+        if self._encoded is not None and not self._pads_in_text(0, len(self._token_ids)):
+            kept = self._encoded.images([i.digest for i in self._images])
         if kept is not None:
-            self._embeds, self._arguments = self._with_rows(kept), extra
+            self._embeds = self._with_rows([image.rows for image in kept])
+            self._arguments = {**extra, **self._deepstack_arguments(kept)}
             mx.eval(self._embeds)
             return
         out = self._vlm.get_input_embeddings(
@@ -96,12 +123,51 @@ class PromptEmbedding:
         )
         fields = out.to_dict() if hasattr(out, "to_dict") else {"inputs_embeds": out}
         self._embeds = fields.pop("inputs_embeds")
-        fields = {k: v for k, v in fields.items() if v is not None and k not in _WHOLE_PROMPT_POSITIONS}
+        fields = self._read_fields(fields)
         self._arguments = {**extra, **fields}
         mx.eval(self._embeds, *(v for v in self._arguments.values() if isinstance(v, mx.array)))
-        if self._encoded is not None and not fields:  # the rows are all the images give the language model
-            for image in self._images:
-                self._encoded.keep(image.digest, self._embeds[0, image.start : image.start + image.length])
+        if self._encoded is None:
+            return
+        # Kept when the rows (and Qwen3-VL's deepstack shares) are all the language model reads of an image.
+        shares: list[tuple[mx.array, ...]] | None = None
+        if not fields:
+            shares = [()] * len(self._images)
+        elif set(fields) == _DEEPSTACK:
+            shares = self._deepstack_shares(fields)
+        for image, share in zip(self._images, shares or [], strict=True):
+            self._encoded.keep(image.digest, self._embeds[0, image.start : image.start + image.length], share)
+
+    def _visual_tokens(self) -> list[int]:
+        """Ids of the tokens Qwen3-VL's deepstack adds features at (its image and video tokens)."""
+        config = self._vlm.config
+        tokens = (getattr(config, "image_token_index", None), getattr(config, "video_token_index", None))
+        return [t for t in tokens if isinstance(t, int)]
+
+    def _deepstack_shares(self, fields: Mapping[str, object]) -> list[tuple[mx.array, ...]] | None:
+        """Each image's share of the prompt's deepstack features (their rows are the prompt's visual tokens in
+        order): None unless every visual token lies in an image's span."""
+        visual = set(self._visual_tokens())
+        layers = fields["deepstack_visual_embeds"]
+        counts = [sum(t in visual for t in self._token_ids[i.start : i.start + i.length]) for i in self._images]
+        if not isinstance(layers, list | tuple) or sum(counts) != sum(t in visual for t in self._token_ids):
+            return None
+        shares, at = [], 0
+        for n in counts:
+            shares.append(tuple(layer[at : at + n] for layer in layers))
+            at += n
+        return shares
+
+    def _deepstack_arguments(self, kept: Sequence[EncodedImage]) -> dict[str, object]:
+        """The deepstack arguments of a prompt put together from kept images (none for a model without them)."""
+        if not kept or not kept[0].deepstack:
+            return {}
+        ids = mx.array([self._token_ids])
+        masks = [ids == token for token in self._visual_tokens()]
+        layers = [mx.concatenate([image.deepstack[k] for image in kept]) for k in range(len(kept[0].deepstack))]
+        mask = masks[0]
+        for other in masks[1:]:
+            mask = mask | other
+        return {"visual_pos_masks": mask, "deepstack_visual_embeds": layers}
 
     def _with_rows(self, rows: Sequence[mx.array]) -> mx.array:
         """The prompt embedded as text, each image's span replaced by its kept rows."""
@@ -117,11 +183,30 @@ class PromptEmbedding:
         out = self._vlm.get_input_embeddings(ids)
         fields = out.to_dict() if hasattr(out, "to_dict") else {"inputs_embeds": out}
         embeds = fields.pop("inputs_embeds")
-        return embeds, {k: v for k, v in fields.items() if v is not None and k not in _WHOLE_PROMPT_POSITIONS}
+        return embeds, self._read_fields(fields)
+
+    def _read_fields(self, fields: dict[str, object]) -> dict[str, object]:
+        """What get_input_embeddings returned besides the embeddings that a pass gives the language model: not the
+        whole prompt's positions (a chunk gets its slice), nor what the language model never reads."""
+        language_model = self._vlm.language_model
+        return {
+            k: v
+            for k, v in fields.items()
+            if v is not None and k not in _WHOLE_PROMPT_POSITIONS and reads_argument(language_model, k)
+        }
+
+    def _pads_in_text(self, start: int, end: int) -> bool:
+        """Whether positions [start, end) outside the images hold the pad token, which some merges zero instead of
+        embedding it (Gemma 3's, PaliGemma's): the text's embeddings there are not the merge's."""
+        pad = getattr(self._vlm.config, "pad_token_id", None)
+        if not isinstance(pad, int):
+            return False
+        inside = {p for i in self._images for p in range(i.start, i.start + i.length)}
+        return any(self._token_ids[p] == pad and p not in inside for p in range(start, end))
 
     def chunk(self, start: int, end: int) -> ChunkEmbedding:
         """The inputs of a prefill pass over prompt positions [start, end)."""
-        if self._embeds is None and start >= self._images_end:
+        if self._embeds is None and start >= self._images_end and not self._pads_in_text(start, end):
             return self._text_chunk(start, end)
         self.compute()
         assert self._embeds is not None  # computed just now

@@ -7,17 +7,32 @@ embeddings are the text's with each image's rows as the model merged them the la
 projector do not run. What is kept of an image is those rows ([tokens of its span, hidden]: what the model put at
 its tokens), so a prompt can be put together without the tower only when every one of its images is kept.
 
-Only for models whose merged embeddings are all `get_input_embeddings` returns: a model that returns more
-encodes every time (Qwen3-VL: deepstack features for later layers; Gemma 3: a 4-D mask over the prompt, which
-its language model, called as the engine calls it, does not read; telling such outputs apart is left for later).
+Only for models whose merged embeddings are all their language model reads of `get_input_embeddings`' output
+(embedding.py `reads_argument`: Gemma 3's 4-D mask is not read), and Qwen3-VL's, whose deepstack features for later
+layers are kept beside the rows (each image's share of them) and its mask of visual positions is the prompt's image
+tokens again. A model that reads anything else encodes every time.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import mlx.core as mx
+
+
+@dataclass(frozen=True)
+class EncodedImage:
+    """What is kept of one image: its merged rows [tokens of its span, hidden] and, for a deepstack model
+    (Qwen3-VL), its features for each later layer it feeds ([its image tokens, hidden] per layer; else none)."""
+
+    rows: mx.array
+    deepstack: tuple[mx.array, ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows.nbytes + sum(a.nbytes for a in self.deepstack)
 
 
 class EncodedImages:
@@ -25,30 +40,37 @@ class EncodedImages:
 
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes
-        self._rows: OrderedDict[str, mx.array] = OrderedDict()
+        self._kept: OrderedDict[str, EncodedImage] = OrderedDict()
         self.nbytes = 0
         self.hits = 0  # prompts put together without the tower
 
-    def rows(self, digests: Sequence[str]) -> list[mx.array] | None:
-        """The rows of every image in `digests`, in order; None unless all are kept."""
-        if not digests or any(d not in self._rows for d in digests):
+    def images(self, digests: Sequence[str]) -> list[EncodedImage] | None:
+        """What is kept of every image in `digests`, in order; None unless all are kept."""
+        if not digests or any(d not in self._kept for d in digests):
             return None
         for digest in digests:
-            self._rows.move_to_end(digest)
+            self._kept.move_to_end(digest)
         self.hits += 1
-        return [self._rows[d] for d in digests]
+        return [self._kept[d] for d in digests]
 
-    def keep(self, digest: str, rows: mx.array) -> None:
-        """Keep an image's rows (a fresh copy: a slice would pin the prompt's whole embeddings)."""
-        if digest in self._rows or rows.nbytes > self.max_bytes:
+    def rows(self, digests: Sequence[str]) -> list[mx.array] | None:
+        """The merged rows of every image in `digests`, in order; None unless all are kept."""
+        images = self.images(digests)
+        return None if images is None else [image.rows for image in images]
+
+    def keep(self, digest: str, rows: mx.array, deepstack: Sequence[mx.array] = ()) -> None:
+        """Keep an image's rows and deepstack features (fresh copies: a slice would pin the prompt's whole arrays)."""
+        if digest in self._kept:
             return
-        rows = mx.array(rows)  # a copy of the rows alone
-        mx.eval(rows)
-        self._rows[digest] = rows
-        self.nbytes += rows.nbytes
+        image = EncodedImage(mx.array(rows), tuple(mx.array(a) for a in deepstack))
+        if image.nbytes > self.max_bytes:
+            return
+        mx.eval(image.rows, *image.deepstack)
+        self._kept[digest] = image
+        self.nbytes += image.nbytes
         while self.nbytes > self.max_bytes:
-            _, dropped = self._rows.popitem(last=False)
+            _, dropped = self._kept.popitem(last=False)
             self.nbytes -= dropped.nbytes
 
     def __len__(self) -> int:
-        return len(self._rows)
+        return len(self._kept)

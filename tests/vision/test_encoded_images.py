@@ -54,3 +54,22 @@ def test_the_setting_and_the_flag():
     args = build_parser().parse_args(["serve", "--image-cache-size", "64MB"])
     assert cache_settings(args)["image_cache_size"] == "64MB"
     assert cache_settings(build_parser().parse_args(["serve"]))["image_cache_size"] == "256MB"
+
+
+@pytest.mark.parametrize(
+    ("module", "name", "read"),
+    [
+        ("gemma3", "attention_mask_4d", False),  # **kwargs in its signature, never read
+        ("falcon_ocr", "attention_mask_4d", True),  # kwargs.pop("attention_mask_4d")
+        ("qwen3_vl", "visual_pos_masks", True),  # a parameter
+        ("qwen3_vl", "deepstack_visual_embeds", True),
+    ],
+)
+def test_what_a_language_model_reads_of_its_embeddings_output(module, name, read):
+    import importlib
+
+    from mlxpaged.vision.embedding import reads_argument
+
+    language = importlib.import_module(f"mlx_vlm.models.{module}.language")
+    model = language.LanguageModel.__new__(language.LanguageModel)  # the class's forward is what is read
+    assert reads_argument(model, name) is read

@@ -167,22 +167,18 @@ def test_a_next_turn_whose_image_is_cached_does_not_run_the_vision_tower(vlm, to
         if caches_prefixes(engine):  # state models (Qwen3.5) embed it in two chunks: one ends at the last boundary
             assert towers[:2] == [True, False] and not any(towers[2:]), towers
             assert follow.cached_tokens >= first.images[0].start + first.images[0].length
-        else:
-            assert towers == [True, True] and follow.cached_tokens == 0
+        else:  # no prefix cache (Gemma 3's sliding windows): the image's kept rows stand in for the tower
+            assert towers == [True, False] and follow.cached_tokens == 0
     monkeypatch.undo()
     assert follow.token_ids == mlx_vlm_greedy(vlm, turn, GREEDY.max_tokens)
-
-
-# Their get_input_embeddings returns more than the merged rows (Qwen3-VL: deepstack features for later layers;
-# Gemma 3: a 4-D mask over the prompt), so their images are encoded for every prompt that needs them
-# (vision/encoded_images.py).
-ENCODED_EVERY_TIME = {"gemma3", "qwen3_vl", "qwen3_vl_moe"}
 
 
 @pytest.mark.parametrize("keep", [True, False], ids=["kept", "off"])
 def test_an_image_sent_again_after_other_text_is_not_encoded_again(vlm, tokenizer, monkeypatch, keep):
     """The same image after other text misses the prefix cache; its rows, kept by digest, stand in for the
-    tower's output (the reply is still mlx-vlm's). `image_cache_size=0` keeps none."""
+    tower's output (the reply is still mlx-vlm's), for every architecture: Gemma 3's 4-D mask is not read by its
+    language model (vision/embedding.py `reads_argument`), Qwen3-VL's deepstack features are kept beside the rows
+    (vision/encoded_images.py). `image_cache_size=0` keeps none."""
     first = image_prompt(vlm, text_tokens(9, seed=10), text_tokens(7, seed=11), seed=5)
     again = image_prompt(vlm, text_tokens(14, seed=12), text_tokens(5, seed=13), seed=5)  # other text first: a miss
     towers = []
@@ -198,6 +194,28 @@ def test_an_image_sent_again_after_other_text_is_not_encoded_again(vlm, tokenize
         reply = engine.generate([again], GREEDY)[0]
         assert reply.cached_tokens == 0
     monkeypatch.undo()
-    encoded_again = not keep or vlm.config.model_type in ENCODED_EVERY_TIME
-    assert towers == [True, True] if encoded_again else towers == [True, False]  # the text alone, embedded
+    assert towers == [True, True] if not keep else towers == [True, False]  # the text alone, embedded
     assert reply.token_ids == mlx_vlm_greedy(vlm, again, GREEDY.max_tokens)
+
+
+def test_a_prompt_with_the_pad_token_outside_its_image_is_encoded_not_put_together(tokenizer, monkeypatch):
+    """Gemma 3's merge zeroes the pad token's embedding where a text embedding would not: a prompt holding it
+    outside its images runs the tower again rather than use the image's kept rows (the reply is mlx-vlm's)."""
+    vlm = ARCHITECTURES["gemma3"].build()
+    pad = vlm.config.pad_token_id
+    first = image_prompt(vlm, text_tokens(9, seed=10), text_tokens(7, seed=11), seed=5)
+    padded = image_prompt(vlm, [*text_tokens(13, seed=12), pad], text_tokens(5, seed=13), seed=5)
+    towers = []
+    real = vlm.get_input_embeddings
+
+    def counting(input_ids, pixel_values=None, **kwargs):
+        towers.append(pixel_values is not None)
+        return real(input_ids, pixel_values, **kwargs)
+
+    with vlm_engine(vlm, tokenizer) as engine:
+        monkeypatch.setattr(vlm, "get_input_embeddings", counting)
+        engine.generate([first], GREEDY)
+        reply = engine.generate([padded], GREEDY)[0]
+    monkeypatch.undo()
+    assert towers[:2] == [True, True]
+    assert reply.token_ids == mlx_vlm_greedy(vlm, padded, GREEDY.max_tokens)
