@@ -15,7 +15,7 @@ INSTALL_HINT = f"install the vision extra: pip install '{EXTRA}' (in a checkout:
 # Language models whose positions come from the prompt's images (M-RoPE: Qwen2-VL and after). Every pass gives
 # them their positions (vision/positions.py); the kinds checked against mlx-vlm load with their tower, the others
 # load as text models where mlx-lm has them.
-POSITIONS_CHECKED = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"})
+POSITIONS_CHECKED = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "glm4v"})
 POSITIONS_NOT_YET = (
     "its language model takes 3-D (M-RoPE) positions from the prompt's images, which the engine gives only "
     f"{', '.join(sorted(POSITIONS_CHECKED))} so far"

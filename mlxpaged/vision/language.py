@@ -14,6 +14,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from mlxpaged.cache.state_updates import StateUpdates
+from mlxpaged.vision import compile_fixes
 from mlxpaged.vision.positions import takes_positions
 
 import mlx.core as mx
@@ -28,12 +29,15 @@ class VisionLanguageModel(nn.Module):
 
     def __init__(self, language_model: nn.Module, model_type: str):
         super().__init__()
+        compile_fixes.install()  # before any pass is traced
         self.language_model = language_model
         self.args = SimpleNamespace(model_type=model_type)  # what loading/probe.py names the model by
         self.takes_positions = takes_positions(language_model)  # M-RoPE: every pass passes position_ids
 
     def __call__(self, inputs: mx.array, cache=None, inputs_embeds: mx.array | None = None, **kwargs) -> mx.array:
         out = self.language_model(inputs, inputs_embeds=inputs_embeds, cache=cache, **kwargs)
+        if self.takes_positions:
+            forget_sequence_positions(self.language_model)
         return out.logits if hasattr(out, "logits") else out
 
     @property
@@ -46,6 +50,19 @@ class VisionLanguageModel(nn.Module):
         from mlx_vlm.models.cache import make_prompt_cache
 
         return [as_mlx_lm_cache(c) for c in make_prompt_cache(self.language_model)]
+
+
+# mlx-vlm's M-RoPE language models keep the last sequence's positions and delta for the calls after it that pass none.
+_SEQUENCE_POSITIONS = ("_position_ids", "_rope_deltas")
+
+
+def forget_sequence_positions(language_model: nn.Module) -> None:
+    """Drop the positions an M-RoPE language model kept of its last call: the engine gives every pass its positions
+    (positions.py), and arrays kept from a pass built on another thread (an engine's probe: GLM-4V keeps a lazy
+    `arange` there) or inside a compiled trace cannot be evaluated by the next one."""
+    for name in _SEQUENCE_POSITIONS:
+        if getattr(language_model, name, None) is not None:
+            setattr(language_model, name, None)
 
 
 class ArraysCacheWithUpdates(StateUpdates, mlx_cache.ArraysCache):

@@ -27,9 +27,9 @@ def test_a_text_model_is_not_a_vision_checkpoint():
 
 
 def test_m_rope_models_not_checked_yet_are_refused_naming_their_positions():
-    config = {"model_type": "glm4v", "vision_config": VISION}
+    config = {"model_type": "qwen3_omni_moe", "vision_config": VISION}
     reason = serves_images(config)
-    assert "3-D (M-RoPE) positions from the prompt's images, which the engine gives only qwen2_5_vl, qwen2_vl" in reason
+    assert "3-D (M-RoPE) positions from the prompt's images, which the engine gives only glm4v, qwen2_5_vl" in reason
     assert "qwen3_5, qwen3_5_moe" in reason
     assert not loads_with_images(config)
     assert images_refused("qwen", config).startswith("model 'qwen' was loaded as a text model, so it takes no images")

@@ -13,6 +13,7 @@ from mlxpaged.engine.engine import Engine
 from mlxpaged.errors import ImagesNotSupportedError
 from mlxpaged.loading.loader import LoadedModel
 from mlxpaged.loading.model_store import ModelRef
+from mlxpaged.vision.checkpoint import MROPE_MODEL_TYPES
 from mlxpaged.vision.loading import vision_parts
 from mlxpaged.vision.prompt import ImagePrompt
 from tests.engine.test_engine import GREEDY, assert_pool_empty, tiny_engine, tokenizer  # noqa: F401
@@ -119,7 +120,7 @@ def test_decoding_after_an_image_takes_the_compiled_pass(vlm, tokenizer):
     prompt = image_prompt(vlm, text_tokens(6), text_tokens(6, seed=1), seed=2)
     with vlm_engine(vlm, tokenizer) as engine:
         leaves = engine.built.layout.kv_leaves
-        assert engine.runner.takes_positions == vlm.config.model_type.startswith("qwen")
+        assert engine.runner.takes_positions == (vlm.config.model_type in MROPE_MODEL_TYPES)
         full_only = all(leaf.kind == "full" for leaf in leaves) and not engine.built.layout.state_leaves
         assert (engine.runner.decoder is not None) == full_only
         assert all(leaf.routed for leaf in leaves)

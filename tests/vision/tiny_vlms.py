@@ -161,6 +161,16 @@ def _qwen3_5_moe():
     return _qwen3_5("qwen3_5_moe", **experts)
 
 
+def _glm4v():
+    """GLM-4.1V / 4.5V: M-RoPE on half of each 16-wide head (Qwen's markers and grids), a Qwen2.5-VL-like tower."""
+    text = {"model_type": "glm4v_text", "rms_norm_eps": 1e-5, "partial_rotary_factor": 0.5, "pad_token_id": 0}
+    text |= {"rope_scaling": {"rope_type": "default", "mrope_section": [2, 1, 1]}, "max_position_embeddings": 4096}
+    vision = {**TOWER, "model_type": "glm4v", "depth": 2, "num_heads": 2, "out_hidden_size": 64}
+    vision |= {"image_size": IMAGE_SIZE}
+    ids = {**QWEN_IDS, "image_token_index": VOCAB - 1, "video_token_index": QWEN_VIDEO}
+    return _built("glm4v", text, vision, **ids, vision_end_token_id=QWEN_END, vocab_size=VOCAB, hidden_size=64)
+
+
 def _qwen_patches(pixels: np.ndarray, length: int) -> dict[str, mx.array]:
     """Qwen's processor's layout: the image as flattened patches [t * h * w, channels * 2 * 14 * 14] (the frame
     twice: its temporal patch is 2) and its grid (t, h, w) in patches."""
@@ -215,6 +225,7 @@ ARCHITECTURES = {
         TinyVLM("qwen3_vl_moe", _qwen3_vl_moe, 4, _qwen_patches, ((QWEN_START,), (QWEN_END,))),
         TinyVLM("qwen3_5", _qwen3_5, 4, _qwen_patches, ((QWEN_START,), (QWEN_END,))),
         TinyVLM("qwen3_5_moe", _qwen3_5_moe, 4, _qwen_patches, ((QWEN_START,), (QWEN_END,))),
+        TinyVLM("glm4v", _glm4v, 4, _qwen_patches, ((QWEN_START,), (QWEN_END,))),
     )
 }
 
