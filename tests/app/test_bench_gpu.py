@@ -14,6 +14,7 @@ from mlxpaged_app.bench.baseline import mlx_lm_side, weight_dtype
 from mlxpaged_app.bench.gpu import parse_concurrency, parse_parts
 from mlxpaged_app.bench.gpu_report import COMMIT_ENV, SummaryRow, git_commit, summary_table
 from mlxpaged_app.cli import build_parser, main
+from tests.app.printed_ratios import from_rounded
 from tests.tiny_models import write_tiny_llama_dir
 
 import pytest
@@ -27,12 +28,6 @@ ROW = re.compile(
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     return write_tiny_llama_dir(tmp_path_factory.mktemp("tiny") / "model", dtype="bfloat16")
-
-
-def rounding(top: float, bottom: float, ratio_step: float, top_half_step: float, bottom_half_step: float) -> float:
-    """How far a ratio printed to `ratio_step` may be from top / bottom when both were printed rounded (to
-    twice their half steps): half the ratio's step plus what each figure's rounding moves it."""
-    return ratio_step / 2 + (top / bottom) * (top_half_step / top + bottom_half_step / bottom) + 1e-9
 
 
 def summary_rows(out: str) -> dict[str, re.Match]:
@@ -81,13 +76,13 @@ def test_bench_gpu_prints_every_row_with_ratios_from_its_figures(tiny_dir, capsy
         if row["unit"] == "%":  # the cached time as a share of the engine's cold time at the same size
             size = re.search(r"at (\d+) ", what)[1]
             cold = float(next(r for k, r in rows.items() if k.startswith(f"cold TTFT at {size} "))["ours"])
-            assert abs(ratio - 100 * ours / cold) <= rounding(100 * ours, cold, 0.1, 0.0005 * 100, 0.0005)
+            assert from_rounded(ratio, 100 * ours, cold, 0.1, 0.0005 * 100, 0.0005), (what, ratio, ours, cold)
         elif "TTFT" in what:  # seconds: mlx-lm's time over ours
             theirs = float(row["mlx_lm"])
-            assert abs(ratio - theirs / ours) <= rounding(theirs, ours, 0.01, 0.0005, 0.0005)
+            assert from_rounded(ratio, theirs, ours, 0.01, 0.0005, 0.0005), (what, ratio, theirs, ours)
         else:  # tok/s: ours over mlx-lm's
             theirs = float(row["mlx_lm"])
-            assert abs(ratio - ours / theirs) <= rounding(ours, theirs, 0.01, 0.05, 0.05)
+            assert from_rounded(ratio, ours, theirs, 0.01, 0.05, 0.05), (what, ratio, ours, theirs)
         if row["target"] == "-":
             assert row["met"] == "-"
             continue

@@ -9,6 +9,7 @@ from mlxpaged.errors import ConfigError
 from mlxpaged_app.bench.prefill import APPENDED_TOKENS, FOLLOW_UPS, bench_prefill, parse_sizes, seeded_tokens
 from mlxpaged_app.bench.prefill_attention import chunked_attention, contiguous_sdpa, make_inputs, measure_attention
 from mlxpaged_app.cli import build_parser
+from tests.app.printed_ratios import from_rounded
 
 import mlx.core as mx
 import pytest
@@ -19,12 +20,6 @@ def printed_row(out: str, size: int) -> list[float]:
     return [float(field.rstrip("x")) for field in line.split() if field != "s"]
 
 
-def rounding(top: float, bottom: float, ratio_step: float, time_step: float = 0.001) -> float:
-    """How far a ratio printed to `ratio_step` can be from top / bottom when both times were printed to
-    `time_step`: half a printed step, plus the ratio's error from each time's half-step rounding."""
-    return ratio_step / 2 + (top / bottom) * (time_step / 2 / top + time_step / 2 / bottom) + 1e-9
-
-
 def test_bench_prints_rows_whose_ratios_come_from_the_times(capsys):
     assert bench_prefill(Namespace(model=None, sizes=(64, 100_000), runs=1)) == 0
     out = capsys.readouterr().out
@@ -33,8 +28,8 @@ def test_bench_prints_rows_whose_ratios_come_from_the_times(capsys):
     assert min(mlx_lm, cold, cached) > 0
     # Times are printed to 1 ms and ratios to 2 and 1 decimals: allow exactly that rounding, nothing more.
     assert tok_s == pytest.approx(prompt / cold, rel=0.01)
-    assert abs(cold_vs_mlx_lm - mlx_lm / cold) <= rounding(mlx_lm, cold, ratio_step=0.01)
-    assert abs(cached_vs_cold - cold / cached) <= rounding(cold, cached, ratio_step=0.1)
+    assert from_rounded(cold_vs_mlx_lm, mlx_lm, cold, 0.01, 0.0005, 0.0005)
+    assert from_rounded(cached_vs_cold, cold, cached, 0.1, 0.0005, 0.0005)
     assert "100000 skipped: above the model's context of 8192 tokens" in out
     assert "attention only, one layer, 64 tokens in 2048-token chunks: paged " in out
 
