@@ -13,15 +13,15 @@ import pytest
 from mlx_lm import load
 
 pytestmark = pytest.mark.slow
-GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-QUESTIONS = ["What is the capital of France?", "Name three colors of the rainbow."]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+QUESTIONS = ["What is the capital of France?"]
 
 
 @pytest.fixture(scope="module")
 def setup(default_loaded, tmp_path_factory):
     path = default_loaded.path  # the converted directory mlx-lm loads too
     root = tmp_path_factory.mktemp("adapters")
-    make = lambda: load(str(path))[0]  # noqa: E731
+    make = lambda: load(str(path), lazy=True)[0]  # noqa: E731  (the adapter's own arrays are what is evaluated)
     paths = {
         "lora": write_adapter(make, root / "lora", "lora", seed=1, rank=8, scale=2.0, num_layers=4, base=str(path)),
         "dora": write_adapter(make, root / "dora", "dora", seed=2, rank=4, scale=2.0, num_layers=4, base=str(path)),
