@@ -94,6 +94,7 @@ def mlx_lm_decode(model, prompt: list[int], tokens: int) -> float:
 
 def bench_lora(args: Namespace) -> int:
     from mlxpaged.engine.engine import Engine
+    from mlxpaged.loading.loader import locate_model
     from mlxpaged.platform import backend
 
     import mlx.core as mx
@@ -104,11 +105,12 @@ def bench_lora(args: Namespace) -> int:
     if not set(parts) <= {"batch", "decode"}:
         raise ConfigError("bench lora takes --parts batch, decode or both", param="parts")
     with tempfile.TemporaryDirectory(prefix="mlxpaged-bench-lora-") as tmp:
-        probe = Engine.from_pretrained(args.model, max_num_seqs=CONCURRENT)
-        paths = {f"lora-{i}": write_adapter(probe.model, Path(tmp) / f"lora-{i}", seed=i) for i in range(max(SPREADS))}
-        path, config = probe.loaded.path, probe.loaded.config
-        probe.close()
+        _, path = locate_model(args.model)
+        shapes, _ = load(str(path), lazy=True)  # the layers' shapes: no weight is read
+        paths = {f"lora-{i}": write_adapter(shapes, Path(tmp) / f"lora-{i}", seed=i) for i in range(max(SPREADS))}
+        del shapes
         engine = Engine.from_pretrained(args.model, adapters=paths, max_num_seqs=CONCURRENT)
+        config = engine.loaded.config
         prompts = random_prompts(CONCURRENT, 256, 512, config["vocab_size"])
         print(f"bench lora: {engine.loaded.name} ({engine.loaded.dtype}), BLAS: {blas_status().name}")
         if "batch" in parts:
