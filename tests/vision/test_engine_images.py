@@ -148,20 +148,27 @@ def test_on_the_path_a_gpu_takes_decode_queued_ahead_gets_each_rows_positions(vl
     assert both[1].token_ids == mlx_vlm_greedy(vlm, text, long.max_tokens)
 
 
-def test_a_next_turn_whose_image_is_cached_does_not_run_the_vision_tower(vlm, tokenizer, monkeypatch):
-    """An agent re-sends the same screenshot every turn: once its tokens come from the prefix cache, the turn's
-    new tokens are embedded as text (vision/embedding.py); the reply is still mlx-vlm's."""
-    first = image_prompt(vlm, text_tokens(9, seed=7), text_tokens(12, seed=8), seed=3)
-    turn = dataclasses.replace(first, token_ids=first.token_ids + text_tokens(11, seed=9))
-    towers = []
+def count_tower_runs(vlm, monkeypatch) -> list[bool]:
+    """From now on each call of the model's get_input_embeddings appends whether it was given pixels (the vision
+    tower ran) to the list returned."""
+    towers: list[bool] = []
     real = vlm.get_input_embeddings
 
     def counting(input_ids, pixel_values=None, **kwargs):
         towers.append(pixel_values is not None)
         return real(input_ids, pixel_values, **kwargs)
 
+    monkeypatch.setattr(vlm, "get_input_embeddings", counting)
+    return towers
+
+
+def test_a_next_turn_whose_image_is_cached_does_not_run_the_vision_tower(vlm, tokenizer, monkeypatch):
+    """An agent re-sends the same screenshot every turn: once its tokens come from the prefix cache, the turn's
+    new tokens are embedded as text (vision/embedding.py); the reply is still mlx-vlm's."""
+    first = image_prompt(vlm, text_tokens(9, seed=7), text_tokens(12, seed=8), seed=3)
+    turn = dataclasses.replace(first, token_ids=first.token_ids + text_tokens(11, seed=9))
     with vlm_engine(vlm, tokenizer) as engine:
-        monkeypatch.setattr(vlm, "get_input_embeddings", counting)
+        towers = count_tower_runs(vlm, monkeypatch)
         engine.generate([first], GREEDY)
         assert towers == [True]
         follow = engine.generate([turn], GREEDY)[0]
@@ -182,15 +189,8 @@ def test_an_image_sent_again_after_other_text_is_not_encoded_again(vlm, tokenize
     (vision/encoded_images.py). `image_cache_size=0` keeps none."""
     first = image_prompt(vlm, text_tokens(9, seed=10), text_tokens(7, seed=11), seed=5)
     again = image_prompt(vlm, text_tokens(14, seed=12), text_tokens(5, seed=13), seed=5)  # other text first: a miss
-    towers = []
-    real = vlm.get_input_embeddings
-
-    def counting(input_ids, pixel_values=None, **kwargs):
-        towers.append(pixel_values is not None)
-        return real(input_ids, pixel_values, **kwargs)
-
     with vlm_engine(vlm, tokenizer, **({} if keep else {"image_cache_size": 0})) as engine:
-        monkeypatch.setattr(vlm, "get_input_embeddings", counting)
+        towers = count_tower_runs(vlm, monkeypatch)
         engine.generate([first], GREEDY)
         reply = engine.generate([again], GREEDY)[0]
         assert reply.cached_tokens == 0
@@ -206,15 +206,8 @@ def test_a_prompt_with_the_pad_token_outside_its_image_is_encoded_not_put_togeth
     pad = vlm.config.pad_token_id
     first = image_prompt(vlm, text_tokens(9, seed=10), text_tokens(7, seed=11), seed=5)
     padded = image_prompt(vlm, [*text_tokens(13, seed=12), pad], text_tokens(5, seed=13), seed=5)
-    towers = []
-    real = vlm.get_input_embeddings
-
-    def counting(input_ids, pixel_values=None, **kwargs):
-        towers.append(pixel_values is not None)
-        return real(input_ids, pixel_values, **kwargs)
-
     with vlm_engine(vlm, tokenizer) as engine:
-        monkeypatch.setattr(vlm, "get_input_embeddings", counting)
+        towers = count_tower_runs(vlm, monkeypatch)
         engine.generate([first], GREEDY)
         reply = engine.generate([padded], GREEDY)[0]
     monkeypatch.undo()
