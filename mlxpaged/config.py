@@ -25,7 +25,7 @@ DEFAULT_BLOCK_SIZE = 16
 DEFAULT_CACHE_TOKENS = 32768  # cap by demand: a local app rarely needs more resident context
 DEFAULT_KV_DISK_SIZE = "20GB"  # the disk tier's LRU limit (CacheConfig.kv_disk_size, --kv-disk-size)
 DEFAULT_IMAGE_CACHE_SIZE = "256MB"  # encoded images kept by a vision model (CacheConfig.image_cache_size)
-SPECULATIVE_METHODS = (None, "ngram")  # SchedulerConfig.speculative
+SPECULATIVE_METHODS = (None, "ngram", "draft")  # SchedulerConfig.speculative
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from mlxpaged.engine.metrics import StatsCounter
 from mlxpaged.engine.state_tiering import StateTiering
 from mlxpaged.errors import ConfigError
 from mlxpaged.kernels.attention import PreparedAttention, prepare_model_attention
+from mlxpaged.loading.draft_model import check_draft_layout, check_draft_tokenizer, with_draft
 from mlxpaged.loading.fused_projections import fuse_projections
 from mlxpaged.loading.loader import LoadedModel, activation_dtype, check_paged_support
 from mlxpaged.loading.probe import probe_layout
@@ -37,6 +38,8 @@ from mlxpaged.platform.memory import DeviceFacts, MemoryPlan, ModelFacts, plan_m
 from mlxpaged.platform.model_facts import context_length
 from mlxpaged.runner.batch_check import batch_mismatch
 from mlxpaged.runner.kv_calibration import transform_for
+from mlxpaged.runner.model_drafter import ModelDrafter
+from mlxpaged.runner.model_runner import Runner
 from mlxpaged.runner.routing import route_paged_attention
 
 import mlx.core as mx
@@ -57,6 +60,7 @@ class BuiltCore:
     core: EngineCore
     disk_tier_off: str | None = None  # why the disk tier asked for is off (None: on, or not asked for)
     adapters: AdapterSet | None = None  # the LoRA / DoRA adapters requests may name (adapters/); None across ranks
+    draft: ModelDrafter | None = None  # the draft model's runner and pools (`draft_model=`), or None
 
 
 def build_core(
@@ -68,12 +72,15 @@ def build_core(
     has_commands: Callable[[], bool],
     ranks: Ranks | None = None,
     adapters: Mapping[str, AdapterSource] | None = None,
+    draft: LoadedModel | None = None,
 ) -> BuiltCore:
     """Plan, allocate and check everything for `loaded`; raises (InsufficientMemoryError, an unsupported
     layout) before any request is taken. `has_commands`: whether callers queued anything (the core pipelines
     only when nothing did). `ranks`: the processes this (sharded) model runs over, every one building the same
     core; rank 0's runner sends its passes to the others (distributed/). `adapters`: name -> adapter directory (or
-    its files, read already), attached to the model's layers here, before anything else wraps or fuses them."""
+    its files, read already), attached to the model's layers here, before anything else wraps or fuses them. `draft`:
+    a draft model for speculative decoding (scheduler_config.speculative "draft"), planned and given pools here."""
+    _check_draft_setting(scheduler_config, draft, ranks)
     if adapters and ranks is not None:
         raise ConfigError("adapters across mlx.launch ranks are not supported yet", param="adapters")
     # Adapters may be added later too (Engine.add_adapter), not across ranks; AdapterError before anything is planned.
@@ -90,6 +97,10 @@ def build_core(
     facts = ModelFacts.from_layout(
         layout, weight_bytes, kv_dtype.size, context_length(loaded.config), loaded.vision is not None
     )
+    draft_layout = None
+    if draft is not None:
+        draft_layout = _prepare_draft(loaded, layout, draft, kv_dtype)
+        facts = with_draft(facts, ModelFacts.from_layout(draft_layout, draft.weight_bytes, kv_dtype.size))
     device = DeviceFacts.detect()
     if ranks is not None:  # ranks on one host share its memory
         device = host_share(device, ranks.on_host)
@@ -118,6 +129,9 @@ def build_core(
         )
     # Not exact in a ragged batch (or cannot take one): one sequence per pass, decided here, not mid-request.
     serial = layout_serial_reason(layout, loaded.model, kv_dtype, cache_config.block_size)
+    drafter = None
+    if draft is not None and draft_layout is not None:
+        drafter = _build_drafter(draft, draft_layout, plan, cache_config, kv_dtype, layout.vocab_size)
     core = EngineCore.create(
         loaded.model,
         loaded.tokenizer,
@@ -132,10 +146,13 @@ def build_core(
         num_checkpoints=plan.num_checkpoints,
         buffer_budget=plan.spare_bytes,
         has_commands=has_commands,
+        model_drafter=drafter,
     )
     evaluate_model_arrays(loaded.model)  # after every forward on this thread (probe, split_head)
     if loaded.vision is not None:  # the vision tower and projector run on the engine thread too
         evaluate_model_arrays(loaded.vision.model)
+    if draft is not None:
+        evaluate_model_arrays(draft.model)
     if ranks is not None:
         core.all_ranks_ok = ranks.all_true  # the compiled pass's warm-up: every rank falls back, or none
     if ranks is not None and ranks.leads:
@@ -143,7 +160,54 @@ def build_core(
     if adapter_set is not None:
         core.runner.adapter_rows, core.adapters = adapter_set.rows, adapter_set
     disk_off = attach_disk_tier(core, loaded, layout, cache_config) if cache_config.kv_disk_dir else None
-    return BuiltCore(layout, facts, plan, kv, attention, max_model_len, serial, core, disk_off, adapter_set)
+    return BuiltCore(layout, facts, plan, kv, attention, max_model_len, serial, core, disk_off, adapter_set, drafter)
+
+
+def _check_draft_setting(config: SchedulerConfig, draft: LoadedModel | None, ranks: Ranks | None) -> None:
+    """A draft model and `speculative="draft"` come together."""
+    if draft is None and config.speculative == "draft":
+        raise ConfigError(
+            "{speculative:'draft'} needs a draft model (draft_model=, --draft-model)", param="draft_model"
+        )
+    if draft is not None and config.speculative != "draft":
+        raise ConfigError(
+            f"a draft model drafts with {{speculative:'draft'}}, not {{speculative:{config.speculative!r}}}",
+            param="speculative",
+        )
+    if draft is not None and ranks is not None:
+        raise ConfigError("a draft model across mlx.launch ranks is not supported yet", param="draft_model")
+
+
+def _prepare_draft(target: LoadedModel, layout: ModelLayout, draft: LoadedModel, kv_dtype: mx.Dtype) -> ModelLayout:
+    """Check the pair (loading/draft_model.py) and give the draft the target's K/V dtype; the draft's layout."""
+    if target.vision is not None:
+        raise ConfigError("a draft model with a vision-language model is not supported yet", param="draft_model")
+    check_draft_layout(layout, "model", target.name)
+    check_draft_tokenizer(target.tokenizer, draft.tokenizer, target.name, draft.name)
+    if backend.tuning().fused_projections:
+        fuse_projections(draft.model)
+    if activation_dtype(draft.model) != kv_dtype:  # its pages share the plan's per-token bytes (with_draft)
+        draft.model.set_dtype(kv_dtype)
+    draft_layout = probe_layout(draft.model)
+    check_paged_support(draft_layout)
+    check_draft_layout(draft_layout, "draft model", draft.name)
+    return draft_layout
+
+
+def _build_drafter(
+    draft: LoadedModel,
+    layout: ModelLayout,
+    plan: MemoryPlan,
+    config: CacheConfig,
+    kv_dtype: mx.Dtype,
+    vocab_size: int,
+) -> ModelDrafter:
+    """The draft's pools (as many blocks as the target's: one block id, a page in each) and its runner."""
+    transform = transform_for(draft.model, layout, draft.tokenizer, kv_dtype, config.quantization)
+    kv = PagedKVCache.for_layout(layout, plan.space_blocks, config.block_size, kv_dtype, config.quantization, transform)
+    # A draft not exact in a ragged batch only drafts worse; one that fails in one must not fail mid-request.
+    serial = layout_serial_reason(layout, draft.model, kv_dtype, config.block_size)
+    return ModelDrafter(Runner(draft.model, kv, layout, serial=serial is not None), draft.name, vocab_size)
 
 
 def _check_distributed(layout: ModelLayout, config: CacheConfig) -> None:

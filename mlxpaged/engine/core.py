@@ -30,6 +30,7 @@ from mlxpaged.engine.request import ImageSpan, Request
 from mlxpaged.engine.scheduler import Scheduler, SchedulerOutput
 from mlxpaged.engine.step_budget import Chunk, StepBudget
 from mlxpaged.errors import ConfigError, UnknownAdapterError
+from mlxpaged.runner.model_drafter import ModelDrafter
 from mlxpaged.runner.model_runner import Runner
 from mlxpaged.sampling_params import SamplingParams
 
@@ -48,6 +49,7 @@ class EngineCore:
         stats: StatsCounter | None = None,
         has_commands: Callable[[], bool] = lambda: False,
         num_speculative_tokens: int | None = None,
+        model_drafter: ModelDrafter | None = None,
     ):
         self.scheduler, self.runner = scheduler, runner
         self.stats = stats or StatsCounter()
@@ -58,9 +60,11 @@ class EngineCore:
         self.adapters: AdapterSet | None = None
         # Across mlx.launch ranks (set by build_core on every rank): whether every rank says True.
         self.all_ranks_ok: Callable[[bool], bool] | None = None
-        # Prompt-lookup speculative decoding (drafting.py), when a draft length is given.
+        # Speculative decoding (drafting.py), when a draft length is given: a draft model's, else prompt lookup.
         self.speculator = (
-            None if num_speculative_tokens is None else Speculator(scheduler, num_speculative_tokens, self._can_draft)
+            None
+            if num_speculative_tokens is None
+            else Speculator(scheduler, num_speculative_tokens, self._can_draft, model_drafter)
         )
 
     @classmethod
@@ -152,15 +156,17 @@ class EngineCore:
     def warm_up(self) -> None:
         """Compile the decode pass before serving, on the thread that will step; a model whose attention
         cannot be traced decodes eagerly instead."""
-        if self.runner.decoder is None:
-            return
-        try:
-            self.runner.decoder.warm_up(self.all_ranks_ok)
-        except Exception as exc:
-            warnings.warn(
-                f"compiled decode is off for this model ({exc!r}); decoding eagerly", RuntimeWarning, stacklevel=1
-            )
-            self.runner.decoder = None
+        drafter = self.speculator.model if self.speculator is not None else None
+        for runner, which in ((self.runner, "this model"), (drafter.runner if drafter else None, "the draft model")):
+            if runner is None or runner.decoder is None:
+                continue
+            try:
+                runner.decoder.warm_up(self.all_ranks_ok)
+            except Exception as exc:
+                warnings.warn(
+                    f"compiled decode is off for {which} ({exc!r}); decoding eagerly", RuntimeWarning, stacklevel=1
+                )
+                runner.decoder = None
 
     def add_request(
         self,
@@ -254,7 +260,10 @@ class EngineCore:
 
     def _fork(self, parent_id: str, child: Request, first_token: int) -> None:
         """Start an n > 1 sequence: the scheduler shares the parent's blocks, the runner copies the rest."""
-        self.runner.copy_blocks(self.scheduler.fork(parent_id, child, first_token))
+        copies = self.scheduler.fork(parent_id, child, first_token)
+        self.runner.copy_blocks(copies)
+        if self.speculator is not None:
+            self.speculator.fork(parent_id, child.request_id, copies)
 
 
 def _record_cost(budget: StepBudget, out: SchedulerOutput, seconds: float) -> None:

@@ -1,8 +1,9 @@
-"""Prompt-lookup speculative decoding, the scheduler's side: which decoding sequences draft this
-step, how many tokens, and how well their drafts fared. Plain Python (no MLX).
+"""Speculative decoding, the scheduler's side: which decoding sequences draft this step, how many
+tokens, and how well their drafts fared. Plain Python (no MLX).
 
-After `Scheduler.schedule()`, `extend(out)` appends drafts (runner/ngram_drafter.py) to decode
-chunks [last] -> [last, d1..dk] and gives them slots; the runner verifies every position
+After `Scheduler.schedule()`, `extend(out)` appends drafts to decode chunks [last] -> [last, d1..dk]
+and gives them slots: prompt lookup's (runner/ngram_drafter.py, one sequence at a time) or a draft
+model's (runner/model_drafter.py, every drafting row in k batched passes); the runner verifies every position
 (runner/draft_verify.py); `Scheduler.update_from_output` keeps the accepted drafts and frees the
 slots of the rest; `record` adapts each sequence's k to how its drafts fare.
 
@@ -23,7 +24,8 @@ from mlxpaged.engine.request import Request
 from mlxpaged.runner.ngram_drafter import NgramDrafter
 
 if TYPE_CHECKING:
-    from mlxpaged.engine.scheduler import Scheduler, SchedulerOutput
+    from mlxpaged.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+    from mlxpaged.runner.model_drafter import ModelDrafter
 
 MAX_PAUSE = 64  # steps a failing sequence waits before drafting again, at most
 
@@ -90,16 +92,25 @@ class SpeculationStats:
 
 class Speculator:
     """`can_draft(request)`: False for sequences whose sampling reads the history (penalties,
-    processors, grammars), which are verified one token at a time."""
+    processors, grammars), which are verified one token at a time. `model`: a draft model (runner/model_drafter.py)
+    proposes the drafts, all rows together; None: each sequence's prompt lookup does."""
 
-    def __init__(self, scheduler: Scheduler, max_draft_tokens: int, can_draft: Callable[[Request], bool]):
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        max_draft_tokens: int,
+        can_draft: Callable[[Request], bool],
+        model: ModelDrafter | None = None,
+    ):
         self.scheduler, self.max_draft_tokens, self._can_draft = scheduler, max_draft_tokens, can_draft
+        self.model = model
         self.stats = SpeculationStats()
         self._policies: dict[str, DraftPolicy] = {}
 
     def extend(self, out: SchedulerOutput) -> None:
         """Append drafts to this step's decode chunks, within the step's token budget and the pool."""
         budget = self.scheduler.max_batch_tokens - out.num_batch_tokens
+        asked: list[tuple[ScheduledChunk, int]] = []  # a draft model's rows: (chunk, k), their slots reserved
         for chunk in out.chunks:
             request = chunk.request
             if budget <= 0 or len(chunk.token_ids) != 1 or not chunk.samples or not self._can_draft(request):
@@ -109,17 +120,29 @@ class Speculator:
             k = min(policy.k, room, budget)
             if k <= 0 or not policy.wants_draft():
                 continue
-            drafts = policy.drafter.propose(request.all_token_ids, k)
-            if not drafts:
-                policy.no_draft()
-                continue
+            if self.model is None:
+                drafts = policy.drafter.propose(request.all_token_ids, k)
+                if not drafts:
+                    policy.no_draft()
+                    continue
+                k = len(drafts)
             try:
-                tables = self.scheduler.kv_manager.allocate_slots(request, request.num_tokens + len(drafts))
+                chunk.block_tables = self.scheduler.kv_manager.allocate_slots(request, request.num_tokens + k)
             except NoFreeBlocksError:
                 continue  # the pool is short: decode plainly
-            chunk.block_tables, chunk.token_ids, chunk.drafts = tables, [*chunk.token_ids, *drafts], drafts
-            out.num_batch_tokens += len(drafts)
-            budget -= len(drafts)
+            if self.model is None:
+                _append(out, chunk, drafts)
+            else:
+                asked.append((chunk, k))
+            budget -= k
+        if self.model is not None:  # also when nothing drafts: the step's prompt chunks fill the draft's pages
+            for (chunk, _), drafts in zip(asked, self.model.propose(out.chunks, asked), strict=True):
+                _append(out, chunk, drafts)
+
+    def fork(self, parent_id: str, child_id: str, copies: list) -> None:
+        """An n > 1 sequence starts: a draft model's pages get the parent's copy-on-write copies too."""
+        if self.model is not None:
+            self.model.fork(parent_id, child_id, copies)
 
     def record(self, out: SchedulerOutput, accepted: dict[str, list[int]]) -> None:
         """Adapt each drafting sequence's k to how many of its drafts were kept; forget finished ones."""
@@ -133,6 +156,8 @@ class Speculator:
                 policy.update(len(chunk.drafts), kept)
         for request_id in [rid for rid in self._policies if self.scheduler.get(rid) is None]:
             del self._policies[request_id]
+        if self.model is not None:  # finished and aborted requests
+            self.model.keep_only(lambda request_id: self.scheduler.get(request_id) is not None)
 
     def may_draft(self, requests: list[Request]) -> bool:
         """True when one of `requests` may draft next step (the runner then does not pipeline it)."""
@@ -141,3 +166,9 @@ class Speculator:
             if self._can_draft(request) and (policy is None or policy.pause == 0):
                 return True
         return False
+
+
+def _append(out: SchedulerOutput, chunk: ScheduledChunk, drafts: list[int]) -> None:
+    """`chunk` [last] -> [last, *drafts], its slots reserved already."""
+    chunk.token_ids, chunk.drafts = [*chunk.token_ids, *drafts], drafts
+    out.num_batch_tokens += len(drafts)

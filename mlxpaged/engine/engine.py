@@ -43,7 +43,8 @@ from mlxpaged.errors import (  # noqa: F401  (re-exported)
     RequestFailedError,
     UnknownAdapterError,
 )
-from mlxpaged.loading.checkpoint import facts_before_load
+from mlxpaged.loading.checkpoint import facts_before_load, read_before_load
+from mlxpaged.loading.draft_model import check_draft_layout, with_draft
 from mlxpaged.loading.generation_defaults import GenerationDefaults, load_defaults
 from mlxpaged.loading.loader import LoadedModel, chat_prompt, load_local, locate_model
 from mlxpaged.loading.progress import Progress
@@ -74,10 +75,12 @@ class Engine:
         scheduler_config: SchedulerConfig | None = None,
         ranks: Ranks | None = None,
         adapters: Mapping[str, AdapterSource] | None = None,
+        draft: LoadedModel | None = None,
     ):
         """`ranks`: rank 0 of a group whose other ranks run distributed.follower (distributed/start.py).
         `adapters`: name -> LoRA / DoRA adapter directory (mlx_lm.lora's output), which requests pick by name
-        (`adapter=`); each is checked against the model here (AdapterError), never mid-request."""
+        (`adapter=`); each is checked against the model here (AdapterError), never mid-request. `draft`: a smaller
+        model of the same tokenizer that drafts tokens the model verifies (scheduler_config.speculative "draft")."""
         self.loaded = loaded
         self.ranks = ranks
         self.cache_config = cache_config or CacheConfig(cache_tokens=DEFAULT_CACHE_TOKENS)
@@ -100,6 +103,7 @@ class Engine:
             has_commands=lambda: not commands.empty(),
             ranks=ranks,
             adapters=adapters,
+            draft=draft,
         )
         # Images the model encoded, by digest (read and written on the engine thread only: embedding.py).
         keep = int(self.cache_config.image_cache_size)  # bytes: CacheConfig parsed it
@@ -112,6 +116,7 @@ class Engine:
         model: str | None = None,
         progress: Progress | None = None,
         adapters: Mapping[str, AdapterSource] | None = None,
+        draft_model: str | None = None,
         **settings,
     ) -> Engine:
         """A preset name, local path or hub id (None: the embedded default model); settings are CacheConfig
@@ -119,8 +124,14 @@ class Engine:
         ConfigError). A cache that cannot fit raises InsufficientMemoryError before any weight is read
         (once the model's files are local: a hub model is downloaded first); an embedding model raises
         UnsupportedModelError (mlxpaged.Embedder runs it). `adapters`: name -> adapter directory (see __init__);
-        their files are read and counted in the memory plan before the model is."""
+        their files are read and counted in the memory plan before the model is. `draft_model`: a smaller model of the
+        same tokenizer (a name or path, as `model`) drafting tokens this one verifies (speculative "draft", the
+        default then; `num_speculative_tokens` drafts at most); both models and both pools are planned before either
+        model's weights are read, and a pair that cannot draft (another tokenizer, layers that cannot roll back) is
+        refused before the model is built."""
         settings.setdefault("cache_tokens", DEFAULT_CACHE_TOKENS)
+        if draft_model is not None:
+            settings.setdefault("speculative", "draft")
         cache, scheduler = split_settings(settings)
         files = read_adapters(adapters or {})  # AdapterError for a missing or corrupt one, before the model
         ref, path = locate_model(model, progress)
@@ -128,8 +139,15 @@ class Engine:
         # Memory where MLX allocates (DeviceFacts), dtypes as the loader will choose them (backend.current()).
         facts = facts_before_load(path, backend.current())
         facts = dataclasses.replace(facts, weight_bytes=facts.weight_bytes + sum(f.nbytes for f in files.values()))
+        draft_ref = None
+        if draft_model is not None:
+            draft_ref, draft_path = locate_model(draft_model, progress)
+            draft_facts, draft_layout = read_before_load(draft_path, backend.current())
+            check_draft_layout(draft_layout, "draft model", draft_ref.name)
+            facts = with_draft(facts, draft_facts)
         plan_memory(DeviceFacts.detect(), facts, cache, scheduler)
-        return cls(load_local(ref, path), cache, scheduler, adapters=files)
+        draft = load_local(draft_ref, draft_path) if draft_ref is not None else None
+        return cls(load_local(ref, path), cache, scheduler, adapters=files, draft=draft)
 
     @property
     def model(self):
@@ -419,6 +437,7 @@ class Engine:
             "memory_plan": self.plan,
             **self._memory_stats(),
             "speculative": self.scheduler_config.speculative,
+            "draft_model": self.built.draft.name if self.built.draft is not None else None,
             **(self.core.speculator.stats if self.core.speculator else SpeculationStats()).snapshot(),
             "attention": self.built.attention.status(),  # this engine's model: {"path", "reason", "variants"}
             "backend": backend.current(),

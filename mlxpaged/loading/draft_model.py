@@ -1,0 +1,61 @@
+"""What a draft model (`draft_model=`, `--draft-model`) must be, checked at load, never mid-request: the same token
+ids as the target, full attention in every layer of both (a rejected draft is rolled back by freeing slots, which
+sliding-window rings and recurrent state cannot do yet), text only; and what the pair costs the memory plan: both
+models' weights, and one block id standing for a page in each model's pools (runner/model_drafter.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from mlxpaged.cache.layout import ModelLayout
+from mlxpaged.errors import ConfigError
+from mlxpaged.platform.model_facts import KVShape, ModelFacts
+
+
+def check_draft_layout(layout: ModelLayout, role: str, name: str) -> None:
+    """Refuse a target or draft (`role`) whose layers a rejected draft could not be rolled back in."""
+    reason = None
+    if layout.state_leaves:
+        reason = "state-space or linear-attention layers, whose state cannot be rolled back"
+    elif any(kind is not None for kind in layout.layer_kinds):
+        reason = "sliding-window or chunked attention layers, whose rings reuse their slots"
+    elif not layout.kv_leaves:
+        reason = "no key/value cache"
+    if reason is not None:
+        raise ConfigError(
+            f"a draft model needs full attention in every layer of both models; the {role} {name!r} has {reason}",
+            param="draft_model",
+        )
+
+
+def check_draft_tokenizer(target_tokenizer, draft_tokenizer, target: str, draft: str) -> None:
+    """The draft must propose the target's token ids: the same vocabulary, token for token."""
+    mine, theirs = _vocab(target_tokenizer), _vocab(draft_tokenizer)
+    if mine == theirs:
+        return
+    differ = sum(1 for token, i in theirs.items() if mine.get(token) != i) + sum(1 for t in mine if t not in theirs)
+    raise ConfigError(
+        f"the draft model {draft!r} has another tokenizer than {target!r} ({len(theirs):,} vs {len(mine):,} tokens, "
+        f"{differ:,} differ): a draft model must share the target's token ids (pick one of the same family)",
+        param="draft_model",
+    )
+
+
+def _vocab(tokenizer) -> dict[str, int]:
+    return dict(tokenizer.get_vocab())  # mlx-lm's TokenizerWrapper passes it to the Hugging Face tokenizer
+
+
+def with_draft(target: ModelFacts, draft: ModelFacts) -> ModelFacts:
+    """The pair as one model to the memory plan: both weights, and per token the K/V of both models' layers (the
+    draft's pages are stored in the target's dtype: build.py casts a draft of another dtype)."""
+    a, b = target.kv, draft.kv
+    if a.sliding_windows is not None or b.sliding_windows is not None:  # check_draft_layout refused these
+        raise ValueError("a draft model pair plans full-attention layers only")
+    kv = KVShape(
+        a.num_layers + b.num_layers,
+        a.num_kv_heads,
+        a.head_dim,
+        a.dtype_bytes,
+        geometries=a.layer_geometries + b.layer_geometries,
+    )
+    return dataclasses.replace(target, kv=kv, weight_bytes=target.weight_bytes + draft.weight_bytes)
