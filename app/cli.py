@@ -106,10 +106,19 @@ def cmd_chat(args: argparse.Namespace) -> int:
             kv_disk=kv_disk_settings(args),
             kv_bits=args.kv_bits,
             lora=args.lora,
+            draft=draft_settings(args),
         )
     except ValueError as exc:  # bad sampling settings, before the app starts
         print(f"mlxpaged chat: {user_message(exc, 'cli')}", file=sys.stderr)
         return 2
+
+
+def draft_settings(args: argparse.Namespace) -> dict:
+    """Engine.from_pretrained's draft_model and draft length from --draft-model and --num-draft-tokens."""
+    settings: dict = {"draft_model": args.draft_model} if args.draft_model else {}
+    if args.num_draft_tokens is not None:
+        settings["num_speculative_tokens"] = args.num_draft_tokens
+    return settings
 
 
 def cmd_plain_chat(args: argparse.Namespace) -> int:
@@ -134,6 +143,7 @@ def cmd_plain_chat(args: argparse.Namespace) -> int:
             kv_disk_settings(args),
             args.kv_bits,
             args.lora,
+            draft_settings(args),
         )
     except ValueError as exc:  # bad sampling or cache settings, before the first turn
         print(f"mlxpaged chat: {exc}", file=sys.stderr)
@@ -208,6 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
         KV_BITS,
         KV_BITS_HELP,
         SPECULATIVE_HELP,
+        add_draft_arguments,
         add_kv_disk_arguments,
         add_serve_arguments,
     )
@@ -237,6 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     chat.add_argument("--cache-tokens", type=int, default=DEFAULT_CACHE_TOKENS, help="KV cache capacity in tokens")
     chat.add_argument("--speculative", choices=["ngram"], default=None, help=SPECULATIVE_HELP)
+    add_draft_arguments(chat)
     chat.add_argument("--kv-bits", type=int, choices=KV_BITS, default=None, help=KV_BITS_HELP)
     chat.add_argument(
         "--plain",

@@ -12,9 +12,7 @@ import sys
 import time
 from typing import TextIO
 
-from mlxpaged.config import CacheConfig, SchedulerConfig
 from mlxpaged.engine.engine import Engine, RequestFailedError
-from mlxpaged.loading.loader import load_model
 from mlxpaged.loading.progress import print_progress
 from mlxpaged.platform.blas import blas_status
 from mlxpaged_app.tui.generation import ReplyStats
@@ -37,15 +35,21 @@ def run_plain_chat(
     kv_disk: dict | None = None,
     kv_bits: int | None = None,
     lora: str | None = None,
+    draft: dict | None = None,
 ) -> int:
-    """Chat until EOF or /exit (exit code 0); `lora`: an adapter directory every turn runs with."""
+    """Chat until EOF or /exit (exit code 0); `lora`: an adapter directory every turn runs with; `draft`: a draft
+    model (Engine.from_pretrained's draft_model and num_speculative_tokens)."""
     say(f"Loading {model or 'the default model'}...")
     adapter = adapter_name(lora) if lora else None
-    with Engine(
-        load_model(model, progress=print_progress),
-        CacheConfig(cache_tokens=cache_tokens, kv_bits=kv_bits, **(kv_disk or {})),
-        SchedulerConfig(speculative=speculative),
-        adapters={adapter: lora} if adapter and lora else None,
+    with Engine.from_pretrained(
+        model,
+        print_progress,
+        {adapter: lora} if adapter and lora else None,
+        cache_tokens=cache_tokens,
+        kv_bits=kv_bits,
+        speculative=speculative,
+        **(kv_disk or {}),
+        **(draft or {}),
     ) as engine:
         blas = blas_status()
         say(

@@ -22,6 +22,22 @@ SPECULATIVE_HELP = (
     "verified in one pass; same output, faster when replies quote their input)"
 )
 
+DRAFT_MODEL_HELP = (
+    "a smaller model of the same tokenizer (preset, path or repo id) that drafts tokens the model checks in one pass: "
+    "same output, faster when its drafts are often right (Qwen3-0.6B for Qwen3-8B, say)"
+)
+NUM_DRAFT_TOKENS_HELP = (
+    "tokens drafted per step at most (--speculative ngram or --draft-model; each sequence's count adapts to how many "
+    "are kept; default: 7)"
+)
+
+
+def add_draft_arguments(group) -> None:
+    """--draft-model and --num-draft-tokens (serve, chat)."""
+    group.add_argument("--draft-model", default=None, metavar="NAME", help=DRAFT_MODEL_HELP)
+    group.add_argument("--num-draft-tokens", type=int, default=None, metavar="N", help=NUM_DRAFT_TOKENS_HELP)
+
+
 KV_BITS_HELP = (
     "store the KV cache quantized at 8 or 4 bits per element (about 1.9x / 3.5x the tokens of float16 in the "
     "same memory; default: the model's dtype)"
@@ -144,6 +160,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     cache.add_argument("--no-wire", action="store_true", help="leave the Metal wired limit alone")
     cache.add_argument("--no-prefix-cache", action="store_true", help="do not reuse cached prompt blocks")
     cache.add_argument("--speculative", choices=["ngram"], default=None, help=SPECULATIVE_HELP)
+    add_draft_arguments(cache)
     cache.add_argument("--kv-bits", type=int, choices=KV_BITS, default=None, help=KV_BITS_HELP)
     cache.add_argument(
         "--kv-group-size",
@@ -269,6 +286,8 @@ def cache_settings(args: argparse.Namespace) -> dict:
     for name in ("cache_tokens", "memory_fraction", "kv_memory", "max_model_len", "kv_bits", "max_batch_tokens"):
         if getattr(args, name) is not None:
             settings[name] = getattr(args, name)
+    if getattr(args, "num_draft_tokens", None) is not None:
+        settings["num_speculative_tokens"] = args.num_draft_tokens
     if args.step_budget_ms is not None:
         settings["step_budget_ms"] = args.step_budget_ms or None  # 0: no budget
     if args.long_prompt_step_budget_ms is not None:

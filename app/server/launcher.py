@@ -77,6 +77,10 @@ def build_registry(args: argparse.Namespace, config):
     first = _given(catalog, args.model)
     if adapters:  # before it loads: its engine is built with them
         first = catalog.adapters.add_given(first, adapters)
+    if args.draft_model is not None:
+        if args.speculative is not None:
+            raise ServeError(f"--draft-model drafts with the draft model; drop --speculative {args.speculative}")
+        first = _with_draft(catalog, first, args.draft_model, across_ranks)
     pinned = [_given(catalog, name) for name in args.pin]
     policy = RegistryPolicy(
         memory_budget(args.max_memory),
@@ -98,6 +102,26 @@ def build_registry(args: argparse.Namespace, config):
         registry.close()
         raise
     return registry
+
+
+def _with_draft(catalog, entry, draft: str, across_ranks: bool):
+    """--draft-model: `entry` (--model) drafts with it; provisioned now, as --model is, and checked with the model
+    before either is read (estimate_cost: the pair's memory; the engine's build: the tokenizers)."""
+    import dataclasses
+
+    from mlxpaged.loading.loader import locate_model
+    from mlxpaged_app.server.model_catalog import ModelNotServable
+
+    if across_ranks:
+        raise ServeError("--draft-model: a draft model across mlx.launch ranks is not supported yet")
+    try:
+        found = catalog.find(draft)  # a store directory by its base name too, as --model
+        where = (found.ref, found.path) if found.ref is not None else locate_model(draft)
+    except ModelNotServable:
+        where = locate_model(draft)  # not here yet: provisioned as `mlxpaged pull` would
+    entry = dataclasses.replace(entry, draft=where)
+    catalog.replace_given(entry)
+    return entry
 
 
 def _given(catalog, name: str | None):

@@ -35,6 +35,7 @@ class CatalogEntry:
     description: str = ""
     kind: str = "generate"  # what serves it (model_registry.SERVED_KINDS): "generate" (an Engine) or "embed"
     adapters: tuple[tuple[str, str], ...] = ()  # (name, directory) of each adapter its engine serves (--lora)
+    draft: tuple[ModelRef, Path] | None = None  # the draft model its engine drafts with (--draft-model), provisioned
 
     @property
     def names(self) -> frozenset[str]:

@@ -34,14 +34,19 @@ class EngineSettings:
 
 def estimate_cost(entry: CatalogEntry, settings: EngineSettings) -> ModelCost:
     """The memory `entry` will hold once loaded; InsufficientMemoryError if the device cannot hold it at all."""
-    from mlxpaged.loading.checkpoint import facts_before_load
+    from mlxpaged.loading.checkpoint import read_before_load
     from mlxpaged.platform import backend
     from mlxpaged.platform.memory import DeviceFacts, activation_bytes, plan_memory
 
     if entry.kind == "embed":
         return _embedder_estimate(entry, settings)
-    cache, scheduler = split_settings(_with_default_cache(settings.cache))
-    facts = facts_before_load(entry.path, backend.current())
+    cache, scheduler = split_settings(_engine_settings(entry, settings))
+    facts, layout = read_before_load(entry.path, backend.current())
+    if entry.draft is not None:  # the pair is planned as one (loading/draft_model.py)
+        from mlxpaged.loading.draft_model import draft_facts_before_load
+
+        draft_ref, draft_dir = entry.draft
+        facts = draft_facts_before_load(facts, layout, entry.name, draft_dir, draft_ref.name)
     if entry.adapters:  # read (and refused, if broken) before the model; they count as weights
         from mlxpaged.adapters.adapter_set import read_adapters
 
@@ -57,6 +62,12 @@ def _with_default_cache(cache: dict) -> dict:
     from mlxpaged.config import DEFAULT_CACHE_TOKENS
 
     return {"cache_tokens": DEFAULT_CACHE_TOKENS, **cache}  # as Engine.from_pretrained defaults it
+
+
+def _engine_settings(entry: CatalogEntry, settings: EngineSettings) -> dict:
+    """The cache and scheduler settings of `entry`'s engine: a model with a draft model (--draft-model) drafts."""
+    cache = _with_default_cache(settings.cache)
+    return {**cache, "speculative": "draft"} if entry.draft is not None else cache
 
 
 def _embedder_estimate(entry: CatalogEntry, settings: EngineSettings) -> ModelCost:
@@ -126,8 +137,9 @@ def build_engine(entry: CatalogEntry, settings: EngineSettings):
             str(entry.path), parallel=settings.parallel, **timeout, **_with_default_cache(settings.cache)
         )
     else:
-        cache, scheduler = split_settings(_with_default_cache(settings.cache))
-        engine = Engine(load_local(entry.ref, entry.path), cache, scheduler, adapters=dict(entry.adapters))
+        cache, scheduler = split_settings(_engine_settings(entry, settings))
+        draft = load_local(*entry.draft) if entry.draft is not None else None
+        engine = Engine(load_local(entry.ref, entry.path), cache, scheduler, adapters=dict(entry.adapters), draft=draft)
     try:
         defaults = sampling_defaults(engine, settings.generation_config)
         if settings.warm_up:

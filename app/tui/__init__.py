@@ -21,10 +21,11 @@ def run_chat(
     kv_disk: dict | None = None,
     kv_bits: int | None = None,
     lora: str | None = None,
+    draft: dict | None = None,
 ) -> int:
     """Run the chat app until the user quits; returns the exit code. temperature / top_p None: the model's.
     `kv_disk`: CacheConfig's kv_disk settings (the prefix cache on disk, which `resume` answers from); `lora`: an
-    adapter directory every turn runs with.
+    adapter directory every turn runs with; `draft`: Engine.from_pretrained's draft_model (and draft length).
     Raises ValueError for bad sampling settings before the app starts."""
     from mlxpaged_app.tui.terminal import enter_stays_enter
 
@@ -43,6 +44,7 @@ def run_chat(
                 "kv_disk": kv_disk,
                 "kv_bits": kv_bits,
                 "lora": lora,
+                "draft": draft,
             },
         )
 

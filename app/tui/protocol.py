@@ -41,10 +41,12 @@ def real_engine_factory(
     kv_disk: dict | None = None,
     kv_bits: int | None = None,
     lora: str | None = None,
+    draft: dict | None = None,
 ) -> EngineFactory:
     """Engines over the real model store, with a KV cache capped at `cache_tokens` tokens (and
     `speculative` decoding, SchedulerConfig's; `kv_disk`: CacheConfig's kv_disk and kv_disk_size; `kv_bits`:
-    quantized pages, CacheConfig's; `lora`: an adapter directory every turn runs with)."""
+    quantized pages, CacheConfig's; `lora`: an adapter directory every turn runs with; `draft`: a draft model,
+    Engine.from_pretrained's draft_model and num_speculative_tokens)."""
 
     def build(name: str | None, progress: Progress) -> ChatEngine:
         from mlxpaged.engine.engine import Engine
@@ -58,6 +60,7 @@ def real_engine_factory(
             speculative=speculative,
             **(kv_disk or {}),
             kv_bits=kv_bits,
+            **(draft or {}),
         )
         try:
             _ = engine.generation_defaults  # read now: a bad generation_config.json fails the load, not a reply

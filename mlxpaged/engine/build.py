@@ -29,7 +29,7 @@ from mlxpaged.engine.metrics import StatsCounter
 from mlxpaged.engine.state_tiering import StateTiering
 from mlxpaged.errors import ConfigError
 from mlxpaged.kernels.attention import PreparedAttention, prepare_model_attention
-from mlxpaged.loading.draft_model import check_draft_layout, check_draft_tokenizer, with_draft
+from mlxpaged.loading.draft_model import check_draft_layout, check_draft_setting, check_draft_tokenizer, with_draft
 from mlxpaged.loading.fused_projections import fuse_projections
 from mlxpaged.loading.loader import LoadedModel, activation_dtype, check_paged_support
 from mlxpaged.loading.probe import probe_layout
@@ -80,7 +80,9 @@ def build_core(
     core; rank 0's runner sends its passes to the others (distributed/). `adapters`: name -> adapter directory (or
     its files, read already), attached to the model's layers here, before anything else wraps or fuses them. `draft`:
     a draft model for speculative decoding (scheduler_config.speculative "draft"), planned and given pools here."""
-    _check_draft_setting(scheduler_config, draft, ranks)
+    check_draft_setting(scheduler_config.speculative, draft is not None)
+    if draft is not None and ranks is not None:
+        raise ConfigError("a draft model across mlx.launch ranks is not supported yet", param="draft_model")
     if adapters and ranks is not None:
         raise ConfigError("adapters across mlx.launch ranks are not supported yet", param="adapters")
     # Adapters may be added later too (Engine.add_adapter), not across ranks; AdapterError before anything is planned.
@@ -161,21 +163,6 @@ def build_core(
         core.runner.adapter_rows, core.adapters = adapter_set.rows, adapter_set
     disk_off = attach_disk_tier(core, loaded, layout, cache_config) if cache_config.kv_disk_dir else None
     return BuiltCore(layout, facts, plan, kv, attention, max_model_len, serial, core, disk_off, adapter_set, drafter)
-
-
-def _check_draft_setting(config: SchedulerConfig, draft: LoadedModel | None, ranks: Ranks | None) -> None:
-    """A draft model and `speculative="draft"` come together."""
-    if draft is None and config.speculative == "draft":
-        raise ConfigError(
-            "{speculative:'draft'} needs a draft model (draft_model=, --draft-model)", param="draft_model"
-        )
-    if draft is not None and config.speculative != "draft":
-        raise ConfigError(
-            f"a draft model drafts with {{speculative:'draft'}}, not {{speculative:{config.speculative!r}}}",
-            param="speculative",
-        )
-    if draft is not None and ranks is not None:
-        raise ConfigError("a draft model across mlx.launch ranks is not supported yet", param="draft_model")
 
 
 def _prepare_draft(target: LoadedModel, layout: ModelLayout, draft: LoadedModel, kv_dtype: mx.Dtype) -> ModelLayout:

@@ -43,8 +43,8 @@ from mlxpaged.errors import (  # noqa: F401  (re-exported)
     RequestFailedError,
     UnknownAdapterError,
 )
-from mlxpaged.loading.checkpoint import facts_before_load, read_before_load
-from mlxpaged.loading.draft_model import check_draft_layout, with_draft
+from mlxpaged.loading.checkpoint import read_before_load
+from mlxpaged.loading.draft_model import check_draft_setting, draft_facts_before_load
 from mlxpaged.loading.generation_defaults import GenerationDefaults, load_defaults
 from mlxpaged.loading.loader import LoadedModel, chat_prompt, load_local, locate_model
 from mlxpaged.loading.progress import Progress
@@ -130,21 +130,20 @@ class Engine:
         model's weights are read, and a pair that cannot draft (another tokenizer, layers that cannot roll back) is
         refused before the model is built."""
         settings.setdefault("cache_tokens", DEFAULT_CACHE_TOKENS)
-        if draft_model is not None:
-            settings.setdefault("speculative", "draft")
+        if draft_model is not None and settings.get("speculative") is None:
+            settings["speculative"] = "draft"
         cache, scheduler = split_settings(settings)
+        check_draft_setting(scheduler.speculative, draft_model is not None)
         files = read_adapters(adapters or {})  # AdapterError for a missing or corrupt one, before the model
         ref, path = locate_model(model, progress)
         refuse_generation(path, ref.name, ref.preset.options if ref.preset else None)
         # Memory where MLX allocates (DeviceFacts), dtypes as the loader will choose them (backend.current()).
-        facts = facts_before_load(path, backend.current())
+        facts, layout = read_before_load(path, backend.current())
         facts = dataclasses.replace(facts, weight_bytes=facts.weight_bytes + sum(f.nbytes for f in files.values()))
         draft_ref = None
         if draft_model is not None:
             draft_ref, draft_path = locate_model(draft_model, progress)
-            draft_facts, draft_layout = read_before_load(draft_path, backend.current())
-            check_draft_layout(draft_layout, "draft model", draft_ref.name)
-            facts = with_draft(facts, draft_facts)
+            facts = draft_facts_before_load(facts, layout, ref.name, draft_path, draft_ref.name)
         plan_memory(DeviceFacts.detect(), facts, cache, scheduler)
         draft = load_local(draft_ref, draft_path) if draft_ref is not None else None
         return cls(load_local(ref, path), cache, scheduler, adapters=files, draft=draft)

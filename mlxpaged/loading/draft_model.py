@@ -6,10 +6,24 @@ models' weights, and one block id standing for a page in each model's pools (run
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 from mlxpaged.cache.layout import ModelLayout
 from mlxpaged.errors import ConfigError
 from mlxpaged.platform.model_facts import KVShape, ModelFacts
+
+
+def check_draft_setting(speculative: str | None, has_draft: bool) -> None:
+    """A draft model and `speculative="draft"` come together."""
+    if not has_draft and speculative == "draft":
+        raise ConfigError(
+            "{speculative:'draft'} needs a draft model (draft_model=, --draft-model)", param="draft_model"
+        )
+    if has_draft and speculative != "draft":
+        raise ConfigError(
+            f"a draft model drafts with {{speculative:'draft'}}, not {{speculative:{speculative!r}}}",
+            param="speculative",
+        )
 
 
 def check_draft_layout(layout: ModelLayout, role: str, name: str) -> None:
@@ -43,6 +57,20 @@ def check_draft_tokenizer(target_tokenizer, draft_tokenizer, target: str, draft:
 
 def _vocab(tokenizer) -> dict[str, int]:
     return dict(tokenizer.get_vocab())  # mlx-lm's TokenizerWrapper passes it to the Hugging Face tokenizer
+
+
+def draft_facts_before_load(
+    facts: ModelFacts, layout: ModelLayout, name: str, draft_dir: Path, draft: str
+) -> ModelFacts:
+    """The model's `facts` and `layout` (checkpoint.read_before_load) with the draft model in `draft_dir`, as the
+    memory plan counts the pair, before either is loaded; ConfigError for a pair that cannot draft by its layers."""
+    from mlxpaged.loading.checkpoint import read_before_load
+    from mlxpaged.platform import backend
+
+    check_draft_layout(layout, "model", name)
+    draft_facts, draft_layout = read_before_load(draft_dir, backend.current())
+    check_draft_layout(draft_layout, "draft model", draft)
+    return with_draft(facts, draft_facts)
 
 
 def with_draft(target: ModelFacts, draft: ModelFacts) -> ModelFacts:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from mlxpaged.units import format_size
@@ -77,7 +78,8 @@ def stats_text(stats: dict) -> Text:
         rows.append(
             (
                 "speculative",
-                f"{stats['speculative']} · "
+                # a draft model by its name (its directory's, for a path)
+                f"{_drafter(stats)} · "
                 + (
                     "no drafts yet"
                     if rate is None
@@ -149,3 +151,9 @@ def _rows(rows: list[tuple[str, str]]) -> Text:
         text.append(("\n" if i else "") + f"{label:<12}", style="bold" if not label.startswith(" ") else "")
         text.append(value)
     return text
+
+
+def _drafter(stats: dict) -> str:
+    """What drafts: "ngram", or the draft model's name."""
+    draft = stats.get("draft_model")
+    return f"draft {os.path.basename(os.path.normpath(draft)) or draft}" if draft else str(stats["speculative"])

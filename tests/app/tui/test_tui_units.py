@@ -182,6 +182,8 @@ def test_engine_panel_shows_speculation_acceptance_when_it_is_on():
     assert "ngram · no drafts yet" in stats_text(stats).plain
     stats.update(spec_draft_tokens_total=1200, spec_accepted_tokens_total=840, spec_acceptance_rate=0.7)
     assert "ngram · 70% of 1,200 drafts kept" in stats_text(stats).plain
+    stats.update(speculative="draft", draft_model="/models/Qwen3-0.6B-4bit")
+    assert "draft Qwen3-0.6B-4bit · 70% of 1,200 drafts kept" in stats_text(stats).plain
 
 
 def test_engine_panel_rows_fit_the_panel_with_large_disk_tier_figures():

@@ -1,0 +1,53 @@
+"""`mlxpaged serve --model M --draft-model D`: a live server whose replies are the model's own greedy replies, drafted
+by a second model of the same tokenizer, with the drafts counted in /metrics; a draft of another tokenizer stops the
+server before it listens, saying why."""
+
+from __future__ import annotations
+
+import json
+
+from tests.app.server.test_model_registry_live import metric, serving_store
+from tests.tiny_models import write_tiny_model_dir
+
+import openai
+import pytest
+
+HI = [{"role": "user", "content": "Count from one to ten."}]
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    root = tmp_path_factory.mktemp("draft-store")
+    write_tiny_model_dir(root / "tiny-a", "llama", dtype="float32", seed=1, layers=3)
+    write_tiny_model_dir(root / "tiny-draft", "qwen3", dtype="float32", seed=2, layers=1)
+    other = write_tiny_model_dir(root / "tiny-other", "llama", dtype="float32", seed=3)
+    tokenizer = json.loads((other / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    vocab["hello"], vocab["world"] = vocab["world"], vocab["hello"]
+    (other / "tokenizer.json").write_text(json.dumps(tokenizer))
+    return root
+
+
+def reply(server, n: int = 24) -> str:
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", timeout=120, max_retries=0)
+    done = client.chat.completions.create(model="tiny-a", messages=HI, max_tokens=n, temperature=0.0)
+    return done.choices[0].message.content or ""
+
+
+def test_a_draft_model_gives_the_models_own_replies_and_counts_its_drafts(store, tmp_path):
+    flags = ("--cache-tokens", "1024", "--max-batch-tokens", "128")
+    with serving_store(store, tmp_path / "plain.log", *flags) as server:
+        expected = reply(server)
+    with serving_store(store, tmp_path / "draft.log", *flags, "--draft-model", "tiny-draft") as server:
+        assert reply(server) == expected
+        assert metric(server, "spec_draft_tokens_total", "tiny-a") > 0
+
+
+def test_a_draft_of_another_tokenizer_stops_the_server_before_it_listens(store, tmp_path):
+    from tests.app.server.test_server_live import start_server
+
+    log = tmp_path / "refused.log"
+    with pytest.MonkeyPatch.context() as patch, pytest.raises(pytest.fail.Exception):
+        patch.setenv("MLXPAGED_MODELS_DIR", str(store))
+        start_server(log, "--model", "tiny-a", "--draft-model", "tiny-other", "--cache-tokens", "1024")
+    assert "another tokenizer" in log.read_text()
