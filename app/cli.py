@@ -337,7 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=concurrency_levels,
         default=None,
         help="gpu, batch: concurrent requests per batch run, comma-separated (gpu default 16,64; batch default 16, "
-        "with --lengths skewed 16,64)",
+        "with --lengths skewed 16,64); spec with a drafter: default 1,4,16",
     )
     bench.add_argument("--agents", type=int, default=None, help="fleet: agents at once (default 8)")
     bench.add_argument("--turns", type=int, default=None, help="fleet: turns per agent (default 4)")
@@ -373,6 +373,22 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="gpu: run only some of decode,batch,ttft (default all); kv: decode (the decode-speed part alone); lora: "
         "batch or decode",
+    )
+    bench.add_argument(
+        "--drafter",
+        choices=["ngram", "oracle"],
+        default="ngram",
+        help="spec: prompt lookup on repetitive and free-text tasks at batch 1 (default), or an oracle drafting the "
+        "plain run's own tokens at no cost, at --concurrency 1,4,16 (the machinery's ceiling)",
+    )
+    bench.add_argument(
+        "--draft-model",
+        default=None,
+        metavar="NAME",
+        help="spec: draft with this model at --concurrency 1,4,16, and beside mlx-lm's own draft_model at batch 1",
+    )
+    bench.add_argument(
+        "--num-draft-tokens", type=int, default=None, help="spec with --drafter oracle or --draft-model: k (default 4)"
     )
     bench.add_argument(
         "--max-model-len",

@@ -90,6 +90,11 @@ def bench_task(plain, spec, prompt: list[int], tokens: int, runs: int) -> dict:
 
 
 def bench_spec(args: Namespace) -> int:
+    """Prompt lookup on the tasks above; `--drafter oracle` or `--draft-model NAME`: spec_drafters.py."""
+    if getattr(args, "drafter", None) == "oracle" or getattr(args, "draft_model", None):
+        from mlxpaged_app.bench.spec_drafters import bench_drafters
+
+        return bench_drafters(args)
     from mlxpaged.config import CacheConfig, SchedulerConfig
     from mlxpaged.engine.engine import Engine
     from mlxpaged.loading.loader import chat_prompt, load_model

@@ -90,6 +90,12 @@ class StateStore:
             path: tuple(None if a is None else mx.contiguous(a) for a in row) for path, row in self._rows[slot].items()
         }
 
+    def held(self, slot: int) -> Snapshot:
+        """The slot's rows as they are now, shared (no copy: the arrays are never mutated, a pass replaces them),
+        for `restore` after a pass that must not have happened (a speculative verify pass with rejected drafts)."""
+        self._check(slot)
+        return {path: tuple(row) for path, row in self._rows[slot].items()}
+
     def restore(self, slot: int, snapshot: Snapshot) -> None:
         """Set the slot's rows to a snapshot's (shared, immutable)."""
         self._check(slot)
@@ -307,6 +313,14 @@ class StateCache:
 
     def restore(self, slot: int, block_hash: Hashable) -> None:
         self.store.restore(slot, self.checkpoints.get(block_hash))
+
+    def hold(self, slot: int) -> Snapshot:
+        """The slot's state before a speculative verify pass (StateStore.held)."""
+        return self.store.held(slot)
+
+    def roll_back(self, slot: int, held: Snapshot) -> None:
+        """Back to the state `hold` kept: the pass consumed drafts that were rejected."""
+        self.store.restore(slot, held)
 
     def checkpoint(self, slot: int, block_hash: Hashable, publish: bool) -> None:
         """Snapshot the slot's rows as the state after the block `block_hash` ends; into the table now

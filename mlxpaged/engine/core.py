@@ -116,7 +116,7 @@ class EngineCore:
             step_budget=None if budget_ms is None else StepBudget(budget_ms / 1000, long_prompt_s),
         )
         if scheduler_config.speculative is not None:
-            _check_speculation(scheduler_config.speculative, kv, state is not None)
+            _check_speculation(scheduler_config.speculative, kv)
             kwargs["num_speculative_tokens"] = scheduler_config.num_speculative_tokens
         runner = Runner(
             model, kv, layout, state.store if state is not None else None, serial=serial, buffer_budget=buffer_budget
@@ -272,8 +272,9 @@ def _record_cost(budget: StepBudget, out: SchedulerOutput, seconds: float) -> No
     budget.record(seconds, decoding=len(prefills) < len(out.chunks), prefills=prefills)
 
 
-def _check_speculation(method: str, kv: PagedKVCache, has_state: bool) -> None:
-    """Refuse speculation, at load, for layers whose rejected drafts cannot be rolled back by freeing blocks."""
+def _check_speculation(method: str, kv: PagedKVCache) -> None:
+    """Refuse speculation, at load, for layers whose rejected drafts cannot be rolled back by freeing blocks (state
+    layers can: the scheduler returns them to the state before the verify pass)."""
     rings: dict[str, set[int]] = {}  # a ring reuses its slots: rejected drafts would overwrite KV still in it
     for spec in kv.specs:
         label, size = spec.ring_label, spec.size
@@ -283,11 +284,5 @@ def _check_speculation(method: str, kv: PagedKVCache, has_state: bool) -> None:
         kinds = [label.format(sizes=sorted(sizes)) for label, sizes in rings.items()]
         raise ConfigError(
             f"{{speculative:{method!r}}} needs full attention in every layer; this model has {' and '.join(kinds)}",
-            param="speculative",
-        )
-    if has_state:  # a recurrent state has no earlier version to return to after a rejected draft
-        raise ConfigError(
-            f"{{speculative:{method!r}}} needs attention layers only; this model has state-space or "
-            "linear-attention layers, whose state cannot be rolled back",
             param="speculative",
         )

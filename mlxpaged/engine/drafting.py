@@ -15,9 +15,9 @@ pipelines, as without speculation).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from mlxpaged.cache.block_pool import NoFreeBlocksError
 from mlxpaged.engine.request import Request
@@ -28,6 +28,12 @@ if TYPE_CHECKING:
     from mlxpaged.runner.model_drafter import ModelDrafter
 
 MAX_PAUSE = 64  # steps a failing sequence waits before drafting again, at most
+
+
+class PromptDrafter(Protocol):
+    """One sequence's drafter from its tokens alone (NgramDrafter; bench spec's oracle replays a recorded run)."""
+
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]: ...
 
 
 @dataclass
@@ -41,7 +47,7 @@ class DraftPolicy:
     next_pause: int = 2
     misses: int = 0
     empty: int = 0  # steps in a row the drafter found nothing to propose
-    drafter: NgramDrafter = field(default_factory=NgramDrafter)
+    drafter: PromptDrafter = field(default_factory=NgramDrafter)
 
     def __post_init__(self) -> None:
         self.k = self.k or self.max_k
@@ -104,6 +110,7 @@ class Speculator:
     ):
         self.scheduler, self.max_draft_tokens, self._can_draft = scheduler, max_draft_tokens, can_draft
         self.model = model
+        self.new_drafter: Callable[[], PromptDrafter] = NgramDrafter  # each sequence's own, without a draft model
         self.stats = SpeculationStats()
         self._policies: dict[str, DraftPolicy] = {}
 
@@ -113,9 +120,13 @@ class Speculator:
         asked: list[tuple[ScheduledChunk, int]] = []  # a draft model's rows: (chunk, k), their slots reserved
         for chunk in out.chunks:
             request = chunk.request
-            if budget <= 0 or len(chunk.token_ids) != 1 or not chunk.samples or not self._can_draft(request):
+            if budget <= 0 or not _decodes(chunk, self.max_draft_tokens) or not self._can_draft(request):
                 continue
-            policy = self._policies.setdefault(request.request_id, DraftPolicy(self.max_draft_tokens))
+            policy = self._policies.get(request.request_id)
+            if policy is None:
+                policy = self._policies[request.request_id] = DraftPolicy(
+                    self.max_draft_tokens, drafter=self.new_drafter()
+                )
             room = request.max_tokens - len(request.output_token_ids) - 1  # the run ends with a sampled token
             k = min(policy.k, room, budget)
             if k <= 0 or not policy.wants_draft():
@@ -130,6 +141,7 @@ class Speculator:
                 chunk.block_tables = self.scheduler.kv_manager.allocate_slots(request, request.num_tokens + k)
             except NoFreeBlocksError:
                 continue  # the pool is short: decode plainly
+            chunk.state_before = self.scheduler.hold_state(request)  # state layers roll back to it on a rejection
             if self.model is None:
                 _append(out, chunk, drafts)
             else:
@@ -168,7 +180,14 @@ class Speculator:
         return False
 
 
+def _decodes(chunk: ScheduledChunk, max_draft_tokens: int) -> bool:
+    """A chunk drafts may follow: it samples a reply's next token, from its last token or, on a model with state
+    layers after a rejected draft, from the kept tokens fed again (at most k + 1: scheduler.update_from_output)."""
+    request = chunk.request
+    return chunk.samples and bool(request.output_token_ids) and len(chunk.token_ids) <= max_draft_tokens + 1
+
+
 def _append(out: SchedulerOutput, chunk: ScheduledChunk, drafts: list[int]) -> None:
-    """`chunk` [last] -> [last, *drafts], its slots reserved already."""
+    """`chunk` [..., last] -> [..., last, *drafts], its slots reserved already."""
     chunk.token_ids, chunk.drafts = [*chunk.token_ids, *drafts], drafts
     out.num_batch_tokens += len(drafts)

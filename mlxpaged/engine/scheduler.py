@@ -22,7 +22,7 @@ import bisect
 from collections import deque
 from collections.abc import Collection, Hashable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from mlxpaged.cache.block_pool import NoFreeBlocksError
 from mlxpaged.cache.kv_cache_manager import CopyOnWrite, KVCacheManager, UnknownRequestError
@@ -53,6 +53,9 @@ class ScheduledChunk:
     # Speculative tokens appended to token_ids (engine/drafting.py): every position samples,
     # and only the drafts the model agrees with are kept (update_from_output).
     drafts: list[int] = field(default_factory=list)
+    # A model with state layers: the request's state before this chunk's verify pass (StateSlots.hold), which a
+    # rejected draft rolls back to (update_from_output).
+    state_before: object | None = None
 
 
 @dataclass
@@ -76,6 +79,8 @@ class StateSlots(Protocol):
     def free(self, slot: int) -> None: ...
     def restore(self, slot: int, block_hash: Hashable) -> None: ...
     def checkpoint(self, slot: int, block_hash: Hashable, publish: bool) -> None: ...
+    def hold(self, slot: int) -> Any: ...
+    def roll_back(self, slot: int, held: Any) -> None: ...
 
 
 # While requests wait to be admitted, one running prefill takes at most 1/LONG_PREFILL_SHARE of a
@@ -346,7 +351,12 @@ class Scheduler:
                         f"request {request.request_id!r}: accepted {kept} are not a prefix of its drafts {drafts}"
                     )
                 request.output_token_ids.extend(kept)  # first: the computed count may not pass the known tokens
-                request.num_computed_tokens += len(chunk.token_ids) - len(drafts) + len(kept)
+                if chunk.state_before is not None and len(kept) < len(drafts):
+                    # The state layers consumed the rejected drafts too, and a recurrent state cannot be cut back: the
+                    # state returns to where the chunk started, and the next chunk feeds the kept tokens again.
+                    self._roll_back_state(request, chunk.state_before)
+                else:
+                    request.num_computed_tokens += len(chunk.token_ids) - len(drafts) + len(kept)
             else:
                 request.num_computed_tokens += len(chunk.token_ids)
             self.kv_manager.cache_blocks(request)  # hashes only blocks of kept tokens
@@ -482,6 +492,14 @@ class Scheduler:
         block_hash = self.kv_manager.block_hash(request.request_id, computed // bs)
         if block_hash is not None:
             self.state.checkpoint(_slot(request), block_hash, publish)
+
+    def hold_state(self, request: Request) -> object | None:
+        """Before a verify pass: the request's state to roll back to (None: the model has no state layers)."""
+        return None if self.state is None else self.state.hold(_slot(request))
+
+    def _roll_back_state(self, request: Request, held: object) -> None:
+        assert self.state is not None  # only a model with state layers holds state
+        self.state.roll_back(_slot(request), held)
 
     def _free_state(self, request: Request) -> None:
         if self.state is not None and request.state_slot is not None:

@@ -27,17 +27,19 @@ def check_draft_setting(speculative: str | None, has_draft: bool) -> None:
 
 
 def check_draft_layout(layout: ModelLayout, role: str, name: str) -> None:
-    """Refuse a target or draft (`role`) whose layers a rejected draft could not be rolled back in."""
+    """Refuse a target or draft (`role`) whose layers a rejected draft could not be rolled back in: sliding-window
+    rings in either; state layers in the draft (the model's own roll back: scheduler.update_from_output)."""
     reason = None
-    if layout.state_leaves:
-        reason = "state-space or linear-attention layers, whose state cannot be rolled back"
+    if layout.state_leaves and role != "model":
+        reason = "state-space or linear-attention layers (a draft model's state is not rolled back yet)"
     elif any(kind is not None for kind in layout.layer_kinds):
         reason = "sliding-window or chunked attention layers, whose rings reuse their slots"
     elif not layout.kv_leaves:
-        reason = "no key/value cache"
+        reason = "no key/value cache (its pages would share no block ids with the other's)"
     if reason is not None:
         raise ConfigError(
-            f"a draft model needs full attention in every layer of both models; the {role} {name!r} has {reason}",
+            "a draft model needs full attention in its layers and the model's (the model may also have state "
+            f"layers); the {role} {name!r} has {reason}",
             param="draft_model",
         )
 

@@ -54,7 +54,7 @@ class ModelDrafter:
         for chunk in chunks:
             if id(chunk) not in rows and (len(chunk.token_ids) > 1 or not chunk.samples):
                 inputs.append(self._catch_up(chunk, chunk.start + len(chunk.token_ids), samples=False))
-        firsts = [self._catch_up(chunk, chunk.start + 1, samples=True) for chunk, _ in drafting]
+        firsts = [self._catch_up(chunk, _last(chunk) + 1, samples=True) for chunk, _ in drafting]
         logits = self.runner.step([*inputs, *firsts])
         if not drafting:
             return []
@@ -77,8 +77,8 @@ class ModelDrafter:
             values: list[int] = row_tokens.tolist()  # type: ignore[assignment]  # a 1-D int32 array
             for r, token in zip(live, values, strict=True):
                 drafts[r].append(token)
-        for chunk, k in drafting:  # positions start .. start + k - 1 hold the fed token and k - 1 drafts now
-            self._synced[chunk.request.request_id] = chunk.start + k
+        for chunk, k in drafting:  # positions up to the last token's + k - 1 hold it and k - 1 drafts now
+            self._synced[chunk.request.request_id] = _last(chunk) + k
         return drafts
 
     def _argmax(self, logits: mx.array) -> mx.array:
@@ -94,7 +94,7 @@ class ModelDrafter:
     @staticmethod
     def _next(chunk: ScheduledChunk, j: int) -> StepInput:
         """Draft pass j + 1 of a row: one token (fed lazily) at the position after the last pass's."""
-        return StepInput([0], chunk.start + j, chunk.block_tables, True)
+        return StepInput([0], _last(chunk) + j, chunk.block_tables, True)
 
     def fork(self, parent_id: str, child_id: str, copies: Sequence) -> None:
         """An n > 1 sequence starts from its parent: the draft's pages get the same copy-on-write copies."""
@@ -109,3 +109,9 @@ class ModelDrafter:
         """Forget the requests that are no longer `live` (finished, aborted)."""
         for request_id in [rid for rid in self._synced if not live(rid)]:
             del self._synced[request_id]
+
+
+def _last(chunk: ScheduledChunk) -> int:
+    """The position of a drafting chunk's last token (its drafts follow it): one token, or after a rejection on a
+    model with state layers, the kept tokens fed again and the last."""
+    return chunk.start + len(chunk.token_ids) - 1

@@ -246,14 +246,3 @@ def test_n_sequences_draft_each_their_own_and_keep_their_seeded_tokens(model, to
     spec, core = run(model, tokenizer, prompt, params, speculative="ngram")
     assert core.speculator.stats.accepted_tokens > 0
     assert replies(spec["r"]) == replies(plain["r"]) and replies(plain["r"])[0] != replies(plain["r"])[1]
-
-
-def test_models_with_state_layers_refuse_speculation_at_load(tokenizer):
-    from mlxpaged.errors import ConfigError
-    from tests.engine.test_engine import tiny_engine
-    from tests.tiny_models import tiny_qwen3_5
-
-    # A rejected draft would leave the recurrent state advanced past the kept tokens: refused, not wrong.
-    with pytest.raises(ConfigError, match="state-space or linear-attention layers") as info:
-        tiny_engine(tiny_qwen3_5(), tokenizer, speculative="ngram")
-    assert info.value.param == "speculative"
