@@ -258,6 +258,40 @@ class RowConstraint:
         """True when the output may end here (EOS is allowed)."""
         return self.matcher.is_accepting()
 
+    def drafted_masks(self, drafts: Sequence[int]) -> list[DraftedPosition]:
+        """The constraint at each position of a speculative run [last, *drafts] (runner/draft_verify.py): the mask
+        after the history, then after each draft the grammar allows. Past the first draft it forbids, or the one that
+        ends the grammar, nothing can be kept: those positions repeat the last mask, so that their throwaway samples
+        never read as a dead end. The matcher is left where it was (llguidance's rollback)."""
+        masks = llg_numpy.allocate_token_bitmask(len(drafts) + 1, self.vocab_size)
+        valid = self.matcher.validate_tokens(list(drafts))  # how many leading drafts the grammar allows
+        self.fill(masks, 0)
+        consumed = filled = 0
+        while consumed < valid:
+            self.matcher.consume_token(drafts[consumed])
+            consumed += 1
+            if self.matcher.is_stopped():  # the grammar ended: the request ends at this draft
+                break
+            self.fill(masks, consumed)
+            filled = consumed
+        self.matcher.rollback(consumed)
+        masks[filled + 1 :] = masks[filled]
+        return [DraftedPosition(masks[j : j + 1], self.vocab_size, self.consumed + j) for j in range(len(drafts) + 1)]
+
+
+class DraftedPosition:
+    """A row's constraint at one position of a speculative run: its mask, worked out by `drafted_masks`, stands in
+    for the matcher (BatchMask.build reads it as a RowConstraint)."""
+
+    def __init__(self, mask: np.ndarray, vocab_size: int, consumed: int):
+        self.mask, self.vocab_size, self.consumed = mask, vocab_size, consumed
+
+    def catch_up(self, output_token_ids: Sequence[int]) -> None:
+        """Nothing to feed: the mask already stands after the history and the drafts before it."""
+
+    def fill(self, bitmask: np.ndarray, row: int) -> None:
+        bitmask[row] = self.mask[0]
+
 
 def apply_bitmask(logits: mx.array, bitmask: np.ndarray) -> mx.array:
     """`logits` [B, V] with the tokens whose bit is clear in `bitmask` int32 [B, ceil(V / 32)] set to -inf."""

@@ -31,14 +31,34 @@ class ShiftedState(SamplerState):
     offset: int = 0
 
     @classmethod
-    def of(cls, state: SamplerState, offset: int) -> ShiftedState:
-        """`state` shifted: the same settings, sequence and constraint (shared, not copied)."""
-        if offset and state.has_processors:
-            raise ValueError("rows with penalties, logits processors or constraints cannot be drafted")
-        return cls(**{f.name: getattr(state, f.name) for f in dataclasses.fields(SamplerState)}, offset=offset)
+    def of(cls, state: SamplerState, offset: int, constraint=None) -> ShiftedState:
+        """`state` shifted: the same settings and sequence; a constrained row's `constraint` at that position
+        (RowConstraint.drafted_masks) in place of its matcher."""
+        if offset and state.has_row_processors:
+            raise ValueError("rows with penalties or logits processors cannot be drafted")
+        if offset and state.constraint is not None and constraint is None:
+            raise ValueError("a constrained row's drafted position needs its mask (RowConstraint.drafted_masks)")
+        fields = {f.name: getattr(state, f.name) for f in dataclasses.fields(SamplerState)}
+        if constraint is not None:
+            fields["constraint"] = constraint
+        return cls(**fields, offset=offset)
 
     def key_words(self, ahead: int = 0) -> tuple[int, int]:
         return super().key_words(ahead + self.offset)
+
+
+def _positions(state: SamplerState, drafts: list[int]) -> list | SampleResult:
+    """Each position's constraint of a run [last, *drafts] (None for all: unconstrained, or nothing drafted), or
+    the row's error when its grammar fails before sampling."""
+    if state.constraint is None or not drafts:
+        return [None] * (len(drafts) + 1)
+    from mlxpaged.constraints import ConstraintError  # llguidance loads only for constrained requests
+
+    try:
+        state.constraint.catch_up(state.output_token_ids)
+        return state.constraint.drafted_masks(drafts)
+    except ConstraintError as exc:
+        return SampleResult(error=exc)
 
 
 def kept_prefix(samples: Sequence[int], drafts: Sequence[int]) -> int:
@@ -63,14 +83,23 @@ def sample_with_drafts(
     take: list[int] = []
     states: list[SamplerState] = []
     spans: list[int] = []
-    for chunk, state in rows:
+    failed: dict[int, SampleResult] = {}  # rows whose grammar failed before sampling
+    for r, (chunk, state) in enumerate(rows):
         n = len(drafts[chunk]) + 1
+        positions = _positions(state, drafts[chunk])
+        if isinstance(positions, SampleResult):
+            failed[r] = positions
+            spans.append(0)
+            continue
         take += range(firsts[chunk + 1] - n, firsts[chunk + 1])
-        states += [ShiftedState.of(state, j) for j in range(n)]
+        states += [ShiftedState.of(state, j, positions[j]) for j in range(n)]
         spans.append(n)
-    results = sample_batch(logits[mx.array(take)], states)
+    results = sample_batch(logits[mx.array(take)], states) if states else []
     out, at = [], 0
-    for (chunk, _), n in zip(rows, spans, strict=True):
+    for r, ((chunk, _), n) in enumerate(zip(rows, spans, strict=True)):
+        if r in failed:
+            out.append(failed[r])
+            continue
         run = results[at : at + n]
         at += n
         if any(r.error is not None for r in run):
