@@ -34,6 +34,18 @@ def default_model(default_loaded):
     return default_loaded.model, default_loaded.tokenizer
 
 
+@pytest.fixture(autouse=True)
+def speculation_always_drafts(request, monkeypatch):
+    """Speculation's gate steps aside by measured step times (engine/speculation_gate.py): in tests every step that
+    may draft does, so what a test sees never depends on the machine's speed or load. Tests marked `timed_gate` keep
+    the real gate (its own tests)."""
+    if request.node.get_closest_marker("timed_gate") is None:
+        from mlxpaged.engine.speculation_gate import SpeculationGate
+
+        monkeypatch.setattr(SpeculationGate, "leaning", lambda self, rows: True)
+        monkeypatch.setattr(SpeculationGate, "decide", lambda self, rows: True)
+
+
 def pytest_collection_finish(session):
     """Start the architecture sweep in the background when a selected test needs its verdicts
     (tests/archs/background.py says why), and the whole-process runs selected tests read (background_runs.py)."""

@@ -223,10 +223,11 @@ class EngineCore:
         }
         self.scheduler.update_from_output(out, sampled, failed, accepted)  # 3. update
         self.outputs.process(out, rows, results)  # 4. process outputs
+        seconds = time.perf_counter() - started
         if self.speculator is not None:
-            self.speculator.record(out, accepted)
+            self.speculator.record(out, accepted, seconds)
         if self.scheduler.step_budget is not None:
-            _record_cost(self.scheduler.step_budget, out, time.perf_counter() - started)
+            _record_cost(self.scheduler.step_budget, out, seconds)
         if self.tiering is not None:
             self.tiering.after_step()  # snapshots only: the writer thread writes
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from mlxpaged.cache.block_pool import NoFreeBlocksError
 from mlxpaged.engine.request import Request
+from mlxpaged.engine.speculation_gate import SpeculationGate
 from mlxpaged.runner.ngram_drafter import NgramDrafter
 
 if TYPE_CHECKING:
@@ -111,6 +112,8 @@ class Speculator:
         self.scheduler, self.max_draft_tokens, self._can_draft = scheduler, max_draft_tokens, can_draft
         self.model = model
         self.new_drafter: Callable[[], PromptDrafter] = NgramDrafter  # each sequence's own, without a draft model
+        self.gate = SpeculationGate()  # steps aside at batch sizes where drafting was measured not to pay
+        self._decoding_rows = 0  # this step's rows, when it only decodes (what the gate learns from); else 0
         self.stats = SpeculationStats()
         self._policies: dict[str, DraftPolicy] = {}
 
@@ -118,9 +121,13 @@ class Speculator:
         """Append drafts to this step's decode chunks, within the step's token budget and the pool."""
         budget = self.scheduler.max_batch_tokens - out.num_batch_tokens
         asked: list[tuple[ScheduledChunk, int]] = []  # a draft model's rows: (chunk, k), their slots reserved
-        for chunk in out.chunks:
+        decoding = [chunk for chunk in out.chunks if _decodes(chunk, self.max_draft_tokens)]
+        only_decodes = len(decoding) == len(out.chunks)
+        self._decoding_rows = len(decoding) if only_decodes else 0
+        drafting = self.gate.decide(len(decoding)) if only_decodes else self.gate.leaning(len(decoding))
+        for chunk in decoding if drafting else []:
             request = chunk.request
-            if budget <= 0 or not _decodes(chunk, self.max_draft_tokens) or not self._can_draft(request):
+            if budget <= 0 or not self._can_draft(request):
                 continue
             policy = self._policies.get(request.request_id)
             if policy is None:
@@ -156,8 +163,12 @@ class Speculator:
         if self.model is not None:
             self.model.fork(parent_id, child_id, copies)
 
-    def record(self, out: SchedulerOutput, accepted: dict[str, list[int]]) -> None:
-        """Adapt each drafting sequence's k to how many of its drafts were kept; forget finished ones."""
+    def record(self, out: SchedulerOutput, accepted: dict[str, list[int]], seconds: float) -> None:
+        """Adapt each drafting sequence's k to how many of its drafts were kept; forget finished ones. A step that
+        only decoded took `seconds`: the gate learns its tokens per second."""
+        if self._decoding_rows:
+            tokens = sum(1 + len(accepted.get(c.request.request_id, [])) for c in out.chunks)
+            self.gate.record(self._decoding_rows, any(c.drafts for c in out.chunks), tokens, seconds)
         for chunk in out.chunks:
             policy = self._policies.get(chunk.request.request_id)
             if chunk.drafts and policy is not None:
@@ -173,6 +184,8 @@ class Speculator:
 
     def may_draft(self, requests: list[Request]) -> bool:
         """True when one of `requests` may draft next step (the runner then does not pipeline it)."""
+        if not self.gate.leaning(len(requests)):
+            return False
         for request in requests:
             policy = self._policies.get(request.request_id)
             if self._can_draft(request) and (policy is None or policy.pause == 0):

@@ -1,0 +1,53 @@
+"""Whether speculation pays at this batch size: it steps aside when a batch is large enough that its verify passes
+cost more than their kept drafts save.
+
+A verify pass feeds k + 1 tokens per drafting row. Where a step is bound by reading the weights (a GPU, a small batch)
+the extra tokens are nearly free; where it is bound by compute (the CPU at larger batches, a GPU at large ones) they
+cost nearly what they would as decode steps, and with a draft model the draft passes come on top. Where that
+crossing lies depends on the backend, the model, the drafter and what the replies are, so it is measured as the
+engine runs rather than assumed: the tokens per second of steps that only decode, with drafts and without, per
+number of decoding rows. Each way is measured once at a batch size before choosing (drafting first), then the better
+one runs, with one step the other way every EXPLORE_EVERY steps so a change (longer contexts, drafts that start to
+fail) is seen. Plain Python, no MLX (tests drive it with made-up times).
+"""
+
+from __future__ import annotations
+
+SMOOTHING = 0.3  # the weight of the newest step's rate: steps are noisy, the load and the replies drift
+EXPLORE_EVERY = 32  # steps of the chosen way at one batch size before one step of the other
+
+
+class SpeculationGate:
+    def __init__(self) -> None:
+        self._rates: dict[tuple[int, bool], float] = {}  # (decoding rows, drafted) -> tokens per second
+        self._streak: dict[int, int] = {}  # decoding rows -> steps the chosen way since the other was tried
+
+    def leaning(self, rows: int) -> bool:
+        """Whether a step of `rows` decoding rows would draft, without counting it (the pipeline's guess)."""
+        drafted, plain = self._rates.get((rows, True)), self._rates.get((rows, False))
+        if drafted is None or plain is None:
+            return drafted is None  # measure drafting first, then plain decoding once
+        return drafted >= plain
+
+    def decide(self, rows: int) -> bool:
+        """Whether this step of `rows` decoding rows drafts (counted: each EXPLORE_EVERY-th goes the other way)."""
+        choice = self.leaning(rows)
+        if (rows, True) not in self._rates or (rows, False) not in self._rates:
+            return choice
+        self._streak[rows] = self._streak.get(rows, 0) + 1
+        if self._streak[rows] >= EXPLORE_EVERY:
+            self._streak[rows] = 0
+            return not choice
+        return choice
+
+    def record(self, rows: int, drafted: bool, tokens: int, seconds: float) -> None:
+        """A step of `rows` decoding rows (nothing else) made `tokens` tokens in `seconds`, with drafts or not."""
+        if rows <= 0 or seconds <= 0:
+            return
+        rate = tokens / seconds
+        old = self._rates.get((rows, drafted))
+        self._rates[(rows, drafted)] = rate if old is None else (1 - SMOOTHING) * old + SMOOTHING * rate
+
+    def rates(self, rows: int) -> tuple[float | None, float | None]:
+        """(tokens per second with drafts, without) measured at `rows` decoding rows."""
+        return self._rates.get((rows, True)), self._rates.get((rows, False))

@@ -1,0 +1,64 @@
+"""The speculation gate (engine/speculation_gate.py) with made-up step times: it measures each way once per batch
+size, runs the faster, tries the other every EXPLORE_EVERY steps, and follows a change."""
+
+from __future__ import annotations
+
+from mlxpaged.engine.speculation_gate import EXPLORE_EVERY, SpeculationGate
+
+import pytest
+
+pytestmark = pytest.mark.timed_gate  # the gate as it is (tests/conftest.py makes every other test draft)
+
+
+def run(gate: SpeculationGate, rows: int, steps: int, drafted_rate: float, plain_rate: float) -> list[bool]:
+    """`steps` steps at `rows` rows whose tokens per second are those given; the choices made."""
+    choices = []
+    for _ in range(steps):
+        drafts = gate.decide(rows)
+        choices.append(drafts)
+        gate.record(rows, drafts, tokens=100, seconds=100 / (drafted_rate if drafts else plain_rate))
+    return choices
+
+
+def test_each_way_is_measured_once_then_the_faster_runs():
+    gate = SpeculationGate()
+    assert run(gate, 4, 2, drafted_rate=30.0, plain_rate=20.0) == [True, False]
+    assert run(gate, 4, 10, drafted_rate=30.0, plain_rate=20.0) == [True] * 10
+    slow = SpeculationGate()
+    assert run(slow, 16, 12, drafted_rate=15.0, plain_rate=20.0) == [True, False] + [False] * 10  # steps aside
+
+
+def test_the_other_way_is_tried_every_explore_every_steps_and_a_change_is_followed():
+    gate = SpeculationGate()
+    choices = run(gate, 8, 2 + 3 * EXPLORE_EVERY, drafted_rate=30.0, plain_rate=20.0)
+    assert choices[2:].count(False) == 3  # one plain step each EXPLORE_EVERY
+    # The drafts start failing: drafting is now slower than plain decoding, and the gate moves over.
+    later = run(gate, 8, 4 * EXPLORE_EVERY, drafted_rate=10.0, plain_rate=20.0)
+    assert later[-2 * EXPLORE_EVERY :].count(True) == 2  # plain decoding, with one drafting step each EXPLORE_EVERY
+
+
+def test_batch_sizes_are_learnt_apart_and_leaning_counts_nothing():
+    gate = SpeculationGate()
+    run(gate, 1, 4, drafted_rate=40.0, plain_rate=14.0)
+    run(gate, 16, 4, drafted_rate=18.0, plain_rate=25.0)
+    for _ in range(3 * EXPLORE_EVERY):
+        assert gate.leaning(1) and not gate.leaning(16)  # a guess: no step counted, no exploration
+    assert gate.rates(1) == (40.0, 14.0) and gate.rates(2) == (None, None)
+
+
+def test_an_engine_steps_aside_when_its_drafts_are_never_kept(default_loaded):
+    """A random draft model of the real tokenizer proposes tokens the model never keeps: drafting steps make one token
+    for a draft pass per drafted token and a verify pass, far slower than plain decoding, and the gate moves over."""
+    from mlxpaged.sampling_params import SamplingParams
+    from tests.engine.test_core import run_to_completion
+    from tests.engine.test_draft_model import draft_core
+    from tests.tiny_models import tiny_llama
+
+    target = tiny_llama(num_layers=4, seed=3)
+    core = draft_core(target, tiny_llama(num_layers=2, seed=4), default_loaded.tokenizer, max_num_seqs=2)
+    params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+    for rid, prompt in (("a", [1, 2, 3, 4, 5, 6, 7]), ("b", [9, 8, 7, 6, 5])):
+        core.add_request(rid, prompt, params, lambda event: None)
+    run_to_completion(core)
+    drafted, plain = core.speculator.gate.rates(2)
+    assert drafted is not None and plain is not None and not core.speculator.gate.leaning(2), (drafted, plain)
