@@ -115,3 +115,46 @@ def test_a_chunk_that_wants_only_its_last_logits_stays_on_the_eager_pass(model, 
     fast, tables = paged_runner(model, compiled=True)
     monkeypatch.setattr(type(fast.decoder), "__call__", lambda *a: pytest.fail("compiled pass used"))
     fast.step([StepInput(random_tokens(4, seed=9), 0, tables, True)])
+
+
+# The chi-square statistic's 1 - 1e-6 quantile at 7 degrees of freedom (8 tokens): scipy.stats.chi2.ppf(1 - 1e-6, 7).
+CHI2_7_CRITICAL = 40.52
+
+
+def chi_square(counts: list[int], probabilities: list[float]) -> float:
+    total = sum(counts)
+    return sum((c - total * p) ** 2 / (total * p) for c, p in zip(counts, probabilities, strict=True))
+
+
+def test_verified_drafts_keep_the_models_token_distribution():
+    """Speculative sampling keeps the distribution: over 4,000 seeds (fixed: the test is deterministic) at temperature
+    1, the first token of a verified run [last, d] is distributed as the model's first position says, whether the
+    draft was kept or not; after a kept draft the next token is distributed as the second position says; the draft is
+    kept as often as its probability; and each token is the one plain sampling draws with that seed."""
+    from mlxpaged.runner.draft_verify import sample_with_drafts
+    from mlxpaged.runner.sampling import make_state, sample_batch
+    from mlxpaged.sampling_params import SamplingParams
+
+    import numpy as np
+
+    first = np.array([0.05, 0.3, 0.1, 0.2, 0.05, 0.15, 0.1, 0.05])
+    second = np.array([0.4, 0.05, 0.05, 0.1, 0.1, 0.1, 0.1, 0.1])
+    logits = mx.array(np.log(np.stack([first, second])).astype(np.float32))
+    draft, trials = 3, 4000
+    firsts, seconds, kept = [0] * 8, [0] * 8, 0
+
+    class Sequence:
+        prompt_token_ids, output_token_ids = [1, 2, 3], [4]
+
+    for seed in range(trials):
+        state = make_state(SamplingParams(temperature=1.0, seed=seed), Sequence())
+        [result] = sample_with_drafts(logits, [[draft]], [(0, state)])
+        token = result.accepted[0].token if result.accepted else result.token
+        assert token == sample_batch(logits[:1], [state])[0].token  # plain sampling's draw with this seed
+        firsts[token] += 1
+        if result.accepted:
+            kept += 1
+            seconds[result.token] += 1
+    assert chi_square(firsts, first.tolist()) < CHI2_7_CRITICAL
+    assert chi_square(seconds, second.tolist()) < CHI2_7_CRITICAL
+    assert abs(kept / trials - first[draft]) < 4 * (first[draft] * (1 - first[draft]) / trials) ** 0.5
