@@ -51,6 +51,9 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV is written in the cache
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served at first admission
+    # Of the tokens computed at the latest admission, those whose blocks were in the pool already (not read back from
+    # disk): a draft model's pages hold them too (runner/model_drafter.py); the disk tier keeps the model's only.
+    num_pool_hit_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
     state_slot: int | None = None  # its state slot while running, for models with state layers

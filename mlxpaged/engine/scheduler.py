@@ -449,6 +449,7 @@ class Scheduler:
         if request.num_preemptions == 0:
             request.num_cached_tokens = allocation.num_cached_tokens
         request.num_computed_tokens = allocation.num_cached_tokens
+        request.num_pool_hit_tokens = allocation.num_cached_tokens - allocation.num_lower_tier_tokens
         if self.state is not None:
             request.state_slot = self.state.allocate()
             if allocation.last_block_hash is not None:  # a hit ends at a checkpoint (the manager's filter)

@@ -12,10 +12,12 @@ A draft's argmax is a point mass, which runner/draft_verify.py verifies exactly 
 draft computes never reaches the target's tokens: stale or wrong draft pages (a block whose draft pages another
 request wrote, a prefix restored from disk) can only lower how many drafts are kept.
 
-`_synced[request]`: how many leading positions of the request may hold draft K/V of its tokens. A chunk starts at
-the request's computed tokens, past which the target rejected drafts or a preemption freed the blocks, so the draft
+`_synced[request]`: how many leading positions of the request may hold draft K/V of its tokens, for its latest
+admission. A chunk starts at the request's computed tokens, past which the target rejected drafts, so the draft
 resumes from the lesser of the two: after k drafts with a kept, that is the bonus token's position (the draft pages
-of the kept ones are right); after all k kept, the last draft's, which the draft never fed itself.
+of the kept ones are right); after all k kept, the last draft's, which the draft never fed itself. At an admission
+(the first, or after a preemption) it starts at the prefix-cache hit in the pool: blocks read back from the disk tier
+bring the model's pages only, and the draft computes its own for them with the first chunk.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ class ModelDrafter:
         """`vocab_size`: the target's; a draft whose head is wider never proposes an id past it (the verify pass
         feeds the drafts to the target's embedding)."""
         self.runner, self.name, self.vocab_size = runner, name, vocab_size
-        self._synced: dict[str, int] = {}
+        self._synced: dict[str, tuple[int, int]] = {}  # request -> (its admission: preemptions, synced positions)
 
     @property
     def kv(self):
@@ -78,7 +80,7 @@ class ModelDrafter:
             for r, token in zip(live, values, strict=True):
                 drafts[r].append(token)
         for chunk, k in drafting:  # positions up to the last token's + k - 1 hold it and k - 1 drafts now
-            self._synced[chunk.request.request_id] = _last(chunk) + k
+            self._synced[chunk.request.request_id] = (chunk.request.num_preemptions, _last(chunk) + k)
         return drafts
 
     def _argmax(self, logits: mx.array) -> mx.array:
@@ -87,8 +89,11 @@ class ModelDrafter:
     def _catch_up(self, chunk: ScheduledChunk, end: int, samples: bool) -> StepInput:
         """The tokens of `chunk`'s request from the first one the draft lacks up to `end` (exclusive)."""
         request = chunk.request
-        start = min(self._synced.get(request.request_id, 0), chunk.start)
-        self._synced[request.request_id] = end
+        admission, synced = self._synced.get(request.request_id, (-1, 0))
+        if admission != request.num_preemptions:  # admitted since: the pool's hits hold the draft's pages too
+            synced = request.num_pool_hit_tokens
+        start = min(synced, chunk.start)
+        self._synced[request.request_id] = (request.num_preemptions, end)
         return StepInput(request.token_ids_between(start, end), start, chunk.block_tables, samples)
 
     @staticmethod
@@ -103,7 +108,7 @@ class ModelDrafter:
         if copies:
             mx.eval(self.kv.pools)
         if parent_id in self._synced:
-            self._synced[child_id] = self._synced[parent_id]
+            self._synced[child_id] = (0, self._synced[parent_id][1])  # a child starts unpreempted
 
     def keep_only(self, live: Callable[[str], bool]) -> None:
         """Forget the requests that are no longer `live` (finished, aborted)."""

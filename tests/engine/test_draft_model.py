@@ -77,6 +77,23 @@ def plain(target, tokenizer, prompts: dict, params, **scheduling) -> dict:
     return run(make_core(target, tokenizer, max_num_seqs=4, **scheduling), prompts, params)
 
 
+def count_draft_tokens(core) -> list[int]:
+    """A counter of the tokens the draft model is fed from now on (prefill chunks, catch-up, draft passes)."""
+    runner, fed = core.speculator.model.runner, [0]
+    step, decode = runner.step, runner.decode_ahead
+
+    def counted_step(inputs):
+        fed[0] += sum(len(x.token_ids) for x in inputs)
+        return step(inputs)
+
+    def counted_decode(inputs, tokens):
+        fed[0] += len(inputs)
+        return decode(inputs, tokens)
+
+    runner.step, runner.decode_ahead = counted_step, counted_decode
+    return fed
+
+
 def acceptance(core) -> tuple[int, int]:
     stats = core.speculator.stats
     return stats.accepted_tokens, stats.draft_tokens
@@ -105,8 +122,10 @@ def test_a_prefix_hit_skips_both_prefills_and_drafts_from_the_cached_pages(targe
     prompt = random_tokens(40, seed=5)
     first = run(core, {"first": prompt}, GREEDY)
     before = core.scheduler.kv_manager.stats().hit_tokens
+    fed = count_draft_tokens(core)
     second = run(core, {"second": prompt}, GREEDY)
     assert core.scheduler.kv_manager.stats().hit_tokens - before >= 32  # four full blocks of the prompt
+    assert fed[0] <= 8 + GREEDY.max_tokens + 8, fed  # the prompt's last partial block, about a token per reply token
     assert second["second"] == first["first"] == plain(target, tokenizer, {"p": prompt}, GREEDY)["p"]
     kept, drafted = acceptance(core)
     assert kept == drafted > 0

@@ -71,6 +71,20 @@ def test_the_target_drafting_for_itself_keeps_every_greedy_draft(dirs):
     assert stats["spec_accepted_tokens_total"] == stats["spec_draft_tokens_total"] > 0
 
 
+def test_a_disk_hit_after_a_restart_keeps_the_draft_right(dirs, tmp_path):
+    """The disk tier keeps the model's pages only: after a restart the draft computes its own pages for the blocks read
+    back (the target drafting for itself keeps every draft only if it does), and the model's are not recomputed."""
+    prompt = random_tokens(70, seed=9, vocab=49152)
+    settings = {"cache_tokens": 2048, "kv_disk": str(tmp_path / "kv"), "draft_model": str(dirs["target"])}
+    with Engine.from_pretrained(str(dirs["target"]), **settings) as engine:
+        first = engine.generate([prompt], GREEDY)[0]
+    with Engine.from_pretrained(str(dirs["target"]), **settings) as engine:
+        again = engine.generate([prompt], GREEDY)[0]
+        stats = engine.stats()
+    assert again.token_ids == first.token_ids and again.cached_tokens >= 64  # four blocks of 16 from disk
+    assert stats["spec_accepted_tokens_total"] == stats["spec_draft_tokens_total"] > 0
+
+
 def test_another_tokenizer_is_refused_at_load(dirs):
     with pytest.raises(ConfigError, match="another tokenizer") as info:
         Engine.from_pretrained(str(dirs["target"]), draft_model=str(dirs["other-tokens"]), cache_tokens=2048)
