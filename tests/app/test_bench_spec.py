@@ -32,3 +32,31 @@ def test_speculative_flags_reach_the_engine_settings():
     assert build_parser().parse_args(["chat", "--speculative", "ngram"]).speculative == "ngram"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["chat", "--speculative", "eagle"])
+
+
+def test_draft_model_flags_reach_the_engine_settings():
+    from mlxpaged_app.cli import draft_settings
+
+    serve = build_parser().parse_args(["serve", "--draft-model", "qwen3-0.6b", "--num-draft-tokens", "3"])
+    assert serve.draft_model == "qwen3-0.6b" and cache_settings(serve)["num_speculative_tokens"] == 3
+    chat = build_parser().parse_args(["chat", "--draft-model", "qwen3-0.6b", "--num-draft-tokens", "5"])
+    assert draft_settings(chat) == {"draft_model": "qwen3-0.6b", "num_speculative_tokens": 5}
+    assert draft_settings(build_parser().parse_args(["chat"])) == {}
+
+
+def test_bench_spec_with_drafters_prints_each_level_with_equal_outputs(tmp_path, capsys):
+    """The oracle keeps every draft; a draft model adds the batch-1 line beside mlx-lm's own draft_model path (tiny
+    random models of the real tokenizer: the logic, not the speed)."""
+    from tests.tiny_models import write_tiny_model_dir
+
+    target = write_tiny_model_dir(tmp_path / "target", "llama", dtype="float32", seed=1)
+    draft = write_tiny_model_dir(tmp_path / "draft", "llama", dtype="float32", seed=2, layers=1)
+    common = {"model": str(target), "tokens": 6, "runs": 1, "concurrency": (1, 2), "num_draft_tokens": 3}
+    assert bench_spec(Namespace(drafter="oracle", draft_model=None, **common)) == 0
+    assert bench_spec(Namespace(drafter="ngram", draft_model=str(draft), **common)) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
+    assert [r[0] for r in rows] == ["1", "2", "1", "2"] and all("equal" in r for r in rows)
+    assert rows[0][4] == rows[1][4] == "100%"  # the oracle: every draft kept
+    batch1 = next(line for line in out.splitlines() if "mlx-lm draft" in line)
+    assert "mlxpaged draft / mlx-lm draft" in batch1 and batch1.rstrip().endswith("equal")
