@@ -6,43 +6,54 @@ the extra tokens are nearly free; where it is bound by compute (the CPU at large
 cost nearly what they would as decode steps, and with a draft model the draft passes come on top. Where that
 crossing lies depends on the backend, the model, the drafter and what the replies are, so it is measured as the
 engine runs rather than assumed: the tokens per second of steps that only decode, with drafts and without, per
-number of decoding rows. Each way is measured once at a batch size before choosing (drafting first), then the better
-one runs, with one step the other way every EXPLORE_EVERY steps so a change (longer contexts, drafts that start to
-fail) is seen. Plain Python, no MLX (tests drive it with made-up times).
+number of decoding rows. Each way is measured at a batch size before choosing (drafting first), then the better one
+runs, with EXPLORE_STEPS steps the other way every EXPLORE_EVERY steps so a change (longer contexts, drafts that
+start to fail) is seen. The first step after a switch is not measured: it pays for the switch (a draft model
+catching up with the tokens decoded without it, a pipeline starting again), not for the way it runs.
+Plain Python, no MLX (tests drive it with made-up times).
 """
 
 from __future__ import annotations
 
 SMOOTHING = 0.3  # the weight of the newest step's rate: steps are noisy, the load and the replies drift
-EXPLORE_EVERY = 32  # steps of the chosen way at one batch size before one step of the other
+EXPLORE_EVERY = 32  # steps of the chosen way at one batch size before trying the other
+EXPLORE_STEPS = 2  # steps the other way when trying it: the first pays for the switch, the second is measured
 
 
 class SpeculationGate:
     def __init__(self) -> None:
         self._rates: dict[tuple[int, bool], float] = {}  # (decoding rows, drafted) -> tokens per second
+        self._last: dict[int, bool] = {}  # decoding rows -> whether the last step of that many drafted
         self._streak: dict[int, int] = {}  # decoding rows -> steps the chosen way since the other was tried
+        self._trying: dict[int, int] = {}  # decoding rows -> steps left of trying the other way
 
     def leaning(self, rows: int) -> bool:
         """Whether a step of `rows` decoding rows would draft, without counting it (the pipeline's guess)."""
         drafted, plain = self._rates.get((rows, True)), self._rates.get((rows, False))
         if drafted is None or plain is None:
-            return drafted is None  # measure drafting first, then plain decoding once
+            return drafted is None  # measure drafting first, then plain decoding
         return drafted >= plain
 
     def decide(self, rows: int) -> bool:
-        """Whether this step of `rows` decoding rows drafts (counted: each EXPLORE_EVERY-th goes the other way)."""
+        """Whether this step of `rows` decoding rows drafts (counted: every EXPLORE_EVERY steps, EXPLORE_STEPS steps
+        go the other way)."""
         choice = self.leaning(rows)
         if (rows, True) not in self._rates or (rows, False) not in self._rates:
             return choice
+        if self._trying.get(rows):
+            self._trying[rows] -= 1
+            return not choice
         self._streak[rows] = self._streak.get(rows, 0) + 1
         if self._streak[rows] >= EXPLORE_EVERY:
-            self._streak[rows] = 0
+            self._streak[rows], self._trying[rows] = 0, EXPLORE_STEPS - 1
             return not choice
         return choice
 
     def record(self, rows: int, drafted: bool, tokens: int, seconds: float) -> None:
         """A step of `rows` decoding rows (nothing else) made `tokens` tokens in `seconds`, with drafts or not."""
-        if rows <= 0 or seconds <= 0:
+        switched = self._last.get(rows, drafted) != drafted
+        self._last[rows] = drafted
+        if rows <= 0 or seconds <= 0 or switched:
             return
         rate = tokens / seconds
         old = self._rates.get((rows, drafted))

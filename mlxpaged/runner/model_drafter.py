@@ -48,9 +48,9 @@ class ModelDrafter:
     def propose(
         self, chunks: Sequence[ScheduledChunk], drafting: Sequence[tuple[ScheduledChunk, int]]
     ) -> list[list[int]]:
-        """Drafts of `drafting`'s chunks (scheduled decode chunks of one token, block tables already holding room
-        for k drafts), k tokens each, in order; every other chunk of `chunks` that feeds a prompt is prefilled into
-        the draft's pages on the way."""
+        """Drafts of `drafting`'s chunks (decode chunks: one token, or the kept tokens fed again after a state
+        model's rollback; block tables already holding room for k drafts), k tokens each, in order; every other chunk
+        of `chunks` that feeds a prompt is prefilled into the draft's pages on the way."""
         rows = {id(chunk) for chunk, _ in drafting}
         inputs: list[StepInput] = []
         for chunk in chunks:

@@ -129,14 +129,15 @@ def test_a_pair_that_does_not_fit_is_refused_before_either_is_read(dirs, monkeyp
 @pytest.mark.slow
 def test_the_real_model_with_a_random_draft_of_its_tokenizer_answers_as_it_does_alone(default_loaded, dirs):
     """The embedded model's answer is the same with a draft whose proposals are nearly always wrong."""
+    from mlxpaged.config import CacheConfig, SchedulerConfig
     from mlxpaged.engine.engine import Engine as EngineClass
     from mlxpaged.loading.loader import load_local, locate_model
 
     messages = [{"role": "user", "content": "What is the capital of France?"}]
-    with EngineClass(default_loaded) as engine:
-        expected = engine.chat(messages, GREEDY).token_ids
+    short = SamplingParams(temperature=0.0, max_tokens=10)
+    with EngineClass(default_loaded, CacheConfig(cache_tokens=2048)) as engine:
+        expected = engine.chat(messages, short).token_ids
     ref, path = locate_model(str(dirs["draft"]))
-    from mlxpaged.config import CacheConfig, SchedulerConfig
 
     with EngineClass(
         default_loaded,
@@ -144,4 +145,4 @@ def test_the_real_model_with_a_random_draft_of_its_tokenizer_answers_as_it_does_
         SchedulerConfig(speculative="draft"),
         draft=load_local(ref, path),
     ) as engine:
-        assert engine.chat(messages, GREEDY).token_ids == expected
+        assert engine.chat(messages, short).token_ids == expected
