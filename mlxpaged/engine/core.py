@@ -248,14 +248,15 @@ class EngineCore:
         )
 
     def _can_draft(self, request: Request) -> bool:
-        """Sequences whose sampler rewrites logits from the history (penalties, processors) never draft, nor a
-        sequence whose n > 1 forks still wait: they fork from its first sample, not from a run of drafts. A grammar's
-        rows draft: each drafted position is verified under its own mask (RowConstraint.drafted_masks)."""
+        """Sequences with logits processors never draft (a caller's processor may keep state of its own), nor a
+        sequence whose n > 1 forks still wait: they fork from its first sample, not from a run of drafts. Penalties
+        and grammars draft: each drafted position is verified with the drafts before it as history
+        (draft_verify.ShiftedState) and under its own mask (RowConstraint.drafted_masks)."""
         try:
             tracked = self.outputs[request.request_id]
         except KeyError:
             return False
-        return not tracked.sampler.has_row_processors and not tracked.forks
+        return not tracked.sampler.params.logits_processors and not tracked.forks
 
     def reserve_next_slot(self, request: Request) -> list[list[int]] | None:
         return self.scheduler.reserve_next_slot(request)

@@ -98,10 +98,10 @@ class SpeculationStats:
 
 
 class Speculator:
-    """`can_draft(request)`: False for sequences whose sampling rewrites logits from the history (penalties,
-    processors), which are verified one token at a time. `model`: a draft model (runner/model_drafter.py) proposes the
-    drafts, all rows together; None: each sequence's prompt lookup does. `gate` decides, per step, whether drafting
-    pays at this batch size (engine/speculation_gate.py)."""
+    """`can_draft(request)`: False for sequences with logits processors, which are verified one token at a
+    time. `model`: a draft model (runner/model_drafter.py) proposes the drafts, all rows together; None: each
+    sequence's prompt lookup does. `gate` decides, per step, whether drafting pays at this batch size
+    (engine/speculation_gate.py)."""
 
     def __init__(
         self,

@@ -26,25 +26,47 @@ import mlx.core as mx
 @dataclass
 class ShiftedState(SamplerState):
     """A sampler state drawing `offset` tokens past its sequence's next one (draft position j
-    draws with key index g + j). Only for states without processors, which read the history."""
+    draws with key index g + j), with the `drafted` tokens before that position read as its history by its
+    penalties (a repetition penalty at position j counts the drafts before it, as plain decoding would once they
+    are kept); a constrained row's constraint at that position (RowConstraint.drafted_masks) in place of its
+    matcher."""
 
     offset: int = 0
+    drafted: tuple[int, ...] = ()
 
     @classmethod
-    def of(cls, state: SamplerState, offset: int, constraint=None) -> ShiftedState:
-        """`state` shifted: the same settings and sequence; a constrained row's `constraint` at that position
-        (RowConstraint.drafted_masks) in place of its matcher."""
-        if offset and state.has_row_processors:
-            raise ValueError("rows with penalties or logits processors cannot be drafted")
+    def of(cls, state: SamplerState, offset: int, constraint=None, drafted: Sequence[int] = ()) -> ShiftedState:
+        """`state` shifted: the same settings and sequence (shared, not copied)."""
+        if offset and state.params.logits_processors:
+            raise ValueError("rows with logits processors cannot be drafted (a processor may keep state)")
         if offset and state.constraint is not None and constraint is None:
             raise ValueError("a constrained row's drafted position needs its mask (RowConstraint.drafted_masks)")
+        if len(drafted) != offset:
+            raise ValueError(f"position {offset} of a drafted run follows {offset} drafts, not {len(drafted)}")
         fields = {f.name: getattr(state, f.name) for f in dataclasses.fields(SamplerState)}
         if constraint is not None:
             fields["constraint"] = constraint
-        return cls(**fields, offset=offset)
+        return cls(**fields, offset=offset, drafted=tuple(drafted))
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        history = self.sequence.output_token_ids
+        return [*history, *self.drafted] if self.drafted else history
+
+    @property
+    def generation_index(self) -> int:
+        return len(self.sequence.output_token_ids)  # the recorded history's: `offset` says how far past it
 
     def key_words(self, ahead: int = 0) -> tuple[int, int]:
         return super().key_words(ahead + self.offset)
+
+
+def kept_prefix(samples: Sequence[int], drafts: Sequence[int]) -> int:
+    """How many leading drafts equal the samples at their positions."""
+    kept = 0
+    while kept < len(drafts) and samples[kept] == drafts[kept]:
+        kept += 1
+    return kept
 
 
 def _positions(state: SamplerState, drafts: list[int]) -> list | SampleResult:
@@ -59,14 +81,6 @@ def _positions(state: SamplerState, drafts: list[int]) -> list | SampleResult:
         return state.constraint.drafted_masks(drafts)
     except ConstraintError as exc:
         return SampleResult(error=exc)
-
-
-def kept_prefix(samples: Sequence[int], drafts: Sequence[int]) -> int:
-    """How many leading drafts equal the samples at their positions."""
-    kept = 0
-    while kept < len(drafts) and samples[kept] == drafts[kept]:
-        kept += 1
-    return kept
 
 
 def sample_with_drafts(
@@ -92,7 +106,7 @@ def sample_with_drafts(
             spans.append(0)
             continue
         take += range(firsts[chunk + 1] - n, firsts[chunk + 1])
-        states += [ShiftedState.of(state, j, positions[j]) for j in range(n)]
+        states += [ShiftedState.of(state, j, positions[j], drafts[chunk][:j]) for j in range(n)]
         spans.append(n)
     results = sample_batch(logits[mx.array(take)], states) if states else []
     out, at = [], 0

@@ -171,8 +171,13 @@ def test_n_sequences_fork_the_draft_pages_too(target, tokenizer, params):
 
 
 def test_rows_that_cannot_draft_decode_plainly_beside_drafting_ones(target, draft, tokenizer):
-    """A repetition penalty reads the history: that row is verified one token at a time, the others draft."""
-    params = {"a": dataclasses.replace(GREEDY, repetition_penalty=1.3), "b": GREEDY, "c": GREEDY}
+    """A logits processor may keep state: that row is verified one token at a time; the others draft, a penalized
+    one too."""
+    params = {
+        "a": dataclasses.replace(GREEDY, logits_processors=[lambda tokens, row: row * 1.5]),
+        "b": dataclasses.replace(GREEDY, repetition_penalty=1.3),
+        "c": GREEDY,
+    }
     core = draft_core(target, draft, tokenizer, max_num_seqs=4)
     events = {rid: [] for rid in PROMPTS}
     for rid, prompt in PROMPTS.items():

@@ -72,12 +72,32 @@ def test_batched_drafts_give_the_plain_tokens(model, tokenizer, monkeypatch, par
 
 
 def test_a_drafting_request_batched_with_plain_ones(model, tokenizer, monkeypatch):
-    """Only "b" drafts ("a" has a repetition penalty, "c" no known continuation): the others are untouched."""
-    params = {"a": dataclasses.replace(GREEDY, repetition_penalty=1.3), "b": GREEDY, "c": GREEDY}
+    """Only "b" drafts ("a" has a logits processor, "c" no known continuation): the others are untouched."""
+    params = {"a": dataclasses.replace(GREEDY, logits_processors=[lambda tokens, row: row * 1.5]), "b": GREEDY}
+    params["c"] = GREEDY
     plain, _ = run(model, tokenizer, PROMPTS, params)
     oracle(monkeypatch, full_sequences(PROMPTS, plain)[:2])
     spec, core = run(model, tokenizer, PROMPTS, params, speculative="ngram")
     assert core.speculator.stats.accepted_tokens > 0
+    assert core.speculator.stats.drafting_steps <= len(plain["b"])  # one row drafted
+    assert {rid: token_ids(e) for rid, e in spec.items()} == {rid: token_ids(e) for rid, e in plain.items()}
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_rows_with_penalties_draft_with_the_drafts_before_each_position_as_history(
+    model, tokenizer, monkeypatch, params
+):
+    """A repetition penalty at drafted position j counts the drafts before it, as plain decoding does once they are
+    kept (draft_verify.ShiftedState); presence and frequency penalties likewise."""
+    penalized = {
+        "a": dataclasses.replace(params, repetition_penalty=1.3),
+        "b": dataclasses.replace(params, presence_penalty=0.8, frequency_penalty=0.6),
+    }
+    prompts = {rid: PROMPTS[rid] for rid in penalized}
+    plain, _ = run(model, tokenizer, prompts, penalized)
+    oracle(monkeypatch, full_sequences(prompts, plain), wrong_every=4)
+    spec, core = run(model, tokenizer, prompts, penalized, speculative="ngram")
+    assert 0 < core.speculator.stats.accepted_tokens < core.speculator.stats.draft_tokens
     assert {rid: token_ids(e) for rid, e in spec.items()} == {rid: token_ids(e) for rid, e in plain.items()}
 
 
