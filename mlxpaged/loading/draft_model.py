@@ -1,7 +1,8 @@
 """What a draft model (`draft_model=`, `--draft-model`) must be, checked at load, never mid-request: the same token
-ids as the target, full attention in every layer of both (a rejected draft is rolled back by freeing slots, which
-sliding-window rings and recurrent state cannot do yet), text only; and what the pair costs the memory plan: both
-models' weights, and one block id standing for a page in each model's pools (runner/model_drafter.py)."""
+ids as the target, full attention in its layers and the target's (a rejected draft is rolled back by freeing slots,
+which sliding-window rings cannot do; the target's state layers roll back in the scheduler, a draft's would not
+yet), text only; and what the pair costs the memory plan: both models' weights, and one block id standing for a
+page in each model's pools (runner/model_drafter.py)."""
 
 from __future__ import annotations
 
