@@ -8,8 +8,9 @@ crossing lies depends on the backend, the model, the drafter and what the replie
 engine runs rather than assumed: the tokens per second of steps that only decode, with drafts and without, per
 number of decoding rows. Each way is measured at a batch size before choosing (drafting first), then the better one
 runs, with EXPLORE_STEPS steps the other way every EXPLORE_EVERY steps so a change (longer contexts, drafts that
-start to fail) is seen. The first step after a switch is not measured: it pays for the switch (a draft model
-catching up with the tokens decoded without it, a pipeline starting again), not for the way it runs.
+start to fail) is seen; each try that confirms the choice doubles the wait before the next (up to EXPLORE_MAX), as
+a try costs (a draft model catches up with every token decoded without it). The first step after a switch is not
+measured: it pays for the switch (that catch-up, a pipeline starting again), not for the way it runs.
 Plain Python, no MLX (tests drive it with made-up times).
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 SMOOTHING = 0.3  # the weight of the newest step's rate: steps are noisy, the load and the replies drift
 EXPLORE_EVERY = 32  # steps of the chosen way at one batch size before trying the other
 EXPLORE_STEPS = 2  # steps the other way when trying it: the first pays for the switch, the second is measured
+EXPLORE_MAX = 256  # steps between tries at most, once tries keep confirming the choice
 
 
 class SpeculationGate:
@@ -26,6 +28,10 @@ class SpeculationGate:
         self._last: dict[int, bool] = {}  # decoding rows -> whether the last step of that many drafted
         self._streak: dict[int, int] = {}  # decoding rows -> steps the chosen way since the other was tried
         self._trying: dict[int, int] = {}  # decoding rows -> steps left of trying the other way
+        self._every: dict[
+            int, int
+        ] = {}  # decoding rows -> steps between tries (EXPLORE_EVERY, doubled while confirmed)
+        self._probing: dict[int, bool] = {}  # decoding rows -> the way chosen when a try began, until it is measured
 
     def leaning(self, rows: int) -> bool:
         """Whether a step of `rows` decoding rows would draft, without counting it (the pipeline's guess)."""
@@ -44,8 +50,8 @@ class SpeculationGate:
             self._trying[rows] -= 1
             return not choice
         self._streak[rows] = self._streak.get(rows, 0) + 1
-        if self._streak[rows] >= EXPLORE_EVERY:
-            self._streak[rows], self._trying[rows] = 0, EXPLORE_STEPS - 1
+        if self._streak[rows] >= self._every.get(rows, EXPLORE_EVERY):
+            self._streak[rows], self._trying[rows], self._probing[rows] = 0, EXPLORE_STEPS - 1, choice
             return not choice
         return choice
 
@@ -58,6 +64,11 @@ class SpeculationGate:
         rate = tokens / seconds
         old = self._rates.get((rows, drafted))
         self._rates[(rows, drafted)] = rate if old is None else (1 - SMOOTHING) * old + SMOOTHING * rate
+        probing = self._probing.get(rows)
+        if probing is not None and drafted != probing:  # a try measured: wait longer next time if it changed nothing
+            del self._probing[rows]
+            every = self._every.get(rows, EXPLORE_EVERY)
+            self._every[rows] = min(2 * every, EXPLORE_MAX) if self.leaning(rows) == probing else EXPLORE_EVERY
 
     def rates(self, rows: int) -> tuple[float | None, float | None]:
         """(tokens per second with drafts, without) measured at `rows` decoding rows."""

@@ -3,7 +3,7 @@ size, runs the faster, tries the other every EXPLORE_EVERY steps, and follows a 
 
 from __future__ import annotations
 
-from mlxpaged.engine.speculation_gate import EXPLORE_EVERY, EXPLORE_STEPS, SpeculationGate
+from mlxpaged.engine.speculation_gate import EXPLORE_EVERY, EXPLORE_MAX, EXPLORE_STEPS, SpeculationGate
 
 import pytest
 
@@ -38,15 +38,17 @@ def test_the_first_step_after_a_switch_is_not_measured():
     assert gate.rates(2)[0] > 30.0
 
 
-def test_the_other_way_is_tried_every_explore_every_steps_and_a_change_is_followed():
+def test_tries_of_the_other_way_grow_rarer_while_they_confirm_the_choice_and_a_change_is_followed():
     gate = SpeculationGate()
     run(gate, 8, 3, drafted_rate=30.0, plain_rate=20.0)
-    steps, cycle = 3 * EXPLORE_EVERY, EXPLORE_EVERY - 1 + EXPLORE_STEPS
-    choices = run(gate, 8, steps, drafted_rate=30.0, plain_rate=20.0)
-    assert choices.count(False) == sum(1 for i in range(steps) if i % cycle >= EXPLORE_EVERY - 1)
-    # The drafts start failing: drafting is now slower than plain decoding, and the gate moves over.
-    later = run(gate, 8, 4 * EXPLORE_EVERY, drafted_rate=10.0, plain_rate=20.0)
-    assert later[-2 * EXPLORE_EVERY :].count(True) <= 2 * EXPLORE_STEPS  # plain, but for trying drafting again
+    first = run(gate, 8, EXPLORE_EVERY + EXPLORE_STEPS, drafted_rate=30.0, plain_rate=20.0)
+    assert first.count(False) == EXPLORE_STEPS  # tried once after EXPLORE_EVERY steps
+    long = run(gate, 8, 4 * EXPLORE_MAX, drafted_rate=30.0, plain_rate=20.0)
+    tries = long.count(False) // EXPLORE_STEPS
+    assert 4 <= tries <= 8  # waits of 64, 128, then EXPLORE_MAX steps: far fewer than one per EXPLORE_EVERY
+    # The drafts start failing: drafting is now slower than plain decoding, and the gate moves over at its next try.
+    later = run(gate, 8, 3 * EXPLORE_MAX, drafted_rate=10.0, plain_rate=20.0)
+    assert later[-EXPLORE_EVERY:].count(True) <= EXPLORE_STEPS  # plain, but for trying drafting again
 
 
 def test_batch_sizes_are_learnt_apart_and_leaning_counts_nothing():
