@@ -40,8 +40,9 @@ def engine(model, tokenizer):
         assert_empty(eng)
 
 
-def make_core(model, tokenizer) -> EngineCore:
-    """An EngineCore stepped by the test itself (no engine thread): 4 state slots, 64 blocks of 8."""
+def make_core(model, tokenizer, model_drafter=None, **scheduling) -> EngineCore:
+    """An EngineCore stepped by the test itself (no engine thread): 4 state slots, 64 blocks of 8; `scheduling`:
+    more SchedulerConfig fields, `model_drafter`: a draft model's (tests/engine/test_speculative_state.py)."""
     route_paged_attention()  # as Engine does
     layout = probe_layout(model)
     kv = PagedKVCache.for_layout(layout, 64, 8, mx.float32)
@@ -50,10 +51,11 @@ def make_core(model, tokenizer) -> EngineCore:
         tokenizer,
         kv,
         CacheConfig(block_size=8),
-        SchedulerConfig(max_num_seqs=4),
+        SchedulerConfig(max_num_seqs=4, **scheduling),
         max_model_len=512,
         layout=layout,
         num_checkpoints=12,
+        **({"model_drafter": model_drafter} if model_drafter is not None else {}),
     )
 
 

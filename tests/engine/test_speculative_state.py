@@ -7,20 +7,17 @@ from __future__ import annotations
 
 import dataclasses
 
-from mlxpaged.cache.kv_cache import PagedKVCache
-from mlxpaged.config import CacheConfig, SchedulerConfig
 from mlxpaged.engine.core import EngineCore
-from mlxpaged.loading.probe import probe_layout
 from mlxpaged.runner.model_drafter import ModelDrafter
 from mlxpaged.runner.model_runner import Runner
-from mlxpaged.runner.routing import route_paged_attention
 from mlxpaged.sampling_params import SamplingParams
 from tests.engine.test_core import run_to_completion, token_ids
+from tests.engine.test_draft_model import pages
 from tests.engine.test_engine import tokenizer  # noqa: F401  (the fixture, shared)
+from tests.engine.test_engine_state import make_core
 from tests.engine.test_speculative import oracle
 from tests.tiny_models import random_tokens, tiny_llama, tiny_qwen3_5
 
-import mlx.core as mx
 import pytest
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -29,20 +26,7 @@ PROMPTS = {"a": random_tokens(9, seed=21), "b": random_tokens(26, seed=22)}
 
 
 def state_core(model, tokenizer, drafter: ModelDrafter | None = None, **scheduling) -> EngineCore:
-    route_paged_attention()
-    layout = probe_layout(model)
-    kv = PagedKVCache.for_layout(layout, 64, 8, mx.float32)
-    return EngineCore.create(
-        model,
-        tokenizer,
-        kv,
-        CacheConfig(block_size=8),
-        SchedulerConfig(max_num_seqs=4, **scheduling),
-        max_model_len=512,
-        layout=layout,
-        num_checkpoints=12,
-        **({"model_drafter": drafter} if drafter is not None else {}),
-    )
+    return make_core(model, tokenizer, drafter, **scheduling)
 
 
 def run(core, prompts: dict, params) -> dict:
@@ -108,15 +92,7 @@ def test_a_state_only_model_speculates_with_rollbacks(tokenizer, monkeypatch):
 
 def test_a_draft_model_drafts_for_a_hybrid(hybrid, tokenizer):
     draft = tiny_llama(num_layers=1, seed=31)
-    args = draft.args
-    pages = PagedKVCache(
-        num_layers=args.num_hidden_layers,
-        num_blocks=64,
-        block_size=8,
-        num_kv_heads=args.num_key_value_heads,
-        head_dim=args.head_dim,
-    )
-    drafter = ModelDrafter(Runner(draft, pages), "draft", vocab_size=256)
+    drafter = ModelDrafter(Runner(draft, pages(draft, 64)), "draft", vocab_size=256)
     plain = run(state_core(hybrid, tokenizer), PROMPTS, GREEDY)
     core = state_core(hybrid, tokenizer, drafter, speculative="draft", num_speculative_tokens=3)
     assert run(core, PROMPTS, dataclasses.replace(GREEDY)) == plain
