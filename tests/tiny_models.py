@@ -144,6 +144,17 @@ _DIR_EXTRAS: dict[str, dict] = {
         "moe_intermediate_size": 64,
         "norm_topk_prob": True,
     },
+    "qwen3_5": {  # a hybrid: gated-delta layers, every second layer full attention
+        "linear_num_value_heads": 4,
+        "linear_num_key_heads": 2,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 3,
+        "full_attention_interval": 2,
+        "partial_rotary_factor": 0.5,
+        "rope_theta": 1000.0,
+        "tie_word_embeddings": True,
+    },
 }
 
 
@@ -194,3 +205,27 @@ def write_tiny_model_dir(
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer_dir / name, out / name)
     return out
+
+
+def add_mtp_layers(model_dir, num_layers: int = 1, seed: int = 7):
+    """Give the Qwen 3.5 checkpoint in `model_dir` (write_tiny_model_dir) random multi-token-prediction layers,
+    stored as a checkpoint ships them: `mtp.*` tensors beside the model's (which mlx-lm's sanitize drops)."""
+    import json
+    from pathlib import Path
+
+    from mlxpaged.loading.mtp_head import MtpHead
+
+    from mlx.utils import tree_flatten
+
+    model_dir = Path(model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    mx.random.seed(seed)
+    head = MtpHead(config, num_layers)
+    head.update(tree_map(lambda w: w * 3.0 if w.ndim == 2 else w, head.parameters()))
+    weights = dict(mx.load(str(model_dir / "model.safetensors")))
+    dtype = next(iter(weights.values())).dtype
+    weights.update({f"mtp.{name}": w.astype(dtype) for name, w in tree_flatten(head.parameters())})
+    mx.save_safetensors(str(model_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
+    config["mtp_num_hidden_layers"] = num_layers
+    (model_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return model_dir

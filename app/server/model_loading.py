@@ -47,6 +47,10 @@ def estimate_cost(entry: CatalogEntry, settings: EngineSettings) -> ModelCost:
 
         draft_ref, draft_dir = entry.draft
         facts = draft_facts_before_load(facts, layout, entry.name, draft_dir, draft_ref.name)
+    if scheduler.speculative == "mtp":  # the checkpoint's MTP layers' pages (loading/mtp_head.py)
+        from mlxpaged.loading.mtp_head import mtp_facts_before_load
+
+        facts = mtp_facts_before_load(facts, entry.path, entry.name)
     if entry.adapters:  # read (and refused, if broken) before the model; they count as weights
         from mlxpaged.adapters.adapter_set import read_adapters
 

@@ -32,14 +32,16 @@ from mlxpaged.kernels.attention import PreparedAttention, prepare_model_attentio
 from mlxpaged.loading.draft_model import check_draft_layout, check_draft_setting, check_draft_tokenizer, with_draft
 from mlxpaged.loading.fused_projections import fuse_projections
 from mlxpaged.loading.loader import LoadedModel, activation_dtype, check_paged_support
+from mlxpaged.loading.mtp_head import MtpHead, find_mtp, load_mtp_head, mtp_facts
 from mlxpaged.loading.probe import probe_layout
 from mlxpaged.platform import backend
 from mlxpaged.platform.memory import DeviceFacts, MemoryPlan, ModelFacts, plan_memory
-from mlxpaged.platform.model_facts import context_length
+from mlxpaged.platform.model_facts import context_length, model_weight_bytes
 from mlxpaged.runner.batch_check import batch_mismatch
 from mlxpaged.runner.kv_calibration import transform_for
 from mlxpaged.runner.model_drafter import ModelDrafter
 from mlxpaged.runner.model_runner import Runner
+from mlxpaged.runner.mtp_drafter import MtpDrafter
 from mlxpaged.runner.routing import route_paged_attention
 
 import mlx.core as mx
@@ -61,6 +63,7 @@ class BuiltCore:
     disk_tier_off: str | None = None  # why the disk tier asked for is off (None: on, or not asked for)
     adapters: AdapterSet | None = None  # the LoRA / DoRA adapters requests may name (adapters/); None across ranks
     draft: ModelDrafter | None = None  # the draft model's runner and pools (`draft_model=`), or None
+    mtp: MtpDrafter | None = None  # the checkpoint's MTP layers and their pools (speculative "mtp"), or None
 
 
 def build_core(
@@ -83,6 +86,8 @@ def build_core(
     check_draft_setting(scheduler_config.speculative, draft is not None)
     if draft is not None and ranks is not None:
         raise ConfigError("a draft model across mlx.launch ranks is not supported yet", param="draft_model")
+    if scheduler_config.speculative == "mtp" and ranks is not None:
+        raise ConfigError("MTP drafting across mlx.launch ranks is not supported yet", param="speculative")
     if adapters and ranks is not None:
         raise ConfigError("adapters across mlx.launch ranks are not supported yet", param="adapters")
     # Adapters may be added later too (Engine.add_adapter), not across ranks; AdapterError before anything is planned.
@@ -103,6 +108,9 @@ def build_core(
     if draft is not None:
         draft_layout = _prepare_draft(loaded, layout, draft, kv_dtype)
         facts = with_draft(facts, ModelFacts.from_layout(draft_layout, draft.weight_bytes, kv_dtype.size))
+    mtp_head = None
+    if scheduler_config.speculative == "mtp":
+        mtp_head, facts = _prepare_mtp(loaded, layout, kv_dtype, facts)
     device = DeviceFacts.detect()
     if ranks is not None:  # ranks on one host share its memory
         device = host_share(device, ranks.on_host)
@@ -150,6 +158,11 @@ def build_core(
         has_commands=has_commands,
         model_drafter=drafter,
     )
+    mtp = None
+    if mtp_head is not None:
+        mtp = build_mtp_drafter(mtp_head, core.runner, loaded.name, cache_config, kv_dtype, layout.vocab_size)
+        assert core.speculator is not None  # speculative "mtp" is set
+        core.speculator.model = mtp
     evaluate_model_arrays(loaded.model)  # after every forward on this thread (probe, split_head)
     if loaded.vision is not None:  # the vision tower and projector run on the engine thread too
         evaluate_model_arrays(loaded.vision.model)
@@ -162,7 +175,9 @@ def build_core(
     if adapter_set is not None:
         core.runner.adapter_rows, core.adapters = adapter_set.rows, adapter_set
     disk_off = attach_disk_tier(core, loaded, layout, cache_config) if cache_config.kv_disk_dir else None
-    return BuiltCore(layout, facts, plan, kv, attention, max_model_len, serial, core, disk_off, adapter_set, drafter)
+    return BuiltCore(
+        layout, facts, plan, kv, attention, max_model_len, serial, core, disk_off, adapter_set, drafter, mtp
+    )
 
 
 def _prepare_draft(target: LoadedModel, layout: ModelLayout, draft: LoadedModel, kv_dtype: mx.Dtype) -> ModelLayout:
@@ -195,6 +210,53 @@ def _build_drafter(
     # A draft not exact in a ragged batch only drafts worse; one that fails in one must not fail mid-request.
     serial = layout_serial_reason(layout, draft.model, kv_dtype, config.block_size)
     return ModelDrafter(Runner(draft.model, kv, layout, serial=serial is not None), draft.name, vocab_size)
+
+
+def _prepare_mtp(
+    loaded: LoadedModel, layout: ModelLayout, kv_dtype: mx.Dtype, facts: ModelFacts
+) -> tuple[MtpHead, ModelFacts]:
+    """The checkpoint's MTP layers, loaded (ConfigError for a checkpoint without them, or a model they cannot draft
+    for), and the model's `facts` with them, as the memory plan counts the pair (their weights and pages)."""
+    if loaded.vision is not None:
+        raise ConfigError(
+            "MTP drafting with a vision-language model is not supported yet (it loaded with its vision tower)",
+            param="speculative",
+        )
+    check_draft_layout(layout, "model", loaded.name)  # its pages share the model's block ids, as a draft's do
+    checkpoint = find_mtp(loaded.path, loaded.name)
+    head = load_mtp_head(checkpoint, kv_dtype)
+    return head, with_draft(facts, mtp_facts(checkpoint, facts, model_weight_bytes(head)))
+
+
+def build_mtp_drafter(
+    head: MtpHead,
+    runner: Runner,
+    name: str,
+    config: CacheConfig,
+    kv_dtype: mx.Dtype,
+    vocab_size: int,
+) -> MtpDrafter:
+    """The MTP layers' pools (as many blocks as the model's: one block id, a page in each; K/V of the model's
+    attention width) and the drafter over them; the model's runner keeps its hidden states from now on."""
+    target = runner.kv
+    if len(target.space_blocks) != 1:
+        raise ConfigError("MTP drafting needs a model whose pages keep one block space", param="speculative")
+    geometry = target.geometries[-1]
+    kv = PagedKVCache(
+        len(head.layers),
+        target.space_blocks,
+        config.block_size,
+        None,
+        None,
+        kv_dtype,
+        geometries=(geometry,) * len(head.layers),
+        quantization=config.quantization,
+    )
+    try:
+        runner.capture_hidden()
+    except ValueError as exc:
+        raise ConfigError(f"MTP drafting cannot run on {name!r}: {exc}", param="speculative") from exc
+    return MtpDrafter(head, kv, runner, name, vocab_size)
 
 
 def _check_distributed(layout: ModelLayout, config: CacheConfig) -> None:

@@ -22,7 +22,7 @@ from mlxpaged.cache.kv_cache_manager import KVCacheManager
 from mlxpaged.cache.layout import ModelLayout
 from mlxpaged.cache.state_cache import CheckpointTable, StateCache, StateStore
 from mlxpaged.config import CacheConfig, SchedulerConfig
-from mlxpaged.engine.drafting import Speculator
+from mlxpaged.engine.drafting import BatchDrafter, Speculator
 from mlxpaged.engine.kv_tiering import KVTiering
 from mlxpaged.engine.metrics import StatsCounter
 from mlxpaged.engine.output_processor import OutputProcessor, split_results
@@ -30,7 +30,6 @@ from mlxpaged.engine.request import ImageSpan, Request
 from mlxpaged.engine.scheduler import Scheduler, SchedulerOutput
 from mlxpaged.engine.step_budget import Chunk, StepBudget
 from mlxpaged.errors import ConfigError, UnknownAdapterError
-from mlxpaged.runner.model_drafter import ModelDrafter
 from mlxpaged.runner.model_runner import Runner
 from mlxpaged.sampling_params import SamplingParams
 
@@ -49,7 +48,7 @@ class EngineCore:
         stats: StatsCounter | None = None,
         has_commands: Callable[[], bool] = lambda: False,
         num_speculative_tokens: int | None = None,
-        model_drafter: ModelDrafter | None = None,
+        model_drafter: BatchDrafter | None = None,
     ):
         self.scheduler, self.runner = scheduler, runner
         self.stats = stats or StatsCounter()
@@ -156,8 +155,8 @@ class EngineCore:
     def warm_up(self) -> None:
         """Compile the decode pass before serving, on the thread that will step; a model whose attention
         cannot be traced decodes eagerly instead."""
-        drafter = self.speculator.model if self.speculator is not None else None
-        for runner, which in ((self.runner, "this model"), (drafter.runner if drafter else None, "the draft model")):
+        drafter = getattr(self.speculator.model, "runner", None) if self.speculator is not None else None
+        for runner, which in ((self.runner, "this model"), (drafter, "the draft model")):
             if runner is None or runner.decoder is None:
                 continue
             try:

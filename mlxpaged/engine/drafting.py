@@ -26,9 +26,29 @@ from mlxpaged.runner.ngram_drafter import NgramDrafter
 
 if TYPE_CHECKING:
     from mlxpaged.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
-    from mlxpaged.runner.model_drafter import ModelDrafter
 
 MAX_PAUSE = 64  # steps a failing sequence waits before drafting again, at most
+
+
+class BatchDrafter(Protocol):
+    """Drafts for every drafting row at once, from a model: a draft model (runner/model_drafter.py) or the model's own
+    MTP layers (runner/mtp_drafter.py)."""
+
+    name: str
+
+    def propose(
+        self, chunks: Sequence[ScheduledChunk], drafting: Sequence[tuple[ScheduledChunk, int]]
+    ) -> list[list[int]]: ...
+
+    def ready(self, chunk: ScheduledChunk) -> bool:
+        """Whether this decode chunk can draft now (the MTP layers need the model's hidden state before it)."""
+
+    def observe(self, chunks: Sequence[ScheduledChunk], accepted: dict[str, list[int]]) -> None:
+        """After a step: what it computed and kept (the MTP layers read the model's hidden states)."""
+
+    def fork(self, parent_id: str, child_id: str, copies: list) -> None: ...
+
+    def keep_only(self, live: Callable[[str], bool]) -> None: ...
 
 
 class PromptDrafter(Protocol):
@@ -99,8 +119,8 @@ class SpeculationStats:
 
 class Speculator:
     """`can_draft(request)`: False for sequences with logits processors, which are verified one token at a
-    time. `model`: a draft model (runner/model_drafter.py) proposes the drafts, all rows together; None: each
-    sequence's prompt lookup does. `gate` decides, per step, whether drafting pays at this batch size
+    time. `model`: a draft model or the model's MTP layers propose the drafts, all rows together (BatchDrafter);
+    None: each sequence's prompt lookup does. `gate` decides, per step, whether drafting pays at this batch size
     (engine/speculation_gate.py)."""
 
     def __init__(
@@ -108,7 +128,7 @@ class Speculator:
         scheduler: Scheduler,
         max_draft_tokens: int,
         can_draft: Callable[[Request], bool],
-        model: ModelDrafter | None = None,
+        model: BatchDrafter | None = None,
     ):
         self.scheduler, self.max_draft_tokens, self._can_draft = scheduler, max_draft_tokens, can_draft
         self.model = model
@@ -137,7 +157,7 @@ class Speculator:
                 )
             room = request.max_tokens - len(request.output_token_ids) - 1  # the run ends with a sampled token
             k = min(policy.k, room, budget)
-            if k <= 0 or not policy.wants_draft():
+            if k <= 0 or (self.model is not None and not self.model.ready(chunk)) or not policy.wants_draft():
                 continue
             if self.model is None:
                 drafts = policy.drafter.propose(request.all_token_ids, k)
@@ -180,7 +200,8 @@ class Speculator:
                 policy.update(len(chunk.drafts), kept)
         for request_id in [rid for rid in self._policies if self.scheduler.get(rid) is None]:
             del self._policies[request_id]
-        if self.model is not None:  # finished and aborted requests
+        if self.model is not None:  # what the step kept, then forget finished and aborted requests
+            self.model.observe(out.chunks, accepted)
             self.model.keep_only(lambda request_id: self.scheduler.get(request_id) is not None)
 
     def may_draft(self, requests: list[Request]) -> bool:

@@ -47,6 +47,7 @@ from mlxpaged.loading.checkpoint import read_before_load
 from mlxpaged.loading.draft_model import check_draft_setting, draft_facts_before_load
 from mlxpaged.loading.generation_defaults import GenerationDefaults, load_defaults
 from mlxpaged.loading.loader import LoadedModel, chat_prompt, load_local, locate_model
+from mlxpaged.loading.mtp_head import mtp_facts_before_load
 from mlxpaged.loading.progress import Progress
 from mlxpaged.outputs import Completion, StreamDelta, collect, drain
 from mlxpaged.platform import backend
@@ -144,6 +145,8 @@ class Engine:
         if draft_model is not None:
             draft_ref, draft_path = locate_model(draft_model, progress)
             facts = draft_facts_before_load(facts, layout, ref.name, draft_path, draft_ref.name)
+        if scheduler.speculative == "mtp":  # the checkpoint's MTP layers: refused without them, their pages planned
+            facts = mtp_facts_before_load(facts, path, ref.name)
         plan_memory(DeviceFacts.detect(), facts, cache, scheduler)
         draft = load_local(draft_ref, draft_path) if draft_ref is not None else None
         return cls(load_local(ref, path), cache, scheduler, adapters=files, draft=draft)

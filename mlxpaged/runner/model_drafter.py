@@ -101,6 +101,13 @@ class ModelDrafter:
         """Draft pass j + 1 of a row: one token (fed lazily) at the position after the last pass's."""
         return StepInput([0], _last(chunk) + j, chunk.block_tables, True)
 
+    def ready(self, chunk: ScheduledChunk) -> bool:
+        """A draft model catches up with whatever its pages lack: any decode chunk can draft."""
+        return True
+
+    def observe(self, chunks: Sequence[ScheduledChunk], accepted: dict[str, list[int]]) -> None:
+        """A draft model reads tokens only: the next `propose` learns what the step kept from the chunks' starts."""
+
     def fork(self, parent_id: str, child_id: str, copies: Sequence) -> None:
         """An n > 1 sequence starts from its parent: the draft's pages get the same copy-on-write copies."""
         for space in sorted({c.space for c in copies}):

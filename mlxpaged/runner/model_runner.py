@@ -178,6 +178,18 @@ class Runner:
         self.mirror: StepMirror | None = None
         # Set when the model serves adapters (engine/build.py): each pass tells the adapted layers its rows' adapters.
         self.adapter_rows: PassRows | None = None
+        # `capture_hidden()`: each step keeps the model's last hidden state of every position it computed, per input.
+        self.last_hidden: list[mx.array | None] | None = None
+        self._captured: dict[int, mx.array] = {}  # id(StepInput) -> its positions' hidden states, this step
+
+    def capture_hidden(self) -> None:
+        """From now on `last_hidden[i]` holds the last step's input i's hidden states [L, H] (the body's output, the
+        LM head's input), lazy, which MTP layers draft from (runner/mtp_drafter.py). Every pass then runs eagerly
+        through the split head: no compiled decode pass, none queued ahead."""
+        if self.head is None:
+            raise ValueError("the model's LM head cannot be split from its body: its hidden states are not reachable")
+        self.decoder, self.defers = None, False
+        self.last_hidden = []
 
     def execute(self, chunks: list, sampling: SamplingRows, planner: NextStepPlanner) -> list[SampleResult]:
         """Run a scheduled step (ScheduledChunks) and sample it: one result per sampling row. A
@@ -299,6 +311,8 @@ class Runner:
         which the real step then writes again."""
         if self.mirror is not None or not planner.predictable() or (self.serial and len(chunks) > 1):
             return None  # a serial model's rows each need a pass of their own; a mirrored pass needs its plan
+        if self.last_hidden is not None:
+            return None  # a step's hidden states are kept as it runs (capture_hidden)
         if self._one_adapter_per_pass and len({c.request.adapter for c in chunks}) > 1:
             return None  # the rows need a pass per adapter (adapters of switch layers: adapters/layers.py)
         compiled = self.compiles(len(chunks)) and len({c.request.adapter for c in chunks}) == 1
@@ -392,6 +406,9 @@ class Runner:
                 mx.eval(results[-1])
             self._launch_pass(logits, state_pass)
             results.append(logits)
+        if self.last_hidden is not None:
+            self.last_hidden = [self._captured.pop(id(x), None) for x in inputs]
+            self._captured.clear()
         wanted = [i for i, x in enumerate(inputs) if x.samples]
         if not wanted:
             return None
@@ -500,6 +517,8 @@ class Runner:
             return logits[rows, columns], state_pass
         if self.head is not None:
             hidden = self.model.model(tokens, cache=views)
+            if self.last_hidden is not None:
+                self._captured.update({id(x): hidden[b, : len(x.token_ids)] for b, x in enumerate(batch)})
             return self.head(hidden[rows, columns]), state_pass
         return self.model(tokens, cache=views)[rows, columns], state_pass
 

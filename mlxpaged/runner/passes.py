@@ -51,8 +51,11 @@ def split_head(model: nn.Module) -> Callable[[mx.array], mx.array] | None:
     inner = getattr(model, "model", None)
     if inner is None or not hasattr(model, "make_cache"):
         return None
+    language_model = getattr(model, "language_model", None)  # mlx-lm's Qwen 3.5: `model.model` is its body
     if getattr(model, "lm_head", None) is not None:
         head = model.lm_head
+    elif language_model is not None and getattr(language_model, "lm_head", None) is not None:
+        head = language_model.lm_head
     elif hasattr(inner, "embed_tokens"):
         head = inner.embed_tokens.as_linear
     else:

@@ -40,18 +40,18 @@ def engine(model, tokenizer):
         assert_empty(eng)
 
 
-def make_core(model, tokenizer, model_drafter=None, **scheduling) -> EngineCore:
-    """An EngineCore stepped by the test itself (no engine thread): 4 state slots, 64 blocks of 8; `scheduling`:
-    more SchedulerConfig fields, `model_drafter`: a draft model's (tests/engine/test_speculative_state.py)."""
+def make_core(model, tokenizer, model_drafter=None, num_blocks: int = 64, **scheduling) -> EngineCore:
+    """An EngineCore stepped by the test itself (no engine thread): 4 state slots, `num_blocks` blocks of 8;
+    `scheduling`: more SchedulerConfig fields, `model_drafter`: a draft model's (test_speculative_state.py)."""
     route_paged_attention()  # as Engine does
     layout = probe_layout(model)
-    kv = PagedKVCache.for_layout(layout, 64, 8, mx.float32)
+    kv = PagedKVCache.for_layout(layout, num_blocks, 8, mx.float32)
     return EngineCore.create(
         model,
         tokenizer,
         kv,
         CacheConfig(block_size=8),
-        SchedulerConfig(max_num_seqs=4, **scheduling),
+        SchedulerConfig(**{"max_num_seqs": 4, **scheduling}),
         max_model_len=512,
         layout=layout,
         num_checkpoints=12,

@@ -1,0 +1,208 @@
+"""Multi-token-prediction (MTP) layers a checkpoint ships beside its model (`speculative="mtp"`, `--speculative mtp`):
+Qwen 3.5 / 3.6 store them as `mtp.*` tensors, which mlx-lm's `sanitize` drops from the model, so they are read from
+the checkpoint's safetensors here and built as a module of their own.
+
+The MTP block at position q reads the model's last hidden state there (after its final norm) and the embedding of
+the token at q + 1, and predicts the token at q + 2 through the model's own LM head:
+
+    x = fc([pre_fc_norm_embedding(embed(token[q + 1])), pre_fc_norm_hidden(hidden[q])])
+    x = layers(x)           # decoder layers of the model's own kind, full attention, a KV cache of their own
+    h = norm(x)             # lm_head(h) predicts token[q + 2]; h stands in for hidden[q + 1] when drafting on
+
+(read from mlx-vlm 0.7's `speculative/drafters/qwen3_5_mtp`). The drafter that runs it on the paged cache is
+runner/mtp_drafter.py. Hugging Face checkpoints store Qwen 3.5's RMSNorm weights zero-centred and mlx-lm adds 1.0
+to the model's when it converts one (its sanitize, keyed on the unconverted conv1d weights); the MTP's norms follow
+the model's checkpoint the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from mlxpaged.errors import ConfigError
+from mlxpaged.loading.checkpoint import read_safetensors_header, weight_files
+from mlxpaged.platform.model_facts import KVShape, ModelFacts
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import create_attention_mask
+
+MTP_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")  # whose MTP layers are built here (the Qwen 3.5 / 3.6 families)
+_NORMS = ("norm.weight", "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight")  # RMSNorm weights, all of them
+_EXPERT = re.compile(r"(.*)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases)")
+
+
+@dataclass(frozen=True)
+class MtpCheckpoint:
+    """Where a checkpoint's MTP tensors are: `tensors` maps each name (the prefix through `mtp.` dropped) to its name
+    in the files; `nbytes`: their bytes as stored."""
+
+    path: Path
+    config: dict
+    tensors: dict[str, str]
+    num_layers: int
+    nbytes: int
+
+    @property
+    def text_config(self) -> dict:
+        return self.config.get("text_config") or self.config
+
+
+def find_mtp(path: Path, name: str) -> MtpCheckpoint:
+    """The MTP tensors of the checkpoint in `path` (from the safetensors headers: no weight is read); ConfigError,
+    saying why, for a model type whose MTP layers are not built here or a checkpoint that ships none."""
+    config = json.loads((path / "config.json").read_text())
+    model_type = config.get("model_type")
+    text_type = (config.get("text_config") or {}).get("model_type", model_type)
+    if model_type not in MTP_MODEL_TYPES and text_type not in MTP_MODEL_TYPES:
+        raise ConfigError(
+            f"{{speculative:'mtp'}} drafts with the multi-token-prediction layers of {', '.join(MTP_MODEL_TYPES)} "
+            f"checkpoints; {name!r} is a {model_type!r} model",
+            param="speculative",
+        )
+    tensors, nbytes = {}, 0
+    for file in weight_files(path):
+        for tensor in read_safetensors_header(file):
+            if "mtp." in tensor.name:
+                tensors[tensor.name.split("mtp.", 1)[1]] = tensor.name
+                nbytes += tensor.nbytes
+    if "fc.weight" not in tensors:
+        raise ConfigError(
+            f"{name!r} ships no multi-token-prediction layers (no mtp.* tensors in its checkpoint; conversions by "
+            "mlx-lm drop them): {speculative:'mtp'} needs a checkpoint that keeps them, such as the original "
+            "Hugging Face one",
+            param="speculative",
+        )
+    layers = {int(key.split(".")[1]) for key in tensors if key.startswith("layers.")}
+    if not layers:
+        raise ConfigError(f"{name!r}'s mtp.* tensors hold no decoder layer (mtp.layers.N)", param="speculative")
+    return MtpCheckpoint(path, config, tensors, max(layers) + 1, nbytes)
+
+
+def mtp_facts(checkpoint: MtpCheckpoint, target: ModelFacts, weight_bytes: int) -> ModelFacts:
+    """What the MTP layers cost the memory plan beside the model (loading/draft_model.with_draft adds them): their
+    weights and, per token, K/V of the model's full-attention width in each of their layers."""
+    kv = target.kv
+    geometries = kv.layer_geometries
+    if not geometries:
+        raise ConfigError("the MTP layers attend as the model's attention layers do; this model has none")
+    shape = KVShape(checkpoint.num_layers, kv.num_kv_heads, kv.head_dim, kv.dtype_bytes)
+    shape = dataclasses.replace(shape, geometries=(geometries[-1],) * checkpoint.num_layers)
+    return dataclasses.replace(target, kv=shape, weight_bytes=weight_bytes, state_bytes_per_sequence=0)
+
+
+def mtp_facts_before_load(facts: ModelFacts, path: Path, name: str) -> ModelFacts:
+    """The model's `facts` (checkpoint.read_before_load) with its MTP layers' pages, as the memory plan counts the pair
+    before the model is read: their weights are counted already (every tensor of the checkpoint is). ConfigError for
+    a checkpoint without them."""
+    from mlxpaged.loading.draft_model import with_draft
+
+    return with_draft(facts, mtp_facts(find_mtp(path, name), facts, 0))
+
+
+class MtpHead(nn.Module):
+    """The MTP layers (see the module docstring); the embedding and the LM head are the model's."""
+
+    def __init__(self, text_config: dict, num_layers: int):
+        super().__init__()
+        from mlx_lm.models.qwen3_5 import DecoderLayer, TextModelArgs
+
+        args = TextModelArgs.from_dict({**text_config, "full_attention_interval": 1})  # every MTP layer attends
+        width, eps = args.hidden_size, args.rms_norm_eps
+        self.fc = nn.Linear(2 * width, width, bias=False)
+        self.pre_fc_norm_embedding = nn.RMSNorm(width, eps=eps)
+        self.pre_fc_norm_hidden = nn.RMSNorm(width, eps=eps)
+        self.layers = [DecoderLayer(args, layer_idx=0) for _ in range(num_layers)]
+        self.norm = nn.RMSNorm(width, eps=eps)
+
+    def __call__(self, embeds: mx.array, hidden: mx.array, cache: list) -> mx.array:
+        """`embeds` [B, L, H] of the tokens at q + 1, `hidden` [B, L, H] the model's at q -> [B, L, H], normed."""
+        x = mx.concatenate([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], axis=-1)
+        x = self.fc(x)
+        mask = create_attention_mask(x, cache[0])
+        for layer, layer_cache in zip(self.layers, cache, strict=True):
+            x = layer(x, mask=mask, cache=layer_cache)
+        return self.norm(x)
+
+
+def load_mtp_head(checkpoint: MtpCheckpoint, dtype: mx.Dtype) -> MtpHead:
+    """The MTP layers of `checkpoint` with their weights, floating ones in `dtype` (the model's activations')."""
+    head = MtpHead(checkpoint.text_config, checkpoint.num_layers)
+    weights = _read(checkpoint)
+    if any(key.endswith(".scales") for key in weights):  # an MLX conversion that quantized them with the model
+        _quantize(head, checkpoint.config, weights)
+    try:
+        head.load_weights(list(weights.items()), strict=True)
+    except ValueError as exc:
+        raise ConfigError(
+            f"the mtp.* tensors of {checkpoint.path} do not fit the MTP layers of its config: {exc}",
+            param="speculative",
+        ) from exc
+    head.set_dtype(dtype)
+    mx.eval(head.parameters())
+    return head
+
+
+def _read(checkpoint: MtpCheckpoint) -> dict[str, mx.array]:
+    """The MTP tensors as MtpHead names them: norms shifted as the model's were, experts stacked."""
+    wanted = set(checkpoint.tensors.values())
+    stored: dict[str, mx.array] = {}
+    zero_centred = False
+    for file in weight_files(checkpoint.path):
+        names = {t.name for t in read_safetensors_header(file)}
+        conv = [n for n in names if "conv1d.weight" in n and "mtp." not in n]
+        if not (wanted & names) and not conv:
+            continue
+        arrays = mx.load(str(file))  # lazy: only what is used is read
+        assert isinstance(arrays, dict)  # a .safetensors file
+        # mlx-lm's own test for an unconverted Hugging Face checkpoint (qwen3_5.sanitize): its norms are zero-centred
+        zero_centred = zero_centred or any(arrays[n].shape[-1] != 1 for n in conv)
+        stored.update({n: arrays[n] for n in wanted & names})
+    by_key = {key: stored[name] for key, name in checkpoint.tensors.items()}
+    if zero_centred:
+        by_key = {k: v + 1.0 if k.endswith(_NORMS) and v.ndim == 1 else v for k, v in by_key.items()}
+    return _stack_experts(by_key)
+
+
+def _stack_experts(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Hugging Face MoE layouts -> mlx-lm's SwitchGLU (`switch_mlp`): one tensor per expert stacked, or the fused
+    `experts.gate_up_proj` split (as mlx-lm's qwen3_5_moe.sanitize does for the model's layers)."""
+    out = dict(weights)
+    for key in [k for k in out if k.endswith(".experts.gate_up_proj")]:
+        prefix = key[: -len(".experts.gate_up_proj")]
+        gate_up = out.pop(key)
+        mid = gate_up.shape[-2] // 2
+        out[f"{prefix}.switch_mlp.gate_proj.weight"] = gate_up[..., :mid, :]
+        out[f"{prefix}.switch_mlp.up_proj.weight"] = gate_up[..., mid:, :]
+        out[f"{prefix}.switch_mlp.down_proj.weight"] = out.pop(f"{prefix}.experts.down_proj")
+    groups: dict[tuple[str, str, str], dict[int, str]] = {}
+    for key in out:
+        match = _EXPERT.fullmatch(key)
+        if match:
+            prefix, expert, projection, kind = match.groups()
+            groups.setdefault((prefix, projection, kind), {})[int(expert)] = key
+    for (prefix, projection, kind), keys in groups.items():
+        if sorted(keys) != list(range(len(keys))):
+            raise ConfigError(f"the MTP experts of {prefix} are not numbered 0..{len(keys) - 1}", param="speculative")
+        out[f"{prefix}.switch_mlp.{projection}.{kind}"] = mx.stack([out.pop(keys[e]) for e in range(len(keys))])
+    return out
+
+
+def _quantize(head: MtpHead, config: dict, weights: dict[str, mx.array]) -> None:
+    """Quantize the layers the checkpoint stores quantized, with its quantization settings (a layer's own entry,
+    under its checkpoint name, wins)."""
+    settings = config.get("quantization") or config.get("quantization_config") or {}
+    if "bits" not in settings:
+        raise ConfigError("the mtp.* tensors are quantized but config.json gives no quantization", param="speculative")
+
+    def predicate(path: str, module: nn.Module):
+        if f"{path}.scales" not in weights:
+            return False
+        own = settings.get(f"mtp.{path}")
+        return own if isinstance(own, dict) else True
+
+    nn.quantize(head, group_size=settings.get("group_size", 64), bits=settings["bits"], class_predicate=predicate)
