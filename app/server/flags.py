@@ -28,8 +28,8 @@ DRAFT_MODEL_HELP = (
     "same output, faster when its drafts are often right (Qwen3-0.6B for Qwen3-8B, say)"
 )
 NUM_DRAFT_TOKENS_HELP = (
-    "tokens drafted per step at most (--speculative ngram or --draft-model; each sequence's count adapts to how many "
-    "are kept; default: 7)"
+    "tokens drafted per step at most (--speculative ngram / mtp or --draft-model; each sequence's count adapts to "
+    "how many are kept; default: 7)"
 )
 
 

@@ -30,6 +30,8 @@ def test_speculative_flags_reach_the_engine_settings():
     assert cache_settings(serve)["speculative"] == "ngram"
     assert cache_settings(build_parser().parse_args(["serve"]))["speculative"] is None
     assert build_parser().parse_args(["chat", "--speculative", "ngram"]).speculative == "ngram"
+    assert cache_settings(build_parser().parse_args(["serve", "--speculative", "mtp"]))["speculative"] == "mtp"
+    assert build_parser().parse_args(["chat", "--speculative", "mtp"]).speculative == "mtp"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["chat", "--speculative", "eagle"])
 
