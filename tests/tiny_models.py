@@ -220,12 +220,12 @@ def add_mtp_layers(model_dir, num_layers: int = 1, seed: int = 7):
     model_dir = Path(model_dir)
     config = json.loads((model_dir / "config.json").read_text())
     mx.random.seed(seed)
-    head = MtpHead(config, num_layers)
+    head = MtpHead(config.get("text_config") or config, num_layers)
     head.update(tree_map(lambda w: w * 3.0 if w.ndim == 2 else w, head.parameters()))
     weights = dict(mx.load(str(model_dir / "model.safetensors")))
     dtype = next(iter(weights.values())).dtype
     weights.update({f"mtp.{name}": w.astype(dtype) for name, w in tree_flatten(head.parameters())})
     mx.save_safetensors(str(model_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
-    config["mtp_num_hidden_layers"] = num_layers
+    (config.get("text_config") or config)["mtp_num_hidden_layers"] = num_layers
     (model_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return model_dir

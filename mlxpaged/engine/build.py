@@ -217,11 +217,6 @@ def _prepare_mtp(
 ) -> tuple[MtpHead, ModelFacts]:
     """The checkpoint's MTP layers, loaded (ConfigError for a checkpoint without them, or a model they cannot draft
     for), and the model's `facts` with them, as the memory plan counts the pair (their weights and pages)."""
-    if loaded.vision is not None:
-        raise ConfigError(
-            "MTP drafting with a vision-language model is not supported yet (it loaded with its vision tower)",
-            param="speculative",
-        )
     check_draft_layout(layout, "model", loaded.name)  # its pages share the model's block ids, as a draft's do
     checkpoint = find_mtp(loaded.path, loaded.name)
     head = load_mtp_head(checkpoint, kv_dtype)

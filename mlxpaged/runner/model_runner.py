@@ -186,7 +186,7 @@ class Runner:
         """From now on `last_hidden[i]` holds the last step's input i's hidden states [L, H] (the body's output, the
         LM head's input), lazy, which MTP layers draft from (runner/mtp_drafter.py). Every pass then runs eagerly
         through the split head: no compiled decode pass, none queued ahead."""
-        if self.head is None:
+        if self.head is None and not getattr(self.model, "returns_hidden", False):
             raise ValueError("the model's LM head cannot be split from its body: its hidden states are not reachable")
         self.decoder, self.defers = None, False
         self.last_hidden = []
@@ -494,6 +494,11 @@ class Runner:
             state_pass.commit()  # a launched pass is used: its rows are the sequences' state now
         self.launch(logits, *(state_pass.new_arrays() if state_pass is not None else ()))
 
+    def _capture(self, batch: list[StepInput], captured: dict) -> None:
+        """Keep each row's hidden states of a pass (capture_hidden): `captured["hidden_out"]`, [B, L, H] or absent."""
+        for hidden in captured.get("hidden_out", []):
+            self._captured.update({id(x): hidden[b, : len(x.token_ids)] for b, x in enumerate(batch)})
+
     def _forward(self, batch: list[StepInput], tokens: mx.array) -> tuple[mx.array, StatePass | None]:
         """The model over `batch` through paged KV views (and state views): lazy logits of each row's last
         `num_logits` positions and the pass's state, not stored yet."""
@@ -508,17 +513,22 @@ class Runner:
         views = cache_tree.model_cache(self.layout, views, state_pass.views if state_pass is not None else None)
         rows, columns = logit_positions(batch)
         embedding = batch[0].embedding  # a chunk with one runs alone (passes.py)
-        if embedding is not None:  # a vision-language model's own language model (vision/language.py)
-            logits = self.model(tokens, cache=views, inputs_embeds=embedding.inputs_embeds, **embedding.arguments)
+        # A vision-language model (vision/language.py) hands back its hidden states when asked (`hidden_out`).
+        captured: dict = {"hidden_out": []} if self.last_hidden is not None and self.head is None else {}
+        if embedding is not None:  # a vision-language model's own language model
+            arguments = {**embedding.arguments, **captured}
+            logits = self.model(tokens, cache=views, inputs_embeds=embedding.inputs_embeds, **arguments)
+            self._capture(batch, captured)
             return logits[rows, columns], state_pass
         if self.takes_positions:
             starts, deltas = [x.start for x in batch], [x.position_delta for x in batch]
-            logits = self.model(tokens, cache=views, position_ids=row_positions(starts, deltas, tokens.shape[1]))
+            positions = row_positions(starts, deltas, tokens.shape[1])
+            logits = self.model(tokens, cache=views, position_ids=positions, **captured)
+            self._capture(batch, captured)
             return logits[rows, columns], state_pass
         if self.head is not None:
             hidden = self.model.model(tokens, cache=views)
-            if self.last_hidden is not None:
-                self._captured.update({id(x): hidden[b, : len(x.token_ids)] for b, x in enumerate(batch)})
+            self._capture(batch, {"hidden_out": [hidden]} if self.last_hidden is not None else {})
             return self.head(hidden[rows, columns]), state_pass
         return self.model(tokens, cache=views)[rows, columns], state_pass
 

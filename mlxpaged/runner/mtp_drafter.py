@@ -62,11 +62,13 @@ class _Kept:
 class MtpDrafter:
     def __init__(self, head: MtpHead, kv: PagedKVCache, target: Runner, name: str, vocab_size: int):
         """`target`: the model's runner, capturing hidden states; its embedding and LM head are the MTP block's."""
-        if target.head is None or target.last_hidden is None:
+        if target.last_hidden is None:
             raise ValueError("the MTP block needs the model's runner to capture hidden states (capture_hidden)")
         self.head, self.kv, self.target, self.name, self.vocab_size = head, kv, target, name, vocab_size
-        self.embed = target.model.model.embed_tokens
-        self.lm_head = target.head
+        if target.head is not None:  # mlx-lm's model: its body and head apart (passes.split_head)
+            self.embed, self.lm_head = target.model.model.embed_tokens, target.head
+        else:  # a vision-language model's language model (vision/language.py)
+            self.embed, self.lm_head = target.model.embed_tokens, target.model.logits_from_hidden
         self._kept: dict[str, _Kept] = {}
 
     def observe(self, chunks: Sequence[ScheduledChunk], accepted: dict[str, list[int]]) -> None:

@@ -34,11 +34,37 @@ class VisionLanguageModel(nn.Module):
         self.args = SimpleNamespace(model_type=model_type)  # what loading/probe.py names the model by
         self.takes_positions = takes_positions(language_model)  # M-RoPE: every pass passes position_ids
 
-    def __call__(self, inputs: mx.array, cache=None, inputs_embeds: mx.array | None = None, **kwargs) -> mx.array:
+    def __call__(
+        self,
+        inputs: mx.array,
+        cache=None,
+        inputs_embeds: mx.array | None = None,
+        hidden_out: list | None = None,
+        **kwargs,
+    ) -> mx.array:
+        """Logits; with `hidden_out` (a model that `returns_hidden`), its last hidden states [B, L, H] (after the
+        final norm: the LM head's input) are appended to it."""
+        if hidden_out is not None:
+            kwargs["return_hidden"] = True
         out = self.language_model(inputs, inputs_embeds=inputs_embeds, cache=cache, **kwargs)
         if self.takes_positions:
             forget_sequence_positions(self.language_model)
+        if hidden_out is not None:
+            hidden_out.append(out.hidden_states[-1])
         return out.logits if hasattr(out, "logits") else out
+
+    @property
+    def returns_hidden(self) -> bool:
+        """mlx-vlm's Qwen 3.5 language models hand back their last hidden states (`return_hidden`) on every path."""
+        return self.args.model_type in HIDDEN_STATES_MODEL_TYPES
+
+    @property
+    def embed_tokens(self) -> nn.Module:
+        return self.language_model.model.embed_tokens
+
+    def logits_from_hidden(self, hidden: mx.array) -> mx.array:
+        """The LM head over hidden states (tied to the embedding or not)."""
+        return self.language_model.speculative_logits_from_hidden(hidden)
 
     @property
     def layers(self) -> list:
@@ -51,6 +77,10 @@ class VisionLanguageModel(nn.Module):
 
         return [as_mlx_lm_cache(c) for c in make_prompt_cache(self.language_model)]
 
+
+# mlx-vlm's language models whose `__call__` returns the last hidden states on every path it takes for the engine
+# (read from mlx-vlm 0.7.10's models/qwen3_5/language.py: its general path and its verifier for image prompts).
+HIDDEN_STATES_MODEL_TYPES = frozenset({"qwen3_5", "qwen3_5_moe"})
 
 # mlx-vlm's M-RoPE language models keep the last sequence's positions and delta for the calls after it that pass none.
 _SEQUENCE_POSITIONS = ("_position_ids", "_rope_deltas")

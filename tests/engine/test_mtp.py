@@ -93,11 +93,15 @@ def run_plain(core, prompts, params) -> dict:
 
 def unpaged_drafts(model, head, tokens: list[int], k: int) -> list[int]:
     """What the MTP layers draft after `tokens` (the last one is the row's): fed every earlier position with the
-    model's hidden state there (a plain forward pass, no cache) and the token after it, then on their own output."""
-    hidden = model.model(mx.array([tokens[:-1]]))
-    embed = model.model.embed_tokens
-    language = model.language_model
-    head_of = language.lm_head if "lm_head" in language else language.model.embed_tokens.as_linear
+    model's hidden state there (a plain forward pass, no cache) and the token after it, then on their own output.
+    `model`: mlx-lm's, or a vision-language model's language model as the engine runs it (vision/language.py)."""
+    if hasattr(model, "returns_hidden"):
+        out: list = []
+        model(mx.array([tokens[:-1]]), hidden_out=out)
+        hidden, embed, head_of = out[0], model.embed_tokens, model.logits_from_hidden
+    else:
+        hidden, embed, language = model.model(mx.array([tokens[:-1]])), model.model.embed_tokens, model.language_model
+        head_of = language.lm_head if "lm_head" in language else language.model.embed_tokens.as_linear
     cache = [KVCache() for _ in head.layers]
     out = head(embed(mx.array([tokens[1:]])), hidden, cache)
     drafts = []

@@ -116,3 +116,36 @@ def test_a_hugging_face_checkpoints_zero_centred_norms_are_shifted_as_mlx_lm_shi
         tree_flatten(original.parameters()), tree_flatten(converted.parameters()), strict=True
     ):
         assert mx.allclose(mine, theirs, atol=1e-6).item(), name
+
+
+def test_a_vision_language_checkpoint_drafts_with_its_mtp_layers_with_and_without_images(tmp_path):
+    """A Qwen 3.5 checkpoint loaded with its vision tower: the model's hidden states come from mlx-vlm's language
+    model (`return_hidden`); the plain tokens with images and without, and for prompts without images every draft
+    what the MTP layers compute without pages."""
+    from tests.vision.test_chat_images import ask, picture
+    from tests.vision.tiny_vlm_dirs import write_tiny_qwen3_5_dir
+
+    model_dir = add_mtp_layers(write_tiny_qwen3_5_dir(tmp_path / "vlm"))
+    chats = [ask(picture(1), "What is this?"), ask("Tell me a story"), ask(picture(2), "And this one?")]
+    short = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    with Engine.from_pretrained(str(model_dir), cache_tokens=2048) as engine:
+        expected = [engine.chat(chat, short).token_ids for chat in chats]
+    with Engine.from_pretrained(
+        str(model_dir), cache_tokens=2048, speculative="mtp", num_speculative_tokens=3
+    ) as engine:
+        assert engine.loaded.vision is not None
+        drafter, proposals = engine.built.mtp, []
+        propose = drafter.propose
+
+        def recorded(chunks, drafting):
+            drafts = propose(chunks, drafting)
+            rows = zip(drafting, drafts, strict=True)
+            proposals.extend((list(c.request.all_token_ids), d) for (c, _), d in rows if not c.request.images)
+            return drafts
+
+        drafter.propose = recorded
+        assert [engine.chat(chat, short).token_ids for chat in chats] == expected
+        assert engine.stats()["spec_draft_tokens_total"] > 0
+    assert proposals  # of the chat without images
+    for tokens, drafts in proposals:
+        assert drafts == unpaged_drafts(engine.model, drafter.head, tokens, len(drafts))
