@@ -1,13 +1,16 @@
-"""`mlxpaged serve --model M --draft-model D`: a live server whose replies are the model's own greedy replies, drafted
-by a second model of the same tokenizer, with the drafts counted in /metrics; a draft of another tokenizer stops the
-server before it listens, saying why."""
+"""`mlxpaged serve --model M --draft-model D` and `--speculative mtp`: a live server whose replies are the model's own
+greedy replies, drafted by a second model of the same tokenizer or by the checkpoint's MTP layers, with the drafts
+counted in /metrics; a draft of another tokenizer, or a checkpoint without MTP layers, stops the server before it
+listens, saying why."""
 
 from __future__ import annotations
 
 import json
 
+from mlxpaged import Engine, SamplingParams
 from tests.app.server.test_model_registry_live import metric, serving_store
-from tests.tiny_models import write_tiny_model_dir
+from tests.app.server.test_server_live import assert_clean_exit, start_server, stop_server
+from tests.tiny_models import add_mtp_layers, write_tiny_model_dir
 
 import openai
 import pytest
@@ -28,9 +31,9 @@ def store(tmp_path_factory):
     return root
 
 
-def reply(server, n: int = 24) -> str:
+def reply(server, n: int = 24, model: str = "tiny-a") -> str:
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", timeout=120, max_retries=0)
-    done = client.chat.completions.create(model="tiny-a", messages=HI, max_tokens=n, temperature=0.0)
+    done = client.chat.completions.create(model=model, messages=HI, max_tokens=n, temperature=0.0)
     return done.choices[0].message.content or ""
 
 
@@ -44,10 +47,31 @@ def test_a_draft_model_gives_the_models_own_replies_and_counts_its_drafts(store,
 
 
 def test_a_draft_of_another_tokenizer_stops_the_server_before_it_listens(store, tmp_path):
-    from tests.app.server.test_server_live import start_server
-
     log = tmp_path / "refused.log"
     with pytest.MonkeyPatch.context() as patch, pytest.raises(pytest.fail.Exception):
         patch.setenv("MLXPAGED_MODELS_DIR", str(store))
         start_server(log, "--model", "tiny-a", "--draft-model", "tiny-other", "--cache-tokens", "1024")
     assert "another tokenizer" in log.read_text()
+
+
+def test_mtp_layers_give_the_models_own_replies_and_count_their_drafts(store, tmp_path):
+    mtp = add_mtp_layers(write_tiny_model_dir(store / "tiny-mtp", "qwen3_5", dtype="float32", seed=3, layers=4))
+    with Engine.from_pretrained(str(mtp), cache_tokens=1024) as engine:
+        expected = engine.chat(HI, SamplingParams(temperature=0.0, max_tokens=24)).text
+    log = tmp_path / "mtp.log"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MLXPAGED_MODELS_DIR", str(store))
+        server = start_server(log, "--model", "tiny-mtp", "--speculative", "mtp", "--cache-tokens", "1024")
+    try:
+        assert reply(server, model="tiny-mtp") == expected
+        assert metric(server, "spec_draft_tokens_total", "tiny-mtp") > 0
+    finally:
+        assert_clean_exit(stop_server(server), log)
+
+
+def test_a_checkpoint_without_mtp_layers_stops_the_server_before_it_listens(store, tmp_path):
+    log = tmp_path / "no-mtp.log"
+    with pytest.MonkeyPatch.context() as patch, pytest.raises(pytest.fail.Exception):
+        patch.setenv("MLXPAGED_MODELS_DIR", str(store))
+        start_server(log, "--model", "tiny-a", "--speculative", "mtp", "--cache-tokens", "1024")
+    assert "multi-token-prediction layers of qwen3_5" in log.read_text()
