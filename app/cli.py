@@ -376,10 +376,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--drafter",
-        choices=["ngram", "oracle"],
+        choices=["ngram", "oracle", "mtp"],
         default="ngram",
         help="spec: prompt lookup on repetitive and free-text tasks at batch 1 (default), or an oracle drafting the "
-        "plain run's own tokens at no cost, at --concurrency 1,4,16 (the machinery's ceiling)",
+        "plain run's own tokens at no cost, at --concurrency 1,4,16 (the machinery's ceiling), or the model's own MTP "
+        "layers at --concurrency 1,4,16",
     )
     bench.add_argument(
         "--draft-model",
@@ -388,7 +389,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="spec: draft with this model at --concurrency 1,4,16, and beside mlx-lm's own draft_model at batch 1",
     )
     bench.add_argument(
-        "--num-draft-tokens", type=int, default=None, help="spec with --drafter oracle or --draft-model: k (default 4)"
+        "--num-draft-tokens",
+        type=int,
+        default=None,
+        help="spec with --drafter oracle / mtp or --draft-model: k (default 4)",
     )
     bench.add_argument(
         "--max-model-len",

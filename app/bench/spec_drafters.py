@@ -1,11 +1,13 @@
-"""`mlxpaged bench spec --drafter oracle` and `--draft-model NAME`: speculation at 1, 4 and 16 concurrent requests
-beside plain decoding, and for a draft model mlx-lm's own `draft_model` path at batch 1 on the same pair.
+"""`mlxpaged bench spec --drafter oracle`, `--drafter mtp` and `--draft-model NAME`: speculation at 1, 4 and 16
+concurrent requests beside plain decoding, and for a draft model mlx-lm's own `draft_model` path at batch 1 on the same
+pair.
 
 The oracle drafts the plain run's own greedy continuation (recorded first) at no cost: every draft is kept, so it
-measures the machinery (verify passes, bookkeeping, batching) apart from any drafter's quality. A draft model drafts
-as it would in use; its acceptance is printed. Every request is greedy with a fixed length (EOS ignored); tok/s is all
-generated tokens over the wall time of the whole batch (prefill included), runs alternate plain / speculative and the
-ratio quoted is the median of back-to-back pairs. Outputs are compared token for token.
+measures the machinery (verify passes, bookkeeping, batching) apart from any drafter's quality. A draft model, or the
+model's own MTP layers (a checkpoint that ships them), drafts as it would in use; its acceptance is printed. Every
+request is greedy with a fixed length (EOS ignored); tok/s is all generated tokens over the wall time of the whole
+batch (prefill included), runs alternate plain / speculative and the ratio quoted is the median of back-to-back pairs.
+Outputs are compared token for token.
 """
 
 from __future__ import annotations
@@ -88,7 +90,10 @@ def bench_drafters(args: Namespace) -> int:
     cache = CacheConfig(cache_tokens=max(8192, max(levels) * (args.tokens + 128)), enable_prefix_cache=False)
     seqs = max(levels)
     plain = Engine(loaded, cache, SchedulerConfig(max_num_seqs=seqs))
-    if draft is None:
+    if args.drafter == "mtp" and draft is None:
+        spec = Engine(loaded, cache, SchedulerConfig(max_num_seqs=seqs, speculative="mtp", num_speculative_tokens=k))
+        what = "the model's MTP layers"
+    elif draft is None:
         spec = Engine(loaded, cache, SchedulerConfig(max_num_seqs=seqs, speculative="ngram", num_speculative_tokens=k))
         what = "oracle (the plain run's own next tokens, drafted at no cost)"
     else:
@@ -110,7 +115,8 @@ def bench_drafters(args: Namespace) -> int:
     try:
         for level in levels:
             prompts = prompts_for(loaded.tokenizer, level)
-            r = _level(plain, spec, prompts, args.tokens, args.runs, oracle=draft is None)
+            oracle = args.drafter == "oracle" and draft is None
+            r = _level(plain, spec, prompts, args.tokens, args.runs, oracle=oracle)
             accepted = f"{100 * r['acceptance']:.0f}%" if r["acceptance"] is not None else "-"
             print(
                 f"  {level:>10} {r['plain']:>11.1f} {r['spec']:>10.1f} {statistics.median(r['ratios']):>5.2f}x "

@@ -62,3 +62,15 @@ def test_bench_spec_with_drafters_prints_each_level_with_equal_outputs(tmp_path,
     assert rows[0][4] == rows[1][4] == "100%"  # the oracle: every draft kept
     batch1 = next(line for line in out.splitlines() if "mlx-lm draft" in line)
     assert "mlxpaged draft / mlx-lm draft" in batch1 and batch1.rstrip().endswith("equal")
+
+
+def test_bench_spec_with_mtp_layers_prints_each_level_with_equal_outputs(tmp_path, capsys):
+    from tests.tiny_models import add_mtp_layers, write_tiny_model_dir
+
+    model = add_mtp_layers(write_tiny_model_dir(tmp_path / "mtp", "qwen3_5", dtype="float32", seed=3, layers=4))
+    common = {"model": str(model), "tokens": 6, "runs": 1, "concurrency": (1, 2), "num_draft_tokens": 3}
+    assert bench_spec(Namespace(drafter="mtp", draft_model=None, **common)) == 0
+    out = capsys.readouterr().out
+    assert "drafter: the model's MTP layers" in out
+    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
+    assert [r[0] for r in rows] == ["1", "2"] and all("equal" in r for r in rows)
