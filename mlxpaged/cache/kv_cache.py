@@ -356,6 +356,13 @@ class PagedKVCache:
         for pool, r in zip(pools, rows, strict=True):
             pool[dst_ids] = r
 
+    def copy_on_write(self, copies: Sequence) -> None:
+        """A fork's copy-on-write copies (`CopyOnWrite`s: src_block, dst_block, space), every block space's, landed."""
+        for space in sorted({c.space for c in copies}):  # ids of one block space per call
+            self.copy_blocks([(c.src_block, c.dst_block) for c in copies if c.space == space], space)
+        if copies:
+            mx.eval(self.pools)
+
     def _space_pools(self, space: int) -> list[mx.array]:
         """Every array of the pools of block space `space` (`pools` order)."""
         keys = [j for j, s in enumerate(self.pool_spaces) if s == space]

@@ -221,6 +221,8 @@ class EngineCore:
             if r.accepted
         }
         self.scheduler.update_from_output(out, sampled, failed, accepted)  # 3. update
+        if self.speculator is not None:
+            self.speculator.observe(out, accepted)  # before n > 1 forks start from what the drafter keeps
         self.outputs.process(out, rows, results)  # 4. process outputs
         seconds = time.perf_counter() - started
         if self.speculator is not None:

@@ -179,6 +179,11 @@ class Speculator:
             for (chunk, _), drafts in zip(asked, self.model.propose(out.chunks, asked), strict=True):
                 _append(out, chunk, drafts)
 
+    def observe(self, out: SchedulerOutput, accepted: dict[str, list[int]]) -> None:
+        """After the step's update: what it computed and kept, for a drafter that reads the model's hidden states."""
+        if self.model is not None:
+            self.model.observe(out.chunks, accepted)
+
     def fork(self, parent_id: str, child_id: str, copies: list) -> None:
         """An n > 1 sequence starts: a draft model's pages get the parent's copy-on-write copies too."""
         if self.model is not None:
@@ -200,8 +205,7 @@ class Speculator:
                 policy.update(len(chunk.drafts), kept)
         for request_id in [rid for rid in self._policies if self.scheduler.get(rid) is None]:
             del self._policies[request_id]
-        if self.model is not None:  # what the step kept, then forget finished and aborted requests
-            self.model.observe(out.chunks, accepted)
+        if self.model is not None:  # finished and aborted requests
             self.model.keep_only(lambda request_id: self.scheduler.get(request_id) is not None)
 
     def may_draft(self, requests: list[Request]) -> bool:

@@ -110,10 +110,7 @@ class ModelDrafter:
 
     def fork(self, parent_id: str, child_id: str, copies: Sequence) -> None:
         """An n > 1 sequence starts from its parent: the draft's pages get the same copy-on-write copies."""
-        for space in sorted({c.space for c in copies}):
-            self.kv.copy_blocks([(c.src_block, c.dst_block) for c in copies if c.space == space], space)
-        if copies:
-            mx.eval(self.kv.pools)
+        self.kv.copy_on_write(copies)
         if parent_id in self._synced:
             self._synced[child_id] = (0, self._synced[parent_id][1])  # a child starts unpreempted
 

@@ -228,9 +228,7 @@ class Runner:
             self._flush_pending()  # a fork starts after a step that settled: nothing is in flight
             if self.mirror is not None:  # across ranks there is one block space (build.py refuses several)
                 self.mirror.before_copy([(c.src_block, c.dst_block) for c in copies])
-            for space in sorted({c.space for c in copies}):  # ids of one block space per call
-                self.kv.copy_blocks([(c.src_block, c.dst_block) for c in copies if c.space == space], space)
-            mx.eval(self.kv.pools)
+            self.kv.copy_on_write(copies)
 
     def _settle(self, ahead: Lookahead | None) -> None:
         """The pipeline stops: let a queued pass nobody adopts finish (a pool write queued while it reads

@@ -16,12 +16,12 @@ tokens. Its pages therefore only need to be right where they are read often: pos
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mlxpaged.cache.cache_view import paged_views
 from mlxpaged.cache.kv_cache import PagedKVCache
 from mlxpaged.loading.mtp_head import MtpHead
+from mlxpaged.runner.kept_hidden import KeptHidden
 from mlxpaged.runner.model_runner import Runner
 from mlxpaged.runner.passes import StepInput, prefill_passes
 
@@ -31,32 +31,6 @@ if TYPE_CHECKING:
     from mlxpaged.engine.scheduler import ScheduledChunk
 
 SHORT_FEED = 9  # positions of a feed that shares the decode rows' pass (a verify row's: k <= 7 drafts + 1, and one)
-
-
-@dataclass
-class _Kept:
-    """A request's positions start.. whose hidden states the model computed (and whose next tokens stand), for its
-    admission; those before `fed` are in the MTP block's pages already. Once fed, the last position's is kept: a
-    drafting row whose positions were all fed (a chunk cut short by the step's budget) feeds it again for its first
-    draft."""
-
-    admission: int
-    start: int
-    hidden: mx.array  # [positions, H]
-    fed: int
-
-    @property
-    def end(self) -> int:
-        return self.start + self.hidden.shape[0]
-
-    def merged(self, start: int, hidden: mx.array) -> _Kept:
-        """These positions and `hidden`'s at start.. (recomputed ones: the same), when the two touch; else the new."""
-        end = start + hidden.shape[0]
-        if start > self.end or end < self.start:
-            return _Kept(self.admission, start, hidden, start)  # a gap: what the model did not compute is not fed
-        parts = [self.hidden[: start - self.start]] if self.start < start else []
-        parts += [hidden] + ([self.hidden[end - self.start :]] if end < self.end else [])
-        return _Kept(self.admission, min(start, self.start), mx.concatenate(parts), self.fed)
 
 
 class MtpDrafter:
@@ -69,26 +43,11 @@ class MtpDrafter:
             self.embed, self.lm_head = target.model.model.embed_tokens, target.head
         else:  # a vision-language model's language model (vision/language.py)
             self.embed, self.lm_head = target.model.embed_tokens, target.model.logits_from_hidden
-        self._kept: dict[str, _Kept] = {}
+        self.kept = KeptHidden()  # the model's hidden states not fed yet, per request
 
     def observe(self, chunks: Sequence[ScheduledChunk], accepted: dict[str, list[int]]) -> None:
-        """After a step: keep the hidden states of the positions whose tokens stand, each chunk's computed ones (a
-        drafting chunk's: its tokens before the drafts and the accepted drafts)."""
-        hidden = self.target.last_hidden or []
-        for chunk, states in zip(chunks, hidden, strict=False):
-            if states is None:
-                continue
-            request = chunk.request
-            kept = len(chunk.token_ids) - len(chunk.drafts) + len(accepted.get(request.request_id, []))
-            kept = min(kept, request.num_tokens - 1 - chunk.start)  # a position is fed with the token after it
-            if kept <= 0:
-                continue
-            states = states[:kept]
-            old = self._kept.get(request.request_id)
-            if old is not None and old.admission == request.num_preemptions:
-                self._kept[request.request_id] = old.merged(chunk.start, states)
-            else:
-                self._kept[request.request_id] = _Kept(request.num_preemptions, chunk.start, states, chunk.start)
+        """After a step: keep the hidden states of the positions whose tokens stand."""
+        self.kept.observe(chunks, self.target.last_hidden or [], accepted)
 
     def propose(
         self, chunks: Sequence[ScheduledChunk], drafting: Sequence[tuple[ScheduledChunk, int]]
@@ -135,29 +94,19 @@ class MtpDrafter:
 
     def ready(self, chunk: ScheduledChunk) -> bool:
         """Whether `chunk` (a decode chunk) can draft now: the model computed its request's position before the
-        chunk's last token, which gives the first draft. Not so for a chunk of several tokens the model has not
-        computed (a preempted request's, or a first step after a fork); it decodes plainly, and drafts next step."""
-        kept = self._kept.get(chunk.request.request_id)
-        return (
-            kept is not None
-            and kept.admission == chunk.request.num_preemptions
-            and kept.end == chunk.start + len(chunk.token_ids) - 1
-        )
+        chunk's last token, which gives the first draft (else it decodes plainly, and drafts next step)."""
+        return self.kept.ready(chunk)
 
     def _feed(self, chunk: ScheduledChunk, samples: bool) -> tuple[StepInput, mx.array] | None:
         """The MTP block's input for `chunk`'s request: its kept positions not fed yet (their hidden states and the
         tokens after them). A drafting row's (`ready`) ends at the position before its last token's, which is fed
         again if it was already."""
-        request = chunk.request
-        kept = self._kept.get(request.request_id)
-        if kept is not None and kept.admission != request.num_preemptions:
-            kept = None
-        if kept is None or (kept.fed >= kept.end and not samples):
+        taken = self.kept.take(chunk, last_again=samples)
+        if taken is None:
             return None
-        first = min(max(kept.start, kept.fed), kept.end - 1)
-        self._kept[request.request_id] = _Kept(kept.admission, kept.end - 1, kept.hidden[-1:], kept.end)
-        tokens = request.token_ids_between(first + 1, kept.end + 1)
-        return StepInput(tokens, first, chunk.block_tables, samples), kept.hidden[first - kept.start :]
+        first, hidden = taken
+        tokens = chunk.request.token_ids_between(first + 1, first + hidden.shape[0] + 1)
+        return StepInput(tokens, first, chunk.block_tables, samples), hidden
 
     def _run(self, feeds: list[StepInput], states: list[mx.array]) -> list[mx.array]:
         """Feed the MTP block: rows of a few positions (decode and verify rows) share a pass, longer ones are grouped
@@ -202,18 +151,12 @@ class MtpDrafter:
     def fork(self, parent_id: str, child_id: str, copies: Sequence) -> None:
         """An n > 1 sequence starts from its parent: the MTP block's pages get the same copy-on-write copies, and
         the child is fed the parent's kept positions too."""
-        for space in sorted({c.space for c in copies}):
-            self.kv.copy_blocks([(c.src_block, c.dst_block) for c in copies if c.space == space], space)
-        if copies:
-            mx.eval(self.kv.pools)
-        kept = self._kept.get(parent_id)
-        if kept is not None:
-            self._kept[child_id] = _Kept(0, kept.start, kept.hidden, kept.fed)  # a child starts unpreempted
+        self.kv.copy_on_write(copies)
+        self.kept.fork(parent_id, child_id)
 
     def keep_only(self, live: Callable[[str], bool]) -> None:
         """Forget the requests that are no longer `live` (finished, aborted)."""
-        for request_id in [rid for rid in self._kept if not live(rid)]:
-            del self._kept[request_id]
+        self.kept.keep_only(live)
 
 
 def _padded(states: mx.array, width: int) -> mx.array:

@@ -75,7 +75,7 @@ def run(core, prompts: dict, params) -> dict:
         core.add_request(rid, prompt, params, events[rid].append)
     run_to_completion(core)
     assert core.scheduler.kv_manager.stats().num_owned == 0
-    assert not core.speculator.model._kept  # finished requests are forgotten
+    assert not core.speculator.model.kept  # finished requests are forgotten
     return {rid: token_ids(e) for rid, e in events.items()}
 
 
@@ -174,3 +174,26 @@ def test_preempted_sequences_resume_with_the_plain_tokens_and_right_mtp_pages(mo
     core = mtp_core(model, head, tokenizer, full(PROMPTS, expected), num_blocks=14, max_num_seqs=3)
     check(core, model, head, run(core, PROMPTS, params), expected)
     assert core.stats.preemptions > 0
+
+
+def test_n_sequences_fork_the_mtp_pages_and_kept_positions_too(model, head, tokenizer):
+    params = dataclasses.replace(SEEDED, n=3)
+    prompt = {"a": PROMPTS["b"]}
+
+    def by_sequence(core) -> dict:
+        events: list = []
+        core.add_request("a", prompt["a"], params, events.append)
+        run_to_completion(core)
+        out: dict = {}
+        for e in events:
+            if e.token_id is not None:
+                out.setdefault(e.index, []).append(e.token_id)
+        return out
+
+    expected = by_sequence(make_core(model, tokenizer))
+    core = mtp_core(model, head, tokenizer, [prompt["a"] + tokens for tokens in expected.values()])
+    assert by_sequence(core) == expected
+    assert core.scheduler.kv_manager.stats().num_owned == 0
+    assert core.speculator.stats.accepted_tokens > 0
+    for tokens, drafts in core.proposals:
+        assert drafts == unpaged_drafts(model, head, tokens, len(drafts)), len(tokens)
