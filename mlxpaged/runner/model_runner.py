@@ -32,6 +32,7 @@ from mlxpaged.runner.deferred_writes import (
     defers_writes,
 )
 from mlxpaged.runner.draft_verify import sample_with_drafts
+from mlxpaged.runner.layer_outputs import LayerOutputs
 from mlxpaged.runner.passes import StepInput, logit_positions, prefill_passes, split_head, state_model_passes
 from mlxpaged.runner.routing import is_routed
 from mlxpaged.runner.sampling import LazySample, SampleResult, sample_batch
@@ -181,12 +182,16 @@ class Runner:
         # `capture_hidden()`: each step keeps the model's last hidden state of every position it computed, per input.
         self.last_hidden: list[mx.array | None] | None = None
         self._captured: dict[int, mx.array] = {}  # id(StepInput) -> its positions' hidden states, this step
+        self._layer_outputs: LayerOutputs | None = None  # capture_hidden(layers)
 
-    def capture_hidden(self) -> None:
-        """From now on `last_hidden[i]` holds the last step's input i's hidden states [L, H] (the body's output, the
-        LM head's input), lazy, which MTP layers draft from (runner/mtp_drafter.py). Every pass then runs eagerly
-        through the split head: no compiled decode pass, none queued ahead."""
-        if self.head is None and not getattr(self.model, "returns_hidden", False):
+    def capture_hidden(self, layers: Sequence[int] = ()) -> None:
+        """From now on `last_hidden[i]` holds the last step's input i's hidden states [L, H], lazy: the body's output
+        (the LM head's input), which MTP layers draft from (runner/mtp_drafter.py), or with `layers` the outputs of
+        those decoder layers side by side [L, n * H] (DFlash: runner/dflash_drafter.py). Every pass then runs eagerly:
+        no compiled decode pass, none queued ahead."""
+        if layers:
+            self._layer_outputs = LayerOutputs(self.model.layers, layers)
+        elif self.head is None and not getattr(self.model, "returns_hidden", False):
             raise ValueError("the model's LM head cannot be split from its body: its hidden states are not reachable")
         self.decoder, self.defers = None, False
         self.last_hidden = []
@@ -492,11 +497,6 @@ class Runner:
             state_pass.commit()  # a launched pass is used: its rows are the sequences' state now
         self.launch(logits, *(state_pass.new_arrays() if state_pass is not None else ()))
 
-    def _capture(self, batch: list[StepInput], captured: dict) -> None:
-        """Keep each row's hidden states of a pass (capture_hidden): `captured["hidden_out"]`, [B, L, H] or absent."""
-        for hidden in captured.get("hidden_out", []):
-            self._captured.update({id(x): hidden[b, : len(x.token_ids)] for b, x in enumerate(batch)})
-
     def _forward(self, batch: list[StepInput], tokens: mx.array) -> tuple[mx.array, StatePass | None]:
         """The model over `batch` through paged KV views (and state views): lazy logits of each row's last
         `num_logits` positions and the pass's state, not stored yet."""
@@ -509,26 +509,36 @@ class Runner:
                 raise ValueError("every row of a model with state layers needs its state slot")
             state_pass = StatePass(self.state_store, slots, num_new)
         views = cache_tree.model_cache(self.layout, views, state_pass.views if state_pass is not None else None)
+        layers = self._layer_outputs if self.last_hidden is not None else None
+        # The body's output, kept (capture_hidden without layers).
+        hidden_out: list | None = [] if self.last_hidden is not None and layers is None else None
+        with layers.recording() if layers is not None else nullcontext():
+            logits = self._logits(batch, tokens, views, hidden_out)
+        kept = layers.stacked() if layers is not None else hidden_out[0] if hidden_out else None
+        if kept is not None:
+            self._captured.update({id(x): kept[b, : len(x.token_ids)] for b, x in enumerate(batch)})
+        return logits, state_pass
+
+    def _logits(self, batch: list[StepInput], tokens: mx.array, views: list, hidden_out: list | None) -> mx.array:
+        """Logits of each row's last `num_logits` positions; the body's output [B, L, H] appended to `hidden_out`
+        when given (capture_hidden)."""
         rows, columns = logit_positions(batch)
         embedding = batch[0].embedding  # a chunk with one runs alone (passes.py)
         # A vision-language model (vision/language.py) hands back its hidden states when asked (`hidden_out`).
-        captured: dict = {"hidden_out": []} if self.last_hidden is not None and self.head is None else {}
+        asked: dict = {"hidden_out": hidden_out} if hidden_out is not None and self.head is None else {}
         if embedding is not None:  # a vision-language model's own language model
-            arguments = {**embedding.arguments, **captured}
-            logits = self.model(tokens, cache=views, inputs_embeds=embedding.inputs_embeds, **arguments)
-            self._capture(batch, captured)
-            return logits[rows, columns], state_pass
+            arguments = {**embedding.arguments, **asked}
+            return self.model(tokens, cache=views, inputs_embeds=embedding.inputs_embeds, **arguments)[rows, columns]
         if self.takes_positions:
             starts, deltas = [x.start for x in batch], [x.position_delta for x in batch]
             positions = row_positions(starts, deltas, tokens.shape[1])
-            logits = self.model(tokens, cache=views, position_ids=positions, **captured)
-            self._capture(batch, captured)
-            return logits[rows, columns], state_pass
+            return self.model(tokens, cache=views, position_ids=positions, **asked)[rows, columns]
         if self.head is not None:
             hidden = self.model.model(tokens, cache=views)
-            self._capture(batch, {"hidden_out": [hidden]} if self.last_hidden is not None else {})
-            return self.head(hidden[rows, columns]), state_pass
-        return self.model(tokens, cache=views)[rows, columns], state_pass
+            if hidden_out is not None:
+                hidden_out.append(hidden)
+            return self.head(hidden[rows, columns])
+        return self.model(tokens, cache=views)[rows, columns]
 
 
 def _pending_limit(pending: PendingKV) -> int:
