@@ -23,25 +23,26 @@ from mlxpaged.distributed.channel import PlanChannel
 from mlxpaged.distributed.leader import PlanSender
 from mlxpaged.distributed.memory import agreed_plan, host_share
 from mlxpaged.distributed.ranks import Ranks
+from mlxpaged.engine import hidden_drafters
 from mlxpaged.engine.core import EngineCore
+from mlxpaged.engine.hidden_drafters import HiddenDrafter
 from mlxpaged.engine.kv_tiering import KVTiering
 from mlxpaged.engine.metrics import StatsCounter
 from mlxpaged.engine.state_tiering import StateTiering
 from mlxpaged.errors import ConfigError
 from mlxpaged.kernels.attention import PreparedAttention, prepare_model_attention
+from mlxpaged.loading.dflash_model import DFlashSource
 from mlxpaged.loading.draft_model import check_draft_layout, check_draft_setting, check_draft_tokenizer, with_draft
 from mlxpaged.loading.fused_projections import fuse_projections
 from mlxpaged.loading.loader import LoadedModel, activation_dtype, check_paged_support
-from mlxpaged.loading.mtp_head import MtpHead, find_mtp, load_mtp_head, mtp_facts
 from mlxpaged.loading.probe import probe_layout
 from mlxpaged.platform import backend
 from mlxpaged.platform.memory import DeviceFacts, MemoryPlan, ModelFacts, plan_memory
-from mlxpaged.platform.model_facts import context_length, model_weight_bytes
+from mlxpaged.platform.model_facts import context_length
 from mlxpaged.runner.batch_check import batch_mismatch
 from mlxpaged.runner.kv_calibration import transform_for
 from mlxpaged.runner.model_drafter import ModelDrafter
 from mlxpaged.runner.model_runner import Runner
-from mlxpaged.runner.mtp_drafter import MtpDrafter
 from mlxpaged.runner.routing import route_paged_attention
 
 import mlx.core as mx
@@ -63,7 +64,8 @@ class BuiltCore:
     disk_tier_off: str | None = None  # why the disk tier asked for is off (None: on, or not asked for)
     adapters: AdapterSet | None = None  # the LoRA / DoRA adapters requests may name (adapters/); None across ranks
     draft: ModelDrafter | None = None  # the draft model's runner and pools (`draft_model=`), or None
-    mtp: MtpDrafter | None = None  # the checkpoint's MTP layers and their pools (speculative "mtp"), or None
+    # The drafter reading the model's hidden states (speculative "mtp": its MTP layers; "dflash"), or None.
+    hidden_drafter: HiddenDrafter | None = None
 
 
 def build_core(
@@ -75,19 +77,20 @@ def build_core(
     has_commands: Callable[[], bool],
     ranks: Ranks | None = None,
     adapters: Mapping[str, AdapterSource] | None = None,
-    draft: LoadedModel | None = None,
+    draft: LoadedModel | DFlashSource | None = None,
 ) -> BuiltCore:
     """Plan, allocate and check everything for `loaded`; raises (InsufficientMemoryError, an unsupported
     layout) before any request is taken. `has_commands`: whether callers queued anything (the core pipelines
     only when nothing did). `ranks`: the processes this (sharded) model runs over, every one building the same
     core; rank 0's runner sends its passes to the others (distributed/). `adapters`: name -> adapter directory (or
     its files, read already), attached to the model's layers here, before anything else wraps or fuses them. `draft`:
-    a draft model for speculative decoding (scheduler_config.speculative "draft"), planned and given pools here."""
+    a draft model for speculative decoding (scheduler_config.speculative "draft"), or a DFlash drafter to load
+    ("dflash"), planned and given pools here."""
     check_draft_setting(scheduler_config.speculative, draft is not None)
     if draft is not None and ranks is not None:
         raise ConfigError("a draft model across mlx.launch ranks is not supported yet", param="draft_model")
-    if scheduler_config.speculative == "mtp" and ranks is not None:
-        raise ConfigError("MTP drafting across mlx.launch ranks is not supported yet", param="speculative")
+    if scheduler_config.speculative in ("mtp", "dflash") and ranks is not None:
+        raise ConfigError("MTP or DFlash drafting across mlx.launch ranks is not supported yet", param="speculative")
     if adapters and ranks is not None:
         raise ConfigError("adapters across mlx.launch ranks are not supported yet", param="adapters")
     # Adapters may be added later too (Engine.add_adapter), not across ranks; AdapterError before anything is planned.
@@ -105,12 +108,13 @@ def build_core(
         layout, weight_bytes, kv_dtype.size, context_length(loaded.config), loaded.vision is not None
     )
     draft_layout = None
-    if draft is not None:
+    if isinstance(draft, LoadedModel):
         draft_layout = _prepare_draft(loaded, layout, draft, kv_dtype)
         facts = with_draft(facts, ModelFacts.from_layout(draft_layout, draft.weight_bytes, kv_dtype.size))
-    mtp_head = None
-    if scheduler_config.speculative == "mtp":
-        mtp_head, facts = _prepare_mtp(loaded, layout, kv_dtype, facts)
+    reader = None  # a drafter reading the model's hidden states (MTP layers, DFlash), counted in the plan
+    if scheduler_config.speculative in ("mtp", "dflash"):
+        reader = hidden_drafters.prepare(scheduler_config.speculative, loaded, layout, kv_dtype, facts, draft)
+        facts = reader.facts
     device = DeviceFacts.detect()
     if ranks is not None:  # ranks on one host share its memory
         device = host_share(device, ranks.on_host)
@@ -140,7 +144,7 @@ def build_core(
     # Not exact in a ragged batch (or cannot take one): one sequence per pass, decided here, not mid-request.
     serial = layout_serial_reason(layout, loaded.model, kv_dtype, cache_config.block_size)
     drafter = None
-    if draft is not None and draft_layout is not None:
+    if isinstance(draft, LoadedModel) and draft_layout is not None:
         drafter = _build_drafter(draft, draft_layout, plan, cache_config, kv_dtype, layout.vocab_size)
     core = EngineCore.create(
         loaded.model,
@@ -158,15 +162,15 @@ def build_core(
         has_commands=has_commands,
         model_drafter=drafter,
     )
-    mtp = None
-    if mtp_head is not None:
-        mtp = build_mtp_drafter(mtp_head, core.runner, loaded.name, cache_config, kv_dtype, layout.vocab_size)
-        assert core.speculator is not None  # speculative "mtp" is set
-        core.speculator.model = mtp
+    hidden_drafter = None
+    if reader is not None:
+        hidden_drafter = reader.attach(core.runner, cache_config, kv_dtype, layout.vocab_size)
+        assert core.speculator is not None  # speculative "mtp" or "dflash" is set
+        core.speculator.model = hidden_drafter
     evaluate_model_arrays(loaded.model)  # after every forward on this thread (probe, split_head)
     if loaded.vision is not None:  # the vision tower and projector run on the engine thread too
         evaluate_model_arrays(loaded.vision.model)
-    if draft is not None:
+    if isinstance(draft, LoadedModel):
         evaluate_model_arrays(draft.model)
     if ranks is not None:
         core.all_ranks_ok = ranks.all_true  # the compiled pass's warm-up: every rank falls back, or none
@@ -176,7 +180,7 @@ def build_core(
         core.runner.adapter_rows, core.adapters = adapter_set.rows, adapter_set
     disk_off = attach_disk_tier(core, loaded, layout, cache_config) if cache_config.kv_disk_dir else None
     return BuiltCore(
-        layout, facts, plan, kv, attention, max_model_len, serial, core, disk_off, adapter_set, drafter, mtp
+        layout, facts, plan, kv, attention, max_model_len, serial, core, disk_off, adapter_set, drafter, hidden_drafter
     )
 
 
@@ -210,48 +214,6 @@ def _build_drafter(
     # A draft not exact in a ragged batch only drafts worse; one that fails in one must not fail mid-request.
     serial = layout_serial_reason(layout, draft.model, kv_dtype, config.block_size)
     return ModelDrafter(Runner(draft.model, kv, layout, serial=serial is not None), draft.name, vocab_size)
-
-
-def _prepare_mtp(
-    loaded: LoadedModel, layout: ModelLayout, kv_dtype: mx.Dtype, facts: ModelFacts
-) -> tuple[MtpHead, ModelFacts]:
-    """The checkpoint's MTP layers, loaded (ConfigError for a checkpoint without them, or a model they cannot draft
-    for), and the model's `facts` with them, as the memory plan counts the pair (their weights and pages)."""
-    check_draft_layout(layout, "model", loaded.name)  # its pages share the model's block ids, as a draft's do
-    checkpoint = find_mtp(loaded.path, loaded.name)
-    head = load_mtp_head(checkpoint, kv_dtype)
-    return head, with_draft(facts, mtp_facts(checkpoint, facts, model_weight_bytes(head)))
-
-
-def build_mtp_drafter(
-    head: MtpHead,
-    runner: Runner,
-    name: str,
-    config: CacheConfig,
-    kv_dtype: mx.Dtype,
-    vocab_size: int,
-) -> MtpDrafter:
-    """The MTP layers' pools (as many blocks as the model's: one block id, a page in each; K/V of the model's
-    attention width) and the drafter over them; the model's runner keeps its hidden states from now on."""
-    target = runner.kv
-    if len(target.space_blocks) != 1:
-        raise ConfigError("MTP drafting needs a model whose pages keep one block space", param="speculative")
-    geometry = target.geometries[-1]
-    kv = PagedKVCache(
-        len(head.layers),
-        target.space_blocks,
-        config.block_size,
-        None,
-        None,
-        kv_dtype,
-        geometries=(geometry,) * len(head.layers),
-        quantization=config.quantization,
-    )
-    try:
-        runner.capture_hidden()
-    except ValueError as exc:
-        raise ConfigError(f"MTP drafting cannot run on {name!r}: {exc}", param="speculative") from exc
-    return MtpDrafter(head, kv, runner, name, vocab_size)
 
 
 def _check_distributed(layout: ModelLayout, config: CacheConfig) -> None:

@@ -44,6 +44,7 @@ from mlxpaged.errors import (  # noqa: F401  (re-exported)
     UnknownAdapterError,
 )
 from mlxpaged.loading.checkpoint import read_before_load
+from mlxpaged.loading.dflash_model import DFlashSource, dflash_facts_before_load
 from mlxpaged.loading.draft_model import check_draft_setting, draft_facts_before_load
 from mlxpaged.loading.generation_defaults import GenerationDefaults, load_defaults
 from mlxpaged.loading.loader import LoadedModel, chat_prompt, load_local, locate_model
@@ -76,12 +77,13 @@ class Engine:
         scheduler_config: SchedulerConfig | None = None,
         ranks: Ranks | None = None,
         adapters: Mapping[str, AdapterSource] | None = None,
-        draft: LoadedModel | None = None,
+        draft: LoadedModel | DFlashSource | None = None,
     ):
         """`ranks`: rank 0 of a group whose other ranks run distributed.follower (distributed/start.py).
         `adapters`: name -> LoRA / DoRA adapter directory (mlx_lm.lora's output), which requests pick by name
         (`adapter=`); each is checked against the model here (AdapterError), never mid-request. `draft`: a smaller
-        model of the same tokenizer that drafts tokens the model verifies (scheduler_config.speculative "draft")."""
+        model of the same tokenizer that drafts tokens the model verifies (scheduler_config.speculative "draft"), or
+        a DFlash drafter to read ("dflash")."""
         self.loaded = loaded
         self.ranks = ranks
         self.cache_config = cache_config or CacheConfig(cache_tokens=DEFAULT_CACHE_TOKENS)
@@ -129,7 +131,8 @@ class Engine:
         same tokenizer (a name or path, as `model`) drafting tokens this one verifies (speculative "draft", the
         default then; `num_speculative_tokens` drafts at most); both models and both pools are planned before either
         model's weights are read, and a pair that cannot draft (another tokenizer, layers that cannot roll back) is
-        refused before the model is built."""
+        refused before the model is built. With speculative "dflash", `draft_model` is a DFlash drafter published
+        for this model (loading/dflash_model.py)."""
         settings.setdefault("cache_tokens", DEFAULT_CACHE_TOKENS)
         if draft_model is not None and settings.get("speculative") is None:
             settings["speculative"] = "draft"
@@ -142,13 +145,17 @@ class Engine:
         facts, layout = read_before_load(path, backend.current())
         facts = dataclasses.replace(facts, weight_bytes=facts.weight_bytes + sum(f.nbytes for f in files.values()))
         draft_ref = None
+        dflash = scheduler.speculative == "dflash"
         if draft_model is not None:
             draft_ref, draft_path = locate_model(draft_model, progress)
-            facts = draft_facts_before_load(facts, layout, ref.name, draft_path, draft_ref.name)
+            before_load = dflash_facts_before_load if dflash else draft_facts_before_load
+            facts = before_load(facts, layout, ref.name, draft_path, draft_ref.name)
         if scheduler.speculative == "mtp":  # the checkpoint's MTP layers: refused without them, their pages planned
             facts = mtp_facts_before_load(facts, path, ref.name)
         plan_memory(DeviceFacts.detect(), facts, cache, scheduler)
-        draft = load_local(draft_ref, draft_path) if draft_ref is not None else None
+        draft: LoadedModel | DFlashSource | None = None
+        if draft_ref is not None:  # a DFlash drafter is read by build.py, in the model's K/V dtype
+            draft = DFlashSource(draft_path, draft_ref.name) if dflash else load_local(draft_ref, draft_path)
         return cls(load_local(ref, path), cache, scheduler, adapters=files, draft=draft)
 
     @property

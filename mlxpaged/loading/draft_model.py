@@ -13,14 +13,16 @@ from mlxpaged.cache.layout import ModelLayout
 from mlxpaged.errors import ConfigError
 from mlxpaged.platform.model_facts import KVShape, ModelFacts
 
+DRAFTING_MODELS = ("draft", "dflash")  # the speculative methods whose drafts come from `draft_model=`
+
 
 def check_draft_setting(speculative: str | None, has_draft: bool) -> None:
-    """A draft model and `speculative="draft"` come together."""
-    if not has_draft and speculative == "draft":
+    """A draft model and `speculative="draft"` (or "dflash": a DFlash drafter) come together."""
+    if not has_draft and speculative in DRAFTING_MODELS:
         raise ConfigError(
-            "{speculative:'draft'} needs a draft model (draft_model=, --draft-model)", param="draft_model"
+            f"{{speculative:{speculative!r}}} needs a draft model (draft_model=, --draft-model)", param="draft_model"
         )
-    if has_draft and speculative != "draft":
+    if has_draft and speculative not in DRAFTING_MODELS:
         raise ConfigError(
             f"a draft model drafts with {{speculative:'draft'}}, not {{speculative:{speculative!r}}}",
             param="speculative",

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from mlxpaged.config import CacheConfig
-from mlxpaged.engine.build import build_mtp_drafter
+from mlxpaged.engine.hidden_drafters import mtp_drafter
 from mlxpaged.loading.mtp_head import MtpHead
 from mlxpaged.sampling_params import SamplingParams
 from tests.engine.test_core import run_to_completion, token_ids
@@ -48,8 +48,16 @@ def mtp_core(model, head, tokenizer, continuations: list[list[int]], k: int = 3,
     the MTP layers are fed the kept ones. What they drafted themselves is recorded in `core.proposals`: (the
     request's tokens when it drafted, the drafts)."""
     core = make_core(model, tokenizer, speculative="mtp", num_speculative_tokens=k, **scheduling)
-    drafter = build_mtp_drafter(head, core.runner, "tiny", CacheConfig(block_size=8), mx.float32, vocab_size=256)
+    drafter = mtp_drafter(head, "tiny", core.runner, CacheConfig(block_size=8), mx.float32, vocab_size=256)
     core.speculator.model = drafter
+    known_drafts(core, drafter, continuations)
+    return core
+
+
+def known_drafts(core, drafter, continuations: list[list[int]]) -> None:
+    """Make `drafter` (attached to `core`) hand the verify pass the known continuation of each request (`continuations`:
+    prompt and plain reply), every third draft run wrong in the middle, and record what it drafted itself in
+    `core.proposals`: (the request's tokens when it drafted, the drafts)."""
     core.proposals = []
     propose = drafter.propose
 
@@ -66,7 +74,6 @@ def mtp_core(model, head, tokenizer, continuations: list[list[int]], k: int = 3,
         return [known(list(c.request.all_token_ids), len(d)) for (c, _), d in zip(drafting, drafts, strict=True)]
 
     drafter.propose = recorded
-    return core
 
 
 def run(core, prompts: dict, params) -> dict:
@@ -111,14 +118,16 @@ def unpaged_drafts(model, head, tokens: list[int], k: int) -> list[int]:
     return drafts
 
 
-def check(core, model, head, outputs: dict, expected: dict) -> None:
-    """The plain tokens; drafts kept and rejected; every draft the MTP layers made what they compute unpaged."""
+def check(core, model, head, outputs: dict, expected: dict, reference=None) -> None:
+    """The plain tokens; drafts kept and rejected; every draft the drafter made what it computes unpaged
+    (`reference(tokens, k)`; default: the MTP layers `head`'s)."""
     assert outputs == expected
     stats = core.speculator.stats
     assert 0 < stats.accepted_tokens < stats.draft_tokens
     assert core.proposals
+    reference = reference or (lambda tokens, k: unpaged_drafts(model, head, tokens, k))
     for tokens, drafts in core.proposals:
-        assert drafts == unpaged_drafts(model, head, tokens, len(drafts)), len(tokens)
+        assert drafts == reference(tokens, len(drafts)), len(tokens)
 
 
 def full(prompts: dict, outputs: dict) -> list[list[int]]:

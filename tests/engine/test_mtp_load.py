@@ -45,7 +45,7 @@ def test_mtp_layers_give_the_plain_tokens(dirs, kv_bits):
         assert generate(engine, prompts) == expected
         stats = engine.stats()
         assert stats["speculative"] == "mtp" and stats["spec_draft_tokens_total"] > 0
-        mtp = engine.built.mtp
+        mtp = engine.built.hidden_drafter
         assert len(mtp.head.layers) == 1 and mtp.kv.space_blocks == engine.kv.space_blocks
         # one block id stands for a page in the model's pools and the MTP layers': the plan counted both per block
         assert engine.plan.block_bytes == engine.kv.bytes_per_block + mtp.kv.bytes_per_block
@@ -134,7 +134,7 @@ def test_a_vision_language_checkpoint_drafts_with_its_mtp_layers_with_and_withou
         str(model_dir), cache_tokens=2048, speculative="mtp", num_speculative_tokens=3
     ) as engine:
         assert engine.loaded.vision is not None
-        drafter, proposals = engine.built.mtp, []
+        drafter, proposals = engine.built.hidden_drafter, []
         propose = drafter.propose
 
         def recorded(chunks, drafting):

@@ -1,0 +1,174 @@
+"""Drafting with a DFlash drafter (runner/dflash_drafter.py, loading/dflash_model.py): a tiny random drafter reading
+two layers of a tiny random model (a llama; a Qwen 3.5 hybrid) gives the model's own tokens, alone and batched,
+seeded, with a prefix hit, after preemption; and every block it drafts is what mlx-vlm's own DFlash drafter drafts
+from the same weights without pages, reading the model's layer outputs of a plain forward pass (the drafter's
+context pages must then be right through all of those). Loaded through the public API from a checkpoint directory:
+planned before any weight is read, refused with the reason when it was made for another model."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from mlxpaged import Engine
+from mlxpaged.cache.kv_cache import PagedKVCache
+from mlxpaged.config import CacheConfig, SchedulerConfig
+from mlxpaged.engine.core import EngineCore
+from mlxpaged.engine.hidden_drafters import dflash_drafter
+from mlxpaged.errors import ConfigError
+from mlxpaged.loading.dflash_model import DFlashConfig, DFlashModel
+from mlxpaged.runner.routing import route_paged_attention
+from tests.engine import test_engine_state
+from tests.engine.test_engine import tokenizer  # noqa: F401  (the fixture, shared)
+from tests.engine.test_mtp import GREEDY, PROMPTS, SEEDED, check, full, known_drafts, run, run_plain
+from tests.tiny_models import random_tokens, tiny_llama, tiny_qwen3_5, write_tiny_model_dir
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten, tree_map
+
+CONFIG = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 512,
+    "block_size": 8,
+    "dflash_config": {"mask_token_id": 255, "target_layer_ids": [0, 2]},
+}
+
+
+def random_drafter(seed: int = 21) -> DFlashModel:
+    mx.random.seed(seed)
+    model = DFlashModel(DFlashConfig.from_dict(CONFIG, "tiny"))
+    model.update(tree_map(lambda w: w * 3.0 if w.ndim == 2 else w, model.parameters()))
+    mx.eval(model.parameters())
+    return model
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3_5"])
+def target(request):
+    return tiny_llama(num_layers=3) if request.param == "llama" else tiny_qwen3_5()
+
+
+@pytest.fixture(scope="module")
+def drafter():
+    return random_drafter()
+
+
+def make_core(model, tokenizer, num_blocks: int = 64, **scheduling) -> EngineCore:
+    if model.args.model_type == "qwen3_5":  # state layers: the state slots and layout
+        return test_engine_state.make_core(model, tokenizer, num_blocks=num_blocks, **scheduling)
+    route_paged_attention()
+    args = model.args
+    kv = PagedKVCache(args.num_hidden_layers, num_blocks, 8, args.num_key_value_heads, args.head_dim)
+    return EngineCore.create(
+        model,
+        tokenizer,
+        kv,
+        CacheConfig(block_size=8),
+        SchedulerConfig(**{"max_num_seqs": 4, **scheduling}),
+        max_model_len=512,
+    )
+
+
+def dflash_core(model, drafter, tokenizer, continuations, k: int = 4, **scheduling) -> EngineCore:
+    core = make_core(model, tokenizer, speculative="dflash", num_speculative_tokens=k, **scheduling)
+    attached = dflash_drafter(drafter, "tiny", core.runner, CacheConfig(block_size=8), mx.float32, vocab_size=256)
+    core.speculator.model = attached
+    known_drafts(core, attached, continuations)
+    return core
+
+
+def plain(model, tokenizer, prompts, params, **scheduling) -> dict:
+    return run_plain(make_core(model, tokenizer, **scheduling), prompts, params)
+
+
+def layer_outputs(model, tokens: list[int], layer_ids) -> mx.array:
+    """The outputs of `layer_ids` over `tokens`, side by side: the model's layers called one by one, no cache."""
+    inner = model.model
+    h = inner.embed_tokens(mx.array([tokens]))
+    outputs = []
+    for layer in inner.layers:
+        h = layer(h, None if getattr(layer, "is_linear", False) else "causal", None)
+        outputs.append(h)
+    return mx.concatenate([outputs[i] for i in layer_ids], axis=-1)
+
+
+def mlx_vlm_reference(model, drafter):
+    """(tokens, k) -> the k drafts mlx-vlm's DFlashDraftModel makes after `tokens` (the last is the row's) from the same
+    weights: its cache fed every earlier position's layer outputs at once."""
+    from mlx_vlm.speculative.drafters.qwen3_dflash.config import DFlashConfig as TheirConfig
+    from mlx_vlm.speculative.drafters.qwen3_dflash.dflash import DFlashDraftModel
+
+    reference = DFlashDraftModel(TheirConfig.from_dict(CONFIG))
+    reference.load_weights(list(tree_flatten(drafter.parameters())), strict=True)
+    reference.bind(model)
+
+    def drafts(tokens: list[int], k: int) -> list[int]:
+        hidden = layer_outputs(model, tokens[:-1], drafter.config.target_layer_ids)
+        block = reference.draft_block(tokens[-1], hidden, reference.make_cache(), k + 1, lambda x: mx.argmax(x, -1))
+        return block[0].tolist()
+
+    return drafts
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_batched_dflash_drafts_give_the_plain_tokens_and_are_mlx_vlms(target, drafter, tokenizer, params):
+    expected = plain(target, tokenizer, PROMPTS, params)
+    core = dflash_core(target, drafter, tokenizer, full(PROMPTS, expected))
+    check(core, target, None, run(core, PROMPTS, params), expected, mlx_vlm_reference(target, drafter))
+
+
+def test_a_prefix_hit_and_preemption_keep_the_context_pages_right(target, drafter, tokenizer):
+    prompt = random_tokens(40, seed=5)
+    expected = plain(target, tokenizer, {"p": prompt}, GREEDY)["p"]
+    core = dflash_core(target, drafter, tokenizer, [prompt + expected])
+    run(core, {"first": prompt}, GREEDY)
+    check(
+        core,
+        target,
+        None,
+        run(core, {"second": prompt}, GREEDY),
+        {"second": expected},
+        mlx_vlm_reference(target, drafter),
+    )
+    params = dataclasses.replace(GREEDY, max_tokens=40)
+    expected = plain(target, tokenizer, PROMPTS, params)
+    core = dflash_core(target, drafter, tokenizer, full(PROMPTS, expected), num_blocks=14, max_num_seqs=3)
+    check(core, target, None, run(core, PROMPTS, params), expected, mlx_vlm_reference(target, drafter))
+    assert core.stats.preemptions > 0
+
+
+def write_drafter_dir(path, model: DFlashModel, **config):
+    path.mkdir(parents=True, exist_ok=True)
+    weights = {f"model.{name}": w for name, w in tree_flatten(model.parameters())}
+    mx.save_safetensors(str(path / "model.safetensors"), weights)
+    (path / "config.json").write_text(json.dumps({**CONFIG, "model_type": "qwen3", **config}))
+    return path
+
+
+def test_a_dflash_checkpoint_drafts_through_the_public_api_and_one_for_another_model_is_refused(tmp_path):
+    target = write_tiny_model_dir(tmp_path / "target", "llama", dtype="float32", seed=1, layers=3)
+    drafter = write_drafter_dir(tmp_path / "dflash", random_drafter())
+    prompts = [random_tokens(n, seed=n) for n in (9, 30)]
+    settings = {"cache_tokens": 2048, "num_speculative_tokens": 4}
+    with Engine.from_pretrained(str(target), cache_tokens=2048) as engine:
+        expected = [c.token_ids for c in engine.generate(prompts, GREEDY)]
+    with Engine.from_pretrained(str(target), draft_model=str(drafter), speculative="dflash", **settings) as engine:
+        assert [c.token_ids for c in engine.generate(prompts, GREEDY)] == expected
+        stats = engine.stats()
+        assert stats["speculative"] == "dflash" and stats["spec_draft_tokens_total"] > 0
+        pages = engine.built.hidden_drafter.kv
+        assert engine.plan.block_bytes == engine.kv.bytes_per_block + pages.bytes_per_block
+    wide = write_drafter_dir(
+        tmp_path / "wide", random_drafter(), dflash_config={"mask_token_id": 255, "target_layer_ids": [0, 5]}
+    )
+    with pytest.raises(ConfigError, match="was not made for this model: it reads layers"):
+        Engine.from_pretrained(str(target), draft_model=str(wide), speculative="dflash", **settings)
+    with pytest.raises(ConfigError, match="is not a DFlash drafter"):
+        Engine.from_pretrained(str(target), draft_model=str(target), speculative="dflash", **settings)
