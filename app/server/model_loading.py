@@ -42,11 +42,13 @@ def estimate_cost(entry: CatalogEntry, settings: EngineSettings) -> ModelCost:
         return _embedder_estimate(entry, settings)
     cache, scheduler = split_settings(_engine_settings(entry, settings))
     facts, layout = read_before_load(entry.path, backend.current())
-    if entry.draft is not None:  # the pair is planned as one (loading/draft_model.py)
+    if entry.draft is not None:  # the pair is planned as one (loading/draft_model.py, loading/dflash_model.py)
+        from mlxpaged.loading.dflash_model import dflash_facts_before_load
         from mlxpaged.loading.draft_model import draft_facts_before_load
 
         draft_ref, draft_dir = entry.draft
-        facts = draft_facts_before_load(facts, layout, entry.name, draft_dir, draft_ref.name)
+        before_load = dflash_facts_before_load if scheduler.speculative == "dflash" else draft_facts_before_load
+        facts = before_load(facts, layout, entry.name, draft_dir, draft_ref.name)
     if scheduler.speculative == "mtp":  # the checkpoint's MTP layers' pages (loading/mtp_head.py)
         from mlxpaged.loading.mtp_head import mtp_facts_before_load
 
@@ -69,9 +71,12 @@ def _with_default_cache(cache: dict) -> dict:
 
 
 def _engine_settings(entry: CatalogEntry, settings: EngineSettings) -> dict:
-    """The cache and scheduler settings of `entry`'s engine: a model with a draft model (--draft-model) drafts."""
+    """The cache and scheduler settings of `entry`'s engine: a model with a draft model (--draft-model) drafts with it
+    (a DFlash drafter with --speculative dflash)."""
     cache = _with_default_cache(settings.cache)
-    return {**cache, "speculative": "draft"} if entry.draft is not None else cache
+    if entry.draft is not None and cache.get("speculative") != "dflash":
+        return {**cache, "speculative": "draft"}
+    return cache
 
 
 def _embedder_estimate(entry: CatalogEntry, settings: EngineSettings) -> ModelCost:
@@ -142,7 +147,12 @@ def build_engine(entry: CatalogEntry, settings: EngineSettings):
         )
     else:
         cache, scheduler = split_settings(_engine_settings(entry, settings))
-        draft = load_local(*entry.draft) if entry.draft is not None else None
+        draft = None
+        if entry.draft is not None:  # a DFlash drafter is read when the engine is built, in the model's K/V dtype
+            from mlxpaged.loading.dflash_model import DFlashSource
+
+            ref, where = entry.draft
+            draft = DFlashSource(where, ref.name) if scheduler.speculative == "dflash" else load_local(ref, where)
         engine = Engine(load_local(entry.ref, entry.path), cache, scheduler, adapters=dict(entry.adapters), draft=draft)
     try:
         defaults = sampling_defaults(engine, settings.generation_config)

@@ -32,6 +32,8 @@ def test_speculative_flags_reach_the_engine_settings():
     assert build_parser().parse_args(["chat", "--speculative", "ngram"]).speculative == "ngram"
     assert cache_settings(build_parser().parse_args(["serve", "--speculative", "mtp"]))["speculative"] == "mtp"
     assert build_parser().parse_args(["chat", "--speculative", "mtp"]).speculative == "mtp"
+    dflash = build_parser().parse_args(["serve", "--speculative", "dflash", "--draft-model", "z-lab/drafter"])
+    assert cache_settings(dflash)["speculative"] == "dflash" and dflash.draft_model == "z-lab/drafter"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["chat", "--speculative", "eagle"])
 
