@@ -224,7 +224,10 @@ def dflash_facts_before_load(facts: ModelFacts, layout, name: str, path: Path, d
     from mlxpaged.platform import backend
 
     check_draft_layout(layout, "model", name)
-    return with_draft(facts, dflash_facts(DFlashConfig.read(path, draft), path, facts, backend.current()))
+    config = DFlashConfig.read(path, draft)
+    if layout.num_layers is not None:
+        check_dflash_target(config, draft, facts.hidden_size, layout.num_layers, layout.vocab_size)
+    return with_draft(facts, dflash_facts(config, path, facts, backend.current()))
 
 
 def _targets(name: str) -> bool:

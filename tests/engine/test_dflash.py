@@ -42,9 +42,9 @@ CONFIG = {
 }
 
 
-def random_drafter(seed: int = 21) -> DFlashModel:
+def random_drafter(seed: int = 21, **config) -> DFlashModel:
     mx.random.seed(seed)
-    model = DFlashModel(DFlashConfig.from_dict(CONFIG, "tiny"))
+    model = DFlashModel(DFlashConfig.from_dict({**CONFIG, **config}, "tiny"))
     model.update(tree_map(lambda w: w * 3.0 if w.ndim == 2 else w, model.parameters()))
     mx.eval(model.parameters())
     return model
@@ -152,23 +152,33 @@ def write_drafter_dir(path, model: DFlashModel, **config):
     return path
 
 
-def test_a_dflash_checkpoint_drafts_through_the_public_api_and_one_for_another_model_is_refused(tmp_path):
-    target = write_tiny_model_dir(tmp_path / "target", "llama", dtype="float32", seed=1, layers=3)
-    drafter = write_drafter_dir(tmp_path / "dflash", random_drafter())
+@pytest.mark.parametrize("kv_bits", [None, 8])
+def test_a_dflash_checkpoint_drafts_through_the_public_api(tmp_path, kv_bits):
+    """Pages of 8-bit K/V too (widths of 32: whole quantization groups)."""
+    target = write_tiny_model_dir(tmp_path / "target", "llama", dtype="float32", seed=1, layers=3, head_dim=32)
+    drafter = write_drafter_dir(tmp_path / "dflash", random_drafter(head_dim=32), head_dim=32)
     prompts = [random_tokens(n, seed=n) for n in (9, 30)]
-    settings = {"cache_tokens": 2048, "num_speculative_tokens": 4}
-    with Engine.from_pretrained(str(target), cache_tokens=2048) as engine:
+    settings = {"cache_tokens": 2048, **({"kv_bits": kv_bits} if kv_bits else {})}
+    with Engine.from_pretrained(str(target), **settings) as engine:
         expected = [c.token_ids for c in engine.generate(prompts, GREEDY)]
-    with Engine.from_pretrained(str(target), draft_model=str(drafter), speculative="dflash", **settings) as engine:
+    settings |= {"draft_model": str(drafter), "speculative": "dflash", "num_speculative_tokens": 4}
+    with Engine.from_pretrained(str(target), **settings) as engine:
         assert [c.token_ids for c in engine.generate(prompts, GREEDY)] == expected
         stats = engine.stats()
         assert stats["speculative"] == "dflash" and stats["spec_draft_tokens_total"] > 0
         pages = engine.built.hidden_drafter.kv
+        assert pages.quantized == (kv_bits is not None)
         assert engine.plan.block_bytes == engine.kv.bytes_per_block + pages.bytes_per_block
-    wide = write_drafter_dir(
-        tmp_path / "wide", random_drafter(), dflash_config={"mask_token_id": 255, "target_layer_ids": [0, 5]}
-    )
+
+
+def test_a_drafter_for_another_model_or_not_a_drafter_is_refused_before_the_model_is_read(tmp_path):
+    target = write_tiny_model_dir(tmp_path / "target", "llama", dtype="float32", seed=1, layers=3)
+    settings = {"cache_tokens": 2048, "speculative": "dflash"}
+    flash = {"mask_token_id": 255, "target_layer_ids": [0, 5]}
+    wide = write_drafter_dir(tmp_path / "wide", random_drafter(), dflash_config=flash)
     with pytest.raises(ConfigError, match="was not made for this model: it reads layers"):
-        Engine.from_pretrained(str(target), draft_model=str(wide), speculative="dflash", **settings)
+        Engine.from_pretrained(str(target), draft_model=str(wide), **settings)
     with pytest.raises(ConfigError, match="is not a DFlash drafter"):
-        Engine.from_pretrained(str(target), draft_model=str(target), speculative="dflash", **settings)
+        Engine.from_pretrained(str(target), draft_model=str(target), **settings)
+    with pytest.raises(ConfigError, match="needs a draft model"):
+        Engine.from_pretrained(str(target), **settings)
