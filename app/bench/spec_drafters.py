@@ -79,7 +79,7 @@ def timed_batch(engine, prompts: list[list[int]], tokens: int) -> tuple[list[lis
 def bench_drafters(args: Namespace) -> int:
     from mlxpaged.config import CacheConfig, SchedulerConfig
     from mlxpaged.engine.engine import Engine
-    from mlxpaged.loading.dflash_model import DFlashSource
+    from mlxpaged.loading.draft_model import DrafterCheckpoint
     from mlxpaged.loading.loader import load_model, locate_model
     from mlxpaged.platform.blas import blas_status
 
@@ -98,7 +98,7 @@ def bench_drafters(args: Namespace) -> int:
         spec = Engine(loaded, cache, SchedulerConfig(max_num_seqs=seqs, speculative="mtp", num_speculative_tokens=k))
         what = "the model's MTP layers"
     elif dflash:
-        source = DFlashSource(locate_model(args.draft_model)[1], args.draft_model)
+        source = DrafterCheckpoint(locate_model(args.draft_model)[1], args.draft_model)
         scheduling = SchedulerConfig(max_num_seqs=seqs, speculative="dflash", num_speculative_tokens=k)
         spec = Engine(loaded, cache, scheduling, draft=source)
         what = f"DFlash drafter {args.draft_model}"

@@ -149,10 +149,10 @@ def build_engine(entry: CatalogEntry, settings: EngineSettings):
         cache, scheduler = split_settings(_engine_settings(entry, settings))
         draft = None
         if entry.draft is not None:  # a DFlash drafter is read when the engine is built, in the model's K/V dtype
-            from mlxpaged.loading.dflash_model import DFlashSource
+            from mlxpaged.loading.draft_model import DrafterCheckpoint
 
             ref, where = entry.draft
-            draft = DFlashSource(where, ref.name) if scheduler.speculative == "dflash" else load_local(ref, where)
+            draft = DrafterCheckpoint(where, ref.name) if scheduler.speculative == "dflash" else load_local(ref, where)
         engine = Engine(load_local(entry.ref, entry.path), cache, scheduler, adapters=dict(entry.adapters), draft=draft)
     try:
         defaults = sampling_defaults(engine, settings.generation_config)

@@ -31,8 +31,13 @@ from mlxpaged.engine.metrics import StatsCounter
 from mlxpaged.engine.state_tiering import StateTiering
 from mlxpaged.errors import ConfigError
 from mlxpaged.kernels.attention import PreparedAttention, prepare_model_attention
-from mlxpaged.loading.dflash_model import DFlashSource
-from mlxpaged.loading.draft_model import check_draft_layout, check_draft_setting, check_draft_tokenizer, with_draft
+from mlxpaged.loading.draft_model import (
+    DrafterCheckpoint,
+    check_draft_layout,
+    check_draft_setting,
+    check_draft_tokenizer,
+    with_draft,
+)
 from mlxpaged.loading.fused_projections import fuse_projections
 from mlxpaged.loading.loader import LoadedModel, activation_dtype, check_paged_support
 from mlxpaged.loading.probe import probe_layout
@@ -77,7 +82,7 @@ def build_core(
     has_commands: Callable[[], bool],
     ranks: Ranks | None = None,
     adapters: Mapping[str, AdapterSource] | None = None,
-    draft: LoadedModel | DFlashSource | None = None,
+    draft: LoadedModel | DrafterCheckpoint | None = None,
 ) -> BuiltCore:
     """Plan, allocate and check everything for `loaded`; raises (InsufficientMemoryError, an unsupported
     layout) before any request is taken. `has_commands`: whether callers queued anything (the core pipelines

@@ -32,7 +32,7 @@ MAX_PAUSE = 64  # steps a failing sequence waits before drafting again, at most
 
 class BatchDrafter(Protocol):
     """Drafts for every drafting row at once, from a model: a draft model (runner/model_drafter.py) or the model's own
-    MTP layers (runner/mtp_drafter.py)."""
+    MTP layers (runner/chained_drafter.py)."""
 
     name: str
 

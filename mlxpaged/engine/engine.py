@@ -44,8 +44,8 @@ from mlxpaged.errors import (  # noqa: F401  (re-exported)
     UnknownAdapterError,
 )
 from mlxpaged.loading.checkpoint import read_before_load
-from mlxpaged.loading.dflash_model import DFlashSource, dflash_facts_before_load
-from mlxpaged.loading.draft_model import check_draft_setting, draft_facts_before_load
+from mlxpaged.loading.dflash_model import dflash_facts_before_load
+from mlxpaged.loading.draft_model import DrafterCheckpoint, check_draft_setting, draft_facts_before_load
 from mlxpaged.loading.generation_defaults import GenerationDefaults, load_defaults
 from mlxpaged.loading.loader import LoadedModel, chat_prompt, load_local, locate_model
 from mlxpaged.loading.mtp_head import mtp_facts_before_load
@@ -77,7 +77,7 @@ class Engine:
         scheduler_config: SchedulerConfig | None = None,
         ranks: Ranks | None = None,
         adapters: Mapping[str, AdapterSource] | None = None,
-        draft: LoadedModel | DFlashSource | None = None,
+        draft: LoadedModel | DrafterCheckpoint | None = None,
     ):
         """`ranks`: rank 0 of a group whose other ranks run distributed.follower (distributed/start.py).
         `adapters`: name -> LoRA / DoRA adapter directory (mlx_lm.lora's output), which requests pick by name
@@ -153,9 +153,9 @@ class Engine:
         if scheduler.speculative == "mtp":  # the checkpoint's MTP layers: refused without them, their pages planned
             facts = mtp_facts_before_load(facts, path, ref.name)
         plan_memory(DeviceFacts.detect(), facts, cache, scheduler)
-        draft: LoadedModel | DFlashSource | None = None
+        draft: LoadedModel | DrafterCheckpoint | None = None
         if draft_ref is not None:  # a DFlash drafter is read by build.py, in the model's K/V dtype
-            draft = DFlashSource(draft_path, draft_ref.name) if dflash else load_local(draft_ref, draft_path)
+            draft = DrafterCheckpoint(draft_path, draft_ref.name) if dflash else load_local(draft_ref, draft_path)
         return cls(load_local(ref, path), cache, scheduler, adapters=files, draft=draft)
 
     @property

@@ -19,23 +19,22 @@ from mlxpaged.errors import ConfigError
 from mlxpaged.loading.dflash_model import (
     DFlashConfig,
     DFlashModel,
-    DFlashSource,
     check_dflash_target,
     dflash_facts,
     load_dflash,
 )
-from mlxpaged.loading.draft_model import check_draft_layout, with_draft
+from mlxpaged.loading.draft_model import DrafterCheckpoint, check_draft_layout, with_draft
 from mlxpaged.loading.loader import LoadedModel
 from mlxpaged.loading.mtp_head import MtpHead, find_mtp, load_mtp_head, mtp_facts
 from mlxpaged.platform import backend
 from mlxpaged.platform.model_facts import ModelFacts, model_weight_bytes
+from mlxpaged.runner.chained_drafter import ChainedDrafter
 from mlxpaged.runner.dflash_drafter import DFlashDrafter
 from mlxpaged.runner.model_runner import Runner
-from mlxpaged.runner.mtp_drafter import MtpDrafter
 
 import mlx.core as mx
 
-HiddenDrafter = MtpDrafter | DFlashDrafter
+HiddenDrafter = ChainedDrafter | DFlashDrafter
 
 
 @dataclass(frozen=True)
@@ -49,7 +48,7 @@ class PreparedDrafter:
 def prepare(
     method: str, loaded: LoadedModel, layout: ModelLayout, kv_dtype: mx.Dtype, facts: ModelFacts, draft
 ) -> PreparedDrafter:
-    """`method` "mtp" (the checkpoint's MTP layers) or "dflash" (`draft`: a DFlashSource). ConfigError, saying why,
+    """`method` "mtp" (the checkpoint's MTP layers) or "dflash" (`draft`: a DrafterCheckpoint). ConfigError, saying why,
     for what cannot draft for this model (no MTP layers, a drafter made for another model, layers whose rejected
     drafts cannot be rolled back)."""
     check_draft_layout(layout, "model", loaded.name)  # its pages share the model's block ids, as a draft's do
@@ -58,7 +57,7 @@ def prepare(
         head = load_mtp_head(checkpoint, kv_dtype)
         with_head = with_draft(facts, mtp_facts(checkpoint, facts, model_weight_bytes(head)))
         return PreparedDrafter(with_head, lambda *built: mtp_drafter(head, loaded.name, *built))
-    if not isinstance(draft, DFlashSource):
+    if not isinstance(draft, DrafterCheckpoint):
         raise ConfigError("{speculative:'dflash'} needs a DFlash drafter as its draft model", param="draft_model")
     config = DFlashConfig.read(draft.path, draft.name)
     check_dflash_target(config, draft.name, facts.hidden_size, len(loaded.model.layers), layout.vocab_size)
@@ -71,12 +70,12 @@ def prepare(
 
 def mtp_drafter(
     head: MtpHead, name: str, runner: Runner, config: CacheConfig, dtype: mx.Dtype, vocab_size: int
-) -> MtpDrafter:
+) -> ChainedDrafter:
     """The MTP layers' drafter on `runner`'s model (which keeps its hidden states from now on), with pools of the
     model's attention width."""
     kv = _pools(runner, len(head.layers), runner.kv.geometries[-1], config, dtype)
     _capture(runner, name, ())
-    return MtpDrafter(head, kv, runner, name, vocab_size)
+    return ChainedDrafter(head, kv, runner, name, vocab_size)
 
 
 def dflash_drafter(

@@ -31,15 +31,6 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 
 @dataclass(frozen=True)
-class DFlashSource:
-    """A DFlash drafter to load beside the model (Engine's `draft=` with speculative "dflash"): engine/build.py reads
-    it once the model's K/V dtype is known."""
-
-    path: Path
-    name: str
-
-
-@dataclass(frozen=True)
 class DFlashConfig:
     hidden_size: int
     intermediate_size: int

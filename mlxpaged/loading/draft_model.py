@@ -7,13 +7,23 @@ page in each model's pools (runner/model_drafter.py)."""
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from pathlib import Path
 
 from mlxpaged.cache.layout import ModelLayout
 from mlxpaged.errors import ConfigError
 from mlxpaged.platform.model_facts import KVShape, ModelFacts
 
-DRAFTING_MODELS = ("draft", "dflash")  # the speculative methods whose drafts come from `draft_model=`
+DRAFTING_MODELS = ("draft", "dflash", "eagle3")  # the speculative methods whose drafts come from `draft_model=`
+
+
+@dataclass(frozen=True)
+class DrafterCheckpoint:
+    """A drafter checkpoint to read beside the model (Engine's `draft=` with speculative "dflash" or "eagle3"): not an
+    mlx-lm model; engine/hidden_drafters.py reads it once the model's K/V dtype is known."""
+
+    path: Path
+    name: str
 
 
 def check_draft_setting(speculative: str | None, has_draft: bool) -> None:

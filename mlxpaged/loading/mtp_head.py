@@ -10,7 +10,7 @@ the token at q + 1, and predicts the token at q + 2 through the model's own LM h
     h = norm(x)             # lm_head(h) predicts token[q + 2]; h stands in for hidden[q + 1] when drafting on
 
 (read from mlx-vlm 0.7's `speculative/drafters/qwen3_5_mtp`). The drafter that runs it on the paged cache is
-runner/mtp_drafter.py. Hugging Face checkpoints store Qwen 3.5's RMSNorm weights zero-centred and mlx-lm adds 1.0
+runner/chained_drafter.py. Hugging Face checkpoints store Qwen 3.5's RMSNorm weights zero-centred and mlx-lm adds 1.0
 to the model's when it converts one (its sanitize, keyed on the unconverted conv1d weights); the MTP's norms follow
 the model's checkpoint the same way.
 """

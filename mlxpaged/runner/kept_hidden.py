@@ -1,5 +1,5 @@
 """The model's hidden states a drafter reads, per request, kept from the step that computed them until the drafter is
-fed them (runner/mtp_drafter.py: the MTP layers; runner/dflash_drafter.py: DFlash's context). The model's runner
+fed them (runner/chained_drafter.py: the MTP layers; runner/dflash_drafter.py: DFlash's context). The model's runner
 hands them back per input (Runner.capture_hidden); `observe` keeps, after each step, those of the positions whose
 tokens stand (a chunk's computed positions; a verify chunk's up to its last accepted draft, also on a model whose
 state layers roll back and compute them again: the values are the same); `take` gives the drafter the positions it

@@ -186,7 +186,7 @@ class Runner:
 
     def capture_hidden(self, layers: Sequence[int] = ()) -> None:
         """From now on `last_hidden[i]` holds the last step's input i's hidden states [L, H], lazy: the body's output
-        (the LM head's input), which MTP layers draft from (runner/mtp_drafter.py), or with `layers` the outputs of
+        (the LM head's input), which MTP layers draft from (runner/chained_drafter.py), or with `layers` the outputs of
         those decoder layers side by side [L, n * H] (DFlash: runner/dflash_drafter.py). Every pass then runs eagerly:
         no compiled decode pass, none queued ahead."""
         if layers:

@@ -1,4 +1,4 @@
-"""Drafting with a checkpoint's multi-token-prediction layers (runner/mtp_drafter.py, loading/mtp_head.py) on a tiny
+"""Drafting with a checkpoint's multi-token-prediction layers (runner/chained_drafter.py, loading/mtp_head.py) on a tiny
 random Qwen 3.5 (a hybrid: gated-delta and full-attention layers) with random MTP layers: the model's own tokens
 whatever the MTP layers propose, alone and batched, seeded, with a prefix hit, after preemption, with n > 1 forks;
 and every draft what the MTP layers compute without pages, from the model's hidden states of a plain forward pass

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 SHORT_FEED = 9  # positions of a feed that shares the decode rows' pass (a verify row's: k <= 7 drafts + 1, and one)
 
 
-class MtpDrafter:
+class ChainedDrafter:
     def __init__(self, head: MtpHead, kv: PagedKVCache, target: Runner, name: str, vocab_size: int):
         """`target`: the model's runner, capturing hidden states; its embedding and LM head are the MTP block's."""
         if target.last_hidden is None:
