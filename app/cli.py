@@ -247,7 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="reopen the last saved conversation (its earlier turns' KV comes from the disk tier: no re-prefill)",
     )
     chat.add_argument("--cache-tokens", type=int, default=DEFAULT_CACHE_TOKENS, help="KV cache capacity in tokens")
-    chat.add_argument("--speculative", choices=["ngram", "mtp", "dflash"], default=None, help=SPECULATIVE_HELP)
+    chat.add_argument(
+        "--speculative", choices=["ngram", "mtp", "dflash", "eagle3"], default=None, help=SPECULATIVE_HELP
+    )
     add_draft_arguments(chat)
     chat.add_argument("--kv-bits", type=int, choices=KV_BITS, default=None, help=KV_BITS_HELP)
     chat.add_argument(

@@ -25,7 +25,7 @@ DEFAULT_BLOCK_SIZE = 16
 DEFAULT_CACHE_TOKENS = 32768  # cap by demand: a local app rarely needs more resident context
 DEFAULT_KV_DISK_SIZE = "20GB"  # the disk tier's LRU limit (CacheConfig.kv_disk_size, --kv-disk-size)
 DEFAULT_IMAGE_CACHE_SIZE = "256MB"  # encoded images kept by a vision model (CacheConfig.image_cache_size)
-SPECULATIVE_METHODS = (None, "ngram", "draft", "mtp", "dflash")  # SchedulerConfig.speculative
+SPECULATIVE_METHODS = (None, "ngram", "draft", "mtp", "dflash", "eagle3")  # SchedulerConfig.speculative
 
 
 @dataclass(frozen=True)
@@ -126,7 +126,8 @@ class SchedulerConfig:
     bounds concurrent sequences. `speculative="ngram"` drafts up to `num_speculative_tokens` tokens
     per decoding sequence from its own prompt and output and verifies them in one pass
     (engine/drafting.py); "draft" drafts with a draft model, "mtp" with the checkpoint's multi-token-prediction
-    layers (loading/mtp_head.py), "dflash" with a DFlash drafter given as the draft model (loading/dflash_model.py).
+    layers (loading/mtp_head.py), "dflash" / "eagle3" with a DFlash drafter / an EAGLE-3 head given as the draft model
+    (loading/dflash_model.py, loading/eagle3_model.py).
     `max_model_len` overrides the model's context (prompt + reply tokens per
     request; None: the model's own): longer than the model was trained on runs, as RoPE extrapolates,
     with no promise about quality. Bad values raise ConfigError (a ValueError)."""

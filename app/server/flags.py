@@ -21,7 +21,8 @@ SPECULATIVE_HELP = (
     "ngram: prompt-lookup speculative decoding (drafts copied from the prompt and the reply so far, "
     "verified in one pass; same output, faster when replies quote their input); mtp: drafts from the model's own "
     "multi-token-prediction layers, for checkpoints that ship them (Qwen3.5 / 3.6 with mtp.* tensors); dflash: with "
-    "--draft-model a DFlash drafter published for the model, which drafts a block of tokens in one pass"
+    "--draft-model a DFlash drafter published for the model, which drafts a block of tokens in one pass; eagle3: with "
+    "--draft-model an EAGLE-3 head published for the model"
 )
 
 DRAFT_MODEL_HELP = (
@@ -161,7 +162,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     cache.add_argument("--no-wire", action="store_true", help="leave the Metal wired limit alone")
     cache.add_argument("--no-prefix-cache", action="store_true", help="do not reuse cached prompt blocks")
-    cache.add_argument("--speculative", choices=["ngram", "mtp", "dflash"], default=None, help=SPECULATIVE_HELP)
+    cache.add_argument(
+        "--speculative", choices=["ngram", "mtp", "dflash", "eagle3"], default=None, help=SPECULATIVE_HELP
+    )
     add_draft_arguments(cache)
     cache.add_argument("--kv-bits", type=int, choices=KV_BITS, default=None, help=KV_BITS_HELP)
     cache.add_argument(

@@ -78,7 +78,7 @@ def build_registry(args: argparse.Namespace, config):
     if adapters:  # before it loads: its engine is built with them
         first = catalog.adapters.add_given(first, adapters)
     if args.draft_model is not None:
-        if args.speculative not in (None, "dflash"):  # dflash: the draft model is a DFlash drafter
+        if args.speculative not in (None, "dflash", "eagle3"):  # the draft model is a DFlash / EAGLE-3 drafter
             raise ServeError(f"--draft-model drafts with the draft model; drop --speculative {args.speculative}")
         first = _with_draft(catalog, first, args.draft_model, across_ranks)
     pinned = [_given(catalog, name) for name in args.pin]

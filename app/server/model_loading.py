@@ -43,12 +43,10 @@ def estimate_cost(entry: CatalogEntry, settings: EngineSettings) -> ModelCost:
     cache, scheduler = split_settings(_engine_settings(entry, settings))
     facts, layout = read_before_load(entry.path, backend.current())
     if entry.draft is not None:  # the pair is planned as one (loading/draft_model.py, loading/dflash_model.py)
-        from mlxpaged.loading.dflash_model import dflash_facts_before_load
-        from mlxpaged.loading.draft_model import draft_facts_before_load
+        from mlxpaged.loading.draft_model import pair_facts_before_load
 
         draft_ref, draft_dir = entry.draft
-        before_load = dflash_facts_before_load if scheduler.speculative == "dflash" else draft_facts_before_load
-        facts = before_load(facts, layout, entry.name, draft_dir, draft_ref.name)
+        facts = pair_facts_before_load(scheduler.speculative, facts, layout, entry.name, draft_dir, draft_ref.name)
     if scheduler.speculative == "mtp":  # the checkpoint's MTP layers' pages (loading/mtp_head.py)
         from mlxpaged.loading.mtp_head import mtp_facts_before_load
 
@@ -72,9 +70,9 @@ def _with_default_cache(cache: dict) -> dict:
 
 def _engine_settings(entry: CatalogEntry, settings: EngineSettings) -> dict:
     """The cache and scheduler settings of `entry`'s engine: a model with a draft model (--draft-model) drafts with it
-    (a DFlash drafter with --speculative dflash)."""
+    (a DFlash drafter with --speculative dflash, an EAGLE-3 head with --speculative eagle3)."""
     cache = _with_default_cache(settings.cache)
-    if entry.draft is not None and cache.get("speculative") != "dflash":
+    if entry.draft is not None and cache.get("speculative") not in ("dflash", "eagle3"):
         return {**cache, "speculative": "draft"}
     return cache
 
@@ -148,11 +146,12 @@ def build_engine(entry: CatalogEntry, settings: EngineSettings):
     else:
         cache, scheduler = split_settings(_engine_settings(entry, settings))
         draft = None
-        if entry.draft is not None:  # a DFlash drafter is read when the engine is built, in the model's K/V dtype
-            from mlxpaged.loading.draft_model import DrafterCheckpoint
+        if entry.draft is not None:  # a drafter checkpoint is read when the engine is built, in the K/V dtype
+            from mlxpaged.loading.draft_model import CHECKPOINT_DRAFTERS, DrafterCheckpoint
 
             ref, where = entry.draft
-            draft = DrafterCheckpoint(where, ref.name) if scheduler.speculative == "dflash" else load_local(ref, where)
+            checkpoint = scheduler.speculative in CHECKPOINT_DRAFTERS
+            draft = DrafterCheckpoint(where, ref.name) if checkpoint else load_local(ref, where)
         engine = Engine(load_local(entry.ref, entry.path), cache, scheduler, adapters=dict(entry.adapters), draft=draft)
     try:
         defaults = sampling_defaults(engine, settings.generation_config)

@@ -25,7 +25,7 @@ from mlxpaged.distributed.memory import agreed_plan, host_share
 from mlxpaged.distributed.ranks import Ranks
 from mlxpaged.engine import hidden_drafters
 from mlxpaged.engine.core import EngineCore
-from mlxpaged.engine.hidden_drafters import HiddenDrafter
+from mlxpaged.engine.hidden_drafters import HIDDEN_STATE_METHODS, HiddenDrafter
 from mlxpaged.engine.kv_tiering import KVTiering
 from mlxpaged.engine.metrics import StatsCounter
 from mlxpaged.engine.state_tiering import StateTiering
@@ -69,7 +69,7 @@ class BuiltCore:
     disk_tier_off: str | None = None  # why the disk tier asked for is off (None: on, or not asked for)
     adapters: AdapterSet | None = None  # the LoRA / DoRA adapters requests may name (adapters/); None across ranks
     draft: ModelDrafter | None = None  # the draft model's runner and pools (`draft_model=`), or None
-    # The drafter reading the model's hidden states (speculative "mtp": its MTP layers; "dflash"), or None.
+    # The drafter reading the model's hidden states (speculative "mtp": its MTP layers; "dflash", "eagle3"), or None.
     hidden_drafter: HiddenDrafter | None = None
 
 
@@ -90,12 +90,14 @@ def build_core(
     core; rank 0's runner sends its passes to the others (distributed/). `adapters`: name -> adapter directory (or
     its files, read already), attached to the model's layers here, before anything else wraps or fuses them. `draft`:
     a draft model for speculative decoding (scheduler_config.speculative "draft"), or a DFlash drafter to load
-    ("dflash"), planned and given pools here."""
+    ("dflash", "eagle3"), planned and given pools here."""
     check_draft_setting(scheduler_config.speculative, draft is not None)
     if draft is not None and ranks is not None:
         raise ConfigError("a draft model across mlx.launch ranks is not supported yet", param="draft_model")
-    if scheduler_config.speculative in ("mtp", "dflash") and ranks is not None:
-        raise ConfigError("MTP or DFlash drafting across mlx.launch ranks is not supported yet", param="speculative")
+    if scheduler_config.speculative in HIDDEN_STATE_METHODS and ranks is not None:
+        raise ConfigError(
+            "MTP, DFlash or EAGLE-3 drafting across mlx.launch ranks is not supported yet", param="speculative"
+        )
     if adapters and ranks is not None:
         raise ConfigError("adapters across mlx.launch ranks are not supported yet", param="adapters")
     # Adapters may be added later too (Engine.add_adapter), not across ranks; AdapterError before anything is planned.
@@ -117,7 +119,7 @@ def build_core(
         draft_layout = _prepare_draft(loaded, layout, draft, kv_dtype)
         facts = with_draft(facts, ModelFacts.from_layout(draft_layout, draft.weight_bytes, kv_dtype.size))
     reader = None  # a drafter reading the model's hidden states (MTP layers, DFlash), counted in the plan
-    if scheduler_config.speculative in ("mtp", "dflash"):
+    if scheduler_config.speculative in HIDDEN_STATE_METHODS:
         reader = hidden_drafters.prepare(scheduler_config.speculative, loaded, layout, kv_dtype, facts, draft)
         facts = reader.facts
     device = DeviceFacts.detect()
@@ -170,7 +172,7 @@ def build_core(
     hidden_drafter = None
     if reader is not None:
         hidden_drafter = reader.attach(core.runner, cache_config, kv_dtype, layout.vocab_size)
-        assert core.speculator is not None  # speculative "mtp" or "dflash" is set
+        assert core.speculator is not None  # speculative "mtp", "dflash" or "eagle3" is set
         core.speculator.model = hidden_drafter
     evaluate_model_arrays(loaded.model)  # after every forward on this thread (probe, split_head)
     if loaded.vision is not None:  # the vision tower and projector run on the engine thread too

@@ -44,8 +44,12 @@ from mlxpaged.errors import (  # noqa: F401  (re-exported)
     UnknownAdapterError,
 )
 from mlxpaged.loading.checkpoint import read_before_load
-from mlxpaged.loading.dflash_model import dflash_facts_before_load
-from mlxpaged.loading.draft_model import DrafterCheckpoint, check_draft_setting, draft_facts_before_load
+from mlxpaged.loading.draft_model import (
+    CHECKPOINT_DRAFTERS,
+    DrafterCheckpoint,
+    check_draft_setting,
+    pair_facts_before_load,
+)
 from mlxpaged.loading.generation_defaults import GenerationDefaults, load_defaults
 from mlxpaged.loading.loader import LoadedModel, chat_prompt, load_local, locate_model
 from mlxpaged.loading.mtp_head import mtp_facts_before_load
@@ -131,8 +135,8 @@ class Engine:
         same tokenizer (a name or path, as `model`) drafting tokens this one verifies (speculative "draft", the
         default then; `num_speculative_tokens` drafts at most); both models and both pools are planned before either
         model's weights are read, and a pair that cannot draft (another tokenizer, layers that cannot roll back) is
-        refused before the model is built. With speculative "dflash", `draft_model` is a DFlash drafter published
-        for this model (loading/dflash_model.py)."""
+        refused before the model is built. With speculative "dflash" or "eagle3", `draft_model` is a DFlash drafter
+        or an EAGLE-3 head published for this model (loading/dflash_model.py, loading/eagle3_model.py)."""
         settings.setdefault("cache_tokens", DEFAULT_CACHE_TOKENS)
         if draft_model is not None and settings.get("speculative") is None:
             settings["speculative"] = "draft"
@@ -145,17 +149,16 @@ class Engine:
         facts, layout = read_before_load(path, backend.current())
         facts = dataclasses.replace(facts, weight_bytes=facts.weight_bytes + sum(f.nbytes for f in files.values()))
         draft_ref = None
-        dflash = scheduler.speculative == "dflash"
+        checkpoint = scheduler.speculative in CHECKPOINT_DRAFTERS  # a DFlash or EAGLE-3 drafter, not an mlx-lm model
         if draft_model is not None:
             draft_ref, draft_path = locate_model(draft_model, progress)
-            before_load = dflash_facts_before_load if dflash else draft_facts_before_load
-            facts = before_load(facts, layout, ref.name, draft_path, draft_ref.name)
+            facts = pair_facts_before_load(scheduler.speculative, facts, layout, ref.name, draft_path, draft_ref.name)
         if scheduler.speculative == "mtp":  # the checkpoint's MTP layers: refused without them, their pages planned
             facts = mtp_facts_before_load(facts, path, ref.name)
         plan_memory(DeviceFacts.detect(), facts, cache, scheduler)
         draft: LoadedModel | DrafterCheckpoint | None = None
-        if draft_ref is not None:  # a DFlash drafter is read by build.py, in the model's K/V dtype
-            draft = DrafterCheckpoint(draft_path, draft_ref.name) if dflash else load_local(draft_ref, draft_path)
+        if draft_ref is not None:  # a drafter checkpoint is read by build.py, in the model's K/V dtype
+            draft = DrafterCheckpoint(draft_path, draft_ref.name) if checkpoint else load_local(draft_ref, draft_path)
         return cls(load_local(ref, path), cache, scheduler, adapters=files, draft=draft)
 
     @property

@@ -1,8 +1,8 @@
 """Building the drafters that read the model's hidden states (engine/build.py calls this): the checkpoint's MTP layers
-(`speculative="mtp"`) and a DFlash drafter (`speculative="dflash"` with `draft_model=`). Each is read and checked before
-the memory plan (it counts their weights and pages), and attached once the model's core exists: the model's runner
-then keeps the hidden states they read, and they get pools of their own with the model's block count (one block id
-stands for a page in each), of their own layers' widths.
+(`speculative="mtp"`), a DFlash drafter and an EAGLE-3 head (`speculative="dflash"` / `"eagle3"` with
+`draft_model=`). Each is read and checked before the memory plan (it counts their weights and pages), and attached
+once the model's core exists: the model's runner then keeps the hidden states they read, and they get pools of their
+own with the model's block count (one block id stands for a page in each), of their own layers' widths.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from mlxpaged.loading.dflash_model import (
     load_dflash,
 )
 from mlxpaged.loading.draft_model import DrafterCheckpoint, check_draft_layout, with_draft
+from mlxpaged.loading.eagle3_model import Eagle3Config, Eagle3Head, check_eagle3_target, eagle3_facts, load_eagle3
 from mlxpaged.loading.loader import LoadedModel
 from mlxpaged.loading.mtp_head import MtpHead, find_mtp, load_mtp_head, mtp_facts
 from mlxpaged.platform import backend
@@ -35,6 +36,7 @@ from mlxpaged.runner.model_runner import Runner
 import mlx.core as mx
 
 HiddenDrafter = ChainedDrafter | DFlashDrafter
+HIDDEN_STATE_METHODS = ("mtp", "dflash", "eagle3")  # the speculative methods whose drafters are built here
 
 
 @dataclass(frozen=True)
@@ -48,9 +50,9 @@ class PreparedDrafter:
 def prepare(
     method: str, loaded: LoadedModel, layout: ModelLayout, kv_dtype: mx.Dtype, facts: ModelFacts, draft
 ) -> PreparedDrafter:
-    """`method` "mtp" (the checkpoint's MTP layers) or "dflash" (`draft`: a DrafterCheckpoint). ConfigError, saying why,
-    for what cannot draft for this model (no MTP layers, a drafter made for another model, layers whose rejected
-    drafts cannot be rolled back)."""
+    """`method` "mtp" (the checkpoint's MTP layers), "dflash" or "eagle3" (`draft`: a DrafterCheckpoint). ConfigError,
+    saying why, for what cannot draft for this model (no MTP layers, a drafter made for another model, layers whose
+    rejected drafts cannot be rolled back)."""
     check_draft_layout(layout, "model", loaded.name)  # its pages share the model's block ids, as a draft's do
     if method == "mtp":
         checkpoint = find_mtp(loaded.path, loaded.name)
@@ -58,7 +60,11 @@ def prepare(
         with_head = with_draft(facts, mtp_facts(checkpoint, facts, model_weight_bytes(head)))
         return PreparedDrafter(with_head, lambda *built: mtp_drafter(head, loaded.name, *built))
     if not isinstance(draft, DrafterCheckpoint):
-        raise ConfigError("{speculative:'dflash'} needs a DFlash drafter as its draft model", param="draft_model")
+        raise ConfigError(
+            f"{{speculative:{method!r}}} needs a drafter checkpoint as its draft model", param="draft_model"
+        )
+    if method == "eagle3":
+        return _prepare_eagle3(loaded, layout, kv_dtype, facts, draft)
     config = DFlashConfig.read(draft.path, draft.name)
     check_dflash_target(config, draft.name, facts.hidden_size, len(loaded.model.layers), layout.vocab_size)
     model = load_dflash(draft.path, draft.name, kv_dtype)
@@ -66,6 +72,35 @@ def prepare(
         dflash_facts(config, draft.path, facts, backend.current()), weight_bytes=model_weight_bytes(model)
     )
     return PreparedDrafter(with_draft(facts, drafter_facts), lambda *built: dflash_drafter(model, draft.name, *built))
+
+
+def _prepare_eagle3(
+    loaded: LoadedModel, layout: ModelLayout, kv_dtype: mx.Dtype, facts: ModelFacts, draft: DrafterCheckpoint
+) -> PreparedDrafter:
+    config = Eagle3Config.read(draft.path, draft.name)
+    check_eagle3_target(config, draft.name, facts.hidden_size, len(loaded.model.layers), layout.vocab_size)
+    head = load_eagle3(draft.path, draft.name, kv_dtype, _embedding(loaded.model))
+    head_facts = dataclasses.replace(
+        eagle3_facts(config, draft.path, facts, backend.current()), weight_bytes=model_weight_bytes(head)
+    )
+    return PreparedDrafter(with_draft(facts, head_facts), lambda *built: eagle3_drafter(head, draft.name, *built))
+
+
+def _embedding(model):
+    """The model's token embedding (mlx-lm's, or a vision-language model's language model's)."""
+    inner = getattr(model, "model", None)
+    return inner.embed_tokens if inner is not None and hasattr(inner, "embed_tokens") else model.embed_tokens
+
+
+def eagle3_drafter(
+    head: Eagle3Head, name: str, runner: Runner, config: CacheConfig, dtype: mx.Dtype, vocab_size: int
+) -> ChainedDrafter:
+    """The EAGLE-3 head's drafter on `runner`'s model (which keeps the outputs of the layers it reads from now on)."""
+    flash = head.config
+    geometry = KVGeometry(flash.num_key_value_heads, flash.head_dim, flash.head_dim)
+    kv = _pools(runner, flash.num_hidden_layers, geometry, config, dtype)
+    _capture(runner, name, flash.layer_ids)
+    return ChainedDrafter(head, kv, runner, name, vocab_size)
 
 
 def mtp_drafter(

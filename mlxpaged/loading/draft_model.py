@@ -15,6 +15,7 @@ from mlxpaged.errors import ConfigError
 from mlxpaged.platform.model_facts import KVShape, ModelFacts
 
 DRAFTING_MODELS = ("draft", "dflash", "eagle3")  # the speculative methods whose drafts come from `draft_model=`
+CHECKPOINT_DRAFTERS = ("dflash", "eagle3")  # those whose `draft_model=` is a drafter checkpoint, not an mlx-lm model
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,22 @@ def draft_facts_before_load(
     draft_facts, draft_layout = read_before_load(draft_dir, backend.current())
     check_draft_layout(draft_layout, "draft model", draft)
     return with_draft(facts, draft_facts)
+
+
+def pair_facts_before_load(
+    method: str | None, facts: ModelFacts, layout: ModelLayout, name: str, draft_dir: Path, draft: str
+) -> ModelFacts:
+    """The model and its `draft_model=` as the memory plan counts the pair before either is read: a draft model, or
+    with `method` "dflash" / "eagle3" a drafter checkpoint (loading/dflash_model.py, loading/eagle3_model.py)."""
+    if method == "dflash":
+        from mlxpaged.loading.dflash_model import dflash_facts_before_load
+
+        return dflash_facts_before_load(facts, layout, name, draft_dir, draft)
+    if method == "eagle3":
+        from mlxpaged.loading.eagle3_model import eagle3_facts_before_load
+
+        return eagle3_facts_before_load(facts, layout, name, draft_dir, draft)
+    return draft_facts_before_load(facts, layout, name, draft_dir, draft)
 
 
 def with_draft(target: ModelFacts, draft: ModelFacts) -> ModelFacts:

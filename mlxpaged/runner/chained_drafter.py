@@ -1,4 +1,7 @@
-"""Drafting with the model's own multi-token-prediction layers (`speculative="mtp"`; the layers: loading/mtp_head.py).
+"""Drafting one position behind the model, chained on the drafter's own output: the model's own multi-token-prediction
+layers (`speculative="mtp"`; loading/mtp_head.py) and EAGLE-3 heads (`speculative="eagle3"`; loading/eagle3_model.py,
+which read several of the model's layers, through a head and vocabulary of their own). Below, "the MTP block" is
+either.
 
 The MTP block runs one position behind the model: its position q reads the model's hidden state at q and the token
 at q + 1, so it can only take a position once the model has computed it and the next token is known. After every
@@ -20,12 +23,12 @@ from typing import TYPE_CHECKING
 
 from mlxpaged.cache.cache_view import paged_views
 from mlxpaged.cache.kv_cache import PagedKVCache
-from mlxpaged.loading.mtp_head import MtpHead
 from mlxpaged.runner.kept_hidden import KeptHidden
 from mlxpaged.runner.model_runner import Runner
 from mlxpaged.runner.passes import StepInput, prefill_passes
 
 import mlx.core as mx
+import mlx.nn as nn
 
 if TYPE_CHECKING:
     from mlxpaged.engine.scheduler import ScheduledChunk
@@ -34,12 +37,15 @@ SHORT_FEED = 9  # positions of a feed that shares the decode rows' pass (a verif
 
 
 class ChainedDrafter:
-    def __init__(self, head: MtpHead, kv: PagedKVCache, target: Runner, name: str, vocab_size: int):
+    def __init__(self, head: nn.Module, kv: PagedKVCache, target: Runner, name: str, vocab_size: int):
         """`target`: the model's runner, capturing hidden states; its embedding and LM head are the MTP block's."""
         if target.last_hidden is None:
             raise ValueError("the MTP block needs the model's runner to capture hidden states (capture_hidden)")
         self.head, self.kv, self.target, self.name, self.vocab_size = head, kv, target, name, vocab_size
-        if target.head is not None:  # mlx-lm's model: its body and head apart (passes.split_head)
+        self.draft_ids = getattr(head, "draft_ids", None)  # EAGLE-3: its own LM head and vocabulary map
+        if getattr(head, "embed_tokens", None) is not None:  # EAGLE-3's own embedding (or the model's, shared)
+            self.embed, self.lm_head = head.embed_tokens, None
+        elif target.head is not None:  # mlx-lm's model: its body and head apart (passes.split_head)
             self.embed, self.lm_head = target.model.model.embed_tokens, target.head
         else:  # a vision-language model's language model (vision/language.py)
             self.embed, self.lm_head = target.model.embed_tokens, target.model.logits_from_hidden
@@ -139,7 +145,11 @@ class ChainedDrafter:
         return self.head(self.embed(tokens), hidden.astype(self.kv.dtype), views)
 
     def _argmax(self, outputs: mx.array) -> mx.array:
-        """The drafts of outputs [B, H]: the model's LM head's argmax (never an id past the model's vocabulary)."""
+        """The drafts of outputs [B, H]: the model's LM head's argmax (never an id past the model's vocabulary), or the
+        head's own (`draft_ids`: EAGLE-3's, in the model's ids)."""
+        if self.draft_ids is not None:
+            return self.draft_ids(outputs).astype(mx.int32)
+        assert self.lm_head is not None  # set when the head has no draft_ids
         logits = self.lm_head(outputs).astype(mx.float32)
         return mx.argmax(logits[:, : self.vocab_size], axis=-1).astype(mx.int32)
 

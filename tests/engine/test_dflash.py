@@ -110,7 +110,7 @@ def mlx_vlm_reference(model, drafter):
     reference.bind(model)
 
     def drafts(tokens: list[int], k: int) -> list[int]:
-        hidden = layer_outputs(model, tokens[:-1], drafter.config.target_layer_ids)
+        hidden = layer_outputs(model, tokens[:-1], reference.config.target_layer_ids)  # mlx-vlm's reading of them
         block = reference.draft_block(tokens[-1], hidden, reference.make_cache(), k + 1, lambda x: mx.argmax(x, -1))
         return block[0].tolist()
 

@@ -1,7 +1,7 @@
-"""`mlxpaged serve --model M --draft-model D`, `--speculative mtp` and `--speculative dflash --draft-model D`: a live
-server whose replies are the model's own greedy replies, drafted by a second model of the same tokenizer, by the
-checkpoint's MTP layers or by a DFlash drafter, with the drafts counted in /metrics; a draft of another tokenizer, or
-a checkpoint without MTP layers, stops the server before it listens, saying why."""
+"""`mlxpaged serve --model M --draft-model D`, `--speculative mtp` and `--speculative dflash|eagle3 --draft-model D`: a
+live server whose replies are the model's own greedy replies, drafted by a second model of the same tokenizer, by the
+checkpoint's MTP layers, by a DFlash drafter or by an EAGLE-3 head, with the drafts counted in /metrics; a draft of
+another tokenizer, or a checkpoint without MTP layers, stops the server before it listens, saying why."""
 
 from __future__ import annotations
 
@@ -77,14 +77,19 @@ def test_a_checkpoint_without_mtp_layers_stops_the_server_before_it_listens(stor
     assert "multi-token-prediction layers of qwen3_5" in log.read_text()
 
 
-def test_a_dflash_drafter_gives_the_models_own_replies_and_counts_its_drafts(store, tmp_path):
-    from tests.engine.test_dflash import random_drafter, write_drafter_dir
+@pytest.mark.parametrize("method", ["dflash", "eagle3"])
+def test_a_drafter_checkpoint_gives_the_models_own_replies_and_counts_its_drafts(store, tmp_path, method):
+    from tests.engine import test_dflash, test_eagle3
 
-    drafter = write_drafter_dir(tmp_path / "dflash", random_drafter())
+    if method == "dflash":
+        drafter = test_dflash.write_drafter_dir(tmp_path / method, test_dflash.random_drafter())
+    else:
+        config = {**test_eagle3.CONFIG, "transformer_layer_config": {**test_eagle3.LAYER, "vocab_size": 49152}}
+        drafter = test_eagle3.write_head_dir(tmp_path / method, test_eagle3.random_head(config), config)
     with Engine.from_pretrained(str(store / "tiny-a"), cache_tokens=1024) as engine:
         expected = engine.chat(HI, SamplingParams(temperature=0.0, max_tokens=24)).text
-    log = tmp_path / "dflash.log"
-    flags = ("--speculative", "dflash", "--draft-model", str(drafter), "--cache-tokens", "1024")
+    log = tmp_path / f"{method}.log"
+    flags = ("--speculative", method, "--draft-model", str(drafter), "--cache-tokens", "1024")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("MLXPAGED_MODELS_DIR", str(store))
         server = start_server(log, "--model", "tiny-a", *flags)
