@@ -378,11 +378,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--drafter",
-        choices=["ngram", "oracle", "mtp", "dflash"],
+        choices=["ngram", "oracle", "mtp", "dflash", "eagle3"],
         default="ngram",
         help="spec: prompt lookup on repetitive and free-text tasks at batch 1 (default), or an oracle drafting the "
         "plain run's own tokens at no cost, at --concurrency 1,4,16 (the machinery's ceiling), or the model's own MTP "
-        "layers, or a DFlash drafter (--draft-model PATH), at --concurrency 1,4,16",
+        "layers, or a DFlash drafter or an EAGLE-3 head (--draft-model PATH), at --concurrency 1,4,16",
     )
     bench.add_argument(
         "--draft-model",

@@ -90,9 +90,9 @@ def bench_task(plain, spec, prompt: list[int], tokens: int, runs: int) -> dict:
 
 
 def bench_spec(args: Namespace) -> int:
-    """Prompt lookup on the tasks above; `--drafter oracle` / `mtp` / `dflash` or `--draft-model NAME`:
+    """Prompt lookup on the tasks above; `--drafter oracle` / `mtp` / `dflash` / `eagle3` or `--draft-model NAME`:
     spec_drafters.py."""
-    if getattr(args, "drafter", None) in ("oracle", "mtp", "dflash") or getattr(args, "draft_model", None):
+    if getattr(args, "drafter", None) in ("oracle", "mtp", "dflash", "eagle3") or getattr(args, "draft_model", None):
         from mlxpaged_app.bench.spec_drafters import bench_drafters
 
         return bench_drafters(args)

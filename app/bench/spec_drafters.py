@@ -1,6 +1,6 @@
-"""`mlxpaged bench spec --drafter oracle`, `--drafter mtp`, `--draft-model NAME` and `--drafter dflash --draft-model
-PATH`: speculation at 1, 4 and 16 concurrent requests beside plain decoding, and for a draft model mlx-lm's own
-`draft_model` path at batch 1 on the same pair.
+"""`mlxpaged bench spec --drafter oracle`, `--drafter mtp`, `--draft-model NAME` and `--drafter dflash|eagle3
+--draft-model PATH`: speculation at 1, 4 and 16 concurrent requests beside plain decoding, and for a draft model
+mlx-lm's own `draft_model` path at batch 1 on the same pair.
 
 The oracle drafts the plain run's own greedy continuation (recorded first) at no cost: every draft is kept, so it
 measures the machinery (verify passes, bookkeeping, batching) apart from any drafter's quality. A draft model, or the
@@ -86,10 +86,10 @@ def bench_drafters(args: Namespace) -> int:
     levels = tuple(args.concurrency or DEFAULT_CONCURRENCY)
     k = args.num_draft_tokens or DEFAULT_DRAFT_TOKENS
     loaded = load_model(args.model)
-    dflash = args.drafter == "dflash"
-    if dflash and not args.draft_model:
-        raise SystemExit("bench spec --drafter dflash needs --draft-model (a DFlash drafter published for --model)")
-    draft = load_model(args.draft_model) if args.draft_model and not dflash else None
+    checkpoint = args.drafter in ("dflash", "eagle3")  # --draft-model is a drafter checkpoint, not an mlx-lm model
+    if checkpoint and not args.draft_model:
+        raise SystemExit(f"bench spec --drafter {args.drafter} needs --draft-model (a drafter published for --model)")
+    draft = load_model(args.draft_model) if args.draft_model and not checkpoint else None
     # Every run computes its prompt (no prefix hits), pools for the largest batch.
     cache = CacheConfig(cache_tokens=max(8192, max(levels) * (args.tokens + 128)), enable_prefix_cache=False)
     seqs = max(levels)
@@ -97,11 +97,11 @@ def bench_drafters(args: Namespace) -> int:
     if args.drafter == "mtp" and draft is None:
         spec = Engine(loaded, cache, SchedulerConfig(max_num_seqs=seqs, speculative="mtp", num_speculative_tokens=k))
         what = "the model's MTP layers"
-    elif dflash:
+    elif checkpoint:
         source = DrafterCheckpoint(locate_model(args.draft_model)[1], args.draft_model)
-        scheduling = SchedulerConfig(max_num_seqs=seqs, speculative="dflash", num_speculative_tokens=k)
+        scheduling = SchedulerConfig(max_num_seqs=seqs, speculative=args.drafter, num_speculative_tokens=k)
         spec = Engine(loaded, cache, scheduling, draft=source)
-        what = f"DFlash drafter {args.draft_model}"
+        what = f"{'DFlash drafter' if args.drafter == 'dflash' else 'EAGLE-3 head'} {args.draft_model}"
     elif draft is None:
         spec = Engine(loaded, cache, SchedulerConfig(max_num_seqs=seqs, speculative="ngram", num_speculative_tokens=k))
         what = "oracle (the plain run's own next tokens, drafted at no cost)"

@@ -78,15 +78,20 @@ def test_bench_spec_with_mtp_layers_prints_each_level_with_equal_outputs(tmp_pat
     assert [r[0] for r in rows] == ["1", "2"] and all("equal" in r for r in rows)
 
 
-def test_bench_spec_with_a_dflash_drafter_prints_each_level_with_equal_outputs(tmp_path, capsys):
-    from tests.engine.test_dflash import random_drafter, write_drafter_dir
+@pytest.mark.parametrize("drafter", ["dflash", "eagle3"])
+def test_bench_spec_with_a_drafter_checkpoint_prints_each_level_with_equal_outputs(tmp_path, capsys, drafter):
+    from tests.engine import test_dflash, test_eagle3
     from tests.tiny_models import write_tiny_model_dir
 
     model = write_tiny_model_dir(tmp_path / "target", "llama", dtype="float32", seed=1, layers=3)
-    drafter = write_drafter_dir(tmp_path / "dflash", random_drafter())
+    if drafter == "dflash":
+        path = test_dflash.write_drafter_dir(tmp_path / drafter, test_dflash.random_drafter())
+    else:
+        config = {**test_eagle3.CONFIG, "transformer_layer_config": {**test_eagle3.LAYER, "vocab_size": 49152}}
+        path = test_eagle3.write_head_dir(tmp_path / drafter, test_eagle3.random_head(config), config)
     common = {"model": str(model), "tokens": 6, "runs": 1, "concurrency": (1, 2), "num_draft_tokens": 3}
-    assert bench_spec(Namespace(drafter="dflash", draft_model=str(drafter), **common)) == 0
+    assert bench_spec(Namespace(drafter=drafter, draft_model=str(path), **common)) == 0
     out = capsys.readouterr().out
-    assert "drafter: DFlash drafter" in out and "mlx-lm draft" not in out
+    assert ("DFlash drafter" if drafter == "dflash" else "EAGLE-3 head") in out and "mlx-lm draft" not in out
     rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
     assert [r[0] for r in rows] == ["1", "2"] and all("equal" in r for r in rows)
