@@ -6,11 +6,14 @@ the extra tokens are nearly free; where it is bound by compute (the CPU at large
 cost nearly what they would as decode steps, and with a draft model the draft passes come on top. Where that
 crossing lies depends on the backend, the model, the drafter and what the replies are, so it is measured as the
 engine runs rather than assumed: the tokens per second of steps that only decode, with drafts and without, per
-number of decoding rows. Each way is measured at a batch size before choosing (drafting first), then the better one
-runs, with EXPLORE_STEPS steps the other way every EXPLORE_EVERY steps so a change (longer contexts, drafts that
-start to fail) is seen; each try that confirms the choice doubles the wait before the next (up to EXPLORE_MAX), as
-a try costs (a draft model catches up with every token decoded without it). The first step after a switch is not
-measured: it pays for the switch (that catch-up, a pipeline starting again), not for the way it runs.
+number of decoding rows. Each way is measured at the first batch size before choosing (drafting first); a batch size
+not measured both ways follows the nearest one that is (a batch draining one request per step sees a new size every
+step: measuring drafting first at each would draft the whole drain, and a draft model would catch up every time).
+Then the better way runs, with EXPLORE_STEPS steps the other way every EXPLORE_EVERY steps (after FIRST_TRY at a
+batch size that follows another's choice) so a change (longer contexts, drafts that start to fail) is seen; each try
+that confirms the choice doubles the wait before the next (up to EXPLORE_MAX), as a try costs (a draft model catches
+up with every token decoded without it). The first step after a switch is not measured: it pays for the switch (that
+catch-up, a pipeline starting again), not for the way it runs.
 Plain Python, no MLX (tests drive it with made-up times).
 """
 
@@ -20,6 +23,7 @@ SMOOTHING = 0.3  # the weight of the newest step's rate: steps are noisy, the lo
 EXPLORE_EVERY = 32  # steps of the chosen way at one batch size before trying the other
 EXPLORE_STEPS = 2  # steps the other way when trying it: the first pays for the switch, the second is measured
 EXPLORE_MAX = 256  # steps between tries at most, once tries keep confirming the choice
+FIRST_TRY = 3  # steps at a batch size that follows a nearer one's choice before the other way is tried there
 
 
 class SpeculationGate:
@@ -36,21 +40,30 @@ class SpeculationGate:
     def leaning(self, rows: int) -> bool:
         """Whether a step of `rows` decoding rows would draft, without counting it (the pipeline's guess)."""
         drafted, plain = self._rates.get((rows, True)), self._rates.get((rows, False))
-        if drafted is None or plain is None:
-            return drafted is None  # measure drafting first, then plain decoding
-        return drafted >= plain
+        if drafted is not None and plain is not None:
+            return drafted >= plain
+        near = self._nearest(rows)
+        if near is not None:  # the nearest batch size measured both ways: its choice
+            return self.leaning(near)
+        return drafted is None  # nothing measured both ways yet: measure drafting first, then plain decoding
+
+    def _nearest(self, rows: int) -> int | None:
+        """The batch size nearest `rows` measured both ways (the smaller of two as near), or None."""
+        both = [r for (r, drafted) in self._rates if drafted and (r, False) in self._rates]
+        return min(both, key=lambda r: (abs(r - rows), r)) if both else None
 
     def decide(self, rows: int) -> bool:
         """Whether this step of `rows` decoding rows drafts (counted: every EXPLORE_EVERY steps, EXPLORE_STEPS steps
-        go the other way)."""
+        go the other way, also at a batch size that follows a nearer one's choice: that measures it)."""
         choice = self.leaning(rows)
-        if (rows, True) not in self._rates or (rows, False) not in self._rates:
-            return choice
+        measured = (rows, True) in self._rates and (rows, False) in self._rates
+        if not measured and self._nearest(rows) is None:
+            return choice  # the first measurements
         if self._trying.get(rows):
             self._trying[rows] -= 1
             return not choice
         self._streak[rows] = self._streak.get(rows, 0) + 1
-        if self._streak[rows] >= self._every.get(rows, EXPLORE_EVERY):
+        if self._streak[rows] >= self._every.get(rows, EXPLORE_EVERY if measured else FIRST_TRY):
             self._streak[rows], self._trying[rows], self._probing[rows] = 0, EXPLORE_STEPS - 1, choice
             return not choice
         return choice

@@ -3,7 +3,7 @@ size, runs the faster, tries the other every EXPLORE_EVERY steps, and follows a 
 
 from __future__ import annotations
 
-from mlxpaged.engine.speculation_gate import EXPLORE_EVERY, EXPLORE_MAX, EXPLORE_STEPS, SpeculationGate
+from mlxpaged.engine.speculation_gate import EXPLORE_EVERY, EXPLORE_MAX, EXPLORE_STEPS, FIRST_TRY, SpeculationGate
 
 import pytest
 
@@ -54,10 +54,22 @@ def test_tries_of_the_other_way_grow_rarer_while_they_confirm_the_choice_and_a_c
 def test_batch_sizes_are_learnt_apart_and_leaning_counts_nothing():
     gate = SpeculationGate()
     run(gate, 1, 4, drafted_rate=40.0, plain_rate=14.0)
-    run(gate, 16, 4, drafted_rate=18.0, plain_rate=25.0)
+    # 16 rows follow 1 row's choice (drafting) until the FIRST_TRY-th step there tries plain decoding (two steps: the
+    # second measured), which is faster at 16 rows
+    assert run(gate, 16, FIRST_TRY + 3, drafted_rate=18.0, plain_rate=25.0) == [True] * (FIRST_TRY - 1) + [False] * 4
     for _ in range(3 * EXPLORE_EVERY):
         assert gate.leaning(1) and not gate.leaning(16)  # a guess: no step counted, no exploration
     assert gate.rates(1) == (40.0, 14.0) and gate.rates(2) == (None, None)
+
+
+def test_a_draining_batch_follows_the_nearest_batch_size_measured():
+    """Requests finishing one per step give a new batch size every step: each follows the nearest measured one (no
+    step drafts to measure a size it will never see again), and the choice flips where the measured ones do."""
+    gate = SpeculationGate()
+    run(gate, 16, 4, drafted_rate=15.0, plain_rate=25.0)
+    run(gate, 2, 4, drafted_rate=40.0, plain_rate=20.0)
+    drain = [choice for rows in range(15, 0, -1) for choice in run(gate, rows, 1, drafted_rate=15.0, plain_rate=25.0)]
+    assert drain == [False] * 6 + [True] * 9  # 15..10 nearer 16 (plain), 9..1 nearer 2 (drafting; 9: a tie, smaller)
 
 
 def test_an_engine_steps_aside_when_its_drafts_are_never_kept(default_loaded):
