@@ -96,10 +96,8 @@ def eagle3_drafter(
     head: Eagle3Head, name: str, runner: Runner, config: CacheConfig, dtype: mx.Dtype, vocab_size: int
 ) -> ChainedDrafter:
     """The EAGLE-3 head's drafter on `runner`'s model (which keeps the outputs of the layers it reads from now on)."""
-    flash = head.config
-    geometry = KVGeometry(flash.num_key_value_heads, flash.head_dim, flash.head_dim)
-    kv = _pools(runner, flash.num_hidden_layers, geometry, config, dtype)
-    _capture(runner, name, flash.layer_ids)
+    kv = _own_pools(runner, head.config, config, dtype)
+    _capture(runner, name, head.config.layer_ids)
     return ChainedDrafter(head, kv, runner, name, vocab_size)
 
 
@@ -117,11 +115,17 @@ def dflash_drafter(
     model: DFlashModel, name: str, runner: Runner, config: CacheConfig, dtype: mx.Dtype, vocab_size: int
 ) -> DFlashDrafter:
     """The DFlash drafter on `runner`'s model (which keeps the outputs of the layers it reads from now on)."""
-    flash = model.config
-    geometry = KVGeometry(flash.num_key_value_heads, flash.head_dim, flash.head_dim)
-    kv = _pools(runner, flash.num_hidden_layers, geometry, config, dtype)
-    _capture(runner, name, flash.target_layer_ids)
+    kv = _own_pools(runner, model.config, config, dtype)
+    _capture(runner, name, model.config.target_layer_ids)
     return DFlashDrafter(model, kv, runner, name, vocab_size)
+
+
+def _own_pools(
+    runner: Runner, drafter: DFlashConfig | Eagle3Config, config: CacheConfig, dtype: mx.Dtype
+) -> PagedKVCache:
+    """Pools for a drafter checkpoint's layers, of its own attention's width."""
+    geometry = KVGeometry(drafter.num_key_value_heads, drafter.head_dim, drafter.head_dim)
+    return _pools(runner, drafter.num_hidden_layers, geometry, config, dtype)
 
 
 def _pools(runner: Runner, layers: int, geometry: KVGeometry, config: CacheConfig, dtype: mx.Dtype) -> PagedKVCache:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from mlxpaged.cache.cache_view import paged_views
 from mlxpaged.cache.kv_cache import PagedKVCache
 from mlxpaged.runner.kept_hidden import KeptHidden
+from mlxpaged.runner.model_drafter import drafts_by_row
 from mlxpaged.runner.model_runner import Runner
 from mlxpaged.runner.passes import StepInput, prefill_passes
 
@@ -88,15 +89,7 @@ class ChainedDrafter:
             last = self._pass(step, fed[:, None], last)
             tokens.append(self._argmax(last[:, -1]))
             mx.async_eval(tokens[-1], self.kv.pools)  # each pass reads the pools the one before wrote: in order
-        mx.eval(tokens)
-        drafts: list[list[int]] = [[] for _ in drafting]
-        live = list(range(len(drafting)))
-        for j, row_tokens in enumerate(tokens):
-            live = [r for r in live if drafting[r][1] > j]
-            values: list[int] = row_tokens.tolist()  # type: ignore[assignment]  # a 1-D int32 array
-            for r, token in zip(live, values, strict=True):
-                drafts[r].append(token)
-        return drafts
+        return drafts_by_row(tokens, [k for _, k in drafting])
 
     def ready(self, chunk: ScheduledChunk) -> bool:
         """Whether `chunk` (a decode chunk) can draft now: the model computed its request's position before the

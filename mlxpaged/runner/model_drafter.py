@@ -71,14 +71,7 @@ class ModelDrafter:
             logits = self.runner.decode_ahead(step, fed)
             self.runner.launch(logits)  # each pass reads the pools the one before wrote: queued in order
             tokens.append(self._argmax(logits))
-        mx.eval(tokens)
-        drafts: list[list[int]] = [[] for _ in drafting]
-        live = list(range(len(drafting)))
-        for j, row_tokens in enumerate(tokens):
-            live = [r for r in live if drafting[r][1] > j]
-            values: list[int] = row_tokens.tolist()  # type: ignore[assignment]  # a 1-D int32 array
-            for r, token in zip(live, values, strict=True):
-                drafts[r].append(token)
+        drafts = drafts_by_row(tokens, [k for _, k in drafting])
         for chunk, k in drafting:  # positions up to the last token's + k - 1 hold it and k - 1 drafts now
             self._synced[chunk.request.request_id] = (chunk.request.num_preemptions, _last(chunk) + k)
         return drafts
@@ -118,6 +111,20 @@ class ModelDrafter:
         """Forget the requests that are no longer `live` (finished, aborted)."""
         for request_id in [rid for rid in self._synced if not live(rid)]:
             del self._synced[request_id]
+
+
+def drafts_by_row(passes: list[mx.array], lengths: Sequence[int]) -> list[list[int]]:
+    """Each row's drafts from batched draft passes (evaluated here): pass j holds a token for each row with more
+    than j drafts (`lengths`), in row order."""
+    mx.eval(passes)
+    drafts: list[list[int]] = [[] for _ in lengths]
+    live = list(range(len(lengths)))
+    for j, row_tokens in enumerate(passes):
+        live = [r for r in live if lengths[r] > j]
+        values: list[int] = row_tokens.tolist()  # type: ignore[assignment]  # a 1-D int32 array
+        for r, token in zip(live, values, strict=True):
+            drafts[r].append(token)
+    return drafts
 
 
 def _last(chunk: ScheduledChunk) -> int:
