@@ -11,9 +11,11 @@ not measured both ways follows the nearest one that is (a batch draining one req
 step: measuring drafting first at each would draft the whole drain, and a draft model would catch up every time).
 Then the better way runs, with EXPLORE_STEPS steps the other way every EXPLORE_EVERY steps (after FIRST_TRY at a
 batch size that follows another's choice) so a change (longer contexts, drafts that start to fail) is seen; each try
-that confirms the choice doubles the wait before the next (up to EXPLORE_MAX), as a try costs (a draft model catches
-up with every token decoded without it). The first step after a switch is not measured: it pays for the switch (that
-catch-up, a pipeline starting again), not for the way it runs.
+that confirms the choice doubles the wait before the next (up to EXPLORE_MAX), and a clear choice (CLEAR) waits
+EXPLORE_MAX at once, as a try costs: a draft model catches up with every token decoded without it (at 16 rows of
+the embedded model drafting for itself, a try after 32 plain steps took 2.6 s against 0.11 s for a plain step).
+The first step after a switch is not measured: it pays for the switch (that catch-up, a pipeline starting again),
+not for the way it runs.
 Plain Python, no MLX (tests drive it with made-up times).
 """
 
@@ -24,6 +26,7 @@ EXPLORE_EVERY = 32  # steps of the chosen way at one batch size before trying th
 EXPLORE_STEPS = 2  # steps the other way when trying it: the first pays for the switch, the second is measured
 EXPLORE_MAX = 256  # steps between tries at most, once tries keep confirming the choice
 FIRST_TRY = 3  # steps at a batch size that follows a nearer one's choice before the other way is tried there
+CLEAR = 1.5  # one way at least this many times the other's tokens per second: its tries wait EXPLORE_MAX steps
 
 
 class SpeculationGate:
@@ -78,10 +81,14 @@ class SpeculationGate:
         old = self._rates.get((rows, drafted))
         self._rates[(rows, drafted)] = rate if old is None else (1 - SMOOTHING) * old + SMOOTHING * rate
         probing = self._probing.get(rows)
-        if probing is not None and drafted != probing:  # a try measured: wait longer next time if it changed nothing
+        tried = probing is not None and drafted != probing  # a try measured
+        if tried:  # wait longer next time if it changed nothing
             del self._probing[rows]
             every = self._every.get(rows, EXPLORE_EVERY)
             self._every[rows] = min(2 * every, EXPLORE_MAX) if self.leaning(rows) == probing else EXPLORE_EVERY
+        fast, slow = sorted((self._rates.get((rows, True)) or 0.0, self._rates.get((rows, False)) or 0.0))[::-1]
+        if slow and fast >= CLEAR * slow and (tried or rows not in self._every):
+            self._every[rows] = EXPLORE_MAX  # a clear choice: tries (each maybe a draft model's catch-up) wait longest
 
     def rates(self, rows: int) -> tuple[float | None, float | None]:
         """(tokens per second with drafts, without) measured at `rows` decoding rows."""

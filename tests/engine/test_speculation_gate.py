@@ -40,15 +40,24 @@ def test_the_first_step_after_a_switch_is_not_measured():
 
 def test_tries_of_the_other_way_grow_rarer_while_they_confirm_the_choice_and_a_change_is_followed():
     gate = SpeculationGate()
-    run(gate, 8, 3, drafted_rate=30.0, plain_rate=20.0)
-    first = run(gate, 8, EXPLORE_EVERY + EXPLORE_STEPS, drafted_rate=30.0, plain_rate=20.0)
+    run(gate, 8, 3, drafted_rate=30.0, plain_rate=25.0)
+    first = run(gate, 8, EXPLORE_EVERY + EXPLORE_STEPS, drafted_rate=30.0, plain_rate=25.0)
     assert first.count(False) == EXPLORE_STEPS  # tried once after EXPLORE_EVERY steps
-    long = run(gate, 8, 4 * EXPLORE_MAX, drafted_rate=30.0, plain_rate=20.0)
+    long = run(gate, 8, 4 * EXPLORE_MAX, drafted_rate=30.0, plain_rate=25.0)
     tries = long.count(False) // EXPLORE_STEPS
     assert 4 <= tries <= 8  # waits of 64, 128, then EXPLORE_MAX steps: far fewer than one per EXPLORE_EVERY
     # The drafts start failing: drafting is now slower than plain decoding, and the gate moves over at its next try.
     later = run(gate, 8, 3 * EXPLORE_MAX, drafted_rate=10.0, plain_rate=20.0)
     assert later[-EXPLORE_EVERY:].count(True) <= EXPLORE_STEPS  # plain, but for trying drafting again
+
+
+def test_a_clear_choice_waits_longest_before_each_try():
+    """Drafting at a third of plain decoding's speed (a draft model as costly as the model): tries, each of which makes
+    a draft model catch up, come every EXPLORE_MAX steps from the start, not after 32, 64 and 128."""
+    gate = SpeculationGate()
+    choices = run(gate, 16, 3 + 2 * (EXPLORE_MAX + EXPLORE_STEPS), drafted_rate=10.0, plain_rate=30.0)
+    tries = [i for i, drafts in enumerate(choices[3:]) if drafts]
+    assert tries == [EXPLORE_MAX - 1, EXPLORE_MAX, 2 * EXPLORE_MAX, 2 * EXPLORE_MAX + 1], tries
 
 
 def test_batch_sizes_are_learnt_apart_and_leaning_counts_nothing():
