@@ -449,7 +449,7 @@ class Engine:
             "memory_plan": self.plan,
             **self._memory_stats(),
             "speculative": self.scheduler_config.speculative,
-            "draft_model": self.built.draft.name if self.built.draft is not None else None,
+            "draft_model": self._draft_name(),
             **(self.core.speculator.stats if self.core.speculator else SpeculationStats()).snapshot(),
             "attention": self.built.attention.status(),  # this engine's model: {"path", "reason", "variants"}
             "backend": backend.current(),
@@ -458,6 +458,15 @@ class Engine:
             "adapters": self.adapters.describe() if self.adapters is not None else {},
             "kv_memory_by_class": {g.describe(): size for g, size in self.kv.bytes_by_class().items()},
         }
+
+    def _draft_name(self) -> str | None:
+        """What `draft_model=` named: a draft model, or a DFlash / EAGLE-3 drafter checkpoint (None: neither)."""
+        if self.built.draft is not None:
+            return self.built.draft.name
+        hidden = self.built.hidden_drafter
+        if hidden is not None and self.scheduler_config.speculative in CHECKPOINT_DRAFTERS:
+            return hidden.name
+        return None
 
     def _tier_stats(self, query_tokens: int, ram_hit_tokens: int) -> dict:
         """Both tiers of the prefix cache: prompt tokens found in RAM (the pool) and on disk (engine/kv_tiering.py);

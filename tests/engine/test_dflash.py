@@ -166,6 +166,7 @@ def test_a_dflash_checkpoint_drafts_through_the_public_api(tmp_path, kv_bits):
         assert [c.token_ids for c in engine.generate(prompts, GREEDY)] == expected
         stats = engine.stats()
         assert stats["speculative"] == "dflash" and stats["spec_draft_tokens_total"] > 0
+        assert stats["draft_model"] == str(drafter)
         pages = engine.built.hidden_drafter.kv
         assert pages.quantized == (kv_bits is not None)
         assert engine.plan.block_bytes == engine.kv.bytes_per_block + pages.bytes_per_block
