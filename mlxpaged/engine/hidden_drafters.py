@@ -55,16 +55,26 @@ def prepare(
     rejected drafts cannot be rolled back)."""
     check_draft_layout(layout, "model", loaded.name)  # its pages share the model's block ids, as a draft's do
     if method == "mtp":
-        checkpoint = find_mtp(loaded.path, loaded.name)
-        head = load_mtp_head(checkpoint, kv_dtype)
-        with_head = with_draft(facts, mtp_facts(checkpoint, facts, model_weight_bytes(head)))
-        return PreparedDrafter(with_head, lambda *built: mtp_drafter(head, loaded.name, *built))
+        return _prepare_mtp(loaded, kv_dtype, facts)
     if not isinstance(draft, DrafterCheckpoint):
         raise ConfigError(
             f"{{speculative:{method!r}}} needs a drafter checkpoint as its draft model", param="draft_model"
         )
     if method == "eagle3":
         return _prepare_eagle3(loaded, layout, kv_dtype, facts, draft)
+    return _prepare_dflash(loaded, layout, kv_dtype, facts, draft)
+
+
+def _prepare_mtp(loaded: LoadedModel, kv_dtype: mx.Dtype, facts: ModelFacts) -> PreparedDrafter:
+    checkpoint = find_mtp(loaded.path, loaded.name)
+    head = load_mtp_head(checkpoint, kv_dtype)
+    with_head = with_draft(facts, mtp_facts(checkpoint, facts, model_weight_bytes(head)))
+    return PreparedDrafter(with_head, lambda *built: mtp_drafter(head, loaded.name, *built))
+
+
+def _prepare_dflash(
+    loaded: LoadedModel, layout: ModelLayout, kv_dtype: mx.Dtype, facts: ModelFacts, draft: DrafterCheckpoint
+) -> PreparedDrafter:
     config = DFlashConfig.read(draft.path, draft.name)
     check_dflash_target(config, draft.name, facts.hidden_size, len(loaded.model.layers), layout.vocab_size)
     model = load_dflash(draft.path, draft.name, kv_dtype)
