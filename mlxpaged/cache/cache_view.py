@@ -279,15 +279,18 @@ class PagedCacheView:
     def maybe_trim_front(self) -> None:
         """mlx-lm's ChunkedKVCache drops keys before the chunk here; the pages' ring turns instead."""
 
-    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
-        """Mask for the next pass of N tokens per row, matching the keys `update_and_fetch` will return."""
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None, both_ways: bool = False):
+        """Mask for the next pass of N tokens per row, matching the keys `update_and_fetch` will return. `both_ways`:
+        each new token also sees the new tokens after it in its row (a DFlash block; full attention only)."""
         plan = self._planner.plan(self._offsets, self._num_rows(len(self._offsets), N), N)
         window = window_size if window_size is not None else self._planner.spec.window
+        if both_ways and window is not None:
+            raise ValueError("a both-ways mask is made for full attention only")
         if plan.exact:
-            mask = _exact_mask(N, plan.offsets[0] - plan.key_starts[0], window, return_array)
+            mask = None if both_ways else _exact_mask(N, plan.offsets[0] - plan.key_starts[0], window, return_array)
         else:
-            mask = _ragged_mask(plan, window)
-        if window is None and mask is not None:
+            mask = _ragged_mask(plan, window, both_ways)
+        if window is None and mask is not None and not both_ways:  # a causal full-attention mask (routing.py)
             self._planner.full_masks.append(mask)
         return mask
 
@@ -438,8 +441,9 @@ def _exact_mask(N: int, old: int, window: int | None, return_array: bool):
     return create_causal_mask(N, old) if return_array else "causal"
 
 
-def _ragged_mask(plan: _Plan, window: int | None) -> mx.array:
-    """Boolean [B, 1, L, K]: key valid, not after the query, inside the window."""
+def _ragged_mask(plan: _Plan, window: int | None, both_ways: bool = False) -> mx.array:
+    """Boolean [B, 1, L, K]: key valid, not after the query (`both_ways`: not after the row's last new token), inside
+    the window."""
     offsets, num_new = mx.array(plan.offsets), mx.array(plan.num_new)
     kpos = mx.array(plan.bases)[:, None] + mx.arange(plan.page_tokens)[None]
     valid = (kpos >= mx.array(plan.key_starts)[:, None]) & (kpos < mx.array(plan.read_ends)[:, None])
@@ -448,7 +452,7 @@ def _ragged_mask(plan: _Plan, window: int | None) -> mx.array:
         kpos = mx.concatenate([kpos, offsets[:, None] + rows], axis=1)
         valid = mx.concatenate([valid, rows < num_new[:, None]], axis=1)
     # Padding rows copy the last real row's mask, so they never see an empty row (NaN).
-    qpos = offsets[:, None] + mx.minimum(rows, num_new[:, None] - 1)
+    qpos = offsets[:, None] + (num_new[:, None] - 1 if both_ways else mx.minimum(rows, num_new[:, None] - 1))
     mask = valid[:, None, :] & (kpos[:, None, :] <= qpos[:, :, None])
     if window is not None:
         mask = mask & (kpos[:, None, :] > qpos[:, :, None] - window)

@@ -125,13 +125,12 @@ class _Attention(nn.Module):
         """Write the context's K/V at the view's positions (lazily, into the pools)."""
         view.update_and_fetch(*self._keys_values(h_ctx, view))
 
-    def __call__(self, x: mx.array, view) -> mx.array:
-        """The block `x` [1, L, H] at the view's positions, attending over the context before it and itself."""
+    def __call__(self, x: mx.array, view, mask) -> mx.array:
+        """The blocks `x` [B, L, H] at the view's positions, each attending over its row's context and itself."""
         B, L, _ = x.shape
         queries = self.q_norm(self.q_proj(x).reshape(B, L, self.heads, -1)).transpose(0, 2, 1, 3)
         queries = self.rope(queries, offset=view.offset)
         keys, values = view.update_and_fetch(*self._keys_values(x, view))
-        mask = "causal" if self.causal else None
         out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
@@ -155,8 +154,8 @@ class _Layer(nn.Module):
         self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def __call__(self, x: mx.array, view) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), view)
+    def __call__(self, x: mx.array, view, mask) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), view, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -178,10 +177,12 @@ class DFlashModel(nn.Module):
             layer.self_attn.context(h_ctx, view)
 
     def __call__(self, embeds: mx.array, views: list) -> mx.array:
-        """The block's embeddings [1, L, H] at the views' positions (after the context) -> its hidden states, normed."""
+        """The blocks' embeddings [B, L, H] at the views' positions (each after its row's context) -> their hidden
+        states, normed. A block attends both ways (or causally, as the drafter's config says), over its own row."""
+        mask = views[0].make_mask(embeds.shape[1], return_array=True, both_ways=not self.config.causal)
         h = embeds
         for layer, view in zip(self.layers, views, strict=True):
-            h = layer(h, view)
+            h = layer(h, view, mask)
         return self.norm(h)
 
     def logits(self, head, hidden: mx.array) -> mx.array:

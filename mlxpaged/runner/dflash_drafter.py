@@ -3,9 +3,9 @@
 The drafter's context is the model's layer outputs at each position it computed (Runner.capture_hidden with the
 drafter's `target_layer_ids`), kept per request after each step (runner/kept_hidden.py). Each step, before the model
 runs, `propose` writes the context K/V of every kept position not fed yet into the drafter's pools (one pass over the
-step's requests; pools of its own that share the model's block ids, as a draft model's do), then runs each drafting
-row's block - its last token and k mask tokens, at the positions after its context - in one pass: the model's LM head
-over the mask positions gives the k drafts, argmaxes, which runner/draft_verify.py verifies exactly. The block's K/V
+step's requests; pools of its own that share the model's block ids, as a draft model's do), then runs every drafting
+row's block - its last token and k mask tokens, at the positions after its context - in one pass, each block attending
+over its own row both ways (PagedCacheView.make_mask): the model's LM head over the mask positions gives the k drafts, argmaxes, which runner/draft_verify.py verifies exactly. The block's K/V
 are written at those positions too (the attention reads them from the pages) and replaced by the context's once the
 model has computed them.
 """
@@ -55,18 +55,21 @@ class DFlashDrafter:
         contexts = [(chunk, taken) for chunk in chunks if (taken := self.kept.take(chunk)) is not None]
         if contexts:
             self._write_context(contexts)
+        if not drafting:
+            return []
+        # Every drafting row's block in one pass: its last token and k mask tokens (padded to the longest block with
+        # mask tokens that are neither written nor read), at the positions after its context.
+        width = max(k for _, k in drafting) + 1
         mask = self.model.config.mask_token_id
-        drafts = []
-        for chunk, k in drafting:  # one pass each: a block attends over its own row's context only
-            end = chunk.start + len(chunk.token_ids) - 1  # the last token's position: the block starts there
-            views = paged_views(self.kv, [chunk.block_tables], [end], [k + 1])
-            tokens = mx.array([[chunk.token_ids[-1]] + [mask] * k], dtype=mx.int32)
-            hidden = self.model(self.embed(tokens), views)
-            logits = self.model.logits(self.lm_head, hidden[0, 1:]).astype(mx.float32)
-            drafts.append(mx.argmax(logits[:, : self.vocab_size], axis=-1).astype(mx.int32))
-            mx.async_eval(drafts[-1], self.kv.pools)  # the next row's pass reads the pools this one wrote
-        mx.eval(drafts)
-        return [row.tolist() for row in drafts]  # type: ignore[misc]  # 1-D int32 arrays
+        tokens = mx.array([[chunk.token_ids[-1]] + [mask] * (width - 1) for chunk, _ in drafting], dtype=mx.int32)
+        ends = [chunk.start + len(chunk.token_ids) - 1 for chunk, _ in drafting]  # the last tokens' positions
+        views = paged_views(self.kv, [c.block_tables for c, _ in drafting], ends, [k + 1 for _, k in drafting])
+        hidden = self.model(self.embed(tokens), views)
+        logits = self.model.logits(self.lm_head, hidden[:, 1:]).astype(mx.float32)
+        ids = mx.argmax(logits[..., : self.vocab_size], axis=-1).astype(mx.int32)
+        mx.eval(ids, self.kv.pools)
+        rows: list[list[int]] = ids.tolist()  # type: ignore[assignment]  # a 2-D int32 array
+        return [row[:k] for row, (_, k) in zip(rows, drafting, strict=True)]
 
     def _write_context(self, contexts: list[tuple[ScheduledChunk, tuple[int, mx.array]]]) -> None:
         """Every kept position's context K/V, all rows in one ragged pass (padding rows are not written)."""
