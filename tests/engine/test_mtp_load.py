@@ -51,6 +51,18 @@ def test_mtp_layers_give_the_plain_tokens(dirs, kv_bits):
         assert engine.plan.block_bytes == engine.kv.bytes_per_block + mtp.kv.bytes_per_block
 
 
+def test_mtp_drafts_under_a_grammar_give_the_plain_constrained_tokens(dirs):
+    from tests.engine.test_speculative_grammar import replies
+
+    prompts = [random_tokens(n, seed=n, vocab=49152) for n in (7, 15)]
+    params = SamplingParams(temperature=0.0, max_tokens=30)
+    with Engine.from_pretrained(str(dirs["mtp"]), cache_tokens=2048) as engine:
+        plain = replies(engine, prompts, params)
+    with Engine.from_pretrained(str(dirs["mtp"]), cache_tokens=2048, speculative="mtp") as engine:
+        assert replies(engine, prompts, params) == plain
+        assert engine.stats()["spec_draft_tokens_total"] > 0
+
+
 def test_a_checkpoint_without_mtp_layers_is_refused_before_it_is_read(dirs):
     with pytest.raises(ConfigError, match="ships no multi-token-prediction layers") as info:
         Engine.from_pretrained(str(dirs["no-mtp"]), speculative="mtp", cache_tokens=2048)
