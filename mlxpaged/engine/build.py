@@ -89,7 +89,7 @@ def build_core(
     only when nothing did). `ranks`: the processes this (sharded) model runs over, every one building the same
     core; rank 0's runner sends its passes to the others (distributed/). `adapters`: name -> adapter directory (or
     its files, read already), attached to the model's layers here, before anything else wraps or fuses them. `draft`:
-    a draft model for speculative decoding (scheduler_config.speculative "draft"), or a DFlash drafter to load
+    a draft model for speculative decoding (scheduler_config.speculative "draft"), or a drafter checkpoint to read
     ("dflash", "eagle3"), planned and given pools here."""
     check_draft_setting(scheduler_config.speculative, draft is not None)
     if draft is not None and ranks is not None:
@@ -118,7 +118,7 @@ def build_core(
     if isinstance(draft, LoadedModel):
         draft_layout = _prepare_draft(loaded, layout, draft, kv_dtype)
         facts = with_draft(facts, ModelFacts.from_layout(draft_layout, draft.weight_bytes, kv_dtype.size))
-    reader = None  # a drafter reading the model's hidden states (MTP layers, DFlash), counted in the plan
+    reader = None  # a drafter reading the model's hidden states (MTP, DFlash, EAGLE-3), counted in the plan
     if scheduler_config.speculative in HIDDEN_STATE_METHODS:
         reader = hidden_drafters.prepare(scheduler_config.speculative, loaded, layout, kv_dtype, facts, draft)
         facts = reader.facts

@@ -31,8 +31,8 @@ MAX_PAUSE = 64  # steps a failing sequence waits before drafting again, at most
 
 
 class BatchDrafter(Protocol):
-    """Drafts for every drafting row at once, from a model: a draft model (runner/model_drafter.py) or the model's own
-    MTP layers (runner/chained_drafter.py)."""
+    """Drafts for every drafting row at once, from a model: a draft model (runner/model_drafter.py), the model's own
+    MTP layers or an EAGLE-3 head (runner/chained_drafter.py), a DFlash drafter (runner/dflash_drafter.py)."""
 
     name: str
 
@@ -41,10 +41,11 @@ class BatchDrafter(Protocol):
     ) -> list[list[int]]: ...
 
     def ready(self, chunk: ScheduledChunk) -> bool:
-        """Whether this decode chunk can draft now (the MTP layers need the model's hidden state before it)."""
+        """Whether this decode chunk can draft now (a drafter reading the model's hidden states needs the one before
+        its last token)."""
 
     def observe(self, chunks: Sequence[ScheduledChunk], accepted: dict[str, list[int]]) -> None:
-        """After a step: what it computed and kept (the MTP layers read the model's hidden states)."""
+        """After a step: what it computed and kept (for a drafter reading the model's hidden states)."""
 
     def fork(self, parent_id: str, child_id: str, copies: list) -> None: ...
 
@@ -119,7 +120,8 @@ class SpeculationStats:
 
 class Speculator:
     """`can_draft(request)`: False for sequences with logits processors, which are verified one token at a
-    time. `model`: a draft model or the model's MTP layers propose the drafts, all rows together (BatchDrafter);
+    time. `model`: a draft model, MTP layers, a DFlash drafter or an EAGLE-3 head propose the drafts, all rows
+    together (BatchDrafter);
     None: each sequence's prompt lookup does. `gate` decides, per step, whether drafting pays at this batch size
     (engine/speculation_gate.py)."""
 
