@@ -121,9 +121,8 @@ class SpeculationStats:
 class Speculator:
     """`can_draft(request)`: False for sequences with logits processors, which are verified one token at a
     time. `model`: a draft model, MTP layers, a DFlash drafter or an EAGLE-3 head propose the drafts, all rows
-    together (BatchDrafter);
-    None: each sequence's prompt lookup does. `gate` decides, per step, whether drafting pays at this batch size
-    (engine/speculation_gate.py)."""
+    together (BatchDrafter); None: each sequence's prompt lookup does. `gate` decides, per step, whether drafting
+    pays at this batch size (engine/speculation_gate.py)."""
 
     def __init__(
         self,

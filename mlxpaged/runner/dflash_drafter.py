@@ -5,9 +5,9 @@ drafter's `target_layer_ids`), kept per request after each step (runner/kept_hid
 runs, `propose` writes the context K/V of every kept position not fed yet into the drafter's pools (one pass over the
 step's requests; pools of its own that share the model's block ids, as a draft model's do), then runs every drafting
 row's block - its last token and k mask tokens, at the positions after its context - in one pass, each block attending
-over its own row both ways (PagedCacheView.make_mask): the model's LM head over the mask positions gives the k drafts, argmaxes, which runner/draft_verify.py verifies exactly. The block's K/V
-are written at those positions too (the attention reads them from the pages) and replaced by the context's once the
-model has computed them.
+over its own row both ways (PagedCacheView.make_mask): the model's LM head over the mask positions gives the k drafts,
+argmaxes, which runner/draft_verify.py verifies exactly. The block's K/V are written at those positions too (the
+attention reads them from the pages) and replaced by the context's once the model has computed them.
 """
 
 from __future__ import annotations
