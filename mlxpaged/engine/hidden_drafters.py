@@ -89,17 +89,11 @@ def _prepare_eagle3(
 ) -> PreparedDrafter:
     config = Eagle3Config.read(draft.path, draft.name)
     check_eagle3_target(config, draft.name, facts.hidden_size, len(loaded.model.layers), layout.vocab_size)
-    head = load_eagle3(draft.path, draft.name, kv_dtype, _embedding(loaded.model))
+    head = load_eagle3(draft.path, draft.name, kv_dtype)
     head_facts = dataclasses.replace(
         eagle3_facts(config, draft.path, facts, backend.current()), weight_bytes=model_weight_bytes(head)
     )
     return PreparedDrafter(with_draft(facts, head_facts), lambda *built: eagle3_drafter(head, draft.name, *built))
-
-
-def _embedding(model):
-    """The model's token embedding (mlx-lm's, or a vision-language model's language model's)."""
-    inner = getattr(model, "model", None)
-    return inner.embed_tokens if inner is not None and hasattr(inner, "embed_tokens") else model.embed_tokens
 
 
 def eagle3_drafter(

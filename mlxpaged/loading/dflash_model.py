@@ -16,17 +16,17 @@ LM head are the target's.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from mlxpaged.errors import ConfigError
-from mlxpaged.loading.checkpoint import as_loaded, read_safetensors_header
+from mlxpaged.loading.draft_model import drafter_facts, read_drafter_weights
 from mlxpaged.platform.model_facts import KVShape, ModelFacts
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.qwen3 import MLP  # the gated SiLU MLP both drafters' layers use
 from mlx_lm.models.rope_utils import initialize_rope
 
 
@@ -135,22 +135,11 @@ class _Attention(nn.Module):
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
-class _MLP(nn.Module):
-    def __init__(self, width: int, hidden: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(width, hidden, bias=False)
-        self.up_proj = nn.Linear(width, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, width, bias=False)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class _Layer(nn.Module):
     def __init__(self, config: DFlashConfig):
         super().__init__()
         self.self_attn = _Attention(config)
-        self.mlp = _MLP(config.hidden_size, config.intermediate_size)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -192,21 +181,11 @@ class DFlashModel(nn.Module):
         return mx.tanh(logits / cap) * cap if cap else logits
 
 
-def _files(path: Path) -> list[Path]:
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ConfigError(f"no *.safetensors in the DFlash drafter {path}", param="draft_model")
-    return files
-
-
 def dflash_facts(config: DFlashConfig, path: Path, target: ModelFacts, backend: str) -> ModelFacts:
-    """What the drafter costs the memory plan beside the model (loading/draft_model.with_draft adds it): its weights
-    (from the safetensors headers, as loaded on `backend`) and per token K/V of each of its layers, in the model's
-    K/V dtype."""
-    tensors = [t for file in _files(path) for t in read_safetensors_header(file) if not _targets(t.name)]
-    weights = sum(t.nbytes for t in as_loaded(tensors, backend))
-    kv = KVShape(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, target.kv.dtype_bytes)
-    return dataclasses.replace(target, kv=kv, weight_bytes=weights, state_bytes_per_sequence=0)
+    """What the drafter costs the memory plan beside the model: its weights and per token K/V of each of its layers,
+    in the model's K/V dtype."""
+    shape = KVShape(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, target.kv.dtype_bytes)
+    return drafter_facts(path, "DFlash drafter", _used, shape, target, backend)
 
 
 def dflash_facts_before_load(facts: ModelFacts, layout, name: str, path: Path, draft: str) -> ModelFacts:
@@ -222,20 +201,16 @@ def dflash_facts_before_load(facts: ModelFacts, layout, name: str, path: Path, d
     return with_draft(facts, dflash_facts(config, path, facts, backend.current()))
 
 
-def _targets(name: str) -> bool:
-    """The embedding and LM head some drafters ship: the target's are used."""
-    return name.removeprefix("model.") in ("embed_tokens.weight", "lm_head.weight")
+def _used(name: str) -> bool:
+    """Not the embedding and LM head some drafters ship: the target's are used."""
+    return name.removeprefix("model.") not in ("embed_tokens.weight", "lm_head.weight")
 
 
 def load_dflash(path: Path, name: str, dtype: mx.Dtype) -> DFlashModel:
     """The DFlash drafter in `path`, floating weights in `dtype` (the target's activations')."""
     config = DFlashConfig.read(path, name)
     model = DFlashModel(config)
-    weights: dict[str, mx.array] = {}
-    for file in _files(path):
-        arrays = mx.load(str(file))
-        assert isinstance(arrays, dict)  # a .safetensors file
-        weights.update({k.removeprefix("model."): v for k, v in arrays.items() if not _targets(k)})
+    weights = read_drafter_weights(path, "DFlash drafter", _used)
     if any(key.endswith(".scales") for key in weights):
         settings = json.loads((path / "config.json").read_text()).get("quantization") or {}
         nn.quantize(

@@ -7,12 +7,15 @@ page in each model's pools (runner/model_drafter.py)."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from mlxpaged.cache.layout import ModelLayout
 from mlxpaged.errors import ConfigError
 from mlxpaged.platform.model_facts import KVShape, ModelFacts
+
+import mlx.core as mx
 
 DRAFTING_MODELS = ("draft", "dflash", "eagle3")  # the speculative methods whose drafts come from `draft_model=`
 CHECKPOINT_DRAFTERS = ("dflash", "eagle3")  # those whose `draft_model=` is a drafter checkpoint, not an mlx-lm model
@@ -25,6 +28,36 @@ class DrafterCheckpoint:
 
     path: Path
     name: str
+
+
+def drafter_files(path: Path, what: str) -> list[Path]:
+    """A drafter checkpoint's safetensors files (`what`: how errors name it)."""
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"no *.safetensors in the {what} {path}", param="draft_model")
+    return files
+
+
+def read_drafter_weights(path: Path, what: str, used: Callable[[str], bool]) -> dict[str, mx.array]:
+    """A drafter checkpoint's tensors it `used` (by stored name), named without a leading "model."; lazy."""
+    weights: dict[str, mx.array] = {}
+    for file in drafter_files(path, what):
+        arrays = mx.load(str(file))
+        assert isinstance(arrays, dict)  # a .safetensors file
+        weights.update({k.removeprefix("model."): v for k, v in arrays.items() if used(k)})
+    return weights
+
+
+def drafter_facts(
+    path: Path, what: str, used: Callable[[str], bool], shape: KVShape, target: ModelFacts, backend: str
+) -> ModelFacts:
+    """What a drafter checkpoint costs the memory plan beside the model (`with_draft` adds it): the weights it uses
+    (from the safetensors headers, as loaded on `backend`) and per token the K/V `shape` of its layers."""
+    from mlxpaged.loading.checkpoint import as_loaded, read_safetensors_header
+
+    tensors = [t for file in drafter_files(path, what) for t in read_safetensors_header(file) if used(t.name)]
+    weights = sum(t.nbytes for t in as_loaded(tensors, backend))
+    return dataclasses.replace(target, kv=shape, weight_bytes=weights, state_bytes_per_sequence=0)
 
 
 def check_draft_setting(speculative: str | None, has_draft: bool) -> None:

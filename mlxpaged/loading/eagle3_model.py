@@ -15,19 +15,18 @@ cache does: its first entry is the pair of position 0).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from mlxpaged.errors import ConfigError
-from mlxpaged.loading.checkpoint import as_loaded, read_safetensors_header
+from mlxpaged.loading.draft_model import drafter_facts, read_drafter_weights
 from mlxpaged.platform.model_facts import KVShape, ModelFacts
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.qwen3 import MLP  # the gated SiLU MLP EAGLE-3's layers use
 
 
 @dataclass(frozen=True)
@@ -118,17 +117,6 @@ class _Attention(nn.Module):
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
-class _MLP(nn.Module):
-    def __init__(self, config: Eagle3Config):
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class _FirstLayer(nn.Module):
     """Attention over the token's embedding and the hidden state side by side."""
 
@@ -140,7 +128,7 @@ class _FirstLayer(nn.Module):
         self.hidden_norm = nn.RMSNorm(width, eps=eps)
         self.self_attn = _Attention(config, 2 * width)
         self.post_attention_layernorm = nn.RMSNorm(width, eps=eps)
-        self.mlp = _MLP(config)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size)
 
     def __call__(self, embeds: mx.array, hidden: mx.array, mask, view) -> mx.array:
         normed = self.hidden_norm(hidden)
@@ -155,7 +143,7 @@ class _Layer(nn.Module):
         self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.self_attn = _Attention(config, config.hidden_size)
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.mlp = _MLP(config)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size)
 
     def __call__(self, x: mx.array, mask, view) -> mx.array:
         h = x + self.self_attn(self.input_layernorm(x), mask, view)
@@ -163,13 +151,13 @@ class _Layer(nn.Module):
 
 
 class Eagle3Head(nn.Module):
-    """The head (see the module docstring): `embed_tokens` its own or the model's, `draft_ids` its drafts."""
+    """The head (see the module docstring): `embed_tokens` its own (None: the model's), `draft_ids` its drafts."""
 
     def __init__(self, config: Eagle3Config):
         super().__init__()
         self.config = config
         width = config.hidden_size
-        self.embed_tokens: nn.Module = nn.Embedding(config.vocab_size, width)
+        self.embed_tokens: nn.Module | None = nn.Embedding(config.vocab_size, width)  # None: the model's (loaded)
         self.fc = nn.Linear(3 * config.target_hidden_size, width, bias=False)
         if config.norm_before_fc:
             self.input_norm = nn.RMSNorm(3 * config.target_hidden_size, eps=config.rms_norm_eps)
@@ -195,25 +183,16 @@ class Eagle3Head(nn.Module):
         return draft + self.d2t[draft]
 
 
-def _files(path: Path) -> list[Path]:
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ConfigError(f"no *.safetensors in the EAGLE-3 head {path}", param="draft_model")
-    return files
-
-
 def _kept(name: str) -> bool:
     """Tensors some checkpoints carry that the head does not use."""
     return not (name == "t2d" or name.startswith("verifier_") or "rotary_emb.inv_freq" in name)
 
 
 def eagle3_facts(config: Eagle3Config, path: Path, target: ModelFacts, backend: str) -> ModelFacts:
-    """What the head costs the memory plan beside the model: its weights (from the safetensors headers, as loaded on
-    `backend`; an embedding it does not ship is the model's) and per token K/V of each of its layers."""
-    tensors = [t for file in _files(path) for t in read_safetensors_header(file) if _kept(t.name)]
-    weights = sum(t.nbytes for t in as_loaded(tensors, backend))
-    kv = KVShape(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, target.kv.dtype_bytes)
-    return dataclasses.replace(target, kv=kv, weight_bytes=weights, state_bytes_per_sequence=0)
+    """What the head costs the memory plan beside the model: its weights (an embedding it does not ship is the
+    model's) and per token K/V of each of its layers."""
+    shape = KVShape(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, target.kv.dtype_bytes)
+    return drafter_facts(path, "EAGLE-3 head", _kept, shape, target, backend)
 
 
 def eagle3_facts_before_load(facts: ModelFacts, layout, name: str, path: Path, draft: str) -> ModelFacts:
@@ -241,37 +220,23 @@ def check_eagle3_target(config: Eagle3Config, name: str, hidden: int, layers: in
         raise ConfigError(f"the EAGLE-3 head {name!r} was not made for this model: {reason}", param="draft_model")
 
 
-def load_eagle3(path: Path, name: str, dtype: mx.Dtype, target_embedding: nn.Module) -> Eagle3Head:
-    """The EAGLE-3 head in `path`, floating weights in `dtype`; without an embedding of its own it uses the model's
-    (`target_embedding`)."""
+def load_eagle3(path: Path, name: str, dtype: mx.Dtype) -> Eagle3Head:
+    """The EAGLE-3 head in `path`, floating weights in `dtype`. Without an embedding of its own, `embed_tokens` is
+    None: the chained drafter uses the model's (shared, and not counted twice in the plan)."""
     head = Eagle3Head(Eagle3Config.read(path, name))
-    weights: dict[str, mx.array] = {}
-    for file in _files(path):
-        arrays = mx.load(str(file))
-        assert isinstance(arrays, dict)  # a .safetensors file
-        weights.update({k.removeprefix("model."): v for k, v in arrays.items() if _kept(k)})
+    weights = read_drafter_weights(path, "EAGLE-3 head", _kept)
     if "d2t" in weights:
         weights["d2t"] = weights["d2t"].astype(mx.int32)
     elif head.config.draft_vocab_size != head.config.vocab_size:
         raise ConfigError(f"the EAGLE-3 head {name!r} has a draft vocabulary but no d2t map", param="draft_model")
     else:
         weights["d2t"] = head.d2t  # one vocabulary: ids map to themselves
-    own_embedding = "embed_tokens.weight" in weights
-    flat = tree_flatten(head.parameters(), destination={})  # a dict with `destination` (typed list | dict)
-    names = list(flat) if isinstance(flat, dict) else [name for name, _ in flat]
-    expected = {k for k in names if own_embedding or not k.startswith("embed_tokens.")}
-    if set(weights) != expected:
-        missing, extra = sorted(expected - set(weights)), sorted(set(weights) - expected)
-        raise ConfigError(
-            f"the EAGLE-3 head {name!r} does not fit its config: missing {missing[:5]}, unexpected {extra[:5]}",
-            param="draft_model",
-        )
+    if "embed_tokens.weight" not in weights:
+        head.embed_tokens = None
     try:
-        head.load_weights(list(weights.items()), strict=False)
+        head.load_weights(list(weights.items()), strict=True)
     except ValueError as exc:
         raise ConfigError(f"the EAGLE-3 head {name!r} does not fit its config: {exc}", param="draft_model") from exc
     head.set_dtype(dtype)  # floating weights only: d2t stays an id map
-    if not own_embedding:
-        head.embed_tokens = target_embedding  # the model's, shared (quantized or not)
     mx.eval(head.parameters())
     return head

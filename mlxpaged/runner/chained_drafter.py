@@ -26,7 +26,7 @@ from mlxpaged.cache.kv_cache import PagedKVCache
 from mlxpaged.runner.kept_hidden import KeptHidden
 from mlxpaged.runner.model_drafter import drafts_by_row
 from mlxpaged.runner.model_runner import Runner
-from mlxpaged.runner.passes import StepInput, prefill_passes
+from mlxpaged.runner.passes import StepInput, embedding_and_head, prefill_passes
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -46,10 +46,8 @@ class ChainedDrafter:
         self.draft_ids = getattr(head, "draft_ids", None)  # EAGLE-3: its own LM head and vocabulary map
         if getattr(head, "embed_tokens", None) is not None:  # EAGLE-3's own embedding (or the model's, shared)
             self.embed, self.lm_head = head.embed_tokens, None
-        elif target.head is not None:  # mlx-lm's model: its body and head apart (passes.split_head)
-            self.embed, self.lm_head = target.model.model.embed_tokens, target.head
-        else:  # a vision-language model's language model (vision/language.py)
-            self.embed, self.lm_head = target.model.embed_tokens, target.model.logits_from_hidden
+        else:
+            self.embed, self.lm_head = embedding_and_head(target.model, target.head)
         self.kept = KeptHidden()  # the model's hidden states not fed yet, per request
 
     def observe(self, chunks: Sequence[ScheduledChunk], accepted: dict[str, list[int]]) -> None:

@@ -20,6 +20,7 @@ from mlxpaged.cache.kv_cache import PagedKVCache
 from mlxpaged.loading.dflash_model import DFlashModel
 from mlxpaged.runner.kept_hidden import KeptHidden
 from mlxpaged.runner.model_runner import Runner
+from mlxpaged.runner.passes import embedding_and_head
 
 import mlx.core as mx
 
@@ -33,10 +34,7 @@ class DFlashDrafter:
         if target.last_hidden is None:
             raise ValueError("a DFlash drafter needs the model's runner to capture its layers (capture_hidden)")
         self.model, self.kv, self.target, self.name, self.vocab_size = model, kv, target, name, vocab_size
-        if target.head is not None:  # mlx-lm's model: its body and head apart (passes.split_head)
-            self.embed, self.lm_head = target.model.model.embed_tokens, target.head
-        else:  # a vision-language model's language model (vision/language.py)
-            self.embed, self.lm_head = target.model.embed_tokens, target.model.logits_from_hidden
+        self.embed, self.lm_head = embedding_and_head(target.model, target.head)
         self.kept = KeptHidden()  # the model's layer outputs not written as context yet, per request
 
     def observe(self, chunks: Sequence[ScheduledChunk], accepted: dict[str, list[int]]) -> None:

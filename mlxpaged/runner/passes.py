@@ -69,6 +69,15 @@ def split_head(model: nn.Module) -> Callable[[mx.array], mx.array] | None:
     return head if mx.allclose(full, split, atol=1e-5, rtol=1e-5).item() else None
 
 
+def embedding_and_head(model: nn.Module, head: Callable[[mx.array], mx.array] | None) -> tuple[nn.Module, Callable]:
+    """The model's token embedding and its `hidden -> logits`, which drafters reading its hidden states share:
+    mlx-lm's body and split head (`head`, from split_head), or a vision-language model's language model's
+    (vision/language.py) when the head does not split."""
+    if head is not None:
+        return model.model.embed_tokens, head
+    return model.embed_tokens, model.logits_from_hidden
+
+
 # Prefill chunks that end within this many tokens may share a pass, if padding them to the
 # longest adds at most a quarter. A shared pass attends through a ragged mask, without the causal
 # blocks that halve a long chunk's attention: `bench batch`'s prefill (16 prompts of 273-468
