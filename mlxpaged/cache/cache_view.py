@@ -53,11 +53,15 @@ def paged_views(
     block_tables: Sequence[Sequence[list[int]]],
     offsets: Sequence[int] | None = None,
     num_new: Sequence[int] | None = None,
+    both_ways: Sequence[Sequence[tuple[int, int]]] | None = None,
 ) -> list[PagedCacheView]:
     """Views for every layer; `block_tables[b][g]` is sequence b's table for group g.
 
     `offsets[b]`: tokens already cached (default 0). `num_new[b]`: real tokens of row b
     in the next pass only (default: every row is full); later passes treat rows as full.
+    `both_ways[b]`: spans [start, end) of positions of row b whose tokens attend each other both ways in the
+    next pass (an image of Gemma 4's larger models; each span's new tokens all in this pass), on top of the causal
+    (or windowed) mask.
     """
     batch = len(block_tables)
     offsets = list(offsets) if offsets is not None else [0] * batch
@@ -67,7 +71,12 @@ def paged_views(
         raise ValueError(f"each sequence needs {len(kv_cache.groups)} block tables, one per layer group")
     if num_new is not None and (len(num_new) != batch or any(n < 1 for n in num_new)):
         raise ValueError(f"num_new {list(num_new)} must hold {batch} counts of at least 1")
-    planners = [_GroupPlanner(kv_cache, g, [tables[g.index] for tables in block_tables]) for g in kv_cache.groups]
+    if both_ways is not None and len(both_ways) != batch:
+        raise ValueError(f"both_ways needs one list of spans per sequence ({batch}), got {len(both_ways)}")
+    spans = tuple(tuple(row) for row in both_ways) if both_ways is not None and any(both_ways) else None
+    planners = [
+        _GroupPlanner(kv_cache, g, [tables[g.index] for tables in block_tables], spans) for g in kv_cache.groups
+    ]
     return [
         PagedCacheView(kv_cache, layer, planners[kv_cache.group_of(layer).index], offsets, num_new)
         for layer in range(kv_cache.num_layers)
@@ -173,8 +182,15 @@ def _read_blocks(spec: KVCacheSpec, tables, starts, ends) -> tuple[mx.array | No
 class _GroupPlanner:
     """Builds each pass's plan once for all views of a layer group."""
 
-    def __init__(self, kv_cache: PagedKVCache, group: LayerGroup, tables: list[list[int]]):
+    def __init__(
+        self,
+        kv_cache: PagedKVCache,
+        group: LayerGroup,
+        tables: list[list[int]],
+        both_ways: tuple[tuple[tuple[int, int], ...], ...] | None = None,
+    ):
         self.kv_cache, self.group, self.tables = kv_cache, group, tables
+        self.both_ways = both_ways  # the first pass's spans attended both ways, per row (paged_views)
         self.spec = kv_cache.specs[group.index]  # which positions the group's layers store and read
         self._key: tuple | None = None
         self._plan: _Plan | None = None
@@ -211,6 +227,7 @@ class PagedCacheView:
         self._kv, self._layer, self._planner = kv_cache, layer, planner
         self._fetched: tuple | None = None  # weak references: a held lazy gather would pin the pool
         self._offsets = list(offsets)
+        self._first_offsets = tuple(offsets)  # the pass the both-ways spans are for (paged_views)
         self._num_new = list(num_new) if num_new is not None else None
         self._last_plan: _Plan | None = None
         self._split_out: tuple | None = None
@@ -286,6 +303,9 @@ class PagedCacheView:
         window = window_size if window_size is not None else self._planner.spec.window
         if both_ways and window is not None:
             raise ValueError("a both-ways mask is made for full attention only")
+        spans = self._planner.both_ways
+        if spans is not None and N > 1 and plan.offsets == self._first_offsets:
+            return _mask_with_spans(plan, window, spans)
         if plan.exact:
             mask = None if both_ways else _exact_mask(N, plan.offsets[0] - plan.key_starts[0], window, return_array)
         else:
@@ -441,19 +461,54 @@ def _exact_mask(N: int, old: int, window: int | None, return_array: bool):
     return create_causal_mask(N, old) if return_array else "causal"
 
 
-def _ragged_mask(plan: _Plan, window: int | None, both_ways: bool = False) -> mx.array:
-    """Boolean [B, 1, L, K]: key valid, not after the query (`both_ways`: not after the row's last new token), inside
-    the window."""
+def _key_positions(plan: _Plan) -> tuple[mx.array, mx.array]:
+    """(positions [B, K], valid [B, K]) of the keys `update_and_fetch` returns for `plan`, per row."""
+    if plan.exact:  # positions [key_start, end), the old ones read from pages and (split) the new ones after them
+        kpos = mx.arange(plan.key_starts[0], plan.offsets[0] + plan.num_new[0])[None]
+        return kpos, mx.ones(kpos.shape, dtype=mx.bool_)
     offsets, num_new = mx.array(plan.offsets), mx.array(plan.num_new)
     kpos = mx.array(plan.bases)[:, None] + mx.arange(plan.page_tokens)[None]
     valid = (kpos >= mx.array(plan.key_starts)[:, None]) & (kpos < mx.array(plan.read_ends)[:, None])
-    rows = mx.arange(plan.length)[None]
     if plan.split:
+        rows = mx.arange(plan.length)[None]
         kpos = mx.concatenate([kpos, offsets[:, None] + rows], axis=1)
         valid = mx.concatenate([valid, rows < num_new[:, None]], axis=1)
-    # Padding rows copy the last real row's mask, so they never see an empty row (NaN).
-    qpos = offsets[:, None] + (num_new[:, None] - 1 if both_ways else mx.minimum(rows, num_new[:, None] - 1))
+    return kpos, valid
+
+
+def _query_positions(plan: _Plan, both_ways: bool = False) -> mx.array:
+    """[B, L] the position each row's new tokens mask as. Padding rows copy the last real row's mask, so they never
+    see an empty row (NaN); `both_ways`: every token masks as the row's last (a DFlash block)."""
+    offsets, num_new = mx.array(plan.offsets), mx.array(plan.num_new)
+    rows = mx.arange(plan.length)[None]
+    return offsets[:, None] + (num_new[:, None] - 1 if both_ways else mx.minimum(rows, num_new[:, None] - 1))
+
+
+def _ragged_mask(plan: _Plan, window: int | None, both_ways: bool = False) -> mx.array:
+    """Boolean [B, 1, L, K]: key valid, not after the query (`both_ways`: not after the row's last new token), inside
+    the window."""
+    kpos, valid = _key_positions(plan)
+    qpos = _query_positions(plan, both_ways)
     mask = valid[:, None, :] & (kpos[:, None, :] <= qpos[:, :, None])
     if window is not None:
         mask = mask & (kpos[:, None, :] > qpos[:, :, None] - window)
     return mask[:, None]
+
+
+def _mask_with_spans(plan: _Plan, window: int | None, spans: Sequence[Sequence[tuple[int, int]]]) -> mx.array:
+    """Boolean [B, 1, L, K]: the causal (windowed) mask, and each token inside one of its row's `spans` also sees
+    every key of that span, after it or out of the window (transformers' Gemma 4 `create_masks_for_vision_model`:
+    the causal mask or the same image)."""
+    kpos, valid = _key_positions(plan)
+    qpos = _query_positions(plan)
+    width = max(len(row) for row in spans)
+    padded = [list(row) + [(0, 0)] * (width - len(row)) for row in spans]  # (0, 0) holds no position
+    starts = mx.array([[s for s, _ in row] for row in padded])[:, None, :]  # [B, 1, S]
+    ends = mx.array([[e for _, e in row] for row in padded])[:, None, :]
+    q_in = (qpos[:, :, None] >= starts) & (qpos[:, :, None] < ends)  # [B, L, S]
+    k_in = (kpos[:, :, None] >= starts) & (kpos[:, :, None] < ends)  # [B, K, S]
+    same = (q_in[:, :, None, :] & k_in[:, None, :, :]).any(axis=-1)  # [B, L, K]
+    mask = kpos[:, None, :] <= qpos[:, :, None]
+    if window is not None:
+        mask = mask & (kpos[:, None, :] > qpos[:, :, None] - window)
+    return ((mask | same) & valid[:, None, :])[:, None]

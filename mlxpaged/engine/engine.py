@@ -34,6 +34,7 @@ from mlxpaged.engine import engine_thread
 from mlxpaged.engine.build import BuiltCore, build_core
 from mlxpaged.engine.drafting import SpeculationStats
 from mlxpaged.engine.metrics import StatsCounter
+from mlxpaged.engine.request import ImageSpan
 from mlxpaged.engine.shutdown import STEP_TIMEOUT_S
 from mlxpaged.errors import (  # noqa: F401  (re-exported)
     AdapterError,
@@ -257,7 +258,7 @@ class Engine:
         images: tuple = ()
         multimodal = None
         if isinstance(prompt, ImagePrompt):
-            images, multimodal = prompt.images, self._image_inputs(prompt)
+            images, multimodal = self._image_inputs(prompt)
             prompt = prompt.token_ids
         tokens = self._tokenize(prompt)
         self._check_token_ids("logit_bias", params.logit_bias)
@@ -319,13 +320,14 @@ class Engine:
             )
         return self.adapters.resolve(name).id
 
-    def _image_inputs(self, prompt: ImagePrompt) -> PromptEmbedding:
-        """What the engine thread feeds the prompt's prefill: the model computes it there, on first use."""
+    def _image_inputs(self, prompt: ImagePrompt) -> tuple[tuple[ImageSpan, ...], PromptEmbedding]:
+        """The prompt's images as the scheduler keeps them (attended both ways where the model does so) and what the
+        engine thread feeds its prefill: the model computes it there, on first use."""
         if self.core.runner.mirror is not None:
             raise ConfigError("images across mlx.launch ranks are not supported yet", param="images")
-        return PromptEmbedding(
-            self._vision().model, prompt.token_ids, prompt.arrays, prompt.images, self._encoded_images
-        )
+        vision = self._vision()
+        images = tuple(dataclasses.replace(i, both_ways=vision.images_both_ways) for i in prompt.images)
+        return images, PromptEmbedding(vision.model, prompt.token_ids, prompt.arrays, images, self._encoded_images)
 
     def _vision(self) -> VisionParts:
         """The model's vision parts; ImagesNotSupportedError naming the model when it takes no images."""

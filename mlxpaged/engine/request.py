@@ -41,6 +41,14 @@ class ImageSpan:
     start: int
     length: int
     digest: str
+    # Its tokens attend each other both ways (Gemma 4's larger models): each one's keys and values depend on the
+    # image's tokens after it, so the image is prefilled in one chunk (scheduler.py `_chunk`) under a mask that
+    # lets them (cache/cache_view.py).
+    both_ways: bool = False
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
 
 
 @dataclass(eq=False)

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from collections.abc import Collection, Hashable, Mapping
+from collections.abc import Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from mlxpaged.cache.block_pool import NoFreeBlocksError
 from mlxpaged.cache.kv_cache_manager import CopyOnWrite, KVCacheManager, UnknownRequestError
-from mlxpaged.engine.request import Request, RequestStatus
+from mlxpaged.engine.request import ImageSpan, Request, RequestStatus
 from mlxpaged.engine.step_budget import StepBudget
 from mlxpaged.errors import RequestTooLongError
 from mlxpaged.validation import require_int
@@ -299,7 +299,7 @@ class Scheduler:
         cap = self._prefill_cap(preempted) if prefills else self.max_batch_tokens
         time = self.step_budget.plan(decoding=bool(decodes)) if self.step_budget is not None else None
         for request in prefills:
-            if budget == 0 or (time is not None and not time.has_time):
+            if budget <= 0 or (time is not None and not time.has_time):  # below 0: an image prefilled whole
                 break
             most = min(budget, cap)
             if time is not None:
@@ -470,6 +470,7 @@ class Scheduler:
             # A prompt with images prefills from its merged embeddings, which end with the prompt: the tokens a
             # preempted request had generated go in the next chunk (vision/embedding.py).
             end = len(request.prompt_token_ids)
+        end = _images_whole(request.images, start, end)
         return ScheduledChunk(
             request,
             start,
@@ -513,3 +514,13 @@ def _slot(request: Request) -> int:
     if request.state_slot is None:
         raise RuntimeError(f"request {request.request_id!r} holds no state slot")
     return request.state_slot
+
+
+def _images_whole(images: Sequence[ImageSpan], start: int, end: int) -> int:
+    """The end of a chunk [start, end) moved off the inside of an image whose tokens attend both ways: back to the
+    image's start when the chunk begins before it, else on to the image's end (past the step's token budget by at
+    most the image's tokens)."""
+    for image in images:
+        if image.both_ways and image.start < end < image.end:
+            end = image.start if start < image.start else image.end
+    return end

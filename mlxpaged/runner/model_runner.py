@@ -501,7 +501,8 @@ class Runner:
         """The model over `batch` through paged KV views (and state views): lazy logits of each row's last
         `num_logits` positions and the pass's state, not stored yet."""
         num_new = [len(x.token_ids) for x in batch]
-        views = paged_views(self.kv, [x.block_tables for x in batch], [x.start for x in batch], num_new)
+        both_ways = [x.embedding.both_ways if x.embedding is not None else () for x in batch]
+        views = paged_views(self.kv, [x.block_tables for x in batch], [x.start for x in batch], num_new, both_ways)
         state_pass = None
         if self.state_store is not None:
             slots = [x.state_slot for x in batch if x.state_slot is not None]

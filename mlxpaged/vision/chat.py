@@ -41,7 +41,7 @@ def chat_image_prompt(
         add_special_tokens=should_add_special_tokens(config.model_type, vision.processor),
     )
     token_ids = [int(t) for t in np.array(inputs["input_ids"]).reshape(-1)]
-    arrays = {k: v if isinstance(v, mx.array) else mx.array(v) for k, v in inputs.items() if _is_array(v)}
+    arrays = {k: _as_mlx(v) for k, v in inputs.items() if _is_array(v) or _is_arrays(v)}
     arrays.pop("input_ids", None)
     digests = [d.digest for d in decoded]
     counts = None
@@ -71,3 +71,14 @@ def _image_token_count(vision: VisionParts, image, config, should_add_special_to
 
 def _is_array(value: object) -> bool:
     return isinstance(value, mx.array | np.ndarray)
+
+
+def _is_arrays(value: object) -> bool:
+    """A list of arrays: Gemma 4's processor gives images of different shapes as a list of pixel arrays."""
+    return isinstance(value, list | tuple) and bool(value) and all(_is_array(v) for v in value)
+
+
+def _as_mlx(value):
+    if isinstance(value, list | tuple):
+        return [_as_mlx(v) for v in value]
+    return value if isinstance(value, mx.array) else mx.array(value)

@@ -20,17 +20,26 @@ from functools import cache
 from mlxpaged.engine.request import ImageSpan
 from mlxpaged.vision.encoded_images import EncodedImage, EncodedImages
 from mlxpaged.vision.positions import prompt_positions, takes_positions
+from mlxpaged.vision.prompt import ProcessorArrays
 
 import mlx.core as mx
 import mlx.nn as nn
 
 # Processor outputs that are not the model's keyword arguments: the prompt itself and what goes to the tower.
 _NOT_ARGUMENTS = ("input_ids", "attention_mask", "pixel_values")
+# Each token's kind, from which Gemma 4's language model overlays its own both-ways mask on a whole prompt's (only
+# when a pass is the whole prompt): where its images attend both ways the engine's views make that mask for any
+# chunk (ImageSpan.both_ways), so the model is not given them.
+_TOKEN_TYPES = ("mm_token_type_ids", "token_type_ids")
 # What get_input_embeddings returns for the whole prompt that a chunk is given as its own slice instead
 # (positions.py): the model would keep them as state.
 _WHOLE_PROMPT_POSITIONS = ("position_ids", "rope_deltas")
 # Qwen3-VL's deepstack: image features added to the hidden states of its first layers, at the visual positions.
 _DEEPSTACK = frozenset({"visual_pos_masks", "deepstack_visual_embeds"})
+# What get_input_embeddings computes from the token ids alone, the same with the pixels or without (Gemma 4's
+# per-layer inputs, which read every image token as the pad token): a prompt put together from kept images takes
+# them from its text.
+_FROM_TOKENS = frozenset({"per_layer_inputs"})
 
 
 @cache
@@ -60,6 +69,9 @@ class ChunkEmbedding:
 
     inputs_embeds: mx.array
     arguments: Mapping[str, object]
+    # Spans [start, end) of prompt positions whose tokens attend each other both ways (its images, for a model
+    # that attends so within an image): the pass's mask lets them (cache/cache_view.py `paged_views`).
+    both_ways: tuple[tuple[int, int], ...] = ()
 
 
 class PromptEmbedding:
@@ -71,7 +83,7 @@ class PromptEmbedding:
         self,
         vlm: nn.Module,
         token_ids: Sequence[int],
-        arrays: Mapping[str, mx.array],
+        arrays: ProcessorArrays,
         images: Sequence[ImageSpan] = (),
         encoded: EncodedImages | None = None,
     ):
@@ -106,13 +118,14 @@ class PromptEmbedding:
         """Run the vision tower and merge (once), or put the embeddings together from images encoded before."""
         if self._embeds is not None:
             return
-        extra: dict[str, object] = {k: v for k, v in self._arrays.items() if k not in _NOT_ARGUMENTS}
+        dropped = _NOT_ARGUMENTS + (_TOKEN_TYPES if any(i.both_ways for i in self._images) else ())
+        extra: dict[str, object] = {k: v for k, v in self._arrays.items() if k not in dropped}
         kept = None
         if self._encoded is not None and not self._pads_in_text(0, len(self._token_ids)):
             kept = self._encoded.images([i.digest for i in self._images])
         if kept is not None:
-            self._embeds = self._with_rows([image.rows for image in kept])
-            self._arguments = {**extra, **self._deepstack_arguments(kept)}
+            self._embeds, from_tokens = self._with_rows([image.rows for image in kept])
+            self._arguments = {**extra, **from_tokens, **self._deepstack_arguments(kept)}
             mx.eval(self._embeds)
             return
         out = self._vlm.get_input_embeddings(
@@ -130,11 +143,14 @@ class PromptEmbedding:
             return
         # Kept when the rows (and Qwen3-VL's deepstack shares) are all the language model reads of an image.
         shares: list[tuple[mx.array, ...]] | None = None
-        if not fields:
+        read = set(fields) - _FROM_TOKENS  # what the language model reads of the images besides their rows
+        if not read:
             shares = [()] * len(self._images)
-        elif set(fields) == _DEEPSTACK:
+        elif read == _DEEPSTACK:
             shares = self._deepstack_shares(fields)
-        for image, share in zip(self._images, shares or [], strict=True):
+        if shares is None:  # the language model reads more of the images than their rows (Gemma 4's per-layer inputs)
+            return
+        for image, share in zip(self._images, shares, strict=True):
             self._encoded.keep(image.digest, self._embeds[0, image.start : image.start + image.length], share)
 
     def _visual_tokens(self) -> list[int]:
@@ -169,14 +185,16 @@ class PromptEmbedding:
             mask = mask | other
         return {"visual_pos_masks": mask, "deepstack_visual_embeds": layers}
 
-    def _with_rows(self, rows: Sequence[mx.array]) -> mx.array:
-        """The prompt embedded as text, each image's span replaced by its kept rows."""
-        text = self._text_embeddings(mx.array([self._token_ids]))[0]
+    def _with_rows(self, rows: Sequence[mx.array]) -> tuple[mx.array, dict[str, object]]:
+        """The prompt embedded as text, each image's span replaced by its kept rows, and what the model computed from
+        its token ids alone (`_FROM_TOKENS`)."""
+        text, fields = self._text_embeddings(mx.array([self._token_ids]))
         pieces, at = [], 0
         for image, image_rows in zip(self._images, rows, strict=True):
             pieces += [text[:, at : image.start], image_rows[None]]
             at = image.start + image.length
-        return mx.concatenate([*pieces, text[:, at:]], axis=1)
+        from_tokens = {k: v for k, v in fields.items() if k in _FROM_TOKENS}
+        return mx.concatenate([*pieces, text[:, at:]], axis=1), from_tokens
 
     def _text_embeddings(self, ids: mx.array) -> tuple[mx.array, dict[str, object]]:
         """`ids` embedded by the model as the text they are (no pixels, no tower), and what else it returned."""
@@ -211,7 +229,8 @@ class PromptEmbedding:
         self.compute()
         assert self._embeds is not None  # computed just now
         arguments = {**self._arguments, "n_to_process": end - start, **self._positions_of(start, end)}
-        return ChunkEmbedding(self._embeds[:, start:end], arguments)
+        both_ways = tuple((i.start, i.end) for i in self._images if i.both_ways and i.start < end and start < i.end)
+        return ChunkEmbedding(self._embeds[:, start:end], arguments, both_ways)
 
     def _positions_of(self, start: int, end: int) -> dict[str, mx.array]:
         """A chunk's slice of the prompt's positions, for a model that takes them (else nothing)."""

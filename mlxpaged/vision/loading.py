@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mlxpaged.errors import UnsupportedModelError
-from mlxpaged.vision.checkpoint import POSITIONS_CHECKED, POSITIONS_NOT_YET
+from mlxpaged.vision.checkpoint import IMAGES_BOTH_WAYS, POSITIONS_CHECKED, POSITIONS_NOT_YET
 from mlxpaged.vision.language import VisionLanguageModel
 from mlxpaged.vision.positions import takes_positions
 
@@ -22,6 +22,8 @@ class VisionParts:
     model: nn.Module
     processor: object | None
     image_token_id: int
+    # Each image's tokens attend each other both ways (Gemma 4's larger models: checkpoint.py images_both_ways).
+    images_both_ways: bool = False
 
 
 def image_token_id(vlm: nn.Module) -> int:
@@ -36,8 +38,10 @@ def image_token_id(vlm: nn.Module) -> int:
 
 def vision_parts(vlm: nn.Module, processor: object | None) -> tuple[VisionLanguageModel, VisionParts]:
     """The engine's model and the vision parts of an mlx-vlm model (built or loaded)."""
+    text_config = getattr(vlm.config, "text_config", None)
+    both_ways = getattr(text_config, "use_bidirectional_attention", None) == IMAGES_BOTH_WAYS
     return VisionLanguageModel(vlm.language_model, vlm.config.model_type), VisionParts(
-        vlm, processor, image_token_id(vlm)
+        vlm, processor, image_token_id(vlm), both_ways
     )
 
 

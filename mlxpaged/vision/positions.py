@@ -27,7 +27,7 @@ def takes_positions(language_model: nn.Module) -> bool:
 
 
 def prompt_positions(
-    language_model: nn.Module, token_ids: Sequence[int], arrays: Mapping[str, mx.array]
+    language_model: nn.Module, token_ids: Sequence[int], arrays: Mapping[str, object]
 ) -> tuple[mx.array, int]:
     """The prompt's positions [3, 1, L] and its delta, from the model's own get_rope_index (token ids and the
     images' grids only: no pixels, no vision tower)."""

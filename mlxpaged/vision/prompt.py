@@ -18,15 +18,19 @@ from mlxpaged.errors import ImageInputError
 
 import mlx.core as mx
 
+# A processor's outputs by name: arrays, or a list of arrays where the images' shapes differ (Gemma 4's pixels).
+ProcessorArrays = Mapping[str, mx.array | list[mx.array]]
+
 
 @dataclass(frozen=True)
 class ImagePrompt:
     """`token_ids` with every image expanded; `images` where each one's tokens are (in order, with its content
-    digest); `arrays`, the processor's outputs for the model (pixel_values, ...)."""
+    digest); `arrays`, the processor's outputs for the model (pixel_values, ...; a list of arrays where the images'
+    shapes differ: Gemma 4's)."""
 
     token_ids: list[int]
     images: tuple[ImageSpan, ...]
-    arrays: Mapping[str, mx.array] = field(default_factory=dict)
+    arrays: ProcessorArrays = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # Evaluated here, on the thread that made them: MLX's streams are per thread, so a lazy array built on a
@@ -84,7 +88,10 @@ def with_prefix(prompt: ImagePrompt, prefix: Sequence[int]) -> ImagePrompt:
     shift = len(prefix)
     images = tuple(ImageSpan(i.start + shift, i.length, i.digest) for i in prompt.images)
     arrays = dict(prompt.arrays)
-    if "attention_mask" in arrays:  # the processor's mask covers its own tokens: the prefix is attended too
-        mask = arrays["attention_mask"]
-        arrays["attention_mask"] = mx.concatenate([mx.ones((mask.shape[0], shift), dtype=mask.dtype), mask], axis=1)
+    # The processor's arrays over its own tokens cover the prefix too: attended (the mask), text (each token's kind).
+    for name, fill in (("attention_mask", 1), ("mm_token_type_ids", 0), ("token_type_ids", 0)):
+        if name in arrays:
+            array = arrays[name]
+            assert isinstance(array, mx.array)  # one row per token, never a list
+            arrays[name] = mx.concatenate([mx.full((array.shape[0], shift), fill, dtype=array.dtype), array], axis=1)
     return ImagePrompt([*prefix, *prompt.token_ids], images, arrays)

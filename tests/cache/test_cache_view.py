@@ -260,3 +260,72 @@ def test_default_model_logits_match_mlx_lm(default_model):
         assert_close(model(x, cache=views), ref)
         x = mx.argmax(ref[:, -1:], axis=-1)
     assert len(tables[0]) == 3 and tables[0] != sorted(tables[0])
+
+
+def _positions_as_keys(positions: list[list[int]]) -> mx.array:
+    """K/V [B, 1, L, 2] whose values are each token's position (-1: padding): what a read returns names its keys."""
+    return mx.array(positions, dtype=mx.float32)[:, None, :, None] * mx.ones((1, 1, 1, 2))
+
+
+def _write_positions(kv: PagedKVCache, tables, counts: list[int]) -> None:
+    """Positions 0..count-1 of each row written to every layer's pages, as a prefill would."""
+    width = max(counts)
+    views = paged_views(kv, tables, num_new=counts)
+    keys = _positions_as_keys([list(range(c)) + [-1] * (width - c) for c in counts])
+    for view in views:
+        view.update_and_fetch(keys, keys)
+    mx.eval(kv.pools)
+
+
+def _span_reference(spans, window, queries: list[list[int]], keys: mx.array, ends: list[int]) -> list:
+    """The mask written out by positions: a real key (its position where a gather of every row from 0 puts it, or
+    any key of a batch-1 read) not after the query and inside the window, or in the query's span."""
+    out = []
+    for b, row in enumerate(queries):
+        positions = [int(p) for p in keys[b, 0, :, 0].tolist()]
+        rows = []
+        for q in row:
+            span = next(((s, e) for s, e in spans[b] if s <= q < e), None)
+            allowed = []
+            for j, p in enumerate(positions):
+                real = 0 <= p < ends[b] and (len(queries) == 1 or p == j)
+                causal = p <= q and (window is None or p > q - window)
+                allowed.append(real and (causal or (span is not None and span[0] <= p < span[1])))
+            rows.append(allowed)
+        out.append([rows])
+    return out
+
+
+@pytest.mark.parametrize(
+    "offsets, num_new, spans",
+    [
+        ([5], [9], [[(7, 12)]]),  # batch 1: full layer; the window layer within its ring
+        ([5], [17], [[(6, 9), (10, 20)]]),  # batch 1: the window layer reads its old keys, then the new ones
+        ([3, 13], [6, 2], [[(4, 9)], []]),  # ragged: a span in one row (its last block gathered twice), padding
+    ],
+    ids=["exact", "exact-split", "ragged"],
+)
+def test_spans_attended_both_ways_see_their_later_keys_and_nothing_else_changes(offsets, num_new, spans):
+    """Gemma 4's images (engine/request.py ImageSpan.both_ways): each token in a span sees every key of that span
+    (after it, or out of its window); every other entry is the causal (windowed) mask, checked against the masks
+    written out by position over the keys the pass returns."""
+    kv = PagedKVCache(2, 40, 4, 1, 2, mx.float32, [None, 6])
+    tables = [[list(range(10 * b, 10 * b + 8)), [10 * b + 8, 10 * b + 9, 30 + b]] for b in range(len(offsets))]
+    _write_positions(kv, tables, offsets)
+    views = paged_views(kv, tables, offsets, num_new, both_ways=spans)
+    width = max(num_new)
+    rows = list(zip(offsets, num_new, strict=True))
+    new = _positions_as_keys([[o + i if i < n else -1 for i in range(width)] for o, n in rows])
+    queries = [[o + min(i, n - 1) for i in range(width)] for o, n in rows]
+    ends = [o + n for o, n in rows]
+    for view, window in zip(views, (None, 6), strict=True):
+        if window is not None and len(offsets) > 1:
+            continue  # a window layer's ragged keys come in ring order; its batch-1 masks are the ones checked
+        mask = view.make_mask(width, window_size=window)
+        keys, _ = view.update_and_fetch(new, new)
+        assert mask.tolist() == _span_reference(spans, window, queries, keys, ends)
+    plain = paged_views(kv, tables, offsets, num_new)[0].make_mask(width, return_array=True)
+    spanned = paged_views(kv, tables, offsets, num_new, both_ways=spans)[0].make_mask(width)
+    if len(offsets) == 1:
+        plain = plain[None, None]
+    assert (spanned & ~plain).any().item()  # the spans did admit keys the causal mask does not

@@ -211,6 +211,30 @@ def test_chunk_fields_and_sampling_flag():
     assert (c.start, c.token_ids, c.samples) == (10, [7], True) and len(slots_for(pool, s.get("a"), 0, 11)) == 11
 
 
+@pytest.mark.parametrize("both_ways", [True, False], ids=["both-ways", "causal"])
+def test_an_image_attended_both_ways_is_prefilled_in_one_chunk(both_ways):
+    """Gemma 4's larger models attend both ways within an image: a chunk never ends inside one. It ends before the
+    image when it starts before it, and runs on to the image's end (past the token budget) when it starts in it;
+    the step's other prefills wait. A causal model's images are cut anywhere."""
+    from mlxpaged.engine.request import ImageSpan
+
+    _, s = make(budget=6)
+    eng = FakeEngine(s)
+    image = ImageSpan(start=4, length=9, digest="d", both_ways=both_ways)  # positions 4..12
+    s.add_request(Request("a", list(range(100, 120)), 3, images=(image,)))
+    s.add_request(req("b", range(300, 310), 3))
+    first = eng.step()
+    chunks = [(c.request.request_id, c.start, len(c.token_ids)) for c in first.chunks]
+    assert chunks == ([("a", 0, 4), ("b", 0, 2)] if both_ways else [("a", 0, 6)])
+    second = eng.step()
+    if both_ways:  # 9 tokens against a budget of 6: nothing else prefills this step
+        assert [(c.request.request_id, c.start, len(c.token_ids)) for c in second.chunks] == [("a", 4, 9)]
+        assert second.num_batch_tokens == 9
+    eng.run()
+    assert eng.finished["a"].output_token_ids == solo_output(range(100, 120), 3)
+    assert eng.finished["b"].output_token_ids == solo_output(range(300, 310), 3)
+
+
 def test_chunked_prefill_does_not_stall_decode():
     _, s = make(budget=8)
     eng = FakeEngine(s)

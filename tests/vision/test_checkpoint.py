@@ -41,11 +41,11 @@ def test_m_rope_models_not_checked_yet_are_refused_naming_their_positions():
         ({"model_type": "paligemma", "vision_config": VISION, "text_config": {}}, "True"),  # mlx-vlm's default
         ({"model_type": "paligemma", "vision_config": VISION, "use_bidirectional_attention": True}, "True"),
         (
-            {"model_type": "gemma4", "vision_config": VISION, "text_config": {"use_bidirectional_attention": "vision"}},
-            "'vision'",
+            {"model_type": "gemma4", "vision_config": VISION, "text_config": {"use_bidirectional_attention": "all"}},
+            "'all'",
         ),
     ],
-    ids=["paligemma-default", "paligemma-top-level", "gemma4-vision"],
+    ids=["paligemma-default", "paligemma-top-level", "gemma4-all"],
 )
 def test_language_models_attending_both_ways_are_refused_with_the_reason(config, value):
     reason = serves_images(config)
@@ -53,6 +53,13 @@ def test_language_models_attending_both_ways_are_refused_with_the_reason(config,
     assert "chunked prefill and prefix cache" in reason
     assert not loads_with_images(config)
     assert text_load_refused(config) == f"model type {config['model_type']!r} is a vision-language model: {reason}"
+
+
+def test_gemma4_attending_both_ways_within_each_image_loads_with_its_tower():
+    """The engine prefills each image whole under a mask that lets its tokens see each other (tests/vision/
+    test_engine_images.py, gemma4-both-ways)."""
+    config = {"model_type": "gemma4", "vision_config": VISION, "text_config": GEMMA4_VISION_BOTH_WAYS}
+    assert serves_images(config) is None and loads_with_images(config)
 
 
 @pytest.mark.parametrize("model_type", ["paligemma", "gemma4"])

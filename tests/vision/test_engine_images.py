@@ -18,7 +18,7 @@ from mlxpaged.vision.loading import vision_parts
 from mlxpaged.vision.prompt import ImagePrompt
 from tests.engine.test_engine import GREEDY, assert_pool_empty, tiny_engine, tokenizer  # noqa: F401
 from tests.tiny_models import tiny_llama
-from tests.vision.tiny_vlms import ARCHITECTURES, image_prompt, text_tokens
+from tests.vision.tiny_vlms import ARCHITECTURES, image_prompt, next_turn, text_tokens
 
 import mlx.core as mx
 import pytest
@@ -78,7 +78,7 @@ def test_the_same_image_hits_the_prefix_cache_and_another_image_does_not(vlm, to
     before, after = text_tokens(21, seed=4), text_tokens(12, seed=5)  # the image starts in the third block
     first = image_prompt(vlm, before, after, seed=0)
     other = image_prompt(vlm, before, after, seed=1)  # the same token ids, other pixels
-    turn = dataclasses.replace(first, token_ids=first.token_ids + text_tokens(10, seed=6))  # a next turn
+    turn = next_turn(first, text_tokens(10, seed=6))
     with vlm_engine(vlm, tokenizer) as engine:
         hits = caches_prefixes(engine)
         cold = engine.generate([first], GREEDY)[0]
@@ -105,6 +105,20 @@ def test_chunked_prefill_and_preemption_of_an_image_prompt_equal_mlx_vlm(vlm, to
         assert tight.stats()["preemptions"] > 0
 
 
+def test_gemma4_images_attended_both_ways_in_chunks_smaller_than_an_image_equal_mlx_vlm(tokenizer):
+    """Gemma 4's larger models attend both ways within each image: with 3-token chunks the engine still prefills
+    each image whole (scheduler.py), batched beside another image prompt, and equals mlx-vlm's generate, which
+    prefills such a prompt in one pass. The same prompts attended causally answer otherwise."""
+    vlm = ARCHITECTURES["gemma4-both-ways"].build()
+    prompts = [image_prompt(vlm, text_tokens(5 + 7 * s, seed=s), text_tokens(9, seed=9 + s), seed=s) for s in range(3)]
+    want = [mlx_vlm_greedy(vlm, p, GREEDY.max_tokens) for p in prompts]
+    causal = [dataclasses.replace(p, arrays={"pixel_values": p.arrays["pixel_values"]}) for p in prompts]
+    assert [mlx_vlm_greedy(vlm, p, GREEDY.max_tokens) for p in causal] != want  # the overlay changes the replies
+    with vlm_engine(vlm, tokenizer, max_batch_tokens=3, max_num_seqs=3) as engine:
+        assert [c.token_ids for c in engine.generate(prompts, GREEDY)] == want
+        assert_pool_empty(engine)
+
+
 def test_an_image_sent_to_a_text_model_is_refused_naming_it(vlm, tokenizer):
     prompt = image_prompt(vlm, text_tokens(5), text_tokens(5), seed=0)
     with tiny_engine(tiny_llama(), tokenizer) as engine:
@@ -123,7 +137,9 @@ def test_decoding_after_an_image_takes_the_compiled_pass(vlm, tokenizer):
         assert engine.runner.takes_positions == (vlm.config.model_type in MROPE_MODEL_TYPES)
         full_only = all(leaf.kind == "full" for leaf in leaves) and not engine.built.layout.state_leaves
         assert (engine.runner.decoder is not None) == full_only
-        assert all(leaf.routed for leaf in leaves)
+        # Every layer attends through its paged view; Gemma 4's small models' last layers attend an earlier layer's
+        # K/V too (without a cache of their own), so that layer's leaf is read both ways.
+        assert all(leaf.routed or leaf.consumers == ("sdpa", "sdpa-other-cache") for leaf in leaves)
         assert engine.generate([prompt], GREEDY)[0].token_ids == mlx_vlm_greedy(vlm, prompt, GREEDY.max_tokens)
 
 
@@ -166,7 +182,7 @@ def test_a_next_turn_whose_image_is_cached_does_not_run_the_vision_tower(vlm, to
     """An agent re-sends the same screenshot every turn: once its tokens come from the prefix cache, the turn's
     new tokens are embedded as text (vision/embedding.py); the reply is still mlx-vlm's."""
     first = image_prompt(vlm, text_tokens(9, seed=7), text_tokens(12, seed=8), seed=3)
-    turn = dataclasses.replace(first, token_ids=first.token_ids + text_tokens(11, seed=9))
+    turn = next_turn(first, text_tokens(11, seed=9))
     with vlm_engine(vlm, tokenizer) as engine:
         towers = count_tower_runs(vlm, monkeypatch)
         engine.generate([first], GREEDY)

@@ -19,7 +19,7 @@ import mlxpaged  # noqa: F401  (OpenBLAS before mlx)
 from mlxpaged.loading.loader import locate_model
 
 import mlx.core as mx
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_flatten, tree_map, tree_map_with_path
 
 SMOLVLM_TEMPLATE = (
     "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
@@ -103,6 +103,82 @@ def write_tiny_qwen3_5_dir(out: Path, seed: int = 0) -> Path:
     return _save_random(out, qwen3_5.Model, qwen3_5.ModelConfig.from_dict(config), config, seed)
 
 
+GEMMA4_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
+    "{{ message['content'] }}{% else %}{% for part in message['content'] %}{% if part['type'] == 'image' %}"
+    "<|image|>{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# Gemma 4's tokenizer names its image, audio and video tokens and the image's markers (extra special tokens).
+GEMMA4_TOKENS = {
+    "image_token": "<|image|>",
+    "boi_token": "<start_of_image>",
+    "eoi_token": "<end_of_image>",
+    "audio_token": "<|audio|>",
+    "boa_token": "<start_of_audio>",
+    "eoa_token": "<end_of_audio>",
+    "video_token": "<|video|>",
+}
+
+
+def write_tiny_gemma4_dir(out: Path, seed: int = 0, both_ways: bool = True) -> Path:
+    """A 3-layer random Gemma 4 checkpoint in `out` (two window layers of 8, a full one) with mlx-vlm's own
+    (torch-free) Gemma 4 processor: an image is resized to at most 36 patches of 8 px keeping its aspect, pooled
+    2 x 2 (its token count follows its shape), between Gemma's markers. `both_ways`: as the larger Gemma 4 models,
+    each image's tokens attend each other both ways (else causal, as the small ones)."""
+    from mlx_vlm.models import gemma4
+    from transformers import AutoTokenizer
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(locate_model(None)[1], extra_special_tokens=GEMMA4_TOKENS)
+    tokenizer.chat_template = GEMMA4_TEMPLATE
+    tokenizer.save_pretrained(out)
+    (out / "chat_template.jinja").write_text(GEMMA4_TEMPLATE)
+    images = {"patch_size": 8, "max_soft_tokens": 9, "pooling_kernel_size": 2, "do_normalize": False}
+    (out / "processor_config.json").write_text(json.dumps({"image_processor": images}, indent=2) + "\n")
+    ids = {f"{name[:-6]}_token_id": tokenizer.convert_tokens_to_ids(token) for name, token in GEMMA4_TOKENS.items()}
+    text = {
+        "model_type": "gemma4_text",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "global_head_dim": 16,
+        "sliding_window": 8,
+        "sliding_window_pattern": 3,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+        "hidden_size_per_layer_input": 0,
+        "num_kv_shared_layers": 0,
+        "vocab_size": len(tokenizer),
+        "vocab_size_per_layer_input": len(tokenizer),
+        "use_bidirectional_attention": "vision" if both_ways else None,
+        "max_position_embeddings": 2048,
+    }
+    vision = {
+        "model_type": "gemma4_vision",
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "patch_size": 8,
+        "pooling_kernel_size": 2,
+        "position_embedding_size": 64,
+        "default_output_length": 4,
+    }
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    config = {"model_type": "gemma4", **ids, "eos_token_id": eos, "text_config": text, "vision_config": vision}
+    config |= {"hidden_size": 64, "vocab_size": len(tokenizer), "audio_config": None}
+    model_config = gemma4.ModelConfig.from_dict(config)
+    model_config.text_config = gemma4.TextConfig.from_dict(text)
+    model_config.vision_config = gemma4.VisionConfig.from_dict(vision)
+    return _save_random(out, gemma4.Model, model_config, config, seed, louder_post_norms=True)
+
+
 def write_tiny_smolvlm_dir(out: Path, seed: int = 0) -> Path:
     """A 2-layer random SmolVLM-shaped (idefics3) checkpoint in `out`."""
     from mlx_vlm.models import idefics3
@@ -153,12 +229,21 @@ def write_tiny_smolvlm_dir(out: Path, seed: int = 0) -> Path:
     return _save_random(out, idefics3.Model, model_config, config, seed)
 
 
-def _save_random(out: Path, model_class, model_config, config: dict, seed: int) -> Path:
-    """`model_class(model_config)` from `seed`, saved in `out` with `config` as its config.json."""
+def _save_random(
+    out: Path, model_class, model_config, config: dict, seed: int, louder_post_norms: bool = False
+) -> Path:
+    """`model_class(model_config)` from `seed`, saved in `out` with `config` as its config.json. `louder_post_norms`:
+    the norms after each attention and MLP x5 (Gemma 4: at unit scale its scaled embedding drowns every layer of a
+    random model, which then echoes its last token)."""
     mx.random.seed(seed)
     model = model_class(model_config)
     # Matrices x3: attention far from uniform, so the greedy tokens depend on what the image is.
     model.update(tree_map(lambda p: p * (3.0 if p.ndim == 2 else 1.0), model.parameters()))
+    if louder_post_norms:
+        louder = tree_map_with_path(
+            lambda path, p: p * 5.0 if ".post_" in f".{path}" and p.ndim == 1 else p, model.language_model.parameters()
+        )
+        model.language_model.update(louder)
     mx.save_safetensors(
         str(out / "model.safetensors"), dict(tree_flatten(model.parameters())), metadata={"format": "mlx"}
     )

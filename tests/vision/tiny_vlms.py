@@ -19,7 +19,7 @@ from tests.tiny_models import random_tokens
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_map
+from mlx.utils import tree_map, tree_map_with_path
 
 VOCAB = 256
 TEXT_VOCAB = VOCAB - 16  # the ids above are the models' special ones (the image token is VOCAB - 1)
@@ -37,6 +37,7 @@ class TinyVLM:
     tokens_per_image: int
     arrays: Callable[[np.ndarray, int], dict[str, mx.array]]
     around: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
+    token_types: bool = False  # its processor also gives each token's kind (Gemma 4: 1 at image tokens)
 
 
 # What every tiny language model and tower share; each architecture adds its own.
@@ -53,6 +54,7 @@ QWEN2_TEXT = {"rms_norm_eps": 1e-6, "tie_word_embeddings": False}
 QWEN3_TEXT = {"rms_norm_eps": 1e-6, "head_dim": 16, "rope_theta": 5_000_000.0, "max_position_embeddings": 4096}
 # Qwen's markers around an image's tokens (its get_rope_index finds images by the start marker).
 QWEN_START, QWEN_END, QWEN_VIDEO = VOCAB - 3, VOCAB - 4, VOCAB - 2
+GEMMA4_START, GEMMA4_END = VOCAB - 3, VOCAB - 4  # its processor's begin / end of image markers
 QWEN_IDS = {"image_token_id": VOCAB - 1, "video_token_id": QWEN_VIDEO, "vision_start_token_id": QWEN_START}
 
 
@@ -171,6 +173,38 @@ def _glm4v():
     return _built("glm4v", text, vision, **ids, vision_end_token_id=QWEN_END, vocab_size=VOCAB, hidden_size=64)
 
 
+def _gemma4(both_ways: bool = False):
+    """Gemma 4: window layers of 8 with a full one after them, its own tower (4 x 4 patches pooled 2 x 2). The small
+    ones (E2B / E4B) take per-layer inputs and share their last layers' K/V and are causal throughout; the large ones
+    attend both ways within each image (`use_bidirectional_attention: "vision"`) and read values from their full
+    layers' keys. Their post-norms are made louder: at unit scale a random model's residual (the scaled embedding)
+    drowns every layer and it echoes its last token."""
+    text = {"model_type": "gemma4_text", "head_dim": 16, "global_head_dim": 16, "sliding_window": 8}
+    text |= {"sliding_window_pattern": 3, "vocab_size_per_layer_input": VOCAB}
+    if both_ways:
+        text |= {"num_hidden_layers": 3, "use_bidirectional_attention": "vision", "attention_k_eq_v": True}
+        text |= {"hidden_size_per_layer_input": 0, "num_kv_shared_layers": 0, "num_global_key_value_heads": 1}
+    else:
+        text |= {"num_hidden_layers": 4, "hidden_size_per_layer_input": 8, "num_kv_shared_layers": 1}
+    vision = {**TOWER, "model_type": "gemma4_vision", "num_hidden_layers": 1, "num_attention_heads": 2}
+    vision |= {"num_key_value_heads": 2, "head_dim": 16, "pooling_kernel_size": 2, "position_embedding_size": 64}
+    vision |= {"default_output_length": 4}
+    ids = {"image_token_id": VOCAB - 1, "boi_token_id": GEMMA4_START, "eoi_token_id": GEMMA4_END}
+    model = _built("gemma4", text, vision, **ids, audio_token_id=VOCAB - 5, vocab_size=VOCAB, hidden_size=64)
+    louder = tree_map_with_path(
+        lambda path, p: p * 5.0 if ".post_" in f".{path}" and p.ndim == 1 else p, model.language_model.parameters()
+    )
+    model.language_model.update(louder)
+    mx.eval(model.parameters())
+    model.tiny_name = "gemma4-both-ways" if both_ways else "gemma4"  # two kinds of one model type
+    return model
+
+
+def _gemma4_pixels(pixels: np.ndarray, length: int) -> dict[str, mx.array]:
+    """Gemma 4's processor's pixels: in [0, 1] (its tower maps them to [-1, 1])."""
+    return {"pixel_values": mx.array((pixels[None] + 1) / 2)}
+
+
 def _qwen_patches(pixels: np.ndarray, length: int) -> dict[str, mx.array]:
     """Qwen's processor's layout: the image as flattened patches [t * h * w, channels * 2 * 14 * 14] (the frame
     twice: its temporal patch is 2) and its grid (t, h, w) in patches."""
@@ -226,6 +260,16 @@ ARCHITECTURES = {
         TinyVLM("qwen3_5", _qwen3_5, 4, _qwen_patches, ((QWEN_START,), (QWEN_END,))),
         TinyVLM("qwen3_5_moe", _qwen3_5_moe, 4, _qwen_patches, ((QWEN_START,), (QWEN_END,))),
         TinyVLM("glm4v", _glm4v, 4, _qwen_patches, ((QWEN_START,), (QWEN_END,))),
+        # gemma4: its processor gives each token's kind, which the large ones' language model reads (both ways)
+        TinyVLM("gemma4", _gemma4, 4, _gemma4_pixels, ((GEMMA4_START,), (GEMMA4_END,)), token_types=True),
+        TinyVLM(
+            "gemma4-both-ways",
+            lambda: _gemma4(both_ways=True),
+            4,
+            _gemma4_pixels,
+            ((GEMMA4_START,), (GEMMA4_END,)),
+            token_types=True,
+        ),
     )
 }
 
@@ -242,9 +286,22 @@ def pixels(seed: int) -> np.ndarray:
 
 def image_prompt(vlm, before: list[int], after: list[int], seed: int) -> ImagePrompt:
     """`before` + one image's tokens + `after`, the image random pixels of `seed` (its digest names the seed)."""
-    arch = ARCHITECTURES[vlm.config.model_type]
+    arch = ARCHITECTURES[getattr(vlm, "tiny_name", vlm.config.model_type)]
     image = image_token_id(vlm)
     token_ids = [*before, *arch.around[0], *([image] * arch.tokens_per_image), *arch.around[1], *after]
     arrays = arch.arrays(pixels(seed), len(token_ids))
+    if arch.token_types:
+        arrays["mm_token_type_ids"] = mx.array([[int(t == image) for t in token_ids]], dtype=mx.int32)
     digest = hashlib.sha256(f"pixels-{seed}".encode()).hexdigest()
     return ImagePrompt(token_ids, image_spans(token_ids, image, [digest]), arrays)
+
+
+def next_turn(prompt: ImagePrompt, more: list[int]) -> ImagePrompt:
+    """`prompt` followed by `more` text, as the processor gives a longer conversation: its arrays over the prompt's
+    tokens (the attention mask, each token's kind) cover the new text too."""
+    arrays = dict(prompt.arrays)
+    for name, fill in (("attention_mask", 1), ("mm_token_type_ids", 0)):
+        if name in arrays:
+            extra = mx.full((1, len(more)), fill, dtype=arrays[name].dtype)
+            arrays[name] = mx.concatenate([arrays[name], extra], axis=1)
+    return ImagePrompt(prompt.token_ids + more, prompt.images, arrays)
