@@ -25,6 +25,9 @@ DEFAULT_BLOCK_SIZE = 16
 DEFAULT_CACHE_TOKENS = 32768  # cap by demand: a local app rarely needs more resident context
 DEFAULT_KV_DISK_SIZE = "20GB"  # the disk tier's LRU limit (CacheConfig.kv_disk_size, --kv-disk-size)
 DEFAULT_IMAGE_CACHE_SIZE = "256MB"  # encoded images kept by a vision model (CacheConfig.image_cache_size)
+# The largest image a request may send, before the processor resizes it (a 8k x 6k photo is 48 MP; --max-image-pixels):
+# the largest the memory plan may set the vision tower's activations aside for (CacheConfig.image_memory_pixels).
+DEFAULT_MAX_IMAGE_PIXELS = 50_000_000
 SPECULATIVE_METHODS = (None, "ngram", "draft", "mtp", "dflash", "eagle3")  # SchedulerConfig.speculative
 
 
@@ -44,8 +47,10 @@ class CacheConfig:
     bias, as `mx.quantize`; cache/kv_quant.py): about 1.8x / 3.5x the tokens in the same memory. None: the
     model's KV dtype. `kv_group_size` None: 32 for 8-bit pages, 64 for 4-bit ones (kv_quant.py says why).
     `image_cache_size` bounds the images a vision-language model keeps encoded (bytes or "256MB"; 0: none kept;
-    vision/encoded_images.py). How many tokens and sequences one step takes is SchedulerConfig's. Bad values raise
-    ConfigError (a ValueError).
+    vision/encoded_images.py). `image_memory_pixels` is the largest image (pixels before the model's processor resizes
+    it) the memory plan sets the vision tower's activations aside for (vision/tower_memory.py); None: the largest of
+    50 MP, 25 MP, ... 0.4 MP that fits (platform/memory.py). A larger image is scaled down to it. How many tokens and
+    sequences one step takes is SchedulerConfig's. Bad values raise ConfigError (a ValueError).
     """
 
     block_size: int = DEFAULT_BLOCK_SIZE
@@ -59,6 +64,7 @@ class CacheConfig:
     kv_bits: int | None = None
     kv_group_size: int | None = None
     image_cache_size: int | str = DEFAULT_IMAGE_CACHE_SIZE
+    image_memory_pixels: int | None = None
 
     def __post_init__(self) -> None:
         require_int("block_size", self.block_size, low=1, setting=True)
@@ -87,6 +93,8 @@ class CacheConfig:
             raise ConfigError(f"{{kv_disk_size:{self.kv_disk_size!r}}} must be more than 0 bytes", param="kv_disk_size")
         object.__setattr__(self, "kv_disk_size", size)  # frozen: bytes from here on
         object.__setattr__(self, "image_cache_size", parse_size(self.image_cache_size, param="image_cache_size"))
+        if self.image_memory_pixels is not None:
+            require_int("image_memory_pixels", self.image_memory_pixels, low=1, setting=True)
         if self.kv_bits is not None:
             require_int("kv_bits", self.kv_bits, low=1, setting=True)
         if self.kv_group_size is not None:

@@ -299,6 +299,8 @@ def cache_settings(args: argparse.Namespace) -> dict:
         settings["long_prompt_step_budget_ms"] = args.long_prompt_step_budget_ms or None  # 0: the step budget
     if getattr(args, "image_cache_size", None) is not None:  # serve's image flags
         settings["image_cache_size"] = args.image_cache_size
+    if getattr(args, "image_memory_pixels", None) is not None:  # the tower's activations: planned for these images
+        settings["image_memory_pixels"] = args.image_memory_pixels
     return settings
 
 
@@ -320,6 +322,14 @@ def add_image_arguments(group) -> None:
         type=int,
         default=50_000_000,
         help="pixels of one image before the model's processor resizes it (default: 50,000,000)",
+    )
+    group.add_argument(
+        "--image-memory-pixels",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the largest image (pixels, before the model's processor) the vision tower's memory is planned for; "
+        "larger images are scaled down to it (default: the largest of 50M, 25M, ... that fits)",
     )
     group.add_argument(
         "--image-cache-size",

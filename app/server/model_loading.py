@@ -41,7 +41,7 @@ def estimate_cost(entry: CatalogEntry, settings: EngineSettings) -> ModelCost:
     if entry.kind == "embed":
         return _embedder_estimate(entry, settings)
     cache, scheduler = split_settings(_engine_settings(entry, settings))
-    facts, layout = read_before_load(entry.path, backend.current())
+    facts, layout = read_before_load(entry.path, backend.current(), cache.image_memory_pixels)
     if entry.draft is not None:  # the pair is planned as one (loading/draft_model.py, loading/dflash_model.py)
         from mlxpaged.loading.draft_model import pair_facts_before_load
 
@@ -57,9 +57,8 @@ def estimate_cost(entry: CatalogEntry, settings: EngineSettings) -> ModelCost:
         adapters = read_adapters(dict(entry.adapters))
         facts = dataclasses.replace(facts, weight_bytes=facts.weight_bytes + sum(a.nbytes for a in adapters.values()))
     plan = plan_memory(DeviceFacts.detect(), facts, cache, scheduler)
-    return ModelCost(
-        facts.weight_bytes, plan.kv_bytes, plan.state_bytes, activation_bytes(facts, scheduler.max_batch_tokens)
-    )
+    activations = activation_bytes(facts, scheduler.max_batch_tokens) + plan.tower_bytes
+    return ModelCost(facts.weight_bytes, plan.kv_bytes, plan.state_bytes, activations)
 
 
 def _with_default_cache(cache: dict) -> dict:

@@ -6,6 +6,7 @@ and public API.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -49,6 +50,7 @@ from mlxpaged.runner.kv_calibration import transform_for
 from mlxpaged.runner.model_drafter import ModelDrafter
 from mlxpaged.runner.model_runner import Runner
 from mlxpaged.runner.routing import route_paged_attention
+from mlxpaged.vision.loading import tower_before_load
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -114,6 +116,10 @@ def build_core(
     facts = ModelFacts.from_layout(
         layout, weight_bytes, kv_dtype.size, context_length(loaded.config), loaded.vision is not None
     )
+    if loaded.vision is not None and loaded.vision.processor is not None:  # its tower's activations per image size
+        pixels = cache_config.image_memory_pixels
+        rungs = tower_before_load(loaded.path, kv_dtype.size, backend.current(), pixels)
+        facts = dataclasses.replace(facts, tower_rungs=rungs)
     draft_layout = None
     if isinstance(draft, LoadedModel):
         draft_layout = _prepare_draft(loaded, layout, draft, kv_dtype)

@@ -147,7 +147,7 @@ class Engine:
         ref, path = locate_model(model, progress)
         refuse_generation(path, ref.name, ref.preset.options if ref.preset else None)
         # Memory where MLX allocates (DeviceFacts), dtypes as the loader will choose them (backend.current()).
-        facts, layout = read_before_load(path, backend.current())
+        facts, layout = read_before_load(path, backend.current(), cache.image_memory_pixels)
         facts = dataclasses.replace(facts, weight_bytes=facts.weight_bytes + sum(f.nbytes for f in files.values()))
         draft_ref = None
         checkpoint = scheduler.speculative in CHECKPOINT_DRAFTERS  # a DFlash or EAGLE-3 drafter, not an mlx-lm model
@@ -385,8 +385,10 @@ class Engine:
         from mlxpaged.vision.chat import chat_image_prompt
         from mlxpaged.vision.images import DEFAULT_LIMITS
 
-        # A vision-language model renders every chat with its processor's template (text-only ones too).
-        prompt = chat_image_prompt(self._vision(), messages, limits or DEFAULT_LIMITS, **template_options)
+        # A vision-language model renders every chat with its processor's template (text-only ones too); an image
+        # larger than the memory plan set the vision tower's activations aside for is scaled down to that size.
+        vision, planned = self._vision(), self.plan.image_pixels
+        prompt = chat_image_prompt(vision, messages, limits or DEFAULT_LIMITS, planned, **template_options)
         return prompt if prompt.images else prompt.token_ids
 
     def chat_tokens(self, messages: list[dict]) -> list[int]:

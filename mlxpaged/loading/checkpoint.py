@@ -15,6 +15,7 @@ tables in some Hugging Face checkpoints) still count, so for such checkpoints th
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 from collections import Counter
@@ -147,8 +148,12 @@ def facts_before_load(model_dir: Path, backend: str) -> ModelFacts:
     return read_before_load(model_dir, backend)[0]
 
 
-def read_before_load(model_dir: Path, backend: str) -> tuple[ModelFacts, ModelLayout]:
-    """facts_before_load, and the layout it read them from (each cache leaf's kind and shapes)."""
+def read_before_load(
+    model_dir: Path, backend: str, image_memory_pixels: int | None = None
+) -> tuple[ModelFacts, ModelLayout]:
+    """facts_before_load, and the layout it read them from (each cache leaf's kind and shapes). A model that takes
+    images: its vision tower's activations for the largest images it may be planned for (CacheConfig's
+    `image_memory_pixels`), from its processor (vision/tower_memory.py)."""
     from mlxpaged.loading.loader import check_paged_support, unweighted_model
     from mlxpaged.loading.probe import probe_layout
 
@@ -156,7 +161,13 @@ def read_before_load(model_dir: Path, backend: str) -> tuple[ModelFacts, ModelLa
     loaded = as_loaded(checkpoint_tensors(model_dir), backend)
     layout = probe_layout(unweighted_model(model_dir))
     check_paged_support(layout)
+    takes_images = loads_with_images(config)
     facts = ModelFacts.from_layout(
-        layout, sum(t.nbytes for t in loaded), kv_dtype_bytes(loaded), context_length(config), loads_with_images(config)
+        layout, sum(t.nbytes for t in loaded), kv_dtype_bytes(loaded), context_length(config), takes_images
     )
+    if takes_images:
+        from mlxpaged.vision.loading import tower_before_load
+
+        rungs = tower_before_load(model_dir, kv_dtype_bytes(loaded), backend, image_memory_pixels)
+        facts = dataclasses.replace(facts, tower_rungs=rungs)
     return facts, layout

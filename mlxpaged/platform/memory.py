@@ -18,6 +18,11 @@ How the plan is sized (all in bytes):
                    as its safety factor does (sampling makes a second vocab-sized array).
   - encoded images a vision-language model's images as it encoded them, kept so an image sent again is not
                    encoded again (CacheConfig.image_cache_size, --image-cache-size; vision/encoded_images.py)
+  - vision tower   its activations for the largest image it is planned for, as the model's processor resizes
+                   it (vision/tower_memory.py): CacheConfig.image_memory_pixels (--image-memory-pixels) when set,
+                   else the largest of 50 MP, 25 MP, ... 0.4 MP whose activations take at most half of what the
+                   other costs leave (TOWER_SHARE; the smallest when none does). Larger images are scaled down to
+                   it before the processor (MemoryPlan.image_pixels).
   = left for KV    then: --kv-memory (must fit), --memory-fraction x left, or a default
                    fraction of it (Metal and CUDA 0.9, the slack MLX's buffer cache needs; CPU
                    0.5, because the pool is touched up front and a host with no swap OOM-kills).
@@ -44,6 +49,7 @@ demand alone.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -53,7 +59,12 @@ from mlxpaged.cache.specs import sequence_capacity, spaces_capacity, table_lengt
 from mlxpaged.config import CacheConfig, SchedulerConfig
 from mlxpaged.errors import InsufficientMemoryError
 from mlxpaged.platform.backend import detect as detect_backend
-from mlxpaged.platform.model_facts import KVShape, ModelFacts, model_weight_bytes  # noqa: F401  (re-exported)
+from mlxpaged.platform.model_facts import (  # noqa: F401  (re-exported)
+    KVShape,
+    ModelFacts,
+    TowerRung,
+    model_weight_bytes,
+)
 from mlxpaged.platform.space_plan import SpaceNeeds, fitting_tokens, size_spaces
 from mlxpaged.units import format_size, size_at_least
 from mlxpaged.validation import require_int
@@ -180,6 +191,10 @@ class MemoryPlan:
     # The KV budget the pool did not take (capped by demand): a GPU's decode buffers, copies of the running rows'
     # K/V (runner/decode_buffers.py), may use it.
     spare_bytes: int = 0
+    # A vision-language model: the largest image (pixels before its processor) the tower's activations are planned
+    # for, and those bytes; None / 0 for a text model.
+    image_pixels: int | None = None
+    tower_bytes: int = 0
 
     def describe(self) -> str:
         """A multi-line summary for the CLI and the TUI."""
@@ -212,6 +227,11 @@ class MemoryPlan:
             )
         lines.append(f"  wired limit: {self.wired_status}")
         return "\n".join(lines)
+
+
+TOWER_LABEL = "vision tower, the largest image"
+TOWER_SHARE = 0.5  # of what the other costs leave, at most, for the tower's activations (unless asked for more)
+KV_LINES = ("KV cache", "left over")  # the breakdown's last lines: what the fixed costs leave
 
 
 def os_reserve_bytes(total_bytes: int) -> int:
@@ -281,9 +301,14 @@ def _check_fixed_costs(limit: int, costs: list[tuple[str, int]], label: str) -> 
     if left > 0:
         return left
     listed = " + ".join(f"{name} {format_size(size)}" for name, size in costs)
+    lower = "{max_batch_tokens}" + (
+        " or {image_memory_pixels} (the largest image the vision tower is planned for)"
+        if any(name.startswith(TOWER_LABEL) for name, _ in costs)
+        else ""
+    )
     raise InsufficientMemoryError(
         f"{listed} = {format_size(limit - left)} exceed the {label} of {format_size(limit)}, leaving nothing for "
-        "the KV cache; use a smaller or more quantized model, or lower {max_batch_tokens}",
+        f"the KV cache; use a smaller or more quantized model, or lower {lower}",
         needed_bytes=limit - left,
         available_bytes=limit,
     )
@@ -338,6 +363,8 @@ def plan_memory(
     total memory) is a fixed ceiling the weights always count against: the flag changes nothing there.
     """
     scheduler = scheduler or SchedulerConfig()
+    if len(model.tower_rungs) > 1:  # the largest image the vision tower is planned for: the largest that fits
+        return _plan_with_tower(device, model, cache, scheduler, weights_resident)
     skip_weights = weights_resident and device.backend == "cpu"
     fixed = [
         (device.reserve_label[0], os_reserve_bytes(device.total_bytes)),
@@ -354,6 +381,10 @@ def plan_memory(
                 state_bytes,
             )
         )
+    tower = model.tower_rungs[0] if model.tower_rungs else None
+    if tower is not None:
+        label = f"{TOWER_LABEL} (up to {tower.pixels:,} px: {tower.patches:,} patches)"
+        fixed.append((label, tower.bytes))
     left = _check_fixed_costs(device.limit_bytes, fixed, device.limit_label)
     budget, budget_reason = _kv_budget(left, device.backend, cache)
     kv = model.kv.quantized(cache.quantization)  # quantized pages: their real bytes (data, scales, biases)
@@ -390,7 +421,29 @@ def plan_memory(
         space_blocks,
         tuple(space.block_bytes for space in spaces),
         max(0, budget - kv_bytes),
+        None if tower is None else tower.pixels,
+        0 if tower is None else tower.bytes,
     )
+
+
+def _plan_with_tower(
+    device: DeviceFacts, model: ModelFacts, cache: CacheConfig, scheduler: SchedulerConfig, weights_resident: bool
+) -> MemoryPlan:
+    """The plan with the largest image the vision tower can be planned for (module docstring): of the rungs whose
+    activations take at most TOWER_SHARE of what the other costs leave (else the smallest), the largest with which
+    the rest of the plan fits (one sequence of the longest length among them); the smallest's error when none does."""
+    without = dataclasses.replace(model, tower_rungs=())
+    text_only = plan_memory(device, without, cache, scheduler, weights_resident=weights_resident)
+    left = text_only.breakdown[0][1] - sum(size for label, size in text_only.breakdown[1:] if label not in KV_LINES)
+    rungs = [r for r in model.tower_rungs if r.bytes <= TOWER_SHARE * left] or [model.tower_rungs[-1]]
+    for rung in rungs[:-1]:
+        with_rung = dataclasses.replace(model, tower_rungs=(rung,))
+        try:
+            return plan_memory(device, with_rung, cache, scheduler, weights_resident=weights_resident)
+        except InsufficientMemoryError:
+            continue
+    smallest = dataclasses.replace(model, tower_rungs=(rungs[-1],))
+    return plan_memory(device, smallest, cache, scheduler, weights_resident=weights_resident)
 
 
 def _size_one_space(

@@ -128,6 +128,16 @@ class KVShape:
 
 
 @dataclass(frozen=True)
+class TowerRung:
+    """A vision tower's activations (`bytes`) for the largest image of at most `pixels` (before the processor's
+    resize), which the processor makes `patches` patches."""
+
+    pixels: int
+    patches: int
+    bytes: int
+
+
+@dataclass(frozen=True)
 class ModelFacts:
     """The model as the planner needs it."""
 
@@ -138,6 +148,9 @@ class ModelFacts:
     context_length: int | None = None  # max_position_embeddings
     state_bytes_per_sequence: int = 0  # state-space layers' state of one sequence (state slots)
     takes_images: bool = False  # a vision-language model loaded with its tower (it keeps encoded images)
+    # Its vision tower's activations for images of up to each candidate size, largest first (vision/tower_memory.py):
+    # the plan takes the largest that fits (memory.py), larger images are scaled down to it.
+    tower_rungs: tuple[TowerRung, ...] = ()
 
     def __post_init__(self) -> None:
         require_int("weight_bytes", self.weight_bytes)

@@ -11,7 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from mlxpaged.vision.images import DEFAULT_LIMITS, ImageLimits, check_count, decode_image, image_parts, placeholders
+from mlxpaged.vision.images import (
+    DEFAULT_LIMITS,
+    ImageLimits,
+    check_count,
+    decode_image,
+    image_parts,
+    placeholders,
+    scaled_to,
+)
 from mlxpaged.vision.loading import VisionParts
 from mlxpaged.vision.prompt import ImagePrompt, image_runs, image_spans
 
@@ -20,10 +28,16 @@ import numpy as np
 
 
 def chat_image_prompt(
-    vision: VisionParts, messages: Sequence[dict], limits: ImageLimits = DEFAULT_LIMITS, **template_options
+    vision: VisionParts,
+    messages: Sequence[dict],
+    limits: ImageLimits = DEFAULT_LIMITS,
+    planned_pixels: int | None = None,
+    **template_options,
 ) -> ImagePrompt:
     """The conversation as an ImagePrompt: rendered with the checkpoint's template (images as placeholders where
-    they are), then the processor expands each one and computes the model's arrays."""
+    they are), then the processor expands each one and computes the model's arrays. An image larger than
+    `planned_pixels` (what the vision tower's memory is planned for) is scaled down to it first; its digest is the
+    image's as sent."""
     from mlx_vlm.prompt_utils import apply_chat_template
     from mlx_vlm.utils import prepare_inputs, should_add_special_tokens
 
@@ -35,7 +49,7 @@ def chat_image_prompt(
     text = apply_chat_template(vision.processor, config, template_messages, num_images=len(decoded), **template_options)
     inputs = prepare_inputs(
         vision.processor,
-        images=[d.image for d in decoded] or None,
+        images=[scaled_to(d.image, planned_pixels) for d in decoded] or None,
         prompts=text,
         image_token_index=vision.image_token_id,
         add_special_tokens=should_add_special_tokens(config.model_type, vision.processor),
@@ -46,7 +60,10 @@ def chat_image_prompt(
     digests = [d.digest for d in decoded]
     counts = None
     if len(image_runs(token_ids, vision.image_token_id)) != len(decoded):  # several runs an image: count each one
-        counts = [_image_token_count(vision, d.image, config, should_add_special_tokens) for d in decoded]
+        counts = [
+            _image_token_count(vision, scaled_to(d.image, planned_pixels), config, should_add_special_tokens)
+            for d in decoded
+        ]
     return ImagePrompt(token_ids, image_spans(token_ids, vision.image_token_id, digests, counts), arrays)
 
 

@@ -19,13 +19,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from mlxpaged.config import DEFAULT_MAX_IMAGE_PIXELS
 from mlxpaged.errors import ImageInputError
 
 if TYPE_CHECKING:  # Pillow comes with the vision extra: imported where an image is decoded
     from PIL import Image
 
 MAX_IMAGES = 16  # per request
-MAX_PIXELS = 50_000_000  # per image, before the processor resizes it (a 8k x 6k photo is 48 MP)
+MAX_PIXELS = DEFAULT_MAX_IMAGE_PIXELS  # per image, before the processor resizes it
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,18 @@ def _open(data: bytes, which: str, limits: ImageLimits) -> Image.Image:
             f"{which}: the {image.format} data is damaged or truncated ({exc})", param="images"
         ) from None
     return image
+
+
+def scaled_to(image: Image.Image, pixels: int | None) -> Image.Image:
+    """`image` scaled down, keeping its aspect, to at most `pixels` (the largest image the vision tower's memory is
+    planned for: platform/memory.py); as it is when it has no more, or `pixels` is None."""
+    from PIL import Image
+
+    if pixels is None or image.width * image.height <= pixels:
+        return image
+    factor = (pixels / (image.width * image.height)) ** 0.5
+    size = (max(1, int(image.width * factor)), max(1, int(image.height * factor)))
+    return image.resize(size, Image.Resampling.BICUBIC)
 
 
 def check_count(count: int, limits: ImageLimits = DEFAULT_LIMITS) -> None:

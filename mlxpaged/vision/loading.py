@@ -3,13 +3,16 @@ wrapped as the engine runs every model (language.py). Which checkpoints load her
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
 from mlxpaged.errors import UnsupportedModelError
+from mlxpaged.platform.model_facts import TowerRung
 from mlxpaged.vision.checkpoint import IMAGES_BOTH_WAYS, POSITIONS_CHECKED, POSITIONS_NOT_YET
 from mlxpaged.vision.language import VisionLanguageModel
 from mlxpaged.vision.positions import takes_positions
+from mlxpaged.vision.tower_memory import candidate_pixels, tower_rungs
 
 import mlx.nn as nn
 
@@ -28,7 +31,11 @@ class VisionParts:
 
 def image_token_id(vlm: nn.Module) -> int:
     """The id the processor expands each image into (mlx-vlm's configs name it one of two ways)."""
-    config = vlm.config
+    return config_image_token_id(vlm.config)
+
+
+def config_image_token_id(config) -> int:
+    """image_token_id of mlx-vlm's model config."""
     for name in ("image_token_id", "image_token_index"):
         value = getattr(config, name, None)
         if isinstance(value, int):
@@ -48,6 +55,12 @@ def vision_parts(vlm: nn.Module, processor: object | None) -> tuple[VisionLangua
 def unweighted_vision_model(model_dir: Path) -> VisionLanguageModel:
     """The language model as the engine runs it, built from config.json and never given weights (lazy random
     parameters): for reading shapes and caches before any weight is read (loading/checkpoint.py)."""
+    model_class, model_config = _model_config(model_dir)
+    return vision_parts(model_class.Model(model_config), None)[0]
+
+
+def _model_config(model_dir: Path):
+    """mlx-vlm's model module and model config (its defaults filled in) for the checkpoint in `model_dir`."""
     from mlx_vlm.utils import get_model_and_args, load_config, update_module_configs
 
     config = load_config(model_dir)
@@ -59,7 +72,19 @@ def unweighted_vision_model(model_dir: Path) -> VisionLanguageModel:
     model_config = update_module_configs(
         model_config, model_class, config, ["text", "vision", "perceiver", "projector", "audio"]
     )
-    return vision_parts(model_class.Model(model_config), None)[0]
+    return model_class, model_config
+
+
+@functools.cache
+def tower_before_load(model_dir: Path, dtype_bytes: int, backend: str, asked: int | None) -> tuple[TowerRung, ...]:
+    """tower_memory.tower_rungs for a checkpoint's config and processor (no weight is read); kept, so the plan made
+    once the model is loaded does not resize the same images again."""
+    from mlx_vlm.utils import load_processor
+
+    _, model_config = _model_config(model_dir)
+    processor = load_processor(model_dir, add_detokenizer=False)
+    token = config_image_token_id(model_config)
+    return tower_rungs(processor, model_config, token, dtype_bytes, backend, candidate_pixels(asked))
 
 
 def load_vision_model(path: Path) -> tuple[nn.Module, object]:
