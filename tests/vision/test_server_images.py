@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tests.app.server.test_server_live import Server, assert_clean_exit, start_server, stop_server
 from tests.vision.test_chat_images import picture, png
-from tests.vision.tiny_vlm_dirs import write_tiny_smolvlm_dir
+from tests.vision.tiny_vlm_dirs import write_tiny_gemma4_dir, write_tiny_smolvlm_dir
 
 import anthropic
 import httpx
@@ -88,7 +88,11 @@ def server(model_dir, images, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def mlx_vlm_text(model_dir):
-    """mlx-vlm's own greedy reply text to one user turn of text and images."""
+    return mlx_vlm_replier(model_dir)
+
+
+def mlx_vlm_replier(model_dir):
+    """mlx-vlm's own greedy reply text to one user turn of text and images, on the checkpoint in `model_dir`."""
     from mlx_vlm import load
     from mlx_vlm.generate.dispatch import stream_generate
     from mlx_vlm.prompt_utils import apply_chat_template
@@ -108,7 +112,29 @@ def mlx_vlm_text(model_dir):
 
 
 def test_every_api_sends_the_image_and_gets_mlx_vlms_reply(server, images, mlx_vlm_text):
-    want = mlx_vlm_text([picture(0), QUESTION]).strip()
+    every_api_gets(server, images, mlx_vlm_text([picture(0), QUESTION]).strip())
+
+
+@pytest.fixture(scope="module")
+def gemma4_server(images, tmp_path_factory):
+    model_dir = write_tiny_gemma4_dir(tmp_path_factory.mktemp("gemma4"))
+    log = tmp_path_factory.mktemp("serve-gemma4") / "server.log"
+    srv = start_server(log, "--model", str(model_dir), "--no-kv-disk", "--image-dir", str(images[0]))
+    yield srv, model_dir
+    assert_clean_exit(stop_server(srv), log)
+
+
+def test_gemma4_attending_both_ways_within_its_images_answers_every_api_as_mlx_vlm(gemma4_server, images):
+    """Gemma 4's own processor (its list of pixel arrays, its token kinds), each image prefilled whole under a mask
+    that lets its tokens see each other (engine/request.py ImageSpan.both_ways)."""
+    server, model_dir = gemma4_server
+    every_api_gets(server, images, mlx_vlm_replier(model_dir)([picture(0), QUESTION]).strip())
+    server.blocks_back()
+
+
+def every_api_gets(server, images, want: str) -> None:
+    """The same question with the same image through every API (OpenAI chat by data URL, http URL and local file;
+    Anthropic; Ollama; Responses) gets `want`, mlx-vlm's reply."""
     by_data_url = chat(server, [image_part(data_url(0)), {"type": "text", "text": QUESTION}])
     assert by_data_url.choices[0].message.content.strip() == want
     by_http = chat(server, [image_part(f"{images[1]}/seed0.png"), {"type": "text", "text": QUESTION}])
