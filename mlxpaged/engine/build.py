@@ -159,6 +159,10 @@ def build_core(
     drafter = None
     if isinstance(draft, LoadedModel) and draft_layout is not None:
         drafter = _build_drafter(draft, draft_layout, plan, cache_config, kv_dtype, layout.vocab_size)
+    if loaded.vision is not None and loaded.vision.prompt_both_ways:
+        # Every prompt token's keys and values depend on the whole prompt (PaliGemma): a cached prefix of another
+        # prompt is not this one's.
+        cache_config = dataclasses.replace(cache_config, enable_prefix_cache=False)
     core = EngineCore.create(
         loaded.model,
         loaded.tokenizer,
@@ -247,7 +251,9 @@ def disk_tier_reason(core: EngineCore, layout: ModelLayout) -> str | None:
     if layout.state_leaves and (state is None or not state.checkpoints_enabled):
         return "its state-space / linear-attention layers have no state checkpoints to resume from"
     if not manager.enable_prefix_cache:
-        return "its prefix cache is off (sliding-window layers, or enable_prefix_cache=False)"
+        return (
+            "its prefix cache is off (sliding-window layers, a prompt attended both ways, or enable_prefix_cache=False)"
+        )
     return None
 
 

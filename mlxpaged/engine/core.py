@@ -176,14 +176,22 @@ class EngineCore:
         images: tuple[ImageSpan, ...] = (),
         multimodal: object | None = None,
         adapter: str | None = None,
+        both_ways: tuple[tuple[int, int], ...] = (),
     ) -> None:
         """Queue a request; its events (StreamDelta, or an exception) go to `sink`. Raises on bad input. A prompt
         with images comes with where they are and what its prefill is fed (engine/request.py); `adapter` is the id of
-        the adapter it runs with (adapters/), None for the base model."""
+        the adapter it runs with (adapters/), None for the base model; `both_ways` the prompt's spans attended both
+        ways (Request.both_ways)."""
         if adapter is not None and (self.adapters is None or not self.adapters.has_id(adapter)):
             raise UnknownAdapterError(f"the adapter the request named ({adapter}) was removed before it started")
         request = Request(
-            request_id, token_ids, params.max_tokens, images=images, multimodal=multimodal, adapter=adapter
+            request_id,
+            token_ids,
+            params.max_tokens,
+            images=images,
+            multimodal=multimodal,
+            adapter=adapter,
+            both_ways=both_ways,
         )
         self.scheduler.add_request(request)
         self.outputs.add(request, params, sink)

@@ -258,13 +258,16 @@ class Engine:
         images: tuple = ()
         multimodal = None
         if isinstance(prompt, ImagePrompt):
-            images, multimodal = self._image_inputs(prompt)
+            images, multimodal = prompt.images, self._image_inputs(prompt)
             prompt = prompt.token_ids
         tokens = self._tokenize(prompt)
+        both_ways = self._both_ways(tokens, images)
         self._check_token_ids("logit_bias", params.logit_bias)
         self._check_fits(len(tokens), params.max_tokens)
         request_id = f"req-{next(self._ids)}"
-        self._commands.put(engine_thread.Add(request_id, tokens, params, sink, images, multimodal, adapter_id))
+        self._commands.put(
+            engine_thread.Add(request_id, tokens, params, sink, images, multimodal, adapter_id, both_ways)
+        )
         return request_id
 
     def add_adapter(self, name: str, source: AdapterSource, timeout: float | None = STEP_TIMEOUT_S) -> dict:
@@ -320,14 +323,24 @@ class Engine:
             )
         return self.adapters.resolve(name).id
 
-    def _image_inputs(self, prompt: ImagePrompt) -> tuple[tuple[ImageSpan, ...], PromptEmbedding]:
-        """The prompt's images as the scheduler keeps them (attended both ways where the model does so) and what the
-        engine thread feeds its prefill: the model computes it there, on first use."""
+    def _image_inputs(self, prompt: ImagePrompt) -> PromptEmbedding:
+        """What the engine thread feeds the prompt's prefill: the model computes it there, on first use."""
         if self.core.runner.mirror is not None:
             raise ConfigError("images across mlx.launch ranks are not supported yet", param="images")
         vision = self._vision()
-        images = tuple(dataclasses.replace(i, both_ways=vision.images_both_ways) for i in prompt.images)
-        return images, PromptEmbedding(vision.model, prompt.token_ids, prompt.arrays, images, self._encoded_images)
+        return PromptEmbedding(
+            vision.model, prompt.token_ids, prompt.arrays, prompt.images, self._encoded_images, vision.both_ways
+        )
+
+    def _both_ways(self, tokens: Sequence[int], images: Sequence[ImageSpan]) -> tuple[tuple[int, int], ...]:
+        """The prompt's spans attended both ways (engine/request.py Request.both_ways): PaliGemma's whole prompt, each
+        of Gemma 4's larger models' images; none for every other model."""
+        vision = self.loaded.vision
+        if vision is None or not vision.both_ways:
+            return ()
+        if vision.prompt_both_ways:
+            return ((0, len(tokens)),)
+        return tuple((image.start, image.end) for image in images)
 
     def _vision(self) -> VisionParts:
         """The model's vision parts; ImagesNotSupportedError naming the model when it takes no images."""

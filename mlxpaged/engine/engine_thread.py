@@ -39,6 +39,7 @@ class Add:
     images: tuple[ImageSpan, ...] = ()
     multimodal: object | None = None
     adapter: str | None = None  # the id of the adapter it runs with (adapters/), None: the base model
+    both_ways: tuple[tuple[int, int], ...] = ()  # prompt spans attended both ways (engine/request.py)
 
 
 @dataclass(frozen=True)
@@ -163,6 +164,7 @@ def apply(core: EngineCore, command: Command) -> bool:
                 command.images,
                 command.multimodal,
                 command.adapter,
+                command.both_ways,
             )
         except Exception as exc:
             command.sink(exc)

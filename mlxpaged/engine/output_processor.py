@@ -89,6 +89,7 @@ class OutputProcessor:
             images=request.images,
             multimodal=request.multimodal,
             adapter=request.adapter,
+            both_ways=request.both_ways,
         )
 
     def _new(self, request: Request, params: SamplingParams, sink, index: int, caller_id: str) -> Tracked:

@@ -41,10 +41,6 @@ class ImageSpan:
     start: int
     length: int
     digest: str
-    # Its tokens attend each other both ways (Gemma 4's larger models): each one's keys and values depend on the
-    # image's tokens after it, so the image is prefilled in one chunk (scheduler.py `_chunk`) under a mask that
-    # lets them (cache/cache_view.py).
-    both_ways: bool = False
 
     @property
     def end(self) -> int:
@@ -70,6 +66,11 @@ class Request:
     multimodal: object | None = None
     # The id of the adapter it runs with (adapters/adapter_set.py; None: the base model): its blocks hash it too.
     adapter: str | None = None
+    # Spans [start, end) of prompt positions whose tokens attend each other both ways (each of Gemma 4's larger
+    # models' images; PaliGemma's whole prompt): a token's keys and values there depend on the span's tokens after
+    # it, so a span is prefilled in one chunk (scheduler.py `_chunk`) under a mask that lets them
+    # (cache/cache_view.py `paged_views`).
+    both_ways: tuple[tuple[int, int], ...] = ()
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -97,6 +98,10 @@ class Request:
         chain of every block from there on names the image too."""
         start = index * block_size
         return tuple(image.digest for image in self.images if start <= image.start < start + block_size)
+
+    def both_ways_between(self, start: int, end: int) -> tuple[tuple[int, int], ...]:
+        """The spans attended both ways that positions [start, end) reach into."""
+        return tuple((s, e) for s, e in self.both_ways if s < end and start < e)
 
     def images_start_between(self, start: int, end: int) -> bool:
         """True when an image's first token lies in positions [start, end)."""

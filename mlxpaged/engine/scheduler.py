@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 from mlxpaged.cache.block_pool import NoFreeBlocksError
 from mlxpaged.cache.kv_cache_manager import CopyOnWrite, KVCacheManager, UnknownRequestError
-from mlxpaged.engine.request import ImageSpan, Request, RequestStatus
+from mlxpaged.engine.request import Request, RequestStatus
 from mlxpaged.engine.step_budget import StepBudget
 from mlxpaged.errors import RequestTooLongError
 from mlxpaged.validation import require_int
@@ -470,7 +470,7 @@ class Scheduler:
             # A prompt with images prefills from its merged embeddings, which end with the prompt: the tokens a
             # preempted request had generated go in the next chunk (vision/embedding.py).
             end = len(request.prompt_token_ids)
-        end = _images_whole(request.images, start, end)
+        end = _spans_whole(request.both_ways, start, end)
         return ScheduledChunk(
             request,
             start,
@@ -516,11 +516,11 @@ def _slot(request: Request) -> int:
     return request.state_slot
 
 
-def _images_whole(images: Sequence[ImageSpan], start: int, end: int) -> int:
-    """The end of a chunk [start, end) moved off the inside of an image whose tokens attend both ways: back to the
-    image's start when the chunk begins before it, else on to the image's end (past the step's token budget by at
-    most the image's tokens)."""
-    for image in images:
-        if image.both_ways and image.start < end < image.end:
-            end = image.start if start < image.start else image.end
+def _spans_whole(spans: Sequence[tuple[int, int]], start: int, end: int) -> int:
+    """The end of a chunk [start, end) moved off the inside of a span attended both ways (Request.both_ways): back to
+    the span's start when the chunk begins before it, else on to the span's end (past the step's token budget by at
+    most the span's tokens)."""
+    for first, last in spans:
+        if first < end < last:
+            end = first if start < first else last
     return end

@@ -273,6 +273,7 @@ class Runner:
                     embedding=chunk_embedding(c.request, c.start, len(c.token_ids)),
                     position_delta=position_delta(c.request) if self.takes_positions else 0,
                     adapter=c.request.adapter,
+                    both_ways=c.request.both_ways_between(c.start, c.start + len(c.token_ids)),
                 )
                 for c in chunks
             ]
@@ -501,7 +502,7 @@ class Runner:
         """The model over `batch` through paged KV views (and state views): lazy logits of each row's last
         `num_logits` positions and the pass's state, not stored yet."""
         num_new = [len(x.token_ids) for x in batch]
-        both_ways = [x.embedding.both_ways if x.embedding is not None else () for x in batch]
+        both_ways = [x.both_ways for x in batch]
         views = paged_views(self.kv, [x.block_tables for x in batch], [x.start for x in batch], num_new, both_ways)
         state_pass = None
         if self.state_store is not None:

@@ -40,6 +40,9 @@ class StepInput:
     # positions of its rows that are not prompt chunks with images.
     position_delta: int = 0
     adapter: str | None = None  # the id of the adapter the sequence runs with (adapters/), None: the base model
+    # Spans of its positions whose tokens attend each other both ways in this pass (engine/request.py
+    # Request.both_ways): the pass's mask lets them.
+    both_ways: tuple[tuple[int, int], ...] = ()
 
 
 def split_head(model: nn.Module) -> Callable[[mx.array], mx.array] | None:

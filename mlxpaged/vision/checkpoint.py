@@ -23,14 +23,15 @@ POSITIONS_NOT_YET = (
 MROPE_MODEL_TYPES = frozenset(
     {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "qwen3_omni_moe", "glm4v"}
 )
-# PaliGemma attends both ways over its whole prompt (a prefix-LM; mlx-vlm and transformers default to it when the
-# config is silent): a block's keys and values then depend on every prompt token after it, which neither chunked
-# prefill nor the prefix cache (which reuses a prefix computed without what follows) holds. Gemma 4's larger models
-# attend both ways within each image only (their text config says "vision"): the engine prefills each image in one
-# chunk under a mask that lets its tokens see each other (engine/request.py ImageSpan.both_ways), and an image's
-# blocks are cached only under its own digest, so a hit reuses keys computed with the same whole image.
+# Language models that attend both ways, served by prefilling each span so attended in one chunk under a mask that
+# lets its tokens see each other (engine/request.py Request.both_ways). PaliGemma attends both ways over its whole
+# prompt (a prefix-LM; mlx-vlm and transformers default to it when the config is silent): a block's keys and values
+# depend on every prompt token after it, so its prefix cache is off (engine/build.py). Gemma 4's larger models attend
+# both ways within each image only (their text config says "vision"): an image's blocks are cached under its own
+# digest, so a hit reuses keys computed with the same whole image. Any other both-ways config is refused.
 BOTH_WAYS_DEFAULT = {"paligemma": True}
 IMAGES_BOTH_WAYS = "vision"
+PROMPT_BOTH_WAYS = frozenset({"paligemma"})  # a true use_bidirectional_attention: the whole prompt, served
 
 
 def is_vision_checkpoint(config: dict) -> bool:
@@ -49,7 +50,7 @@ def serves_images(config: dict) -> str | None:
     if model_type in MROPE_MODEL_TYPES - POSITIONS_CHECKED:
         return f"model type {model_type!r}: {POSITIONS_NOT_YET}"
     both_ways = attends_both_ways(config)
-    if both_ways and both_ways != IMAGES_BOTH_WAYS:
+    if both_ways and both_ways != IMAGES_BOTH_WAYS and not (both_ways is True and model_type in PROMPT_BOTH_WAYS):
         return (
             f"model type {model_type!r}: its language model attends both ways (use_bidirectional_attention: "
             f"{both_ways!r}), so keys and values in the prompt depend on the tokens after them, which the paged "

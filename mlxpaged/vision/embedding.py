@@ -28,8 +28,8 @@ import mlx.nn as nn
 # Processor outputs that are not the model's keyword arguments: the prompt itself and what goes to the tower.
 _NOT_ARGUMENTS = ("input_ids", "attention_mask", "pixel_values")
 # Each token's kind, from which Gemma 4's language model overlays its own both-ways mask on a whole prompt's (only
-# when a pass is the whole prompt): where its images attend both ways the engine's views make that mask for any
-# chunk (ImageSpan.both_ways), so the model is not given them.
+# when a pass is the whole prompt): where the model attends both ways the engine's views make that mask for any
+# chunk (Request.both_ways), so the model is not given them.
 _TOKEN_TYPES = ("mm_token_type_ids", "token_type_ids")
 # What get_input_embeddings returns for the whole prompt that a chunk is given as its own slice instead
 # (positions.py): the model would keep them as state.
@@ -40,6 +40,9 @@ _DEEPSTACK = frozenset({"visual_pos_masks", "deepstack_visual_embeds"})
 # per-layer inputs, which read every image token as the pad token): a prompt put together from kept images takes
 # them from its text.
 _FROM_TOKENS = frozenset({"per_layer_inputs"})
+# Merges that place an image's features by the prompt's positions, not by its image tokens (PaliGemma's: feature i
+# at position i, as its processor puts the image first): an image's rows are not the same image's elsewhere.
+_MERGED_BY_POSITION = frozenset({"paligemma"})
 
 
 @cache
@@ -69,9 +72,6 @@ class ChunkEmbedding:
 
     inputs_embeds: mx.array
     arguments: Mapping[str, object]
-    # Spans [start, end) of prompt positions whose tokens attend each other both ways (its images, for a model
-    # that attends so within an image): the pass's mask lets them (cache/cache_view.py `paged_views`).
-    both_ways: tuple[tuple[int, int], ...] = ()
 
 
 class PromptEmbedding:
@@ -86,12 +86,15 @@ class PromptEmbedding:
         arrays: ProcessorArrays,
         images: Sequence[ImageSpan] = (),
         encoded: EncodedImages | None = None,
+        both_ways: bool = False,
     ):
         self._vlm = vlm
         self._token_ids = list(token_ids)
         self._arrays = dict(arrays)  # pixel_values and whatever else the processor returned for the images
         self._images = tuple(images)  # where each image's tokens are, and its digest
-        self._encoded = encoded  # images encoded before, by digest (None: encode every prompt's)
+        by_position = vlm.config.model_type in _MERGED_BY_POSITION
+        self._encoded = None if by_position else encoded  # images encoded before, by digest (None: encode each time)
+        self._both_ways = both_ways  # the engine makes the model's both-ways masks (VisionParts.both_ways)
         # Where the prompt's last image token ends (no spans: anywhere, so every chunk takes the merged embeddings).
         self._images_end = max((i.start + i.length for i in self._images), default=len(self._token_ids))
         self._embeds: mx.array | None = None
@@ -118,7 +121,7 @@ class PromptEmbedding:
         """Run the vision tower and merge (once), or put the embeddings together from images encoded before."""
         if self._embeds is not None:
             return
-        dropped = _NOT_ARGUMENTS + (_TOKEN_TYPES if any(i.both_ways for i in self._images) else ())
+        dropped = _NOT_ARGUMENTS + (_TOKEN_TYPES if self._both_ways else ())
         extra: dict[str, object] = {k: v for k, v in self._arrays.items() if k not in dropped}
         kept = None
         if self._encoded is not None and not self._pads_in_text(0, len(self._token_ids)):
@@ -229,8 +232,7 @@ class PromptEmbedding:
         self.compute()
         assert self._embeds is not None  # computed just now
         arguments = {**self._arguments, "n_to_process": end - start, **self._positions_of(start, end)}
-        both_ways = tuple((i.start, i.end) for i in self._images if i.both_ways and i.start < end and start < i.end)
-        return ChunkEmbedding(self._embeds[:, start:end], arguments, both_ways)
+        return ChunkEmbedding(self._embeds[:, start:end], arguments)
 
     def _positions_of(self, start: int, end: int) -> dict[str, mx.array]:
         """A chunk's slice of the prompt's positions, for a model that takes them (else nothing)."""

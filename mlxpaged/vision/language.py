@@ -27,12 +27,15 @@ class VisionLanguageModel(nn.Module):
     is not a child: the engine's passes, probes and GPU rewrites (fused projections) see the language model
     only."""
 
-    def __init__(self, language_model: nn.Module, model_type: str):
+    def __init__(self, language_model: nn.Module, model_type: str, masks_given: bool = False):
         super().__init__()
         compile_fixes.install()  # before any pass is traced
         self.language_model = language_model
         self.args = SimpleNamespace(model_type=model_type)  # what loading/probe.py names the model by
         self.takes_positions = takes_positions(language_model)  # M-RoPE: every pass passes position_ids
+        # PaliGemma's language model attends both ways over the prompt by making no mask at all, which over a ragged
+        # pass's gathered pages would admit other rows' padding: every pass is given its views' mask instead.
+        self.masks_given = masks_given
 
     def __call__(
         self,
@@ -46,6 +49,9 @@ class VisionLanguageModel(nn.Module):
         final norm: the LM head's input) are appended to it."""
         if hidden_out is not None:
             kwargs["return_hidden"] = True
+        if self.masks_given and cache:
+            length = (inputs_embeds if inputs_embeds is not None else inputs).shape[1]
+            kwargs["mask"] = cache[0].make_mask(length, return_array=False, window_size=None)  # or both ways
         out = self.language_model(inputs, inputs_embeds=inputs_embeds, cache=cache, **kwargs)
         if self.takes_positions:
             forget_sequence_positions(self.language_model)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from mlxpaged.errors import UnsupportedModelError
 from mlxpaged.platform.model_facts import TowerRung
-from mlxpaged.vision.checkpoint import IMAGES_BOTH_WAYS, POSITIONS_CHECKED, POSITIONS_NOT_YET
+from mlxpaged.vision.checkpoint import IMAGES_BOTH_WAYS, POSITIONS_CHECKED, POSITIONS_NOT_YET, PROMPT_BOTH_WAYS
 from mlxpaged.vision.language import VisionLanguageModel
 from mlxpaged.vision.positions import takes_positions
 from mlxpaged.vision.tower_memory import candidate_pixels, tower_rungs
@@ -25,8 +25,15 @@ class VisionParts:
     model: nn.Module
     processor: object | None
     image_token_id: int
-    # Each image's tokens attend each other both ways (Gemma 4's larger models: checkpoint.py images_both_ways).
+    # Each image's tokens attend each other both ways (Gemma 4's larger models), or every prompt token every other
+    # (PaliGemma, a prefix-LM): checkpoint.py BOTH_WAYS_DEFAULT, IMAGES_BOTH_WAYS.
     images_both_ways: bool = False
+    prompt_both_ways: bool = False
+
+    @property
+    def both_ways(self) -> bool:
+        """The engine makes the model's both-ways masks (Request.both_ways), for its images or its whole prompt."""
+        return self.images_both_ways or self.prompt_both_ways
 
 
 def image_token_id(vlm: nn.Module) -> int:
@@ -46,10 +53,10 @@ def config_image_token_id(config) -> int:
 def vision_parts(vlm: nn.Module, processor: object | None) -> tuple[VisionLanguageModel, VisionParts]:
     """The engine's model and the vision parts of an mlx-vlm model (built or loaded)."""
     text_config = getattr(vlm.config, "text_config", None)
-    both_ways = getattr(text_config, "use_bidirectional_attention", None) == IMAGES_BOTH_WAYS
-    return VisionLanguageModel(vlm.language_model, vlm.config.model_type), VisionParts(
-        vlm, processor, image_token_id(vlm), both_ways
-    )
+    both_ways = getattr(text_config, "use_bidirectional_attention", None)
+    prompt = bool(both_ways) and vlm.config.model_type in PROMPT_BOTH_WAYS
+    language = VisionLanguageModel(vlm.language_model, vlm.config.model_type, masks_given=prompt)
+    return language, VisionParts(vlm, processor, image_token_id(vlm), both_ways == IMAGES_BOTH_WAYS, prompt)
 
 
 def unweighted_vision_model(model_dir: Path) -> VisionLanguageModel:

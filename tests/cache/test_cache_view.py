@@ -306,7 +306,7 @@ def _span_reference(spans, window, queries: list[list[int]], keys: mx.array, end
     ids=["exact", "exact-split", "ragged"],
 )
 def test_spans_attended_both_ways_see_their_later_keys_and_nothing_else_changes(offsets, num_new, spans):
-    """Gemma 4's images (engine/request.py ImageSpan.both_ways): each token in a span sees every key of that span
+    """Gemma 4's images (engine/request.py Request.both_ways): each token in a span sees every key of that span
     (after it, or out of its window); every other entry is the causal (windowed) mask, checked against the masks
     written out by position over the keys the pass returns."""
     kv = PagedKVCache(2, 40, 4, 1, 2, mx.float32, [None, 6])

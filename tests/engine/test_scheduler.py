@@ -213,15 +213,16 @@ def test_chunk_fields_and_sampling_flag():
 
 @pytest.mark.parametrize("both_ways", [True, False], ids=["both-ways", "causal"])
 def test_an_image_attended_both_ways_is_prefilled_in_one_chunk(both_ways):
-    """Gemma 4's larger models attend both ways within an image: a chunk never ends inside one. It ends before the
-    image when it starts before it, and runs on to the image's end (past the token budget) when it starts in it;
-    the step's other prefills wait. A causal model's images are cut anywhere."""
+    """Gemma 4's larger models attend both ways within an image (Request.both_ways): a chunk never ends inside one.
+    It ends before the image when it starts before it, and runs on to the image's end (past the token budget) when
+    it starts in it; the step's other prefills wait. A causal model's images are cut anywhere."""
     from mlxpaged.engine.request import ImageSpan
 
     _, s = make(budget=6)
     eng = FakeEngine(s)
-    image = ImageSpan(start=4, length=9, digest="d", both_ways=both_ways)  # positions 4..12
-    s.add_request(Request("a", list(range(100, 120)), 3, images=(image,)))
+    image = ImageSpan(start=4, length=9, digest="d")  # positions 4..12
+    spans = ((image.start, image.end),) if both_ways else ()
+    s.add_request(Request("a", list(range(100, 120)), 3, images=(image,), both_ways=spans))
     s.add_request(req("b", range(300, 310), 3))
     first = eng.step()
     chunks = [(c.request.request_id, c.start, len(c.token_ids)) for c in first.chunks]

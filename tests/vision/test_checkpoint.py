@@ -38,14 +38,16 @@ def test_m_rope_models_not_checked_yet_are_refused_naming_their_positions():
 @pytest.mark.parametrize(
     "config, value",
     [
-        ({"model_type": "paligemma", "vision_config": VISION, "text_config": {}}, "True"),  # mlx-vlm's default
-        ({"model_type": "paligemma", "vision_config": VISION, "use_bidirectional_attention": True}, "True"),
         (
             {"model_type": "gemma4", "vision_config": VISION, "text_config": {"use_bidirectional_attention": "all"}},
             "'all'",
         ),
+        (
+            {"model_type": "gemma3", "vision_config": VISION, "text_config": {"use_bidirectional_attention": True}},
+            "True",
+        ),
     ],
-    ids=["paligemma-default", "paligemma-top-level", "gemma4-all"],
+    ids=["gemma4-all", "gemma3-true"],
 )
 def test_language_models_attending_both_ways_are_refused_with_the_reason(config, value):
     reason = serves_images(config)
@@ -53,6 +55,20 @@ def test_language_models_attending_both_ways_are_refused_with_the_reason(config,
     assert "chunked prefill and prefix cache" in reason
     assert not loads_with_images(config)
     assert text_load_refused(config) == f"model type {config['model_type']!r} is a vision-language model: {reason}"
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"model_type": "paligemma", "vision_config": VISION, "text_config": {}},  # mlx-vlm's default: both ways
+        {"model_type": "paligemma", "vision_config": VISION, "use_bidirectional_attention": True},
+    ],
+    ids=["paligemma-default", "paligemma-top-level"],
+)
+def test_paligemma_attending_both_ways_over_its_prompt_loads_with_its_tower(config):
+    """Each prompt is prefilled in one chunk under a mask that lets every token see every other (engine/request.py
+    Request.both_ways), its prefix cache off (tests/vision/test_engine_images.py, paligemma)."""
+    assert serves_images(config) is None and loads_with_images(config)
 
 
 def test_gemma4_attending_both_ways_within_each_image_loads_with_its_tower():

@@ -126,7 +126,7 @@ def gemma4_server(images, tmp_path_factory):
 
 def test_gemma4_attending_both_ways_within_its_images_answers_every_api_as_mlx_vlm(gemma4_server, images):
     """Gemma 4's own processor (its list of pixel arrays, its token kinds), each image prefilled whole under a mask
-    that lets its tokens see each other (engine/request.py ImageSpan.both_ways)."""
+    that lets its tokens see each other (engine/request.py Request.both_ways)."""
     server, model_dir = gemma4_server
     every_api_gets(server, images, mlx_vlm_replier(model_dir)([picture(0), QUESTION]).strip())
     server.blocks_back()

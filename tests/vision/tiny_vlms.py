@@ -205,6 +205,16 @@ def _gemma4_pixels(pixels: np.ndarray, length: int) -> dict[str, mx.array]:
     return {"pixel_values": mx.array((pixels[None] + 1) / 2)}
 
 
+def _paligemma():
+    """PaliGemma: a Gemma language model attending both ways over the whole prompt (a prefix-LM: mlx-vlm's default
+    for it) after a SigLIP tower's 16 patches, one token each; its merge zeroes the pad token (kept out of the text)."""
+    text = {"model_type": "gemma", "head_dim": 16, "use_bidirectional_attention": True}
+    vision = {**TOWER, "model_type": "siglip_vision_model", "num_hidden_layers": 1, "num_attention_heads": 2}
+    vision |= {"image_size": IMAGE_SIZE, "projection_dim": 64}
+    ids = {"image_token_index": VOCAB - 1, "pad_token_id": VOCAB - 2}
+    return _built("paligemma", text, vision, **ids, hidden_size=64, vocab_size=VOCAB)
+
+
 def _qwen_patches(pixels: np.ndarray, length: int) -> dict[str, mx.array]:
     """Qwen's processor's layout: the image as flattened patches [t * h * w, channels * 2 * 14 * 14] (the frame
     twice: its temporal patch is 2) and its grid (t, h, w) in patches."""
@@ -260,6 +270,13 @@ ARCHITECTURES = {
         TinyVLM("qwen3_5", _qwen3_5, 4, _qwen_patches, ((QWEN_START,), (QWEN_END,))),
         TinyVLM("qwen3_5_moe", _qwen3_5_moe, 4, _qwen_patches, ((QWEN_START,), (QWEN_END,))),
         TinyVLM("glm4v", _glm4v, 4, _qwen_patches, ((QWEN_START,), (QWEN_END,))),
+        # paligemma: one token per patch; the processor's attention mask over the prompt (its merge reads it)
+        TinyVLM(
+            "paligemma",
+            _paligemma,
+            16,
+            lambda pixels, length: {**_pixel_values(pixels, length), "attention_mask": mx.ones((1, length), mx.int32)},
+        ),
         # gemma4: its processor gives each token's kind, which the large ones' language model reads (both ways)
         TinyVLM("gemma4", _gemma4, 4, _gemma4_pixels, ((GEMMA4_START,), (GEMMA4_END,)), token_types=True),
         TinyVLM(
