@@ -104,6 +104,13 @@ def long_prompt(tokens: int) -> str:
     return "Review this file and list its problems:\n" + line * max(1, tokens // 20)
 
 
+def warm_up_prompt(tokens: int) -> str:
+    """A prompt of about `tokens` tokens that shares no prefix with the agents' prompts nor with the long one (whose
+    prefill would otherwise come partly from the prefix cache)."""
+    line = "class Store:  # keeps records, indexes them by key and expires the old ones\n"
+    return "Summarize what this module does:\n" + line * max(1, tokens // 20)
+
+
 @dataclass
 class Turn:
     agent: int
@@ -232,7 +239,7 @@ async def run_fleet(url: str, model: str, fleet: Namespace, hang_ups: int | None
     system = system_prompt(fleet.system_words)
     # Warm-up, untimed: a prompt about as long as an agent's first turn that shares none of its prefix (a first
     # prefill of such a length compiles and allocates what the timed turns would otherwise pay for).
-    warm = [{"role": "user", "content": long_prompt(len(system.split()) * 4 // 3)}]
+    warm = [{"role": "user", "content": warm_up_prompt(len(system.split()) * 4 // 3)}]
     await stream_turn(client, model, warm, 8, -1)
     start = time.perf_counter()
     work = [

@@ -60,8 +60,8 @@ def paged_views(
     `offsets[b]`: tokens already cached (default 0). `num_new[b]`: real tokens of row b
     in the next pass only (default: every row is full); later passes treat rows as full.
     `both_ways[b]`: spans [start, end) of positions of row b whose tokens attend each other both ways in the
-    next pass (an image of Gemma 4's larger models; each span's new tokens all in this pass), on top of the causal
-    (or windowed) mask.
+    next pass (an image of Gemma 4's larger models, PaliGemma's prompt: engine/request.py Request.both_ways; each
+    span's new tokens all in this pass), on top of the causal (or windowed) mask.
     """
     batch = len(block_tables)
     offsets = list(offsets) if offsets is not None else [0] * batch

@@ -151,7 +151,7 @@ class PromptEmbedding:
             shares = [()] * len(self._images)
         elif read == _DEEPSTACK:
             shares = self._deepstack_shares(fields)
-        if shares is None:  # the language model reads more of the images than their rows (Gemma 4's per-layer inputs)
+        if shares is None:  # the language model reads more of the images than their rows and deepstack shares
             return
         for image, share in zip(self._images, shares, strict=True):
             self._encoded.keep(image.digest, self._embeds[0, image.start : image.start + image.length], share)

@@ -19,6 +19,8 @@ def test_every_agent_shares_the_system_prompt_and_gets_its_own_task_and_tool_res
     assert fleet.system_prompt() == system  # one cacheable prefix for every agent and turn
     assert fleet.tool_result(0, 1) != fleet.tool_result(1, 1) != fleet.tool_result(1, 2)
     assert len(fleet.long_prompt(6000).split()) > 3000
+    warm, long = fleet.warm_up_prompt(2000), fleet.long_prompt(6000)
+    assert warm[:16] != long[:16]  # the warm-up leaves nothing of the long prompt in the prefix cache
 
 
 def test_quantiles_by_nearest_rank():

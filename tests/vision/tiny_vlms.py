@@ -191,13 +191,19 @@ def _gemma4(both_ways: bool = False):
     vision |= {"default_output_length": 4}
     ids = {"image_token_id": VOCAB - 1, "boi_token_id": GEMMA4_START, "eoi_token_id": GEMMA4_END}
     model = _built("gemma4", text, vision, **ids, audio_token_id=VOCAB - 5, vocab_size=VOCAB, hidden_size=64)
-    louder = tree_map_with_path(
-        lambda path, p: p * 5.0 if ".post_" in f".{path}" and p.ndim == 1 else p, model.language_model.parameters()
-    )
-    model.language_model.update(louder)
+    louder_post_norms(model)
     mx.eval(model.parameters())
     model.tiny_name = "gemma4-both-ways" if both_ways else "gemma4"  # two kinds of one model type
     return model
+
+
+def louder_post_norms(vlm) -> None:
+    """The language model's norms after each attention and MLP x5: at unit scale a random Gemma 4's scaled embedding
+    drowns every layer, and it echoes its last token."""
+    louder = tree_map_with_path(
+        lambda path, p: p * 5.0 if ".post_" in f".{path}" and p.ndim == 1 else p, vlm.language_model.parameters()
+    )
+    vlm.language_model.update(louder)
 
 
 def _gemma4_pixels(pixels: np.ndarray, length: int) -> dict[str, mx.array]:
