@@ -4,6 +4,7 @@ wrapped as the engine runs every model (language.py). Which checkpoints load her
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,13 +86,22 @@ def _model_config(model_dir: Path):
 @functools.cache
 def tower_before_load(model_dir: Path, dtype_bytes: int, backend: str, asked: int | None) -> tuple[TowerRung, ...]:
     """tower_memory.tower_rungs for a checkpoint's config and processor (no weight is read); kept, so the plan made
-    once the model is loaded does not resize the same images again."""
+    once the model is loaded does not resize the same images again. A kind whose tower or processor the estimate
+    cannot read (an architecture not checked here) loads with a warning and no tower line in its plan."""
     from mlx_vlm.utils import load_processor
 
     _, model_config = _model_config(model_dir)
-    processor = load_processor(model_dir, add_detokenizer=False)
-    token = config_image_token_id(model_config)
-    return tower_rungs(processor, model_config, token, dtype_bytes, backend, candidate_pixels(asked))
+    try:
+        processor = load_processor(model_dir, add_detokenizer=False)
+        token = config_image_token_id(model_config)
+        return tower_rungs(processor, model_config, token, dtype_bytes, backend, candidate_pixels(asked))
+    except Exception as exc:  # any failure of another library's code on a blank image: plan without it, say so
+        warnings.warn(
+            f"model type {model_config.model_type!r}: the vision tower's memory for images is not planned ({exc!r})",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return ()
 
 
 def load_vision_model(path: Path) -> tuple[nn.Module, object]:

@@ -217,3 +217,19 @@ def test_an_image_larger_than_the_plan_is_scaled_down_before_the_processor(tmp_p
         unscaled = engine.chat_prompt(ask("Describe", photo))
         assert unscaled.images[0].digest == sent.images[0].digest  # the same picture, as sent
         assert not mx.array_equal(unscaled.arrays["pixel_values"], sent.arrays["pixel_values"])
+
+
+def test_a_tower_the_estimate_cannot_read_loads_with_a_warning_and_no_tower_line(tmp_path, monkeypatch):
+    """An architecture not checked here whose processor or vision config the estimate cannot read still loads (as it
+    did before the plan counted the tower), saying so."""
+    from mlxpaged.loading.checkpoint import read_before_load
+    from mlxpaged.vision import loading
+
+    def unreadable(*args, **kwargs):
+        raise ValueError("the vision config names none of num_attention_heads, num_heads")
+
+    monkeypatch.setattr(loading, "tower_rungs", unreadable)
+    model_dir = write_tiny_qwen3_5_dir(tmp_path / "qwen")
+    with pytest.warns(RuntimeWarning, match="the vision tower's memory for images is not planned"):
+        facts, _ = read_before_load(model_dir, "cpu")
+    assert facts.takes_images and facts.tower_rungs == ()
