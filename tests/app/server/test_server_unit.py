@@ -641,3 +641,18 @@ async def test_responses_in_progress_are_counted_until_each_ends():
         engine.gate.set()
         assert (await held).status_code == 200
     assert state.responses_in_progress == 0
+
+
+def test_serve_image_memory_pixels_reaches_the_engine_settings_only_when_given():
+    """`--image-memory-pixels N` plans the vision tower for exactly N pixels (platform/memory.py); without it the plan
+    takes the largest size that fits."""
+    import argparse
+
+    from mlxpaged.config import split_settings
+    from mlxpaged_app.server.flags import add_serve_arguments, cache_settings
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    given = cache_settings(parser.parse_args(["--image-memory-pixels", "1000000"]))
+    assert split_settings(given)[0].image_memory_pixels == 1_000_000
+    assert "image_memory_pixels" not in cache_settings(parser.parse_args([]))
