@@ -25,7 +25,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 from mlxpaged.config import DEFAULT_MAX_IMAGE_PIXELS
 from mlxpaged.platform.model_facts import TowerRung
@@ -70,7 +69,7 @@ class Tower:
 
     @classmethod
     def from_config(cls, config) -> Tower:
-        """From mlx-vlm's VisionConfig (or a namespace of config.json's vision_config). Qwen2-VL names its width
+        """From mlx-vlm's VisionConfig (its defaults filled in). Qwen2-VL names its width
         `embed_dim` (its `hidden_size` is the language model's) and its MLP by `mlp_ratio`."""
         hidden = int(_first(config, ("embed_dim", "hidden_size", "width")))
         intermediate = _first(config, ("intermediate_size",), None)
@@ -102,7 +101,7 @@ class Tower:
 
 def _first(config, names: tuple[str, ...], default=...):
     for name in names:
-        value = config.get(name) if isinstance(config, dict) else getattr(config, name, None)
+        value = getattr(config, name, None)
         if value is not None:
             return value
     if default is ...:
@@ -117,14 +116,15 @@ def largest_image(processor, model_config, image_token_id: int, max_pixels: int,
     from PIL import Image
 
     side = max(1, math.isqrt(max_pixels))
-    config = model_config if not isinstance(model_config, dict) else SimpleNamespace(**model_config)
-    text = apply_chat_template(processor, config, [{"role": "user", "content": [{"type": "image"}]}], num_images=1)
+    text = apply_chat_template(
+        processor, model_config, [{"role": "user", "content": [{"type": "image"}]}], num_images=1
+    )
     inputs = prepare_inputs(
         processor,
         images=[Image.new("RGB", (side, side))],
         prompts=text,
         image_token_index=image_token_id,
-        add_special_tokens=should_add_special_tokens(config.model_type, processor),
+        add_special_tokens=should_add_special_tokens(model_config.model_type, processor),
     )
     patches, scores = _patches(inputs, patch_size)
     values = inputs["pixel_values"]
