@@ -1,5 +1,6 @@
 """Paged attention entry point: the Metal kernel on Apple GPUs, MLX's fused attention on other GPUs
-(CUDA), the CPU path on MLX's CPU backend, the pure-MLX reference as the oracle and fallback.
+(CUDA; its CUDA twin of the kernel when asked for), the CPU path on MLX's CPU backend, the pure-MLX
+reference as the oracle and fallback.
 
 The engine's routed attention calls ``paged_attention`` for decode passes (one new token per
 sequence: the pages are read in place by the kernel) and ``eager_sdpa`` for prefill and chunked prefill
@@ -18,14 +19,16 @@ which ``paged_prefill_attention`` computes straight from the pages (``reads_page
 
 Backend choice: ``set_attention_backend`` / ``attention_backend(...)`` or the environment variable
 ``MLXPAGED_ATTENTION`` = ``auto`` (default, from platform/backend.py: ``kernel`` on a Metal GPU,
-``fused`` on a CUDA GPU, ``cpu`` on MLX's CPU backend), ``kernel``, ``fused`` (the K/V the cache view
+``fused`` on a CUDA GPU, ``cpu`` on MLX's CPU backend), ``kernel`` (the paged kernel: paged_attention.metal on
+a Mac, its CUDA twin paged_attention.cu on MLX's CUDA backend, where it is not the default until measured on a
+GPU), ``fused`` (the K/V the cache view
 gathered, attended by ``mx.fast.scaled_dot_product_attention`` with no mask array where none is
 needed, so MLX's fused decode kernels run; never NumPy or host math), ``cpu``
 (kernels/cpu_attention.py: pages read in place with ``mx.gather_mm`` and a cheaper softmax, quantized
 pages' integer levels through float32 matmuls, prefill in NumPy) or ``reference`` (gathered pages +
 ``mx.fast.scaled_dot_product_attention``; quantized pages: ``mx.quantized_matmul``).
-Forcing ``kernel`` without Metal raises unless a kernel launcher is installed
-(``set_kernel_launcher``: tests run the kernel through the CPU harness); shapes a fast path does not
+Forcing ``kernel`` without a GPU raises unless a kernel launcher is installed
+(``set_kernel_launcher``: tests run either source through its CPU harness); shapes a fast path does not
 support (kernel: see ``kernel_supports``; cpu: pools that are not float32, or quantized pages whose scales
 are not) run on the reference path.
 
@@ -72,7 +75,7 @@ BACKENDS = ("auto", "kernel", "fused", "cpu", "reference")
 AUTO_CHOICE = {"metal": "kernel", "cuda": "fused", "cpu": "cpu"}  # platform/backend.py's name -> path
 
 _override: str | None = None
-_launcher: Callable | None = None  # runs the kernel; None: the Metal GPU
+_launcher: Callable | None = None  # runs the kernel; None: this process's GPU (Metal or CUDA)
 _decisions: dict[KernelVariant, VariantCheck] = {}  # checked for the current launcher: kernel if ok, else reference
 _warned: set[KernelVariant] = set()
 DTYPE_NAMES = {mx.float16: "float16", mx.bfloat16: "bfloat16", mx.float32: "float32"}
@@ -104,7 +107,7 @@ def attention_backend(name: str) -> Iterator[None]:
 
 def set_kernel_launcher(launcher: Callable | None) -> None:
     """Run the kernel through ``launcher`` (``launcher(kernel, **call) -> outputs``, e.g. the CPU
-    harness's ``Emulator``), which lets ``kernel`` be forced without Metal; None: the Metal GPU.
+    harness's ``Emulator``), which lets ``kernel`` be forced without a GPU; None: the GPU.
     Variants are checked again for a new launcher."""
     global _launcher
     _launcher = launcher
@@ -127,6 +130,11 @@ def metal_available() -> bool:
     return compute_backend.current() == "metal"
 
 
+def gpu_kernel_available() -> bool:
+    """A GPU the paged kernel has a source for: Metal, or MLX's CUDA backend (its CUDA twin)."""
+    return compute_backend.current() in compute_backend.GPU_BACKENDS
+
+
 def _requested() -> str:
     """The backend asked for: the override, else the environment variable, else "auto"."""
     return _override or _check_backend(os.environ.get(ENV_VAR, "auto").strip().lower() or "auto")
@@ -137,10 +145,10 @@ def resolved_backend() -> str:
     name = _requested()
     if name == "auto":
         return AUTO_CHOICE[compute_backend.current()]
-    if name == "kernel" and not metal_available() and _launcher is None:
+    if name == "kernel" and not gpu_kernel_available() and _launcher is None:
         raise RuntimeError(
-            f"the Metal paged-attention kernel was forced ({ENV_VAR} or "
-            "set_attention_backend) but MLX has no Metal GPU here"
+            f"the paged-attention kernel was forced ({ENV_VAR} or "
+            "set_attention_backend) but MLX has no Metal GPU here, nor a CUDA one"
         )
     return name
 
@@ -185,7 +193,7 @@ def paged_attention(
             q.shape[0], k_pool.shape[1], pa.attended_span(block_tables.shape[1], k_pool.shape[2], window)
         )
         if _kernel_passed(_variant(q, k_pool, v_pool, sinks, two_pass)):
-            return pa.paged_attention_metal(
+            return pa.paged_attention_kernel(
                 q,
                 k_pool,
                 v_pool,
@@ -196,6 +204,7 @@ def paged_attention(
                 sinks,
                 two_pass=two_pass,
                 launcher=_launcher,
+                language=_language(),
             )
     if backend == "cpu" and _cpu_decode_pools(k_pool, v_pool):
         return paged_attention_cpu(q, k_pool, v_pool, block_tables, context_lens, scale, window, sinks)
@@ -215,7 +224,7 @@ def kernel_attention_with_tail(
 ) -> mx.array | None:
     """Decode over each sequence's first ``context_lens`` tokens in the pools, then the ``tail_k`` /
     ``tail_v`` [B, KVH, T, D] keys after them (K/V not written yet: runner/deferred_writes.py), by the
-    Metal kernel with the tail merged as one more partition; None when the kernel does not attend here
+    paged kernel with the tail merged as one more partition; None when the kernel does not attend here
     (another backend, a shape it cannot take, a variant that failed its self-check)."""
     if isinstance(k_pool, QuantizedPages) or isinstance(v_pool, QuantizedPages):
         return None
@@ -224,8 +233,18 @@ def kernel_attention_with_tail(
     if not _kernel_passed(_variant(q, k_pool, v_pool, sinks, two_pass=True)):
         return None
     tail = pa.tail_partials(q, tail_k, tail_v, scale)
-    return pa.paged_attention_metal(
-        q, k_pool, v_pool, block_tables, context_lens, scale, None, sinks, launcher=_launcher, tail=tail
+    return pa.paged_attention_kernel(
+        q,
+        k_pool,
+        v_pool,
+        block_tables,
+        context_lens,
+        scale,
+        None,
+        sinks,
+        launcher=_launcher,
+        tail=tail,
+        language=_language(),
     )
 
 
@@ -353,9 +372,14 @@ def _kernel_passed(variant: KernelVariant) -> bool:
     return (check or _check_variants([variant])[0]).ok
 
 
+def _language() -> str:
+    """The kernel source in use: the launcher's own (a CPU harness says which it runs), else this GPU's."""
+    return getattr(_launcher, "language", None) or pa.kernel_language()
+
+
 def _check_variants(variants: list[KernelVariant]) -> list[VariantCheck]:
     """Check (or look up) each variant; one RuntimeWarning names the failures not reported yet."""
-    checks = [check_variant(variant, _launcher) for variant in variants]
+    checks = [check_variant(variant, _launcher, _language()) for variant in variants]
     _decisions.update((check.variant, check) for check in checks)
     new = [check for check in checks if not check.ok and check.variant not in _warned]
     if new:
@@ -367,8 +391,8 @@ def _check_variants(variants: list[KernelVariant]) -> list[VariantCheck]:
 def fallback_warning(failed: list[VariantCheck]) -> str:
     what = "; ".join(f"{check.variant.describe()} ({check.reason})" for check in failed)
     return (
-        f"the Metal paged-attention kernel failed its self-check for {what}: the pure-MLX reference "
-        f"path attends for {'it' if len(failed) == 1 else 'them'} instead (correct, slower). "
+        f"the {_SOURCE_NAMES[_language()]} paged-attention kernel failed its self-check for {what}: the pure-MLX "
+        f"reference path attends for {'it' if len(failed) == 1 else 'them'} instead (correct, slower). "
         f"Please report this with the output of `mlxpaged doctor`."
     )
 
@@ -482,7 +506,7 @@ def attention_status(prepared: PreparedAttention | None = None) -> dict:
             )
         return _status("cpu", f"{why}: pages read in place", variants)
     if prepared is not None and prepared.unsupported is not None:
-        return _status("reference", f"the Metal kernel cannot take this model: {prepared.unsupported}", variants)
+        return _status("reference", f"the paged kernel cannot take this model: {prepared.unsupported}", variants)
     return _kernel_status(variants)
 
 
@@ -493,8 +517,12 @@ def _checked(prepared: PreparedAttention | None) -> list[VariantCheck]:
     return [_decisions[v] for v in prepared.variants if v in _decisions]
 
 
+_SOURCE_NAMES = {"metal": "Metal", "cuda": "CUDA"}
+
+
 def _kernel_status(variants: list[VariantCheck]) -> dict:
-    where = "the Metal GPU" if _launcher is None else f"launcher {type(_launcher).__name__}"
+    source = _SOURCE_NAMES[_language()]
+    where = f"the {source} GPU" if _launcher is None else f"launcher {type(_launcher).__name__} ({source} source)"
     failed = [check for check in variants if not check.ok]
     if not variants:
         return _status("kernel", f"on {where}; each variant is self-checked before its first use", variants)

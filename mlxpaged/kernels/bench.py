@@ -2,8 +2,9 @@
 
 For each (context, batch) it times contiguous ``mx.fast.scaled_dot_product_attention`` over
 [B, kv_heads, context, D] caches, the reference paged path (gather pages + SDPA) over a shuffled
-page pool, and the fast path the engine uses: the paged kernel on a Metal GPU, the CPU path
-(kernels/cpu_attention.py) elsewhere. Ratios are paged time / contiguous time.
+page pool, and the fast path: the paged kernel on a GPU (the Metal source on a Mac, its CUDA twin on MLX's CUDA
+backend, where the engine takes it with MLXPAGED_ATTENTION=kernel), the CPU path (kernels/cpu_attention.py) on
+MLX's CPU backend. Ratios are paged time / contiguous time.
 Timings are medians of interleaved runs; nothing here asserts on them.
 """
 
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from mlxpaged.config import DEFAULT_BLOCK_SIZE
 from mlxpaged.kernels.cpu_attention import paged_attention_cpu
 from mlxpaged.kernels.reference import paged_attention_reference
+from mlxpaged.platform import backend as compute_backend
 
 import mlx.core as mx
 import numpy as np
@@ -40,7 +42,7 @@ class KernelBenchRow:
     contiguous_ms: float
     reference_ms: float
     fast_ms: float
-    fast_path: str  # "kernel" (Metal) or "cpu"
+    fast_path: str  # "kernel" (Metal or CUDA) or "cpu"
 
     @property
     def reference_ratio(self) -> float:
@@ -111,16 +113,16 @@ def run_kernel_bench(
 def _bench_cell(context: int, batch: int, shape: BenchShape, rng, min_seconds: float) -> KernelBenchRow:
     """One cell; its arrays are freed on return, before the next size is allocated."""
     scale = shape.head_dim**-0.5
-    use_kernel = bool(mx.metal.is_available()) and mx.default_device().type == mx.gpu
+    use_kernel = compute_backend.computes_on_gpu()
     q, keys, values, k_pool, v_pool, tables, lens = _inputs(context, batch, shape, rng)
     fns = {
         "contiguous": lambda: mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale),
         "reference": lambda: paged_attention_reference(q, k_pool, v_pool, tables, lens, scale),
     }
     if use_kernel:
-        from mlxpaged.kernels.paged_attention import paged_attention_metal
+        from mlxpaged.kernels.paged_attention import paged_attention_kernel
 
-        fns["kernel"] = lambda: paged_attention_metal(q, k_pool, v_pool, tables, lens, scale)
+        fns["kernel"] = lambda: paged_attention_kernel(q, k_pool, v_pool, tables, lens, scale)
     else:
         fns["cpu"] = lambda: paged_attention_cpu(q, k_pool, v_pool, tables, lens, scale)
     ms = time_interleaved(fns, min_seconds)
@@ -130,7 +132,9 @@ def _bench_cell(context: int, batch: int, shape: BenchShape, rng, min_seconds: f
 
 def format_kernel_bench(rows: Sequence[KernelBenchRow], shape: BenchShape = BenchShape()) -> str:
     fast = rows[0].fast_path if rows else "cpu"
-    device = "Metal GPU" if fast == "kernel" else "CPU"
+    device = (
+        {"metal": "Metal GPU", "cuda": "CUDA GPU"}.get(compute_backend.current(), "CPU") if fast == "kernel" else "CPU"
+    )
     lines = [
         f"paged decode attention on {device}: {shape.heads} heads / {shape.kv_heads} KV heads, "
         f"head dim {shape.head_dim}, block size {shape.block_size}, {shape.dtype}; ratio = paged / contiguous",

@@ -1,9 +1,10 @@
-"""Python side of the Metal paged-attention decode kernel (source: paged_attention.metal).
+"""Python side of the paged-attention decode kernel: paged_attention.metal for Apple GPUs and its CUDA twin
+paged_attention.cu for NVIDIA GPUs (the same inputs, grid, outputs and results; `kernel_language`).
 
-Kernels are built once per variant with ``mx.fast.metal_kernel`` and specialised by template
-on dtype, key and value head dims, block size, GQA group size, simdgroup count and whether the
-heads have sink logits (gpt-oss). Any ``launcher`` with the
-call signature of a metal_kernel can run them (tests pass the Metal-on-CPU emulator).
+Kernels are built once per variant with ``mx.fast.metal_kernel`` / ``mx.fast.cuda_kernel`` and specialised
+by template on dtype, key and value head dims, block size, GQA group size, simdgroup (warp) count and
+whether the heads have sink logits (gpt-oss). Any ``launcher`` with the call signature of a kernel can run
+them (tests pass the Metal-on-CPU emulator, or the CUDA-on-CPU one, which reads a `CudaKernel`'s source).
 
 One pass or two: a one-pass dispatch has ``batch * num_kv_heads`` threadgroups. When that is
 too few to fill an Apple GPU (< ``TWO_PASS_MAX_GROUPS``) and a sequence can attend at least
@@ -16,15 +17,21 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from functools import cache, lru_cache
+from dataclasses import dataclass
+from functools import cache, cached_property, lru_cache
 from pathlib import Path
 
 from mlxpaged.cache.quantized_pages import Pool, QuantizedPages
 from mlxpaged.config import VALID_BLOCK_SIZES
+from mlxpaged.platform import backend as compute_backend
 
 import mlx.core as mx
 
-SOURCE_PATH = Path(__file__).with_name("paged_attention.metal")
+SOURCE_PATHS = {
+    "metal": Path(__file__).with_name("paged_attention.metal"),
+    "cuda": Path(__file__).with_name("paged_attention.cu"),
+}
+LANGUAGES = tuple(SOURCE_PATHS)
 DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 BLOCK_SIZES = VALID_BLOCK_SIZES  # the settings accept exactly what the kernel has variants for
 MAX_HEAD_DIM = 256
@@ -42,41 +49,82 @@ QUANTIZED_INPUTS = ["k_scales", "k_biases", "v_scales", "v_biases"]  # after DEC
 REDUCE_INPUTS = ["o_part", "m_part", "l_part", "params", "sinks"]
 
 
+def kernel_language() -> str:
+    """The kernel source this process runs: "cuda" on MLX's CUDA backend, else "metal" (a Mac, or the Metal
+    kernel forced elsewhere through a launcher: the tests' Metal-on-CPU emulator)."""
+    return "cuda" if compute_backend.current() == "cuda" else "metal"
+
+
+def _check_language(language: str) -> str:
+    if language not in LANGUAGES:
+        raise ValueError(f"kernel language must be one of {', '.join(LANGUAGES)}, got {language!r}")
+    return language
+
+
 @cache
-def source_sections() -> dict[str, str]:
-    """The .metal file split at its ``// ==== name ====`` markers."""
-    parts = re.split(r"^// ==== (\w+) ====\n", SOURCE_PATH.read_text(), flags=re.M)
+def source_sections(language: str = "metal") -> dict[str, str]:
+    """The kernel file split at its ``// ==== name ====`` markers (the part before the first marker dropped)."""
+    parts = re.split(r"^// ==== (\w+) ====\n", SOURCE_PATHS[_check_language(language)].read_text(), flags=re.M)
     return dict(zip(parts[1::2], parts[2::2], strict=True))
 
 
+@dataclass(frozen=True)
+class CudaKernel:
+    """An ``mx.fast.cuda_kernel``, built on its first call: MLX refuses to build one without a CUDA GPU, and the
+    CUDA-on-CPU emulator reads these fields instead (it writes the signature as MLX would)."""
+
+    name: str
+    input_names: tuple[str, ...]
+    output_names: tuple[str, ...]
+    source: str
+    header: str
+
+    @cached_property
+    def built(self):
+        return mx.fast.cuda_kernel(
+            name=self.name,
+            input_names=list(self.input_names),
+            output_names=list(self.output_names),
+            source=self.source,
+            header=self.header,
+        )
+
+    def __call__(self, **call) -> list:
+        return self.built(**call)
+
+
+def _make_kernel(language: str, name: str, inputs: list[str], outputs: list[str], body: str, header: str):
+    if language == "cuda":
+        return CudaKernel(name, tuple(inputs), tuple(outputs), body, header)
+    return mx.fast.metal_kernel(name=name, input_names=inputs, output_names=outputs, source=body, header=header)
+
+
 @cache
-def decode_kernel(partitioned: bool, quantized: bool = False):
-    sections = source_sections()
+def decode_kernel(partitioned: bool, quantized: bool = False, language: str = "metal"):
+    sections = source_sections(language)
     flag = int(partitioned)
     body = (
         f"#define PA_PARTITIONED {flag}\n#define PA_QUANTIZED {int(quantized)}\n{sections['paged_attention_decode']}"
         "#undef PA_PARTITIONED\n#undef PA_QUANTIZED\n#undef PA_LOAD_K\n#undef PA_LOAD_V\n"
     )
     outputs = ["o_part", "m_part", "l_part"] if partitioned else ["out"]
-    name = "paged_attention_partitioned" if partitioned else "paged_attention_decode"
-    return mx.fast.metal_kernel(
-        name=name + ("_quantized" if quantized else ""),
-        input_names=DECODE_INPUTS + (QUANTIZED_INPUTS if quantized else []),
-        output_names=outputs,
-        source=body,
-        header=sections["header"],
+    name = ("paged_attention_partitioned" if partitioned else "paged_attention_decode") + (
+        "_quantized" if quantized else ""
     )
+    inputs = DECODE_INPUTS + (QUANTIZED_INPUTS if quantized else [])
+    return _make_kernel(language, name, inputs, outputs, body, sections["header"])
 
 
 @cache
-def reduce_kernel():
-    sections = source_sections()
-    return mx.fast.metal_kernel(
-        name="paged_attention_reduce",
-        input_names=REDUCE_INPUTS,
-        output_names=["out"],
-        source=sections["paged_attention_reduce"],
-        header=sections["header"],
+def reduce_kernel(language: str = "metal"):
+    sections = source_sections(language)
+    return _make_kernel(
+        language,
+        "paged_attention_reduce",
+        REDUCE_INPUTS,
+        ["out"],
+        sections["paged_attention_reduce"],
+        sections["header"],
     )
 
 
@@ -165,7 +213,7 @@ def _gpu_launch(kernel, **call) -> list:
     return kernel(**call)
 
 
-def paged_attention_metal(
+def paged_attention_kernel(
     q: mx.array,
     k_pool: Pool,
     v_pool: Pool,
@@ -180,14 +228,18 @@ def paged_attention_metal(
     num_simdgroups: int = NUM_SIMDGROUPS,
     launcher: Launcher | None = None,
     tail: tuple | None = None,
+    language: str | None = None,
 ) -> mx.array:
-    """Decode attention with the Metal kernel; same contract as ``attention.paged_attention``.
+    """Decode attention with the paged kernel; same contract as ``attention.paged_attention``.
 
+    ``language``: "metal" or "cuda", the source to run (default: the launcher's ``language`` attribute, which a
+    CPU harness has, else `kernel_language`).
     ``two_pass`` forces the variant (default: ``use_two_pass``); the two-pass variant splits the
     attended span into ``partition_tokens``-token partitions. ``tail``: (o, m, l) float32 partial sums
     [B, H, 1, DV], [B, H, 1], [B, H, 1] of keys outside the pool (``tail_partials``), merged in the
     reduce as one more partition (forces two passes).
     """
+    language = _check_language(language or getattr(launcher, "language", None) or kernel_language())
     reason = unsupported_reason(q, k_pool, v_pool, block_tables, window, sinks)
     if reason:
         raise ValueError(f"paged-attention kernel: unsupported call ({reason})")
@@ -234,7 +286,7 @@ def paged_attention_metal(
     launch = launcher or _gpu_launch
     if not two_pass:
         (out,) = launch(
-            decode_kernel(False, quantized),
+            decode_kernel(False, quantized, language),
             inputs=inputs,
             template=template,
             grid=(threads, kv_heads, batch),
@@ -245,7 +297,7 @@ def paged_attention_metal(
         return out.reshape(batch, heads, 1, v_dim)
     part_shape = (batch, heads, partitions)
     o_part, m_part, l_part = launch(
-        decode_kernel(True, quantized),
+        decode_kernel(True, quantized, language),
         inputs=inputs,
         template=template,
         grid=(threads, kv_heads, batch * partitions),
@@ -258,7 +310,7 @@ def paged_attention_metal(
         m_part, l_part = mx.concatenate([m_part, tail[1]], axis=2), mx.concatenate([l_part, tail[2]], axis=2)
         params = _int32s((max_blocks, window or 0, partition_tokens, partitions + 1, kv_heads, heads))
     (out,) = launch(
-        reduce_kernel(),
+        reduce_kernel(language),
         inputs=[o_part, m_part, l_part, params, sink_logits],
         template=[("T", q.dtype), ("DV", v_dim), ("SINKS", has_sinks)],
         grid=(32, heads, batch),

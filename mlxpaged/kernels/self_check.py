@@ -1,6 +1,6 @@
-"""Kernel self-check: run each Metal kernel variant a model needs once on a small random case and
-compare it with the pure-MLX reference, so a kernel that does not compile or gives wrong numbers on
-this GPU is replaced by the reference (mlxpaged.kernels.attention) instead of reaching a user's chat.
+"""Kernel self-check: run each paged-kernel variant a model needs (Metal, or its CUDA twin) once on a small
+random case and compare it with the pure-MLX reference, so a kernel that does not compile or gives wrong
+numbers on this GPU is replaced by the reference (mlxpaged.kernels.attention) instead of reaching a user's chat.
 
 A variant is one compiled specialisation: dtype, key and value head dims, block size, GQA group and
 sinks are template parameters, one-pass and two-pass are different kernels. The number of KV heads
@@ -25,8 +25,8 @@ import numpy as np
 # Largest |kernel - reference| / (1 + |reference|) accepted: about 8 units in the last place of the
 # output dtype (measured through the CPU harness: float32 3e-7, float16 5e-4, bfloat16 4e-3).
 TOLERANCE = {"float32": 1e-4, "float16": 4e-3, "bfloat16": 3e-2}
-# What MLX (Metal) and the CPU harness (g++) say when a kernel source does not compile.
-COMPILE_ERROR_MARKERS = ("Unable to build metal library", "g++ failed")
+# What MLX (Metal; CUDA's NVRTC) and the CPU harnesses (g++) say when a kernel source does not compile.
+COMPILE_ERROR_MARKERS = ("Unable to build metal library", "Failed to compile kernel", "g++ failed")
 CHECK_KV_HEADS = 2
 REASON_CHARS = 300
 
@@ -116,17 +116,18 @@ def _pool(pool: mx.array, variant: KernelVariant) -> Pool:
     return pages.with_arrays(pages.quantize(pool))
 
 
-_results: dict[tuple[KernelVariant, int], VariantCheck] = {}
+_results: dict[tuple[KernelVariant, int, str], VariantCheck] = {}
 _launchers: dict[int, object] = {}  # holds each launcher so its id stays unique while cached
 
 
-def check_variant(variant: KernelVariant, launcher: Callable | None = None) -> VariantCheck:
-    """Run ``variant`` once on a small random case against the reference path (cached per process).
-    ``launcher`` None runs on the Metal GPU; tests and ``mlxpaged doctor`` pass the CPU harness."""
-    key = (variant, id(launcher))
+def check_variant(variant: KernelVariant, launcher: Callable | None = None, language: str = "metal") -> VariantCheck:
+    """Run ``variant`` of the ``language`` source ("metal" or "cuda") once on a small random case against the
+    reference path (cached per process). ``launcher`` None runs on the GPU; tests and ``mlxpaged doctor`` pass
+    a CPU harness."""
+    key = (variant, id(launcher), language)
     if key not in _results:
         _launchers[id(launcher)] = launcher
-        _results[key] = _run_check(variant, launcher)
+        _results[key] = _run_check(variant, launcher, language)
     return _results[key]
 
 
@@ -136,10 +137,10 @@ def clear_checks() -> None:
     _launchers.clear()
 
 
-def _run_check(variant: KernelVariant, launcher: Callable | None) -> VariantCheck:
+def _run_check(variant: KernelVariant, launcher: Callable | None, language: str) -> VariantCheck:
     start = time.perf_counter()
     try:
-        reason = _compare(variant, launcher)
+        reason = _compare(variant, launcher, language)
     except Exception as exc:  # a kernel that fails in any way is not used; the reason says how
         reason = failure_reason(exc)
     return VariantCheck(variant, reason is None, reason, time.perf_counter() - start)
@@ -156,15 +157,20 @@ def failure_reason(exc: Exception) -> str:
     return f"exception: {type(exc).__name__}: {first[:REASON_CHARS]}"
 
 
-def _compare(variant: KernelVariant, launcher: Callable | None) -> str | None:
+def _compare(variant: KernelVariant, launcher: Callable | None, language: str) -> str | None:
     """None when the kernel matches the reference within the dtype's tolerance, else why not."""
     unsupported = unsupported_reason(variant)
     if unsupported:
         raise ValueError(f"no such kernel variant: {unsupported}")
     args, sinks = _random_case(variant)
     partition = variant.block_size * 3 // 2  # partition edges inside blocks as well as on them
-    got = pa.paged_attention_metal(
-        *args, sinks=sinks, two_pass=variant.two_pass, partition_tokens=partition, launcher=launcher
+    got = pa.paged_attention_kernel(
+        *args,
+        sinks=sinks,
+        two_pass=variant.two_pass,
+        partition_tokens=partition,
+        launcher=launcher,
+        language=language,
     )
     want = paged_attention_reference(*args, sinks=sinks)
     got, want = got.astype(mx.float32), want.astype(mx.float32)

@@ -141,8 +141,8 @@ def test_shapes_the_kernel_cannot_take_use_the_reference_without_a_check():
     assert status["variants"] == [] and launcher.calls == 0
 
 
-def test_kernel_without_metal_needs_a_launcher(monkeypatch):
-    monkeypatch.setattr(attention, "metal_available", lambda: False)
+def test_kernel_without_a_gpu_needs_a_launcher(monkeypatch):
+    monkeypatch.setattr(attention, "gpu_kernel_available", lambda: False)
     with attention.attention_backend("kernel"):
         with pytest.raises(RuntimeError, match="no Metal GPU"):
             attention.resolved_backend()

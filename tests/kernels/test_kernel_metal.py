@@ -3,7 +3,7 @@ path over the same case matrix as the emulated tests. Skipped where MLX has no M
 
 import mlxpaged  # noqa: F401
 from mlxpaged.kernels import attention
-from mlxpaged.kernels.paged_attention import paged_attention_metal
+from mlxpaged.kernels.paged_attention import paged_attention_kernel
 from mlxpaged.kernels.reference import paged_attention_reference
 from tests.kernels.test_kernel_emulated import LONG, MATRIX, edge_lens
 from tests.kernels.test_kernel_sinks_emulated import MATRIX as SINKS_MATRIX
@@ -20,7 +20,7 @@ pytestmark = [
 
 
 def check_on_gpu(case, **options):
-    out = paged_attention_metal(*case.args(), window=case.window, sinks=case.sinks, **options)
+    out = paged_attention_kernel(*case.args(), window=case.window, sinks=case.sinks, **options)
     mx.eval(out)
     assert max_error(out, case.expected()) < case.tolerance
     reference = paged_attention_reference(*case.args(), window=case.window, sinks=case.sinks)
@@ -95,7 +95,7 @@ def test_pool_then_tail_on_gpu(heads, kv_heads, head_dim, block_size, dtype, tai
     case, k, v, expected = tail_case(
         head_dim, [1, block_size, 3 * block_size + 5], tail, heads, kv_heads, head_dim, block_size, dtype, sinks
     )
-    out = paged_attention_metal(
+    out = paged_attention_kernel(
         case.q,
         case.k_pool,
         case.v_pool,

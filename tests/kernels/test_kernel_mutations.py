@@ -3,6 +3,7 @@
 import mlxpaged  # noqa: F401
 from mlxpaged.kernels import paged_attention as pa
 from tests.kernels.test_kernel_self_check import mutate  # noqa: F401 (fixture: a patched copy of the .metal source)
+from tests.msl.cuda_harness import CudaEmulator
 from tests.msl.harness import Emulator, MetalEmulationError
 from tests.msl.oracle import make_decode_case, max_error
 
@@ -11,7 +12,7 @@ import pytest
 
 def run_case(two_pass: bool = False, seed: int = 0):
     case = make_decode_case(21, [0, 1, 15, 16, 17, 45], 4, 2, 64, 16, "float32")
-    out = pa.paged_attention_metal(*case.args(), launcher=Emulator(seed=seed), two_pass=two_pass, partition_tokens=24)
+    out = pa.paged_attention_kernel(*case.args(), launcher=Emulator(seed=seed), two_pass=two_pass, partition_tokens=24)
     return max_error(out, case.expected()), case.tolerance
 
 
@@ -76,3 +77,70 @@ def test_broken_kernel_is_caught(mutate, section, old, new, expected, two_pass):
         return
     with pytest.raises(MetalEmulationError, match=expected):
         run_case(two_pass)
+
+
+def run_cuda_case(two_pass: bool = False, seed: int = 0):
+    case = make_decode_case(21, [0, 1, 15, 16, 17, 45], 4, 2, 64, 16, "float32")
+    out = pa.paged_attention_kernel(
+        *case.args(), launcher=CudaEmulator(seed=seed), two_pass=two_pass, partition_tokens=24
+    )
+    return max_error(out, case.expected()), case.tolerance
+
+
+CUDA_MUTATIONS = [
+    # The CUDA twin broken the same ways: its harness must catch each as the Metal one does.
+    ("paged_attention_decode", "  __syncthreads();\n}\n", "}\n", "race on 'tg_out'", False),
+    (
+        "paged_attention_decode",
+        "    const float score = pa_warp_sum(partial);",
+        "    const float score = lane < 16 ? pa_warp_sum(partial) : partial;",
+        "only some lanes",
+        False,
+    ),
+    (
+        "paged_attention_decode",
+        "t < last; t += NSG",
+        "t <= last; t += NSG",
+        "out-of-bounds|not inside any buffer",
+        False,
+    ),
+    ("paged_attention_decode", "    l_part[head_row * num_partitions + part] = total;\n", "", "wrong answer", True),
+    (
+        "paged_attention_decode",
+        "if (lane == 0) {\n  for (int g = 0; g < G; g++) {",
+        "if (lane == 0 && sg > 0) {\n  for (int g = 0; g < G; g++) {",
+        "uninitialised threadgroup memory 'tg_max'",
+        False,
+    ),
+    ("header", "for (int offset = 16; offset > 0", "for (int offset = 8; offset > 0", "wrong answer", False),
+    ("paged_attention_reduce", "acc[i] / total", "acc[i] / (total + 1.0f)", "wrong answer", True),
+]
+
+
+@pytest.mark.parametrize(
+    "section,old,new,expected,two_pass",
+    CUDA_MUTATIONS,
+    ids=[
+        "missing_syncthreads",
+        "divergent_warp_sum",
+        "off_by_one_token",
+        "unwritten_partial_sum",
+        "uninitialised_shared",
+        "half_a_warp_summed",
+        "bad_reduce",
+    ],
+)
+def test_broken_cuda_twin_is_caught(mutate, section, old, new, expected, two_pass):
+    mutate((section, old, new), language="cuda")
+    if expected == "wrong answer":
+        error, tolerance = run_cuda_case(two_pass)
+        assert error > tolerance
+        return
+    with pytest.raises(MetalEmulationError, match=expected):
+        run_cuda_case(two_pass)
+
+
+def test_the_metal_source_is_left_alone_when_the_cuda_twin_is_mutated(mutate):
+    mutate(("paged_attention_reduce", "acc[i] / total", "acc[i] / (total + 1.0f)"), language="cuda")
+    error, tolerance = run_case(two_pass=True)
+    assert error < tolerance

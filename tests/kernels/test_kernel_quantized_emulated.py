@@ -1,5 +1,5 @@
-"""The Metal kernel's quantized variant (paged_attention.metal, PA_DEQUANT), run on the CPU by the strict
-emulator, against the float64 oracle over the pages' own dequantized values; its self-check catches a wrong
+"""The paged kernel's quantized variant (PA_DEQUANT; Metal and its CUDA twin), run on the CPU by the strict
+emulators, against the float64 oracle over the pages' own dequantized values; its self-check catches a wrong
 dequantization; and the engine on the kernel path with quantized pages gives the quantized twin's tokens."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import mlxpaged  # noqa: F401
 from mlxpaged.cache.kv_quant import KVQuantization
 from mlxpaged.kernels import attention
 from mlxpaged.kernels import self_check as sc
-from mlxpaged.kernels.paged_attention import paged_attention_metal
+from mlxpaged.kernels.paged_attention import paged_attention_kernel
 from tests.archs.quantized_reference import assert_greedy_matches
 from tests.engine.test_engine import GREEDY, tiny_engine, tokenizer  # noqa: F401
 from tests.kernels.test_kernel_self_check import mutate  # noqa: F401  (fixture)
@@ -33,19 +33,19 @@ WRONG_DEQUANT = ("header", "(e) / QGROUP]) +", "(e) / QGROUP]) * 1.01f +")
 
 @pytest.mark.parametrize("two_pass", [False, True], ids=["one_pass", "two_pass"])
 @pytest.mark.parametrize("params", MATRIX, ids=lambda p: f"H{p[0]}KV{p[1]}D{p[2]}BS{p[3]}q{p[4]}g{p[5]}{p[6]}")
-def test_the_quantized_variant_matches_the_oracle(params, two_pass):
+def test_the_quantized_variant_matches_the_oracle(params, two_pass, emulator):
     heads, kv_heads, dim, size, bits, group, dtype, window, sinks, v_dim = params
     exact, original = make_quantized_decode_case(
         3, [0, 1, size - 1, size + 1, 4 * size + 3], heads, kv_heads, dim, size, bits, group,
         dtype=dtype, window=window, sinks=sinks, v_dim=v_dim,
     )  # fmt: skip
-    out = paged_attention_metal(
+    out = paged_attention_kernel(
         *exact.args(),
         window=window,
         sinks=exact.sinks,
         two_pass=two_pass,
         partition_tokens=size * 3 // 2,
-        launcher=Emulator(strict=True, seed=1),
+        launcher=emulator(strict=True, seed=1),
     )
     assert max_error(out, exact.expected()) < DTYPE_TOLERANCE[dtype]
     assert max_error(out, original.expected()) < QUANTIZATION_TOLERANCE[bits] + DTYPE_TOLERANCE[dtype]

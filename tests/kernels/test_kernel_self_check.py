@@ -19,14 +19,18 @@ NOT_COMPILING = ("header", "// (no shared helpers", "undeclared_type broken;\n//
 
 @pytest.fixture
 def mutate(monkeypatch):
-    """mutate((section, old, new)): the kernel wrapper builds from a patched copy of the .metal source."""
+    """mutate((section, old, new), language="metal"): the kernel wrapper builds from a patched copy of that source
+    (paged_attention.metal, or .cu for "cuda"); the other source stays as it is."""
+    original = pa.source_sections
 
-    def apply(mutation: tuple[str, str, str]) -> None:
+    def apply(mutation: tuple[str, str, str], language: str = "metal") -> None:
         section, old, new = mutation
-        sections = dict(pa.source_sections())
+        sections = dict(original(language))
         assert old in sections[section], f"mutation target not found: {old!r}"
         sections[section] = sections[section].replace(old, new, 1)
-        monkeypatch.setattr(pa, "source_sections", lambda: sections)
+        monkeypatch.setattr(
+            pa, "source_sections", lambda lang="metal": sections if lang == language else original(lang)
+        )
         pa.decode_kernel.cache_clear()
         pa.reduce_kernel.cache_clear()
         sc.clear_checks()

@@ -1,6 +1,6 @@
-"""The Metal kernel with sinks and V width != K width, run by the strict CPU emulator against the float64
-oracle; broken copies (a sink per partition, none in the reduce, V read at K's stride) must fail; the
-self-check covers the new variants."""
+"""The paged kernel (Metal and its CUDA twin) with sinks and V width != K width, run by the strict CPU
+emulators against the float64 oracle; broken copies (a sink per partition, none in the reduce, V read at K's
+stride) must fail; the self-check covers the new variants."""
 
 import mlxpaged  # noqa: F401
 from mlxpaged.kernels import attention
@@ -23,9 +23,9 @@ MATRIX = [
 ]
 
 
-def check(case, seed: int, **options):
-    out = pa.paged_attention_metal(
-        *case.args(), window=case.window, sinks=case.sinks, launcher=Emulator(strict=True, seed=seed), **options
+def check(emulator, case, seed: int, **options):
+    out = pa.paged_attention_kernel(
+        *case.args(), window=case.window, sinks=case.sinks, launcher=emulator(strict=True, seed=seed), **options
     )
     assert out.shape == case.expected().shape
     error = max_error(out, case.expected())
@@ -34,23 +34,23 @@ def check(case, seed: int, **options):
 
 @pytest.mark.parametrize("two_pass", [False, True], ids=["one_pass", "two_pass"])
 @pytest.mark.parametrize("heads,kv_heads,head_dim,v_dim,block_size,dtype,window,sinks", MATRIX)
-def test_edge_lengths(heads, kv_heads, head_dim, v_dim, block_size, dtype, window, sinks, two_pass):
+def test_edge_lengths(heads, kv_heads, head_dim, v_dim, block_size, dtype, window, sinks, two_pass, emulator):
     lens = [0, 1, block_size, block_size + 1, 4 * block_size + 3]
     case = make_decode_case(
         heads * 10 + v_dim, lens, heads, kv_heads, head_dim, block_size, dtype, window, v_dim=v_dim, sinks=sinks
     )
     # Partitions of 1.5 blocks: several per sequence, so a sink counted per partition shows.
-    check(case, heads, two_pass=two_pass, partition_tokens=block_size * 3 // 2)
+    check(emulator, case, heads, two_pass=two_pass, partition_tokens=block_size * 3 // 2)
 
 
-def test_long_context_two_pass_with_sinks():
+def test_long_context_two_pass_with_sinks(emulator):
     case = make_decode_case(31, [3001, 40], 4, 2, 64, 32, "float32", v_dim=32, sinks=True)
-    check(case, 1, two_pass=True)
+    check(emulator, case, 1, two_pass=True)
 
 
 def run_case(two_pass: bool, v_dim: int = 64) -> tuple[float, float]:
     case = make_decode_case(22, [0, 1, 15, 16, 17, 45], 4, 2, 64, 16, "float32", v_dim=v_dim, sinks=True)
-    out = pa.paged_attention_metal(
+    out = pa.paged_attention_kernel(
         *case.args(), sinks=case.sinks, launcher=Emulator(), two_pass=two_pass, partition_tokens=12
     )
     return max_error(out, case.expected()), case.tolerance

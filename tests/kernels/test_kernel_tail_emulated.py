@@ -1,10 +1,10 @@
-"""The Metal kernel attending the pools and then a tail of K/V not written yet (a decode pass queued ahead,
-runner/deferred_writes.py), run on the CPU by the strict emulator, against the float64 oracle."""
+"""The paged kernel (Metal and its CUDA twin) attending the pools and then a tail of K/V not written yet (a
+decode pass queued ahead, runner/deferred_writes.py), run on the CPU by the strict emulators, against the float64
+oracle."""
 
 import mlxpaged  # noqa: F401
 from mlxpaged.kernels import attention
-from mlxpaged.kernels.paged_attention import paged_attention_metal, tail_partials
-from tests.msl.harness import Emulator
+from mlxpaged.kernels.paged_attention import paged_attention_kernel, tail_partials
 from tests.msl.oracle import attend, gather_sequence, make_decode_case, max_error, quantize
 
 import mlx.core as mx
@@ -46,7 +46,7 @@ def tail_case(
         (8, 1, 64, 8, "float32", 3, True),
     ],
 )
-def test_pool_then_tail_matches_the_oracle(seed, heads, kv_heads, head_dim, block_size, dtype, tail, sinks):
+def test_pool_then_tail_matches_the_oracle(seed, heads, kv_heads, head_dim, block_size, dtype, tail, sinks, emulator):
     case, k, v, expected = tail_case(
         seed * 100 + head_dim,
         [1, block_size - 1, block_size, 3 * block_size + 5],
@@ -59,7 +59,7 @@ def test_pool_then_tail_matches_the_oracle(seed, heads, kv_heads, head_dim, bloc
         sinks,
     )
     partials = tail_partials(case.q, k, v, case.scale)
-    out = paged_attention_metal(
+    out = paged_attention_kernel(
         case.q,
         case.k_pool,
         case.v_pool,
@@ -68,18 +68,18 @@ def test_pool_then_tail_matches_the_oracle(seed, heads, kv_heads, head_dim, bloc
         case.scale,
         sinks=case.sinks,
         partition_tokens=block_size * 3 // 2,
-        launcher=Emulator(strict=True, seed=seed),
+        launcher=emulator(strict=True, seed=seed),
         tail=partials,
     )
     error = max_error(out, expected)
     assert error < case.tolerance, f"error {error:.3g} over tolerance {case.tolerance}"
 
 
-def test_the_entry_point_uses_the_kernel_only_where_it_attends():
+def test_the_entry_point_uses_the_kernel_only_where_it_attends(emulator):
     case, k, v, expected = tail_case(7, [5, 20], 2, 4, 2, 64, 8, "float32")
     args = (case.q, case.k_pool, case.v_pool, case.block_tables, case.context_lens, k, v, case.scale)
     assert attention.kernel_attention_with_tail(*args) is None  # the cpu path: the caller gathers instead
-    with attention.kernel_launcher(Emulator()), attention.attention_backend("kernel"):
+    with attention.kernel_launcher(emulator()), attention.attention_backend("kernel"):
         out = attention.kernel_attention_with_tail(*args)
     assert out is not None and max_error(out, expected) < case.tolerance
     assert isinstance(out, mx.array) and out.shape == (2, 4, 1, 64)

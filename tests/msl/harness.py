@@ -310,7 +310,12 @@ def run_kernel(kernel, *, strict: bool = True, seed: int = 0, **call) -> list[mx
     """Emulate ``kernel(**call)`` (the same keyword arguments as the real call) on the CPU."""
     src = parse_source(capture_source(kernel, call))
     binary = compile_kernel(src)
-    buffers = _buffers(src, call)
+    return execute(binary, call, _buffers(src, call), seed, strict)
+
+
+def execute(binary: Path, call: dict, buffers, seed: int, strict: bool) -> list[mx.array]:
+    """Run a compiled emulator binary on ``buffers`` (inputs, then poisoned outputs) and read back the outputs
+    (``call``: the kernel call's keyword arguments: grid, threadgroup, output shapes and dtypes)."""
     with tempfile.TemporaryDirectory(prefix="msl-run-") as tmp:
         inp, outp = Path(tmp) / "in.bin", Path(tmp) / "out.bin"
         _write_input(inp, call, buffers, seed, strict)
@@ -336,6 +341,7 @@ class Emulator:
 
     strict: bool = True
     seed: int = 0
+    language = "metal"  # the source the wrapper hands it (the CUDA twin has cuda_harness.CudaEmulator)
 
     def __call__(self, kernel, **call) -> list[mx.array]:
         return run_kernel(kernel, strict=self.strict, seed=self.seed, **call)

@@ -128,6 +128,7 @@ struct SimdSlot {
 };
 typedef void (*SimdCombine)(SimdSlot* const* lanes, int count);
 SimdSlot& my_slot();
+const Attrs& current_attrs();  // the running GPU thread's attributes (the CUDA shim's threadIdx, ...)
 void simd_rendezvous(const char* op, int line, SimdCombine combine);
 void barrier(const char* op, int line);
 void* tg_alloc(int line, const char* name, size_t bytes, size_t align);

@@ -263,6 +263,8 @@ void run_threadgroup(const uint32_t gpos[3]) {
 
 SimdSlot& my_slot() { return R.cur->slot; }
 
+const Attrs& current_attrs() { return R.cur->attrs; }
+
 void simd_rendezvous(const char* op, int line, SimdCombine combine) {
   Fiber* f = R.cur;
   f->state = AT_SIMD;

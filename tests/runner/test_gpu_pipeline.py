@@ -249,11 +249,14 @@ def test_a_step_of_several_passes_launches_each_once_the_one_before_is_done(gpu_
             assert "read" in events[before:after], events
 
 
-def test_on_metal_the_kernel_attends_the_pools_and_the_pending_tail(tokenizer, monkeypatch):
-    """Queued ahead on Metal, the paged kernel still reads the pages in place and merges the K/V not
-    written yet as one more partition (the kernel run by the CPU harness): tokens as mlx-lm's."""
+@pytest.mark.parametrize("gpu", ["metal", "cuda"])
+def test_on_a_gpu_the_kernel_attends_the_pools_and_the_pending_tail(tokenizer, monkeypatch, gpu):
+    """Queued ahead on a GPU, the paged kernel (Metal's, or its CUDA twin forced on MLX's CUDA backend) still reads
+    the pages in place and merges the K/V not written yet as one more partition (the kernel run by its CPU harness):
+    tokens as mlx-lm's."""
     from mlxpaged.kernels import attention
     from mlxpaged.runner import routing
+    from tests.msl.cuda_harness import CudaEmulator
     from tests.msl.harness import Emulator
 
     monkeypatch.setattr(model_runner, "MAX_PENDING", 4)
@@ -270,8 +273,16 @@ def test_on_metal_the_kernel_attends_the_pools_and_the_pending_tail(tokenizer, m
     model = tiny_llama(2, head_dim=32)
     prompts = [random_tokens(n, seed=300 + n) for n in (9, 20)]
     params = dataclasses.replace(GREEDY, max_tokens=12)
-    with backend.simulate("metal"), attention.kernel_launcher(Emulator()), tiny_engine(model, tokenizer) as eng:
-        assert eng.runner.defers and attention.attention_status()["path"] == "kernel"
+    launcher = Emulator() if gpu == "metal" else CudaEmulator()
+    with (
+        backend.simulate(gpu),
+        attention.kernel_launcher(launcher),
+        attention.attention_backend("kernel"),  # CUDA's default is MLX's fused attention
+        tiny_engine(model, tokenizer) as eng,
+    ):
+        status = attention.attention_status()
+        assert eng.runner.defers and status["path"] == "kernel", status
+        assert f"({'Metal' if gpu == 'metal' else 'CUDA'} source)" in status["reason"], status
         got = eng.generate(prompts, params)
     assert merged and all(merged)
     for prompt, completion in zip(prompts, got, strict=True):
