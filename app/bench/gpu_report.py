@@ -32,8 +32,15 @@ def _git(*args: str) -> str:
     ).stdout.strip()
 
 
+GRAPHS_VAR = "MLX_USE_CUDA_GRAPHS"  # MLX's CUDA backend reads it once, at the process's first GPU command
+
+
 def environment_lines() -> list[str]:
-    """Device, backend and versions: what a reader needs to know where the figures come from."""
+    """Device, backend, versions and the levers set (decode attention, CUDA graphs): what a reader needs to know
+    where the figures come from."""
+    import os
+
+    from mlxpaged.kernels.attention import resolved_backend
     from mlxpaged.platform import backend
 
     import mlx.core as mx
@@ -44,6 +51,7 @@ def environment_lines() -> list[str]:
     return [
         f"device: {name} ({backend.describe()}, default device {mx.default_device()})",
         f"mlx {mx.__version__}, mlx-lm {mlx_lm.__version__}, mlxpaged commit {git_commit()}",
+        f"decode attention: {resolved_backend()}; MLX_USE_CUDA_GRAPHS={os.environ.get(GRAPHS_VAR, 'unset (on)')}",
     ]
 
 
