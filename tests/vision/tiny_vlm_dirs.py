@@ -181,6 +181,46 @@ def write_tiny_gemma4_dir(out: Path, seed: int = 0, both_ways: bool = True) -> P
 
 def write_tiny_smolvlm_dir(out: Path, seed: int = 0) -> Path:
     """A 2-layer random SmolVLM-shaped (idefics3) checkpoint in `out`."""
+    text = {"hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128, "num_attention_heads": 4}
+    text |= {"num_key_value_heads": 2, "rms_norm_eps": 1e-5, "max_position_embeddings": 2048}
+    vision = {"num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2}
+    vision |= {"image_size": 56, "patch_size": 14}
+    images = {"size": {"longest_edge": 56}, "max_image_size": {"longest_edge": 56}, "do_image_splitting": False}
+    return write_smolvlm_dir(out, text, vision, images, scale_factor=2, seed=seed)
+
+
+# SmolVLM-256M-Instruct's shapes (its config.json and processor: SmolLM2-135M's text model, a 12-layer SigLIP tower
+# on 512 px tiles of 16 px patches, pixel shuffle 4: 64 tokens a tile, images split into tiles up to 2048 px).
+SMOLVLM_256M_TEXT = {
+    "hidden_size": 576,
+    "num_hidden_layers": 30,
+    "intermediate_size": 1536,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 100000.0,
+    "max_position_embeddings": 8192,
+}
+SMOLVLM_256M_VISION = {
+    "num_hidden_layers": 12,
+    "hidden_size": 768,
+    "intermediate_size": 3072,
+    "num_attention_heads": 12,
+    "image_size": 512,
+    "patch_size": 16,
+}
+SMOLVLM_256M_IMAGES = {
+    "size": {"longest_edge": 2048},
+    "max_image_size": {"longest_edge": 512},
+    "do_image_splitting": True,
+}
+
+
+def write_smolvlm_dir(
+    out: Path, text: dict, vision: dict, images: dict, scale_factor: int, seed: int = 0, weight_scale: float = 3.0
+) -> Path:
+    """A random SmolVLM (idefics3) checkpoint of these shapes in `out`, with SmolLM2's tokenizer (SmolVLM's own text
+    tokenizer) and HF's Idefics3 processor over `images` (its image processor's resize / split settings)."""
     from mlx_vlm.models import idefics3
     from transformers import AutoTokenizer, Idefics3ImageProcessorPil, Idefics3Processor
 
@@ -188,37 +228,19 @@ def write_tiny_smolvlm_dir(out: Path, seed: int = 0) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(locate_model(None)[1])
     tokenizer.add_special_tokens({"additional_special_tokens": SMOLVLM_TOKENS})
-    images = Idefics3ImageProcessorPil(
-        do_resize=True, size={"longest_edge": 56}, max_image_size={"longest_edge": 56}, do_image_splitting=False
-    )
+    tile, patch = vision["image_size"], vision["patch_size"]
     Idefics3Processor(
-        image_processor=images, tokenizer=tokenizer, image_seq_len=4, chat_template=SMOLVLM_TEMPLATE
+        image_processor=Idefics3ImageProcessorPil(do_resize=True, **images),
+        tokenizer=tokenizer,
+        image_seq_len=(tile // patch) ** 2 // scale_factor**2,
+        chat_template=SMOLVLM_TEMPLATE,
     ).save_pretrained(out)
-    text = {
-        "model_type": "idefics3",
-        "hidden_size": 64,
-        "num_hidden_layers": 2,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "vocab_size": len(tokenizer),
-        "rms_norm_eps": 1e-5,
-        "max_position_embeddings": 2048,
-    }
-    vision = {
-        "model_type": "idefics3",
-        "num_hidden_layers": 1,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_attention_heads": 2,
-        "image_size": 56,
-        "patch_size": 14,
-        "num_channels": 3,
-    }
+    text = {"model_type": "idefics3", "vocab_size": len(tokenizer), **text}
+    vision = {"model_type": "idefics3", "num_channels": 3, **vision}
     config = {
         "model_type": "idefics3",
         "image_token_id": tokenizer.convert_tokens_to_ids("<image>"),
-        "scale_factor": 2,
+        "scale_factor": scale_factor,
         "eos_token_id": tokenizer.convert_tokens_to_ids("<end_of_utterance>"),
         "text_config": text,
         "vision_config": vision,
@@ -226,11 +248,17 @@ def write_tiny_smolvlm_dir(out: Path, seed: int = 0) -> Path:
     model_config = idefics3.ModelConfig.from_dict(config)
     model_config.text_config = idefics3.TextConfig.from_dict(text)
     model_config.vision_config = idefics3.VisionConfig.from_dict(vision)
-    return _save_random(out, idefics3.Model, model_config, config, seed)
+    return _save_random(out, idefics3.Model, model_config, config, seed, weight_scale=weight_scale)
 
 
 def _save_random(
-    out: Path, model_class, model_config, config: dict, seed: int, louder_post_norms: bool = False
+    out: Path,
+    model_class,
+    model_config,
+    config: dict,
+    seed: int,
+    louder_post_norms: bool = False,
+    weight_scale: float = 3.0,
 ) -> Path:
     """`model_class(model_config)` from `seed`, saved in `out` with `config` as its config.json. `louder_post_norms`:
     the norms after each attention and MLP x5 (Gemma 4: at unit scale its scaled embedding drowns every layer of a
@@ -238,7 +266,7 @@ def _save_random(
     mx.random.seed(seed)
     model = model_class(model_config)
     # Matrices x3: attention far from uniform, so the greedy tokens depend on what the image is.
-    model.update(tree_map(lambda p: p * (3.0 if p.ndim == 2 else 1.0), model.parameters()))
+    model.update(tree_map(lambda p: p * (weight_scale if p.ndim == 2 else 1.0), model.parameters()))
     if louder_post_norms:
         from tests.vision.tiny_vlms import louder_post_norms as louder
 
