@@ -229,3 +229,62 @@ def add_mtp_layers(model_dir, num_layers: int = 1, seed: int = 7):
     (config.get("text_config") or config)["mtp_num_hidden_layers"] = num_layers
     (model_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return model_dir
+
+
+def write_tiny_nextn_dir(out, model_type: str = "deepseek_v3", seed: int = 5, nextn_seed: int = 7, depth: int = 1):
+    """A tiny random `model_type` checkpoint (tests/archs/configs.json's config, the default model's tokenizer and
+    vocabulary) with, unless `depth` is 0, one random nextn (MTP) layer as Hugging Face checkpoints of the
+    DeepSeek-V3 layout store it: `model.layers.<num_hidden_layers>.*`, experts one by one, MLA's `kv_b_proj` fused,
+    its own embedding and shared head (loading/nextn_head.py)."""
+    import importlib
+    import json
+    import shutil
+    from pathlib import Path
+
+    from mlxpaged.loading.loader import locate_model
+    from mlxpaged.loading.nextn_head import NextnHead
+    from tests.archs.configs import config_for
+
+    from mlx.utils import tree_flatten
+
+    config = {**config_for(model_type), "vocab_size": 49152, "bos_token_id": 1, "eos_token_id": 2}
+    config["num_nextn_predict_layers"] = depth
+    model = _build(importlib.import_module(f"mlx_lm.models.{model_type}"), config, seed=seed)
+    weights = dict(tree_flatten(model.parameters()))
+    if depth:
+        mx.random.seed(nextn_seed)
+        head = NextnHead(config, own_embedding=True, own_head=True)
+        head.update(tree_map(lambda w: w * 3.0 if w.ndim == 2 else w, head.parameters()))
+        prefix = f"model.layers.{config['num_hidden_layers']}."
+        weights.update({prefix + name: w for name, w in hugging_face_nextn(config, head).items()})
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(locate_model(None)[1] / name, out / name)
+    return out
+
+
+def hugging_face_nextn(config: dict, head) -> dict:
+    """A NextnHead's parameters named and laid out as a Hugging Face checkpoint stores its nextn layer (the inverse
+    of mlx-lm's sanitize: experts one by one, MLA's embed_q / unembed_out fused back into kv_b_proj)."""
+    from mlx.utils import tree_flatten
+
+    names = {"shared_head_norm.weight": "shared_head.norm.weight", "lm_head.weight": "shared_head.head.weight"}
+    out = {}
+    for name, w in tree_flatten(head.parameters()):
+        if not name.startswith("layers.0."):
+            out[names.get(name, name)] = w
+            continue
+        name = name[len("layers.0.") :]
+        if ".switch_mlp." in name:
+            for e in range(w.shape[0]):
+                out[name.replace(".switch_mlp.", f".experts.{e}.")] = w[e]
+        elif name.endswith("embed_q.weight"):  # [H, kv_lora, nope] beside unembed_out [H, v, kv_lora]
+            unembed = dict(tree_flatten(head.parameters()))["layers.0." + name.replace("embed_q", "unembed_out")]
+            fused = mx.concatenate([w.swapaxes(-1, -2), unembed], axis=1)  # [H, nope + v, kv_lora]
+            out[name.replace("embed_q", "kv_b_proj")] = fused.reshape(-1, fused.shape[-1])
+        elif not name.endswith("unembed_out.weight"):
+            out[name] = w
+    return out

@@ -244,6 +244,12 @@ class Engine:
         """The block pool: stats, block states, prefix-cache reset."""
         return self.kv_manager.pool
 
+    def forget_encoded_images(self) -> None:
+        """Drop the images kept encoded by digest (vision/encoded_images.py): the next prompt with an image runs the
+        vision tower again, as a cold one does (benchmarks; with `pool.reset_prefix_cache()`, nothing is cached)."""
+        if self._encoded_images is not None:
+            self._encoded_images.clear()
+
     # --- public API ----------------------------------------------------------------------------
     def submit(
         self, prompt: Prompt, params: SamplingParams | None, sink: Callable[[object], None], adapter: str | None = None

@@ -1,6 +1,7 @@
 """Multi-token-prediction (MTP) layers a checkpoint ships beside its model (`speculative="mtp"`, `--speculative mtp`):
 Qwen 3.5 / 3.6 store them as `mtp.*` tensors, which mlx-lm's `sanitize` drops from the model, so they are read from
-the checkpoint's safetensors here and built as a module of their own.
+the checkpoint's safetensors here and built as a module of their own. The DeepSeek-V3 family and GLM 4.5+ store
+theirs as one more decoder layer (`model.layers.<num_hidden_layers>.*`): found here, built by loading/nextn_head.py.
 
 The MTP block at position q reads the model's last hidden state there (after its final norm) and the embedding of
 the token at q + 1, and predicts the token at q + 2 through the model's own LM head:
@@ -25,13 +26,16 @@ from pathlib import Path
 
 from mlxpaged.errors import ConfigError
 from mlxpaged.loading.checkpoint import read_safetensors_header, weight_files
+from mlxpaged.loading.nextn_head import NEXTN_BLOCKS, NextnHead, nextn_weights
 from mlxpaged.platform.model_facts import KVShape, ModelFacts
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.base import create_attention_mask
 
 MTP_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")  # whose MTP layers are built here (the Qwen 3.5 / 3.6 families)
+SUPPORTED = (*MTP_MODEL_TYPES, *NEXTN_BLOCKS)  # and the nextn layout's
 _NORMS = ("norm.weight", "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight")  # RMSNorm weights, all of them
 _EXPERT = re.compile(r"(.*)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases)")
 
@@ -46,6 +50,7 @@ class MtpCheckpoint:
     tensors: dict[str, str]
     num_layers: int
     nbytes: int
+    layout: str = "mtp"  # "mtp": Qwen's `mtp.*`; "nextn": the DeepSeek-V3 layout (loading/nextn_head.py)
 
     @property
     def text_config(self) -> dict:
@@ -58,9 +63,11 @@ def find_mtp(path: Path, name: str) -> MtpCheckpoint:
     config = json.loads((path / "config.json").read_text())
     model_type = config.get("model_type")
     text_type = (config.get("text_config") or {}).get("model_type", model_type)
+    if text_type in NEXTN_BLOCKS:
+        return _find_nextn(path, name, config)
     if model_type not in MTP_MODEL_TYPES and text_type not in MTP_MODEL_TYPES:
         raise ConfigError(
-            f"{{speculative:'mtp'}} drafts with the multi-token-prediction layers of {', '.join(MTP_MODEL_TYPES)} "
+            f"{{speculative:'mtp'}} drafts with the multi-token-prediction layers of {', '.join(SUPPORTED)} "
             f"checkpoints; {name!r} is a {model_type!r} model",
             param="speculative",
         )
@@ -81,6 +88,33 @@ def find_mtp(path: Path, name: str) -> MtpCheckpoint:
     if not layers:
         raise ConfigError(f"{name!r}'s mtp.* tensors hold no decoder layer (mtp.layers.N)", param="speculative")
     return MtpCheckpoint(path, config, tensors, max(layers) + 1, nbytes)
+
+
+def _find_nextn(path: Path, name: str, config: dict) -> MtpCheckpoint:
+    """The DeepSeek-V3 layout: the layer after the model's, `model.layers.<num_hidden_layers>.*`."""
+    text = config.get("text_config") or config
+    depth = int(text.get("num_nextn_predict_layers") or 0)
+    if depth > 1:
+        raise ConfigError(
+            f"{name!r} has {depth} nextn layers; {{speculative:'mtp'}} drafts with checkpoints of one (DeepSeek-V3's, "
+            "GLM's): each of several would draft its own depth",
+            param="speculative",
+        )
+    prefix = f"model.layers.{text['num_hidden_layers']}."
+    tensors, nbytes = {}, 0
+    for file in weight_files(path):
+        for tensor in read_safetensors_header(file):
+            if tensor.name.startswith(prefix):
+                tensors[tensor.name[len(prefix) :]] = tensor.name
+                nbytes += tensor.nbytes
+    if "eh_proj.weight" not in tensors:
+        raise ConfigError(
+            f"{name!r} ships no multi-token-prediction layer (no {prefix}eh_proj tensor in its checkpoint; "
+            "conversions by mlx-lm drop it): {speculative:'mtp'} needs a checkpoint that keeps it, such as the "
+            "original Hugging Face one",
+            param="speculative",
+        )
+    return MtpCheckpoint(path, config, tensors, 1, nbytes, layout="nextn")
 
 
 def mtp_facts(checkpoint: MtpCheckpoint, target: ModelFacts, weight_bytes: int) -> ModelFacts:
@@ -129,22 +163,54 @@ class MtpHead(nn.Module):
         return self.norm(x)
 
 
-def load_mtp_head(checkpoint: MtpCheckpoint, dtype: mx.Dtype) -> MtpHead:
+def load_mtp_head(checkpoint: MtpCheckpoint, dtype: mx.Dtype) -> MtpHead | NextnHead:
     """The MTP layers of `checkpoint` with their weights, floating ones in `dtype` (the model's activations')."""
-    head = MtpHead(checkpoint.text_config, checkpoint.num_layers)
-    weights = _read(checkpoint)
+    head: MtpHead | NextnHead
+    if checkpoint.layout == "nextn":
+        stored = _stored(checkpoint)
+        weights = nextn_weights(checkpoint.text_config, dict(stored))
+        head = NextnHead(checkpoint.text_config, "embed_tokens.weight" in weights, "lm_head.weight" in weights)
+    else:
+        head = MtpHead(checkpoint.text_config, checkpoint.num_layers)
+        weights = _read(checkpoint)
     if any(key.endswith(".scales") for key in weights):  # an MLX conversion that quantized them with the model
         _quantize(head, checkpoint.config, weights)
     try:
         head.load_weights(list(weights.items()), strict=True)
     except ValueError as exc:
         raise ConfigError(
-            f"the mtp.* tensors of {checkpoint.path} do not fit the MTP layers of its config: {exc}",
+            f"the MTP tensors of {checkpoint.path} do not fit the MTP layers of its config: {exc}",
             param="speculative",
         ) from exc
-    head.set_dtype(dtype)
+    _cast(head, dtype)
     mx.eval(head.parameters())
     return head
+
+
+def _cast(head: nn.Module, dtype: mx.Dtype) -> None:
+    """Floating parameters in `dtype`, but a MoE router's correction bias, which stays as stored (mlx-lm's
+    `cast_predicate` for DeepSeek-V3 and GLM: cast, it breaks the routing)."""
+    flat = tree_flatten(head.parameters(), destination={})  # name -> array
+    assert isinstance(flat, dict)
+    cast = [
+        (name, w.astype(dtype))
+        for name, w in flat.items()
+        if mx.issubdtype(w.dtype, mx.floating) and "e_score_correction_bias" not in name
+    ]
+    head.update(tree_unflatten(cast))
+
+
+def _stored(checkpoint: MtpCheckpoint) -> dict[str, mx.array]:
+    """The MTP tensors by their short names, read lazily from the checkpoint's files."""
+    wanted = set(checkpoint.tensors.values())
+    stored: dict[str, mx.array] = {}
+    for file in weight_files(checkpoint.path):
+        names = {t.name for t in read_safetensors_header(file)} & wanted
+        if names:
+            arrays = mx.load(str(file))  # lazy: only what is used is read
+            assert isinstance(arrays, dict)  # a .safetensors file
+            stored.update({n: arrays[n] for n in names})
+    return {key: stored[name] for key, name in checkpoint.tensors.items()}
 
 
 def _read(checkpoint: MtpCheckpoint) -> dict[str, mx.array]:
@@ -192,7 +258,7 @@ def _stack_experts(weights: dict[str, mx.array]) -> dict[str, mx.array]:
     return out
 
 
-def _quantize(head: MtpHead, config: dict, weights: dict[str, mx.array]) -> None:
+def _quantize(head: nn.Module, config: dict, weights: dict[str, mx.array]) -> None:
     """Quantize the layers the checkpoint stores quantized, with its quantization settings (a layer's own entry,
     under its checkpoint name, wins)."""
     settings = config.get("quantization") or config.get("quantization_config") or {}

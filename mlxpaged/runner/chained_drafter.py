@@ -44,10 +44,13 @@ class ChainedDrafter:
             raise ValueError("the MTP block needs the model's runner to capture hidden states (capture_hidden)")
         self.head, self.kv, self.target, self.name, self.vocab_size = head, kv, target, name, vocab_size
         self.draft_ids = getattr(head, "draft_ids", None)  # EAGLE-3: its own LM head and vocabulary map
-        if getattr(head, "embed_tokens", None) is not None:  # EAGLE-3's own embedding (or the model's, shared)
-            self.embed, self.lm_head = head.embed_tokens, None
-        else:
-            self.embed, self.lm_head = embedding_and_head(target.model, target.head)
+        embed, lm_head = embedding_and_head(target.model, target.head)
+        # A head's own embedding (EAGLE-3's, a nextn layer's) and LM head (a nextn layer's), else the model's;
+        # `logits_input`: what the LM head reads of the head's output (a nextn layer's norm; else the output).
+        own_embed, own_head = getattr(head, "embed_tokens", None), getattr(head, "lm_head", None)
+        self.embed = own_embed if own_embed is not None else embed
+        self.lm_head = own_head if own_head is not None else lm_head
+        self.logits_input = getattr(head, "logits_input", None)
         self.kept = KeptHidden()  # the model's hidden states not fed yet, per request
 
     def observe(self, chunks: Sequence[ScheduledChunk], accepted: dict[str, list[int]]) -> None:
@@ -140,7 +143,8 @@ class ChainedDrafter:
         head's own (`draft_ids`: EAGLE-3's, in the model's ids)."""
         if self.draft_ids is not None:
             return self.draft_ids(outputs).astype(mx.int32)
-        assert self.lm_head is not None  # set when the head has no draft_ids
+        if self.logits_input is not None:
+            outputs = self.logits_input(outputs)
         logits = self.lm_head(outputs).astype(mx.float32)
         return mx.argmax(logits[:, : self.vocab_size], axis=-1).astype(mx.int32)
 

@@ -21,6 +21,7 @@ from mlxpaged.vision.embedding import ChunkEmbedding
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ def split_head(model: nn.Module) -> Callable[[mx.array], mx.array] | None:
     (soft-capping, scaling) fall back to the full forward pass instead of being wrong.
     """
     inner = getattr(model, "model", None)
-    if inner is None or not hasattr(model, "make_cache"):
+    if inner is None or not (hasattr(model, "make_cache") or hasattr(model, "layers")):
         return None
     language_model = getattr(model, "language_model", None)  # mlx-lm's Qwen 3.5: `model.model` is its body
     if getattr(model, "lm_head", None) is not None:
@@ -65,8 +66,8 @@ def split_head(model: nn.Module) -> Callable[[mx.array], mx.array] | None:
         return None
     probe = mx.array([[1, 2, 3]])
     try:
-        full = model(probe, cache=model.make_cache())
-        split = head(inner(probe, cache=model.make_cache()))
+        full = model(probe, cache=make_prompt_cache(model))  # the model's own caches, or KVCaches (DeepSeek-V3's)
+        split = head(inner(probe, cache=make_prompt_cache(model)))
     except Exception:  # an unusual model signature: use the full forward pass
         return None
     return head if mx.allclose(full, split, atol=1e-5, rtol=1e-5).item() else None

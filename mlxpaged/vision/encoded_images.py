@@ -72,5 +72,10 @@ class EncodedImages:
             _, dropped = self._kept.popitem(last=False)
             self.nbytes -= dropped.nbytes
 
+    def clear(self) -> None:
+        """Forget every image (the next prompt with one runs the tower again)."""
+        self._kept.clear()
+        self.nbytes = 0
+
     def __len__(self) -> int:
         return len(self._kept)

@@ -19,7 +19,8 @@ def test_bench_vision_prints_cold_next_turn_and_concurrent_lines_beside_mlx_vlm(
     for label in (
         "cold time to first token      mlxpaged",
         "next turn, same image         mlxpaged",
-        "next turn / its cold prefill",
+        "next turn / its cold time",
+        "next turn / its prefill alone",
         "8 concurrent, 4 tokens  mlxpaged",
         "mlx-vlm batch_generate",
     ):

@@ -73,3 +73,10 @@ def test_what_a_language_model_reads_of_its_embeddings_output(module, name, read
     language = importlib.import_module(f"mlx_vlm.models.{module}.language")
     model = language.LanguageModel.__new__(language.LanguageModel)  # the class's forward is what is read
     assert reads_argument(model, name) is read
+
+
+def test_clear_forgets_every_image():
+    kept = EncodedImages(max_bytes=2**20)
+    kept.keep("a", rows(4))
+    kept.clear()
+    assert kept.rows(["a"]) is None and kept.nbytes == 0 and len(kept) == 0

@@ -232,3 +232,21 @@ def test_a_prompt_with_the_pad_token_outside_its_image_is_encoded_not_put_togeth
     monkeypatch.undo()
     assert towers[:2] == [True, True]
     assert reply.token_ids == mlx_vlm_greedy(vlm, padded, GREEDY.max_tokens)
+
+
+def test_forgetting_the_encoded_images_runs_the_tower_again(tokenizer, monkeypatch):
+    """`Engine.forget_encoded_images` (benchmarks' cold turn): the same prompt after it, the prefix cache emptied too,
+    encodes its image again."""
+    vlm = ARCHITECTURES["idefics3"].build()
+    prompt = image_prompt(vlm, text_tokens(9, seed=10), text_tokens(7, seed=11), seed=5)
+    with vlm_engine(vlm, tokenizer) as engine:
+        towers = count_tower_runs(vlm, monkeypatch)
+        for forget in (False, True):
+            engine.pool.reset_prefix_cache()
+            if forget:
+                engine.forget_encoded_images()
+            engine.generate([prompt], GREEDY)
+        engine.pool.reset_prefix_cache()
+        engine.generate([prompt], GREEDY)
+    monkeypatch.undo()
+    assert towers == [True, True, False]  # encoded; encoded again once forgotten; kept since
