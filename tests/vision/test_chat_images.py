@@ -1,5 +1,6 @@
 """Chats with images through the Python API on tiny checkpoints on disk (SmolVLM; Qwen3.5, whose language model
-mixes gated-delta layers with M-RoPE attention), each with its own processor, against mlx-vlm's own
+mixes gated-delta layers with M-RoPE attention; Gemma 4; Gemma 3 with Hugging Face's own processor), each with its
+own processor, against mlx-vlm's own
 `stream_generate` on the same directory: the same tokens, the same prompt length; an image given as a path, bytes,
 a data URL or a PIL image is the same image; the next turn reads the image's tokens from the prefix cache; and
 every bad image is refused with a message that says what is wrong."""
@@ -16,7 +17,12 @@ from mlxpaged.engine.engine import Engine
 from mlxpaged.errors import ImageInputError, ImagesNotSupportedError, UnsupportedModelError
 from mlxpaged.sampling_params import SamplingParams
 from mlxpaged.vision import checkpoint
-from tests.vision.tiny_vlm_dirs import write_tiny_gemma4_dir, write_tiny_qwen3_5_dir, write_tiny_smolvlm_dir
+from tests.vision.tiny_vlm_dirs import (
+    write_tiny_gemma3_dir,
+    write_tiny_gemma4_dir,
+    write_tiny_qwen3_5_dir,
+    write_tiny_smolvlm_dir,
+)
 
 import numpy as np
 import pytest
@@ -48,7 +54,12 @@ def ask(*parts) -> list[dict]:
     return [{"role": "user", "content": content}]
 
 
-WRITERS = {"smolvlm": write_tiny_smolvlm_dir, "qwen3_5": write_tiny_qwen3_5_dir, "gemma4": write_tiny_gemma4_dir}
+WRITERS = {
+    "smolvlm": write_tiny_smolvlm_dir,
+    "qwen3_5": write_tiny_qwen3_5_dir,
+    "gemma4": write_tiny_gemma4_dir,
+    "gemma3": write_tiny_gemma3_dir,
+}
 
 
 @pytest.fixture(scope="module", params=sorted(WRITERS))

@@ -179,6 +179,82 @@ def write_tiny_gemma4_dir(out: Path, seed: int = 0, both_ways: bool = True) -> P
     return _save_random(out, gemma4.Model, model_config, config, seed, louder_post_norms=True)
 
 
+GEMMA3_TEMPLATE = (
+    "{% for message in messages %}<start_of_turn>{{ message['role'] }}\n{% if message['content'] is string %}"
+    "{{ message['content'] }}{% else %}{% for part in message['content'] %}{% if part['type'] == 'image' %}"
+    "<start_of_image>{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+# Gemma 3's tokenizer names the image's markers and its soft token (extra special tokens), as the real one does.
+GEMMA3_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+
+
+def write_tiny_gemma3_dir(out: Path, seed: int = 0) -> Path:
+    """A 3-layer random Gemma 3 checkpoint in `out` (two window layers of 8, a full one) with Hugging Face's
+    (torch-free) Gemma 3 processor: an image is resized to 56 x 56 px, 4 x 4 patches of 14 px pooled to 4 soft tokens,
+    between Gemma's markers (the processor's own expansion of `<start_of_image>`)."""
+    from mlx_vlm.models import gemma3
+    from transformers import AutoTokenizer, Gemma3ImageProcessorPil, Gemma3Processor
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(locate_model(None)[1], extra_special_tokens=GEMMA3_TOKENS)
+    images = Gemma3ImageProcessorPil(size={"height": 56, "width": 56}, do_pan_and_scan=False)
+    Gemma3Processor(
+        image_processor=images, tokenizer=tokenizer, image_seq_length=4, chat_template=GEMMA3_TEMPLATE
+    ).save_pretrained(out)
+    text = {
+        "model_type": "gemma3_text",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "query_pre_attn_scalar": 16,
+        "sliding_window": 8,
+        "sliding_window_pattern": 3,
+        "mm_tokens_per_image": 4,
+        "vocab_size": len(tokenizer),
+        "max_position_embeddings": 2048,
+    }
+    vision = {
+        "model_type": "siglip_vision_model",
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "patch_size": 14,
+        "image_size": 56,
+    }
+    eos = tokenizer.convert_tokens_to_ids("<end_of_turn>")
+    config = {
+        "model_type": "gemma3",
+        "image_token_index": tokenizer.convert_tokens_to_ids(GEMMA3_TOKENS["image_token"]),
+        "boi_token_index": tokenizer.convert_tokens_to_ids(GEMMA3_TOKENS["boi_token"]),
+        "eoi_token_index": tokenizer.convert_tokens_to_ids(GEMMA3_TOKENS["eoi_token"]),
+        "mm_tokens_per_image": 4,
+        "hidden_size": 64,
+        "vocab_size": len(tokenizer),
+        "eos_token_id": eos,
+        "text_config": text,
+        "vision_config": vision,
+    }
+    model_config = gemma3.ModelConfig.from_dict(config)
+    model_config.text_config = gemma3.TextConfig.from_dict(text)
+    model_config.vision_config = gemma3.VisionConfig.from_dict(vision)
+    return _save_random(
+        out,
+        gemma3.Model,
+        model_config,
+        config,
+        seed,
+        louder_post_norms=True,
+        tied_head=True,
+        amplified="multi_modal_projector",
+    )
+
+
 def write_tiny_smolvlm_dir(out: Path, seed: int = 0) -> Path:
     """A 2-layer random SmolVLM-shaped (idefics3) checkpoint in `out`."""
     text = {"hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128, "num_attention_heads": 4}
@@ -259,10 +335,14 @@ def _save_random(
     seed: int,
     louder_post_norms: bool = False,
     weight_scale: float = 3.0,
+    tied_head: bool = False,
+    amplified: str | None = None,
 ) -> Path:
     """`model_class(model_config)` from `seed`, saved in `out` with `config` as its config.json. `louder_post_norms`:
     the norms after each attention and MLP x5 (Gemma 4: at unit scale its scaled embedding drowns every layer of a
-    random model, which then echoes its last token)."""
+    random model, which then echoes its last token). `tied_head`: without the language model's LM head, which is its
+    embedding then (as the real checkpoints store it; both libraries tie it). `amplified`: the parameters under this
+    path x10 (Gemma 3's projector: its image features are otherwise lost beside the scaled text embeddings)."""
     mx.random.seed(seed)
     model = model_class(model_config)
     # Matrices x3: attention far from uniform, so the greedy tokens depend on what the image is.
@@ -271,8 +351,11 @@ def _save_random(
         from tests.vision.tiny_vlms import louder_post_norms as louder
 
         louder(model)
-    mx.save_safetensors(
-        str(out / "model.safetensors"), dict(tree_flatten(model.parameters())), metadata={"format": "mlx"}
-    )
+    weights = dict(tree_flatten(model.parameters()))
+    if amplified is not None:
+        weights = {name: w * 10.0 if name.startswith(amplified) else w for name, w in weights.items()}
+    if tied_head:
+        del weights["language_model.lm_head.weight"]
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
