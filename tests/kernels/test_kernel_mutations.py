@@ -2,17 +2,20 @@
 
 import mlxpaged  # noqa: F401
 from mlxpaged.kernels import paged_attention as pa
-from tests.kernels.test_kernel_self_check import mutate  # noqa: F401 (fixture: a patched copy of the .metal source)
+from tests.kernels.test_kernel_self_check import mutate  # noqa: F401 (fixture: a patched copy of a kernel source)
 from tests.msl.cuda_harness import CudaEmulator
 from tests.msl.harness import Emulator, MetalEmulationError
 from tests.msl.oracle import make_decode_case, max_error
 
 import pytest
 
+EMULATORS = {"metal": Emulator, "cuda": CudaEmulator}
 
-def run_case(two_pass: bool = False, seed: int = 0):
+
+def run_case(two_pass: bool = False, seed: int = 0, language: str = "metal"):
     case = make_decode_case(21, [0, 1, 15, 16, 17, 45], 4, 2, 64, 16, "float32")
-    out = pa.paged_attention_kernel(*case.args(), launcher=Emulator(seed=seed), two_pass=two_pass, partition_tokens=24)
+    launcher = EMULATORS[language](seed=seed)
+    out = pa.paged_attention_kernel(*case.args(), launcher=launcher, two_pass=two_pass, partition_tokens=24)
     return max_error(out, case.expected()), case.tolerance
 
 
@@ -57,36 +60,6 @@ MUTATIONS = [
 ]
 
 
-@pytest.mark.parametrize(
-    "section,old,new,expected,two_pass",
-    MUTATIONS,
-    ids=[
-        "missing_barrier",
-        "divergent_simd_sum",
-        "off_by_one_token",
-        "unwritten_partial_sum",
-        "uninitialised_threadgroup",
-        "bad_reduce",
-    ],
-)
-def test_broken_kernel_is_caught(mutate, section, old, new, expected, two_pass):
-    mutate((section, old, new))
-    if expected == "wrong answer":
-        error, tolerance = run_case(two_pass)
-        assert error > tolerance
-        return
-    with pytest.raises(MetalEmulationError, match=expected):
-        run_case(two_pass)
-
-
-def run_cuda_case(two_pass: bool = False, seed: int = 0):
-    case = make_decode_case(21, [0, 1, 15, 16, 17, 45], 4, 2, 64, 16, "float32")
-    out = pa.paged_attention_kernel(
-        *case.args(), launcher=CudaEmulator(seed=seed), two_pass=two_pass, partition_tokens=24
-    )
-    return max_error(out, case.expected()), case.tolerance
-
-
 CUDA_MUTATIONS = [
     # The CUDA twin broken the same ways: its harness must catch each as the Metal one does.
     ("paged_attention_decode", "  __syncthreads();\n}\n", "}\n", "race on 'tg_out'", False),
@@ -97,47 +70,31 @@ CUDA_MUTATIONS = [
         "only some lanes",
         False,
     ),
-    (
-        "paged_attention_decode",
-        "t < last; t += NSG",
-        "t <= last; t += NSG",
-        "out-of-bounds|not inside any buffer",
-        False,
-    ),
-    ("paged_attention_decode", "    l_part[head_row * num_partitions + part] = total;\n", "", "wrong answer", True),
-    (
-        "paged_attention_decode",
-        "if (lane == 0) {\n  for (int g = 0; g < G; g++) {",
-        "if (lane == 0 && sg > 0) {\n  for (int g = 0; g < G; g++) {",
-        "uninitialised threadgroup memory 'tg_max'",
-        False,
-    ),
+    MUTATIONS[2],  # one token too many: the same line in both sources
+    MUTATIONS[3],  # an unwritten partial sum
+    MUTATIONS[4],  # uninitialised shared memory
     ("header", "for (int offset = 16; offset > 0", "for (int offset = 8; offset > 0", "wrong answer", False),
-    ("paged_attention_reduce", "acc[i] / total", "acc[i] / (total + 1.0f)", "wrong answer", True),
+    MUTATIONS[5],  # a wrong reduce
 ]
+CASES = [("metal", *m) for m in MUTATIONS] + [("cuda", *m) for m in CUDA_MUTATIONS]
+NAMES = ["missing_barrier", "divergent_simd_sum", "off_by_one_token", "unwritten_partial_sum"]
+NAMES += ["uninitialised_threadgroup", "bad_reduce"]
+CUDA_NAMES = [*NAMES[:5], "half_a_warp_summed", "bad_reduce"]
 
 
 @pytest.mark.parametrize(
-    "section,old,new,expected,two_pass",
-    CUDA_MUTATIONS,
-    ids=[
-        "missing_syncthreads",
-        "divergent_warp_sum",
-        "off_by_one_token",
-        "unwritten_partial_sum",
-        "uninitialised_shared",
-        "half_a_warp_summed",
-        "bad_reduce",
-    ],
+    "language,section,old,new,expected,two_pass",
+    CASES,
+    ids=[f"metal-{n}" for n in NAMES] + [f"cuda-{n}" for n in CUDA_NAMES],
 )
-def test_broken_cuda_twin_is_caught(mutate, section, old, new, expected, two_pass):
-    mutate((section, old, new), language="cuda")
+def test_broken_kernel_is_caught(mutate, language, section, old, new, expected, two_pass):
+    mutate((section, old, new), language=language)
     if expected == "wrong answer":
-        error, tolerance = run_cuda_case(two_pass)
+        error, tolerance = run_case(two_pass, language=language)
         assert error > tolerance
         return
     with pytest.raises(MetalEmulationError, match=expected):
-        run_cuda_case(two_pass)
+        run_case(two_pass, language=language)
 
 
 def test_the_metal_source_is_left_alone_when_the_cuda_twin_is_mutated(mutate):
