@@ -36,6 +36,9 @@ class VisionLanguageModel(nn.Module):
         # PaliGemma's language model attends both ways over the prompt by making no mask at all, which over a ragged
         # pass's gathered pages would admit other rows' padding: every pass is given its views' mask instead.
         self.masks_given = masks_given
+        # PaliGemma 2's (Gemma 2's) attention adds the mask to its soft-capped scores itself: it takes arrays only.
+        text_config = getattr(language_model, "config", None)
+        self._array_masks = getattr(text_config, "model_type", None) == "gemma2"
 
     def __call__(
         self,
@@ -51,7 +54,9 @@ class VisionLanguageModel(nn.Module):
             kwargs["return_hidden"] = True
         if self.masks_given and cache:
             length = (inputs_embeds if inputs_embeds is not None else inputs).shape[1]
-            kwargs["mask"] = cache[0].make_mask(length, return_array=False, window_size=None)  # or both ways
+            kwargs["mask"] = cache[0].make_mask(
+                length, return_array=self._array_masks, window_size=None
+            )  # or both ways
         out = self.language_model(inputs, inputs_embeds=inputs_embeds, cache=cache, **kwargs)
         if self.takes_positions:
             forget_sequence_positions(self.language_model)

@@ -136,10 +136,13 @@ def test_decoding_after_an_image_takes_the_compiled_pass(vlm, tokenizer):
         leaves = engine.built.layout.kv_leaves
         assert engine.runner.takes_positions == (vlm.config.model_type in MROPE_MODEL_TYPES)
         full_only = all(leaf.kind == "full" for leaf in leaves) and not engine.built.layout.state_leaves
-        assert (engine.runner.decoder is not None) == full_only
-        # Every layer attends through its paged view; Gemma 4's small models' last layers attend an earlier layer's
-        # K/V too (without a cache of their own), so that layer's leaf is read both ways.
-        assert all(leaf.routed or leaf.consumers == ("sdpa", "sdpa-other-cache") for leaf in leaves)
+        # PaliGemma 2's (Gemma 2's) attention computes its soft-capped scores itself over the K/V its paged view
+        # returned: not routed to the engine's attention, so no compiled pass (which reads the pools only).
+        routed = vlm.config.text_config.model_type != "gemma2"
+        assert (engine.runner.decoder is not None) == (full_only and routed)
+        # Every other layer attends through its paged view; Gemma 4's small models' last layers attend an earlier
+        # layer's K/V too (without a cache of their own), so that layer's leaf is read both ways.
+        assert all(leaf.routed or leaf.consumers == ("sdpa", "sdpa-other-cache") for leaf in leaves) == routed
         assert engine.generate([prompt], GREEDY)[0].token_ids == mlx_vlm_greedy(vlm, prompt, GREEDY.max_tokens)
 
 
@@ -157,7 +160,7 @@ def test_on_the_path_a_gpu_takes_decode_queued_ahead_gets_each_rows_positions(vl
     with backend.simulate("cuda"), vlm_engine(vlm, tokenizer) as engine:
         layout = engine.built.layout
         assert engine.runner.defers == (
-            all(leaf.kind == "full" for leaf in layout.kv_leaves) and not layout.state_leaves
+            all(leaf.kind == "full" and leaf.routed for leaf in layout.kv_leaves) and not layout.state_leaves
         )
         both = engine.generate([prompt, text], long)
     assert both[0].token_ids == mlx_vlm_greedy(vlm, prompt, long.max_tokens)

@@ -221,6 +221,17 @@ def _paligemma():
     return _built("paligemma", text, vision, **ids, hidden_size=64, vocab_size=VOCAB)
 
 
+def _paligemma2():
+    """PaliGemma 2: PaliGemma with Gemma 2's language model (soft-capped attention scores and logits, window layers of
+    8 every other layer), its whole prompt attended both ways."""
+    text = {"model_type": "gemma2", "head_dim": 16, "use_bidirectional_attention": True, "sliding_window": 8}
+    text |= {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "query_pre_attn_scalar": 16}
+    vision = {**TOWER, "model_type": "siglip_vision_model", "num_hidden_layers": 1, "num_attention_heads": 2}
+    vision |= {"image_size": IMAGE_SIZE, "projection_dim": 64}
+    ids = {"image_token_index": VOCAB - 1, "pad_token_id": VOCAB - 2}
+    return _built("paligemma", text, vision, **ids, hidden_size=64, vocab_size=VOCAB)
+
+
 def _qwen_patches(pixels: np.ndarray, length: int) -> dict[str, mx.array]:
     """Qwen's processor's layout: the image as flattened patches [t * h * w, channels * 2 * 14 * 14] (the frame
     twice: its temporal patch is 2) and its grid (t, h, w) in patches."""
@@ -280,6 +291,12 @@ ARCHITECTURES = {
         TinyVLM(
             "paligemma",
             _paligemma,
+            16,
+            lambda pixels, length: {**_pixel_values(pixels, length), "attention_mask": mx.ones((1, length), mx.int32)},
+        ),
+        TinyVLM(
+            "paligemma2",
+            _paligemma2,
             16,
             lambda pixels, length: {**_pixel_values(pixels, length), "attention_mask": mx.ones((1, length), mx.int32)},
         ),
