@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from mlxpaged.runner.embedding_scale import embedding_scale, scaled
 from mlxpaged.vision.embedding import ChunkEmbedding
 
 import mlx.core as mx
@@ -73,13 +74,15 @@ def split_head(model: nn.Module) -> Callable[[mx.array], mx.array] | None:
     return head if mx.allclose(full, split, atol=1e-5, rtol=1e-5).item() else None
 
 
-def embedding_and_head(model: nn.Module, head: Callable[[mx.array], mx.array] | None) -> tuple[nn.Module, Callable]:
-    """The model's token embedding and its `hidden -> logits`, which drafters reading its hidden states share:
-    mlx-lm's body and split head (`head`, from split_head), or a vision-language model's language model's
-    (vision/language.py) when the head does not split."""
-    if head is not None:
-        return model.model.embed_tokens, head
-    return model.embed_tokens, model.logits_from_hidden
+def embedding_and_head(model: nn.Module, head: Callable[[mx.array], mx.array] | None) -> tuple[Callable, Callable]:
+    """The model's token embedding, as its first layer sees it (runner/embedding_scale.py: Gemma's x sqrt(hidden)),
+    and its `hidden -> logits`, which drafters reading its hidden states share: mlx-lm's body and split head (`head`,
+    from split_head), or a vision-language model's language model's (vision/language.py) when the head does not
+    split."""
+    embed, logits = (
+        (model.model.embed_tokens, head) if head is not None else (model.embed_tokens, model.logits_from_hidden)
+    )
+    return scaled(embed, embedding_scale(model, embed)), logits
 
 
 # Prefill chunks that end within this many tokens may share a pass, if padding them to the

@@ -1,5 +1,6 @@
 """Drafting with a DFlash drafter (runner/dflash_drafter.py, loading/dflash_model.py): a tiny random drafter reading
-two layers of a tiny random model (a llama; a Qwen 3.5 hybrid) gives the model's own tokens, alone and batched,
+two layers of a tiny random model (a llama; a Qwen 3.5 hybrid; a Gemma, whose embedding the drafter reads scaled as
+the model's first layer does: runner/embedding_scale.py) gives the model's own tokens, alone and batched,
 seeded, with a prefix hit, after preemption; and every block it drafts is what mlx-vlm's own DFlash drafter drafts
 from the same weights without pages, reading the model's layer outputs of a plain forward pass (the drafter's
 context pages must then be right through all of those). Loaded through the public API from a checkpoint directory:
@@ -21,7 +22,7 @@ from mlxpaged.runner.routing import route_paged_attention
 from tests.engine import test_engine_state
 from tests.engine.test_engine import tokenizer  # noqa: F401  (the fixture, shared)
 from tests.engine.test_mtp import GREEDY, PROMPTS, SEEDED, check, full, known_drafts, run, run_plain
-from tests.tiny_models import random_tokens, tiny_llama, tiny_qwen3_5, write_tiny_model_dir
+from tests.tiny_models import _COMMON, _build, random_tokens, tiny_llama, tiny_qwen3_5, write_tiny_model_dir
 
 import mlx.core as mx
 import pytest
@@ -50,9 +51,22 @@ def random_drafter(seed: int = 21, **config) -> DFlashModel:
     return model
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3_5"])
+def tiny_gemma():
+    """A Gemma: mlx-lm scales its token embeddings by sqrt(hidden) in its forward (Hugging Face, in the embedding)."""
+    from mlx_lm.models import gemma
+
+    config = {**_COMMON, "model_type": "gemma", "num_hidden_layers": 3, "rope_theta": 10000.0}
+    return _build(gemma, config, seed=6)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3_5", "gemma"])
 def target(request):
-    return tiny_llama(num_layers=3) if request.param == "llama" else tiny_qwen3_5()
+    return {"llama": lambda: tiny_llama(num_layers=3), "qwen3_5": tiny_qwen3_5, "gemma": tiny_gemma}[request.param]()
+
+
+def input_scale(model) -> float:
+    """What the model's first layer sees of a token's embedding, by the model's definition: Gemma's sqrt(hidden)."""
+    return model.args.hidden_size**0.5 if model.args.model_type == "gemma" else 1.0
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +105,7 @@ def plain(model, tokenizer, prompts, params, **scheduling) -> dict:
 def layer_outputs(model, tokens: list[int], layer_ids) -> mx.array:
     """The outputs of `layer_ids` over `tokens`, side by side: the model's layers called one by one, no cache."""
     inner = model.model
-    h = inner.embed_tokens(mx.array([tokens]))
+    h = inner.embed_tokens(mx.array([tokens])) * input_scale(model)
     outputs = []
     for layer in inner.layers:
         h = layer(h, None if getattr(layer, "is_linear", False) else "causal", None)
@@ -108,6 +122,7 @@ def mlx_vlm_reference(model, drafter):
     reference = DFlashDraftModel(TheirConfig.from_dict(CONFIG))
     reference.load_weights(list(tree_flatten(drafter.parameters())), strict=True)
     reference.bind(model)
+    reference.embed_scale = input_scale(model)  # Hugging Face's Gemma embedding is scaled (mlx-vlm's Gemma 4 says so)
 
     def drafts(tokens: list[int], k: int) -> list[int]:
         hidden = layer_outputs(model, tokens[:-1], reference.config.target_layer_ids)  # mlx-vlm's reading of them
