@@ -296,13 +296,25 @@ class PagedCacheView:
     def maybe_trim_front(self) -> None:
         """mlx-lm's ChunkedKVCache drops keys before the chunk here; the pages' ring turns instead."""
 
-    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None, both_ways: bool = False):
+    def make_mask(
+        self,
+        N: int,
+        return_array: bool = False,
+        window_size: int | None = None,
+        both_ways: bool = False,
+        context: int | None = None,
+    ):
         """Mask for the next pass of N tokens per row, matching the keys `update_and_fetch` will return. `both_ways`:
-        each new token also sees the new tokens after it in its row (a DFlash block; full attention only)."""
+        each new token also sees the new tokens after it in its row (a DFlash block; full attention only); `context`:
+        with it, only the last `context` keys before the row's new tokens (a DFlash sliding layer's)."""
         plan = self._planner.plan(self._offsets, self._num_rows(len(self._offsets), N), N)
         window = window_size if window_size is not None else self._planner.spec.window
         if both_ways and window is not None:
             raise ValueError("a both-ways mask is made for full attention only")
+        if context is not None:
+            if not both_ways:
+                raise ValueError("a context bound is made for a both-ways mask only")
+            return _ragged_mask(plan, None, both_ways, context)
         spans = self._planner.both_ways
         if spans is not None and N > 1 and plan.offsets == self._first_offsets:
             return _mask_with_spans(plan, window, spans)
@@ -484,14 +496,16 @@ def _query_positions(plan: _Plan, both_ways: bool = False) -> mx.array:
     return offsets[:, None] + (num_new[:, None] - 1 if both_ways else mx.minimum(rows, num_new[:, None] - 1))
 
 
-def _ragged_mask(plan: _Plan, window: int | None, both_ways: bool = False) -> mx.array:
+def _ragged_mask(plan: _Plan, window: int | None, both_ways: bool = False, context: int | None = None) -> mx.array:
     """Boolean [B, 1, L, K]: key valid, not after the query (`both_ways`: not after the row's last new token), inside
-    the window."""
+    the window; `context`: not more than `context` positions before the row's first new token."""
     kpos, valid = _key_positions(plan)
     qpos = _query_positions(plan, both_ways)
     mask = valid[:, None, :] & (kpos[:, None, :] <= qpos[:, :, None])
     if window is not None:
         mask = mask & (kpos[:, None, :] > qpos[:, :, None] - window)
+    if context is not None:
+        mask = mask & (kpos >= mx.array(plan.offsets)[:, None] - context)[:, None, :]
     return mask[:, None]
 
 

@@ -9,6 +9,11 @@ Its layers attend over a context of the target's positions and over the block it
                 the block [last token, mask, ..., mask] at the positions after the context attends to the context's
                 K/V and its own; h = norm(...); the target's LM head over the mask positions gives the drafts.
 
+A drafter's sliding-window layers (`layer_types`, `sliding_window` W, as mlx-vlm reads them) see only the last W - 1
+positions of the context before the block (mlx-vlm keeps them in a rotating cache), and the block both ways, or, when
+the drafter is causal, each position the W keys up to itself; `attention_sink_bias` gives each head a sink logit. The
+drafter's pages still hold every position's K/V (the window is a mask), so a prefix hit serves every layer alike.
+
 The context's K/V depend on the target's hidden states only, so a position's are the same for every sequence that
 shares it (a prefix-cache block). The drafter on the paged cache is runner/dflash_drafter.py; the embedding and the
 LM head are the target's.
@@ -47,11 +52,19 @@ class DFlashConfig:
     target_layer_ids: tuple[int, ...]
     causal: bool
     final_logit_softcapping: float | None
+    layer_types: tuple[str, ...] = ()  # "full_attention" or "sliding_attention" per layer; (): all full
+    sliding_window: int | None = None
+    attention_sinks: bool = False  # a sink logit per head in every layer (`attention_sink_bias`)
+
+    def window(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window (None: full attention)."""
+        sliding = self.layer_types and self.layer_types[layer] == "sliding_attention"
+        return self.sliding_window if sliding else None
 
     @classmethod
     def read(cls, path: Path, name: str) -> DFlashConfig:
         """The drafter's config.json; ConfigError for a checkpoint that is not a DFlash drafter, or one of a kind not
-        built here (sliding-window layers, attention sinks, a rolling draft window)."""
+        built here (a rolling draft window, layer kinds other than full and sliding attention)."""
         return cls.from_dict(json.loads((path / "config.json").read_text()), name)
 
     @classmethod
@@ -64,13 +77,28 @@ class DFlashConfig:
                 param="draft_model",
             )
         merged = {**config, **flash}
-        if any(kind != "full_attention" for kind in merged.get("layer_types") or []):
+        layer_types = tuple(merged.get("layer_types") or ())
+        unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+        if unknown:
             raise ConfigError(
-                f"the DFlash drafter {name!r} has sliding-window layers: not built yet", param="draft_model"
+                f"the DFlash drafter {name!r} has layers of kind {unknown}: not built", param="draft_model"
             )
-        if merged.get("attention_sink_bias") or merged.get("draft_window_size"):
+        if layer_types and len(layer_types) != merged["num_hidden_layers"]:
             raise ConfigError(
-                f"the DFlash drafter {name!r} uses attention sinks or a rolling window: not built yet",
+                f"the DFlash drafter {name!r} gives {len(layer_types)} layer_types for {merged['num_hidden_layers']} "
+                "layers",
+                param="draft_model",
+            )
+        window = merged.get("sliding_window")
+        if "sliding_attention" in layer_types and not (isinstance(window, int) and window > 1):
+            raise ConfigError(
+                f"the DFlash drafter {name!r} has sliding-window layers but no sliding_window above 1 ({window!r})",
+                param="draft_model",
+            )
+        if merged.get("draft_window_size"):
+            raise ConfigError(
+                f"the DFlash drafter {name!r} drafts over a rolling window of its context (draft_window_size): not "
+                "built yet",
                 param="draft_model",
             )
         rope = dict(merged.get("rope_parameters") or {})
@@ -92,6 +120,9 @@ class DFlashConfig:
             target_layer_ids=tuple(merged["target_layer_ids"]),
             causal=bool(merged.get("causal", merged.get("dflash_query_causal", False))),
             final_logit_softcapping=merged.get("final_logit_softcapping"),
+            layer_types=layer_types,
+            sliding_window=window if "sliding_attention" in layer_types else None,
+            attention_sinks=bool(merged.get("attention_sink_bias", False)),
         )
 
 
@@ -114,6 +145,8 @@ class _Attention(nn.Module):
         self.rope = initialize_rope(
             dim, config.rope_theta, False, config.rope_scaling, config.max_position_embeddings
         )  # Qwen's split-half pairing
+        if config.attention_sinks:
+            self.attention_sink_bias = mx.zeros((heads,))
 
     def _keys_values(self, x: mx.array, view) -> tuple[mx.array, mx.array]:
         B, L, _ = x.shape
@@ -131,7 +164,8 @@ class _Attention(nn.Module):
         queries = self.q_norm(self.q_proj(x).reshape(B, L, self.heads, -1)).transpose(0, 2, 1, 3)
         queries = self.rope(queries, offset=view.offset)
         keys, values = view.update_and_fetch(*self._keys_values(x, view))
-        out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)
+        sinks = getattr(self, "attention_sink_bias", None)
+        out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask, sinks=sinks)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
@@ -167,11 +201,23 @@ class DFlashModel(nn.Module):
 
     def __call__(self, embeds: mx.array, views: list) -> mx.array:
         """The blocks' embeddings [B, L, H] at the views' positions (each after its row's context) -> their hidden
-        states, normed. A block attends both ways (or causally, as the drafter's config says), over its own row."""
-        mask = views[0].make_mask(embeds.shape[1], return_array=True, both_ways=not self.config.causal)
+        states, normed. A block attends both ways (or causally, as the drafter's config says), over its own row: all
+        of its context, or a sliding layer's last W - 1 positions (causally: each position's last W keys)."""
+        length, causal = embeds.shape[1], self.config.causal
+        windows = [self.config.window(index) for index in range(len(self.layers))]
+        masks: dict[int | None, mx.array] = {}
+        for window in windows:  # all before the first layer writes: a view's mask is for its next write
+            if window in masks:
+                continue
+            if window is None:
+                masks[window] = views[0].make_mask(length, return_array=True, both_ways=not causal)
+            elif causal:
+                masks[window] = views[0].make_mask(length, return_array=True, window_size=window)
+            else:
+                masks[window] = views[0].make_mask(length, return_array=True, both_ways=True, context=window - 1)
         h = embeds
-        for layer, view in zip(self.layers, views, strict=True):
-            h = layer(h, view, mask)
+        for layer, view, window in zip(self.layers, views, windows, strict=True):
+            h = layer(h, view, masks[window])
         return self.norm(h)
 
     def logits(self, head, hidden: mx.array) -> mx.array:

@@ -113,13 +113,13 @@ def layer_outputs(model, tokens: list[int], layer_ids) -> mx.array:
     return mx.concatenate([outputs[i] for i in layer_ids], axis=-1)
 
 
-def mlx_vlm_reference(model, drafter):
+def mlx_vlm_reference(model, drafter, config: dict = CONFIG):
     """(tokens, k) -> the k drafts mlx-vlm's DFlashDraftModel makes after `tokens` (the last is the row's) from the same
     weights: its cache fed every earlier position's layer outputs at once."""
     from mlx_vlm.speculative.drafters.qwen3_dflash.config import DFlashConfig as TheirConfig
     from mlx_vlm.speculative.drafters.qwen3_dflash.dflash import DFlashDraftModel
 
-    reference = DFlashDraftModel(TheirConfig.from_dict(CONFIG))
+    reference = DFlashDraftModel(TheirConfig.from_dict(config))
     reference.load_weights(list(tree_flatten(drafter.parameters())), strict=True)
     reference.bind(model)
     reference.embed_scale = input_scale(model)  # Hugging Face's Gemma embedding is scaled (mlx-vlm's Gemma 4 says so)
@@ -157,6 +157,41 @@ def test_a_prefix_hit_and_preemption_keep_the_context_pages_right(target, drafte
     core = dflash_core(target, drafter, tokenizer, full(PROMPTS, expected), num_blocks=14, max_num_seqs=3)
     check(core, target, None, run(core, PROMPTS, params), expected, mlx_vlm_reference(target, drafter))
     assert core.stats.preemptions > 0
+
+
+def sliding_config(causal: bool) -> dict:
+    """A drafter whose first layer slides over a window of 4 (its last 3 context positions, then the block), with a
+    sink logit per head in every layer; both ways within the block, or causally."""
+    flash = {**CONFIG["dflash_config"], "attention_sink_bias": True, "causal": causal}
+    return {
+        **CONFIG,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "sliding_window": 4,
+        "dflash_config": flash,
+    }
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["both-ways", "causal"])
+def test_sliding_layers_and_sinks_draft_what_mlx_vlm_drafts(tokenizer, causal):
+    """mlx-vlm keeps a sliding layer's last W - 1 context positions in a rotating cache; the drafter's pages keep every
+    position and mask the others out: alone and batched, with a prefix hit."""
+    config = sliding_config(causal)
+    drafter = random_drafter(seed=23, **config)
+    mx.random.seed(24)
+    drafter.update(
+        tree_map(lambda w: mx.random.normal(w.shape) if w.ndim == 1 and w.shape == (4,) else w, drafter.parameters())
+    )  # random sinks (every 4-wide vector here is one: 4 heads)
+    target = tiny_llama(num_layers=3)
+    reference = mlx_vlm_reference(target, drafter, config)
+    expected = plain(target, tokenizer, PROMPTS, GREEDY)
+    core = dflash_core(target, drafter, tokenizer, full(PROMPTS, expected))
+    check(core, target, None, run(core, PROMPTS, GREEDY), expected, reference)
+    prompt = random_tokens(30, seed=7)
+    alone = plain(target, tokenizer, {"p": prompt}, GREEDY)["p"]
+    core = dflash_core(target, drafter, tokenizer, [prompt + alone])
+    run(core, {"first": prompt}, GREEDY)
+    check(core, target, None, run(core, {"second": prompt}, GREEDY), {"second": alone}, reference)
+    assert core.scheduler.kv_manager.stats().hit_tokens >= 24
 
 
 def write_drafter_dir(path, model: DFlashModel, **config):
@@ -198,3 +233,15 @@ def test_a_drafter_for_another_model_or_not_a_drafter_is_refused_before_the_mode
         Engine.from_pretrained(str(target), draft_model=str(target), **settings)
     with pytest.raises(ConfigError, match="needs a draft model"):
         Engine.from_pretrained(str(target), **settings)
+
+
+def test_drafter_configs_not_built_here_are_refused_with_the_reason():
+    flash = CONFIG["dflash_config"]
+    with pytest.raises(ConfigError, match="drafts over a rolling window of its context"):
+        DFlashConfig.from_dict({**CONFIG, "dflash_config": {**flash, "draft_window_size": 64}}, "rolling")
+    with pytest.raises(ConfigError, match=r"layers of kind \['chunked_attention'\]"):
+        DFlashConfig.from_dict({**CONFIG, "layer_types": ["chunked_attention", "full_attention"]}, "chunked")
+    with pytest.raises(ConfigError, match="sliding-window layers but no sliding_window above 1"):
+        DFlashConfig.from_dict({**CONFIG, "layer_types": ["sliding_attention", "full_attention"]}, "no-window")
+    with pytest.raises(ConfigError, match="gives 1 layer_types for 2 layers"):
+        DFlashConfig.from_dict({**CONFIG, "layer_types": ["full_attention"]}, "short")
