@@ -32,9 +32,10 @@ HARNESS = Path(mlxpaged.__file__).resolve().parent.parent / "tests" / "msl" / "h
 LOAD_PROMPT = "What is the capital of France?"
 LOAD_TOKENS = 24
 ON_GPU, ON_HARNESS = "Metal GPU", "CPU harness"
+ON_CUDA = "CUDA GPU (the kernel's CUDA twin, which MLXPAGED_ATTENTION=kernel takes there)"
 # What each attention path (kernels.attention.attention_status()["path"]) is; a path not named here is shown bare.
 ATTENTION_PATHS = {
-    "kernel": "the Metal paged-attention kernel",
+    "kernel": "the paged-attention kernel (Metal's, or its CUDA twin)",
     "fused": "MLX's fused attention (gathered pages, mx.fast.scaled_dot_product_attention)",
     "cpu": "the CPU path (pages read in place, kernels/cpu_attention.py)",
     "reference": "the pure-MLX reference (gathered pages, mx.fast.scaled_dot_product_attention)",
@@ -127,8 +128,8 @@ def attention_path(resolved: str) -> tuple[str, str]:
 
 
 def check_kernel(model: ModelOnDisk | None) -> Check:
-    """The Metal kernel checked against the reference for the default model's variants: on the
-    GPU on a Mac, on the CPU harness elsewhere."""
+    """The paged kernel checked against the reference for the default model's variants: on the GPU on a Mac (and its
+    CUDA twin on an NVIDIA GPU), the Metal source on the CPU harness elsewhere."""
     try:  # through sys.modules, so tests can stand in for it
         self_check = importlib.import_module("mlxpaged.kernels.self_check")
     except ImportError as exc:
@@ -151,7 +152,8 @@ def check_kernel(model: ModelOnDisk | None) -> Check:
         num_heads=heads,
         num_kv_heads=facts.kv.num_kv_heads,
     )
-    return summarize_kernel([self_check.check_variant(v, launcher) for v in variants], where)
+    language = "cuda" if where == ON_CUDA else "metal"
+    return summarize_kernel([self_check.check_variant(v, launcher, language) for v in variants], where)
 
 
 def summarize_kernel(results: list, where: str) -> Check:
@@ -164,7 +166,9 @@ def summarize_kernel(results: list, where: str) -> Check:
         names = ", ".join(r.variant.describe() for r in results)
         return Check(OK, "kernel", f"{where}: {len(results)} variants match the reference ({names}; {seconds:.1f} s)")
     reasons = "; ".join(f"{r.variant.describe()}: {r.reason}" for r in failed)
-    effect = "the engine uses" if where == ON_GPU else "on a Mac the engine would use"
+    effect = {ON_GPU: "the engine uses", ON_CUDA: "with MLXPAGED_ATTENTION=kernel the engine uses"}.get(
+        where, "on a Mac the engine would use"
+    )
     return Check(
         FAIL,
         "kernel",
@@ -180,12 +184,14 @@ _emulator = None  # one launcher per process: check_variant caches by launcher i
 
 
 def kernel_launcher():
-    """(launcher, where): None on a Metal GPU, else the source checkout's CPU harness."""
+    """(launcher, where): None on a Metal GPU or a CUDA one (the CUDA twin), else the source checkout's CPU harness."""
     global _emulator
-    from mlxpaged.kernels.attention import metal_available
+    from mlxpaged.kernels.attention import gpu_kernel_available, metal_available
 
     if metal_available():
         return None, ON_GPU
+    if gpu_kernel_available():
+        return None, ON_CUDA
     if not HARNESS.exists():
         raise KernelNotCheckable(
             f"no Metal GPU, and the CPU harness is not at {HARNESS} (it ships with the source checkout only)"

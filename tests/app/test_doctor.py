@@ -80,7 +80,7 @@ def fake_self_check(monkeypatch, failing_reason: str | None = None, fake_launche
         calls.append(("variants_for", dtype, head_dim, block_size, num_heads, num_kv_heads))
         return [FakeVariant(dtype, head_dim, block_size, num_heads // num_kv_heads, p) for p in (False, True)]
 
-    def check_variant(variant, launcher=None):
+    def check_variant(variant, launcher=None, language="metal"):
         calls.append(("check_variant", variant, launcher))
         bad = variant.two_pass and failing_reason is not None
         return FakeCheck(variant, not bad, failing_reason if bad else None, 0.25)
@@ -237,6 +237,7 @@ def test_kernel_line_warns_without_the_harness_or_a_compiler(monkeypatch, tmp_pa
 
     fake_self_check(monkeypatch, fake_launcher=False)
     monkeypatch.setattr(mlxpaged.kernels.attention, "metal_available", lambda: False)
+    monkeypatch.setattr(mlxpaged.kernels.attention, "gpu_kernel_available", lambda: False)
     monkeypatch.setattr(doctor, "HARNESS", tmp_path / "harness.py")
     check = doctor.check_kernel(doctor.find_default_model())
     assert check.status == WARN and "not checked: " in check.detail and "CPU harness is not at" in check.detail
@@ -354,3 +355,18 @@ def test_the_kv_disk_tier_line_counts_every_models_blocks(tmp_path, monkeypatch)
         DiskTier(tmp_path / "kv", fingerprint, 10**9).write(fingerprint[:1].encode() * 32, [np.zeros(100, np.float32)])
     check = doctor.check_kv_disk()
     assert check.label == "KV disk tier" and str(tmp_path / "kv") in check.detail and "2 blocks" in check.detail
+
+
+def test_on_a_cuda_gpu_the_kernel_line_checks_the_cuda_twin_there():
+    """MLX's CUDA backend (simulated: MLX computes on the CPU, so building the CUDA kernel fails with MLX's own
+    message): the line names the CUDA GPU and the twin, and says what a failure means there."""
+    from mlxpaged.kernels import self_check
+    from mlxpaged.platform import backend
+
+    self_check.clear_checks()
+    model = doctor.find_default_model()  # this machine's (the CUDA store's default is not provisioned here)
+    with backend.simulate("cuda"):
+        check = doctor.check_kernel(model)
+    self_check.clear_checks()
+    assert check.status == FAIL and check.detail.startswith(doctor.ON_CUDA), check.detail
+    assert "No CUDA back-end" in check.detail and "with MLXPAGED_ATTENTION=kernel the engine uses" in check.detail
