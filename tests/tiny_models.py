@@ -288,3 +288,96 @@ def hugging_face_nextn(config: dict, head) -> dict:
         elif not name.endswith("unembed_out.weight"):
             out[name] = w
     return out
+
+
+# A tiny Nemotron-H: attention, Mamba 2 and MoE blocks (tests/archs/configs.json's, with experts), and the pattern of
+# its MTP module (attention then MoE, as NVIDIA's checkpoints that ship one).
+NEMOTRON_H = {
+    "model_type": "nemotron_h",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "hybrid_override_pattern": ["*", "M", "*", "E"],
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "mamba_head_dim": 16,
+    "mamba_num_heads": 8,
+    "n_groups": 4,
+    "ssm_state_size": 16,
+    "conv_kernel": 3,
+    "mamba_proj_bias": False,
+    "use_conv_bias": True,
+    "use_bias": False,
+    "mlp_bias": False,
+    "attention_bias": False,
+    "layer_norm_epsilon": 1e-5,
+    "rms_norm_eps": 1e-5,
+    "time_step_limit": [0.0, 1e9],
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "moe_shared_expert_intermediate_size": 32,
+    "n_group": 1,
+    "topk_group": 1,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 1.0,
+    "vocab_size": 49152,
+    "max_position_embeddings": 2048,
+    "tie_word_embeddings": False,
+    "num_nextn_predict_layers": 1,
+    "mtp_hybrid_override_pattern": "*E",
+}
+
+
+def write_tiny_nemotron_dir(out, seed: int = 5, mtp_seed: int = 7, with_mtp: bool = True):
+    """A tiny random Nemotron-H checkpoint (the default model's tokenizer) with, unless `with_mtp` is off, a random MTP
+    module stored as NVIDIA's checkpoints store it: `mtp.layers.<i>.*`, experts one by one, the projections on its
+    first layer and the final norm on its last (loading/nemotron_mtp_head.py)."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from mlxpaged.loading.loader import locate_model
+    from mlxpaged.loading.nemotron_mtp_head import NemotronMtpHead, mtp_pattern
+
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import nemotron_h
+
+    model = _build(nemotron_h, NEMOTRON_H, seed=seed)
+    weights = dict(tree_flatten(model.parameters()))
+    if with_mtp:
+        mx.random.seed(mtp_seed)
+        pattern = mtp_pattern(NEMOTRON_H)
+        head = NemotronMtpHead(NEMOTRON_H, pattern)
+        head.update(tree_map(lambda w: w * 3.0 if w.ndim == 2 else w, head.parameters()))
+        weights.update({f"mtp.{name}": w for name, w in hugging_face_nemotron_mtp(head, len(pattern)).items()})
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    config = dict(NEMOTRON_H) if with_mtp else {k: v for k, v in NEMOTRON_H.items() if not k.startswith("mtp_")}
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(locate_model(None)[1] / name, out / name)
+    return out
+
+
+def hugging_face_nemotron_mtp(head, length: int) -> dict:
+    """A NemotronMtpHead's parameters as the checkpoint names them after `mtp.`: the projections on layer 0, the final
+    norm on the last layer, each expert's up / down projection on its own."""
+    from mlx.utils import tree_flatten
+
+    out = {}
+    for name, w in tree_flatten(head.parameters()):
+        if name.split(".")[0] in ("enorm", "hnorm", "eh_proj"):
+            out[f"layers.0.{name}"] = w
+        elif name.startswith("final_layernorm."):
+            out[f"layers.{length - 1}.{name}"] = w
+        elif ".switch_mlp." in name:
+            hf = name.replace(".switch_mlp.fc1.", ".experts.{}.up_proj.").replace(
+                ".switch_mlp.fc2.", ".experts.{}.down_proj."
+            )
+            for e in range(w.shape[0]):
+                out[hf.format(e)] = w[e]
+        else:
+            out[name] = w
+    return out

@@ -27,6 +27,7 @@ from mlxpaged.loading.draft_model import DrafterCheckpoint, check_draft_layout, 
 from mlxpaged.loading.eagle3_model import Eagle3Config, Eagle3Head, check_eagle3_target, eagle3_facts, load_eagle3
 from mlxpaged.loading.loader import LoadedModel
 from mlxpaged.loading.mtp_head import MtpHead, find_mtp, load_mtp_head, mtp_facts
+from mlxpaged.loading.nemotron_mtp_head import NemotronMtpHead
 from mlxpaged.loading.nextn_head import NextnHead
 from mlxpaged.platform import backend
 from mlxpaged.platform.model_facts import ModelFacts, model_weight_bytes
@@ -107,11 +108,16 @@ def eagle3_drafter(
 
 
 def mtp_drafter(
-    head: MtpHead | NextnHead, name: str, runner: Runner, config: CacheConfig, dtype: mx.Dtype, vocab_size: int
+    head: MtpHead | NextnHead | NemotronMtpHead,
+    name: str,
+    runner: Runner,
+    config: CacheConfig,
+    dtype: mx.Dtype,
+    vocab_size: int,
 ) -> ChainedDrafter:
     """The MTP layers' drafter on `runner`'s model (which keeps its hidden states from now on), with pools of the
     model's attention width."""
-    kv = _pools(runner, len(head.layers), runner.kv.geometries[-1], config, dtype)
+    kv = _pools(runner, head.paged_layers, runner.kv.geometries[-1], config, dtype)
     _capture(runner, name, ())
     return ChainedDrafter(head, kv, runner, name, vocab_size)
 

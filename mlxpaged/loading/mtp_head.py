@@ -1,7 +1,8 @@
 """Multi-token-prediction (MTP) layers a checkpoint ships beside its model (`speculative="mtp"`, `--speculative mtp`):
 Qwen 3.5 / 3.6 store them as `mtp.*` tensors, which mlx-lm's `sanitize` drops from the model, so they are read from
 the checkpoint's safetensors here and built as a module of their own. The DeepSeek-V3 family and GLM 4.5+ store
-theirs as one more decoder layer (`model.layers.<num_hidden_layers>.*`): found here, built by loading/nextn_head.py.
+theirs as one more decoder layer (`model.layers.<num_hidden_layers>.*`): found here, built by loading/nextn_head.py;
+Nemotron-H's `mtp.*` module of its own block pattern: built by loading/nemotron_mtp_head.py.
 
 The MTP block at position q reads the model's last hidden state there (after its final norm) and the embedding of
 the token at q + 1, and predicts the token at q + 2 through the model's own LM head:
@@ -26,6 +27,8 @@ from pathlib import Path
 
 from mlxpaged.errors import ConfigError
 from mlxpaged.loading.checkpoint import read_safetensors_header, weight_files
+from mlxpaged.loading.nemotron_mtp_head import BLOCKS, NemotronMtpHead, mtp_pattern, nemotron_mtp_weights
+from mlxpaged.loading.nemotron_mtp_head import MODEL_TYPE as NEMOTRON
 from mlxpaged.loading.nextn_head import NEXTN_BLOCKS, NextnHead, nextn_weights
 from mlxpaged.platform.model_facts import KVShape, ModelFacts
 
@@ -35,7 +38,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.base import create_attention_mask
 
 MTP_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")  # whose MTP layers are built here (the Qwen 3.5 / 3.6 families)
-SUPPORTED = (*MTP_MODEL_TYPES, *NEXTN_BLOCKS)  # and the nextn layout's
+SUPPORTED = (*MTP_MODEL_TYPES, *NEXTN_BLOCKS, NEMOTRON)  # and the nextn layout's, and Nemotron-H
 _NORMS = ("norm.weight", "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight")  # RMSNorm weights, all of them
 _EXPERT = re.compile(r"(.*)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases)")
 
@@ -50,7 +53,8 @@ class MtpCheckpoint:
     tensors: dict[str, str]
     num_layers: int
     nbytes: int
-    layout: str = "mtp"  # "mtp": Qwen's `mtp.*`; "nextn": the DeepSeek-V3 layout (loading/nextn_head.py)
+    layout: str = "mtp"  # "mtp": Qwen's `mtp.*`; "nextn": the DeepSeek-V3 layout; "nemotron": Nemotron-H's `mtp.*`
+    pattern: tuple[str, ...] = ()  # Nemotron-H: the module's block kinds
 
     @property
     def text_config(self) -> dict:
@@ -65,7 +69,7 @@ def find_mtp(path: Path, name: str) -> MtpCheckpoint:
     text_type = (config.get("text_config") or {}).get("model_type", model_type)
     if text_type in NEXTN_BLOCKS:
         return _find_nextn(path, name, config)
-    if model_type not in MTP_MODEL_TYPES and text_type not in MTP_MODEL_TYPES:
+    if model_type not in (*MTP_MODEL_TYPES, NEMOTRON) and text_type not in (*MTP_MODEL_TYPES, NEMOTRON):
         raise ConfigError(
             f"{{speculative:'mtp'}} drafts with the multi-token-prediction layers of {', '.join(SUPPORTED)} "
             f"checkpoints; {name!r} is a {model_type!r} model",
@@ -77,6 +81,8 @@ def find_mtp(path: Path, name: str) -> MtpCheckpoint:
             if "mtp." in tensor.name:
                 tensors[tensor.name.split("mtp.", 1)[1]] = tensor.name
                 nbytes += tensor.nbytes
+    if text_type == NEMOTRON or model_type == NEMOTRON:
+        return _nemotron(path, name, config, tensors, nbytes)
     if "fc.weight" not in tensors:
         raise ConfigError(
             f"{name!r} ships no multi-token-prediction layers (no mtp.* tensors in its checkpoint; conversions by "
@@ -88,6 +94,28 @@ def find_mtp(path: Path, name: str) -> MtpCheckpoint:
     if not layers:
         raise ConfigError(f"{name!r}'s mtp.* tensors hold no decoder layer (mtp.layers.N)", param="speculative")
     return MtpCheckpoint(path, config, tensors, max(layers) + 1, nbytes)
+
+
+def _nemotron(path: Path, name: str, config: dict, tensors: dict[str, str], nbytes: int) -> MtpCheckpoint:
+    """Nemotron-H's module: its `mtp.*` tensors and the block pattern its config gives."""
+    text = config.get("text_config") or config.get("llm_config") or config
+    pattern = mtp_pattern(text)
+    if "layers.0.eh_proj.weight" not in tensors or not pattern:
+        raise ConfigError(
+            f"{name!r} ships no multi-token-prediction module (no mtp.* tensors with an eh_proj, or no "
+            "mtp_hybrid_override_pattern in its config; conversions by mlx-lm drop them): {speculative:'mtp'} needs a "
+            "checkpoint that keeps it, such as the original Hugging Face one",
+            param="speculative",
+        )
+    if any(kind not in BLOCKS for kind in pattern) or "*" not in pattern:
+        raise ConfigError(
+            f"{name!r}'s MTP module has blocks {''.join(pattern)!r}: attention ('*') and MoE ('E') blocks, one at "
+            "least attending, are built here",
+            param="speculative",
+        )
+    if int(text.get("num_nextn_predict_layers") or 1) != 1:
+        raise ConfigError(f"{name!r} has several MTP modules: one is built here", param="speculative")
+    return MtpCheckpoint(path, config, tensors, pattern.count("*"), nbytes, layout="nemotron", pattern=tuple(pattern))
 
 
 def _find_nextn(path: Path, name: str, config: dict) -> MtpCheckpoint:
@@ -153,6 +181,11 @@ class MtpHead(nn.Module):
         self.layers = [DecoderLayer(args, layer_idx=0) for _ in range(num_layers)]
         self.norm = nn.RMSNorm(width, eps=eps)
 
+    @property
+    def paged_layers(self) -> int:
+        """Layers with pages of their own: all of them."""
+        return len(self.layers)
+
     def __call__(self, embeds: mx.array, hidden: mx.array, cache: list) -> mx.array:
         """`embeds` [B, L, H] of the tokens at q + 1, `hidden` [B, L, H] the model's at q -> [B, L, H], normed."""
         x = mx.concatenate([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], axis=-1)
@@ -163,10 +196,14 @@ class MtpHead(nn.Module):
         return self.norm(x)
 
 
-def load_mtp_head(checkpoint: MtpCheckpoint, dtype: mx.Dtype) -> MtpHead | NextnHead:
+def load_mtp_head(checkpoint: MtpCheckpoint, dtype: mx.Dtype) -> MtpHead | NextnHead | NemotronMtpHead:
     """The MTP layers of `checkpoint` with their weights, floating ones in `dtype` (the model's activations')."""
-    head: MtpHead | NextnHead
-    if checkpoint.layout == "nextn":
+    head: MtpHead | NextnHead | NemotronMtpHead
+    if checkpoint.layout == "nemotron":
+        pattern = list(checkpoint.pattern)
+        weights = nemotron_mtp_weights(checkpoint.text_config, pattern, _stored(checkpoint))
+        head = NemotronMtpHead(checkpoint.text_config, pattern)
+    elif checkpoint.layout == "nextn":
         stored = _stored(checkpoint)
         weights = nextn_weights(checkpoint.text_config, dict(stored))
         head = NextnHead(checkpoint.text_config, "embed_tokens.weight" in weights, "lm_head.weight" in weights)

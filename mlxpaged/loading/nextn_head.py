@@ -71,6 +71,11 @@ class NextnHead(nn.Module):
         if own_head:
             self.lm_head = nn.Linear(width, args.vocab_size, bias=False)
 
+    @property
+    def paged_layers(self) -> int:
+        """Layers with pages of their own: its block."""
+        return 1
+
     def __call__(self, embeds: mx.array, hidden: mx.array, cache: list) -> mx.array:
         """`embeds` [B, L, H] of the tokens at q + 1, `hidden` [B, L, H] the model's at q -> the block's output."""
         x = self.eh_proj(mx.concatenate([self.enorm(embeds), self.hnorm(hidden)], axis=-1))

@@ -36,6 +36,7 @@ from mlxpaged.cache.kv_transform import KVTransform
 from mlxpaged.cache.quantized_pages import QuantizedPages, as_arguments, from_arguments, pool_arrays, store_pair
 from mlxpaged.kernels.attention import decode_attention, resolved_backend, sdpa
 from mlxpaged.kernels.reference import gather_pages
+from mlxpaged.runner.passes import body_of
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -162,6 +163,8 @@ class CompiledDecode:
         takes_positions: bool = False,
     ):
         self.model, self.kv, self.head = model, kv, head
+        body = body_of(model)
+        self.body: nn.Module = body if body is not None else model  # what `head` reads (when it is given)
         self.takes_positions = takes_positions  # M-RoPE: position_ids [3, B, L] from each row's start and delta
         self._forward = mx.compile(self._trace)
         # adapter id -> the compiled pass whose rows all run with it, most recently used last
@@ -275,7 +278,7 @@ class CompiledDecode:
             position_ids = mx.broadcast_to(rows[None], (3, *rows.shape))  # as positions.row_positions
             logits = self.model(tokens, cache=views, position_ids=position_ids)
         elif self.head is not None:
-            logits = self.head(self.model.model(tokens, cache=views))
+            logits = self.head(self.body(tokens, cache=views))
         else:
             logits = self.model(tokens, cache=views)
         return logits.reshape(-1, logits.shape[-1]), as_arguments(state.keys), as_arguments(state.values)

@@ -33,7 +33,14 @@ from mlxpaged.runner.deferred_writes import (
 )
 from mlxpaged.runner.draft_verify import sample_with_drafts
 from mlxpaged.runner.layer_outputs import LayerOutputs
-from mlxpaged.runner.passes import StepInput, logit_positions, prefill_passes, split_head, state_model_passes
+from mlxpaged.runner.passes import (
+    StepInput,
+    body_of,
+    logit_positions,
+    prefill_passes,
+    split_head,
+    state_model_passes,
+)
 from mlxpaged.runner.routing import is_routed
 from mlxpaged.runner.sampling import LazySample, SampleResult, sample_batch
 from mlxpaged.runner.sampling_rows import SamplingRows
@@ -145,6 +152,8 @@ class Runner:
             raise ValueError("a model with state layers needs a state store, and only such a model")
         self._built_state_pass: StatePass | None = None  # of the last pass built without launching
         self.head = split_head(model)
+        body = body_of(model)
+        self.body: nn.Module = body if body is not None else model  # what the split head reads (when it splits)
         # M-RoPE: every pass gives the model its rows' positions (vision/positions.py).
         self.takes_positions = bool(getattr(model, "takes_positions", False))
         # The compiled pass reads the pools only: every leaf must be attended by the routed SDPA alone.
@@ -377,7 +386,7 @@ class Runner:
             starts, deltas = [x.start for x in inputs], [x.position_delta for x in inputs]
             logits = self.model(tokens, cache=cache, position_ids=row_positions(starts, deltas, 1))[:, -1]
         elif self.head is not None:
-            logits = self.head(self.model.model(tokens, cache=cache)[:, -1])
+            logits = self.head(self.body(tokens, cache=cache)[:, -1])
         else:
             logits = self.model(tokens, cache=cache)[:, -1]
         return logits.astype(mx.float32)
@@ -536,7 +545,7 @@ class Runner:
             positions = row_positions(starts, deltas, tokens.shape[1])
             return self.model(tokens, cache=views, position_ids=positions, **asked)[rows, columns]
         if self.head is not None:
-            hidden = self.model.model(tokens, cache=views)
+            hidden = self.body(tokens, cache=views)
             if hidden_out is not None:
                 hidden_out.append(hidden)
             return self.head(hidden[rows, columns])

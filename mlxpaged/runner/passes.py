@@ -47,13 +47,31 @@ class StepInput:
     both_ways: tuple[tuple[int, int], ...] = ()
 
 
+BODY_NAMES = ("model", "backbone")  # mlx-lm's models name their decoder stack `model`; Nemotron-H's, `backbone`
+
+
+def body_of(model: nn.Module) -> nn.Module | None:
+    """The model's decoder stack (embedding, layers, final norm: its last hidden states), or None."""
+    for name in BODY_NAMES:
+        inner = getattr(model, name, None)
+        if isinstance(inner, nn.Module):
+            return inner
+    return None
+
+
+def token_embedding(body: nn.Module) -> nn.Module:
+    """The body's token embedding (`embed_tokens`; Nemotron-H's `embeddings`)."""
+    embed = getattr(body, "embed_tokens", None)
+    return embed if embed is not None else body.embeddings
+
+
 def split_head(model: nn.Module) -> Callable[[mx.array], mx.array] | None:
-    """`hidden -> logits` when the model is `model.model` followed by a plain LM head, else None.
+    """`hidden -> logits` when the model is its body (`body_of`) followed by a plain LM head, else None.
 
     Checked numerically once on a short probe, so models that post-process logits
     (soft-capping, scaling) fall back to the full forward pass instead of being wrong.
     """
-    inner = getattr(model, "model", None)
+    inner = body_of(model)
     if inner is None or not (hasattr(model, "make_cache") or hasattr(model, "layers")):
         return None
     language_model = getattr(model, "language_model", None)  # mlx-lm's Qwen 3.5: `model.model` is its body
@@ -61,8 +79,8 @@ def split_head(model: nn.Module) -> Callable[[mx.array], mx.array] | None:
         head = model.lm_head
     elif language_model is not None and getattr(language_model, "lm_head", None) is not None:
         head = language_model.lm_head
-    elif hasattr(inner, "embed_tokens"):
-        head = inner.embed_tokens.as_linear
+    elif hasattr(inner, "embed_tokens") or hasattr(inner, "embeddings"):
+        head = token_embedding(inner).as_linear
     else:
         return None
     probe = mx.array([[1, 2, 3]])
@@ -79,9 +97,11 @@ def embedding_and_head(model: nn.Module, head: Callable[[mx.array], mx.array] | 
     and its `hidden -> logits`, which drafters reading its hidden states share: mlx-lm's body and split head (`head`,
     from split_head), or a vision-language model's language model's (vision/language.py) when the head does not
     split."""
-    embed, logits = (
-        (model.model.embed_tokens, head) if head is not None else (model.embed_tokens, model.logits_from_hidden)
-    )
+    body = body_of(model)
+    if head is not None and body is not None:
+        embed, logits = token_embedding(body), head
+    else:
+        embed, logits = model.embed_tokens, model.logits_from_hidden
     return scaled(embed, embedding_scale(model, embed)), logits
 
 
