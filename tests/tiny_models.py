@@ -381,3 +381,35 @@ def hugging_face_nemotron_mtp(head, length: int) -> dict:
         else:
             out[name] = w
     return out
+
+
+def write_tiny_mimo_dir(out, seed: int = 5, mtp_seed: int = 7, depth: int = 2):
+    """A tiny random MiMo checkpoint (tests/archs/configs.json's config, the default model's tokenizer) with `depth`
+    random MTP layers stored as Xiaomi's checkpoints store them: `model.mtp_layers.<i>.*`, each a decoder layer's
+    tensors beside its own norms and projection (loading/mimo_mtp_head.py; only the first drafts)."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from mlxpaged.loading.loader import locate_model
+    from mlxpaged.loading.mimo_mtp_head import MimoMtpHead
+    from tests.archs.configs import config_for
+
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import mimo
+
+    config = {**config_for("mimo"), "vocab_size": 49152, "num_nextn_predict_layers": depth}
+    weights = dict(tree_flatten(_build(mimo, config, seed=seed).parameters()))
+    for index in range(depth):
+        mx.random.seed(mtp_seed + index)
+        head = MimoMtpHead(config)
+        head.update(tree_map(lambda w: w * 3.0 if w.ndim == 2 else w, head.parameters()))
+        for name, w in tree_flatten(head.parameters()):
+            weights[f"model.mtp_layers.{index}.{name.removeprefix('layers.0.')}"] = w
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(locate_model(None)[1] / name, out / name)
+    return out

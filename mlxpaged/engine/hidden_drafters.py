@@ -26,6 +26,7 @@ from mlxpaged.loading.dflash_model import (
 from mlxpaged.loading.draft_model import DrafterCheckpoint, check_draft_layout, with_draft
 from mlxpaged.loading.eagle3_model import Eagle3Config, Eagle3Head, check_eagle3_target, eagle3_facts, load_eagle3
 from mlxpaged.loading.loader import LoadedModel
+from mlxpaged.loading.mimo_mtp_head import MimoMtpHead
 from mlxpaged.loading.mtp_head import MtpHead, find_mtp, load_mtp_head, mtp_facts
 from mlxpaged.loading.nemotron_mtp_head import NemotronMtpHead
 from mlxpaged.loading.nextn_head import NextnHead
@@ -108,7 +109,7 @@ def eagle3_drafter(
 
 
 def mtp_drafter(
-    head: MtpHead | NextnHead | NemotronMtpHead,
+    head: MtpHead | NextnHead | NemotronMtpHead | MimoMtpHead,
     name: str,
     runner: Runner,
     config: CacheConfig,

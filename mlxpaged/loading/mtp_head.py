@@ -2,7 +2,8 @@
 Qwen 3.5 / 3.6 store them as `mtp.*` tensors, which mlx-lm's `sanitize` drops from the model, so they are read from
 the checkpoint's safetensors here and built as a module of their own. The DeepSeek-V3 family and GLM 4.5+ store
 theirs as one more decoder layer (`model.layers.<num_hidden_layers>.*`): found here, built by loading/nextn_head.py;
-Nemotron-H's `mtp.*` module of its own block pattern: built by loading/nemotron_mtp_head.py.
+Nemotron-H's `mtp.*` module of its own block pattern: built by loading/nemotron_mtp_head.py; MiMo's
+`model.mtp_layers.*`: by loading/mimo_mtp_head.py.
 
 The MTP block at position q reads the model's last hidden state there (after its final norm) and the embedding of
 the token at q + 1, and predicts the token at q + 2 through the model's own LM head:
@@ -27,6 +28,9 @@ from pathlib import Path
 
 from mlxpaged.errors import ConfigError
 from mlxpaged.loading.checkpoint import read_safetensors_header, weight_files
+from mlxpaged.loading.mimo_mtp_head import MODEL_TYPE as MIMO
+from mlxpaged.loading.mimo_mtp_head import PREFIX as MIMO_PREFIX
+from mlxpaged.loading.mimo_mtp_head import MimoMtpHead, mimo_mtp_weights
 from mlxpaged.loading.nemotron_mtp_head import BLOCKS, NemotronMtpHead, mtp_pattern, nemotron_mtp_weights
 from mlxpaged.loading.nemotron_mtp_head import MODEL_TYPE as NEMOTRON
 from mlxpaged.loading.nextn_head import NEXTN_BLOCKS, NextnHead, nextn_weights
@@ -38,7 +42,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.base import create_attention_mask
 
 MTP_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")  # whose MTP layers are built here (the Qwen 3.5 / 3.6 families)
-SUPPORTED = (*MTP_MODEL_TYPES, *NEXTN_BLOCKS, NEMOTRON)  # and the nextn layout's, and Nemotron-H
+SUPPORTED = (*MTP_MODEL_TYPES, *NEXTN_BLOCKS, NEMOTRON, MIMO)  # the nextn layout's, Nemotron-H's and MiMo's too
 _NORMS = ("norm.weight", "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight")  # RMSNorm weights, all of them
 _EXPERT = re.compile(r"(.*)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases)")
 
@@ -53,7 +57,7 @@ class MtpCheckpoint:
     tensors: dict[str, str]
     num_layers: int
     nbytes: int
-    layout: str = "mtp"  # "mtp": Qwen's `mtp.*`; "nextn": the DeepSeek-V3 layout; "nemotron": Nemotron-H's `mtp.*`
+    layout: str = "mtp"  # "mtp": Qwen's `mtp.*`; "nextn": the DeepSeek-V3 layout; "nemotron", "mimo": theirs
     pattern: tuple[str, ...] = ()  # Nemotron-H: the module's block kinds
 
     @property
@@ -69,6 +73,8 @@ def find_mtp(path: Path, name: str) -> MtpCheckpoint:
     text_type = (config.get("text_config") or {}).get("model_type", model_type)
     if text_type in NEXTN_BLOCKS:
         return _find_nextn(path, name, config)
+    if text_type == MIMO:
+        return _find_mimo(path, name, config)
     if model_type not in (*MTP_MODEL_TYPES, NEMOTRON) and text_type not in (*MTP_MODEL_TYPES, NEMOTRON):
         raise ConfigError(
             f"{{speculative:'mtp'}} drafts with the multi-token-prediction layers of {', '.join(SUPPORTED)} "
@@ -116,6 +122,24 @@ def _nemotron(path: Path, name: str, config: dict, tensors: dict[str, str], nbyt
     if int(text.get("num_nextn_predict_layers") or 1) != 1:
         raise ConfigError(f"{name!r} has several MTP modules: one is built here", param="speculative")
     return MtpCheckpoint(path, config, tensors, pattern.count("*"), nbytes, layout="nemotron", pattern=tuple(pattern))
+
+
+def _find_mimo(path: Path, name: str, config: dict) -> MtpCheckpoint:
+    """MiMo's first MTP layer: `model.mtp_layers.0.*`."""
+    tensors, nbytes = {}, 0
+    for file in weight_files(path):
+        for tensor in read_safetensors_header(file):
+            if tensor.name.startswith(MIMO_PREFIX):
+                tensors[tensor.name[len(MIMO_PREFIX) :]] = tensor.name
+                nbytes += tensor.nbytes
+    if "input_proj.weight" not in tensors:
+        raise ConfigError(
+            f"{name!r} ships no multi-token-prediction layer (no {MIMO_PREFIX}input_proj tensor in its checkpoint; "
+            "conversions by mlx-lm drop it): {speculative:'mtp'} needs a checkpoint that keeps it, such as the "
+            "original Hugging Face one",
+            param="speculative",
+        )
+    return MtpCheckpoint(path, config, tensors, 1, nbytes, layout="mimo")
 
 
 def _find_nextn(path: Path, name: str, config: dict) -> MtpCheckpoint:
@@ -196,10 +220,13 @@ class MtpHead(nn.Module):
         return self.norm(x)
 
 
-def load_mtp_head(checkpoint: MtpCheckpoint, dtype: mx.Dtype) -> MtpHead | NextnHead | NemotronMtpHead:
+def load_mtp_head(checkpoint: MtpCheckpoint, dtype: mx.Dtype) -> MtpHead | NextnHead | NemotronMtpHead | MimoMtpHead:
     """The MTP layers of `checkpoint` with their weights, floating ones in `dtype` (the model's activations')."""
-    head: MtpHead | NextnHead | NemotronMtpHead
-    if checkpoint.layout == "nemotron":
+    head: MtpHead | NextnHead | NemotronMtpHead | MimoMtpHead
+    if checkpoint.layout == "mimo":
+        weights = mimo_mtp_weights(_stored(checkpoint))
+        head = MimoMtpHead(checkpoint.text_config)
+    elif checkpoint.layout == "nemotron":
         pattern = list(checkpoint.pattern)
         weights = nemotron_mtp_weights(checkpoint.text_config, pattern, _stored(checkpoint))
         head = NemotronMtpHead(checkpoint.text_config, pattern)
