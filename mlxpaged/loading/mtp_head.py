@@ -104,7 +104,7 @@ def find_mtp(path: Path, name: str) -> MtpCheckpoint:
 
 def _nemotron(path: Path, name: str, config: dict, tensors: dict[str, str], nbytes: int) -> MtpCheckpoint:
     """Nemotron-H's module: its `mtp.*` tensors and the block pattern its config gives."""
-    text = config.get("text_config") or config.get("llm_config") or config
+    text = config.get("text_config") or config
     pattern = mtp_pattern(text)
     if "layers.0.eh_proj.weight" not in tensors or not pattern:
         raise ConfigError(
@@ -231,8 +231,7 @@ def load_mtp_head(checkpoint: MtpCheckpoint, dtype: mx.Dtype) -> MtpHead | Nextn
         weights = nemotron_mtp_weights(checkpoint.text_config, pattern, _stored(checkpoint))
         head = NemotronMtpHead(checkpoint.text_config, pattern)
     elif checkpoint.layout == "nextn":
-        stored = _stored(checkpoint)
-        weights = nextn_weights(checkpoint.text_config, dict(stored))
+        weights = nextn_weights(checkpoint.text_config, _stored(checkpoint))
         head = NextnHead(checkpoint.text_config, "embed_tokens.weight" in weights, "lm_head.weight" in weights)
     else:
         head = MtpHead(checkpoint.text_config, checkpoint.num_layers)
