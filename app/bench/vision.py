@@ -91,8 +91,12 @@ class MlxVlm:
 
 
 def engine_batch_s(engine, images: list, max_tokens: int) -> tuple[float, int]:
+    """The batch from nothing cached, as mlx-vlm's batch_generate runs it: the warm-up's run of the same images left
+    their blocks in the prefix cache and their encodings kept."""
     from mlxpaged.sampling_params import SamplingParams
 
+    engine.pool.reset_prefix_cache()
+    engine.forget_encoded_images()
     prompts = [engine.chat_prompt([ask(image)]) for image in images]
     start = time.perf_counter()
     completions = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
