@@ -57,9 +57,11 @@ class VisionLanguageModel(nn.Module):
             kwargs["mask"] = cache[0].make_mask(
                 length, return_array=self._array_masks, window_size=None
             )  # or both ways
-        out = self.language_model(inputs, inputs_embeds=inputs_embeds, cache=cache, **kwargs)
-        if self.takes_positions:
-            forget_sequence_positions(self.language_model)
+        try:
+            out = self.language_model(inputs, inputs_embeds=inputs_embeds, cache=cache, **kwargs)
+        finally:  # also when a pass stops early (runner/embedding_scale.py's probe stops at the first layer)
+            if self.takes_positions:
+                forget_sequence_positions(self.language_model)
         if hidden_out is not None:
             hidden_out.append(out.hidden_states[-1])
         return out.logits if hasattr(out, "logits") else out
