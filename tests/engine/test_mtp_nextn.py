@@ -40,9 +40,26 @@ class Pair:
     block: object  # mlx-lm's own decoder layer N, loaded through mlx-lm's sanitize
 
 
+_PAIRS: dict[str, Pair] = {}
+
+
 @pytest.fixture(scope="module", params=KINDS)
 def pair(request, tmp_path_factory) -> Pair:
-    kind = request.param
+    return build_pair(request.param, tmp_path_factory)
+
+
+# Sampled tokens equal plain decoding's where the model's own are the same in any batch shape. The tiny random
+# DeepSeek-V3's are not on every BLAS (its sigmoid group routing turns last-bit differences between pass shapes into
+# other experts: this machine's default OpenBLAS kernels gave other seeded tokens batched than alone, CI's Haswell
+# ones the same), so it is held to greedy equality only.
+@pytest.fixture(scope="module", params=[kind for kind in KINDS if kind != "deepseek_v3"])
+def glm_pair(request, tmp_path_factory) -> Pair:
+    return build_pair(request.param, tmp_path_factory)
+
+
+def build_pair(kind: str, tmp_path_factory) -> Pair:
+    if kind in _PAIRS:
+        return _PAIRS[kind]
     path = write_tiny_nextn_dir(tmp_path_factory.mktemp(kind) / kind, kind)
     config = json.loads((path / "config.json").read_text())
     module = importlib.import_module(f"mlx_lm.models.{kind}")
@@ -57,7 +74,8 @@ def pair(request, tmp_path_factory) -> Pair:
     block_tensors = {prefix + n: w for n, w in raw.items() if not n.startswith(OWN)}
     longer.load_weights(list(longer.sanitize(block_tensors).items()), strict=False)
     mx.eval(longer.parameters())
-    return Pair(kind, path, config, model, head, raw, longer.model.layers[layer])
+    _PAIRS[kind] = Pair(kind, path, config, model, head, raw, longer.model.layers[layer])
+    return _PAIRS[kind]
 
 
 OWN = ("enorm", "hnorm", "eh_proj", "shared_head", "embed_tokens")
@@ -103,24 +121,24 @@ def test_the_layer_loads_as_hugging_face_stores_it(pair):
         assert mx.array_equal(loaded[name], w), name
 
 
-@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
-def test_batched_drafts_give_the_plain_tokens_and_are_what_the_layer_computes(pair, tokenizer, params):
-    if params is SEEDED and pair.kind == "deepseek_v3":
-        # Its sampled tokens are not batch-invariant even without drafts: the tiny random DeepSeek-V3's plain seeded
-        # run of these prompts batched differs from each alone (its sigmoid group routing turns last-bit differences
-        # of other batch shapes into other experts), so a verify pass of k + 1 positions may sample otherwise too.
-        alone = {rid: plain(pair.model, tokenizer, {rid: p}, SEEDED)[rid] for rid, p in PROMPTS.items()}
-        assert alone != plain(pair.model, tokenizer, PROMPTS, SEEDED)
-        pytest.skip("the tiny DeepSeek-V3's seeded tokens differ batched and alone without drafts (checked above)")
+def check_batched(pair: Pair, tokenizer, params) -> None:
     expected = plain(pair.model, tokenizer, PROMPTS, params)
     core = mtp_core(pair.model, pair.head, tokenizer, full(PROMPTS, expected))
     reference = lambda tokens, k: reference_drafts(pair, tokens, k)  # noqa: E731
     check(core, pair.model, pair.head, run(core, PROMPTS, params), expected, reference)
 
 
-def test_a_prefix_hit_and_preemption_draft_from_the_right_pages(pair, tokenizer):
-    if pair.kind != "deepseek_v3":
-        pytest.skip("one kind carries the cache's paths (the layer's pages are the model's kind for every kind)")
+def test_batched_drafts_give_the_plain_tokens_and_are_what_the_layer_computes(pair, tokenizer):
+    check_batched(pair, tokenizer, GREEDY)
+
+
+def test_seeded_drafts_give_the_plain_sampled_tokens(glm_pair, tokenizer):
+    check_batched(glm_pair, tokenizer, SEEDED)
+
+
+def test_a_prefix_hit_and_preemption_draft_from_the_right_pages(tokenizer, tmp_path_factory):
+    """One kind (MLA) carries the cache's paths: the layer's pages are of the model's kind for every kind."""
+    pair = build_pair("deepseek_v3", tmp_path_factory)
     reference = lambda tokens, k: reference_drafts(pair, tokens, k)  # noqa: E731
     prompt = random_tokens(40, seed=5)
     expected = plain(pair.model, tokenizer, {"p": prompt}, GREEDY)["p"]
@@ -137,9 +155,10 @@ def test_a_prefix_hit_and_preemption_draft_from_the_right_pages(pair, tokenizer)
     assert core.stats.preemptions > 0
 
 
-def test_the_public_api_drafts_with_the_checkpoints_layer_and_gives_the_plain_tokens(pair):
-    if pair.kind == "deepseek_v3":
-        pytest.skip("mlx-lm's deepseek_v3 drops only layer 61 (DeepSeek-V3's own): a 4-layer one does not load")
+def test_the_public_api_drafts_with_the_checkpoints_layer_and_gives_the_plain_tokens(glm_pair):
+    """On the GLM kinds: mlx-lm's deepseek_v3 drops only layer 61 (DeepSeek-V3's own), so a 4-layer one with its nextn
+    layer does not load through mlx-lm."""
+    pair = glm_pair
     prompts = [random_tokens(n, seed=n, vocab=49152) for n in (9, 30, 17)]
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     with Engine.from_pretrained(str(pair.path), cache_tokens=2048) as engine:
