@@ -172,15 +172,9 @@ def write_tiny_model_dir(
     """write_tiny_llama_dir for `model_type` ("llama", "qwen2", "qwen3", "qwen3_moe"): a random model of
     `layers` layers."""
     import importlib
-    import json
-    import shutil
-    from pathlib import Path
-
-    from mlxpaged.loading.loader import locate_model
 
     from mlx.utils import tree_flatten
 
-    tokenizer_dir = locate_model(None)[1]
     config = dict(
         _COMMON,
         model_type=model_type,
@@ -196,14 +190,24 @@ def write_tiny_model_dir(
     )
     model = _build(importlib.import_module(f"mlx_lm.models.{model_type}"), config, seed=seed)
     model.set_dtype(getattr(mx, dtype))
+    return write_checkpoint(out, dict(tree_flatten(model.parameters())), config)
+
+
+def write_checkpoint(out, weights: dict, config: dict):
+    """A model directory in `out`: `weights` as model.safetensors, `config` as config.json, and the default model's
+    tokenizer files."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from mlxpaged.loading.loader import locate_model
+
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(
-        str(out / "model.safetensors"), dict(tree_flatten(model.parameters())), metadata={"format": "mlx"}
-    )
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer_dir / name, out / name)
+        shutil.copy(locate_model(None)[1] / name, out / name)
     return out
 
 
@@ -237,11 +241,7 @@ def write_tiny_nextn_dir(out, model_type: str = "deepseek_v3", seed: int = 5, ne
     DeepSeek-V3 layout store it: `model.layers.<num_hidden_layers>.*`, experts one by one, MLA's `kv_b_proj` fused,
     its own embedding and shared head (loading/nextn_head.py)."""
     import importlib
-    import json
-    import shutil
-    from pathlib import Path
 
-    from mlxpaged.loading.loader import locate_model
     from mlxpaged.loading.nextn_head import NextnHead
     from tests.archs.configs import config_for
 
@@ -257,13 +257,7 @@ def write_tiny_nextn_dir(out, model_type: str = "deepseek_v3", seed: int = 5, ne
         head.update(tree_map(lambda w: w * 3.0 if w.ndim == 2 else w, head.parameters()))
         prefix = f"model.layers.{config['num_hidden_layers']}."
         weights.update({prefix + name: w for name, w in hugging_face_nextn(config, head).items()})
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(locate_model(None)[1] / name, out / name)
-    return out
+    return write_checkpoint(out, weights, config)
 
 
 def hugging_face_nextn(config: dict, head) -> dict:
@@ -333,11 +327,7 @@ def write_tiny_nemotron_dir(out, seed: int = 5, mtp_seed: int = 7, with_mtp: boo
     """A tiny random Nemotron-H checkpoint (the default model's tokenizer) with, unless `with_mtp` is off, a random MTP
     module stored as NVIDIA's checkpoints store it: `mtp.layers.<i>.*`, experts one by one, the projections on its
     first layer and the final norm on its last (loading/nemotron_mtp_head.py)."""
-    import json
-    import shutil
-    from pathlib import Path
 
-    from mlxpaged.loading.loader import locate_model
     from mlxpaged.loading.nemotron_mtp_head import NemotronMtpHead, mtp_pattern
 
     from mlx.utils import tree_flatten
@@ -351,14 +341,8 @@ def write_tiny_nemotron_dir(out, seed: int = 5, mtp_seed: int = 7, with_mtp: boo
         head = NemotronMtpHead(NEMOTRON_H, pattern)
         head.update(tree_map(lambda w: w * 3.0 if w.ndim == 2 else w, head.parameters()))
         weights.update({f"mtp.{name}": w for name, w in hugging_face_nemotron_mtp(head, len(pattern)).items()})
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     config = dict(NEMOTRON_H) if with_mtp else {k: v for k, v in NEMOTRON_H.items() if not k.startswith("mtp_")}
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(locate_model(None)[1] / name, out / name)
-    return out
+    return write_checkpoint(out, weights, config)
 
 
 def hugging_face_nemotron_mtp(head, length: int) -> dict:
@@ -387,11 +371,7 @@ def write_tiny_mimo_dir(out, seed: int = 5, mtp_seed: int = 7, depth: int = 2):
     """A tiny random MiMo checkpoint (tests/archs/configs.json's config, the default model's tokenizer) with `depth`
     random MTP layers stored as Xiaomi's checkpoints store them: `model.mtp_layers.<i>.*`, each a decoder layer's
     tensors beside its own norms and projection (loading/mimo_mtp_head.py; only the first drafts)."""
-    import json
-    import shutil
-    from pathlib import Path
 
-    from mlxpaged.loading.loader import locate_model
     from mlxpaged.loading.mimo_mtp_head import MimoMtpHead
     from tests.archs.configs import config_for
 
@@ -406,10 +386,4 @@ def write_tiny_mimo_dir(out, seed: int = 5, mtp_seed: int = 7, depth: int = 2):
         head.update(tree_map(lambda w: w * 3.0 if w.ndim == 2 else w, head.parameters()))
         for name, w in tree_flatten(head.parameters()):
             weights[f"model.mtp_layers.{index}.{name.removeprefix('layers.0.')}"] = w
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(locate_model(None)[1] / name, out / name)
-    return out
+    return write_checkpoint(out, weights, config)

@@ -126,19 +126,8 @@ def _nemotron(path: Path, name: str, config: dict, tensors: dict[str, str], nbyt
 
 def _find_mimo(path: Path, name: str, config: dict) -> MtpCheckpoint:
     """MiMo's first MTP layer: `model.mtp_layers.0.*`."""
-    tensors, nbytes = {}, 0
-    for file in weight_files(path):
-        for tensor in read_safetensors_header(file):
-            if tensor.name.startswith(MIMO_PREFIX):
-                tensors[tensor.name[len(MIMO_PREFIX) :]] = tensor.name
-                nbytes += tensor.nbytes
-    if "input_proj.weight" not in tensors:
-        raise ConfigError(
-            f"{name!r} ships no multi-token-prediction layer (no {MIMO_PREFIX}input_proj tensor in its checkpoint; "
-            "conversions by mlx-lm drop it): {speculative:'mtp'} needs a checkpoint that keeps it, such as the "
-            "original Hugging Face one",
-            param="speculative",
-        )
+    tensors, nbytes = _tensors_under(path, MIMO_PREFIX)
+    _check_shipped(tensors, name, MIMO_PREFIX, "input_proj.weight")
     return MtpCheckpoint(path, config, tensors, 1, nbytes, layout="mimo")
 
 
@@ -153,20 +142,31 @@ def _find_nextn(path: Path, name: str, config: dict) -> MtpCheckpoint:
             param="speculative",
         )
     prefix = f"model.layers.{text['num_hidden_layers']}."
+    tensors, nbytes = _tensors_under(path, prefix)
+    _check_shipped(tensors, name, prefix, "eh_proj.weight")
+    return MtpCheckpoint(path, config, tensors, 1, nbytes, layout="nextn")
+
+
+def _tensors_under(path: Path, prefix: str) -> tuple[dict[str, str], int]:
+    """({name after `prefix`: its name in the files}, their bytes as stored), from the safetensors headers."""
     tensors, nbytes = {}, 0
     for file in weight_files(path):
         for tensor in read_safetensors_header(file):
             if tensor.name.startswith(prefix):
                 tensors[tensor.name[len(prefix) :]] = tensor.name
                 nbytes += tensor.nbytes
-    if "eh_proj.weight" not in tensors:
+    return tensors, nbytes
+
+
+def _check_shipped(tensors: dict[str, str], name: str, prefix: str, marker: str) -> None:
+    """ConfigError unless the layer's `marker` tensor is among `tensors` (a conversion by mlx-lm drops the layer)."""
+    if marker not in tensors:
         raise ConfigError(
-            f"{name!r} ships no multi-token-prediction layer (no {prefix}eh_proj tensor in its checkpoint; "
-            "conversions by mlx-lm drop it): {speculative:'mtp'} needs a checkpoint that keeps it, such as the "
-            "original Hugging Face one",
+            f"{name!r} ships no multi-token-prediction layer (no {prefix}{marker.removesuffix('.weight')} tensor in "
+            "its checkpoint; conversions by mlx-lm drop it): {speculative:'mtp'} needs a checkpoint that keeps it, "
+            "such as the original Hugging Face one",
             param="speculative",
         )
-    return MtpCheckpoint(path, config, tensors, 1, nbytes, layout="nextn")
 
 
 def mtp_facts(checkpoint: MtpCheckpoint, target: ModelFacts, weight_bytes: int) -> ModelFacts:

@@ -8,7 +8,6 @@ planned before any weight is read, refused with the reason when it was made for 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 from mlxpaged import Engine
@@ -21,7 +20,15 @@ from mlxpaged.loading.dflash_model import DFlashConfig, DFlashModel
 from mlxpaged.runner.routing import route_paged_attention
 from tests.engine import test_engine_state
 from tests.engine.test_engine import tokenizer  # noqa: F401  (the fixture, shared)
-from tests.engine.test_mtp import GREEDY, PROMPTS, SEEDED, check, full, known_drafts, run, run_plain
+from tests.engine.test_mtp import (
+    GREEDY,
+    SEEDED,
+    batched_equal_plain,
+    known_drafts,
+    preempted_equal_plain,
+    prefix_hit_equals_plain,
+    run_plain,
+)
 from tests.tiny_models import _COMMON, _build, random_tokens, tiny_llama, tiny_qwen3_5, write_tiny_model_dir
 
 import mlx.core as mx
@@ -132,31 +139,24 @@ def mlx_vlm_reference(model, drafter, config: dict = CONFIG):
     return drafts
 
 
+def dflash_makers(model, drafter, tokenizer):
+    """(make, plain_of) of a DFlash drafter's cores for test_mtp's shared checks."""
+    return (
+        lambda continuations, **scheduling: dflash_core(model, drafter, tokenizer, continuations, **scheduling),
+        lambda prompts, params: plain(model, tokenizer, prompts, params),
+    )
+
+
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_batched_dflash_drafts_give_the_plain_tokens_and_are_mlx_vlms(target, drafter, tokenizer, params):
-    expected = plain(target, tokenizer, PROMPTS, params)
-    core = dflash_core(target, drafter, tokenizer, full(PROMPTS, expected))
-    check(core, target, None, run(core, PROMPTS, params), expected, mlx_vlm_reference(target, drafter))
+    reference = mlx_vlm_reference(target, drafter)
+    batched_equal_plain(*dflash_makers(target, drafter, tokenizer), target, None, params, reference)
 
 
 def test_a_prefix_hit_and_preemption_keep_the_context_pages_right(target, drafter, tokenizer):
-    prompt = random_tokens(40, seed=5)
-    expected = plain(target, tokenizer, {"p": prompt}, GREEDY)["p"]
-    core = dflash_core(target, drafter, tokenizer, [prompt + expected])
-    run(core, {"first": prompt}, GREEDY)
-    check(
-        core,
-        target,
-        None,
-        run(core, {"second": prompt}, GREEDY),
-        {"second": expected},
-        mlx_vlm_reference(target, drafter),
-    )
-    params = dataclasses.replace(GREEDY, max_tokens=40)
-    expected = plain(target, tokenizer, PROMPTS, params)
-    core = dflash_core(target, drafter, tokenizer, full(PROMPTS, expected), num_blocks=14, max_num_seqs=3)
-    check(core, target, None, run(core, PROMPTS, params), expected, mlx_vlm_reference(target, drafter))
-    assert core.stats.preemptions > 0
+    parts = (*dflash_makers(target, drafter, tokenizer), target, None, mlx_vlm_reference(target, drafter))
+    prefix_hit_equals_plain(*parts)
+    preempted_equal_plain(*parts)
 
 
 def sliding_config(causal: bool) -> dict:
@@ -182,16 +182,10 @@ def test_sliding_layers_and_sinks_draft_what_mlx_vlm_drafts(tokenizer, causal):
         tree_map(lambda w: mx.random.normal(w.shape) if w.ndim == 1 and w.shape == (4,) else w, drafter.parameters())
     )  # random sinks (every 4-wide vector here is one: 4 heads)
     target = tiny_llama(num_layers=3)
+    parts = (*dflash_makers(target, drafter, tokenizer), target, None)
     reference = mlx_vlm_reference(target, drafter, config)
-    expected = plain(target, tokenizer, PROMPTS, GREEDY)
-    core = dflash_core(target, drafter, tokenizer, full(PROMPTS, expected))
-    check(core, target, None, run(core, PROMPTS, GREEDY), expected, reference)
-    prompt = random_tokens(30, seed=7)
-    alone = plain(target, tokenizer, {"p": prompt}, GREEDY)["p"]
-    core = dflash_core(target, drafter, tokenizer, [prompt + alone])
-    run(core, {"first": prompt}, GREEDY)
-    check(core, target, None, run(core, {"second": prompt}, GREEDY), {"second": alone}, reference)
-    assert core.scheduler.kv_manager.stats().hit_tokens >= 24
+    batched_equal_plain(*parts, GREEDY, reference)
+    prefix_hit_equals_plain(*parts, reference, length=30)
 
 
 def write_drafter_dir(path, model: DFlashModel, **config):

@@ -134,6 +134,37 @@ def full(prompts: dict, outputs: dict) -> list[list[int]]:
     return [prompts[rid] + outputs[rid] for rid in prompts]
 
 
+# The checks every hidden-state drafter's tests share. `make(continuations, **scheduling)` builds the drafting core
+# (mtp_core, test_dflash.dflash_core, ...); `reference(tokens, k)` is what the drafter must draft after `tokens`;
+# `plain_of(prompts, params)` the plain tokens.
+
+
+def batched_equal_plain(make, plain_of, model, head, params, reference, **scheduling):
+    """PROMPTS batched with drafts: the plain tokens, every draft the reference's."""
+    expected = plain_of(PROMPTS, params)
+    core = make(full(PROMPTS, expected), **scheduling)
+    check(core, model, head, run(core, PROMPTS, params), expected, reference)
+    return core
+
+
+def prefix_hit_equals_plain(make, plain_of, model, head, reference, length: int = 40) -> None:
+    """The same prompt twice: the second hits the first's blocks, the drafter's pages with them."""
+    prompt = random_tokens(length, seed=5)
+    expected = plain_of({"p": prompt}, GREEDY)["p"]
+    core = make([prompt + expected])
+    run(core, {"first": prompt}, GREEDY)
+    before = core.scheduler.kv_manager.stats().hit_tokens
+    check(core, model, head, run(core, {"second": prompt}, GREEDY), {"second": expected}, reference)
+    assert core.scheduler.kv_manager.stats().hit_tokens - before >= (length - 1) // 8 * 8  # every full block
+
+
+def preempted_equal_plain(make, plain_of, model, head, reference) -> None:
+    """A pool too small for all three: sequences are preempted and recomputed, the drafter's pages with them."""
+    params = dataclasses.replace(GREEDY, max_tokens=40)
+    core = batched_equal_plain(make, plain_of, model, head, params, reference, num_blocks=14, max_num_seqs=3)
+    assert core.stats.preemptions > 0
+
+
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_batched_mtp_drafts_give_the_plain_tokens_and_are_what_the_layers_compute(model, head, tokenizer, params):
     expected = plain(model, tokenizer, PROMPTS, params)
@@ -167,22 +198,25 @@ def test_alone_equals_plain(model, head, tokenizer):
 
 
 def test_a_prefix_hit_drafts_from_the_mtp_pages_the_first_request_wrote(model, head, tokenizer):
-    prompt = random_tokens(40, seed=5)
-    expected = plain(model, tokenizer, {"p": prompt}, GREEDY)["p"]
-    core = mtp_core(model, head, tokenizer, [prompt + expected])
-    run(core, {"first": prompt}, GREEDY)
-    before = core.scheduler.kv_manager.stats().hit_tokens
-    check(core, model, head, run(core, {"second": prompt}, GREEDY), {"second": expected})
-    assert core.scheduler.kv_manager.stats().hit_tokens - before >= 32
+    make, plain_of = mtp_makers(model, head, tokenizer)
+    prefix_hit_equals_plain(make, plain_of, model, head, unpaged(model, head))
 
 
 def test_preempted_sequences_resume_with_the_plain_tokens_and_right_mtp_pages(model, head, tokenizer):
-    """A pool too small for all three: sequences are preempted and recomputed, the MTP pages with them."""
-    params = dataclasses.replace(GREEDY, max_tokens=40)
-    expected = plain(model, tokenizer, PROMPTS, params)
-    core = mtp_core(model, head, tokenizer, full(PROMPTS, expected), num_blocks=14, max_num_seqs=3)
-    check(core, model, head, run(core, PROMPTS, params), expected)
-    assert core.stats.preemptions > 0
+    make, plain_of = mtp_makers(model, head, tokenizer)
+    preempted_equal_plain(make, plain_of, model, head, unpaged(model, head))
+
+
+def mtp_makers(model, head, tokenizer):
+    """(make, plain_of) of an MTP head's cores for the shared checks."""
+    return (
+        lambda continuations, **scheduling: mtp_core(model, head, tokenizer, continuations, **scheduling),
+        lambda prompts, params: plain(model, tokenizer, prompts, params),
+    )
+
+
+def unpaged(model, head):
+    return lambda tokens, k: unpaged_drafts(model, head, tokens, k)
 
 
 def test_n_sequences_fork_the_mtp_pages_and_kept_positions_too(model, head, tokenizer):

@@ -14,7 +14,7 @@ from mlxpaged.loading.mimo_mtp_head import MimoMtpHead
 from mlxpaged.loading.mtp_head import find_mtp, load_mtp_head
 from mlxpaged.sampling_params import SamplingParams
 from tests.engine.test_engine import tokenizer  # noqa: F401  (the fixture, shared)
-from tests.engine.test_mtp import GREEDY, PROMPTS, SEEDED, check, full, mtp_core, plain, run
+from tests.engine.test_mtp import GREEDY, SEEDED, batched_equal_plain, mtp_makers, prefix_hit_equals_plain
 from tests.tiny_models import _build, random_tokens, write_tiny_mimo_dir
 
 import mlx.core as mx
@@ -85,18 +85,11 @@ def test_batched_drafts_give_the_plain_tokens_and_are_what_the_layer_computes(
     model, head, reference, tokenizer, params
 ):
     assert isinstance(head, MimoMtpHead)
-    expected = plain(model, tokenizer, PROMPTS, params)
-    core = mtp_core(model, head, tokenizer, full(PROMPTS, expected))
-    check(core, model, head, run(core, PROMPTS, params), expected, reference)
+    batched_equal_plain(*mtp_makers(model, head, tokenizer), model, head, params, reference)
 
 
 def test_a_prefix_hit_drafts_from_the_pages_the_first_request_wrote(model, head, reference, tokenizer):
-    prompt = random_tokens(40, seed=5)
-    expected = plain(model, tokenizer, {"p": prompt}, GREEDY)["p"]
-    core = mtp_core(model, head, tokenizer, [prompt + expected])
-    run(core, {"first": prompt}, GREEDY)
-    check(core, model, head, run(core, {"second": prompt}, GREEDY), {"second": expected}, reference)
-    assert core.scheduler.kv_manager.stats().hit_tokens >= 32
+    prefix_hit_equals_plain(*mtp_makers(model, head, tokenizer), model, head, reference)
 
 
 def test_the_public_api_drafts_with_the_first_mtp_layer_and_gives_the_plain_tokens(checkpoint, tmp_path):

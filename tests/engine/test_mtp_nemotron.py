@@ -6,7 +6,6 @@ with a prefix hit and after preemption, through the public API, and refusals wit
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 from mlxpaged import Engine
@@ -15,7 +14,14 @@ from mlxpaged.loading.mtp_head import find_mtp, load_mtp_head
 from mlxpaged.loading.nemotron_mtp_head import NemotronMtpHead
 from mlxpaged.sampling_params import SamplingParams
 from tests.engine.test_engine import tokenizer  # noqa: F401  (the fixture, shared)
-from tests.engine.test_mtp import GREEDY, PROMPTS, SEEDED, check, full, mtp_core, plain, run
+from tests.engine.test_mtp import (
+    GREEDY,
+    SEEDED,
+    batched_equal_plain,
+    mtp_makers,
+    preempted_equal_plain,
+    prefix_hit_equals_plain,
+)
 from tests.tiny_models import NEMOTRON_H, _build, hugging_face_nemotron_mtp, random_tokens, write_tiny_nemotron_dir
 
 import mlx.core as mx
@@ -74,24 +80,12 @@ def test_the_module_loads_as_the_checkpoint_stores_it(head):
 
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_batched_drafts_give_the_plain_tokens_and_are_mlx_vlms(model, head, reference, tokenizer, params):
-    expected = plain(model, tokenizer, PROMPTS, params)
-    core = mtp_core(model, head, tokenizer, full(PROMPTS, expected))
-    check(core, model, head, run(core, PROMPTS, params), expected, reference)
+    batched_equal_plain(*mtp_makers(model, head, tokenizer), model, head, params, reference)
 
 
 def test_a_prefix_hit_and_preemption_draft_from_the_right_pages(model, head, reference, tokenizer):
-    prompt = random_tokens(40, seed=5)
-    expected = plain(model, tokenizer, {"p": prompt}, GREEDY)["p"]
-    core = mtp_core(model, head, tokenizer, [prompt + expected])
-    run(core, {"first": prompt}, GREEDY)
-    before = core.scheduler.kv_manager.stats().hit_tokens
-    check(core, model, head, run(core, {"second": prompt}, GREEDY), {"second": expected}, reference)
-    assert core.scheduler.kv_manager.stats().hit_tokens - before >= 32
-    longer = dataclasses.replace(GREEDY, max_tokens=40)
-    expected_all = plain(model, tokenizer, PROMPTS, longer)
-    core = mtp_core(model, head, tokenizer, full(PROMPTS, expected_all), num_blocks=14, max_num_seqs=3)
-    check(core, model, head, run(core, PROMPTS, longer), expected_all, reference)
-    assert core.stats.preemptions > 0
+    prefix_hit_equals_plain(*mtp_makers(model, head, tokenizer), model, head, reference)
+    preempted_equal_plain(*mtp_makers(model, head, tokenizer), model, head, reference)
 
 
 def test_the_public_api_drafts_with_the_checkpoints_module_and_gives_the_plain_tokens(checkpoint):

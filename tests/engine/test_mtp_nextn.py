@@ -17,7 +17,14 @@ from mlxpaged.loading.mtp_head import find_mtp, load_mtp_head
 from mlxpaged.loading.nextn_head import NextnHead
 from mlxpaged.sampling_params import SamplingParams
 from tests.engine.test_engine import tokenizer  # noqa: F401  (the fixture, shared)
-from tests.engine.test_mtp import GREEDY, PROMPTS, SEEDED, check, full, mtp_core, plain, run
+from tests.engine.test_mtp import (
+    GREEDY,
+    SEEDED,
+    batched_equal_plain,
+    mtp_makers,
+    preempted_equal_plain,
+    prefix_hit_equals_plain,
+)
 from tests.tiny_models import _build, random_tokens, write_tiny_nextn_dir
 
 import mlx.core as mx
@@ -121,38 +128,27 @@ def test_the_layer_loads_as_hugging_face_stores_it(pair):
         assert mx.array_equal(loaded[name], w), name
 
 
-def check_batched(pair: Pair, tokenizer, params) -> None:
-    expected = plain(pair.model, tokenizer, PROMPTS, params)
-    core = mtp_core(pair.model, pair.head, tokenizer, full(PROMPTS, expected))
-    reference = lambda tokens, k: reference_drafts(pair, tokens, k)  # noqa: E731
-    check(core, pair.model, pair.head, run(core, PROMPTS, params), expected, reference)
+def checks(pair: Pair, tokenizer) -> tuple:
+    """(make, plain_of, model, head, reference) for test_mtp's shared checks."""
+    make, plain_of = mtp_makers(pair.model, pair.head, tokenizer)
+    return make, plain_of, pair.model, pair.head, lambda tokens, k: reference_drafts(pair, tokens, k)
 
 
 def test_batched_drafts_give_the_plain_tokens_and_are_what_the_layer_computes(pair, tokenizer):
-    check_batched(pair, tokenizer, GREEDY)
+    make, plain_of, model, head, reference = checks(pair, tokenizer)
+    batched_equal_plain(make, plain_of, model, head, GREEDY, reference)
 
 
 def test_seeded_drafts_give_the_plain_sampled_tokens(glm_pair, tokenizer):
-    check_batched(glm_pair, tokenizer, SEEDED)
+    make, plain_of, model, head, reference = checks(glm_pair, tokenizer)
+    batched_equal_plain(make, plain_of, model, head, SEEDED, reference)
 
 
 def test_a_prefix_hit_and_preemption_draft_from_the_right_pages(tokenizer, tmp_path_factory):
     """One kind (MLA) carries the cache's paths: the layer's pages are of the model's kind for every kind."""
-    pair = build_pair("deepseek_v3", tmp_path_factory)
-    reference = lambda tokens, k: reference_drafts(pair, tokens, k)  # noqa: E731
-    prompt = random_tokens(40, seed=5)
-    expected = plain(pair.model, tokenizer, {"p": prompt}, GREEDY)["p"]
-    core = mtp_core(pair.model, pair.head, tokenizer, [prompt + expected])
-    run(core, {"first": prompt}, GREEDY)
-    before = core.scheduler.kv_manager.stats().hit_tokens
-    check(core, pair.model, pair.head, run(core, {"second": prompt}, GREEDY), {"second": expected}, reference)
-    assert core.scheduler.kv_manager.stats().hit_tokens - before >= 32
-
-    longer = dataclasses.replace(GREEDY, max_tokens=40)
-    expected_all = plain(pair.model, tokenizer, PROMPTS, longer)
-    core = mtp_core(pair.model, pair.head, tokenizer, full(PROMPTS, expected_all), num_blocks=14, max_num_seqs=3)
-    check(core, pair.model, pair.head, run(core, PROMPTS, longer), expected_all, reference)
-    assert core.stats.preemptions > 0
+    parts = checks(build_pair("deepseek_v3", tmp_path_factory), tokenizer)
+    prefix_hit_equals_plain(*parts)
+    preempted_equal_plain(*parts)
 
 
 def test_the_public_api_drafts_with_the_checkpoints_layer_and_gives_the_plain_tokens(glm_pair):
