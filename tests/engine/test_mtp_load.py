@@ -35,6 +35,19 @@ def generate(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
     return [c.token_ids for c in engine.generate(prompts, GREEDY)]
 
 
+def public_api_equals_plain(path, head_class) -> None:
+    """`Engine.from_pretrained(path, speculative="mtp")`: the plain tokens, drafts made by a head of `head_class`."""
+    prompts = [random_tokens(n, seed=n, vocab=49152) for n in (9, 30, 17)]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    with Engine.from_pretrained(str(path), cache_tokens=2048) as engine:
+        expected = [c.token_ids for c in engine.generate(prompts, params)]
+    with Engine.from_pretrained(str(path), speculative="mtp", num_speculative_tokens=3, cache_tokens=2048) as engine:
+        assert [c.token_ids for c in engine.generate(prompts, params)] == expected
+        stats = engine.stats()
+        assert stats["speculative"] == "mtp" and stats["spec_draft_tokens_total"] > 0
+        assert isinstance(engine.built.hidden_drafter.head, head_class)
+
+
 @pytest.mark.parametrize("kv_bits", [None, 8])
 def test_mtp_layers_give_the_plain_tokens(dirs, kv_bits):
     prompts = [random_tokens(n, seed=n, vocab=49152) for n in (9, 30, 17)]

@@ -12,10 +12,10 @@ from mlxpaged import Engine
 from mlxpaged.errors import ConfigError
 from mlxpaged.loading.mimo_mtp_head import MimoMtpHead
 from mlxpaged.loading.mtp_head import find_mtp, load_mtp_head
-from mlxpaged.sampling_params import SamplingParams
 from tests.engine.test_engine import tokenizer  # noqa: F401  (the fixture, shared)
 from tests.engine.test_mtp import GREEDY, SEEDED, batched_equal_plain, mtp_makers, prefix_hit_equals_plain
-from tests.tiny_models import _build, random_tokens, write_tiny_mimo_dir
+from tests.engine.test_mtp_load import public_api_equals_plain
+from tests.tiny_models import _build, write_tiny_mimo_dir
 
 import mlx.core as mx
 import pytest
@@ -93,13 +93,7 @@ def test_a_prefix_hit_drafts_from_the_pages_the_first_request_wrote(model, head,
 
 
 def test_the_public_api_drafts_with_the_first_mtp_layer_and_gives_the_plain_tokens(checkpoint, tmp_path):
-    prompts = [random_tokens(n, seed=n, vocab=49152) for n in (9, 30, 17)]
-    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    with Engine.from_pretrained(str(checkpoint), cache_tokens=2048) as engine:
-        expected = [c.token_ids for c in engine.generate(prompts, params)]
-    with Engine.from_pretrained(str(checkpoint), speculative="mtp", num_speculative_tokens=3, cache_tokens=2048) as e:
-        assert [c.token_ids for c in e.generate(prompts, params)] == expected
-        assert e.stats()["spec_draft_tokens_total"] > 0
+    public_api_equals_plain(checkpoint, MimoMtpHead)
     none = write_tiny_mimo_dir(tmp_path / "none", depth=0)
     with pytest.raises(ConfigError, match="ships no multi-token-prediction layer"):
         Engine.from_pretrained(str(none), speculative="mtp", cache_tokens=2048)

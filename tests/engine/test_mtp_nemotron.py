@@ -12,7 +12,6 @@ from mlxpaged import Engine
 from mlxpaged.errors import ConfigError
 from mlxpaged.loading.mtp_head import find_mtp, load_mtp_head
 from mlxpaged.loading.nemotron_mtp_head import NemotronMtpHead
-from mlxpaged.sampling_params import SamplingParams
 from tests.engine.test_engine import tokenizer  # noqa: F401  (the fixture, shared)
 from tests.engine.test_mtp import (
     GREEDY,
@@ -22,7 +21,8 @@ from tests.engine.test_mtp import (
     preempted_equal_plain,
     prefix_hit_equals_plain,
 )
-from tests.tiny_models import NEMOTRON_H, _build, hugging_face_nemotron_mtp, random_tokens, write_tiny_nemotron_dir
+from tests.engine.test_mtp_load import public_api_equals_plain
+from tests.tiny_models import NEMOTRON_H, _build, hugging_face_nemotron_mtp, write_tiny_nemotron_dir
 
 import mlx.core as mx
 import pytest
@@ -89,14 +89,7 @@ def test_a_prefix_hit_and_preemption_draft_from_the_right_pages(model, head, ref
 
 
 def test_the_public_api_drafts_with_the_checkpoints_module_and_gives_the_plain_tokens(checkpoint):
-    prompts = [random_tokens(n, seed=n, vocab=49152) for n in (9, 30, 17)]
-    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    with Engine.from_pretrained(str(checkpoint), cache_tokens=2048) as engine:
-        expected = [c.token_ids for c in engine.generate(prompts, params)]
-    with Engine.from_pretrained(str(checkpoint), speculative="mtp", num_speculative_tokens=3, cache_tokens=2048) as e:
-        assert [c.token_ids for c in e.generate(prompts, params)] == expected
-        assert e.stats()["spec_draft_tokens_total"] > 0
-        assert isinstance(e.built.hidden_drafter.head, NemotronMtpHead)
+    public_api_equals_plain(checkpoint, NemotronMtpHead)
 
 
 def test_checkpoints_without_the_module_or_with_other_blocks_are_refused_with_the_reason(tmp_path):

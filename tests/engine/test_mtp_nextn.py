@@ -15,7 +15,6 @@ from mlxpaged import Engine
 from mlxpaged.errors import ConfigError
 from mlxpaged.loading.mtp_head import find_mtp, load_mtp_head
 from mlxpaged.loading.nextn_head import NextnHead
-from mlxpaged.sampling_params import SamplingParams
 from tests.engine.test_engine import tokenizer  # noqa: F401  (the fixture, shared)
 from tests.engine.test_mtp import (
     GREEDY,
@@ -25,7 +24,8 @@ from tests.engine.test_mtp import (
     preempted_equal_plain,
     prefix_hit_equals_plain,
 )
-from tests.tiny_models import _build, random_tokens, write_tiny_nextn_dir
+from tests.engine.test_mtp_load import public_api_equals_plain
+from tests.tiny_models import _build, write_tiny_nextn_dir
 
 import mlx.core as mx
 import pytest
@@ -154,16 +154,7 @@ def test_a_prefix_hit_and_preemption_draft_from_the_right_pages(tokenizer, tmp_p
 def test_the_public_api_drafts_with_the_checkpoints_layer_and_gives_the_plain_tokens(glm_pair):
     """On the GLM kinds: mlx-lm's deepseek_v3 drops only layer 61 (DeepSeek-V3's own), so a 4-layer one with its nextn
     layer does not load through mlx-lm."""
-    pair = glm_pair
-    prompts = [random_tokens(n, seed=n, vocab=49152) for n in (9, 30, 17)]
-    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    with Engine.from_pretrained(str(pair.path), cache_tokens=2048) as engine:
-        expected = [c.token_ids for c in engine.generate(prompts, params)]
-    with Engine.from_pretrained(str(pair.path), speculative="mtp", num_speculative_tokens=3, cache_tokens=2048) as e:
-        assert [c.token_ids for c in e.generate(prompts, params)] == expected
-        stats = e.stats()
-        assert stats["speculative"] == "mtp" and stats["spec_draft_tokens_total"] > 0
-        assert isinstance(e.built.hidden_drafter.head, NextnHead)
+    public_api_equals_plain(glm_pair.path, NextnHead)
 
 
 def test_checkpoints_without_the_layer_or_with_several_are_refused_with_the_reason(tmp_path):
