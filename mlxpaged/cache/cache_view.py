@@ -306,15 +306,14 @@ class PagedCacheView:
     ):
         """Mask for the next pass of N tokens per row, matching the keys `update_and_fetch` will return. `both_ways`:
         each new token also sees the new tokens after it in its row (a DFlash block; full attention only); `context`:
-        with it, only the last `context` keys before the row's new tokens (a DFlash sliding layer's)."""
+        with it, only the last `context` keys before the row's new tokens (a DFlash drafter's sliding layer or draft
+        window)."""
         plan = self._planner.plan(self._offsets, self._num_rows(len(self._offsets), N), N)
         window = window_size if window_size is not None else self._planner.spec.window
         if both_ways and window is not None:
             raise ValueError("a both-ways mask is made for full attention only")
         if context is not None:
-            if not both_ways:
-                raise ValueError("a context bound is made for a both-ways mask only")
-            return _ragged_mask(plan, None, both_ways, context)
+            return _ragged_mask(plan, window, both_ways, context)
         spans = self._planner.both_ways
         if spans is not None and N > 1 and plan.offsets == self._first_offsets:
             return _mask_with_spans(plan, window, spans)

@@ -11,8 +11,12 @@ Its layers attend over a context of the target's positions and over the block it
 
 A drafter's sliding-window layers (`layer_types`, `sliding_window` W, as mlx-vlm reads them) see only the last W - 1
 positions of the context before the block (mlx-vlm keeps them in a rotating cache), and the block both ways, or, when
-the drafter is causal, each position the W keys up to itself; `attention_sink_bias` gives each head a sink logit. The
-drafter's pages still hold every position's K/V (the window is a mask), so a prefix hit serves every layer alike.
+the drafter is causal, each position the W keys up to itself; `attention_sink_bias` gives each head a sink logit. A
+draft window (`draft_window_size` D in its dflash_config) bounds every layer's context to the last D positions before
+the block. mlx-vlm keeps those in a cache that grows up to 64 keys past D before it drops the older ones (slack for
+its own rollbacks, so its block sees between D and D + 64 of them, by when it last compacted); here the bound is
+exactly D at every step, whatever the steps were (a prefill in chunks, a prefix hit, a preemption). The drafter's
+pages still hold every position's K/V (every window is a mask), so a prefix hit serves every layer alike.
 
 The context's K/V depend on the target's hidden states only, so a position's are the same for every sequence that
 shares it (a prefix-cache block). The drafter on the paged cache is runner/dflash_drafter.py; the embedding and the
@@ -55,16 +59,27 @@ class DFlashConfig:
     layer_types: tuple[str, ...] = ()  # "full_attention" or "sliding_attention" per layer; (): all full
     sliding_window: int | None = None
     attention_sinks: bool = False  # a sink logit per head in every layer (`attention_sink_bias`)
+    draft_window: int | None = None  # every layer sees only the last this many context positions (`draft_window_size`)
 
     def window(self, layer: int) -> int | None:
         """Layer `layer`'s sliding window (None: full attention)."""
         sliding = self.layer_types and self.layer_types[layer] == "sliding_attention"
         return self.sliding_window if sliding else None
 
+    def mask_bounds(self, layer: int) -> tuple[int | None, int | None]:
+        """(window, context) of layer `layer`'s block mask (PagedCacheView.make_mask): a causal drafter's sliding
+        window over the block's own keys (None: none), and the most context positions before the block it sees (None:
+        all). Both ways, a sliding layer sees the last W - 1 of the context; a draft window bounds every layer's."""
+        window = self.window(layer)
+        if self.causal:
+            return window, self.draft_window
+        bounds = [bound for bound in (window - 1 if window else None, self.draft_window) if bound is not None]
+        return None, min(bounds) if bounds else None
+
     @classmethod
     def read(cls, path: Path, name: str) -> DFlashConfig:
         """The drafter's config.json; ConfigError for a checkpoint that is not a DFlash drafter, or one of a kind not
-        built here (a rolling draft window, layer kinds other than full and sliding attention)."""
+        built here (layer kinds other than full and sliding attention)."""
         return cls.from_dict(json.loads((path / "config.json").read_text()), name)
 
     @classmethod
@@ -95,10 +110,11 @@ class DFlashConfig:
                 f"the DFlash drafter {name!r} has sliding-window layers but no sliding_window above 1 ({window!r})",
                 param="draft_model",
             )
-        if merged.get("draft_window_size"):
+        draft_window = merged.get("draft_window_size")
+        if draft_window is not None and not (isinstance(draft_window, int) and draft_window >= 0):
             raise ConfigError(
-                f"the DFlash drafter {name!r} drafts over a rolling window of its context (draft_window_size): not "
-                "built yet",
+                f"the DFlash drafter {name!r} has a draft_window_size that is not a count of positions "
+                f"({draft_window!r})",
                 param="draft_model",
             )
         rope = dict(merged.get("rope_parameters") or {})
@@ -123,6 +139,7 @@ class DFlashConfig:
             layer_types=layer_types,
             sliding_window=window if "sliding_attention" in layer_types else None,
             attention_sinks=bool(merged.get("attention_sink_bias", False)),
+            draft_window=draft_window or None,  # 0 or none: the whole context (mlx-vlm's reading)
         )
 
 
@@ -202,22 +219,18 @@ class DFlashModel(nn.Module):
     def __call__(self, embeds: mx.array, views: list) -> mx.array:
         """The blocks' embeddings [B, L, H] at the views' positions (each after its row's context) -> their hidden
         states, normed. A block attends both ways (or causally, as the drafter's config says), over its own row: all
-        of its context, or a sliding layer's last W - 1 positions (causally: each position's last W keys)."""
+        of its context, or its last positions as the layer's bounds say (DFlashConfig.mask_bounds)."""
         length, causal = embeds.shape[1], self.config.causal
-        windows = [self.config.window(index) for index in range(len(self.layers))]
-        masks: dict[int | None, mx.array] = {}
-        for window in windows:  # all before the first layer writes: a view's mask is for its next write
-            if window in masks:
-                continue
-            if window is None:
-                masks[window] = views[0].make_mask(length, return_array=True, both_ways=not causal)
-            elif causal:
-                masks[window] = views[0].make_mask(length, return_array=True, window_size=window)
-            else:
-                masks[window] = views[0].make_mask(length, return_array=True, both_ways=True, context=window - 1)
+        bounds = [self.config.mask_bounds(index) for index in range(len(self.layers))]
+        masks: dict[tuple[int | None, int | None], mx.array] = {}
+        for window, context in bounds:  # all before the first layer writes: a view's mask is for its next write
+            if (window, context) not in masks:
+                masks[window, context] = views[0].make_mask(
+                    length, return_array=True, window_size=window, both_ways=not causal, context=context
+                )
         h = embeds
-        for layer, view, window in zip(self.layers, views, windows, strict=True):
-            h = layer(h, view, masks[window])
+        for layer, view, bound in zip(self.layers, views, bounds, strict=True):
+            h = layer(h, view, masks[bound])
         return self.norm(h)
 
     def logits(self, head, hidden: mx.array) -> mx.array:

@@ -120,9 +120,21 @@ def layer_outputs(model, tokens: list[int], layer_ids) -> mx.array:
     return mx.concatenate([outputs[i] for i in layer_ids], axis=-1)
 
 
-def mlx_vlm_reference(model, drafter, config: dict = CONFIG):
+class ContextFrom:
+    """A cache for mlx-vlm's drafter that holds just the context it is given, whose first position is `offset`."""
+
+    def __init__(self, offset: int):
+        self.offset = offset
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        self.offset += keys.shape[2]
+        return keys, values
+
+
+def mlx_vlm_reference(model, drafter, config: dict = CONFIG, draft_window: int | None = None):
     """(tokens, k) -> the k drafts mlx-vlm's DFlashDraftModel makes after `tokens` (the last is the row's) from the same
-    weights: its cache fed every earlier position's layer outputs at once."""
+    weights: its cache fed every earlier position's layer outputs at once, or with `draft_window` D only the last D
+    of them, at their own positions."""
     from mlx_vlm.speculative.drafters.qwen3_dflash.config import DFlashConfig as TheirConfig
     from mlx_vlm.speculative.drafters.qwen3_dflash.dflash import DFlashDraftModel
 
@@ -133,7 +145,11 @@ def mlx_vlm_reference(model, drafter, config: dict = CONFIG):
 
     def drafts(tokens: list[int], k: int) -> list[int]:
         hidden = layer_outputs(model, tokens[:-1], reference.config.target_layer_ids)  # mlx-vlm's reading of them
-        block = reference.draft_block(tokens[-1], hidden, reference.make_cache(), k + 1, lambda x: mx.argmax(x, -1))
+        cache = reference.make_cache()
+        if draft_window is not None and hidden.shape[1] > draft_window:
+            skipped = hidden.shape[1] - draft_window
+            hidden, cache = hidden[:, skipped:], [ContextFrom(skipped) for _ in cache]
+        block = reference.draft_block(tokens[-1], hidden, cache, k + 1, lambda x: mx.argmax(x, -1))
         return block[0].tolist()
 
     return drafts
@@ -188,6 +204,30 @@ def test_sliding_layers_and_sinks_draft_what_mlx_vlm_drafts(tokenizer, causal):
     prefix_hit_equals_plain(*parts, reference, length=30)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["both-ways", "causal"])
+def test_a_draft_window_bounds_every_layers_context_to_its_last_positions(tokenizer, causal):
+    """`draft_window_size` D: every layer of the block sees only the last D context positions (a sliding layer, the
+    fewer of its own window's and D), whatever the steps that wrote them: each block equal to mlx-vlm's drafter fed
+    just those positions, alone and batched, with a prefix hit and after preemption."""
+    config = sliding_config(causal)
+    config["dflash_config"] = {**config["dflash_config"], "draft_window_size": 6}
+    drafter = random_drafter(seed=25, **config)
+    assert drafter.config.draft_window == 6
+    assert [drafter.config.mask_bounds(i) for i in range(2)] == (
+        [(4, 6), (None, 6)] if causal else [(None, 3), (None, 6)]
+    )
+    target = tiny_llama(num_layers=3)
+    parts = (*dflash_makers(target, drafter, tokenizer), target, None)
+    unwindowed = {
+        **config,
+        "dflash_config": {k: v for k, v in config["dflash_config"].items() if k != "draft_window_size"},
+    }
+    reference = mlx_vlm_reference(target, drafter, unwindowed, draft_window=6)
+    batched_equal_plain(*parts, GREEDY, reference)
+    prefix_hit_equals_plain(*parts, reference, length=30)
+    preempted_equal_plain(*parts, reference)
+
+
 def write_drafter_dir(path, model: DFlashModel, **config):
     path.mkdir(parents=True, exist_ok=True)
     weights = {f"model.{name}": w for name, w in tree_flatten(model.parameters())}
@@ -196,11 +236,12 @@ def write_drafter_dir(path, model: DFlashModel, **config):
     return path
 
 
-@pytest.mark.parametrize("kv_bits", [None, 8])
-def test_a_dflash_checkpoint_drafts_through_the_public_api(tmp_path, kv_bits):
-    """Pages of 8-bit K/V too (widths of 32: whole quantization groups)."""
+@pytest.mark.parametrize("kv_bits, draft_window", [(None, None), (8, None), (None, 6)])
+def test_a_dflash_checkpoint_drafts_through_the_public_api(tmp_path, kv_bits, draft_window):
+    """Pages of 8-bit K/V too (widths of 32: whole quantization groups); a draft window read from the checkpoint."""
     target = write_tiny_model_dir(tmp_path / "target", "llama", dtype="float32", seed=1, layers=3, head_dim=32)
-    drafter = write_drafter_dir(tmp_path / "dflash", random_drafter(head_dim=32), head_dim=32)
+    flash = {**CONFIG["dflash_config"], **({"draft_window_size": draft_window} if draft_window else {})}
+    drafter = write_drafter_dir(tmp_path / "dflash", random_drafter(head_dim=32), head_dim=32, dflash_config=flash)
     prompts = [random_tokens(n, seed=n) for n in (9, 30)]
     settings = {"cache_tokens": 2048, **({"kv_bits": kv_bits} if kv_bits else {})}
     with Engine.from_pretrained(str(target), **settings) as engine:
@@ -211,6 +252,7 @@ def test_a_dflash_checkpoint_drafts_through_the_public_api(tmp_path, kv_bits):
         stats = engine.stats()
         assert stats["speculative"] == "dflash" and stats["spec_draft_tokens_total"] > 0
         assert stats["draft_model"] == str(drafter)
+        assert engine.built.hidden_drafter.model.config.draft_window == draft_window
         pages = engine.built.hidden_drafter.kv
         assert pages.quantized == (kv_bits is not None)
         assert engine.plan.block_bytes == engine.kv.bytes_per_block + pages.bytes_per_block
@@ -229,10 +271,14 @@ def test_a_drafter_for_another_model_or_not_a_drafter_is_refused_before_the_mode
         Engine.from_pretrained(str(target), **settings)
 
 
-def test_drafter_configs_not_built_here_are_refused_with_the_reason():
+def test_drafter_configs_not_built_here_or_not_valid_are_refused_with_the_reason():
     flash = CONFIG["dflash_config"]
-    with pytest.raises(ConfigError, match="drafts over a rolling window of its context"):
-        DFlashConfig.from_dict({**CONFIG, "dflash_config": {**flash, "draft_window_size": 64}}, "rolling")
+    with pytest.raises(ConfigError, match="has a draft_window_size that is not a count of positions"):
+        DFlashConfig.from_dict({**CONFIG, "dflash_config": {**flash, "draft_window_size": -1}}, "rolling")
+    assert (
+        DFlashConfig.from_dict({**CONFIG, "dflash_config": {**flash, "draft_window_size": 0}}, "whole").draft_window
+        is None
+    )
     with pytest.raises(ConfigError, match=r"layers of kind \['chunked_attention'\]"):
         DFlashConfig.from_dict({**CONFIG, "layer_types": ["chunked_attention", "full_attention"]}, "chunked")
     with pytest.raises(ConfigError, match="sliding-window layers but no sliding_window above 1"):
