@@ -38,12 +38,17 @@ def reply(server, n: int = 24, model: str = "tiny-a") -> str:
 
 
 def test_a_draft_model_gives_the_models_own_replies_and_counts_its_drafts(store, tmp_path):
+    """Beside another model of the store loaded on demand, which answers as it does alone and drafts nothing."""
     flags = ("--cache-tokens", "1024", "--max-batch-tokens", "128")
     with serving_store(store, tmp_path / "plain.log", *flags) as server:
-        expected = reply(server)
+        expected, other = reply(server), reply(server, model="tiny-draft")
     with serving_store(store, tmp_path / "draft.log", *flags, "--draft-model", "tiny-draft") as server:
         assert reply(server) == expected
+        assert reply(server, model="tiny-draft") == other
+        assert reply(server) == expected
         assert metric(server, "spec_draft_tokens_total", "tiny-a") > 0
+        assert metric(server, "generation_tokens_total", "tiny-draft") > 0
+        assert metric(server, "spec_draft_tokens_total", "tiny-draft") == 0
 
 
 def test_a_draft_of_another_tokenizer_stops_the_server_before_it_listens(store, tmp_path):
