@@ -1,6 +1,6 @@
 """Chats with images through the Python API on tiny checkpoints on disk (SmolVLM; Qwen3.5, whose language model
-mixes gated-delta layers with M-RoPE attention; Gemma 4; Gemma 3 with Hugging Face's own processor), each with its
-own processor, against mlx-vlm's own
+mixes gated-delta layers with M-RoPE attention; Gemma 4; Gemma 3 with Hugging Face's own processor; Mistral 3 with
+mlx-vlm's own Pixtral-style processor), each with its own processor, against mlx-vlm's own
 `stream_generate` on the same directory: the same tokens, the same prompt length; an image given as a path, bytes,
 a data URL or a PIL image is the same image; the next turn reads the image's tokens from the prefix cache; and
 every bad image is refused with a message that says what is wrong."""
@@ -20,6 +20,7 @@ from mlxpaged.vision import checkpoint
 from tests.vision.tiny_vlm_dirs import (
     write_tiny_gemma3_dir,
     write_tiny_gemma4_dir,
+    write_tiny_mistral3_dir,
     write_tiny_qwen3_5_dir,
     write_tiny_smolvlm_dir,
 )
@@ -59,6 +60,7 @@ WRITERS = {
     "qwen3_5": write_tiny_qwen3_5_dir,
     "gemma4": write_tiny_gemma4_dir,
     "gemma3": write_tiny_gemma3_dir,
+    "mistral3": write_tiny_mistral3_dir,
 }
 
 

@@ -16,7 +16,12 @@ from pathlib import Path
 
 from tests.app.server.test_server_live import Server, assert_clean_exit, start_server, stop_server
 from tests.vision.test_chat_images import picture, png
-from tests.vision.tiny_vlm_dirs import write_tiny_gemma3_dir, write_tiny_gemma4_dir, write_tiny_smolvlm_dir
+from tests.vision.tiny_vlm_dirs import (
+    write_tiny_gemma3_dir,
+    write_tiny_gemma4_dir,
+    write_tiny_mistral3_dir,
+    write_tiny_smolvlm_dir,
+)
 
 import anthropic
 import httpx
@@ -115,23 +120,28 @@ def test_every_api_sends_the_image_and_gets_mlx_vlms_reply(server, images, mlx_v
     every_api_gets(server, images, mlx_vlm_text([picture(0), QUESTION]).strip())
 
 
-GEMMA_WRITERS = {"gemma4": write_tiny_gemma4_dir, "gemma3": write_tiny_gemma3_dir}
+PROCESSOR_WRITERS = {
+    "gemma4": write_tiny_gemma4_dir,
+    "gemma3": write_tiny_gemma3_dir,
+    "mistral3": write_tiny_mistral3_dir,
+}
 
 
-@pytest.fixture(scope="module", params=sorted(GEMMA_WRITERS))
-def gemma_server(request, images, tmp_path_factory):
-    model_dir = GEMMA_WRITERS[request.param](tmp_path_factory.mktemp(request.param))
+@pytest.fixture(scope="module", params=sorted(PROCESSOR_WRITERS))
+def processor_server(request, images, tmp_path_factory):
+    model_dir = PROCESSOR_WRITERS[request.param](tmp_path_factory.mktemp(request.param))
     log = tmp_path_factory.mktemp(f"serve-{request.param}") / "server.log"
     srv = start_server(log, "--model", str(model_dir), "--no-kv-disk", "--image-dir", str(images[0]))
     yield srv, model_dir
     assert_clean_exit(stop_server(srv), log)
 
 
-def test_gemma_checkpoints_with_their_own_processors_answer_every_api_as_mlx_vlm(gemma_server, images):
+def test_checkpoints_with_their_own_processors_answer_every_api_as_mlx_vlm(processor_server, images):
     """Gemma 4's own processor (its list of pixel arrays, its token kinds), each image prefilled whole under a mask
     that lets its tokens see each other (engine/request.py Request.both_ways); Gemma 3's, Hugging Face's own (the
-    processor expands its image marker; sliding-window layers, its prefix cache off)."""
-    server, model_dir = gemma_server
+    processor expands its image marker; sliding-window layers, its prefix cache off); Mistral 3's, mlx-vlm's own
+    (Pixtral's rows of image tokens and breaks, each image's size in pixels)."""
+    server, model_dir = processor_server
     every_api_gets(server, images, mlx_vlm_replier(model_dir)([picture(0), QUESTION]).strip())
     server.blocks_back()
 

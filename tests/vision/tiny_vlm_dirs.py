@@ -255,6 +255,71 @@ def write_tiny_gemma3_dir(out: Path, seed: int = 0) -> Path:
     )
 
 
+MISTRAL3_TEMPLATE = (
+    "<s>{% for message in messages %}{% if message['role'] == 'user' %}[INST]{% if message['content'] is string %}"
+    "{{ message['content'] }}{% else %}{% for part in message['content'] %}{% if part['type'] == 'image' %}[IMG]"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}[/INST]{% else %}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
+    "{{ part['text'] }}{% endfor %}{% endif %}</s>{% endif %}{% endfor %}"
+)
+# Pixtral's image markers, special tokens of Mistral's tokenizer (here added to SmolLM2's).
+MISTRAL3_TOKENS = ["[IMG]", "[IMG_BREAK]", "[IMG_END]", "[INST]", "[/INST]"]
+
+
+def write_tiny_mistral3_dir(out: Path, seed: int = 0) -> Path:
+    """A 2-layer random Mistral 3 checkpoint in `out` (Pixtral's tower) with mlx-vlm's own (torch-free) Mistral 3
+    processor, as it loads one from a real checkpoint's files: an image is resized to at most 56 px on its longer
+    side, in patches of 14 px merged 2 x 2, so each 28 x 28 px is one [IMG] token, a row of them ended by
+    [IMG_BREAK] and the image by [IMG_END]."""
+    from mlx_vlm.models import mistral3
+    from transformers import AutoTokenizer
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(locate_model(None)[1])
+    tokenizer.add_special_tokens({"additional_special_tokens": MISTRAL3_TOKENS})
+    tokenizer.chat_template = MISTRAL3_TEMPLATE
+    tokenizer.save_pretrained(out)
+    images = {"size": {"longest_edge": 56}, "patch_size": {"height": 14, "width": 14}}
+    (out / "preprocessor_config.json").write_text(json.dumps({**images, "processor_class": "PixtralProcessor"}))
+    text = {
+        "model_type": "mistral",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "vocab_size": len(tokenizer),
+        "max_position_embeddings": 2048,
+    }
+    vision = {
+        "model_type": "pixtral",
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "head_dim": 16,
+        "patch_size": 14,
+        "image_size": 56,
+    }
+    config = {
+        "model_type": "mistral3",
+        "image_token_index": tokenizer.convert_tokens_to_ids("[IMG]"),
+        "spatial_merge_size": 2,
+        "vocab_size": len(tokenizer),
+        "eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        "text_config": text,
+        "vision_config": vision,
+    }
+    model_config = mistral3.ModelConfig.from_dict(config)
+    model_config.text_config = mistral3.TextConfig.from_dict(text)
+    model_config.vision_config = mistral3.VisionConfig.from_dict(vision)
+    return _save_random(out, mistral3.Model, model_config, config, seed)
+
+
 def write_tiny_smolvlm_dir(out: Path, seed: int = 0) -> Path:
     """A 2-layer random SmolVLM-shaped (idefics3) checkpoint in `out`."""
     text = {"hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128, "num_attention_heads": 4}
