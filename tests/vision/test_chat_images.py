@@ -1,6 +1,6 @@
 """Chats with images through the Python API on tiny checkpoints on disk (SmolVLM; Qwen3.5, whose language model
-mixes gated-delta layers with M-RoPE attention; Gemma 4; Gemma 3 with Hugging Face's own processor; Mistral 3 with
-mlx-vlm's own Pixtral-style processor), each with its own processor, against mlx-vlm's own
+mixes gated-delta layers with M-RoPE attention; Gemma 4; Gemma 3 with Hugging Face's own processor; Mistral 3 and
+GLM-4.1V with mlx-vlm's own processors), each with its own processor, against mlx-vlm's own
 `stream_generate` on the same directory: the same tokens, the same prompt length; an image given as a path, bytes,
 a data URL or a PIL image is the same image; the next turn reads the image's tokens from the prefix cache; and
 every bad image is refused with a message that says what is wrong."""
@@ -8,6 +8,7 @@ every bad image is refused with a message that says what is wrong."""
 from __future__ import annotations
 
 import base64
+import importlib.util
 import io
 import json
 import zlib
@@ -20,6 +21,7 @@ from mlxpaged.vision import checkpoint
 from tests.vision.tiny_vlm_dirs import (
     write_tiny_gemma3_dir,
     write_tiny_gemma4_dir,
+    write_tiny_glm4v_dir,
     write_tiny_mistral3_dir,
     write_tiny_qwen3_5_dir,
     write_tiny_smolvlm_dir,
@@ -61,6 +63,7 @@ WRITERS = {
     "gemma4": write_tiny_gemma4_dir,
     "gemma3": write_tiny_gemma3_dir,
     "mistral3": write_tiny_mistral3_dir,
+    "glm4v": write_tiny_glm4v_dir,
 }
 
 
@@ -188,12 +191,13 @@ def test_too_many_images_are_refused(engine):
 
 
 def test_without_the_vision_extra_an_image_is_refused_naming_the_install(model_dir, reference, monkeypatch):
-    """mlx-lm has no idefics3: SmolVLM is refused at load. It has Qwen3.5's language model: the checkpoint loads as
-    a text model, answers text as mlx-vlm does, and refuses an image naming the install."""
+    """mlx-lm has no idefics3 or glm4v: SmolVLM and GLM-4.1V are refused at load. It has Qwen3.5's language model
+    (Gemma's, Mistral 3's): the checkpoint loads as a text model, answers text as mlx-vlm does, and refuses an image
+    naming the install."""
     monkeypatch.setattr(checkpoint, "vision_installed", lambda: False)
     kind = json.loads((model_dir / "config.json").read_text())["model_type"]
     install = r"pip install 'mlxpaged\[vision\]'"
-    if kind == "idefics3":
+    if importlib.util.find_spec(f"mlx_lm.models.{kind}") is None:
         with pytest.raises(UnsupportedModelError, match=rf"{kind}.*vision-language.*{install}"):
             Engine.from_pretrained(str(model_dir), cache_tokens=256)
         return

@@ -19,6 +19,7 @@ from tests.vision.test_chat_images import picture, png
 from tests.vision.tiny_vlm_dirs import (
     write_tiny_gemma3_dir,
     write_tiny_gemma4_dir,
+    write_tiny_glm4v_dir,
     write_tiny_mistral3_dir,
     write_tiny_smolvlm_dir,
 )
@@ -124,6 +125,7 @@ PROCESSOR_WRITERS = {
     "gemma4": write_tiny_gemma4_dir,
     "gemma3": write_tiny_gemma3_dir,
     "mistral3": write_tiny_mistral3_dir,
+    "glm4v": write_tiny_glm4v_dir,
 }
 
 
@@ -140,7 +142,8 @@ def test_checkpoints_with_their_own_processors_answer_every_api_as_mlx_vlm(proce
     """Gemma 4's own processor (its list of pixel arrays, its token kinds), each image prefilled whole under a mask
     that lets its tokens see each other (engine/request.py Request.both_ways); Gemma 3's, Hugging Face's own (the
     processor expands its image marker; sliding-window layers, its prefix cache off); Mistral 3's, mlx-vlm's own
-    (Pixtral's rows of image tokens and breaks, each image's size in pixels)."""
+    (Pixtral's rows of image tokens and breaks, each image's size in pixels); GLM-4.1V's, mlx-vlm's own over Hugging
+    Face's image processor (M-RoPE positions from each image's grid)."""
     server, model_dir = processor_server
     every_api_gets(server, images, mlx_vlm_replier(model_dir)([picture(0), QUESTION]).strip())
     server.blocks_back()

@@ -320,6 +320,84 @@ def write_tiny_mistral3_dir(out: Path, seed: int = 0) -> Path:
     return _save_random(out, mistral3.Model, model_config, config, seed)
 
 
+GLM4V_TEMPLATE = (
+    "[gMASK]<sop>{% for message in messages %}<|{{ message['role'] }}|>\n{% if message['content'] is string %}"
+    "{{ message['content'] }}{% else %}{% for part in message['content'] %}{% if part['type'] == 'image' %}"
+    "<|begin_of_image|><|image|><|end_of_image|>{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+# GLM-4.1V / 4.5V's image and video markers, special tokens of its tokenizer (here added to SmolLM2's).
+GLM4V_TOKENS = ["<|begin_of_image|>", "<|end_of_image|>", "<|image|>", "<|begin_of_video|>", "<|end_of_video|>"]
+GLM4V_TOKENS += ["<|video|>", "<|user|>", "<|assistant|>"]
+
+
+def write_tiny_glm4v_dir(out: Path, seed: int = 0) -> Path:
+    """A 2-layer random GLM-4.1V checkpoint in `out` with mlx-vlm's own GLM-4V processor over Hugging Face's
+    (torch-free) GLM-4V image processor, as mlx-vlm loads one from a real checkpoint's files: an image is resized to
+    at most 56 x 56 px (multiples of 28), patches of 14 px merged 2 x 2, its <|image|> expanded to one token per
+    28 x 28 px between its begin and end markers; M-RoPE positions from the grid."""
+    from mlx_vlm.models import glm4v
+    from transformers import AutoTokenizer
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(locate_model(None)[1])
+    tokenizer.add_special_tokens({"additional_special_tokens": GLM4V_TOKENS})
+    tokenizer.chat_template = GLM4V_TEMPLATE
+    tokenizer.save_pretrained(out)
+    images = {
+        "image_processor_type": "Glm4vImageProcessor",
+        "size": {"shortest_edge": 28 * 28, "longest_edge": 56 * 56},  # pixels, as Qwen2-VL's min / max pixels
+        "patch_size": 14,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+    }
+    (out / "preprocessor_config.json").write_text(json.dumps(images))
+    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in GLM4V_IDS.items()}
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    text = {
+        "model_type": "glm4v_text",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "partial_rotary_factor": 0.5,
+        "rope_scaling": {"rope_type": "default", "mrope_section": [2, 1, 1]},
+        "max_position_embeddings": 4096,
+        "vocab_size": len(tokenizer),
+        "eos_token_id": [eos],
+        "pad_token_id": 0,
+    }
+    vision = {
+        "model_type": "glm4v",
+        "depth": 2,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "patch_size": 14,
+        "image_size": 56,
+        "out_hidden_size": 64,
+    }
+    config = {"model_type": "glm4v", **ids, "hidden_size": 64, "vocab_size": len(tokenizer), "eos_token_id": [eos]}
+    config |= {"text_config": text, "vision_config": vision}
+    model_config = glm4v.ModelConfig.from_dict(config)
+    model_config.text_config = glm4v.TextConfig.from_dict(text)
+    model_config.vision_config = glm4v.VisionConfig.from_dict(vision)
+    return _save_random(out, glm4v.Model, model_config, config, seed)
+
+
+GLM4V_IDS = {
+    "image_token_id": "<|image|>",
+    "image_token_index": "<|image|>",
+    "video_token_id": "<|video|>",
+    "video_token_index": "<|video|>",
+    "vision_start_token_id": "<|begin_of_image|>",
+    "vision_end_token_id": "<|end_of_image|>",
+}
+
+
 def write_tiny_smolvlm_dir(out: Path, seed: int = 0) -> Path:
     """A 2-layer random SmolVLM-shaped (idefics3) checkpoint in `out`."""
     text = {"hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128, "num_attention_heads": 4}
