@@ -100,7 +100,7 @@ def write_tiny_qwen3_5_dir(out: Path, seed: int = 0) -> Path:
     }
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     config = {"model_type": "qwen3_5", **ids, "eos_token_id": eos, "text_config": text, "vision_config": vision}
-    return _save_random(out, qwen3_5.Model, qwen3_5.ModelConfig.from_dict(config), config, seed)
+    return _save_random(out, qwen3_5, config, seed)
 
 
 GEMMA4_TEMPLATE = (
@@ -173,10 +173,7 @@ def write_tiny_gemma4_dir(out: Path, seed: int = 0, both_ways: bool = True) -> P
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     config = {"model_type": "gemma4", **ids, "eos_token_id": eos, "text_config": text, "vision_config": vision}
     config |= {"hidden_size": 64, "vocab_size": len(tokenizer), "audio_config": None}
-    model_config = gemma4.ModelConfig.from_dict(config)
-    model_config.text_config = gemma4.TextConfig.from_dict(text)
-    model_config.vision_config = gemma4.VisionConfig.from_dict(vision)
-    return _save_random(out, gemma4.Model, model_config, config, seed, louder_post_norms=True)
+    return _save_random(out, gemma4, config, seed, louder_post_norms=True)
 
 
 GEMMA3_TEMPLATE = (
@@ -240,13 +237,9 @@ def write_tiny_gemma3_dir(out: Path, seed: int = 0) -> Path:
         "text_config": text,
         "vision_config": vision,
     }
-    model_config = gemma3.ModelConfig.from_dict(config)
-    model_config.text_config = gemma3.TextConfig.from_dict(text)
-    model_config.vision_config = gemma3.VisionConfig.from_dict(vision)
     return _save_random(
         out,
-        gemma3.Model,
-        model_config,
+        gemma3,
         config,
         seed,
         louder_post_norms=True,
@@ -314,10 +307,7 @@ def write_tiny_mistral3_dir(out: Path, seed: int = 0) -> Path:
         "text_config": text,
         "vision_config": vision,
     }
-    model_config = mistral3.ModelConfig.from_dict(config)
-    model_config.text_config = mistral3.TextConfig.from_dict(text)
-    model_config.vision_config = mistral3.VisionConfig.from_dict(vision)
-    return _save_random(out, mistral3.Model, model_config, config, seed)
+    return _save_random(out, mistral3, config, seed)
 
 
 GLM4V_TEMPLATE = (
@@ -382,10 +372,7 @@ def write_tiny_glm4v_dir(out: Path, seed: int = 0) -> Path:
     }
     config = {"model_type": "glm4v", **ids, "hidden_size": 64, "vocab_size": len(tokenizer), "eos_token_id": [eos]}
     config |= {"text_config": text, "vision_config": vision}
-    model_config = glm4v.ModelConfig.from_dict(config)
-    model_config.text_config = glm4v.TextConfig.from_dict(text)
-    model_config.vision_config = glm4v.VisionConfig.from_dict(vision)
-    return _save_random(out, glm4v.Model, model_config, config, seed)
+    return _save_random(out, glm4v, config, seed)
 
 
 GLM4V_IDS = {
@@ -464,16 +451,12 @@ def write_smolvlm_dir(
         "text_config": text,
         "vision_config": vision,
     }
-    model_config = idefics3.ModelConfig.from_dict(config)
-    model_config.text_config = idefics3.TextConfig.from_dict(text)
-    model_config.vision_config = idefics3.VisionConfig.from_dict(vision)
-    return _save_random(out, idefics3.Model, model_config, config, seed, weight_scale=weight_scale)
+    return _save_random(out, idefics3, config, seed, weight_scale=weight_scale)
 
 
 def _save_random(
     out: Path,
-    model_class,
-    model_config,
+    module,
     config: dict,
     seed: int,
     louder_post_norms: bool = False,
@@ -481,13 +464,17 @@ def _save_random(
     tied_head: bool = False,
     amplified: str | None = None,
 ) -> Path:
-    """`model_class(model_config)` from `seed`, saved in `out` with `config` as its config.json. `louder_post_norms`:
+    """mlx-vlm's model of `module` (its `config`, text and vision configs read as the module's) from `seed`, saved in
+    `out` with `config` as its config.json. `louder_post_norms`:
     the norms after each attention and MLP x5 (Gemma 4: at unit scale its scaled embedding drowns every layer of a
     random model, which then echoes its last token). `tied_head`: without the language model's LM head, which is its
     embedding then (as the real checkpoints store it; both libraries tie it). `amplified`: the parameters under this
     path x10 (Gemma 3's projector: its image features are otherwise lost beside the scaled text embeddings)."""
+    model_config = module.ModelConfig.from_dict(config)
+    model_config.text_config = module.TextConfig.from_dict(config["text_config"])
+    model_config.vision_config = module.VisionConfig.from_dict(config["vision_config"])
     mx.random.seed(seed)
-    model = model_class(model_config)
+    model = module.Model(model_config)
     # Matrices x3: attention far from uniform, so the greedy tokens depend on what the image is.
     model.update(tree_map(lambda p: p * (weight_scale if p.ndim == 2 else 1.0), model.parameters()))
     if louder_post_norms:
