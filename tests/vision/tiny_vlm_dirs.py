@@ -43,14 +43,9 @@ QWEN_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_p
 def write_tiny_qwen3_5_dir(out: Path, seed: int = 0) -> Path:
     """A 4-layer random Qwen3.5 checkpoint in `out` (two gated-delta layers, each before a full-attention one)."""
     from mlx_vlm.models import qwen3_5
-    from transformers import AutoTokenizer
 
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = AutoTokenizer.from_pretrained(locate_model(None)[1])
-    tokenizer.add_special_tokens({"additional_special_tokens": QWEN_TOKENS})
-    tokenizer.chat_template = QWEN_TEMPLATE
-    tokenizer.save_pretrained(out)
+    tokenizer = _save_tokenizer(out, QWEN_TOKENS, QWEN_TEMPLATE)
     (out / "chat_template.jinja").write_text(QWEN_TEMPLATE)
     images = {"patch_size": 16, "temporal_patch_size": 2, "merge_size": 2, "min_pixels": 32 * 32}
     images |= {"max_pixels": 64 * 64, "image_mean": [0.5] * 3, "image_std": [0.5] * 3}
@@ -265,14 +260,9 @@ def write_tiny_mistral3_dir(out: Path, seed: int = 0) -> Path:
     side, in patches of 14 px merged 2 x 2, so each 28 x 28 px is one [IMG] token, a row of them ended by
     [IMG_BREAK] and the image by [IMG_END]."""
     from mlx_vlm.models import mistral3
-    from transformers import AutoTokenizer
 
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = AutoTokenizer.from_pretrained(locate_model(None)[1])
-    tokenizer.add_special_tokens({"additional_special_tokens": MISTRAL3_TOKENS})
-    tokenizer.chat_template = MISTRAL3_TEMPLATE
-    tokenizer.save_pretrained(out)
+    tokenizer = _save_tokenizer(out, MISTRAL3_TOKENS, MISTRAL3_TEMPLATE)
     images = {"size": {"longest_edge": 56}, "patch_size": {"height": 14, "width": 14}}
     (out / "preprocessor_config.json").write_text(json.dumps({**images, "processor_class": "PixtralProcessor"}))
     text = {
@@ -327,14 +317,9 @@ def write_tiny_glm4v_dir(out: Path, seed: int = 0) -> Path:
     at most 56 x 56 px (multiples of 28), patches of 14 px merged 2 x 2, its <|image|> expanded to one token per
     28 x 28 px between its begin and end markers; M-RoPE positions from the grid."""
     from mlx_vlm.models import glm4v
-    from transformers import AutoTokenizer
 
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = AutoTokenizer.from_pretrained(locate_model(None)[1])
-    tokenizer.add_special_tokens({"additional_special_tokens": GLM4V_TOKENS})
-    tokenizer.chat_template = GLM4V_TEMPLATE
-    tokenizer.save_pretrained(out)
+    tokenizer = _save_tokenizer(out, GLM4V_TOKENS, GLM4V_TEMPLATE)
     images = {
         "image_processor_type": "Glm4vImageProcessor",
         "size": {"shortest_edge": 28 * 28, "longest_edge": 56 * 56},  # pixels, as Qwen2-VL's min / max pixels
@@ -452,6 +437,18 @@ def write_smolvlm_dir(
         "vision_config": vision,
     }
     return _save_random(out, idefics3, config, seed, weight_scale=weight_scale)
+
+
+def _save_tokenizer(out: Path, special: list[str], template: str):
+    """The default model's tokenizer with the model's `special` tokens and chat `template`, saved in `out`."""
+    from transformers import AutoTokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(locate_model(None)[1])
+    tokenizer.add_special_tokens({"additional_special_tokens": special})
+    tokenizer.chat_template = template
+    tokenizer.save_pretrained(out)
+    return tokenizer
 
 
 def _save_random(
