@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mlxpaged.errors import ConfigError
-from mlxpaged.loading.checkpoint import read_safetensors_header, weight_files
+from mlxpaged.loading.checkpoint import checkpoint_tensors, read_safetensors_header, weight_files
 from mlxpaged.loading.mimo_mtp_head import MODEL_TYPE as MIMO
 from mlxpaged.loading.mimo_mtp_head import PREFIX as MIMO_PREFIX
 from mlxpaged.loading.mimo_mtp_head import MimoMtpHead, mimo_mtp_weights
@@ -81,12 +81,7 @@ def find_mtp(path: Path, name: str) -> MtpCheckpoint:
             f"checkpoints; {name!r} is a {model_type!r} model",
             param="speculative",
         )
-    tensors, nbytes = {}, 0
-    for file in weight_files(path):
-        for tensor in read_safetensors_header(file):
-            if "mtp." in tensor.name:
-                tensors[tensor.name.split("mtp.", 1)[1]] = tensor.name
-                nbytes += tensor.nbytes
+    tensors, nbytes = _tensors_after(path, "mtp.", anywhere=True)  # `mtp.*`, under a language model's prefix too
     if text_type == NEMOTRON or model_type == NEMOTRON:
         return _nemotron(path, name, config, tensors, nbytes)
     if "fc.weight" not in tensors:
@@ -126,7 +121,7 @@ def _nemotron(path: Path, name: str, config: dict, tensors: dict[str, str], nbyt
 
 def _find_mimo(path: Path, name: str, config: dict) -> MtpCheckpoint:
     """MiMo's first MTP layer: `model.mtp_layers.0.*`."""
-    tensors, nbytes = _tensors_under(path, MIMO_PREFIX)
+    tensors, nbytes = _tensors_after(path, MIMO_PREFIX)
     _check_shipped(tensors, name, MIMO_PREFIX, "input_proj.weight")
     return MtpCheckpoint(path, config, tensors, 1, nbytes, layout="mimo")
 
@@ -142,19 +137,20 @@ def _find_nextn(path: Path, name: str, config: dict) -> MtpCheckpoint:
             param="speculative",
         )
     prefix = f"model.layers.{text['num_hidden_layers']}."
-    tensors, nbytes = _tensors_under(path, prefix)
+    tensors, nbytes = _tensors_after(path, prefix)
     _check_shipped(tensors, name, prefix, "eh_proj.weight")
     return MtpCheckpoint(path, config, tensors, 1, nbytes, layout="nextn")
 
 
-def _tensors_under(path: Path, prefix: str) -> tuple[dict[str, str], int]:
-    """({name after `prefix`: its name in the files}, their bytes as stored), from the safetensors headers."""
+def _tensors_after(path: Path, marker: str, anywhere: bool = False) -> tuple[dict[str, str], int]:
+    """({name after `marker`: its name in the files}, their bytes as stored), from the safetensors headers: the
+    tensors whose name starts with `marker` (`anywhere`: holds it; the name after its first)."""
     tensors, nbytes = {}, 0
-    for file in weight_files(path):
-        for tensor in read_safetensors_header(file):
-            if tensor.name.startswith(prefix):
-                tensors[tensor.name[len(prefix) :]] = tensor.name
-                nbytes += tensor.nbytes
+    for tensor in checkpoint_tensors(path):
+        head, found, rest = tensor.name.partition(marker)
+        if found and (anywhere or not head):
+            tensors[rest] = tensor.name
+            nbytes += tensor.nbytes
     return tensors, nbytes
 
 
