@@ -36,12 +36,13 @@ GRAPHS_VAR = "MLX_USE_CUDA_GRAPHS"  # MLX's CUDA backend reads it once, at the p
 
 
 def environment_lines() -> list[str]:
-    """Device, backend, versions and the levers set (decode attention, CUDA graphs): what a reader needs to know
-    where the figures come from."""
+    """Device, backend, versions and the levers set (decode attention, CUDA graphs, the recorder thread, compiled
+    batches): what a reader needs to know where the figures come from."""
     import os
 
     from mlxpaged.kernels.attention import resolved_backend
     from mlxpaged.platform import backend
+    from mlxpaged.runner import decode_pass, recorder
 
     import mlx.core as mx
     import mlx_lm
@@ -52,6 +53,8 @@ def environment_lines() -> list[str]:
         f"device: {name} ({backend.describe()}, default device {mx.default_device()})",
         f"mlx {mx.__version__}, mlx-lm {mlx_lm.__version__}, mlxpaged commit {git_commit()}",
         f"decode attention: {resolved_backend()}; MLX_USE_CUDA_GRAPHS={os.environ.get(GRAPHS_VAR, 'unset (on)')}",
+        f"{recorder.ENV_VAR}={os.environ.get(recorder.ENV_VAR, 'unset (off)')}; "
+        f"{decode_pass.ROWS_ENV_VAR}={os.environ.get(decode_pass.ROWS_ENV_VAR, 'unset (the backend tuning)')}",
     ]
 
 

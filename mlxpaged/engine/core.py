@@ -130,6 +130,7 @@ class EngineCore:
     def idle(self) -> None:
         """Nothing to run: write the disk tier's pending blocks, and over ranks let the others hear rank 0 is alive
         (the engine thread calls this while it waits)."""
+        self.runner.settle_recording(quiet=True)
         if self.tiering is not None:
             self.tiering.idle()
         if self.runner.mirror is not None:
@@ -206,6 +207,10 @@ class EngineCore:
 
     def step(self) -> None:
         """One engine step over every unfinished request."""
+        if self.runner.recorder is not None and (self.tiering is not None or not self.predictable()):
+            # Only a step that continues the same rows schedules and builds while the recorder thread queues the pass
+            # built ahead (runner/recorder.py); anything else may evaluate (aborts, admissions, drafts, the disk tier).
+            self.runner.settle_recording()
         while self.outputs.pending_aborts:  # requests whose sink raised during the last step
             self.abort(self.outputs.pending_aborts.pop(0))
         if self.tiering is not None:

@@ -20,6 +20,7 @@ from mlxpaged.engine.core import EngineCore
 from mlxpaged.engine.request import ImageSpan
 from mlxpaged.errors import EngineClosedError
 from mlxpaged.platform.memory import MemoryPlan, wired_limit
+from mlxpaged.runner import recorder
 from mlxpaged.sampling_params import SamplingParams
 
 import mlx.core as mx
@@ -84,9 +85,15 @@ def start(engine, commands: queue.SimpleQueue, core: EngineCore, plan: MemoryPla
 
 
 def _serve(ref: weakref.ref, commands: queue.SimpleQueue, core: EngineCore, plan: MemoryPlan, wire: bool) -> None:
-    stream = mx.new_stream(mx.default_device())  # MLX streams belong to the thread that made them
+    # MLX streams belong to the thread that made them; with a recorder thread (runner/recorder.py) it evaluates
+    # what this one builds, so the stream is one any thread may use.
+    recording = recorder.wanted()
+    device = mx.default_device()
+    stream = mx.new_thread_unsafe_stream(device) if recording else mx.new_stream(device)
     try:
         with mx.stream(stream), wired_limit(plan, enabled=wire, streams=[stream]):
+            if recording:
+                core.runner.recorder = recorder.Recorder()
             if ref() is not None:
                 core.warm_up()
             while _turn(ref, commands, core):
@@ -96,6 +103,9 @@ def _serve(ref: weakref.ref, commands: queue.SimpleQueue, core: EngineCore, plan
             _fail_queued(commands, closed)
             core.close()  # on this thread's stream: the disk tier copies its last blocks out of the pools
     finally:
+        if core.runner.recorder is not None:
+            core.runner.recorder.close()
+            core.runner.recorder = None
         # MLX requires a thread to release its streams before it ends, or the process can
         # abort at exit ("terminate called without an active exception").
         mx.clear_streams()
@@ -152,6 +162,7 @@ def _watched(core: EngineCore, commands: queue.SimpleQueue) -> contextlib.Abstra
 
 def apply(core: EngineCore, command: Command) -> bool:
     """Apply one command to the core; False for Close. A request the core refuses gets the error in its sink."""
+    core.runner.settle_recording(quiet=True)  # a command may evaluate (a Call) or stop the run; a failure is the step's
     if isinstance(command, Close):
         return False
     if isinstance(command, Add):

@@ -16,6 +16,13 @@ Only models whose layers all attend fully (one layer group) take this path. A mo
 its prompt's images (M-RoPE: vision/positions.py) gets each row's offset plus its request's delta as a traced
 array too, so its passes share the graphs a text model's do.
 
+Passes of several rows are traced at bucketed batch sizes (`batch_bucket`: 2, 4, 8, then multiples of 8, as vLLM
+captures its CUDA graphs), so a batch that grows and shrinks retraces a handful of times instead of once per size:
+the rows past the real ones repeat the first row (its token, position and pages), and each writes the first row's
+K/V into the first row's slots (`sources`), so the pages end as they would without them; their logits are dropped.
+How many rows run compiled is the backend's `Tuning.compiled_decode_max_batch` (CPU 1, GPUs 0: measured there) or
+MLXPAGED_COMPILE_BATCH=N, the lever the GPU kit measures (docs/design/issue38-load.md).
+
 A pass whose rows all run with one LoRA / DoRA adapter (adapters/) takes a compiled function of its own for that
 adapter: the trace applies the adapter's update in every layer it adapts, its arrays held by the graph as the base
 weights are. Batch-1 decode with an adapter is the case mlx-lm serves (`generate --adapter-path`), and eager it ran at
@@ -42,6 +49,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 ENV_VAR = "MLXPAGED_COMPILE"  # "0" turns compiled decode passes off (A/B runs, debugging)
+ROWS_ENV_VAR = "MLXPAGED_COMPILE_BATCH"  # N: decode passes of up to N rows run compiled (the backend's tuned value)
 MIN_PAGES = 8  # contexts up to 128 tokens (block size 16) share one graph
 MAX_ADAPTER_GRAPHS = 16  # adapters whose compiled pass is kept (each holds its traced graphs, one per page bucket)
 
@@ -55,16 +63,43 @@ def page_bucket(pages: int) -> int:
     return -(-pages // step) * step
 
 
+def batch_bucket(rows: int) -> int:
+    """Rows a compiled pass of `rows` sequences is traced for: powers of two up to 8, then multiples of 8."""
+    if rows <= 8:
+        return 1 << (rows - 1).bit_length()
+    return -(-rows // 8) * 8
+
+
 def compile_enabled() -> bool:
     return os.environ.get(ENV_VAR, "1").strip() != "0"
+
+
+def compiled_rows_asked() -> int | None:
+    """The most rows a decode pass may have and run compiled, as MLXPAGED_COMPILE_BATCH asks (None: not set)."""
+    value = os.environ.get(ROWS_ENV_VAR, "").strip()
+    if not value:
+        return None
+    if not value.isdigit():
+        raise ValueError(f"{ROWS_ENV_VAR} must be a whole number of rows (0: none compiled), got {value!r}")
+    return int(value)
 
 
 class _PassState:
     """The traced inputs of one pass, shared by every layer's view; derived once per pass. A pass
     feeds L tokens per sequence (L = 1: decode; L > 1: a speculative verify chunk, causal within)."""
 
-    def __init__(self, starts: mx.array, tables: mx.array, keys: list[Pool], values: list[Pool], length: int = 1):
+    def __init__(
+        self,
+        starts: mx.array,
+        tables: mx.array,
+        keys: list[Pool],
+        values: list[Pool],
+        length: int = 1,
+        sources: mx.array | None = None,
+    ):
         _, heads, size, _ = keys[0].shape
+        # [B] the row whose K/V each row writes (a padding row: the first row's, into the same slots), or None: its own
+        self.sources = sources
         batch, width = tables.shape
         self.positions = starts  # [B] position of each first new token (the RoPE offset)
         new = starts[:, None] + mx.arange(length, dtype=mx.int32)[None, :]  # [B, L] positions written
@@ -117,6 +152,8 @@ class DecodeView:
         s, j, t = self._state, self._layer, self._transform
         stored_k = keys if t is None else t.keys_in(j, keys)
         stored_v = values if t is None else t.values_in(j, values)
+        if s.sources is not None:  # padding rows write what the first row writes, where it writes it
+            stored_k, stored_v = stored_k[s.sources], stored_v[s.sources]
         store_pair(s.keys[j], s.values[j], s.slot, stored_k.swapaxes(1, 2), stored_v.swapaxes(1, 2))  # in place
         self._returned = keys, values
         return keys, values
@@ -167,6 +204,7 @@ class CompiledDecode:
         self.body: nn.Module = body if body is not None else model  # what `head` reads (when it is given)
         self.takes_positions = takes_positions  # M-RoPE: position_ids [3, B, L] from each row's start and delta
         self._forward = mx.compile(self._trace)
+        self._bucketed = mx.compile(self._trace_rows)  # passes of several rows, padded to batch_bucket rows
         # adapter id -> the compiled pass whose rows all run with it, most recently used last
         self._adapted: OrderedDict[str, Callable] = OrderedDict()
 
@@ -197,19 +235,31 @@ class CompiledDecode:
         width = page_bucket(max(needed))
         # Padding entries repeat a valid block (masked out) so the gathers stay inside the pool.
         padded = [list(t[:n]) + [t[n - 1]] * (width - n) for t, n in zip(tables, needed, strict=True)]
-        kv = self.kv
-        forward = self._forward if adapter is None else self._adapted_forward(adapter, rows)
+        starts, deltas = list(starts), list(deltas) if deltas is not None else [0] * len(starts)
+        kv, real = self.kv, len(starts)
+        extra: tuple[mx.array, ...] = ()
+        if adapter is not None:  # a graph per adapter and batch size (adapted passes are not padded)
+            forward = self._adapted_forward(adapter, rows)
+        elif real == 1:
+            forward = self._forward
+        else:  # padded to its bucket with copies of the first row, which write only what the first row writes
+            forward, pad = self._bucketed, batch_bucket(real) - real
+            starts, deltas, padded = starts + starts[:1] * pad, deltas + deltas[:1] * pad, padded + padded[:1] * pad
+            if pad:
+                tokens = mx.concatenate([tokens, mx.repeat(tokens[:1], pad, axis=0)])
+            extra = (mx.array(list(range(real)) + [0] * pad, dtype=mx.int32),)
         logits, keys, values = forward(
             tokens,
-            mx.array(list(starts), dtype=mx.int32),
+            mx.array(starts, dtype=mx.int32),
             mx.array(padded, dtype=mx.int32),
-            mx.array(list(deltas) if deltas is not None else [0] * len(starts), dtype=mx.int32),
+            mx.array(deltas, dtype=mx.int32),
             as_arguments(kv.keys),
             as_arguments(kv.values),
+            *extra,
         )
         # Drop the old pools: the writes stay in place.
         kv.keys[:], kv.values[:] = from_arguments(keys, kv.keys), from_arguments(values, kv.values)
-        return logits
+        return logits if len(starts) == real else logits[: real * length]
 
     def _adapted_forward(self, adapter: str, rows: PassRows | None) -> Callable:
         if rows is None:
@@ -265,12 +315,15 @@ class CompiledDecode:
             return mx.zeros(shape, self.kv.dtype)
         return QuantizedPages.zeros(shape, self.kv.dtype, self.kv.quantization)
 
-    def _trace(self, tokens, starts, tables, deltas, keys, values, adapter=None, rows=None):
+    def _trace_rows(self, tokens, starts, tables, deltas, keys, values, sources):
+        return self._trace(tokens, starts, tables, deltas, keys, values, sources=sources)
+
+    def _trace(self, tokens, starts, tables, deltas, keys, values, adapter=None, rows=None, sources=None):
         if adapter is not None:
             with rows.building([adapter] * tokens.shape[0], tokens.shape[1]):
                 return self._trace(tokens, starts, tables, deltas, keys, values)
         keys, values = from_arguments(keys, self.kv.keys), from_arguments(values, self.kv.values)
-        state = _PassState(starts, tables, list(keys), list(values), tokens.shape[1])
+        state = _PassState(starts, tables, list(keys), list(values), tokens.shape[1], sources)
         view = PositionedDecodeView if self.takes_positions else DecodeView
         views = [view(state, layer, self.kv.transform) for layer in range(len(keys))]
         if self.takes_positions:

@@ -22,7 +22,7 @@ from mlxpaged.cache.layout import ModelLayout
 from mlxpaged.cache.state_cache import StatePass, StateStore
 from mlxpaged.platform import backend
 from mlxpaged.runner import cache_tree, decode_buffers
-from mlxpaged.runner.decode_pass import CompiledDecode
+from mlxpaged.runner.decode_pass import CompiledDecode, compiled_rows_asked
 from mlxpaged.runner.deferred_writes import (
     MAX_PENDING,
     MAX_PENDING_BUFFERED,
@@ -41,6 +41,7 @@ from mlxpaged.runner.passes import (
     split_head,
     state_model_passes,
 )
+from mlxpaged.runner.recorder import Recorder
 from mlxpaged.runner.routing import is_routed
 from mlxpaged.runner.sampling import LazySample, SampleResult, sample_batch
 from mlxpaged.runner.sampling_rows import SamplingRows
@@ -160,9 +161,11 @@ class Runner:
         plain = layout is None or (cache_tree.simple(layout) and all(leaf.routed for leaf in layout.kv_leaves))
         compiled = state_store is None and plain and is_routed(model) and CompiledDecode.supports(kv_cache)
         self.tuning = backend.tuning()
+        # MLXPAGED_COMPILE_BATCH (decode_pass.py) in place of the tuned value: the GPU kit's lever; None: the tuning's.
+        self._compiled_rows = compiled_rows_asked()
         self.decoder = (
             CompiledDecode(model, kv_cache, self.head, self.takes_positions)
-            if compiled and self.tuning.compiled_decode_max_batch
+            if compiled and self.most_compiled_rows
             else None
         )
         self._ahead: Lookahead | None = None  # the next step's decode pass, already queued
@@ -186,6 +189,9 @@ class Runner:
         )
         # Set on rank 0 of a distributed engine (engine/build.py): passes are mirrored, none is built ahead.
         self.mirror: StepMirror | None = None
+        # Set by the engine thread with MLXPAGED_RECORD_THREAD=1 (recorder.py): the passes built ahead are queued
+        # from a thread of its own; every other launch or read here waits until it is done (`settle_recording`).
+        self.recorder: Recorder | None = None
         # Set when the model serves adapters (engine/build.py): each pass tells the adapted layers its rows' adapters.
         self.adapter_rows: PassRows | None = None
         # `capture_hidden()`: each step keeps the model's last hidden state of every position it computed, per input.
@@ -219,7 +225,7 @@ class Runner:
         if ahead.deferred is not None:
             self._adopt_pending(ahead.deferred.pending_after(), [c.request.request_id for c in chunks])
         self._ahead = self._look_ahead(chunks, _rows(ahead.sample.tokens, rows_of), sampling.chunk_samplers, planner)
-        everything = ahead.sample.results()
+        everything = ahead.sample.results()  # with a recorder thread, read while it records the next pass
         self._launch_ahead()
         return [everything[i] for i in rows_of]
 
@@ -227,18 +233,27 @@ class Runner:
     def pools_settled(self) -> bool:
         """No pass is queued ahead and no K/V waits outside the pools: reading the pools now reads every
         computed token and pins nothing in flight (the disk tier snapshots blocks only then)."""
-        return self._ahead is None and self._pending is None and not self._orphans
+        recording = self.recorder is not None and self.recorder.busy
+        return self._ahead is None and self._pending is None and not self._orphans and not recording
 
     def drop_look_ahead(self, failed: bool = False) -> None:
         """Forget the queued pass (a step with nothing scheduled, or a failed one) and write the pending K/V:
         passes already read produced them, and their full blocks may be prefix-cache hits. After a failure
         the queued pass is not waited for (it may be what failed)."""
         ahead, self._ahead = self._ahead, None
+        self.settle_recording(quiet=failed)
         self._settle(None if failed else ahead)
+
+    def settle_recording(self, quiet: bool = False) -> None:
+        """Wait until the recorder thread (if any) has queued the pass it was given: then this thread may evaluate
+        (recorder.py). `quiet`: do not raise what queuing it raised (a failed step is being handled)."""
+        if self.recorder is not None:
+            self.recorder.settle(quiet)
 
     def copy_blocks(self, copies: Sequence) -> None:
         """Do a fork's copy-on-write copies (CopyOnWrite) and land them before the next pass writes."""
         if copies:
+            self.settle_recording()
             self._flush_pending()  # a fork starts after a step that settled: nothing is in flight
             if self.mirror is not None:  # across ranks there is one block space (build.py refuses several)
                 self.mirror.before_copy([(c.src_block, c.dst_block) for c in copies])
@@ -247,6 +262,7 @@ class Runner:
     def _settle(self, ahead: Lookahead | None) -> None:
         """The pipeline stops: let a queued pass nobody adopts finish (a pool write queued while it reads
         the pools would copy them), then write the pending K/V into their slots."""
+        self.settle_recording()
         if ahead is not None and ahead.launched:
             mx.eval(*ahead.sample.arrays)
         self._flush_pending()
@@ -298,7 +314,7 @@ class Runner:
         samplers = sampling.samplers
         if any(sampler.has_processors for sampler in samplers):
             return sample_batch(logits, samplers)  # processors read the history: no pipelining
-        sample = LazySample(logits, samplers)
+        sample = LazySample(logits, samplers, separate_read=self.recorder is not None)
         # Only steady decoding is pipelined: every chunk samples, no forks are pending, and no
         # request gets its first token here (queuing the next pass first would delay that token
         # by a step, and time to first token is what a user waits on).
@@ -313,7 +329,11 @@ class Runner:
         was started when it was built."""
         if self._ahead is not None and not self._ahead.launched:
             state_pass = self._ahead.state_pass
-            self.launch(*self._ahead.sample.arrays, *(state_pass.new_arrays() if state_pass is not None else ()))
+            arrays = [*self._ahead.sample.arrays, *(state_pass.new_arrays() if state_pass is not None else ())]
+            if self.recorder is not None:
+                self._ahead.sample.recording = self.recorder.record([*arrays, *self.kv.pools])
+            else:
+                self.launch(*arrays)
 
     def _look_ahead(self, chunks: list, tokens: mx.array, samplers: list, planner: NextStepPlanner) -> Lookahead | None:
         """Build the next step's decode pass on this step's lazy tokens (mlx-lm's async_eval
@@ -356,17 +376,24 @@ class Runner:
             return None
         rows = [(chunks[i].request.request_id, x.start) for i, x in zip(picked, inputs, strict=True)]
         picked_samplers = [samplers[i] for i in picked]
-        if self.defers and (self._pending is None or self._pending.length < _pending_limit(self._pending)):
+        # A compiled pass reads the pools only (a GPU's MLXPAGED_COMPILE_BATCH): built ahead on flushed pools instead.
+        deferrable = self.defers and not compiled
+        if deferrable and (self._pending is None or self._pending.length < _pending_limit(self._pending)):
             # Queued now, before this step is read: it writes no pages, so nothing in flight is copied.
             ids = [rid for rid, _ in rows]
             pending = self._pending.select(ids) if self._pending is not None else None
             logits, deferred = self._deferred_pass(inputs, ids, _rows(tokens, picked), pending)
-            return Lookahead(rows, LazySample(logits, picked_samplers, ahead=1), deferred=deferred)
+            recorder = self.recorder
+            sample = LazySample(logits, picked_samplers, ahead=1, launch=recorder is None, separate_read=bool(recorder))
+            if recorder is not None:  # queued from the recorder thread while this one reads the step before
+                sample.recording = recorder.record(sample.arrays)
+            return Lookahead(rows, sample, deferred=deferred)
         if self.defers:
             self._flush_pending()  # every _pending_limit tokens: launched after this step is read, in place
         logits = self.decode_ahead(inputs, _rows(tokens, picked))
         state_pass, self._built_state_pass = self._built_state_pass, None
-        return Lookahead(rows, LazySample(logits, picked_samplers, ahead=1, launch=False), state_pass)
+        sample = LazySample(logits, picked_samplers, ahead=1, launch=False, separate_read=self.recorder is not None)
+        return Lookahead(rows, sample, state_pass)
 
     def _deferred_pass(
         self, inputs: list[StepInput], ids: list[str], tokens: mx.array, pending: PendingKV | None
@@ -454,9 +481,14 @@ class Runner:
             length <= COMPILED_VERIFY_MAX_TOKENS and all(x.num_logits == len(x.token_ids) == length for x in batch)
         )
 
+    @property
+    def most_compiled_rows(self) -> int:
+        """The most sequences a decode pass may have and run compiled."""
+        return self.tuning.compiled_decode_max_batch if self._compiled_rows is None else self._compiled_rows
+
     def compiles(self, batch: int) -> bool:
         """True when a decode pass of `batch` sequences runs compiled (decode_pass.py)."""
-        return self.decoder is not None and batch <= self.tuning.compiled_decode_max_batch
+        return self.decoder is not None and batch <= self.most_compiled_rows
 
     def decode_ahead(self, inputs: Sequence[StepInput], tokens: mx.array) -> mx.array:
         """A decode pass of one token per input whose ids are still being computed (`tokens` [B],
@@ -471,6 +503,7 @@ class Runner:
         ahead is launched only after the pass before it has been read (measured on compiled
         passes: launching one while the pass before ran copied pools, 55 -> 115-175 ms per step
         with 6 GB of pools)."""
+        self.settle_recording()
         mx.async_eval(*arrays, self.kv.pools)
 
     def _pass(self, batch: list[StepInput], tokens: mx.array | None = None, launch: bool = True) -> mx.array:

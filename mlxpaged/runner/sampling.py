@@ -48,6 +48,7 @@ from mlx_lm.sample_utils import (
 
 if TYPE_CHECKING:
     from mlxpaged.constraints import BatchMask, RowConstraint
+    from mlxpaged.runner.recorder import Recording
 
 
 class TokenSequence(Protocol):
@@ -386,20 +387,33 @@ class LazySample:
     is built on `tokens` while this one computes; `results()` reads them. Only for rows without
     logits processors, penalties or constraints, which need the history up to the token being sampled.
     `ahead`: how many tokens each row is ahead of its recorded history (seeded keys follow).
-    `launch=False` leaves the graph unqueued: the caller passes `arrays` to its own async_eval."""
+    `launch=False` leaves the graph unqueued: the caller passes `arrays` to its own async_eval, or to the recorder
+    thread (runner/recorder.py), which sets `recording`. `separate_read`: `results()` reads a copy of the tokens, not
+    the array the next pass consumes, which the recorder thread may be evaluating meanwhile."""
 
-    def __init__(self, logits: mx.array, states: list[SamplerState], ahead: int = 0, launch: bool = True):
+    def __init__(
+        self,
+        logits: mx.array,
+        states: list[SamplerState],
+        ahead: int = 0,
+        launch: bool = True,
+        separate_read: bool = False,
+    ):
         if any(state.has_processors for state in states):
             raise ValueError("rows with logits processors, penalties or constraints cannot be sampled lazily")
         logits = logits.astype(mx.float32)
         self.states = states
         self.tokens = _choose_tokens(logits, states, ahead).astype(mx.int32)
+        self._read = mx.stop_gradient(self.tokens) if separate_read else self.tokens  # a new array on the same data
         self._asked = [i for i, state in enumerate(states) if state.params.logprobs]
         self._extras = _logprob_graph(logits, self.tokens, states, self._asked)
-        self.arrays = [self.tokens, *self._extras]
+        self.arrays = [self.tokens, *self._extras] + ([self._read] if separate_read else [])
+        self.recording: Recording | None = None  # set when the recorder thread queues `arrays`
         if launch:
             mx.async_eval(*self.arrays)
 
     def results(self) -> list[SampleResult]:
         """Wait for the tokens; one SampleResult per row."""
-        return _read_rows(self.tokens, self._extras, self._asked, self.states, {})
+        if self.recording is not None:
+            self.recording.wait()  # queued by the recorder thread: only then may this thread evaluate them
+        return _read_rows(self._read, self._extras, self._asked, self.states, {})

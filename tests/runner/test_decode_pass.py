@@ -9,7 +9,7 @@ from mlxpaged.engine.output_processor import OutputProcessor
 from mlxpaged.kernels import cpu_attention
 from mlxpaged.kernels.attention import attention_backend, decode_attention
 from mlxpaged.kernels.reference import page_rows
-from mlxpaged.runner.decode_pass import MIN_PAGES, CompiledDecode, page_bucket
+from mlxpaged.runner.decode_pass import MIN_PAGES, CompiledDecode, batch_bucket, compiled_rows_asked, page_bucket
 from mlxpaged.sampling_params import SamplingParams
 from tests.engine.test_engine import (  # noqa: F401  (the fixtures, shared)
     GREEDY,
@@ -53,6 +53,51 @@ def test_page_buckets_pad_by_at_most_a_quarter_with_four_graphs_per_doubling():
     assert buckets == sorted(buckets)
     for k in range(4, 12):
         assert len({page_bucket(n) for n in range(2**k + 1, 2 ** (k + 1) + 1)}) == 4
+
+
+def test_batch_buckets_are_powers_of_two_to_eight_then_multiples_of_eight():
+    assert [batch_bucket(n) for n in range(1, 10)] == [1, 2, 4, 4, 8, 8, 8, 8, 16]
+    assert [batch_bucket(n) for n in (16, 17, 24, 25, 64, 65)] == [16, 24, 24, 32, 64, 72]
+    assert len({batch_bucket(n) for n in range(1, 65)}) == 11  # 64 sizes, 11 graphs per page bucket
+
+
+def test_the_compiled_batch_lever_reads_its_environment(monkeypatch):
+    monkeypatch.delenv("MLXPAGED_COMPILE_BATCH", raising=False)
+    assert compiled_rows_asked() is None
+    monkeypatch.setenv("MLXPAGED_COMPILE_BATCH", "64")
+    assert compiled_rows_asked() == 64
+    monkeypatch.setenv("MLXPAGED_COMPILE_BATCH", "many")
+    with pytest.raises(ValueError, match="MLXPAGED_COMPILE_BATCH must be a whole number"):
+        compiled_rows_asked()
+
+
+def test_passes_padded_to_their_batch_bucket_equal_eager_passes(tiny, monkeypatch):
+    """Five prompts that end one after another decode at 5, 4, 3, 2 and 1 rows: compiled, every batch of several rows
+    runs padded to 8, 4 or 2 rows (copies of its first row that write only what that row writes), tracing one graph
+    per bucket; the tokens and logprobs are the eager passes', and no block is left written or owned."""
+    prompts = [random_tokens(n, seed=n) for n in (5, 19, 40, 11, 70)]
+    original = CompiledDecode._trace_rows
+    for base in (dataclasses.replace(GREEDY, max_tokens=24), dataclasses.replace(SEEDED, max_tokens=24)):
+        params = [dataclasses.replace(base, max_tokens=base.max_tokens - 4 * i) for i in range(len(prompts))]
+        monkeypatch.setattr(tiny.runner, "decoder", None)
+        eager = tiny.generate(prompts, params)
+        traced: list[int] = []
+
+        def tracing(self, *args, traced=traced):
+            traced.append(args[0].shape[0])  # the rows the graph is traced for
+            return original(self, *args)
+
+        monkeypatch.setattr(CompiledDecode, "_trace_rows", tracing)
+        decoder = CompiledDecode(tiny.model, tiny.kv, tiny.runner.head)  # a fresh function: no traces yet
+        monkeypatch.setattr(tiny.runner, "decoder", decoder)
+        monkeypatch.setattr(tiny.runner, "_compiled_rows", 8)
+        calls = count_passes(monkeypatch)
+        got = tiny.generate(prompts, params)
+        assert {5, 4, 3, 2, 1} <= set(calls)
+        assert sorted(set(traced)) == [2, 4, 8] and len(traced) == len(set(traced))  # one page bucket here
+        assert_same_completions(got, eager)
+        monkeypatch.undo()
+    assert_pool_empty(tiny)
 
 
 def padded_inputs(case, width: int) -> tuple[mx.array, mx.array]:

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Issue 38 part 5 (the GPU levers) on a lent GPU, in one device call after the kit's call 1 (../shared/gpu/README.md):
 #   MLXPAGED_COMMIT=<sha> bash .gpu/p2/run.sh bash docs/design/scripts/issue38_gpu_levers.sh [STEP ...]
-# With no STEP: twin_check twin_micro batch_kernel batch_default skewed nographs (about 8 minutes on an H200 by
-# the limits; not run yet). Each step has its own limit and writes under $OUT, so a call cut short brings back
-# what ran. `bench gpu` prints which decode attention and whether MLX_USE_CUDA_GRAPHS was set, beside mlx-lm.
+# With no STEP: batch_default batch_record batch_compiled twin_check batch_kernel (9 minutes by the limits, within
+# one call; not run yet); then, in another call if device time is left: skewed nographs twin_micro. Each step has
+# its own limit and writes under $OUT, so a call cut short brings back what ran. `bench gpu` prints every lever set
+# (decode attention, MLX_USE_CUDA_GRAPHS, MLXPAGED_RECORD_THREAD, MLXPAGED_COMPILE_BATCH), beside mlx-lm.
 set -u
 OUT=${OUT:-/tmp/gpu/out}
 M=${MODELS:-/tmp/models}
@@ -16,6 +17,10 @@ run_step() {
     twin_micro) limit=90; set -- python3 docs/design/scripts/issue38_cuda_kernel.py ;;
     batch_kernel) limit=120; set -- env MLXPAGED_ATTENTION=kernel $BENCH gpu --model $M/1.7b --parts batch --tokens 128 --runs 2 --concurrency 16,64 ;;
     batch_default) limit=120; set -- $BENCH gpu --model $M/1.7b --parts batch --tokens 128 --runs 2 --concurrency 16,64 ;;
+    # The pass queued ahead recorded on a thread of its own while Python builds the next (runner/recorder.py).
+    batch_record) limit=120; set -- env MLXPAGED_RECORD_THREAD=1 $BENCH gpu --model $M/1.7b --parts decode,batch --tokens 128 --runs 2 --concurrency 16,64 ;;
+    # Decode passes of up to 64 rows compiled at bucketed batch sizes (runner/decode_pass.py), built ahead on the pools.
+    batch_compiled) limit=120; set -- env MLXPAGED_COMPILE_BATCH=64 $BENCH gpu --model $M/1.7b --parts batch --tokens 128 --runs 2 --concurrency 16,64 ;;
     skewed) limit=150; set -- $BENCH batch --model $M/1.7b --lengths skewed --tokens 128 --runs 1 ;;
     skewed_kernel) limit=150; set -- env MLXPAGED_ATTENTION=kernel $BENCH batch --model $M/1.7b --lengths skewed --tokens 128 --runs 1 ;;
     # The engine's own process without CUDA graphs: decode, batch and the cold / cached prefill (cuDNN builds a
@@ -27,5 +32,5 @@ run_step() {
   echo "=== $name ($(date +%T), limit ${limit}s)"
   timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.txt"
 }
-ALL="twin_check twin_micro batch_kernel batch_default skewed nographs"
+ALL="batch_default batch_record batch_compiled twin_check batch_kernel"
 for name in ${*:-$ALL}; do run_step "$name"; done
