@@ -23,7 +23,12 @@ from dataclasses import dataclass
 CONTEXT_BUCKET = 1024  # tokens: a cost per prefill token is kept per bucket of the chunk's end position
 SMOOTHING = 0.5  # the weight of the newest measurement: costs move with the machine's load
 MIN_CHUNK = 16  # a prompt always advances: the first prefill chunk of a step takes at least this many tokens
-FIRST_CHUNK = 256  # tokens of a chunk beside decoding streams before any prefill was measured
+FIRST_CHUNK = 256  # tokens of a chunk before any prefill was measured
+# A plan fills this share of the budget: costs are smoothed averages, and steps scatter around them, so a plan at the
+# whole budget runs over it about every other step, and a client that hangs up waits that much longer. The embedded
+# model on this CPU, a 6,500-token prompt alone: planned at 2 s, steps of 1.42-2.31 s; at 7/8 of it (1.75 s), 1.62-2.07
+# s, and a live server went idle up to 2.45 s after a client hung up (docs/design/issue38-load.md, session 30).
+PLAN_SHARE = 0.75
 
 
 @dataclass(frozen=True)
@@ -54,10 +59,11 @@ class StepBudget:
     def plan(self, decoding: bool) -> StepPlan:
         """The time this step's prefill chunks may take: the budget, less the decoding rows' part (and beside them,
         for a long prompt's chunk, the long prompts' budget less that part)."""
+        budget_s, long_prompt_s = self.budget_s * PLAN_SHARE, self.long_prompt_s * PLAN_SHARE
         if not decoding:
-            return StepPlan(self, self.budget_s, self.budget_s, decoding)
+            return StepPlan(self, budget_s, budget_s, decoding)
         decode_s = self.decode_s or 0.0
-        return StepPlan(self, self.budget_s - decode_s, self.long_prompt_s - decode_s, decoding)
+        return StepPlan(self, budget_s - decode_s, long_prompt_s - decode_s, decoding)
 
     def record(self, seconds: float, decoding: bool, prefills: list[Chunk]) -> None:
         """A step took `seconds`: it decoded (or not) and fed these prefill chunks."""
@@ -75,15 +81,22 @@ class StepBudget:
 
     def per_token_s(self, end: int) -> float | None:
         """Seconds per prefill token of a chunk ending at `end`: its bucket's, else the nearest measured bucket's
-        before it, else after it, else None (nothing measured yet). A neighbour's cost is taken as it is: a long
-        prompt reaches each bucket from the one before (a token costs nearly as much there), and a chunk after a
-        long cached prefix that costs more than its price is over budget once, then measured."""
+        before it plus one bucket's rise (as the two measured buckets below it rose), else the nearest after it, else
+        None (nothing measured yet). A long prompt reaches each bucket from the one before, where a token costs a
+        bucket's rise less (a token attends to ~1,024 keys fewer); a chunk after a long cached prefix, which costs
+        more than that price, is over budget once, then measured (pricing a far bucket by its position would
+        overprice it: in a 5,000-token prompt a token cost 4.4 ms in the first bucket and 9.6 ms in the fifth, not 5 x
+        4.4)."""
         bucket = end // CONTEXT_BUCKET
         if bucket in self._per_token_s:
             return self._per_token_s[bucket]
-        below = [b for b in self._per_token_s if b < bucket]
+        below = sorted(b for b in self._per_token_s if b < bucket)
         if below:
-            return self._per_token_s[max(below)]
+            top = self._per_token_s[below[-1]]
+            if len(below) < 2:
+                return top
+            rise = (top - self._per_token_s[below[-2]]) / (below[-1] - below[-2])
+            return top + max(0.0, rise)
         above = [b for b in self._per_token_s if b > bucket]
         return self._per_token_s[min(above)] if above else None
 
@@ -124,12 +137,12 @@ class StepPlan:
     def take(self, start: int, most: int, long_prompt: bool = False) -> int:
         """Tokens for a prefill chunk starting at `start` (ask `has_time` first), at most `most`, of a long prompt or
         not: the first chunk of a step at least MIN_CHUNK (or `most`, if smaller), a later one at least 1. Before any
-        prefill was measured, `most` alone (the first prompt of an engine's life), FIRST_CHUNK beside decoding
-        streams."""
+        prefill was measured, FIRST_CHUNK (the first prompt of an engine's life: a step of the most tokens took 5.6 s
+        on this CPU, which a client hanging up would wait for)."""
         seconds = self.long_prompt_seconds_left if long_prompt else self.seconds_left
         tokens = self.budget.tokens_within(max(seconds, 0.0), start, most)
         if tokens is None:
-            tokens = min(most, FIRST_CHUNK) if self.decoding else most
+            tokens = min(most, FIRST_CHUNK)
         tokens = max(tokens, min(MIN_CHUNK if self.num_chunks == 0 else 1, most))
         self.num_chunks += 1
         cost = self.budget.cost_s(Chunk(start, tokens))

@@ -97,6 +97,8 @@ class Tuning:
     # size costs 40-150 ms, so only batch 1. GPU: none. Metal's kernel reads host lengths (never compiled);
     # on CUDA an eager pass attends exact keys with no mask (MLX's fused decode kernels; a compiled pass
     # needs a mask over its page bucket) and can be queued before the last one is read (queue_before_read).
+    # MLXPAGED_COMPILE_BATCH=N replaces this value (passes of several rows padded to batch buckets, decode_pass.py):
+    # the lever the GPU kit measures (docs/design/issue38-load.md).
     compiled_decode_max_batch: int
     # Build the next decode pass on this step's lazy tokens for compiled passes too. CPU: no (2 cores:
     # building during the last pass's tail slowed it, batch 1 19.6 vs 19.0 tok/s, 3 A/B runs).

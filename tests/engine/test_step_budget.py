@@ -27,18 +27,19 @@ def measured(budget_s: float = 0.5, decode_s: float = 0.25) -> StepBudget:
     return budget
 
 
-def test_before_anything_is_measured_a_prompt_alone_takes_all_it_may_and_beside_streams_a_first_chunk():
-    assert StepBudget(0.5).plan(decoding=False).take(0, 2048) == 2048  # the first prompt of an engine's life
+def test_before_anything_is_measured_a_prompt_takes_a_first_chunk_alone_or_beside_streams():
+    assert StepBudget(0.5).plan(decoding=False).take(0, 2048) == FIRST_CHUNK  # the first prompt of an engine's life
     assert StepBudget(0.5).plan(decoding=True).take(0, 2048) == FIRST_CHUNK
+    assert StepBudget(0.5).plan(decoding=False).take(0, 100) == 100
 
 
 def test_a_chunk_beside_streams_takes_what_their_part_leaves_of_the_budget():
     budget = measured()
     beside = budget.plan(decoding=True)
-    assert beside.take(100, 2048) == 128  # (0.5 - 0.25) s / TOKEN_S
+    assert beside.take(100, 2048) == 64  # (0.5 x PLAN_SHARE - 0.25) s / TOKEN_S
     assert not beside.has_time  # a second prompt waits for the next step
-    assert budget.plan(decoding=False).take(100, 2048) == 256  # alone: the whole budget
-    assert budget.plan(decoding=False).take(100, 200) == 200  # never more than the scheduler allows
+    assert budget.plan(decoding=False).take(100, 2048) == 192  # alone: the whole budget's planned share
+    assert budget.plan(decoding=False).take(100, 150) == 150  # never more than the scheduler allows
 
 
 def test_a_long_prompts_chunk_beside_streams_takes_what_their_part_leaves_of_the_long_prompts_budget():
@@ -46,20 +47,29 @@ def test_a_long_prompts_chunk_beside_streams_takes_what_their_part_leaves_of_the
     budget.record(0.25, decoding=True, prefills=[])
     budget.record(0.25 + 128 * TOKEN_S, decoding=True, prefills=[Chunk(0, 128)])
     beside = budget.plan(decoding=True)
-    assert beside.take(100, 2048, long_prompt=True) == 64  # (0.375 - 0.25) s / TOKEN_S
-    assert beside.take(200, 2048) == 64  # a short prompt beside it gets the rest of the whole budget
+    assert beside.take(100, 2048, long_prompt=True) == 16  # (0.375 x PLAN_SHARE - 0.25) s / TOKEN_S
+    assert beside.take(200, 2048) == 48  # a short prompt beside it gets the rest of the whole budget
     assert not beside.has_time
-    assert budget.plan(decoding=True).take(100, 2048) == 128  # a short prompt alone beside streams: the budget
-    assert budget.plan(decoding=False).take(100, 2048, long_prompt=True) == 256  # no streams: the whole budget
+    assert budget.plan(decoding=True).take(100, 2048) == 64  # a short prompt alone beside streams: the budget
+    assert budget.plan(decoding=False).take(100, 2048, long_prompt=True) == 192  # no streams: the whole budget
     assert StepBudget(0.5, long_prompt_s=2.0).long_prompt_s == 0.5  # never above the budget
 
 
-def test_a_bucket_not_measured_yet_takes_its_nearest_measured_neighbours_cost():
+def test_a_bucket_not_measured_yet_takes_its_nearest_measured_neighbours_cost_and_one_buckets_rise():
     budget = measured()
-    assert budget.per_token_s(3000) == TOKEN_S  # bucket 2 from bucket 0
+    assert budget.per_token_s(3000) == TOKEN_S  # bucket 2 from bucket 0, the only one measured
     budget.record(128 * 3 * TOKEN_S, decoding=False, prefills=[Chunk(2900, 128)])  # bucket 2 measured: 3x
-    assert budget.plan(decoding=True).take(2900, 2048) == int(0.25 / (3 * TOKEN_S))
-    assert budget.per_token_s(5000) == 3 * TOKEN_S and budget.per_token_s(1500) == TOKEN_S  # the nearest before
+    assert budget.plan(decoding=True).take(2900, 2048) == int(0.125 / (3 * TOKEN_S))
+    assert budget.per_token_s(1500) == TOKEN_S  # the nearest before
+    # Above the last measured bucket: its cost plus one bucket's rise (2 x TOKEN_S over two buckets), however far.
+    assert budget.per_token_s(3500) == budget.per_token_s(9000) == 4 * TOKEN_S
+    budget.record(128 * 2 * TOKEN_S, decoding=False, prefills=[Chunk(3900, 128)])  # bucket 3 cheaper: no fall below
+    assert budget.per_token_s(5000) == 2 * TOKEN_S
+    # A chunk that would cross into a dearer bucket is sized at that bucket's price.
+    rising = StepBudget(1.0)
+    rising.record(256 * TOKEN_S, decoding=False, prefills=[Chunk(0, 256)])
+    rising.record(256 * 2 * TOKEN_S, decoding=False, prefills=[Chunk(1024, 256)])  # bucket 1: 2x
+    assert rising.plan(decoding=False).take(1900, 2048) == int(0.75 / (3 * TOKEN_S))  # 192 at 2x would end in bucket 2
     later = StepBudget(0.5)
     later.record(128 * TOKEN_S, decoding=False, prefills=[Chunk(4096, 128)])
     assert later.per_token_s(100) == TOKEN_S  # nothing before: the nearest after
