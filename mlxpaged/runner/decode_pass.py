@@ -20,8 +20,9 @@ Passes of several rows are traced at bucketed batch sizes (`batch_bucket`: 2, 4,
 captures its CUDA graphs), so a batch that grows and shrinks retraces a handful of times instead of once per size:
 the rows past the real ones repeat the first row (its token, position and pages), and each writes the first row's
 K/V into the first row's slots (`sources`), so the pages end as they would without them; their logits are dropped.
-How many rows run compiled is the backend's `Tuning.compiled_decode_max_batch` (CPU 1, GPUs 0: measured there) or
-MLXPAGED_COMPILE_BATCH=N, the lever the GPU kit measures (docs/design/issue38-load.md).
+How many rows run compiled is the backend's `Tuning.compiled_decode_max_batch` (CPU 1; GPUs 0, compiled passes having
+measured slower on an H200 in session 13) or MLXPAGED_COMPILE_BATCH=N, the lever the GPU kit measures at bucketed sizes
+(docs/design/issue38-load.md).
 
 A pass whose rows all run with one LoRA / DoRA adapter (adapters/) takes a compiled function of its own for that
 adapter: the trace applies the adapter's update in every layer it adapts, its arrays held by the graph as the base
