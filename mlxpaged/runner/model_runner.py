@@ -330,10 +330,14 @@ class Runner:
         if self._ahead is not None and not self._ahead.launched:
             state_pass = self._ahead.state_pass
             arrays = [*self._ahead.sample.arrays, *(state_pass.new_arrays() if state_pass is not None else ())]
-            if self.recorder is not None:
-                self._ahead.sample.recording = self.recorder.record([*arrays, *self.kv.pools])
-            else:
-                self.launch(*arrays)
+            self._start_ahead(self._ahead.sample, [*arrays, *self.kv.pools])
+
+    def _start_ahead(self, sample: LazySample, arrays: list[mx.array]) -> None:
+        """Queue a pass built ahead: from the recorder thread when there is one (recorder.py), else from this one."""
+        if self.recorder is not None:
+            sample.recording = self.recorder.record(arrays)
+        else:
+            mx.async_eval(*arrays)
 
     def _look_ahead(self, chunks: list, tokens: mx.array, samplers: list, planner: NextStepPlanner) -> Lookahead | None:
         """Build the next step's decode pass on this step's lazy tokens (mlx-lm's async_eval
@@ -383,10 +387,8 @@ class Runner:
             ids = [rid for rid, _ in rows]
             pending = self._pending.select(ids) if self._pending is not None else None
             logits, deferred = self._deferred_pass(inputs, ids, _rows(tokens, picked), pending)
-            recorder = self.recorder
-            sample = LazySample(logits, picked_samplers, ahead=1, launch=recorder is None, separate_read=bool(recorder))
-            if recorder is not None:  # queued from the recorder thread while this one reads the step before
-                sample.recording = recorder.record(sample.arrays)
+            sample = LazySample(logits, picked_samplers, ahead=1, launch=False, separate_read=self.recorder is not None)
+            self._start_ahead(sample, sample.arrays)  # before the step is read (with a recorder: while it is read)
             return Lookahead(rows, sample, deferred=deferred)
         if self.defers:
             self._flush_pending()  # every _pending_limit tokens: launched after this step is read, in place

@@ -25,12 +25,13 @@ thread; the tests (tests/runner/test_gpu_levers.py) check the tokens, token for 
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import mlx.core as mx
 
 ENV_VAR = "MLXPAGED_RECORD_THREAD"  # "1": record queued-ahead passes on a second thread (a GPU lever, off by default)
+THREAD_NAME = "mlxpaged-recorder"
 
 
 def wanted() -> bool:
@@ -38,50 +39,20 @@ def wanted() -> bool:
     return os.environ.get(ENV_VAR, "").strip() == "1"
 
 
-class Recording:
-    """One pass handed to the recorder: `wait()` returns once it is queued on the device (raising what queuing it
-    raised), after which its arrays may be read on any thread."""
-
-    def __init__(self, arrays: Sequence[mx.array]):
-        self.arrays: Sequence[mx.array] | None = arrays
-        self.error: BaseException | None = None
-        self._done = threading.Event()
-
-    def finish(self, error: BaseException | None) -> None:
-        self.error, self.arrays = error, None  # the arrays are the caller's again: nothing here holds them
-        self._done.set()
-
-    @property
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def wait(self) -> None:
-        self._done.wait()
-        if self.error is not None:
-            raise self.error
-
-
 class Recorder:
-    """A thread that runs `mx.async_eval` on the passes the engine thread hands it, one at a time, in order."""
+    """A thread that runs `mx.async_eval` on the passes the engine thread hands it, one at a time, in order. Each
+    pass's Future is done once it is queued on the device (its `result()` raising what queuing it raised); only then
+    may another thread evaluate its arrays."""
 
     def __init__(self) -> None:
-        self._current: Recording | None = None
-        self._ready = threading.Condition()
-        self._job: Recording | None = None
-        self._closed = False
-        self._thread = threading.Thread(target=self._serve, name="mlxpaged-recorder", daemon=True)
-        self._thread.start()
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=THREAD_NAME)
+        self._current: Future | None = None
 
-    def record(self, arrays: Sequence[mx.array]) -> Recording:
+    def record(self, arrays: Sequence[mx.array]) -> Future:
         """Queue `arrays` on the device from the recorder thread, once the pass before is recorded."""
         self.settle()
-        recording = Recording(list(arrays))
-        with self._ready:
-            if self._closed:
-                raise RuntimeError("the recorder thread was closed")
-            self._current = self._job = recording
-            self._ready.notify()
-        return recording
+        self._current = self._thread.submit(mx.async_eval, *arrays)
+        return self._current
 
     def settle(self, quiet: bool = False) -> None:
         """Wait until nothing is being recorded; raise what the last recording raised unless `quiet` (a step that
@@ -90,37 +61,17 @@ class Recorder:
         if current is None:
             return
         try:
-            current.wait()
+            current.result()
         except BaseException:
             if not quiet:
                 raise
 
     @property
     def busy(self) -> bool:
-        return self._current is not None and not self._current.done
+        return self._current is not None and not self._current.done()
 
     def close(self) -> None:
         """Stop the thread once it has recorded what it was given (the engine thread stops)."""
         self.settle(quiet=True)
-        with self._ready:
-            self._closed = True
-            self._ready.notify()
-        self._thread.join()
-
-    def _serve(self) -> None:
-        try:
-            while True:
-                with self._ready:
-                    while self._job is None and not self._closed:
-                        self._ready.wait()
-                    if self._job is None:
-                        return
-                    job, self._job = self._job, None
-                try:
-                    mx.async_eval(*(job.arrays or ()))
-                except BaseException as exc:  # the engine thread raises it where it reads the pass
-                    job.finish(exc)
-                else:
-                    job.finish(None)
-        finally:
-            mx.clear_streams()  # MLX requires a thread to release the streams it made before it ends
+        self._thread.submit(mx.clear_streams)  # MLX requires a thread to release the streams it made before it ends
+        self._thread.shutdown(wait=True)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import math
 import secrets
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -48,7 +49,6 @@ from mlx_lm.sample_utils import (
 
 if TYPE_CHECKING:
     from mlxpaged.constraints import BatchMask, RowConstraint
-    from mlxpaged.runner.recorder import Recording
 
 
 class TokenSequence(Protocol):
@@ -408,12 +408,12 @@ class LazySample:
         self._asked = [i for i, state in enumerate(states) if state.params.logprobs]
         self._extras = _logprob_graph(logits, self.tokens, states, self._asked)
         self.arrays = [self.tokens, *self._extras] + ([self._read] if separate_read else [])
-        self.recording: Recording | None = None  # set when the recorder thread queues `arrays`
+        self.recording: Future | None = None  # set when the recorder thread queues `arrays` (done once queued)
         if launch:
             mx.async_eval(*self.arrays)
 
     def results(self) -> list[SampleResult]:
         """Wait for the tokens; one SampleResult per row."""
         if self.recording is not None:
-            self.recording.wait()  # queued by the recorder thread: only then may this thread evaluate them
+            self.recording.result()  # queued by the recorder thread: only then may this thread evaluate them
         return _read_rows(self._read, self._extras, self._asked, self.states, {})
