@@ -81,12 +81,12 @@ class StepBudget:
 
     def per_token_s(self, end: int) -> float | None:
         """Seconds per prefill token of a chunk ending at `end`: its bucket's, else the nearest measured bucket's
-        before it plus one bucket's rise (as the two measured buckets below it rose), else the nearest after it, else
-        None (nothing measured yet). A long prompt reaches each bucket from the one before, where a token costs a
-        bucket's rise less (a token attends to ~1,024 keys fewer); a chunk after a long cached prefix, which costs
-        more than that price, is over budget once, then measured (pricing a far bucket by its position would
-        overprice it: in a 5,000-token prompt a token cost 4.4 ms in the first bucket and 9.6 ms in the fifth, not 5 x
-        4.4)."""
+        before it plus one bucket's rise (as the two measured buckets below it rose, or with one measured, the most a
+        token's cost may rise), else the nearest after it, else None (nothing measured yet). A long prompt reaches each
+        bucket from the one before, where a token costs a bucket's rise less (a token attends to ~1,024 keys fewer); a
+        chunk after a long cached prefix, which costs more than that price, is over budget once, then measured
+        (pricing a far bucket by its position would overprice it: in a 5,000-token prompt a token cost 4.4 ms in the
+        first bucket and 9.6 ms in the fifth, not 5 x 4.4)."""
         bucket = end // CONTEXT_BUCKET
         if bucket in self._per_token_s:
             return self._per_token_s[bucket]
@@ -94,7 +94,11 @@ class StepBudget:
         if below:
             top = self._per_token_s[below[-1]]
             if len(below) < 2:
-                return top
+                # One bucket measured, no rise known: the most it may rise, as if all of a token's cost grew with its
+                # context ((b + 1/2) x 1,024 keys in the middle of bucket b). An overprice for a step, until the bucket
+                # above is measured; priced at `top`, a fresh server's first bucket crossing was the step a client that
+                # hung up waited longest for (1.98 s against issue 38's 2 s; docs/design/issue38-load.md, session 30).
+                return top + top / (below[-1] + 0.5)
             rise = (top - self._per_token_s[below[-2]]) / (below[-1] - below[-2])
             return top + max(0.0, rise)
         above = [b for b in self._per_token_s if b > bucket]

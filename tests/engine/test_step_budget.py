@@ -57,15 +57,23 @@ def test_a_long_prompts_chunk_beside_streams_takes_what_their_part_leaves_of_the
 
 def test_a_bucket_not_measured_yet_takes_its_nearest_measured_neighbours_cost_and_one_buckets_rise():
     budget = measured()
-    assert budget.per_token_s(3000) == TOKEN_S  # bucket 2 from bucket 0, the only one measured
+    # Bucket 2 from bucket 0, the only one measured: no rise known, the most it may be (a token's whole cost growing
+    # with its context, ~512 keys in bucket 0: +2x a bucket).
+    assert budget.per_token_s(3000) == budget.per_token_s(1500) == 3 * TOKEN_S
+    assert StepBudget(0.5).plan(decoding=False).take(1500, 2048) == FIRST_CHUNK  # nothing measured: no guess
     budget.record(128 * 3 * TOKEN_S, decoding=False, prefills=[Chunk(2900, 128)])  # bucket 2 measured: 3x
     assert budget.plan(decoding=True).take(2900, 2048) == int(0.125 / (3 * TOKEN_S))
-    assert budget.per_token_s(1500) == TOKEN_S  # the nearest before
+    assert budget.per_token_s(1500) == 3 * TOKEN_S  # the nearest before, with its rise unknown
     # Above the last measured bucket: its cost plus one bucket's rise (2 x TOKEN_S over two buckets), however far.
     assert budget.per_token_s(3500) == budget.per_token_s(9000) == 4 * TOKEN_S
     budget.record(128 * 2 * TOKEN_S, decoding=False, prefills=[Chunk(3900, 128)])  # bucket 3 cheaper: no fall below
     assert budget.per_token_s(5000) == 2 * TOKEN_S
-    # A chunk that would cross into a dearer bucket is sized at that bucket's price.
+    # A chunk that would cross into a dearer bucket is sized at that bucket's price: a fresh engine's first prompt
+    # leaving bucket 0 (384 tokens at TOKEN_S would end in bucket 1, at the most it may cost: 3 x TOKEN_S)...
+    fresh = StepBudget(1.0)
+    fresh.record(256 * TOKEN_S, decoding=False, prefills=[Chunk(0, 256)])
+    assert fresh.plan(decoding=False).take(900, 2048) == int(0.75 / (3 * TOKEN_S))
+    # ...and once two buckets are measured, their rise (1 x TOKEN_S a bucket).
     rising = StepBudget(1.0)
     rising.record(256 * TOKEN_S, decoding=False, prefills=[Chunk(0, 256)])
     rising.record(256 * 2 * TOKEN_S, decoding=False, prefills=[Chunk(1024, 256)])  # bucket 1: 2x
