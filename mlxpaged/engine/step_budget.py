@@ -111,10 +111,13 @@ class StepBudget:
         if per_token is None:
             return None
         tokens = min(most, int(seconds / per_token))
-        # Priced at its own end (a later bucket costs more): the chunk that fits there, once.
+        # Priced at its own end (a later bucket costs more): the chunk that fits there, once, but never fewer tokens
+        # than its own bucket has left (those are priced right; a chunk cut short of the bucket's end only makes the
+        # next step cross it, and with the rise unknown that price is the most it may be).
         later = self.per_token_s(start + tokens) if tokens > 0 else None
         if later is not None and later > per_token:
-            tokens = min(tokens, int(seconds / later))
+            bucket_left = ((start + 1) // CONTEXT_BUCKET + 1) * CONTEXT_BUCKET - 1 - start
+            tokens = min(tokens, max(int(seconds / later), bucket_left))
         return max(0, tokens)
 
     def cost_s(self, chunk: Chunk) -> float:

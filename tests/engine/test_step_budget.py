@@ -73,11 +73,13 @@ def test_a_bucket_not_measured_yet_takes_its_nearest_measured_neighbours_cost_an
     fresh = StepBudget(1.0)
     fresh.record(256 * TOKEN_S, decoding=False, prefills=[Chunk(0, 256)])
     assert fresh.plan(decoding=False).take(900, 2048) == int(0.75 / (3 * TOKEN_S))
+    assert fresh.plan(decoding=False).take(700, 2048) == 1023 - 700  # not fewer than bucket 0 has left, at its price
     # ...and once two buckets are measured, their rise (1 x TOKEN_S a bucket).
     rising = StepBudget(1.0)
     rising.record(256 * TOKEN_S, decoding=False, prefills=[Chunk(0, 256)])
     rising.record(256 * 2 * TOKEN_S, decoding=False, prefills=[Chunk(1024, 256)])  # bucket 1: 2x
-    assert rising.plan(decoding=False).take(1900, 2048) == int(0.75 / (3 * TOKEN_S))  # 192 at 2x would end in bucket 2
+    assert rising.plan(decoding=False).take(1950, 2048) == int(0.75 / (3 * TOKEN_S))  # 192 at 2x would end in bucket 2
+    assert rising.plan(decoding=False).take(1900, 2048) == 2047 - 1900  # what bucket 1 has left, more than that
     later = StepBudget(0.5)
     later.record(128 * TOKEN_S, decoding=False, prefills=[Chunk(4096, 128)])
     assert later.per_token_s(100) == TOKEN_S  # nothing before: the nearest after
