@@ -22,6 +22,7 @@ import importlib.util
 import math
 import random
 import sys
+import tempfile
 import threading
 import time
 from argparse import Namespace
@@ -292,10 +293,12 @@ class PeakMemory:
         return self.peak
 
 
-def server_command(name: str, path: str, port: int) -> tuple[list[str], str]:
-    """(the command that starts server `name` on `path` at `port`, the URL path that answers once it is ready)."""
+def server_command(name: str, path: str, port: int, kv_disk: str | None = None) -> tuple[list[str], str]:
+    """(the command that starts server `name` on `path` at `port`, the URL path that answers once it is ready).
+    `mlxpaged serve` keeps its prefix cache's disk tier (on by default) in `kv_disk` when given."""
     if name == "mlxpaged":
         serve = ["-m", "mlxpaged_app.cli", "serve", "--model", path, "--port", str(port)]
+        serve += ["--kv-disk", kv_disk] if kv_disk else []
         return [sys.executable, *serve, "--log-level", "warning", "--no-access-log"], "/health"
     if name == "mlx_lm.server":
         return [sys.executable, "-c", MLX_LM_SERVER, "--model", path, "--port", str(port)], "/v1/models"
@@ -312,18 +315,26 @@ def served_name(url: str, fallback: str) -> str:
         return fallback
 
 
+def cold_disk_tier() -> tempfile.TemporaryDirectory:
+    """An empty directory for `mlxpaged serve`'s disk tier, for one run: the fleet's conversations are the same from
+    run to run (greedy), so in the user's cache directory a run would find the prompts of the runs before it, the long
+    one too, and measure the disk tier's hits instead of a cold server."""
+    return tempfile.TemporaryDirectory(prefix="mlxpaged-fleet-kv-")
+
+
 def run_server(name: str, path: str, fleet: Namespace) -> FleetRun:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    command, ready = server_command(name, path, port)
-    process = start_server(command, f"{url}{ready}")
-    try:
-        model = served_name(url, path)
-        memory = PeakMemory(process.pid)
-        wall, turns = asyncio.run(run_fleet(url, model, fleet))
-        peak = memory.stop()
-    finally:
-        stop_server(process)
+    with cold_disk_tier() as kv_disk:
+        command, ready = server_command(name, path, port, kv_disk)
+        process = start_server(command, f"{url}{ready}")
+        try:
+            model = served_name(url, path)
+            memory = PeakMemory(process.pid)
+            wall, turns = asyncio.run(run_fleet(url, model, fleet))
+            peak = memory.stop()
+        finally:
+            stop_server(process)
     return FleetRun(name, wall, turns, peak, fleet.agents if fleet.long_tokens else None)
 
 
@@ -347,21 +358,22 @@ def soak(path: str, fleet: Namespace, seconds: float) -> int:
     """`mlxpaged serve` under the fleet, round after round for `seconds`, clients hanging up at random."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    command, ready = server_command("mlxpaged", path, port)
-    process = start_server(command, f"{url}{ready}")
     turns: list[Turn] = []
-    try:
-        model, memory = served_name(url, path), PeakMemory(process.pid)
-        end, rounds, after_first = time.monotonic() + seconds, 0, 0
-        while rounds == 0 or time.monotonic() < end:
-            _, done = asyncio.run(run_fleet(url, model, fleet, hang_ups=rounds))
-            turns += done
-            rounds += 1
-            after_first = after_first or memory.current()
-            print(f"  round {rounds}: {len(done)} turns, RSS {memory.current() / 2**20:,.0f} MiB", flush=True)
-        last, peak, owned = memory.current(), memory.stop(), kv_blocks_used(url)
-    finally:
-        stop_server(process)
+    with cold_disk_tier() as kv_disk:
+        command, ready = server_command("mlxpaged", path, port, kv_disk)
+        process = start_server(command, f"{url}{ready}")
+        try:
+            model, memory = served_name(url, path), PeakMemory(process.pid)
+            end, rounds, after_first = time.monotonic() + seconds, 0, 0
+            while rounds == 0 or time.monotonic() < end:
+                _, done = asyncio.run(run_fleet(url, model, fleet, hang_ups=rounds))
+                turns += done
+                rounds += 1
+                after_first = after_first or memory.current()
+                print(f"  round {rounds}: {len(done)} turns, RSS {memory.current() / 2**20:,.0f} MiB", flush=True)
+            last, peak, owned = memory.current(), memory.stop(), kv_blocks_used(url)
+        finally:
+            stop_server(process)
     failed = [t for t in turns if t.error is not None]
     fives = [t for t in failed if t.status is not None and t.status >= 500]
     growth = (last - after_first) / after_first if after_first else float("nan")

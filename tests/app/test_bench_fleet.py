@@ -3,8 +3,10 @@ quantiles, and a short fleet against `mlxpaged serve` and mlx_lm.server as live 
 
 from __future__ import annotations
 
+import os
 import re
 from argparse import Namespace
+from pathlib import Path
 
 from mlxpaged_app.bench import fleet
 from mlxpaged_app.cli import build_parser
@@ -46,8 +48,30 @@ def model(tmp_path_factory):
     return write_tiny_llama_dir(tmp_path_factory.mktemp("tiny"), dtype="float32")
 
 
+def files_under(directory: str | None) -> set[Path]:
+    return {p for p in Path(directory).rglob("*") if p.is_file()} if directory else set()
+
+
 @pytest.mark.slow
-def test_a_short_fleet_against_mlxpaged_and_mlx_lm_server(model, capsys):
+def test_a_short_fleet_against_mlxpaged_and_mlx_lm_server(model, capsys, monkeypatch):
+    # Each server starts with an empty disk tier of its own (the fleet's prompts are the same from run to run): the
+    # user's (here the tests') cache directory is not written, and mlxpaged's own directory was.
+    tiers: list[str] = []
+    held: list[int] = []  # files in each run's disk tier once its server stopped
+    cold_disk_tier, stop_server = fleet.cold_disk_tier, fleet.stop_server
+
+    def recorded_tier():
+        tier = cold_disk_tier()
+        tiers.append(tier.name)
+        return tier
+
+    def stop(process):
+        stop_server(process)
+        held.append(len(files_under(tiers[-1])))
+
+    monkeypatch.setattr(fleet, "cold_disk_tier", recorded_tier)
+    monkeypatch.setattr(fleet, "stop_server", stop)
+    users = files_under(os.environ.get("MLXPAGED_KV_DISK"))
     args = Namespace(
         model=str(model),
         agents=2,
@@ -67,6 +91,9 @@ def test_a_short_fleet_against_mlxpaged_and_mlx_lm_server(model, capsys):
         assert row is not None, out
         assert float(row[1]) > 0 and row[3] == "0"  # wall time; no failed turn (then others' ITL p99, long TTFT)
     assert re.search(r"mlxpaged against the better peer \(mlx_lm.server\): wall \d+\.\d\dx faster", out)
+    assert held[0] > 0 and held[1] == 0  # mlxpaged kept its blocks in its own directory; mlx_lm.server has none
+    assert files_under(os.environ.get("MLXPAGED_KV_DISK")) == users
+    assert not any(Path(tier).exists() for tier in tiers)  # removed after each run
 
 
 @pytest.mark.slow
