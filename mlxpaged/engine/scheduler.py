@@ -27,7 +27,7 @@ from typing import Any, Protocol
 from mlxpaged.cache.block_pool import NoFreeBlocksError
 from mlxpaged.cache.kv_cache_manager import CopyOnWrite, KVCacheManager, UnknownRequestError
 from mlxpaged.engine.request import Request, RequestStatus
-from mlxpaged.engine.step_budget import StepBudget
+from mlxpaged.engine.step_budget import StepBudget, StepPlan
 from mlxpaged.errors import RequestTooLongError
 from mlxpaged.validation import require_int
 
@@ -87,6 +87,10 @@ class StateSlots(Protocol):
 # step's tokens, so a burst is admitted beside a long prompt instead of queuing behind all of its
 # chunks (vLLM's long_prefill_token_threshold). Alone, a long prompt keeps the whole budget.
 LONG_PREFILL_SHARE = 4
+# A waiting request whose next JOIN_MIN_TOKENS tokens or more a running prefill is computing (the same prefix before
+# them) waits for them to be cached (KVCacheManager.joins_prefill): agents sharing a system prompt. Fewer shared
+# tokens (a chat template's first block) are not worth a step's wait.
+JOIN_MIN_TOKENS = 256
 
 MODEL_CONTEXT = "model context"
 CACHE_CAPACITY = "KV cache capacity"
@@ -298,14 +302,15 @@ class Scheduler:
         # Asked only when a prefill runs: it matches the waiting head's prefix (O(prompt) lookups).
         cap = self._prefill_cap(preempted) if prefills else self.max_batch_tokens
         time = self.step_budget.plan(decoding=bool(decodes)) if self.step_budget is not None else None
-        for request in prefills:
-            if budget <= 0 or (time is not None and not time.has_time):  # below 0: an image prefilled whole
-                break
-            most = min(budget, cap)
-            if time is not None:
-                most = time.take(request.num_computed_tokens, most, self._long_prompt(request))
-            chunks.append(self._chunk(request, most))
-            budget -= len(chunks[-1].token_ids)
+        # With a step budget, long prompts' chunks come last, in what their budget leaves after the short prompts and
+        # the new arrivals (by arrival within each): an agent's next turn beside someone's pasted file is not held up
+        # by it, nor the streams by both at once (bench fleet --long; docs/design/issue38-load.md, session 31).
+        shorts, longs = prefills, list[Request]()
+        if time is not None:
+            shorts = []
+            for request in prefills:
+                (longs if self._long_prompt(request) else shorts).append(request)
+        budget = self._prefill_chunks(shorts, chunks, budget, cap, time)
         # As in vLLM: a step that had to preempt admits nothing, or it would thrash.
         while (
             not preempted
@@ -313,12 +318,31 @@ class Scheduler:
             and (time is None or time.has_time)
             and (admitted := self._admit_next()) is not None
         ):
-            most = (
-                budget if time is None else time.take(admitted.num_computed_tokens, budget, self._long_prompt(admitted))
-            )
+            most = budget
+            if time is not None:  # priced by the tokens it has, not the step's
+                left = min(budget, admitted.num_tokens - admitted.num_computed_tokens)
+                most = time.take(admitted.num_computed_tokens, left, self._long_prompt(admitted))
             chunks.append(self._chunk(admitted, most))
             budget -= len(chunks[-1].token_ids)
+        budget = self._prefill_chunks(longs, chunks, budget, cap, time)
         return SchedulerOutput(chunks, preempted, self.max_batch_tokens - budget)
+
+    def _prefill_chunks(
+        self, requests: list[Request], chunks: list[ScheduledChunk], budget: int, cap: int, time: StepPlan | None
+    ) -> int:
+        """Append a chunk of each running prefill in turn while the step has tokens (at most `cap` each) and time
+        for it; returns the tokens left."""
+        for request in requests:
+            long_prompt = time is not None and self._long_prompt(request)
+            if budget <= 0 or (time is not None and not time.has_time_for(long_prompt)):  # < 0: an image prefilled
+                break
+            most = min(budget, cap)
+            if time is not None:  # priced by the tokens it has left, not the step's
+                left = min(most, request.num_tokens - request.num_computed_tokens)
+                most = time.take(request.num_computed_tokens, left, long_prompt)
+            chunks.append(self._chunk(request, most))
+            budget -= len(chunks[-1].token_ids)
+        return budget
 
     def update_from_output(
         self,
@@ -405,32 +429,46 @@ class Scheduler:
         self._waiting.appendleft(request)
 
     def _long_prompt(self, request: Request) -> bool:
-        """More prefill left than one step's tokens: it takes several steps whatever their size (step_budget.py)."""
-        return request.num_tokens - request.num_computed_tokens > self.max_batch_tokens
+        """More to prefill than one step's tokens (its tokens less those the prefix cache served): it takes several
+        steps whatever their size (step_budget.py), to its last chunk (counted by what is left, a pasted file's last
+        `max_batch_tokens` were a short prompt's, in steps of the whole budget beside the streams)."""
+        return request.num_tokens - request.num_cached_tokens > self.max_batch_tokens
 
     def _prefill_cap(self, preempted: list[Request]) -> int:
-        """Tokens one running prefill may take this step: a share of the budget while the head of
-        the waiting queue could be admitted, else all of it."""
+        """Tokens one running prefill may take this step: a share of the budget while the next waiting request
+        could be admitted, else all of it."""
         admitting = (
             self._waiting
             and not preempted
             and len(self._running) < self.max_num_seqs
             and (self.state is None or self.state.num_free > 0)
-            and self.kv_manager.can_allocate(self._waiting[0])
+            and (head := self._next_admissible()) is not None
+            and self.kv_manager.can_allocate(head)
         )
         return max(1, self.max_batch_tokens // LONG_PREFILL_SHARE) if admitting else self.max_batch_tokens
 
+    def _next_admissible(self) -> Request | None:
+        """The first waiting request that may be admitted now, or None. Those whose blocks are being read from disk
+        wait apart, the others passing them meanwhile (as vLLM's requests waiting for KV); one whose next block a
+        running prefill is computing waits in its place, the rest behind it (it finds the block cached once it is
+        written: `joins_prefill`)."""
+        prefilling = [r for r in self._running if r.num_tokens - r.num_computed_tokens > 1]
+        for request in self._waiting:
+            if self.kv_manager.loading(request):
+                continue
+            return None if self.kv_manager.joins_prefill(request, prefilling, JOIN_MIN_TOKENS) else request
+        return None
+
     def _admit_next(self) -> Request | None:
-        """Move the first waiting request to running if it fits, else None: the first request that
-        does not fit blocks the rest (FIFO, no overtaking). Requests whose blocks are being read
-        from disk wait apart: the others pass them meanwhile (as vLLM's requests waiting for KV)."""
+        """Move the next admissible waiting request (`_next_admissible`) to running if it fits, else None: the
+        first request that does not fit blocks the rest (FIFO, no overtaking)."""
         if (
             not self._waiting
             or len(self._running) >= self.max_num_seqs
             or (self.state is not None and self.state.num_free == 0)
         ):
             return None
-        request = next((r for r in self._waiting if not self.kv_manager.loading(r)), None)
+        request = self._next_admissible()
         if request is None:
             return None
         if not self.kv_manager.can_allocate(request):

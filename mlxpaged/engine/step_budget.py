@@ -139,7 +139,12 @@ class StepPlan:
     @property
     def has_time(self) -> bool:
         """Whether another chunk may start (the first always may: a prompt must advance)."""
-        return self.num_chunks == 0 or self.seconds_left > 0
+        return self.has_time_for(long_prompt=False)
+
+    def has_time_for(self, long_prompt: bool) -> bool:
+        """Whether another chunk of a long prompt, or of a short one, may start (the first always may)."""
+        seconds = self.long_prompt_seconds_left if long_prompt else self.seconds_left
+        return self.num_chunks == 0 or seconds > 0
 
     def take(self, start: int, most: int, long_prompt: bool = False) -> int:
         """Tokens for a prefill chunk starting at `start` (ask `has_time` first), at most `most`, of a long prompt or

@@ -11,6 +11,7 @@ or extra token changes everything after it.
 import zlib
 
 from mlxpaged.cache.kv_cache_manager import KVCacheManager, UnknownRequestError
+from mlxpaged.engine import scheduler
 from mlxpaged.engine.scheduler import (
     Request,
     RequestStatus,
@@ -18,6 +19,7 @@ from mlxpaged.engine.scheduler import (
     Scheduler,
     SchedulerOutput,
 )
+from mlxpaged.engine.step_budget import Chunk, StepBudget
 from tests.cache.kv_sequences import manager_for, slots_for
 
 import pytest
@@ -421,6 +423,54 @@ def test_prefix_cache_never_serves_uncomputed_kv():
     assert s.get("b").num_cached_tokens == 16
     eng.run()
     assert eng.finished["b"].output_token_ids == solo_output(prompt, 3)
+
+
+def test_a_request_waits_while_a_running_prefill_computes_the_prefix_they_share(monkeypatch):
+    # Agents sharing a system prompt, arriving together: the second waits (and those behind it: FIFO) while the first
+    # computes the shared tokens, then is admitted with them cached instead of computing them again beside it.
+    monkeypatch.setattr(scheduler, "JOIN_MIN_TOKENS", 16)
+    _pool, s = make(budget=16)
+    eng = FakeEngine(s)
+    system = list(range(500, 548))  # 6 blocks
+    s.add_request(req("a", [*system, 1, 2], 3))
+    s.add_request(req("b", [*system, 7, 8, 9], 3))
+    s.add_request(req("c", range(900, 904), 3))
+    steps = [[c.request.request_id for c in eng.step().chunks] for _ in range(4)]
+    assert steps == [["a"], ["a"], ["a"], ["a", "b", "c"]]  # a's prefill at the whole budget, then b and c
+    assert s.get("b").num_cached_tokens == 48
+    eng.run()
+    for rid, prompt in (("a", [*system, 1, 2]), ("b", [*system, 7, 8, 9]), ("c", range(900, 904))):
+        assert eng.finished[rid].output_token_ids == solo_output(prompt, 3)
+    # Fewer shared tokens than JOIN_MIN_TOKENS (a chat template's first block): not worth a step's wait.
+    _pool, s = make(budget=64)
+    s.add_request(req("d", [*system[:8], 1, 2, 3, 4, 5, 6, 7, 8, 9], 3))
+    s.add_request(req("e", [*system[:8], 9, 8, 7, 6, 5, 4, 3, 2, 1], 3))
+    assert [c.request.request_id for c in FakeEngine(s).step().chunks] == ["d", "e"]
+
+
+def test_with_a_step_budget_a_long_prompts_chunk_comes_after_short_prompts_and_arrivals():
+    # A step budget of 1 s (0.75 s planned), 0.5 s beside streams for a long prompt (0.375 planned); a step that only
+    # decodes takes 0.25 s and a prefill token TOKEN_S: beside the stream, short prompts may take 0.5 s of prefill, a
+    # long one 0.125 s less what the others took.
+    token_s = 2**-9
+    budget = StepBudget(1.0, long_prompt_s=0.5)
+    budget.record(0.25, decoding=True, prefills=[])
+    budget.record(0.25 + 64 * token_s, decoding=True, prefills=[Chunk(0, 64)])
+    pool = manager_for(64, BS, (None,), prefix_cache=False)
+    s = Scheduler(pool, max_batch_tokens=128, max_num_seqs=4, max_model_len=512, step_budget=budget)
+    eng = FakeEngine(s)
+    s.add_request(req("stream", range(4), 20))
+    eng.step()
+    s.add_request(req("long", range(100, 300), 2))  # more than a step's 128 tokens: a long prompt
+    assert [len(c.token_ids) for c in eng.step().chunks] == [1, 64]  # the long budget's 0.125 s
+    s.add_request(req("turn", range(400, 456), 2))  # an agent's next turn arrives: 56 tokens, 0.109 s
+    out = eng.step()
+    assert [(c.request.request_id, len(c.token_ids)) for c in out.chunks] == [("stream", 1), ("turn", 56), ("long", 8)]
+    s.add_request(req("paste", range(500, 564), 2))  # a short prompt of the whole long budget: the long one waits
+    out = eng.step()
+    assert [(c.request.request_id, len(c.token_ids)) for c in out.chunks] == [("stream", 1), ("turn", 1), ("paste", 64)]
+    eng.run()
+    assert eng.finished["long"].output_token_ids == solo_output(range(100, 300), 2)
 
 
 # ---- finish / abort -----------------------------------------------------------------

@@ -144,12 +144,13 @@ def test_a_long_prompt_beside_a_decoding_stream_is_prefilled_a_few_tokens_a_step
 
 def test_beside_a_decoding_stream_a_long_prompt_keeps_to_its_budget_and_a_short_one_to_the_steps(model, tokenizer):
     # No step can meet the long prompts' budget, every step meets the budget: a prompt with more than a step's
-    # tokens (64) left prefills MIN_CHUNK tokens a step, then the rest at once; a short one in one step.
+    # tokens (64) to prefill prefills MIN_CHUNK tokens a step to its last chunk; a short one in one step, and so does
+    # a long one whose prefix came from the cache.
     core = make_core(
         model, tokenizer, max_batch_tokens=64, max_num_seqs=4, step_budget_ms=60_000, long_prompt_step_budget_ms=1e-3
     )
     stream, long, short = [], [], []
-    core.add_request("stream", random_tokens(5, seed=1), SamplingParams(temperature=0, max_tokens=60), stream.append)
+    core.add_request("stream", random_tokens(5, seed=1), SamplingParams(temperature=0, max_tokens=80), stream.append)
     while not stream:
         core.step()  # measured once
     prompt = random_tokens(150, seed=5)
@@ -159,11 +160,15 @@ def test_beside_a_decoding_stream_a_long_prompt_keeps_to_its_budget_and_a_short_
         core.step()
         computed.append(request.num_computed_tokens)
     chunks = [b - a for a, b in itertools.pairwise(computed)]
-    long_steps = -(-(len(prompt) - 64) // MIN_CHUNK)  # until at most 64 are left
-    assert chunks == [MIN_CHUNK] * long_steps + [len(prompt) - MIN_CHUNK * long_steps], chunks
+    assert chunks == [MIN_CHUNK] * (len(prompt) // MIN_CHUNK) + [len(prompt) % MIN_CHUNK], chunks
     core.add_request("short", random_tokens(40, seed=6), SamplingParams(temperature=0, max_tokens=1), short.append)
     core.step()
     assert short  # prefilled whole, its token sampled, in the one step
+    follow_up = prompt + random_tokens(40, seed=7)  # 190 tokens, all but the last partial block's cached
+    followed: list = []
+    core.add_request("follow-up", follow_up, SamplingParams(temperature=0, max_tokens=1), followed.append)
+    core.step()
+    assert followed and followed[-1].cached_tokens == 144  # the rest prefilled in one step
     while core.has_unfinished:
         core.step()
     assert token_ids(long) == reference_tokens(model, prompt, 3)
