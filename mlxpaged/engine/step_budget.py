@@ -142,7 +142,12 @@ class StepPlan:
         return self.has_time_for(long_prompt=False)
 
     def has_time_for(self, long_prompt: bool) -> bool:
-        """Whether another chunk of a long prompt, or of a short one, may start (the first always may)."""
+        """Whether another chunk of a long prompt, or of a short one, may start (the first always may). Beside
+        decoding streams a long prompt's chunk goes only in a step of no other prefill: beside an agent's next turn
+        such steps took 1.03-1.23 s with seven streams waiting; with this rule none of a cold `bench fleet --long`'s
+        steps over 0.85 s carried one (docs/design/issue38-load.md, session 31)."""
+        if long_prompt and self.decoding and self.num_chunks > 0:
+            return False
         seconds = self.long_prompt_seconds_left if long_prompt else self.seconds_left
         return self.num_chunks == 0 or seconds > 0
 

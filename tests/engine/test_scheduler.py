@@ -448,10 +448,10 @@ def test_a_request_waits_while_a_running_prefill_computes_the_prefix_they_share(
     assert [c.request.request_id for c in FakeEngine(s).step().chunks] == ["d", "e"]
 
 
-def test_with_a_step_budget_a_long_prompts_chunk_comes_after_short_prompts_and_arrivals():
+def test_with_a_step_budget_a_long_prompts_chunk_waits_for_a_step_without_short_prompts_or_arrivals():
     # A step budget of 1 s (0.75 s planned), 0.5 s beside streams for a long prompt (0.375 planned); a step that only
     # decodes takes 0.25 s and a prefill token TOKEN_S: beside the stream, short prompts may take 0.5 s of prefill, a
-    # long one 0.125 s less what the others took.
+    # long one 0.125 s in a step of no other prefill.
     token_s = 2**-9
     budget = StepBudget(1.0, long_prompt_s=0.5)
     budget.record(0.25, decoding=True, prefills=[])
@@ -465,10 +465,13 @@ def test_with_a_step_budget_a_long_prompts_chunk_comes_after_short_prompts_and_a
     assert [len(c.token_ids) for c in eng.step().chunks] == [1, 64]  # the long budget's 0.125 s
     s.add_request(req("turn", range(400, 456), 2))  # an agent's next turn arrives: 56 tokens, 0.109 s
     out = eng.step()
-    assert [(c.request.request_id, len(c.token_ids)) for c in out.chunks] == [("stream", 1), ("turn", 56), ("long", 8)]
-    s.add_request(req("paste", range(500, 564), 2))  # a short prompt of the whole long budget: the long one waits
-    out = eng.step()
-    assert [(c.request.request_id, len(c.token_ids)) for c in out.chunks] == [("stream", 1), ("turn", 1), ("paste", 64)]
+    # The turn first; the long prompt waits for a step with no other prefill beside the streams.
+    assert [(c.request.request_id, len(c.token_ids)) for c in out.chunks] == [("stream", 1), ("turn", 56)]
+    assert [(c.request.request_id, len(c.token_ids)) for c in eng.step().chunks] == [
+        ("stream", 1),
+        ("turn", 1),
+        ("long", 64),
+    ]
     eng.run()
     assert eng.finished["long"].output_token_ids == solo_output(range(100, 300), 2)
 
