@@ -19,7 +19,7 @@ group, so it lives in that group's space (`pool`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -256,13 +256,13 @@ class KVCacheManager:
         below = self._match_lower_tier(request, self._match_prefix(request, filtered=False)[1])
         return bool(below) and not self.lower_tier.prefetch(request.request_id, below)
 
-    def joins_prefill(self, request: Request, prefilling: Iterable[Request], min_tokens: int) -> bool:
+    def joins_prefill(self, request: Request, prefilling: Sequence[Request], min_tokens: int) -> bool:
         """Whether one of these prefilling requests is yet to compute at least `min_tokens` of the request's tokens
         after its cached prefix (the same tokens before them): the request then waits to find them cached instead of
         computing them beside it. Agents that share a system prompt and arrive together: admitted while the first
         one prefilled it in budgeted steps, two of them computed 1,569 and 1,173 of its ~2,350 tokens again, each
         step of it a stall for the decoding streams (bench fleet; docs/design/issue38-load.md, session 31)."""
-        if not self.enable_prefix_cache:
+        if not self.enable_prefix_cache or not prefilling:  # asked every step a request waits: no lookup for nothing
             return False
         index = len(self._match_prefix(request, filtered=False)[0])
         last = (request.num_tokens - 1) // self.block_size  # never the block of its last token (it must run one)
