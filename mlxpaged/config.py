@@ -154,8 +154,14 @@ class SchedulerConfig:
     # what they were measured to cost (engine/step_budget.py). None: chunks are bounded by max_batch_tokens only.
     # Default: the backend's (platform/backend.py `Tuning.step_budget_ms`).
     step_budget_ms: float | None = dataclasses.field(default_factory=lambda: backend.tuning().step_budget_ms)
+    # Milliseconds a step may take when it carries a chunk of a prompt that arrived after a stream decoding beside it
+    # began (what a stream waits for a token while later prompts prefill), at most step_budget_ms; applies only with a
+    # step budget. None: the step budget. Default: the backend's (platform/backend.py `Tuning.streams_step_budget_ms`).
+    streams_step_budget_ms: float | None = dataclasses.field(
+        default_factory=lambda: backend.tuning().streams_step_budget_ms
+    )
     # Milliseconds a step may take when it carries a chunk of a long prompt (more prefill left than max_batch_tokens)
-    # beside decoding streams, at most step_budget_ms; applies only with a step budget. None: the step budget.
+    # beside decoding streams, at most streams_step_budget_ms; applies only with a step budget. None: the streams'.
     # Default: the backend's (platform/backend.py `Tuning.long_prompt_step_budget_ms`).
     long_prompt_step_budget_ms: float | None = dataclasses.field(
         default_factory=lambda: backend.tuning().long_prompt_step_budget_ms
@@ -178,7 +184,7 @@ class SchedulerConfig:
                 f"{{speculative:{self.speculative!r}}} must be one of {SPECULATIVE_METHODS}", param="speculative"
             )
         require_int("num_speculative_tokens", self.num_speculative_tokens, low=1, high=16, setting=True)
-        for name in ("step_budget_ms", "long_prompt_step_budget_ms"):
+        for name in ("step_budget_ms", "streams_step_budget_ms", "long_prompt_step_budget_ms"):
             if getattr(self, name) is not None:
                 require_number(name, getattr(self, name), 0, low_open=True, setting=True)
 

@@ -143,12 +143,21 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "by --max-batch-tokens only)",
     )
     cache.add_argument(
+        "--streams-step-budget-ms",
+        type=float,
+        default=None,
+        help="milliseconds a step may take when it carries a prefill chunk of a prompt that arrived after a stream "
+        "decoding beside it began (an agent's next turn while the others stream): what a stream waits for its next "
+        "token; prompts already waiting then (a burst, a batch) keep --step-budget-ms; at most --step-budget-ms "
+        "(default 1000 on the CPU, the step budget on a GPU; 0: the step budget)",
+    )
+    cache.add_argument(
         "--long-prompt-step-budget-ms",
         type=float,
         default=None,
         help="milliseconds a step may take when it carries a chunk of a long prompt (more than --max-batch-tokens "
-        "left to prefill) beside streams decoding, at most --step-budget-ms (default 750 on the CPU, the step "
-        "budget on a GPU; 0: the step budget)",
+        "left to prefill) beside streams decoding, at most --streams-step-budget-ms (default 750 on the CPU, the "
+        "streams' budget on a GPU; 0: the streams' budget)",
     )
     cache.add_argument(
         "--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs, help="sequences decoded together"
@@ -295,6 +304,8 @@ def cache_settings(args: argparse.Namespace) -> dict:
         settings["num_speculative_tokens"] = args.num_draft_tokens
     if args.step_budget_ms is not None:
         settings["step_budget_ms"] = args.step_budget_ms or None  # 0: no budget
+    if args.streams_step_budget_ms is not None:
+        settings["streams_step_budget_ms"] = args.streams_step_budget_ms or None  # 0: the step budget
     if args.long_prompt_step_budget_ms is not None:
         settings["long_prompt_step_budget_ms"] = args.long_prompt_step_budget_ms or None  # 0: the step budget
     if getattr(args, "image_cache_size", None) is not None:  # serve's image flags

@@ -89,8 +89,11 @@ class EngineCore:
         `num_checkpoints` checkpoints (the memory plan's: pending ones included). `buffer_budget`: bytes the runner's
         decode buffers may take (the memory plan's spare; None: no limit)."""
         specs = kv.specs  # one per layer group: how each table grows, shares and frees
-        budget_ms, long_prompt_ms = scheduler_config.step_budget_ms, scheduler_config.long_prompt_step_budget_ms
-        long_prompt_s = None if long_prompt_ms is None else long_prompt_ms / 1000
+        budget_ms = scheduler_config.step_budget_ms
+        long_prompt_s, streams_s = (
+            None if ms is None else ms / 1000
+            for ms in (scheduler_config.long_prompt_step_budget_ms, scheduler_config.streams_step_budget_ms)
+        )
         prefix_cache = cache_config.enable_prefix_cache and kv.supports_prefix_cache
         state = None
         if layout is not None and layout.state_leaves:
@@ -112,7 +115,7 @@ class EngineCore:
             max_num_seqs=scheduler_config.max_num_seqs,
             max_model_len=max_model_len,
             state=state,
-            step_budget=None if budget_ms is None else StepBudget(budget_ms / 1000, long_prompt_s),
+            step_budget=None if budget_ms is None else StepBudget(budget_ms / 1000, long_prompt_s, streams_s),
         )
         if scheduler_config.speculative is not None:
             _check_speculation(scheduler_config.speculative, kv)

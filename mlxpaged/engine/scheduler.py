@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from collections.abc import Collection, Hashable, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -127,6 +127,8 @@ class Scheduler:
         self._requests: dict[str, Request] = {}  # every unfinished request
         self._arrival: dict[str, int] = {}
         self._next_arrival = 0
+        # A request's first sampled token: the arrivals counted by then (later ones arrived behind its stream).
+        self._streaming_since: dict[str, int] = {}
 
     # ---- queries ------------------------------------------------------------------
 
@@ -206,6 +208,7 @@ class Scheduler:
         if request is None:
             raise UnknownRequestError(request_id)
         del self._arrival[request_id]
+        self._streaming_since.pop(request_id, None)
         if request.status is RequestStatus.RUNNING:
             self._running.remove(request)
             self.kv_manager.free(request_id)
@@ -249,6 +252,7 @@ class Scheduler:
         self._arrival[child.request_id] = self._next_arrival
         self._next_arrival += 1
         child.num_cached_tokens = parent.num_cached_tokens
+        self._streaming_since[child.request_id] = self._streaming_since.get(parent_id, self._next_arrival)
         copies = self._fork_blocks(parent, child)
         if copies is None:
             copies = []
@@ -302,6 +306,7 @@ class Scheduler:
         # Asked only when a prefill runs: it matches the waiting head's prefix (O(prompt) lookups).
         cap = self._prefill_cap(preempted) if prefills else self.max_batch_tokens
         time = self.step_budget.plan(decoding=bool(decodes)) if self.step_budget is not None else None
+        behind = self._arrived_behind(decodes)
         # With a step budget, long prompts' chunks come last, in what their budget leaves after the short prompts and
         # the new arrivals (by arrival within each): an agent's next turn beside someone's pasted file is not held up
         # by it, nor the streams by both at once (bench fleet --long; docs/design/issue38-load.md, session 31).
@@ -310,36 +315,39 @@ class Scheduler:
             shorts = []
             for request in prefills:
                 (longs if self._long_prompt(request) else shorts).append(request)
-        budget = self._prefill_chunks(shorts, chunks, budget, cap, time)
+        budget = self._prefill_chunks(shorts, chunks, budget, cap, time, behind)
+        fits = None if time is None else lambda request: time.has_time_for(False, behind(request))
         # As in vLLM: a step that had to preempt admits nothing, or it would thrash.
-        while (
-            not preempted
-            and budget > 0
-            and (time is None or time.has_time)
-            and (admitted := self._admit_next()) is not None
-        ):
+        while not preempted and budget > 0 and (admitted := self._admit_next(fits)) is not None:
             most = budget
             if time is not None:  # priced by the tokens it has, not the step's
                 left = min(budget, admitted.num_tokens - admitted.num_computed_tokens)
-                most = time.take(admitted.num_computed_tokens, left, self._long_prompt(admitted))
+                long_prompt = self._long_prompt(admitted)
+                most = time.take(admitted.num_computed_tokens, left, long_prompt, behind(admitted))
             chunks.append(self._chunk(admitted, most))
             budget -= len(chunks[-1].token_ids)
-        budget = self._prefill_chunks(longs, chunks, budget, cap, time)
+        budget = self._prefill_chunks(longs, chunks, budget, cap, time, behind)
         return SchedulerOutput(chunks, preempted, self.max_batch_tokens - budget)
 
     def _prefill_chunks(
-        self, requests: list[Request], chunks: list[ScheduledChunk], budget: int, cap: int, time: StepPlan | None
+        self,
+        requests: list[Request],
+        chunks: list[ScheduledChunk],
+        budget: int,
+        cap: int,
+        time: StepPlan | None,
+        behind: Callable[[Request], bool],
     ) -> int:
         """Append a chunk of each running prefill in turn while the step has tokens (at most `cap` each) and time
         for it; returns the tokens left."""
         for request in requests:
-            long_prompt = time is not None and self._long_prompt(request)
-            if budget <= 0 or (time is not None and not time.has_time_for(long_prompt)):  # < 0: an image prefilled
-                break
+            long_prompt, behind_streams = time is not None and self._long_prompt(request), behind(request)
+            if budget <= 0 or (time is not None and not time.has_time_for(long_prompt, behind_streams)):
+                break  # budget < 0: an image prefilled whole
             most = min(budget, cap)
             if time is not None:  # priced by the tokens it has left, not the step's
                 left = min(most, request.num_tokens - request.num_computed_tokens)
-                most = time.take(request.num_computed_tokens, left, long_prompt)
+                most = time.take(request.num_computed_tokens, left, long_prompt, behind_streams)
             chunks.append(self._chunk(request, most))
             budget -= len(chunks[-1].token_ids)
         return budget
@@ -389,6 +397,7 @@ class Scheduler:
                 self._checkpoint(request, publish=not chunk.samples or len(chunk.token_ids) - len(drafts) > 1)
             if chunk.samples:
                 request.output_token_ids.append(sampled[request.request_id])
+                self._streaming_since.setdefault(request.request_id, self._next_arrival)
             if drafts:  # roll back: blocks past the sequence return to the pool
                 self.kv_manager.free_slots_after(request, request.num_tokens)
 
@@ -428,6 +437,16 @@ class Scheduler:
         # Newest preempted first, each pushed to the front: the queue stays in arrival order.
         self._waiting.appendleft(request)
 
+    def _arrived_behind(self, decodes: list[Request]) -> Callable[[Request], bool]:
+        """Whether a request arrived after one of the streams decoding in this step had begun (its first token): its
+        prefill is held to the streams' budget (step_budget.py), those were promised their tokens first. Requests
+        already waiting then (a burst, a batch job) were ahead of them."""
+        began = [since for r in decodes if (since := self._streaming_since.get(r.request_id)) is not None]
+        if not began or self.step_budget is None:
+            return lambda request: False
+        first = min(began)
+        return lambda request: self._arrival[request.request_id] >= first
+
     def _long_prompt(self, request: Request) -> bool:
         """More to prefill than one step's tokens (its tokens less those the prefix cache served): it takes several
         steps whatever their size (step_budget.py), to its last chunk (counted by what is left, a pasted file's last
@@ -459,9 +478,9 @@ class Scheduler:
             return None if self.kv_manager.joins_prefill(request, prefilling, JOIN_MIN_TOKENS) else request
         return None
 
-    def _admit_next(self) -> Request | None:
-        """Move the next admissible waiting request (`_next_admissible`) to running if it fits, else None: the
-        first request that does not fit blocks the rest (FIFO, no overtaking)."""
+    def _admit_next(self, fits: Callable[[Request], bool] | None = None) -> Request | None:
+        """Move the next admissible waiting request (`_next_admissible`) to running if it fits the pool (and `fits`,
+        the step's time), else None: the first request that does not fit blocks the rest (FIFO, no overtaking)."""
         if (
             not self._waiting
             or len(self._running) >= self.max_num_seqs
@@ -469,7 +488,7 @@ class Scheduler:
         ):
             return None
         request = self._next_admissible()
-        if request is None:
+        if request is None or (fits is not None and not fits(request)):
             return None
         if not self.kv_manager.can_allocate(request):
             if not self._running:

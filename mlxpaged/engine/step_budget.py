@@ -9,9 +9,13 @@ decode beside it. Alone, a long prompt prefills nearly at full speed in such chu
 CPU, a 5,000-token prompt, took 30.1-30.9 s in chunks of 2,048 tokens, 29.3 s in 512, 34.6 s in 128 (each chunk
 also reads the whole context once), 31.6-34.7 s in steps of 2 s.
 
-A long prompt (more prefill left than one step's tokens, `max_batch_tokens`) may get a tighter budget beside decoding
-streams (`long_prompt_s`): it takes many steps whatever their size, so what its steps cost the streams is what
-matters there, while a short one (an agent's next turn, a burst of new requests) is best prefilled in few steps.
+Beside decoding streams a prompt that arrived after one of them began (an agent's next turn while the others stream)
+may get a tighter budget (`streams_s`): those streams were there first, and their clients read every step's length
+as a pause in the text. Prompts that were already waiting when the streams began (a burst of requests, a batch job)
+keep the whole budget: they were ahead of them, and are prefilled in few steps, which is what a batch's throughput
+needs. A long prompt (more prefill left than one step's tokens, `max_batch_tokens`) may get a tighter budget still
+beside decoding streams (`long_prompt_s`): it takes many steps whatever their size, so what its steps cost the
+streams is what matters there.
 
 Plain Python, no MLX (the scheduler's rules; tests drive it with made-up times).
 """
@@ -46,24 +50,36 @@ class Chunk:
 class StepBudget:
     """What steps cost here, learnt from the steps run (`record`), and the chunks that fit a step (`plan`)."""
 
-    def __init__(self, budget_s: float, long_prompt_s: float | None = None):
-        for name, seconds in (("step budget", budget_s), ("long prompts' step budget", long_prompt_s)):
+    def __init__(self, budget_s: float, long_prompt_s: float | None = None, streams_s: float | None = None):
+        named = (
+            ("step budget", budget_s),
+            ("long prompts' step budget", long_prompt_s),
+            ("streams' budget", streams_s),
+        )
+        for name, seconds in named:
             if seconds is not None and not seconds > 0:
                 raise ValueError(f"the {name} must be > 0 seconds, got {seconds}")
         self.budget_s = budget_s
-        # A step that carries a long prompt's chunk beside decoding streams: at most this (never above the budget).
-        self.long_prompt_s = budget_s if long_prompt_s is None else min(budget_s, long_prompt_s)
+        # A step that carries a chunk of a prompt that arrived behind a decoding stream: at most this (never above
+        # the budget).
+        self.streams_s = budget_s if streams_s is None else min(budget_s, streams_s)
+        # ... a long prompt's chunk: at most this (never above the streams' budget).
+        self.long_prompt_s = self.streams_s if long_prompt_s is None else min(self.streams_s, long_prompt_s)
         self.decode_s: float | None = None  # a step that only decodes (the rows running now)
         self._per_token_s: dict[int, float] = {}  # bucket of a chunk's end -> seconds per prefill token
 
     def plan(self, decoding: bool) -> StepPlan:
-        """The time this step's prefill chunks may take: the budget, less the decoding rows' part (and beside them,
-        for a long prompt's chunk, the long prompts' budget less that part)."""
-        budget_s, long_prompt_s = self.budget_s * PLAN_SHARE, self.long_prompt_s * PLAN_SHARE
+        """The time this step's prefill chunks may take: alone, the budget; beside decoding rows, the budget less the
+        rows' part, for a prompt that arrived after one of those streams began the streams' budget less that part,
+        for a long prompt's chunk the long prompts' budget less that part."""
         if not decoding:
-            return StepPlan(self, budget_s, budget_s, decoding)
+            alone_s = self.budget_s * PLAN_SHARE
+            return StepPlan(self, alone_s, alone_s, alone_s, decoding)
         decode_s = self.decode_s or 0.0
-        return StepPlan(self, budget_s - decode_s, long_prompt_s - decode_s, decoding)
+        seconds, streams_s, long_prompt_s = (
+            s * PLAN_SHARE - decode_s for s in (self.budget_s, self.streams_s, self.long_prompt_s)
+        )
+        return StepPlan(self, seconds, streams_s, long_prompt_s, decoding)
 
     def record(self, seconds: float, decoding: bool, prefills: list[Chunk]) -> None:
         """A step took `seconds`: it decoded (or not) and fed these prefill chunks."""
@@ -127,36 +143,37 @@ class StepBudget:
 
 
 class StepPlan:
-    """One step's time for prefill chunks: each chunk `take`s its tokens from it, in the scheduler's order."""
+    """One step's time for prefill chunks: each chunk `take`s its tokens from it, in the scheduler's order. A chunk
+    is of a prompt that came before the streams decoding now (or beside none), of one that arrived behind one of them
+    (`behind_streams`: that stream was promised its tokens first), or of a long prompt; each kind has its limit, and
+    every chunk's time counts against all three."""
 
-    def __init__(self, budget: StepBudget, seconds: float, long_prompt_seconds: float, decoding: bool):
+    def __init__(
+        self, budget: StepBudget, seconds: float, streams_seconds: float, long_prompt_seconds: float, decoding: bool
+    ):
         self.budget = budget
         self.seconds_left = seconds
+        self.streams_seconds_left = streams_seconds
         self.long_prompt_seconds_left = long_prompt_seconds
         self.decoding = decoding
         self.num_chunks = 0
 
-    @property
-    def has_time(self) -> bool:
-        """Whether another chunk may start (the first always may: a prompt must advance)."""
-        return self.has_time_for(long_prompt=False)
-
-    def has_time_for(self, long_prompt: bool) -> bool:
-        """Whether another chunk of a long prompt, or of a short one, may start (the first always may). Beside
-        decoding streams a long prompt's chunk goes only in a step of no other prefill: beside an agent's next turn
-        such steps took 1.03-1.23 s with seven streams waiting; with this rule none of a cold `bench fleet --long`'s
-        steps over 0.85 s carried one (docs/design/issue38-load.md, session 31)."""
+    def has_time_for(self, long_prompt: bool, behind_streams: bool = False) -> bool:
+        """Whether another chunk of a long prompt, or of a short one (arrived behind a decoding stream or not), may
+        start (the first always may). Beside decoding streams a long prompt's chunk goes only in a step of no other
+        prefill: beside an agent's next turn such steps took 1.03-1.23 s with seven streams waiting; with this rule
+        none of a cold `bench fleet --long`'s steps over 0.85 s carried one (docs/design/issue38-load.md, session
+        31)."""
         if long_prompt and self.decoding and self.num_chunks > 0:
             return False
-        seconds = self.long_prompt_seconds_left if long_prompt else self.seconds_left
-        return self.num_chunks == 0 or seconds > 0
+        return self.num_chunks == 0 or self._seconds_left(long_prompt, behind_streams) > 0
 
-    def take(self, start: int, most: int, long_prompt: bool = False) -> int:
-        """Tokens for a prefill chunk starting at `start` (ask `has_time` first), at most `most`, of a long prompt or
-        not: the first chunk of a step at least MIN_CHUNK (or `most`, if smaller), a later one at least 1. Before any
-        prefill was measured, FIRST_CHUNK (the first prompt of an engine's life: a step of the most tokens took 5.6 s
-        on this CPU, which a client hanging up would wait for)."""
-        seconds = self.long_prompt_seconds_left if long_prompt else self.seconds_left
+    def take(self, start: int, most: int, long_prompt: bool = False, behind_streams: bool = False) -> int:
+        """Tokens for a prefill chunk starting at `start` (ask `has_time_for` first), at most `most`, of a long prompt
+        or not, behind decoding streams or not: the first chunk of a step at least MIN_CHUNK (or `most`, if smaller),
+        a later one at least 1. Before any prefill was measured, FIRST_CHUNK (the first prompt of an engine's life: a
+        step of the most tokens took 5.6 s on this CPU, which a client hanging up would wait for)."""
+        seconds = self._seconds_left(long_prompt, behind_streams)
         tokens = self.budget.tokens_within(max(seconds, 0.0), start, most)
         if tokens is None:
             tokens = min(most, FIRST_CHUNK)
@@ -164,8 +181,14 @@ class StepPlan:
         self.num_chunks += 1
         cost = self.budget.cost_s(Chunk(start, tokens))
         self.seconds_left -= cost
+        self.streams_seconds_left -= cost
         self.long_prompt_seconds_left -= cost
         return tokens
+
+    def _seconds_left(self, long_prompt: bool, behind_streams: bool) -> float:
+        if long_prompt:
+            return self.long_prompt_seconds_left
+        return self.streams_seconds_left if behind_streams else self.seconds_left
 
 
 def _smooth(old: float | None, new: float) -> float:

@@ -137,11 +137,21 @@ class Tuning:
     # not measured on a GPU yet: a 2,048-token chunk of a small model fits in it, a 100k-token prompt's late
     # chunks do not.
     step_budget_ms: float
+    # A step carrying a chunk of a prompt that arrived after a stream decoding beside it began (SchedulerConfig's
+    # streams_step_budget_ms default): what a stream waits for a token while another agent's next turn prefills.
+    # CPU: 1000 ms. In the 2 s budget two or three agents' next turns (~156 tokens each at ~2,600 tokens of context)
+    # were prefilled in one step, 1.16-1.48 s, and the fleet's inter-token p99 was 1.24-1.43 s with --long, 1.34 s
+    # without; at 1000 ms those steps took at most 0.87 s and the p99 was 0.82-0.86 s with --long, 0.78 s without
+    # (bench fleet, cold; docs/design/issue38-load.md, session 32). Prompts that were waiting when the streams began
+    # keep the step budget: bench batch's 16 requests arrive together, and held to 1000 ms beside the first streams
+    # they lost ~7% of their throughput (60.8 / 57.9 against 64.8 / 63.2 tok/s, interleaved). Metal and CUDA: the
+    # step budget (1000 ms), not measured on a GPU.
+    streams_step_budget_ms: float
     # A step carrying a chunk of a long prompt (more prefill left than max_batch_tokens) beside decoding streams
     # (SchedulerConfig's long_prompt_step_budget_ms default): what the streams wait for a token while someone's
     # pasted file prefills. CPU: 750 ms (above: 0.85 s the longest wait at 750 ms; bench fleet --long's other agents'
-    # inter-token p99 2.145 s with the 2 s budget, 1.086 s with this one), while short prompts keep the 2 s budget
-    # and bench batch its throughput. Metal and CUDA: the step budget (1000 ms), not measured on a GPU.
+    # inter-token p99 2.145 s with the 2 s budget, 1.086 s with this one, session 22, when the fleet bench read its
+    # earlier runs' prompts from disk). Metal and CUDA: the streams' budget (1000 ms), not measured on a GPU.
     long_prompt_step_budget_ms: float
 
 
@@ -154,6 +164,7 @@ _GPU = Tuning(
     max_batch_tokens=2048,
     fused_projections=True,
     step_budget_ms=1000.0,
+    streams_step_budget_ms=1000.0,
     long_prompt_step_budget_ms=1000.0,
 )
 TUNINGS = {
@@ -166,6 +177,7 @@ TUNINGS = {
         max_batch_tokens=2048,
         fused_projections=False,
         step_budget_ms=2000.0,
+        streams_step_budget_ms=1000.0,
         long_prompt_step_budget_ms=750.0,
     ),
     "metal": _GPU,

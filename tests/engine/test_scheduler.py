@@ -476,6 +476,33 @@ def test_with_a_step_budget_a_long_prompts_chunk_waits_for_a_step_without_short_
     assert eng.finished["long"].output_token_ids == solo_output(range(100, 300), 2)
 
 
+def test_with_a_step_budget_a_prompt_that_arrived_behind_a_stream_keeps_to_the_streams_budget():
+    # A step budget of 1 s (0.75 s planned), 0.5 s for prompts that arrived behind a stream (0.375 planned); a step
+    # that only decodes takes 0.25 s and a prefill token TOKEN_S: beside the stream a prompt that was already waiting
+    # when it began may take 0.5 s of prefill (256 tokens), one that arrived after 0.125 s (64 tokens).
+    token_s = 2**-9
+    budget = StepBudget(1.0, streams_s=0.5)
+    budget.record(0.25, decoding=True, prefills=[])
+    budget.record(0.25 + 64 * token_s, decoding=True, prefills=[Chunk(0, 64)])
+    pool = manager_for(160, BS, (None,), prefix_cache=False)
+    s = Scheduler(pool, max_batch_tokens=1024, max_num_seqs=4, max_model_len=2048, step_budget=budget)
+    eng = FakeEngine(s)
+
+    def step() -> list[tuple[str, int]]:
+        return [(c.request.request_id, len(c.token_ids)) for c in eng.step().chunks]
+
+    s.add_request(req("stream", range(4), 20))
+    s.add_request(req("early", range(100, 700), 2))  # waiting when the stream begins: a burst
+    assert step() == [("stream", 4), ("early", 380)]  # no stream yet: the whole budget, 0.75 s
+    s.add_request(req("turn", range(1000, 1200), 2))  # arrives once the stream has begun
+    assert step() == [("stream", 1), ("early", 220)]  # the whole budget beside it; no time left for the turn
+    assert step() == [("stream", 1), ("early", 1), ("turn", 64)]  # first in its step, at the streams' budget
+    assert step() == [("stream", 1), ("turn", 64)]
+    eng.run()
+    assert eng.finished["early"].output_token_ids == solo_output(range(100, 700), 2)
+    assert eng.finished["turn"].output_token_ids == solo_output(range(1000, 1200), 2)
+
+
 # ---- finish / abort -----------------------------------------------------------------
 
 

@@ -37,7 +37,7 @@ def test_a_chunk_beside_streams_takes_what_their_part_leaves_of_the_budget():
     budget = measured()
     beside = budget.plan(decoding=True)
     assert beside.take(100, 2048) == 64  # (0.5 x PLAN_SHARE - 0.25) s / TOKEN_S
-    assert not beside.has_time  # a second prompt waits for the next step
+    assert not beside.has_time_for(long_prompt=False)  # a second prompt waits for the next step
     assert budget.plan(decoding=False).take(100, 2048) == 192  # alone: the whole budget's planned share
     assert budget.plan(decoding=False).take(100, 150) == 150  # never more than the scheduler allows
 
@@ -49,10 +49,26 @@ def test_a_long_prompts_chunk_beside_streams_takes_what_their_part_leaves_of_the
     beside = budget.plan(decoding=True)
     assert beside.take(100, 2048, long_prompt=True) == 16  # (0.375 x PLAN_SHARE - 0.25) s / TOKEN_S
     assert beside.take(200, 2048) == 48  # a short prompt beside it gets the rest of the whole budget
-    assert not beside.has_time
+    assert not beside.has_time_for(long_prompt=False)
     assert budget.plan(decoding=True).take(100, 2048) == 64  # a short prompt alone beside streams: the budget
     assert budget.plan(decoding=False).take(100, 2048, long_prompt=True) == 192  # no streams: the whole budget
     assert StepBudget(0.5, long_prompt_s=2.0).long_prompt_s == 0.5  # never above the budget
+
+
+def test_a_prompt_that_arrived_behind_the_streams_keeps_to_their_budget_one_ahead_of_them_to_the_whole():
+    budget = StepBudget(1.0, long_prompt_s=0.375, streams_s=0.5)
+    budget.record(0.25, decoding=True, prefills=[])
+    budget.record(0.25 + 128 * TOKEN_S, decoding=True, prefills=[Chunk(0, 128)])
+    behind = budget.plan(decoding=True)
+    assert behind.take(100, 2048, behind_streams=True) == 64  # (0.5 x PLAN_SHARE - 0.25) s / TOKEN_S
+    assert not behind.has_time_for(long_prompt=False, behind_streams=True)
+    assert behind.has_time_for(long_prompt=False)  # one ahead of the streams may come: 192 tokens' time is left
+    assert behind.take(300, 2048) == 192  # (1.0 x PLAN_SHARE - 0.25) s / TOKEN_S, less the first chunk's
+    assert budget.plan(decoding=True).take(100, 2048) == 256  # ahead of the streams (a burst): the whole budget
+    assert budget.plan(decoding=True).take(100, 2048, long_prompt=True, behind_streams=True) == 16  # long prompts'
+    assert budget.plan(decoding=False).take(100, 2048, behind_streams=True) == 384  # no streams: the whole budget
+    assert StepBudget(1.0, streams_s=2.0).streams_s == 1.0  # never above the budget
+    assert StepBudget(1.0, long_prompt_s=0.8, streams_s=0.5).long_prompt_s == 0.5  # nor above the streams'
 
 
 def test_a_bucket_not_measured_yet_takes_its_nearest_measured_neighbours_cost_and_one_buckets_rise():
@@ -87,7 +103,7 @@ def test_a_bucket_not_measured_yet_takes_its_nearest_measured_neighbours_cost_an
 
 def test_a_step_over_budget_still_advances_its_first_prompt_by_a_few_tokens_and_admits_no_other():
     plan = measured(budget_s=0.5, decode_s=0.6).plan(decoding=True)
-    assert plan.take(0, 2048) == MIN_CHUNK and not plan.has_time
+    assert plan.take(0, 2048) == MIN_CHUNK and not plan.has_time_for(long_prompt=False)
     assert measured(decode_s=0.6).plan(decoding=True).take(0, 5) == 5
 
 
@@ -109,6 +125,10 @@ def test_the_budget_must_be_positive():
     assert SchedulerConfig(step_budget_ms=None).step_budget_ms is None
     with pytest.raises(ConfigError, match="long_prompt_step_budget_ms"):
         SchedulerConfig(long_prompt_step_budget_ms=0)
+    with pytest.raises(ValueError, match="streams' budget must be > 0 seconds"):
+        StepBudget(1, streams_s=-1)
+    with pytest.raises(ConfigError, match="streams_step_budget_ms"):
+        SchedulerConfig(streams_step_budget_ms=0)
 
 
 @pytest.fixture(scope="module")

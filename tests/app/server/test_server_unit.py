@@ -618,7 +618,12 @@ def test_serve_step_budget_reaches_the_engine_settings_and_0_turns_it_off():
     long_prompt = split_settings(cache_settings(parser.parse_args(["--long-prompt-step-budget-ms", "500"])))[1]
     assert long_prompt.long_prompt_step_budget_ms == 500
     off = split_settings(cache_settings(parser.parse_args(["--long-prompt-step-budget-ms", "0"])))[1]
-    assert off.long_prompt_step_budget_ms is None  # the step budget then
+    assert off.long_prompt_step_budget_ms is None  # the streams' budget then
+    assert default.streams_step_budget_ms == backend.tuning().streams_step_budget_ms
+    streams = split_settings(cache_settings(parser.parse_args(["--streams-step-budget-ms", "900"])))[1]
+    assert streams.streams_step_budget_ms == 900
+    off = split_settings(cache_settings(parser.parse_args(["--streams-step-budget-ms", "0"])))[1]
+    assert off.streams_step_budget_ms is None  # the step budget then
 
 
 @pytest.mark.asyncio
