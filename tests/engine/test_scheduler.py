@@ -448,17 +448,23 @@ def test_a_request_waits_while_a_running_prefill_computes_the_prefix_they_share(
     assert [c.request.request_id for c in FakeEngine(s).step().chunks] == ["d", "e"]
 
 
+def budgeted(budget: StepBudget, blocks: int, max_batch_tokens: int) -> FakeEngine:
+    """A fake engine over a scheduler with `budget`, which saw a step decode alone in 0.25 s and one that also
+    prefilled 64 tokens at 2**-9 s each."""
+    budget.record(0.25, decoding=True, prefills=[])
+    budget.record(0.25 + 64 * 2**-9, decoding=True, prefills=[Chunk(0, 64)])
+    pool = manager_for(blocks, BS, (None,), prefix_cache=False)
+    return FakeEngine(
+        Scheduler(pool, max_batch_tokens=max_batch_tokens, max_num_seqs=4, max_model_len=2048, step_budget=budget)
+    )
+
+
 def test_with_a_step_budget_a_long_prompts_chunk_waits_for_a_step_without_short_prompts_or_arrivals():
     # A step budget of 1 s (0.75 s planned), 0.5 s beside streams for a long prompt (0.375 planned); a step that only
     # decodes takes 0.25 s and a prefill token TOKEN_S: beside the stream, short prompts may take 0.5 s of prefill, a
     # long one 0.125 s in a step of no other prefill.
-    token_s = 2**-9
-    budget = StepBudget(1.0, long_prompt_s=0.5)
-    budget.record(0.25, decoding=True, prefills=[])
-    budget.record(0.25 + 64 * token_s, decoding=True, prefills=[Chunk(0, 64)])
-    pool = manager_for(64, BS, (None,), prefix_cache=False)
-    s = Scheduler(pool, max_batch_tokens=128, max_num_seqs=4, max_model_len=512, step_budget=budget)
-    eng = FakeEngine(s)
+    eng = budgeted(StepBudget(1.0, long_prompt_s=0.5), blocks=64, max_batch_tokens=128)
+    s = eng.sched
     s.add_request(req("stream", range(4), 20))
     eng.step()
     s.add_request(req("long", range(100, 300), 2))  # more than a step's 128 tokens: a long prompt
@@ -480,13 +486,8 @@ def test_with_a_step_budget_a_prompt_that_arrived_behind_a_stream_keeps_to_the_s
     # A step budget of 1 s (0.75 s planned), 0.5 s for prompts that arrived behind a stream (0.375 planned); a step
     # that only decodes takes 0.25 s and a prefill token TOKEN_S: beside the stream a prompt that was already waiting
     # when it began may take 0.5 s of prefill (256 tokens), one that arrived after 0.125 s (64 tokens).
-    token_s = 2**-9
-    budget = StepBudget(1.0, streams_s=0.5)
-    budget.record(0.25, decoding=True, prefills=[])
-    budget.record(0.25 + 64 * token_s, decoding=True, prefills=[Chunk(0, 64)])
-    pool = manager_for(160, BS, (None,), prefix_cache=False)
-    s = Scheduler(pool, max_batch_tokens=1024, max_num_seqs=4, max_model_len=2048, step_budget=budget)
-    eng = FakeEngine(s)
+    eng = budgeted(StepBudget(1.0, streams_s=0.5), blocks=160, max_batch_tokens=1024)
+    s = eng.sched
 
     def step() -> list[tuple[str, int]]:
         return [(c.request.request_id, len(c.token_ids)) for c in eng.step().chunks]
