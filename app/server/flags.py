@@ -307,7 +307,7 @@ def cache_settings(args: argparse.Namespace) -> dict:
     if args.streams_step_budget_ms is not None:
         settings["streams_step_budget_ms"] = args.streams_step_budget_ms or None  # 0: the step budget
     if args.long_prompt_step_budget_ms is not None:
-        settings["long_prompt_step_budget_ms"] = args.long_prompt_step_budget_ms or None  # 0: the step budget
+        settings["long_prompt_step_budget_ms"] = args.long_prompt_step_budget_ms or None  # 0: the streams' budget
     if getattr(args, "image_cache_size", None) is not None:  # serve's image flags
         settings["image_cache_size"] = args.image_cache_size
     if getattr(args, "image_memory_pixels", None) is not None:  # the tower's activations: planned for these images

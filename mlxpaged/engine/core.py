@@ -90,10 +90,8 @@ class EngineCore:
         decode buffers may take (the memory plan's spare; None: no limit)."""
         specs = kv.specs  # one per layer group: how each table grows, shares and frees
         budget_ms = scheduler_config.step_budget_ms
-        long_prompt_s, streams_s = (
-            None if ms is None else ms / 1000
-            for ms in (scheduler_config.long_prompt_step_budget_ms, scheduler_config.streams_step_budget_ms)
-        )
+        long_prompt_s = _seconds(scheduler_config.long_prompt_step_budget_ms)
+        streams_s = _seconds(scheduler_config.streams_step_budget_ms)
         prefix_cache = cache_config.enable_prefix_cache and kv.supports_prefix_cache
         state = None
         if layout is not None and layout.state_leaves:
@@ -284,6 +282,10 @@ class EngineCore:
         self.runner.copy_blocks(copies)
         if self.speculator is not None:
             self.speculator.fork(parent_id, child.request_id, copies)
+
+
+def _seconds(ms: float | None) -> float | None:
+    return None if ms is None else ms / 1000
 
 
 def _record_cost(budget: StepBudget, out: SchedulerOutput, seconds: float) -> None:

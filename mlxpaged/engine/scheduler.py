@@ -306,7 +306,7 @@ class Scheduler:
         # Asked only when a prefill runs: it matches the waiting head's prefix (O(prompt) lookups).
         cap = self._prefill_cap(preempted) if prefills else self.max_batch_tokens
         time = self.step_budget.plan(decoding=bool(decodes)) if self.step_budget is not None else None
-        behind = self._arrived_behind(decodes)
+        behind = self._arrived_behind(decodes) if time is not None and (prefills or self._waiting) else _never
         # With a step budget, long prompts' chunks come last, in what their budget leaves after the short prompts and
         # the new arrivals (by arrival within each): an agent's next turn beside someone's pasted file is not held up
         # by it, nor the streams by both at once (bench fleet --long; docs/design/issue38-load.md, session 31).
@@ -442,8 +442,8 @@ class Scheduler:
         prefill is held to the streams' budget (step_budget.py), those were promised their tokens first. Requests
         already waiting then (a burst, a batch job) were ahead of them."""
         began = [since for r in decodes if (since := self._streaming_since.get(r.request_id)) is not None]
-        if not began or self.step_budget is None:
-            return lambda request: False
+        if not began:
+            return _never
         first = min(began)
         return lambda request: self._arrival[request.request_id] >= first
 
@@ -564,6 +564,10 @@ class Scheduler:
         if self.state is not None and request.state_slot is not None:
             self.state.free(request.state_slot)
             request.state_slot = None
+
+
+def _never(request: Request) -> bool:
+    return False
 
 
 def _slot(request: Request) -> int:

@@ -152,9 +152,8 @@ class StepPlan:
         self, budget: StepBudget, seconds: float, streams_seconds: float, long_prompt_seconds: float, decoding: bool
     ):
         self.budget = budget
-        self.seconds_left = seconds
-        self.streams_seconds_left = streams_seconds
-        self.long_prompt_seconds_left = long_prompt_seconds
+        self.seconds, self.streams_seconds, self.long_prompt_seconds = seconds, streams_seconds, long_prompt_seconds
+        self.spent_s = 0.0  # the predicted time of the chunks taken so far
         self.decoding = decoding
         self.num_chunks = 0
 
@@ -179,16 +178,13 @@ class StepPlan:
             tokens = min(most, FIRST_CHUNK)
         tokens = max(tokens, min(MIN_CHUNK if self.num_chunks == 0 else 1, most))
         self.num_chunks += 1
-        cost = self.budget.cost_s(Chunk(start, tokens))
-        self.seconds_left -= cost
-        self.streams_seconds_left -= cost
-        self.long_prompt_seconds_left -= cost
+        self.spent_s += self.budget.cost_s(Chunk(start, tokens))
         return tokens
 
     def _seconds_left(self, long_prompt: bool, behind_streams: bool) -> float:
         if long_prompt:
-            return self.long_prompt_seconds_left
-        return self.streams_seconds_left if behind_streams else self.seconds_left
+            return self.long_prompt_seconds - self.spent_s
+        return (self.streams_seconds if behind_streams else self.seconds) - self.spent_s
 
 
 def _smooth(old: float | None, new: float) -> float:
