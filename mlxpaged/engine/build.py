@@ -45,6 +45,7 @@ from mlxpaged.loading.probe import probe_layout
 from mlxpaged.platform import backend
 from mlxpaged.platform.memory import DeviceFacts, MemoryPlan, ModelFacts, plan_memory
 from mlxpaged.platform.model_facts import context_length
+from mlxpaged.runner.activation_routing import route_for_backend
 from mlxpaged.runner.batch_check import batch_mismatch
 from mlxpaged.runner.kv_calibration import transform_for
 from mlxpaged.runner.model_drafter import ModelDrafter
@@ -111,6 +112,7 @@ def build_core(
     if ranks is not None:
         _check_distributed(layout, cache_config)
     route_paged_attention()
+    route_for_backend()
     kv_dtype = activation_dtype(loaded.model)  # K/V have the activations' dtype
     weight_bytes = loaded.weight_bytes + (adapter_set.nbytes if adapter_set is not None else 0)
     facts = ModelFacts.from_layout(

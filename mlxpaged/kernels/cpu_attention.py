@@ -57,23 +57,27 @@ GATHER_MM_MIN_KEYS = 1024
 # that each block's matmuls stay efficient (measured: 64 beat 128 and 256 at 450 tokens).
 QUERY_BLOCK = 64
 
-_LOG2E = 1.4426950408889634
+LOG2E = 1.4426950408889634
 _TAYLOR_2F = [math.log(2) ** k / math.factorial(k) for k in range(8)]  # 2^f = sum (f ln 2)^k / k!
 _MASKED = -1e30  # finite: a fully masked (padding) row gets finite garbage, not NaN
 
 
-@partial(mx.compile, shapeless=True)
-def _exp_parts(scores: mx.array, row_max: mx.array) -> tuple[mx.array, mx.array]:
-    """exp(scores - row_max) as (p, bits): p = 2^f as a polynomial and bits = the float32 bit
-    pattern of 2^n. ``mx.view`` cannot be compiled shapeless, so the caller multiplies."""
-    t = mx.maximum((scores - row_max) * _LOG2E, -127.0)
+def exp2_parts(t: mx.array) -> tuple[mx.array, mx.array]:
+    """2^t as (p, bits) for float32 t in [-127, 127]: p = 2^f as a polynomial (n = round(t), f = t - n) and bits =
+    the float32 bit pattern of 2^n (t = -127 gives the pattern of 0.0). Traced inside the compiled callers: ``mx.view``
+    cannot be compiled shapeless, so they return both and their caller multiplies."""
     n = mx.round(t)
     f = t - n
     p = _TAYLOR_2F[7] * f + _TAYLOR_2F[6]
     for c in reversed(_TAYLOR_2F[:6]):
         p = p * f + c
-    # n = -127 gives the bit pattern of 0.0, so masked keys add exactly 0.
     return p, (n.astype(mx.int32) + 127) << 23
+
+
+@partial(mx.compile, shapeless=True)
+def _exp_parts(scores: mx.array, row_max: mx.array) -> tuple[mx.array, mx.array]:
+    """exp(scores - row_max) as ``exp2_parts``; clamped at 2^-127, so masked keys add exactly 0."""
+    return exp2_parts(mx.maximum((scores - row_max) * LOG2E, -127.0))
 
 
 def shifted_exp(scores: mx.array, row_max: mx.array) -> mx.array:

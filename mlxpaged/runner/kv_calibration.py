@@ -34,6 +34,7 @@ from mlxpaged.cache.kv_quant import KVQuantization
 from mlxpaged.cache.kv_transform import KVTransform, hadamard
 from mlxpaged.cache.layout import ModelLayout
 from mlxpaged.runner import cache_tree
+from mlxpaged.runner.activation_routing import engine_activations, route_for_backend
 from mlxpaged.runner.routing import recording_attention, route_paged_attention
 
 import mlx.core as mx
@@ -194,6 +195,7 @@ def _recorded_forward(
     if len(kv.groups) != 1 or kv.specs[0].window is not None:
         return None, {}
     route_paged_attention()
+    route_for_backend()
     got: dict[int, tuple[mx.array, mx.array, mx.array, bool]] = {}
 
     def record(layer: int, queries: mx.array, keys: mx.array, values: mx.array, sinks) -> None:
@@ -201,7 +203,7 @@ def _recorded_forward(
         got[layer] = q, k, v, sinks is not None
 
     tables = [[list(range(i * blocks, (i + 1) * blocks))] for i in range(len(rows))]
-    with recording_attention(record):
+    with recording_attention(record), engine_activations():
         model(mx.array(rows), cache=paged_views(kv, tables))
     mx.eval([arrays[:3] for arrays in got.values()])
     return kv, got

@@ -22,6 +22,7 @@ from mlxpaged.cache.layout import ModelLayout
 from mlxpaged.cache.state_cache import StatePass, StateStore
 from mlxpaged.platform import backend
 from mlxpaged.runner import cache_tree, decode_buffers
+from mlxpaged.runner.activation_routing import engine_activations
 from mlxpaged.runner.decode_pass import CompiledDecode, compiled_rows_asked
 from mlxpaged.runner.deferred_writes import (
     MAX_PENDING,
@@ -407,7 +408,7 @@ class Runner:
         )
         cache = cache_tree.model_cache(self.layout, views, None)
         tokens = tokens.astype(mx.int32).reshape(-1, 1)
-        with self._adapted(inputs):
+        with self._adapted(inputs), engine_activations():
             return self._deferred_logits(inputs, tokens, cache), deferred
 
     def _deferred_logits(self, inputs: list[StepInput], tokens: mx.array, cache) -> mx.array:
@@ -521,6 +522,10 @@ class Runner:
 
     def _build(self, batch: list[StepInput], tokens: mx.array | None = None) -> tuple[mx.array, StatePass | None]:
         """One forward pass and its cache writes as a lazy graph: its logits (see `_pass`) and its state pass."""
+        with engine_activations():  # the routed swiglu takes the CPU backend's (activation_routing.py)
+            return self._build_pass(batch, tokens)
+
+    def _build_pass(self, batch: list[StepInput], tokens: mx.array | None) -> tuple[mx.array, StatePass | None]:
         length = max(len(x.token_ids) for x in batch)
         if tokens is None:
             tokens = mx.array([list(x.token_ids) + [0] * (length - len(x.token_ids)) for x in batch], dtype=mx.int32)

@@ -18,6 +18,7 @@ from mlxpaged.cache.kv_cache import PagedKVCache
 from mlxpaged.cache.kv_quant import KVQuantization
 from mlxpaged.cache.kv_transform import KVTransform
 from mlxpaged.cache.layout import ModelLayout
+from mlxpaged.runner.activation_routing import engine_activations, route_for_backend
 from mlxpaged.runner.routing import route_paged_attention
 
 import mlx.core as mx
@@ -81,6 +82,7 @@ def compare_scores(
     if layout.state_leaves or len(kv.groups) != 1 or kv.specs[0].window is not None:
         raise ValueError(f"scoring takes full-attention models without state layers, not {layout.model_type!r}")
     route_paged_attention()
+    route_for_backend()
     table = list(range(blocks))
     picked: list[list[np.ndarray]] = [[] for _ in settings]
     kls: list[list[np.ndarray]] = [[] for _ in settings]
@@ -89,7 +91,8 @@ def compare_scores(
         targets = mx.array(list(tokens[start + 1 : start + len(piece) + 1]))
         reference = None
         for i, cache in enumerate(caches):
-            logits = model(mx.array([piece]), cache=paged_views(cache, [[table]], offsets=[start]))[0]
+            with engine_activations():
+                logits = model(mx.array([piece]), cache=paged_views(cache, [[table]], offsets=[start]))[0]
             rows = logits[: targets.size].astype(mx.float32)
             rows = rows - mx.logsumexp(rows, axis=1, keepdims=True)
             chosen = mx.take_along_axis(rows, targets[:, None], axis=1)[:, 0]

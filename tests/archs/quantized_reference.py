@@ -20,6 +20,7 @@ import mlxpaged  # noqa: F401  (OpenBLAS before mlx)
 from mlxpaged.cache import group_fit
 from mlxpaged.cache.kv_quant import KVQuantization
 from mlxpaged.cache.kv_transform import KVTransform
+from mlxpaged.runner.activation_routing import engine_activations, route_for_backend
 
 import mlx.core as mx
 import mlx_lm.models.cache as mlx_cache
@@ -42,7 +43,9 @@ def quantized_kv_caches(
 ) -> Iterator[None]:
     """While inside, every mlx-lm KV cache stores (and returns) its new K/V round-tripped through quantization;
     with `transform` (the engine's `kv.transform`), a cache tagged with its layer (`LAYER_ATTR`) round-trips
-    them in the pages' coordinates: into them, quantized, dequantized, and back."""
+    them in the pages' coordinates: into them, quantized, dequantized, and back. Models run the engine's
+    activations meanwhile (on the CPU backend its SwiGLU, runner/activation_routing.py): a value an ulp from a
+    rounding boundary would otherwise round to the level next to the engine's."""
     originals = {cls: cls.__dict__["update_and_fetch"] for cls in _KV_CLASSES}
 
     def wrap(original):
@@ -58,10 +61,12 @@ def quantized_kv_caches(
 
         return update_and_fetch
 
+    route_for_backend()  # the engine's activations too (runner/activation_routing.py): the values its pages hold
     try:
         for cls, original in originals.items():
             cls.update_and_fetch = wrap(original)
-        yield
+        with engine_activations():
+            yield
     finally:
         for cls, original in originals.items():
             cls.update_and_fetch = original
