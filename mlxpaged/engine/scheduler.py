@@ -324,6 +324,8 @@ class Scheduler:
                 left = min(budget, admitted.num_tokens - admitted.num_computed_tokens)
                 long_prompt = self._long_prompt(admitted)
                 most = time.take(admitted.num_computed_tokens, left, long_prompt, behind(admitted))
+                if most == 0:
+                    break  # too little time left for a chunk worth its pass: admitted, it starts next step, first
             chunks.append(self._chunk(admitted, most))
             budget -= len(chunks[-1].token_ids)
         budget = self._prefill_chunks(longs, chunks, budget, cap, time, behind)
@@ -348,6 +350,8 @@ class Scheduler:
             if time is not None:  # priced by the tokens it has left, not the step's
                 left = min(most, request.num_tokens - request.num_computed_tokens)
                 most = time.take(request.num_computed_tokens, left, long_prompt, behind_streams)
+                if most == 0:
+                    break  # too little time left for a chunk worth its pass (step_budget.py MIN_LATER_CHUNK)
             chunks.append(self._chunk(request, most))
             budget -= len(chunks[-1].token_ids)
         return budget

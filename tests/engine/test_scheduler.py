@@ -504,6 +504,34 @@ def test_with_a_step_budget_a_prompt_that_arrived_behind_a_stream_keeps_to_the_s
     assert eng.finished["turn"].output_token_ids == solo_output(range(1000, 1200), 2)
 
 
+def test_with_a_step_budget_a_chunk_takes_its_prompts_last_few_tokens_and_no_piece_too_small_for_a_pass_starts():
+    # As above: beside the stream a prompt that was waiting when it began has 256 tokens' time, one that arrived after
+    # it 64; with no stream decoding, 384 (0.75 s). A chunk that would leave at most TAIL_TOKENS takes them; a later
+    # chunk of a step with under MIN_LATER_CHUNK tokens' time that would not finish its prompt is not started.
+    eng = budgeted(StepBudget(1.0, streams_s=0.5), blocks=160, max_batch_tokens=1024)
+    s = eng.sched
+
+    def step() -> list[tuple[str, int]]:
+        return [(c.request.request_id, len(c.token_ids)) for c in eng.step().chunks]
+
+    s.add_request(req("stream", range(4), 20))
+    s.add_request(req("early", range(100, 440), 2))
+    s.add_request(req("second", range(500, 800), 2))
+    assert step() == [("stream", 4), ("early", 340)]  # 40 tokens' time left: "second" starts next step
+    assert s.num_running == 3  # admitted all the same: its blocks (and a cache hit) are held
+    s.add_request(req("turn", range(1000, 1070), 2))  # 70 tokens, once the stream has begun
+    assert step() == [("stream", 1), ("early", 1), ("second", 256)]  # first, with the whole budget
+    assert step() == [("stream", 1), ("second", 44)]  # 20 tokens' time left for the turn: not a pass's worth
+    assert step() == [
+        ("stream", 1),
+        ("second", 1),
+        ("turn", 70),
+    ]  # 64 tokens' time, and its last 6 with them: its first token
+    eng.run()
+    for name, prompt in (("early", range(100, 440)), ("second", range(500, 800)), ("turn", range(1000, 1070))):
+        assert eng.finished[name].output_token_ids == solo_output(prompt, 2)
+
+
 # ---- finish / abort -----------------------------------------------------------------
 
 

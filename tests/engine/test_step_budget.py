@@ -7,7 +7,7 @@ import itertools
 import threading
 import time
 
-from mlxpaged.engine.step_budget import FIRST_CHUNK, MIN_CHUNK, Chunk, StepBudget
+from mlxpaged.engine.step_budget import FIRST_CHUNK, MIN_CHUNK, MIN_LATER_CHUNK, TAIL_TOKENS, Chunk, StepBudget
 from mlxpaged.errors import ConfigError
 from mlxpaged.sampling_params import SamplingParams
 from tests.engine.test_core import make_core, token_ids
@@ -43,16 +43,27 @@ def test_a_chunk_beside_streams_takes_what_their_part_leaves_of_the_budget():
 
 
 def test_a_long_prompts_chunk_beside_streams_takes_what_their_part_leaves_of_the_long_prompts_budget():
-    budget = StepBudget(0.5, long_prompt_s=0.375)
+    budget = StepBudget(1.0, long_prompt_s=0.375)
     budget.record(0.25, decoding=True, prefills=[])
     budget.record(0.25 + 128 * TOKEN_S, decoding=True, prefills=[Chunk(0, 128)])
     beside = budget.plan(decoding=True)
     assert beside.take(100, 2048, long_prompt=True) == 16  # (0.375 x PLAN_SHARE - 0.25) s / TOKEN_S
-    assert beside.take(200, 2048) == 48  # a short prompt beside it gets the rest of the whole budget
+    assert beside.take(200, 2048) == 240  # a short prompt beside it gets the rest of the whole budget
     assert not beside.has_time_for(long_prompt=False)
-    assert budget.plan(decoding=True).take(100, 2048) == 64  # a short prompt alone beside streams: the budget
-    assert budget.plan(decoding=False).take(100, 2048, long_prompt=True) == 192  # no streams: the whole budget
+    assert budget.plan(decoding=True).take(100, 2048) == 256  # a short prompt alone beside streams: the budget
+    assert budget.plan(decoding=False).take(100, 2048, long_prompt=True) == 384  # no streams: the whole budget
     assert StepBudget(0.5, long_prompt_s=2.0).long_prompt_s == 0.5  # never above the budget
+
+
+def test_a_chunk_that_would_leave_a_few_tokens_takes_them_and_a_later_one_too_small_for_its_pass_waits():
+    budget = measured()  # beside the streams: 64 tokens' time
+    assert budget.plan(decoding=True).take(100, 64 + TAIL_TOKENS) == 64 + TAIL_TOKENS  # its first token this step
+    assert budget.plan(decoding=True).take(100, 65 + TAIL_TOKENS) == 64  # more than a tail left: priced as before
+    alone = budget.plan(decoding=False)  # 192 tokens' time
+    assert alone.take(100, 150) == 150
+    assert alone.take(300, 400) == 0  # 42 tokens' time left: under MIN_LATER_CHUNK, and it would not finish
+    assert alone.num_chunks == 1 and alone.take(300, 30) == 30  # one that finishes its prompt still goes
+    assert MIN_LATER_CHUNK > TAIL_TOKENS
 
 
 def test_a_prompt_that_arrived_behind_the_streams_keeps_to_their_budget_one_ahead_of_them_to_the_whole():
