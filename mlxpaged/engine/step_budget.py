@@ -33,7 +33,7 @@ MIN_CHUNK = 16  # a prompt always advances: the first prefill chunk of a step ta
 # for the next step had its first token that step, ~0.7 s, later), and a later chunk of a step that would leave its
 # prompt unfinished with fewer than MIN_LATER_CHUNK tokens is not started: the prompt starts next step, first, as
 # soon as it would have finished anyway, and this step ends a pass sooner (a cold bench fleet, session 33: pieces of
-# 9-33 tokens, each a pass, in 7 of 26 steps that prefilled a turn).
+# 9-33 tokens, each a pass, in 7 of the 25 steps that prefilled a later turn).
 TAIL_TOKENS = MIN_CHUNK
 MIN_LATER_CHUNK = 64
 FIRST_CHUNK = 256  # tokens of a chunk before any prefill was measured

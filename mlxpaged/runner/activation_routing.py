@@ -5,8 +5,9 @@ their attention (routing.py), so each module's binding, the activations module's
 imported later binds the dispatcher), is replaced by a dispatcher. It takes the CPU variant only while this thread
 builds one of the engine's passes (``engine_activations``: model_runner.py, and the prefills that score prompts and
 calibrate quantized pages, which run the engine's numerics); every other caller (mlx-lm's own generate_step, the
-benches' mlx-lm side, a drafter) gets the library's function. Routed only on the CPU backend (``route_for_backend``,
-platform/backend.py ``Tuning.cpu_swiglu``). Models that write ``nn.silu(gate) * x`` themselves keep it.
+benches' mlx-lm side, the MTP and DFlash drafters' own layers) gets the library's function. Routed only on the CPU
+backend (``route_for_backend``, platform/backend.py ``Tuning.cpu_swiglu``). Models that write ``nn.silu(gate) * x``
+themselves keep it.
 """
 
 from __future__ import annotations
