@@ -146,10 +146,12 @@ class Tuning:
     # were prefilled in one step, 1.16-1.48 s, and the fleet's inter-token p99 was 1.24-1.43 s with --long, 1.34 s
     # without; at 1000 ms those steps took at most 0.87 s and the p99 was 0.82-0.86 s with --long, 0.78-0.84 s
     # without, at the cost of the agents' time to first token (p50 2.78-4.02 s against 2.15-2.72 s: a turn takes two
-    # or three steps instead of one; bench fleet, cold; docs/design/issue38-load.md, session 32). Prompts that were
-    # waiting when the streams began keep the step budget: bench batch's 16 requests arrive together, and held to
-    # 1000 ms beside the first streams they lost ~7% of their throughput (60.8 / 57.9 against 64.8 / 63.2 tok/s,
-    # interleaved). Metal and CUDA: the step budget (1000 ms), not measured on a GPU.
+    # or three steps instead of one; bench fleet, cold; docs/design/issue38-load.md, session 32). Session 33 made a
+    # turn cheaper (cpu_swiglu) and keeps its last few tokens in its step (step_budget.py): most turns take one step,
+    # TTFT p50 1.32-1.95 s, the p99 0.71-0.73 s (0.77-0.79 s with --long). Prompts that were waiting when the
+    # streams began keep the step budget: bench batch's 16 requests arrive together, and held to 1000 ms beside the
+    # first streams they lost ~7% of their throughput (60.8 / 57.9 against 64.8 / 63.2 tok/s, interleaved).
+    # Metal and CUDA: the step budget (1000 ms), not measured on a GPU.
     streams_step_budget_ms: float
     # A step carrying a chunk of a long prompt (more prefill left than max_batch_tokens) beside decoding streams
     # (SchedulerConfig's long_prompt_step_budget_ms default): what the streams wait for a token while someone's
