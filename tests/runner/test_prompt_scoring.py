@@ -71,9 +71,13 @@ def test_quantized_scores_equal_the_quantized_twin(model, bits):
     got = token_logprobs(model, probe_layout(model), TOKENS, mx.float32, quantization, block_size=8, chunk=CHUNK)
     with quantized_kv_caches(bits, quantization.group_size):
         want = mlx_lm_logprobs(model, TOKENS, CHUNK)
-    np.testing.assert_allclose(got, want, atol=1e-4)
+    # The twin and the pages attend by different paths, float32 ulps apart: a K/V value that close to a rounding
+    # boundary takes the neighbouring level on one side, and the positions after it move by ~1e-4-1e-3 (one of 44 at
+    # 8 bits under OpenBLAS's SkylakeX kernels, 3.4e-4), against the quantization's own median effect of 0.055.
+    diff = np.abs(got - want)
+    assert np.median(diff) < 1e-5 and diff.max() < 1e-3, np.sort(diff)[-3:]
     full = mlx_lm_logprobs(model, TOKENS)
-    assert np.abs(got - full).max() > 1e-4  # the quantization is really there
+    assert np.abs(got - full).max() > 1e-2  # the quantization is really there, far beyond that
 
 
 @pytest.mark.parametrize("bits", [8, 4])
