@@ -459,6 +459,11 @@ def budgeted(budget: StepBudget, blocks: int, max_batch_tokens: int) -> FakeEngi
     )
 
 
+def chunk_sizes(eng: FakeEngine) -> list[tuple[str, int]]:
+    """One step of `eng`: (request id, tokens) of each chunk it ran."""
+    return [(c.request.request_id, len(c.token_ids)) for c in eng.step().chunks]
+
+
 def test_with_a_step_budget_a_long_prompts_chunk_waits_for_a_step_without_short_prompts_or_arrivals():
     # A step budget of 1 s (0.75 s planned), 0.5 s beside streams for a long prompt (0.375 planned); a step that only
     # decodes takes 0.25 s and a prefill token TOKEN_S: beside the stream, short prompts may take 0.5 s of prefill, a
@@ -489,16 +494,13 @@ def test_with_a_step_budget_a_prompt_that_arrived_behind_a_stream_keeps_to_the_s
     eng = budgeted(StepBudget(1.0, streams_s=0.5), blocks=160, max_batch_tokens=1024)
     s = eng.sched
 
-    def step() -> list[tuple[str, int]]:
-        return [(c.request.request_id, len(c.token_ids)) for c in eng.step().chunks]
-
     s.add_request(req("stream", range(4), 20))
     s.add_request(req("early", range(100, 700), 2))  # waiting when the stream begins: a burst
-    assert step() == [("stream", 4), ("early", 380)]  # no stream yet: the whole budget, 0.75 s
+    assert chunk_sizes(eng) == [("stream", 4), ("early", 380)]  # no stream yet: the whole budget, 0.75 s
     s.add_request(req("turn", range(1000, 1200), 2))  # arrives once the stream has begun
-    assert step() == [("stream", 1), ("early", 220)]  # the whole budget beside it; no time left for the turn
-    assert step() == [("stream", 1), ("early", 1), ("turn", 64)]  # first in its step, at the streams' budget
-    assert step() == [("stream", 1), ("turn", 64)]
+    assert chunk_sizes(eng) == [("stream", 1), ("early", 220)]  # the whole budget beside it; no time left for the turn
+    assert chunk_sizes(eng) == [("stream", 1), ("early", 1), ("turn", 64)]  # first in its step, at the streams' budget
+    assert chunk_sizes(eng) == [("stream", 1), ("turn", 64)]
     eng.run()
     assert eng.finished["early"].output_token_ids == solo_output(range(100, 700), 2)
     assert eng.finished["turn"].output_token_ids == solo_output(range(1000, 1200), 2)
@@ -511,18 +513,15 @@ def test_with_a_step_budget_a_chunk_takes_its_prompts_last_few_tokens_and_no_pie
     eng = budgeted(StepBudget(1.0, streams_s=0.5), blocks=160, max_batch_tokens=1024)
     s = eng.sched
 
-    def step() -> list[tuple[str, int]]:
-        return [(c.request.request_id, len(c.token_ids)) for c in eng.step().chunks]
-
     s.add_request(req("stream", range(4), 20))
     s.add_request(req("early", range(100, 440), 2))
     s.add_request(req("second", range(500, 800), 2))
-    assert step() == [("stream", 4), ("early", 340)]  # 40 tokens' time left: "second" starts next step
+    assert chunk_sizes(eng) == [("stream", 4), ("early", 340)]  # 40 tokens' time left: "second" starts next step
     assert s.num_running == 3  # admitted all the same: its blocks (and a cache hit) are held
     s.add_request(req("turn", range(1000, 1070), 2))  # 70 tokens, once the stream has begun
-    assert step() == [("stream", 1), ("early", 1), ("second", 256)]  # first, with the whole budget
-    assert step() == [("stream", 1), ("second", 44)]  # 20 tokens' time left for the turn: not a pass's worth
-    assert step() == [
+    assert chunk_sizes(eng) == [("stream", 1), ("early", 1), ("second", 256)]  # first, with the whole budget
+    assert chunk_sizes(eng) == [("stream", 1), ("second", 44)]  # 20 tokens' time left for the turn: not a pass's worth
+    assert chunk_sizes(eng) == [
         ("stream", 1),
         ("second", 1),
         ("turn", 70),
